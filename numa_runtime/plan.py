@@ -1,0 +1,60 @@
+"""StepPlan: the plain-data message rank 0 broadcasts every step; workers see nothing else."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+EXECUTE, SHUTDOWN = 1, 2
+_FIELDS = ("token_ids", "positions", "slot_mapping", "query_start", "context_lens",
+           "block_tables", "logits_indices")
+_HEADER = 4  # kind, step_id, num_seqs, max_blocks
+
+
+@dataclass
+class StepPlan:
+    token_ids: np.ndarray       # [T] int64
+    positions: np.ndarray       # [T] int64
+    slot_mapping: np.ndarray    # [T] int64
+    query_start: np.ndarray     # [S+1] int32
+    context_lens: np.ndarray    # [S] int32
+    block_tables: np.ndarray    # [S, max_blocks] int32
+    logits_indices: np.ndarray  # [S'] int64
+    kind: int = EXECUTE
+    step_id: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.context_lens.shape[0])
+
+    @classmethod
+    def shutdown(cls) -> "StepPlan":
+        e64, e32 = np.zeros(0, np.int64), np.zeros(0, np.int32)
+        return cls(e64, e64, e64, np.zeros(1, np.int32), e32, np.zeros((0, 0), np.int32), e64,
+                   kind=SHUTDOWN)
+
+    def to_buffer(self) -> np.ndarray:
+        """Pack into one int64 array: header, field lengths, then the fields."""
+        parts = [np.asarray(getattr(self, f)).reshape(-1).astype(np.int64) for f in _FIELDS]
+        header = np.array([self.kind, self.step_id, self.num_seqs,
+                           self.block_tables.shape[1] if self.block_tables.ndim == 2 else 0]
+                          + [len(p) for p in parts], dtype=np.int64)
+        return np.concatenate([header] + parts)
+
+    @classmethod
+    def from_buffer(cls, buf: np.ndarray) -> "StepPlan":
+        kind, step_id, num_seqs, max_blocks = (int(x) for x in buf[:_HEADER])
+        lens = buf[_HEADER:_HEADER + len(_FIELDS)]
+        off = _HEADER + len(_FIELDS)
+        arrays = {}
+        for name, n in zip(_FIELDS, lens):
+            arrays[name] = buf[off:off + n]
+            off += int(n)
+        for name in ("query_start", "context_lens", "block_tables"):
+            arrays[name] = arrays[name].astype(np.int32)
+        arrays["block_tables"] = arrays["block_tables"].reshape(num_seqs, max_blocks)
+        return cls(kind=kind, step_id=step_id, **{k: np.ascontiguousarray(v) for k, v in arrays.items()})

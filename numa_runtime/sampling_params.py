@@ -1,0 +1,85 @@
+"""SamplingParams: how one request's tokens are chosen and when it stops."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings, validated once at construction.
+
+    temperature 0 means greedy. `seed` makes one request reproducible whatever else runs
+    beside it. `stop` strings are cut from the returned text; `stop_token_ids` end the
+    request and are not returned (like EOS) unless `include_stop_str_in_output`.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        self._check()
+
+    def _check(self):
+        def bad(msg):
+            raise ValueError(msg)
+        if not isinstance(self.n, int) or self.n < 1:
+            bad(f"n must be a positive integer, got {self.n!r}.")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad(f"max_tokens must be a positive integer or None, got {self.max_tokens!r}.")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}.")
+        if not _is_num(self.temperature) or self.temperature < 0 or self.temperature > 100:
+            bad(f"temperature must be a number in [0, 100], got {self.temperature!r}.")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad(f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}.")
+        if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            bad(f"top_p must be in (0, 1], got {self.top_p!r}.")
+        if not _is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            bad(f"min_p must be in [0, 1], got {self.min_p!r}.")
+        if not _is_num(self.repetition_penalty) or self.repetition_penalty <= 0 or self.repetition_penalty > 10:
+            bad(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_num(v) or not -2.0 <= v <= 2.0:
+                bad(f"{name} must be in [-2, 2], got {v!r}.")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            bad(f"seed must be an integer or None, got {self.seed!r}.")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop must be a non-empty string or a list of non-empty strings.")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            bad(f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}.")
+        if any(t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids must be non-negative token ids.")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
