@@ -1,0 +1,1 @@
+"""numa-launch: NUMA topology detection and the mpirun + numactl command line."""

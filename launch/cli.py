@@ -1,0 +1,144 @@
+"""`numa-launch`: start one MPI rank per NUMA node, each bound to its node with numactl.
+
+    numa-launch [--ranks N] [--reserve-server-core] [--dry-run] [--mpirun PATH] \
+        -- python -m numa_runtime.serve ...
+
+The command is MPMD, one block per rank, in the syntax of MPICH's mpirun (hydra):
+
+    mpirun -np 1 -env OMP_NUM_THREADS 8 ... numactl --cpunodebind=0 --membind=0 CMD \
+         : -np 1 -env OMP_NUM_THREADS 8 ... numactl --cpunodebind=1 --membind=1 CMD
+
+With more ranks than nodes (e.g. `--ranks 2` on a one-node machine) each node's cpus are
+split evenly and ranks are pinned with `numactl --physcpubind=... --membind=N`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import sys
+from dataclasses import dataclass
+
+from launch.topology import SYSFS_NODE_DIR, Topology, format_cpulist, read_topology, split_cpus
+
+# Environment every rank gets. NUMA_RUNTIME_BOUND tells numa_runtime.numa not to re-bind;
+# funneled MPI threading measured ~3x faster on small allreduces than the default.
+RANK_ENV = (("MPI4PY_RC_THREAD_LEVEL", "funneled"), ("NUMA_RUNTIME_BOUND", "1"))
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    rank: int
+    node: int               # NUMA node id whose memory the rank binds to
+    cpus: tuple[int, ...]   # cpus the rank may run on
+    whole_node: bool        # True: --cpunodebind=node; False: --physcpubind=cpus
+    num_threads: int        # OMP_NUM_THREADS
+
+    def numactl_args(self, with_membind: bool = True) -> list[str]:
+        cpu = ("--cpunodebind=%d" % self.node if self.whole_node
+               else "--physcpubind=%s" % format_cpulist(self.cpus))
+        return [cpu] + (["--membind=%d" % self.node] if with_membind else [])
+
+
+def plan_ranks(topo: Topology, ranks: int | None = None,
+               reserve_server_core: bool = False) -> list[RankPlacement]:
+    """Where each rank runs. Default: one rank per node. Fewer ranks than nodes: the first
+    `ranks` nodes. More: ranks are spread evenly over nodes and each node's cpus are split
+    evenly among its ranks. `reserve_server_core` leaves one of rank 0's cpus to the HTTP
+    server (its OpenMP pool gets one thread fewer, never fewer than one)."""
+    ranks = topo.num_nodes if ranks is None else ranks
+    if ranks < 1:
+        raise ValueError("--ranks must be at least 1, got %d" % ranks)
+    if ranks <= topo.num_nodes:
+        per_node = [(node, [list(node.cpus)]) for node in topo.nodes[:ranks]]
+    else:
+        counts = [len(g) for g in split_cpus(range(ranks), topo.num_nodes)]
+        per_node = [(node, split_cpus(node.cpus, n)) for node, n in zip(topo.nodes, counts)]
+    placements = []
+    for node, groups in per_node:
+        for cpus in groups:
+            placements.append(RankPlacement(len(placements), node.node_id, tuple(cpus),
+                                            whole_node=len(groups) == 1,
+                                            num_threads=len(cpus)))
+    if reserve_server_core:
+        p0 = placements[0]
+        placements[0] = RankPlacement(0, p0.node, p0.cpus, p0.whole_node,
+                                      max(1, p0.num_threads - 1))
+    return placements
+
+
+def build_command(placements: list[RankPlacement], cmd: list[str], mpirun: str = "mpirun",
+                  numactl: str = "numactl", with_membind: bool = True) -> list[str]:
+    """The full mpirun argv: one `-np 1 -env ... numactl ... cmd` block per rank."""
+    argv = [mpirun]
+    for p in placements:
+        if p.rank > 0:
+            argv.append(":")
+        argv += ["-np", "1", "-env", "OMP_NUM_THREADS", str(p.num_threads)]
+        for key, value in RANK_ENV:
+            argv += ["-env", key, value]
+        argv += [numactl] + p.numactl_args(with_membind) + list(cmd)
+    return argv
+
+
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="numa-launch", usage="numa-launch [options] -- COMMAND ...",
+        description="Run COMMAND as one MPI rank per NUMA node, each bound with numactl.")
+    parser.add_argument("--ranks", type=int, default=None,
+                        help="number of ranks (default: one per NUMA node)")
+    parser.add_argument("--reserve-server-core", action="store_true",
+                        help="rank 0 runs one OpenMP thread fewer, leaving a core to the server")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the command instead of running it")
+    parser.add_argument("--mpirun", default=None, help="mpirun executable (default: from PATH)")
+    parser.add_argument("--sysfs", default=SYSFS_NODE_DIR, help=argparse.SUPPRESS)
+    if "--" in argv:
+        i = argv.index("--")
+        own, cmd = argv[:i], argv[i + 1:]
+    else:
+        own, cmd = argv, []
+    args = parser.parse_args(own)
+    if not cmd:
+        parser.error("no command given: put it after `--`, e.g. "
+                     "numa-launch -- python -m numa_runtime.serve --model DIR")
+    return args, cmd
+
+
+def _find_tools(mpirun_opt: str | None) -> tuple[str, str]:
+    numactl = shutil.which("numactl")
+    if numactl is None:
+        raise SystemExit("numa-launch: numactl is not installed: install it with "
+                         "`apt-get install -y numactl`.")
+    mpirun = shutil.which(mpirun_opt or "mpirun")
+    if mpirun is None:
+        raise SystemExit("numa-launch: %s not found: install MPICH and mpi4py with "
+                         "`pip install mpich mpi4py`." % (mpirun_opt or "mpirun"))
+    return mpirun, numactl
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, cmd = _parse(sys.argv[1:] if argv is None else argv)
+    topo = read_topology(args.sysfs)
+    try:
+        placements = plan_ranks(topo, args.ranks, args.reserve_server_core)
+    except ValueError as e:
+        raise SystemExit("numa-launch: %s." % str(e).rstrip("."))
+    # NOTE: without a readable sysfs there is no node to bind memory to; bind cpus only.
+    with_membind = topo.from_sysfs
+    if args.dry_run:
+        print(shlex.join(build_command(placements, cmd, args.mpirun or "mpirun",
+                                       with_membind=with_membind)))
+        return 0
+    mpirun, numactl = _find_tools(args.mpirun)
+    full = build_command(placements, cmd, mpirun, numactl, with_membind)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # exec: mpirun's exit status and signal handling become ours, nothing to forward.
+    os.execv(mpirun, full)
+    return 1  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())
