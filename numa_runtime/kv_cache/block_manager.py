@@ -1,0 +1,203 @@
+"""BlockManager: the paged KV cache's bookkeeping (block ids, refcounts, prefix cache).
+
+Plain Python over integers: no model, no arrays. A block holds `block_size` consecutive
+tokens of one sequence; a request's blocks are `req.block_ids` (its block table).
+
+Prefix caching: once a block is full *and computed* it is registered under a chained hash of
+(parent block's hash, its token ids), so the same prefix maps to the same hash whatever
+request produced it (prompt or generated tokens alike). A later request whose leading blocks
+hash the same reuses them (refcount + 1) instead of recomputing. A cached block whose refcount
+drops to 0 keeps its contents and its hash and becomes *evictable*; an eviction policy
+(eviction.py) decides which one to reuse when no never-cached block is free.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import deque
+from typing import Sequence
+
+from ..request import Request
+from .eviction import EvictionPolicy, make_eviction_policy
+
+
+def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Stable 128-bit chained hash of one full block (same value in every process)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(b"\0" * 16 if parent_hash is None else parent_hash.to_bytes(16, "little"))
+    h.update(array("q", token_ids).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+class BlockManager:
+    """Owns `num_blocks` KV blocks. Every block is in exactly one state:
+
+    free       refcount 0, no hash                    (self.free_block_ids)
+    evictable  refcount 0, hash kept, contents valid  (in the eviction policy)
+    in use     refcount >= 1                          (in some req.block_ids)
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                 eviction: str | EvictionPolicy = "lru"):
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}.")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}.")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.policy = (eviction if isinstance(eviction, EvictionPolicy)
+                       else make_eviction_policy(eviction, num_blocks))
+        self.ref_cnt = [0] * num_blocks                          # [num_blocks]
+        self.block_hash: list[int | None] = [None] * num_blocks  # [num_blocks]
+        self.hash_to_block: dict[int, int] = {}
+        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self._num_hashed: dict[str, int] = {}  # request_id -> its leading blocks already cached
+        # prefix-cache counters, counted once per admission of a request (not per retry)
+        self.query_tokens = self.hit_tokens = 0
+        self.query_blocks = self.hit_blocks = 0
+        self.num_evictions = 0
+
+    # ---- sizes ---------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation may take: free ones plus evictable cached ones."""
+        return len(self.free_block_ids) + len(self.policy)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use by some request (evictable cached blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    @property
+    def miss_tokens(self) -> int:
+        return self.query_tokens - self.hit_tokens
+
+    @property
+    def miss_blocks(self) -> int:
+        return self.query_blocks - self.hit_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache lookup ---------------------------------------------------------------
+    def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
+        """Cached blocks matching the leading full blocks of a request that holds no blocks,
+        and how many tokens they cover. Never the whole sequence: the last token is always
+        left to compute so that the step has its logits to sample from."""
+        if not self.enable_prefix_caching or req.block_ids:
+            return [], 0
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        blocks = []
+        for h in self._block_hashes(req, max_blocks)[:max_blocks]:
+            block_id = self.hash_to_block.get(h)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks, len(blocks) * self.block_size
+
+    # ---- allocation ----------------------------------------------------------------------
+    def _num_new_blocks(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int]) -> int:
+        num_computed = len(computed_blocks) * self.block_size if computed_blocks else req.num_computed_tokens
+        have = len(req.block_ids) + len(computed_blocks)
+        return max(0, self.num_blocks_for(num_computed + num_new_tokens) - have)
+
+    def can_allocate(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
+        """Whether `allocate(req, num_new_tokens, computed_blocks)` would succeed now."""
+        # NOTE: an evictable block we are about to reuse as a hit stops being free.
+        num_evictable_hits = sum(1 for b in computed_blocks if self.ref_cnt[b] == 0)
+        return (self._num_new_blocks(req, num_new_tokens, computed_blocks)
+                <= self.num_free_blocks - num_evictable_hits)
+
+    def allocate(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> None:
+        """Give `req` blocks for num_computed_tokens + num_new_tokens tokens.
+
+        For a request that holds no blocks yet (admission), `computed_blocks` from
+        get_computed_blocks are attached first and their tokens become computed: this sets
+        req.num_computed_tokens and req.num_cached_tokens.
+        """
+        if not self.can_allocate(req, num_new_tokens, computed_blocks):
+            raise RuntimeError(f"KV cache over-committed by {req.request_id!r}; call can_allocate first.")
+        num_new = self._num_new_blocks(req, num_new_tokens, computed_blocks)
+        if not req.block_ids:  # admission: count the prefix-cache query once
+            assert not computed_blocks or req.num_computed_tokens == 0
+            num_cached = len(computed_blocks) * self.block_size
+            self.query_tokens += req.num_tokens
+            self.hit_tokens += num_cached
+            self.query_blocks += (req.num_tokens - 1) // self.block_size if self.enable_prefix_caching else 0
+            self.hit_blocks += len(computed_blocks)
+            for block_id in computed_blocks:
+                if self.ref_cnt[block_id] == 0:
+                    self.policy.remove(block_id)
+                self.ref_cnt[block_id] += 1
+                self.policy.touch(block_id)
+                req.block_ids.append(block_id)
+            self._num_hashed[req.request_id] = len(computed_blocks)
+            if computed_blocks:
+                req.num_computed_tokens = num_cached
+                req.num_cached_tokens = num_cached
+        for _ in range(num_new):
+            block_id = self._take_block()
+            self.ref_cnt[block_id] = 1
+            req.block_ids.append(block_id)
+
+    def _take_block(self) -> int:
+        if self.free_block_ids:
+            return self.free_block_ids.popleft()
+        block_id = self.policy.pop_victim()
+        del self.hash_to_block[self.block_hash[block_id]]
+        self.block_hash[block_id] = None
+        self.num_evictions += 1
+        return block_id
+
+    def free(self, req: Request) -> None:
+        """Release all of req's blocks. Tail first, so that under an LRU-ordered policy the
+        leaves of a hash chain are evicted before the blocks they extend."""
+        for block_id in reversed(req.block_ids):
+            self.ref_cnt[block_id] -= 1
+            assert self.ref_cnt[block_id] >= 0, f"block {block_id} freed twice"
+            if self.ref_cnt[block_id] == 0:
+                if self.block_hash[block_id] is not None:
+                    self.policy.add_evictable(block_id)
+                else:
+                    self.free_block_ids.append(block_id)
+        req.block_ids = []
+        self._num_hashed.pop(req.request_id, None)
+
+    # ---- caching -------------------------------------------------------------------------
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register req's blocks that are now full and computed (prompt or generated tokens).
+        Call after req.num_computed_tokens advanced."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+        start = self._num_hashed.get(req.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(req, num_full)
+        for i in range(start, num_full):
+            block_id, h = req.block_ids[i], hashes[i]
+            # NOTE: if another request computed the same block first, keep its copy as the
+            # cached one; ours stays unhashed and returns to the free pool when released.
+            if self.block_hash[block_id] is None and h not in self.hash_to_block:
+                self.block_hash[block_id] = h
+                self.hash_to_block[h] = block_id
+        self._num_hashed[req.request_id] = num_full
+
+    def _block_hashes(self, req: Request, num_blocks: int) -> list[int]:
+        """req.block_hashes extended to at least `num_blocks` full blocks (tokens of a full
+        block never change, so the hashes survive preemption)."""
+        hashes, bs = req.block_hashes, self.block_size
+        if len(hashes) < num_blocks:
+            tokens = req.all_token_ids
+            for i in range(len(hashes), num_blocks):
+                hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+        return hashes
+
+    def reset_counters(self) -> None:
+        self.query_tokens = self.hit_tokens = self.query_blocks = self.hit_blocks = 0
+        self.num_evictions = 0
