@@ -1,0 +1,236 @@
+"""Frozen, validated configuration: what the model is (ModelConfig) and how we run it (EngineConfig)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
+           "float": "float32", "float16": "float16", "fp16": "float16", "half": "float16"}
+
+
+class UnsupportedModelError(ValueError):
+    """The model directory holds something this runtime cannot run."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    partial_rotary_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only Llama-family model, read from a Hugging Face config.json."""
+
+    model_dir: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    checkpoint_dtype: str
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple = ()
+
+    @property
+    def family(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_params(self) -> int:
+        h, i, l = self.hidden_size, self.intermediate_size, self.num_layers
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return l * per_layer + emb + h
+
+    @classmethod
+    def from_dir(cls, model_dir: str) -> "ModelConfig":
+        if not os.path.isdir(model_dir):
+            raise FileNotFoundError(f"Model directory {model_dir!r} does not exist; pass a Hugging Face "
+                                    "model directory (config.json + *.safetensors) or omit it for the default model.")
+        path = os.path.join(model_dir, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{model_dir!r} has no config.json; it is not a Hugging Face model directory.")
+        with open(path) as f:
+            try:
+                cfg = json.load(f)
+            except json.JSONDecodeError as e:
+                raise UnsupportedModelError(f"{path} is not valid JSON ({e}).") from None
+        return cls.from_dict(cfg, model_dir)
+
+    @classmethod
+    def from_dict(cls, cfg: dict, model_dir: str = "") -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise UnsupportedModelError(
+                f"Unsupported architecture {archs or cfg.get('model_type')!r}; numa_runtime runs "
+                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}.")
+        if cfg.get("quantization_config"):
+            raise UnsupportedModelError("Quantized checkpoints (quantization_config) are not supported; "
+                                        "use a bf16, f16 or f32 checkpoint.")
+        act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+        if act not in ("silu", "swish"):
+            raise UnsupportedModelError(f"Unsupported activation {act!r}; only silu is supported.")
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        num_kv = int(cfg.get("num_key_value_heads") or num_heads)
+        if num_heads % num_kv:
+            raise UnsupportedModelError(f"num_attention_heads ({num_heads}) is not a multiple of "
+                                        f"num_key_value_heads ({num_kv}).")
+        family = SUPPORTED_ARCHITECTURES[arch]
+        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").replace("torch.", "")
+        if dtype not in _DTYPES:
+            raise UnsupportedModelError(f"Unsupported checkpoint dtype {dtype!r}; use bf16, f16 or f32.")
+        sliding = cfg.get("sliding_window")
+        if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+            sliding = None
+        eos = cfg.get("eos_token_id")
+        eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            model_dir=model_dir, architecture=arch, vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden, intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]), num_heads=num_heads, num_kv_heads=num_kv,
+            head_dim=int(head_dim), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=_rope_config(cfg), max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+            o_bias=family != "qwen2" and bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)), qk_norm=family == "qwen3",
+            checkpoint_dtype=_DTYPES[dtype], sliding_window=int(sliding) if sliding else None,
+            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos)
+
+
+def _rope_config(cfg: dict) -> RopeConfig:
+    # NOTE: transformers >= 4.56 writes `rope_parameters` (theta inside); older configs use
+    # `rope_theta` + `rope_scaling`. Both are accepted.
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = float(merged.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(f"Unsupported rope scaling type {rope_type!r}; supported: "
+                                    f"{', '.join(SUPPORTED_ROPE_TYPES)}.")
+    partial = float(merged.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    return RopeConfig(
+        theta=theta, rope_type=rope_type, factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=merged.get("original_max_position_embeddings"),
+        beta_fast=float(merged.get("beta_fast", 32.0)), beta_slow=float(merged.get("beta_slow", 1.0)),
+        attention_factor=merged.get("attention_factor"), partial_rotary_factor=partial)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to run: dtype, lengths, batching limits, KV cache budget, threads, backend."""
+
+    dtype: str = "bfloat16"
+    max_model_len: int | None = None
+    num_threads: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes per rank; None: kv_cache_fraction of available memory
+    kv_cache_fraction: float = 0.2
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    eviction: str = "lru"
+    backend: str = "cpu"
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        dt = _DTYPES.get(str(self.dtype).replace("torch.", ""))
+        if dt not in ("bfloat16", "float32"):
+            raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}.")
+        object.__setattr__(self, "dtype", dt)
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}.")
+        if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
+            raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}.")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}.")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive.")
+        if not 0.0 < self.kv_cache_fraction <= 0.95:
+            raise ValueError(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction!r}.")
+
+    @property
+    def np_weight_dtype(self):
+        import numpy as np
+        return np.uint16 if self.dtype == "bfloat16" else np.float32
+
+
+def rope_inv_freq(model: ModelConfig):
+    """Inverse frequencies [rot_dim/2] and the attention scaling for the model's rope type."""
+    import numpy as np
+    r = model.rope
+    rot_dim = int(model.head_dim * r.partial_rotary_factor)
+    base = r.theta
+    inv = 1.0 / (base ** (np.arange(0, rot_dim, 2, dtype=np.float64) / rot_dim))
+    scale = 1.0
+    if r.rope_type == "linear":
+        inv = inv / r.factor
+    elif r.rope_type == "llama3":
+        old = r.original_max_position_embeddings or 8192
+        low_wl, high_wl = old / r.low_freq_factor, old / r.high_freq_factor
+        wl = 2 * math.pi / inv
+        smooth = (old / wl - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor)
+        scaled = np.where(wl > low_wl, inv / r.factor, inv)
+        mid = (wl <= low_wl) & (wl >= high_wl)
+        inv = np.where(mid, (1 - smooth) * inv / r.factor + smooth * inv, scaled)
+    elif r.rope_type == "yarn":
+        old = r.original_max_position_embeddings or model.max_position_embeddings
+        def corr_dim(n_rot):
+            return (rot_dim * math.log(old / (n_rot * 2 * math.pi))) / (2 * math.log(base))
+        low = max(math.floor(corr_dim(r.beta_fast)), 0)
+        high = min(math.ceil(corr_dim(r.beta_slow)), rot_dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(rot_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+        extrap = 1 - ramp
+        inv = (inv / r.factor) * (1 - extrap) + inv * extrap
+        scale = r.attention_factor if r.attention_factor is not None else (
+            0.1 * math.log(r.factor) + 1.0 if r.factor > 1 else 1.0)
+    # NOTE: "dynamic" NTK only changes frequencies past the trained length; within
+    # max_position_embeddings it equals "default", and max_model_len is capped there.
+    return inv, float(scale)

@@ -1,0 +1,275 @@
+"""Engine: add requests, step (schedule -> execute -> update), generate, stream, chat.
+
+Under mpirun every rank constructs the Engine; rank 0 returns from the constructor and
+drives, the other ranks execute plans inside the constructor and exit when rank 0 shuts
+down (so a script written for one process runs unchanged under mpirun).
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import os
+import sys
+import time
+from typing import Iterable, Iterator
+
+from .config import EngineConfig, ModelConfig
+from .outputs import CompletionOutput, RequestOutput, TextState
+from .request import Request, RequestStatus
+from .sampling_params import SamplingParams
+from .tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("numa_runtime")
+
+
+class Engine:
+    """A model loaded on every rank, scheduled and sampled on rank 0."""
+
+    def __init__(self, model: str | None = None, dtype: str = "bfloat16", max_model_len: int | None = None,
+                 num_threads: int | None = None, **kwargs):
+        from . import backend, distributed, profiler
+        from .default_model import default_model_dir
+        from .kv_cache.block_manager import BlockManager
+        from .model_runner import ModelRunner
+        from .sampler import Sampler
+        from .scheduler import Scheduler, SchedulerConfig
+        from .tokenizer import Tokenizer
+
+        self.config = EngineConfig(dtype=dtype, max_model_len=max_model_len, num_threads=num_threads, **kwargs)
+        self.comm = distributed.init_distributed()
+        placement = self._bind_and_set_threads()
+        model_dir = model if model is not None else default_model_dir()
+        self.model_config = mcfg = ModelConfig.from_dir(os.path.expanduser(str(model_dir)))
+        self.max_model_len = self._resolve_max_len(mcfg, self.config.max_model_len)
+        self.ops = profiler.wrap_ops(backend.get_backend(self.config.backend), self.comm)
+        self.runner = ModelRunner(mcfg, self.config, self.comm, self.ops, self.max_model_len,
+                                  progress=_progress if self.comm.is_driver else None)
+        if not self.comm.is_driver:
+            self.runner.worker_loop()  # returns when rank 0 shuts down
+            sys.exit(0)
+        self.tokenizer = Tokenizer.from_dir(mcfg.model_dir)
+        self.eos_ids = set(self.tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
+                                          enable_prefix_caching=self.config.enable_prefix_caching,
+                                          eviction=self.config.eviction)
+        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=self.config.max_num_seqs,
+                                                   max_num_batched_tokens=self.config.max_num_batched_tokens,
+                                                   max_model_len=self.max_model_len), self.block_manager)
+        self.sampler = Sampler(self.ops, mcfg.vocab_size, self.config.seed)
+        self.profiler = self.ops.profiler if hasattr(self.ops, "profiler") else None
+        self._groups: dict[str, _Group] = {}
+        self._texts: dict[str, TextState] = {}
+        self._ids = itertools.count()
+        self._closed = False
+        self.placement = placement
+        atexit.register(self.close)
+        log.info("numa_runtime: %s", self.summary())
+
+    # ------------------------------------------------------------------ set-up helpers
+    def _bind_and_set_threads(self):
+        from . import numa
+        placement = None
+        if self.comm.world_size > 1:
+            placement = numa.bind_this_rank(self.comm.rank, self.comm.local_rank, self.comm.local_size)
+        threads = self.config.num_threads or (placement.num_threads if placement else len(os.sched_getaffinity(0)))
+        from .backend import get_backend
+        get_backend(self.config.backend).set_num_threads(threads)
+        self.num_threads = threads
+        return placement
+
+    @staticmethod
+    def _resolve_max_len(mcfg: ModelConfig, asked: int | None) -> int:
+        limit = mcfg.max_position_embeddings
+        if mcfg.sliding_window:
+            limit = min(limit, mcfg.sliding_window)
+        if asked is None:
+            return min(limit, 32768)
+        if asked > limit:
+            raise ValueError(f"max_model_len={asked} exceeds what the model supports ({limit} tokens).")
+        return asked
+
+    def summary(self) -> dict:
+        c = self.model_config
+        return {"model": c.model_dir, "architecture": c.architecture, "dtype": self.config.dtype,
+                "ranks": self.comm.world_size, "threads_per_rank": self.num_threads,
+                "max_model_len": self.max_model_len, "kv_blocks": self.runner.num_blocks,
+                "block_size": self.config.block_size, "kv_cache_bytes": self.runner.kv_cache_bytes,
+                "max_concurrent_tokens": self.runner.num_blocks * self.config.block_size}
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a prompt (text or token ids); returns its request id."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError("params must be a SamplingParams.")
+        rid = str(next(self._ids)) if request_id is None else str(request_id)
+        if rid in self._groups:
+            raise ValueError(f"Request id {rid!r} is already in use.")
+        text, ids = self._tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"The prompt has {len(ids)} tokens, but the context holds {self.max_model_len}; "
+                             "shorten it or raise max_model_len.")
+        group = _Group(rid, text, ids, params)
+        children = []
+        for i in range(params.n):
+            sp = params if params.n == 1 else _child_params(params, i)
+            req = Request(rid if params.n == 1 else f"{rid}#{i}", ids, sp)
+            self.scheduler.add_request(req)  # raises ValueError if it can never fit
+            children.append(req)
+        group.children = children
+        self._groups[rid] = group
+        for req in children:
+            detok = IncrementalDetokenizer(self.tokenizer, ids, req.sampling_params.skip_special_tokens)
+            self._texts[req.request_id] = TextState(req, detok, self.eos_ids)
+        return rid
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+            text = prompt
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids, text = list(prompt), None
+        else:
+            raise TypeError("A prompt must be a string or a list of token ids.")
+        if not ids:
+            raise ValueError("The prompt is empty.")
+        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"Token id {bad[0]} is outside the vocabulary (size {self.model_config.vocab_size}).")
+        return text, ids
+
+    def abort_request(self, request_id: str) -> None:
+        group = self._groups.pop(str(request_id), None)
+        if group is None:
+            return
+        for req in group.children:
+            if not req.is_finished:
+                self.scheduler.abort_request(req.request_id)
+            self._forget(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration: schedule -> execute -> update. Returns outputs that changed."""
+        out = self.scheduler.schedule()
+        logits = self.runner.execute(out.plan)
+        return self._update(out, logits)
+
+    def _update(self, out, logits) -> list[RequestOutput]:
+        ids, logprobs = self.sampler(logits, out.sampling, self.eos_ids)
+        self.scheduler.update(out, ids)
+        changed = {}
+        for req, lp in zip(out.sampling, logprobs):
+            if lp is not None:
+                req.logprobs.append(lp)
+            status = self._texts[req.request_id].add_token(req.output_token_ids[-1], self.max_model_len)
+            if status is not None:
+                self.scheduler.finish_request(req, status)
+            gid = req.request_id.split("#")[0]
+            changed[gid] = self._groups.get(gid)
+        return [self._output(g) for g in changed.values() if g is not None]
+
+    def _output(self, group: "_Group") -> RequestOutput:
+        outs = []
+        for i, req in enumerate(group.children):
+            st = self._texts[req.request_id]
+            outs.append(CompletionOutput(i, st.text, list(req.output_token_ids), req.finish_reason,
+                                         req.stop_reason,
+                                         list(req.logprobs) if req.sampling_params.logprobs is not None else None,
+                                         delta=st.take_delta(req.is_finished)))
+        finished = all(r.is_finished for r in group.children)
+        first = group.children[0]
+        ro = RequestOutput(group.request_id, group.prompt, group.prompt_ids, outs, finished,
+                           num_cached_tokens=first.num_cached_tokens,
+                           metrics={"arrival_time": first.arrival_time, "first_token_time": first.first_token_time})
+        if finished:
+            self._groups.pop(group.request_id, None)
+            for req in group.children:
+                self._forget(req)
+        return ro
+
+    def _forget(self, req: Request) -> None:
+        self._texts.pop(req.request_id, None)
+        self.sampler.forget(req.request_id)
+
+    # ------------------------------------------------------------------ conveniences
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts (strings or token-id lists) to completion; outputs in input order."""
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        plist = [prompts] if single else list(prompts)
+        if isinstance(params, list):
+            if len(params) != len(plist):
+                raise ValueError(f"Got {len(params)} SamplingParams for {len(plist)} prompts.")
+        else:
+            params = [params or SamplingParams()] * len(plist)
+        rids = [self.add_request(p, sp) for p, sp in zip(plist, params)]
+        final: dict[str, RequestOutput] = {}
+        try:
+            while len(final) < len(rids):
+                for o in self.step():
+                    if o.finished:
+                        final[o.request_id] = o
+        except BaseException:
+            for r in rids:
+                self.abort_request(r)
+            raise
+        return [final[r] for r in rids]
+
+    def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text deltas of one request; they join to the final text."""
+        rid = self.add_request(prompt, params)
+        done = False
+        try:
+            while not done:
+                for o in self.step():
+                    if o.request_id == rid:
+                        if o.outputs[0].delta:
+                            yield o.outputs[0].delta
+                        done = o.finished
+        finally:
+            if not done:
+                self.abort_request(rid)
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None, **template_kwargs) -> RequestOutput:
+        """Render messages with the model's chat template and generate the reply."""
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        return self.generate([ids], params)[0]
+
+    def close(self) -> None:
+        """Stop the worker ranks (if any). Idempotent."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        try:
+            self.runner.shutdown_workers()
+        except Exception as e:  # noqa: BLE001 - shutting down anyway
+            log.warning("numa_runtime: shutting down workers failed: %s", e)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class _Group:
+    """The n sequences of one user request."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams):
+        self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
+        self.children: list[Request] = []
+
+
+def _child_params(p: SamplingParams, i: int) -> SamplingParams:
+    import dataclasses
+    return dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + i)
+
+
+def _progress(done: int, total: int) -> None:
+    if sys.stderr.isatty() or os.environ.get("NUMA_RUNTIME_PROGRESS"):
+        print(f"\rloading layers {done}/{total}", end="\n" if done == total else "", file=sys.stderr, flush=True)

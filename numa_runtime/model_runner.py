@@ -1,0 +1,69 @@
+"""ModelRunner: one rank's model shard and KV cache; executes StepPlans."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import psutil
+
+from .config import EngineConfig, ModelConfig
+from .models import get_model_class
+from .plan import SHUTDOWN, StepPlan
+
+log = logging.getLogger("numa_runtime")
+
+
+class ModelRunner:
+    """Every rank builds one. Rank 0 calls `execute(plan)`, which broadcasts the plan to the
+    workers first; workers sit in `worker_loop()` executing what they receive."""
+
+    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, comm, ops,
+                 max_model_len: int, progress=None):
+        self.comm, self.ops, self.engine_cfg = comm, ops, engine_cfg
+        self.model = get_model_class(model_cfg)(model_cfg, ops, comm, engine_cfg.dtype,
+                                                max_model_len, progress=progress)
+        self.block_size = engine_cfg.block_size
+        self.bytes_per_block = self.model.kv_bytes_per_block(self.block_size)
+        self.num_blocks = self._num_kv_blocks(max_model_len)
+        self.model.allocate_kv_cache(self.num_blocks, self.block_size)
+
+    def _num_kv_blocks(self, max_model_len: int) -> int:
+        cfg = self.engine_cfg
+        if cfg.kv_cache_memory is not None:
+            budget = cfg.kv_cache_memory
+        else:
+            # NOTE: from total (not free) memory so that every rank of a host computes the same
+            # number without a collective; shared by the ranks of this host.
+            budget = int(psutil.virtual_memory().total * cfg.kv_cache_fraction / self.comm.local_size)
+        # no point in more than every sequence at full length
+        cap = cfg.max_num_seqs * (-(-max_model_len // self.block_size)) + 1
+        n = min(budget // self.bytes_per_block, cap)
+        if n < 2:
+            raise ValueError(f"The KV cache budget ({budget} bytes) holds fewer than 2 blocks of "
+                             f"{self.bytes_per_block} bytes; raise kv_cache_memory.")
+        return int(n)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    def execute(self, plan: StepPlan) -> np.ndarray:
+        """Run one step on every rank; returns logits [len(plan.logits_indices), vocab]."""
+        if self.comm.world_size > 1:
+            self.comm.broadcast_plan(plan)
+        if plan.num_tokens == 0:
+            return np.zeros((0, self.model.cfg.vocab_size), np.float32)
+        return self.model.forward(plan)
+
+    def shutdown_workers(self) -> None:
+        if self.comm.world_size > 1:
+            self.comm.broadcast_plan(StepPlan.shutdown())
+
+    def worker_loop(self) -> None:
+        """Execute plans from rank 0 until a shutdown plan arrives."""
+        while True:
+            plan = self.comm.broadcast_plan(None)
+            if plan.kind == SHUTDOWN:
+                return
+            if plan.num_tokens:
+                self.model.forward(plan)

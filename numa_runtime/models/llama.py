@@ -1,0 +1,217 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over backend ops, tensor parallel.
+
+Megatron-style split over `world` ranks: q/k/v and gate/up by output rows (heads stay whole;
+kv heads are split, or replicated when there are fewer kv heads than ranks), o_proj and
+down_proj by input columns followed by an all-reduce, embedding and lm_head by vocabulary
+(embedding: masked lookup + all-reduce; lm_head: all-gather of logits).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import ModelConfig, UnsupportedModelError, rope_inv_freq
+from ..weights import Checkpoint, split_range
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Which slice of every tensor one rank holds."""
+
+    rank: int
+    world: int
+    q_heads: slice        # global query heads of this rank
+    kv_heads: slice       # global kv heads of this rank
+    inter: slice          # rows of gate/up, columns of down
+    vocab: slice          # rows of embedding / lm_head
+    vocab_chunk: int      # padded rows per rank (equal on every rank, for all-gather)
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, rank: int, world: int) -> "ShardLayout":
+        hq, hk = cfg.num_heads, cfg.num_kv_heads
+        if hq % world:
+            raise UnsupportedModelError(
+                f"Cannot split {hq} attention heads over {world} ranks; use a rank count that divides {hq}.")
+        if hk % world == 0:
+            per = hk // world
+            kv = slice(rank * per, (rank + 1) * per)
+        elif world % hk == 0:
+            k = rank // (world // hk)
+            kv = slice(k, k + 1)
+        else:
+            raise UnsupportedModelError(
+                f"Cannot split {hk} kv heads over {world} ranks; the rank count must divide the kv "
+                f"heads or be a multiple of them.")
+        per_q = hq // world
+        chunk = -(-cfg.vocab_size // world)
+        vocab = slice(min(rank * chunk, cfg.vocab_size), min((rank + 1) * chunk, cfg.vocab_size))
+        return cls(rank, world, slice(rank * per_q, (rank + 1) * per_q), kv,
+                   split_range(cfg.intermediate_size, world, rank), vocab, chunk)
+
+    @property
+    def num_q_heads(self) -> int:
+        return self.q_heads.stop - self.q_heads.start
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads.stop - self.kv_heads.start
+
+
+def _head_rows(heads: slice, head_dim: int) -> slice:
+    return slice(heads.start * head_dim, heads.stop * head_dim)
+
+
+class DecoderLayer:
+    def __init__(self, ops, cfg: ModelConfig, lay: ShardLayout, ckpt: Checkpoint, i: int, dtype: str):
+        p = f"model.layers.{i}."
+        d = cfg.head_dim
+        qr, kr = _head_rows(lay.q_heads, d), _head_rows(lay.kv_heads, d)
+        w = lambda n, **kw: ckpt.load(p + n, dtype, **kw)
+        f = lambda n, **kw: ckpt.load(p + n, "float32", **kw)
+        qkv = np.concatenate([w("self_attn.q_proj.weight", rows=qr), w("self_attn.k_proj.weight", rows=kr),
+                              w("self_attn.v_proj.weight", rows=kr)])
+        qkv_b = None
+        if cfg.qkv_bias:
+            qkv_b = np.concatenate([f("self_attn.q_proj.bias", rows=qr), f("self_attn.k_proj.bias", rows=kr),
+                                    f("self_attn.v_proj.bias", rows=kr)])
+        self.qkv_proj = ops.Linear(qkv, qkv_b)
+        del qkv
+        # NOTE: a row-parallel bias is added by rank 0 only, so the all-reduce sums it once.
+        o_b = f("self_attn.o_proj.bias") if cfg.o_bias and lay.rank == 0 else None
+        self.o_proj = ops.Linear(w("self_attn.o_proj.weight", cols=qr), o_b)
+        gate_up = np.concatenate([w("mlp.gate_proj.weight", rows=lay.inter), w("mlp.up_proj.weight", rows=lay.inter)])
+        gu_b = None
+        if cfg.mlp_bias:
+            gu_b = np.concatenate([f("mlp.gate_proj.bias", rows=lay.inter), f("mlp.up_proj.bias", rows=lay.inter)])
+        self.gate_up_proj = ops.Linear(gate_up, gu_b)
+        del gate_up
+        d_b = f("mlp.down_proj.bias") if cfg.mlp_bias and lay.rank == 0 else None
+        self.down_proj = ops.Linear(w("mlp.down_proj.weight", cols=lay.inter), d_b)
+        self.input_norm = f("input_layernorm.weight")
+        self.post_norm = f("post_attention_layernorm.weight")
+        self.q_norm = f("self_attn.q_norm.weight") if cfg.qk_norm else None
+        self.k_norm = f("self_attn.k_norm.weight") if cfg.qk_norm else None
+
+
+class LlamaModel:
+    """Weights of one rank's shard and its forward pass over a StepPlan."""
+
+    def __init__(self, cfg: ModelConfig, ops, comm, dtype: str, max_model_len: int, progress=None):
+        self.cfg, self.ops, self.comm, self.dtype = cfg, ops, comm, dtype
+        self.lay = lay = ShardLayout.build(cfg, comm.rank, comm.world_size)
+        ckpt = Checkpoint(cfg.model_dir)
+        _check_tensors(cfg, ckpt)
+        self.embed = ckpt.load("model.embed_tokens.weight", dtype, rows=lay.vocab)
+        self.layers = []
+        for i in range(cfg.num_layers):
+            self.layers.append(DecoderLayer(ops, cfg, lay, ckpt, i, dtype))
+            if progress:
+                progress(i + 1, cfg.num_layers)
+        self.norm = ckpt.load("model.norm.weight", "float32")
+        if cfg.tie_word_embeddings or "lm_head.weight" not in ckpt:
+            head = self.embed
+        else:
+            head = ckpt.load("lm_head.weight", dtype, rows=lay.vocab)
+        pad = lay.vocab_chunk - head.shape[0]
+        if pad:
+            head = np.concatenate([head, np.zeros((pad, cfg.hidden_size), head.dtype)])
+        self.lm_head = ops.Linear(head)
+        del head
+        inv_freq, attn_scale = rope_inv_freq(cfg)
+        pos = np.arange(max_model_len, dtype=np.float64)[:, None] * inv_freq[None, :]
+        # cos_sin: [max_model_len, rot_dim] = [cos | sin]
+        self.cos_sin = np.ascontiguousarray(
+            np.concatenate([np.cos(pos), np.sin(pos)], axis=1) * attn_scale, dtype=np.float32)
+        self.scale = cfg.head_dim ** -0.5
+
+    @property
+    def kv_dtype(self):
+        return np.uint16 if self.dtype == "bfloat16" else np.float32
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        item = 2 if self.dtype == "bfloat16" else 4
+        return 2 * self.cfg.num_layers * block_size * self.lay.num_kv_heads * self.cfg.head_dim * item
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        shape = (num_blocks, block_size, self.lay.num_kv_heads, self.cfg.head_dim)
+        # NOTE: np.zeros maps fresh pages; they land on this rank's node at first write.
+        self.kv_cache = [(np.zeros(shape, self.kv_dtype), np.zeros(shape, self.kv_dtype))
+                         for _ in self.layers]
+
+    def embed_tokens(self, ids: np.ndarray) -> np.ndarray:
+        # ids: [T] -> x: [T, hidden]
+        ops, lay = self.ops, self.lay
+        x = np.empty((ids.shape[0], self.cfg.hidden_size), np.float32)
+        if lay.world == 1:
+            return ops.embedding(ids, self.embed, x)
+        local = ids - lay.vocab.start
+        inside = (local >= 0) & (local < self.embed.shape[0])
+        ops.embedding(np.where(inside, local, 0).astype(np.int64), self.embed, x)
+        x[~inside] = 0.0
+        self.comm.all_reduce_(x)
+        return x
+
+    def forward(self, plan) -> np.ndarray | None:
+        """Run one step; returns logits [S', vocab] for plan.logits_indices (every rank)."""
+        ops, cfg, lay, comm = self.ops, self.cfg, self.lay, self.comm
+        T, H, D = plan.num_tokens, cfg.hidden_size, cfg.head_dim
+        hq, hk = lay.num_q_heads, lay.num_kv_heads
+        eps = cfg.rms_norm_eps
+        residual = self.embed_tokens(plan.token_ids)      # [T, H]
+        h = np.empty_like(residual)                        # [T, H] normed input
+        delta = None                                       # [T, H] last sublayer output
+        attn = np.empty((T, hq, D), np.float32)            # [T, hq, D]
+        for layer, (kc, vc) in zip(self.layers, self.kv_cache):
+            if delta is None:
+                ops.rms_norm(residual, layer.input_norm, eps, h)
+            else:
+                ops.add_rms_norm(delta, residual, layer.input_norm, eps, h)
+            qkv = layer.qkv_proj.forward(h)                # [T, (hq + 2 hk) D]
+            q = np.ascontiguousarray(qkv[:, :hq * D]).reshape(T, hq, D)
+            k = np.ascontiguousarray(qkv[:, hq * D:(hq + hk) * D]).reshape(T, hk, D)
+            v = np.ascontiguousarray(qkv[:, (hq + hk) * D:]).reshape(T, hk, D)
+            if layer.q_norm is not None:
+                ops.rms_norm(q.reshape(T * hq, D), layer.q_norm, eps, q.reshape(T * hq, D))
+                ops.rms_norm(k.reshape(T * hk, D), layer.k_norm, eps, k.reshape(T * hk, D))
+            ops.rotary(q, k, plan.positions, self.cos_sin)
+            ops.reshape_and_cache(k, v, kc, vc, plan.slot_mapping)
+            ops.paged_attention(q, kc, vc, plan.block_tables, plan.query_start, plan.context_lens,
+                                self.scale, attn)
+            o = layer.o_proj.forward(attn.reshape(T, hq * D))   # [T, H] partial sum
+            comm.all_reduce_(o)
+            ops.add_rms_norm(o, residual, layer.post_norm, eps, h)
+            gu = layer.gate_up_proj.forward(h)                  # [T, 2 I_local]
+            act = np.empty((T, gu.shape[1] // 2), np.float32)
+            ops.silu_and_mul(gu, act)
+            delta = layer.down_proj.forward(act)                # [T, H] partial sum
+            comm.all_reduce_(delta)
+        idx = plan.logits_indices
+        if idx.shape[0] == 0:
+            return np.zeros((0, cfg.vocab_size), np.float32)
+        last = np.ascontiguousarray(residual[idx])
+        last += delta[idx]
+        hn = np.empty_like(last)
+        ops.rms_norm(last, self.norm, eps, hn)
+        logits = self.lm_head.forward(hn)                   # [S', vocab_chunk]
+        if lay.world > 1:
+            logits = comm.all_gather(logits)
+        return logits[:, :cfg.vocab_size] if logits.shape[1] != cfg.vocab_size else logits
+
+
+def _check_tensors(cfg: ModelConfig, ckpt: Checkpoint) -> None:
+    """Fail before reading weights if the checkpoint lacks what the config promises."""
+    need = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in (0, cfg.num_layers - 1):
+        for n in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                  "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"):
+            need.append(f"model.layers.{i}.{n}")
+    missing = [n for n in need if n not in ckpt]
+    if missing:
+        raise UnsupportedModelError(f"The checkpoint in {cfg.model_dir!r} lacks {missing[0]} "
+                                    f"({len(missing)} expected tensors missing).")
+    shape = ckpt.raw("model.layers.0.self_attn.q_proj.weight").shape
+    if tuple(shape) != (cfg.q_size, cfg.hidden_size):
+        raise UnsupportedModelError(f"q_proj has shape {tuple(shape)}, but config.json implies "
+                                    f"{(cfg.q_size, cfg.hidden_size)}.")

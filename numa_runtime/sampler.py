@@ -1,0 +1,81 @@
+"""Rank 0 sampling: penalties, then temperature / top-k / top-p / min-p with per-request RNGs."""
+from __future__ import annotations
+
+import numpy as np
+
+from .request import Request
+
+
+class Sampler:
+    """Turns logits rows into one token per request. A request with a seed draws from its
+    own generator, so its tokens do not depend on what else is in the batch."""
+
+    def __init__(self, ops, vocab_size: int, seed: int = 0):
+        self.ops = ops
+        self.vocab_size = vocab_size
+        self.rng = np.random.default_rng(seed)
+        self._rngs: dict[str, np.random.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._rngs.pop(request_id, None)
+
+    def __call__(self, logits: np.ndarray, reqs: list[Request], eos_ids: set[int]):
+        # logits: [N, V] f32 (rows align with reqs)
+        n = len(reqs)
+        if n == 0:
+            return np.zeros(0, np.int64), [None] * 0
+        raw = logits
+        logits = np.array(logits, dtype=np.float32, copy=True)
+        temp = np.empty(n, np.float32)
+        top_k = np.empty(n, np.int32)
+        top_p = np.empty(n, np.float32)
+        min_p = np.empty(n, np.float32)
+        uniform = np.empty(n, np.float64)
+        for i, r in enumerate(reqs):
+            sp = r.sampling_params
+            if sp.has_penalties:
+                self._apply_penalties(logits[i], r)
+            if r.num_output_tokens < sp.min_tokens:
+                ban = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(eos_ids))
+                logits[i, [t for t in ban if t < logits.shape[1]]] = -np.inf
+            temp[i], top_k[i], top_p[i], min_p[i] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
+            uniform[i] = self._rng_for(r).random() if not sp.is_greedy else 0.0
+        ids = self.ops.sample(logits, temp, top_k, top_p, min_p, uniform)
+        logprobs = [None] * n
+        want = [i for i, r in enumerate(reqs) if r.sampling_params.logprobs is not None]
+        if want:
+            lp = np.empty((len(want), raw.shape[1]), np.float32)
+            self.ops.log_softmax(np.ascontiguousarray(raw[want], dtype=np.float32), lp)
+            for row, i in enumerate(want):
+                k = reqs[i].sampling_params.logprobs
+                top = {}
+                if k:
+                    cand = np.argpartition(-lp[row], k - 1)[:k]
+                    cand = cand[np.argsort(-lp[row][cand], kind="stable")]
+                    top = {int(t): float(lp[row, t]) for t in cand}
+                logprobs[i] = (float(lp[row, ids[i]]), top)
+        return ids, logprobs
+
+    def _rng_for(self, r: Request) -> np.random.Generator:
+        seed = r.sampling_params.seed
+        if seed is None:
+            return self.rng
+        g = self._rngs.get(r.request_id)
+        if g is None:
+            g = self._rngs[r.request_id] = np.random.default_rng(seed)
+        return g
+
+    @staticmethod
+    def _apply_penalties(row: np.ndarray, r: Request) -> None:
+        # row: [V]; repetition over prompt + output (as HF / vLLM), presence and frequency over output
+        sp, V = r.sampling_params, row.shape[0]
+        if sp.repetition_penalty != 1.0:
+            seen = np.unique(np.asarray(r.all_token_ids, np.int64))
+            seen = seen[seen < V]
+            vals = row[seen]
+            row[seen] = np.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
+        if (sp.presence_penalty or sp.frequency_penalty) and r.output_token_ids:
+            ids, counts = np.unique(np.asarray(r.output_token_ids, np.int64), return_counts=True)
+            keep = ids < V
+            ids, counts = ids[keep], counts[keep]
+            row[ids] -= sp.frequency_penalty * counts + sp.presence_penalty

@@ -1,0 +1,126 @@
+"""Safetensors checkpoints read through mmap, with tensor-parallel slicing.
+
+We parse the safetensors header ourselves (8-byte little-endian length + JSON) and map the
+data with numpy, so bf16 needs no torch and a rank touches only the bytes of its slice.
+Nothing is unpickled and no code from the model directory is run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import numpy as np
+
+from .backend.reference import f32_to_bf16
+
+_ST_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
+              "I64": np.int64, "I32": np.int32}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, malformed, or lacks a tensor."""
+
+
+class _SafetensorsFile:
+    def __init__(self, path: str):
+        self.path = path
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path} is too short to be a safetensors file.")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > 100 << 20:
+                raise CheckpointError(f"{path} has a corrupt safetensors header.")
+            try:
+                self.header = json.loads(f.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise CheckpointError(f"{path} has a corrupt safetensors header.") from None
+        self.header.pop("__metadata__", None)
+        self.data_offset = 8 + n
+        self._mm = np.memmap(path, dtype=np.uint8, mode="r") if size > self.data_offset else None
+
+    def tensor(self, name: str) -> np.ndarray:
+        info = self.header[name]
+        dt = info["dtype"]
+        if dt not in _ST_DTYPES:
+            raise CheckpointError(f"Tensor {name} in {self.path} has unsupported dtype {dt}.")
+        start, end = info["data_offsets"]
+        raw = self._mm[self.data_offset + start:self.data_offset + end]
+        return raw.view(_ST_DTYPES[dt]).reshape(info["shape"])
+
+    def dtype_of(self, name: str) -> str:
+        return self.header[name]["dtype"]
+
+
+class Checkpoint:
+    """All tensors of a model directory (single file or sharded with an index), mmapped."""
+
+    def __init__(self, model_dir: str):
+        index = os.path.join(model_dir, "model.safetensors.index.json")
+        self._files: dict[str, _SafetensorsFile] = {}
+        self._where: dict[str, str] = {}
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f).get("weight_map", {})
+            for name, fname in weight_map.items():
+                self._where[name] = os.path.join(model_dir, os.path.basename(fname))
+        else:
+            files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+            if not files:
+                has_bin = any(f.endswith((".bin", ".pt", ".pth")) for f in os.listdir(model_dir))
+                raise CheckpointError(
+                    f"No *.safetensors in {model_dir!r}" + (
+                        " (pickled .bin checkpoints are never loaded: convert them to safetensors)."
+                        if has_bin else "."))
+            for fname in files:
+                st = self._open(os.path.join(model_dir, fname))
+                for name in st.header:
+                    self._where[name] = st.path
+
+    def _open(self, path: str) -> _SafetensorsFile:
+        if path not in self._files:
+            if not os.path.isfile(path):
+                raise CheckpointError(f"Checkpoint shard {path!r} is missing.")
+            self._files[path] = _SafetensorsFile(path)
+        return self._files[path]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def raw(self, name: str) -> np.ndarray:
+        """The mmapped tensor in its stored dtype (bf16 as uint16): no copy."""
+        if name not in self._where:
+            raise CheckpointError(f"Tensor {name!r} is missing from the checkpoint.")
+        return self._open(self._where[name]).tensor(name)
+
+    def load(self, name: str, dtype: str, rows: slice | None = None, cols: slice | None = None,
+             ) -> np.ndarray:
+        """Copy (a row/column slice of) a tensor into fresh memory in `dtype`
+        ('bfloat16' -> uint16 bits, 'float32'). Only the slice's pages are read."""
+        t = self.raw(name)
+        if rows is not None:
+            t = t[rows]
+        if cols is not None:
+            t = t[:, cols]
+        src = self._open(self._where[name]).dtype_of(name)
+        if dtype == "bfloat16":
+            if src == "BF16":
+                return np.array(t, dtype=np.uint16, order="C")
+            return f32_to_bf16(np.asarray(t, dtype=np.float32))
+        if src == "BF16":
+            out = np.empty(t.shape, dtype=np.uint32)
+            np.left_shift(t, 16, out=out, dtype=np.uint32)
+            return out.view(np.float32)
+        return np.array(t, dtype=np.float32, order="C")
+
+
+def split_range(n: int, parts: int, index: int) -> slice:
+    """The index-th of `parts` near-equal contiguous chunks of range(n) (earlier chunks larger)."""
+    base, extra = divmod(n, parts)
+    start = index * base + min(index, extra)
+    return slice(start, start + base + (1 if index < extra else 0))
