@@ -1,0 +1,256 @@
+"""Token-budget scheduler (vLLM v1 style): no prefill or decode phases.
+
+Every request has `num_computed_tokens` catching up with `num_tokens` (prompt + output). Each
+step spends at most `max_num_batched_tokens`: first on running requests in arrival order (a
+decode takes 1 token, an unfinished prefill takes what is left, in chunks), then on waiting
+requests first-come first-served, after applying their prefix-cache hits. A long prompt is
+chunked, so it never stalls the decodes beside it. When the pool runs dry the newest running
+request is preempted: it gives back its blocks and is recomputed later from scratch (prompt +
+the tokens it already generated), so nothing is lost and no step over-commits the pool.
+
+The scheduler decides *what* runs; the engine decides when a request stops (eos, length,
+stop strings) and then calls `finish_request`.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .kv_cache import BlockManager
+from .plan import StepPlan
+from .request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256               # running requests at most
+    max_num_batched_tokens: int = 2048    # new tokens per step at most
+    max_model_len: int = 4096             # prompt + output tokens of one request at most
+    long_prefill_token_threshold: int = 0  # > 0: cap on one request's prefill chunk per step
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}.")
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be a non-negative integer, "
+                             f"got {self.long_prefill_token_threshold!r}.")
+
+
+@dataclass
+class SchedulerOutput:
+    plan: StepPlan
+    scheduled: list[Request] = field(default_factory=list)     # in plan order
+    num_scheduled_tokens: list[int] = field(default_factory=list)  # aligned with scheduled
+    sampling: list[Request] = field(default_factory=list)      # aligned with plan.logits_indices
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []        # oldest admission first
+        self.num_steps = 0
+        self.num_preemptions = 0
+
+    # ---- requests in and out ---------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        """Queue a request; raise ValueError if it could never run."""
+        self._check_fits(req)
+        self.requests[req.request_id] = req
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def _check_fits(self, req: Request) -> None:
+        cfg, bm = self.config, self.block_manager
+        num_prompt, max_tokens = req.num_prompt_tokens, req.sampling_params.max_tokens
+        if req.request_id in self.requests:
+            raise ValueError(f"Request id {req.request_id!r} is already in use; give each request a unique id.")
+        if num_prompt == 0:
+            raise ValueError("The prompt is empty; give at least one token.")
+        if num_prompt > cfg.max_model_len:
+            raise ValueError(f"The prompt has {num_prompt} tokens but max_model_len is {cfg.max_model_len}; "
+                             "shorten the prompt or raise max_model_len.")
+        if max_tokens is not None and num_prompt + max_tokens > cfg.max_model_len:
+            raise ValueError(f"The prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds "
+                             f"max_model_len ({cfg.max_model_len}); lower max_tokens or shorten the prompt.")
+        longest = cfg.max_model_len if max_tokens is None else num_prompt + max_tokens
+        if bm.num_blocks_for(longest) > bm.num_blocks:
+            raise ValueError(f"A request of up to {longest} tokens needs {bm.num_blocks_for(longest)} KV blocks "
+                             f"but the cache has only {bm.num_blocks}; lower max_tokens or enlarge the KV cache.")
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a request in any state; its blocks are freed. False if it is unknown or done."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self.finish_request(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
+        """The engine decided that req stops (or it was aborted): free its blocks."""
+        assert status.is_finished, status
+        if self.requests.pop(req.request_id, None) is None:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.block_manager.free(req)
+        req.status = status
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+
+        # 1. running requests, oldest first; the newest give their blocks back if needed
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self.block_manager.can_allocate(req, n):
+                victim = self.running.pop()  # NOTE: index >= i, so never one already scheduled
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                self.block_manager.allocate(req, n)
+                scheduled.append((req, n))
+                budget -= n
+                i += 1
+
+        # 2. waiting requests, first come first served (none if we just had to preempt)
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            blocks, num_cached = self.block_manager.get_computed_blocks(req)
+            n = self._chunk(req.num_tokens - num_cached, budget)
+            if not self.block_manager.can_allocate(req, n, blocks):
+                break
+            self.block_manager.allocate(req, n, blocks)
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append((req, n))
+            budget -= n
+
+        self.num_steps += 1
+        return self._make_output(scheduled, preempted)
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        n = min(remaining, budget)
+        if self.config.long_prefill_token_threshold > 0:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return n
+
+    def _preempt(self, req: Request) -> None:
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _make_output(self, scheduled: list[tuple[Request, int]], preempted: list[Request]) -> SchedulerOutput:
+        """Lay the step out as StepPlan arrays (docs/structures.md)."""
+        bs = self.block_manager.block_size
+        num_seqs = len(scheduled)
+        num_tokens = sum(n for _, n in scheduled)
+        max_blocks = max((len(r.block_ids) for r, _ in scheduled), default=0)
+        token_ids = np.empty(num_tokens, np.int64)           # [T]
+        positions = np.empty(num_tokens, np.int64)           # [T]
+        slot_mapping = np.empty(num_tokens, np.int64)        # [T]
+        query_start = np.zeros(num_seqs + 1, np.int32)       # [S+1]
+        context_lens = np.empty(num_seqs, np.int32)          # [S]
+        block_tables = np.zeros((num_seqs, max_blocks), np.int32)  # [S, max_blocks]
+        logits_indices, sampling = [], []
+        t = 0
+        for s, (req, n) in enumerate(scheduled):
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            pos = np.arange(start, end, dtype=np.int64)
+            table = np.asarray(req.block_ids, dtype=np.int64)
+            token_ids[t:t + n] = _token_slice(req, start, end)
+            positions[t:t + n] = pos
+            slot_mapping[t:t + n] = table[pos // bs] * bs + pos % bs
+            block_tables[s, :len(req.block_ids)] = req.block_ids
+            context_lens[s] = end
+            t += n
+            query_start[s + 1] = t
+            if end == req.num_tokens:  # its last token is in this step: it samples
+                logits_indices.append(t - 1)
+                sampling.append(req)
+        plan = StepPlan(token_ids, positions, slot_mapping, query_start, context_lens, block_tables,
+                        np.asarray(logits_indices, dtype=np.int64), step_id=self.num_steps)
+        return SchedulerOutput(plan, [r for r, _ in scheduled], [n for _, n in scheduled], sampling, preempted)
+
+    def update(self, out: SchedulerOutput, sampled_token_ids) -> None:
+        """After the model ran `out.plan`: advance what was computed, cache newly full blocks,
+        append one sampled token to each request in `out.sampling`."""
+        assert len(sampled_token_ids) == len(out.sampling), "one sampled token per sampling request"
+        for req, n in zip(out.scheduled, out.num_scheduled_tokens):
+            if req.is_finished:  # aborted while the step ran
+                continue
+            req.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(req)
+        for req, token_id in zip(out.sampling, sampled_token_ids):
+            if not req.is_finished:
+                req.append_output_token(int(token_id))
+
+    # ---- stats ---------------------------------------------------------------------------
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Tokens served by the prefix cache since start."""
+        return self.block_manager.hit_tokens
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Tokens looked up in the prefix cache since start (one lookup per admission)."""
+        return self.block_manager.query_tokens
+
+    @property
+    def kv_usage(self) -> float:
+        return self.block_manager.usage
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {"num_running": self.num_running, "num_waiting": self.num_waiting,
+                "kv_usage": bm.usage, "prefix_cache_hits": bm.hit_tokens,
+                "prefix_cache_queries": bm.query_tokens, "prefix_cache_hit_rate": bm.hit_rate,
+                "num_preemptions": self.num_preemptions, "num_evictions": bm.num_evictions}
+
+
+def _token_slice(req: Request, start: int, end: int) -> list[int]:
+    """req.all_token_ids[start:end] without copying the whole sequence (decodes take 1)."""
+    p = req.num_prompt_tokens
+    if start >= p:
+        return req.output_token_ids[start - p:end - p]
+    if end <= p:
+        return req.prompt_token_ids[start:end]
+    return req.prompt_token_ids[start:] + req.output_token_ids[:end - p]

@@ -1,0 +1,241 @@
+"""BlockManager and eviction policies: exact block ids, refcounts, hit counts, eviction order."""
+import pytest
+
+from numa_runtime.kv_cache import BlockManager, LRUEviction, ReuseAwareEviction, hash_block
+from numa_runtime.request import Request
+from numa_runtime.sampling_params import SamplingParams
+
+BS = 4
+
+
+def req(rid, tokens):
+    return Request(rid, list(tokens), SamplingParams(max_tokens=8))
+
+
+def admit(bm, r):
+    """What the scheduler does for a waiting request: prefix hits, then the whole rest."""
+    blocks, num_cached = bm.get_computed_blocks(r)
+    assert bm.can_allocate(r, r.num_tokens - num_cached, blocks)
+    bm.allocate(r, r.num_tokens - num_cached, blocks)
+    return blocks
+
+
+def compute(bm, r):
+    """The model ran: everything is computed; full blocks get cached."""
+    r.num_computed_tokens = r.num_tokens
+    bm.cache_full_blocks(r)
+
+
+def run(bm, r):
+    admit(bm, r)
+    compute(bm, r)
+    return list(r.block_ids)
+
+
+def test_allocate_and_free_exact_ids():
+    bm = BlockManager(8, BS)
+    a, b = req("a", range(10)), req("b", range(100, 105))
+    assert bm.can_allocate(a, 10)
+    bm.allocate(a, 10)
+    bm.allocate(b, 5)
+    assert a.block_ids == [0, 1, 2] and b.block_ids == [3, 4]
+    assert bm.ref_cnt[:6] == [1, 1, 1, 1, 1, 0]
+    assert bm.num_free_blocks == 3 and bm.usage == pytest.approx(5 / 8)
+    assert not bm.can_allocate(req("c", range(13)), 13)  # needs 4 blocks, 3 free
+    bm.free(a)
+    assert a.block_ids == [] and bm.ref_cnt[:3] == [0, 0, 0]
+    # nothing was computed, so nothing cached: back to the free pool, tail first
+    assert list(bm.free_block_ids) == [5, 6, 7, 2, 1, 0]
+
+
+def test_allocate_grows_by_whole_blocks():
+    bm = BlockManager(8, BS)
+    a = req("a", range(6))
+    bm.allocate(a, 4)
+    assert a.block_ids == [0]
+    a.num_computed_tokens = 4
+    bm.allocate(a, 2)
+    assert a.block_ids == [0, 1]
+    a.num_computed_tokens = 6
+    bm.allocate(a, 1)  # position 6 still fits in block 1
+    assert a.block_ids == [0, 1]
+
+
+def test_over_commit_raises():
+    bm = BlockManager(2, BS)
+    with pytest.raises(RuntimeError, match="over-committed"):
+        bm.allocate(req("a", range(9)), 9)
+
+
+def test_prefix_hit_shares_blocks_and_counts():
+    bm = BlockManager(8, BS)
+    a = req("a", range(10))
+    assert run(bm, a) == [0, 1, 2]
+    assert bm.block_hash[0] is not None and bm.block_hash[1] is not None
+    assert bm.block_hash[2] is None  # partial block is never cached
+    b = req("b", list(range(8)) + [50, 51, 52])
+    blocks, num_cached = bm.get_computed_blocks(b)
+    assert (blocks, num_cached) == ([0, 1], 8)
+    bm.allocate(b, 3, blocks)
+    assert b.block_ids == [0, 1, 3] and b.num_computed_tokens == 8 and b.num_cached_tokens == 8
+    assert bm.ref_cnt[:4] == [2, 2, 1, 1]
+    assert (bm.query_tokens, bm.hit_tokens) == (10 + 11, 8)
+    assert (bm.query_blocks, bm.hit_blocks) == (2 + 2, 2)
+    assert (bm.miss_tokens, bm.miss_blocks) == (13, 2)
+
+
+def test_never_the_whole_prompt():
+    bm = BlockManager(8, BS)
+    run(bm, req("a", range(8)))
+    b = req("b", range(8))  # identical prompt: 2 full cached blocks
+    assert bm.get_computed_blocks(b) == ([0], 4)
+    c = req("c", range(9))
+    assert bm.get_computed_blocks(c) == ([0, 1], 8)
+
+
+def test_chain_hash_depends_on_parent():
+    bm = BlockManager(8, BS)
+    run(bm, req("a", [1, 2, 3, 4, 5, 6, 7, 8, 0]))
+    # second block's tokens match but its parent does not: no hit on it
+    assert bm.get_computed_blocks(req("b", [9, 9, 9, 9, 5, 6, 7, 8, 0])) == ([], 0)
+    assert hash_block(None, [1, 2]) == hash_block(None, [1, 2])
+    assert hash_block(None, [1, 2]) != hash_block(hash_block(None, [0]), [1, 2])
+
+
+def test_freed_cached_block_stays_cached_then_reused():
+    bm = BlockManager(4, BS)
+    a = req("a", range(9))
+    run(bm, a)
+    bm.free(a)
+    assert bm.ref_cnt[:3] == [0, 0, 0]
+    assert list(bm.free_block_ids) == [3, 2] and len(bm.policy) == 2  # 0, 1 evictable
+    assert bm.num_free_blocks == 4 and bm.usage == 0.0
+    b = req("b", range(10))
+    assert admit(bm, b) == [0, 1]
+    assert b.block_ids == [0, 1, 3] and bm.ref_cnt[:2] == [1, 1] and len(bm.policy) == 0
+
+
+def test_can_allocate_counts_evictable_hits_as_taken():
+    bm = BlockManager(3, BS)
+    a = req("a", range(9))
+    run(bm, a)
+    bm.free(a)  # blocks 0, 1 evictable, block 2 free: 3 "free"
+    b = req("b", range(16))  # hits [0, 1] and needs 2 more blocks: only 1 left
+    blocks, num_cached = bm.get_computed_blocks(b)
+    assert blocks == [0, 1]
+    assert not bm.can_allocate(b, 16 - num_cached, blocks)
+    assert bm.can_allocate(b, 1, blocks)  # a chunk of 1 token needs 1 block
+
+
+def test_generated_tokens_are_cached():
+    bm = BlockManager(8, BS)
+    a = req("a", range(6))
+    run(bm, a)  # blocks [0, 1]; block 1 holds 2 tokens
+    for t in (40, 41):
+        a.append_output_token(t)
+        bm.allocate(a, 1)
+        a.num_computed_tokens += 1
+        bm.cache_full_blocks(a)
+    assert a.block_ids == [0, 1] and bm.block_hash[1] is not None
+    b = req("b", list(range(6)) + [40, 41, 7])  # next turn: conversation so far + new text
+    assert bm.get_computed_blocks(b) == ([0, 1], 8)
+
+
+def test_duplicate_block_not_cached_twice():
+    bm = BlockManager(8, BS)
+    a, b = req("a", range(5)), req("b", range(5))
+    admit(bm, a)
+    admit(bm, b)  # both miss: computed concurrently
+    compute(bm, a)
+    compute(bm, b)
+    assert a.block_ids == [0, 1] and b.block_ids == [2, 3]
+    assert bm.hash_to_block == {bm.block_hash[0]: 0} and bm.block_hash[2] is None
+    bm.free(b)
+    assert list(bm.free_block_ids)[-2:] == [3, 2]  # b's copy goes back to the free pool
+    bm.free(a)
+    assert 0 in bm.policy
+
+
+def test_prefix_caching_disabled():
+    bm = BlockManager(8, BS, enable_prefix_caching=False)
+    a = req("a", range(9))
+    run(bm, a)
+    bm.free(a)
+    assert bm.get_computed_blocks(req("b", range(9))) == ([], 0)
+    assert bm.hash_to_block == {} and bm.num_free_blocks == 8
+
+
+def _fill_and_release(bm, rid, tokens):
+    r = req(rid, tokens)
+    run(bm, r)
+    bm.free(r)
+    return r
+
+
+def _script(bm):
+    """a is cached, then hit again by h; a one-off b streams through; c needs 3 blocks."""
+    _fill_and_release(bm, "a", range(0, 9))       # [0, 1, 2]: caches 0, 1; 2 partial -> free
+    h = req("h", list(range(0, 8)) + [7])         # hits a's 0, 1; takes 3 (partial)
+    assert admit(bm, h) == [0, 1] and h.block_ids == [0, 1, 3]
+    bm.free(h)
+    b = _fill_and_release(bm, "b", range(100, 108))  # one-off: [4, 2], both cached
+    assert b.block_ids == [] and bm.block_hash[4] is not None and bm.block_hash[2] is not None
+    c = req("c", range(200, 212))                 # 3 blocks: 1 free, 2 evicted
+    bm.allocate(c, 12)
+    return c
+
+
+def test_lru_eviction_order():
+    bm = BlockManager(5, BS, eviction="lru")
+    _fill_and_release(bm, "a", range(0, 9))
+    assert list(bm.policy._queue) == [1, 0]  # released tail first: the leaf goes first
+    bm = BlockManager(5, BS, eviction="lru")
+    c = _script(bm)
+    # queue was [1, 0, 2, 4] (h re-released a's blocks before b): a's prefix is evicted
+    assert c.block_ids == [3, 1, 0] and bm.num_evictions == 2
+    assert bm.get_computed_blocks(req("a2", range(0, 9))) == ([], 0)
+    assert bm.get_computed_blocks(req("b2", range(100, 109))) == ([4, 2], 8)
+
+
+def test_reuse_aware_eviction_protects_hit_blocks():
+    bm = BlockManager(5, BS, eviction=ReuseAwareEviction(5, protected_fraction=0.5))
+    c = _script(bm)
+    # before c: protected [1, 0] (hit by h), probation [2, 4] (one-off b): b goes
+    assert c.block_ids == [3, 2, 4] and bm.num_evictions == 2
+    assert bm.get_computed_blocks(req("a2", range(0, 9))) == ([0, 1], 8)
+    assert bm.get_computed_blocks(req("b2", range(100, 109))) == ([], 0)
+    assert list(bm.policy._protected) == [1, 0] and len(bm.policy._probation) == 0
+
+
+def test_lru_policy_unit():
+    p = LRUEviction(8)
+    for b in (5, 3, 7):
+        p.add_evictable(b)
+    p.touch(5)  # hits do not reorder LRU
+    p.remove(3)
+    assert len(p) == 2 and 3 not in p
+    assert [p.pop_victim(), p.pop_victim()] == [5, 7]
+
+
+def test_reuse_policy_unit_order_and_aging():
+    p = ReuseAwareEviction(4, protected_fraction=0.5)  # protected holds at most 2
+    p.touch(1)
+    p.touch(2)
+    p.touch(3)
+    for b in (1, 2, 9, 3):  # 9 never hit -> probation
+        p.add_evictable(b)
+    # 1 was the oldest protected block when 3 arrived: demoted to probation's newest end
+    assert list(p._probation) == [9, 1] and list(p._protected) == [2, 3]
+    p.remove(2)
+    assert len(p) == 3 and 2 not in p
+    p.add_evictable(2)  # still marked hit: back to protected, 3 stays
+    assert list(p._protected) == [3, 2]
+    assert [p.pop_victim() for _ in range(4)] == [9, 1, 3, 2]
+    # an evicted block forgets its hit mark (its id will hold other tokens)
+    p.add_evictable(3)
+    assert list(p._probation) == [3]
+
+
+def test_unknown_policy():
+    with pytest.raises(ValueError, match="Unknown eviction policy"):
+        BlockManager(4, BS, eviction="mru")
