@@ -1,0 +1,252 @@
+"""Tokenizer (tokenizer.json + tokenizer_config.json + chat template) and incremental detokenizer.
+
+Behaves like Hugging Face's fast tokenizer loaded from the same directory, without importing
+transformers: the `tokenizers` library does the encoding and decoding, jinja2 (sandboxed) renders
+the chat template with the helpers HF templates expect.
+"""
+import json
+import os
+from datetime import datetime
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _BackendTokenizer
+
+__all__ = ["Tokenizer", "IncrementalDetokenizer", "ChatTemplateError"]
+
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
+                 "mask_token")
+
+
+class ChatTemplateError(ValueError):
+    """The model has no chat template, or its template rejected the conversation."""
+
+
+class Tokenizer:
+    """Encode/decode and chat formatting for one model directory.
+
+    `encode(text)` equals HF `tokenizer.encode(text)`; `decode(ids)` equals HF
+    `tokenizer.decode(ids, skip_special_tokens=...)` (no clean-up of tokenization spaces);
+    `apply_chat_template(messages)` equals HF `apply_chat_template(..., tokenize=False)`.
+    """
+
+    def __init__(self, backend: _BackendTokenizer, config: dict, generation_config: dict,
+                 chat_templates: dict):
+        self._backend = backend
+        self._special = {k: _token_content(config.get(k)) for k in _SPECIAL_KEYS}
+        # NOTE: as HF does for Llama-style tokenizers: when tokenizer_config states
+        # add_bos_token / add_eos_token, those decide the special tokens around the text and
+        # replace tokenizer.json's post-processor (which often adds BOS itself: never doubled).
+        # Otherwise tokenizer.json's post-processor alone decides.
+        self._explicit_bos_eos = "add_bos_token" in config or "add_eos_token" in config
+        self._add_bos = bool(config.get("add_bos_token", False))
+        self._add_eos = bool(config.get("add_eos_token", False))
+        self._chat_templates = chat_templates  # name -> jinja source; "default" if unnamed
+
+        self.bos_token_id = self._token_id(self._special["bos_token"])
+        if self.bos_token_id is None and isinstance(generation_config.get("bos_token_id"), int):
+            self.bos_token_id = generation_config["bos_token_id"]
+        eos = generation_config.get("eos_token_id")
+        self.eos_token_ids: set[int] = set(eos if isinstance(eos, list) else [eos] if eos is not None
+                                           else [])
+        eos_id = self._token_id(self._special["eos_token"])
+        if eos_id is not None:
+            self.eos_token_ids.add(eos_id)
+        self.pad_token_id = self._token_id(self._special["pad_token"])
+
+    @classmethod
+    def from_dir(cls, model_dir: str) -> "Tokenizer":
+        """Load tokenizer.json, tokenizer_config.json, generation_config.json, chat template."""
+        path = os.path.join(model_dir, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"{model_dir} has no tokenizer.json; numa_runtime needs a fast (tokenizers) "
+                "tokenizer: save one with transformers' `tokenizer.save_pretrained(dir)`.")
+        config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
+        generation_config = _read_json(os.path.join(model_dir, "generation_config.json"))
+        return cls(_BackendTokenizer.from_file(path), config, generation_config,
+                   _load_chat_templates(model_dir, config))
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included (HF `len(tokenizer)`)."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self._chat_templates)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not (add_special_tokens and self._explicit_bos_eos):
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._backend.encode(text, add_special_tokens=False).ids
+        if self._add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id] + ids
+        eos_id = self._token_id(self._special["eos_token"])
+        if self._add_eos and eos_id is not None:
+            ids = ids + [eos_id]
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **kwargs) -> str:
+        """Render the conversation to the prompt string. Extra kwargs reach the template
+        (e.g. `enable_thinking=False`)."""
+        source = self._pick_template(tools)
+        context = {k: v for k, v in self._special.items() if v is not None}
+        context.update(kwargs)
+        try:
+            return _compile(source).render(messages=messages, tools=tools,
+                                           add_generation_prompt=add_generation_prompt, **context)
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"the model's chat template rejected the conversation: {e}") \
+                from e
+
+    def _pick_template(self, tools) -> str:
+        if not self._chat_templates:
+            raise ChatTemplateError(
+                "this model has no chat template (none in tokenizer_config.json or "
+                "chat_template.jinja): send a plain prompt instead of chat messages, or add a "
+                "chat_template to the model directory.")
+        # NOTE: HF picks the "tool_use" template when tools are given and one exists.
+        if tools and "tool_use" in self._chat_templates:
+            return self._chat_templates["tool_use"]
+        if "default" in self._chat_templates:
+            return self._chat_templates["default"]
+        if len(self._chat_templates) == 1:
+            return next(iter(self._chat_templates.values()))
+        raise ChatTemplateError(f"the model has several chat templates "
+                                f"({sorted(self._chat_templates)}) and none named 'default'.")
+
+    def _token_id(self, token: str | None) -> int | None:
+        return None if token is None else self._backend.token_to_id(token)
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids into text deltas, one token at a time.
+
+    Each `add(token_id)` decodes only a small window (the vLLM prefix/read offset scheme):
+    `ids[prefix_offset:read_offset]` was emitted already and gives the left context, and the
+    delta is what `ids[prefix_offset:]` adds to it. Text ending in U+FFFD (a UTF-8 character
+    split across tokens) is held back until a later token completes it; `flush()` releases what
+    is held at the end of the stream. With no prompt (or any byte-level BPE tokenizer) the deltas
+    joined equal `tokenizer.decode(output_ids)`. With a prompt, its last tokens are the left
+    context, so a sentencepiece first token keeps its leading space, as in
+    decode(prompt + output) minus decode(prompt).
+    """
+
+    _CONTEXT = 5  # prompt tokens of left context, as vLLM
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids=(), skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids)[-self._CONTEXT:]
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._prefix_text = self._decode(self._ids)
+
+    def add(self, token_id: int) -> str:
+        """The text this token adds; "" while it only holds part of a character."""
+        self._ids.append(int(token_id))
+        new_text = self._decode(self._ids[self._prefix_offset:])
+        if len(new_text) <= len(self._prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        return self._emit(new_text)
+
+    def flush(self) -> str:
+        """Whatever is held back (possibly ending in U+FFFD); call when the sequence ends."""
+        new_text = self._decode(self._ids[self._prefix_offset:])
+        return self._emit(new_text) if len(new_text) > len(self._prefix_text) else ""
+
+    def _emit(self, new_text: str) -> str:
+        delta = new_text[len(self._prefix_text):]
+        # NOTE: the window slides: the tokens just emitted become the next left context.
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_text = self._decode(self._ids[self._prefix_offset:])
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip) if ids else ""
+
+
+def _compile(source: str) -> jinja2.Template:
+    return _jinja_env().from_string(source)
+
+
+def _raise_exception(message):
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # NOTE: jinja's own tojson escapes HTML characters; HF templates expect plain json.dumps.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt):
+    return datetime.now().strftime(fmt)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (HF's assistant-mask marker): renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+_ENV = None
+
+
+def _jinja_env() -> ImmutableSandboxedEnvironment:
+    global _ENV
+    if _ENV is None:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        _ENV = env
+    return _ENV
+
+
+def _load_chat_templates(model_dir: str, config: dict) -> dict:
+    """name -> template source, from (first found) chat_template.jinja (+ additional_chat_templates/),
+    chat_template.json, or tokenizer_config.json's chat_template (a string or a named list)."""
+    templates = {}
+    jinja_path = os.path.join(model_dir, "chat_template.jinja")
+    if os.path.isfile(jinja_path):
+        with open(jinja_path, encoding="utf-8") as f:
+            templates["default"] = f.read()
+        extra_dir = os.path.join(model_dir, "additional_chat_templates")
+        if os.path.isdir(extra_dir):
+            for name in sorted(os.listdir(extra_dir)):
+                if name.endswith(".jinja"):
+                    with open(os.path.join(extra_dir, name), encoding="utf-8") as f:
+                        templates[name[:-len(".jinja")]] = f.read()
+        return templates
+    source = _read_json(os.path.join(model_dir, "chat_template.json")).get("chat_template")
+    if source is None:
+        source = config.get("chat_template")
+    if isinstance(source, str):
+        templates["default"] = source
+    elif isinstance(source, list):
+        templates.update({t["name"]: t["template"] for t in source})
+    return templates
+
+
+def _token_content(token) -> str | None:
+    # tokenizer_config stores a special token as a string or as a serialized AddedToken dict
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
