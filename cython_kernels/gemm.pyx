@@ -1,0 +1,385 @@
+# distutils: language = c
+"""Linear layer y = x @ W.T + b: the hot path of decode (small M) and prefill (large M).
+
+One copy of the weights: the constructor reorders W [N, K] once, with oneDNN, into the layout
+oneDNN's brgemm matmul itself picks under format_tag_any on AVX-512 (bf16: BA16a64b2a =
+[ceil(N/64)][Kp/2][64][2], f32: BA16a64b = [ceil(N/64)][Kp][64]). Both paths read that buffer:
+  - M <= small_m_max: our kernel (gemm_kernels.h) streams each 64-column block once for all M
+    rows, OpenMP over blocks, AVX-512 vdpbf16ps / FMA;
+  - larger M: a oneDNN matmul primitive (bf16 x bf16 -> f32, or f32), one per M, cached.
+NOTE: the layout is oneDNN's own choice, so prefill pays nothing for sharing it, and each block
+is one contiguous stream, which is what a GEMV wants; a second "GEMV-friendly" copy would only
+double the memory (measured: bench/bench_gemm.py).
+"""
+import numpy as np
+
+cimport numpy as cnp
+from libc.stdint cimport int64_t, uint16_t
+
+cnp.import_array()
+
+cdef extern from "dnnl.h" nogil:
+    ctypedef int dnnl_status_t
+    ctypedef void* dnnl_engine_t
+    ctypedef void* dnnl_stream_t
+    ctypedef void* dnnl_memory_t
+    ctypedef void* dnnl_memory_desc_t
+    ctypedef void* const_dnnl_memory_desc_t
+    ctypedef void* dnnl_primitive_desc_t
+    ctypedef void* dnnl_primitive_t
+    ctypedef void* dnnl_primitive_attr_t
+    ctypedef enum dnnl_engine_kind_t:
+        dnnl_cpu
+    ctypedef enum dnnl_stream_flags_t:
+        dnnl_stream_default_flags
+    ctypedef enum dnnl_data_type_t:
+        dnnl_f32
+        dnnl_bf16
+    ctypedef enum dnnl_format_tag_t:
+        dnnl_ab
+        dnnl_ba
+        dnnl_BA16a64b2a
+        dnnl_BA16a64b
+    ctypedef enum dnnl_query_t:
+        dnnl_query_impl_info_str
+        dnnl_query_padded_dims
+    ctypedef struct dnnl_exec_arg_t:
+        int arg
+        dnnl_memory_t memory
+    enum:
+        dnnl_success
+        DNNL_ARG_SRC
+        DNNL_ARG_WEIGHTS
+        DNNL_ARG_BIAS
+        DNNL_ARG_DST
+        DNNL_ARG_FROM
+        DNNL_ARG_TO
+
+    dnnl_status_t dnnl_engine_create(dnnl_engine_t* engine, dnnl_engine_kind_t kind, size_t index)
+    dnnl_status_t dnnl_stream_create(dnnl_stream_t* stream, dnnl_engine_t engine, unsigned flags)
+    dnnl_status_t dnnl_stream_wait(dnnl_stream_t stream)
+    dnnl_status_t dnnl_memory_desc_create_with_tag(dnnl_memory_desc_t* md, int ndims,
+                                                   const int64_t* dims, dnnl_data_type_t dt,
+                                                   dnnl_format_tag_t tag)
+    dnnl_status_t dnnl_memory_desc_destroy(dnnl_memory_desc_t md)
+    size_t dnnl_memory_desc_get_size(const_dnnl_memory_desc_t md)
+    dnnl_status_t dnnl_memory_desc_query(const_dnnl_memory_desc_t md, dnnl_query_t what,
+                                         void* result)
+    dnnl_status_t dnnl_memory_create(dnnl_memory_t* mem, const_dnnl_memory_desc_t md,
+                                     dnnl_engine_t engine, void* handle)
+    dnnl_status_t dnnl_memory_set_data_handle(dnnl_memory_t mem, void* handle)
+    dnnl_status_t dnnl_memory_destroy(dnnl_memory_t mem)
+    dnnl_status_t dnnl_matmul_primitive_desc_create(
+        dnnl_primitive_desc_t* pd, dnnl_engine_t engine, const_dnnl_memory_desc_t src,
+        const_dnnl_memory_desc_t weights, const_dnnl_memory_desc_t bias,
+        const_dnnl_memory_desc_t dst, dnnl_primitive_attr_t attr)
+    dnnl_status_t dnnl_reorder_primitive_desc_create(
+        dnnl_primitive_desc_t* pd, const_dnnl_memory_desc_t src, dnnl_engine_t src_engine,
+        const_dnnl_memory_desc_t dst, dnnl_engine_t dst_engine, dnnl_primitive_attr_t attr)
+    dnnl_status_t dnnl_primitive_desc_query(dnnl_primitive_desc_t pd, dnnl_query_t what,
+                                            int index, void* result)
+    dnnl_status_t dnnl_primitive_desc_destroy(dnnl_primitive_desc_t pd)
+    dnnl_status_t dnnl_primitive_create(dnnl_primitive_t* prim, dnnl_primitive_desc_t pd)
+    dnnl_status_t dnnl_primitive_execute(dnnl_primitive_t prim, dnnl_stream_t stream, int nargs,
+                                         const dnnl_exec_arg_t* args)
+    dnnl_status_t dnnl_primitive_destroy(dnnl_primitive_t prim)
+
+cdef extern from "gemm_kernels.h" nogil:
+    enum:
+        GEMM_MMAX
+    int gemm_cpu_level()
+    void* gemm_alloc(size_t nbytes)
+    void gemm_rows_to_bf16(const float* x, long m, long k, uint16_t* y, long ldy)
+    void gemm_small_bf16(const uint16_t* w, long K, long N, long kp, const float* x, long M,
+                         const float* bias, float* out, uint16_t* xs, int level)
+    void gemm_small_f32(const float* w, long K, long N, long kp, const float* x, long M,
+                        const float* bias, float* out, float* xs, int level)
+    void omp_set_num_threads(int n)
+    int omp_get_max_threads()
+
+from libc.stdlib cimport free
+
+# NOTE: measured on Zen4 (2 threads): the small-M kernel beats oneDNN up to M = 16 (bf16) and
+# M = 16 (f32); see bench/bench_gemm.py.
+SMALL_M_MAX = 16
+_PRIM_CACHE_SIZE = 16
+
+cdef int _level = gemm_cpu_level()
+cdef dnnl_engine_t _engine = NULL
+cdef dnnl_stream_t _stream = NULL
+
+
+cdef int _check(dnnl_status_t st, str what) except -1:
+    if st != dnnl_success:
+        raise RuntimeError("oneDNN %s failed with status %d" % (what, st))
+    return 0
+
+
+cdef void _init_dnnl() except *:
+    global _engine, _stream
+    if _engine == NULL:
+        _check(dnnl_engine_create(&_engine, dnnl_cpu, 0), "engine_create")
+        _check(dnnl_stream_create(&_stream, _engine, dnnl_stream_default_flags), "stream_create")
+
+
+def set_num_threads(int n):
+    """Threads used by both paths (OpenMP; oneDNN is the gomp build and follows it)."""
+    if n < 1:
+        raise ValueError("set_num_threads needs n >= 1, got %d" % n)
+    omp_set_num_threads(n)
+
+
+def get_num_threads():
+    return omp_get_max_threads()
+
+
+def cpu_level():
+    """2: AVX-512 + bf16 kernels, 1: AVX-512 f32 only, 0: portable C fallback."""
+    return _level
+
+
+cdef dnnl_memory_desc_t _md(int64_t d0, int64_t d1, dnnl_data_type_t dt,
+                            dnnl_format_tag_t tag) except NULL:
+    cdef dnnl_memory_desc_t md = NULL
+    cdef int64_t dims[12]  # dnnl_dims_t: the API reads DNNL_MAX_NDIMS entries
+    dims[0] = d0
+    dims[1] = d1
+    _check(dnnl_memory_desc_create_with_tag(&md, 2, dims, dt, tag), "memory_desc_create")
+    return md
+
+
+cdef class _Matmul:
+    """A oneDNN matmul primitive for one M, with its src/dst memory objects (handles reset
+    on every call)."""
+    cdef dnnl_primitive_t prim
+    cdef dnnl_memory_t src, dst, bias
+    cdef readonly str impl
+
+    def __dealloc__(self):
+        if self.prim != NULL:
+            dnnl_primitive_destroy(self.prim)
+        if self.src != NULL:
+            dnnl_memory_destroy(self.src)
+        if self.dst != NULL:
+            dnnl_memory_destroy(self.dst)
+        if self.bias != NULL:
+            dnnl_memory_destroy(self.bias)
+
+
+cdef class Linear:
+    """y = x @ W.T + b, same contract as numa_runtime.backend.reference.Linear.
+
+    weight: [N, K] C-contiguous float32 or uint16 (bf16 bits); bias: None or float32 [N].
+    bf16 weights: x is rounded to bf16 (nearest-even) and the products accumulate in f32.
+    `nbytes` is the packed weight memory held (the only copy; K padded to 32 (bf16) or 16
+    (f32), N to 64, with zeros). `small_m_max` picks the path: M <= it runs the streaming
+    kernel, larger M oneDNN. forward() is not re-entrant on one object (shared scratch).
+    """
+    cdef readonly int in_features, out_features
+    cdef readonly str dtype
+    cdef readonly size_t nbytes
+    cdef public int small_m_max
+    cdef void* w
+    cdef long kp
+    cdef bint bf16
+    cdef dnnl_memory_desc_t wmd
+    cdef dnnl_memory_t wmem
+    cdef object bias_arr, xs_small, xs_big
+    cdef dict prims
+
+    def __cinit__(self):
+        self.w = NULL
+        self.wmd = NULL
+        self.wmem = NULL
+
+    def __init__(self, weight, bias=None):
+        _init_dnnl()
+        weight = np.asarray(weight)
+        if weight.ndim != 2:
+            raise ValueError("Linear weight must be 2-D [out_features, in_features], got shape %s"
+                             % (weight.shape,))
+        self.bf16 = weight.dtype == np.uint16
+        weight = np.ascontiguousarray(weight, dtype=np.uint16 if self.bf16 else np.float32)
+        self.out_features, self.in_features = weight.shape
+        if self.out_features < 1 or self.in_features < 1:
+            raise ValueError("Linear weight shape %s is empty" % (weight.shape,))
+        self.dtype = "bfloat16" if self.bf16 else "float32"
+        if bias is not None:
+            bias = np.ascontiguousarray(bias, dtype=np.float32)
+            if bias.shape != (self.out_features,):
+                raise ValueError("Linear bias must have shape (%d,), got %s"
+                                 % (self.out_features, bias.shape))
+        self.bias_arr = bias
+        self.small_m_max = SMALL_M_MAX
+        self.prims = {}
+        self._pack(weight)
+        elem = np.uint16 if self.bf16 else np.float32
+        self.xs_small = np.zeros(GEMM_MMAX * self.kp, dtype=elem)  # [GEMM_MMAX, Kp]
+        self.xs_big = np.zeros(0, dtype=np.uint16)                  # [M, K] bf16 x for oneDNN
+
+    cdef _pack(self, cnp.ndarray weight):
+        cdef int64_t K = self.in_features, N = self.out_features
+        cdef dnnl_data_type_t dt = dnnl_bf16 if self.bf16 else dnnl_f32
+        cdef dnnl_memory_desc_t src_md = NULL
+        cdef dnnl_memory_t src_mem = NULL
+        cdef dnnl_primitive_desc_t rpd = NULL
+        cdef dnnl_primitive_t reorder = NULL
+        cdef dnnl_exec_arg_t args[2]
+        cdef int64_t* padded
+        self.wmd = _md(K, N, dt, dnnl_BA16a64b2a if self.bf16 else dnnl_BA16a64b)
+        self.nbytes = dnnl_memory_desc_get_size(self.wmd)
+        _check(dnnl_memory_desc_query(self.wmd, dnnl_query_padded_dims, &padded), "md_query")
+        self.kp = padded[0]
+        if self.nbytes != <size_t>(padded[0] * padded[1] * (2 if self.bf16 else 4)):
+            raise RuntimeError("unexpected oneDNN packed weight size %d" % self.nbytes)
+        self.w = gemm_alloc(self.nbytes)
+        if self.w == NULL:
+            raise MemoryError("cannot allocate %d bytes of packed weights" % self.nbytes)
+        try:
+            # W [N, K] row-major is B = W^T [K, N] in "ba" order.
+            src_md = _md(K, N, dt, dnnl_ba)
+            _check(dnnl_memory_create(&src_mem, src_md, _engine, cnp.PyArray_DATA(weight)),
+                   "memory_create")
+            _check(dnnl_memory_create(&self.wmem, self.wmd, _engine, self.w), "memory_create")
+            _check(dnnl_reorder_primitive_desc_create(&rpd, src_md, _engine, self.wmd, _engine,
+                                                      NULL), "reorder_pd")
+            _check(dnnl_primitive_create(&reorder, rpd), "reorder")
+            args[0].arg = DNNL_ARG_FROM
+            args[0].memory = src_mem
+            args[1].arg = DNNL_ARG_TO
+            args[1].memory = self.wmem
+            with nogil:
+                dnnl_primitive_execute(reorder, _stream, 2, args)
+                dnnl_stream_wait(_stream)
+        finally:
+            if reorder != NULL:
+                dnnl_primitive_destroy(reorder)
+            if rpd != NULL:
+                dnnl_primitive_desc_destroy(rpd)
+            if src_mem != NULL:
+                dnnl_memory_destroy(src_mem)
+            if src_md != NULL:
+                dnnl_memory_desc_destroy(src_md)
+
+    def __dealloc__(self):
+        if self.wmem != NULL:
+            dnnl_memory_destroy(self.wmem)
+        if self.wmd != NULL:
+            dnnl_memory_desc_destroy(self.wmd)
+        if self.w != NULL:
+            free(self.w)
+
+    def forward(self, x, out=None):
+        """x: [M, K] f32 C-contiguous -> [M, N] f32 (into `out` when given, no allocation)."""
+        cdef cnp.ndarray xa = x, oa
+        cdef long M, K = self.in_features, N = self.out_features
+        if xa.dtype != np.float32 or xa.ndim != 2 or xa.shape[1] != K or \
+                not xa.flags.c_contiguous:
+            raise ValueError("Linear.forward expects x as C-contiguous float32 [M, %d], got %s %s"
+                             % (K, xa.dtype, (<object>xa).shape))
+        M = xa.shape[0]
+        if out is None:
+            oa = np.empty((M, N), dtype=np.float32)
+        else:
+            oa = out
+            if oa.dtype != np.float32 or oa.ndim != 2 or oa.shape[0] != M or \
+                    oa.shape[1] != N or not oa.flags.c_contiguous:
+                raise ValueError("Linear.forward out must be C-contiguous float32 [%d, %d]"
+                                 % (M, N))
+        if M == 0:
+            return oa
+        if M <= self.small_m_max:
+            self._small(xa, oa, M)
+        else:
+            self._dnnl(xa, oa, M)
+        return oa
+
+    cdef _small(self, cnp.ndarray xa, cnp.ndarray oa, long M):
+        cdef long K = self.in_features, N = self.out_features
+        cdef const float* bias = NULL
+        cdef const float* xp = <const float*>cnp.PyArray_DATA(xa)
+        cdef float* op = <float*>cnp.PyArray_DATA(oa)
+        cdef void* xs = cnp.PyArray_DATA(self.xs_small)
+        if self.bias_arr is not None:
+            bias = <const float*>cnp.PyArray_DATA(self.bias_arr)
+        with nogil:
+            if self.bf16:
+                gemm_small_bf16(<const uint16_t*>self.w, K, N, self.kp, xp, M, bias, op,
+                                <uint16_t*>xs, _level)
+            else:
+                gemm_small_f32(<const float*>self.w, K, N, self.kp, xp, M, bias, op,
+                               <float*>xs, _level)
+
+    cdef _Matmul _prim(self, long M):
+        cdef _Matmul p = self.prims.pop(M, None)
+        if p is None:
+            p = self._create_prim(M)
+            if len(self.prims) >= _PRIM_CACHE_SIZE:
+                del self.prims[next(iter(self.prims))]  # least recently used
+        self.prims[M] = p
+        return p
+
+    cdef _Matmul _create_prim(self, long M):
+        cdef long K = self.in_features, N = self.out_features
+        cdef dnnl_data_type_t dt = dnnl_bf16 if self.bf16 else dnnl_f32
+        cdef dnnl_memory_desc_t src_md = NULL, dst_md = NULL, bias_md = NULL
+        cdef dnnl_primitive_desc_t pd = NULL
+        cdef const char* impl = NULL
+        cdef _Matmul p = _Matmul()
+        try:
+            src_md = _md(M, K, dt, dnnl_ab)
+            dst_md = _md(M, N, dnnl_f32, dnnl_ab)
+            if self.bias_arr is not None:
+                bias_md = _md(1, N, dnnl_f32, dnnl_ab)
+            _check(dnnl_matmul_primitive_desc_create(&pd, _engine, src_md, self.wmd, bias_md,
+                                                     dst_md, NULL), "matmul_pd")
+            _check(dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &impl), "query")
+            p.impl = impl.decode()
+            _check(dnnl_primitive_create(&p.prim, pd), "matmul")
+            _check(dnnl_memory_create(&p.src, src_md, _engine, NULL), "memory_create")
+            _check(dnnl_memory_create(&p.dst, dst_md, _engine, NULL), "memory_create")
+            if bias_md != NULL:
+                _check(dnnl_memory_create(&p.bias, bias_md, _engine,
+                                          cnp.PyArray_DATA(self.bias_arr)), "memory_create")
+        finally:
+            if pd != NULL:
+                dnnl_primitive_desc_destroy(pd)
+            if src_md != NULL:
+                dnnl_memory_desc_destroy(src_md)
+            if dst_md != NULL:
+                dnnl_memory_desc_destroy(dst_md)
+            if bias_md != NULL:
+                dnnl_memory_desc_destroy(bias_md)
+        return p
+
+    cdef _dnnl(self, cnp.ndarray xa, cnp.ndarray oa, long M):
+        cdef long K = self.in_features
+        cdef _Matmul p = self._prim(M)
+        cdef void* src = cnp.PyArray_DATA(xa)
+        cdef dnnl_exec_arg_t args[4]
+        cdef int nargs = 3
+        if self.bf16:
+            if self.xs_big.shape[0] < M * K:
+                self.xs_big = np.empty(M * K, dtype=np.uint16)
+            src = cnp.PyArray_DATA(self.xs_big)
+        args[0].arg = DNNL_ARG_SRC
+        args[0].memory = p.src
+        args[1].arg = DNNL_ARG_WEIGHTS
+        args[1].memory = self.wmem
+        args[2].arg = DNNL_ARG_DST
+        args[2].memory = p.dst
+        if p.bias != NULL:
+            args[3].arg = DNNL_ARG_BIAS
+            args[3].memory = p.bias
+            nargs = 4
+        with nogil:
+            if self.bf16:
+                gemm_rows_to_bf16(<const float*>cnp.PyArray_DATA(xa), M, K, <uint16_t*>src, K)
+            dnnl_memory_set_data_handle(p.src, src)
+            dnnl_memory_set_data_handle(p.dst, cnp.PyArray_DATA(oa))
+            dnnl_primitive_execute(p.prim, _stream, nargs, args)
+            dnnl_stream_wait(_stream)
+
+    def impl_info(self, long M):
+        """oneDNN implementation name used for this M on the large-M path (e.g. brg:...)."""
+        return self._prim(M).impl

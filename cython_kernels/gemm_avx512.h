@@ -1,0 +1,102 @@
+/* AVX-512 block kernels for gemm_kernels.h: one packed 64-column weight block times m <= GEMM_MMAX
+ * activation rows. Compiled with target attributes; gemm_cpu_level() picks them at run time. */
+#ifndef NUMA_RUNTIME_GEMM_AVX512_H
+#define NUMA_RUNTIME_GEMM_AVX512_H
+
+#define GEMM_T_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define GEMM_T_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define GEMM_INLINE static inline __attribute__((always_inline))
+
+#ifndef GEMM_PF_BYTES
+#define GEMM_PF_BYTES 1024 /* software prefetch distance ahead of the weight stream */
+#endif
+
+/* acc[r][0:64] (+)= sum_p x32[r][p] . wb[p] over k-pairs p0..p1, for r < mr (constant). */
+GEMM_INLINE GEMM_T_BF16 void gemm_tile_bf16(const uint16_t* wb, const uint32_t* x32, long ldx,
+                                            long p0, long p1, float* acc, const int mr,
+                                            int first) {
+    __m512 c[GEMM_MR][4];
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < 4; j++)
+            c[r][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + r * GEMM_NB + 16 * j);
+    for (long p = p0; p < p1; p++) {
+        const uint16_t* row = wb + p * 2 * GEMM_NB;  /* 64 columns x 2 k = 256 bytes */
+        _mm_prefetch((const char*)row + GEMM_PF_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char*)row + GEMM_PF_BYTES + 128, _MM_HINT_T0);
+        __m512i w[4];
+        for (int j = 0; j < 4; j++) w[j] = _mm512_load_si512((const void*)(row + 32 * j));
+        for (int r = 0; r < mr; r++) {
+            __m512i xb = _mm512_set1_epi32((int)x32[r * ldx + p]);
+            for (int j = 0; j < 4; j++)
+                c[r][j] = _mm512_dpbf16_ps(c[r][j], (__m512bh)w[j], (__m512bh)xb);
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < 4; j++) _mm512_store_ps(acc + r * GEMM_NB + 16 * j, c[r][j]);
+}
+
+GEMM_INLINE GEMM_T_AVX512 void gemm_tile_f32(const float* wb, const float* xs, long ldx, long k0,
+                                             long k1, float* acc, const int mr, int first) {
+    __m512 c[GEMM_MR][4];
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < 4; j++)
+            c[r][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + r * GEMM_NB + 16 * j);
+    for (long k = k0; k < k1; k++) {
+        const float* row = wb + k * GEMM_NB;  /* 64 columns = 256 bytes */
+        _mm_prefetch((const char*)row + GEMM_PF_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char*)row + GEMM_PF_BYTES + 128, _MM_HINT_T0);
+        __m512 w[4];
+        for (int j = 0; j < 4; j++) w[j] = _mm512_load_ps(row + 16 * j);
+        for (int r = 0; r < mr; r++) {
+            __m512 xb = _mm512_set1_ps(xs[r * ldx + k]);
+            for (int j = 0; j < 4; j++) c[r][j] = _mm512_fmadd_ps(w[j], xb, c[r][j]);
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < 4; j++) _mm512_store_ps(acc + r * GEMM_NB + 16 * j, c[r][j]);
+}
+
+/* NOTE: the switch turns mr into a constant so c[][] lives in registers. */
+#define GEMM_TILE_SWITCH(fn, mr, ...)                         \
+    switch (mr) {                                             \
+        case 1: fn(__VA_ARGS__, 1, first); break;             \
+        case 2: fn(__VA_ARGS__, 2, first); break;             \
+        case 3: fn(__VA_ARGS__, 3, first); break;             \
+        case 4: fn(__VA_ARGS__, 4, first); break;             \
+        case 5: fn(__VA_ARGS__, 5, first); break;             \
+        default: fn(__VA_ARGS__, 6, first); break;            \
+    }
+
+/* wb: bf16 block [Kp/2][64][2]; xs: bf16 rows [m][Kp]; acc: [m][64] (64-byte aligned). With
+ * more rows than one register tile, k is cut into GEMM_KC chunks so the weight chunk is reread
+ * from L1 by every tile instead of from DRAM. */
+static GEMM_T_BF16 void gemm_block_bf16_avx512(const uint16_t* wb, const uint16_t* xs, int m,
+                                               long kp, float* acc) {
+    const uint32_t* x32 = (const uint32_t*)xs;
+    long np = kp / 2, kc = m <= GEMM_MR ? np : GEMM_KC;
+    for (long p0 = 0; p0 < np; p0 += kc) {
+        long p1 = p0 + kc < np ? p0 + kc : np;
+        int first = p0 == 0;
+        for (int r0 = 0; r0 < m; r0 += GEMM_MR) {
+            int mr = m - r0 < GEMM_MR ? m - r0 : GEMM_MR;
+            GEMM_TILE_SWITCH(gemm_tile_bf16, mr, wb, x32 + r0 * np, np, p0, p1,
+                             acc + r0 * GEMM_NB)
+        }
+    }
+}
+
+/* wb: f32 block [Kp][64]; xs: f32 rows [m][Kp]; acc: [m][64]. */
+static GEMM_T_AVX512 void gemm_block_f32_avx512(const float* wb, const float* xs, int m, long kp,
+                                                float* acc) {
+    long kc = m <= GEMM_MR ? kp : GEMM_KC;
+    for (long k0 = 0; k0 < kp; k0 += kc) {
+        long k1 = k0 + kc < kp ? k0 + kc : kp;
+        int first = k0 == 0;
+        for (int r0 = 0; r0 < m; r0 += GEMM_MR) {
+            int mr = m - r0 < GEMM_MR ? m - r0 : GEMM_MR;
+            GEMM_TILE_SWITCH(gemm_tile_f32, mr, wb, xs + r0 * kp, kp, k0, k1, acc + r0 * GEMM_NB)
+        }
+    }
+}
+
+#endif
