@@ -1,0 +1,148 @@
+# cython: language_level=3
+"""Paged KV cache: reshape_and_cache and causal paged_attention (reference semantics).
+
+Layout contract: q, k, v and out are [T, H, D] float32 with a contiguous last axis and any
+token/head stride (slices of a fused qkv buffer are fine); k_cache/v_cache are C-contiguous
+[num_blocks, block_size, Hk, D], both float32 or both bf16 bits (uint16); block_tables,
+query_start and context_lens are converted to contiguous int32 if they are not already.
+"""
+import numpy as np
+cimport numpy as cnp
+from libc.stdint cimport int64_t, int32_t
+
+cnp.import_array()
+
+cdef extern from "attention_kernels.h":
+    ctypedef struct nr_attn_args:
+        const float *q
+        int64_t q_st, q_sh
+        const void *kc
+        const void *vc
+        int is_bf16
+        int64_t nb, bs, Hq, Hk, D
+        const int32_t *bt
+        int64_t bt_st, max_blocks
+        const int32_t *qstart
+        const int32_t *ctx
+        int64_t S
+        float scale
+        float *out
+        int64_t o_st, o_sh
+    int64_t nr_reshape_and_cache(const float *k, int64_t k_st, int64_t k_sh,
+                                 const float *v, int64_t v_st, int64_t v_sh,
+                                 void *kc, void *vc, int is_bf16, int64_t T, int64_t Hk,
+                                 int64_t D, const int64_t *slots, int64_t n_slots) nogil
+    int64_t nr_attn_check(const nr_attn_args *a, int64_t T) nogil
+    void nr_paged_attention(const nr_attn_args *a) nogil
+
+
+cdef _check_thd(t, str name, bint writable=False):
+    """t must be [T, H, D] float32 with a contiguous last axis; returns (st, sh) in floats."""
+    if not isinstance(t, np.ndarray) or t.dtype != np.float32 or t.ndim != 3:
+        raise TypeError("%s must be a [T, H, D] float32 array" % name)
+    if (t.shape[2] > 1 and t.strides[2] != 4) or t.strides[0] % 4 or t.strides[1] % 4:
+        raise ValueError("%s must be contiguous in its last axis" % name)
+    if writable and not t.flags.writeable:
+        raise ValueError("%s must be writable" % name)
+    return t.strides[0] // 4, t.strides[1] // 4
+
+
+cdef _check_caches(k_cache, v_cache):
+    for c, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        if not isinstance(c, np.ndarray) or c.ndim != 4 or not c.flags.c_contiguous:
+            raise ValueError("%s must be a C-contiguous [num_blocks, block_size, Hk, D] array"
+                             % name)
+        if c.dtype != np.float32 and c.dtype != np.uint16:
+            raise TypeError("%s must be float32 or bf16 bits (uint16), got %s" % (name, c.dtype))
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError("k_cache %s %s and v_cache %s %s differ" % (
+            k_cache.shape, k_cache.dtype, v_cache.shape, v_cache.dtype))
+
+
+def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
+    """Write new K/V rows into the paged cache (rounded to bf16 for a bf16 cache).
+
+    k, v: [T, Hk, D] f32; k_cache, v_cache: [num_blocks, block_size, Hk, D] f32|bf16;
+    slot_mapping: [T] int64, slot = block_id * block_size + offset; a slot < 0 is skipped.
+    """
+    k_st, k_sh = _check_thd(k, "k")
+    v_st, v_sh = _check_thd(v, "v")
+    _check_caches(k_cache, v_cache)
+    cdef cnp.ndarray slots = np.ascontiguousarray(slot_mapping, dtype=np.int64).reshape(-1)
+    cdef int64_t T = k.shape[0], Hk = k.shape[1], D = k.shape[2]
+    if v.shape != k.shape or slots.shape[0] != T or k_cache.shape[2:] != (Hk, D):
+        raise ValueError("reshape_and_cache: k %s, v %s, slot_mapping %s and cache %s disagree"
+                         % (k.shape, v.shape, slot_mapping.shape, k_cache.shape))
+    cdef int64_t n_slots = k_cache.shape[0] * k_cache.shape[1]
+    cdef const float *pk = <const float *>cnp.PyArray_DATA(k)
+    cdef const float *pv = <const float *>cnp.PyArray_DATA(v)
+    cdef void *pkc = cnp.PyArray_DATA(k_cache)
+    cdef void *pvc = cnp.PyArray_DATA(v_cache)
+    cdef const int64_t *ps = <const int64_t *>cnp.PyArray_DATA(slots)
+    cdef int is_bf16 = k_cache.dtype == np.uint16
+    cdef int64_t ks0 = k_st, ks1 = k_sh, vs0 = v_st, vs1 = v_sh, bad
+    with nogil:
+        bad = nr_reshape_and_cache(pk, ks0, ks1, pv, vs0, vs1, pkc, pvc, is_bf16, T, Hk, D,
+                                   ps, n_slots)
+    if bad >= 0:
+        raise IndexError("slot_mapping[%d] = %d is past the cache's %d slots; nothing written"
+                         % (bad, slots[bad], n_slots))
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, double scale,
+                    out):
+    """Causal attention for a batch of sequences through their block tables.
+
+    q: [T, Hq, D] f32, new tokens of all sequences back to back; query_start: [S+1] int32;
+    context_lens: [S] int32, cached tokens of s *including* its new ones (already written);
+    query row i of s sits at position context_lens[s] - n_new + i; block_tables:
+    [S, max_blocks] int32; k_cache/v_cache: [num_blocks, block_size, Hk, D] f32|bf16;
+    query head h reads kv head h // (Hq // Hk). out: [T, Hq, D] f32 (rows of sequences with
+    no new tokens are not written). Online softmax in f32; returns out.
+    """
+    cdef nr_attn_args a
+    q_st, q_sh = _check_thd(q, "q")
+    o_st, o_sh = _check_thd(out, "out", True)
+    _check_caches(k_cache, v_cache)
+    if out.shape != q.shape:
+        raise ValueError("out %s must have q's shape %s" % (out.shape, q.shape))
+    nb, bs, hk, d = k_cache.shape
+    if q.shape[2] != d or hk < 1 or q.shape[1] % hk:
+        raise ValueError("q %s does not fit a cache of [*, *, %d, %d] (Hq must be a multiple "
+                         "of Hk)" % (q.shape, hk, d))
+    cdef cnp.ndarray bt = np.ascontiguousarray(block_tables, dtype=np.int32)
+    cdef cnp.ndarray qs = np.ascontiguousarray(query_start, dtype=np.int32).reshape(-1)
+    cdef cnp.ndarray cl = np.ascontiguousarray(context_lens, dtype=np.int32).reshape(-1)
+    cdef int64_t S = cl.shape[0]
+    if bt.ndim != 2 or bt.shape[0] < S or qs.shape[0] != S + 1:
+        raise ValueError("block_tables %s, query_start %s and context_lens %s disagree"
+                         % (np.shape(block_tables), np.shape(query_start), np.shape(context_lens)))
+    a.q = <const float *>cnp.PyArray_DATA(q)
+    a.q_st = q_st
+    a.q_sh = q_sh
+    a.kc = cnp.PyArray_DATA(k_cache)
+    a.vc = cnp.PyArray_DATA(v_cache)
+    a.is_bf16 = k_cache.dtype == np.uint16
+    a.nb, a.bs, a.Hq, a.Hk, a.D = nb, bs, q.shape[1], hk, d
+    a.bt = <const int32_t *>cnp.PyArray_DATA(bt)
+    a.bt_st = bt.shape[1]
+    a.max_blocks = bt.shape[1]
+    a.qstart = <const int32_t *>cnp.PyArray_DATA(qs)
+    a.ctx = <const int32_t *>cnp.PyArray_DATA(cl)
+    a.S = S
+    a.scale = scale
+    a.out = <float *>cnp.PyArray_DATA(out)
+    a.o_st = o_st
+    a.o_sh = o_sh
+    cdef int64_t T = q.shape[0], bad
+    with nogil:
+        bad = nr_attn_check(&a, T)
+    if bad >= 0:
+        raise ValueError("paged_attention: sequence %d is inconsistent (query rows %d:%d of %d, "
+                         "context %d, block table of %d blocks of %d, cache of %d blocks)"
+                         % (bad, qs[bad], qs[bad + 1], T, cl[bad], bt.shape[1], bs, nb))
+    if T == 0 or d == 0:
+        return out
+    with nogil:
+        nr_paged_attention(&a)
+    return out

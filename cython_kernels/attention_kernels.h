@@ -1,0 +1,236 @@
+/* Paged KV cache write and causal paged attention (flash-style online softmax in f32).
+ *
+ * Caches are C-contiguous [num_blocks, block_size, Hk, D], f32 or bf16 bits. q/k/v/out are
+ * [T, H, D] with any token and head stride but a contiguous last axis.
+ *
+ * Work split: one item = (sequence, kv head, chunk of query rows); an item handles all
+ * `group` query heads sharing that kv head, so each K/V row is read once per item and used
+ * by every query of the item. Items run under OpenMP dynamic scheduling, largest first.
+ */
+#ifndef NR_ATTENTION_KERNELS_H
+#define NR_ATTENTION_KERNELS_H
+
+#include <stdlib.h>
+#include <omp.h>
+#include "ops_math.h"
+
+#define NR_KT 64      /* keys per tile */
+#define NR_NQ 32      /* target query vectors (rows x group heads) per item */
+
+static int64_t nr_reshape_and_cache(const float *k, int64_t k_st, int64_t k_sh,
+                                    const float *v, int64_t v_st, int64_t v_sh,
+                                    void *kc, void *vc, int is_bf16, int64_t T, int64_t Hk,
+                                    int64_t D, const int64_t *slots, int64_t n_slots) {
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] >= n_slots) return t;  /* caller raises */
+    #pragma omp parallel for schedule(static) if (T * Hk * D > 65536)
+    for (int64_t t = 0; t < T; t++) {
+        int64_t slot = slots[t];
+        if (slot < 0) continue;
+        for (int64_t h = 0; h < Hk; h++) {
+            const float *ks = k + t * k_st + h * k_sh, *vs = v + t * v_st + h * v_sh;
+            int64_t off = (slot * Hk + h) * D;
+            if (is_bf16) {
+                uint16_t *kd = (uint16_t *)kc + off, *vd = (uint16_t *)vc + off;
+                #pragma omp simd
+                for (int64_t d = 0; d < D; d++) {
+                    kd[d] = nr_f32_to_bf16(ks[d]);
+                    vd[d] = nr_f32_to_bf16(vs[d]);
+                }
+            } else {
+                memcpy((float *)kc + off, ks, (size_t)D * sizeof(float));
+                memcpy((float *)vc + off, vs, (size_t)D * sizeof(float));
+            }
+        }
+    }
+    return -1;
+}
+
+typedef struct {
+    const float *q; int64_t q_st, q_sh;
+    const void *kc, *vc; int is_bf16;
+    int64_t nb, bs, Hq, Hk, D;
+    const int32_t *bt; int64_t bt_st, max_blocks;
+    const int32_t *qstart, *ctx; int64_t S;
+    float scale;
+    float *out; int64_t o_st, o_sh;
+} nr_attn_args;
+
+/* Row pointers of keys/values j0..j0+nk of kv head hk of sequence s (bf16 rows are
+ * converted into buf). */
+static inline void nr_gather(const nr_attn_args *a, const void *cache, int64_t s, int64_t hk,
+                             int64_t j0, int64_t nk, float *buf, const float **rows) {
+    const int32_t *bt = a->bt + s * a->bt_st;
+    int64_t D = a->D;
+    for (int64_t j = 0; j < nk; j++) {
+        int64_t p = j0 + j;
+        int64_t off = (((int64_t)bt[p / a->bs] * a->bs + p % a->bs) * a->Hk + hk) * D;
+        if (a->is_bf16) {
+            const uint16_t *src = (const uint16_t *)cache + off;
+            float *dst = buf + j * D;
+            #pragma omp simd
+            for (int64_t d = 0; d < D; d++) dst[d] = nr_bf16_to_f32(src[d]);
+            rows[j] = dst;
+        } else {
+            rows[j] = (const float *)cache + off;
+        }
+    }
+}
+
+/* sc[j] = dot(qv, k[j]) for j < n, four keys per pass for independent FMA chains. */
+static inline void nr_scores(const float *qv, const float **k, int64_t n, int64_t D, float *sc) {
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const float *k0 = k[j], *k1 = k[j + 1], *k2 = k[j + 2], *k3 = k[j + 3];
+        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+        #pragma omp simd reduction(+:s0, s1, s2, s3)
+        for (int64_t d = 0; d < D; d++) {
+            float x = qv[d];
+            s0 += x * k0[d]; s1 += x * k1[d]; s2 += x * k2[d]; s3 += x * k3[d];
+        }
+        sc[j] = s0; sc[j + 1] = s1; sc[j + 2] = s2; sc[j + 3] = s3;
+    }
+    for (; j < n; j++) {
+        const float *k0 = k[j];
+        float s0 = 0.f;
+        #pragma omp simd reduction(+:s0)
+        for (int64_t d = 0; d < D; d++) s0 += qv[d] * k0[d];
+        sc[j] = s0;
+    }
+}
+
+/* acc += sum_j p[j] * v[j] for j < n. */
+static inline void nr_accumulate(float *acc, const float *p, const float **v, int64_t n,
+                                 int64_t D) {
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const float *v0 = v[j], *v1 = v[j + 1], *v2 = v[j + 2], *v3 = v[j + 3];
+        float p0 = p[j], p1 = p[j + 1], p2 = p[j + 2], p3 = p[j + 3];
+        #pragma omp simd
+        for (int64_t d = 0; d < D; d++)
+            acc[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
+    }
+    for (; j < n; j++) {
+        const float *v0 = v[j];
+        float p0 = p[j];
+        #pragma omp simd
+        for (int64_t d = 0; d < D; d++) acc[d] += p0 * v0[d];
+    }
+}
+
+static inline int64_t nr_item_rows(int64_t group) { return group >= NR_NQ ? 1 : NR_NQ / group; }
+
+static inline size_t nr_ws_floats(int64_t nq, int64_t D) {
+    return (size_t)(2 * nq * D + 2 * nq + nq * NR_KT + 2 * NR_KT * D + 64);
+}
+
+/* Query rows [i0, i1) of sequence s, kv head hk, all its query heads. */
+static void nr_attn_item(const nr_attn_args *a, int64_t s, int64_t hk, int64_t i0, int64_t i1,
+                         float *ws) {
+    int64_t D = a->D, group = a->Hq / a->Hk;
+    int64_t q0 = a->qstart[s], n_new = a->qstart[s + 1] - q0;
+    int64_t base = (int64_t)a->ctx[s] - n_new;  /* position of query row 0 */
+    int64_t nq = (i1 - i0) * group;
+    float *Q = ws, *acc = Q + nq * D, *m = acc + nq * D, *l = m + nq, *sc = l + nq;
+    float *kb = sc + nq * NR_KT, *vb = kb + NR_KT * D;
+    const float *krows[NR_KT], *vrows[NR_KT];
+
+    for (int64_t qi = 0; qi < nq; qi++) {
+        int64_t i = i0 + qi / group, h = hk * group + qi % group;
+        const float *src = a->q + (q0 + i) * a->q_st + h * a->q_sh;
+        float *dst = Q + qi * D, *ac = acc + qi * D;
+        #pragma omp simd
+        for (int64_t d = 0; d < D; d++) { dst[d] = src[d] * a->scale; ac[d] = 0.f; }
+        m[qi] = -INFINITY;
+        l[qi] = 0.f;
+    }
+    int64_t kv_end = base + i1;  /* keys visible to the last row of the item */
+    for (int64_t j0 = 0; j0 < kv_end; j0 += NR_KT) {
+        int64_t nk = kv_end - j0 < NR_KT ? kv_end - j0 : NR_KT;
+        nr_gather(a, a->kc, s, hk, j0, nk, kb, krows);
+        for (int64_t qi = 0; qi < nq; qi++) {
+            int64_t n = base + i0 + qi / group + 1 - j0;  /* causal limit inside the tile */
+            if (n > nk) n = nk;
+            if (n <= 0) continue;
+            float *p = sc + qi * NR_KT;
+            nr_scores(Q + qi * D, krows, n, D, p);
+            float mx = m[qi];
+            for (int64_t j = 0; j < n; j++) mx = p[j] > mx ? p[j] : mx;
+            float corr = nr_expf(m[qi] - mx), sum = 0.f;
+            #pragma omp simd reduction(+:sum)
+            for (int64_t j = 0; j < n; j++) { p[j] = nr_expf(p[j] - mx); sum += p[j]; }
+            l[qi] = l[qi] * corr + sum;
+            m[qi] = mx;
+            if (corr != 1.0f) {
+                float *ac = acc + qi * D;
+                #pragma omp simd
+                for (int64_t d = 0; d < D; d++) ac[d] *= corr;
+            }
+        }
+        nr_gather(a, a->vc, s, hk, j0, nk, vb, vrows);
+        for (int64_t qi = 0; qi < nq; qi++) {
+            int64_t n = base + i0 + qi / group + 1 - j0;
+            if (n > nk) n = nk;
+            if (n <= 0) continue;
+            nr_accumulate(acc + qi * D, sc + qi * NR_KT, vrows, n, D);
+        }
+    }
+    for (int64_t qi = 0; qi < nq; qi++) {
+        int64_t i = i0 + qi / group, h = hk * group + qi % group;
+        float *dst = a->out + (q0 + i) * a->o_st + h * a->o_sh, *ac = acc + qi * D;
+        float inv = 1.0f / l[qi];
+        #pragma omp simd
+        for (int64_t d = 0; d < D; d++) dst[d] = ac[d] * inv;
+    }
+}
+
+/* Returns -1 on success, else the index of the first inconsistent sequence. */
+static int64_t nr_attn_check(const nr_attn_args *a, int64_t T) {
+    for (int64_t s = 0; s < a->S; s++) {
+        int64_t q0 = a->qstart[s], q1 = a->qstart[s + 1], ctx = a->ctx[s];
+        if (q0 < 0 || q1 < q0 || q1 > T || q1 - q0 > ctx) return s;
+        if (q1 == q0) continue;
+        int64_t nblk = (ctx + a->bs - 1) / a->bs;
+        if (nblk > a->max_blocks) return s;
+        for (int64_t b = 0; b < nblk; b++) {
+            int32_t id = a->bt[s * a->bt_st + b];
+            if (id < 0 || id >= a->nb) return s;
+        }
+    }
+    return -1;
+}
+
+static void nr_paged_attention(const nr_attn_args *a) {
+    int64_t group = a->Hq / a->Hk, rows = nr_item_rows(group), n_items = 0;
+    for (int64_t s = 0; s < a->S; s++) {
+        int64_t n_new = a->qstart[s + 1] - a->qstart[s];
+        n_items += a->Hk * ((n_new + rows - 1) / rows);
+    }
+    if (n_items == 0) return;
+    int64_t *items = (int64_t *)malloc((size_t)n_items * 3 * sizeof(int64_t));
+    int64_t k = 0;
+    /* largest first: the last chunks of each sequence see the most keys */
+    for (int64_t s = 0; s < a->S; s++) {
+        int64_t n_new = a->qstart[s + 1] - a->qstart[s];
+        for (int64_t c = (n_new + rows - 1) / rows - 1; c >= 0; c--)
+            for (int64_t h = 0; h < a->Hk; h++) {
+                items[3 * k] = s; items[3 * k + 1] = h; items[3 * k + 2] = c * rows; k++;
+            }
+    }
+    size_t ws_n = nr_ws_floats(rows * group, a->D);
+    #pragma omp parallel if (n_items > 1)
+    {
+        float *ws = (float *)malloc(ws_n * sizeof(float));
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < n_items; it++) {
+            int64_t s = items[3 * it], h = items[3 * it + 1], i0 = items[3 * it + 2];
+            int64_t n_new = a->qstart[s + 1] - a->qstart[s];
+            int64_t i1 = i0 + rows < n_new ? i0 + rows : n_new;
+            nr_attn_item(a, s, h, i0, i1, ws);
+        }
+        free(ws);
+    }
+    free(items);
+}
+
+#endif
