@@ -1,0 +1,327 @@
+"""Communicators: the collectives the model runner uses, for one process or MPI ranks.
+
+Every method is collective (all ranks call it, in the same order, with the same shapes)
+except `abort`. Within one host, `MPIComm` reduces through an MPI-3 shared-memory window
+with a Cython kernel; across hosts it falls back to `comm.Allreduce`.
+mpi4py is imported only when the process was started by mpirun.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import traceback
+from typing import Any, Protocol
+
+import numpy as np
+
+from . import env
+from .plan import StepPlan
+
+log = logging.getLogger(__name__)
+
+SMALL_BYTES = 64 * 1024          # at or below: every rank sums all slots (one flag barrier)
+_FLAG_BYTES = 4096               # head of each rank's segment: its flag (64-bit counter)
+_MAX_SHM_RANKS = 256             # the C kernel's limit
+
+
+class Communicator(Protocol):
+    rank: int
+    world_size: int
+    local_rank: int
+    local_size: int
+
+    @property
+    def is_driver(self) -> bool: ...
+    def all_reduce_(self, x: np.ndarray) -> np.ndarray: ...
+    def all_gather(self, x: np.ndarray) -> np.ndarray: ...
+    def broadcast_plan(self, plan: StepPlan | None) -> StepPlan: ...
+    def barrier(self) -> None: ...
+    def gather_object(self, obj: Any) -> list | None: ...
+    def abort(self, msg: str, code: int = 1) -> None: ...
+
+
+class SingleProcessComm:
+    """World of one: every collective is the identity."""
+    rank, world_size, local_rank, local_size = 0, 1, 0, 1
+    is_driver = True
+
+    def all_reduce_(self, x: np.ndarray) -> np.ndarray:
+        return x
+
+    def all_gather(self, x: np.ndarray) -> np.ndarray:
+        return x
+
+    def broadcast_plan(self, plan: StepPlan | None) -> StepPlan:
+        if plan is None:
+            raise ValueError("broadcast_plan(None) on a single process: there is no sender.")
+        return plan
+
+    def barrier(self) -> None:
+        pass
+
+    def gather_object(self, obj: Any) -> list:
+        return [obj]
+
+    def abort(self, msg: str, code: int = 1) -> None:
+        sys.stderr.write("rank 0: %s\n" % msg)
+        sys.stderr.flush()
+        raise SystemExit(code)
+
+
+class _ShmArena:
+    """One MPI shared window on the host: per rank a flag line and two data slots.
+
+    Segment of rank j: [flag | slot A | slot B]; call k uses slot k % 2. Double buffering is
+    what makes one flag per rank enough: a rank writing slot A for call k+2 has passed the
+    barrier of call k+1, so every peer has finished reading slot A of call k.
+    """
+
+    def __init__(self, MPI, node_comm, nbytes: int):
+        self.MPI, self.comm = MPI, node_comm
+        self.rank, self.size = node_comm.Get_rank(), node_comm.Get_size()
+        self.win = None
+        self._allocate(max(nbytes, 1 << 20))
+
+    def _allocate(self, cap: int) -> None:
+        MPI = self.MPI
+        cap = (cap + 4095) // 4096 * 4096
+        # NOTE: noncontig lets each rank's segment start on its own pages, so the memset
+        # below (first touch by the owner) places it on the owner's node.
+        info = MPI.Info.Create()
+        info.Set("alloc_shared_noncontig", "true")
+        self.win = MPI.Win.Allocate_shared(_FLAG_BYTES + 2 * cap, 1, info, comm=self.comm)
+        info.Free()
+        self.cap = cap
+        self.segs = []  # uint8 views of every rank's segment
+        for j in range(self.size):
+            buf, _ = self.win.Shared_query(j)
+            self.segs.append(np.frombuffer(buf, dtype=np.uint8))
+        self.segs[self.rank][:] = 0
+        base = [s.ctypes.data for s in self.segs]
+        self.flag_addrs = np.array(base, dtype=np.uint64)
+        self.slot_addrs = [np.array([b + _FLAG_BYTES + k * cap for b in base], dtype=np.uint64)
+                           for k in (0, 1)]
+        self.phase = 0   # last flag value published
+        self.calls = 0   # selects the slot
+        self.comm.Barrier()
+
+    def ensure(self, nbytes: int) -> None:
+        """Grow (collectively: every rank sees the same nbytes) to hold nbytes per slot."""
+        if nbytes <= self.cap:
+            return
+        self.comm.Barrier()  # nobody still reads the old window
+        self.win.Free()
+        self._allocate(max(nbytes, 2 * self.cap))
+
+    def next_slot(self) -> int:
+        k = self.calls % 2
+        self.calls += 1
+        return k
+
+    def slot_view(self, j: int, k: int, nbytes: int) -> np.ndarray:
+        start = _FLAG_BYTES + k * self.cap
+        return self.segs[j][start:start + nbytes]
+
+    def close(self) -> None:
+        if self.win is not None:
+            self.win.Free()
+            self.win = None
+
+
+class MPIComm:
+    """Ranks of an MPI job (tensor parallel: every rank holds one shard)."""
+
+    def __init__(self, MPI, comm=None, shm_bytes: int = 1 << 20, shared_memory: bool = True):
+        self.MPI = MPI
+        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.rank, self.world_size = self.comm.Get_rank(), self.comm.Get_size()
+        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
+        self.timeout = env.collective_timeout()
+        self._shm = None
+        if (shared_memory and self.local_size == self.world_size
+                and 1 < self.world_size <= _MAX_SHM_RANKS):
+            from ._kernels import reduce as _reduce
+            self._k = _reduce
+            self._shm = _ShmArena(MPI, node, shm_bytes)
+        else:
+            node.Free()
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        return self._shm is not None
+
+    def all_reduce_(self, x: np.ndarray) -> np.ndarray:
+        """x = sum of x over ranks, in place. x: f32, or bf16 bits (uint16) summed in f32 and
+        rounded once. Bit-identical on every rank."""
+        if x.dtype not in (np.float32, np.uint16):
+            raise TypeError("all_reduce_ takes float32 or bf16 (uint16) arrays, got %s" % x.dtype)
+        if not x.flags.c_contiguous:
+            tmp = np.ascontiguousarray(x)
+            x[...] = self.all_reduce_(tmp)
+            return x
+        if self.world_size == 1 or x.size == 0:
+            return x
+        if self._shm is None:
+            return self._mpi_allreduce_(x)
+        shm = self._shm
+        shm.ensure(x.nbytes)
+        small = x.nbytes <= SMALL_BYTES
+        rc = self._k.shm_allreduce(x, shm.slot_addrs[shm.next_slot()], shm.flag_addrs,
+                                   shm.rank, shm.phase + 1, small, self.timeout)
+        shm.phase += 1 if small else 2
+        if rc != 0:
+            self._peer_timeout("all_reduce_", -1 - rc)
+        return x
+
+    def _mpi_allreduce_(self, x: np.ndarray) -> np.ndarray:
+        if x.dtype == np.float32:
+            self.comm.Allreduce(self.MPI.IN_PLACE, x, op=self.MPI.SUM)
+            return x
+        from .backend.reference import bf16_to_f32, f32_to_bf16
+        acc = bf16_to_f32(x).reshape(x.shape)  # MPI has no bf16: sum in f32, round once
+        self.comm.Allreduce(self.MPI.IN_PLACE, acc, op=self.MPI.SUM)
+        x[...] = f32_to_bf16(acc)
+        return x
+
+    def all_gather(self, x: np.ndarray) -> np.ndarray:
+        """x: [..., n_local] -> [..., n_local * world_size], rank r's part at r*n_local."""
+        x = np.ascontiguousarray(x)
+        w, n = self.world_size, x.shape[-1]
+        out = np.empty(x.shape[:-1] + (n * w,), dtype=x.dtype)
+        if w == 1:
+            out[...] = x
+            return out
+        if self._shm is None:
+            parts = np.empty((w,) + x.shape, dtype=x.dtype)
+            self.comm.Allgather(x, parts)
+        else:
+            shm = self._shm
+            shm.ensure(x.nbytes)
+            k = shm.next_slot()
+            np.copyto(shm.slot_view(shm.rank, k, x.nbytes), x.reshape(-1).view(np.uint8))
+            shm.phase += 1
+            rc = self._k.flag_barrier(shm.flag_addrs, shm.rank, shm.phase, self.timeout)
+            if rc != 0:
+                self._peer_timeout("all_gather", -1 - rc)
+            parts = [shm.slot_view(j, k, x.nbytes).view(x.dtype).reshape(x.shape)
+                     for j in range(w)]
+        for j in range(w):
+            out[..., j * n:(j + 1) * n] = parts[j]
+        return out
+
+    def broadcast_plan(self, plan: StepPlan | None) -> StepPlan:
+        """Rank 0 passes the plan, the others None; every rank returns rank 0's plan."""
+        if self.rank == 0:
+            if plan is None:
+                raise ValueError("broadcast_plan: rank 0 must pass the plan it sends.")
+            buf = plan.to_buffer()
+            size = np.array([buf.size], dtype=np.int64)
+        else:
+            size = np.empty(1, dtype=np.int64)
+        self.comm.Bcast(size, root=0)
+        if self.rank != 0:
+            buf = np.empty(int(size[0]), dtype=np.int64)
+        self.comm.Bcast(buf, root=0)
+        return plan if self.rank == 0 else StepPlan.from_buffer(buf)
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def gather_object(self, obj: Any) -> list | None:
+        """Small picklable reports (stats, timings) to rank 0; None on other ranks."""
+        return self.comm.gather(obj, root=0)
+
+    def abort(self, msg: str, code: int = 1) -> None:
+        """Print why and stop every rank of the job now (never returns)."""
+        sys.stderr.write("rank %d: %s\n" % (self.rank, msg))
+        sys.stderr.flush()
+        self.comm.Abort(code)
+
+    def _peer_timeout(self, op: str, late: int) -> None:
+        self.abort("%s: rank %d did not join within %.0f s (NUMA_RUNTIME_COLLECTIVE_TIMEOUT); "
+                   "it is stuck or dead, stopping the job." % (op, late, self.timeout))
+
+    def close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
+
+
+# ----------------------------------------------------------------------------- set-up
+def init_distributed(bind: bool = True) -> Communicator:
+    """SingleProcessComm unless started by mpirun with more than one rank, else MPIComm.
+
+    With `bind`, a rank that numa-launch did not bind binds itself to a NUMA node before MPI
+    allocates anything (numa.bind_this_rank). Installs the fault hook: an uncaught exception
+    on any rank stops the whole job.
+    """
+    world = env.mpi_world()
+    if world is None or world[1] <= 1:
+        return SingleProcessComm()
+    from . import numa
+    local = env.mpi_local()
+    if bind and local is not None:
+        numa.bind_this_rank(world[0], *local)
+    import mpi4py
+    mpi4py.rc.thread_level = env.mpi_thread_level()
+    from mpi4py import MPI
+    comm = MPIComm(MPI)
+    if bind and local is None:
+        numa.bind_this_rank(comm.rank, comm.local_rank, comm.local_size)
+    install_fault_hook(comm)
+    return comm
+
+
+def install_fault_hook(comm: Communicator) -> None:
+    """Uncaught exception (main or any thread): print the traceback and
+    "rank R failed: <cause>", then abort the job so no rank waits forever on the dead one."""
+    def hook(exc_type, exc, tb):
+        traceback.print_exception(exc_type, exc, tb)
+        comm.abort("rank %d failed: %s: %s" % (comm.rank, exc_type.__name__, exc)
+                   if not isinstance(exc, KeyboardInterrupt) else
+                   "rank %d failed: interrupted" % comm.rank)
+
+    sys.excepthook = hook
+    threading.excepthook = lambda a: hook(a.exc_type, a.exc_value, a.exc_traceback)
+
+
+class ShutdownSignal:
+    """SIGINT/SIGTERM handling for an engine loop.
+
+    Rank 0: the first signal sets `requested`; the loop then calls `broadcast_shutdown(comm)`
+    so workers leave their loop cleanly; a second signal aborts the job at once.
+    Workers ignore SIGINT (mpirun forwards Ctrl-C to every rank; the orderly stop comes from
+    rank 0) and keep the default SIGTERM. Call `install` from the main thread.
+    """
+
+    def __init__(self, comm: Communicator):
+        self.comm = comm
+        self.requested = False
+
+    def install(self) -> "ShutdownSignal":
+        if self.comm.rank == 0:
+            signal.signal(signal.SIGINT, self._on_signal)
+            signal.signal(signal.SIGTERM, self._on_signal)
+        else:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return self
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.requested:
+            self.comm.abort("second %s: stopping every rank now."
+                            % signal.Signals(signum).name, 128 + signum)
+        self.requested = True
+        log.info("%s: shutting down after the current step", signal.Signals(signum).name)
+
+
+def broadcast_shutdown(comm: Communicator) -> None:
+    """Rank 0: send the SHUTDOWN plan; workers' broadcast_plan returns it and they exit."""
+    if comm.world_size > 1:
+        comm.broadcast_plan(StepPlan.shutdown())

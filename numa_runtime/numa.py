@@ -1,0 +1,134 @@
+"""Self-binding of an MPI rank to a NUMA node when numa-launch did not bind it.
+
+`numa-launch` wraps every rank in `numactl` and sets NUMA_RUNTIME_BOUND=1. A rank started by a
+plain `mpirun -np N` binds itself here instead: cpu affinity with `sched_setaffinity`, memory
+with the `set_mempolicy` syscall (no libnuma needed), and the OpenMP thread count.
+Bind before allocating weights or the KV cache: pages land on the node that first touches them.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import platform
+from dataclasses import dataclass
+
+from launch.topology import Topology, format_cpulist, read_topology, split_cpus
+
+from . import env
+
+log = logging.getLogger(__name__)
+
+MPOL_PREFERRED, MPOL_BIND = 1, 2
+_SYS_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237, "ppc64le": 261, "s390x": 270}
+
+
+@dataclass(frozen=True)
+class Placement:
+    node: int               # NUMA node id (-1 when unknown)
+    cpus: tuple[int, ...]   # cpus this rank may run on
+    num_threads: int        # OpenMP threads to use
+    how: str                # "launcher" (numactl), "self" (bound here) or "none"
+
+
+_placement: Placement | None = None  # NOTE: binding is per process; repeated calls return it
+
+
+def node_of_rank(local_rank: int, local_size: int, topo: Topology) -> tuple[int, list[int]]:
+    """(node id, cpus) for one of `local_size` ranks on this host.
+
+    Ranks <= nodes: rank i gets all of node i. Ranks > nodes: ranks are spread evenly over
+    the nodes (rank i on node i * nodes // ranks) and a node's cpus are split among its ranks.
+    """
+    if local_size <= topo.num_nodes:
+        node = topo.nodes[local_rank]
+        return node.node_id, list(node.cpus)
+    idx = local_rank * topo.num_nodes // local_size
+    peers = [r for r in range(local_size) if r * topo.num_nodes // local_size == idx]
+    node = topo.nodes[idx]
+    return node.node_id, split_cpus(node.cpus, len(peers))[peers.index(local_rank)]
+
+
+def set_mempolicy(node: int, mode: int = MPOL_BIND) -> str | None:
+    """Bind (or prefer) this thread's future allocations to `node`. Returns None on success,
+    else why it failed (no libnuma: the raw syscall through ctypes)."""
+    nr = _SYS_SET_MEMPOLICY.get(platform.machine())
+    if nr is None:
+        return "set_mempolicy syscall number unknown on %s" % platform.machine()
+    nbits = 64 * (node // 64 + 1)
+    mask = (ctypes.c_ulong * (nbits // 64))()
+    mask[node // 64] = 1 << (node % 64)
+    libc = ctypes.CDLL(None, use_errno=True)
+    # NOTE: the kernel reads maxnode - 1 bits (libnuma passes nbits + 1 too).
+    if libc.syscall(ctypes.c_long(nr), ctypes.c_int(mode), mask, ctypes.c_ulong(nbits + 1)) != 0:
+        return os.strerror(ctypes.get_errno())
+    return None
+
+
+def set_omp_threads(n: int) -> None:
+    """OpenMP thread count for this process: the ICV of an already loaded libgomp, and
+    OMP_NUM_THREADS for a runtime that initialises later or a child process."""
+    os.environ["OMP_NUM_THREADS"] = str(n)  # NOTE: written, not read: env.py covers reads
+    try:
+        ctypes.CDLL("libgomp.so.1").omp_set_num_threads(ctypes.c_int(n))
+    except (OSError, AttributeError):
+        pass
+
+
+def _set_affinity_all_threads(cpus) -> None:
+    """sched_setaffinity(0) moves only the calling thread: move every thread that exists
+    (BLAS or MPI helper threads started at import); threads started later inherit it."""
+    os.sched_setaffinity(0, cpus)
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except OSError:
+            pass  # the thread exited meanwhile
+
+
+def _node_of_cpus(cpus, topo: Topology) -> int:
+    for node in topo.nodes:
+        if set(cpus) <= set(node.cpus):
+            return node.node_id
+    return -1
+
+
+def bind_this_rank(rank: int, local_rank: int, local_size: int,
+                   topo: Topology | None = None) -> Placement:
+    """Bind this rank to its node unless numa-launch did, or it is alone on the host.
+
+    Returns where the rank runs. Logs one line when it binds. A failed memory policy is
+    logged and ignored (cpu binding still helps); a failed cpu binding raises.
+    """
+    global _placement
+    if _placement is not None:
+        return _placement
+    topo = topo or read_topology()
+    cpus = sorted(os.sched_getaffinity(0))
+    if env.numa_bound():
+        _placement = Placement(_node_of_cpus(cpus, topo), tuple(cpus),
+                               env.omp_num_threads() or len(cpus), "launcher")
+        return _placement
+    if local_size <= 1:
+        return Placement(_node_of_cpus(cpus, topo), tuple(cpus),
+                         env.omp_num_threads() or len(cpus), "none")
+    try:
+        node, cpus = node_of_rank(local_rank, local_size, topo)
+    except ValueError as e:  # more ranks than cpus: oversubscribed, binding would only hurt
+        log.warning("rank %d: not binding (%s)", rank, e)
+        return Placement(-1, tuple(cpus), max(1, len(cpus) // local_size), "none")
+    _set_affinity_all_threads(cpus)
+    err = set_mempolicy(node, MPOL_BIND) if topo.from_sysfs else "no NUMA information in sysfs"
+    if err is not None:
+        log.warning("rank %d: could not bind memory to node %d (%s); pages may land on "
+                    "other nodes", rank, node, err)
+    set_omp_threads(len(cpus))
+    _placement = Placement(node, tuple(cpus), len(cpus), "self")
+    log.info("rank %d (local %d/%d): bound itself to node %d, cpus %s, %d OpenMP threads%s",
+             rank, local_rank, local_size, node, format_cpulist(cpus), len(cpus),
+             "" if err is None else ", memory unbound")
+    return _placement
