@@ -94,6 +94,7 @@ cdef extern from "gemm_kernels.h" nogil:
                          const float* bias, float* out, uint16_t* xs, int level)
     void gemm_small_f32(const float* w, long K, long N, long kp, const float* x, long M,
                         const float* bias, float* out, float* xs, int level)
+    double gemm_read_probe(const float* a, long n)
     void omp_set_num_threads(int n)
     int omp_get_max_threads()
 
@@ -131,6 +132,18 @@ def set_num_threads(int n):
 
 def get_num_threads():
     return omp_get_max_threads()
+
+
+def _read_probe(cnp.ndarray a):
+    """Sum of a C-contiguous float32 array with all threads (bench/limits.py's DRAM probe)."""
+    if a.dtype != np.float32 or not a.flags.c_contiguous:
+        raise ValueError("_read_probe needs a C-contiguous float32 array")
+    cdef const float* p = <const float*>cnp.PyArray_DATA(a)
+    cdef long n = a.size
+    cdef double s
+    with nogil:
+        s = gemm_read_probe(p, n)
+    return s
 
 
 def cpu_level():

@@ -88,6 +88,27 @@ static inline void gemm_store_block(const float* acc, int m, long n0, long N, co
 
 #include "gemm_avx512.h"
 
+/* Sum of n floats, OpenMP, plain AVX2 adds with 8 independent accumulators: a pure DRAM read
+ * probe for bench/limits.py, independent of the GEMV kernels it judges. */
+static double gemm_read_probe(const float* a, long n) {
+    double total = 0.0;
+    #pragma omp parallel reduction(+ : total)
+    {
+        long i0, i1;
+        gemm_split(n / 64, omp_get_thread_num(), omp_get_num_threads(), &i0, &i1);
+        __m256 s[8];
+        for (int j = 0; j < 8; j++) s[j] = _mm256_setzero_ps();
+        for (long i = i0 * 64; i < i1 * 64; i += 64)
+            for (int j = 0; j < 8; j++) s[j] = _mm256_add_ps(s[j], _mm256_loadu_ps(a + i + 8 * j));
+        float v[8];
+        for (int j = 1; j < 8; j++) s[0] = _mm256_add_ps(s[0], s[j]);
+        _mm256_storeu_ps(v, s[0]);
+        for (int j = 0; j < 8; j++) total += v[j];
+    }
+    for (long i = n / 64 * 64; i < n; i++) total += a[i];
+    return total;
+}
+
 /* ---------------------------------------------------------------- portable fallback (AVX2) */
 /* wb: one bf16 block [Kp/2][64][2]; xs: bf16 rows [m][Kp]; acc: [m][64]. */
 static void gemm_block_bf16_generic(const uint16_t* wb, const uint16_t* xs, int m, long kp,

@@ -1,0 +1,91 @@
+"""Machine limits the kernels are judged against: DRAM read bandwidth and bf16 GEMM peak.
+
+    python bench/limits.py [--threads N]      # prints JSON
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from numa_runtime._kernels import gemm  # noqa: E402
+
+
+def _best_of(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def dram_read_gbps(num_threads: int | None = None, gib: float = 1.0, repeats: int = 5) -> float:
+    """DRAM read bandwidth in GB/s (1e9 B/s): best of `repeats` full reads of a `gib` GiB f32
+    buffer by a plain AVX2 sum over OpenMP threads (gemm._read_probe: 8 independent adds per
+    64 floats, nothing else). `num_threads` overrides the OpenMP thread count meanwhile."""
+    old = gemm.get_num_threads()
+    if num_threads is not None:
+        gemm.set_num_threads(num_threads)
+    try:
+        a = np.ones(int(gib * (1 << 30)) // 4, dtype=np.float32)
+        gemm._read_probe(a)  # first touch is already done by np.ones; warm the TLB path
+        t = _best_of(lambda: gemm._read_probe(a), repeats)
+        return a.nbytes / t / 1e9
+    finally:
+        gemm.set_num_threads(old)
+
+
+def numpy_read_gbps(num_threads: int = 2, gib: float = 1.0, repeats: int = 3) -> float:
+    """Cross-check: numpy sums of `num_threads` slices of a `gib` GiB f32 buffer in Python
+    threads (numpy releases the GIL in reductions)."""
+    a = np.ones(int(gib * (1 << 30)) // 4, dtype=np.float32)
+    parts = np.array_split(a, num_threads)
+
+    def run():
+        ts = [threading.Thread(target=p.sum) for p in parts]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+
+    t = _best_of(run, repeats)
+    return a.nbytes / t / 1e9
+
+
+def peak_bf16_gflops(n: int = 4096, repeats: int = 3) -> float:
+    """Our Linear (oneDNN path) at a square bf16 GEMM of size n, in GFLOP/s."""
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((n, n), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    lin = gemm.Linear(w)
+    x = rng.standard_normal((n, n), dtype=np.float32)
+    out = np.empty((n, n), dtype=np.float32)
+    lin.forward(x, out)
+    t = _best_of(lambda: lin.forward(x, out), repeats)
+    return 2.0 * n * n * n / t / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--quick", action="store_true", help="smaller buffers / GEMM")
+    args = ap.parse_args()
+    if args.threads:
+        gemm.set_num_threads(args.threads)
+    gib = 0.5 if args.quick else 1.0
+    print(json.dumps({
+        "threads": gemm.get_num_threads(),
+        "dram_read_gbps": round(dram_read_gbps(gib=gib), 2),
+        "numpy_sum_gbps": round(numpy_read_gbps(gemm.get_num_threads(), gib=gib), 2),
+        "peak_bf16_gflops": round(peak_bf16_gflops(2048 if args.quick else 4096), 1),
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
