@@ -64,8 +64,8 @@ class TextState:
         req, sp = self.req, self.req.sampling_params
         if token_id in self.stop_ids and req.num_output_tokens >= sp.min_tokens:
             req.stop_reason = token_id if token_id in sp.stop_token_ids else None
-            if sp.include_stop_str_in_output:
-                self.text += self.detok.add(token_id)
+            self.text += self.detok.add(token_id) if sp.include_stop_str_in_output else ""
+            self.text += self.detok.flush()
             return RequestStatus.FINISHED_STOPPED
         prev_len = len(self.text)
         self.text += self.detok.add(token_id)
@@ -77,9 +77,8 @@ class TextState:
                     self.text = self.text[:j + (len(s) if sp.include_stop_str_in_output else 0)]
                     req.stop_reason = s
                     return RequestStatus.FINISHED_STOPPED
-        if sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if req.num_tokens >= max_model_len:
+        if (sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens) or req.num_tokens >= max_model_len:
+            self.text += self.detok.flush()
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -45,7 +45,7 @@ def build_model(out_dir: str, arch: str = "llama", dtype: str = "float32", seed:
     model_type = arch if arch != "mistral" else "mistral"
     cfg = AutoConfig.for_model(model_type, **kw)
     cfg.architectures = [ARCHS[arch]]
-    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -59,7 +59,7 @@ def build_model(out_dir: str, arch: str = "llama", dtype: str = "float32", seed:
     ref = model.to(torch.float32)
     # NOTE: the reference must see exactly the (possibly rounded) weights we load.
     if dtype != "float32":
-        ref = AutoModelForCausalLM.from_pretrained(out_dir, torch_dtype=torch.float32)
+        ref = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
     return ref.eval()
 
 

@@ -179,13 +179,15 @@ class LlamaModel:
             ops.paged_attention(q, kc, vc, plan.block_tables, plan.query_start, plan.context_lens,
                                 self.scale, attn)
             o = layer.o_proj.forward(attn.reshape(T, hq * D))   # [T, H] partial sum
-            comm.all_reduce_(o)
+            if lay.world > 1:
+                comm.all_reduce_(o)
             ops.add_rms_norm(o, residual, layer.post_norm, eps, h)
             gu = layer.gate_up_proj.forward(h)                  # [T, 2 I_local]
             act = np.empty((T, gu.shape[1] // 2), np.float32)
             ops.silu_and_mul(gu, act)
             delta = layer.down_proj.forward(act)                # [T, H] partial sum
-            comm.all_reduce_(delta)
+            if lay.world > 1:
+                comm.all_reduce_(delta)
         idx = plan.logits_indices
         if idx.shape[0] == 0:
             return np.zeros((0, cfg.vocab_size), np.float32)
