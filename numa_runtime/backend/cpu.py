@@ -1,0 +1,60 @@
+"""The CPU backend: reference.py's ops over the Cython kernels in numa_runtime._kernels.
+
+Same names, signatures and semantics as numa_runtime.backend.reference (the specification).
+What the kernels add to the reference's contract:
+- inputs may be strided views where it helps the model: every array must be contiguous in
+  its last axis, but rows (and heads of q/k/v/out in rotary, reshape_and_cache and
+  paged_attention) may have any stride, so q/k/v slices of a fused qkv buffer need no copy;
+- KV caches must be C-contiguous; rms_norm weights must be f32 (convert bf16 once at load);
+- every kernel runs on the OpenMP threads set by `set_num_threads`.
+"""
+from __future__ import annotations
+
+_BUILD_HINT = ("the Cython kernels are not built: run `python setup.py build_ext --inplace` "
+               "in the numa_runtime checkout (or `pip install -e .`)")
+
+try:
+    from numa_runtime._kernels.attention import paged_attention, reshape_and_cache
+    from numa_runtime._kernels.ops import (add_, add_rms_norm, bf16_to_f32, embedding,
+                                           f32_to_bf16, get_num_threads, rms_norm, rotary,
+                                           silu_and_mul)
+    from numa_runtime._kernels.ops import set_num_threads as _omp_set_num_threads
+    from numa_runtime._kernels.sampling import log_softmax, sample
+except ImportError as e:  # pragma: no cover - depends on the build
+    raise ImportError("numa_runtime.backend.cpu: %s (%s)" % (_BUILD_HINT, e)) from e
+
+try:
+    from numa_runtime._kernels.reduce import reduce_sum
+except ImportError:  # the shm-collective kernels are optional for one process
+    from numa_runtime.backend.reference import reduce_sum
+
+__all__ = ["Linear", "embedding", "rms_norm", "add_rms_norm", "silu_and_mul", "add_", "rotary",
+           "reshape_and_cache", "paged_attention", "sample", "log_softmax", "reduce_sum",
+           "f32_to_bf16", "bf16_to_f32", "set_num_threads", "get_num_threads"]
+
+
+def _gemm():
+    try:
+        from numa_runtime._kernels import gemm
+    except ImportError as e:
+        raise ImportError("numa_runtime.backend.cpu.Linear: the oneDNN GEMM extension "
+                          "numa_runtime._kernels.gemm is missing; %s (%s)" % (_BUILD_HINT, e)) from e
+    return gemm
+
+
+def __getattr__(name):
+    # NOTE: Linear is imported lazily so the other ops work while gemm is (re)built.
+    if name == "Linear":
+        return _gemm().Linear
+    raise AttributeError("module %r has no attribute %r" % (__name__, name))
+
+
+def set_num_threads(n: int) -> None:
+    """OpenMP threads for every kernel of this process (one OpenMP runtime serves all)."""
+    _omp_set_num_threads(int(n))
+    try:
+        gemm = _gemm()
+    except ImportError:
+        return
+    if hasattr(gemm, "set_num_threads"):
+        gemm.set_num_threads(int(n))
