@@ -239,8 +239,10 @@ class MPIComm:
         return self.comm.gather(obj, root=0)
 
     def abort(self, msg: str, code: int = 1) -> None:
-        """Print why and stop every rank of the job now (never returns)."""
-        sys.stderr.write("rank %d: %s\n" % (self.rank, msg))
+        """Print why ("rank R: msg"; nothing when msg is empty) and stop every rank of the
+        job now (never returns)."""
+        if msg:
+            sys.stderr.write("rank %d: %s\n" % (self.rank, msg))
         sys.stderr.flush()
         self.comm.Abort(code)
 
@@ -284,9 +286,10 @@ def install_fault_hook(comm: Communicator) -> None:
     "rank R failed: <cause>", then abort the job so no rank waits forever on the dead one."""
     def hook(exc_type, exc, tb):
         traceback.print_exception(exc_type, exc, tb)
-        comm.abort("rank %d failed: %s: %s" % (comm.rank, exc_type.__name__, exc)
-                   if not isinstance(exc, KeyboardInterrupt) else
-                   "rank %d failed: interrupted" % comm.rank)
+        cause = ("interrupted" if issubclass(exc_type, KeyboardInterrupt)
+                 else "%s: %s" % (exc_type.__name__, exc))
+        sys.stderr.write("rank %d failed: %s\n" % (comm.rank, cause))
+        comm.abort("", 1)
 
     sys.excepthook = hook
     threading.excepthook = lambda a: hook(a.exc_type, a.exc_value, a.exc_traceback)

@@ -1,0 +1,144 @@
+"""Communicators and the reduce kernel. Multi-rank tests run the scripts in tests/mpi/
+under the real `mpirun`, each with a timeout so a hang fails instead of blocking."""
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from numa_runtime.backend import reference as ref
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MPI_DIR = os.path.join(ROOT, "tests", "mpi")
+needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None,
+                                  reason="mpirun not installed (pip install mpich mpi4py)")
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "OMPI_", "MPI_LOCAL", "NUMA_RUNTIME_BOUND"))}
+    env.update(PYTHONPATH=ROOT, MPI4PY_RC_THREAD_LEVEL="funneled", **extra)
+    return env
+
+
+def mpirun_args(script: str, np_: int = 2, *args: str) -> list[str]:
+    return ["mpirun", "-np", str(np_), sys.executable, os.path.join(MPI_DIR, script), *args]
+
+
+def run_mpi(script: str, np_: int = 2, *args: str, timeout: float = 120, **env):
+    return subprocess.run(mpirun_args(script, np_, *args), env=_env(**env), cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# ----------------------------------------------------------------------------- kernel
+@pytest.mark.parametrize("n", [1, 7, 1023, 1025, 4095, 300001])
+@pytest.mark.parametrize("nsrc", [1, 2, 3])
+def test_reduce_sum_matches_reference(n, nsrc):
+    from numa_runtime._kernels.reduce import reduce_sum
+    rng = np.random.default_rng(n * 10 + nsrc)
+    srcs = [rng.standard_normal(n).astype(np.float32) * 100 for _ in range(nsrc)]
+    got = reduce_sum(np.empty(n, np.float32), srcs)
+    assert np.array_equal(got, ref.reduce_sum(np.empty(n, np.float32), srcs))
+    bsrcs = [ref.f32_to_bf16(s) for s in srcs]
+    got = reduce_sum(np.empty(n, np.uint16), bsrcs)
+    assert np.array_equal(got, ref.reduce_sum(np.empty(n, np.uint16), bsrcs))
+
+
+def test_reduce_sum_in_place_and_special_values():
+    from numa_runtime._kernels.reduce import reduce_sum
+    x = np.array([np.nan, np.inf, -np.inf, 3e38, -0.0, 1.0], np.float32)
+    b = ref.f32_to_bf16(x)
+    assert np.array_equal(reduce_sum(np.empty_like(b), [b, b]),
+                          ref.reduce_sum(np.empty_like(b), [b, b]))
+    a, c = np.arange(5, dtype=np.float32), np.ones(5, np.float32)
+    reduce_sum(a, [a, c])  # dst is one of the sources
+    assert np.array_equal(a, np.arange(5, dtype=np.float32) + 1)
+    with pytest.raises(TypeError):
+        reduce_sum(np.empty(3, np.float64), [np.ones(3)])
+    with pytest.raises(ValueError):
+        reduce_sum(np.empty(3, np.float32), [np.ones(4, np.float32)])
+
+
+# ----------------------------------------------------------------------------- single process
+def test_single_process_without_mpirun_never_imports_mpi4py():
+    code = ("import sys; from numa_runtime.distributed import init_distributed, SingleProcessComm;"
+            "c = init_distributed(); assert isinstance(c, SingleProcessComm), c;"
+            "import numpy as np; x = np.ones(3, np.float32); assert c.all_reduce_(x) is x;"
+            "assert c.all_gather(x).shape == (3,) and c.is_driver and c.world_size == 1;"
+            "print('mpi4py' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], env=_env(), cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+# ----------------------------------------------------------------------------- MPI
+@needs_mpirun
+@pytest.mark.parametrize("np_", [2, 3])
+def test_collectives_shared_memory(np_):
+    out = run_mpi("collectives.py", np_)
+    assert out.returncode == 0, out.stderr
+    assert "collectives ok: %d ranks, shm=True" % np_ in out.stdout
+
+
+@needs_mpirun
+def test_collectives_mpi_fallback():
+    out = run_mpi("collectives.py", 2, "--no-shm")
+    assert out.returncode == 0, out.stderr
+    assert "collectives ok: 2 ranks, shm=False" in out.stdout
+
+
+@needs_mpirun
+def test_failing_rank_stops_the_job():
+    t0 = time.monotonic()
+    out = run_mpi("rank_fails.py", 2, timeout=60)
+    assert out.returncode != 0
+    assert time.monotonic() - t0 < 20
+    assert "rank 1 failed: RuntimeError: injected failure" in out.stderr
+    assert "unreachable" not in out.stdout
+
+
+@needs_mpirun
+def test_two_jobs_on_one_host_do_not_collide():
+    procs = [subprocess.Popen(mpirun_args("collectives.py", 2), env=_env(), cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    try:
+        results = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (stdout, stderr) in zip(procs, results):
+        assert p.returncode == 0, stderr
+        assert "collectives ok" in stdout
+
+
+@needs_mpirun
+def test_shutdown_signal_stops_workers_cleanly():
+    out = run_mpi("shutdown.py", 2)
+    assert out.returncode == 0, out.stderr
+    assert "rank 0 stopped after 5 steps" in out.stdout
+    assert "rank 1 stopped after 5 steps" in out.stdout
+
+
+@needs_mpirun
+def test_plain_mpirun_ranks_bind_themselves():
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("needs at least 2 cpus")
+    out = run_mpi("self_bind.py", 2)
+    assert out.returncode == 0, out.stderr
+    lines = sorted(l for l in out.stdout.splitlines() if l.startswith("rank "))
+    assert len(lines) == 2
+    cpus = [set(map(int, l.split()[3].split(","))) for l in lines]
+    assert not cpus[0] & cpus[1] and cpus[0] | cpus[1] <= set(allowed)
+    for line, c in zip(lines, cpus):
+        assert "how self" in line and "threads %d" % len(c) in line and "omp %d" % len(c) in line
+    assert out.stderr.count("bound itself to node") == 2
+    bound = run_mpi("self_bind.py", 2, NUMA_RUNTIME_BOUND="1")  # as numa-launch sets it
+    assert bound.returncode == 0, bound.stderr
+    assert bound.stdout.count("how launcher") == 2 and "bound itself" not in bound.stderr
