@@ -1,0 +1,229 @@
+"""Every op of backend.cpu against backend.reference (the specification) on odd shapes."""
+import numpy as np
+import pytest
+
+from numa_runtime.backend import cpu, reference as ref
+
+RNG = np.random.default_rng(1234)
+ROWS = [1, 7, 33]
+COLS = [1, 7, 33, 4095]
+
+
+def randn(*shape, scale=1.0):
+    return (RNG.standard_normal(shape) * scale).astype(np.float32)
+
+
+def close(a, b, rtol=2e-6, atol=2e-6):
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+
+
+# ----------------------------------------------------------------------------- dtype helpers
+def test_bf16_roundtrip_exact():
+    x = randn(33, 4095, scale=100.0)
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, -1e-45, 3.4e38,
+                         1.00390625, 1.01171875], np.float32)  # last two: rounding ties
+    x.reshape(-1)[:len(specials)] = specials
+    b = cpu.f32_to_bf16(x)
+    assert b.dtype == np.uint16 and b.shape == x.shape
+    np.testing.assert_array_equal(b, ref.f32_to_bf16(x))
+    np.testing.assert_array_equal(cpu.bf16_to_f32(b).view(np.uint32),
+                                  ref.bf16_to_f32(b).view(np.uint32))
+
+
+# ----------------------------------------------------------------------------- elementwise
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("h", [7, 4095])
+def test_embedding(dtype, h):
+    table = randn(50, h)
+    if dtype == "bf16":
+        table = ref.f32_to_bf16(table)
+    ids = RNG.integers(0, 50, 33).astype(np.int64)
+    out = np.full((33, h), np.nan, np.float32)
+    got = cpu.embedding(ids, table, out)
+    assert got is out
+    np.testing.assert_array_equal(out, ref.embedding(ids, table, np.empty_like(out)))
+    with pytest.raises(IndexError):
+        cpu.embedding(np.array([50]), table, out[:1])
+
+
+@pytest.mark.parametrize("r", ROWS)
+@pytest.mark.parametrize("h", COLS)
+def test_rms_norm(r, h):
+    x, w = randn(r, h, scale=3.0), randn(h)
+    out = np.empty_like(x)
+    assert cpu.rms_norm(x, w, 1e-6, out) is out
+    close(out, ref.rms_norm(x, w, 1e-6, np.empty_like(x)))
+
+
+def test_rms_norm_strided_rows_in_place():
+    buf = randn(7, 200)
+    x = buf[:, 10:110]  # row stride 200
+    want = ref.rms_norm(x.copy(), np.ones(100, np.float32), 1e-5, np.empty((7, 100), np.float32))
+    cpu.rms_norm(x, np.ones(100, np.float32), 1e-5, x)
+    close(x, want)
+
+
+@pytest.mark.parametrize("r", ROWS)
+@pytest.mark.parametrize("h", [7, 4095])
+def test_add_rms_norm(r, h):
+    x, res, w = randn(r, h), randn(r, h), randn(h)
+    res2 = res.copy()
+    want = ref.add_rms_norm(x, res2, w, 1e-6, np.empty_like(x))
+    out = x  # the model normalises in place
+    cpu.add_rms_norm(x.copy(), res, w, 1e-6, out)
+    close(res, res2, 0, 0)
+    close(out, want)
+
+
+@pytest.mark.parametrize("r", ROWS)
+@pytest.mark.parametrize("inter", COLS)
+def test_silu_and_mul(r, inter):
+    x = randn(r, 2 * inter, scale=6.0)
+    x[0, :2] = [-100.0, 100.0] if inter > 1 else [-100.0, 3.0]
+    out = np.empty((r, inter), np.float32)
+    cpu.silu_and_mul(x, out)
+    close(out, ref.silu_and_mul(x, np.empty_like(out)), rtol=1e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("h", COLS)
+def test_add_(h):
+    a, b = randn(33, h), randn(33, h)
+    want = a + b
+    assert cpu.add_(a, b) is a
+    close(a, want, 0, 0)
+
+
+# ----------------------------------------------------------------------------- rotary
+@pytest.mark.parametrize("hq,hk,d,rot", [(14, 2, 64, 64), (4, 1, 72, 72), (8, 8, 128, 64)])
+@pytest.mark.parametrize("t", [1, 7, 33])
+def test_rotary_on_fused_qkv_views(hq, hk, d, rot, t):
+    qkv = randn(t, (hq + 2 * hk) * d)
+    q = qkv[:, :hq * d].reshape(t, hq, d)  # token stride (hq + 2hk) * d
+    k = qkv[:, hq * d:(hq + hk) * d].reshape(t, hk, d)
+    pos = RNG.integers(0, 500, t).astype(np.int64)
+    inv = 1.0 / 10000 ** (np.arange(0, rot, 2) / rot)
+    ang = np.arange(512)[:, None] * inv[None]
+    cos_sin = np.concatenate([np.cos(ang), np.sin(ang)], 1).astype(np.float32)
+    want_q, want_k = q.copy(), k.copy()
+    ref.rotary(want_q, want_k, pos, cos_sin)
+    v_before = qkv[:, (hq + hk) * d:].copy()
+    cpu.rotary(q, k, pos, cos_sin)
+    close(q, want_q, 1e-5, 1e-5)
+    close(k, want_k, 1e-5, 1e-5)
+    np.testing.assert_array_equal(qkv[:, (hq + hk) * d:], v_before)
+
+
+# ----------------------------------------------------------------------------- KV cache + attention
+def make_cache(nb, bs, hk, d, dtype):
+    shape = (nb, bs, hk, d)
+    if dtype == "bf16":
+        return np.zeros(shape, np.uint16), np.zeros(shape, np.uint16)
+    return np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_reshape_and_cache(dtype):
+    t, hk, d, bs = 33, 2, 72, 5
+    kv = randn(t, 2 * hk, d)
+    k, v = kv[:, :hk], kv[:, hk:]  # strided views
+    slots = RNG.permutation(12 * bs)[:t].astype(np.int64)
+    slots[[3, 9]] = -1
+    kc, vc = make_cache(12, bs, hk, d, dtype)
+    kc2, vc2 = kc.copy(), vc.copy()
+    cpu.reshape_and_cache(k, v, kc, vc, slots)
+    ref.reshape_and_cache(k, v, kc2, vc2, slots)
+    np.testing.assert_array_equal(kc, kc2)
+    np.testing.assert_array_equal(vc, vc2)
+    with pytest.raises(IndexError):
+        cpu.reshape_and_cache(k[:1], v[:1], kc, vc, np.array([12 * bs]))
+
+
+def build_batch(hq, hk, d, bs, new, prefix, dtype, fused):
+    """A cache holding `prefix[s]` earlier tokens of each sequence plus its `new[s]` ones."""
+    need = [(p + n + bs - 1) // bs for p, n in zip(prefix, new)]
+    nb = sum(need) + 3
+    kc, vc = make_cache(nb, bs, hk, d, dtype)
+    ids = RNG.permutation(np.arange(1, nb))
+    bt = np.zeros((len(new), max(need) + 2), np.int32)  # padded with 0
+    off = 0
+    for s, n in enumerate(need):
+        bt[s, :n] = ids[off:off + n]
+        off += n
+    for s, (p, n) in enumerate(zip(prefix, new)):
+        pos = np.arange(p + n)
+        slots = bt[s, pos // bs].astype(np.int64) * bs + pos % bs
+        cpu.reshape_and_cache(randn(p + n, hk, d), randn(p + n, hk, d), kc, vc, slots)
+    t = sum(new)
+    if fused:
+        q = randn(t, (hq + 2 * hk) * d)[:, :hq * d].reshape(t, hq, d)
+    else:
+        q = randn(t, hq, d)
+    query_start = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    context_lens = (np.array(prefix) + np.array(new)).astype(np.int32)
+    return q, kc, vc, bt, query_start, context_lens
+
+
+ATTN_CASES = [  # hq, hk, d, bs, new tokens, cached prefix
+    (14, 2, 64, 16, [7, 1, 33], [0, 20, 5]),     # prefill + decode + prefill over a prefix
+    (4, 1, 72, 5, [1, 1, 1], [40, 0, 7]),        # MQA decode, odd head dim and block size
+    (8, 8, 128, 16, [100], [37]),                # MHA chunked prefill after a cached prefix
+    (14, 2, 128, 5, [1, 9, 0, 1], [130, 0, 3, 64]),  # a sequence with no new tokens
+    (4, 2, 256, 16, [65], [0]),
+    (6, 3, 80, 16, [1, 2], [3, 90]),
+]
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("case", ATTN_CASES)
+def test_paged_attention(case, dtype):
+    hq, hk, d, bs, new, prefix = case
+    q, kc, vc, bt, qs, cl = build_batch(hq, hk, d, bs, new, prefix, dtype, fused=hq == 14)
+    scale = d ** -0.5
+    out = np.full(q.shape, 7.0, np.float32)
+    assert cpu.paged_attention(q, kc, vc, bt, qs, cl, scale, out) is out
+    want = ref.paged_attention(q, kc, vc, bt, qs, cl, scale, np.full(q.shape, 7.0, np.float32))
+    close(out, want, 1e-5, 2e-6)
+
+
+def test_paged_attention_rejects_short_block_table():
+    q, kc, vc, bt, qs, cl = build_batch(4, 1, 64, 16, [1], [40], "f32", False)
+    with pytest.raises(ValueError):
+        cpu.paged_attention(q, kc, vc, bt[:, :1], qs, cl, 0.125, np.empty_like(q))
+
+
+# ----------------------------------------------------------------------------- sampling
+def test_sample_greedy_lowest_index_on_ties():
+    logits = randn(33, 4095)
+    logits[5, [9, 100, 4000]] = 50.0
+    logits[6] = 0.0
+    n = len(logits)
+    zeros = np.zeros(n, np.float32)
+    ids = cpu.sample(logits, zeros, np.zeros(n, np.int32), np.ones(n, np.float32), zeros,
+                     RNG.random(n))
+    np.testing.assert_array_equal(ids, logits.argmax(1))
+    assert ids[5] == 9 and ids[6] == 0
+
+
+@pytest.mark.parametrize("v", [7, 33, 4095])
+def test_sample_matches_reference(v):
+    n = 96
+    logits = randn(n, v, scale=4.0)
+    logits[:, RNG.integers(0, v, 3)] = logits.max()  # exact ties across tokens
+    logits[::7] *= 40.0  # peaked rows: p underflows to 0 for most tokens
+    temp = RNG.choice([0.0, 0.2, 0.7, 1.0, 2.0], n).astype(np.float32)
+    top_k = RNG.choice([0, 0, 1, 3, 40, v, v + 5], n).astype(np.int32)
+    top_p = RNG.choice([1.0, 1.0, 0.95, 0.5, 0.1], n).astype(np.float32)
+    min_p = RNG.choice([0.0, 0.0, 0.05, 0.3], n).astype(np.float32)
+    uniform = RNG.random(n)
+    uniform[:4] = [0.0, 0.5, 0.9999999, 1 - 2 ** -53]
+    got = cpu.sample(logits, temp, top_k, top_p, min_p, uniform)
+    want = ref.sample(logits, temp, top_k, top_p, min_p, uniform)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("n,v", [(1, 1), (7, 33), (3, 4095)])
+def test_log_softmax(n, v):
+    x = randn(n, v, scale=10.0)
+    out = np.empty_like(x)
+    cpu.log_softmax(x, out)
+    close(out, ref.log_softmax(x, np.empty_like(x)), rtol=1e-6, atol=2e-5)
