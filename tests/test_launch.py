@@ -1,0 +1,165 @@
+"""numa-launch: topology parsing, rank placement, the exact mpirun command, real launches."""
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from launch.cli import build_command, plan_ranks
+from launch.topology import format_cpulist, parse_cpulist, read_topology, split_cpus
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RANK_ENV = "-env MPI4PY_RC_THREAD_LEVEL funneled -env NUMA_RUNTIME_BOUND 1"
+CMD = "python -m numa_runtime.serve --model 'my dir'"
+
+
+def launch(*args: str, env=None, timeout: float = 120) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "NUMA_RUNTIME_BOUND"))}
+    base["PYTHONPATH"] = ROOT
+    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT,
+                          env={**base, **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture
+def fake_sysfs(tmp_path):
+    """Two 8-cpu nodes with hyperthread siblings far apart, and a memory-only node."""
+    for node, cpus, total, free in ((0, "0-3,8-11", 1000, 600), (1, "4-7,12-15", 2000, 1500),
+                                    (2, "", 4000, 4000)):
+        d = tmp_path / ("node%d" % node)
+        d.mkdir()
+        (d / "cpulist").write_text(cpus + "\n")
+        (d / "meminfo").write_text("Node %d MemTotal:  %d kB\nNode %d MemFree:   %d kB\n"
+                                   "Node %d MemUsed:   1 kB\n" % (node, total, node, free, node))
+    (tmp_path / "possible").write_text("0-2\n")
+    return str(tmp_path)
+
+
+# ----------------------------------------------------------------------------- topology
+def test_cpulist_round_trip():
+    assert parse_cpulist("0-3,8-11\n") == [0, 1, 2, 3, 8, 9, 10, 11]
+    assert parse_cpulist("5") == [5] and parse_cpulist("") == [] and parse_cpulist("0-6:3") == [0, 3, 6]
+    assert format_cpulist([11, 0, 1, 2, 3, 8, 9, 10, 5]) == "0-3,5,8-11"
+
+
+def test_split_cpus_evenly():
+    assert split_cpus(range(8), 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert split_cpus([0, 1, 2, 3, 8, 9, 10], 3) == [[0, 1, 2], [3, 8], [9, 10]]
+    with pytest.raises(ValueError):
+        split_cpus([0, 1], 3)
+
+
+def test_read_fake_topology(fake_sysfs):
+    topo = read_topology(fake_sysfs)
+    assert topo.from_sysfs and [n.node_id for n in topo.nodes] == [0, 1]  # node2: no cpus
+    assert topo.nodes[0].cpus == (0, 1, 2, 3, 8, 9, 10, 11)
+    assert (topo.nodes[1].mem_total_kb, topo.nodes[1].mem_free_kb) == (2000, 1500)
+    assert read_topology(fake_sysfs, allowed_cpus=range(4)).nodes[0].cpus == (0, 1, 2, 3)
+
+
+def test_missing_sysfs_falls_back_to_affinity(tmp_path):
+    topo = read_topology(str(tmp_path / "absent"))
+    assert not topo.from_sysfs and topo.num_nodes == 1
+    assert topo.nodes[0].cpus == tuple(sorted(os.sched_getaffinity(0)))
+
+
+def test_this_machine_topology():
+    topo = read_topology()
+    assert topo.num_nodes >= 1
+    assert set().union(*(n.cpus for n in topo.nodes)) <= os.sched_getaffinity(0)
+
+
+# ----------------------------------------------------------------------------- placement
+def test_plan_more_ranks_than_nodes_splits_nodes(fake_sysfs):
+    p = plan_ranks(read_topology(fake_sysfs), ranks=4, reserve_server_core=True)
+    assert [(x.node, x.cpus, x.num_threads) for x in p] == [
+        (0, (0, 1, 2, 3), 3), (0, (8, 9, 10, 11), 4), (1, (4, 5, 6, 7), 4), (1, (12, 13, 14, 15), 4)]
+    assert not any(x.whole_node for x in p)
+    assert build_command(p[:1], ["cmd"]) == [
+        "mpirun", "-np", "1", "-env", "OMP_NUM_THREADS", "3", "-env", "MPI4PY_RC_THREAD_LEVEL",
+        "funneled", "-env", "NUMA_RUNTIME_BOUND", "1", "numactl", "--physcpubind=0-3",
+        "--membind=0", "cmd"]
+
+
+# ----------------------------------------------------------------------------- dry run
+def test_dry_run_fake_topology_one_rank_per_node(fake_sysfs):
+    out = launch("--sysfs", fake_sysfs, "--dry-run", "--", *shlex.split(CMD))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == (
+        "mpirun -np 1 -env OMP_NUM_THREADS 8 %s numactl --cpunodebind=0 --membind=0 %s"
+        " : -np 1 -env OMP_NUM_THREADS 8 %s numactl --cpunodebind=1 --membind=1 %s"
+        % (RANK_ENV, CMD, RANK_ENV, CMD))
+
+
+def test_dry_run_fake_topology_reserve_core_and_mpirun_path(fake_sysfs):
+    out = launch("--sysfs", fake_sysfs, "--ranks", "1", "--reserve-server-core",
+                 "--mpirun", "/opt/mpich/bin/mpirun", "--dry-run", "--", "serve")
+    assert out.stdout.strip() == ("/opt/mpich/bin/mpirun -np 1 -env OMP_NUM_THREADS 7 %s "
+                                  "numactl --cpunodebind=0 --membind=0 serve" % RANK_ENV)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_dry_run_this_machine(ranks):
+    topo = read_topology()
+    node = topo.nodes[0]
+    if topo.num_nodes > 1 or node.num_cpus < ranks:
+        pytest.skip("written for a one-node machine with >= %d cpus" % ranks)
+    out = launch("--ranks", str(ranks), "--dry-run", "--", *shlex.split(CMD))
+    assert out.returncode == 0, out.stderr
+    blocks = []
+    for cpus in split_cpus(node.cpus, ranks):
+        bind = ("--cpunodebind=%d" % node.node_id if ranks == 1
+                else "--physcpubind=%s" % format_cpulist(cpus))
+        blocks.append("-np 1 -env OMP_NUM_THREADS %d %s numactl %s --membind=%d %s"
+                      % (len(cpus), RANK_ENV, bind, node.node_id, CMD))
+    assert out.stdout.strip() == "mpirun " + " : ".join(blocks)
+
+
+def test_usage_errors(fake_sysfs):
+    out = launch("--dry-run")
+    assert out.returncode != 0 and "no command given" in out.stderr
+    out = launch("--sysfs", fake_sysfs, "--ranks", "17", "--dry-run", "--", "x")
+    assert out.returncode != 0 and "cannot split 8 cpus among 9 ranks" in out.stderr
+
+
+def test_missing_tools_say_how_to_install(tmp_path):
+    out = launch("--", "true", env={"PATH": str(tmp_path)})
+    assert out.returncode != 0 and "apt-get install -y numactl" in out.stderr
+    numactl = shutil.which("numactl")
+    if numactl is None:
+        pytest.skip("numactl not installed")
+    os.symlink(numactl, tmp_path / "numactl")
+    out = launch("--", "true", env={"PATH": str(tmp_path)})
+    assert out.returncode != 0 and "pip install mpich mpi4py" in out.stderr
+
+
+# ----------------------------------------------------------------------------- real launches
+needs_tools = pytest.mark.skipif(not (shutil.which("mpirun") and shutil.which("numactl")),
+                                 reason="needs mpirun and numactl")
+
+
+@needs_tools
+def test_launch_binds_ranks_and_propagates_exit_code():
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2 or read_topology().num_nodes > 1:
+        pytest.skip("written for a one-node machine with >= 2 cpus")
+    code = ("import os, sys; r = int(os.environ['PMI_RANK']);"
+            "print('rank', r, sorted(os.sched_getaffinity(0)), os.environ['OMP_NUM_THREADS'],"
+            " os.environ['NUMA_RUNTIME_BOUND'], os.environ['MPI4PY_RC_THREAD_LEVEL'], flush=True);"
+            "sys.exit(3 if r == 1 else 0)")
+    out = launch("--ranks", "2", "--", sys.executable, "-c", code)
+    assert out.returncode == 3, out.stderr
+    groups = split_cpus(read_topology().nodes[0].cpus, 2)
+    for r, cpus in enumerate(groups):
+        assert "rank %d %s %d 1 funneled" % (r, cpus, len(cpus)) in out.stdout
+
+
+@needs_tools
+def test_launched_ranks_do_not_rebind():
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cpus")
+    out = launch("--ranks", "2", "--", sys.executable, os.path.join(ROOT, "tests/mpi/self_bind.py"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("how launcher") == 2 and "bound itself" not in out.stderr
