@@ -1,0 +1,107 @@
+"""`python -m numa_runtime.serve` / `numa-serve`: the OpenAI-compatible server.
+
+Under mpirun every rank builds the Engine; worker ranks never return from its constructor, and
+rank 0 goes on to serve. The engine loop runs on the main thread (the one that initialised
+MPI, as thread level "funneled" requires) and the HTTP server on a second thread.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="numa-serve", description="OpenAI-compatible HTTP server for numa_runtime.")
+    ap.add_argument("--model", default=None, help="Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint "
+                                                    "but /health")
+    ap.add_argument("--served-model-name", default=None, help="name clients send as `model` "
+                                                              "(default: the model directory's name)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded side by side at most")
+    ap.add_argument("--max-queue", type=int, default=256, help="waiting sequences beyond which requests get 429")
+    ap.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes per rank")
+    ap.add_argument("--num-threads", type=int, default=None, help="compute threads per rank")
+    ap.add_argument("--max-tokens-cap", type=int, default=None, help="clamp every request's max_tokens to this")
+    ap.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    return ap.parse_args(argv)
+
+
+def build_engine(args):
+    from numa_runtime import Engine
+    kwargs = {"max_num_seqs": args.max_num_seqs}
+    if args.kv_cache_memory is not None:
+        kwargs["kv_cache_memory"] = args.kv_cache_memory
+    return Engine(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                  num_threads=args.num_threads, **kwargs)
+
+
+def summary_text(engine, url: str) -> str:
+    s = engine.summary()
+    placement = getattr(engine, "placement", None)
+    topo = f" | placement {placement}" if placement is not None else ""
+    kv_mib = s.get("kv_cache_bytes", 0) / (1 << 20)
+    return (f"numa-serve: {s.get('model')} ({s.get('architecture')}, {s.get('dtype')})\n"
+            f"  {s.get('ranks')} rank(s) x {s.get('threads_per_rank')} threads{topo}\n"
+            f"  KV cache: {s.get('kv_blocks')} blocks x {s.get('block_size')} tokens = "
+            f"{s.get('max_concurrent_tokens')} tokens, {kv_mib:.1f} MiB per rank; "
+            f"max_model_len {s.get('max_model_len')}\n"
+            f"  serving at {url}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine = build_engine(args)  # NOTE: first, and on every rank: workers never return from it
+    except (ValueError, FileNotFoundError) as e:
+        print(f"numa-serve: error: {e}", file=sys.stderr)
+        return 2
+
+    import uvicorn
+    from .app import ServeConfig, build_app
+    from .async_engine import AsyncEngine
+
+    name = args.served_model_name or os.path.basename(os.path.normpath(engine.model_config.model_dir))
+    try:
+        config = ServeConfig(served_model_name=name, api_key=args.api_key,
+                             max_queue=args.max_queue, max_tokens_cap=args.max_tokens_cap)
+    except ValueError as e:
+        print(f"numa-serve: error: {e}", file=sys.stderr)
+        engine.close()
+        return 2
+    aengine = AsyncEngine(engine)
+    server = uvicorn.Server(uvicorn.Config(build_app(aengine, config), host=args.host, port=args.port,
+                                           log_level=args.log_level, timeout_graceful_shutdown=5))
+    http = threading.Thread(target=server.run, name="numa-http", daemon=True)
+
+    def on_signal(signum, _frame):
+        # NOTE: stop the HTTP server first; the engine loop ends when its thread does, so
+        # requests in flight during the graceful shutdown still finish.
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    http.start()
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(summary_text(engine, f"http://{host}:{args.port}/v1"), flush=True)
+    try:
+        aengine.run_forever(should_stop=lambda: not http.is_alive())
+    finally:
+        server.should_exit = True
+        http.join(timeout=10)
+        engine.close()
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

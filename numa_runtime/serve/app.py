@@ -1,0 +1,364 @@
+"""The OpenAI-compatible HTTP API over an AsyncEngine: routes, errors, auth and limits.
+
+    app = build_app(AsyncEngine(engine), ServeConfig(served_model_name="smollm2"))
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import re
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from . import responses as R
+from .async_engine import AsyncEngine, EngineDeadError
+from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("numa_runtime.serve")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    served_model_name: str
+    api_key: str | None = None
+    max_queue: int = 256              # waiting sequences beyond which new requests get 429
+    max_tokens_cap: int | None = None  # larger max_tokens are clamped to this
+    max_body_bytes: int = 4 << 20
+
+    def __post_init__(self):
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}.")
+        if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
+            raise ValueError(f"max_tokens_cap must be a positive integer, got {self.max_tokens_cap}.")
+
+
+class ApiError(Exception):
+    """An error the client caused (or must wait out), rendered as an OpenAI error object."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+
+@contextmanager
+def _client_errors():
+    """ValueError/TypeError raised while reading the request: the client's 400."""
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        raise ApiError(400, _sentence(str(e))) from None
+
+
+def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
+    engine = aengine.engine
+    metrics = ServerMetrics(lambda: aengine.stats)
+    app = FastAPI(title="numa_runtime", version="0.1.0", docs_url=None, redoc_url=None,
+                  description="OpenAI-compatible completions and chat over numa_runtime.")
+    app.add_middleware(_Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes, metrics=metrics)
+    _install_error_handlers(app)
+    created = int(time.time())
+
+    def decode_token(tid: int) -> str:
+        return engine.tokenizer.decode([tid], skip_special_tokens=False)
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != config.served_model_name:
+            raise ApiError(404, f"The model {model!r} does not exist; this server serves "
+                                f"{config.served_model_name!r}.", param="model", code="model_not_found")
+
+    def check_queue() -> None:
+        if aengine.num_waiting >= config.max_queue:
+            raise ApiError(429, f"The server has {aengine.num_waiting} requests waiting; retry shortly.",
+                           type_="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+
+    def cap(max_tokens: int | None) -> int | None:
+        if config.max_tokens_cap is None:
+            return max_tokens
+        return config.max_tokens_cap if max_tokens is None else min(max_tokens, config.max_tokens_cap)
+
+    @app.get("/health")
+    async def health():
+        if not aengine.is_alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def get_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": config.served_model_name, "object": "model", "created": created, "owned_by": "numa_runtime",
+                "max_model_len": engine.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/debug/profile", response_class=PlainTextResponse)
+    async def profile():
+        if getattr(engine, "profiler", None) is None or not hasattr(engine, "get_op_profiling_info"):
+            raise ApiError(404, "Operator profiling is off; start the server with AS_PROFILE=ON.",
+                           code="profiling_off")
+        return PlainTextResponse(str(await aengine.call(lambda e: e.get_op_profiling_info())))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        arrival = time.monotonic()
+        check_model(body.model)
+        with _client_errors():
+            prompts = body.prompts()
+            params = body.sampling_params(cap(16 if body.max_tokens is None else body.max_tokens), body.logprobs)
+        return await _serve(request, body, "cmpl", prompts, params, arrival)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        arrival = time.monotonic()
+        check_model(body.model)
+        with _client_errors():
+            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            params = body.sampling_params(cap(max_tokens), body.num_logprobs())
+            text = engine.tokenizer.apply_chat_template([m.as_template_dict() for m in body.messages],
+                                                        add_generation_prompt=True)
+            ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        return await _serve(request, body, "chatcmpl", [ids], params, arrival)
+
+    async def _serve(request: Request, body, kind: str, prompts: list, params, arrival: float):
+        check_queue()
+        rid = f"{kind}-{uuid.uuid4().hex}"
+        gen = _Generation(aengine, rid, len(prompts))
+        with _client_errors():
+            await gen.start(prompts, params)
+        tracker = R.ChoiceTracker(params.n)
+        report = _Report(metrics, tracker, arrival, len(prompts) * params.n)
+        name = config.served_model_name
+        if body.stream:
+            return StreamingResponse(_stream(gen, tracker, report, rid, name, kind, body.include_usage, decode_token),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        status = "abort"
+        try:
+            done = await _until_disconnect(request, _collect(gen, tracker, report))
+            if not done:
+                return Response(status_code=499)  # nobody reads it; the request is aborted
+            status = tracker.choices()[0][1].finish_reason or "stop"
+        except EngineDeadError as e:
+            status = "error"
+            raise ApiError(503, str(e), type_="server_error", code="engine_stopped") from None
+        except RuntimeError as e:
+            status = "error"
+            raise ApiError(500, str(e), type_="server_error", code="engine_error") from None
+        finally:
+            gen.abort()
+            report.finish(status)
+        build = R.chat_body if kind == "chatcmpl" else R.completion_body
+        return JSONResponse(build(rid, name, tracker, decode_token))
+
+    return app
+
+
+# ------------------------------------------------------------------------------ generation
+class _Generation:
+    """The engine requests (one per prompt) behind one API request, merged into one queue."""
+
+    def __init__(self, aengine: AsyncEngine, rid: str, num_prompts: int):
+        self.aengine = aengine
+        self.sink: asyncio.Queue = asyncio.Queue()
+        self.index = {f"{rid}-{i}": i for i in range(num_prompts)}
+        self.pending = set(self.index)
+
+    async def start(self, prompts: list, params) -> None:
+        try:
+            for rid, prompt in zip(self.index, prompts):
+                await self.aengine.add(rid, prompt, params, self.sink)
+        except BaseException:
+            self.abort()
+            raise
+
+    async def outputs(self):
+        """(prompt index, RequestOutput) until every request finished; raises an engine error."""
+        while self.pending:
+            item = await self.sink.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                self.pending.discard(item.request_id)
+            yield self.index[item.request_id], item
+
+    def abort(self) -> None:
+        for rid in self.pending:
+            self.aengine.abort(rid)
+        self.pending.clear()
+
+
+class _Report:
+    """Feeds ServerMetrics for one API request."""
+
+    def __init__(self, metrics: ServerMetrics, tracker: R.ChoiceTracker, arrival: float, num_seqs: int):
+        self.metrics, self.tracker, self.arrival, self.num_seqs = metrics, tracker, arrival, num_seqs
+        self.first_token: float | None = None
+
+    def saw(self, pieces: list[R.Piece]) -> None:
+        if self.first_token is None and any(p.token_ids for p in pieces):
+            self.first_token = time.monotonic()
+
+    def finish(self, status: str) -> None:
+        u = self.tracker.usage()
+        self.metrics.observe_request(status, u["prompt_tokens"], u["completion_tokens"], self.arrival,
+                                     self.first_token, time.monotonic(), self.num_seqs)
+
+
+async def _collect(gen: _Generation, tracker: R.ChoiceTracker, report: _Report) -> None:
+    async for index, out in gen.outputs():
+        report.saw(tracker.update(index, out))
+
+
+async def _until_disconnect(request: Request, work) -> bool:
+    """Run `work`; False (and work cancelled) if the client disconnects first."""
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task in done:
+        task.result()
+        return True
+    return False
+
+
+async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode):
+    """SSE events of one request. Cancelled (client gone) -> finally aborts the request."""
+    created, chat = int(time.time()), kind == "chatcmpl"
+    status = "abort"
+    try:
+        if chat:
+            for i in range(len(gen.index) * tracker.n):
+                yield R.sse(R.chat_chunk(rid, model, created, None, i, decode, include_usage))
+        async for index, out in gen.outputs():
+            pieces = tracker.update(index, out)
+            report.saw(pieces)
+            for p in pieces:
+                chunk = (R.chat_chunk(rid, model, created, p, p.index, decode, include_usage) if chat
+                         else R.completion_chunk(rid, model, created, p, decode, include_usage))
+                yield R.sse(chunk)
+        status = tracker.choices()[0][1].finish_reason or "stop"
+        if include_usage:
+            obj = "chat.completion.chunk" if chat else "text_completion"
+            yield R.sse(R.usage_chunk(rid, obj, model, created, tracker.usage()))
+        yield R.sse("[DONE]")
+    except (EngineDeadError, RuntimeError) as e:
+        status = "error"
+        yield R.sse(R.error_body(str(e), "server_error", code="engine_error"))
+        yield R.sse("[DONE]")
+    finally:
+        gen.abort()
+        report.finish(status)
+
+
+# ------------------------------------------------------------------------------ errors
+_TYPE_TAG = re.compile(r"^([A-Z]\w*|str|int|float|bool|list|dict|none|.*[\[\-].*)$")
+
+
+def _sentence(msg: str) -> str:
+    msg = msg.strip() or "The request is invalid."
+    msg = msg[0].upper() + msg[1:]
+    return msg if msg.endswith((".", "?", "!")) else msg + "."
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "The request body is invalid.", None
+    e = errors[0]
+    loc = [x for x in e.get("loc", ()) if x != "body"]
+    param = ".".join(str(x) for x in loc if isinstance(x, int) or not _TYPE_TAG.match(str(x))) or None
+    kind = e.get("type", "")
+    if kind == "json_invalid":
+        return "The request body is not valid JSON.", None
+    if kind == "missing":
+        return (f"The field {param!r} is required." if param else "A JSON request body is required."), param
+    where = f"{param!r}" if param else "the request body"
+    return _sentence(f"Invalid value for {where}: {e.get('msg', 'invalid')}"), param
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    def render(status, message, type_="invalid_request_error", param=None, code=None, headers=None):
+        return JSONResponse(R.error_body(message, type_, param, code), status_code=status, headers=headers)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_, exc: ApiError):
+        return render(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return render(400, message, param=param, code="invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, exc: StarletteHTTPException):
+        messages = {404: "There is no such endpoint; see /openapi.json.",
+                    405: "This endpoint does not accept that HTTP method."}
+        message = messages.get(exc.status_code) or _sentence(str(exc.detail))
+        return render(exc.status_code, message, code=str(exc.status_code), headers=exc.headers)
+
+    @app.exception_handler(EngineDeadError)
+    async def dead(_, exc: EngineDeadError):
+        return render(503, str(exc), "server_error", code="engine_stopped")
+
+
+# ------------------------------------------------------------------------------ middleware
+class _Guard:
+    """Pure ASGI middleware (streams and disconnects pass through untouched): API key, body size
+    limit, and the count of responses by status code."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics):
+        self.app, self.api_key, self.max_body, self.metrics = app, api_key, max_body_bytes, metrics
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.http_responses.labels(str(message["status"])).inc()
+            await send(message)
+
+        headers = dict(scope.get("headers") or [])
+        if self.expected is not None and scope["path"] != "/health":
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+                return await _send_error(counting_send, 401, "A valid API key is required; send "
+                                         "'Authorization: Bearer <key>'.", "authentication_error", "invalid_api_key")
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_body:
+            return await _send_error(counting_send, 413, f"The request body exceeds the limit of {self.max_body} "
+                                     "bytes.", code="request_too_large")
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_body:
+                raise StarletteHTTPException(413, f"The request body exceeds the limit of {self.max_body} bytes.")
+            return message
+
+        await self.app(scope, limited_receive, counting_send)
+
+
+async def _send_error(send, status: int, message: str, type_="invalid_request_error", code=None):
+    body = JSONResponse(R.error_body(message, type_, None, code), status_code=status)
+    await send({"type": "http.response.start", "status": status, "headers": body.raw_headers})
+    await send({"type": "http.response.body", "body": body.body})

@@ -1,0 +1,214 @@
+"""AsyncEngine: one thread owns the Engine; asyncio handlers submit requests and read outputs.
+
+The engine thread takes commands (add, abort, call, stop) from a thread-safe inbox, calls
+`Engine.step()` while work exists, and hands each RequestOutput to the asyncio queue of its
+request with `loop.call_soon_threadsafe`. Nothing else touches the Engine, so the Engine needs
+no locks, and under MPI (thread level "funneled") every MPI call is made by the thread that
+built the Engine: `__main__` runs `run_forever()` on the main thread and the HTTP server on a
+second one.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+log = logging.getLogger("numa_runtime.serve")
+
+_IDLE_POLL_S = 0.5  # how often an idle loop checks `should_stop`
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What /metrics shows about the engine, written by the engine thread after each step."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_hit_rate: float = 0.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can be served."""
+
+
+class AsyncEngine:
+    def __init__(self, engine):
+        self.engine = engine
+        self.stats = EngineStats()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # NOTE: put() is reentrant (signal-safe)
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
+
+    # ------------------------------------------------------------------ asyncio side
+    @property
+    def is_alive(self) -> bool:
+        return not self._stopped.is_set()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running: still in the inbox or waiting in the scheduler."""
+        return self._inbox.qsize() + self.stats.num_waiting
+
+    async def add(self, request_id: str, prompt: str | list[int], params, sink: asyncio.Queue) -> None:
+        """Queue a request; its RequestOutputs (or an exception) will arrive in `sink`.
+
+        Raises what `Engine.add_request` raises (ValueError for a request that cannot run).
+        If the caller is cancelled, the request is aborted.
+        """
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        try:
+            self._put(("add", request_id, prompt, params, (loop, sink), done))
+            await done
+        except BaseException:
+            self.abort(request_id)
+            raise
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (idempotent); its KV blocks are freed by the engine thread."""
+        if self.is_alive:
+            self._inbox.put(("abort", request_id))
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run fn(engine) on the engine thread and return its result."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._put(("call", fn, done))
+        return await done
+
+    def _put(self, cmd: tuple) -> None:
+        if not self.is_alive:
+            raise EngineDeadError("The engine loop has stopped; restart the server.")
+        self._inbox.put(cmd)
+
+    # ------------------------------------------------------------------ engine thread
+    def start(self) -> None:
+        """Run the loop on a background thread (single-process use and tests)."""
+        self._thread = threading.Thread(target=self.run_forever, name="numa-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Ask the loop to finish; in-flight requests get EngineDeadError. Signal-safe."""
+        self._inbox.put(("stop",))
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+
+    def run_forever(self, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """The engine loop. Returns after stop() or when should_stop() turns true."""
+        try:
+            while not should_stop():
+                busy = self.engine.has_unfinished_requests()
+                if not self._drain(block=not busy):
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._update_stats()
+        finally:
+            self._stopped.set()
+            self._fail_all(EngineDeadError("The server is shutting down."))
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands (waiting a little for one if block); False on stop."""
+        while True:
+            try:
+                cmd = self._inbox.get(timeout=_IDLE_POLL_S) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+            block = False
+            kind = cmd[0]
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._add(*cmd[1:])
+            elif kind == "abort":
+                self.engine.abort_request(cmd[1])
+                self._sinks.pop(cmd[1], None)
+            elif kind == "call":
+                _, fn, fut = cmd
+                try:
+                    _resolve(fut, result=fn(self.engine))
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    _resolve(fut, error=e)
+
+    def _add(self, request_id, prompt, params, sink, fut) -> None:
+        try:
+            self.engine.add_request(prompt, params, request_id=request_id)
+        except Exception as e:  # noqa: BLE001 - ValueError/TypeError are the caller's 400s
+            _resolve(fut, error=e)
+            return
+        self._sinks[request_id] = sink
+        _resolve(fut, result=None)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - keep serving: fail what was in flight
+            log.exception("engine step failed; aborting %d in-flight requests", len(self._sinks))
+            self._fail_all(RuntimeError(f"The engine failed while running this request ({e})."))
+            return
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+            loop, q = sink
+            _deliver(loop, q, out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for rid, (loop, q) in list(self._sinks.items()):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # noqa: BLE001 - best effort while failing
+                pass
+            _deliver(loop, q, error)
+        self._sinks.clear()
+        while True:  # requests still in the inbox never reached the engine
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] in ("add", "call"):
+                _resolve(cmd[-1], error=error)
+
+    def _update_stats(self) -> None:
+        sched = getattr(self.engine, "scheduler", None)
+        bm = getattr(self.engine, "block_manager", None) or getattr(sched, "block_manager", None)
+        self.stats = EngineStats(
+            num_running=_num(sched, "num_running", "running"),
+            num_waiting=_num(sched, "num_waiting", "waiting"),
+            kv_cache_usage=float(getattr(bm, "usage", 0.0) or 0.0),
+            prefix_cache_hit_rate=float(getattr(bm, "hit_rate", 0.0) or 0.0))
+
+
+def _num(obj, count_attr: str, list_attr: str) -> int:
+    value = getattr(obj, count_attr, None)
+    if value is None:
+        value = len(getattr(obj, list_attr, ()) or ())
+    return int(value)
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, q: asyncio.Queue, item) -> None:
+    try:
+        loop.call_soon_threadsafe(q.put_nowait, item)
+    except RuntimeError:  # the event loop is closed: nobody is listening
+        pass
+
+
+def _resolve(fut: asyncio.Future, result=None, error: BaseException | None = None) -> None:
+    def set_():
+        if fut.done():  # the waiter was cancelled
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    try:
+        fut.get_loop().call_soon_threadsafe(set_)
+    except RuntimeError:
+        pass

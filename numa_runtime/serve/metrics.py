@@ -1,0 +1,52 @@
+"""Prometheus metrics of one server (its own registry, so several servers can share a process)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the /metrics route
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class ServerMetrics:
+    """Request counters and latency histograms (fed by the handlers) and engine gauges (read
+    from the AsyncEngine's stats snapshot at scrape time)."""
+
+    def __init__(self, stats_source):
+        self.registry = r = CollectorRegistry()
+        p = "numa_runtime_"
+        self.http_responses = Counter(p + "http_responses", "HTTP responses by status code",
+                                      ["code"], registry=r)
+        self.requests = Counter(p + "requests", "Finished generation requests by status "
+                                "(stop, length, abort, error)", ["status"], registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time from arrival to the first token",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram(p + "time_per_output_token_seconds", "Mean time between output tokens "
+                              "of one request", buckets=_TPOT_BUCKETS, registry=r)
+        gauges = {
+            "num_requests_running": ("Sequences in the running batch", "num_running"),
+            "num_requests_waiting": ("Sequences waiting to be scheduled", "num_waiting"),
+            "kv_cache_usage_ratio": ("Fraction of KV cache blocks in use", "kv_cache_usage"),
+            "prefix_cache_hit_rate": ("Prompt tokens served from the prefix cache / prompt tokens",
+                                      "prefix_cache_hit_rate"),
+        }
+        for name, (doc, attr) in gauges.items():
+            g = Gauge(p + name, doc, registry=r)
+            g.set_function(lambda attr=attr: float(getattr(stats_source(), attr)))
+
+    def observe_request(self, status: str, prompt_tokens: int, completion_tokens: int,
+                        arrival: float, first_token: float | None, end: float, num_seqs: int = 1) -> None:
+        """One API request finished (num_seqs sequences, all decoded side by side)."""
+        self.requests.labels(status).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        if first_token is not None:
+            self.ttft.observe(first_token - arrival)
+            per_seq = completion_tokens / max(1, num_seqs)
+            if per_seq > 1:
+                self.tpot.observe((end - first_token) / (per_seq - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

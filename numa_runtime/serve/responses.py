@@ -1,0 +1,152 @@
+"""OpenAI response and stream-chunk bodies built from RequestOutputs (plain dicts, no I/O)."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..outputs import RequestOutput
+
+DecodeToken = Callable[[int], str]
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+@dataclass
+class Piece:
+    """What one choice gained since the last chunk."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list | None            # per new token: (logprob, {token_id: logprob})
+    finish_reason: str | None = None
+
+
+@dataclass
+class ChoiceTracker:
+    """Follows the RequestOutputs of the engine requests behind one API request (one per
+    prompt, each with n completions) and reports per-choice pieces and the final totals."""
+
+    n: int
+    sent_tokens: dict[int, int] = field(default_factory=dict)   # choice index -> tokens reported
+    finished: dict[int, str] = field(default_factory=dict)      # choice index -> finish reason
+    latest: dict[int, RequestOutput] = field(default_factory=dict)  # prompt index -> last output
+
+    def update(self, prompt_index: int, out: RequestOutput) -> list[Piece]:
+        self.latest[prompt_index] = out
+        pieces = []
+        for c in out.outputs:
+            index = prompt_index * self.n + c.index
+            if index in self.finished:
+                continue
+            start = self.sent_tokens.get(index, 0)
+            new_ids = c.token_ids[start:]
+            self.sent_tokens[index] = len(c.token_ids)
+            reason = c.finish_reason if c.finish_reason in ("stop", "length") else None
+            if reason:
+                self.finished[index] = reason
+            if c.delta or new_ids or reason:
+                lps = c.logprobs[start:] if c.logprobs is not None else None
+                pieces.append(Piece(index, c.delta, new_ids, lps, reason))
+        return pieces
+
+    def usage(self) -> dict:
+        prompt = sum(len(o.prompt_token_ids) for o in self.latest.values())
+        completion = sum(len(c.token_ids) for o in self.latest.values() for c in o.outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def choices(self) -> list[tuple[int, "object"]]:
+        """(choice index, CompletionOutput) of every finished choice, in index order."""
+        out = [(p * self.n + c.index, c) for p, o in self.latest.items() for c in o.outputs]
+        return sorted(out, key=lambda x: x[0])
+
+
+# ---------------------------------------------------------------------------- logprobs
+def completion_logprobs(token_ids: list[int], logprobs: list | None, decode: DecodeToken,
+                        offset: int = 0) -> dict | None:
+    """The legacy completions format: tokens, token_logprobs, top_logprobs, text_offset."""
+    if logprobs is None:
+        return None
+    tokens, offsets = [], []
+    for tid in token_ids[:len(logprobs)]:
+        tokens.append(decode(tid))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in logprobs],
+            "top_logprobs": [{decode(t): v for t, v in top.items()} for _, top in logprobs],
+            "text_offset": offsets}
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list | None, decode: DecodeToken) -> dict | None:
+    if logprobs is None:
+        return None
+
+    def entry(tid, lp):
+        tok = decode(tid)
+        return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
+    content = []
+    for tid, (lp, top) in zip(token_ids, logprobs):
+        content.append({**entry(tid, lp), "top_logprobs": [entry(t, v) for t, v in top.items()]})
+    return {"content": content}
+
+
+# ---------------------------------------------------------------------------- bodies
+def completion_body(rid: str, model: str, tracker: ChoiceTracker, decode: DecodeToken) -> dict:
+    choices = [{"index": i, "text": c.text, "finish_reason": _reason(c.finish_reason),
+                "logprobs": completion_logprobs(c.token_ids, c.logprobs, decode)}
+               for i, c in tracker.choices()]
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": tracker.usage()}
+
+
+def chat_body(rid: str, model: str, tracker: ChoiceTracker, decode: DecodeToken) -> dict:
+    choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
+                "finish_reason": _reason(c.finish_reason),
+                "logprobs": chat_logprobs(c.token_ids, c.logprobs, decode)}
+               for i, c in tracker.choices()]
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": tracker.usage()}
+
+
+def completion_chunk(rid: str, model: str, created: int, piece: Piece, decode: DecodeToken,
+                     include_usage: bool) -> dict:
+    choice = {"index": piece.index, "text": piece.text, "finish_reason": piece.finish_reason,
+              "logprobs": completion_logprobs(piece.token_ids, piece.logprobs, decode)}
+    return _chunk(rid, "text_completion", model, created, [choice], include_usage)
+
+
+def chat_chunk(rid: str, model: str, created: int, piece: Piece | None, index: int, decode: DecodeToken,
+               include_usage: bool) -> dict:
+    """A content chunk for `piece`, or (piece None) the opening chunk of choice `index`."""
+    if piece is None:
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}
+    else:
+        choice = {"index": piece.index, "delta": {"content": piece.text} if piece.text else {},
+                  "logprobs": chat_logprobs(piece.token_ids, piece.logprobs, decode),
+                  "finish_reason": piece.finish_reason}
+    return _chunk(rid, "chat.completion.chunk", model, created, [choice], include_usage)
+
+
+def usage_chunk(rid: str, object_: str, model: str, created: int, usage: dict) -> dict:
+    return {"id": rid, "object": object_, "created": created, "model": model, "choices": [], "usage": usage}
+
+
+def _chunk(rid, object_, model, created, choices, include_usage) -> dict:
+    body = {"id": rid, "object": object_, "created": created, "model": model, "choices": choices}
+    if include_usage:
+        body["usage"] = None
+    return body
+
+
+def _reason(reason: str | None) -> str | None:
+    return reason if reason in ("stop", "length") else None
