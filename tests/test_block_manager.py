@@ -207,6 +207,24 @@ def test_reuse_aware_eviction_protects_hit_blocks():
     assert list(bm.policy._protected) == [1, 0] and len(bm.policy._probation) == 0
 
 
+def test_continuation_blocks_start_protected():
+    bm = BlockManager(16, BS, eviction="reuse")
+    _fill_and_release(bm, "t1", range(0, 9))                  # turn 1 caches 0, 1
+    t2 = req("t2", list(range(0, 9)) + [50, 51, 52, 53, 54])  # 8 of 14 cached: a continuation
+    assert admit(bm, t2) == [0, 1]
+    compute(bm, t2)
+    assert t2.block_ids == [0, 1, 3, 4] and bm.block_hash[3] is not None  # 4 is partial
+    one = req("one", list(range(0, 4)) + list(range(300, 313)))  # 4 of 17 cached: a one-off
+    assert admit(bm, one) == [0]
+    compute(bm, one)
+    assert one.block_ids == [0, 5, 6, 7, 8]  # 8 is partial
+    bm.free(one)
+    bm.free(t2)
+    # t2's new block 3 is protected like the hit blocks 0, 1; the one-off's blocks are not
+    assert list(bm.policy._protected) == [3, 1, 0]
+    assert list(bm.policy._probation) == [7, 6, 5]
+
+
 def test_lru_policy_unit():
     p = LRUEviction(8)
     for b in (5, 3, 7):

@@ -179,6 +179,7 @@ class BlockManager:
         if num_full <= start:
             return
         hashes = self._block_hashes(req, num_full)
+        continuation = 2 * req.num_cached_tokens >= req.num_prompt_tokens
         for i in range(start, num_full):
             block_id, h = req.block_ids[i], hashes[i]
             # NOTE: if another request computed the same block first, keep its copy as the
@@ -186,6 +187,7 @@ class BlockManager:
             if self.block_hash[block_id] is None and h not in self.hash_to_block:
                 self.block_hash[block_id] = h
                 self.hash_to_block[h] = block_id
+                self.policy.cached(block_id, continuation)
         self._num_hashed[req.request_id] = num_full
 
     def _block_hashes(self, req: Request, num_blocks: int) -> list[int]:

@@ -3,6 +3,8 @@
 The BlockManager owns reference counts and the hash -> block map; a policy only orders the
 *evictable* blocks (cached, refcount 0) and sees four events:
 
+    cached(b, cont)   b was just filled and cached; `cont` says the request that filled it
+                      continues a mostly cached sequence (a later conversation turn)
     touch(b)          cached block b was reused by a new request (a prefix-cache hit)
     add_evictable(b)  b's refcount fell to 0; it stays cached and may be evicted
     remove(b)         b is in use again (refcount 0 -> 1); it must not be evicted
@@ -20,6 +22,9 @@ class EvictionPolicy:
     """Orders evictable block ids. `len(policy)` is the number of evictable blocks."""
 
     name = "base"
+
+    def cached(self, block_id: int, continuation: bool) -> None:
+        pass
 
     def touch(self, block_id: int) -> None:
         raise NotImplementedError
@@ -76,7 +81,12 @@ class ReuseAwareEviction(EvictionPolicy):
     conversation's prefix one step closer to eviction, and once the one-offs between two turns
     of a conversation outnumber the cache, LRU's hit rate falls to ~0. A one-off block is never
     hit again, so "has this block been hit since it was cached?" separates the two populations
-    with no tuning and O(1) work per event:
+    with no tuning and O(1) work per event. One refinement: the blocks a conversation adds in
+    turn k (its answer, the next user text) have not been hit yet when one-offs push on them,
+    yet they are the prefix of turn k + 1. A request whose prompt was at least half served by
+    the cache is such a continuation, so the blocks it fills start out marked as hit
+    (`cached(b, continuation=True)`). One-offs behind a shared system prompt stay below half.
+
 
     - probation: evictable blocks with no hit since they were cached, in release order
       (evicted first; within it, LRU, so leaves of a chain go before their parents);
@@ -85,8 +95,8 @@ class ReuseAwareEviction(EvictionPolicy):
     NOTE: protected is capped at `protected_fraction` of the pool. When it grows past the cap
     its oldest block is demoted to the newest end of probation (its hit mark cleared), so a
     finished conversation ages out instead of pinning the cache forever (the aging LFU needs).
-    ARC would adapt the split; a fixed split is simpler and was within a few points of the
-    best fixed split on bench/bench_prefix_cache.py.
+    ARC would adapt the split; a fixed one is simpler: on bench/bench_prefix_cache.py 0.75 and
+    0.9 tie and 0.5 loses a few points of hit rate.
     """
 
     name = "reuse"
@@ -98,6 +108,10 @@ class ReuseAwareEviction(EvictionPolicy):
         self._probation: OrderedDict[int, None] = OrderedDict()
         self._protected: OrderedDict[int, None] = OrderedDict()
         self._hit: set[int] = set()  # cached blocks hit since they were cached (in use or not)
+
+    def cached(self, block_id: int, continuation: bool) -> None:
+        if continuation:
+            self._hit.add(block_id)
 
     def touch(self, block_id: int) -> None:
         self._hit.add(block_id)
