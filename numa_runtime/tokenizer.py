@@ -17,6 +17,7 @@ __all__ = ["Tokenizer", "IncrementalDetokenizer", "ChatTemplateError"]
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
                  "mask_token")
+_LLAMA_STYLE = {"LlamaTokenizer", "CodeLlamaTokenizer", "GemmaTokenizer"}
 
 
 class ChatTemplateError(ValueError):
@@ -35,12 +36,13 @@ class Tokenizer:
                  chat_templates: dict):
         self._backend = backend
         self._special = {k: _token_content(config.get(k)) for k in _SPECIAL_KEYS}
-        # NOTE: as HF does for Llama-style tokenizers: when tokenizer_config states
-        # add_bos_token / add_eos_token, those decide the special tokens around the text and
-        # replace tokenizer.json's post-processor (which often adds BOS itself: never doubled).
-        # Otherwise tokenizer.json's post-processor alone decides.
-        self._explicit_bos_eos = "add_bos_token" in config or "add_eos_token" in config
-        self._add_bos = bool(config.get("add_bos_token", False))
+        # NOTE: tokenizer.json's post-processor decides the special tokens around the text (it
+        # usually adds BOS itself), except for Llama-style classes, where HF (LlamaTokenizerFast)
+        # rebuilds it from add_bos_token / add_eos_token: then those decide, and BOS is never
+        # doubled. transformers 5 ignores the flags; they agree with tokenizer.json in real models.
+        cls = (config.get("tokenizer_class") or "").removesuffix("Fast")
+        self._bos_eos_from_config = cls in _LLAMA_STYLE
+        self._add_bos = bool(config.get("add_bos_token", True))  # LlamaTokenizerFast defaults
         self._add_eos = bool(config.get("add_eos_token", False))
         self._chat_templates = chat_templates  # name -> jinja source; "default" if unnamed
 
@@ -48,8 +50,8 @@ class Tokenizer:
         if self.bos_token_id is None and isinstance(generation_config.get("bos_token_id"), int):
             self.bos_token_id = generation_config["bos_token_id"]
         eos = generation_config.get("eos_token_id")
-        self.eos_token_ids: set[int] = set(eos if isinstance(eos, list) else [eos] if eos is not None
-                                           else [])
+        eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+        self.eos_token_ids: set[int] = set(eos)
         eos_id = self._token_id(self._special["eos_token"])
         if eos_id is not None:
             self.eos_token_ids.add(eos_id)
@@ -78,7 +80,7 @@ class Tokenizer:
         return bool(self._chat_templates)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if not (add_special_tokens and self._explicit_bos_eos):
+        if not (add_special_tokens and self._bos_eos_from_config):
             return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         ids = self._backend.encode(text, add_special_tokens=False).ids
         if self._add_bos and self.bos_token_id is not None:
@@ -216,8 +218,9 @@ def _jinja_env() -> ImmutableSandboxedEnvironment:
 
 
 def _load_chat_templates(model_dir: str, config: dict) -> dict:
-    """name -> template source, from (first found) chat_template.jinja (+ additional_chat_templates/),
-    chat_template.json, or tokenizer_config.json's chat_template (a string or a named list)."""
+    """name -> template source, from the first found of: chat_template.jinja (with
+    additional_chat_templates/*.jinja), chat_template.json, tokenizer_config.json's chat_template
+    (a string, or a list of {"name", "template"})."""
     templates = {}
     jinja_path = os.path.join(model_dir, "chat_template.jinja")
     if os.path.isfile(jinja_path):

@@ -1,0 +1,314 @@
+"""Tokenizer and IncrementalDetokenizer against Hugging Face transformers.
+
+Models: the converted default model (SmolLM2, byte-level BPE) and tokenizers trained here with
+the `tokenizers` library (byte-level BPE; sentencepiece-style metaspace BPE with byte fallback).
+"""
+import json
+import random
+
+import pytest
+from tokenizers import Tokenizer as Backend
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from numa_runtime.default_model import default_model_dir
+from numa_runtime.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+TEXTS = [
+    "Hello world",
+    "  leading spaces,\ttabs\nand\r\nnewlines  ",
+    "emoji 😀👍🏽 👨‍👩‍👧 and 中文字符,日本語のテキスト, café, naïve, Ωμέγα, привет",
+    "numbers 12345 + 678 = 7023; pi ≈ 3.14159",
+    "<|im_start|>user\nspecial tokens inside text<|im_end|>",
+    "code: def f(x):\n    return {'a': x ** 2}  # ok",
+    "",
+]
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Réponds en français. 🇫🇷"},
+     {"role": "user", "content": "Bonjour !"},
+     {"role": "assistant", "content": "Bonjour, comment puis-je aider ?"},
+     {"role": "user", "content": "Écris un haïku."}],
+]
+CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, hello tokenizer",
+          "a small corpus for a small vocabulary 0123456789", "naïve café déjà vu"] * 20
+
+
+@pytest.fixture(scope="module")
+def smol_dir():
+    return default_model_dir()
+
+
+@pytest.fixture(scope="module")
+def smol(smol_dir):
+    return Tokenizer.from_dir(smol_dir)
+
+
+@pytest.fixture(scope="module")
+def smol_hf(smol_dir):
+    return transformers.AutoTokenizer.from_pretrained(smol_dir)
+
+
+# --- the default model vs transformers ---------------------------------------------------------
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_decode_match_hf(smol, smol_hf, text):
+    for special in (True, False):
+        ids = smol.encode(text, add_special_tokens=special)
+        assert ids == smol_hf.encode(text, add_special_tokens=special)
+        for skip in (True, False):
+            assert smol.decode(ids, skip) == smol_hf.decode(ids, skip_special_tokens=skip)
+
+
+def test_special_ids_match_hf(smol, smol_hf):
+    assert smol.vocab_size == len(smol_hf) == 49152
+    assert smol.bos_token_id == smol_hf.bos_token_id == 1
+    assert smol.eos_token_ids == {smol_hf.eos_token_id} == {2}
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_hf(smol, smol_hf, messages, add_generation_prompt):
+    ours = smol.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    theirs = smol_hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                         tokenize=False)
+    assert ours == theirs
+
+
+# --- IncrementalDetokenizer --------------------------------------------------------------------
+
+def _stream(tokenizer, ids, prompt_ids=(), skip_special_tokens=True):
+    det = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+    deltas = [det.add(i) for i in ids]
+    return deltas, det.flush()
+
+
+def _random_text(rng):
+    pieces = ["the", " cat", " 😀", "👍🏽", "👨‍👩‍👧", "中文", "字符", " café", "é", "Ω", "\n",
+              "привет", " ", "…", "🇫🇷", "ﬁ", "𝔘𝔫𝔦"]
+    return "".join(rng.choice(pieces) for _ in range(rng.randint(1, 30)))
+
+
+def test_deltas_join_to_decode_with_multibyte_splits(smol):
+    rng = random.Random(0)
+    num_held = 0
+    for _ in range(200):
+        ids = smol.encode(_random_text(rng))
+        deltas, tail = _stream(smol, ids)
+        assert "".join(deltas) == smol.decode(ids) and tail == ""
+        for d in deltas:
+            assert "\ufffd" not in d
+            d.encode("utf-8")  # valid UTF-8: no lone surrogates
+        num_held += deltas.count("")
+    assert num_held > 100  # characters really were split across tokens
+
+
+def test_deltas_with_prompt_and_special_tokens(smol):
+    rng = random.Random(1)
+    special = [1, 2, 0]
+    for _ in range(50):
+        prompt = smol.encode(_random_text(rng))
+        ids = smol.encode(_random_text(rng)) + [rng.choice(special)]
+        ids += smol.encode(_random_text(rng))
+        for skip in (True, False):
+            deltas, tail = _stream(smol, ids, prompt, skip)
+            assert "".join(deltas) + tail == smol.decode(ids, skip)
+            assert tail == "" and not any("\ufffd" in d for d in deltas)
+
+
+def test_uniformly_random_ids_join_to_decode_after_flush(smol):
+    # Random ids can form invalid UTF-8: then U+FFFD is the right text, released at the latest
+    # by the next valid character or by flush().
+    rng = random.Random(2)
+    for _ in range(100):
+        ids = [rng.randrange(smol.vocab_size) for _ in range(rng.randint(1, 40))]
+        deltas, tail = _stream(smol, ids)
+        assert "".join(deltas) + tail == smol.decode(ids)
+
+
+def test_flush_releases_an_unfinished_character(smol):
+    ids = smol.encode("ok 😀")
+    deltas, tail = _stream(smol, ids[:-1])  # the emoji's last byte never comes
+    assert "".join(deltas) == "ok" and "".join(deltas) + tail == smol.decode(ids[:-1])
+    assert tail.endswith("\ufffd")
+
+
+def test_detokenizer_decodes_a_bounded_window(smol):
+    calls = []
+
+    class Counting:
+        def decode(self, ids, skip_special_tokens=True):
+            calls.append(len(ids))
+            return smol.decode(ids, skip_special_tokens)
+
+    ids = smol.encode(_random_text(random.Random(3)) * 40)
+    det = IncrementalDetokenizer(Counting(), smol.encode("a prompt of some length " * 20))
+    deltas = [det.add(i) for i in ids]
+    assert "".join(deltas) == smol.decode(ids)
+    assert len(ids) > 500 and max(calls) <= 12  # never the whole sequence
+
+
+# --- tokenizers trained here -------------------------------------------------------------------
+
+def _train_byte_level(model_dir, config, generation_config=None, bos_in_post_processor=True):
+    tok = Backend(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    if bos_in_post_processor:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)])
+    tok.save(str(model_dir / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+              "eos_token": {"__type": "AddedToken", "content": "</s>", "special": True},
+              "pad_token": "<pad>", **config}
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    if generation_config is not None:
+        (model_dir / "generation_config.json").write_text(json.dumps(generation_config))
+    return model_dir
+
+
+@pytest.mark.parametrize("config,bos_in_post_processor", [
+    ({}, True), ({}, False), ({"add_bos_token": True}, False), ({"add_bos_token": False}, True),
+    ({"add_bos_token": True, "add_eos_token": True}, True)])
+def test_trained_byte_level_matches_hf(tmp_path, config, bos_in_post_processor):
+    # Not a Llama-style class: tokenizer.json's post-processor alone decides, as in HF.
+    d = _train_byte_level(tmp_path, config, bos_in_post_processor=bos_in_post_processor)
+    ours, theirs = Tokenizer.from_dir(str(d)), transformers.AutoTokenizer.from_pretrained(str(d))
+    for text in TEXTS + CORPUS[:4]:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text)
+        assert ids.count(0) == text.count("<s>") + bos_in_post_processor
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+        deltas, tail = _stream(ours, ids)
+        assert "".join(deltas) == ours.decode(ids) and tail == ""
+
+
+def test_trained_tokenizer_eos_ids_and_missing_template(tmp_path):
+    d = _train_byte_level(tmp_path, {}, generation_config={"eos_token_id": [2, 1]})
+    tok = Tokenizer.from_dir(str(d))
+    assert tok.eos_token_ids == {1, 2} and tok.bos_token_id == 0 and tok.pad_token_id == 2
+    assert not tok.has_chat_template
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+TEMPLATE = """{% set ns = namespace(n=0) %}
+{% for m in messages %}
+    {% if m.role == 'system' and not loop.first %}
+        {{ raise_exception('system must be first') }}
+    {% endif %}
+    {% if m.role == 'stop' %}{% break %}{% endif %}
+    <{{ m.role }}>{% generation %}{{ m.content }}{% endgeneration %}</{{ m.role }}>
+    {% set ns.n = ns.n + 1 %}
+{% endfor %}
+{% if tools %}TOOLS {{ tools | tojson }}{% endif %}
+[{{ ns.n }} messages; bos={{ bos_token }} eos={{ eos_token }}; year {{ strftime_now('%Y')[:2] }}]
+{% if add_generation_prompt %}<assistant>{% endif %}"""
+TOOL_TEMPLATE = "TOOL MODE {{ tools | tojson(indent=2) }} {{ messages[-1]['content'] }}"
+TOOLS = [{"type": "function", "function": {"name": "météo", "description": "Wetter für Köln",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+
+
+def _template_dir(tmp_path, how):
+    config = {}
+    if how == "string":
+        config["chat_template"] = TEMPLATE
+    elif how == "named":
+        config["chat_template"] = [{"name": "default", "template": TEMPLATE},
+                                   {"name": "tool_use", "template": TOOL_TEMPLATE}]
+    d = _train_byte_level(tmp_path, config)
+    if how == "jinja_file":
+        (d / "chat_template.jinja").write_text(TEMPLATE)
+    return d
+
+
+@pytest.mark.parametrize("how", ["string", "named", "jinja_file"])
+@pytest.mark.parametrize("tools", [None, TOOLS])
+def test_chat_template_sources_and_helpers_match_hf(tmp_path, how, tools):
+    d = _template_dir(tmp_path, how)
+    ours, theirs = Tokenizer.from_dir(str(d)), transformers.AutoTokenizer.from_pretrained(str(d))
+    for messages in CONVERSATIONS + [[{"role": "user", "content": "a"}, {"role": "stop"},
+                                      {"role": "user", "content": "never shown"}]]:
+        for gen in (True, False):
+            text = ours.apply_chat_template(messages, add_generation_prompt=gen, tools=tools)
+            assert text == theirs.apply_chat_template(messages, add_generation_prompt=gen,
+                                                      tools=tools, tokenize=False)
+    if tools and how == "named":
+        assert text.startswith("TOOL MODE") and "météo" in text  # tojson keeps non-ASCII
+    else:
+        assert "never shown" not in text  # {% break %}
+
+
+def test_chat_template_errors_are_clear(tmp_path):
+    tok = Tokenizer.from_dir(str(_template_dir(tmp_path, "string")))
+    bad = [{"role": "user", "content": "a"}, {"role": "system", "content": "late"}]
+    with pytest.raises(ChatTemplateError, match="system must be first"):
+        tok.apply_chat_template(bad)
+    tok._chat_templates = {"default": "{{ messages.__class__.__mro__ }}"}
+    with pytest.raises(ChatTemplateError):  # the sandbox refuses
+        tok.apply_chat_template([{"role": "user", "content": "a"}])
+
+
+def _train_metaspace(model_dir, config=None, bos_in_post_processor=True):
+    """SentencePiece-style BPE: metaspace pre-tokenizer, byte fallback for unknown characters."""
+    tok = Backend(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"])
+    tok.train_from_iterator(CORPUS, trainer)
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    tok = Backend.from_str(json.dumps(spec))
+    if bos_in_post_processor:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                           special_tokens=[("<s>", 1)])
+    tok.save(str(model_dir / "tokenizer.json"))
+    config = config if config is not None else {"add_bos_token": True}
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+         "unk_token": "<unk>", **config}))
+    return model_dir
+
+
+def test_metaspace_byte_fallback_tokenizer(tmp_path):
+    d = _train_metaspace(tmp_path)
+    ours, theirs = Tokenizer.from_dir(str(d)), transformers.AutoTokenizer.from_pretrained(str(d))
+    rng = random.Random(4)
+    for text in TEXTS + [_random_text(rng) for _ in range(100)]:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text) and ids.count(1) == 1 + text.count("<s>")
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+        out = ours.encode(text, add_special_tokens=False)
+        deltas, tail = _stream(ours, out)  # no prompt: first token loses its space, as decode
+        assert "".join(deltas) == ours.decode(out) and tail == ""
+        assert not any("\ufffd" in d for d in deltas)
+        prompt = ours.encode("the lazy dog")
+        deltas, tail = _stream(ours, out, prompt)  # prompt as left context keeps the space
+        full, head = ours.decode(prompt + out), ours.decode(prompt)
+        assert "".join(deltas) == full[len(head):] and tail == ""
+    assert _stream(ours, ours.encode(" 😀", add_special_tokens=False))[0].count("") >= 3
+
+
+@pytest.mark.parametrize("config,bos_in_post_processor,num_bos,eos_last", [
+    ({"add_bos_token": True}, True, 1, False),  # the usual Llama case: agrees with HF
+    ({}, True, 1, False),
+    ({"add_bos_token": True}, False, 1, False),  # flags rebuild the post-processor (HF 4)
+    ({"add_bos_token": False}, True, 0, False),
+    ({"add_bos_token": True, "add_eos_token": True}, True, 1, True)])
+def test_llama_style_add_bos_token_never_doubles(tmp_path, config, bos_in_post_processor,
+                                                 num_bos, eos_last):
+    d = _train_metaspace(tmp_path, config, bos_in_post_processor)
+    ours = Tokenizer.from_dir(str(d))
+    ids = ours.encode("hello world")
+    assert ids.count(1) == num_bos and ids[:num_bos] == [1] * num_bos
+    assert (ids[-1] == 2) == eos_last
+    assert ids[num_bos:len(ids) - eos_last] == ours.encode("hello world", add_special_tokens=False)
+    if bos_in_post_processor and num_bos == 1 and not eos_last:
+        assert ids == transformers.AutoTokenizer.from_pretrained(str(d)).encode("hello world")
