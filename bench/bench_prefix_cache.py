@@ -12,6 +12,11 @@ the rest unique) arrive at a steady rate. The cache is smaller than the working 
 The model is simulated (token = position % 7, one step = one schedule/update). `run_workload`
 takes a `run_step(SchedulerOutput) -> sampled token ids` callable, so an `--engine` mode can
 drive a real model through the same loop and report TTFT in seconds instead of steps.
+
+Measured (seed 0, block 16; "conv hit" = share of conversation-turn prompt tokens served from
+the cache, infinite cache 86%):
+    default (think 20-200 steps)    1024 blocks: lru 22% -> reuse 54%; 1536: 47% -> 86%
+    --think 200 800 --one-offs 1280 1024 blocks: lru 10% -> reuse 25%; 2048: 24% -> 66%
 """
 from __future__ import annotations
 

@@ -137,9 +137,9 @@ class BlockManager:
                 self.policy.touch(block_id)
                 req.block_ids.append(block_id)
             self._num_hashed[req.request_id] = len(computed_blocks)
+            req.num_cached_tokens = num_cached
             if computed_blocks:
                 req.num_computed_tokens = num_cached
-                req.num_cached_tokens = num_cached
         for _ in range(num_new):
             block_id = self._take_block()
             self.ref_cnt[block_id] = 1
