@@ -11,6 +11,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 import traceback
 from typing import Any, Protocol
 
@@ -285,10 +286,14 @@ def install_fault_hook(comm: Communicator) -> None:
     """Uncaught exception (main or any thread): print the traceback and
     "rank R failed: <cause>", then abort the job so no rank waits forever on the dead one."""
     def hook(exc_type, exc, tb):
-        traceback.print_exception(exc_type, exc, tb)
         cause = ("interrupted" if issubclass(exc_type, KeyboardInterrupt)
                  else "%s: %s" % (exc_type.__name__, exc))
-        sys.stderr.write("rank %d failed: %s\n" % (comm.rank, cause))
+        # NOTE: one write, then a pause: mpirun drops output still in flight when the job
+        # is aborted, and peers failing at the same moment are killed mid-message.
+        sys.stderr.write("".join(traceback.format_exception(exc_type, exc, tb))
+                         + "rank %d failed: %s\n" % (comm.rank, cause))
+        sys.stderr.flush()
+        time.sleep(0.5)
         comm.abort("", 1)
 
     sys.excepthook = hook

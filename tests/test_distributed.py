@@ -142,3 +142,10 @@ def test_plain_mpirun_ranks_bind_themselves():
     bound = run_mpi("self_bind.py", 2, NUMA_RUNTIME_BOUND="1")  # as numa-launch sets it
     assert bound.returncode == 0, bound.stderr
     assert bound.stdout.count("how launcher") == 2 and "bound itself" not in bound.stderr
+
+
+@needs_mpirun
+def test_ranks_failing_together_all_report():
+    out = run_mpi("rank_fails.py", 2, "--all", timeout=60)
+    assert out.returncode != 0
+    assert "rank 0 failed: RuntimeError" in out.stderr or "rank 1 failed: RuntimeError" in out.stderr
