@@ -146,9 +146,13 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._ids: list[int] = list(prompt_ids)[-self._CONTEXT:]
+        self._prefix_text = self._decode(self._ids)
+        # NOTE: a prompt ending inside a character gives no usable left context.
+        while self._prefix_text.endswith("\ufffd"):
+            self._ids.pop()
+            self._prefix_text = self._decode(self._ids)
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self._prefix_text = self._decode(self._ids)
 
     def add(self, token_id: int) -> str:
         """The text this token adds; "" while it only holds part of a character."""

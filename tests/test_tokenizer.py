@@ -117,6 +117,13 @@ def test_deltas_with_prompt_and_special_tokens(smol):
             assert tail == "" and not any("\ufffd" in d for d in deltas)
 
 
+def test_prompt_ending_inside_a_character(smol):
+    ids = smol.encode("a 😀 b")
+    for cut in range(1, len(ids)):
+        deltas, tail = _stream(smol, ids[cut:], prompt_ids=ids[:cut])
+        assert "".join(deltas) + tail == smol.decode(ids[cut:])
+
+
 def test_uniformly_random_ids_join_to_decode_after_flush(smol):
     # Random ids can form invalid UTF-8: then U+FFFD is the right text, released at the latest
     # by the next valid character or by flush().
