@@ -99,44 +99,123 @@ static int64_t nr_pick(const nr_pi *c, int64_t n, int complete, double t, double
     return L < 0 ? -1 : c[L - 1].i;
 }
 
+/* exp(x) in f64 for x <= 0 (softmax arguments): Taylor to degree 13 after reduction by
+ * ln 2, ~1-2 ulp, vectorisable; denormal results kept, 0 below -745.2 as in libm. */
+#pragma omp declare simd notinbranch
+static inline double nr_exp_f64(double x) {
+    double xc = x < -745.0 ? -745.0 : (x > 0.0 ? 0.0 : x);
+    double n = __builtin_rint(xc * 1.4426950408889634);
+    double r = xc - n * 6.93147180369123816490e-01 - n * 1.90821492927058770002e-10;
+    double y = 1.0 / 6227020800.0;
+    y = y * r + 1.0 / 479001600.0;
+    y = y * r + 1.0 / 39916800.0;
+    y = y * r + 1.0 / 3628800.0;
+    y = y * r + 1.0 / 362880.0;
+    y = y * r + 1.0 / 40320.0;
+    y = y * r + 1.0 / 5040.0;
+    y = y * r + 1.0 / 720.0;
+    y = y * r + 1.0 / 120.0;
+    y = y * r + 1.0 / 24.0;
+    y = y * r + 1.0 / 6.0;
+    y = y * r + 0.5;
+    y = y * r + 1.0;
+    y = y * r + 1.0;
+    int64_t ni = (int64_t)n, h = ni / 2;  /* 2^n as two factors: n may reach -1075 */
+    union { uint64_t u; double d; } a, b;
+    a.u = (uint64_t)(h + 1023) << 52;
+    b.u = (uint64_t)(ni - h + 1023) << 52;
+    y = y * a.d * b.d;
+    return x < -745.2 ? 0.0 : y;
+}
+
+#define NR_NBUCKET 2048   /* log-probability histogram: bucket b holds zmax - z in [b, b+1)/32 */
+#define NR_BUCKET_W 32.0
+
+/* c[0..n) = every token with p >= t, in the reference order. */
+static int64_t nr_collect(const double *p, int64_t V, double t, nr_pi *c) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < V; i++)
+        if (p[i] >= t) { c[n].p = p[i]; c[n].i = i; n++; }
+    qsort(c, (size_t)n, sizeof(nr_pi), nr_cmp_pi);
+    return n;
+}
+
+/* Sorted candidates c[0..n): every token with p >= t, where t is the lower edge of the first
+ * histogram bucket at which the counts reach `need_count` or the mass reaches `need_mass`. */
+static int64_t nr_candidates(const double *p, int64_t V, const double *mass, const int64_t *cnt,
+                             int64_t need_count, double need_mass, double sum, nr_pi *c,
+                             double *t_out) {
+    double m = 0.0;
+    int64_t k = 0, b = 0;
+    for (; b < NR_NBUCKET - 1; b++) {
+        m += mass[b];
+        k += cnt[b];
+        if ((need_count > 0 && k >= need_count) || (need_count <= 0 && m >= need_mass)) break;
+    }
+    double t = b >= NR_NBUCKET - 1 ? 0.0
+             : exp(-(double)(b + 1) / NR_BUCKET_W) / sum * (1.0 - 1e-9);
+    *t_out = t;
+    return nr_collect(p, V, t, c);
+}
+
 /* One non-greedy row; p: [V] f64 scratch, c: [V] scratch pairs. */
 static int64_t nr_sample_row(const float *x, int64_t V, const nr_row_params *rp, double *p,
                              nr_pi *c) {
     double zmax = -INFINITY, temp = rp->temperature;
+    #pragma omp simd reduction(max:zmax)
     for (int64_t i = 0; i < V; i++) {
         double z = (double)x[i] / temp;
         p[i] = z;
         zmax = z > zmax ? z : zmax;
     }
-    double sum = 0.0;
-    for (int64_t i = 0; i < V; i++) { p[i] = exp(p[i] - zmax); sum += p[i]; }
+    double sum = 0.0, mass[NR_NBUCKET];
+    int64_t cnt[NR_NBUCKET];
+    memset(mass, 0, sizeof(mass));
+    memset(cnt, 0, sizeof(cnt));
+    #pragma omp simd reduction(+:sum)
+    for (int64_t i = 0; i < V; i++) { p[i] = nr_exp_f64(p[i] - zmax); sum += p[i]; }
     double total = 0.0, pmax = 0.0;
+    #pragma omp simd reduction(+:total) reduction(max:pmax)
     for (int64_t i = 0; i < V; i++) {
         p[i] /= sum;
         total += p[i];
         pmax = p[i] > pmax ? p[i] : pmax;
     }
-    int64_t n, tok = -1;
-    if (rp->k > 0 && rp->k < V) {
-        for (int64_t i = 0; i < V; i++) { c[i].p = p[i]; c[i].i = i; }
-        nr_select(c, V, rp->k);
-        qsort(c, (size_t)rp->k, sizeof(nr_pi), nr_cmp_pi);
+    int64_t n, tok = -1, k = rp->k > 0 && rp->k < V ? rp->k : 0;
+    double t = 0.0;
+    if (k > 0) {
+        for (int64_t i = 0; i < V; i++) {
+            double d = (zmax - ((double)x[i] / temp)) * NR_BUCKET_W;
+            cnt[d < (double)(NR_NBUCKET - 1) ? (int64_t)d : NR_NBUCKET - 1]++;
+        }
+        n = nr_candidates(p, V, mass, cnt, k, 0.0, sum, c, &t);
+        if (n < k) {  /* rounding at the edge: exact selection instead */
+            for (int64_t i = 0; i < V; i++) { c[i].p = p[i]; c[i].i = i; }
+            nr_select(c, V, k);
+            qsort(c, (size_t)k, sizeof(nr_pi), nr_cmp_pi);
+        }
         double tk = 0.0;
-        for (int64_t i = 0; i < rp->k; i++) tk += c[i].p;
-        return nr_pick(c, rp->k, 1, 0.0, tk, rp);
+        for (int64_t i = 0; i < k; i++) tk += c[i].p;
+        return nr_pick(c, k, 1, 0.0, tk, rp);
     }
-    /* whole vocabulary: candidates above a threshold that covers the mass we need */
-    double t;
-    if (rp->min_p > 0.0) t = rp->min_p * pmax;
-    else if (rp->top_p < 1.0) t = (1.0 - rp->top_p) * total / (2.0 * (double)V);
-    else t = (1.0 - rp->u) * total / (2.0 * (double)V);
-    if (t > 0.0) {
-        n = 0;
-        for (int64_t i = 0; i < V; i++)
-            if (p[i] >= t) { c[n].p = p[i]; c[n].i = i; n++; }
-        qsort(c, (size_t)n, sizeof(nr_pi), nr_cmp_pi);
-        tok = nr_pick(c, n, n == V, t, total, rp);
+    /* whole vocabulary: candidates covering the mass the later steps look at */
+    if (rp->min_p > 0.0 && rp->top_p >= 1.0) {  /* min_p alone: its threshold decides */
+        t = rp->min_p * pmax;
+        n = nr_collect(p, V, t, c);
+    } else {
+        for (int64_t i = 0; i < V; i++) {
+            double d = (zmax - ((double)x[i] / temp)) * NR_BUCKET_W;
+            mass[d < (double)(NR_NBUCKET - 1) ? (int64_t)d : NR_NBUCKET - 1] += p[i];
+        }
+        double need = rp->top_p < 1.0 ? rp->top_p * total : rp->u * total;
+        n = nr_candidates(p, V, mass, cnt, 0, need * (1.0 + 1e-9), sum, c, &t);
     }
+    if (rp->min_p > 0.0 && rp->min_p * pmax > t) {
+        double thr = rp->min_p * pmax;
+        while (n > 0 && c[n - 1].p < thr) n--;  /* c is sorted: drop the tail below min_p */
+        t = thr;
+    }
+    tok = nr_pick(c, n, n == V, t, total, rp);
     if (tok < 0) {  /* fallback: the reference's full sort */
         for (int64_t i = 0; i < V; i++) { c[i].p = p[i]; c[i].i = i; }
         qsort(c, (size_t)V, sizeof(nr_pi), nr_cmp_pi);

@@ -1,0 +1,207 @@
+"""Microbenchmark of every backend.cpu op against backend.reference and torch (where torch
+has the op), on Qwen2.5-0.5B shapes (H 896, 14 q heads / 2 kv heads of 64, I 4864, V 151936).
+
+    python bench/bench_kernels.py [--quick] [--threads N]
+
+Prints one markdown table; times are the best of repeated calls, in microseconds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from numa_runtime.backend import cpu, reference as ref  # noqa: E402
+
+H, HQ, HK, D, INTER, VOCAB, BS = 896, 14, 2, 64, 4864, 151936, 16
+RNG = np.random.default_rng(0)
+warnings.filterwarnings("ignore", category=RuntimeWarning)  # the reference's exp overflows
+
+
+def T_():
+    import torch
+    return torch
+
+
+def F_():
+    import torch.nn.functional as F
+    return F
+
+
+def randn(*shape):
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def best_us(fn, min_time: float) -> float:
+    fn()
+    best, spent, reps = float("inf"), 0.0, 0
+    while reps < 3 or (spent < min_time and reps < 100):
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        best, spent, reps = min(best, dt), spent + dt, reps + 1
+    return best * 1e6
+
+
+def paged_batch(new, prefix, dtype):
+    """q [T, HQ, D], caches, block tables for sequences with `prefix` cached + `new` tokens."""
+    need = [(p + n + BS - 1) // BS for p, n in zip(prefix, new)]
+    nb = sum(need) + 1
+    cache = lambda: (np.zeros((nb, BS, HK, D), np.uint16) if dtype == "bf16"  # noqa: E731
+                     else np.zeros((nb, BS, HK, D), np.float32))
+    kc, vc = cache(), cache()
+    bt = np.zeros((len(new), max(need)), np.int32)
+    ids = RNG.permutation(np.arange(1, nb)).astype(np.int32)
+    off = 0
+    for s, n in enumerate(need):
+        bt[s, :n] = ids[off:off + n]
+        off += n
+        pos = np.arange(prefix[s] + new[s])
+        slots = bt[s, pos // BS].astype(np.int64) * BS + pos % BS
+        cpu.reshape_and_cache(randn(len(pos), HK, D), randn(len(pos), HK, D), kc, vc, slots)
+    qs = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    cl = (np.array(prefix) + np.array(new)).astype(np.int32)
+    return randn(sum(new), HQ, D), kc, vc, bt, qs, cl
+
+
+def torch_sdpa(q, kc, vc, bt, qs, cl):  # called in the torch-only child process
+    """torch SDPA on the same batch, K/V already gathered to dense [1, HK, ctx, D] per
+    sequence (so it is timed without the paging our kernel pays for)."""
+    import torch
+    import torch.nn.functional as F
+    calls = []
+    for s in range(len(cl)):
+        n, ctx = int(qs[s + 1] - qs[s]), int(cl[s])
+        blocks = bt[s, :(ctx + BS - 1) // BS]
+        k = ref.as_f32(kc[blocks]).reshape(-1, HK, D)[:ctx]
+        v = ref.as_f32(vc[blocks]).reshape(-1, HK, D)[:ctx]
+        qt = torch.from_numpy(q[qs[s]:qs[s + 1]]).transpose(0, 1)[None]
+        kt = torch.from_numpy(np.ascontiguousarray(k.transpose(1, 0, 2)))[None]
+        vt = torch.from_numpy(np.ascontiguousarray(v.transpose(1, 0, 2)))[None]
+        # causal with a cached prefix: query i sees keys 0..ctx-n+i
+        mask = torch.ones(n, ctx, dtype=torch.bool).tril(ctx - n)
+        calls.append((qt, kt, vt, None if n == 1 else mask))
+
+    def run():
+        for qt, kt, vt, m in calls:
+            F.scaled_dot_product_attention(qt, kt, vt, attn_mask=m, enable_gqa=True)
+    return run
+
+
+def cases(quick: bool):
+    """(op, shape, cpu fn, reference fn, torch factory or None); a torch factory returns the
+    torch callable and is only called in the torch-only child process."""
+    T = 128 if quick else 512
+    x, res, w = randn(T, H), randn(T, H), randn(H)
+    out = np.empty_like(x)
+    big = randn(1 << 20 if quick else 1 << 22)
+    big16 = ref.f32_to_bf16(big)
+    yield ("f32_to_bf16", f"[{big.size}]", lambda: cpu.f32_to_bf16(big),
+           lambda: ref.f32_to_bf16(big), lambda: lambda: T_().from_numpy(big).to(T_().bfloat16))
+    yield ("bf16_to_f32", f"[{big.size}]", lambda: cpu.bf16_to_f32(big16),
+           lambda: ref.bf16_to_f32(big16), None)
+    table = ref.f32_to_bf16(randn(VOCAB // 8, H))
+    ids = RNG.integers(0, len(table), T)
+    yield ("embedding bf16", f"[{T}] of {table.shape}", lambda: cpu.embedding(ids, table, out),
+           lambda: ref.embedding(ids, table, out), None)
+    for rows in (1, T):
+        yield ("rms_norm", f"[{rows}, {H}]", lambda r=rows: cpu.rms_norm(x[:r], w, 1e-6, out[:r]),
+               lambda r=rows: ref.rms_norm(x[:r], w, 1e-6, out[:r]),
+               lambda r=rows: lambda: F_().rms_norm(T_().from_numpy(x[:r]), (H,), T_().from_numpy(w), 1e-6))
+    yield ("add_rms_norm", f"[{T}, {H}]", lambda: cpu.add_rms_norm(x, res, w, 1e-6, out),
+           lambda: ref.add_rms_norm(x, res, w, 1e-6, out), None)
+    gu, act = randn(T, 2 * INTER), np.empty((T, INTER), np.float32)
+    yield ("silu_and_mul", f"[{T}, {2 * INTER}]", lambda: cpu.silu_and_mul(gu, act),
+           lambda: ref.silu_and_mul(gu, act),
+           lambda: lambda: F_().silu(T_().from_numpy(gu[:, :INTER])) * T_().from_numpy(gu[:, INTER:]))
+    yield ("add_", f"[{T}, {H}]", lambda: cpu.add_(res, x), lambda: ref.add_(res, x),
+           lambda: lambda: T_().from_numpy(res).add_(T_().from_numpy(x)))
+    q, k = randn(T, HQ, D), randn(T, HK, D)
+    pos = np.arange(T, dtype=np.int64)
+    cs = np.concatenate([np.cos(pos[:, None] * 1e-3 + np.zeros(D // 2)),
+                         np.sin(pos[:, None] * 1e-3 + np.zeros(D // 2))], 1).astype(np.float32)
+    yield ("rotary", f"q [{T}, {HQ}, {D}]", lambda: cpu.rotary(q, k, pos, cs),
+           lambda: ref.rotary(q, k, pos, cs), None)
+    kc = np.zeros((T // BS + 1, BS, HK, D), np.uint16)
+    vc = kc.copy()
+    slots = np.arange(T, dtype=np.int64)
+    yield ("reshape_and_cache bf16", f"[{T}, {HK}, {D}]",
+           lambda: cpu.reshape_and_cache(k, k, kc, vc, slots),
+           lambda: ref.reshape_and_cache(k, k, kc, vc, slots), None)
+    n_pre = 512 if quick else 2048
+    for dtype in ("f32", "bf16"):
+        b = paged_batch([n_pre], [0], dtype)
+        o = np.empty_like(b[0])
+        yield (f"attention prefill {dtype}", f"1 x {n_pre} new",
+               lambda b=b, o=o: cpu.paged_attention(*b, D ** -0.5, o),
+               lambda b=b, o=o: ref.paged_attention(*b, D ** -0.5, o), lambda b=b: torch_sdpa(*b))
+    n_seq, ctx = (8, 512) if quick else (16, 2048)
+    for dtype in ("f32", "bf16"):
+        b = paged_batch([1] * n_seq, [ctx - 1] * n_seq, dtype)
+        o = np.empty_like(b[0])
+        yield (f"attention decode {dtype}", f"{n_seq} x 1 new, ctx {ctx}",
+               lambda b=b, o=o: cpu.paged_attention(*b, D ** -0.5, o),
+               lambda b=b, o=o: ref.paged_attention(*b, D ** -0.5, o), lambda b=b: torch_sdpa(*b))
+    n = 4 if quick else 16
+    logits = randn(n, VOCAB) * 3
+    ones, zeros = np.ones(n, np.float32), np.zeros(n, np.float32)
+    u = RNG.random(n)
+    for name, k_, p_ in (("top_k 50", 50, 1.0), ("top_p 0.9", 0, 0.9), ("plain", 0, 1.0)):
+        kk, pp = np.full(n, k_, np.int32), np.full(n, p_, np.float32)
+        yield (f"sample {name}", f"[{n}, {VOCAB}]",
+               lambda kk=kk, pp=pp: cpu.sample(logits, ones, kk, pp, zeros, u),
+               lambda kk=kk, pp=pp: ref.sample(logits, ones, kk, pp, zeros, u),
+               (lambda: lambda: T_().multinomial(T_().softmax(
+                   T_().from_numpy(logits).topk(50).values, -1), 1)) if k_ else None)
+    lo = np.empty_like(logits)
+    yield ("log_softmax", f"[{n}, {VOCAB}]", lambda: cpu.log_softmax(logits, lo),
+           lambda: ref.log_softmax(logits, lo),
+           lambda: lambda: T_().log_softmax(T_().from_numpy(logits), -1))
+
+
+def torch_times(quick: bool, threads: int) -> dict:
+    """Torch timings from a child process: torch ships its own OpenMP runtime, whose spinning
+    threads would slow ours (and ours its) if both lived in one process."""
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--torch-only",
+                          "--threads", str(threads)] + (["--quick"] if quick else []),
+                         capture_output=True, text=True)
+    if out.returncode:
+        print("torch timings failed:", out.stderr.strip().splitlines()[-1:], file=sys.stderr)
+        return {}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smaller shapes, shorter timing")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    min_time = 0.05 if args.quick else 0.3
+    if args.torch_only:
+        T_().set_num_threads(args.threads)
+        print(json.dumps({f"{op} {shape}": best_us(make(), min_time)
+                          for op, shape, _, _, make in cases(args.quick) if make}))
+        return
+    cpu.set_num_threads(args.threads)
+    rows = [(op, shape, best_us(fn, min_time), best_us(ref_fn, min_time / 3))
+            for op, shape, fn, ref_fn, _ in cases(args.quick)]
+    tt = torch_times(args.quick, args.threads)
+    print(f"threads {args.threads}; best of repeats, microseconds\n")
+    print("| op | shape | cpu us | reference us | torch us | x reference | x torch |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for op, shape, t, tr in rows:
+        tq = tt.get(f"{op} {shape}")
+        print(f"| {op} | {shape} | {t:.1f} | {tr:.1f} | {'-' if tq is None else f'{tq:.1f}'} "
+              f"| {tr / t:.1f} | {'-' if tq is None else f'{tq / t:.2f}'} |")
+
+
+if __name__ == "__main__":
+    main()
