@@ -14,6 +14,7 @@ import sys
 import time
 from typing import Iterable, Iterator
 
+from . import profiler as _profiler
 from .config import EngineConfig, ModelConfig
 from .outputs import CompletionOutput, RequestOutput, TextState
 from .request import Request, RequestStatus
@@ -43,7 +44,8 @@ class Engine:
         self.model_config = mcfg = ModelConfig.from_dir(os.path.expanduser(str(model_dir)))
         self.max_model_len = self._resolve_max_len(mcfg, self.config.max_model_len)
         self.ops = profiler.wrap_ops(backend.get_backend(self.config.backend), self.comm)
-        self.runner = ModelRunner(mcfg, self.config, self.comm, self.ops, self.max_model_len,
+        self.runner = ModelRunner(mcfg, self.config, profiler.wrap_comm(self.comm, self.ops), self.ops,
+                                  self.max_model_len,
                                   progress=_progress if self.comm.is_driver else None)
         if not self.comm.is_driver:
             self.runner.worker_loop()  # returns when rank 0 shuts down
@@ -57,7 +59,7 @@ class Engine:
                                                    max_num_batched_tokens=self.config.max_num_batched_tokens,
                                                    max_model_len=self.max_model_len), self.block_manager)
         self.sampler = Sampler(self.ops, mcfg.vocab_size, self.config.seed)
-        self.profiler = self.ops.profiler if hasattr(self.ops, "profiler") else None
+        self.profiler = profiler.attach(self)  # None unless AS_PROFILE=ON
         self._groups: dict[str, _Group] = {}
         self._texts: dict[str, TextState] = {}
         self._ids = itertools.count()
@@ -239,6 +241,12 @@ class Engine:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         return self.generate([ids], params)[0]
+
+    # operator profiling (AS_PROFILE=ON; raise RuntimeError when off): see profiler.py
+    get_op_profiling_info = _profiler.get_op_profiling_info      # (model_name=None) -> str
+    get_op_profiling_stats = _profiler.get_op_profiling_stats    # () -> list[dict]
+    reset_op_profiling = _profiler.reset_op_profiling            # () -> None
+    export_chrome_trace = _profiler.export_chrome_trace          # (path, steps=None) -> path
 
     def close(self) -> None:
         """Stop the worker ranks (if any). Idempotent."""

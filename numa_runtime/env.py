@@ -68,3 +68,25 @@ def omp_num_threads() -> int | None:
     """OMP_NUM_THREADS as an int (the first entry of a nested list), None when unset."""
     value = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
     return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+# ----------------------------------------------------------------------------- profiling
+# Read by numa_runtime.profiler when the Engine starts.
+__all__ += ["profile_enabled", "profile_trace_path", "profile_trace_steps"]
+
+
+def profile_enabled() -> bool:
+    """AS_PROFILE=ON (also 1/true/yes, any case): time every operator on every rank."""
+    return os.environ.get("AS_PROFILE", "").strip().lower() in ("on", "1", "true", "yes")
+
+
+def profile_trace_path() -> str | None:
+    """AS_PROFILE_TRACE=path: with AS_PROFILE=ON, write a Chrome trace (chrome://tracing,
+    Perfetto) of the first profile_trace_steps() engine steps to path."""
+    return os.environ.get("AS_PROFILE_TRACE") or None
+
+
+def profile_trace_steps() -> int:
+    """AS_PROFILE_TRACE_STEPS: how many recent steps each rank keeps for a trace (default 32)."""
+    value = os.environ.get("AS_PROFILE_TRACE_STEPS", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else 32

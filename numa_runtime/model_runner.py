@@ -9,6 +9,7 @@ import psutil
 from .config import EngineConfig, ModelConfig
 from .models import get_model_class
 from .plan import SHUTDOWN, StepPlan
+from .profiler import PROFILE, serve_worker as serve_profile
 
 log = logging.getLogger("numa_runtime")
 
@@ -65,5 +66,8 @@ class ModelRunner:
             plan = self.comm.broadcast_plan(None)
             if plan.kind == SHUTDOWN:
                 return
+            if plan.kind == PROFILE:  # AS_PROFILE=ON: rank 0 gathers or resets the tables
+                serve_profile(plan, self.comm, self.ops)
+                continue
             if plan.num_tokens:
                 self.model.forward(plan)

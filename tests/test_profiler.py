@@ -1,0 +1,170 @@
+"""Operator profiler (AS_PROFILE=ON): report format, op counts that follow the model's
+structure, reset, Chrome trace, zero cost when off, and every rank's rows under mpirun."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from models import build_model
+
+from numa_runtime import Engine, SamplingParams
+from numa_runtime.backend import get_backend
+
+BACKEND = os.environ.get("NUMA_RUNTIME_TEST_BACKEND", "cpu")
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+LAYERS = 2
+PROMPTS = [[1, 17, 42, 99, 5], list(range(3, 30))]
+COLUMNS = ["rank", "opname", "count", "min_ms", "max_ms", "ave_ms", "total_ms", "percentage"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    build_model(str(path), arch="llama", num_hidden_layers=LAYERS)
+    return str(path)
+
+
+def make_engine(model_dir):
+    return Engine(model_dir, dtype="float32", backend=BACKEND, kv_cache_memory=1 << 24, max_model_len=256)
+
+
+def generate(eng, max_tokens):
+    # both prompts prefill in the first step and sample in every step: max_tokens steps
+    eng.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+
+
+def parse_report(text: str) -> dict[str, list[dict]]:
+    """{section: rows} from the report; checks the headers and the column line."""
+    lines = text.splitlines()
+    heads = [i for i, l in enumerate(lines) if l.startswith("*** ")]
+    assert [lines[i] for i in heads] == ["*** reshape ***", "*** alloc ***", "*** forward ***"]
+    out = {}
+    for i, start in enumerate(heads):
+        assert lines[start + 1].split() == COLUMNS
+        end = heads[i + 1] if i + 1 < len(heads) else len(lines)
+        rows = []
+        for l in lines[start + 2:end]:
+            if l.strip():
+                f = l.split()
+                rows.append({"rank": int(f[0]), "opname": f[1], "count": int(f[2]),
+                             **{c: float(v) for c, v in zip(COLUMNS[3:], f[3:])}})
+        out[lines[start][4:-4]] = rows
+    return out
+
+
+def counts(stats, rank=0, section="forward"):
+    return {r["opname"]: r["count"] for r in stats if r["rank"] == rank and r["section"] == section}
+
+
+def per_step_forward(steps, layers=LAYERS):
+    return {"Gemm": steps * (4 * layers + 1), "RMSNorm": steps * (2 * layers + 1),
+            "Attention": steps * layers, "Rotary": steps * layers, "ReshapeAndCache": steps * layers,
+            "Binary": steps * layers, "Embedding": steps}
+
+
+def test_report_format_and_counts(model_dir, monkeypatch):
+    monkeypatch.setenv("AS_PROFILE", "ON")
+    eng = make_engine(model_dir)
+    generate(eng, 6)
+    report = parse_report(eng.get_op_profiling_info(model_name="tiny-llama"))
+    assert "model tiny-llama" in eng.get_op_profiling_info(model_name="tiny-llama")
+    for section, rows in report.items():
+        assert rows, section
+        assert {r["rank"] for r in rows} == {0}
+        totals = [r["total_ms"] for r in rows]
+        assert totals == sorted(totals, reverse=True), section
+        assert abs(sum(r["percentage"] for r in rows) - 100.0) < 0.1, section
+        for r in rows:
+            assert r["min_ms"] <= r["ave_ms"] <= r["max_ms"]
+    forward = {r["opname"]: r["count"] for r in report["forward"]}
+    assert forward == {**per_step_forward(6), "Sample": 6, "PostProcessId": 6}
+    assert {r["opname"]: r["count"] for r in report["reshape"]} == {"Schedule": 6}
+    alloc = {r["opname"]: r["count"] for r in report["alloc"]}
+    assert alloc["Free"] == 2 and alloc["GetComputedBlocks"] == 2 and alloc["Allocate"] >= 2
+    # the structure holds the same rows as the text
+    stats = eng.get_op_profiling_stats()
+    assert set(stats[0]) == {"section", *COLUMNS}
+    assert counts(stats) == forward
+    eng.close()
+
+
+def test_reset_starts_a_new_window(model_dir, monkeypatch):
+    monkeypatch.setenv("AS_PROFILE", "ON")
+    eng = make_engine(model_dir)
+    generate(eng, 5)
+    assert counts(eng.get_op_profiling_stats())["Gemm"] == 5 * (4 * LAYERS + 1)
+    eng.reset_op_profiling()
+    assert eng.get_op_profiling_stats() == []
+    generate(eng, 3)
+    assert counts(eng.get_op_profiling_stats()) == {**per_step_forward(3), "Sample": 3, "PostProcessId": 3}
+    eng.close()
+
+
+def test_chrome_trace(model_dir, monkeypatch, tmp_path):
+    path = str(tmp_path / "auto.json")
+    monkeypatch.setenv("AS_PROFILE", "ON")
+    monkeypatch.setenv("AS_PROFILE_TRACE", path)
+    monkeypatch.setenv("AS_PROFILE_TRACE_STEPS", "3")
+    eng = make_engine(model_dir)
+    generate(eng, 5)
+    events = json.load(open(path))["traceEvents"]  # written once 3 steps were kept
+    names = [e["name"] for e in events if e["ph"] == "X"]
+    assert names.count("Schedule") == 3 and names.count("Gemm") == 3 * (4 * LAYERS + 1)
+    assert {e["pid"] for e in events} == {0}
+    out = eng.export_chrome_trace(str(tmp_path / "last.json"), steps=2)
+    events = json.load(open(out))["traceEvents"]
+    assert [e["name"] for e in events].count("Embedding") == 2
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in events if e["ph"] == "X")
+    eng.close()
+
+
+def test_off_is_zero_cost(model_dir, monkeypatch):
+    monkeypatch.delenv("AS_PROFILE", raising=False)
+    monkeypatch.delenv("AS_PROFILE_TRACE", raising=False)
+    eng = make_engine(model_dir)
+    assert eng.ops is get_backend(BACKEND)
+    assert eng.runner.comm is eng.comm and eng.profiler is None
+    assert not {"allocate", "free", "get_computed_blocks"} & set(vars(eng.block_manager))
+    assert "schedule" not in vars(eng.scheduler) and "_update" not in vars(eng)
+    generate(eng, 2)
+    with pytest.raises(RuntimeError, match="AS_PROFILE=ON"):
+        eng.get_op_profiling_info()
+    eng.close()
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed")
+def test_every_rank_under_mpirun(model_dir, tmp_path):
+    trace = str(tmp_path / "trace.json")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "OMPI_", "MPI_LOCAL", "NUMA_RUNTIME_BOUND", "AS_PROFILE"))}
+    env.update(PYTHONPATH=ROOT, MPI4PY_RC_THREAD_LEVEL="funneled", OMP_NUM_THREADS="1", AS_PROFILE="ON")
+    cmd = ["mpirun", "-np", "2", sys.executable, os.path.join(HERE, "mpi", "profile_run.py"),
+           model_dir, BACKEND, "4", "3", trace]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+    assert len(line) == 1, p.stdout[-3000:]  # only rank 0 prints
+    res = json.loads(line[0][7:])
+    assert res["world"] == 2
+    report = parse_report(res["report"])
+    assert {r["rank"] for r in report["forward"]} == {0, 1}
+    assert {r["rank"] for r in report["reshape"]} == {0, 1}
+    for steps, stats in ((4, res["stats_a"]), (3, res["stats_b"])):
+        for rank in (0, 1):
+            c = counts(stats, rank)
+            assert c["AllReduce"] == steps * (2 * LAYERS + 1)  # o_proj, down_proj, embedding
+            assert c["AllGather"] == steps                     # lm_head logits
+            for op, n in per_step_forward(steps).items():
+                assert c[op] == n, (rank, op)
+            assert counts(stats, rank, "reshape")["PreProcessId"] == steps
+        assert "Sample" in counts(stats, 0) and "Sample" not in counts(stats, 1)
+        for rank in (0, 1):
+            rows = [r for r in stats if r["rank"] == rank and r["section"] == "forward"]
+            assert abs(sum(r["percentage"] for r in rows) - 100.0) < 1e-6
+    events = json.load(open(trace))["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1}
+    assert sum(1 for e in events if e["name"] == "AllGather" and e["pid"] == 1) == 2
