@@ -3,8 +3,8 @@
     MPI4PY_RC_THREAD_LEVEL=funneled mpirun -np 2 python bench/bench_allreduce.py [--iters N]
 
 Rank 0 prints a markdown table: median latency per call and algorithm bandwidth
-(bytes of the buffer / time). The comm.Allreduce column for bf16 sums in f32 (MPI has no bf16
-type), as MPIComm does across hosts: conversion included.
+(bytes of the buffer / time). The comm.Allreduce column is MPIComm's cross-host path; for
+bf16 (MPI has no bf16 type) that is comm.Allgather + the reduce kernel, summed in rank order.
 """
 import argparse
 import time

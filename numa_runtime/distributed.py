@@ -144,8 +144,7 @@ class MPIComm:
         self._shm = None
         if (shared_memory and self.local_size == self.world_size
                 and 1 < self.world_size <= _MAX_SHM_RANKS):
-            from ._kernels import reduce as _reduce
-            self._k = _reduce
+            self._k = self._reduce_kernel()
             self._shm = _ShmArena(MPI, node, shm_bytes)
         else:
             node.Free()
@@ -185,11 +184,16 @@ class MPIComm:
         if x.dtype == np.float32:
             self.comm.Allreduce(self.MPI.IN_PLACE, x, op=self.MPI.SUM)
             return x
-        from .backend.reference import bf16_to_f32, f32_to_bf16
-        acc = bf16_to_f32(x).reshape(x.shape)  # MPI has no bf16: sum in f32, round once
-        self.comm.Allreduce(self.MPI.IN_PLACE, acc, op=self.MPI.SUM)
-        x[...] = f32_to_bf16(acc)
+        # NOTE: MPI has no bf16 type: gather every rank's bits and sum them here in rank
+        # order (f32 accumulation, rounded once), the same bits the shared-memory path gives.
+        parts = np.empty((self.world_size, x.size), dtype=np.uint16)
+        self.comm.Allgather(x.reshape(-1), parts)
+        self._reduce_kernel().reduce_sum(x.reshape(-1), list(parts))
         return x
+
+    def _reduce_kernel(self):
+        from ._kernels import reduce as _reduce
+        return _reduce
 
     def all_gather(self, x: np.ndarray) -> np.ndarray:
         """x: [..., n_local] -> [..., n_local * world_size], rank r's part at r*n_local."""
