@@ -8,8 +8,19 @@
 #define GEMM_INLINE static inline __attribute__((always_inline))
 
 #ifndef GEMM_PF_BYTES
-#define GEMM_PF_BYTES 1024 /* software prefetch distance ahead of the weight stream */
+#define GEMM_PF_BYTES 0 /* NOTE: measured on Zen4: software prefetch (1-4 KiB ahead) costs
+                          * 10-15% against the hardware prefetcher on one contiguous stream. */
 #endif
+
+/* One 256-byte row (four cache lines) GEMM_PF_BYTES ahead of the stream; 0 = none. */
+GEMM_INLINE void gemm_prefetch_row(const void* row) {
+#if GEMM_PF_BYTES > 0
+    for (int i = 0; i < 4; i++)
+        _mm_prefetch((const char*)row + GEMM_PF_BYTES + 64 * i, _MM_HINT_T0);
+#else
+    (void)row;
+#endif
+}
 
 /* acc[r][0:64] (+)= sum_p x32[r][p] . wb[p] over k-pairs p0..p1, for r < mr (constant). */
 GEMM_INLINE GEMM_T_BF16 void gemm_tile_bf16(const uint16_t* wb, const uint32_t* x32, long ldx,
@@ -21,8 +32,7 @@ GEMM_INLINE GEMM_T_BF16 void gemm_tile_bf16(const uint16_t* wb, const uint32_t* 
             c[r][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + r * GEMM_NB + 16 * j);
     for (long p = p0; p < p1; p++) {
         const uint16_t* row = wb + p * 2 * GEMM_NB;  /* 64 columns x 2 k = 256 bytes */
-        _mm_prefetch((const char*)row + GEMM_PF_BYTES, _MM_HINT_T0);
-        _mm_prefetch((const char*)row + GEMM_PF_BYTES + 128, _MM_HINT_T0);
+        gemm_prefetch_row(row);
         __m512i w[4];
         for (int j = 0; j < 4; j++) w[j] = _mm512_load_si512((const void*)(row + 32 * j));
         for (int r = 0; r < mr; r++) {
@@ -43,8 +53,7 @@ GEMM_INLINE GEMM_T_AVX512 void gemm_tile_f32(const float* wb, const float* xs, l
             c[r][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + r * GEMM_NB + 16 * j);
     for (long k = k0; k < k1; k++) {
         const float* row = wb + k * GEMM_NB;  /* 64 columns = 256 bytes */
-        _mm_prefetch((const char*)row + GEMM_PF_BYTES, _MM_HINT_T0);
-        _mm_prefetch((const char*)row + GEMM_PF_BYTES + 128, _MM_HINT_T0);
+        gemm_prefetch_row(row);
         __m512 w[4];
         for (int j = 0; j < 4; j++) w[j] = _mm512_load_ps(row + 16 * j);
         for (int r = 0; r < mr; r++) {

@@ -23,7 +23,7 @@
 #define GEMM_NB 64    /* output columns per weight block */
 #define GEMM_MR 6     /* activation rows per register tile: 6 x 4 accumulators + 4 weights */
 #define GEMM_MMAX 32  /* activation rows per pass over the weights */
-#define GEMM_KC 128   /* k-pairs (bf16) / k (f32) per cache chunk when M > GEMM_MR: 32 KiB */
+#define GEMM_KC 64    /* k-pairs (bf16) / k (f32) per L1 chunk when M > GEMM_MR: 16 KiB */
 
 /* 2: avx512f+bw+vl+bf16 (Zen4, Sapphire Rapids), 1: avx512f+bw+vl, 0: x86-64-v3 only. */
 static int gemm_cpu_level(void) {
@@ -75,6 +75,15 @@ static void gemm_rows_to_bf16(const float* x, long m, long k, uint16_t* y, long 
 static inline void gemm_split(long nblocks, int t, int nt, long* b0, long* b1) {
     *b0 = nblocks * t / nt;
     *b1 = nblocks * (t + 1) / nt;
+}
+
+/* Blocks per dynamic work item: about 8 items per thread.
+ * NOTE: dynamic, not a static split: a thread that is preempted (shared machines, other ranks)
+ * or slower costs only its current chunk, not the whole call, and each block is already a
+ * 60+ KiB contiguous stream, so the prefetchers lose nothing. */
+static inline int gemm_chunk(long nblocks) {
+    long c = nblocks / (8L * omp_get_num_threads());
+    return c < 1 ? 1 : (int)c;
 }
 
 /* acc: [m][64] partial sums of one block -> out[m, n0:n0+64] (+bias), clipped at N. */
@@ -149,9 +158,8 @@ static void gemm_small_bf16(const uint16_t* w, long K, long N, long kp, const fl
         #pragma omp parallel
         {
             float acc[GEMM_MMAX * GEMM_NB] __attribute__((aligned(64)));
-            long b0, b1;
-            gemm_split(nblocks, omp_get_thread_num(), omp_get_num_threads(), &b0, &b1);
-            for (long b = b0; b < b1; b++) {
+            #pragma omp for schedule(dynamic, gemm_chunk(nblocks)) nowait
+            for (long b = 0; b < nblocks; b++) {
                 const uint16_t* wb = w + b * kp * GEMM_NB;
                 if (level >= 2)
                     gemm_block_bf16_avx512(wb, xs, m, kp, acc);
@@ -177,9 +185,8 @@ static void gemm_small_f32(const float* w, long K, long N, long kp, const float*
         #pragma omp parallel
         {
             float acc[GEMM_MMAX * GEMM_NB] __attribute__((aligned(64)));
-            long b0, b1;
-            gemm_split(nblocks, omp_get_thread_num(), omp_get_num_threads(), &b0, &b1);
-            for (long b = b0; b < b1; b++) {
+            #pragma omp for schedule(dynamic, gemm_chunk(nblocks)) nowait
+            for (long b = 0; b < nblocks; b++) {
                 const float* wb = w + b * kp * GEMM_NB;
                 if (level >= 1)
                     gemm_block_f32_avx512(wb, xs, m, kp, acc);
