@@ -14,6 +14,9 @@
 #include <omp.h>
 #include "ops_math.h"
 
+#pragma GCC push_options
+#pragma GCC optimize("no-trapping-math")
+
 #define NR_KT 64      /* keys per tile */
 #define NR_NQ 32      /* target query vectors (rows x group heads) per item */
 
@@ -232,5 +235,7 @@ static void nr_paged_attention(const nr_attn_args *a) {
     }
     free(items);
 }
+
+#pragma GCC pop_options
 
 #endif

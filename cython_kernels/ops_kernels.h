@@ -6,6 +6,9 @@
 #include <omp.h>
 #include "ops_math.h"
 
+#pragma GCC push_options
+#pragma GCC optimize("no-trapping-math")
+
 #define NR_PAR_MIN 32768  /* elements below which we stay on one thread */
 
 static void nr_f32_to_bf16_n(const float *x, uint16_t *y, int64_t n) {
@@ -102,5 +105,7 @@ static void nr_rotary(float *x, int64_t T, int64_t H, int64_t st, int64_t sh,
         }
     }
 }
+
+#pragma GCC pop_options
 
 #endif

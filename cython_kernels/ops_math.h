@@ -10,6 +10,11 @@
 #include <string.h>
 #include <math.h>
 
+/* NOTE: without trapping math GCC if-converts the clamps and selects in our loops and
+ * vectorises them (the build does not pass -fno-trapping-math). */
+#pragma GCC push_options
+#pragma GCC optimize("no-trapping-math")
+
 /* bf16 bits -> f32, exact. */
 static inline float nr_bf16_to_f32(uint16_t h) {
     union { uint32_t u; float f; } c;
@@ -47,5 +52,7 @@ static inline float nr_expf(float x) {
     y = y * c.f;
     return x < -87.3365447504f ? 0.0f : y;
 }
+
+#pragma GCC pop_options
 
 #endif
