@@ -57,7 +57,13 @@ def _client_errors():
     try:
         yield
     except (ValueError, TypeError) as e:
-        raise ApiError(400, _sentence(str(e))) from None
+        field = _LEADING_FIELD.match(str(e))  # "top_p must be ...": keep the field's spelling
+        message = _sentence(str(e), capitalize=field is None)
+        code = "context_length_exceeded" if "max_model_len" in message else "invalid_value"
+        raise ApiError(400, message, param=field and field.group(1), code=code) from None
+
+
+_LEADING_FIELD = re.compile(r"^([a-z_]+) (?:must|requires|is not supported)")
 
 
 def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
@@ -271,9 +277,10 @@ async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode)
 _TYPE_TAG = re.compile(r"^([A-Z]\w*|str|int|float|bool|list|dict|none|.*[\[\-].*)$")
 
 
-def _sentence(msg: str) -> str:
+def _sentence(msg: str, capitalize: bool = True) -> str:
     msg = msg.strip() or "The request is invalid."
-    msg = msg[0].upper() + msg[1:]
+    if capitalize:
+        msg = msg[0].upper() + msg[1:]
     return msg if msg.endswith((".", "?", "!")) else msg + "."
 
 
@@ -302,8 +309,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         return render(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_, exc: RequestValidationError):
+    async def invalid(request: Request, exc: RequestValidationError):
         message, param = _validation_message(exc)
+        if param is None and b"json" not in request.headers.get("content-type", "json").encode():
+            message = "The request body must be a JSON object sent with 'Content-Type: application/json'."
         return render(400, message, param=param, code="invalid_value")
 
     @app.exception_handler(StarletteHTTPException)

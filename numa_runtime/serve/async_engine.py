@@ -42,6 +42,7 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # NOTE: put() is reentrant (signal-safe)
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
+        self._num_adding = 0  # add() calls not yet answered (event-loop side only)
         self._stopped = threading.Event()
 
     # ------------------------------------------------------------------ asyncio side
@@ -52,7 +53,7 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Requests not yet running: still in the inbox or waiting in the scheduler."""
-        return self._inbox.qsize() + self.stats.num_waiting
+        return self._num_adding + self.stats.num_waiting
 
     async def add(self, request_id: str, prompt: str | list[int], params, sink: asyncio.Queue) -> None:
         """Queue a request; its RequestOutputs (or an exception) will arrive in `sink`.
@@ -62,12 +63,15 @@ class AsyncEngine:
         """
         loop = asyncio.get_running_loop()
         done = loop.create_future()
+        self._num_adding += 1
         try:
             self._put(("add", request_id, prompt, params, (loop, sink), done))
             await done
         except BaseException:
             self.abort(request_id)
             raise
+        finally:
+            self._num_adding -= 1
 
     def abort(self, request_id: str) -> None:
         """Abort a request (idempotent); its KV blocks are freed by the engine thread."""
