@@ -21,7 +21,7 @@ if not os.path.exists(os.path.join(PREFIX_INC, "dnnl.h")):
 
 # NOTE: x86-64-v3 (AVX2/FMA/F16C) is the floor; AVX-512 paths are compiled with target
 # attributes and chosen at run time, so one build runs on every machine we target.
-COMPILE_ARGS = ["-O3", "-fopenmp", "-march=x86-64-v3", "-mtune=native", "-fno-math-errno",
+COMPILE_ARGS = ["-O3", "-fopenmp", "-march=x86-64-v3", "-mtune=native", "-fno-math-errno", "-fno-trapping-math",
                 "-Wno-unused-function", "-Wno-unreachable-code"]
 LINK_ARGS = ["-fopenmp", "-Wl,--disable-new-dtags", "-Wl,-rpath," + PREFIX_LIB]
 

@@ -235,3 +235,7 @@ def reduce_sum(dst: np.ndarray, srcs: list[np.ndarray]) -> np.ndarray:
             acc += s
         dst[...] = acc
     return dst
+
+
+def set_num_threads(n: int) -> None:
+    """numpy picks its own threads; nothing to do."""

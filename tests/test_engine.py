@@ -1,0 +1,170 @@
+"""Engine behaviour: API, sampling parameters, streaming, stops, batching with preemption, errors."""
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+
+from models import build_model
+
+from numa_runtime import Engine, SamplingParams
+from numa_runtime.config import UnsupportedModelError
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("llama")
+    build_model(str(d), arch="llama")
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def eng(model_dir):
+    return Engine(model_dir, dtype="float32", kv_cache_memory=1 << 24, max_model_len=256)
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def test_stream_deltas_join_to_generated_text(eng):
+    full = eng.generate("Hello world", GREEDY)[0]
+    deltas = list(eng.stream("Hello world", GREEDY))
+    assert "".join(deltas) == full.text
+    assert len(deltas) > 1
+    assert full.text == eng.tokenizer.decode(full.token_ids)
+
+
+def test_stop_string_is_cut_and_reported(eng):
+    full = eng.generate("Hello world", GREEDY)[0].text
+    stop = full[5:8]
+    assert stop and stop not in full[:5]
+    out = eng.generate("Hello world", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))[0]
+    assert out.text == full[:full.index(stop)]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
+    streamed = "".join(eng.stream("Hello world", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                                stop=[stop])))
+    assert streamed == out.text
+
+
+def test_stop_token_ids_end_the_request(eng):
+    ids = eng.generate("Hello world", GREEDY)[0].token_ids
+    out = eng.generate("Hello world", SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[ids[3]]))[0]
+    assert out.token_ids == ids[:4] and out.finish_reason == "stop"
+
+
+def test_seed_is_reproducible_whatever_runs_beside_it(eng):
+    sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=20, seed=1234, ignore_eos=True)
+    alone = eng.generate("Bonjour", sp)[0].token_ids
+    noise = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    batch = eng.generate(["Numa", "Bonjour", "quick fox"], [noise, sp, noise])
+    assert batch[1].token_ids == alone
+    other = eng.generate("Bonjour", SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=20, seed=99,
+                                                  ignore_eos=True))[0].token_ids
+    assert other != alone
+
+
+def test_n_returns_n_completions(eng):
+    out = eng.generate("Hello", SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=5, ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_logprobs_are_normalised_and_include_the_chosen_token(eng):
+    out = eng.generate("Hello", SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True))[0]
+    assert len(out.logprobs) == 4
+    for tok, (lp, top) in zip(out.token_ids, out.logprobs):
+        assert len(top) == 3 and lp <= 0
+        assert tok in top and abs(top[tok] - lp) < 1e-6  # greedy token is the most likely
+        assert max(top.values()) == top[tok]
+
+
+def test_penalties_change_the_output(eng):
+    base = eng.generate("the the the", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].token_ids
+    pen = eng.generate("the the the", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                     repetition_penalty=1.8, frequency_penalty=1.0))[0].token_ids
+    assert pen != base
+    assert len(set(pen)) >= len(set(base))
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(max_tokens=0),
+                                dict(n=0), dict(min_p=2), dict(presence_penalty=3), dict(top_k=-5),
+                                dict(stop=[""]), dict(seed="x"), dict(logprobs=50)])
+def test_invalid_sampling_params_raise_one_sentence(kw):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**kw)
+    assert str(e.value).endswith(".") and "\n" not in str(e.value)
+
+
+def test_concurrent_requests_with_preemption_equal_each_alone(model_dir):
+    """64 random-length requests in a pool small enough to force preemption: the same greedy
+    tokens as each request run alone."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 380) for _ in range(rng.randrange(1, 60))] for _ in range(64)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randrange(1, 40), ignore_eos=True) for _ in prompts]
+    alone_eng = Engine(model_dir, dtype="float32", kv_cache_memory=1 << 24, max_model_len=256)
+    alone = [alone_eng.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
+    # 2 layers x 2 kv heads x 16 dims x 4 bytes x 2 (k,v) x 16 tokens = 8 KiB per block: 40 blocks
+    small = Engine(model_dir, dtype="float32", kv_cache_memory=40 * 8192, max_model_len=256,
+                   max_num_seqs=32, max_num_batched_tokens=128)
+    assert small.runner.num_blocks == 40
+    together = small.generate(prompts, params)
+    assert [o.token_ids for o in together] == alone
+    assert small.scheduler.stats()["num_preemptions"] >= 1
+    assert small.block_manager.usage == 0.0 and not small.scheduler.has_unfinished()
+
+
+def test_prefix_cache_hit_gives_same_tokens(eng):
+    prompt = list(range(5, 70))
+    first = eng.generate([prompt], GREEDY)[0]
+    hits = eng.block_manager.hit_tokens
+    second = eng.generate([prompt], GREEDY)[0]
+    assert eng.block_manager.hit_tokens > hits
+    assert second.num_cached_tokens >= 48
+    assert first.token_ids == second.token_ids
+
+
+def test_prompt_longer_than_context_is_rejected(eng):
+    with pytest.raises(ValueError, match="context"):
+        eng.generate([[5] * 300], GREEDY)
+
+
+def test_out_of_vocab_token_is_rejected(eng):
+    with pytest.raises(ValueError, match="vocabulary"):
+        eng.generate([[5, 100000]], GREEDY)
+
+
+def test_missing_model_dir_is_clear():
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Engine("/nonexistent/model")
+
+
+def test_unsupported_architecture_fails_before_weights(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(UnsupportedModelError, match="Unsupported architecture"):
+        Engine(str(tmp_path))
+
+
+def test_sharded_checkpoint_loads(tmp_path, model_dir):
+    """A model saved in several shards with an index gives the same tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    m.save_pretrained(str(tmp_path), max_shard_size="100KB")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        with open(os.path.join(model_dir, f)) as a, open(tmp_path / f, "w") as b:
+            b.write(a.read())
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    a = Engine(model_dir, dtype="float32", kv_cache_memory=1 << 22, max_model_len=128)
+    b = Engine(str(tmp_path), dtype="float32", kv_cache_memory=1 << 22, max_model_len=128)
+    assert a.generate("Hello", GREEDY)[0].token_ids == b.generate("Hello", GREEDY)[0].token_ids
+
+
+def test_default_model_answers_a_chat_question():
+    eng = Engine(max_model_len=1024)
+    out = eng.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=32))
+    print("\nSmolLM2-135M-Instruct:", out.text)
+    assert "Paris" in out.text
+    assert out.finish_reason in ("stop", "length")
