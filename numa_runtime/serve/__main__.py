@@ -13,6 +13,8 @@ import signal
 import sys
 import threading
 
+from numa_runtime import env
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="numa-serve", description="OpenAI-compatible HTTP server for numa_runtime.")
@@ -59,6 +61,12 @@ def summary_text(engine, url: str) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    world = env.mpi_world()
+    if world is not None and world[0] != 0:
+        # NOTE: mpirun forwards SIGINT/SIGTERM to every rank; a worker must outlive rank 0's
+        # graceful shutdown, which ends it through engine.close().
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         engine = build_engine(args)  # NOTE: first, and on every rank: workers never return from it
     except (ValueError, FileNotFoundError) as e:
