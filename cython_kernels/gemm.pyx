@@ -90,10 +90,10 @@ cdef extern from "gemm_kernels.h" nogil:
     int gemm_cpu_level()
     void* gemm_alloc(size_t nbytes)
     void gemm_rows_to_bf16(const float* x, long m, long k, uint16_t* y, long ldy)
-    void gemm_small_bf16(const uint16_t* w, long K, long N, long kp, const float* x, long M,
-                         const float* bias, float* out, uint16_t* xs, int level)
-    void gemm_small_f32(const float* w, long K, long N, long kp, const float* x, long M,
-                        const float* bias, float* out, float* xs, int level)
+    int gemm_small_bf16(const uint16_t* w, long K, long N, long kp, const float* x, long M,
+                        const float* bias, float* out, uint16_t* xs, int level)
+    int gemm_small_f32(const float* w, long K, long N, long kp, const float* x, long M,
+                       const float* bias, float* out, float* xs, int level)
     double gemm_read_probe(const float* a, long n)
     void omp_set_num_threads(int n)
     int omp_get_max_threads()
@@ -149,6 +149,14 @@ def _read_probe(cnp.ndarray a):
 def cpu_level():
     """2: AVX-512 + bf16 kernels, 1: AVX-512 f32 only, 0: portable C fallback."""
     return _level
+
+
+def _force_cpu_level(int level):
+    """Tests only: use a lower kernel level than detected (returns the previous one)."""
+    global _level
+    old = _level
+    _level = min(max(level, 0), gemm_cpu_level())
+    return old
 
 
 cdef dnnl_memory_desc_t _md(int64_t d0, int64_t d1, dnnl_data_type_t dt,
@@ -315,13 +323,16 @@ cdef class Linear:
         cdef void* xs = cnp.PyArray_DATA(self.xs_small)
         if self.bias_arr is not None:
             bias = <const float*>cnp.PyArray_DATA(self.bias_arr)
+        cdef int rc
         with nogil:
             if self.bf16:
-                gemm_small_bf16(<const uint16_t*>self.w, K, N, self.kp, xp, M, bias, op,
-                                <uint16_t*>xs, _level)
+                rc = gemm_small_bf16(<const uint16_t*>self.w, K, N, self.kp, xp, M, bias, op,
+                                     <uint16_t*>xs, _level)
             else:
-                gemm_small_f32(<const float*>self.w, K, N, self.kp, xp, M, bias, op,
-                               <float*>xs, _level)
+                rc = gemm_small_f32(<const float*>self.w, K, N, self.kp, xp, M, bias, op,
+                                    <float*>xs, _level)
+        if rc != 0:
+            raise MemoryError("Linear.forward: cannot allocate split-k scratch")
 
     cdef _Matmul _prim(self, long M):
         cdef _Matmul p = self.prims.pop(M, None)

@@ -76,34 +76,37 @@ GEMM_INLINE GEMM_T_AVX512 void gemm_tile_f32(const float* wb, const float* xs, l
         default: fn(__VA_ARGS__, 6, first); break;            \
     }
 
-/* wb: bf16 block [Kp/2][64][2]; xs: bf16 rows [m][Kp]; acc: [m][64] (64-byte aligned). With
+/* acc[m][64] = rows xs[m][Kp] times k-pairs p0..p1 of one bf16 block wb [Kp/2][64][2]. With
  * more rows than one register tile, k is cut into GEMM_KC chunks so the weight chunk is reread
- * from L1 by every tile instead of from DRAM. */
-static GEMM_T_BF16 void gemm_block_bf16_avx512(const uint16_t* wb, const uint16_t* xs, int m,
-                                               long kp, float* acc) {
-    const uint32_t* x32 = (const uint32_t*)xs;
-    long np = kp / 2, kc = m <= GEMM_MR ? np : GEMM_KC;
-    for (long p0 = 0; p0 < np; p0 += kc) {
-        long p1 = p0 + kc < np ? p0 + kc : np;
-        int first = p0 == 0;
+ * from L1 by every tile instead of from DRAM. acc: 64-byte aligned. */
+static GEMM_T_BF16 void gemm_block_bf16_avx512(const void* wv, const void* xv, int m, long kp,
+                                               long p0, long p1, float* acc) {
+    const uint16_t* wb = (const uint16_t*)wv;
+    const uint32_t* x32 = (const uint32_t*)xv;
+    long np = kp / 2, kc = m <= GEMM_MR ? p1 - p0 : GEMM_KC;
+    for (long c0 = p0; c0 < p1; c0 += kc) {
+        long c1 = c0 + kc < p1 ? c0 + kc : p1;
+        int first = c0 == p0;
         for (int r0 = 0; r0 < m; r0 += GEMM_MR) {
             int mr = m - r0 < GEMM_MR ? m - r0 : GEMM_MR;
-            GEMM_TILE_SWITCH(gemm_tile_bf16, mr, wb, x32 + r0 * np, np, p0, p1,
+            GEMM_TILE_SWITCH(gemm_tile_bf16, mr, wb, x32 + r0 * np, np, c0, c1,
                              acc + r0 * GEMM_NB)
         }
     }
 }
 
-/* wb: f32 block [Kp][64]; xs: f32 rows [m][Kp]; acc: [m][64]. */
-static GEMM_T_AVX512 void gemm_block_f32_avx512(const float* wb, const float* xs, int m, long kp,
-                                                float* acc) {
-    long kc = m <= GEMM_MR ? kp : GEMM_KC;
-    for (long k0 = 0; k0 < kp; k0 += kc) {
-        long k1 = k0 + kc < kp ? k0 + kc : kp;
-        int first = k0 == 0;
+/* acc[m][64] = rows xs[m][Kp] times k = k0..k1 of one f32 block wb [Kp][64]. */
+static GEMM_T_AVX512 void gemm_block_f32_avx512(const void* wv, const void* xv, int m, long kp,
+                                                long k0, long k1, float* acc) {
+    const float* wb = (const float*)wv;
+    const float* xs = (const float*)xv;
+    long kc = m <= GEMM_MR ? k1 - k0 : GEMM_KC;
+    for (long c0 = k0; c0 < k1; c0 += kc) {
+        long c1 = c0 + kc < k1 ? c0 + kc : k1;
+        int first = c0 == k0;
         for (int r0 = 0; r0 < m; r0 += GEMM_MR) {
             int mr = m - r0 < GEMM_MR ? m - r0 : GEMM_MR;
-            GEMM_TILE_SWITCH(gemm_tile_f32, mr, wb, xs + r0 * kp, kp, k0, k1, acc + r0 * GEMM_NB)
+            GEMM_TILE_SWITCH(gemm_tile_f32, mr, wb, xs + r0 * kp, kp, c0, c1, acc + r0 * GEMM_NB)
         }
     }
 }

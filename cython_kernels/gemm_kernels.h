@@ -119,11 +119,13 @@ static double gemm_read_probe(const float* a, long n) {
 }
 
 /* ---------------------------------------------------------------- portable fallback (AVX2) */
-/* wb: one bf16 block [Kp/2][64][2]; xs: bf16 rows [m][Kp]; acc: [m][64]. */
-static void gemm_block_bf16_generic(const uint16_t* wb, const uint16_t* xs, int m, long kp,
-                                    float* acc) {
+/* Same contract as gemm_block_bf16_avx512: acc[m][64] over k-pairs p0..p1. */
+static void gemm_block_bf16_generic(const void* wv, const void* xv, int m, long kp, long p0,
+                                    long p1, float* acc) {
+    const uint16_t* wb = (const uint16_t*)wv;
+    const uint16_t* xs = (const uint16_t*)xv;
     memset(acc, 0, sizeof(float) * m * GEMM_NB);
-    for (long p = 0; p < kp / 2; p++) {
+    for (long p = p0; p < p1; p++) {
         const uint16_t* row = wb + p * 2 * GEMM_NB;
         for (int r = 0; r < m; r++) {
             float x0 = gemm_bf16_to_f32_1(xs[r * kp + 2 * p]);
@@ -135,67 +137,107 @@ static void gemm_block_bf16_generic(const uint16_t* wb, const uint16_t* xs, int 
     }
 }
 
-/* wb: one f32 block [Kp][64]; xs: f32 rows [m][Kp]; acc: [m][64]. */
-static void gemm_block_f32_generic(const float* wb, const float* xs, int m, long kp, float* acc) {
+/* Same contract as gemm_block_f32_avx512: acc[m][64] over k = k0..k1. */
+static void gemm_block_f32_generic(const void* wv, const void* xv, int m, long kp, long k0,
+                                   long k1, float* acc) {
+    const float* wb = (const float*)wv;
+    const float* xs = (const float*)xv;
     memset(acc, 0, sizeof(float) * m * GEMM_NB);
-    for (long k = 0; k < kp; k++)
+    for (long k = k0; k < k1; k++)
         for (int r = 0; r < m; r++) {
-            float xv = xs[r * kp + k];
-            for (int j = 0; j < GEMM_NB; j++) acc[r * GEMM_NB + j] += wb[k * GEMM_NB + j] * xv;
+            float xv1 = xs[r * kp + k];
+            for (int j = 0; j < GEMM_NB; j++) acc[r * GEMM_NB + j] += wb[k * GEMM_NB + j] * xv1;
         }
 }
 
-/* ---------------------------------------------------------------- entry points */
-/* out[M, N] = x[M, K] @ B + bias, B packed bf16 [Nb][Kp/2][64][2]. xs: scratch [GEMM_MMAX][Kp]
- * bf16. x rows are rounded to bf16 first (as oneDNN's bf16 x bf16 path does). */
-static void gemm_small_bf16(const uint16_t* w, long K, long N, long kp, const float* x, long M,
-                            const float* bias, float* out, uint16_t* xs, int level) {
-    long nblocks = (N + GEMM_NB - 1) / GEMM_NB;
-    for (long m0 = 0; m0 < M; m0 += GEMM_MMAX) {
-        int m = (int)(M - m0 < GEMM_MMAX ? M - m0 : GEMM_MMAX);
-        gemm_rows_to_bf16(x + m0 * K, m, K, xs, kp);
-        float* o = out + m0 * N;
-        #pragma omp parallel
-        {
-            float acc[GEMM_MMAX * GEMM_NB] __attribute__((aligned(64)));
-            #pragma omp for schedule(dynamic, gemm_chunk(nblocks)) nowait
+/* ---------------------------------------------------------------- driver */
+typedef void (*gemm_block_fn)(const void* wb, const void* xs, int m, long kp, long s0, long s1,
+                              float* acc);
+
+/* out[m, N] = xs @ B + bias for m <= GEMM_MMAX rows. B: nblocks blocks of block_bytes, each
+ * `steps` k-steps (k-pairs for bf16, k for f32) deep.
+ * NOTE: with fewer than 8 blocks per thread (N = 896 on 16 cores is 14 blocks) the blocks are
+ * also cut along k into slices of >= 64 steps (each still one contiguous stream), partial sums
+ * go to `part` and a second pass adds them: otherwise 14 blocks on 16 threads leave 2 idle and
+ * 18 blocks take two rounds. */
+static int gemm_small_run(const char* w, size_t block_bytes, long steps, long kp, long N,
+                          const void* xs, int m, const float* bias, float* out,
+                          gemm_block_fn fn) {
+    long nblocks = (N + GEMM_NB - 1) / GEMM_NB, np_ = nblocks * GEMM_NB;
+    long nt = omp_get_max_threads(), ks = 1;
+    if (nblocks < 8 * nt && nt > 1) {
+        long max_ks = steps / 64 > 1 ? steps / 64 : 1;
+        ks = (8 * nt + nblocks - 1) / nblocks;
+        ks = ks < max_ks ? ks : max_ks;
+    }
+    float* part = NULL;
+    if (ks > 1) {
+        part = (float*)aligned_alloc(64, sizeof(float) * ks * m * np_);
+        if (part == NULL) return -1;
+    }
+    long units = nblocks * ks;
+    #pragma omp parallel
+    {
+        float acc[GEMM_MMAX * GEMM_NB] __attribute__((aligned(64)));
+        #pragma omp for schedule(dynamic, gemm_chunk(units))
+        for (long u = 0; u < units; u++) {
+            long b = u / ks, s = u % ks;
+            fn(w + b * block_bytes, xs, m, kp, steps * s / ks, steps * (s + 1) / ks, acc);
+            if (ks == 1) {
+                gemm_store_block(acc, m, b * GEMM_NB, N, bias, out);
+            } else {
+                for (int r = 0; r < m; r++)
+                    memcpy(part + (s * m + r) * np_ + b * GEMM_NB, acc + r * GEMM_NB,
+                           sizeof(float) * GEMM_NB);
+            }
+        }
+        if (ks > 1) {
+            #pragma omp for schedule(static)
             for (long b = 0; b < nblocks; b++) {
-                const uint16_t* wb = w + b * kp * GEMM_NB;
-                if (level >= 2)
-                    gemm_block_bf16_avx512(wb, xs, m, kp, acc);
-                else
-                    gemm_block_bf16_generic(wb, xs, m, kp, acc);
-                gemm_store_block(acc, m, b * GEMM_NB, N, bias, o);
+                for (int r = 0; r < m; r++)
+                    for (int j = 0; j < GEMM_NB; j++) {
+                        float v = 0.0f;
+                        for (long s = 0; s < ks; s++) v += part[(s * m + r) * np_ + b * GEMM_NB + j];
+                        acc[r * GEMM_NB + j] = v;
+                    }
+                gemm_store_block(acc, m, b * GEMM_NB, N, bias, out);
             }
         }
     }
+    free(part);
+    return 0;
+}
+
+/* out[M, N] = x[M, K] @ B + bias, B packed bf16 [Nb][Kp/2][64][2]. xs: scratch [GEMM_MMAX][Kp]
+ * bf16. x rows are rounded to bf16 first (as oneDNN's bf16 x bf16 path does). 0 or -1 (OOM). */
+static int gemm_small_bf16(const uint16_t* w, long K, long N, long kp, const float* x, long M,
+                           const float* bias, float* out, uint16_t* xs, int level) {
+    gemm_block_fn fn = level >= 2 ? gemm_block_bf16_avx512 : gemm_block_bf16_generic;
+    for (long m0 = 0; m0 < M; m0 += GEMM_MMAX) {
+        int m = (int)(M - m0 < GEMM_MMAX ? M - m0 : GEMM_MMAX);
+        gemm_rows_to_bf16(x + m0 * K, m, K, xs, kp);
+        if (gemm_small_run((const char*)w, sizeof(uint16_t) * kp * GEMM_NB, kp / 2, kp, N, xs, m,
+                           bias, out + m0 * N, fn))
+            return -1;
+    }
+    return 0;
 }
 
 /* out[M, N] = x[M, K] @ B + bias, B packed f32 [Nb][Kp][64]. xs: scratch [GEMM_MMAX][Kp] f32. */
-static void gemm_small_f32(const float* w, long K, long N, long kp, const float* x, long M,
-                           const float* bias, float* out, float* xs, int level) {
-    long nblocks = (N + GEMM_NB - 1) / GEMM_NB;
+static int gemm_small_f32(const float* w, long K, long N, long kp, const float* x, long M,
+                          const float* bias, float* out, float* xs, int level) {
+    gemm_block_fn fn = level >= 1 ? gemm_block_f32_avx512 : gemm_block_f32_generic;
     for (long m0 = 0; m0 < M; m0 += GEMM_MMAX) {
         int m = (int)(M - m0 < GEMM_MMAX ? M - m0 : GEMM_MMAX);
         for (int r = 0; r < m; r++) {
             memcpy(xs + r * kp, x + (m0 + r) * K, sizeof(float) * K);
             memset(xs + r * kp + K, 0, sizeof(float) * (kp - K));
         }
-        float* o = out + m0 * N;
-        #pragma omp parallel
-        {
-            float acc[GEMM_MMAX * GEMM_NB] __attribute__((aligned(64)));
-            #pragma omp for schedule(dynamic, gemm_chunk(nblocks)) nowait
-            for (long b = 0; b < nblocks; b++) {
-                const float* wb = w + b * kp * GEMM_NB;
-                if (level >= 1)
-                    gemm_block_f32_avx512(wb, xs, m, kp, acc);
-                else
-                    gemm_block_f32_generic(wb, xs, m, kp, acc);
-                gemm_store_block(acc, m, b * GEMM_NB, N, bias, o);
-            }
-        }
+        if (gemm_small_run((const char*)w, sizeof(float) * kp * GEMM_NB, kp, kp, N, xs, m, bias,
+                           out + m0 * N, fn))
+            return -1;
     }
+    return 0;
 }
 
 #endif

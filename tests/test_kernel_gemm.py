@@ -89,7 +89,7 @@ def test_small_and_large_m_paths_agree(dtype, k, n):
         lin.small_m_max = saved
 
 
-@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("threads", [1, 3, 16])
 def test_thread_counts_give_same_result(threads):
     lin, _, _ = make(129, 4097, "bfloat16", True)
     x = np.random.default_rng(3).standard_normal((7, 129), dtype=np.float32)
@@ -104,6 +104,22 @@ def test_thread_counts_give_same_result(threads):
         np.testing.assert_allclose(tiny.forward(xt), reflin.forward(xt), rtol=1e-5, atol=1e-5)
     finally:
         gemm.set_num_threads(old)
+
+
+@pytest.mark.parametrize("level", range(gemm.cpu_level()))
+def test_lower_cpu_levels_match(level):
+    """The portable (level 0) and AVX-512 f32-only (level 1) kernels agree with the best one."""
+    for dtype in ["bfloat16", "float32"]:
+        lin, _, w32 = make(129, 4097, dtype, True)
+        x = np.random.default_rng(6).standard_normal((7, 129), dtype=np.float32)
+        best = lin.forward(x).astype(np.float64)
+        old = gemm._force_cpu_level(level)
+        try:
+            y = lin.forward(x)
+        finally:
+            gemm._force_cpu_level(old)
+        scale = np.abs(x).astype(np.float64) @ np.abs(w32).T.astype(np.float64)
+        assert_close(y, best, scale, 1e-5)
 
 
 def test_nbytes_and_packing_is_a_copy():
