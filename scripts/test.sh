@@ -5,4 +5,6 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 $PY -m pip install -q -r requirements-test.txt
 export MPI4PY_RC_THREAD_LEVEL=funneled
+# mpirun (mpich wheel) lives beside the interpreter; make sure tests find it.
+export PATH="$($PY -c 'import os, sys; print(os.path.dirname(sys.executable))'):$PATH"
 exec $PY -m pytest -q -p no:cacheprovider tests "$@"
