@@ -47,6 +47,7 @@ class Engine:
         self.runner = ModelRunner(mcfg, self.config, profiler.wrap_comm(self.comm, self.ops), self.ops,
                                   self.max_model_len,
                                   progress=_progress if self.comm.is_driver else None)
+        self.ranks = self.comm.gather_object(self._rank_info(placement))  # rank 0: one dict per rank
         if not self.comm.is_driver:
             self.runner.worker_loop()  # returns when rank 0 shuts down
             sys.exit(0)
@@ -80,6 +81,13 @@ class Engine:
         self.num_threads = threads
         return placement
 
+    def _rank_info(self, placement) -> dict:
+        import psutil
+        return {"rank": self.comm.rank, "node": getattr(placement, "node", None),
+                "cpus": len(getattr(placement, "cpus", ()) or os.sched_getaffinity(0)),
+                "threads": self.num_threads, "rss_bytes": psutil.Process().memory_info().rss,
+                "weight_bytes": self.runner.model.weight_bytes, "kv_cache_bytes": self.runner.kv_cache_bytes}
+
     @staticmethod
     def _resolve_max_len(mcfg: ModelConfig, asked: int | None) -> int:
         limit = mcfg.max_position_embeddings
@@ -97,7 +105,8 @@ class Engine:
                 "ranks": self.comm.world_size, "threads_per_rank": self.num_threads,
                 "max_model_len": self.max_model_len, "kv_blocks": self.runner.num_blocks,
                 "block_size": self.config.block_size, "kv_cache_bytes": self.runner.kv_cache_bytes,
-                "max_concurrent_tokens": self.runner.num_blocks * self.config.block_size}
+                "max_concurrent_tokens": self.runner.num_blocks * self.config.block_size,
+                "per_rank": self.ranks}
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

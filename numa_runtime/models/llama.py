@@ -102,7 +102,7 @@ class LlamaModel:
         self.lay = lay = ShardLayout.build(cfg, comm.rank, comm.world_size)
         ckpt = Checkpoint(cfg.model_dir)
         _check_tensors(cfg, ckpt)
-        self.embed = ckpt.load("model.embed_tokens.weight", dtype, rows=lay.vocab)
+        self.embed = _embedding_table(ckpt, dtype, lay.vocab)
         self.layers = []
         for i in range(cfg.num_layers):
             self.layers.append(DecoderLayer(ops, cfg, lay, ckpt, i, dtype))
@@ -110,7 +110,7 @@ class LlamaModel:
                 progress(i + 1, cfg.num_layers)
         self.norm = ckpt.load("model.norm.weight", "float32")
         if cfg.tie_word_embeddings or "lm_head.weight" not in ckpt:
-            head = self.embed
+            head = ckpt.load("model.embed_tokens.weight", dtype, rows=lay.vocab)
         else:
             head = ckpt.load("lm_head.weight", dtype, rows=lay.vocab)
         pad = lay.vocab_chunk - head.shape[0]
@@ -124,6 +124,14 @@ class LlamaModel:
         self.cos_sin = np.ascontiguousarray(
             np.concatenate([np.cos(pos), np.sin(pos)], axis=1) * attn_scale, dtype=np.float32)
         self.scale = cfg.head_dim ** -0.5
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights this rank holds in its own memory (the mmapped embedding excluded)."""
+        lin = [self.lm_head] + [getattr(l, n) for l in self.layers
+                                for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+        own = sum(getattr(x, "nbytes", 0) or getattr(x, "weight").nbytes for x in lin)
+        return own + (0 if isinstance(self.embed, np.memmap) else self.embed.nbytes)
 
     @property
     def kv_dtype(self):
@@ -199,6 +207,17 @@ class LlamaModel:
         if lay.world > 1:
             logits = comm.all_gather(logits)
         return logits[:, :cfg.vocab_size] if logits.shape[1] != cfg.vocab_size else logits
+
+
+def _embedding_table(ckpt: Checkpoint, dtype: str, rows: slice) -> np.ndarray:
+    """The embedding rows of this rank. Lookups read T rows a step, so when the kernel can
+    read the stored dtype directly (bf16 or f32) we keep the mmapped view: no copy, no RSS
+    for rows never used. (bf16 -> f32 is exact, so an f32 engine may read bf16 rows.)"""
+    name = "model.embed_tokens.weight"
+    raw = ckpt.raw(name)
+    if raw.dtype == np.uint16 or (raw.dtype == np.float32 and dtype == "float32"):
+        return raw[rows]
+    return ckpt.load(name, dtype, rows=rows)
 
 
 def _check_tensors(cfg: ModelConfig, ckpt: Checkpoint) -> None:
