@@ -1,0 +1,198 @@
+"""Engine core speed: output tokens/s, TTFT and TPOT at concurrency 1, 4, 16, 64, and the
+scheduler + Python overhead as a share of step time.
+
+    python bench/bench_engine.py                     # random Llama of Qwen2.5-0.5B's shape, bf16
+    python bench/bench_engine.py --quick             # tiny model, few tokens (smoke run)
+    python bench/bench_engine.py --model DIR --threads 16 --out /tmp/bench_engine
+    python bench/bench_engine.py --shape llama3.2-1b
+
+Closed loop, one process: C requests are kept in flight (a finished one is replaced at once)
+until `--requests-per-level` (default 2 C, at least 4) requests have finished. Prompts are
+64-256 random token ids, 128 output tokens, ignore_eos, greedy. Engine.add_request / step are
+driven directly; TTFT = first_token_time - arrival_time (RequestOutput.metrics), TPOT = (time
+the last token was seen - first_token_time) / (output tokens - 1). Throughput = output tokens
+of the level / its wall time (the drain at the end included).
+
+Overhead: with 32 requests decoding (steps whose plan is 32 decode tokens), Engine.step is
+split by wrapping scheduler.schedule and runner.execute on the engine instance: schedule,
+execute (the model forward; on several ranks the plan broadcast too), update (the rest:
+sampling, detokenization, stop checks, outputs). overhead = (step - execute) / step.
+Writes OUT.json and OUT.md.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import SHAPES, percentiles, random_prompts, resolve_model, write_report  # noqa: E402
+
+
+def make_engine(a):
+    from numa_runtime import Engine
+    return Engine(a.model, dtype=a.dtype, num_threads=a.threads,
+                  max_model_len=a.prompt_max + a.output_len + 16,
+                  max_num_seqs=max(max(a.concurrency), a.overhead_batch),
+                  max_num_batched_tokens=a.max_batched_tokens)
+
+
+def closed_loop(eng, a, rng, concurrency: int, num_requests: int) -> dict:
+    """Keep `concurrency` requests in flight until `num_requests` have finished."""
+    from numa_runtime import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
+    vocab = eng.model_config.vocab_size
+    prompts = random_prompts(rng, num_requests, a.prompt_min, a.prompt_max, vocab)
+    issued, done, ttft, tpot, out_tokens = 0, 0, [], [], 0
+    t0 = time.monotonic()
+    while done < num_requests:
+        while issued < num_requests and issued - done < concurrency:
+            eng.add_request(prompts[issued], params)
+            issued += 1
+        for o in eng.step():
+            if not o.finished:
+                continue
+            now, m, n = time.monotonic(), o.metrics, len(o.outputs[0].token_ids)
+            done += 1
+            out_tokens += n
+            ttft.append(m["first_token_time"] - m["arrival_time"])
+            if n > 1:
+                tpot.append((now - m["first_token_time"]) / (n - 1))
+    wall = time.monotonic() - t0
+    ms = lambda d: {k: v * 1e3 for k, v in d.items()}
+    return {"concurrency": concurrency, "requests": num_requests, "output_tokens": out_tokens,
+            "wall_s": wall, "output_tps": out_tokens / wall,
+            "ttft_ms": ms(percentiles(ttft)), "tpot_ms": ms(percentiles(tpot))}
+
+
+def step_breakdown(eng, a, rng) -> dict:
+    """Mean schedule / execute / update / step time over steps that decode exactly
+    `a.overhead_batch` sequences (wrappers set on the instance, removed afterwards)."""
+    from numa_runtime import SamplingParams
+    n = a.overhead_batch
+    sched, runner = eng.scheduler, eng.runner
+    clock = time.perf_counter
+    cur = {}
+
+    def timed(name, fn):
+        def call(*args, **kwargs):
+            t = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                cur[name] = cur.get(name, 0.0) + clock() - t
+        return call
+
+    planned = []  # num_tokens of the plans executed in this step
+    execute = timed("execute", runner.execute)
+
+    def execute_and_note(plan):
+        planned.append(plan.num_tokens)
+        return execute(plan)
+
+    sched.schedule, runner.execute = timed("schedule", sched.schedule), execute_and_note
+    totals = {"schedule": 0.0, "execute": 0.0, "step": 0.0}
+    steps = 0
+    try:
+        params = SamplingParams(temperature=0, max_tokens=a.overhead_tokens, ignore_eos=True)
+        for p in random_prompts(rng, n, a.prompt_min, a.prompt_max, eng.model_config.vocab_size):
+            eng.add_request(p, params)
+        while eng.has_unfinished_requests():
+            cur.clear()
+            planned.clear()
+            t = clock()
+            eng.step()
+            dt = clock() - t
+            # NOTE: only pure decode steps of all n sequences (no prefill chunk, none finished yet)
+            if planned == [n] and eng.scheduler.stats()["num_running"] == n:
+                steps += 1
+                totals["step"] += dt
+                totals["schedule"] += cur.get("schedule", 0.0)
+                totals["execute"] += cur.get("execute", 0.0)
+    finally:
+        for name in ("schedule", "execute"):  # drop the instance attributes: class methods again
+            vars(sched if name == "schedule" else runner).pop(name, None)
+    if not steps:
+        return {"running": n, "steps": 0, "note": "no step decoded all sequences at once"}
+    mean = {k: v / steps * 1e3 for k, v in totals.items()}
+    mean["update"] = mean["step"] - mean["schedule"] - mean["execute"]
+    return {"running": n, "steps": steps, "step_ms": mean["step"], "schedule_ms": mean["schedule"],
+            "execute_ms": mean["execute"], "update_ms": mean["update"],
+            "overhead_share": (mean["step"] - mean["execute"]) / mean["step"]}
+
+
+def markdown(r: dict) -> str:
+    s = r["summary"]
+    lines = [f"model `{s['model']}` ({s['dtype']}), {s['threads_per_rank']} threads, "
+             f"prompts {r['config']['prompt_min']}-{r['config']['prompt_max']} tokens, "
+             f"{r['config']['output_len']} output tokens{', --quick (noisy)' if r['quick'] else ''}", "",
+             "| concurrency | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for lv in r["levels"]:
+        lines.append(f"| {lv['concurrency']} | {lv['output_tps']:.1f} | {lv['ttft_ms']['p50']:.1f} | "
+                     f"{lv['ttft_ms']['p99']:.1f} | {lv['tpot_ms']['p50']:.1f} | {lv['tpot_ms']['p99']:.1f} |")
+    lines.append("")
+    if r.get("scaling_c16_over_c1") is not None:
+        lines.append(f"throughput concurrency 16 / concurrency 1: {r['scaling_c16_over_c1']:.2f}x")
+    o = r["overhead"]
+    if o.get("steps"):
+        lines += ["", f"step at {o['running']} running requests ({o['steps']} decode steps): "
+                  f"{o['step_ms']:.2f} ms = schedule {o['schedule_ms']:.2f} + execute {o['execute_ms']:.2f} "
+                  f"+ update {o['update_ms']:.2f}; overhead (step - execute) / step = {o['overhead_share']:.1%}"]
+    else:
+        lines += ["", f"overhead: {o.get('note')}"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="HF model directory (default: random Qwen2.5-0.5B shape, built once)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                    help="built-in random model when --model is not given (default: qwen0.5b; tiny with --quick)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--threads", type=int, default=None, help="OpenMP threads (default: all allowed cpus)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--requests-per-level", type=int, default=None, help="default: max(2 C, 4)")
+    ap.add_argument("--prompt-min", type=int, default=64)
+    ap.add_argument("--prompt-max", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--overhead-batch", type=int, default=32, help="running requests for the overhead split")
+    ap.add_argument("--max-batched-tokens", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="tiny model, concurrency 1 4 16, few tokens")
+    ap.add_argument("--out", default="/tmp/bench_engine", help="writes OUT.json and OUT.md")
+    a = ap.parse_args()
+    if a.quick:
+        a.concurrency = [c for c in a.concurrency if c <= 16] or [1]
+        a.prompt_min, a.prompt_max, a.output_len = 8, 32, 16
+        a.overhead_batch = min(a.overhead_batch, 8)
+    a.overhead_tokens = a.output_len
+    a.model = resolve_model(a.model, a.shape or ("tiny" if a.quick else "qwen0.5b"))
+    import numpy as np
+    eng = make_engine(a)
+    rng = np.random.default_rng(a.seed)
+    closed_loop(eng, a, rng, 1, 1)  # warm-up: kernel primitives for prefill and decode shapes
+    levels = []
+    for c in a.concurrency:
+        n = a.requests_per_level or max(2 * c, 4)
+        levels.append(closed_loop(eng, a, rng, c, n))
+        lv = levels[-1]
+        print(f"concurrency {c}: {lv['output_tps']:.1f} tok/s, TTFT p50 {lv['ttft_ms']['p50']:.1f} ms, "
+              f"TPOT p50 {lv['tpot_ms']['p50']:.1f} ms", flush=True)
+    by_c = {lv["concurrency"]: lv["output_tps"] for lv in levels}
+    overhead = step_breakdown(eng, a, rng)
+    report = {"quick": a.quick, "summary": eng.summary(),
+              "config": {k: getattr(a, k) for k in ("prompt_min", "prompt_max", "output_len", "seed",
+                                                    "max_batched_tokens", "overhead_batch")},
+              "levels": levels,
+              "scaling_c16_over_c1": by_c[16] / by_c[1] if 16 in by_c and 1 in by_c else None,
+              "overhead": overhead, "scheduler_stats": eng.scheduler.stats()}
+    eng.close()
+    md = markdown(report)
+    paths = write_report(a.out, report, md)
+    print("\n" + md + "\nwrote " + ", ".join(paths))
+
+
+if __name__ == "__main__":
+    main()

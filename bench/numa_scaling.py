@@ -1,0 +1,223 @@
+"""Multi-NUMA scaling: the same cores split among 1, 2, 4 (and 8) tensor-parallel ranks.
+
+    python bench/numa_scaling.py                       # random Qwen2.5-0.5B shape, bf16
+    python bench/numa_scaling.py --quick --ranks 1 2   # tiny model, few tokens (smoke run)
+    python bench/numa_scaling.py --shape llama3.2-1b   # 32 heads: also runs 4 and 8 ranks
+    python bench/numa_scaling.py --model DIR --out /tmp/numa_scaling
+
+Every configuration uses all cpus of this process's affinity, split evenly among its ranks
+exactly as `numa-launch --ranks N` does (launch/cli.py: one `mpirun -np 1 ... numactl` block
+per rank, --cpunodebind/--physcpubind + --membind). Fewer ranks than NUMA nodes: the ranks
+would leave nodes idle, so the one rank spans every cpu with memory interleaved
+(numactl --interleave=all), the "one process over all sockets" baseline. Per configuration
+(one mpirun each, bench/_scaling_child.py):
+
+    decode tok/s        one sequence (16-token prompt), after its first token, best of repeats
+    decode % of limit   decode / (DRAM read GB/s / weight bytes read per token); the DRAM read
+                        bandwidth is bench/limits.py's, measured in this run with every cpu of
+                        each node (nodes one after the other, summed)
+    conc16 tok/s        output tokens/s of 16 sequences generated together (prefill included)
+    comm share          rank 0's time in all_reduce_ + all_gather over the phase's wall time
+                        (it includes waiting for slower ranks); plan broadcast reported apart
+    RSS per rank        MiB after loading (psutil), gathered with comm.gather_object; in
+                        brackets without file-backed pages (the mmapped checkpoint)
+
+A rank count that does not divide the attention heads (or more ranks than cpus) is skipped:
+Qwen2.5-0.5B's 14 heads split over 1 and 2 ranks only, hence --shape llama3.2-1b (32 heads).
+Writes OUT.json, OUT.md and OUT.png (the plot needs matplotlib: pip install matplotlib).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import (ROOT, SHAPES, find_mpirun, resolve_model,  # noqa: E402
+                          weights_bytes_per_token, write_report)
+from launch.cli import RANK_ENV, build_command, plan_ranks  # noqa: E402
+from launch.topology import format_cpulist, read_topology  # noqa: E402
+
+CHILD = os.path.join(ROOT, "bench", "_scaling_child.py")
+
+
+# ----------------------------------------------------------------------------- launching
+def launch_argv(ranks: int, cmd: list[str], mpirun: str, topo) -> tuple[list[str], str]:
+    """The mpirun argv for `ranks` ranks over every cpu of `topo`, and how it binds."""
+    numactl = shutil.which("numactl")
+    if numactl is None:  # the engine binds each rank itself (numa.bind_this_rank)
+        env = [x for k, v in RANK_ENV if k != "NUMA_RUNTIME_BOUND" for x in ("-env", k, v)]
+        return [mpirun, "-np", str(ranks)] + env + cmd, "self-bound (numactl not installed)"
+    if ranks < topo.num_nodes:
+        cpus = sorted(c for n in topo.nodes for c in n.cpus)
+        argv = [mpirun, "-np", "1", "-env", "OMP_NUM_THREADS", str(len(cpus))]
+        for key, value in RANK_ENV:
+            argv += ["-env", key, value]
+        mem = ["--interleave=all"] if topo.from_sysfs else []
+        argv += [numactl, "--physcpubind=" + format_cpulist(cpus)] + mem + cmd
+        return argv, f"1 rank over {topo.num_nodes} nodes, memory interleaved"
+    placements = plan_ranks(topo, ranks)
+    how = "; ".join(f"rank {p.rank}: node {p.node} cpus {format_cpulist(p.cpus)}" for p in placements)
+    return build_command(placements, cmd, mpirun, numactl, with_membind=topo.from_sysfs), how
+
+
+def dram_read_gbps_all_cores(topo, quick: bool) -> tuple[float, list[float]]:
+    """bench/limits.py dram_read_gbps on each node, bound to it with all its cpus; summed."""
+    code = ("import sys; sys.path.insert(0, %r); from bench.limits import dram_read_gbps; "
+            "print(dram_read_gbps(num_threads=%%d, gib=%s, repeats=%d))"
+            % (ROOT, 0.25 if quick else 1.0, 3 if quick else 5))
+    numactl = shutil.which("numactl")
+    per_node = []
+    for node in topo.nodes:
+        bind = ([numactl, f"--cpunodebind={node.node_id}", f"--membind={node.node_id}"]
+                if numactl and topo.from_sysfs else [])
+        p = subprocess.run(bind + [sys.executable, "-c", code % node.num_cpus], capture_output=True,
+                           text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS=str(node.num_cpus)))
+        if p.returncode != 0:
+            raise SystemExit("numa_scaling: measuring DRAM bandwidth failed:\n" + p.stderr[-2000:])
+        per_node.append(float(p.stdout.split()[-1]))
+    return sum(per_node), per_node
+
+
+def run_config(ranks: int, a, topo, mpirun: str) -> dict:
+    child_cfg = {"model": a.model, "dtype": a.dtype, "max_model_len": a.max_model_len,
+                 "kv_cache_memory": a.kv_cache_memory, "concurrency": a.concurrency,
+                 "max_batched_tokens": 2048, "decode_prompt": 16, "decode_tokens": a.decode_tokens,
+                 "repeats": a.repeats, "conc_prompt": a.conc_prompt, "conc_tokens": a.conc_tokens}
+    argv, how = launch_argv(ranks, [sys.executable, CHILD, json.dumps(child_cfg)], mpirun, topo)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               MPI4PY_RC_THREAD_LEVEL="funneled")
+    env.pop("AS_PROFILE", None)
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=a.timeout)
+    except subprocess.TimeoutExpired:
+        return {"ranks": ranks, "error": f"timed out after {a.timeout} s", "binding": how}
+    lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+    if p.returncode != 0 or not lines:
+        tail = (p.stderr + p.stdout).strip().splitlines()[-5:]
+        return {"ranks": ranks, "error": f"exit {p.returncode}: " + " | ".join(tail), "binding": how}
+    res = json.loads(lines[-1][len("RESULT "):])
+    res.update(binding=how, wall_s=time.perf_counter() - t0)
+    return res
+
+
+def why_skipped(ranks: int, a, num_cpus: int) -> str | None:
+    from numa_runtime.config import ModelConfig, UnsupportedModelError
+    from numa_runtime.models.llama import ShardLayout
+    if ranks > num_cpus:
+        return f"{ranks} ranks need at least {ranks} cpus, this process may use {num_cpus}"
+    try:
+        ShardLayout.build(ModelConfig.from_dir(a.model), 0, ranks)
+    except UnsupportedModelError as e:
+        return str(e)
+    return None
+
+
+# ----------------------------------------------------------------------------- report
+def markdown(r: dict) -> str:
+    m = r["machine"]
+    lines = [f"model `{r['model']}` ({r['dtype']}), {m['cpus']} cpus on {m['numa_nodes']} NUMA node(s); "
+             f"DRAM read {m['dram_read_gbps']:.1f} GB/s, weights read per token "
+             f"{r['weight_bytes_per_token'] / 1e6:.3g} MB, decode limit {r['decode_limit_tps']:.1f} tok/s"
+             + (" (--quick: noisy)" if r["quick"] else ""), "",
+             f"| ranks | threads/rank | decode tok/s | decode % of limit | conc{r['concurrency']} tok/s | "
+             "comm share decode | comm share conc | RSS MB per rank (anon) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    notes = []
+    for c in r["configs"]:
+        if "skipped" in c or "error" in c:
+            lines.append(f"| {c['ranks']} | - | - | - | - | - | - | {'skipped' if 'skipped' in c else 'error'} |")
+            notes.append(f"- {c['ranks']} ranks: {c.get('skipped') or c.get('error')}")
+            continue
+        rss = " / ".join(f"{x:.0f} ({y:.0f})" for x, y in zip(c["rss_mb_per_rank"], c["rss_anon_mb_per_rank"]))
+        lines.append(f"| {c['ranks']} | {c['threads_per_rank']} | {c['decode_tps']:.1f} | "
+                     f"{c['decode_fraction_of_limit']:.0%} | {c['conc_tps']:.1f} | "
+                     f"{c['decode_comm_share']:.1%} | {c['conc_comm_share']:.1%} | {rss} |")
+    notes += [f"- {r['plot']}"] if r.get("plot") else []
+    return "\n".join(lines) + "\n" + ("\n" + "\n".join(notes) + "\n" if notes else "")
+
+
+def plot(r: dict, path: str) -> str:
+    """OUT.png: decode and conc tok/s against ranks, decode % of limit on a second axis."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no plot: matplotlib is not installed (pip install matplotlib)"
+    ok = [c for c in r["configs"] if "decode_tps" in c]
+    if not ok:
+        return "no plot: no configuration ran"
+    xs = [c["ranks"] for c in ok]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(xs, [c["decode_tps"] for c in ok], "o-", label="decode, batch 1")
+    ax.plot(xs, [c["conc_tps"] for c in ok], "s-", label=f"concurrency {r['concurrency']}")
+    ax.axhline(r["decode_limit_tps"], ls="--", c="gray", label="decode limit (DRAM)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel(f"ranks ({r['machine']['cpus']} cpus split evenly)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(os.path.basename(r["model"].rstrip("/")) + " " + r["dtype"])
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"plot: {path}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="HF model directory (default: random Qwen2.5-0.5B shape, built once)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                    help="built-in random model when --model is not given (default: qwen0.5b; tiny with --quick)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--quick", action="store_true", help="tiny model, few tokens, small probes")
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds per configuration")
+    ap.add_argument("--out", default="/tmp/numa_scaling", help="writes OUT.json, OUT.md, OUT.png")
+    a = ap.parse_args()
+    a.decode_tokens, a.repeats = (16, 2) if a.quick else (128, 3)
+    a.conc_prompt, a.conc_tokens = (16, 8) if a.quick else (128, 64)
+    a.max_model_len = max(a.conc_prompt, 16) + max(a.conc_tokens, a.decode_tokens) + 16
+    a.kv_cache_memory = (32 if a.quick else 512) << 20
+    a.model = resolve_model(a.model, a.shape or ("tiny" if a.quick else "qwen0.5b"))
+    mpirun = find_mpirun()
+    if mpirun is None:
+        raise SystemExit("numa_scaling: mpirun not found: pip install mpich mpi4py.")
+    from numa_runtime.config import ModelConfig
+    topo = read_topology()
+    cpus = sum(n.num_cpus for n in topo.nodes)
+    gbps, per_node = dram_read_gbps_all_cores(topo, a.quick)
+    wbytes = weights_bytes_per_token(ModelConfig.from_dir(a.model), a.dtype)
+    limit = gbps * 1e9 / wbytes
+    print(f"{cpus} cpus, {topo.num_nodes} node(s), DRAM read {gbps:.1f} GB/s, "
+          f"decode limit {limit:.1f} tok/s", flush=True)
+    configs = []
+    for n in a.ranks:
+        skip = why_skipped(n, a, cpus)
+        res = {"ranks": n, "skipped": skip} if skip else run_config(n, a, topo, mpirun)
+        if "decode_tps" in res:
+            res["decode_fraction_of_limit"] = res["decode_tps"] / limit
+        configs.append(res)
+        print(f"  {n} ranks: " + json.dumps({k: v for k, v in res.items() if k != "binding"}), flush=True)
+    report = {"quick": a.quick, "model": a.model, "dtype": a.dtype, "concurrency": a.concurrency,
+              "machine": {"cpus": cpus, "numa_nodes": topo.num_nodes, "dram_read_gbps": gbps,
+                          "dram_read_gbps_per_node": per_node},
+              "weight_bytes_per_token": wbytes, "decode_limit_tps": limit,
+              "settings": {k: getattr(a, k) for k in ("decode_tokens", "repeats", "conc_prompt",
+                                                      "conc_tokens", "max_model_len", "kv_cache_memory")},
+              "configs": configs}
+    report["plot"] = plot(report, a.out + ".png")
+    md = markdown(report)
+    paths = write_report(a.out, report, md)
+    print("\n" + md + "\nwrote " + ", ".join(paths))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""The benchmarks run end to end on the tiny model (--quick) and write complete reports.
+No timing is asserted: speeds only have to be positive numbers."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(script: str, *args: str, timeout: int = 180) -> None:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("AS_PROFILE", None)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=timeout, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_bench_engine_quick(tmp_path):
+    out = str(tmp_path / "engine")
+    _run("bench_engine.py", "--quick", "--out", out)
+    r = json.load(open(out + ".json"))
+    assert [lv["concurrency"] for lv in r["levels"]] == [1, 4, 16]
+    for lv in r["levels"]:
+        assert lv["output_tokens"] == lv["requests"] * r["config"]["output_len"]
+        assert _positive(lv["output_tps"])
+        for key in ("ttft_ms", "tpot_ms"):
+            assert _positive(lv[key]["p50"]) and lv[key]["p99"] >= lv[key]["p50"]
+    assert _positive(r["scaling_c16_over_c1"])
+    o = r["overhead"]
+    assert o["steps"] > 0 and o["running"] == r["config"]["overhead_batch"]
+    assert all(_positive(o[k]) for k in ("step_ms", "schedule_ms", "execute_ms"))
+    assert 0 < o["overhead_share"] < 1
+    assert abs(o["schedule_ms"] + o["execute_ms"] + o["update_ms"] - o["step_ms"]) < 1e-6
+    assert "| concurrency |" in open(out + ".md").read()
+
+
+def test_numa_scaling_quick(tmp_path):
+    out = str(tmp_path / "scaling")
+    _run("numa_scaling.py", "--quick", "--ranks", "1", "2", "--out", out)
+    r = json.load(open(out + ".json"))
+    assert _positive(r["machine"]["dram_read_gbps"]) and _positive(r["decode_limit_tps"])
+    assert _positive(r["weight_bytes_per_token"])
+    by_ranks = {c["ranks"]: c for c in r["configs"]}
+    assert sorted(by_ranks) == [1, 2]
+    for n, c in by_ranks.items():
+        if n > r["machine"]["cpus"]:
+            assert "cpus" in c["skipped"]
+            continue
+        assert "error" not in c, c["error"]
+        assert c["ranks"] == n and len(c["rss_mb_per_rank"]) == n
+        assert all(_positive(x) for x in c["rss_mb_per_rank"] + c["rss_anon_mb_per_rank"])
+        for key in ("decode_tps", "conc_tps", "decode_fraction_of_limit"):
+            assert _positive(c[key]), key
+        for key in ("decode_comm_share", "conc_comm_share"):
+            assert 0 <= c[key] < 1
+    assert by_ranks[1]["decode_comm_share"] < 0.05  # one rank: collectives are no-ops
+    if 2 in by_ranks and "skipped" not in by_ranks[2]:
+        assert by_ranks[2]["decode_comm_s"]["all_reduce"] > 0
+    md = open(out + ".md").read()
+    assert "| ranks |" in md and os.path.exists(out + ".png") == r["plot"].startswith("plot:")
