@@ -7,14 +7,20 @@ oneDNN's brgemm matmul itself picks under format_tag_any on AVX-512 (bf16: BA16a
   - M <= small_m_max: our kernel (gemm_kernels.h) streams each 64-column block once for all M
     rows, OpenMP over blocks, AVX-512 vdpbf16ps / FMA;
   - larger M: a oneDNN matmul primitive (bf16 x bf16 -> f32, or f32), one per M, cached.
-NOTE: the layout is oneDNN's own choice, so prefill pays nothing for sharing it, and each block
-is one contiguous stream, which is what a GEMV wants; a second "GEMV-friendly" copy would only
-double the memory (measured: bench/bench_gemm.py).
+NOTE: the layout is what format_tag_any picks on AVX-512 for every M (probed: M = 1, 16, 512,
+bf16 and f32, odd shapes), so prefill pays nothing for sharing it; and each 64-column block is
+one contiguous stream of k-pair rows of 4 cache lines, exactly what a GEMV wants (M = 1 reached
+the DRAM read probe's 61-64 GB/s on lm_head on a quiet Zen4). A second, "GEMV-friendly" copy
+would only double the memory, so there is none. The tag is given explicitly (not "any"), so a
+machine whose oneDNN would prefer another layout still shares this one (tests check the chosen
+implementation is not a reference kernel).
+Threads: OpenMP (set_num_threads / OMP_NUM_THREADS) for both paths; compute runs without the GIL.
 """
 import numpy as np
 
 cimport numpy as cnp
 from libc.stdint cimport int64_t, uint16_t
+from libc.stdlib cimport free
 
 cnp.import_array()
 
@@ -98,10 +104,9 @@ cdef extern from "gemm_kernels.h" nogil:
     void omp_set_num_threads(int n)
     int omp_get_max_threads()
 
-from libc.stdlib cimport free
-
-# NOTE: measured on Zen4 (2 threads): the small-M kernel beats oneDNN up to M = 16 (bf16) and
-# M = 16 (f32); see bench/bench_gemm.py.
+# NOTE: at M = 16 the streaming kernel already runs at the FMA / vdpbf16ps peak of a Zen4 core
+# (~220 bf16, ~100 f32 GFLOP/s per core with the weights in cache), so oneDNN cannot win much
+# below that, and above it oneDNN's cache blocking of x wins. `bench_gemm.py --sweep` times both.
 SMALL_M_MAX = 16
 _PRIM_CACHE_SIZE = 16
 
