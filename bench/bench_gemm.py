@@ -33,11 +33,34 @@ COLD_BYTES = 256 << 20  # NOTE: M <= 16 cycles through copies of the weights tot
                         # much, so they come from DRAM as in decode, not from the 32 MiB L3.
 
 
-def timeit(fn, min_time: float, max_reps: int = 200) -> float:
-    """Best time of repeated calls, after one warm-up, for about `min_time` seconds."""
+def _cpu_idle_fraction(dt: float = 0.05) -> float:
+    """Idle share of all CPUs over dt seconds, from /proc/stat (1.0 where unavailable)."""
+    def read():
+        with open("/proc/stat") as f:
+            v = [int(t) for t in f.readline().split()[1:]]
+        return v[3] + v[4], sum(v)
+    try:
+        i0, t0 = read()
+        time.sleep(dt)
+        i1, t1 = read()
+    except OSError:
+        return 1.0
+    return (i1 - i0) / max(1, t1 - t0)
+
+
+def timeit(fn, min_time: float, max_reps: int = 20, wait_quiet: float = 2.0) -> float:
+    """Best time of repeated calls, after one warm-up, for about `min_time` seconds.
+
+    NOTE: on a machine shared with other jobs a rep is started only once the CPUs were >= 90%
+    idle for 50 ms (waiting up to `wait_quiet` s): a descheduled OpenMP thread stalls a whole
+    call, and best-of alone does not help when every rep is disturbed.
+    """
     fn()
     best, spent, reps = float("inf"), 0.0, 0
     while reps < 3 or (spent < min_time and reps < max_reps):
+        deadline = time.perf_counter() + wait_quiet
+        while _cpu_idle_fraction() < 0.9 and time.perf_counter() < deadline:
+            pass
         t0 = time.perf_counter()
         fn()
         dt = time.perf_counter() - t0
