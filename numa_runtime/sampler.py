@@ -20,17 +20,11 @@ class Sampler:
         self._rngs.pop(request_id, None)
 
     def __call__(self, logits: np.ndarray, reqs: list[Request], eos_ids: set[int]):
-        # logits: [N, V] f32 (rows align with reqs)
+        # logits: [N, V] f32, rows align with reqs; this step's own buffer, changed in place
         n = len(reqs)
         if n == 0:
-            return np.zeros(0, np.int64), [None] * 0
-        raw = logits
-        logits = np.array(logits, dtype=np.float32, copy=True)
-        temp = np.empty(n, np.float32)
-        top_k = np.empty(n, np.int32)
-        top_p = np.empty(n, np.float32)
-        min_p = np.empty(n, np.float32)
-        uniform = np.empty(n, np.float64)
+            return np.zeros(0, np.int64), []
+        logprobs = self._logprobs(logits, reqs)  # from the raw distribution, before penalties
         for i, r in enumerate(reqs):
             sp = r.sampling_params
             if sp.has_penalties:
@@ -38,23 +32,44 @@ class Sampler:
             if r.num_output_tokens < sp.min_tokens:
                 ban = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(eos_ids))
                 logits[i, [t for t in ban if t < logits.shape[1]]] = -np.inf
-            temp[i], top_k[i], top_p[i], min_p[i] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
-            uniform[i] = self._rng_for(r).random() if not sp.is_greedy else 0.0
-        ids = self.ops.sample(logits, temp, top_k, top_p, min_p, uniform)
-        logprobs = [None] * n
-        want = [i for i, r in enumerate(reqs) if r.sampling_params.logprobs is not None]
-        if want:
-            lp = np.empty((len(want), raw.shape[1]), np.float32)
-            self.ops.log_softmax(np.ascontiguousarray(raw[want], dtype=np.float32), lp)
-            for row, i in enumerate(want):
-                k = reqs[i].sampling_params.logprobs
-                top = {}
-                if k:
-                    cand = np.argpartition(-lp[row], k - 1)[:k]
-                    cand = cand[np.argsort(-lp[row][cand], kind="stable")]
-                    top = {int(t): float(lp[row, t]) for t in cand}
-                logprobs[i] = (float(lp[row, ids[i]]), top)
+        ids = np.empty(n, np.int64)
+        greedy = np.array([r.sampling_params.is_greedy for r in reqs])
+        if greedy.any():
+            # NOTE: argmax takes the lowest index on ties, as the sampling kernel does.
+            ids[greedy] = np.argmax(logits[greedy], axis=1)
+        rows = np.flatnonzero(~greedy)
+        if rows.size:
+            sps = [reqs[i].sampling_params for i in rows]
+            ids[rows] = self.ops.sample(
+                np.ascontiguousarray(logits[rows]),
+                np.array([sp.temperature for sp in sps], np.float32),
+                np.array([sp.top_k for sp in sps], np.int32),
+                np.array([sp.top_p for sp in sps], np.float32),
+                np.array([sp.min_p for sp in sps], np.float32),
+                np.array([self._rng_for(reqs[i]).random() for i in rows], np.float64))
+        if logprobs is not None:
+            logprobs = [None if x is None else (float(x[0][ids[i]]), x[1]) for i, x in enumerate(logprobs)]
+        else:
+            logprobs = [None] * n
         return ids, logprobs
+
+    def _logprobs(self, logits: np.ndarray, reqs: list[Request]):
+        """Per row: None, or (log-probabilities [V], {top token: logprob}) when asked for."""
+        want = [i for i, r in enumerate(reqs) if r.sampling_params.logprobs is not None]
+        if not want:
+            return None
+        lp = np.empty((len(want), logits.shape[1]), np.float32)
+        self.ops.log_softmax(np.ascontiguousarray(logits[want], dtype=np.float32), lp)
+        out = [None] * len(reqs)
+        for row, i in enumerate(want):
+            k = reqs[i].sampling_params.logprobs
+            top = {}
+            if k:
+                cand = np.argpartition(-lp[row], k - 1)[:k]
+                cand = cand[np.argsort(-lp[row][cand], kind="stable")]
+                top = {int(t): float(lp[row, t]) for t in cand}
+            out[i] = (lp[row], top)
+        return out
 
     def _rng_for(self, r: Request) -> np.random.Generator:
         seed = r.sampling_params.seed
