@@ -2,6 +2,7 @@
 
     python bench/bench_prefix_cache.py                 # lru vs reuse, several cache sizes
     python bench/bench_prefix_cache.py --blocks 1024 --policies lru reuse
+    python bench/bench_prefix_cache.py --engine --threads 1 [--quick] [--model DIR] [--out /tmp/x]
 
 Workload (seeded, identical for every policy): `clients` conversations of `turns` turns; each
 turn's prompt is the whole conversation so far (system prompt, earlier user texts and the
@@ -10,17 +11,33 @@ answer (closed loop). Meanwhile one-off requests (half of them behind a shared s
 the rest unique) arrive at a steady rate. The cache is smaller than the working set.
 
 The model is simulated (token = position % 7, one step = one schedule/update). `run_workload`
-takes a `run_step(SchedulerOutput) -> sampled token ids` callable, so an `--engine` mode can
-drive a real model through the same loop and report TTFT in seconds instead of steps.
+takes a `run_step(SchedulerOutput) -> sampled token ids` callable; `--engine` drives a real
+Engine through the same loop (its scheduler, block manager, model runner and greedy sampler; the
+detokenizer is skipped), once per eviction policy, with kv_cache_memory = blocks x the model's
+bytes per block. Every answer is --max-tokens (8) long; prompts are random token ids. Arrivals
+stay in steps (identical for both policies); TTFT is wall clock from the scheduler's add_request
+to the step that samples the first token. Default model: a random 8-layer Llama (hidden 512).
+Writes OUT.json and OUT.md.
 
 Measured (seed 0, block 16; "conv hit" = share of conversation-turn prompt tokens served from
 the cache, infinite cache 86%):
     default (think 20-200 steps)    1024 blocks: lru 22% -> reuse 54%; 1536: 47% -> 86%
     --think 200 800 --one-offs 1280 1024 blocks: lru 10% -> reuse 25%; 2048: 24% -> 66%
+
+--engine on a 2-core VM (AMD EPYC, shared with other jobs, so times are noisy), --threads 1,
+default model, 768 blocks = 56% of the conversations' final histories, infinite cache 27.6%:
+    | policy | hit rate | conv hit | prefill tokens | TTFT conv p50 / p99 ms | TTFT one-off p50 / p99 ms | total s |
+    | lru    | 16.3%    | 41.5%    | 202107         | 140 / 480              | 92 / 335                  | 83.6    |
+    | reuse  | 24.8%    | 70.9%    | 181515         |  64 / 318              | 88 / 201                  | 71.7    |
+  --quick (8 clients x 4 turns + 128 one-offs, 256 blocks, 30 s in all): lru 11.9% hit, 36.0% conv,
+  37875 prefill tokens, TTFT conv p50 70 ms; reuse 13.7%, 44.6%, 37123, 64 ms.
+One-offs are ~70% of the prompt tokens and rarely repeat, so prefill falls only 10%; the
+conversations' turns wait half as long.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import time
@@ -29,6 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import CACHE, build_once, percentiles, write_report  # noqa: E402
 from numa_runtime.kv_cache import BlockManager  # noqa: E402
 from numa_runtime.request import Request, RequestStatus  # noqa: E402
 from numa_runtime.sampling_params import SamplingParams  # noqa: E402
@@ -125,7 +143,7 @@ def run_workload(sched: Scheduler, workload: Workload, run_step, max_steps: int 
     """schedule -> run_step -> update until the workload is done. Returns per-request records."""
     arrived: dict[str, tuple[Request, int, float]] = {}
     records = []
-    computed = 0
+    computed = prefill = 0
     for step in range(max_steps):
         for r in workload.arrivals(step):
             sched.add_request(r)
@@ -134,6 +152,9 @@ def run_workload(sched: Scheduler, workload: Workload, run_step, max_steps: int 
             break
         out = sched.schedule()
         computed += out.plan.num_tokens
+        # NOTE: a decode token is one new token past the prompt; a re-prefill after preemption is prefill
+        prefill += sum(n for r, n in zip(out.scheduled, out.num_scheduled_tokens)
+                       if n > 1 or r.num_computed_tokens < r.num_prompt_tokens)
         sampled = run_step(out) if out.scheduled else []
         sched.update(out, sampled)
         for r in out.sampling:
@@ -145,7 +166,7 @@ def run_workload(sched: Scheduler, workload: Workload, run_step, max_steps: int 
             if r.num_output_tokens >= r.sampling_params.max_tokens:
                 sched.finish_request(r, RequestStatus.FINISHED_LENGTH)
                 workload.finished(r, step)
-    return {"records": records, "steps": step, "computed_tokens": computed}
+    return {"records": records, "steps": step, "computed_tokens": computed, "prefill_tokens": prefill}
 
 
 def simulate(policy: str, num_blocks: int, wcfg: WorkloadConfig, block_size: int = 16,
@@ -155,28 +176,172 @@ def simulate(policy: str, num_blocks: int, wcfg: WorkloadConfig, block_size: int
     sched = Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len=4096), bm)
     t0 = time.perf_counter()
     res = run_workload(sched, Workload(wcfg), run_step)
-    recs = res["records"]
+    return summarize(policy, sched, res, time.perf_counter() - t0)
+
+
+def summarize(policy: str, sched: Scheduler, res: dict, wall_s: float) -> dict:
+    """One row of the report from `run_workload`'s records and the block manager's counters."""
+    bm, recs = sched.block_manager, res["records"]
     conv = [r for r in recs if r["conv"]]
     one = [r for r in recs if not r["conv"]]
     rate = lambda rs: sum(r["cached"] for r in rs) / max(1, sum(r["prompt"] for r in rs))  # noqa: E731
     mean = lambda rs, k: sum(r[k] for r in rs) / max(1, len(rs))  # noqa: E731
-    return {"policy": policy, "blocks": num_blocks, "hit_rate": bm.hit_rate, "conv_hit": rate(conv),
-            "one_off_hit": rate(one), "saved": bm.hit_tokens, "computed": res["computed_tokens"],
+    return {"policy": policy, "blocks": bm.num_blocks, "hit_rate": bm.hit_rate, "conv_hit": rate(conv),
+            "one_off_hit": rate(one), "saved": bm.hit_tokens, "queried": bm.query_tokens,
+            "computed": res["computed_tokens"], "prefill": res["prefill_tokens"],
             "steps": res["steps"], "evictions": bm.num_evictions, "preemptions": sched.num_preemptions,
-            "ttft_conv": mean(conv, "ttft_steps"), "wall_s": time.perf_counter() - t0}
+            "ttft_conv": mean(conv, "ttft_steps"), "wall_s": wall_s,
+            "ttft_conv_s": percentiles([r["ttft_s"] for r in conv]),
+            "ttft_one_off_s": percentiles([r["ttft_s"] for r in one])}
+
+
+# ----------------------------------------------------------------------------- --engine
+# 8 layers of hidden 512 (24M parameters, head_dim 64): prefill costs visibly more than a step's
+# Python, and one core of a 2-core VM still runs the moderate workload in ~80 s per policy. Vocab 384:
+# the lm_head stays small and random prompt ids stay in the tokenizer's vocabulary.
+SMALL = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+             num_key_value_heads=2, vocab_size=384, tie_word_embeddings=False,
+             max_position_embeddings=2048, initializer_range=0.02)
+ENGINE_SIZES = {  # (clients, turns, one-offs, KV pool blocks): the pool is below the working set
+    "quick": (8, 4, 128, 256),
+    "moderate": (20, 8, 640, 768),
+}
+
+
+def engine_workload(a, vocab: int) -> WorkloadConfig:
+    """The simulator's workload with every answer `a.max_tokens` long (decode is not the point)."""
+    n = (a.max_tokens, a.max_tokens)
+    return WorkloadConfig(clients=a.clients, turns=a.turns, one_offs=a.one_offs, one_off_every=a.one_off_every,
+                          think_steps=tuple(a.think), answer_tokens=n, one_off_answer=n, vocab=vocab,
+                          seed=a.seed)
+
+
+def working_set_blocks(w: WorkloadConfig, block_size: int = 16) -> int:
+    """Blocks of every conversation's final history (upper bound: longest user texts)."""
+    longest = w.system_tokens + w.turns * w.user_tokens[1] + (w.turns - 1) * w.answer_tokens[1]
+    return w.clients * -(-longest // block_size)
+
+
+def engine_step(eng):
+    """Engine.step's middle: execute the plan on the model, sample greedily (no detokenizer)."""
+    return lambda out: eng.sampler(eng.runner.execute(out.plan), out.sampling, eng.eos_ids)[0].tolist()
+
+
+def run_engine(policy: str, num_blocks: int, bytes_per_block: int, w: WorkloadConfig, a) -> dict:
+    """The workload through an Engine whose KV pool holds exactly `num_blocks` blocks."""
+    from numa_runtime import Engine
+    eng = Engine(a.model, dtype=a.dtype, num_threads=a.threads, max_model_len=a.max_model_len,
+                 kv_cache_memory=num_blocks * bytes_per_block, eviction=policy,
+                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.budget)
+    try:
+        if eng.runner.num_blocks != num_blocks:
+            raise SystemExit(f"The engine made {eng.runner.num_blocks} KV blocks, not {num_blocks} "
+                             "(capped at max_num_seqs full-length sequences); ask for fewer --blocks.")
+        t0 = time.perf_counter()
+        res = run_workload(eng.scheduler, Workload(w), engine_step(eng))
+        return summarize(policy, eng.scheduler, res, time.perf_counter() - t0)
+    finally:
+        eng.close()
+
+
+def warm_up(a) -> int:
+    """Load the model once, run prefills of several lengths (the kernels' first calls), and
+    return the bytes of one KV block."""
+    import numpy as np
+
+    from numa_runtime import Engine, SamplingParams
+    eng = Engine(a.model, dtype=a.dtype, num_threads=a.threads, max_model_len=a.max_model_len,
+                 kv_cache_memory=64 << 20, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.budget)
+    rng = np.random.default_rng(12345)
+    vocab = eng.model_config.vocab_size
+    eng.generate([rng.integers(3, vocab, n).tolist() for n in (7, 100, a.max_model_len - 16)],
+                 SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    bpb = eng.runner.bytes_per_block
+    eng.close()
+    return bpb
+
+
+def engine_markdown(r: dict) -> str:
+    c = r["config"]
+    lines = [f"model `{c['model']}` ({c['dtype']}); {c['clients']} clients x {c['turns']} turns + "
+             f"{c['one_offs']} one-offs, {c['max_tokens']} output tokens each, greedy; KV pool "
+             f"{c['blocks']} blocks of 16 = {c['pool_fraction']:.0%} of the conversations' final histories "
+             f"({c['working_set_blocks']} blocks); infinite-cache hit rate {r['infinite_cache_hit_rate']:.1%} "
+             f"(simulated){'; --quick (noisy)' if r['quick'] else ''}", "",
+             "| policy | hit rate | conv hit | prefill tokens | TTFT conv p50 / p99 ms | "
+             "TTFT one-off p50 / p99 ms | preempt | total s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    ms = lambda d: f"{d['p50'] * 1e3:.0f} / {d['p99'] * 1e3:.0f}"  # noqa: E731
+    for p in r["policies"]:
+        lines.append(f"| {p['policy']} | {p['hit_rate']:.1%} | {p['conv_hit']:.1%} | {p['prefill']} | "
+                     f"{ms(p['ttft_conv_s'])} | {ms(p['ttft_one_off_s'])} | {p['preemptions']} | "
+                     f"{p['wall_s']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def engine_main(a) -> None:
+    clients, turns, one_offs, blocks = ENGINE_SIZES["quick" if a.quick else "moderate"]
+    a.clients, a.turns = a.clients or clients, a.turns or turns
+    a.one_offs = one_offs if a.one_offs is None else a.one_offs
+    blocks = a.blocks[0] if a.blocks else blocks
+    a.model = os.path.abspath(os.path.expanduser(a.model)) if a.model else build_once(
+        os.path.join(CACHE, "prefix-8l512"), "prefix-8l512", SMALL)
+    from numa_runtime.config import ModelConfig
+    w = engine_workload(a, ModelConfig.from_dir(a.model).vocab_size)
+    a.max_model_len = max(w.system_tokens + w.turns * (w.user_tokens[1] + a.max_tokens),
+                          w.system_tokens // 2 + w.one_off_prompt[1] + a.max_tokens) + 16
+    bpb = warm_up(a)
+    ws = working_set_blocks(w)
+    ideal = simulate("reuse", 1 << 16, w)
+    print(f"{a.clients} clients x {a.turns} turns + {a.one_offs} one-offs; KV pool {blocks} blocks "
+          f"({blocks * bpb / 2**20:.1f} MiB) vs working set {ws} blocks", flush=True)
+    rows = []
+    # NOTE: alternating policies so that load from other processes on the host hits both alike
+    for run, policy in ((r, p) for r in range(a.repeat) for p in a.policies):
+        rows.append(dict(run_engine(policy, blocks, bpb, w, a), run=run))
+        p = rows[-1]
+        print(f"{policy}: hit {p['hit_rate']:.1%}, prefill {p['prefill']} tokens, TTFT conv p50 "
+              f"{p['ttft_conv_s']['p50'] * 1e3:.0f} ms, {p['wall_s']:.1f} s", flush=True)
+    report = {"quick": a.quick, "infinite_cache_hit_rate": ideal["hit_rate"],
+              "config": {"model": a.model, "dtype": a.dtype, "clients": a.clients, "turns": a.turns,
+                         "one_offs": a.one_offs, "one_off_every": a.one_off_every, "think": a.think,
+                         "max_tokens": a.max_tokens, "seed": a.seed, "blocks": blocks,
+                         "bytes_per_block": bpb, "working_set_blocks": ws, "pool_fraction": blocks / ws,
+                         "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.budget},
+              "policies": rows}
+    md = engine_markdown(report)
+    paths = write_report(a.out, report, md)
+    print("\n" + md + "\nwrote " + ", ".join(paths))
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--blocks", type=int, nargs="+", default=[768, 1024, 1536, 2048])
+    ap.add_argument("--blocks", type=int, nargs="+", default=None,
+                    help="KV pool sizes (default: 768 1024 1536 2048; --engine: one size, 768, 256 with --quick)")
     ap.add_argument("--policies", nargs="+", default=["lru", "reuse"])
-    ap.add_argument("--clients", type=int, default=20)
-    ap.add_argument("--turns", type=int, default=8)
-    ap.add_argument("--one-offs", type=int, default=640)
+    ap.add_argument("--clients", type=int, default=None, help="default 20 (8 with --engine --quick)")
+    ap.add_argument("--turns", type=int, default=None, help="default 8 (4 with --engine --quick)")
+    ap.add_argument("--one-offs", type=int, default=None, help="default 640 (128 with --engine --quick)")
     ap.add_argument("--one-off-every", type=int, default=4, help="steps between one-off arrivals")
     ap.add_argument("--think", type=int, nargs=2, default=[20, 200], help="steps a client waits between turns")
     ap.add_argument("--seed", type=int, default=0)
+    g = ap.add_argument_group("--engine: the workload through a real Engine (TTFT in seconds)")
+    g.add_argument("--engine", action="store_true")
+    g.add_argument("--quick", action="store_true", help="smaller workload and pool (under a minute)")
+    g.add_argument("--model", help="HF model directory (default: random 8-layer Llama, 24M params, built once)")
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    g.add_argument("--threads", type=int, default=None, help="OpenMP threads (default: all allowed cpus)")
+    g.add_argument("--max-tokens", type=int, default=8, help="output tokens of every request")
+    g.add_argument("--max-num-seqs", type=int, default=16)
+    g.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens")
+    g.add_argument("--repeat", type=int, default=1, help="run the policies in turn this many times")
+    g.add_argument("--out", default="/tmp/bench_prefix_cache", help="writes OUT.json and OUT.md")
     args = ap.parse_args(argv)
+    if args.engine:
+        return engine_main(args)
+    args.blocks = args.blocks or [768, 1024, 1536, 2048]
+    args.clients, args.turns = args.clients or 20, args.turns or 8
+    args.one_offs = 640 if args.one_offs is None else args.one_offs
     wcfg = WorkloadConfig(clients=args.clients, turns=args.turns, one_offs=args.one_offs,
                           one_off_every=args.one_off_every, think_steps=tuple(args.think), seed=args.seed)
     ideal = simulate("reuse", 1 << 16, wcfg)

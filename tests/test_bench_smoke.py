@@ -64,3 +64,23 @@ def test_numa_scaling_quick(tmp_path):
         assert by_ranks[2]["decode_comm_s"]["all_reduce"] > 0
     md = open(out + ".md").read()
     assert "| ranks |" in md and os.path.exists(out + ".png") == r["plot"].startswith("plot:")
+
+
+def test_prefix_cache_engine_quick(tmp_path):
+    out = str(tmp_path / "prefix")
+    _run("bench_prefix_cache.py", "--engine", "--quick", "--clients", "3", "--turns", "3", "--one-offs", "12",
+         "--threads", "1", "--out", out)
+    r = json.load(open(out + ".json"))
+    assert [p["policy"] for p in r["policies"]] == ["lru", "reuse"]
+    for p in r["policies"]:
+        assert p["blocks"] == r["config"]["blocks"] == 256  # the engine's pool is what was asked
+        assert 0 < p["hit_rate"] < 1 and p["saved"] > 0
+        # every prompt token is either served by the cache or prefilled (once, without preemption)
+        assert p["prefill"] >= p["queried"] - p["saved"]
+        if p["preemptions"] == 0:
+            assert p["prefill"] == p["queried"] - p["saved"]
+        assert p["computed"] - p["prefill"] == 12 * 7 + 9 * 7  # 8 tokens: 7 decode steps each
+        for key in ("ttft_conv_s", "ttft_one_off_s"):
+            assert _positive(p[key]["p50"]) and p[key]["p99"] >= p[key]["p50"]
+        assert _positive(p["wall_s"])
+    assert "| policy |" in open(out + ".md").read()
