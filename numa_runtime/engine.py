@@ -21,7 +21,9 @@ from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .tokenizer import IncrementalDetokenizer
 
-log = logging.getLogger("numa_runtime")
+from .logger import init_logger
+
+log = init_logger()
 
 
 class Engine:
@@ -67,7 +69,7 @@ class Engine:
         self._closed = False
         self.placement = placement
         atexit.register(self.close)
-        log.info("numa_runtime: %s", self.summary())
+        self._log_start()
 
     # ------------------------------------------------------------------ set-up helpers
     def _bind_and_set_threads(self):
@@ -98,6 +100,18 @@ class Engine:
         if asked > limit:
             raise ValueError(f"max_model_len={asked} exceeds what the model supports ({limit} tokens).")
         return asked
+
+    def _log_start(self) -> None:
+        s = self.summary()
+        mib = 1 << 20
+        log.info("model %s (%s) in %s on %d rank(s) x %d thread(s); max_model_len %d",
+                 os.path.basename(s["model"]), s["architecture"], s["dtype"], s["ranks"],
+                 s["threads_per_rank"], s["max_model_len"])
+        log.info("KV cache: %d blocks of %d tokens, %.0f MiB per rank, %d tokens at once",
+                 s["kv_blocks"], s["block_size"], s["kv_cache_bytes"] / mib, s["max_concurrent_tokens"])
+        for r in s["per_rank"] or []:
+            log.info("rank %d: node %s, %d cpus, weights %.0f MiB, RSS %.0f MiB", r["rank"], r["node"],
+                     r["cpus"], r["weight_bytes"] / mib, r["rss_bytes"] / mib)
 
     def summary(self) -> dict:
         c = self.model_config

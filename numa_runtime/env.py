@@ -90,3 +90,11 @@ def profile_trace_steps() -> int:
     """AS_PROFILE_TRACE_STEPS: how many recent steps each rank keeps for a trace (default 32)."""
     value = os.environ.get("AS_PROFILE_TRACE_STEPS", "").strip()
     return int(value) if value.isdigit() and int(value) > 0 else 32
+
+
+__all__ += ["log_level"]
+
+
+def log_level() -> str:
+    """NUMA_RUNTIME_LOG_LEVEL: the package logger's level (default INFO; WARNING quiets start-up)."""
+    return os.environ.get("NUMA_RUNTIME_LOG_LEVEL", "INFO").upper()
