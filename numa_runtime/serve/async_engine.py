@@ -146,6 +146,7 @@ class AsyncEngine:
             _resolve(fut, error=e)
             return
         self._sinks[request_id] = sink
+        self._update_stats()  # NOTE: before answering, so the queue limit sees this request at once
         _resolve(fut, result=None)
 
     def _step(self) -> None:
