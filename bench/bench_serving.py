@@ -20,6 +20,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -60,7 +61,7 @@ async def one_request(client, model: str, max_tokens: int, extra: dict) -> tuple
                                              extra_body=extra or None)
     chunks = 0
     async for chunk in stream:
-        if chunk.choices and chunk.choices[0].text and first is None:
+        if chunk.choices and first is None:  # the first chunk carries the first token(s)
             first = time.perf_counter()
         if chunk.choices:
             chunks += 1
@@ -149,12 +150,15 @@ def free_port() -> int:
 class Server:
     def __init__(self, cmd: list[str], port: int, timeout: float = 900):
         import httpx
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # NOTE: stderr to a file, not a pipe: a chatty server (llama.cpp) fills a pipe and blocks.
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         self.base_url = f"http://127.0.0.1:{port}/v1"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{cmd[2:4]} exited ({self.proc.returncode}): {self.proc.stderr.read()[-3000:]}")
+                self.log.seek(0)
+                raise RuntimeError(f"{cmd[2:4]} exited ({self.proc.returncode}): {self.log.read()[-3000:]}")
             try:
                 if httpx.get(self.base_url + "/models", timeout=2).status_code == 200:
                     return

@@ -29,11 +29,44 @@ def train_tokenizer(out_dir: str, vocab_size: int = 384) -> None:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([CORPUS], trainer)
-    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    path = os.path.join(out_dir, "tokenizer.json")
+    tok.save(path)
+    _fill_vocab(path, vocab_size)
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "add_bos_token": False,
                    "chat_template": "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                                     "{% if add_generation_prompt %}<s>assistant:{% endif %}"}, f)
+
+
+def _fill_vocab(path: str, vocab_size: int) -> None:
+    """Give every id up to vocab_size a token, so anything a random model generates decodes to
+    text (the trainer stops at the merges a small corpus supports). The extra tokens are
+    letters only: never produced by encoding (no merges lead to them), but decodable."""
+    with open(path) as f:
+        tj = json.load(f)
+    vocab = tj["model"]["vocab"]
+    used = set(vocab) | {t["content"] for t in tj.get("added_tokens", [])}
+    ids = set(vocab.values()) | {t["id"] for t in tj.get("added_tokens", [])}
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    n = 0
+    for i in range(vocab_size):
+        if i in ids:
+            continue
+        while True:
+            k, name = n, ""
+            n += 1
+            while True:
+                name = letters[k % 26] + name
+                k //= 26
+                if not k:
+                    break
+            name = "Ġ" + name  # a leading space, in byte-level form
+            if name not in used:
+                break
+        vocab[name] = i
+        used.add(name)
+    with open(path, "w") as f:
+        json.dump(tj, f, ensure_ascii=False)
 
 
 def build_model(out_dir: str, arch: str = "llama", dtype: str = "float32", seed: int = 0, **overrides):
