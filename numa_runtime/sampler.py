@@ -34,9 +34,13 @@ class Sampler:
                 logits[i, [t for t in ban if t < logits.shape[1]]] = -np.inf
         ids = np.empty(n, np.int64)
         greedy = np.array([r.sampling_params.is_greedy for r in reqs])
-        if greedy.any():
-            # NOTE: argmax takes the lowest index on ties, as the sampling kernel does.
-            ids[greedy] = np.argmax(logits[greedy], axis=1)
+        # NOTE: argmax takes the lowest index on ties, as the sampling kernel does; an
+        # all-greedy batch (the common case) is reduced in place, without a [N, V] copy.
+        if greedy.all():
+            ids[:] = np.argmax(logits, axis=1)
+        elif greedy.any():
+            for i in np.flatnonzero(greedy):
+                ids[i] = np.argmax(logits[i])
         rows = np.flatnonzero(~greedy)
         if rows.size:
             sps = [reqs[i].sampling_params for i in rows]
