@@ -146,8 +146,10 @@ def test_launch_binds_ranks_and_propagates_exit_code():
     if len(allowed) < 2 or read_topology().num_nodes > 1:
         pytest.skip("written for a one-node machine with >= 2 cpus")
     code = ("import os, sys; r = int(os.environ['PMI_RANK']);"
-            "print('rank', r, sorted(os.sched_getaffinity(0)), os.environ['OMP_NUM_THREADS'],"
-            " os.environ['NUMA_RUNTIME_BOUND'], os.environ['MPI4PY_RC_THREAD_LEVEL'], flush=True);"
+            # NOTE: one write per rank: print() writes its parts apart and ranks interleave
+            "os.write(1, ('rank %d %s %s %s %s\\n' % (r, sorted(os.sched_getaffinity(0)),"
+            " os.environ['OMP_NUM_THREADS'], os.environ['NUMA_RUNTIME_BOUND'],"
+            " os.environ['MPI4PY_RC_THREAD_LEVEL'])).encode());"
             "sys.exit(3 if r == 1 else 0)")
     out = launch("--ranks", "2", "--", sys.executable, "-c", code)
     assert out.returncode == 3, out.stderr
