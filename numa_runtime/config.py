@@ -97,6 +97,17 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict, model_dir: str = "") -> "ModelConfig":
+        try:
+            return cls._from_dict(cfg, model_dir)
+        except KeyError as e:
+            raise UnsupportedModelError(f"config.json lacks the field {e.args[0]!r}.") from None
+        except (TypeError, ValueError) as e:
+            if isinstance(e, UnsupportedModelError):
+                raise
+            raise UnsupportedModelError(f"config.json has a malformed value ({e}).") from None
+
+    @classmethod
+    def _from_dict(cls, cfg: dict, model_dir: str = "") -> "ModelConfig":
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:

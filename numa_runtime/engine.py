@@ -45,6 +45,8 @@ class Engine:
         model_dir = model if model is not None else default_model_dir()
         self.model_config = mcfg = ModelConfig.from_dir(os.path.expanduser(str(model_dir)))
         self.max_model_len = self._resolve_max_len(mcfg, self.config.max_model_len)
+        if self.comm.is_driver:  # NOTE: fail on a missing tokenizer before reading any weight
+            self.tokenizer = Tokenizer.from_dir(mcfg.model_dir)
         self.ops = profiler.wrap_ops(backend.get_backend(self.config.backend), self.comm)
         self.runner = ModelRunner(mcfg, self.config, profiler.wrap_comm(self.comm, self.ops), self.ops,
                                   self.max_model_len,
@@ -53,7 +55,6 @@ class Engine:
         if not self.comm.is_driver:
             self.runner.worker_loop()  # returns when rank 0 shuts down
             sys.exit(0)
-        self.tokenizer = Tokenizer.from_dir(mcfg.model_dir)
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           enable_prefix_caching=self.config.enable_prefix_caching,

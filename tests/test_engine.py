@@ -168,3 +168,27 @@ def test_default_model_answers_a_chat_question():
     print("\nSmolLM2-135M-Instruct:", out.text)
     assert "Paris" in out.text
     assert out.finish_reason in ("stop", "length")
+
+
+def test_config_missing_field_is_clear(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 10}))
+    with pytest.raises(UnsupportedModelError, match="lacks the field 'num_attention_heads'"):
+        Engine(str(tmp_path))
+
+
+def test_missing_tokenizer_fails_before_weights(tmp_path, model_dir):
+    with open(os.path.join(model_dir, "config.json")) as f:
+        (tmp_path / "config.json").write_text(f.read())
+    # no safetensors and no tokenizer: the tokenizer error comes first
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        Engine(str(tmp_path))
+
+
+def test_corrupt_checkpoint_is_clear(tmp_path, model_dir):
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        with open(os.path.join(model_dir, f)) as a:
+            (tmp_path / f).write_text(a.read())
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
+    from numa_runtime.weights import CheckpointError
+    with pytest.raises(CheckpointError, match="corrupt safetensors header"):
+        Engine(str(tmp_path))
