@@ -107,7 +107,22 @@ cdef extern from "gemm_kernels.h" nogil:
 # NOTE: at M = 16 the streaming kernel already runs at the FMA / vdpbf16ps peak of a Zen4 core
 # (~220 bf16, ~100 f32 GFLOP/s per core with the weights in cache), so oneDNN cannot win much
 # below that, and above it oneDNN's cache blocking of x wins. `bench_gemm.py --sweep` times both.
-SMALL_M_MAX = 16
+def _has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "amx_bf16" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+# NOTE: measured crossovers (bench/bench_gemm.py --sweep and a Sapphire Rapids probe):
+# without AMX the streaming kernel wins up to M = 16 (one core's FMA peak is reached there);
+# with AMX oneDNN's brgemm:amx path is faster from M = 8 (at M = 16: 149 us vs 357 us on
+# 896x9728 with 16 cores), so the streaming kernel keeps only M <= 4.
+SMALL_M_MAX = 4 if _has_amx() else 16
 _PRIM_CACHE_SIZE = 16
 
 cdef int _level = gemm_cpu_level()
