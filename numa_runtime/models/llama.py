@@ -176,10 +176,12 @@ class LlamaModel:
             else:
                 ops.add_rms_norm(delta, residual, layer.input_norm, eps, h)
             qkv = layer.qkv_proj.forward(h)                # [T, (hq + 2 hk) D]
-            q = np.ascontiguousarray(qkv[:, :hq * D]).reshape(T, hq, D)
-            k = np.ascontiguousarray(qkv[:, hq * D:(hq + hk) * D]).reshape(T, hk, D)
-            v = np.ascontiguousarray(qkv[:, (hq + hk) * D:]).reshape(T, hk, D)
+            # q, k, v: strided views into qkv (the kernels take any row stride)
+            qkv3 = qkv.reshape(T, hq + 2 * hk, D)
+            q, k, v = qkv3[:, :hq], qkv3[:, hq:hq + hk], qkv3[:, hq + hk:]
             if layer.q_norm is not None:
+                # NOTE: per-head norms run over [T * heads, D] rows, which needs contiguous q, k
+                q, k = np.ascontiguousarray(q), np.ascontiguousarray(k)
                 ops.rms_norm(q.reshape(T * hq, D), layer.q_norm, eps, q.reshape(T * hq, D))
                 ops.rms_norm(k.reshape(T * hk, D), layer.k_norm, eps, k.reshape(T * hk, D))
             ops.rotary(q, k, plan.positions, self.cos_sin)
