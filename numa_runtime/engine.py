@@ -50,7 +50,7 @@ class Engine:
         self.ops = profiler.wrap_ops(backend.get_backend(self.config.backend), self.comm)
         self.runner = ModelRunner(mcfg, self.config, profiler.wrap_comm(self.comm, self.ops), self.ops,
                                   self.max_model_len,
-                                  progress=_progress if self.comm.is_driver else None)
+                                  progress=_Progress() if self.comm.is_driver else None)
         self.ranks = self.comm.gather_object(self._rank_info(placement))  # rank 0: one dict per rank
         if not self.comm.is_driver:
             self.runner.worker_loop()  # returns when rank 0 shuts down
@@ -302,6 +302,19 @@ def _child_params(p: SamplingParams, i: int) -> SamplingParams:
     return dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + i)
 
 
-def _progress(done: int, total: int) -> None:
-    if sys.stderr.isatty() or os.environ.get("NUMA_RUNTIME_PROGRESS"):
-        print(f"\rloading layers {done}/{total}", end="\n" if done == total else "", file=sys.stderr, flush=True)
+class _Progress:
+    """A tqdm bar over the layers being loaded (rank 0, on a terminal or when asked)."""
+
+    def __init__(self):
+        self.bar = None
+
+    def __call__(self, done: int, total: int) -> None:
+        from . import env
+        if not (sys.stderr.isatty() or env.show_progress()):
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, desc="loading weights", unit="layer", file=sys.stderr)
+        self.bar.update(done - self.bar.n)
+        if done == total:
+            self.bar.close()

@@ -98,3 +98,11 @@ __all__ += ["log_level"]
 def log_level() -> str:
     """NUMA_RUNTIME_LOG_LEVEL: the package logger's level (default INFO; WARNING quiets start-up)."""
     return os.environ.get("NUMA_RUNTIME_LOG_LEVEL", "INFO").upper()
+
+
+__all__ += ["show_progress"]
+
+
+def show_progress() -> bool:
+    """NUMA_RUNTIME_PROGRESS=1 forces the weight-loading progress bar (default: only on a tty)."""
+    return os.environ.get("NUMA_RUNTIME_PROGRESS", "").lower() in ("1", "on", "true", "yes")
