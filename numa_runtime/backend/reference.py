@@ -86,7 +86,8 @@ def silu_and_mul(x: np.ndarray, out: np.ndarray) -> np.ndarray:
     """x: [T, 2*I] = [gate | up]; out: [T, I] = silu(gate) * up."""
     inter = x.shape[1] // 2
     g, u = x[:, :inter], x[:, inter:]
-    out[...] = g / (1.0 + np.exp(-g)) * u
+    with np.errstate(over="ignore"):  # exp(-g) -> inf for very negative g gives silu = -0, as intended
+        out[...] = g / (1.0 + np.exp(-g)) * u
     return out
 
 
