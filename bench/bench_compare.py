@@ -77,8 +77,8 @@ def model_costs(model_dir: str, prompt_len: int) -> dict:
 
 def machine_limits(threads: int, quick: bool) -> dict:
     from bench.limits import dram_read_gbps, peak_bf16_gflops
-    from numa_runtime._kernels import gemm
-    gemm.set_num_threads(threads)
+    from numa_runtime._kernels import ops
+    ops.set_num_threads(threads)
     return {"dram_read_gbps": dram_read_gbps(gib=0.25 if quick else 1.0, repeats=3 if quick else 5),
             "peak_bf16_gflops": peak_bf16_gflops(1024 if quick else 4096, repeats=3)}
 

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from limits import dram_read_gbps  # noqa: E402
 
-from numa_runtime._kernels import gemm  # noqa: E402
+from numa_runtime._kernels import gemm, ops  # noqa: E402
 
 SHAPES = {  # model: [(layer, K, N)]
     "Qwen2.5-0.5B": [("qkv", 896, 1152), ("o_proj", 896, 896), ("gate_up", 896, 9728),
@@ -75,7 +75,7 @@ def torch_linear(w: np.ndarray, dtype: str, copies: int):
         import torch
     except ImportError:
         return None
-    torch.set_num_threads(gemm.get_num_threads())
+    torch.set_num_threads(ops.get_num_threads())
     tdt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     wts = [torch.from_numpy(w).to(tdt, copy=True) for _ in range(copies)]
 
@@ -160,7 +160,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="small-M threshold sweep only")
     args = ap.parse_args()
     if args.threads:
-        gemm.set_num_threads(args.threads)
+        ops.set_num_threads(args.threads)
     min_time = 0.1 if args.quick else 0.4
     if args.sweep:
         sweep(min_time)
@@ -168,7 +168,7 @@ def main() -> None:
     # NOTE: the DRAM limit is the best of a probe before and after the table, so a neighbour's
     # load during one probe does not inflate the fractions.
     dram = dram_read_gbps(gib=0.5 if args.quick else 1.0)
-    print(f"threads={gemm.get_num_threads()} cpu_level={gemm.cpu_level()} "
+    print(f"threads={ops.get_num_threads()} cpu_level={gemm.cpu_level()} "
           f"dram_read={dram:.1f} GB/s small_m_max={gemm.SMALL_M_MAX}\n")
     print("| model | layer | K->N | dtype | M | unit | ours | oneDNN only | torch | ours/DRAM |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")

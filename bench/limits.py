@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from numa_runtime._kernels import gemm  # noqa: E402
+from numa_runtime._kernels import gemm, ops  # noqa: E402
 
 
 def _best_of(fn, repeats: int) -> float:
@@ -30,16 +30,16 @@ def dram_read_gbps(num_threads: int | None = None, gib: float = 1.0, repeats: in
     """DRAM read bandwidth in GB/s (1e9 B/s): best of `repeats` full reads of a `gib` GiB f32
     buffer by a plain AVX2 sum over OpenMP threads (gemm._read_probe: 8 independent adds per
     64 floats, nothing else). `num_threads` overrides the OpenMP thread count meanwhile."""
-    old = gemm.get_num_threads()
+    old = ops.get_num_threads()
     if num_threads is not None:
-        gemm.set_num_threads(num_threads)
+        ops.set_num_threads(num_threads)
     try:
         a = np.ones(int(gib * (1 << 30)) // 4, dtype=np.float32)
         gemm._read_probe(a)  # first touch is already done by np.ones; warm the TLB path
         t = _best_of(lambda: gemm._read_probe(a), repeats)
         return a.nbytes / t / 1e9
     finally:
-        gemm.set_num_threads(old)
+        ops.set_num_threads(old)
 
 
 def numpy_read_gbps(num_threads: int = 2, gib: float = 1.0, repeats: int = 3) -> float:
@@ -77,12 +77,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller buffers / GEMM")
     args = ap.parse_args()
     if args.threads:
-        gemm.set_num_threads(args.threads)
+        ops.set_num_threads(args.threads)
     gib = 0.5 if args.quick else 1.0
     print(json.dumps({
-        "threads": gemm.get_num_threads(),
+        "threads": ops.get_num_threads(),
         "dram_read_gbps": round(dram_read_gbps(gib=gib), 2),
-        "numpy_sum_gbps": round(numpy_read_gbps(gemm.get_num_threads(), gib=gib), 2),
+        "numpy_sum_gbps": round(numpy_read_gbps(ops.get_num_threads(), gib=gib), 2),
         "peak_bf16_gflops": round(peak_bf16_gflops(2048 if args.quick else 4096), 1),
     }, indent=2))
 

@@ -101,8 +101,6 @@ cdef extern from "gemm_kernels.h" nogil:
     int gemm_small_f32(const float* w, long K, long N, long kp, const float* x, long M,
                        const float* bias, float* out, float* xs, int level)
     double gemm_read_probe(const float* a, long n)
-    void omp_set_num_threads(int n)
-    int omp_get_max_threads()
 
 # NOTE: at M = 16 the streaming kernel already runs at the FMA / vdpbf16ps peak of a Zen4 core
 # (~220 bf16, ~100 f32 GFLOP/s per core with the weights in cache), so oneDNN cannot win much
@@ -143,15 +141,8 @@ cdef void _init_dnnl() except *:
         _check(dnnl_stream_create(&_stream, _engine, dnnl_stream_default_flags), "stream_create")
 
 
-def set_num_threads(int n):
-    """Threads used by both paths (OpenMP; oneDNN is the gomp build and follows it)."""
-    if n < 1:
-        raise ValueError("set_num_threads needs n >= 1, got %d" % n)
-    omp_set_num_threads(n)
-
-
-def get_num_threads():
-    return omp_get_max_threads()
+# NOTE: the thread count is numa_runtime._kernels.ops.set_num_threads: every extension shares
+# one OpenMP runtime, and oneDNN (the gomp build) follows it.
 
 
 def _read_probe(cnp.ndarray a):

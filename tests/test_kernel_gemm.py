@@ -11,7 +11,7 @@ A wrong column, row, bias or padding value is an O(scale) error, far above both.
 import numpy as np
 import pytest
 
-from numa_runtime._kernels import gemm
+from numa_runtime._kernels import gemm, ops
 from numa_runtime.backend import reference as ref
 
 MS = [1, 3, 7, 16, 17, 33, 300]
@@ -94,16 +94,16 @@ def test_thread_counts_give_same_result(threads):
     lin, _, _ = make(129, 4097, "bfloat16", True)
     x = np.random.default_rng(3).standard_normal((7, 129), dtype=np.float32)
     y2 = lin.forward(x)
-    old = gemm.get_num_threads()
+    old = ops.get_num_threads()
     try:
-        gemm.set_num_threads(threads)
-        assert gemm.get_num_threads() == threads
+        ops.set_num_threads(threads)
+        assert ops.get_num_threads() == threads
         np.testing.assert_array_equal(lin.forward(x), y2)
         tiny, reflin, _ = make(7, 5, "float32", False)  # one block, idle threads
         xt = x[:, :7].copy()
         np.testing.assert_allclose(tiny.forward(xt), reflin.forward(xt), rtol=1e-5, atol=1e-5)
     finally:
-        gemm.set_num_threads(old)
+        ops.set_num_threads(old)
 
 
 @pytest.mark.parametrize("level", range(gemm.cpu_level()))

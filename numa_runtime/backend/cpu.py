@@ -17,8 +17,7 @@ try:
     from numa_runtime._kernels.attention import paged_attention, reshape_and_cache
     from numa_runtime._kernels.ops import (add_, add_rms_norm, bf16_to_f32, embedding,
                                            f32_to_bf16, get_num_threads, rms_norm, rotary,
-                                           silu_and_mul)
-    from numa_runtime._kernels.ops import set_num_threads as _omp_set_num_threads
+                                           set_num_threads, silu_and_mul)
     from numa_runtime._kernels.sampling import log_softmax, sample
 except ImportError as e:  # pragma: no cover - depends on the build
     raise ImportError("numa_runtime.backend.cpu: %s (%s)" % (_BUILD_HINT, e)) from e
@@ -47,14 +46,3 @@ def __getattr__(name):
     if name == "Linear":
         return _gemm().Linear
     raise AttributeError("module %r has no attribute %r" % (__name__, name))
-
-
-def set_num_threads(n: int) -> None:
-    """OpenMP threads for every kernel of this process (one OpenMP runtime serves all)."""
-    _omp_set_num_threads(int(n))
-    try:
-        gemm = _gemm()
-    except ImportError:
-        return
-    if hasattr(gemm, "set_num_threads"):
-        gemm.set_num_threads(int(n))
