@@ -12,7 +12,7 @@ import struct
 
 import numpy as np
 
-from .backend.reference import f32_to_bf16
+from .backend.reference import bf16_to_f32, f32_to_bf16
 
 _ST_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
               "I64": np.int64, "I32": np.int32}
@@ -113,9 +113,7 @@ class Checkpoint:
                 return np.array(t, dtype=np.uint16, order="C")
             return f32_to_bf16(np.asarray(t, dtype=np.float32))
         if src == "BF16":
-            out = np.empty(t.shape, dtype=np.uint32)
-            np.left_shift(t, 16, out=out, dtype=np.uint32)
-            return out.view(np.float32)
+            return bf16_to_f32(t)
         return np.array(t, dtype=np.float32, order="C")
 
 

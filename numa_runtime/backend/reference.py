@@ -27,8 +27,12 @@ def f32_to_bf16(x: np.ndarray) -> np.ndarray:
 
 
 def bf16_to_f32(x: np.ndarray) -> np.ndarray:
-    """bf16 bits (uint16) -> f32, exact."""
-    return (np.ascontiguousarray(x, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+    """bf16 bits (uint16) -> f32, exact. One allocation: the shift writes the result (any
+    input layout, e.g. a slice of a memory-mapped checkpoint, is read once)."""
+    x = np.asarray(x, dtype=np.uint16)
+    out = np.empty(x.shape, dtype=np.uint32)
+    np.left_shift(x, 16, out=out, dtype=np.uint32)
+    return out.view(np.float32)
 
 
 def as_f32(w: np.ndarray) -> np.ndarray:
