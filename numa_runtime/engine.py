@@ -41,13 +41,14 @@ class Engine:
 
         self.config = EngineConfig(dtype=dtype, max_model_len=max_model_len, num_threads=num_threads, **kwargs)
         self.comm = distributed.init_distributed()
-        placement = self._bind_and_set_threads()
+        ops = backend.get_backend(self.config.backend)
+        placement = self._bind_and_set_threads(ops)
         model_dir = model if model is not None else default_model_dir()
         self.model_config = mcfg = ModelConfig.from_dir(os.path.expanduser(str(model_dir)))
         self.max_model_len = self._resolve_max_len(mcfg, self.config.max_model_len)
         if self.comm.is_driver:  # NOTE: fail on a missing tokenizer before reading any weight
             self.tokenizer = Tokenizer.from_dir(mcfg.model_dir)
-        self.ops = profiler.wrap_ops(backend.get_backend(self.config.backend), self.comm)
+        self.ops = profiler.wrap_ops(ops, self.comm)
         self.runner = ModelRunner(mcfg, self.config, profiler.wrap_comm(self.comm, self.ops), self.ops,
                                   self.max_model_len,
                                   progress=_Progress() if self.comm.is_driver else None)
@@ -73,14 +74,13 @@ class Engine:
         self._log_start()
 
     # ------------------------------------------------------------------ set-up helpers
-    def _bind_and_set_threads(self):
+    def _bind_and_set_threads(self, ops):
         from . import numa
         placement = None
-        if self.comm.world_size > 1:
+        if self.comm.world_size > 1:  # NOTE: init_distributed bound the rank; this reads it back
             placement = numa.bind_this_rank(self.comm.rank, self.comm.local_rank, self.comm.local_size)
         threads = self.config.num_threads or (placement.num_threads if placement else len(os.sched_getaffinity(0)))
-        from .backend import get_backend
-        get_backend(self.config.backend).set_num_threads(threads)
+        ops.set_num_threads(threads)
         self.num_threads = threads
         return placement
 
@@ -138,17 +138,20 @@ class Engine:
             raise ValueError(f"The prompt has {len(ids)} tokens, but the context holds {self.max_model_len}; "
                              "shorten it or raise max_model_len.")
         group = _Group(rid, text, ids, params)
-        children = []
-        for i in range(params.n):
-            sp = params if params.n == 1 else _child_params(params, i)
-            req = Request(rid if params.n == 1 else f"{rid}#{i}", ids, sp)
-            self.scheduler.add_request(req)  # raises ValueError if it can never fit
-            children.append(req)
-        group.children = children
+        try:
+            for i in range(params.n):
+                sp = params if params.n == 1 else _child_params(params, i)
+                req = Request(rid if params.n == 1 else f"{rid}#{i}", ids, sp)
+                self.scheduler.add_request(req)  # raises ValueError if it can never fit
+                group.children.append(req)
+        except Exception:
+            for req in group.children:  # NOTE: all or none of the n sequences are queued
+                self.scheduler.abort_request(req.request_id)
+            raise
         self._groups[rid] = group
-        for req in children:
+        for req in group.children:
             detok = IncrementalDetokenizer(self.tokenizer, ids, req.sampling_params.skip_special_tokens)
-            self._texts[req.request_id] = TextState(req, detok, self.eos_ids)
+            self._texts[req.request_id] = TextState(req, detok, group, self.eos_ids)
         return rid
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
@@ -192,12 +195,12 @@ class Engine:
         for req, lp in zip(out.sampling, logprobs):
             if lp is not None:
                 req.logprobs.append(lp)
-            status = self._texts[req.request_id].add_token(req.output_token_ids[-1], self.max_model_len)
+            text = self._texts[req.request_id]
+            status = text.add_token(req.output_token_ids[-1], self.max_model_len)
             if status is not None:
                 self.scheduler.finish_request(req, status)
-            gid = req.request_id.split("#")[0]
-            changed[gid] = self._groups.get(gid)
-        return [self._output(g) for g in changed.values() if g is not None]
+            changed[text.group.request_id] = text.group
+        return [self._output(g) for g in changed.values()]
 
     def _output(self, group: "_Group") -> RequestOutput:
         outs = []

@@ -49,8 +49,9 @@ class RequestOutput:
 class TextState:
     """Text of one sequence as tokens arrive: decides stops and the next streamable delta."""
 
-    def __init__(self, req: Request, detokenizer, eos_ids: set[int]):
+    def __init__(self, req: Request, detokenizer, group, eos_ids: set[int]):
         self.req = req
+        self.group = group  # the user request (n sequences) this one belongs to
         self.detok = detokenizer
         sp = req.sampling_params
         self.stop = sp.stop

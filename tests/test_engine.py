@@ -192,3 +192,11 @@ def test_corrupt_checkpoint_is_clear(tmp_path, model_dir):
     from numa_runtime.weights import CheckpointError
     with pytest.raises(CheckpointError, match="corrupt safetensors header"):
         Engine(str(tmp_path))
+
+
+def test_user_request_ids_may_contain_any_character(eng):
+    rid = eng.add_request("Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), request_id="a#0")
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += [o for o in eng.step() if o.request_id == rid]
+    assert outs and outs[-1].finished and len(outs[-1].token_ids) == 3
