@@ -27,7 +27,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import SHAPES, percentiles, random_prompts, resolve_model, write_report  # noqa: E402
+from bench.common import add_model_args, percentiles, random_prompts, resolve_model, write_report  # noqa: E402
 
 
 def make_engine(a):
@@ -147,10 +147,7 @@ def markdown(r: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", help="HF model directory (default: random Qwen2.5-0.5B shape, built once)")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
-                    help="built-in random model when --model is not given (default: qwen0.5b; tiny with --quick)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    add_model_args(ap)
     ap.add_argument("--threads", type=int, default=None, help="OpenMP threads (default: all allowed cpus)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--requests-per-level", type=int, default=None, help="default: max(2 C, 4)")

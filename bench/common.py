@@ -51,6 +51,14 @@ def llama1b_model(cache: str = os.path.join(CACHE, "llama3.2-1b")) -> str:
 SHAPES = {"qwen0.5b": qwen05b_model, "llama3.2-1b": llama1b_model, "tiny": tiny_model}
 
 
+def add_model_args(ap) -> None:
+    """--model / --shape / --dtype, as every engine benchmark takes them."""
+    ap.add_argument("--model", help="HF model directory (default: random Qwen2.5-0.5B shape, built once)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                    help="built-in random model when --model is not given (default: qwen0.5b; tiny with --quick)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+
+
 def resolve_model(model: str | None, shape: str) -> str:
     """--model DIR if given, else the built-in random model of --shape (built on first use)."""
     return os.path.abspath(os.path.expanduser(model)) if model else SHAPES[shape]()

@@ -37,7 +37,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import (ROOT, SHAPES, find_mpirun, resolve_model,  # noqa: E402
+from bench.common import (ROOT, add_model_args, find_mpirun, resolve_model,  # noqa: E402
                           weights_bytes_per_token, write_report)
 from launch.cli import RANK_ENV, build_command, plan_ranks  # noqa: E402
 from launch.topology import format_cpulist, read_topology  # noqa: E402
@@ -172,10 +172,7 @@ def plot(r: dict, path: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", help="HF model directory (default: random Qwen2.5-0.5B shape, built once)")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
-                    help="built-in random model when --model is not given (default: qwen0.5b; tiny with --quick)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    add_model_args(ap)
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--quick", action="store_true", help="tiny model, few tokens, small probes")
