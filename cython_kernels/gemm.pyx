@@ -170,6 +170,24 @@ def _force_cpu_level(int level):
     return old
 
 
+_DNNL_USABLE = {}
+
+
+def _dnnl_usable(bint bf16):
+    """Whether oneDNN has a non-reference matmul for this weight dtype on this CPU (decided
+    once per process by building a small primitive). Without one (bf16 below AVX-512, or a
+    `ref:` implementation) every M runs our own kernel."""
+    ok = _DNNL_USABLE.get(bf16)
+    if ok is None:
+        probe = Linear(np.zeros((64, 64), dtype=np.uint16 if bf16 else np.float32))
+        try:
+            ok = "ref" not in probe.impl_info(32)
+        except RuntimeError:
+            ok = False
+        _DNNL_USABLE[bf16] = ok
+    return ok
+
+
 cdef dnnl_memory_desc_t _md(int64_t d0, int64_t d1, dnnl_data_type_t dt,
                             dnnl_format_tag_t tag) except NULL:
     cdef dnnl_memory_desc_t md = NULL
@@ -320,7 +338,7 @@ cdef class Linear:
                                  % (M, N))
         if M == 0:
             return oa
-        if M <= self.small_m_max:
+        if M <= self.small_m_max or not _dnnl_usable(self.bf16):
             self._small(xa, oa, M)
         else:
             self._dnnl(xa, oa, M)
