@@ -14,9 +14,9 @@ import sys
 import time
 from typing import Iterable, Iterator
 
-from . import profiler as _profiler
 from .config import EngineConfig, ModelConfig
 from .outputs import CompletionOutput, RequestOutput, TextState
+from .recorder import FORWARD, RESHAPE
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .tokenizer import IncrementalDetokenizer
@@ -48,10 +48,11 @@ class Engine:
         self.max_model_len = self._resolve_max_len(mcfg, self.config.max_model_len)
         if self.comm.is_driver:  # NOTE: fail on a missing tokenizer before reading any weight
             self.tokenizer = Tokenizer.from_dir(mcfg.model_dir)
-        self.ops = profiler.wrap_ops(ops, self.comm)
-        self.runner = ModelRunner(mcfg, self.config, profiler.wrap_comm(self.comm, self.ops), self.ops,
-                                  self.max_model_len,
-                                  progress=_Progress() if self.comm.is_driver else None)
+        self.recorder = profiler.make_recorder(self.comm.rank)  # a no-op unless AS_PROFILE=ON
+        self.ops = profiler.timed_ops(ops, self.recorder)
+        self.runner = ModelRunner(mcfg, self.config, profiler.timed_comm(self.comm, self.recorder), self.ops,
+                                  self.max_model_len, progress=_Progress() if self.comm.is_driver else None,
+                                  recorder=self.recorder)
         self.ranks = self.comm.gather_object(self._rank_info(placement))  # rank 0: one dict per rank
         if not self.comm.is_driver:
             self.runner.worker_loop()  # returns when rank 0 shuts down
@@ -59,12 +60,13 @@ class Engine:
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           enable_prefix_caching=self.config.enable_prefix_caching,
-                                          eviction=self.config.eviction)
+                                          eviction=self.config.eviction, recorder=self.recorder)
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=self.config.max_num_seqs,
                                                    max_num_batched_tokens=self.config.max_num_batched_tokens,
                                                    max_model_len=self.max_model_len), self.block_manager)
-        self.sampler = Sampler(self.ops, mcfg.vocab_size, self.config.seed)
-        self.profiler = profiler.attach(self)  # None unless AS_PROFILE=ON
+        self.sampler = Sampler(self.ops, mcfg.vocab_size, self.config.seed, recorder=self.recorder)
+        self._profile = profiler.ProfileReports(self.recorder, self.runner.comm,
+                                                os.path.basename(os.path.normpath(mcfg.model_dir)))
         self._groups: dict[str, _Group] = {}
         self._texts: dict[str, TextState] = {}
         self._ids = itertools.count()
@@ -184,9 +186,16 @@ class Engine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """One engine iteration: schedule -> execute -> update. Returns outputs that changed."""
-        out = self.scheduler.schedule()
+        rec = self.recorder  # times the three under AS_PROFILE=ON; otherwise does nothing
+        rec.begin_step()
+        with rec.span(RESHAPE, "schedule"):
+            out = self.scheduler.schedule()
         logits = self.runner.execute(out.plan)
-        return self._update(out, logits)
+        with rec.span(FORWARD, "update"):
+            outputs = self._update(out, logits)
+        if rec.trace_due():  # AS_PROFILE_TRACE: once, when its number of steps is kept
+            self.export_chrome_trace(rec.trace_path)
+        return outputs
 
     def _update(self, out, logits) -> list[RequestOutput]:
         ids, logprobs = self.sampler(logits, out.sampling, self.eos_ids)
@@ -269,11 +278,23 @@ class Engine:
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         return self.generate([ids], params)[0]
 
-    # operator profiling (AS_PROFILE=ON; raise RuntimeError when off): see profiler.py
-    get_op_profiling_info = _profiler.get_op_profiling_info      # (model_name=None) -> str
-    get_op_profiling_stats = _profiler.get_op_profiling_stats    # () -> list[dict]
-    reset_op_profiling = _profiler.reset_op_profiling            # () -> None
-    export_chrome_trace = _profiler.export_chrome_trace          # (path, steps=None) -> path
+    # ------------------------------------------------------------------ operator profiling
+    # AS_PROFILE=ON: every rank's op timings (profiler.py); RuntimeError when profiling is off.
+    def get_op_profiling_info(self, model_name: str | None = None) -> str:
+        """The report: `*** reshape ***`, `*** alloc ***`, `*** forward ***` tables of every rank."""
+        return self._profile.report(model_name)
+
+    def get_op_profiling_stats(self) -> list[dict]:
+        """The report's rows as dicts: rank, section, opname, count, min/max/ave/total_ms, percentage."""
+        return self._profile.stats()
+
+    def reset_op_profiling(self) -> None:
+        """Start a new profiling window on every rank."""
+        self._profile.reset()
+
+    def export_chrome_trace(self, path: str, steps: int | None = None) -> str:
+        """Write the last `steps` kept steps of every rank as a Chrome trace; returns path."""
+        return self._profile.chrome_trace(path, steps)
 
     def close(self) -> None:
         """Stop the worker ranks (if any). Idempotent."""
