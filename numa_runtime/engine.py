@@ -94,8 +94,6 @@ class Engine:
     @staticmethod
     def _resolve_max_len(mcfg: ModelConfig, asked: int | None) -> int:
         limit = mcfg.max_position_embeddings
-        if mcfg.sliding_window:
-            limit = min(limit, mcfg.sliding_window)
         if asked is None:
             return min(limit, 32768)
         if asked > limit:
