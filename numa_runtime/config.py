@@ -78,6 +78,13 @@ class ModelConfig:
         return 0
 
     @property
+    def min_window(self) -> int:
+        """The smallest window when every layer slides (KV older than it is never read
+        again), else 0."""
+        windows = [self.window(i) for i in range(self.num_layers)]
+        return min(windows) if windows and all(windows) else 0
+
+    @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 

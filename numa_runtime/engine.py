@@ -62,7 +62,8 @@ class Engine:
                                           eviction=self.config.eviction)
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=self.config.max_num_seqs,
                                                    max_num_batched_tokens=self.config.max_num_batched_tokens,
-                                                   max_model_len=self.max_model_len), self.block_manager)
+                                                   max_model_len=self.max_model_len,
+                                                   sliding_window=mcfg.min_window), self.block_manager)
         self.sampler = Sampler(self.ops, mcfg.vocab_size, self.config.seed)
         self.profiler = profiler.attach(self)  # None unless AS_PROFILE=ON
         self._groups: dict[str, _Group] = {}
