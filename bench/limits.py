@@ -28,35 +28,20 @@ def _best_of(fn, repeats: int) -> float:
 
 def dram_read_gbps(num_threads: int | None = None, gib: float = 1.0, repeats: int = 5) -> float:
     """DRAM read bandwidth in GB/s (1e9 B/s): best of `repeats` full reads of a `gib` GiB f32
-    buffer by a plain AVX2 sum over OpenMP threads (gemm._read_probe: 8 independent adds per
-    64 floats, nothing else). `num_threads` overrides the OpenMP thread count meanwhile."""
-    old = ops.get_num_threads()
-    if num_threads is not None:
-        ops.set_num_threads(num_threads)
-    try:
-        a = np.ones(int(gib * (1 << 30)) // 4, dtype=np.float32)
-        gemm._read_probe(a)  # first touch is already done by np.ones; warm the TLB path
-        t = _best_of(lambda: gemm._read_probe(a), repeats)
-        return a.nbytes / t / 1e9
-    finally:
-        ops.set_num_threads(old)
+    buffer, summed by numpy in `num_threads` Python threads, one slice each (numpy releases
+    the GIL in reductions). Default: as many threads as the kernels use (OpenMP)."""
+    a = np.ones(int(gib * (1 << 30)) // 4, dtype=np.float32)  # [n] f32, pages touched here
+    parts = np.array_split(a, num_threads or ops.get_num_threads())
 
-
-def numpy_read_gbps(num_threads: int = 2, gib: float = 1.0, repeats: int = 3) -> float:
-    """Cross-check: numpy sums of `num_threads` slices of a `gib` GiB f32 buffer in Python
-    threads (numpy releases the GIL in reductions)."""
-    a = np.ones(int(gib * (1 << 30)) // 4, dtype=np.float32)
-    parts = np.array_split(a, num_threads)
-
-    def run():
+    def read_all():
         ts = [threading.Thread(target=p.sum) for p in parts]
         for t in ts:
             t.start()
         for t in ts:
             t.join()
 
-    t = _best_of(run, repeats)
-    return a.nbytes / t / 1e9
+    read_all()  # warm the TLB path
+    return a.nbytes / _best_of(read_all, repeats) / 1e9
 
 
 def peak_bf16_gflops(n: int = 4096, repeats: int = 3) -> float:
@@ -82,7 +67,6 @@ def main() -> None:
     print(json.dumps({
         "threads": ops.get_num_threads(),
         "dram_read_gbps": round(dram_read_gbps(gib=gib), 2),
-        "numpy_sum_gbps": round(numpy_read_gbps(ops.get_num_threads(), gib=gib), 2),
         "peak_bf16_gflops": round(peak_bf16_gflops(2048 if args.quick else 4096), 1),
     }, indent=2))
 

@@ -22,9 +22,6 @@
 #include "ops_math.h"
 #include "tile_kernels.h"
 
-#pragma GCC push_options
-#pragma GCC optimize("no-trapping-math")
-
 #define NR_KT 64      /* keys per tile */
 #define NR_NQ 32      /* target query vectors (rows x group heads) per item */
 #define NR_SPLIT_MIN 256  /* fewest keys per split of one item's key range */
@@ -438,7 +435,5 @@ static void nr_paged_attention(const nr_attn_args *a) {
         free(items);
     }
 }
-
-#pragma GCC pop_options
 
 #endif

@@ -6,10 +6,6 @@
 #include <omp.h>
 #include "ops_math.h"
 
-#pragma GCC push_options
-#pragma GCC optimize("no-trapping-math")
-
-#define NR_PAR_MIN 32768  /* elements below which we stay on one thread */
 
 static void nr_f32_to_bf16_n(const float *x, uint16_t *y, int64_t n) {
     #pragma omp parallel for simd schedule(static) if (n > 4 * NR_PAR_MIN)
@@ -105,7 +101,5 @@ static void nr_rotary(float *x, int64_t T, int64_t H, int64_t st, int64_t sh,
         }
     }
 }
-
-#pragma GCC pop_options
 
 #endif

@@ -1,7 +1,8 @@
 /* Shared scalar helpers for ops.pyx, attention.pyx and sampling.pyx.
  *
  * Everything here is plain C that GCC auto-vectorises under `#pragma omp simd`
- * (built with -O3 -fopenmp -march=x86-64-v3); no libm calls in hot loops.
+ * (built with -O3 -fopenmp -march=x86-64-v3 -fno-trapping-math, so the clamps and selects
+ * if-convert); no libm calls in hot loops. bf16 conversions come from bf16.h.
  */
 #ifndef NR_OPS_MATH_H
 #define NR_OPS_MATH_H
@@ -10,26 +11,11 @@
 #include <string.h>
 #include <math.h>
 
-/* NOTE: without trapping math GCC if-converts the clamps and selects in our loops and
- * vectorises them (the build does not pass -fno-trapping-math). */
-#pragma GCC push_options
-#pragma GCC optimize("no-trapping-math")
+#include "bf16.h"
 
-/* bf16 bits -> f32, exact. */
-static inline float nr_bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } c;
-    c.u = (uint32_t)h << 16;
-    return c.f;
-}
-
-/* f32 -> bf16 bits, round to nearest even; NaN -> 0x7FC0 (as reference.f32_to_bf16). */
-static inline uint16_t nr_f32_to_bf16(float f) {
-    union { uint32_t u; float f; } c;
-    c.f = f;
-    uint32_t u = c.u;
-    uint32_t r = (u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16;
-    return (f != f) ? (uint16_t)0x7FC0 : (uint16_t)r;
-}
+/* Elements below which an elementwise loop stays on one thread (streaming loops that read and
+ * write every element, e.g. the bf16 conversions and reduce_impl.h's sums, use 4x this). */
+#define NR_PAR_MIN 32768
 
 /* exp(x) in f32, Cephes polynomial, ~1 ulp on the normal range; 0 below -87.3 (the
  * reference's exp underflows there too, to within f32 rounding of any sum it enters). */
@@ -52,7 +38,5 @@ static inline float nr_expf(float x) {
     y = y * c.f;
     return x < -87.3365447504f ? 0.0f : y;
 }
-
-#pragma GCC pop_options
 
 #endif

@@ -11,6 +11,8 @@
 #include <sched.h>
 #include <time.h>
 #include <omp.h>
+
+#include "ops_math.h"          /* nr_bf16_to_f32 / nr_f32_to_bf16 (bf16.h), NR_PAR_MIN */
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define NR_PAUSE() _mm_pause()
@@ -19,24 +21,9 @@
 #endif
 
 #define NR_BLK 1024            /* elements per accumulation block (4 KiB of f32) */
-#define NR_PAR_MIN 131072      /* below this many elements one thread is faster */
 #define NR_ALIGN_ELEMS 32      /* slice boundaries: 64 B of bf16, 128 B of f32 */
 
 enum { NR_F32 = 0, NR_BF16 = 1 };
-
-static inline float nr_bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t nr_f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7FC0; /* NaN stays NaN */
-    return (uint16_t)((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
-}
 
 /* One block: acc is local, so dst may alias any source. */
 static inline void nr_block_f32(float *dst, const float *const *srcs, int nsrc, int64_t off,
@@ -64,7 +51,7 @@ static inline void nr_block_bf16(uint16_t *dst, const uint16_t *const *srcs, int
 /* dst[0:n] = sum of srcs[s][0:n]; dtype NR_F32 or NR_BF16. OpenMP over blocks when large. */
 static void nr_reduce(void *dst, const void *const *srcs, int nsrc, int64_t n, int dtype) {
     int64_t nblk = (n + NR_BLK - 1) / NR_BLK;
-    #pragma omp parallel for schedule(static) if (n >= NR_PAR_MIN)
+    #pragma omp parallel for schedule(static) if (n >= 4 * NR_PAR_MIN)
     for (int64_t b = 0; b < nblk; b++) {
         int64_t off = b * NR_BLK, m = n - off < NR_BLK ? n - off : NR_BLK;
         if (dtype == NR_F32)

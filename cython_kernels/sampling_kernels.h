@@ -14,9 +14,6 @@
 #include <omp.h>
 #include "ops_math.h"
 
-#pragma GCC push_options
-#pragma GCC optimize("no-trapping-math")
-
 typedef struct { double p; int64_t i; } nr_pi;
 
 /* a precedes b in the reference order */
@@ -274,7 +271,5 @@ static void nr_log_softmax(const float *x, int64_t xs, int64_t N, int64_t V, flo
         for (int64_t i = 0; i < V; i++) o[i] = xr[i] - lse;
     }
 }
-
-#pragma GCC pop_options
 
 #endif

@@ -63,10 +63,6 @@ class ModelConfig:
     eos_token_ids: tuple = ()
 
     @property
-    def family(self) -> str:
-        return SUPPORTED_ARCHITECTURES[self.architecture]
-
-    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
@@ -87,13 +83,6 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
-
-    @property
-    def num_params(self) -> int:
-        h, i, l = self.hidden_size, self.intermediate_size, self.num_layers
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
-        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return l * per_layer + emb + h
 
     @classmethod
     def from_dir(cls, model_dir: str) -> "ModelConfig":
@@ -240,11 +229,6 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive.")
         if not 0.0 < self.kv_cache_fraction <= 0.95:
             raise ValueError(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction!r}.")
-
-    @property
-    def np_weight_dtype(self):
-        import numpy as np
-        return np.uint16 if self.dtype == "bfloat16" else np.float32
 
 
 def rope_inv_freq(model: ModelConfig):

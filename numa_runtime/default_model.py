@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 from numa_runtime import env
+from numa_runtime.backend.reference import f32_to_bf16
 
 __all__ = ["default_model_dir", "convert_gguf_to_hf", "find_default_gguf"]
 
@@ -242,14 +243,7 @@ def _write_weights(reader, config: dict, path: str) -> None:
                 w = _unpermute_rows(w, config["num_attention_heads"])
             elif t.name.endswith("attn_k.weight"):
                 w = _unpermute_rows(w, config["num_key_value_heads"])
-            f.write(_f32_to_bf16_bits(w).tobytes())
-
-
-def _f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """Round-to-nearest-even float32 -> bfloat16, as uint16 bits."""
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
-    return (rounded >> np.uint32(16)).astype(np.uint16)
+            f.write(f32_to_bf16(w).tobytes())
 
 
 def _write_json(path: str, obj: dict) -> None:

@@ -8,7 +8,6 @@ mpi4py is imported only when the process was started by mpirun.
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 import threading
 import time
@@ -302,38 +301,3 @@ def install_fault_hook(comm: Communicator) -> None:
 
     sys.excepthook = hook
     threading.excepthook = lambda a: hook(a.exc_type, a.exc_value, a.exc_traceback)
-
-
-class ShutdownSignal:
-    """SIGINT/SIGTERM handling for an engine loop.
-
-    Rank 0: the first signal sets `requested`; the loop then calls `broadcast_shutdown(comm)`
-    so workers leave their loop cleanly; a second signal aborts the job at once.
-    Workers ignore SIGINT (mpirun forwards Ctrl-C to every rank; the orderly stop comes from
-    rank 0) and keep the default SIGTERM. Call `install` from the main thread.
-    """
-
-    def __init__(self, comm: Communicator):
-        self.comm = comm
-        self.requested = False
-
-    def install(self) -> "ShutdownSignal":
-        if self.comm.rank == 0:
-            signal.signal(signal.SIGINT, self._on_signal)
-            signal.signal(signal.SIGTERM, self._on_signal)
-        else:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-        return self
-
-    def _on_signal(self, signum, frame) -> None:
-        if self.requested:
-            self.comm.abort("second %s: stopping every rank now."
-                            % signal.Signals(signum).name, 128 + signum)
-        self.requested = True
-        log.info("%s: shutting down after the current step", signal.Signals(signum).name)
-
-
-def broadcast_shutdown(comm: Communicator) -> None:
-    """Rank 0: send the SHUTDOWN plan; workers' broadcast_plan returns it and they exit."""
-    if comm.world_size > 1:
-        comm.broadcast_plan(StepPlan.shutdown())

@@ -145,9 +145,6 @@ class Engine:
         if rid in self._groups:
             raise ValueError(f"Request id {rid!r} is already in use.")
         text, ids = self._tokenize(prompt)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"The prompt has {len(ids)} tokens, but the context holds {self.max_model_len}; "
-                             "shorten it or raise max_model_len.")
         group = _Group(rid, text, ids, params)
         try:
             for i in range(params.n):

@@ -81,9 +81,10 @@ class Scheduler:
             raise ValueError(f"Request id {req.request_id!r} is already in use; give each request a unique id.")
         if num_prompt == 0:
             raise ValueError("The prompt is empty; give at least one token.")
-        if num_prompt > cfg.max_model_len:
-            raise ValueError(f"The prompt has {num_prompt} tokens but max_model_len is {cfg.max_model_len}; "
-                             "shorten the prompt or raise max_model_len.")
+        if num_prompt >= cfg.max_model_len:  # NOTE: the one prompt-length check: room for one output token
+            raise ValueError(f"The prompt has {num_prompt} tokens but the context holds max_model_len="
+                             f"{cfg.max_model_len}, which leaves no room for an output token; shorten the "
+                             "prompt or raise max_model_len.")
         if max_tokens is not None and num_prompt + max_tokens > cfg.max_model_len:
             raise ValueError(f"The prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds "
                              f"max_model_len ({cfg.max_model_len}); lower max_tokens or shorten the prompt.")
@@ -243,10 +244,6 @@ class Scheduler:
     def prefix_cache_queries(self) -> int:
         """Tokens looked up in the prefix cache since start (one lookup per admission)."""
         return self.block_manager.query_tokens
-
-    @property
-    def kv_usage(self) -> float:
-        return self.block_manager.usage
 
     def stats(self) -> dict:
         bm = self.block_manager

@@ -229,7 +229,3 @@ class BlockManager:
             for i in range(len(hashes), num_blocks):
                 hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
         return hashes
-
-    def reset_counters(self) -> None:
-        self.query_tokens = self.hit_tokens = self.query_blocks = self.hit_blocks = 0
-        self.num_evictions = 0
