@@ -7,4 +7,5 @@ $PY -m pip install -q -r requirements-test.txt
 export MPI4PY_RC_THREAD_LEVEL=funneled
 # mpirun (mpich wheel) lives beside the interpreter; make sure tests find it.
 export PATH="$($PY -c 'import os, sys; print(os.path.dirname(sys.executable))'):$PATH"
-exec $PY -m pytest -q -p no:cacheprovider tests "$@"
+# -rs: every skipped test's reason is printed in the summary
+exec $PY -m pytest -q -rs -p no:cacheprovider tests "$@"

@@ -13,8 +13,10 @@ import pytest
 from numa_runtime import default_model
 from numa_runtime.default_model import MODEL_NAME, default_model_dir
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch", reason="SKIPPED: torch is missing, so the default model is not compared "
+                                            "with transformers (scripts/test.sh installs it)")
+transformers = pytest.importorskip("transformers", reason="SKIPPED: transformers is missing, so the default "
+                                                          "model is not compared with it (scripts/test.sh)")
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +125,8 @@ def _gguf_model():
         model = transformers.AutoModelForCausalLM.from_pretrained(
             os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
     except Exception as e:  # noqa: BLE001 - whatever stops transformers reading GGUF offline
-        pytest.skip(f"transformers cannot load the GGUF here: {e}")
+        pytest.skip(f"SKIPPED: transformers cannot read the GGUF file here ({e}), so our dequantized "
+                    "default model is not compared with its logits")
     return model.eval()
 
 

@@ -105,7 +105,8 @@ def test_dry_run_this_machine(ranks):
     topo = read_topology()
     node = topo.nodes[0]
     if topo.num_nodes > 1 or node.num_cpus < ranks:
-        pytest.skip("written for a one-node machine with >= %d cpus" % ranks)
+        pytest.skip("SKIPPED: this check of splitting one node's cpus among %d ranks needs a one-node "
+                    "machine with >= %d cpus" % (ranks, ranks))
     out = launch("--ranks", str(ranks), "--dry-run", "--", *shlex.split(CMD))
     assert out.returncode == 0, out.stderr
     blocks = []
@@ -129,7 +130,7 @@ def test_missing_tools_say_how_to_install(tmp_path):
     assert out.returncode != 0 and "apt-get install -y numactl" in out.stderr
     numactl = shutil.which("numactl")
     if numactl is None:
-        pytest.skip("numactl not installed")
+        pytest.skip("SKIPPED: numactl is not installed, so its binding is not checked (apt-get install numactl)")
     os.symlink(numactl, tmp_path / "numactl")
     out = launch("--", "true", env={"PATH": str(tmp_path)})
     assert out.returncode != 0 and "pip install mpich mpi4py" in out.stderr
@@ -137,14 +138,16 @@ def test_missing_tools_say_how_to_install(tmp_path):
 
 # ----------------------------------------------------------------------------- real launches
 needs_tools = pytest.mark.skipif(not (shutil.which("mpirun") and shutil.which("numactl")),
-                                 reason="needs mpirun and numactl")
+                                 reason="SKIPPED: real numa-launch runs need mpirun and numactl "
+                                        "(scripts/install.sh installs both)")
 
 
 @needs_tools
 def test_launch_binds_ranks_and_propagates_exit_code():
     allowed = sorted(os.sched_getaffinity(0))
     if len(allowed) < 2 or read_topology().num_nodes > 1:
-        pytest.skip("written for a one-node machine with >= 2 cpus")
+        pytest.skip("SKIPPED: this launch splits one node's cpus in two, so it needs a one-node machine "
+                    "with >= 2 cpus")
     code = ("import os, sys; r = int(os.environ['PMI_RANK']);"
             # NOTE: one write per rank: print() writes its parts apart and ranks interleave
             "os.write(1, ('rank %d %s %s %s %s\\n' % (r, sorted(os.sched_getaffinity(0)),"
@@ -161,7 +164,7 @@ def test_launch_binds_ranks_and_propagates_exit_code():
 @needs_tools
 def test_launched_ranks_do_not_rebind():
     if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("needs 2 cpus")
+        pytest.skip("SKIPPED: launching two bound ranks needs 2 cpus")
     out = launch("--ranks", "2", "--", sys.executable, os.path.join(ROOT, "tests/mpi/self_bind.py"))
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("how launcher") == 2 and "bound itself" not in out.stderr

@@ -139,7 +139,9 @@ def test_off_is_zero_cost(model_dir, monkeypatch):
     eng.close()
 
 
-@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed")
+@pytest.mark.skipif(shutil.which("mpirun") is None,
+                    reason="SKIPPED: mpirun is not installed, so profiling of worker ranks is not tested "
+                           "(scripts/install.sh installs MPICH)")
 def test_every_rank_under_mpirun(model_dir, tmp_path):
     trace = str(tmp_path / "trace.json")
     env = {k: v for k, v in os.environ.items()

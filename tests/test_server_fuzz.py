@@ -4,7 +4,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-schemathesis = pytest.importorskip("schemathesis")
+schemathesis = pytest.importorskip("schemathesis", reason="SKIPPED: schemathesis is missing, so the server "
+                                                          "is not fuzzed (scripts/test.sh installs it)")
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 from test_server import ServerProcess, tiny_model_dir  # noqa: E402
