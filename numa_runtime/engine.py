@@ -86,10 +86,12 @@ class Engine:
 
     def _rank_info(self, placement) -> dict:
         import psutil
+        from . import numa
         return {"rank": self.comm.rank, "node": getattr(placement, "node", None),
                 "cpus": len(getattr(placement, "cpus", ()) or os.sched_getaffinity(0)),
                 "threads": self.num_threads, "rss_bytes": psutil.Process().memory_info().rss,
-                "weight_bytes": self.runner.model.weight_bytes, "kv_cache_bytes": self.runner.kv_cache_bytes}
+                "weight_bytes": self.runner.model.weight_bytes, "kv_cache_bytes": self.runner.kv_cache_bytes,
+                "memory": numa.check_binding(self.comm.rank, placement, self.runner.model.weight_buffers())}
 
     @staticmethod
     def _resolve_max_len(mcfg: ModelConfig, asked: int | None) -> int:
@@ -111,8 +113,10 @@ class Engine:
         log.info("KV cache: %d blocks of %d tokens, %.0f MiB per rank, %d tokens at once",
                  s["kv_blocks"], s["block_size"], s["kv_cache_bytes"] / mib, s["max_concurrent_tokens"])
         for r in s["per_rank"] or []:
-            log.info("rank %d: node %s, %d cpus, weights %.0f MiB, RSS %.0f MiB", r["rank"], r["node"],
-                     r["cpus"], r["weight_bytes"] / mib, r["rss_bytes"] / mib)
+            m = r["memory"]
+            log.info("rank %d: node %s, %d cpus, weights %.0f MiB, RSS %.0f MiB; memory policy %s %s, "
+                     "sampled weight pages by node %s", r["rank"], r["node"], r["cpus"], r["weight_bytes"] / mib,
+                     r["rss_bytes"] / mib, m["policy"], m["policy_nodes"], m["page_nodes"])
 
     def summary(self) -> dict:
         c = self.model_config

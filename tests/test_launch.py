@@ -165,3 +165,21 @@ def test_launched_ranks_do_not_rebind():
     out = launch("--ranks", "2", "--", sys.executable, os.path.join(ROOT, "tests/mpi/self_bind.py"))
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("how launcher") == 2 and "bound itself" not in out.stderr
+
+
+@needs_tools
+def test_launched_ranks_report_their_memory_binding(tmp_path):
+    if len(os.sched_getaffinity(0)) < 2 or not read_topology().from_sysfs:
+        pytest.skip("needs 2 cpus and NUMA information in sysfs (numactl --membind)")
+    import json
+    from models import build_model
+    build_model(str(tmp_path), arch="llama", num_attention_heads=4, num_key_value_heads=2)
+    out = launch("--ranks", "2", "--", sys.executable, os.path.join(ROOT, "tests/mpi/engine_generate.py"),
+                 str(tmp_path), "float32", "1", "[[1, 2, 3]]", timeout=180)
+    assert out.returncode == 0, out.stderr
+    line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+    for r in json.loads(line[0][len("RESULT "):])["per_rank"]:
+        m = r["memory"]  # numactl --membind: the policy binds to the rank's node, pages are there
+        assert m["policy"] == "bind" and m["policy_nodes"] == [r["node"]], r
+        assert m["page_nodes"] == {str(r["node"]): m["sampled"]} and m["sampled"] > 0, r
+    assert "WARNING" not in out.stderr

@@ -88,13 +88,21 @@ class LlamaModel:
             np.concatenate([np.cos(pos), np.sin(pos)], axis=1) * attn_scale, dtype=np.float32)
         self.scale = cfg.head_dim ** -0.5
 
+    def _linears(self) -> list:
+        return [self.lm_head] + [getattr(l, n) for l in self.layers
+                                 for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights this rank holds in its own memory (the mmapped embedding excluded)."""
-        lin = [self.lm_head] + [getattr(l, n) for l in self.layers
-                                for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
-        own = sum(getattr(x, "nbytes", 0) or getattr(x, "weight").nbytes for x in lin)
+        own = sum(getattr(x, "nbytes", 0) or getattr(x, "weight").nbytes for x in self._linears())
         return own + (0 if isinstance(self.embed, np.memmap) else self.embed.nbytes)
+
+    def weight_buffers(self) -> list[tuple[int, int]]:
+        """(address, bytes) of the weights this rank packed into its own memory, for checking
+        which node their pages are on (numa.memory_report). Linears that do not expose their
+        buffer (data_ptr) are left out."""
+        return [(x.data_ptr, x.nbytes) for x in self._linears() if getattr(x, "data_ptr", 0)]
 
     @property
     def kv_dtype(self):

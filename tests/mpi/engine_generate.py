@@ -12,5 +12,6 @@ eng = Engine(model, dtype=dtype, kv_cache_memory=1 << 24, max_model_len=256)
 # only rank 0 gets here: the workers execute plans inside Engine() and exit with it
 outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
 print("RESULT " + json.dumps({"world": eng.comm.world_size, "tokens": [o.token_ids for o in outs],
-                              "rss": eng.summary().get("kv_blocks")}), flush=True)
+                              "kv_blocks": eng.summary().get("kv_blocks"),
+                              "per_rank": eng.summary()["per_rank"]}), flush=True)
 eng.close()
