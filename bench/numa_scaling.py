@@ -24,7 +24,7 @@ would leave nodes idle, so the one rank spans every cpu with memory interleaved
 
 More ranks than attention heads (or than cpus) are skipped; any other count runs, with uneven
 shards where the heads do not divide (numa_runtime/sharding.py: 14 heads on 4 ranks: 4+3+4+3).
-Writes OUT.json, OUT.md and OUT.png (the plot needs matplotlib: pip install matplotlib).
+Writes OUT.json, OUT.md and OUT.png (matplotlib: installed by scripts/install.sh).
 """
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ def plot(r: dict, path: str) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "no plot: matplotlib is not installed (pip install matplotlib)"
+        return "no plot: matplotlib is not installed (scripts/install.sh installs it; or pip install matplotlib)"
     ok = [c for c in r["configs"] if "decode_tps" in c]
     if not ok:
         return "no plot: no configuration ran"
