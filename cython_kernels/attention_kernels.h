@@ -3,9 +3,16 @@
  * Caches are C-contiguous [num_blocks, block_size, Hk, D], f32 or bf16 bits. q/k/v/out are
  * [T, H, D] with any token and head stride but a contiguous last axis.
  *
- * Work split: one item = (sequence, kv head, chunk of query rows); an item handles all
- * `group` query heads sharing that kv head, so each K/V row is read once per item and used
- * by every query of the item. Items run under OpenMP dynamic scheduling, largest first.
+ * Work split: one item = (sequence, kv head, chunk of query rows, range of keys); an item
+ * handles all `group` query heads sharing that kv head, so each K/V row is read once per item
+ * and used by every query of the item. Items run under OpenMP dynamic scheduling, largest
+ * first. When there are fewer items than ~2 per thread (decode of one sequence with one or two
+ * kv heads), long key ranges are cut into splits of >= NR_SPLIT_MIN keys (flash-decoding):
+ * each split writes its unnormalized partial (acc, running max m, sum l) and a combine pass
+ * merges the splits of each item with the usual rescaling.
+ *
+ * Sliding window: window W > 0 lets the query at position P see keys P - W + 1 .. P (W keys,
+ * itself included); 0 means no window.
  */
 #ifndef NR_ATTENTION_KERNELS_H
 #define NR_ATTENTION_KERNELS_H
@@ -13,12 +20,14 @@
 #include <stdlib.h>
 #include <omp.h>
 #include "ops_math.h"
+#include "tile_kernels.h"
 
 #pragma GCC push_options
 #pragma GCC optimize("no-trapping-math")
 
 #define NR_KT 64      /* keys per tile */
 #define NR_NQ 32      /* target query vectors (rows x group heads) per item */
+#define NR_SPLIT_MIN 256  /* fewest keys per split of one item's key range */
 
 static int64_t nr_reshape_and_cache(const float *k, int64_t k_st, int64_t k_sh,
                                     const float *v, int64_t v_st, int64_t v_sh,
@@ -56,6 +65,9 @@ typedef struct {
     const int32_t *bt; int64_t bt_st, max_blocks;
     const int32_t *qstart, *ctx; int64_t S;
     float scale;
+    int64_t window;  /* sliding window in keys, 0 = none */
+    int level;       /* tile_kernels.h level: 1 AVX-512, 0 AVX2 */
+    int64_t tiled_min;  /* items of >= this many query vectors use the tiled path */
     float *out; int64_t o_st, o_sh;
 } nr_attn_args;
 
@@ -127,9 +139,16 @@ static inline size_t nr_ws_floats(int64_t nq, int64_t D) {
     return (size_t)(2 * nq * D + 2 * nq + nq * NR_KT + 2 * NR_KT * D + 64);
 }
 
-/* Query rows [i0, i1) of sequence s, kv head hk, all its query heads. */
+/* First key visible to the query at position pos (sliding window or 0). */
+static inline int64_t nr_first_key(const nr_attn_args *a, int64_t pos) {
+    return a->window > 0 && pos - a->window + 1 > 0 ? pos - a->window + 1 : 0;
+}
+
+/* Query rows [i0, i1) of sequence s, kv head hk, all its query heads, over keys [ja, jb)
+ * (clipped to each row's causal and window limits). part == NULL: write the normalized
+ * result to out; else write the partial [acc: nq x D][m: nq][l: nq] to part. */
 static void nr_attn_item(const nr_attn_args *a, int64_t s, int64_t hk, int64_t i0, int64_t i1,
-                         float *ws) {
+                         int64_t ja, int64_t jb, float *ws, float *part) {
     int64_t D = a->D, group = a->Hq / a->Hk;
     int64_t q0 = a->qstart[s], n_new = a->qstart[s + 1] - q0;
     int64_t base = (int64_t)a->ctx[s] - n_new;  /* position of query row 0 */
@@ -137,6 +156,7 @@ static void nr_attn_item(const nr_attn_args *a, int64_t s, int64_t hk, int64_t i
     float *Q = ws, *acc = Q + nq * D, *m = acc + nq * D, *l = m + nq, *sc = l + nq;
     float *kb = sc + nq * NR_KT, *vb = kb + NR_KT * D;
     const float *krows[NR_KT], *vrows[NR_KT];
+    if (part != NULL) { acc = part; m = part + nq * D; l = m + nq; }
 
     for (int64_t qi = 0; qi < nq; qi++) {
         int64_t i = i0 + qi / group, h = hk * group + qi % group;
@@ -147,21 +167,23 @@ static void nr_attn_item(const nr_attn_args *a, int64_t s, int64_t hk, int64_t i
         m[qi] = -INFINITY;
         l[qi] = 0.f;
     }
-    int64_t kv_end = base + i1;  /* keys visible to the last row of the item */
-    for (int64_t j0 = 0; j0 < kv_end; j0 += NR_KT) {
-        int64_t nk = kv_end - j0 < NR_KT ? kv_end - j0 : NR_KT;
+    for (int64_t j0 = ja; j0 < jb; j0 += NR_KT) {
+        int64_t nk = jb - j0 < NR_KT ? jb - j0 : NR_KT;
         nr_gather(a, a->kc, s, hk, j0, nk, kb, krows);
         for (int64_t qi = 0; qi < nq; qi++) {
-            int64_t n = base + i0 + qi / group + 1 - j0;  /* causal limit inside the tile */
+            int64_t pos = base + i0 + qi / group;
+            int64_t lo = nr_first_key(a, pos) - j0, n = pos + 1 - j0;  /* visible: [lo, n) */
             if (n > nk) n = nk;
-            if (n <= 0) continue;
+            if (lo < 0) lo = 0;
+            if (n <= lo) continue;
             float *p = sc + qi * NR_KT;
-            nr_scores(Q + qi * D, krows, n, D, p);
+            nr_scores(Q + qi * D, krows + lo, n - lo, D, p + lo);
             float mx = m[qi];
-            for (int64_t j = 0; j < n; j++) mx = p[j] > mx ? p[j] : mx;
+            #pragma omp simd reduction(max:mx)
+            for (int64_t j = lo; j < n; j++) mx = p[j] > mx ? p[j] : mx;
             float corr = nr_expf(m[qi] - mx), sum = 0.f;
             #pragma omp simd reduction(+:sum)
-            for (int64_t j = 0; j < n; j++) { p[j] = nr_expf(p[j] - mx); sum += p[j]; }
+            for (int64_t j = lo; j < n; j++) { p[j] = nr_expf(p[j] - mx); sum += p[j]; }
             l[qi] = l[qi] * corr + sum;
             m[qi] = mx;
             if (corr != 1.0f) {
@@ -172,18 +194,158 @@ static void nr_attn_item(const nr_attn_args *a, int64_t s, int64_t hk, int64_t i
         }
         nr_gather(a, a->vc, s, hk, j0, nk, vb, vrows);
         for (int64_t qi = 0; qi < nq; qi++) {
-            int64_t n = base + i0 + qi / group + 1 - j0;
+            int64_t pos = base + i0 + qi / group;
+            int64_t lo = nr_first_key(a, pos) - j0, n = pos + 1 - j0;
             if (n > nk) n = nk;
-            if (n <= 0) continue;
-            nr_accumulate(acc + qi * D, sc + qi * NR_KT, vrows, n, D);
+            if (lo < 0) lo = 0;
+            if (n <= lo) continue;
+            nr_accumulate(acc + qi * D, sc + qi * NR_KT + lo, vrows + lo, n - lo, D);
         }
     }
+    if (part != NULL) return;
     for (int64_t qi = 0; qi < nq; qi++) {
         int64_t i = i0 + qi / group, h = hk * group + qi % group;
         float *dst = a->out + (q0 + i) * a->o_st + h * a->o_sh, *ac = acc + qi * D;
         float inv = 1.0f / l[qi];
         #pragma omp simd
         for (int64_t d = 0; d < D; d++) dst[d] = ac[d] * inv;
+    }
+}
+
+static inline int64_t nr_pad16(int64_t d) { return (d + 15) / 16 * 16; }
+
+static inline size_t nr_ws_tiled_floats(int64_t nq, int64_t D) {
+    int64_t Dp = nr_pad16(D);
+    return (size_t)(nq * D + nq * Dp + 2 * nq + nq * NR_KT + D * NR_KT + NR_KT * Dp + 64);
+}
+
+/* Keys j0..j0+nk of kv head hk of sequence s, transposed into Kt [D][NR_KT] (keys >= nk zero),
+ * and values into Vb [NR_KT][Dp] (zero padded). */
+static void nr_gather_tiles(const nr_attn_args *a, int64_t s, int64_t hk, int64_t j0, int64_t nk,
+                            float *Kt, float *Vb, int64_t Dp) {
+    const int32_t *bt = a->bt + s * a->bt_st;
+    int64_t D = a->D;
+    for (int64_t j = 0; j < NR_KT; j++) {
+        float *vd = Vb + j * Dp;
+        if (j >= nk) {
+            for (int64_t d = 0; d < D; d++) Kt[d * NR_KT + j] = 0.f;
+            for (int64_t d = 0; d < Dp; d++) vd[d] = 0.f;
+            continue;
+        }
+        int64_t p = j0 + j;
+        int64_t off = (((int64_t)bt[p / a->bs] * a->bs + p % a->bs) * a->Hk + hk) * D;
+        if (a->is_bf16) {
+            const uint16_t *ks = (const uint16_t *)a->kc + off, *vs = (const uint16_t *)a->vc + off;
+            for (int64_t d = 0; d < D; d++) Kt[d * NR_KT + j] = nr_bf16_to_f32(ks[d]);
+            #pragma omp simd
+            for (int64_t d = 0; d < D; d++) vd[d] = nr_bf16_to_f32(vs[d]);
+        } else {
+            const float *ks = (const float *)a->kc + off, *vs = (const float *)a->vc + off;
+            for (int64_t d = 0; d < D; d++) Kt[d * NR_KT + j] = ks[d];
+            memcpy(vd, vs, (size_t)D * sizeof(float));
+        }
+        for (int64_t d = D; d < Dp; d++) vd[d] = 0.f;
+    }
+}
+
+/* nr_attn_item with the two products of each key tile as register-tiled matrix products:
+ * S[nq][64] = Q[nq][D] Kt[D][64], then O[nq][Dp] += P[nq][64] Vb[64][Dp]. Same contract. */
+static void nr_attn_item_tiled(const nr_attn_args *a, int64_t s, int64_t hk, int64_t i0,
+                               int64_t i1, int64_t ja, int64_t jb, float *ws, float *part) {
+    int64_t D = a->D, Dp = nr_pad16(D), group = a->Hq / a->Hk;
+    int64_t q0 = a->qstart[s], n_new = a->qstart[s + 1] - q0;
+    int64_t base = (int64_t)a->ctx[s] - n_new;  /* position of query row 0 */
+    int64_t nq = (i1 - i0) * group;
+    float *Q = ws, *O = Q + nq * D, *m = O + nq * Dp, *l = m + nq, *S = l + nq;
+    float *Kt = S + nq * NR_KT, *Vb = Kt + D * NR_KT;
+
+    for (int64_t qi = 0; qi < nq; qi++) {
+        int64_t i = i0 + qi / group, h = hk * group + qi % group;
+        const float *src = a->q + (q0 + i) * a->q_st + h * a->q_sh;
+        float *dst = Q + qi * D, *o = O + qi * Dp;
+        #pragma omp simd
+        for (int64_t d = 0; d < D; d++) dst[d] = src[d] * a->scale;
+        for (int64_t d = 0; d < Dp; d++) o[d] = 0.f;
+        m[qi] = -INFINITY;
+        l[qi] = 0.f;
+    }
+    for (int64_t j0 = ja; j0 < jb; j0 += NR_KT) {
+        int64_t nk = jb - j0 < NR_KT ? jb - j0 : NR_KT;
+        nr_gather_tiles(a, s, hk, j0, nk, Kt, Vb, Dp);
+        nr_mm(a->level, Q, D, Kt, NR_KT, S, NR_KT, nq, NR_KT, D, 1);
+        for (int64_t qi = 0; qi < nq; qi++) {
+            int64_t pos = base + i0 + qi / group;
+            int64_t lo = nr_first_key(a, pos) - j0, n = pos + 1 - j0;  /* visible: [lo, n) */
+            if (n > nk) n = nk;
+            if (lo < 0) lo = 0;
+            float *p = S + qi * NR_KT;
+            if (n <= lo) {  /* nothing visible: P row of zeros, m and l unchanged */
+                for (int64_t j = 0; j < NR_KT; j++) p[j] = 0.f;
+                continue;
+            }
+            float mx = m[qi];
+            #pragma omp simd reduction(max:mx)
+            for (int64_t j = lo; j < n; j++) mx = p[j] > mx ? p[j] : mx;
+            float corr = nr_expf(m[qi] - mx), sum = 0.f;
+            for (int64_t j = 0; j < lo; j++) p[j] = 0.f;
+            #pragma omp simd reduction(+:sum)
+            for (int64_t j = lo; j < n; j++) { p[j] = nr_expf(p[j] - mx); sum += p[j]; }
+            for (int64_t j = n; j < NR_KT; j++) p[j] = 0.f;
+            l[qi] = l[qi] * corr + sum;
+            m[qi] = mx;
+            if (corr != 1.0f) {
+                float *o = O + qi * Dp;
+                #pragma omp simd
+                for (int64_t d = 0; d < Dp; d++) o[d] *= corr;
+            }
+        }
+        nr_mm(a->level, S, NR_KT, Vb, Dp, O, Dp, nq, Dp, nk, 0);
+    }
+    if (part != NULL) {
+        float *pm = part + nq * D, *pl = pm + nq;
+        for (int64_t qi = 0; qi < nq; qi++) {
+            memcpy(part + qi * D, O + qi * Dp, (size_t)D * sizeof(float));
+            pm[qi] = m[qi];
+            pl[qi] = l[qi];
+        }
+        return;
+    }
+    for (int64_t qi = 0; qi < nq; qi++) {
+        int64_t i = i0 + qi / group, h = hk * group + qi % group;
+        float *dst = a->out + (q0 + i) * a->o_st + h * a->o_sh, *o = O + qi * Dp;
+        float inv = 1.0f / l[qi];
+        #pragma omp simd
+        for (int64_t d = 0; d < D; d++) dst[d] = o[d] * inv;
+    }
+}
+
+/* Merge nsplit partials (each [acc: nq x D][m: nq][l: nq], psz floats apart) of rows
+ * [i0, i1) of sequence s, kv head hk into out. */
+static void nr_attn_combine(const nr_attn_args *a, int64_t s, int64_t hk, int64_t i0,
+                            int64_t i1, const float *parts, int64_t nsplit, int64_t psz) {
+    int64_t D = a->D, group = a->Hq / a->Hk, nq = (i1 - i0) * group, q0 = a->qstart[s];
+    for (int64_t qi = 0; qi < nq; qi++) {
+        int64_t i = i0 + qi / group, h = hk * group + qi % group;
+        float *dst = a->out + (q0 + i) * a->o_st + h * a->o_sh;
+        float mx = -INFINITY, l = 0.f;
+        for (int64_t t = 0; t < nsplit; t++) {
+            float mt = parts[t * psz + nq * D + qi];
+            mx = mt > mx ? mt : mx;
+        }
+        for (int64_t d = 0; d < D; d++) dst[d] = 0.f;
+        for (int64_t t = 0; t < nsplit; t++) {
+            const float *pt = parts + t * psz;
+            float mt = pt[nq * D + qi];
+            if (mt == -INFINITY) continue;  /* no key of this split is visible to the row */
+            float w = nr_expf(mt - mx);
+            l += w * pt[nq * D + nq + qi];
+            const float *ac = pt + qi * D;
+            #pragma omp simd
+            for (int64_t d = 0; d < D; d++) dst[d] += w * ac[d];
+        }
+        float inv = 1.0f / l;
+        #pragma omp simd
+        for (int64_t d = 0; d < D; d++) dst[d] *= inv;
     }
 }
 
@@ -203,37 +365,78 @@ static int64_t nr_attn_check(const nr_attn_args *a, int64_t T) {
     return -1;
 }
 
+/* One work item: rows [i0, i0 + rows) of (s, h) over keys [ja, jb), split t of nsplit; slot:
+ * the index of its partial when split (its nsplit partials are consecutive), else -1. */
+typedef struct { int64_t s, h, i0, ja, jb, slot, t, nsplit; } nr_item;
+
 static void nr_paged_attention(const nr_attn_args *a) {
-    int64_t group = a->Hq / a->Hk, rows = nr_item_rows(group), n_items = 0;
+    int64_t group = a->Hq / a->Hk, rows = nr_item_rows(group), n_base = 0;
     for (int64_t s = 0; s < a->S; s++) {
         int64_t n_new = a->qstart[s + 1] - a->qstart[s];
-        n_items += a->Hk * ((n_new + rows - 1) / rows);
+        n_base += a->Hk * ((n_new + rows - 1) / rows);
     }
-    if (n_items == 0) return;
-    int64_t *items = (int64_t *)malloc((size_t)n_items * 3 * sizeof(int64_t));
-    int64_t k = 0;
-    /* largest first: the last chunks of each sequence see the most keys */
-    for (int64_t s = 0; s < a->S; s++) {
-        int64_t n_new = a->qstart[s + 1] - a->qstart[s];
-        for (int64_t c = (n_new + rows - 1) / rows - 1; c >= 0; c--)
-            for (int64_t h = 0; h < a->Hk; h++) {
-                items[3 * k] = s; items[3 * k + 1] = h; items[3 * k + 2] = c * rows; k++;
+    if (n_base == 0) return;
+    /* NOTE: split key ranges only when items are too few to keep every thread busy. */
+    int64_t nt = omp_get_max_threads(), want = n_base >= 2 * nt ? 1 : (2 * nt + n_base - 1) / n_base;
+    int64_t n_items = 0, n_slots = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        nr_item *items = pass ? (nr_item *)malloc((size_t)n_items * sizeof(nr_item)) : NULL;
+        int64_t k = 0, slot = 0;
+        /* largest first: the last chunks of each sequence see the most keys */
+        for (int64_t s = 0; s < a->S; s++) {
+            int64_t n_new = a->qstart[s + 1] - a->qstart[s], base = a->ctx[s] - n_new;
+            for (int64_t c = (n_new + rows - 1) / rows - 1; c >= 0; c--) {
+                int64_t i1 = (c + 1) * rows < n_new ? (c + 1) * rows : n_new;
+                int64_t ja = nr_first_key(a, base + c * rows), jb = base + i1;
+                int64_t ns = (jb - ja) / NR_SPLIT_MIN;
+                ns = ns < want ? ns : want;
+                ns = ns < 1 ? 1 : ns;
+                for (int64_t h = 0; h < a->Hk; h++)
+                    for (int64_t t = 0; t < ns; t++) {
+                        if (pass) {
+                            nr_item it = {s, h, c * rows, ja + (jb - ja) * t / ns,
+                                          ja + (jb - ja) * (t + 1) / ns,
+                                          ns > 1 ? slot + h * ns + t : -1, t, ns};
+                            items[k] = it;
+                        }
+                        k++;
+                    }
+                if (ns > 1) slot += ns * a->Hk;
             }
-    }
-    size_t ws_n = nr_ws_floats(rows * group, a->D);
-    #pragma omp parallel if (n_items > 1)
-    {
-        float *ws = (float *)malloc(ws_n * sizeof(float));
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < n_items; it++) {
-            int64_t s = items[3 * it], h = items[3 * it + 1], i0 = items[3 * it + 2];
-            int64_t n_new = a->qstart[s + 1] - a->qstart[s];
-            int64_t i1 = i0 + rows < n_new ? i0 + rows : n_new;
-            nr_attn_item(a, s, h, i0, i1, ws);
         }
-        free(ws);
+        if (!pass) { n_items = k; n_slots = slot; continue; }
+        int tiled = rows * group >= a->tiled_min;
+        size_t ws_n = tiled ? nr_ws_tiled_floats(rows * group, a->D) : nr_ws_floats(rows * group, a->D);
+        int64_t psz = rows * group * (a->D + 2);
+        float *parts = n_slots ? (float *)malloc((size_t)(n_slots * psz) * sizeof(float)) : NULL;
+        #pragma omp parallel if (n_items > 1)
+        {
+            float *ws = (float *)malloc(ws_n * sizeof(float));
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t it = 0; it < n_items; it++) {
+                const nr_item *x = &items[it];
+                int64_t n_new = a->qstart[x->s + 1] - a->qstart[x->s];
+                int64_t i1 = x->i0 + rows < n_new ? x->i0 + rows : n_new;
+                (tiled ? nr_attn_item_tiled : nr_attn_item)(a, x->s, x->h, x->i0, i1, x->ja, x->jb, ws,
+                                                            x->slot >= 0 ? parts + x->slot * psz : NULL);
+            }
+            if (n_slots) {
+                /* the first split of every split item merges them all */
+                #pragma omp for schedule(dynamic, 1)
+                for (int64_t it = 0; it < n_items; it++) {
+                    const nr_item *x = &items[it];
+                    if (x->nsplit < 2 || x->t != 0) continue;
+                    int64_t n_new = a->qstart[x->s + 1] - a->qstart[x->s];
+                    int64_t i1 = x->i0 + rows < n_new ? x->i0 + rows : n_new;
+                    nr_attn_combine(a, x->s, x->h, x->i0, i1, parts + x->slot * psz, x->nsplit,
+                                    psz);
+                }
+            }
+            free(ws);
+        }
+        free(parts);
+        free(items);
     }
-    free(items);
 }
 
 #pragma GCC pop_options
