@@ -203,3 +203,14 @@ def test_failed_set_mempolicy_warns():
     assert out.stdout.split() == ["self", "False", "default", "4"]
     assert "rank 1: could not bind memory to node 63 (Invalid argument)" in out.stderr
     assert "rank 1: 4 of 4 sampled weight pages are not on node 63" in out.stderr
+
+
+@needs_mpirun
+def test_idle_workers_sleep(tiny_model):
+    # Before: an idle worker spun in MPI_Bcast at 100% of a core (cpu/wall ~1 per worker).
+    out = run_mpi("idle_workers.py", 2, tiny_model, "3", timeout=180)
+    assert out.returncode == 0, out.stderr
+    r = _engine_result(out.stdout)
+    assert r["world"] == 2 and r["workers"] == 1
+    assert r["cpu_s"] / (r["wall_s"] * r["workers"]) < 0.1, r
+    assert r["after"] == r["before"] and len(r["before"]) == 8  # and they wake up to work
