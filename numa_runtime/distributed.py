@@ -237,7 +237,7 @@ class MPIComm:
             self.comm.Ibcast(size, root=0).Wait()
         else:
             size = np.empty(1, dtype=np.int64)
-            wait_idle(self.comm.Ibcast(size, root=0))
+            wait_idle(self.comm.Ibcast(size, root=0).Test)
         if self.rank != 0:
             buf = np.empty(int(size[0]), dtype=np.int64)
         self.comm.Bcast(buf, root=0)
@@ -268,13 +268,14 @@ class MPIComm:
             self._shm = None
 
 
-def wait_idle(request) -> None:
-    """Complete an MPI request that may take long (a worker waiting for work): poll it without
-    pause for IDLE_SPIN_S, then sleep between polls with a doubling pause up to IDLE_SLEEP_S[1].
+def wait_idle(done) -> None:
+    """Wait for something that may take long (a worker waiting for work; `done()` polls it, e.g.
+    an MPI request's Test): poll without pause for IDLE_SPIN_S, then sleep between polls with a
+    doubling pause up to IDLE_SLEEP_S[1].
     NOTE: MPI's blocking waits spin at 100% of a core for as long as they wait."""
     start = time.perf_counter()
     pause = IDLE_SLEEP_S[0]
-    while not request.Test():
+    while not done():
         if time.perf_counter() - start > IDLE_SPIN_S:
             time.sleep(pause)
             pause = min(2 * pause, IDLE_SLEEP_S[1])

@@ -31,11 +31,12 @@ class Engine:
 
     def __init__(self, model: str | None = None, dtype: str = "bfloat16", max_model_len: int | None = None,
                  num_threads: int | None = None, **kwargs):
-        from . import backend, distributed, profiler
+        from . import backend, data_parallel, distributed, profiler
         from .default_model import default_model_dir
         from .kv_cache.block_manager import BlockManager
         from .model_runner import ModelRunner
         from .sampler import Sampler
+        from .router import ReplicaRouter
         from .scheduler import Scheduler, SchedulerConfig
         from .tokenizer import Tokenizer
 
@@ -48,22 +49,27 @@ class Engine:
         self.max_model_len = self._resolve_max_len(mcfg, self.config.max_model_len)
         if self.comm.is_driver:  # NOTE: fail on a missing tokenizer before reading any weight
             self.tokenizer = Tokenizer.from_dir(mcfg.model_dir)
+        self.parallel, tp_comm, link = data_parallel.setup(self.comm, self.config, mcfg)
         self.ops = profiler.wrap_ops(ops, self.comm)
-        self.runner = ModelRunner(mcfg, self.config, profiler.wrap_comm(self.comm, self.ops), self.ops,
+        self.runner = ModelRunner(mcfg, self.config, profiler.wrap_comm(tp_comm, self.ops), self.ops,
                                   self.max_model_len,
                                   progress=_Progress() if self.comm.is_driver else None)
         self.ranks = self.comm.gather_object(self._rank_info(placement))  # rank 0: one dict per rank
         if not self.comm.is_driver:
-            self.runner.worker_loop()  # returns when rank 0 shuts down
+            data_parallel.worker_loop(self.runner, link)  # returns when rank 0 shuts down
             sys.exit(0)
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
-        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
-                                          enable_prefix_caching=self.config.enable_prefix_caching,
-                                          eviction=self.config.eviction)
-        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=self.config.max_num_seqs,
-                                                   max_num_batched_tokens=self.config.max_num_batched_tokens,
-                                                   max_model_len=self.max_model_len,
-                                                   sliding_window=mcfg.min_window), self.block_manager)
+        schedulers = [Scheduler(SchedulerConfig(max_num_seqs=self.config.max_num_seqs,
+                                                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                                                max_model_len=self.max_model_len, sliding_window=mcfg.min_window),
+                                BlockManager(n, self.config.block_size,
+                                             enable_prefix_caching=self.config.enable_prefix_caching,
+                                             eviction=self.config.eviction))
+                      for n in data_parallel.replica_blocks(self.parallel, self.ranks)]
+        # NOTE: with data-parallel replicas, one scheduler (and KV pool) per replica behind a router
+        self.scheduler = schedulers[0] if len(schedulers) == 1 else ReplicaRouter(schedulers)
+        self.block_manager = self.scheduler.block_manager
+        self.runner = data_parallel.driver_runner(self.runner, link, mcfg.vocab_size)
         self.sampler = Sampler(self.ops, mcfg.vocab_size, self.config.seed)
         self.profiler = profiler.attach(self)  # None unless AS_PROFILE=ON
         self._groups: dict[str, _Group] = {}
@@ -92,6 +98,7 @@ class Engine:
                 "cpus": len(getattr(placement, "cpus", ()) or os.sched_getaffinity(0)),
                 "threads": self.num_threads, "rss_bytes": psutil.Process().memory_info().rss,
                 "weight_bytes": self.runner.model.weight_bytes, "kv_cache_bytes": self.runner.kv_cache_bytes,
+                "kv_blocks": self.runner.num_blocks, "replica": self.parallel.replica_of(self.comm.rank),
                 "memory": numa.check_binding(self.comm.rank, placement, self.runner.model.weight_buffers())}
 
     @staticmethod
@@ -121,6 +128,7 @@ class Engine:
         c = self.model_config
         return {"model": c.model_dir, "architecture": c.architecture, "dtype": self.config.dtype,
                 "ranks": self.comm.world_size, "threads_per_rank": self.num_threads,
+                "data_parallel": self.parallel.data_parallel, "tensor_parallel": self.parallel.tensor_parallel,
                 "max_model_len": self.max_model_len, "kv_blocks": self.runner.num_blocks,
                 "block_size": self.config.block_size, "kv_cache_bytes": self.runner.kv_cache_bytes,
                 "max_concurrent_tokens": self.runner.num_blocks * self.config.block_size,

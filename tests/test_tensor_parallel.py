@@ -77,3 +77,16 @@ def test_more_ranks_than_heads_is_a_clear_error(tmp_path):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env())
     assert p.returncode != 0
     assert "Cannot split 2 attention heads over 3 ranks; use 1 to 2 ranks" in p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("single", ["9h3kv"], indirect=True)
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_data_parallel_greedy_equals_one_rank(single, ranks):
+    # two replicas: of one rank each (2 ranks), of two tensor-parallel ranks each (4 ranks)
+    _, path, tokens = single
+    multi, log = run_mpi(ranks, path, extra=["2"])
+    assert multi["world"] == ranks and multi["data_parallel"] == 2
+    assert multi["routed"] == [1, 1]  # one prompt per replica: the least loaded took each
+    assert [r["replica"] for r in multi["per_rank"]] == [r * 2 // ranks for r in range(ranks)]
+    assert multi["tokens"] == tokens
+    assert "parallel: 2 replica(s) x %d tensor-parallel rank(s) (asked for)" % (ranks // 2) in log
