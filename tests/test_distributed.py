@@ -214,3 +214,32 @@ def test_idle_workers_sleep(tiny_model):
     assert r["world"] == 2 and r["workers"] == 1
     assert r["cpu_s"] / (r["wall_s"] * r["workers"]) < 0.1, r
     assert r["after"] == r["before"] and len(r["before"]) == 8  # and they wake up to work
+
+
+@needs_mpirun
+def test_serve_with_data_parallel_replicas(tiny_model):
+    """One server and one API over two replicas: concurrent greedy completions equal one
+    process's, and the job stops cleanly."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from numa_runtime import Engine, SamplingParams
+    from test_server import ServerProcess
+    prompts = [[1, 17, 42, 99, 5], [3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13, 14]]
+    args = ["--model", tiny_model, "--dtype", "float32", "--max-model-len", "128",
+            "--kv-cache-memory", str(1 << 24), "--log-level", "info"]
+    srv = ServerProcess(args + ["--data-parallel", "2"], launcher=["mpirun", "-np", "2"], env=_env())
+    try:
+        client = srv.client()
+        ask = lambda p: client.completions.create(model=os.path.basename(tiny_model), prompt=p, max_tokens=6,
+                                                  temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            texts = list(pool.map(ask, prompts))
+        log = srv.output()
+    finally:
+        code = srv.stop()
+    assert code == 0, srv.output()
+    assert "parallel: 2 replica(s) x 1 tensor-parallel rank(s) (asked for)" in log
+    with Engine(tiny_model, dtype="float32", kv_cache_memory=1 << 24, max_model_len=128) as eng:
+        want = [o.outputs[0].text for o in eng.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))]
+    assert texts == want
