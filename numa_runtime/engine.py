@@ -38,11 +38,12 @@ class Engine:
 
     def __init__(self, model: str | None = None, dtype: str = "bfloat16", max_model_len: int | None = None,
                  num_threads: int | None = None, **kwargs):
-        from . import backend, distributed, profiler
+        from . import backend, data_parallel, distributed, profiler
         from .default_model import default_model_dir
         from .kv_cache.block_manager import BlockManager
         from .model_runner import ModelRunner
         from .sampler import Sampler
+        from .router import ReplicaRouter
         from .scheduler import Scheduler, SchedulerConfig
         from .tokenizer import Tokenizer
 
@@ -56,9 +57,10 @@ class Engine:
         # NOTE: fail on a missing tokenizer before reading any weight; every rank has one, so
         # that a script's tokenizer calls run unchanged on worker ranks too
         self.tokenizer = Tokenizer.from_dir(mcfg.model_dir)
+        self.parallel, tp_comm, self._link = data_parallel.setup(self.comm, self.config, mcfg)
         self.recorder = profiler.make_recorder(self.comm.rank)  # a no-op unless AS_PROFILE=ON
         self.ops = profiler.timed_ops(ops, self.recorder)
-        self.runner = ModelRunner(mcfg, self.config, profiler.timed_comm(self.comm, self.recorder), self.ops,
+        self.runner = ModelRunner(mcfg, self.config, profiler.timed_comm(tp_comm, self.recorder), self.ops,
                                   self.max_model_len, progress=_Progress() if self.comm.is_driver else None,
                                   recorder=self.recorder)
         self.ranks = self.comm.gather_object(self._rank_info(placement))  # rank 0: one dict per rank
@@ -68,13 +70,17 @@ class Engine:
             atexit.register(self.close)
             return
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
-        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
-                                          enable_prefix_caching=self.config.enable_prefix_caching,
-                                          eviction=self.config.eviction, recorder=self.recorder)
-        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=self.config.max_num_seqs,
-                                                   max_num_batched_tokens=self.config.max_num_batched_tokens,
-                                                   max_model_len=self.max_model_len,
-                                                   sliding_window=mcfg.min_window), self.block_manager)
+        schedulers = [Scheduler(SchedulerConfig(max_num_seqs=self.config.max_num_seqs,
+                                                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                                                max_model_len=self.max_model_len, sliding_window=mcfg.min_window),
+                                BlockManager(n, self.config.block_size,
+                                             enable_prefix_caching=self.config.enable_prefix_caching,
+                                             eviction=self.config.eviction, recorder=self.recorder))
+                      for n in data_parallel.replica_blocks(self.parallel, self.ranks)]
+        # NOTE: with data-parallel replicas, one scheduler (and KV pool) per replica behind a router
+        self.scheduler = schedulers[0] if len(schedulers) == 1 else ReplicaRouter(schedulers)
+        self.block_manager = self.scheduler.block_manager
+        self.runner = data_parallel.driver_runner(self.runner, self._link, mcfg.vocab_size)
         self.sampler = Sampler(self.ops, mcfg.vocab_size, self.config.seed, recorder=self.recorder)
         self._profile = profiler.ProfileReports(self.recorder, self.runner.comm,
                                                 os.path.basename(os.path.normpath(mcfg.model_dir)))
@@ -98,10 +104,13 @@ class Engine:
 
     def _rank_info(self, placement) -> dict:
         import psutil
+        from . import numa
         return {"rank": self.comm.rank, "node": getattr(placement, "node", None),
                 "cpus": len(getattr(placement, "cpus", ()) or os.sched_getaffinity(0)),
                 "threads": self.num_threads, "rss_bytes": psutil.Process().memory_info().rss,
-                "weight_bytes": self.runner.model.weight_bytes, "kv_cache_bytes": self.runner.kv_cache_bytes}
+                "weight_bytes": self.runner.model.weight_bytes, "kv_cache_bytes": self.runner.kv_cache_bytes,
+                "kv_blocks": self.runner.num_blocks, "replica": self.parallel.replica_of(self.comm.rank),
+                "memory": numa.check_binding(self.comm.rank, placement, self.runner.model.weight_buffers())}
 
     @staticmethod
     def _resolve_max_len(mcfg: ModelConfig, asked: int | None) -> int:
@@ -121,13 +130,16 @@ class Engine:
         log.info("KV cache: %d blocks of %d tokens, %.0f MiB per rank, %d tokens at once",
                  s["kv_blocks"], s["block_size"], s["kv_cache_bytes"] / mib, s["max_concurrent_tokens"])
         for r in s["per_rank"] or []:
-            log.info("rank %d: node %s, %d cpus, weights %.0f MiB, RSS %.0f MiB", r["rank"], r["node"],
-                     r["cpus"], r["weight_bytes"] / mib, r["rss_bytes"] / mib)
+            m = r["memory"]
+            log.info("rank %d: node %s, %d cpus, weights %.0f MiB, RSS %.0f MiB; memory policy %s %s, "
+                     "sampled weight pages by node %s", r["rank"], r["node"], r["cpus"], r["weight_bytes"] / mib,
+                     r["rss_bytes"] / mib, m["policy"], m["policy_nodes"], m["page_nodes"])
 
     def summary(self) -> dict:
         c = self.model_config
         return {"model": c.model_dir, "architecture": c.architecture, "dtype": self.config.dtype,
                 "ranks": self.comm.world_size, "threads_per_rank": self.num_threads,
+                "data_parallel": self.parallel.data_parallel, "tensor_parallel": self.parallel.tensor_parallel,
                 "max_model_len": self.max_model_len, "kv_blocks": self.runner.num_blocks,
                 "block_size": self.config.block_size, "kv_cache_bytes": self.runner.kv_cache_bytes,
                 "max_concurrent_tokens": self.runner.num_blocks * self.config.block_size,
@@ -322,7 +334,8 @@ class Engine:
         if self.comm.is_driver or self._closed:
             return
         self._closed = True
-        self.runner.worker_loop()
+        from . import data_parallel
+        data_parallel.worker_loop(self.runner, self._link)
 
     def _driver_only(self, call: str) -> None:
         """`call` drives the engine: on a worker rank, serve rank 0 and end this process."""

@@ -31,6 +31,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-queue", type=int, default=256, help="waiting sequences beyond which requests get 429")
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes per rank")
     ap.add_argument("--num-threads", type=int, default=None, help="compute threads per rank")
+    ap.add_argument("--data-parallel", type=int, default=None,
+                    help="model replicas over the MPI ranks, each tensor parallel over its share "
+                         "(default: a rule logged at start-up)")
     ap.add_argument("--max-tokens-cap", type=int, default=None, help="clamp every request's max_tokens to this")
     ap.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return ap.parse_args(argv)
@@ -41,6 +44,8 @@ def build_engine(args):
     kwargs = {"max_num_seqs": args.max_num_seqs}
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = args.kv_cache_memory
+    if args.data_parallel is not None:
+        kwargs["data_parallel"] = args.data_parallel
     return Engine(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                   num_threads=args.num_threads, **kwargs)
 
