@@ -57,6 +57,7 @@ class Engine:
             self.runner.worker_loop()  # returns when rank 0 shuts down
             sys.exit(0)
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
+        self.max_model_len = self._fit_max_len_to_cache(mcfg)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           enable_prefix_caching=self.config.enable_prefix_caching,
                                           eviction=self.config.eviction)
@@ -102,6 +103,16 @@ class Engine:
             raise ValueError(f"max_model_len={asked} exceeds what the model supports ({limit} tokens).")
         return asked
 
+    def _fit_max_len_to_cache(self, mcfg: ModelConfig) -> int:
+        """The context one request can really use: no more tokens than the KV cache holds (unless
+        every layer slides a window, and old blocks are released)."""
+        capacity = self.runner.num_blocks * self.config.block_size
+        if mcfg.min_window or self.max_model_len <= capacity:
+            return self.max_model_len
+        log.warning("max_model_len %d lowered to %d: the KV cache holds %d tokens; enlarge it "
+                    "(kv_cache_memory) for longer requests", self.max_model_len, capacity, capacity)
+        return capacity
+
     def _log_start(self) -> None:
         s = self.summary()
         mib = 1 << 20
@@ -143,9 +154,6 @@ class Engine:
             raise ValueError(f"logit_bias names token {bad[0]}, outside the vocabulary "
                              f"(size {self.model_config.vocab_size}).")
         text, ids = self._tokenize(prompt)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"The prompt has {len(ids)} tokens, but the context holds {self.max_model_len}; "
-                             "shorten it or raise max_model_len.")
         group = _Group(rid, text, ids, params, outbox)
         try:
             for i in range(params.n):
@@ -173,6 +181,9 @@ class Engine:
             raise TypeError("A prompt must be a string or a list of token ids.")
         if not ids:
             raise ValueError("The prompt is empty.")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"The prompt has {len(ids)} tokens, but the context holds {self.max_model_len}; "
+                             "shorten it or raise max_model_len.")
         bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise ValueError(f"Token id {bad[0]} is outside the vocabulary (size {self.model_config.vocab_size}).")
