@@ -166,6 +166,26 @@ def test_oversize_prompt_freezes_no_stream(server, model_dir):
     watch.stop()
 
 
+def test_a_reader_that_pauses_loses_nothing(server):
+    """A client that stops reading (without hanging up) until the engine has finished its
+    request, then reads on, gets every chunk: a slow reader is not taken for a gone one."""
+    aborted = metric(server.base, 'numa_runtime_requests_total{status="abort"}')
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "n": 8, "stream": True}
+    with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        first = next(lines)
+        # NOTE: ~500 KB of chunks wait in the server while nobody reads
+        wait_for(lambda: metric(server.base, "numa_runtime_num_requests_running") == 0
+                 and metric(server.base, "numa_runtime_num_requests_waiting") == 0, what="the request finishing")
+        events = [first] + [line for line in lines if line]
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert events[-1] == "data: [DONE]"
+    reasons = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for c in chunks
+               if c["choices"][0]["finish_reason"]}
+    assert reasons == {i: "length" for i in range(8)}
+    assert metric(server.base, 'numa_runtime_requests_total{status="abort"}') == aborted
+
+
 # ------------------------------------------------------------------------------ many clients
 def test_256_concurrent_streams_some_disconnecting(server):
     """256 streaming clients at once, every fourth hanging up after its first chunk: no error,
