@@ -146,6 +146,7 @@ class ChatMessage(_Body):
                                      f"got type {part.type!r}.")
             content = "\n".join(part.text for part in content)
         check_text("messages", content or "")
+        check_text("messages", self.name or "")
         msg = {"role": self.role, "content": content if content is not None else ""}
         if self.name is not None:
             msg["name"] = self.name
