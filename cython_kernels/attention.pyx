@@ -26,6 +26,7 @@ cdef extern from "attention_kernels.h":
         const int32_t *ctx
         int64_t S
         float scale
+        int64_t window
         float *out
         int64_t o_st, o_sh
     int64_t nr_reshape_and_cache(const float *k, int64_t k_st, int64_t k_sh,
@@ -90,7 +91,7 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, double scale,
-                    out):
+                    out, int64_t window=0):
     """Causal attention for a batch of sequences through their block tables.
 
     q: [T, Hq, D] f32, new tokens of all sequences back to back; query_start: [S+1] int32;
@@ -98,7 +99,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens
     query row i of s sits at position context_lens[s] - n_new + i; block_tables:
     [S, max_blocks] int32; k_cache/v_cache: [num_blocks, block_size, Hk, D] f32|bf16;
     query head h reads kv head h // (Hq // Hk). out: [T, Hq, D] f32 (rows of sequences with
-    no new tokens are not written). Online softmax in f32; returns out.
+    no new tokens are not written). window > 0: the query at position P sees only keys
+    P - window + 1 .. P (sliding window); 0: every earlier key. Online softmax in f32; long
+    key ranges of few items are split over threads (flash-decoding). Returns out.
     """
     cdef nr_attn_args a
     q_st, q_sh = _check_thd(q, "q")
@@ -131,6 +134,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens
     a.ctx = <const int32_t *>cnp.PyArray_DATA(cl)
     a.S = S
     a.scale = scale
+    if window < 0:
+        raise ValueError("paged_attention: window must be >= 0 (0 = no sliding window), got %d"
+                         % window)
+    a.window = window
     a.out = <float *>cnp.PyArray_DATA(out)
     a.o_st = o_st
     a.o_sh = o_sh

@@ -3,9 +3,16 @@
  * Caches are C-contiguous [num_blocks, block_size, Hk, D], f32 or bf16 bits. q/k/v/out are
  * [T, H, D] with any token and head stride but a contiguous last axis.
  *
- * Work split: one item = (sequence, kv head, chunk of query rows); an item handles all
- * `group` query heads sharing that kv head, so each K/V row is read once per item and used
- * by every query of the item. Items run under OpenMP dynamic scheduling, largest first.
+ * Work split: one item = (sequence, kv head, chunk of query rows, range of keys); an item
+ * handles all `group` query heads sharing that kv head, so each K/V row is read once per item
+ * and used by every query of the item. Items run under OpenMP dynamic scheduling, largest
+ * first. When there are fewer items than ~2 per thread (decode of one sequence with one or two
+ * kv heads), long key ranges are cut into splits of >= NR_SPLIT_MIN keys (flash-decoding):
+ * each split writes its unnormalized partial (acc, running max m, sum l) and a combine pass
+ * merges the splits of each item with the usual rescaling.
+ *
+ * Sliding window: window W > 0 lets the query at position P see keys P - W + 1 .. P (W keys,
+ * itself included); 0 means no window.
  */
 #ifndef NR_ATTENTION_KERNELS_H
 #define NR_ATTENTION_KERNELS_H
@@ -19,6 +26,7 @@
 
 #define NR_KT 64      /* keys per tile */
 #define NR_NQ 32      /* target query vectors (rows x group heads) per item */
+#define NR_SPLIT_MIN 256  /* fewest keys per split of one item's key range */
 
 static int64_t nr_reshape_and_cache(const float *k, int64_t k_st, int64_t k_sh,
                                     const float *v, int64_t v_st, int64_t v_sh,
@@ -56,6 +64,7 @@ typedef struct {
     const int32_t *bt; int64_t bt_st, max_blocks;
     const int32_t *qstart, *ctx; int64_t S;
     float scale;
+    int64_t window;  /* sliding window in keys, 0 = none */
     float *out; int64_t o_st, o_sh;
 } nr_attn_args;
 
@@ -127,9 +136,16 @@ static inline size_t nr_ws_floats(int64_t nq, int64_t D) {
     return (size_t)(2 * nq * D + 2 * nq + nq * NR_KT + 2 * NR_KT * D + 64);
 }
 
-/* Query rows [i0, i1) of sequence s, kv head hk, all its query heads. */
+/* First key visible to the query at position pos (sliding window or 0). */
+static inline int64_t nr_first_key(const nr_attn_args *a, int64_t pos) {
+    return a->window > 0 && pos - a->window + 1 > 0 ? pos - a->window + 1 : 0;
+}
+
+/* Query rows [i0, i1) of sequence s, kv head hk, all its query heads, over keys [ja, jb)
+ * (clipped to each row's causal and window limits). part == NULL: write the normalized
+ * result to out; else write the partial [acc: nq x D][m: nq][l: nq] to part. */
 static void nr_attn_item(const nr_attn_args *a, int64_t s, int64_t hk, int64_t i0, int64_t i1,
-                         float *ws) {
+                         int64_t ja, int64_t jb, float *ws, float *part) {
     int64_t D = a->D, group = a->Hq / a->Hk;
     int64_t q0 = a->qstart[s], n_new = a->qstart[s + 1] - q0;
     int64_t base = (int64_t)a->ctx[s] - n_new;  /* position of query row 0 */
@@ -137,6 +153,7 @@ static void nr_attn_item(const nr_attn_args *a, int64_t s, int64_t hk, int64_t i
     float *Q = ws, *acc = Q + nq * D, *m = acc + nq * D, *l = m + nq, *sc = l + nq;
     float *kb = sc + nq * NR_KT, *vb = kb + NR_KT * D;
     const float *krows[NR_KT], *vrows[NR_KT];
+    if (part != NULL) { acc = part; m = part + nq * D; l = m + nq; }
 
     for (int64_t qi = 0; qi < nq; qi++) {
         int64_t i = i0 + qi / group, h = hk * group + qi % group;
@@ -147,21 +164,22 @@ static void nr_attn_item(const nr_attn_args *a, int64_t s, int64_t hk, int64_t i
         m[qi] = -INFINITY;
         l[qi] = 0.f;
     }
-    int64_t kv_end = base + i1;  /* keys visible to the last row of the item */
-    for (int64_t j0 = 0; j0 < kv_end; j0 += NR_KT) {
-        int64_t nk = kv_end - j0 < NR_KT ? kv_end - j0 : NR_KT;
+    for (int64_t j0 = ja; j0 < jb; j0 += NR_KT) {
+        int64_t nk = jb - j0 < NR_KT ? jb - j0 : NR_KT;
         nr_gather(a, a->kc, s, hk, j0, nk, kb, krows);
         for (int64_t qi = 0; qi < nq; qi++) {
-            int64_t n = base + i0 + qi / group + 1 - j0;  /* causal limit inside the tile */
+            int64_t pos = base + i0 + qi / group;
+            int64_t lo = nr_first_key(a, pos) - j0, n = pos + 1 - j0;  /* visible: [lo, n) */
             if (n > nk) n = nk;
-            if (n <= 0) continue;
+            if (lo < 0) lo = 0;
+            if (n <= lo) continue;
             float *p = sc + qi * NR_KT;
-            nr_scores(Q + qi * D, krows, n, D, p);
+            nr_scores(Q + qi * D, krows + lo, n - lo, D, p + lo);
             float mx = m[qi];
-            for (int64_t j = 0; j < n; j++) mx = p[j] > mx ? p[j] : mx;
+            for (int64_t j = lo; j < n; j++) mx = p[j] > mx ? p[j] : mx;
             float corr = nr_expf(m[qi] - mx), sum = 0.f;
             #pragma omp simd reduction(+:sum)
-            for (int64_t j = 0; j < n; j++) { p[j] = nr_expf(p[j] - mx); sum += p[j]; }
+            for (int64_t j = lo; j < n; j++) { p[j] = nr_expf(p[j] - mx); sum += p[j]; }
             l[qi] = l[qi] * corr + sum;
             m[qi] = mx;
             if (corr != 1.0f) {
@@ -172,18 +190,51 @@ static void nr_attn_item(const nr_attn_args *a, int64_t s, int64_t hk, int64_t i
         }
         nr_gather(a, a->vc, s, hk, j0, nk, vb, vrows);
         for (int64_t qi = 0; qi < nq; qi++) {
-            int64_t n = base + i0 + qi / group + 1 - j0;
+            int64_t pos = base + i0 + qi / group;
+            int64_t lo = nr_first_key(a, pos) - j0, n = pos + 1 - j0;
             if (n > nk) n = nk;
-            if (n <= 0) continue;
-            nr_accumulate(acc + qi * D, sc + qi * NR_KT, vrows, n, D);
+            if (lo < 0) lo = 0;
+            if (n <= lo) continue;
+            nr_accumulate(acc + qi * D, sc + qi * NR_KT + lo, vrows + lo, n - lo, D);
         }
     }
+    if (part != NULL) return;
     for (int64_t qi = 0; qi < nq; qi++) {
         int64_t i = i0 + qi / group, h = hk * group + qi % group;
         float *dst = a->out + (q0 + i) * a->o_st + h * a->o_sh, *ac = acc + qi * D;
         float inv = 1.0f / l[qi];
         #pragma omp simd
         for (int64_t d = 0; d < D; d++) dst[d] = ac[d] * inv;
+    }
+}
+
+/* Merge nsplit partials (each [acc: nq x D][m: nq][l: nq], psz floats apart) of rows
+ * [i0, i1) of sequence s, kv head hk into out. */
+static void nr_attn_combine(const nr_attn_args *a, int64_t s, int64_t hk, int64_t i0,
+                            int64_t i1, const float *parts, int64_t nsplit, int64_t psz) {
+    int64_t D = a->D, group = a->Hq / a->Hk, nq = (i1 - i0) * group, q0 = a->qstart[s];
+    for (int64_t qi = 0; qi < nq; qi++) {
+        int64_t i = i0 + qi / group, h = hk * group + qi % group;
+        float *dst = a->out + (q0 + i) * a->o_st + h * a->o_sh;
+        float mx = -INFINITY, l = 0.f;
+        for (int64_t t = 0; t < nsplit; t++) {
+            float mt = parts[t * psz + nq * D + qi];
+            mx = mt > mx ? mt : mx;
+        }
+        for (int64_t d = 0; d < D; d++) dst[d] = 0.f;
+        for (int64_t t = 0; t < nsplit; t++) {
+            const float *pt = parts + t * psz;
+            float mt = pt[nq * D + qi];
+            if (mt == -INFINITY) continue;  /* no key of this split is visible to the row */
+            float w = nr_expf(mt - mx);
+            l += w * pt[nq * D + nq + qi];
+            const float *ac = pt + qi * D;
+            #pragma omp simd
+            for (int64_t d = 0; d < D; d++) dst[d] += w * ac[d];
+        }
+        float inv = 1.0f / l;
+        #pragma omp simd
+        for (int64_t d = 0; d < D; d++) dst[d] *= inv;
     }
 }
 
@@ -203,37 +254,77 @@ static int64_t nr_attn_check(const nr_attn_args *a, int64_t T) {
     return -1;
 }
 
+/* One work item: rows [i0, i0 + rows) of (s, h) over keys [ja, jb), split t of nsplit; slot:
+ * the index of its partial when split (its nsplit partials are consecutive), else -1. */
+typedef struct { int64_t s, h, i0, ja, jb, slot, t, nsplit; } nr_item;
+
 static void nr_paged_attention(const nr_attn_args *a) {
-    int64_t group = a->Hq / a->Hk, rows = nr_item_rows(group), n_items = 0;
+    int64_t group = a->Hq / a->Hk, rows = nr_item_rows(group), n_base = 0;
     for (int64_t s = 0; s < a->S; s++) {
         int64_t n_new = a->qstart[s + 1] - a->qstart[s];
-        n_items += a->Hk * ((n_new + rows - 1) / rows);
+        n_base += a->Hk * ((n_new + rows - 1) / rows);
     }
-    if (n_items == 0) return;
-    int64_t *items = (int64_t *)malloc((size_t)n_items * 3 * sizeof(int64_t));
-    int64_t k = 0;
-    /* largest first: the last chunks of each sequence see the most keys */
-    for (int64_t s = 0; s < a->S; s++) {
-        int64_t n_new = a->qstart[s + 1] - a->qstart[s];
-        for (int64_t c = (n_new + rows - 1) / rows - 1; c >= 0; c--)
-            for (int64_t h = 0; h < a->Hk; h++) {
-                items[3 * k] = s; items[3 * k + 1] = h; items[3 * k + 2] = c * rows; k++;
+    if (n_base == 0) return;
+    /* NOTE: split key ranges only when items are too few to keep every thread busy. */
+    int64_t nt = omp_get_max_threads(), want = n_base >= 2 * nt ? 1 : (2 * nt + n_base - 1) / n_base;
+    int64_t n_items = 0, n_slots = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        nr_item *items = pass ? (nr_item *)malloc((size_t)n_items * sizeof(nr_item)) : NULL;
+        int64_t k = 0, slot = 0;
+        /* largest first: the last chunks of each sequence see the most keys */
+        for (int64_t s = 0; s < a->S; s++) {
+            int64_t n_new = a->qstart[s + 1] - a->qstart[s], base = a->ctx[s] - n_new;
+            for (int64_t c = (n_new + rows - 1) / rows - 1; c >= 0; c--) {
+                int64_t i1 = (c + 1) * rows < n_new ? (c + 1) * rows : n_new;
+                int64_t ja = nr_first_key(a, base + c * rows), jb = base + i1;
+                int64_t ns = (jb - ja) / NR_SPLIT_MIN;
+                ns = ns < want ? ns : want;
+                ns = ns < 1 ? 1 : ns;
+                for (int64_t h = 0; h < a->Hk; h++)
+                    for (int64_t t = 0; t < ns; t++) {
+                        if (pass) {
+                            nr_item it = {s, h, c * rows, ja + (jb - ja) * t / ns,
+                                          ja + (jb - ja) * (t + 1) / ns,
+                                          ns > 1 ? slot + h * ns + t : -1, t, ns};
+                            items[k] = it;
+                        }
+                        k++;
+                    }
+                if (ns > 1) slot += ns * a->Hk;
             }
-    }
-    size_t ws_n = nr_ws_floats(rows * group, a->D);
-    #pragma omp parallel if (n_items > 1)
-    {
-        float *ws = (float *)malloc(ws_n * sizeof(float));
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < n_items; it++) {
-            int64_t s = items[3 * it], h = items[3 * it + 1], i0 = items[3 * it + 2];
-            int64_t n_new = a->qstart[s + 1] - a->qstart[s];
-            int64_t i1 = i0 + rows < n_new ? i0 + rows : n_new;
-            nr_attn_item(a, s, h, i0, i1, ws);
         }
-        free(ws);
+        if (!pass) { n_items = k; n_slots = slot; continue; }
+        size_t ws_n = nr_ws_floats(rows * group, a->D);
+        int64_t psz = rows * group * (a->D + 2);
+        float *parts = n_slots ? (float *)malloc((size_t)(n_slots * psz) * sizeof(float)) : NULL;
+        #pragma omp parallel if (n_items > 1)
+        {
+            float *ws = (float *)malloc(ws_n * sizeof(float));
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t it = 0; it < n_items; it++) {
+                const nr_item *x = &items[it];
+                int64_t n_new = a->qstart[x->s + 1] - a->qstart[x->s];
+                int64_t i1 = x->i0 + rows < n_new ? x->i0 + rows : n_new;
+                nr_attn_item(a, x->s, x->h, x->i0, i1, x->ja, x->jb, ws,
+                             x->slot >= 0 ? parts + x->slot * psz : NULL);
+            }
+            if (n_slots) {
+                /* the first split of every split item merges them all */
+                #pragma omp for schedule(dynamic, 1)
+                for (int64_t it = 0; it < n_items; it++) {
+                    const nr_item *x = &items[it];
+                    if (x->nsplit < 2 || x->t != 0) continue;
+                    int64_t n_new = a->qstart[x->s + 1] - a->qstart[x->s];
+                    int64_t i1 = x->i0 + rows < n_new ? x->i0 + rows : n_new;
+                    nr_attn_combine(a, x->s, x->h, x->i0, i1, parts + x->slot * psz, x->nsplit,
+                                    psz);
+                }
+            }
+            free(ws);
+        }
+        free(parts);
+        free(items);
     }
-    free(items);
 }
 
 #pragma GCC pop_options

@@ -97,7 +97,7 @@ cdef extern from "gemm_kernels.h" nogil:
     void* gemm_alloc(size_t nbytes)
     void gemm_rows_to_bf16(const float* x, long m, long k, uint16_t* y, long ldy)
     int gemm_small_bf16(const uint16_t* w, long K, long N, long kp, const float* x, long M,
-                        const float* bias, float* out, uint16_t* xs, int level)
+                        const float* bias, float* out, void* xs, int level)
     int gemm_small_f32(const float* w, long K, long N, long kp, const float* x, long M,
                        const float* bias, float* out, float* xs, int level)
     double gemm_read_probe(const float* a, long n)
@@ -158,7 +158,7 @@ def _read_probe(cnp.ndarray a):
 
 
 def cpu_level():
-    """2: AVX-512 + bf16 kernels, 1: AVX-512 f32 only, 0: portable C fallback."""
+    """2: AVX-512 BF16 dot products; 1: AVX-512F, bf16 widened in registers; 0: AVX2 + FMA."""
     return _level
 
 
@@ -263,8 +263,7 @@ cdef class Linear:
         self.small_m_max = SMALL_M_MAX
         self.prims = {}
         self._pack(weight)
-        elem = np.uint16 if self.bf16 else np.float32
-        self.xs_small = np.zeros(GEMM_MMAX * self.kp, dtype=elem)  # [GEMM_MMAX, Kp]
+        self.xs_small = np.zeros(GEMM_MMAX * self.kp, dtype=np.float32)  # [GEMM_MMAX, Kp]
         self.xs_big = np.zeros(0, dtype=np.uint16)                  # [M, K] bf16 x for oneDNN
 
     cdef _pack(self, cnp.ndarray weight):
@@ -356,7 +355,7 @@ cdef class Linear:
         with nogil:
             if self.bf16:
                 rc = gemm_small_bf16(<const uint16_t*>self.w, K, N, self.kp, xp, M, bias, op,
-                                     <uint16_t*>xs, _level)
+                                     xs, _level)
             else:
                 rc = gemm_small_f32(<const float*>self.w, K, N, self.kp, xp, M, bias, op,
                                     <float*>xs, _level)

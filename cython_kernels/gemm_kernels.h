@@ -25,7 +25,8 @@
 #define GEMM_MMAX 32  /* activation rows per pass over the weights */
 #define GEMM_KC 64    /* k-pairs (bf16) / k (f32) per L1 chunk when M > GEMM_MR: 16 KiB */
 
-/* 2: avx512f+bw+vl+bf16 (Zen4, Sapphire Rapids), 1: avx512f+bw+vl, 0: x86-64-v3 only. */
+/* 2: avx512f+bw+vl+bf16 (Zen4, Sapphire Rapids), 1: avx512f+bw+vl (Skylake to Ice Lake),
+ * 0: AVX2+FMA+F16C only (x86-64-v3: Haswell, Zen 1-3): the build's floor. */
 static int gemm_cpu_level(void) {
     __builtin_cpu_init();
     int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -71,6 +72,15 @@ static void gemm_rows_to_bf16(const float* x, long m, long k, uint16_t* y, long 
     }
 }
 
+/* y[r, :ldy] = f32(bf16(x[r, :k])) then zeros: the bf16-rounded activations the widening
+ * kernels (levels 0 and 1) multiply, so they compute the products the bf16 dot product does. */
+static void gemm_rows_to_bf16f(const float* x, long m, long k, float* y, long ldy) {
+    for (long r = 0; r < m; r++) {
+        for (long i = 0; i < k; i++) y[r * ldy + i] = gemm_bf16_to_f32_1(gemm_f32_to_bf16_1(x[r * k + i]));
+        for (long i = k; i < ldy; i++) y[r * ldy + i] = 0.0f;
+    }
+}
+
 /* Block-range split: thread t of nt gets blocks [*b0, *b1). */
 static inline void gemm_split(long nblocks, int t, int nt, long* b0, long* b1) {
     *b0 = nblocks * t / nt;
@@ -96,6 +106,7 @@ static inline void gemm_store_block(const float* acc, int m, long n0, long N, co
 }
 
 #include "gemm_avx512.h"
+#include "gemm_widen.h"
 
 /* Sum of n floats, OpenMP, plain AVX2 adds with 8 independent accumulators: a pure DRAM read
  * probe for bench/limits.py, independent of the GEMV kernels it judges. */
@@ -116,38 +127,6 @@ static double gemm_read_probe(const float* a, long n) {
     }
     for (long i = n / 64 * 64; i < n; i++) total += a[i];
     return total;
-}
-
-/* ---------------------------------------------------------------- portable fallback (AVX2) */
-/* Same contract as gemm_block_bf16_avx512: acc[m][64] over k-pairs p0..p1. */
-static void gemm_block_bf16_generic(const void* wv, const void* xv, int m, long kp, long p0,
-                                    long p1, float* acc) {
-    const uint16_t* wb = (const uint16_t*)wv;
-    const uint16_t* xs = (const uint16_t*)xv;
-    memset(acc, 0, sizeof(float) * m * GEMM_NB);
-    for (long p = p0; p < p1; p++) {
-        const uint16_t* row = wb + p * 2 * GEMM_NB;
-        for (int r = 0; r < m; r++) {
-            float x0 = gemm_bf16_to_f32_1(xs[r * kp + 2 * p]);
-            float x1 = gemm_bf16_to_f32_1(xs[r * kp + 2 * p + 1]);
-            for (int j = 0; j < GEMM_NB; j++)
-                acc[r * GEMM_NB + j] += gemm_bf16_to_f32_1(row[2 * j]) * x0 +
-                                        gemm_bf16_to_f32_1(row[2 * j + 1]) * x1;
-        }
-    }
-}
-
-/* Same contract as gemm_block_f32_avx512: acc[m][64] over k = k0..k1. */
-static void gemm_block_f32_generic(const void* wv, const void* xv, int m, long kp, long k0,
-                                   long k1, float* acc) {
-    const float* wb = (const float*)wv;
-    const float* xs = (const float*)xv;
-    memset(acc, 0, sizeof(float) * m * GEMM_NB);
-    for (long k = k0; k < k1; k++)
-        for (int r = 0; r < m; r++) {
-            float xv1 = xs[r * kp + k];
-            for (int j = 0; j < GEMM_NB; j++) acc[r * GEMM_NB + j] += wb[k * GEMM_NB + j] * xv1;
-        }
 }
 
 /* ---------------------------------------------------------------- driver */
@@ -209,13 +188,18 @@ static int gemm_small_run(const char* w, size_t block_bytes, long steps, long kp
 }
 
 /* out[M, N] = x[M, K] @ B + bias, B packed bf16 [Nb][Kp/2][64][2]. xs: scratch [GEMM_MMAX][Kp]
- * bf16. x rows are rounded to bf16 first (as oneDNN's bf16 x bf16 path does). 0 or -1 (OOM). */
+ * f32 (level 2 uses its first half as bf16). x rows are rounded to bf16 first (as oneDNN's
+ * bf16 x bf16 path does). 0 or -1 (OOM). */
 static int gemm_small_bf16(const uint16_t* w, long K, long N, long kp, const float* x, long M,
-                           const float* bias, float* out, uint16_t* xs, int level) {
-    gemm_block_fn fn = level >= 2 ? gemm_block_bf16_avx512 : gemm_block_bf16_generic;
+                           const float* bias, float* out, void* xs, int level) {
+    gemm_block_fn fn = level >= 2 ? gemm_block_bf16_avx512
+                     : level == 1 ? gemm_block_bf16_avx512f : gemm_block_bf16_avx2;
     for (long m0 = 0; m0 < M; m0 += GEMM_MMAX) {
         int m = (int)(M - m0 < GEMM_MMAX ? M - m0 : GEMM_MMAX);
-        gemm_rows_to_bf16(x + m0 * K, m, K, xs, kp);
+        if (level >= 2)
+            gemm_rows_to_bf16(x + m0 * K, m, K, (uint16_t*)xs, kp);
+        else
+            gemm_rows_to_bf16f(x + m0 * K, m, K, (float*)xs, kp);
         if (gemm_small_run((const char*)w, sizeof(uint16_t) * kp * GEMM_NB, kp / 2, kp, N, xs, m,
                            bias, out + m0 * N, fn))
             return -1;
@@ -226,7 +210,7 @@ static int gemm_small_bf16(const uint16_t* w, long K, long N, long kp, const flo
 /* out[M, N] = x[M, K] @ B + bias, B packed f32 [Nb][Kp][64]. xs: scratch [GEMM_MMAX][Kp] f32. */
 static int gemm_small_f32(const float* w, long K, long N, long kp, const float* x, long M,
                           const float* bias, float* out, float* xs, int level) {
-    gemm_block_fn fn = level >= 1 ? gemm_block_f32_avx512 : gemm_block_f32_generic;
+    gemm_block_fn fn = level >= 1 ? gemm_block_f32_avx512 : gemm_block_f32_avx2;
     for (long m0 = 0; m0 < M; m0 += GEMM_MMAX) {
         int m = (int)(M - m0 < GEMM_MMAX ? M - m0 : GEMM_MMAX);
         for (int r = 0; r < m; r++) {

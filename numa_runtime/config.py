@@ -58,6 +58,7 @@ class ModelConfig:
     qk_norm: bool
     checkpoint_dtype: str
     sliding_window: int | None = None
+    layer_types: tuple = ()  # per layer "full_attention" | "sliding_attention"; () = all full
     bos_token_id: int | None = None
     eos_token_ids: tuple = ()
 
@@ -68,6 +69,20 @@ class ModelConfig:
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
+
+    def window(self, layer: int) -> int:
+        """Sliding window of `layer` in keys (the query sees itself and window - 1 earlier
+        keys, as transformers' sliding_window_overlay), 0 for full attention."""
+        if self.sliding_window and self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return 0
+
+    @property
+    def min_window(self) -> int:
+        """The smallest window when every layer slides (KV older than it is never read
+        again), else 0."""
+        windows = [self.window(i) for i in range(self.num_layers)]
+        return min(windows) if windows and all(windows) else 0
 
     @property
     def kv_size(self) -> int:
@@ -131,9 +146,7 @@ class ModelConfig:
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").replace("torch.", "")
         if dtype not in _DTYPES:
             raise UnsupportedModelError(f"Unsupported checkpoint dtype {dtype!r}; use bf16, f16 or f32.")
-        sliding = cfg.get("sliding_window")
-        if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
-            sliding = None
+        sliding, layer_types = _sliding_window(cfg, family)
         eos = cfg.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -146,8 +159,31 @@ class ModelConfig:
             qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
             o_bias=family != "qwen2" and bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)), qk_norm=family == "qwen3",
-            checkpoint_dtype=_DTYPES[dtype], sliding_window=int(sliding) if sliding else None,
+            checkpoint_dtype=_DTYPES[dtype], sliding_window=sliding, layer_types=layer_types,
             bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos)
+
+
+def _sliding_window(cfg: dict, family: str) -> tuple[int | None, tuple]:
+    """(window, per-layer types) as transformers reads them: an explicit `layer_types` wins;
+    Mistral slides on every layer; Qwen2/Qwen3 only with use_sliding_window, on the layers
+    from max_window_layers on."""
+    n = int(cfg["num_hidden_layers"])
+    window = cfg.get("sliding_window")
+    if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        window = None
+    if not window:
+        return None, ()
+    window = int(window)
+    if window < 1:
+        raise UnsupportedModelError(f"sliding_window must be a positive number of tokens, got {window}.")
+    types = cfg.get("layer_types")
+    if types:
+        if len(types) != n or any(t not in ("full_attention", "sliding_attention") for t in types):
+            raise UnsupportedModelError(f"layer_types {types!r} must list 'full_attention' or "
+                                        f"'sliding_attention' for each of the {n} layers.")
+        return window, tuple(types)
+    first = int(cfg.get("max_window_layers", 0)) if family in ("qwen2", "qwen3") else 0
+    return window, tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
 
 
 def _rope_config(cfg: dict) -> RopeConfig:

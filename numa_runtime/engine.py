@@ -62,7 +62,8 @@ class Engine:
                                           eviction=self.config.eviction)
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=self.config.max_num_seqs,
                                                    max_num_batched_tokens=self.config.max_num_batched_tokens,
-                                                   max_model_len=self.max_model_len), self.block_manager)
+                                                   max_model_len=self.max_model_len,
+                                                   sliding_window=mcfg.min_window), self.block_manager)
         self.sampler = Sampler(self.ops, mcfg.vocab_size, self.config.seed)
         self.profiler = profiler.attach(self)  # None unless AS_PROFILE=ON
         self._groups: dict[str, _Group] = {}
@@ -94,8 +95,6 @@ class Engine:
     @staticmethod
     def _resolve_max_len(mcfg: ModelConfig, asked: int | None) -> int:
         limit = mcfg.max_position_embeddings
-        if mcfg.sliding_window:
-            limit = min(limit, mcfg.sliding_window)
         if asked is None:
             return min(limit, 32768)
         if asked > limit:

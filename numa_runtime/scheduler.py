@@ -29,12 +29,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048    # new tokens per step at most
     max_model_len: int = 4096             # prompt + output tokens of one request at most
     long_prefill_token_threshold: int = 0  # > 0: cap on one request's prefill chunk per step
+    sliding_window: int = 0               # > 0: every layer's window; older KV blocks are released
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}.")
+        if not isinstance(self.sliding_window, int) or self.sliding_window < 0:
+            raise ValueError(f"sliding_window must be a non-negative integer, got {self.sliding_window!r}.")
         if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be a non-negative integer, "
                              f"got {self.long_prefill_token_threshold!r}.")
@@ -85,8 +88,11 @@ class Scheduler:
             raise ValueError(f"The prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds "
                              f"max_model_len ({cfg.max_model_len}); lower max_tokens or shorten the prompt.")
         longest = cfg.max_model_len if max_tokens is None else num_prompt + max_tokens
-        if bm.num_blocks_for(longest) > bm.num_blocks:
-            raise ValueError(f"A request of up to {longest} tokens needs {bm.num_blocks_for(longest)} KV blocks "
+        need = bm.num_blocks_for(longest)
+        if cfg.sliding_window:  # blocks older than the window are released as it moves on
+            need = min(need, bm.num_blocks_for(cfg.sliding_window - 1 + cfg.max_num_batched_tokens) + 1)
+        if need > bm.num_blocks:
+            raise ValueError(f"A request of up to {longest} tokens needs {need} KV blocks "
                              f"but the cache has only {bm.num_blocks}; lower max_tokens or enlarge the KV cache.")
 
     def abort_request(self, request_id: str) -> bool:
@@ -199,7 +205,8 @@ class Scheduler:
             token_ids[t:t + n] = _token_slice(req, start, end)
             positions[t:t + n] = pos
             slot_mapping[t:t + n] = table[pos // bs] * bs + pos % bs
-            block_tables[s, :len(req.block_ids)] = req.block_ids
+            # NOTE: released blocks (outside the window) read as block 0; attention never reads them
+            block_tables[s, :len(req.block_ids)] = np.maximum(table, 0)
             context_lens[s] = end
             t += n
             query_start[s + 1] = t
@@ -219,6 +226,9 @@ class Scheduler:
                 continue
             req.num_computed_tokens += n
             self.block_manager.cache_full_blocks(req)
+            if self.config.sliding_window:
+                # the next query (position num_computed_tokens) sees keys from here on
+                self.block_manager.release_before(req, req.num_computed_tokens - self.config.sliding_window + 1)
         for req, token_id in zip(out.sampling, sampled_token_ids):
             if not req.is_finished:
                 req.append_output_token(int(token_id))

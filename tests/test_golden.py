@@ -23,6 +23,10 @@ CASES = {
     "mistral": dict(arch="mistral", sliding_window=None),
     "qwen2-bias-tied": dict(arch="qwen2", tie_word_embeddings=True),
     "qwen3-qknorm": dict(arch="qwen3", head_dim=32),
+    # sliding windows shorter than the prompts + 64 new tokens, so the window changes tokens
+    "mistral-sliding": dict(arch="mistral", sliding_window=7),
+    "qwen2-sliding-upper-layers": dict(arch="qwen2", use_sliding_window=True, sliding_window=5,
+                                       max_window_layers=1),
 }
 
 

@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from numa_runtime._kernels import ops
 from numa_runtime.backend import cpu, reference as ref
 
 RNG = np.random.default_rng(1234)
@@ -183,6 +184,51 @@ def test_paged_attention(case, dtype):
     assert cpu.paged_attention(q, kc, vc, bt, qs, cl, scale, out) is out
     want = ref.paged_attention(q, kc, vc, bt, qs, cl, scale, np.full(q.shape, 7.0, np.float32))
     close(out, want, 1e-5, 2e-6)
+
+
+LONG_CASES = [  # long contexts with few items: the key range is split over threads
+    (14, 2, 64, 16, [1], [3000]),               # batch-1 decode at 3K context
+    (4, 1, 72, 5, [1, 1], [1500, 700]),         # MQA, odd head dim and block size
+    (8, 2, 64, 16, [1, 40], [2100, 900]),       # decode beside a prefill chunk
+    (2, 2, 128, 16, [1, 0], [520, 3]),          # just over two splits; an idle sequence
+]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 7, 16])
+@pytest.mark.parametrize("case", LONG_CASES)
+def test_paged_attention_split_context(case, threads):
+    """Flash-decoding: any thread count (so any number of splits) gives the reference."""
+    hq, hk, d, bs, new, prefix = case
+    q, kc, vc, bt, qs, cl = build_batch(hq, hk, d, bs, new, prefix, "bf16", fused=False)
+    want = ref.paged_attention(q, kc, vc, bt, qs, cl, d ** -0.5, np.zeros(q.shape, np.float32))
+    old = ops.get_num_threads()
+    try:
+        ops.set_num_threads(threads)
+        out = cpu.paged_attention(q, kc, vc, bt, qs, cl, d ** -0.5, np.full(q.shape, 7.0, np.float32))
+    finally:
+        ops.set_num_threads(old)
+    close(out, want, 1e-5, 2e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 16])
+@pytest.mark.parametrize("window", [1, 5, 16, 37, 600])
+def test_paged_attention_sliding_window(window, threads):
+    """Each query sees the `window` newest keys up to itself; prefill and decode, long and
+    short, split and unsplit."""
+    q, kc, vc, bt, qs, cl = build_batch(6, 2, 64, 16, [1, 45, 1, 3], [2000, 30, 3, 700],
+                                        "f32", fused=False)
+    want = ref.paged_attention(q, kc, vc, bt, qs, cl, 0.125, np.zeros(q.shape, np.float32),
+                               window=window)
+    old = ops.get_num_threads()
+    try:
+        ops.set_num_threads(threads)
+        out = cpu.paged_attention(q, kc, vc, bt, qs, cl, 0.125,
+                                  np.full(q.shape, 7.0, np.float32), window=window)
+    finally:
+        ops.set_num_threads(old)
+    close(out, want, 1e-5, 2e-6)
+    full = ref.paged_attention(q, kc, vc, bt, qs, cl, 0.125, np.zeros(q.shape, np.float32))
+    assert window >= 2003 or not np.allclose(full, want)  # the window changes the result
 
 
 def test_paged_attention_rejects_short_block_table():

@@ -29,6 +29,7 @@ class FakeModel:
 
     def __init__(self, sched):
         bm = sched.block_manager
+        self.window = sched.config.sliding_window  # only keys inside it are read
         self.sched, self.bs = sched, bm.block_size
         self.kv = np.full(bm.num_blocks * bm.block_size, -1, np.int64)  # [num_slots]
 
@@ -42,9 +43,11 @@ class FakeModel:
             assert all(self.sched.block_manager.ref_cnt[b] == 1 for b in written)
         self.kv[p.slot_mapping] = p.token_ids
         for s, r in enumerate(out.scheduled):
-            pos = np.arange(p.context_lens[s])
+            first_query = p.context_lens[s] - (p.query_start[s + 1] - p.query_start[s])
+            pos = np.arange(max(0, first_query - self.window + 1) if self.window else 0,
+                            p.context_lens[s])
             slots = p.block_tables[s][pos // self.bs] * self.bs + pos % self.bs
-            assert self.kv[slots].tolist() == r.all_token_ids[:p.context_lens[s]]
+            assert self.kv[slots].tolist() == r.all_token_ids[pos[0]:p.context_lens[s]]
         return [int(p.positions[i]) % 7 for i in p.logits_indices]
 
 
@@ -285,3 +288,35 @@ def test_impossible_requests_rejected():
 def test_config_validated():
     with pytest.raises(ValueError, match="max_num_seqs"):
         SchedulerConfig(max_num_seqs=0)
+
+
+@pytest.mark.parametrize("window", [1, 5, 9])
+def test_sliding_window_releases_blocks_outside_it(window):
+    """With every layer sliding, blocks wholly before the next query's window go back to the
+    pool (RELEASED in the table), so a 40-token request runs in 5 blocks of 4."""
+    from numa_runtime.kv_cache.block_manager import RELEASED
+    sched = make(num_blocks=5, budget=8, max_model_len=64, sliding_window=window)
+    r = req("a", range(10), max_tokens=30)
+    seen = []
+
+    def check(sched, out):
+        bm = sched.block_manager
+        for q in sched.running:
+            gone = max(0, q.num_computed_tokens - window + 1) // BS
+            assert q.block_ids[:gone] == [RELEASED] * gone
+            assert all(b >= 0 for b in q.block_ids[gone:])
+            seen.append(gone)
+        live = sum(1 for b in r.block_ids if b >= 0)
+        assert live + bm.num_free_blocks == bm.num_blocks
+
+    drive(sched, {0: [r]}, on_step=check)
+    assert r.output_token_ids == expected_output(r)
+    assert max(seen) >= (40 - window) // BS - 1  # blocks really were released along the way
+    assert sched.block_manager.num_free_blocks == 5
+
+
+def test_sliding_window_admission_counts_only_the_window():
+    sched = make(num_blocks=5, budget=8, max_model_len=64, sliding_window=5)
+    sched.add_request(req("fits", range(10), max_tokens=40))  # 50 tokens, 5 live blocks at most
+    with pytest.raises(ValueError, match="KV blocks"):
+        make(num_blocks=5, budget=8, max_model_len=64).add_request(req("x", range(10), max_tokens=40))

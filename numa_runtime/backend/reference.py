@@ -142,7 +142,7 @@ def reshape_and_cache(k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache
 
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                     block_tables: np.ndarray, query_start: np.ndarray, context_lens: np.ndarray,
-                    scale: float, out: np.ndarray) -> np.ndarray:
+                    scale: float, out: np.ndarray, window: int = 0) -> np.ndarray:
     """Causal attention for a batch of sequences through their block tables.
 
     q: [T, Hq, D] f32, the new tokens of all sequences packed back to back;
@@ -152,6 +152,7 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
       sits at position context_lens[s] - n_new + i and sees keys 0..that position;
     block_tables: [S, max_blocks] int32; k_cache/v_cache: [num_blocks, block_size, Hk, D];
     grouped-query: query head h reads kv head h // (Hq // Hk).
+    window > 0 (sliding window): the query at position P sees only keys P - window + 1 .. P.
     out: [T, Hq, D] f32. Softmax in f32 with max subtraction.
     """
     bs = k_cache.shape[1]
@@ -172,6 +173,8 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         scores = np.einsum("nhd,chd->hnc", qs, keys) * scale  # [Hq, n, ctx]
         pos = ctx - n_new + np.arange(n_new)
         mask = np.arange(ctx)[None, :] > pos[:, None]  # [n, ctx]
+        if window > 0:
+            mask |= np.arange(ctx)[None, :] <= pos[:, None] - window
         scores = np.where(mask[None], -np.inf, scores)
         scores -= scores.max(axis=-1, keepdims=True)
         p = np.exp(scores)

@@ -21,6 +21,9 @@ from ..request import Request
 from .eviction import EvictionPolicy, make_eviction_policy
 
 
+RELEASED = -1  # a block-table entry whose block was released (outside every sliding window)
+
+
 def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     """Stable 128-bit chained hash of one full block (same value in every process)."""
     h = hashlib.blake2b(digest_size=16)
@@ -53,6 +56,7 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self._num_hashed: dict[str, int] = {}  # request_id -> its leading blocks already cached
+        self._num_released: dict[str, int] = {}  # request_id -> its leading blocks released
         # prefix-cache counters, counted once per admission of a request (not per retry)
         self.query_tokens = self.hit_tokens = 0
         self.query_blocks = self.hit_blocks = 0
@@ -158,6 +162,8 @@ class BlockManager:
         """Release all of req's blocks. Tail first, so that under an LRU-ordered policy the
         leaves of a hash chain are evicted before the blocks they extend."""
         for block_id in reversed(req.block_ids):
+            if block_id == RELEASED:
+                continue
             self.ref_cnt[block_id] -= 1
             assert self.ref_cnt[block_id] >= 0, f"block {block_id} freed twice"
             if self.ref_cnt[block_id] == 0:
@@ -167,6 +173,24 @@ class BlockManager:
                     self.free_block_ids.append(block_id)
         req.block_ids = []
         self._num_hashed.pop(req.request_id, None)
+        self._num_released.pop(req.request_id, None)
+
+    def release_before(self, req: Request, num_tokens: int) -> None:
+        """Release req's blocks that hold only tokens before `num_tokens` (tokens no later
+        query can see: they left every layer's sliding window). Their slots in req.block_ids
+        become RELEASED; a cached block stays in the prefix cache as evictable."""
+        start = self._num_released.get(req.request_id, 0)
+        end = min(max(num_tokens, 0) // self.block_size, len(req.block_ids))
+        for i in range(start, end):
+            block_id, req.block_ids[i] = req.block_ids[i], RELEASED
+            self.ref_cnt[block_id] -= 1
+            if self.ref_cnt[block_id] == 0:
+                if self.block_hash[block_id] is not None:
+                    self.policy.add_evictable(block_id)
+                else:
+                    self.free_block_ids.append(block_id)
+        if end > start:
+            self._num_released[req.request_id] = end
 
     # ---- caching -------------------------------------------------------------------------
     def cache_full_blocks(self, req: Request) -> None:

@@ -124,6 +124,7 @@ class LlamaModel:
         self.cos_sin = np.ascontiguousarray(
             np.concatenate([np.cos(pos), np.sin(pos)], axis=1) * attn_scale, dtype=np.float32)
         self.scale = cfg.head_dim ** -0.5
+        self.windows = [cfg.window(i) for i in range(cfg.num_layers)]  # 0 = full attention
 
     @property
     def weight_bytes(self) -> int:
@@ -170,7 +171,7 @@ class LlamaModel:
         h = np.empty_like(residual)                        # [T, H] normed input
         delta = None                                       # [T, H] last sublayer output
         attn = np.empty((T, hq, D), np.float32)            # [T, hq, D]
-        for layer, (kc, vc) in zip(self.layers, self.kv_cache):
+        for i, (layer, (kc, vc)) in enumerate(zip(self.layers, self.kv_cache)):
             if delta is None:
                 ops.rms_norm(residual, layer.input_norm, eps, h)
             else:
@@ -187,7 +188,7 @@ class LlamaModel:
             ops.rotary(q, k, plan.positions, self.cos_sin)
             ops.reshape_and_cache(k, v, kc, vc, plan.slot_mapping)
             ops.paged_attention(q, kc, vc, plan.block_tables, plan.query_start, plan.context_lens,
-                                self.scale, attn)
+                                self.scale, attn, self.windows[i])
             o = layer.o_proj.forward(attn.reshape(T, hq * D))   # [T, H] partial sum
             if lay.world > 1:
                 comm.all_reduce_(o)
