@@ -223,6 +223,7 @@ class EngineConfig:
     eviction: str = "lru"
     backend: str = "cpu"
     seed: int = 0
+    quantization: str | None = None  # quantize dense weights at load: "int8", "int4", ...
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -238,6 +239,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}.")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive.")
+        if self.quantization is not None:
+            from .quant.loader import parse_quantization
+            parse_quantization(self.quantization)  # raises one sentence on a bad name
         if not 0.0 < self.kv_cache_fraction <= 0.95:
             raise ValueError(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction!r}.")
 
