@@ -153,7 +153,7 @@ def _hf_config(meta: dict, tensor_names: set) -> dict:
     }
 
 
-def _write_tokenizer(meta: dict, out_dir: str) -> None:
+def _write_tokenizer(meta: dict, out_dir: str, prefix: str = "llama.") -> None:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     if meta.get("tokenizer.ggml.model") != "gpt2":
@@ -192,7 +192,7 @@ def _write_tokenizer(meta: dict, out_dir: str) -> None:
         "pad_token": name("tokenizer.ggml.padding_token_id") or name("tokenizer.ggml.eos_token_id"),
         "unk_token": name("tokenizer.ggml.unknown_token_id"),
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(meta.get("llama.context_length", 2048)),
+        "model_max_length": int(meta.get(prefix + "context_length", 2048)),
         "tokenizer_class": "PreTrainedTokenizerFast",  # NOTE: use tokenizer.json as-is
     }
     if "tokenizer.chat_template" in meta:

@@ -44,6 +44,9 @@ class Engine:
         ops = backend.get_backend(self.config.backend)
         placement = self._bind_and_set_threads(ops)
         model_dir = model if model is not None else default_model_dir()
+        if str(model_dir).endswith(".gguf"):  # NOTE: weights stay in the file, blocks as they are
+            from .gguf_model import gguf_model_dir
+            model_dir = gguf_model_dir(str(model_dir))
         self.model_config = mcfg = ModelConfig.from_dir(os.path.expanduser(str(model_dir)))
         self.max_model_len = self._resolve_max_len(mcfg, self.config.max_model_len)
         if self.comm.is_driver:  # NOTE: fail on a missing tokenizer before reading any weight

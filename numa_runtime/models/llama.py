@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import ModelConfig, UnsupportedModelError, rope_inv_freq
+from ..gguf_model import open_checkpoint
 from ..quant.loader import LinearFactory, parse_quantization
 from ..weights import Checkpoint, split_range
 
@@ -98,7 +99,7 @@ class LlamaModel:
                  quantization: str | None = None):
         self.cfg, self.ops, self.comm, self.dtype = cfg, ops, comm, dtype
         self.lay = lay = ShardLayout.build(cfg, comm.rank, comm.world_size)
-        ckpt = Checkpoint(cfg.model_dir)
+        ckpt = open_checkpoint(cfg)  # safetensors, or the GGUF file the directory points at
         _check_tensors(cfg, ckpt)
         self.embed = _embedding_table(ckpt, dtype, lay.vocab)
         linear = LinearFactory(ops, ckpt, dtype, parse_quantization(quantization))
