@@ -125,3 +125,34 @@ def _hf_names(hf_dir: str) -> list[str]:
     from safetensors import safe_open
     with safe_open(os.path.join(hf_dir, "model.safetensors"), "np") as f:
         return list(f.keys())
+
+
+def write_reference_from_gguf(gguf_path: str, out_dir: str) -> None:
+    """An f32 safetensors directory of a GGUF model (config and tokenizer from its metadata,
+    weights dequantized by the gguf package and un-permuted): the numpy reference model."""
+    import gguf
+    from safetensors.numpy import save_file
+
+    from numa_runtime.gguf_checkpoint import hf_name
+    from numa_runtime.gguf_model import gguf_model_dir
+    meta_dir = gguf_model_dir(gguf_path)
+    os.makedirs(out_dir)
+    for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(meta_dir, f), out_dir)
+    with open(os.path.join(out_dir, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["torch_dtype"] = "float32"
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    reader = gguf.GGUFReader(gguf_path)
+    heads = {"attn_q.weight": cfg["num_attention_heads"], "attn_k.weight": cfg["num_key_value_heads"]}
+    tensors = {}
+    for t in reader.tensors:
+        shape = [int(d) for d in reversed(t.shape)]
+        x = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32).reshape(shape)
+        suffix = t.name.split(".", 2)[-1]
+        if suffix in heads:
+            n = heads[suffix]
+            x = x.reshape(n, shape[0] // n // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+        tensors[hf_name(t.name)] = np.ascontiguousarray(x)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})

@@ -23,7 +23,7 @@ def write_dequantized_copy(src: str, dst: str, fmt: QuantFormat) -> None:
     tensors = load_file(path)
     for name, w in tensors.items():
         if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
-            tensors[name] = dequantize(quantize(w.astype(np.float32), fmt))
+            tensors[name] = dequantize(quantize(w.astype(np.float32), fmt.for_k(w.shape[1])))
     save_file(tensors, path, metadata={"format": "pt"})
 
 

@@ -40,6 +40,17 @@ class QuantFormat:
     bits: int = 8
     group_size: int = 128
     kind: str = "sym"
+    fit_group: bool = False  # a weight whose K the group does not divide takes 64 or 32
+
+    def for_k(self, k: int) -> "QuantFormat":
+        """The format a weight with k input features gets (fit_group: the largest of
+        group_size, 64, 32 that divides k; otherwise this format)."""
+        if not self.fit_group or self.group_size == -1 or k % self.group_size == 0:
+            return self
+        for g in (64, 32):
+            if g < self.group_size and k % g == 0:
+                return QuantFormat(self.bits, g, self.kind)
+        return self
 
     def __post_init__(self):
         if self.bits not in (4, 8):
@@ -75,24 +86,25 @@ class QuantFormat:
 
     @classmethod
     def parse(cls, name: str) -> "QuantFormat":
-        """'int8' (groups of 128), 'int4' (groups of 32 with a min), or e.g. 'int4-g128-sym',
-        'int8-channel'."""
+        """'int8' (groups of 128, or 64/32 where 128 does not divide K), 'int4' (groups of 32
+        with a min), or e.g. 'int4-g128-sym', 'int8-channel' (an explicit group is kept)."""
         parts = str(name).lower().split("-")
         base = {"int8": cls(8, 128, "sym"), "int4": cls(4, 32, "min")}.get(parts[0])
         if base is None:
             raise QuantError(f"Unknown quantization {name!r}; use 'int8' or 'int4' "
                              f"(optionally -g32/-g64/-g128, -channel, -sym/-zero/-min).")
         bits, group, kind = base.bits, base.group_size, base.kind
+        fit = True
         for p in parts[1:]:
             if p.startswith("g") and p[1:].isdigit():
-                group = int(p[1:])
+                group, fit = int(p[1:]), False
             elif p == "channel":
-                group = -1
+                group, fit = -1, False
             elif p in KINDS:
                 kind = p
             else:
                 raise QuantError(f"Unknown quantization option {p!r} in {name!r}.")
-        return cls(bits, group, kind)
+        return cls(bits, group, kind, fit)
 
 
 @dataclass

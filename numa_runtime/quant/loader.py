@@ -66,11 +66,12 @@ class LinearFactory:
         if self.quant is None or not quantize_dense:
             return self.ckpt.load(name, self.dtype, rows=rows, cols=cols)
         w = self.ckpt.load(name, "float32", rows=rows, cols=cols)            # [n, k] this slice
-        if self.quant.group_size > 0 and w.shape[1] % self.quant.group_size:
+        fmt = self.quant.for_k(w.shape[1])
+        if fmt.group_size > 0 and w.shape[1] % fmt.group_size:
             raise QuantError(f"{name}: this rank's slice has {w.shape[1]} input features, not a "
-                             f"multiple of the group size {self.quant.group_size}; use fewer "
-                             f"ranks or a smaller group size.")
-        return quantize(w, self.quant)
+                             f"multiple of the group size {fmt.group_size}; use fewer ranks or a "
+                             f"smaller group size.")
+        return quantize(w, fmt)
 
     def _single(self, w):
         return qlinear(self.ops, w) if isinstance(w, QuantizedWeight) else self.ops.Linear(w)
