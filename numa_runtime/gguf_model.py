@@ -29,15 +29,16 @@ def is_gguf_dir(model_dir: str) -> bool:
     return os.path.exists(os.path.join(model_dir, GGUF_LINK))
 
 
-def gguf_model_dir(path: str) -> str:
+def gguf_model_dir(path: str, name: str | None = None) -> str:
     """The cache directory describing the GGUF at `path` (made on first use; one writer at a
-    time, renamed into place when complete)."""
+    time, renamed into place when complete). Its base name, which the server reports as the
+    model name, is `name` or the file's stem."""
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file {path!r} does not exist.")
     st = os.stat(path)
     key = hashlib.sha1(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    stem = os.path.splitext(os.path.basename(path))[0]
+    stem = name or os.path.splitext(os.path.basename(path))[0]
     parent = os.path.join(env.cache_dir(), "gguf", key)
     target = os.path.join(parent, stem)
     if os.path.isfile(os.path.join(target, "config.json")):
