@@ -78,3 +78,18 @@ def test_truncated_file_is_a_clear_error(hf_models, tmp_path):
         f.truncate(os.path.getsize(path) - 1000)
     with pytest.raises((CheckpointError, UnsupportedModelError), match="truncated|not a readable GGUF"):
         engine(path)
+
+
+def test_two_ranks_equal_reference(hf_models, tmp_path):
+    """Each rank maps only its rows/columns of the Q4_0 blocks (column splits on 32-element
+    block boundaries); tokens equal the dequantized model run in one process."""
+    from test_quant_model import result, run_mpi
+    path = str(tmp_path / "m.Q4_0.gguf")
+    write_gguf(hf_models["llama"], path, "Q4_0")
+    ref_dir = str(tmp_path / "ref")
+    write_reference(hf_models["llama"], path, ref_dir)
+    r = engine(ref_dir)
+    expected = r.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].token_ids
+    r.close()
+    out = result(run_mpi(2, path, "none"))
+    assert out["world"] == 2 and out["tokens"] == [expected]
