@@ -129,9 +129,9 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"Unsupported architecture {archs or cfg.get('model_type')!r}; numa_runtime runs "
                 f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}.")
-        if cfg.get("quantization_config"):
-            raise UnsupportedModelError("Quantized checkpoints (quantization_config) are not supported; "
-                                        "use a bf16, f16 or f32 checkpoint.")
+        if cfg.get("quantization_config"):  # AWQ / GPTQ int4, or one clear error
+            from .quant.hf_quant import check_quantization_config
+            check_quantization_config(cfg["quantization_config"])
         act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
         if act not in ("silu", "swish"):
             raise UnsupportedModelError(f"Unsupported activation {act!r}; only silu is supported.")

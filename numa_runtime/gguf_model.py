@@ -126,4 +126,9 @@ def open_checkpoint(cfg):
             index = json.load(f)
         return GGUFCheckpoint(os.path.realpath(os.path.join(cfg.model_dir, GGUF_LINK)), index,
                               cfg.num_heads, cfg.num_kv_heads)
+    with open(os.path.join(cfg.model_dir, "config.json")) as f:
+        qcfg = json.load(f).get("quantization_config")
+    if qcfg:
+        from .quant.hf_quant import HFQuantCheckpoint
+        return HFQuantCheckpoint(Checkpoint(cfg.model_dir), qcfg)
     return Checkpoint(cfg.model_dir)
