@@ -98,6 +98,11 @@ class GGUFCheckpoint:
             self._tensors[name] = t
         self._logged = set()
 
+    @property
+    def split_align(self) -> int:
+        """32 where any tensor is kept in its (32-element) blocks, else 1."""
+        return 32 if any(t.type in LOSSLESS for t in self._tensors.values()) else 1
+
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
 

@@ -62,6 +62,10 @@ class HFQuantCheckpoint:
         self.zero_offset = 1 if self.method == "gptq" and qcfg.get("checkpoint_format", "gptq") == "gptq" else 0
         self.fmt = QuantFormat(4, self.group, "zero")
 
+    @property
+    def split_align(self) -> int:
+        return self.group
+
     def _base(self, name: str) -> str | None:
         if name.endswith(".weight") and name[:-6] + "qweight" in self.ckpt:
             return name[:-6]

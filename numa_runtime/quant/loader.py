@@ -32,6 +32,13 @@ class LinearFactory:
     def __init__(self, ops, ckpt, dtype: str, quant: QuantFormat | None = None):
         self.ops, self.ckpt, self.dtype, self.quant = ops, ckpt, dtype, quant
 
+    @property
+    def split_align(self) -> int:
+        """Input columns a rank's slice of a row-parallel weight must come in multiples of:
+        the file's quantization blocks, or the group we quantize in (1 for dense weights)."""
+        own = self.quant.group_size if self.quant is not None and self.quant.group_size > 0 else 1
+        return max(own, getattr(self.ckpt, "split_align", 1))
+
     def __call__(self, parts: list[Part], bias: np.ndarray | None = None):
         weights = [self._weight(*p) for p in parts]
         if all(isinstance(w, np.ndarray) for w in weights):
