@@ -19,7 +19,7 @@ import logging
 
 import numpy as np
 
-from .backend.reference import f32_to_bf16
+from .backend.reference import bf16_to_f32, f32_to_bf16
 from .quant.formats import QuantError, QuantFormat, QuantizedWeight
 from .weights import CheckpointError
 
@@ -161,7 +161,7 @@ class GGUFCheckpoint:
         shape = self.shape(name)
         if len(shape) == 1:
             w = self.raw(name)
-            w = (w.astype(np.uint32) << 16).view(np.float32) if kind == "BF16" else w
+            w = bf16_to_f32(w) if kind == "BF16" else w
             w = np.asarray(w, np.float32)[rows if rows is not None else slice(None)]
         elif kind in LOSSLESS:
             from .quant.formats import dequantize
@@ -170,7 +170,7 @@ class GGUFCheckpoint:
             idx = self._row_index(name, rows, shape[0])
             if kind in DENSE:
                 w = self.raw(name)[idx]
-                w = (w.astype(np.uint32) << 16).view(np.float32) if kind == "BF16" else w.astype(np.float32)
+                w = bf16_to_f32(w) if kind == "BF16" else w.astype(np.float32)
             else:
                 from gguf import GGMLQuantizationType
                 from gguf.quants import dequantize as gguf_dequantize
