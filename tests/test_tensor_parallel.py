@@ -90,3 +90,13 @@ def test_data_parallel_greedy_equals_one_rank(single, ranks):
     assert [r["replica"] for r in multi["per_rank"]] == [r * 2 // ranks for r in range(ranks)]
     assert multi["tokens"] == tokens
     assert "parallel: 2 replica(s) x %d tensor-parallel rank(s) (asked for)" % (ranks // 2) in log
+
+
+def test_readme_command_on_two_ranks_with_the_default_model():
+    # The default model (SmolLM2-135M: 9 heads / 3 kv heads) split 6 + 3 over two ranks
+    cmd = ["mpirun", "-np", "2", sys.executable, "-m", "numa_runtime", "What is the capital of France?",
+           "--max-tokens", "12"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_env(), cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "rank 0/2 holds q heads 0-5 (6), kv heads 0-1 (2)" in p.stderr
+    assert "Paris" in p.stdout, p.stdout
