@@ -39,8 +39,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import (ROOT, add_model_args, find_mpirun, resolve_model,  # noqa: E402
                           weights_bytes_per_token, write_report)
-from launch.cli import RANK_ENV, build_command, plan_ranks  # noqa: E402
-from launch.topology import format_cpulist, read_topology  # noqa: E402
+from numa_runtime.launch.cli import RANK_ENV, build_command, plan_ranks  # noqa: E402
+from numa_runtime.launch.topology import format_cpulist, read_topology  # noqa: E402
 
 CHILD = os.path.join(ROOT, "bench", "_scaling_child.py")
 

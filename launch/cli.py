@@ -24,7 +24,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 
-from launch.topology import SYSFS_NODE_DIR, Topology, format_cpulist, read_topology, split_cpus
+from .topology import SYSFS_NODE_DIR, Topology, format_cpulist, read_topology, split_cpus
 
 # Environment every rank gets. NUMA_RUNTIME_BOUND tells numa_runtime.numa not to re-bind;
 # funneled MPI threading measured ~3x faster on small allreduces than the default.

@@ -13,7 +13,7 @@ import os
 import platform
 from dataclasses import dataclass
 
-from launch.topology import Topology, format_cpulist, read_topology, split_cpus
+from .launch.topology import Topology, format_cpulist, read_topology, split_cpus
 
 from . import env
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .recorder import FORWARD, NULL_RECORDER
 from .request import Request
 
 
@@ -10,8 +11,8 @@ class Sampler:
     """Turns logits rows into one token per request. A request with a seed draws from its
     own generator, so its tokens do not depend on what else is in the batch."""
 
-    def __init__(self, ops, vocab_size: int, seed: int = 0):
-        self.ops = ops
+    def __init__(self, ops, vocab_size: int, seed: int = 0, recorder=NULL_RECORDER):
+        self.ops, self.recorder = ops, recorder
         self.vocab_size = vocab_size
         self.rng = np.random.default_rng(seed)
         self._rngs: dict[str, np.random.Generator] = {}
@@ -20,6 +21,11 @@ class Sampler:
         self._rngs.pop(request_id, None)
 
     def __call__(self, logits: np.ndarray, reqs: list[Request], eos_ids: set[int]):
+        """(token ids [N], per request None or (logprob of its token, {top token: logprob}))."""
+        with self.recorder.span(FORWARD, "sample"):
+            return self._sample(logits, reqs, eos_ids)
+
+    def _sample(self, logits: np.ndarray, reqs: list[Request], eos_ids: set[int]):
         # logits: [N, V] f32, rows align with reqs; this step's own buffer, changed in place
         n = len(reqs)
         if n == 0:

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from launch.cli import build_command, plan_ranks
-from launch.topology import format_cpulist, parse_cpulist, read_topology, split_cpus
+from numa_runtime.launch.cli import build_command, plan_ranks
+from numa_runtime.launch.topology import format_cpulist, parse_cpulist, read_topology, split_cpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RANK_ENV = "-env MPI4PY_RC_THREAD_LEVEL funneled -env NUMA_RUNTIME_BOUND 1"
@@ -18,7 +18,7 @@ CMD = "python -m numa_runtime.serve --model 'my dir'"
 def launch(*args: str, env=None, timeout: float = 120) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "NUMA_RUNTIME_BOUND"))}
     base["PYTHONPATH"] = ROOT
-    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "numa_runtime.launch.cli", *args], cwd=ROOT,
                           env={**base, **(env or {})}, capture_output=True, text=True,
                           timeout=timeout)
 

@@ -1,7 +1,7 @@
 """`python -m numa_runtime.serve` / `numa-serve`: the OpenAI-compatible server.
 
-Under mpirun every rank builds the Engine; worker ranks never return from its constructor, and
-rank 0 goes on to serve. The engine loop runs on the main thread (the one that initialised
+Under mpirun every rank builds the Engine; worker ranks then execute rank 0's steps in
+engine.serve_workers() until it shuts down, and rank 0 goes on to serve. The engine loop runs on the main thread (the one that initialised
 MPI, as thread level "funneled" requires) and the HTTP server on a second thread.
 """
 from __future__ import annotations
@@ -73,10 +73,13 @@ def main(argv=None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        engine = build_engine(args)  # NOTE: first, and on every rank: workers never return from it
+        engine = build_engine(args)  # NOTE: first, and on every rank
     except (ValueError, FileNotFoundError) as e:
         print(f"numa-serve: error: {e}", file=sys.stderr)
         return 2
+    if not engine.is_driver:
+        engine.serve_workers()  # returns when rank 0 shuts down
+        return 0
 
     import uvicorn
     from .app import ServeConfig, build_app
