@@ -21,6 +21,7 @@ import sys
 import time
 from typing import Iterable, Iterator
 
+from . import data_parallel
 from .config import EngineConfig, ModelConfig
 from .outputs import CompletionOutput, RequestOutput, TextState
 from .recorder import FORWARD, RESHAPE
@@ -38,7 +39,7 @@ class Engine:
 
     def __init__(self, model: str | None = None, dtype: str = "bfloat16", max_model_len: int | None = None,
                  num_threads: int | None = None, **kwargs):
-        from . import backend, data_parallel, distributed, profiler
+        from . import backend, distributed, profiler
         from .default_model import default_model_dir
         from .kv_cache.block_manager import BlockManager
         from .model_runner import ModelRunner
