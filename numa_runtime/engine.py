@@ -18,12 +18,12 @@ import itertools
 import logging
 import os
 import sys
-import time
+from collections import deque
 from typing import Iterable, Iterator
 
 from . import data_parallel
 from .config import EngineConfig, ModelConfig
-from .outputs import CompletionOutput, RequestOutput, TextState
+from .outputs import RequestOutput, TextState
 from .recorder import FORWARD, RESHAPE
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
@@ -71,6 +71,7 @@ class Engine:
             atexit.register(self.close)
             return
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
+        self.max_model_len = self._fit_max_len_to_cache(mcfg)
         schedulers = [Scheduler(SchedulerConfig(max_num_seqs=self.config.max_num_seqs,
                                                 max_num_batched_tokens=self.config.max_num_batched_tokens,
                                                 max_model_len=self.max_model_len, sliding_window=mcfg.min_window),
@@ -87,6 +88,7 @@ class Engine:
                                                 os.path.basename(os.path.normpath(mcfg.model_dir)))
         self._groups: dict[str, _Group] = {}
         self._texts: dict[str, TextState] = {}
+        self._step_outbox: deque[RequestOutput] = deque()  # outputs of add_request's requests
         self._ids = itertools.count()
         self._closed = False
         atexit.register(self.close)
@@ -122,6 +124,16 @@ class Engine:
             raise ValueError(f"max_model_len={asked} exceeds what the model supports ({limit} tokens).")
         return asked
 
+    def _fit_max_len_to_cache(self, mcfg: ModelConfig) -> int:
+        """The context one request can really use: no more tokens than the KV cache holds (unless
+        every layer slides a window, and old blocks are released)."""
+        capacity = self.runner.num_blocks * self.config.block_size
+        if mcfg.min_window or self.max_model_len <= capacity:
+            return self.max_model_len
+        log.warning("max_model_len %d lowered to %d: the KV cache holds %d tokens; enlarge it "
+                    "(kv_cache_memory) for longer requests", self.max_model_len, capacity, capacity)
+        return capacity
+
     def _log_start(self) -> None:
         s = self.summary()
         mib = 1 << 20
@@ -149,19 +161,25 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        """Queue a prompt (text or token ids); returns its request id."""
+        """Queue a prompt (text or token ids); returns its request id. Its outputs come back from
+        step(), also those made while generate() or stream() stepped the engine."""
         self._driver_only("add_request")
+        return self._add(prompt, params, request_id, self._step_outbox)
+
+    def _add(self, prompt, params: SamplingParams | None, request_id: str | None, outbox: deque) -> str:
+        """Queue a request whose outputs are appended to `outbox` (its owner reads them there)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams.")
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         if rid in self._groups:
             raise ValueError(f"Request id {rid!r} is already in use.")
+        bad = [t for t in params.logit_bias if t >= self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias names token {bad[0]}, outside the vocabulary "
+                             f"(size {self.model_config.vocab_size}).")
         text, ids = self._tokenize(prompt)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"The prompt has {len(ids)} tokens, but the context holds {self.max_model_len}; "
-                             "shorten it or raise max_model_len.")
-        group = _Group(rid, text, ids, params)
+        group = _Group(rid, text, ids, params, outbox)
         try:
             for i in range(params.n):
                 sp = params if params.n == 1 else _child_params(params, i)
@@ -180,7 +198,7 @@ class Engine:
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode_within(prompt, self.max_model_len)
             text = prompt
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids, text = list(prompt), None
@@ -188,39 +206,50 @@ class Engine:
             raise TypeError("A prompt must be a string or a list of token ids.")
         if not ids:
             raise ValueError("The prompt is empty.")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"The prompt has {len(ids)} tokens, but the context holds {self.max_model_len}; "
+                             "shorten it or raise max_model_len.")
         bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise ValueError(f"Token id {bad[0]} is outside the vocabulary (size {self.model_config.vocab_size}).")
         return text, ids
 
     def abort_request(self, request_id: str) -> None:
+        """Stop a request; its owner gets a last output with finish_reason "abort". Idempotent."""
         group = self._groups.pop(str(request_id), None)
         if group is None:
             return
         for req in group.children:
             if not req.is_finished:
                 self.scheduler.abort_request(req.request_id)
-            self._forget(req)
+        group.outbox.append(self._output(group))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """One engine iteration: schedule -> execute -> update. Returns outputs that changed."""
+        """One engine iteration: schedule -> execute -> update. Returns the outputs of the
+        requests queued with add_request since the last call, in order (outputs of generate()
+        and stream() requests go to those calls, never here)."""
         self._driver_only("step")
+        if self.scheduler.has_unfinished():
+            self._step()
+        return _take_all(self._step_outbox)
+
+    def _step(self) -> None:
         rec = self.recorder  # times the three under AS_PROFILE=ON; otherwise does nothing
         rec.begin_step()
         with rec.span(RESHAPE, "schedule"):
             out = self.scheduler.schedule()
         logits = self.runner.execute(out.plan)
         with rec.span(FORWARD, "update"):
-            outputs = self._update(out, logits)
+            self._update(out, logits)
         if rec.trace_due():  # AS_PROFILE_TRACE: once, when its number of steps is kept
             self.export_chrome_trace(rec.trace_path)
-        return outputs
 
-    def _update(self, out, logits) -> list[RequestOutput]:
+    def _update(self, out, logits) -> None:
+        """Sample, append tokens, decide stops, and hand each changed request's output to its owner."""
         ids, logprobs = self.sampler(logits, out.sampling, self.eos_ids)
         self.scheduler.update(out, ids)
         changed = {}
@@ -232,16 +261,11 @@ class Engine:
             if status is not None:
                 self.scheduler.finish_request(req, status)
             changed[text.group.request_id] = text.group
-        return [self._output(g) for g in changed.values()]
+        for group in changed.values():
+            group.outbox.append(self._output(group))
 
     def _output(self, group: "_Group") -> RequestOutput:
-        outs = []
-        for i, req in enumerate(group.children):
-            st = self._texts[req.request_id]
-            outs.append(CompletionOutput(i, st.text, list(req.output_token_ids), req.finish_reason,
-                                         req.stop_reason,
-                                         list(req.logprobs) if req.sampling_params.logprobs is not None else None,
-                                         delta=st.take_delta(req.is_finished)))
+        outs = [self._texts[req.request_id].output(i) for i, req in enumerate(group.children)]
         finished = all(r.is_finished for r in group.children)
         first = group.children[0]
         ro = RequestOutput(group.request_id, group.prompt, group.prompt_ids, outs, finished,
@@ -260,6 +284,7 @@ class Engine:
     # ------------------------------------------------------------------ conveniences
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run prompts (strings or token-id lists) to completion; outputs in input order."""
+        self._driver_only("generate")
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         plist = [prompts] if single else list(prompts)
         if isinstance(params, list):
@@ -267,11 +292,15 @@ class Engine:
                 raise ValueError(f"Got {len(params)} SamplingParams for {len(plist)} prompts.")
         else:
             params = [params or SamplingParams()] * len(plist)
-        rids = [self.add_request(p, sp) for p, sp in zip(plist, params)]
+        outbox: deque[RequestOutput] = deque()
+        rids: list[str] = []
         final: dict[str, RequestOutput] = {}
         try:
+            for p, sp in zip(plist, params):
+                rids.append(self._add(p, sp, None, outbox))
             while len(final) < len(rids):
-                for o in self.step():
+                self._wait(outbox)
+                for o in _take_all(outbox):
                     if o.finished:
                         final[o.request_id] = o
         except BaseException:
@@ -281,19 +310,31 @@ class Engine:
         return [final[r] for r in rids]
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield text deltas of one request; they join to the final text."""
-        rid = self.add_request(prompt, params)
+        """Yield text deltas of one request; they join to the final text. Other streams,
+        generate() and step() may run between reads: each gets only its own outputs."""
+        self._driver_only("stream")
+        outbox: deque[RequestOutput] = deque()
+        rid = self._add(prompt, params, None, outbox)
         done = False
         try:
             while not done:
-                for o in self.step():
-                    if o.request_id == rid:
-                        if o.outputs[0].delta:
-                            yield o.outputs[0].delta
-                        done = o.finished
+                self._wait(outbox)
+                while outbox and not done:
+                    o = outbox.popleft()
+                    done = o.finished
+                    if o.outputs[0].delta:
+                        yield o.outputs[0].delta
         finally:
             if not done:
                 self.abort_request(rid)
+
+    def _wait(self, outbox: deque) -> None:
+        """Step until `outbox` (of unfinished requests) holds an output."""
+        while not outbox:
+            if not self.scheduler.has_unfinished():  # NOTE: an unfinished request is always scheduled
+                raise RuntimeError("The engine has no request left to run but an output is missing; "
+                                   "this is a bug in numa_runtime, please report it.")
+            self._step()
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, **template_kwargs) -> RequestOutput:
         """Render messages with the model's chat template and generate the reply."""
@@ -370,14 +411,22 @@ class Engine:
 class _Group:
     """The n sequences of one user request."""
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams):
+    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+                 outbox: deque):
         self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
+        self.outbox = outbox  # where its outputs go: the queue its owner reads
         self.children: list[Request] = []
+
+
+def _take_all(outbox: deque) -> list:
+    items = list(outbox)
+    outbox.clear()
+    return items
 
 
 def _child_params(p: SamplingParams, i: int) -> SamplingParams:
     import dataclasses
-    return dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + i)
+    return dataclasses.replace(p, n=1, seed=None if p.seed is None else (p.seed + i) % (1 << 64))
 
 
 class _Progress:

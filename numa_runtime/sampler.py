@@ -9,7 +9,8 @@ from .request import Request
 
 class Sampler:
     """Turns logits rows into one token per request. A request with a seed draws from its
-    own generator, so its tokens do not depend on what else is in the batch."""
+    own generator, so its tokens do not depend on what else is in the batch. Order per row:
+    logprobs (of the raw distribution), logit_bias, penalties, min_tokens bans, then sampling."""
 
     def __init__(self, ops, vocab_size: int, seed: int = 0, recorder=NULL_RECORDER):
         self.ops, self.recorder = ops, recorder
@@ -33,6 +34,9 @@ class Sampler:
         logprobs = self._logprobs(logits, reqs)  # from the raw distribution, before penalties
         for i, r in enumerate(reqs):
             sp = r.sampling_params
+            if sp.logit_bias:
+                ids, bias = zip(*sp.logit_bias.items())
+                logits[i, list(ids)] += np.asarray(bias, np.float32)
             if sp.has_penalties:
                 self._apply_penalties(logits[i], r)
             if r.num_output_tokens < sp.min_tokens:
