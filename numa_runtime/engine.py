@@ -21,7 +21,6 @@ import sys
 from collections import deque
 from typing import Iterable, Iterator
 
-from . import data_parallel
 from .config import EngineConfig, ModelConfig
 from .outputs import RequestOutput, TextState
 from .recorder import FORWARD, RESHAPE
@@ -39,7 +38,7 @@ class Engine:
 
     def __init__(self, model: str | None = None, dtype: str = "bfloat16", max_model_len: int | None = None,
                  num_threads: int | None = None, **kwargs):
-        from . import backend, distributed, profiler
+        from . import backend, data_parallel, distributed, profiler
         from .default_model import default_model_path
         from .kv_cache.block_manager import BlockManager
         from .model_runner import ModelRunner
@@ -379,6 +378,7 @@ class Engine:
         if self.comm.is_driver or self._closed:
             return
         self._closed = True
+        from . import data_parallel
         data_parallel.worker_loop(self.runner, self._link)
 
     def _driver_only(self, call: str) -> None:
