@@ -222,6 +222,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     eviction: str = "lru"
     backend: str = "cpu"
+    device: str = "cpu"                # "cuda": the model shard on a GPU (cuda_backend/)
+    host_kv_cache_memory: int = 0      # bytes of pinned host memory behind the GPU KV cache (0: off)
+    cuda_graphs: bool = True           # device "cuda": replay decode steps as CUDA graphs
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -238,6 +241,13 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}.")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive.")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}.")
+        if not isinstance(self.host_kv_cache_memory, int) or self.host_kv_cache_memory < 0:
+            raise ValueError(f"host_kv_cache_memory must be a non-negative number of bytes, "
+                             f"got {self.host_kv_cache_memory!r}.")
+        if self.host_kv_cache_memory and self.device != "cuda":
+            raise ValueError("host_kv_cache_memory is a tier behind the GPU KV cache; it needs device='cuda'.")
         if not 0.0 < self.kv_cache_fraction <= 0.95:
             raise ValueError(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction!r}.")
 

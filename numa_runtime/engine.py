@@ -34,7 +34,6 @@ class Engine:
         from . import backend, distributed, profiler
         from .default_model import default_model_dir
         from .kv_cache.block_manager import BlockManager
-        from .model_runner import ModelRunner
         from .sampler import Sampler
         from .scheduler import Scheduler, SchedulerConfig
         from .tokenizer import Tokenizer
@@ -49,9 +48,8 @@ class Engine:
         if self.comm.is_driver:  # NOTE: fail on a missing tokenizer before reading any weight
             self.tokenizer = Tokenizer.from_dir(mcfg.model_dir)
         self.ops = profiler.wrap_ops(ops, self.comm)
-        self.runner = ModelRunner(mcfg, self.config, profiler.wrap_comm(self.comm, self.ops), self.ops,
-                                  self.max_model_len,
-                                  progress=_Progress() if self.comm.is_driver else None)
+        self.runner = _make_runner(mcfg, self.config, profiler.wrap_comm(self.comm, self.ops), self.ops,
+                                   self.max_model_len, progress=_Progress() if self.comm.is_driver else None)
         self.ranks = self.comm.gather_object(self._rank_info(placement))  # rank 0: one dict per rank
         if not self.comm.is_driver:
             self.runner.worker_loop()  # returns when rank 0 shuts down
@@ -59,7 +57,8 @@ class Engine:
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           enable_prefix_caching=self.config.enable_prefix_caching,
-                                          eviction=self.config.eviction)
+                                          eviction=self.config.eviction,
+                                          host_tier=getattr(self.runner, "host_tier", None))
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=self.config.max_num_seqs,
                                                    max_num_batched_tokens=self.config.max_num_batched_tokens,
                                                    max_model_len=self.max_model_len,
@@ -289,6 +288,15 @@ class Engine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _make_runner(mcfg, cfg: EngineConfig, comm, ops, max_model_len: int, progress):
+    """The one place where the device picks the model runner (torch is imported only for cuda)."""
+    if cfg.device == "cuda":
+        import cuda_backend
+        return cuda_backend.make_runner(mcfg, cfg, comm, max_model_len, progress)
+    from .model_runner import ModelRunner
+    return ModelRunner(mcfg, cfg, comm, ops, max_model_len, progress=progress)
 
 
 class _Group:
