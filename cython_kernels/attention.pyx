@@ -27,6 +27,8 @@ cdef extern from "attention_kernels.h":
         int64_t S
         float scale
         int64_t window
+        int level
+        int64_t tiled_min
         float *out
         int64_t o_st, o_sh
     int64_t nr_reshape_and_cache(const float *k, int64_t k_st, int64_t k_sh,
@@ -34,7 +36,29 @@ cdef extern from "attention_kernels.h":
                                  void *kc, void *vc, int is_bf16, int64_t T, int64_t Hk,
                                  int64_t D, const int64_t *slots, int64_t n_slots) nogil
     int64_t nr_attn_check(const nr_attn_args *a, int64_t T) nogil
+    int nr_tile_level() nogil
     void nr_paged_attention(const nr_attn_args *a) nogil
+
+
+cdef int _level = nr_tile_level()
+# NOTE: items with at least this many query vectors (query rows x query heads per kv head)
+# run the register-tiled path (Q K^T and P V as small matrix products over a transposed key
+# tile); fewer (MHA or small-group decode) run dot products straight from the cache rows,
+# which skips the transposition that one query vector cannot amortize.
+TILED_MIN_QUERIES = 4
+cdef int64_t _tiled_min = TILED_MIN_QUERIES
+
+
+def _force_paths(level=None, tiled_min=None):
+    """Tests only: cap the tile ISA level (1 AVX-512, 0 AVX2) and set the tiled-path
+    threshold; returns the previous (level, tiled_min)."""
+    global _level, _tiled_min
+    old = (_level, _tiled_min)
+    if level is not None:
+        _level = min(max(int(level), 0), nr_tile_level())
+    if tiled_min is not None:
+        _tiled_min = max(int(tiled_min), 1)
+    return old
 
 
 cdef _check_thd(t, str name, bint writable=False):
@@ -138,6 +162,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens
         raise ValueError("paged_attention: window must be >= 0 (0 = no sliding window), got %d"
                          % window)
     a.window = window
+    a.level = _level
+    a.tiled_min = _tiled_min
     a.out = <float *>cnp.PyArray_DATA(out)
     a.o_st = o_st
     a.o_sh = o_sh

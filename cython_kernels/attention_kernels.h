@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <omp.h>
 #include "ops_math.h"
+#include "tile_kernels.h"
 
 #pragma GCC push_options
 #pragma GCC optimize("no-trapping-math")
@@ -65,6 +66,8 @@ typedef struct {
     const int32_t *qstart, *ctx; int64_t S;
     float scale;
     int64_t window;  /* sliding window in keys, 0 = none */
+    int level;       /* tile_kernels.h level: 1 AVX-512, 0 AVX2 */
+    int64_t tiled_min;  /* items of >= this many query vectors use the tiled path */
     float *out; int64_t o_st, o_sh;
 } nr_attn_args;
 
@@ -176,6 +179,7 @@ static void nr_attn_item(const nr_attn_args *a, int64_t s, int64_t hk, int64_t i
             float *p = sc + qi * NR_KT;
             nr_scores(Q + qi * D, krows + lo, n - lo, D, p + lo);
             float mx = m[qi];
+            #pragma omp simd reduction(max:mx)
             for (int64_t j = lo; j < n; j++) mx = p[j] > mx ? p[j] : mx;
             float corr = nr_expf(m[qi] - mx), sum = 0.f;
             #pragma omp simd reduction(+:sum)
@@ -205,6 +209,113 @@ static void nr_attn_item(const nr_attn_args *a, int64_t s, int64_t hk, int64_t i
         float inv = 1.0f / l[qi];
         #pragma omp simd
         for (int64_t d = 0; d < D; d++) dst[d] = ac[d] * inv;
+    }
+}
+
+static inline int64_t nr_pad16(int64_t d) { return (d + 15) / 16 * 16; }
+
+static inline size_t nr_ws_tiled_floats(int64_t nq, int64_t D) {
+    int64_t Dp = nr_pad16(D);
+    return (size_t)(nq * D + nq * Dp + 2 * nq + nq * NR_KT + D * NR_KT + NR_KT * Dp + 64);
+}
+
+/* Keys j0..j0+nk of kv head hk of sequence s, transposed into Kt [D][NR_KT] (keys >= nk zero),
+ * and values into Vb [NR_KT][Dp] (zero padded). */
+static void nr_gather_tiles(const nr_attn_args *a, int64_t s, int64_t hk, int64_t j0, int64_t nk,
+                            float *Kt, float *Vb, int64_t Dp) {
+    const int32_t *bt = a->bt + s * a->bt_st;
+    int64_t D = a->D;
+    for (int64_t j = 0; j < NR_KT; j++) {
+        float *vd = Vb + j * Dp;
+        if (j >= nk) {
+            for (int64_t d = 0; d < D; d++) Kt[d * NR_KT + j] = 0.f;
+            for (int64_t d = 0; d < Dp; d++) vd[d] = 0.f;
+            continue;
+        }
+        int64_t p = j0 + j;
+        int64_t off = (((int64_t)bt[p / a->bs] * a->bs + p % a->bs) * a->Hk + hk) * D;
+        if (a->is_bf16) {
+            const uint16_t *ks = (const uint16_t *)a->kc + off, *vs = (const uint16_t *)a->vc + off;
+            for (int64_t d = 0; d < D; d++) Kt[d * NR_KT + j] = nr_bf16_to_f32(ks[d]);
+            #pragma omp simd
+            for (int64_t d = 0; d < D; d++) vd[d] = nr_bf16_to_f32(vs[d]);
+        } else {
+            const float *ks = (const float *)a->kc + off, *vs = (const float *)a->vc + off;
+            for (int64_t d = 0; d < D; d++) Kt[d * NR_KT + j] = ks[d];
+            memcpy(vd, vs, (size_t)D * sizeof(float));
+        }
+        for (int64_t d = D; d < Dp; d++) vd[d] = 0.f;
+    }
+}
+
+/* nr_attn_item with the two products of each key tile as register-tiled matrix products:
+ * S[nq][64] = Q[nq][D] Kt[D][64], then O[nq][Dp] += P[nq][64] Vb[64][Dp]. Same contract. */
+static void nr_attn_item_tiled(const nr_attn_args *a, int64_t s, int64_t hk, int64_t i0,
+                               int64_t i1, int64_t ja, int64_t jb, float *ws, float *part) {
+    int64_t D = a->D, Dp = nr_pad16(D), group = a->Hq / a->Hk;
+    int64_t q0 = a->qstart[s], n_new = a->qstart[s + 1] - q0;
+    int64_t base = (int64_t)a->ctx[s] - n_new;  /* position of query row 0 */
+    int64_t nq = (i1 - i0) * group;
+    float *Q = ws, *O = Q + nq * D, *m = O + nq * Dp, *l = m + nq, *S = l + nq;
+    float *Kt = S + nq * NR_KT, *Vb = Kt + D * NR_KT;
+
+    for (int64_t qi = 0; qi < nq; qi++) {
+        int64_t i = i0 + qi / group, h = hk * group + qi % group;
+        const float *src = a->q + (q0 + i) * a->q_st + h * a->q_sh;
+        float *dst = Q + qi * D, *o = O + qi * Dp;
+        #pragma omp simd
+        for (int64_t d = 0; d < D; d++) dst[d] = src[d] * a->scale;
+        for (int64_t d = 0; d < Dp; d++) o[d] = 0.f;
+        m[qi] = -INFINITY;
+        l[qi] = 0.f;
+    }
+    for (int64_t j0 = ja; j0 < jb; j0 += NR_KT) {
+        int64_t nk = jb - j0 < NR_KT ? jb - j0 : NR_KT;
+        nr_gather_tiles(a, s, hk, j0, nk, Kt, Vb, Dp);
+        nr_mm(a->level, Q, D, Kt, NR_KT, S, NR_KT, nq, NR_KT, D, 1);
+        for (int64_t qi = 0; qi < nq; qi++) {
+            int64_t pos = base + i0 + qi / group;
+            int64_t lo = nr_first_key(a, pos) - j0, n = pos + 1 - j0;  /* visible: [lo, n) */
+            if (n > nk) n = nk;
+            if (lo < 0) lo = 0;
+            float *p = S + qi * NR_KT;
+            if (n <= lo) {  /* nothing visible: P row of zeros, m and l unchanged */
+                for (int64_t j = 0; j < NR_KT; j++) p[j] = 0.f;
+                continue;
+            }
+            float mx = m[qi];
+            #pragma omp simd reduction(max:mx)
+            for (int64_t j = lo; j < n; j++) mx = p[j] > mx ? p[j] : mx;
+            float corr = nr_expf(m[qi] - mx), sum = 0.f;
+            for (int64_t j = 0; j < lo; j++) p[j] = 0.f;
+            #pragma omp simd reduction(+:sum)
+            for (int64_t j = lo; j < n; j++) { p[j] = nr_expf(p[j] - mx); sum += p[j]; }
+            for (int64_t j = n; j < NR_KT; j++) p[j] = 0.f;
+            l[qi] = l[qi] * corr + sum;
+            m[qi] = mx;
+            if (corr != 1.0f) {
+                float *o = O + qi * Dp;
+                #pragma omp simd
+                for (int64_t d = 0; d < Dp; d++) o[d] *= corr;
+            }
+        }
+        nr_mm(a->level, S, NR_KT, Vb, Dp, O, Dp, nq, Dp, nk, 0);
+    }
+    if (part != NULL) {
+        float *pm = part + nq * D, *pl = pm + nq;
+        for (int64_t qi = 0; qi < nq; qi++) {
+            memcpy(part + qi * D, O + qi * Dp, (size_t)D * sizeof(float));
+            pm[qi] = m[qi];
+            pl[qi] = l[qi];
+        }
+        return;
+    }
+    for (int64_t qi = 0; qi < nq; qi++) {
+        int64_t i = i0 + qi / group, h = hk * group + qi % group;
+        float *dst = a->out + (q0 + i) * a->o_st + h * a->o_sh, *o = O + qi * Dp;
+        float inv = 1.0f / l[qi];
+        #pragma omp simd
+        for (int64_t d = 0; d < D; d++) dst[d] = o[d] * inv;
     }
 }
 
@@ -294,7 +405,8 @@ static void nr_paged_attention(const nr_attn_args *a) {
             }
         }
         if (!pass) { n_items = k; n_slots = slot; continue; }
-        size_t ws_n = nr_ws_floats(rows * group, a->D);
+        int tiled = rows * group >= a->tiled_min;
+        size_t ws_n = tiled ? nr_ws_tiled_floats(rows * group, a->D) : nr_ws_floats(rows * group, a->D);
         int64_t psz = rows * group * (a->D + 2);
         float *parts = n_slots ? (float *)malloc((size_t)(n_slots * psz) * sizeof(float)) : NULL;
         #pragma omp parallel if (n_items > 1)
@@ -305,8 +417,8 @@ static void nr_paged_attention(const nr_attn_args *a) {
                 const nr_item *x = &items[it];
                 int64_t n_new = a->qstart[x->s + 1] - a->qstart[x->s];
                 int64_t i1 = x->i0 + rows < n_new ? x->i0 + rows : n_new;
-                nr_attn_item(a, x->s, x->h, x->i0, i1, x->ja, x->jb, ws,
-                             x->slot >= 0 ? parts + x->slot * psz : NULL);
+                (tiled ? nr_attn_item_tiled : nr_attn_item)(a, x->s, x->h, x->i0, i1, x->ja, x->jb, ws,
+                                                            x->slot >= 0 ? parts + x->slot * psz : NULL);
             }
             if (n_slots) {
                 /* the first split of every split item merges them all */

@@ -231,6 +231,32 @@ def test_paged_attention_sliding_window(window, threads):
     assert window >= 2003 or not np.allclose(full, want)  # the window changes the result
 
 
+@pytest.fixture(params=["direct", "tiled-avx2", "tiled-best"])
+def attn_path(request):
+    """Every attention path: dot products from cache rows, and register-tiled products on
+    AVX2 and on the best ISA this CPU has."""
+    from numa_runtime._kernels import attention
+    level, tiled_min = {"direct": (None, 1 << 30), "tiled-avx2": (0, 1), "tiled-best": (9, 1)}[request.param]
+    old = attention._force_paths(level, tiled_min)
+    yield request.param
+    attention._force_paths(*old)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("case", ATTN_CASES + LONG_CASES)
+def test_paged_attention_every_path(case, dtype, attn_path):
+    hq, hk, d, bs, new, prefix = case
+    q, kc, vc, bt, qs, cl = build_batch(hq, hk, d, bs, new, prefix, dtype, fused=hq == 14)
+    want = ref.paged_attention(q, kc, vc, bt, qs, cl, d ** -0.5, np.zeros(q.shape, np.float32),
+                               window=37)
+    out = cpu.paged_attention(q, kc, vc, bt, qs, cl, d ** -0.5, np.full(q.shape, 7.0, np.float32),
+                              window=37)
+    close(out, want, 1e-5, 2e-6)
+    want = ref.paged_attention(q, kc, vc, bt, qs, cl, d ** -0.5, np.zeros(q.shape, np.float32))
+    out = cpu.paged_attention(q, kc, vc, bt, qs, cl, d ** -0.5, np.full(q.shape, 7.0, np.float32))
+    close(out, want, 1e-5, 2e-6)
+
+
 def test_paged_attention_rejects_short_block_table():
     q, kc, vc, bt, qs, cl = build_batch(4, 1, 64, 16, [1], [40], "f32", False)
     with pytest.raises(ValueError):

@@ -1,0 +1,129 @@
+"""Decode and prefill on every kernel ISA level, and at long context (issue: older x86 servers
+and long conversations).
+
+    python bench/bench_isa_context.py                      # Qwen2.5-0.5B shape, bf16, all cores
+    python bench/bench_isa_context.py --levels 2 1 0 --contexts 512 8192 16000
+
+Part 1, ISA levels: each level runs in its own process with our kernels capped at that level
+(gemm._force_cpu_level, attention._force_paths) and oneDNN capped at the matching ISA
+(ONEDNN_MAX_CPU_ISA: 2 -> AVX512_CORE_AMX, 1 -> AVX512_CORE, 0 -> AVX2), so a machine with
+AVX512_BF16 stands in for Skylake/Cascade Lake (level 1) and Zen 1-3/Haswell (level 0). Batch-1
+decode is reported as tok/s and as a fraction of the DRAM limit (bench/limits.py probe /
+weight bytes read per token).
+Part 2, long context at the best level: prefill of C tokens (tok/s) and batch-1 decode right
+after it, for each C in --contexts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import (CACHE, QWEN05B, add_model_args, build_once, resolve_model,  # noqa: E402
+                          weights_bytes_per_token, write_report)
+
+ONEDNN_ISA = {2: "AVX512_CORE_AMX", 1: "AVX512_CORE", 0: "AVX2"}
+LONG_SHAPE_LEN = 32768
+
+
+def child(args) -> dict:
+    """One process: build the Engine at one kernel level, time prefill and decode."""
+    import numpy as np
+    from numa_runtime import Engine, SamplingParams
+    from numa_runtime._kernels import attention, gemm
+    gemm._force_cpu_level(args.level)
+    attention._force_paths(level=min(args.level, 1))
+    eng = Engine(args.model_dir, dtype=args.dtype, num_threads=args.threads,
+                 max_model_len=max(args.contexts) + args.decode_tokens + 8,
+                 enable_prefix_caching=False, max_num_batched_tokens=args.chunk)
+    rng = np.random.default_rng(0)
+    vocab = eng.model_config.vocab_size
+    out = {"level": gemm.cpu_level(), "contexts": {}}
+    for ctx in args.contexts:
+        # warm-up request of the same length (oneDNN primitives, page faults), then the timed one
+        for _ in range(2):
+            eng.add_request(rng.integers(3, vocab, ctx).tolist(),
+                            SamplingParams(temperature=0, max_tokens=args.decode_tokens + 1, ignore_eos=True))
+            t0 = time.perf_counter()
+            steps = []
+            while eng.has_unfinished_requests():
+                outs = eng.step()
+                steps.append((time.perf_counter(), sum(len(o.token_ids) for o in outs)))
+        # the step that emits the first token ends the prefill; every later step decodes one
+        first = next(i for i, (_, n) in enumerate(steps) if n > 0)
+        t_first, t_end = steps[first][0], steps[-1][0]
+        out["contexts"][ctx] = {"prefill_tok_s": ctx / (t_first - t0),
+                                "decode_tok_s": (len(steps) - 1 - first) / (t_end - t_first)}
+    return out
+
+
+def run_level(args, level: int, contexts: list[int]) -> dict:
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA=ONEDNN_ISA[level], PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model-dir", args.model_dir,
+           "--level", str(level), "--dtype", args.dtype, "--decode-tokens", str(args.decode_tokens),
+           "--chunk", str(args.chunk), "--contexts", *map(str, contexts)]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if res.returncode != 0:
+        raise SystemExit(f"level {level} failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--levels", type=int, nargs="+", default=[2, 1, 0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[512, 8192, 16000])
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens (prefill chunk)")
+    ap.add_argument("--timeout", type=int, default=1800)
+    ap.add_argument("--out", default="/tmp/bench_isa_context")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--level", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+
+    if args.model or args.shape:
+        args.model_dir = resolve_model(args.model, args.shape or "qwen0.5b")
+    else:  # Qwen2.5-0.5B's shape with room for long prompts
+        args.model_dir = build_once(os.path.join(CACHE, "qwen0.5b-32k"), "qwen0.5b-32k",
+                                    dict(QWEN05B, max_position_embeddings=LONG_SHAPE_LEN))
+    from numa_runtime._kernels import gemm
+    from numa_runtime.config import ModelConfig
+    from bench.limits import dram_read_gbps
+    best = gemm.cpu_level()
+    levels = [lv for lv in args.levels if lv <= best]
+    dram = dram_read_gbps(args.threads)
+    per_token = weights_bytes_per_token(ModelConfig.from_dir(args.model_dir), args.dtype)
+    limit = dram * 1e9 / per_token
+    report = {"dram_read_gbps": dram, "decode_limit_tok_s": limit, "levels": {}, "long": {}}
+    lines = [f"model {args.model_dir}, {args.dtype}, DRAM read {dram:.1f} GB/s, "
+             f"decode limit {limit:.1f} tok/s", "",
+             "| kernel level | decode tok/s (batch 1, 512 context) | of DRAM limit | prefill 512 tok/s |",
+             "| --- | --- | --- | --- |"]
+    for lv in levels:
+        r = run_level(args, lv, [512])["contexts"]["512"]
+        report["levels"][lv] = r
+        lines.append(f"| {lv} ({ONEDNN_ISA[lv]}) | {r['decode_tok_s']:.1f} | "
+                     f"{r['decode_tok_s'] / limit:.0%} | {r['prefill_tok_s']:.0f} |")
+    lines += ["", "| context | prefill tok/s | decode tok/s after it |", "| --- | --- | --- |"]
+    long = run_level(args, best, args.contexts)["contexts"]
+    for ctx in args.contexts:
+        r = long[str(ctx)]
+        report["long"][ctx] = r
+        lines.append(f"| {ctx} | {r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} |")
+    print("\n".join(lines))
+    write_report(args.out, report, "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
