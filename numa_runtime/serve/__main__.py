@@ -31,6 +31,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-queue", type=int, default=256, help="waiting sequences beyond which requests get 429")
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes per rank")
     ap.add_argument("--num-threads", type=int, default=None, help="compute threads per rank")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs "
+                    "(cuda: one GPU per rank; needs `pip install numa_runtime[cuda]`)")
+    ap.add_argument("--host-kv-cache-memory", type=int, default=0, help="bytes of pinned host memory that "
+                    "keep prefix-cache blocks evicted from the GPU (--device cuda; 0: off)")
     ap.add_argument("--max-tokens-cap", type=int, default=None, help="clamp every request's max_tokens to this")
     ap.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return ap.parse_args(argv)
@@ -38,7 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_engine(args):
     from numa_runtime import Engine
-    kwargs = {"max_num_seqs": args.max_num_seqs}
+    kwargs = {"max_num_seqs": args.max_num_seqs, "device": args.device,
+              "host_kv_cache_memory": args.host_kv_cache_memory}
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = args.kv_cache_memory
     return Engine(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
