@@ -188,7 +188,7 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qs_ptr, ctx_
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     last = tl.minimum(ctx, ctx - n_new + (tile * BLOCK_M + BLOCK_M - 1) // GROUP + 1)
-    first = 0
+    first = ctx * 0  # NOTE: of ctx's integer type in both branches
     if window > 0:
         first = tl.maximum(ctx - n_new + (tile * BLOCK_M) // GROUP - window + 1, 0)
         first = (first // BLOCK_N) * BLOCK_N
