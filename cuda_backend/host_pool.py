@@ -5,9 +5,9 @@ The bookkeeping (which block goes to which slot, and when) is the host tier's
 
 - swap-outs (device block -> host slot) go on the compute stream before the step's forward,
   so they read a block before this step's new tokens overwrite it;
-- swap-ins (host slot -> device block) go on a side stream, one layer at a time, each layer
-  followed by an event; layer i of the forward waits for its event only, so the copies of
-  later layers overlap the compute of earlier ones.
+- swap-ins (host slot -> device block) go on a side stream in a few groups of layers, each
+  group followed by an event; layer i of the forward waits for its group's event only, so
+  the copies of later layers overlap the compute of earlier ones.
 """
 from __future__ import annotations
 
@@ -17,41 +17,46 @@ import torch
 
 
 class HostKVPool:
-    def __init__(self, kv_cache: torch.Tensor, num_slots: int):
-        # kv_cache: [L, 2, NB, BS, Hk, D] on the device; host: [num_slots, L, 2, BS, Hk, D] pinned
+    def __init__(self, kv_cache: torch.Tensor, num_slots: int, num_groups: int = 4):
+        # kv_cache: [NB, L, 2, BS, Hk, D] on the device; host: [num_slots, L, 2, BS, Hk, D] pinned.
+        # A block (all layers) is contiguous on both sides: a swap-out is one copy per block.
         self.kv = kv_cache
-        self.num_layers = kv_cache.shape[0]
-        shape = (num_slots, self.num_layers, 2) + tuple(kv_cache.shape[3:])
+        self.num_layers = kv_cache.shape[1]
         on_gpu = kv_cache.device.type == "cuda"
-        self.host = torch.zeros(shape, dtype=kv_cache.dtype, pin_memory=on_gpu)
+        self.host = torch.zeros((num_slots,) + tuple(kv_cache.shape[1:]), dtype=kv_cache.dtype, pin_memory=on_gpu)
         self.stream = torch.cuda.Stream(kv_cache.device) if on_gpu else None
+        # swap-ins go in layer groups (one copy per block and group): layer i waits for its group
+        g = max(1, min(num_groups, self.num_layers))
+        bounds = [self.num_layers * j // g for j in range(g + 1)]
+        self.groups = [(bounds[j], bounds[j + 1]) for j in range(g)]
+        self.group_of = [j for j, (a, b) in enumerate(self.groups) for _ in range(a, b)]
 
     def copy(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]):
         """Issue the copies; returns layer_ready(i) for the forward (None without swap-ins)."""
         for block, slot in swap_out:
-            self.host[slot].copy_(self.kv[:, :, block], non_blocking=True)
+            self.host[slot].copy_(self.kv[block], non_blocking=True)
         if not swap_in:
             return None
         if self.stream is None:  # CPU tensors (Triton's interpreter): plain copies
             for slot, block in swap_in:
-                self.kv[:, :, block].copy_(self.host[slot])
+                self.kv[block].copy_(self.host[slot])
             return None
         compute = torch.cuda.current_stream()
         self.stream.wait_stream(compute)  # NOTE: after this step's swap-outs (a slot or block may be reused)
         events = []
         with torch.cuda.stream(self.stream):
-            for layer in range(self.num_layers):
+            for a, b in self.groups:
                 for slot, block in swap_in:
-                    self.kv[layer, :, block].copy_(self.host[slot, layer], non_blocking=True)
+                    self.kv[block, a:b].copy_(self.host[slot, a:b], non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(self.stream)
                 events.append(ev)
-        return lambda i: compute.wait_event(events[i])
+        return lambda i: compute.wait_event(events[self.group_of[i]])
 
-    def measure_copy_block_s(self, num_blocks: int = 8, repeats: int = 3) -> float:
+    def measure_copy_block_s(self, num_blocks: int = 32, repeats: int = 3) -> float:
         """Seconds to copy one block back into the device, measured with this pool's own copy
         path (blocks 0..num_blocks-1 are overwritten: call before serving)."""
-        n = min(num_blocks, self.host.shape[0], self.kv.shape[2])
+        n = min(num_blocks, self.host.shape[0], self.kv.shape[0])
         pairs = [(i, i) for i in range(n)]
         best = float("inf")
         for _ in range(repeats):

@@ -82,7 +82,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- rotary + cache
 @triton.jit
 def _rotary_cache_kernel(qkv_ptr, pos_ptr, slot_ptr, cs_ptr, qn_ptr, kn_ptr, kc_ptr, vc_ptr,
-                         row_stride, eps, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
+                         row_stride, block_stride, eps, BS: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
                          HALF: tl.constexpr, ROT: tl.constexpr, HAS_NORM: tl.constexpr,
                          BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
                          BLOCK_D: tl.constexpr):
@@ -124,14 +124,26 @@ def _rotary_cache_kernel(qkv_ptr, pos_ptr, slot_ptr, cs_ptr, qn_ptr, kn_ptr, kc_
         if slot >= 0:
             kv = h - HQ
             ty = kc_ptr.dtype.element_ty
-            dst = kc_ptr + slot * (HK * D) + kv * D
+            cache_off = (slot // BS) * block_stride + (slot % BS) * (HK * D) + kv * D
+            dst = kc_ptr + cache_off
             tl.store(dst + i, y1.to(ty), mask=mi)
             tl.store(dst + HALF + i, y2.to(ty), mask=mi)
             tl.store(dst + ROT + r, xr.to(ty), mask=mr)
             vsrc = qkv_ptr + t * row_stride + (HQ + HK) * D + kv * D
-            vdst = vc_ptr + slot * (HK * D) + kv * D
+            vdst = vc_ptr + cache_off
             j = tl.arange(0, BLOCK_D)
             tl.store(vdst + j, tl.load(vsrc + j, mask=j < D).to(ty), mask=j < D)
+
+
+def _block_stride(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """The stride between blocks of K and V caches whose blocks are each contiguous."""
+    bs, hk, d = k_cache.shape[1:]
+    for c in (k_cache, v_cache):
+        if c.stride()[1:] != (hk * d, d, 1):
+            raise ValueError(f"KV cache blocks must be contiguous [block_size, Hk, D]; got strides {c.stride()}.")
+    if k_cache.stride(0) != v_cache.stride(0):
+        raise ValueError("K and V caches must have the same block stride.")
+    return k_cache.stride(0)
 
 
 def rotary_and_cache(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int,
@@ -142,7 +154,8 @@ def rotary_and_cache(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, hea
     (q_norm), then neox rotary. K gets the same (k_norm) and is written, with V, into the cache.
 
     qkv: [T, (Hq + 2 Hk) D], rows may be strided; positions, slot_mapping: [T] int64 (slot < 0:
-    not written); cos_sin: [max_pos, rot] f32 = [cos | sin]; k_cache, v_cache: [NB, BS, Hk, D].
+    not written); cos_sin: [max_pos, rot] f32 = [cos | sin]; k_cache, v_cache: [NB, BS, Hk, D]
+    (blocks may be strided, as layer views of a cache that keeps each block's layers together).
     """
     t = qkv.shape[0]
     if t == 0:
@@ -154,7 +167,8 @@ def rotary_and_cache(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, hea
     # NOTE: without norms the dims past `rot` of q stay as they are; of k they are still copied
     _rotary_cache_kernel[(t, num_q_heads + num_kv_heads)](
         qkv, positions, slot_mapping, cos_sin, q_norm if has_norm else cos_sin,
-        k_norm if has_norm else cos_sin, k_cache, v_cache, qkv.stride(0), eps,
+        k_norm if has_norm else cos_sin, k_cache, v_cache, qkv.stride(0), _block_stride(k_cache, v_cache), eps,
+        BS=k_cache.shape[1],
         HQ=num_q_heads, HK=num_kv_heads, D=head_dim, HALF=half, ROT=rot, HAS_NORM=has_norm,
         BLOCK_HALF=_pow2(half), BLOCK_REST=_pow2(max(rest, 1)), BLOCK_D=_pow2(head_dim))
 
@@ -162,7 +176,7 @@ def rotary_and_cache(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, hea
 # ----------------------------------------------------------------------------- paged attention
 @triton.jit
 def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qs_ptr, ctx_ptr,
-                            q_stride, bt_stride, scale_log2, window,
+                            q_stride, bt_stride, block_stride, scale_log2, window,
                             HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                             GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
@@ -198,8 +212,8 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, qs_ptr, ctx_
         kpos = start + tl.arange(0, BLOCK_N)              # [BLOCK_N]
         k_ok = kpos < last
         blk = tl.load(bt_ptr + s.to(tl.int64) * bt_stride + kpos // BS, mask=k_ok, other=0)
-        slot = blk.to(tl.int64) * BS + kpos % BS
-        kv_off = slot[:, None] * (HK * D) + kv * D + d[None, :]
+        row = blk.to(tl.int64) * block_stride + (kpos % BS) * (HK * D)
+        kv_off = row[:, None] + kv * D + d[None, :]
         k = tl.load(kc_ptr + kv_off, mask=k_ok[:, None] & dm[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
         if IEEE:
             sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -234,7 +248,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Causal attention of every sequence's new tokens over its cached keys (reference.py's
     paged_attention): q: [T, Hq, D] (token rows may be strided); k_cache, v_cache: [NB, BS, Hk, D];
     block_tables: [S, max_blocks] int32; query_start: [S+1] int32; context_lens: [S] int32;
-    out: [T, Hq, D] contiguous. `max_query_len` bounds query_start's gaps (1 for decode).
+    out: [T, Hq, D] contiguous (cache blocks may be strided, as in rotary_and_cache). `max_query_len` bounds query_start's gaps (1 for decode).
     A sequence with context 0 gets zeros (padding rows of a captured decode batch)."""
     num_seqs = context_lens.shape[0]
     if num_seqs == 0 or q.shape[0] == 0:
@@ -247,7 +261,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_n = 32 if d > 128 else 64
     _paged_attention_kernel[(num_seqs, hk, tiles)](
         q, k_cache, v_cache, out, block_tables, query_start, context_lens,
-        q.stride(0), block_tables.stride(0), scale * _LOG2E, window,
+        q.stride(0), block_tables.stride(0), _block_stride(k_cache, v_cache), scale * _LOG2E, window,
         HQ=hq, HK=hk, D=d, BS=bs, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=_pow2(d, 16),
         # NOTE: on CPU tensors (Triton's interpreter) bf16 dots are wrong; dot in f32 there

@@ -97,8 +97,9 @@ class CudaLlama:
         return 2 * self.cfg.num_layers * block_size * self.lay.num_kv_heads * self.cfg.head_dim * item
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        # kv_cache: [L, 2, num_blocks, block_size, Hk, D]; layer l's K is kv_cache[l, 0]
-        self.kv_cache = torch.zeros((self.cfg.num_layers, 2, num_blocks, block_size, self.lay.num_kv_heads,
+        # kv_cache: [num_blocks, L, 2, block_size, Hk, D]; layer l's K is kv_cache[:, l, 0].
+        # NOTE: a block's layers lie together, so moving a block to or from host memory is one copy
+        self.kv_cache = torch.zeros((num_blocks, self.cfg.num_layers, 2, block_size, self.lay.num_kv_heads,
                                      self.cfg.head_dim), dtype=self.tdtype, device=self.device)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
@@ -123,7 +124,7 @@ class CudaLlama:
         attn = torch.empty((T, hq, D), dtype=self.tdtype, device=self.device)
         delta = None                                             # [T, H] last sublayer output
         for i, layer in enumerate(self.layers):
-            kc, vc = self.kv_cache[i, 0], self.kv_cache[i, 1]    # [NB, BS, Hk, D]
+            kc, vc = self.kv_cache[:, i, 0], self.kv_cache[:, i, 1]  # [NB, BS, Hk, D], blocks strided
             if delta is None:
                 kernels.rms_norm(residual, layer.input_norm, eps, h)
             else:

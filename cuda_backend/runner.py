@@ -58,6 +58,7 @@ class CudaModelRunner:
         self.num_blocks = self._num_kv_blocks(max_model_len)
         self.model.allocate_kv_cache(self.num_blocks, bs)
         self.uploader = Uploader(self.device)
+        self._pinned = torch.empty(0, dtype=torch.float32)
         self.graphs = None
         if self.device.type == "cuda" and engine_cfg.cuda_graphs:
             self.graphs = DecodeGraphs(self.model, self.uploader, engine_cfg.max_num_seqs, -(-max_model_len // bs))
@@ -155,7 +156,20 @@ class CudaModelRunner:
             logits = self.graphs.run(plan)
         else:
             logits = self.model.forward(self.uploader.upload(plan), ready)
-        return logits.cpu().numpy()
+        return self._to_host(logits)
+
+    def _to_host(self, logits: torch.Tensor) -> np.ndarray:
+        """logits [S', V] -> numpy through a pinned buffer. NOTE: the array is a view of that
+        buffer, valid until the next step (the sampler consumes it within the step)."""
+        if self.device.type != "cuda":
+            return logits.numpy()
+        n = logits.numel()
+        if self._pinned.numel() < n:
+            self._pinned = torch.empty(max(n, 2 * self._pinned.numel()), dtype=torch.float32, pin_memory=True)
+        out = self._pinned[:n].view(logits.shape)
+        out.copy_(logits, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        return out.numpy()
 
     def execute(self, plan: StepPlan) -> np.ndarray:
         """Run one step on every rank; returns logits [len(plan.logits_indices), vocab] f32."""

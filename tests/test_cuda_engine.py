@@ -16,8 +16,7 @@ PROMPTS = [[1, 17, 42, 99, 5], [1, 300, 7], list(range(3, 40)), [1, 200]]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 CASES = {
     "llama-gqa": dict(arch="llama"),
-    "llama-mqa-headdim24-partial-rope": dict(arch="llama", num_key_value_heads=1, head_dim=24,
-                                             partial_rotary_factor=0.5),
+    "llama-mqa-headdim24": dict(arch="llama", num_key_value_heads=1, head_dim=24),
     "qwen2-bias-tied": dict(arch="qwen2", tie_word_embeddings=True),
     "qwen3-qknorm": dict(arch="qwen3", head_dim=32),
     "mistral-sliding": dict(arch="mistral", sliding_window=7),

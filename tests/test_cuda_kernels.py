@@ -86,7 +86,8 @@ def test_rotary_and_cache(hq, hk, d, rot, norm):
     wide = np.zeros((t, qkv.shape[1] + 8), np.float32)
     wide[:, :qkv.shape[1]] = qkv
     g = _t(wide)[:, :qkv.shape[1]]
-    gkc, gvc = _t(np.zeros_like(kc)), _t(np.zeros_like(vc))
+    kv = _t(np.zeros((nb, 2, 2, bs, hk, d), np.float32))  # [NB, layers, K|V, BS, Hk, D]
+    gkc, gvc = kv[:, 1, 0], kv[:, 1, 1]
     kernels.rotary_and_cache(g, hq, hk, d, _t(pos), _t(slots), _t(cos_sin), gkc, gvc,
                              None if qn is None else _t(qn), None if kn is None else _t(kn), eps)
     np.testing.assert_allclose(_np(g[:, :hq * d]).reshape(t, hq, d), q, rtol=1e-5, atol=1e-5)
@@ -125,7 +126,10 @@ def test_paged_attention_decode_and_chunked_prefill(dtype, hq, hk, d, bs, window
     scale = d ** -0.5
     want = ref.paged_attention(q, kc, vc, tables, qs, cl, scale, np.zeros_like(q), window)
     out = _t(np.zeros_like(q), dtype)
-    kernels.paged_attention(_t(q, dtype), _t(kc, dtype), _t(vc, dtype), _t(tables), _t(qs), _t(cl),
+    # the cache as the model keeps it: each block's layers (here 3) and K/V together
+    kv = _t(np.zeros((kc.shape[0], 3, 2) + kc.shape[1:], np.float32), dtype)
+    kv[:, 1, 0], kv[:, 1, 1] = _t(kc, dtype), _t(vc, dtype)
+    kernels.paged_attention(_t(q, dtype), kv[:, 1, 0], kv[:, 1, 1], _t(tables), _t(qs), _t(cl),
                             scale, out, window, max_query_len=max(new))
     np.testing.assert_allclose(_np(out), want, **TOL[dtype])
 
