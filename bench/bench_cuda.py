@@ -58,6 +58,20 @@ def graph_step_ms(graphs, batch: int, reps: int = 100) -> float:
     return 1e3 * (time.perf_counter() - t0) / reps
 
 
+def profile_decode(model: str, dtype: str, steps: int = 20) -> str:
+    """CUDA time per kernel over eager batch-1 decode steps (torch.profiler table)."""
+    import torch
+    from numa_runtime import Engine, SamplingParams
+    eng = Engine(model, dtype=dtype, device="cuda", max_model_len=1024, max_num_seqs=1, cuda_graphs=False)
+    eng.add_request(list(range(3, 67)), SamplingParams(temperature=0, max_tokens=steps + 10, ignore_eos=True))
+    for _ in range(5):
+        eng.step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.step()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
+
+
 def hf_decode(model: str, new_tokens: int = 256) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -125,6 +139,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hbm-gbs", type=float, default=4800.0, help="the GPU's HBM bandwidth (H200: 4800)")
     ap.add_argument("--hf", action="store_true", help="also transformers' generate at batch 1")
     ap.add_argument("--multiturn", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="print CUDA time per kernel of eager batch-1 decode")
     ap.add_argument("--out", default="/tmp/bench_cuda")
     args = ap.parse_args(argv)
     model = os.path.abspath(args.model) if args.model else SHAPES[args.shape]()
@@ -136,6 +151,8 @@ def main(argv=None) -> int:
         lines.append(f"| {d['batch']} | {d['tok_s']:.1f} | {d['step_ms']:.2f} | {d['weights_gbs']:.0f} | "
                      f"{100 * d['weights_gbs'] / args.hbm_gbs:.0f}% | {d['gpu_step_ms']:.3f} | "
                      f"{100 * d['gpu_weights_gbs'] / args.hbm_gbs:.0f}% |")
+    if args.profile:
+        print(profile_decode(model, args.dtype))
     if args.hf:
         report["hf"] = hf_decode(model)
         lines.append(f"\ntransformers generate, batch 1: {report['hf']['tok_s']:.1f} tok/s")
