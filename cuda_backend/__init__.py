@@ -39,8 +39,9 @@ def check_available() -> None:
                                    "machine; use device='cpu'.")
 
 
-def make_runner(model_cfg, engine_cfg, comm, max_model_len: int, progress=None):
-    """A CudaModelRunner for this rank, after checking that the machine can run one."""
+def make_runner(model_cfg, engine_cfg, comm, max_model_len: int, progress=None, gpu_index: int = 0):
+    """A CudaModelRunner for this rank (on GPU `gpu_index` of its host: its local rank), after
+    checking that the machine can run one."""
     check_available()
     from .runner import CudaModelRunner
-    return CudaModelRunner(model_cfg, engine_cfg, comm, max_model_len, progress)
+    return CudaModelRunner(model_cfg, engine_cfg, comm, max_model_len, progress, gpu_index)

@@ -92,6 +92,10 @@ class CudaLlama:
         ts = [self.embed, self.lm_head] + [getattr(l, n) for l in self.layers for n in ("qkv", "o", "gate_up", "down")]
         return sum(t.numel() * t.element_size() for t in {id(t): t for t in ts}.values())
 
+    def weight_buffers(self) -> list[tuple[int, int]]:
+        """Host buffers holding weights (for the NUMA placement report): none, they are on the GPU."""
+        return []
+
     def kv_bytes_per_block(self, block_size: int) -> int:
         item = torch.tensor([], dtype=self.tdtype).element_size()
         return 2 * self.cfg.num_layers * block_size * self.lay.num_kv_heads * self.cfg.head_dim * item

@@ -29,24 +29,24 @@ log = logging.getLogger("numa_runtime")
 RESERVE_FRACTION, RESERVE_MIN = 0.1, 1 << 30
 
 
-def pick_device(comm) -> torch.device:
-    """This rank's GPU (local rank modulo the GPUs of the host); CPU under Triton's interpreter."""
+def pick_device(gpu_index: int) -> torch.device:
+    """GPU `gpu_index` of this host (the rank's local rank); CPU under Triton's interpreter."""
     from numa_runtime import env
     if env.triton_interpret():
         return torch.device("cpu")
     n = torch.cuda.device_count()
-    if comm.local_size > n:
-        raise RuntimeError(f"{comm.local_size} ranks on this host but only {n} GPU(s); start one rank per GPU.")
-    dev = torch.device("cuda", comm.local_rank)
+    if gpu_index >= n:
+        raise ValueError(f"This rank wants GPU {gpu_index} but the host has {n}; start one rank per GPU.")
+    dev = torch.device("cuda", gpu_index)
     torch.cuda.set_device(dev)
     return dev
 
 
 class CudaModelRunner:
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, comm, max_model_len: int,
-                 progress=None):
+                 progress=None, gpu_index: int = 0):
         self.comm, self.engine_cfg = comm, engine_cfg
-        self.device = pick_device(comm)
+        self.device = pick_device(gpu_index)
         self.tp = None
         if comm.world_size > 1:
             from .tp import NcclGroup

@@ -117,3 +117,16 @@ def triton_interpret() -> bool:
     interpreter on CPU tensors, so the CUDA backend's kernels and model can be checked
     without a GPU (slowly)."""
     return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+__all__ += ["data_parallel"]
+
+
+def data_parallel() -> int | None:
+    """NUMA_RUNTIME_DATA_PARALLEL: model replicas over the MPI ranks when the Engine is not
+    told (numa-launch --dp/--tp sets it); unset: the default rule (config.ParallelConfig)."""
+    value = os.environ.get("NUMA_RUNTIME_DATA_PARALLEL", "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"NUMA_RUNTIME_DATA_PARALLEL must be a positive integer, got {value!r}.")
+    return int(value)
