@@ -222,6 +222,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     eviction: str = "lru"
     backend: str = "cpu"
+    device: str = "cpu"                # "cuda": the model shard on a GPU (cuda_backend/)
+    host_kv_cache_memory: int = 0      # bytes of pinned host memory behind the GPU KV cache (0: off)
+    cuda_graphs: bool = True           # device "cuda": replay decode steps as CUDA graphs
     seed: int = 0
     quantization: str | None = None  # quantize dense weights at load: "int8", "int4", ...
     data_parallel: int | None = None  # model replicas over the MPI ranks; None: ParallelConfig.resolve's rule
@@ -243,6 +246,13 @@ class EngineConfig:
         if self.quantization is not None:
             from .quant.loader import parse_quantization
             parse_quantization(self.quantization)  # raises one sentence on a bad name
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}.")
+        if not isinstance(self.host_kv_cache_memory, int) or self.host_kv_cache_memory < 0:
+            raise ValueError(f"host_kv_cache_memory must be a non-negative number of bytes, "
+                             f"got {self.host_kv_cache_memory!r}.")
+        if self.host_kv_cache_memory and self.device != "cuda":
+            raise ValueError("host_kv_cache_memory is a tier behind the GPU KV cache; it needs device='cuda'.")
         if self.data_parallel is not None and (isinstance(self.data_parallel, bool) or not isinstance(
                 self.data_parallel, int) or self.data_parallel < 1):
             raise ValueError(f"data_parallel must be a positive integer, got {self.data_parallel!r}.")

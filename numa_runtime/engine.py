@@ -41,7 +41,6 @@ class Engine:
         from . import backend, data_parallel, distributed, profiler
         from .default_model import default_model_path
         from .kv_cache.block_manager import BlockManager
-        from .model_runner import ModelRunner
         from .sampler import Sampler
         from .router import ReplicaRouter
         from .scheduler import Scheduler, SchedulerConfig
@@ -63,9 +62,9 @@ class Engine:
         self.parallel, tp_comm, self._link = data_parallel.setup(self.comm, self.config, mcfg)
         self.recorder = profiler.make_recorder(self.comm.rank)  # a no-op unless AS_PROFILE=ON
         self.ops = profiler.timed_ops(ops, self.recorder)
-        self.runner = ModelRunner(mcfg, self.config, profiler.timed_comm(tp_comm, self.recorder), self.ops,
-                                  self.max_model_len, progress=_Progress() if self.comm.is_driver else None,
-                                  recorder=self.recorder)
+        self.runner = _make_runner(mcfg, self.config, profiler.timed_comm(tp_comm, self.recorder), self.ops,
+                                   self.max_model_len, _Progress() if self.comm.is_driver else None,
+                                   self.recorder, gpu_index=self.comm.local_rank)
         self.ranks = self.comm.gather_object(self._rank_info(placement))  # rank 0: one dict per rank
         self.placement = placement
         if not self.comm.is_driver:  # a worker serves rank 0 where the module docstring says
@@ -79,7 +78,8 @@ class Engine:
                                                 max_model_len=self.max_model_len, sliding_window=mcfg.min_window),
                                 BlockManager(n, self.config.block_size,
                                              enable_prefix_caching=self.config.enable_prefix_caching,
-                                             eviction=self.config.eviction, recorder=self.recorder))
+                                             eviction=self.config.eviction, recorder=self.recorder,
+                                             host_tier=self._host_tier()))
                       for n in data_parallel.replica_blocks(self.parallel, self.ranks)]
         # NOTE: with data-parallel replicas, one scheduler (and KV pool) per replica behind a router
         self.scheduler = schedulers[0] if len(schedulers) == 1 else ReplicaRouter(schedulers)
@@ -125,6 +125,13 @@ class Engine:
         if asked > limit:
             raise ValueError(f"max_model_len={asked} exceeds what the model supports ({limit} tokens).")
         return asked
+
+    def _host_tier(self):
+        """The CUDA runner's host KV tier (host_kv_cache_memory), else None."""
+        tier = getattr(self.runner, "host_tier", None)
+        if tier is not None and self.parallel.data_parallel > 1:
+            raise ValueError("host_kv_cache_memory serves one model replica; set data_parallel=1 or turn it off.")
+        return tier
 
     def _fit_max_len_to_cache(self, mcfg: ModelConfig) -> int:
         """The context one request can really use: no more tokens than the KV cache holds (unless
@@ -409,6 +416,15 @@ class Engine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _make_runner(mcfg, cfg: EngineConfig, comm, ops, max_model_len: int, progress, recorder, gpu_index: int):
+    """The one place where the device picks the model runner (torch is imported only for cuda)."""
+    if cfg.device == "cuda":
+        import cuda_backend
+        return cuda_backend.make_runner(mcfg, cfg, comm, max_model_len, progress, gpu_index)
+    from .model_runner import ModelRunner
+    return ModelRunner(mcfg, cfg, comm, ops, max_model_len, progress=progress, recorder=recorder)
 
 
 class _Group:

@@ -35,6 +35,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-queue", type=int, default=256, help="waiting sequences beyond which requests get 429")
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes per rank")
     ap.add_argument("--num-threads", type=int, default=None, help="compute threads per rank")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs "
+                    "(cuda: one GPU per rank; needs `pip install numa_runtime[cuda]`)")
+    ap.add_argument("--host-kv-cache-memory", type=int, default=0, help="bytes of pinned host memory that "
+                    "keep prefix-cache blocks evicted from the GPU (--device cuda; 0: off)")
     ap.add_argument("--data-parallel", type=int, default=None,
                     help="model replicas over the MPI ranks, each tensor parallel over its share "
                          "(default: a rule logged at start-up)")
@@ -50,7 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_engine(args):
     from numa_runtime import Engine
-    kwargs = {"max_num_seqs": args.max_num_seqs, "quantization": args.quantization}
+    kwargs = {"max_num_seqs": args.max_num_seqs, "quantization": args.quantization, "device": args.device,
+              "host_kv_cache_memory": args.host_kv_cache_memory}
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = args.kv_cache_memory
     if args.data_parallel is not None:
