@@ -421,7 +421,7 @@ class Engine:
 def _make_runner(mcfg, cfg: EngineConfig, comm, ops, max_model_len: int, progress, recorder, gpu_index: int):
     """The one place where the device picks the model runner (torch is imported only for cuda)."""
     if cfg.device == "cuda":
-        import cuda_backend
+        from . import cuda_backend
         return cuda_backend.make_runner(mcfg, cfg, comm, max_model_len, progress, gpu_index)
     from .model_runner import ModelRunner
     return ModelRunner(mcfg, cfg, comm, ops, max_model_len, progress=progress, recorder=recorder)
