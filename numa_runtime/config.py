@@ -223,6 +223,9 @@ class EngineConfig:
     eviction: str = "lru"
     backend: str = "cpu"
     seed: int = 0
+    kv_cache_dir: str | None = None     # a disk tier under the prefix cache (kv_cache/disk_tier.py)
+    kv_cache_disk_bytes: int = 8 << 30  # its size cap per rank
+    kv_cache_disk_load: str = "auto"    # "auto": load hits when reading beats recomputing; "always"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -238,8 +241,17 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}.")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive.")
+        self.disk_tier  # validates
         if not 0.0 < self.kv_cache_fraction <= 0.95:
             raise ValueError(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction!r}.")
+
+    @property
+    def disk_tier(self):
+        """The disk tier's DiskTierConfig, or None without kv_cache_dir."""
+        if self.kv_cache_dir is None:
+            return None
+        from .kv_cache.disk_tier import DiskTierConfig
+        return DiskTierConfig(str(self.kv_cache_dir), self.kv_cache_disk_bytes, self.kv_cache_disk_load)
 
     @property
     def np_weight_dtype(self):

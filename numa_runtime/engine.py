@@ -53,13 +53,15 @@ class Engine:
                                   self.max_model_len,
                                   progress=_Progress() if self.comm.is_driver else None)
         self.ranks = self.comm.gather_object(self._rank_info(placement))  # rank 0: one dict per rank
+        disk_hashes = self.comm.gather_object(self.runner.disk_hashes)  # rank 0: valid files per rank
         if not self.comm.is_driver:
             self.runner.worker_loop()  # returns when rank 0 shuts down
             sys.exit(0)
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           enable_prefix_caching=self.config.enable_prefix_caching,
-                                          eviction=self.config.eviction)
+                                          eviction=self.config.eviction,
+                                          tier=self._disk_tier(disk_hashes))
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=self.config.max_num_seqs,
                                                    max_num_batched_tokens=self.config.max_num_batched_tokens,
                                                    max_model_len=self.max_model_len,
@@ -84,6 +86,23 @@ class Engine:
         ops.set_num_threads(threads)
         self.num_threads = threads
         return placement
+
+    def _disk_tier(self, per_rank: list[list[int]]):
+        """Rank 0's DiskTier over the blocks whose files are valid on every rank, or None."""
+        cfg = self.config.disk_tier
+        if cfg is None:
+            return None
+        from .kv_cache.disk_tier import DiskTier, worth_loading
+        r, world = self.runner, self.comm.world_size
+        valid = set.intersection(*(set(p) for p in per_rank))
+        stale = set().union(*(set(p) for p in per_rank)) - valid  # on some ranks only: deleted
+        load = cfg.load_policy == "always" or worth_loading(r.bytes_per_block / r.block_size,
+                                                            self.model_config.num_params / world)
+        tier = DiskTier(cfg.capacity_bytes // r.disk.file_bytes, load,
+                        [h for h in per_rank[0] if h in valid], sorted(stale))
+        log.info("KV disk tier %s: %d blocks found, room for %d; hits %s", r.disk.dir, len(tier),
+                 tier.capacity_blocks, "are loaded" if load else "are recomputed (reading is not faster)")
+        return tier
 
     def _rank_info(self, placement) -> dict:
         import psutil
@@ -185,6 +204,9 @@ class Engine:
         """One engine iteration: schedule -> execute -> update. Returns outputs that changed."""
         out = self.scheduler.schedule()
         logits = self.runner.execute(out.plan)
+        if logits is None:  # a block read back from disk failed its check: redo without it
+            self.scheduler.redo_without(out, self.runner.failed_loads)
+            return []
         return self._update(out, logits)
 
     def _update(self, out, logits) -> list[RequestOutput]:
@@ -280,9 +302,18 @@ class Engine:
             return
         self._closed = True
         try:
+            self._flush_disk_tier()
             self.runner.shutdown_workers()
         except Exception as e:  # noqa: BLE001 - shutting down anyway
             log.warning("numa_runtime: shutting down workers failed: %s", e)
+
+    def _flush_disk_tier(self) -> None:
+        """Write every cached block to the disk tier, so that a restart finds them."""
+        tier = self.block_manager.tier
+        if tier is not None:
+            from .plan import StepPlan
+            self.block_manager.offload_all()
+            self.runner.execute(StepPlan.empty(tier.take_ops()))
 
     def __enter__(self):
         return self

@@ -7,7 +7,7 @@ import numpy as np
 
 EXECUTE, SHUTDOWN = 1, 2
 _FIELDS = ("token_ids", "positions", "slot_mapping", "query_start", "context_lens",
-           "block_tables", "logits_indices")
+           "block_tables", "logits_indices", "tier_ops")
 _HEADER = 4  # kind, step_id, num_seqs, max_blocks
 
 
@@ -22,6 +22,13 @@ class StepPlan:
     logits_indices: np.ndarray  # [S'] int64
     kind: int = EXECUTE
     step_id: int = 0
+    # [K, 4] int64 rows (op, block_id, hash_lo, hash_hi): KV blocks every rank saves to, loads
+    # from or deletes in a cache tier before the step runs (kv_cache/disk_tier.py)
+    tier_ops: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.tier_ops is None:
+            self.tier_ops = np.zeros((0, 4), np.int64)
 
     @property
     def num_tokens(self) -> int:
@@ -30,6 +37,13 @@ class StepPlan:
     @property
     def num_seqs(self) -> int:
         return int(self.context_lens.shape[0])
+
+    @classmethod
+    def empty(cls, tier_ops: np.ndarray | None = None) -> "StepPlan":
+        """A step that runs no tokens (only its tier ops)."""
+        e64, e32 = np.zeros(0, np.int64), np.zeros(0, np.int32)
+        return cls(e64, e64, e64, np.zeros(1, np.int32), e32, np.zeros((0, 0), np.int32), e64,
+                   tier_ops=tier_ops)
 
     @classmethod
     def shutdown(cls) -> "StepPlan":
@@ -57,4 +71,5 @@ class StepPlan:
         for name in ("query_start", "context_lens", "block_tables"):
             arrays[name] = arrays[name].astype(np.int32)
         arrays["block_tables"] = arrays["block_tables"].reshape(num_seqs, max_blocks)
+        arrays["tier_ops"] = arrays["tier_ops"].reshape(-1, 4)
         return cls(kind=kind, step_id=step_id, **{k: np.ascontiguousarray(v) for k, v in arrays.items()})

@@ -9,6 +9,10 @@ request produced it (prompt or generated tokens alike). A later request whose le
 hash the same reuses them (refcount + 1) instead of recomputing. A cached block whose refcount
 drops to 0 keeps its contents and its hash and becomes *evictable*; an eviction policy
 (eviction.py) decides which one to reuse when no never-cached block is free.
+
+An optional lower tier (kv_cache/tier.py, e.g. disk_tier.DiskTier) sees every evicted cached
+block (`offload`) and is asked on a miss (`lookup`); a hit is loaded into a pool block, which
+then is an ordinary cached block.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from typing import Sequence
 
 from ..request import Request
 from .eviction import EvictionPolicy, make_eviction_policy
+from .tier import KVTier
 
 
 RELEASED = -1  # a block-table entry whose block was released (outside every sliding window)
@@ -41,7 +46,7 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 eviction: str | EvictionPolicy = "lru"):
+                 eviction: str | EvictionPolicy = "lru", tier: KVTier | None = None):
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}.")
         if not isinstance(block_size, int) or block_size < 1:
@@ -49,6 +54,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.tier = tier if enable_prefix_caching else None
         self.policy = (eviction if isinstance(eviction, EvictionPolicy)
                        else make_eviction_policy(eviction, num_blocks))
         self.ref_cnt = [0] * num_blocks                          # [num_blocks]
@@ -61,6 +67,7 @@ class BlockManager:
         self.query_tokens = self.hit_tokens = 0
         self.query_blocks = self.hit_blocks = 0
         self.num_evictions = 0
+        self.tier_hit_blocks = 0  # blocks of hits that came back from the tier
 
     # ---- sizes ---------------------------------------------------------------------------
     @property
@@ -97,12 +104,36 @@ class BlockManager:
             return [], 0
         max_blocks = (req.num_tokens - 1) // self.block_size
         blocks = []
-        for h in self._block_hashes(req, max_blocks)[:max_blocks]:
+        hashes = self._block_hashes(req, max_blocks)[:max_blocks]
+        for h in hashes:
             block_id = self.hash_to_block.get(h)
             if block_id is None:
                 break
             blocks.append(block_id)
+        if self.tier is not None and len(blocks) < len(hashes) and self.tier.lookup(hashes[len(blocks)]):
+            blocks += self._load_from_tier(hashes[len(blocks):], blocks)
         return blocks, len(blocks) * self.block_size
+
+    def _load_from_tier(self, hashes: list[int], chain: list[int]) -> list[int]:
+        """Load the leading `hashes` the tier holds into pool blocks (cached, evictable); never
+        evicts a block of `chain`, the hits found so far."""
+        pinned = [b for b in chain if self.ref_cnt[b] == 0]
+        for b in pinned:  # NOTE: out of the policy while we take blocks, so none is a victim
+            self.policy.remove(b)
+        loaded = []
+        for h in hashes:
+            if not self.tier.lookup(h) or not (self.free_block_ids or len(self.policy)):
+                break
+            block_id = self._take_block()
+            self.tier.load(h, block_id)
+            self.block_hash[block_id] = h
+            self.hash_to_block[h] = block_id
+            self.policy.cached(block_id, False)
+            loaded.append(block_id)
+        for b in pinned + loaded:
+            self.policy.add_evictable(b)
+        self.tier_hit_blocks += len(loaded)
+        return loaded
 
     # ---- allocation ----------------------------------------------------------------------
     def _num_new_blocks(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int]) -> int:
@@ -153,10 +184,32 @@ class BlockManager:
         if self.free_block_ids:
             return self.free_block_ids.popleft()
         block_id = self.policy.pop_victim()
-        del self.hash_to_block[self.block_hash[block_id]]
+        h = self.block_hash[block_id]
+        del self.hash_to_block[h]
         self.block_hash[block_id] = None
         self.num_evictions += 1
+        if self.tier is not None:
+            self.tier.offload(block_id, h)
         return block_id
+
+    def uncache(self, block_hash: int) -> None:
+        """Forget a cached block whose contents are wrong (its tier copy failed a check): it
+        is no longer a hit; if unused it returns to the free pool; the tier drops it too."""
+        block_id = self.hash_to_block.pop(block_hash, None)
+        if block_id is not None:
+            self.block_hash[block_id] = None
+            if self.ref_cnt[block_id] == 0:
+                self.policy.remove(block_id)
+                self.free_block_ids.append(block_id)
+        if self.tier is not None:
+            self.tier.drop(block_hash)
+
+    def offload_all(self) -> None:
+        """Hand every cached block to the tier (at shutdown, so that a restart finds them),
+        the least recently cached first."""
+        if self.tier is not None:
+            for h, block_id in self.hash_to_block.items():
+                self.tier.offload(block_id, h)
 
     def free(self, req: Request) -> None:
         """Release all of req's blocks. Tail first, so that under an LRU-ordered policy the
@@ -226,4 +279,4 @@ class BlockManager:
 
     def reset_counters(self) -> None:
         self.query_tokens = self.hit_tokens = self.query_blocks = self.hit_blocks = 0
-        self.num_evictions = 0
+        self.num_evictions = self.tier_hit_blocks = 0
