@@ -267,7 +267,8 @@ class Scheduler:
         return {"num_running": self.num_running, "num_waiting": self.num_waiting,
                 "kv_usage": bm.usage, "prefix_cache_hits": bm.hit_tokens,
                 "prefix_cache_queries": bm.query_tokens, "prefix_cache_hit_rate": bm.hit_rate,
-                "num_preemptions": self.num_preemptions, "num_evictions": bm.num_evictions}
+                "num_preemptions": self.num_preemptions, "num_evictions": bm.num_evictions,
+                "disk_tier_hit_blocks": bm.tier_hit_blocks}
 
 
 def _token_slice(req: Request, start: int, end: int) -> list[int]:

@@ -30,6 +30,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded side by side at most")
     ap.add_argument("--max-queue", type=int, default=256, help="waiting sequences beyond which requests get 429")
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes per rank")
+    ap.add_argument("--kv-cache-dir", default=None, help="keep evicted prefix-cache blocks in files here "
+                                                         "(survives restarts)")
+    ap.add_argument("--kv-cache-disk-bytes", type=int, default=8 << 30, help="size cap of --kv-cache-dir per rank")
+    ap.add_argument("--kv-cache-disk-load", default="auto", choices=["auto", "always"],
+                    help="auto: read blocks back only when that beats recomputing them")
     ap.add_argument("--num-threads", type=int, default=None, help="compute threads per rank")
     ap.add_argument("--max-tokens-cap", type=int, default=None, help="clamp every request's max_tokens to this")
     ap.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
@@ -41,6 +46,9 @@ def build_engine(args):
     kwargs = {"max_num_seqs": args.max_num_seqs}
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = args.kv_cache_memory
+    if args.kv_cache_dir is not None:
+        kwargs.update(kv_cache_dir=args.kv_cache_dir, kv_cache_disk_bytes=args.kv_cache_disk_bytes,
+                      kv_cache_disk_load=args.kv_cache_disk_load)
     return Engine(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                   num_threads=args.num_threads, **kwargs)
 
