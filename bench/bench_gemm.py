@@ -1,6 +1,10 @@
 """Linear layer benchmark: our Linear vs the oneDNN path alone vs torch.nn.functional.linear.
 
-    python bench/bench_gemm.py [--quick] [--threads N] [--sweep]
+    python bench/bench_gemm.py [--quick] [--threads N] [--sweep] [--level L]
+
+--level caps our kernels' ISA level (2 AVX512_BF16, 1 AVX-512F, 0 AVX2); set
+ONEDNN_MAX_CPU_ISA (AVX512_CORE, AVX2) to cap oneDNN's the same way, e.g.
+`ONEDNN_MAX_CPU_ISA=AVX512_CORE python bench/bench_gemm.py --quick --level 1`.
 
 For M <= 16 it reports GB/s of weight bytes read (unpadded N*K*elsize / time) and that as a
 fraction of the DRAM read bandwidth measured in the same run; for M = 512 GFLOP/s.
@@ -158,7 +162,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="Qwen shapes, bf16, short timing")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--sweep", action="store_true", help="small-M threshold sweep only")
+    ap.add_argument("--level", type=int, default=None, help="cap our kernels' ISA level")
     args = ap.parse_args()
+    if args.level is not None:
+        gemm._force_cpu_level(args.level)
     if args.threads:
         ops.set_num_threads(args.threads)
     min_time = 0.1 if args.quick else 0.4
@@ -169,7 +176,9 @@ def main() -> None:
     # load during one probe does not inflate the fractions.
     dram = dram_read_gbps(gib=0.5 if args.quick else 1.0)
     print(f"threads={ops.get_num_threads()} cpu_level={gemm.cpu_level()} "
-          f"dram_read={dram:.1f} GB/s small_m_max={gemm.SMALL_M_MAX}\n")
+          f"dram_read={dram:.1f} GB/s small_m_max={gemm.SMALL_M_MAX} "
+          f"oneDNN bf16/f32 usable={gemm._dnnl_usable(True)}/{gemm._dnnl_usable(False)} "
+          f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '-')}\n")
     print("| model | layer | K->N | dtype | M | unit | ours | oneDNN only | torch | ours/DRAM |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     models = {"Qwen2.5-0.5B": SHAPES["Qwen2.5-0.5B"]} if args.quick else SHAPES
