@@ -11,6 +11,11 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    # base models without an LM head (embedding checkpoints such as Qwen3-Embedding)
+    "LlamaModel": "llama",
+    "MistralModel": "llama",
+    "Qwen2Model": "qwen2",
+    "Qwen3Model": "qwen3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
@@ -65,6 +70,11 @@ class ModelConfig:
     @property
     def family(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
+    def is_embedding_model(self) -> bool:
+        """A base model without an LM head: it embeds text, it cannot generate."""
+        return not self.architecture.endswith("ForCausalLM")
 
     @property
     def q_size(self) -> int:

@@ -145,6 +145,9 @@ class Engine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue a prompt (text or token ids); returns its request id."""
+        if self.model_config.is_embedding_model:
+            raise ValueError(f"{self.model_config.architecture} is an embedding model without an LM head: it "
+                             "cannot generate text; use Engine.embed (or /v1/embeddings).")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams.")
@@ -289,6 +292,49 @@ class Engine:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         return self.generate([ids], params)[0]
+
+    def embed(self, inputs, pooling: str | None = None):
+        """Unit-length embeddings [len(inputs), hidden] float32 of strings or token-id lists:
+        the final normed hidden states pooled by "mean" (over the tokens) or "last" (the last
+        token). Default: "last" for embedding checkpoints (Qwen3-Embedding), "mean" otherwise."""
+        import numpy as np
+        pooling = pooling or ("last" if self.model_config.is_embedding_model else "mean")
+        if pooling not in ("mean", "last"):
+            raise ValueError(f"pooling must be 'mean' or 'last', got {pooling!r}.")
+        items = [inputs] if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)) else list(inputs)
+        if not items:
+            raise ValueError("Give at least one input to embed.")
+        out = np.empty((len(items), self.model_config.hidden_size), np.float32)  # [N, hidden]
+        for i, item in enumerate(items):
+            _, ids = self._tokenize(item)
+            if len(ids) > self.max_model_len:
+                raise ValueError(f"Input {i} has {len(ids)} tokens, but the context holds {self.max_model_len}; "
+                                 "shorten it or raise max_model_len.")
+            h = self._final_hidden(ids, every_row=pooling == "mean")  # [n or 1, hidden]
+            v = h.mean(axis=0) if pooling == "mean" else h[-1]
+            out[i] = v / max(float(np.linalg.norm(v)), 1e-12)
+        return out
+
+    def _final_hidden(self, ids: list[int], every_row: bool):
+        """One forward over `ids` in scratch KV blocks: normed hidden states of every row or the last."""
+        import numpy as np
+        from .plan import EMBED, StepPlan
+        bm, n = self.block_manager, len(ids)
+        blocks = bm.take_blocks(bm.num_blocks_for(n))
+        if blocks is None:
+            raise RuntimeError(f"The KV cache has no room for {n} tokens now; retry when requests finish.")
+        try:
+            bs = bm.block_size
+            pos = np.arange(n, dtype=np.int64)                               # [n]
+            table = np.asarray(blocks, np.int64)
+            rows = pos if every_row else pos[-1:]
+            plan = StepPlan(np.asarray(ids, np.int64), pos, table[pos // bs] * bs + pos % bs,
+                            np.array([0, n], np.int32), np.array([n], np.int32),
+                            table[None, :].astype(np.int32), rows, kind=EMBED,
+                            tier_ops=bm.tier.take_ops() if bm.tier is not None else None)
+            return self.runner.execute(plan)
+        finally:
+            bm.return_blocks(blocks)
 
     # operator profiling (AS_PROFILE=ON; raise RuntimeError when off): see profiler.py
     get_op_profiling_info = _profiler.get_op_profiling_info      # (model_name=None) -> str

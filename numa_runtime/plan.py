@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-EXECUTE, SHUTDOWN = 1, 2
+EXECUTE, SHUTDOWN, EMBED = 1, 2, 4  # (3 is profiler.PROFILE); EMBED: final hidden states, no lm_head
 _FIELDS = ("token_ids", "positions", "slot_mapping", "query_start", "context_lens",
            "block_tables", "logits_indices", "tier_ops")
 _HEADER = 4  # kind, step_id, num_seqs, max_blocks

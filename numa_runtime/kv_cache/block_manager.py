@@ -211,6 +211,16 @@ class BlockManager:
             for h, block_id in self.hash_to_block.items():
                 self.tier.offload(block_id, h)
 
+    def take_blocks(self, n: int) -> list[int] | None:
+        """n blocks outside any request (scratch KV for an embedding), or None if there is no
+        room now. Give them back with return_blocks."""
+        if n > self.num_free_blocks:
+            return None
+        return [self._take_block() for _ in range(n)]
+
+    def return_blocks(self, block_ids: list[int]) -> None:
+        self.free_block_ids.extend(block_ids)
+
     def free(self, req: Request) -> None:
         """Release all of req's blocks. Tail first, so that under an LRU-ordered policy the
         leaves of a hash chain are evicted before the blocks they extend."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import ModelConfig, UnsupportedModelError, rope_inv_freq
+from ..plan import EMBED
 from ..weights import Checkpoint, split_range
 
 
@@ -109,15 +110,7 @@ class LlamaModel:
             if progress:
                 progress(i + 1, cfg.num_layers)
         self.norm = ckpt.load("model.norm.weight", "float32")
-        if cfg.tie_word_embeddings or "lm_head.weight" not in ckpt:
-            head = ckpt.load("model.embed_tokens.weight", dtype, rows=lay.vocab)
-        else:
-            head = ckpt.load("lm_head.weight", dtype, rows=lay.vocab)
-        pad = lay.vocab_chunk - head.shape[0]
-        if pad:
-            head = np.concatenate([head, np.zeros((pad, cfg.hidden_size), head.dtype)])
-        self.lm_head = ops.Linear(head)
-        del head
+        self.lm_head = None if cfg.is_embedding_model else self._lm_head(ckpt, dtype)
         inv_freq, attn_scale = rope_inv_freq(cfg)
         pos = np.arange(max_model_len, dtype=np.float64)[:, None] * inv_freq[None, :]
         # cos_sin: [max_model_len, rot_dim] = [cos | sin]
@@ -126,10 +119,21 @@ class LlamaModel:
         self.scale = cfg.head_dim ** -0.5
         self.windows = [cfg.window(i) for i in range(cfg.num_layers)]  # 0 = full attention
 
+    def _lm_head(self, ckpt: Checkpoint, dtype: str):
+        cfg, lay = self.cfg, self.lay
+        if cfg.tie_word_embeddings or "lm_head.weight" not in ckpt:
+            head = ckpt.load("model.embed_tokens.weight", dtype, rows=lay.vocab)
+        else:
+            head = ckpt.load("lm_head.weight", dtype, rows=lay.vocab)
+        pad = lay.vocab_chunk - head.shape[0]
+        if pad:
+            head = np.concatenate([head, np.zeros((pad, cfg.hidden_size), head.dtype)])
+        return self.ops.Linear(head)
+
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights this rank holds in its own memory (the mmapped embedding excluded)."""
-        lin = [self.lm_head] + [getattr(l, n) for l in self.layers
+        lin = [self.lm_head] * (self.lm_head is not None) + [getattr(l, n) for l in self.layers
                                 for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
         own = sum(getattr(x, "nbytes", 0) or getattr(x, "weight").nbytes for x in lin)
         return own + (0 if isinstance(self.embed, np.memmap) else self.embed.nbytes)
@@ -162,7 +166,8 @@ class LlamaModel:
         return x
 
     def forward(self, plan) -> np.ndarray | None:
-        """Run one step; returns logits [S', vocab] for plan.logits_indices (every rank)."""
+        """Run one step; returns logits [S', vocab] for plan.logits_indices (every rank), or
+        for an EMBED plan the final normed hidden states [S', hidden] of those rows."""
         ops, cfg, lay, comm = self.ops, self.cfg, self.lay, self.comm
         T, H, D = plan.num_tokens, cfg.hidden_size, cfg.head_dim
         hq, hk = lay.num_q_heads, lay.num_kv_heads
@@ -206,6 +211,8 @@ class LlamaModel:
         last += delta[idx]
         hn = np.empty_like(last)
         ops.rms_norm(last, self.norm, eps, hn)
+        if plan.kind == EMBED:
+            return hn
         logits = self.lm_head.forward(hn)                   # [S', vocab_chunk]
         if lay.world > 1:
             logits = comm.all_gather(logits)

@@ -35,6 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--kv-cache-disk-bytes", type=int, default=8 << 30, help="size cap of --kv-cache-dir per rank")
     ap.add_argument("--kv-cache-disk-load", default="auto", choices=["auto", "always"],
                     help="auto: read blocks back only when that beats recomputing them")
+    ap.add_argument("--embedding-pooling", default=None, choices=["mean", "last"],
+                    help="/v1/embeddings pooling (default: last for embedding checkpoints, else mean)")
     ap.add_argument("--num-threads", type=int, default=None, help="compute threads per rank")
     ap.add_argument("--max-tokens-cap", type=int, default=None, help="clamp every request's max_tokens to this")
     ap.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
@@ -88,7 +90,8 @@ def main(argv=None) -> int:
     name = args.served_model_name or os.path.basename(os.path.normpath(engine.model_config.model_dir))
     try:
         config = ServeConfig(served_model_name=name, api_key=args.api_key,
-                             max_queue=args.max_queue, max_tokens_cap=args.max_tokens_cap)
+                             max_queue=args.max_queue, max_tokens_cap=args.max_tokens_cap,
+                             embedding_pooling=args.embedding_pooling)
     except ValueError as e:
         print(f"numa-serve: error: {e}", file=sys.stderr)
         engine.close()

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import responses as R
 from .async_engine import AsyncEngine, EngineDeadError
+from .embeddings import EmbeddingRequest, create_embeddings
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
 
@@ -33,6 +34,7 @@ class ServeConfig:
     max_queue: int = 256              # waiting sequences beyond which new requests get 429
     max_tokens_cap: int | None = None  # larger max_tokens are clamped to this
     max_body_bytes: int = 4 << 20
+    embedding_pooling: str | None = None  # "mean" | "last"; None: the model's default
 
     def __post_init__(self):
         if self.max_queue < 0:
@@ -136,6 +138,12 @@ def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
                                                         add_generation_prompt=True)
             ids = engine.tokenizer.encode(text, add_special_tokens=False)
         return await _serve(request, body, "chatcmpl", [ids], params, arrival)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest):
+        check_model(body.model)
+        with _client_errors():
+            return await create_embeddings(aengine, body, config.served_model_name, config.embedding_pooling)
 
     async def _serve(request: Request, body, kind: str, prompts: list, params, arrival: float):
         check_queue()
