@@ -30,7 +30,10 @@ class Engine:
     """A model loaded on every rank, scheduled and sampled on rank 0."""
 
     def __init__(self, model: str | None = None, dtype: str = "bfloat16", max_model_len: int | None = None,
-                 num_threads: int | None = None, **kwargs):
+                 num_threads: int | None = None, serve_workers: bool = True, **kwargs):
+        """On a worker rank the constructor runs the worker loop and exits the process, unless
+        `serve_workers=False`: then it returns and the caller runs `self.runner.worker_loop()`
+        (several models on one set of ranks: serve/router.py)."""
         from . import backend, distributed, profiler
         from .default_model import default_model_dir
         from .kv_cache.block_manager import BlockManager
@@ -55,6 +58,8 @@ class Engine:
         self.ranks = self.comm.gather_object(self._rank_info(placement))  # rank 0: one dict per rank
         disk_hashes = self.comm.gather_object(self.runner.disk_hashes)  # rank 0: valid files per rank
         if not self.comm.is_driver:
+            if not serve_workers:
+                return
             self.runner.worker_loop()  # returns when rank 0 shuts down
             sys.exit(0)
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
@@ -347,6 +352,7 @@ class Engine:
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        atexit.unregister(self.close)  # NOTE: else atexit keeps an unloaded model's weights alive
         try:
             self._flush_disk_tier()
             self.runner.shutdown_workers()
