@@ -17,6 +17,12 @@ Overhead: with 32 requests decoding (steps whose plan is 32 decode tokens), Engi
 split by wrapping scheduler.schedule and runner.execute on the engine instance: schedule,
 execute (the model forward; on several ranks the plan broadcast too), update (the rest:
 sampling, detokenization, stop checks, outputs). overhead = (step - execute) / step.
+
+Streaming cost: `--overhead-tokens 2000` makes those 32 requests generate 2,000 tokens each, and
+the update time is also reported per window of output position (`update_by_position`): flat
+means the per-step bookkeeping costs O(new tokens), rising means it touches whole sequences
+(O(L) per step, O(L^2) per request). Issue 13's figure:
+    python bench/bench_engine.py --concurrency 1 --overhead-batch 32 --overhead-tokens 2000
 Writes OUT.json and OUT.md.
 """
 from __future__ import annotations
@@ -33,7 +39,7 @@ from bench.common import add_model_args, percentiles, random_prompts, resolve_mo
 def make_engine(a):
     from numa_runtime import Engine
     return Engine(a.model, dtype=a.dtype, num_threads=a.threads,
-                  max_model_len=a.prompt_max + a.output_len + 16,
+                  max_model_len=a.prompt_max + max(a.output_len, a.overhead_tokens) + 16,
                   max_num_seqs=max(max(a.concurrency), a.overhead_batch),
                   max_num_batched_tokens=a.max_batched_tokens)
 
@@ -94,6 +100,7 @@ def step_breakdown(eng, a, rng) -> dict:
     sched.schedule, runner.execute = timed("schedule", sched.schedule), execute_and_note
     totals = {"schedule": 0.0, "execute": 0.0, "step": 0.0}
     steps = 0
+    by_position = []  # (output tokens of each request, update ms) of every counted step
     try:
         params = SamplingParams(temperature=0, max_tokens=a.overhead_tokens, ignore_eos=True)
         for p in random_prompts(rng, n, a.prompt_min, a.prompt_max, eng.model_config.vocab_size):
@@ -110,6 +117,8 @@ def step_breakdown(eng, a, rng) -> dict:
                 totals["step"] += dt
                 totals["schedule"] += cur.get("schedule", 0.0)
                 totals["execute"] += cur.get("execute", 0.0)
+                update = dt - cur.get("schedule", 0.0) - cur.get("execute", 0.0)
+                by_position.append((eng.scheduler.running[0].num_output_tokens, update * 1e3))
     finally:
         for name in ("schedule", "execute"):  # drop the instance attributes: class methods again
             vars(sched if name == "schedule" else runner).pop(name, None)
@@ -119,7 +128,20 @@ def step_breakdown(eng, a, rng) -> dict:
     mean["update"] = mean["step"] - mean["schedule"] - mean["execute"]
     return {"running": n, "steps": steps, "step_ms": mean["step"], "schedule_ms": mean["schedule"],
             "execute_ms": mean["execute"], "update_ms": mean["update"],
-            "overhead_share": (mean["step"] - mean["execute"]) / mean["step"]}
+            "overhead_share": (mean["step"] - mean["execute"]) / mean["step"],
+            "update_by_position": _windows(by_position, a.overhead_tokens)}
+
+
+def _windows(samples: list[tuple[int, float]], length: int, count: int = 8) -> list[dict]:
+    """Mean update ms of the steps in each of `count` windows of output position."""
+    width = max(1, -(-length // count))
+    out = []
+    for lo in range(0, length, width):
+        ms = [u for pos, u in samples if lo <= pos < lo + width]
+        if ms:
+            out.append({"from_token": lo, "to_token": min(length, lo + width), "steps": len(ms),
+                        "update_ms": sum(ms) / len(ms)})
+    return out
 
 
 def markdown(r: dict) -> str:
@@ -140,6 +162,10 @@ def markdown(r: dict) -> str:
         lines += ["", f"step at {o['running']} running requests ({o['steps']} decode steps): "
                   f"{o['step_ms']:.2f} ms = schedule {o['schedule_ms']:.2f} + execute {o['execute_ms']:.2f} "
                   f"+ update {o['update_ms']:.2f}; overhead (step - execute) / step = {o['overhead_share']:.1%}"]
+        windows = o.get("update_by_position") or []
+        if windows:
+            lines += ["", "| output tokens | decode steps | update ms per step |", "| --- | --- | --- |"]
+            lines += [f"| {w['from_token']}-{w['to_token']} | {w['steps']} | {w['update_ms']:.3f} |" for w in windows]
     else:
         lines += ["", f"overhead: {o.get('note')}"]
     return "\n".join(lines) + "\n"
@@ -155,6 +181,8 @@ def main() -> None:
     ap.add_argument("--prompt-max", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--overhead-batch", type=int, default=32, help="running requests for the overhead split")
+    ap.add_argument("--overhead-tokens", type=int, default=None,
+                    help="output tokens of each of those requests (default --output-len; 2000 shows streaming cost)")
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="tiny model, concurrency 1 4 16, few tokens")
@@ -164,7 +192,8 @@ def main() -> None:
         a.concurrency = [c for c in a.concurrency if c <= 16] or [1]
         a.prompt_min, a.prompt_max, a.output_len = 8, 32, 16
         a.overhead_batch = min(a.overhead_batch, 8)
-    a.overhead_tokens = a.output_len
+    if a.overhead_tokens is None or a.quick:
+        a.overhead_tokens = a.output_len
     a.model = resolve_model(a.model, a.shape or ("tiny" if a.quick else "qwen0.5b"))
     import numpy as np
     eng = make_engine(a)
@@ -181,7 +210,7 @@ def main() -> None:
     overhead = step_breakdown(eng, a, rng)
     report = {"quick": a.quick, "summary": eng.summary(),
               "config": {k: getattr(a, k) for k in ("prompt_min", "prompt_max", "output_len", "seed",
-                                                    "max_batched_tokens", "overhead_batch")},
+                                                    "max_batched_tokens", "overhead_batch", "overhead_tokens")},
               "levels": levels,
               "scaling_c16_over_c1": by_c[16] / by_c[1] if 16 in by_c and 1 in by_c else None,
               "overhead": overhead, "scheduler_stats": eng.scheduler.stats()}

@@ -1,8 +1,15 @@
 """Engine: add requests, step (schedule -> execute -> update), generate, stream, chat.
 
-Under mpirun every rank constructs the Engine; rank 0 returns from the constructor and
-drives, the other ranks execute plans inside the constructor and exit when rank 0 shuts
-down (so a script written for one process runs unchanged under mpirun).
+Worker ranks. Under mpirun every rank constructs the Engine, and the constructor returns on
+every rank. Rank 0 (`engine.is_driver`) schedules, samples and drives; a worker rank only
+executes the step plans rank 0 broadcasts, which it does in exactly these places:
+
+- `engine.serve_workers()`: serve until rank 0 closes the engine, then return;
+- `engine.close()`, and so the end of a `with engine:` block and interpreter exit: the same;
+- the first driving call (generate, stream, chat, step, add_request): the same, and then the
+  process exits with status 0, because that call has no result to return on a worker. This
+  keeps a script written for one process running unchanged under mpirun; the worker logs that
+  the rest of the script runs on rank 0 only.
 """
 from __future__ import annotations
 
@@ -11,12 +18,12 @@ import itertools
 import logging
 import os
 import sys
-import time
+from collections import deque
 from typing import Iterable, Iterator
 
-from . import profiler as _profiler
 from .config import EngineConfig, ModelConfig
-from .outputs import CompletionOutput, RequestOutput, TextState
+from .outputs import RequestOutput, TextState
+from .recorder import FORWARD, RESHAPE
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .tokenizer import IncrementalDetokenizer
@@ -30,15 +37,13 @@ class Engine:
     """A model loaded on every rank, scheduled and sampled on rank 0."""
 
     def __init__(self, model: str | None = None, dtype: str = "bfloat16", max_model_len: int | None = None,
-                 num_threads: int | None = None, serve_workers: bool = True, **kwargs):
-        """On a worker rank the constructor runs the worker loop and exits the process, unless
-        `serve_workers=False`: then it returns and the caller runs `self.runner.worker_loop()`
-        (several models on one set of ranks: serve/router.py)."""
-        from . import backend, distributed, profiler
+                 num_threads: int | None = None, **kwargs):
+        from . import backend, data_parallel, distributed, profiler
         from .default_model import default_model_dir
         from .kv_cache.block_manager import BlockManager
         from .model_runner import ModelRunner
         from .sampler import Sampler
+        from .router import ReplicaRouter
         from .scheduler import Scheduler, SchedulerConfig
         from .tokenizer import Tokenizer
 
@@ -49,35 +54,47 @@ class Engine:
         model_dir = model if model is not None else default_model_dir()
         self.model_config = mcfg = ModelConfig.from_dir(os.path.expanduser(str(model_dir)))
         self.max_model_len = self._resolve_max_len(mcfg, self.config.max_model_len)
-        if self.comm.is_driver:  # NOTE: fail on a missing tokenizer before reading any weight
-            self.tokenizer = Tokenizer.from_dir(mcfg.model_dir)
-        self.ops = profiler.wrap_ops(ops, self.comm)
-        self.runner = ModelRunner(mcfg, self.config, profiler.wrap_comm(self.comm, self.ops), self.ops,
-                                  self.max_model_len,
-                                  progress=_Progress() if self.comm.is_driver else None)
+        # NOTE: fail on a missing tokenizer before reading any weight; every rank has one, so
+        # that a script's tokenizer calls run unchanged on worker ranks too
+        self.tokenizer = Tokenizer.from_dir(mcfg.model_dir)
+        self.parallel, tp_comm, self._link = data_parallel.setup(self.comm, self.config, mcfg)
+        if self.config.kv_cache_dir is not None and self.parallel.data_parallel > 1:
+            raise ValueError("The KV disk tier (kv_cache_dir) works with one tensor-parallel model; run it "
+                             "without data-parallel replicas.")
+        self.recorder = profiler.make_recorder(self.comm.rank)  # a no-op unless AS_PROFILE=ON
+        self.ops = profiler.timed_ops(ops, self.recorder)
+        self.runner = ModelRunner(mcfg, self.config, profiler.timed_comm(tp_comm, self.recorder), self.ops,
+                                  self.max_model_len, progress=_Progress() if self.comm.is_driver else None,
+                                  recorder=self.recorder)
         self.ranks = self.comm.gather_object(self._rank_info(placement))  # rank 0: one dict per rank
         disk_hashes = self.comm.gather_object(self.runner.disk_hashes)  # rank 0: valid files per rank
-        if not self.comm.is_driver:
-            if not serve_workers:
-                return
-            self.runner.worker_loop()  # returns when rank 0 shuts down
-            sys.exit(0)
+        self.placement = placement
+        if not self.comm.is_driver:  # a worker serves rank 0 where the module docstring says
+            self._closed = False
+            atexit.register(self.close)
+            return
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
-        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
-                                          enable_prefix_caching=self.config.enable_prefix_caching,
-                                          eviction=self.config.eviction,
-                                          tier=self._disk_tier(disk_hashes))
-        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=self.config.max_num_seqs,
-                                                   max_num_batched_tokens=self.config.max_num_batched_tokens,
-                                                   max_model_len=self.max_model_len,
-                                                   sliding_window=mcfg.min_window), self.block_manager)
-        self.sampler = Sampler(self.ops, mcfg.vocab_size, self.config.seed)
-        self.profiler = profiler.attach(self)  # None unless AS_PROFILE=ON
+        self.max_model_len = self._fit_max_len_to_cache(mcfg)
+        schedulers = [Scheduler(SchedulerConfig(max_num_seqs=self.config.max_num_seqs,
+                                                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                                                max_model_len=self.max_model_len, sliding_window=mcfg.min_window),
+                                BlockManager(n, self.config.block_size,
+                                             enable_prefix_caching=self.config.enable_prefix_caching,
+                                             eviction=self.config.eviction, recorder=self.recorder,
+                                             tier=self._disk_tier(disk_hashes)))
+                      for n in data_parallel.replica_blocks(self.parallel, self.ranks)]
+        # NOTE: with data-parallel replicas, one scheduler (and KV pool) per replica behind a router
+        self.scheduler = schedulers[0] if len(schedulers) == 1 else ReplicaRouter(schedulers)
+        self.block_manager = self.scheduler.block_manager
+        self.runner = data_parallel.driver_runner(self.runner, self._link, mcfg.vocab_size)
+        self.sampler = Sampler(self.ops, mcfg.vocab_size, self.config.seed, recorder=self.recorder)
+        self._profile = profiler.ProfileReports(self.recorder, self.runner.comm,
+                                                os.path.basename(os.path.normpath(mcfg.model_dir)))
         self._groups: dict[str, _Group] = {}
         self._texts: dict[str, TextState] = {}
+        self._step_outbox: deque[RequestOutput] = deque()  # outputs of add_request's requests
         self._ids = itertools.count()
         self._closed = False
-        self.placement = placement
         atexit.register(self.close)
         self._log_start()
 
@@ -111,10 +128,13 @@ class Engine:
 
     def _rank_info(self, placement) -> dict:
         import psutil
+        from . import numa
         return {"rank": self.comm.rank, "node": getattr(placement, "node", None),
                 "cpus": len(getattr(placement, "cpus", ()) or os.sched_getaffinity(0)),
                 "threads": self.num_threads, "rss_bytes": psutil.Process().memory_info().rss,
-                "weight_bytes": self.runner.model.weight_bytes, "kv_cache_bytes": self.runner.kv_cache_bytes}
+                "weight_bytes": self.runner.model.weight_bytes, "kv_cache_bytes": self.runner.kv_cache_bytes,
+                "kv_blocks": self.runner.num_blocks, "replica": self.parallel.replica_of(self.comm.rank),
+                "memory": numa.check_binding(self.comm.rank, placement, self.runner.model.weight_buffers())}
 
     @staticmethod
     def _resolve_max_len(mcfg: ModelConfig, asked: int | None) -> int:
@@ -125,6 +145,16 @@ class Engine:
             raise ValueError(f"max_model_len={asked} exceeds what the model supports ({limit} tokens).")
         return asked
 
+    def _fit_max_len_to_cache(self, mcfg: ModelConfig) -> int:
+        """The context one request can really use: no more tokens than the KV cache holds (unless
+        every layer slides a window, and old blocks are released)."""
+        capacity = self.runner.num_blocks * self.config.block_size
+        if mcfg.min_window or self.max_model_len <= capacity:
+            return self.max_model_len
+        log.warning("max_model_len %d lowered to %d: the KV cache holds %d tokens; enlarge it "
+                    "(kv_cache_memory) for longer requests", self.max_model_len, capacity, capacity)
+        return capacity
+
     def _log_start(self) -> None:
         s = self.summary()
         mib = 1 << 20
@@ -134,13 +164,16 @@ class Engine:
         log.info("KV cache: %d blocks of %d tokens, %.0f MiB per rank, %d tokens at once",
                  s["kv_blocks"], s["block_size"], s["kv_cache_bytes"] / mib, s["max_concurrent_tokens"])
         for r in s["per_rank"] or []:
-            log.info("rank %d: node %s, %d cpus, weights %.0f MiB, RSS %.0f MiB", r["rank"], r["node"],
-                     r["cpus"], r["weight_bytes"] / mib, r["rss_bytes"] / mib)
+            m = r["memory"]
+            log.info("rank %d: node %s, %d cpus, weights %.0f MiB, RSS %.0f MiB; memory policy %s %s, "
+                     "sampled weight pages by node %s", r["rank"], r["node"], r["cpus"], r["weight_bytes"] / mib,
+                     r["rss_bytes"] / mib, m["policy"], m["policy_nodes"], m["page_nodes"])
 
     def summary(self) -> dict:
         c = self.model_config
         return {"model": c.model_dir, "architecture": c.architecture, "dtype": self.config.dtype,
                 "ranks": self.comm.world_size, "threads_per_rank": self.num_threads,
+                "data_parallel": self.parallel.data_parallel, "tensor_parallel": self.parallel.tensor_parallel,
                 "max_model_len": self.max_model_len, "kv_blocks": self.runner.num_blocks,
                 "block_size": self.config.block_size, "kv_cache_bytes": self.runner.kv_cache_bytes,
                 "max_concurrent_tokens": self.runner.num_blocks * self.config.block_size,
@@ -149,7 +182,13 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        """Queue a prompt (text or token ids); returns its request id."""
+        """Queue a prompt (text or token ids); returns its request id. Its outputs come back from
+        step(), also those made while generate() or stream() stepped the engine."""
+        self._driver_only("add_request")
+        return self._add(prompt, params, request_id, self._step_outbox)
+
+    def _add(self, prompt, params: SamplingParams | None, request_id: str | None, outbox: deque) -> str:
+        """Queue a request whose outputs are appended to `outbox` (its owner reads them there)."""
         if self.model_config.is_embedding_model:
             raise ValueError(f"{self.model_config.architecture} is an embedding model without an LM head: it "
                              "cannot generate text; use Engine.embed (or /v1/embeddings).")
@@ -159,11 +198,12 @@ class Engine:
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         if rid in self._groups:
             raise ValueError(f"Request id {rid!r} is already in use.")
+        bad = [t for t in params.logit_bias if t >= self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias names token {bad[0]}, outside the vocabulary "
+                             f"(size {self.model_config.vocab_size}).")
         text, ids = self._tokenize(prompt)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"The prompt has {len(ids)} tokens, but the context holds {self.max_model_len}; "
-                             "shorten it or raise max_model_len.")
-        group = _Group(rid, text, ids, params)
+        group = _Group(rid, text, ids, params, outbox)
         try:
             for i in range(params.n):
                 sp = params if params.n == 1 else _child_params(params, i)
@@ -182,7 +222,7 @@ class Engine:
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode_within(prompt, self.max_model_len)
             text = prompt
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids, text = list(prompt), None
@@ -190,34 +230,53 @@ class Engine:
             raise TypeError("A prompt must be a string or a list of token ids.")
         if not ids:
             raise ValueError("The prompt is empty.")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"The prompt has {len(ids)} tokens, but the context holds {self.max_model_len}; "
+                             "shorten it or raise max_model_len.")
         bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise ValueError(f"Token id {bad[0]} is outside the vocabulary (size {self.model_config.vocab_size}).")
         return text, ids
 
     def abort_request(self, request_id: str) -> None:
+        """Stop a request; its owner gets a last output with finish_reason "abort". Idempotent."""
         group = self._groups.pop(str(request_id), None)
         if group is None:
             return
         for req in group.children:
             if not req.is_finished:
                 self.scheduler.abort_request(req.request_id)
-            self._forget(req)
+        group.outbox.append(self._output(group))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """One engine iteration: schedule -> execute -> update. Returns outputs that changed."""
-        out = self.scheduler.schedule()
+        """One engine iteration: schedule -> execute -> update. Returns the outputs of the
+        requests queued with add_request since the last call, in order (outputs of generate()
+        and stream() requests go to those calls, never here)."""
+        self._driver_only("step")
+        if self.scheduler.has_unfinished():
+            self._step()
+        return _take_all(self._step_outbox)
+
+    def _step(self) -> None:
+        rec = self.recorder  # times the three under AS_PROFILE=ON; otherwise does nothing
+        rec.begin_step()
+        with rec.span(RESHAPE, "schedule"):
+            out = self.scheduler.schedule()
         logits = self.runner.execute(out.plan)
         if logits is None:  # a block read back from disk failed its check: redo without it
             self.scheduler.redo_without(out, self.runner.failed_loads)
-            return []
-        return self._update(out, logits)
+            return
+        with rec.span(FORWARD, "update"):
+            self._update(out, logits)
+        if rec.trace_due():  # AS_PROFILE_TRACE: once, when its number of steps is kept
+            self.export_chrome_trace(rec.trace_path)
 
-    def _update(self, out, logits) -> list[RequestOutput]:
+    def _update(self, out, logits) -> None:
+        """Sample, append tokens, decide stops, and hand each changed request's output to its owner."""
         ids, logprobs = self.sampler(logits, out.sampling, self.eos_ids)
         self.scheduler.update(out, ids)
         changed = {}
@@ -229,16 +288,11 @@ class Engine:
             if status is not None:
                 self.scheduler.finish_request(req, status)
             changed[text.group.request_id] = text.group
-        return [self._output(g) for g in changed.values()]
+        for group in changed.values():
+            group.outbox.append(self._output(group))
 
     def _output(self, group: "_Group") -> RequestOutput:
-        outs = []
-        for i, req in enumerate(group.children):
-            st = self._texts[req.request_id]
-            outs.append(CompletionOutput(i, st.text, list(req.output_token_ids), req.finish_reason,
-                                         req.stop_reason,
-                                         list(req.logprobs) if req.sampling_params.logprobs is not None else None,
-                                         delta=st.take_delta(req.is_finished)))
+        outs = [self._texts[req.request_id].output(i) for i, req in enumerate(group.children)]
         finished = all(r.is_finished for r in group.children)
         first = group.children[0]
         ro = RequestOutput(group.request_id, group.prompt, group.prompt_ids, outs, finished,
@@ -257,6 +311,7 @@ class Engine:
     # ------------------------------------------------------------------ conveniences
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run prompts (strings or token-id lists) to completion; outputs in input order."""
+        self._driver_only("generate")
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         plist = [prompts] if single else list(prompts)
         if isinstance(params, list):
@@ -264,11 +319,15 @@ class Engine:
                 raise ValueError(f"Got {len(params)} SamplingParams for {len(plist)} prompts.")
         else:
             params = [params or SamplingParams()] * len(plist)
-        rids = [self.add_request(p, sp) for p, sp in zip(plist, params)]
+        outbox: deque[RequestOutput] = deque()
+        rids: list[str] = []
         final: dict[str, RequestOutput] = {}
         try:
+            for p, sp in zip(plist, params):
+                rids.append(self._add(p, sp, None, outbox))
             while len(final) < len(rids):
-                for o in self.step():
+                self._wait(outbox)
+                for o in _take_all(outbox):
                     if o.finished:
                         final[o.request_id] = o
         except BaseException:
@@ -278,19 +337,31 @@ class Engine:
         return [final[r] for r in rids]
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield text deltas of one request; they join to the final text."""
-        rid = self.add_request(prompt, params)
+        """Yield text deltas of one request; they join to the final text. Other streams,
+        generate() and step() may run between reads: each gets only its own outputs."""
+        self._driver_only("stream")
+        outbox: deque[RequestOutput] = deque()
+        rid = self._add(prompt, params, None, outbox)
         done = False
         try:
             while not done:
-                for o in self.step():
-                    if o.request_id == rid:
-                        if o.outputs[0].delta:
-                            yield o.outputs[0].delta
-                        done = o.finished
+                self._wait(outbox)
+                while outbox and not done:
+                    o = outbox.popleft()
+                    done = o.finished
+                    if o.outputs[0].delta:
+                        yield o.outputs[0].delta
         finally:
             if not done:
                 self.abort_request(rid)
+
+    def _wait(self, outbox: deque) -> None:
+        """Step until `outbox` (of unfinished requests) holds an output."""
+        while not outbox:
+            if not self.scheduler.has_unfinished():  # NOTE: an unfinished request is always scheduled
+                raise RuntimeError("The engine has no request left to run but an output is missing; "
+                                   "this is a bug in numa_runtime, please report it.")
+            self._step()
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, **template_kwargs) -> RequestOutput:
         """Render messages with the model's chat template and generate the reply."""
@@ -298,11 +369,13 @@ class Engine:
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         return self.generate([ids], params)[0]
 
+    # ------------------------------------------------------------------ embeddings
     def embed(self, inputs, pooling: str | None = None):
         """Unit-length embeddings [len(inputs), hidden] float32 of strings or token-id lists:
         the final normed hidden states pooled by "mean" (over the tokens) or "last" (the last
         token). Default: "last" for embedding checkpoints (Qwen3-Embedding), "mean" otherwise."""
         import numpy as np
+        self._driver_only("embed")
         pooling = pooling or ("last" if self.model_config.is_embedding_model else "mean")
         if pooling not in ("mean", "last"):
             raise ValueError(f"pooling must be 'mean' or 'last', got {pooling!r}.")
@@ -321,7 +394,8 @@ class Engine:
         return out
 
     def _final_hidden(self, ids: list[int], every_row: bool):
-        """One forward over `ids` in scratch KV blocks: normed hidden states of every row or the last."""
+        """One forward over `ids` in scratch KV blocks of replica 0: normed hidden states of
+        every row or of the last."""
         import numpy as np
         from .plan import EMBED, StepPlan
         bm, n = self.block_manager, len(ids)
@@ -337,19 +411,63 @@ class Engine:
                             np.array([0, n], np.int32), np.array([n], np.int32),
                             table[None, :].astype(np.int32), rows, kind=EMBED,
                             tier_ops=bm.tier.take_ops() if bm.tier is not None else None)
-            return self.runner.execute(plan)
+            return getattr(self.runner, "local", self.runner).execute(plan)  # NOTE: DP: replica 0's runner
         finally:
             bm.return_blocks(blocks)
 
-    # operator profiling (AS_PROFILE=ON; raise RuntimeError when off): see profiler.py
-    get_op_profiling_info = _profiler.get_op_profiling_info      # (model_name=None) -> str
-    get_op_profiling_stats = _profiler.get_op_profiling_stats    # () -> list[dict]
-    reset_op_profiling = _profiler.reset_op_profiling            # () -> None
-    export_chrome_trace = _profiler.export_chrome_trace          # (path, steps=None) -> path
+    # ------------------------------------------------------------------ operator profiling
+    # AS_PROFILE=ON: every rank's op timings (profiler.py); RuntimeError when profiling is off.
+    def get_op_profiling_info(self, model_name: str | None = None) -> str:
+        """The report: `*** reshape ***`, `*** alloc ***`, `*** forward ***` tables of every rank."""
+        return self._reports().report(model_name)
+
+    def get_op_profiling_stats(self) -> list[dict]:
+        """The report's rows as dicts: rank, section, opname, count, min/max/ave/total_ms, percentage."""
+        return self._reports().stats()
+
+    def reset_op_profiling(self) -> None:
+        """Start a new profiling window on every rank."""
+        self._reports().reset()
+
+    def export_chrome_trace(self, path: str, steps: int | None = None) -> str:
+        """Write the last `steps` kept steps of every rank as a Chrome trace; returns path."""
+        return self._reports().chrome_trace(path, steps)
+
+    def _reports(self):
+        self._driver_only("get_op_profiling")
+        return self._profile
+
+    # ------------------------------------------------------------------ ranks
+    @property
+    def is_driver(self) -> bool:
+        """True on rank 0 (and in a single process): the rank that schedules and drives."""
+        return self.comm.is_driver
+
+    def serve_workers(self) -> None:
+        """On a worker rank: execute rank 0's step plans until rank 0 closes the engine, then
+        return. On rank 0 (or in a single process): return at once."""
+        if self.comm.is_driver or self._closed:
+            return
+        self._closed = True
+        from . import data_parallel
+        data_parallel.worker_loop(self.runner, self._link)
+
+    def _driver_only(self, call: str) -> None:
+        """`call` drives the engine: on a worker rank, serve rank 0 and end this process."""
+        if self.comm.is_driver:
+            return
+        log.info("rank %d is a worker rank: at its first driving call (%s) it serves rank 0's steps until "
+                 "rank 0 closes the engine, then this process exits, so the rest of the script runs on "
+                 "rank 0 only (engine.serve_workers() serves and returns instead)", self.comm.rank, call)
+        self.serve_workers()
+        raise SystemExit(0)
 
     def close(self) -> None:
-        """Stop the worker ranks (if any). Idempotent."""
+        """Rank 0: stop the worker ranks (if any). A worker rank: serve_workers(). Idempotent."""
         if getattr(self, "_closed", True):
+            return
+        if not self.comm.is_driver:
+            self.serve_workers()
             return
         self._closed = True
         atexit.unregister(self.close)  # NOTE: else atexit keeps an unloaded model's weights alive
@@ -377,14 +495,22 @@ class Engine:
 class _Group:
     """The n sequences of one user request."""
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams):
+    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+                 outbox: deque):
         self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
+        self.outbox = outbox  # where its outputs go: the queue its owner reads
         self.children: list[Request] = []
+
+
+def _take_all(outbox: deque) -> list:
+    items = list(outbox)
+    outbox.clear()
+    return items
 
 
 def _child_params(p: SamplingParams, i: int) -> SamplingParams:
     import dataclasses
-    return dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + i)
+    return dataclasses.replace(p, n=1, seed=None if p.seed is None else (p.seed + i) % (1 << 64))
 
 
 class _Progress:

@@ -1,21 +1,73 @@
 """What the engine returns, and the per-request text state that produces it (detokenization,
-stop strings, streaming deltas that never split a character or leak a stop string)."""
+stop strings, streaming deltas that never split a character or leak a stop string).
+
+An output costs O(what it adds), not O(length): `delta`, `new_token_ids` and `new_logprobs`
+are what it adds to the previous output of its request; `text`, `token_ids` and `logprobs`
+(everything so far) are views over the request's append-only lists, built when read.
+"""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .request import Request, RequestStatus
 
 
-@dataclass
+class Prefix(Sequence):
+    """The first `n` items of an append-only list, without copying them (a read-only list)."""
+
+    __slots__ = ("_items", "_n")
+
+    def __init__(self, items: list, n: int | None = None):
+        self._items, self._n = items, len(items) if n is None else n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self._items[:self._n][i]
+        if not -self._n <= i < self._n:
+            raise IndexError("index out of range")
+        return self._items[i % self._n]
+
+    def __iter__(self):
+        return iter(self._items[:self._n])
+
+    def __eq__(self, other):
+        return isinstance(other, Sequence) and not isinstance(other, str) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
 class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    logprobs: list | None = None  # per token: (logprob, {token_id: logprob})
-    delta: str = ""               # text added since the previous output of this request
+    """One sequence of a request, as of one output."""
+
+    def __init__(self, index: int, text: str | Callable[[], str], token_ids: Sequence[int],
+                 finish_reason: str | None = None, stop_reason: str | int | None = None,
+                 logprobs: Sequence | None = None, delta: str = "", new_token_ids: list[int] | None = None,
+                 new_logprobs: list | None = None):
+        self.index = index
+        self._text = text                # str, or a function that builds it (once, when read)
+        self.token_ids = token_ids       # every output token so far
+        self.finish_reason = finish_reason
+        self.stop_reason = stop_reason
+        self.logprobs = logprobs         # per token: (logprob, {token_id: logprob}); None unless asked
+        self.delta = delta               # text added since the previous output of this request
+        self.new_token_ids = list(token_ids) if new_token_ids is None else new_token_ids
+        self.new_logprobs = new_logprobs if new_logprobs is not None or logprobs is None else list(logprobs)
+
+    @property
+    def text(self) -> str:
+        if not isinstance(self._text, str):
+            self._text = self._text()
+        return self._text
+
+    def __repr__(self) -> str:
+        return (f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={self.token_ids!r}, "
+                f"finish_reason={self.finish_reason!r})")
 
 
 @dataclass
@@ -34,7 +86,7 @@ class RequestOutput:
         return self.outputs[0].text
 
     @property
-    def token_ids(self) -> list[int]:
+    def token_ids(self) -> Sequence[int]:
         return self.outputs[0].token_ids
 
     @property
@@ -47,7 +99,11 @@ class RequestOutput:
 
 
 class TextState:
-    """Text of one sequence as tokens arrive: decides stops and the next streamable delta."""
+    """Text of one sequence as tokens arrive: decides stops and the next streamable delta.
+
+    The text is `sent` (deltas handed out, append-only) + `unsent` (at most the stop-string
+    hold-back plus the newest piece), so no step touches the whole text.
+    """
 
     def __init__(self, req: Request, detokenizer, group, eos_ids: set[int]):
         self.req = req
@@ -57,35 +113,49 @@ class TextState:
         self.stop = sp.stop
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_ids))
-        self.text = ""      # text so far (stop string already cut)
-        self.emitted = 0    # characters handed out as deltas
+        self.sent: list[str] = []   # deltas handed out
+        self.unsent = ""            # text not handed out yet (stop string already cut)
+        self.num_sent_tokens = 0    # tokens handed out in outputs
 
     def add_token(self, token_id: int, max_model_len: int) -> RequestStatus | None:
         """Account for the token just appended to req; return a finished status or None."""
         req, sp = self.req, self.req.sampling_params
         if token_id in self.stop_ids and req.num_output_tokens >= sp.min_tokens:
             req.stop_reason = token_id if token_id in sp.stop_token_ids else None
-            self.text += self.detok.add(token_id) if sp.include_stop_str_in_output else ""
-            self.text += self.detok.flush()
+            self.unsent += self.detok.add(token_id) if sp.include_stop_str_in_output else ""
+            self.unsent += self.detok.flush()
             return RequestStatus.FINISHED_STOPPED
-        prev_len = len(self.text)
-        self.text += self.detok.add(token_id)
+        prev_len = len(self.unsent)  # NOTE: unsent holds at least the last `hold` characters
+        self.unsent += self.detok.add(token_id)
         if self.stop and req.num_output_tokens >= sp.min_tokens:
             start = max(0, prev_len - self.hold)
             for s in self.stop:
-                j = self.text.find(s, start)
+                j = self.unsent.find(s, start)
                 if j >= 0:
-                    self.text = self.text[:j + (len(s) if sp.include_stop_str_in_output else 0)]
+                    self.unsent = self.unsent[:j + (len(s) if sp.include_stop_str_in_output else 0)]
                     req.stop_reason = s
                     return RequestStatus.FINISHED_STOPPED
         if (sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens) or req.num_tokens >= max_model_len:
-            self.text += self.detok.flush()
+            self.unsent += self.detok.flush()
             return RequestStatus.FINISHED_LENGTH
         return None
 
     def take_delta(self, finished: bool) -> str:
         # NOTE: while running, hold back the characters that could start a stop string.
-        end = len(self.text) if finished or not self.stop else max(self.emitted, len(self.text) - self.hold)
-        delta = self.text[self.emitted:end]
-        self.emitted = end
+        end = len(self.unsent) if finished or not self.stop else max(0, len(self.unsent) - self.hold)
+        delta, self.unsent = self.unsent[:end], self.unsent[end:]
+        if delta:
+            self.sent.append(delta)
         return delta
+
+    def output(self, index: int) -> CompletionOutput:
+        """The next output of this sequence: O(new tokens), whatever its length."""
+        req = self.req
+        delta = self.take_delta(req.is_finished)
+        n, start = req.num_output_tokens, self.num_sent_tokens
+        self.num_sent_tokens = n
+        lps = req.logprobs if req.sampling_params.logprobs is not None else None
+        sent, k, unsent = self.sent, len(self.sent), self.unsent
+        return CompletionOutput(index, lambda: "".join(sent[:k]) + unsent, Prefix(req.output_token_ids, n),
+                                req.finish_reason, req.stop_reason, None if lps is None else Prefix(lps, n),
+                                delta, req.output_token_ids[start:n], None if lps is None else lps[start:n])

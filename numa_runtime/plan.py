@@ -5,7 +5,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-EXECUTE, SHUTDOWN, EMBED = 1, 2, 4  # (3 is profiler.PROFILE); EMBED: final hidden states, no lm_head
+EXECUTE, SHUTDOWN, PROFILE, EMBED = 1, 2, 3, 4  # EMBED: final hidden states, no lm_head
+# NOTE: a PROFILE plan carries no step: its step_id is the action every rank takes on its
+# operator profile (recorder.py / profiler.py); GATHER and TRACE answer with comm.gather_object.
+PROFILE_GATHER, PROFILE_RESET, PROFILE_TRACE = 1, 2, 3
 _FIELDS = ("token_ids", "positions", "slot_mapping", "query_start", "context_lens",
            "block_tables", "logits_indices", "tier_ops")
 _HEADER = 4  # kind, step_id, num_seqs, max_blocks
@@ -41,15 +44,22 @@ class StepPlan:
     @classmethod
     def empty(cls, tier_ops: np.ndarray | None = None) -> "StepPlan":
         """A step that runs no tokens (only its tier ops)."""
-        e64, e32 = np.zeros(0, np.int64), np.zeros(0, np.int32)
-        return cls(e64, e64, e64, np.zeros(1, np.int32), e32, np.zeros((0, 0), np.int32), e64,
-                   tier_ops=tier_ops)
+        return cls._empty(EXECUTE, 0, tier_ops)
 
     @classmethod
     def shutdown(cls) -> "StepPlan":
+        return cls._empty(SHUTDOWN, 0)
+
+    @classmethod
+    def profile(cls, action: int) -> "StepPlan":
+        """Ask every rank to take a profiler action (PROFILE_GATHER / _RESET / _TRACE)."""
+        return cls._empty(PROFILE, action)
+
+    @classmethod
+    def _empty(cls, kind: int, step_id: int, tier_ops: np.ndarray | None = None) -> "StepPlan":
         e64, e32 = np.zeros(0, np.int64), np.zeros(0, np.int32)
         return cls(e64, e64, e64, np.zeros(1, np.int32), e32, np.zeros((0, 0), np.int32), e64,
-                   kind=SHUTDOWN)
+                   kind=kind, step_id=step_id, tier_ops=tier_ops)
 
     def to_buffer(self) -> np.ndarray:
         """Pack into one int64 array: header, field lengths, then the fields."""

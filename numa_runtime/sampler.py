@@ -3,15 +3,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from .recorder import FORWARD, NULL_RECORDER
 from .request import Request
 
 
 class Sampler:
     """Turns logits rows into one token per request. A request with a seed draws from its
-    own generator, so its tokens do not depend on what else is in the batch."""
+    own generator, so its tokens do not depend on what else is in the batch. Order per row:
+    logprobs (of the raw distribution), logit_bias, penalties, min_tokens bans, then sampling."""
 
-    def __init__(self, ops, vocab_size: int, seed: int = 0):
-        self.ops = ops
+    def __init__(self, ops, vocab_size: int, seed: int = 0, recorder=NULL_RECORDER):
+        self.ops, self.recorder = ops, recorder
         self.vocab_size = vocab_size
         self.rng = np.random.default_rng(seed)
         self._rngs: dict[str, np.random.Generator] = {}
@@ -20,6 +22,11 @@ class Sampler:
         self._rngs.pop(request_id, None)
 
     def __call__(self, logits: np.ndarray, reqs: list[Request], eos_ids: set[int]):
+        """(token ids [N], per request None or (logprob of its token, {top token: logprob}))."""
+        with self.recorder.span(FORWARD, "sample"):
+            return self._sample(logits, reqs, eos_ids)
+
+    def _sample(self, logits: np.ndarray, reqs: list[Request], eos_ids: set[int]):
         # logits: [N, V] f32, rows align with reqs; this step's own buffer, changed in place
         n = len(reqs)
         if n == 0:
@@ -27,6 +34,9 @@ class Sampler:
         logprobs = self._logprobs(logits, reqs)  # from the raw distribution, before penalties
         for i, r in enumerate(reqs):
             sp = r.sampling_params
+            if sp.logit_bias:
+                ids, bias = zip(*sp.logit_bias.items())
+                logits[i, list(ids)] += np.asarray(bias, np.float32)
             if sp.has_penalties:
                 self._apply_penalties(logits[i], r)
             if r.num_output_tokens < sp.min_tokens:

@@ -11,6 +11,8 @@ class SamplingParams:
     temperature 0 means greedy. `seed` makes one request reproducible whatever else runs
     beside it. `stop` strings are cut from the returned text; `stop_token_ids` end the
     request and are not returned (like EOS) unless `include_stop_str_in_output`.
+    `logit_bias` maps token ids to a value added to their logits before sampling.
+    Integer fields take Python ints only (a bool is not an int).
     """
 
     n: int = 1
@@ -30,27 +32,34 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
         self.stop = list(self.stop or [])
-        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}.")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         self._check()
+        self._check_lists()
 
     def _check(self):
         def bad(msg):
             raise ValueError(msg)
-        if not isinstance(self.n, int) or self.n < 1:
+        if not _is_int(self.n) or self.n < 1:
             bad(f"n must be a positive integer, got {self.n!r}.")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             bad(f"max_tokens must be a positive integer or None, got {self.max_tokens!r}.")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
             bad(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}.")
         if not _is_num(self.temperature) or self.temperature < 0 or self.temperature > 100:
             bad(f"temperature must be a number in [0, 100], got {self.temperature!r}.")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             bad(f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}.")
         if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
             bad(f"top_p must be in (0, 1], got {self.top_p!r}.")
@@ -62,14 +71,24 @@ class SamplingParams:
             v = getattr(self, name)
             if not _is_num(v) or not -2.0 <= v <= 2.0:
                 bad(f"{name} must be in [-2, 2], got {v!r}.")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            bad(f"seed must be an integer or None, got {self.seed!r}.")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop must be a non-empty string or a list of non-empty strings.")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 1 << 64):
+            bad(f"seed must be an integer in [0, 2**64) or None, got {self.seed!r}.")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             bad(f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}.")
-        if any(t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids must be non-negative token ids.")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(f"{name} must be True or False, got {getattr(self, name)!r}.")
+
+    def _check_lists(self):
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings.")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integer token ids, got {self.stop_token_ids!r}.")
+        for t, v in self.logit_bias.items():
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"logit_bias keys must be non-negative integer token ids, got {t!r}.")
+            if not _is_num(v) or not -100 <= v <= 100:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {v!r} for token {t}.")
 
     @property
     def is_greedy(self) -> bool:
@@ -79,6 +98,10 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_num(v) -> bool:

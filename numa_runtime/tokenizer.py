@@ -4,6 +4,7 @@ Behaves like Hugging Face's fast tokenizer loaded from the same directory, witho
 transformers: the `tokenizers` library does the encoding and decoding, jinja2 (sandboxed) renders
 the chat template with the helpers HF templates expect.
 """
+import functools
 import json
 import os
 from datetime import datetime
@@ -80,15 +81,40 @@ class Tokenizer:
         return bool(self._chat_templates)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of text. Other Python threads run meanwhile (the GIL is released)."""
         if not (add_special_tokens and self._bos_eos_from_config):
-            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+            return self._encode(text, add_special_tokens)
+        ids = self._encode(text, False)
         if self._add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
         eos_id = self._token_id(self._special["eos_token"])
         if self._add_eos and eos_id is not None:
             ids = ids + [eos_id]
         return ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters of text one token stands for: its longest entry
+        (byte-level and byte-fallback spellings are at least as long as what they decode to)."""
+        return max(1, max(map(len, self._backend.get_vocab(with_added_tokens=True)), default=1))
+
+    def check_length(self, text: str, max_tokens: int) -> None:
+        """ValueError when `text` surely has more than `max_tokens` tokens, known from its length
+        alone (so an oversize prompt is refused without tokenizing it)."""
+        limit = max_tokens * self.max_token_chars
+        if len(text) > limit:
+            raise ValueError(f"The prompt has {len(text)} characters, more than a context of {max_tokens} tokens "
+                             f"can hold (at most {limit}); shorten it.")
+
+    def encode_within(self, text: str, max_tokens: int, add_special_tokens: bool = True) -> list[int]:
+        """encode(text), after check_length(text, max_tokens); the caller checks the token count."""
+        self.check_length(text, max_tokens)
+        return self.encode(text, add_special_tokens=add_special_tokens)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # NOTE: encode_batch releases the GIL (encode holds it: a long prompt would freeze
+        # every other thread, the HTTP server's included); one text gives the same ids.
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -90,11 +90,37 @@ def test_penalties_change_the_output(eng):
 
 @pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(max_tokens=0),
                                 dict(n=0), dict(min_p=2), dict(presence_penalty=3), dict(top_k=-5),
-                                dict(stop=[""]), dict(seed="x"), dict(logprobs=50)])
+                                dict(stop=[""]), dict(seed="x"), dict(logprobs=50), dict(seed=-1),
+                                dict(seed=1 << 64), dict(n=True), dict(max_tokens=True), dict(logprobs=True),
+                                dict(top_k=False), dict(min_tokens=True), dict(seed=True), dict(stop=5),
+                                dict(stop=[5]), dict(stop_token_ids=3), dict(stop_token_ids=[True]),
+                                dict(stop_token_ids=["7"]), dict(ignore_eos=1), dict(logit_bias={"5": 1.0}),
+                                dict(logit_bias={5: 101}), dict(logit_bias={-1: 0.5}),
+                                dict(logit_bias={5: float("nan")}), dict(temperature=True)])
 def test_invalid_sampling_params_raise_one_sentence(kw):
     with pytest.raises(ValueError) as e:
         SamplingParams(**kw)
     assert str(e.value).endswith(".") and "\n" not in str(e.value)
+    assert str(e.value).split()[0] == next(iter(kw))  # names the field
+
+
+def test_logit_bias_steers_greedy_choice(eng):
+    base = eng.generate("Hello world", GREEDY)[0].token_ids
+    banned = eng.generate("Hello world", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                       logit_bias={base[0]: -100}))[0].token_ids
+    assert banned[0] != base[0]
+    forced = eng.generate("Hello world", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
+                                                       logit_bias={77: 100}))[0].token_ids
+    assert list(forced) == [77] * 5
+    with pytest.raises(ValueError, match="logit_bias names token 100000"):
+        eng.generate("Hello", SamplingParams(logit_bias={100000: 1.0}))
+
+
+def test_oversize_text_prompt_is_refused_by_its_length(eng):
+    huge = "a" * (256 * eng.tokenizer.max_token_chars + 1)
+    with pytest.raises(ValueError, match="characters, more than a context of 256 tokens"):
+        eng.generate(huge, GREEDY)
+    assert not eng.has_unfinished_requests()
 
 
 def test_concurrent_requests_with_preemption_equal_each_alone(model_dir):

@@ -1,7 +1,7 @@
 """`python -m numa_runtime.serve` / `numa-serve`: the OpenAI-compatible server.
 
-Under mpirun every rank builds the Engine; worker ranks never return from its constructor, and
-rank 0 goes on to serve. The engine loop runs on the main thread (the one that initialised
+Under mpirun every rank builds the Engine; worker ranks then execute rank 0's steps in
+engine.serve_workers() until it shuts down, and rank 0 goes on to serve. The engine loop runs on the main thread (the one that initialised
 MPI, as thread level "funneled" requires) and the HTTP server on a second thread.
 """
 from __future__ import annotations
@@ -45,7 +45,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--embedding-pooling", default=None, choices=["mean", "last"],
                     help="/v1/embeddings pooling (default: last for embedding checkpoints, else mean)")
     ap.add_argument("--num-threads", type=int, default=None, help="compute threads per rank")
+    ap.add_argument("--data-parallel", type=int, default=None,
+                    help="model replicas over the MPI ranks, each tensor parallel over its share "
+                         "(default: a rule logged at start-up)")
     ap.add_argument("--max-tokens-cap", type=int, default=None, help="clamp every request's max_tokens to this")
+    ap.add_argument("--stall-timeout", type=float, default=60.0,
+                    help="seconds one engine step may run before /health reports 503 (a stuck rank)")
+    ap.add_argument("--shutdown-grace", type=float, default=2.0,
+                    help="on SIGINT/SIGTERM, seconds in-flight requests may still run before they are cut "
+                         "(a stream then ends with an error event and [DONE])")
     ap.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return ap.parse_args(argv)
 
@@ -62,6 +70,8 @@ def engine_kwargs(args) -> dict:
     if args.kv_cache_dir is not None:
         kwargs.update(kv_cache_dir=args.kv_cache_dir, kv_cache_disk_bytes=args.kv_cache_disk_bytes,
                       kv_cache_disk_load=args.kv_cache_disk_load)
+    if args.data_parallel is not None:
+        kwargs["data_parallel"] = args.data_parallel
     return kwargs
 
 
@@ -109,6 +119,9 @@ def summary_text(engine, url: str) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.shutdown_grace < 0:
+        print(f"numa-serve: error: --shutdown-grace must be >= 0, got {args.shutdown_grace}.", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     world = env.mpi_world()
     if world is not None and world[0] != 0:
@@ -118,12 +131,15 @@ def main(argv=None) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     multi = is_multi_model(args)
     try:
-        # NOTE: first, and on every rank: workers never return from build_engine
+        # NOTE: first, and on every rank
         engine = build_router(args) if multi else build_engine(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"numa-serve: error: {e}", file=sys.stderr)
         return 2
     if engine is None:  # a worker rank of several models: rank 0 has shut down
+        return 0
+    if not multi and not engine.is_driver:
+        engine.serve_workers()  # returns when rank 0 shuts down
         return 0
 
     import uvicorn
@@ -133,29 +149,36 @@ def main(argv=None) -> int:
     name = (next(iter(engine.specs)) if multi else
             args.served_model_name or os.path.basename(os.path.normpath(engine.model_config.model_dir)))
     try:
-        config = ServeConfig(served_model_name=name, api_key=args.api_key,
-                             max_queue=args.max_queue, max_tokens_cap=args.max_tokens_cap,
+        config = ServeConfig(served_model_name=name, api_key=args.api_key, max_queue=args.max_queue,
+                             max_tokens_cap=args.max_tokens_cap, stall_timeout_s=args.stall_timeout,
                              embedding_pooling=args.embedding_pooling)
     except ValueError as e:
         print(f"numa-serve: error: {e}", file=sys.stderr)
         engine.close()
         return 2
+    if args.api_key is None and not _is_loopback(args.host):
+        print(f"numa-serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
+              "address can use the server; pass --api-key KEY or bind 127.0.0.1.", file=sys.stderr, flush=True)
     aengine = AsyncEngine(engine)
     if multi:
         from .multi_app import build_multi_app
         asgi = build_multi_app(aengine, engine, config, args.load_timeout)
     else:
         asgi = build_app(aengine, config)
-    server = uvicorn.Server(uvicorn.Config(asgi, host=args.host, port=args.port,
-                                           log_level=args.log_level, timeout_graceful_shutdown=5))
+    # NOTE: uvicorn cancels what still runs after its own grace (a CancelledError traceback);
+    # the engine ends every request before that.
+    server = uvicorn.Server(uvicorn.Config(asgi, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=args.shutdown_grace + 10))
     http = threading.Thread(target=server.run, name="numa-http", daemon=True)
 
     def on_signal(signum, _frame):
-        # NOTE: stop the HTTP server first; the engine loop ends when its thread does, so
-        # requests in flight during the graceful shutdown still finish.
+        # NOTE: stop accepting first; requests in flight run for the grace period, then the
+        # engine fails them (streams end with an error event and [DONE]); the engine loop ends
+        # when the HTTP thread does.
         if server.should_exit:
             server.force_exit = True
         server.should_exit = True
+        aengine.shutdown(args.shutdown_grace)
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
@@ -169,6 +192,16 @@ def main(argv=None) -> int:
         http.join(timeout=10)
         engine.close()
     return 0 if server.started else 1
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 if __name__ == "__main__":

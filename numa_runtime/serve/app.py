@@ -34,9 +34,12 @@ class ServeConfig:
     max_queue: int = 256              # waiting sequences beyond which new requests get 429
     max_tokens_cap: int | None = None  # larger max_tokens are clamped to this
     max_body_bytes: int = 4 << 20
+    stall_timeout_s: float = 60.0      # /health is 503 once one engine step or command runs this long
     embedding_pooling: str | None = None  # "mean" | "last"; None: the model's default
 
     def __post_init__(self):
+        if not self.stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be positive, got {self.stall_timeout_s}.")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}.")
         if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
@@ -61,21 +64,24 @@ def _client_errors():
     except (ValueError, TypeError) as e:
         field = _LEADING_FIELD.match(str(e))  # "top_p must be ...": keep the field's spelling
         message = _sentence(str(e), capitalize=field is None)
-        code = "context_length_exceeded" if "max_model_len" in message else "invalid_value"
+        code = "context_length_exceeded" if re.search("max_model_len|context", message) else "invalid_value"
         raise ApiError(400, message, param=field and field.group(1), code=code) from None
 
 
-_LEADING_FIELD = re.compile(r"^([a-z_]+) (?:must|requires|is not supported)")
+_LEADING_FIELD = re.compile(r"^([a-z_]+)(?: keys| values| of type \S+)? (?:must|requires|is not supported)")
 
 
 def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
     engine = aengine.engine
-    metrics = ServerMetrics(lambda: aengine.stats)
+    metrics = ServerMetrics(lambda: aengine.stats, lambda name: {
+        "seconds_since_last_step": aengine.seconds_since_last_step,
+        "engine_busy_seconds": aengine.busy_seconds}[name])
     app = FastAPI(title="numa_runtime", version="0.1.0", docs_url=None, redoc_url=None,
                   description="OpenAI-compatible completions and chat over numa_runtime.")
     app.add_middleware(_Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes, metrics=metrics)
     _install_error_handlers(app)
     created = int(time.time())
+    _ = engine.tokenizer.max_token_chars  # NOTE: computed once here, not by the first request
 
     def decode_token(tid: int) -> str:
         return engine.tokenizer.decode([tid], skip_special_tokens=False)
@@ -99,6 +105,9 @@ def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
     async def health():
         if not aengine.is_alive:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
+        busy = aengine.busy_seconds
+        if busy > config.stall_timeout_s:
+            return JSONResponse({"status": "engine stalled", "busy_seconds": round(busy, 1)}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -113,10 +122,19 @@ def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
 
     @app.get("/debug/profile", response_class=PlainTextResponse)
     async def profile():
-        if getattr(engine, "profiler", None) is None or not hasattr(engine, "get_op_profiling_info"):
+        if not getattr(getattr(engine, "recorder", None), "enabled", False):
             raise ApiError(404, "Operator profiling is off; start the server with AS_PROFILE=ON.",
                            code="profiling_off")
         return PlainTextResponse(str(await aengine.call(lambda e: e.get_op_profiling_info())))
+
+    def tokenize_prompts(prompts: list) -> list[list[int]]:
+        # NOTE: runs in a worker thread; the tokenizer releases the GIL while it encodes.
+        return [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+
+    def tokenize_chat(messages: list[dict]) -> list[int]:
+        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        engine.tokenizer.check_length(text, engine.max_model_len)
+        return engine.tokenizer.encode(text, add_special_tokens=False)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -124,7 +142,11 @@ def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
         check_model(body.model)
         with _client_errors():
             prompts = body.prompts()
+            for p in prompts:
+                if isinstance(p, str):
+                    engine.tokenizer.check_length(p, engine.max_model_len)
             params = body.sampling_params(cap(16 if body.max_tokens is None else body.max_tokens), body.logprobs)
+            prompts = await asyncio.to_thread(tokenize_prompts, prompts)
         return await _serve(request, body, "cmpl", prompts, params, arrival)
 
     @app.post("/v1/chat/completions")
@@ -132,11 +154,14 @@ def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
         arrival = time.monotonic()
         check_model(body.model)
         with _client_errors():
+            body.refuse_unsupported()
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             params = body.sampling_params(cap(max_tokens), body.num_logprobs())
-            text = engine.tokenizer.apply_chat_template([m.as_template_dict() for m in body.messages],
-                                                        add_generation_prompt=True)
-            ids = engine.tokenizer.encode(text, add_special_tokens=False)
+            if body.content_chars() > engine.max_model_len * engine.tokenizer.max_token_chars:
+                raise ValueError(f"The messages hold {body.content_chars()} characters, more than a context of "
+                                 f"{engine.max_model_len} tokens can hold; shorten them.")
+            messages = [m.as_template_dict() for m in body.messages]
+            ids = await asyncio.to_thread(tokenize_chat, messages)
         return await _serve(request, body, "chatcmpl", [ids], params, arrival)
 
     @app.post("/v1/embeddings")

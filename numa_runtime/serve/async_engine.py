@@ -13,6 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -29,6 +30,7 @@ class EngineStats:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     prefix_cache_hit_rate: float = 0.0
+    num_threads: int = 0          # compute threads of the thread that steps the engine
 
 
 class EngineDeadError(RuntimeError):
@@ -44,11 +46,27 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._num_adding = 0  # add() calls not yet answered (event-loop side only)
         self._stopped = threading.Event()
+        # NOTE: written by the engine thread, read by others (a float store is atomic)
+        self._busy_since: float | None = None  # when the engine thread began its current step or command
+        self._last_step = time.monotonic()     # when the last step ended
+        self._cancel_at: float | None = None   # shutting down: fail what is in flight from then on
+        self._num_threads = 0
 
     # ------------------------------------------------------------------ asyncio side
     @property
     def is_alive(self) -> bool:
         return not self._stopped.is_set()
+
+    @property
+    def busy_seconds(self) -> float:
+        """How long the engine thread has been inside its current step or command (0 when it
+        waits for work). A stuck rank shows here: the step never ends."""
+        since = self._busy_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
+
+    @property
+    def seconds_since_last_step(self) -> float:
+        return max(0.0, time.monotonic() - self._last_step)
 
     @property
     def num_waiting(self) -> int:
@@ -96,6 +114,11 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self.run_forever, name="numa-engine", daemon=True)
         self._thread.start()
 
+    def shutdown(self, grace_s: float) -> None:
+        """Refuse new requests; those in flight may finish for grace_s seconds, then fail with
+        EngineDeadError (a stream ends with an error event). Signal-safe."""
+        self._inbox.put(("shutdown", time.monotonic() + grace_s))
+
     def stop(self) -> None:
         """Ask the loop to finish; in-flight requests get EngineDeadError. Signal-safe."""
         self._inbox.put(("stop",))
@@ -104,15 +127,25 @@ class AsyncEngine:
 
     def run_forever(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         """The engine loop. Returns after stop() or when should_stop() turns true."""
+        # NOTE: OpenMP's thread count is per calling thread: set it on the one that steps.
+        self.engine.ops.set_num_threads(self.engine.num_threads)
+        get = getattr(self.engine.ops, "get_num_threads", None)
+        self._num_threads = int(get()) if get is not None else self.engine.num_threads
         try:
             while not should_stop():
                 busy = self.engine.has_unfinished_requests()
                 if not self._drain(block=not busy):
                     break
+                if self._cancel_at is not None and time.monotonic() >= self._cancel_at and self._sinks:
+                    self._fail_all(EngineDeadError("The server is shutting down; the request was cut short."))
                 if self.engine.has_unfinished_requests():
+                    self._busy_since = time.monotonic()
                     self._step()
+                    self._last_step = time.monotonic()
+                    self._busy_since = None
                 self._update_stats()
         finally:
+            self._busy_since = None
             self._stopped.set()
             self._fail_all(EngineDeadError("The server is shutting down."))
 
@@ -127,19 +160,32 @@ class AsyncEngine:
             kind = cmd[0]
             if kind == "stop":
                 return False
-            if kind == "add":
-                self._add(*cmd[1:])
-            elif kind == "abort":
-                self.engine.abort_request(cmd[1])
-                self._sinks.pop(cmd[1], None)
-            elif kind == "call":
-                _, fn, fut = cmd
-                try:
-                    _resolve(fut, result=fn(self.engine))
-                except Exception as e:  # noqa: BLE001 - handed to the caller
-                    _resolve(fut, error=e)
+            self._busy_since = time.monotonic()
+            try:
+                self._apply(cmd)
+            finally:
+                self._busy_since = None
+
+    def _apply(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            self._add(*cmd[1:])
+        elif kind == "abort":
+            self.engine.abort_request(cmd[1])
+            self._sinks.pop(cmd[1], None)
+        elif kind == "shutdown":
+            self._cancel_at = cmd[1] if self._cancel_at is None else min(self._cancel_at, cmd[1])
+        elif kind == "call":
+            _, fn, fut = cmd
+            try:
+                _resolve(fut, result=fn(self.engine))
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                _resolve(fut, error=e)
 
     def _add(self, request_id, prompt, params, sink, fut) -> None:
+        if self._cancel_at is not None:
+            _resolve(fut, error=EngineDeadError("The server is shutting down; retry on another server."))
+            return
         try:
             self.engine.add_request(prompt, params, request_id=request_id)
         except Exception as e:  # noqa: BLE001 - ValueError/TypeError are the caller's 400s
@@ -188,7 +234,8 @@ class AsyncEngine:
             num_running=_num(sched, "num_running", "running"),
             num_waiting=_num(sched, "num_waiting", "waiting"),
             kv_cache_usage=float(getattr(bm, "usage", 0.0) or 0.0),
-            prefix_cache_hit_rate=float(getattr(bm, "hit_rate", 0.0) or 0.0))
+            prefix_cache_hit_rate=float(getattr(bm, "hit_rate", 0.0) or 0.0),
+            num_threads=self._num_threads)
 
 
 def _num(obj, count_attr: str, list_attr: str) -> int:

@@ -12,7 +12,7 @@ class ServerMetrics:
     """Request counters and latency histograms (fed by the handlers) and engine gauges (read
     from the AsyncEngine's stats snapshot at scrape time)."""
 
-    def __init__(self, stats_source):
+    def __init__(self, stats_source, liveness_source=None):
         self.registry = r = CollectorRegistry()
         p = "numa_runtime_"
         self.http_responses = Counter(p + "http_responses", "HTTP responses by status code",
@@ -31,10 +31,19 @@ class ServerMetrics:
             "kv_cache_usage_ratio": ("Fraction of KV cache blocks in use", "kv_cache_usage"),
             "prefix_cache_hit_rate": ("Prompt tokens served from the prefix cache / prompt tokens",
                                       "prefix_cache_hit_rate"),
+            "engine_threads": ("Compute threads of the thread that steps the engine", "num_threads"),
         }
         for name, (doc, attr) in gauges.items():
             g = Gauge(p + name, doc, registry=r)
             g.set_function(lambda attr=attr: float(getattr(stats_source(), attr)))
+        live = {
+            "seconds_since_last_step": "Seconds since the engine last finished a step",
+            "engine_busy_seconds": "Seconds the engine has spent in its current step or command (0 when idle)",
+        }
+        for name, doc in live.items():
+            if liveness_source is not None:
+                g = Gauge(p + name, doc, registry=r)
+                g.set_function(lambda name=name: float(liveness_source(name)))
 
     def observe_request(self, status: str, prompt_tokens: int, completion_tokens: int,
                         arrival: float, first_token: float | None, end: float, num_seqs: int = 1) -> None:

@@ -5,6 +5,7 @@ at /v1/models. One AsyncEngine (one engine thread) drives the ModelRouter behind
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import time
@@ -53,6 +54,14 @@ class ModelView:
     def stats(self):
         return self.aengine.stats
 
+    @property
+    def busy_seconds(self) -> float:
+        return self.aengine.busy_seconds
+
+    @property
+    def seconds_since_last_step(self) -> float:
+        return self.aengine.seconds_since_last_step
+
     async def add(self, request_id: str, prompt, params, sink: asyncio.Queue) -> None:
         self.router.route[request_id] = self.name  # NOTE: before the engine thread sees the request
         await self._in_time(self.aengine.add(request_id, prompt, params, sink))
@@ -79,9 +88,7 @@ def build_multi_app(aengine: AsyncEngine, router: ModelRouter, base: ServeConfig
     """The dispatcher over one app per model; `base` gives every app's limits and API key."""
     apps = {}
     for name in router.specs:
-        cfg = ServeConfig(served_model_name=name, api_key=base.api_key, max_queue=base.max_queue,
-                          max_tokens_cap=base.max_tokens_cap, max_body_bytes=base.max_body_bytes,
-                          embedding_pooling=base.embedding_pooling)
+        cfg = dataclasses.replace(base, served_model_name=name)
         apps[name] = build_app(ModelView(aengine, router, name, load_timeout), cfg)
     return ModelDispatcher(apps, router, base.api_key, base.max_body_bytes)
 

@@ -1,21 +1,41 @@
 """OpenAI request bodies (pydantic, so /openapi.json describes them) and their SamplingParams.
 
-Types are checked here; value ranges are checked once, by SamplingParams (its ValueError is
-the client's 400). Unknown fields are ignored, as the OpenAI API does. No field names a file.
+Types are checked here, strictly (a bool or a string is not a number); value ranges are checked
+once, by SamplingParams (its ValueError is the client's 400). OpenAI fields this server does not
+implement are refused by name when set (`refuse_unsupported`); other unknown fields are ignored,
+as the OpenAI API does. No field names a file.
 """
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+import re
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..sampling_params import SamplingParams
 
 MAX_CHOICES = 128  # n times the number of prompts, per request
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+def check_text(field: str, text: str) -> None:
+    """ValueError if text holds a lone UTF-16 surrogate (JSON allows them; text cannot)."""
+    m = _SURROGATE.search(text)
+    if m:
+        raise ValueError(f"{field} must be valid Unicode text, but it holds a lone surrogate "
+                         f"(\\u{ord(m.group()):04x}) at character {m.start()}.")
+
+
+def _refuse(body: BaseModel, defaults: dict) -> None:
+    """ValueError naming the first field set to something other than its no-op value."""
+    for name, ok in defaults.items():
+        value = getattr(body, name)
+        if value is not None and value not in ok:
+            raise ValueError(f"{name} is not supported by this server; remove it from the request.")
 
 
 class StreamOptions(_Body):
@@ -41,6 +61,8 @@ class _SamplingRequest(_Body):
     repetition_penalty: Optional[float] = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    logit_bias: Optional[dict[str, float]] = Field(None, description="Token id (as a string) -> bias in "
+                                                                      "[-100, 100] added to its logit.")
 
     @property
     def include_usage(self) -> bool:
@@ -55,19 +77,37 @@ class _SamplingRequest(_Body):
         }
         # NOTE: any integer is a valid OpenAI seed; the sampler's generator wants a non-negative one.
         seed = None if self.seed is None else self.seed % (1 << 64)
+        for s in [self.stop] if isinstance(self.stop, str) else self.stop or []:
+            check_text("stop", s)
         return SamplingParams(n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, seed=seed,
                               stop=self.stop, ignore_eos=self.ignore_eos, logprobs=logprobs,
+                              logit_bias=self._logit_bias(),
                               **{k: v for k, v in given.items() if v is not None})
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        bad = next((k for k in self.logit_bias if not k.isascii() or not k.isdigit()), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias keys must be token ids written as decimal strings, got {bad!r}.")
+        return {int(k): v for k, v in self.logit_bias.items()}
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: Union[str, list[str], list[int], list[list[int]]] = Field(
         ..., description="A string, a list of strings, a list of token ids, or a list of token id lists.")
-    logprobs: Optional[int] = Field(None, description="Number of most likely tokens to return per position (0-5).")
+    logprobs: Optional[int] = Field(None, ge=0, le=5,
+                                    description="Number of most likely tokens to return per position (0-5).")
     echo: bool = Field(False, description="Not supported; must be false.")
+    suffix: Optional[str] = Field(None, description="Not supported; must be absent or empty.")
+    best_of: Optional[int] = Field(None, description="Not supported beyond best_of = n.")
+
+    def refuse_unsupported(self) -> None:
+        _refuse(self, {"suffix": ("",), "best_of": (self.n,), "echo": (False,)})
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list; ValueError if there are none."""
+        self.refuse_unsupported()
         p = self.prompt
         if isinstance(p, str):
             out = [p]
@@ -81,8 +121,9 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("Every prompt must contain at least one character or token.")
         if len(out) * self.n > MAX_CHOICES:
             raise ValueError(f"{len(out)} prompts times n={self.n} exceeds {MAX_CHOICES} completions per request.")
-        if self.echo:
-            raise ValueError("echo is not supported; send echo=false.")
+        for x in out:
+            if isinstance(x, str):
+                check_text("prompt", x)
         return out
 
 
@@ -104,6 +145,8 @@ class ChatMessage(_Body):
                     raise ValueError(f"Only text content parts ({{'type': 'text', 'text': ...}}) are supported, "
                                      f"got type {part.type!r}.")
             content = "\n".join(part.text for part in content)
+        check_text("messages", content or "")
+        check_text("messages", self.name or "")
         msg = {"role": self.role, "content": content if content is not None else ""}
         if self.name is not None:
             msg["name"] = self.name
@@ -114,9 +157,34 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: Optional[int] = Field(None, description="Takes precedence over max_tokens.")
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, description="0-20; requires logprobs=true.")
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20, description="0-20; requires logprobs=true.")
+    # refused unless absent or a no-op (see refuse_unsupported)
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+    functions: Optional[list[Any]] = None
+    function_call: Optional[Any] = None
+    response_format: Optional[dict[str, Any]] = None
+    audio: Optional[Any] = None
+    prediction: Optional[Any] = None
+    web_search_options: Optional[Any] = None
+
+    def refuse_unsupported(self) -> None:
+        fmt = self.response_format
+        if fmt is not None and fmt.get("type") != "text":
+            raise ValueError(f"response_format of type {fmt.get('type')!r} is not supported by this server "
+                             "(only 'text'); remove it from the request.")
+        _refuse(self, {"tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+                       "audio": (), "prediction": (), "web_search_options": ()})
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true.")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def content_chars(self) -> int:
+        """Characters of text in the messages (a bound taken before the template renders them)."""
+        total = 0
+        for m in self.messages:
+            parts = m.content if isinstance(m.content, list) else [m]
+            total += sum(len(getattr(p, "text", None) or getattr(p, "content", None) or "") for p in parts)
+        return total

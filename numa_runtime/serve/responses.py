@@ -34,10 +34,10 @@ class Piece:
 @dataclass
 class ChoiceTracker:
     """Follows the RequestOutputs of the engine requests behind one API request (one per
-    prompt, each with n completions) and reports per-choice pieces and the final totals."""
+    prompt, each with n completions) and reports per-choice pieces and the final totals.
+    An update reads only what the output adds (its deltas), never the whole sequence."""
 
     n: int
-    sent_tokens: dict[int, int] = field(default_factory=dict)   # choice index -> tokens reported
     finished: dict[int, str] = field(default_factory=dict)      # choice index -> finish reason
     latest: dict[int, RequestOutput] = field(default_factory=dict)  # prompt index -> last output
 
@@ -48,15 +48,11 @@ class ChoiceTracker:
             index = prompt_index * self.n + c.index
             if index in self.finished:
                 continue
-            start = self.sent_tokens.get(index, 0)
-            new_ids = c.token_ids[start:]
-            self.sent_tokens[index] = len(c.token_ids)
             reason = c.finish_reason if c.finish_reason in ("stop", "length") else None
             if reason:
                 self.finished[index] = reason
-            if c.delta or new_ids or reason:
-                lps = c.logprobs[start:] if c.logprobs is not None else None
-                pieces.append(Piece(index, c.delta, new_ids, lps, reason))
+            if c.delta or c.new_token_ids or reason:
+                pieces.append(Piece(index, c.delta, c.new_token_ids, c.new_logprobs, reason))
         return pieces
 
     def usage(self) -> dict:

@@ -12,13 +12,15 @@ is loaded on its first request; if its footprint does not fit beside the loaded 
 models without unfinished requests are unloaded, least recently used first. If that is not
 enough (the others are busy), the request fails with ModelUnavailableError (503, Retry-After).
 
-Ranks: every model spans all ranks, split as one model would be. Workers sit in
+Ranks: every model spans all ranks, split as one model would be (no data-parallel replicas).
+Workers sit in
 `worker_main()`; rank 0 tells them to build (LOAD i) or drop (UNLOAD i) model i (every rank
 parsed the same model list) and to enter model i's plan loop (ENTER i); a SHUTDOWN plan sent by
 model i's runner brings them back (`_activate`).
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import os
@@ -98,6 +100,8 @@ class ModelRouter:
         self.route: dict[str, str] = {}   # request id -> model name (set by the HTTP side)
         self.owner: dict[str, str] = {}   # request id -> model name, while it runs
         self._active: str | None = None   # the model whose plan loop the workers are in
+        # NOTE: every model spans all ranks as one tensor-parallel model (no replicas)
+        self._engine_kwargs = {**config.engine_kwargs, "data_parallel": 1}
         self.load_seconds: dict[str, float] = {}
         self.unload_seconds: dict[str, float] = {}
         if comm_world > 1:  # NOTE: collective: every rank builds its router at start-up
@@ -157,7 +161,7 @@ class ModelRouter:
         from ..engine import Engine
         t0 = time.perf_counter()
         self._send(LOAD, name)
-        eng = Engine(self.specs[name].model_dir, serve_workers=False, **self.config.engine_kwargs)
+        eng = Engine(self.specs[name].model_dir, **self._engine_kwargs)
         self._active = None  # the workers are back in worker_main
         self.engines[name] = eng
         r = eng.runner
@@ -217,6 +221,15 @@ class ModelRouter:
     def has_unfinished_requests(self) -> bool:
         return any(e.has_unfinished_requests() for e in self.engines.values())
 
+    @property
+    def ops(self):
+        """The backend of every model (AsyncEngine sets its thread count)."""
+        return next(iter(self.engines.values())).ops
+
+    @property
+    def num_threads(self) -> int:
+        return next(iter(self.engines.values())).num_threads
+
     def step(self) -> list:
         outs = []
         for name, eng in list(self.engines.items()):
@@ -249,11 +262,14 @@ class ModelRouter:
             plan = comm.broadcast_plan(None)
             name = names[plan.step_id] if plan.step_id >= 0 else None
             if plan.kind == LOAD:
-                engines[name] = Engine(self.specs[name].model_dir, serve_workers=False, **self.config.engine_kwargs)
+                engines[name] = Engine(self.specs[name].model_dir, **self._engine_kwargs)
             elif plan.kind == ENTER:
                 engines[name].runner.worker_loop()
             elif plan.kind == UNLOAD:
-                _close_comm(engines.pop(name))
+                eng = engines.pop(name)
+                atexit.unregister(eng.close)  # NOTE: a worker's close() would wait for plans that never come
+                _close_comm(eng)
+                del eng
                 gc.collect()
             elif plan.kind == EXIT:
                 return

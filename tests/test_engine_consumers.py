@@ -1,0 +1,211 @@
+"""One Engine, several consumers: generate(), stream() and add_request/step interleaved from one
+thread. Each consumer gets exactly its own requests' outputs, nothing is lost, nothing hangs."""
+import gc
+import tracemalloc
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from models import build_model
+
+from numa_runtime import Engine, SamplingParams
+
+PROMPTS = ["Hello world", "The quick brown fox", "Bonjour le monde", "café, naïve", "Numa runtime splits",
+           "1234567890 tokens"]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("llama")
+    build_model(str(d), arch="llama")
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def eng(model_dir):
+    # NOTE: a small pool and few running sequences: requests wait, chunk and get preempted.
+    return Engine(model_dir, dtype="float32", kv_cache_memory=40 * 8192, max_model_len=256, max_num_seqs=4,
+                  max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def alone(model_dir):
+    """(prompt index, max_tokens) -> text of that request run by itself on a fresh engine."""
+    ref = Engine(model_dir, dtype="float32", kv_cache_memory=1 << 24, max_model_len=256)
+    cache = {}
+
+    def text(i: int, max_tokens: int) -> str:
+        if (i, max_tokens) not in cache:
+            cache[(i, max_tokens)] = ref.generate(PROMPTS[i], greedy(max_tokens))[0].text
+        return cache[(i, max_tokens)]
+    return text
+
+
+def assert_idle(eng):
+    assert not eng.has_unfinished_requests() and not eng.scheduler.has_unfinished()
+    assert eng.block_manager.usage == 0.0
+
+
+def test_generate_while_a_stream_is_open(eng, alone):
+    s = eng.stream(PROMPTS[0], greedy(20))
+    first = next(s)
+    outs = eng.generate([PROMPTS[1], PROMPTS[2]], greedy(12))
+    assert [o.text for o in outs] == [alone(1, 12), alone(2, 12)]
+    assert first + "".join(s) == alone(0, 20)
+    assert_idle(eng)
+
+
+def test_two_streams_read_alternately(eng, alone):
+    a, b = eng.stream(PROMPTS[0], greedy(24)), eng.stream(PROMPTS[3], greedy(10))
+    got = {"a": "", "b": ""}
+    live = {"a": a, "b": b}
+    while live:
+        for name in list(live):
+            try:
+                got[name] += next(live[name])
+            except StopIteration:
+                del live[name]
+    assert got == {"a": alone(0, 24), "b": alone(3, 10)}
+    assert_idle(eng)
+
+
+def test_step_returns_only_add_request_outputs(eng, alone):
+    rid = eng.add_request(PROMPTS[4], greedy(16))
+    streamed = "".join(eng.stream(PROMPTS[5], greedy(16)))  # steps the engine: rid advances meanwhile
+    outs = []
+    while eng.has_unfinished_requests() or not outs or not outs[-1].finished:
+        outs += eng.step()
+    assert {o.request_id for o in outs} == {rid}
+    assert "".join(o.outputs[0].delta for o in outs) == outs[-1].text == alone(4, 16)
+    assert sum(len(o.outputs[0].new_token_ids) for o in outs) == 16
+    assert streamed == alone(5, 16)
+    assert_idle(eng)
+
+
+def test_abort_gives_the_owner_a_last_output(eng, alone):
+    rid = eng.add_request(PROMPTS[0], greedy(30))
+    eng.step()
+    eng.abort_request(rid)
+    outs = eng.step()
+    assert outs[-1].request_id == rid and outs[-1].finished and outs[-1].finish_reason == "abort"
+    assert alone(0, 30).startswith(outs[-1].text)
+    assert_idle(eng)
+
+
+# ------------------------------------------------------------------------------ random interleavings
+OPS = st.one_of(
+    st.tuples(st.just("add"), st.integers(0, len(PROMPTS) - 1), st.integers(1, 12)),
+    st.tuples(st.just("step")),
+    st.tuples(st.just("abort"), st.integers(0, 20)),
+    st.tuples(st.just("open"), st.integers(0, len(PROMPTS) - 1), st.integers(1, 12)),
+    st.tuples(st.just("read"), st.integers(0, 20)),
+    st.tuples(st.just("close"), st.integers(0, 20)),
+    st.tuples(st.just("generate"), st.lists(st.integers(0, len(PROMPTS) - 1), min_size=1, max_size=3),
+              st.integers(1, 8)),
+)
+
+
+class Consumers:
+    """Plays a list of operations against one engine and checks every consumer's text."""
+
+    def __init__(self, eng, alone):
+        self.eng, self.alone = eng, alone
+        self.added = {}    # rid -> [prompt index, max_tokens, text so far, aborted]
+        self.streams = []  # [generator, prompt index, max_tokens, text so far]
+
+    def run(self, ops):
+        for op in ops:
+            getattr(self, "op_" + op[0])(*op[1:])
+        for s in list(self.streams):  # drain: every stream to its end
+            while s in self.streams:
+                self.op_read(self.streams.index(s))
+        for _ in range(10_000):
+            if not self.added:
+                break
+            self.op_step()
+        assert not self.added, "requests never finished"
+        assert_idle(self.eng)
+
+    def op_add(self, i, max_tokens):
+        self.added[self.eng.add_request(PROMPTS[i], greedy(max_tokens))] = [i, max_tokens, "", False]
+
+    def op_step(self):
+        for o in self.eng.step():
+            assert o.request_id in self.added, f"step() returned another consumer's request {o.request_id}"
+            entry = self.added[o.request_id]
+            entry[2] += o.outputs[0].delta
+            if o.finished:
+                del self.added[o.request_id]
+                want = self.alone(entry[0], entry[1])
+                assert entry[2] == o.text
+                assert want.startswith(o.text) if entry[3] else o.text == want
+
+    def op_abort(self, k):
+        if self.added:
+            rid = sorted(self.added)[k % len(self.added)]
+            self.added[rid][3] = True
+            self.eng.abort_request(rid)
+
+    def op_open(self, i, max_tokens):
+        self.streams.append([self.eng.stream(PROMPTS[i], greedy(max_tokens)), i, max_tokens, ""])
+
+    def op_read(self, k):
+        if self.streams:
+            s = self.streams[k % len(self.streams)]
+            try:
+                s[3] += next(s[0])
+            except StopIteration:
+                self.streams.remove(s)
+                assert s[3] == self.alone(s[1], s[2])
+
+    def op_close(self, k):
+        if self.streams:
+            s = self.streams.pop(k % len(self.streams))
+            s[0].close()
+            assert self.alone(s[1], s[2]).startswith(s[3])
+
+    def op_generate(self, idx, max_tokens):
+        outs = self.eng.generate([PROMPTS[i] for i in idx], greedy(max_tokens))
+        assert [o.text for o in outs] == [self.alone(i, max_tokens) for i in idx]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(ops=st.lists(OPS, max_size=40))
+def test_random_interleavings_equal_each_request_alone(eng, alone, ops):
+    Consumers(eng, alone).run(ops)
+
+
+# ------------------------------------------------------------------------------ cost of outputs
+def test_an_output_holds_what_it_adds_not_the_whole_sequence(eng):
+    """Memory held by outputs 150-199 of one request is about that of outputs 0-49 (each holds
+    its own new tokens), not several times more (each held a copy of every token before it)."""
+    sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, logprobs=2)
+    tracemalloc.start()  # NOTE: it sees only what is allocated after this
+    try:
+        rid = eng.add_request([5, 6, 7], sp)
+        outs = []
+        while eng.has_unfinished_requests():
+            outs += eng.step()
+        late, early = _freed(outs, 150, 200), _freed(outs, 0, 50)
+    finally:
+        tracemalloc.stop()
+    assert len(outs) == 100 and outs[-1].request_id == rid  # outputs 50-149 are left
+    assert list(outs[-1].token_ids)[50:] == [t for o in outs for t in o.outputs[0].new_token_ids]
+    assert outs[20].outputs[0].token_ids == outs[-1].token_ids[:71] and len(outs[-1].logprobs) == 150
+    assert early > 0
+    print(f"\nbytes held by outputs 150-199: {late}, by outputs 0-49: {early}")
+    assert late / early < 1.5, (late, early)
+
+
+def _freed(outs: list, lo: int, hi: int) -> int:
+    """Bytes freed by dropping outs[lo:hi]."""
+    gc.collect()
+    before = tracemalloc.get_traced_memory()[0]
+    del outs[lo:hi]
+    gc.collect()
+    return before - tracemalloc.get_traced_memory()[0]

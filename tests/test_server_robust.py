@@ -1,0 +1,348 @@
+"""The server under hostile and concurrent use: strict types, refused fields, oversize prompts that
+freeze nothing, an honest /health, graceful shutdown, limits that follow the KV cache, many clients."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from test_server import ServerProcess, metric, tiny_model_dir
+
+TINY = ["--dtype", "float32", "--max-model-len", "256", "--num-threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    srv = ServerProcess(["--model", model_dir, *TINY, "--served-model-name", "tiny", "--max-queue", "1024"])
+    yield srv
+    assert srv.stop(signal.SIGINT) == 0, srv.output()
+
+
+def wait_for(condition, timeout: float = 60, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"{what} did not happen in {timeout:.0f} s")
+
+
+# ------------------------------------------------------------------------------ strict types, refusals
+CHAT = [{"role": "user", "content": "Hi"}]
+REFUSED = {
+    "max_tokens true": ("/v1/completions", {"prompt": "x", "max_tokens": True}, "max_tokens"),
+    "max_tokens string": ("/v1/completions", {"prompt": "x", "max_tokens": "10"}, "max_tokens"),
+    "n true": ("/v1/completions", {"prompt": "x", "n": True}, "n"),
+    "temperature string": ("/v1/completions", {"prompt": "x", "temperature": "0.5"}, "temperature"),
+    "seed true": ("/v1/completions", {"prompt": "x", "seed": True}, "seed"),
+    "stop number": ("/v1/completions", {"prompt": "x", "stop": 5}, "stop"),
+    "stream string": ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
+    "prompt of bools": ("/v1/completions", {"prompt": [True, False]}, "prompt"),
+    "logprobs 6": ("/v1/completions", {"prompt": "x", "logprobs": 6}, "logprobs"),
+    "logprobs -1": ("/v1/completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
+    "top_logprobs 21": ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21},
+                        "top_logprobs"),
+    "suffix": ("/v1/completions", {"prompt": "x", "suffix": "end"}, "suffix"),
+    "best_of": ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
+    "tools": ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {}}}]}, "tools"),
+    "tool_choice": ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "auto"}, "tool_choice"),
+    "functions": ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),
+    "function_call": ("/v1/chat/completions", {"messages": CHAT, "function_call": "auto"}, "function_call"),
+    "response_format json": ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}},
+                             "response_format"),
+    "logit_bias key": ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+    "logit_bias value": ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 200}}, "logit_bias"),
+    "logit_bias outside vocab": ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, None),
+    "surrogate prompt": ("/v1/completions", {"prompt": "ab\ud800cd"}, "prompt"),
+    "surrogate message": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udc00"}]}, "messages"),
+    "surrogate stop": ("/v1/completions", {"prompt": "x", "stop": ["\ud83d"]}, "stop"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_refused_with_one_sentence_naming_the_field(server, case):
+    path, body, param = REFUSED[case]
+    raw = json.dumps(body).encode()  # NOTE: ensure_ascii writes lone surrogates as \ud800 escapes
+    r = httpx.post(server.base + path, content=raw, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["message"].endswith(".") and err["message"].count(". ") == 0, err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    assert "tokenizer" not in err["message"].lower() and "TextEncodeInput" not in err["message"]
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": "x", "best_of": 1, "suffix": "", "max_tokens": 2},
+    {"messages": CHAT, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "max_tokens": 2},
+])
+def test_no_op_values_of_refused_fields_are_accepted(server, body):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = httpx.post(server.base + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_logit_bias_is_applied(server):
+    client = server.client()
+
+    def tokens(bias):
+        r = client.completions.create(model="tiny", prompt=[1, 17, 42], max_tokens=4, temperature=0, logprobs=1,
+                                      logit_bias=bias, extra_body={"ignore_eos": True})
+        return r.choices[0].logprobs.tokens
+    plain = tokens({})
+    forced = tokens({"77": 100})
+    assert len(set(forced)) == 1 and forced != plain
+    assert tokens({"78": 100}) != forced
+
+
+# ------------------------------------------------------------------------------ oversize input
+class StreamWatch:
+    """Streams read one after another in a thread until stopped; records when each chunk arrived."""
+
+    def __init__(self, base: str):
+        self.times: list[float] = []
+        self.stopped = False
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 240, "ignore_eos": True, "stream": True}
+        self.thread = threading.Thread(target=self._read, args=(base, body), daemon=True)
+        self.thread.start()
+
+    def _read(self, base, body):
+        while not self.stopped:
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.times.append(time.monotonic())
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.thread.join(timeout=120)
+
+    def max_gap_during(self, fn) -> float:
+        """The longest wait between chunks from just before fn() until one chunk after it."""
+        start, n = time.monotonic(), len(self.times)
+        fn()
+        wait_for(lambda: len(self.times) > n + 1, what="a chunk after the request")
+        stamps = [start] + [t for t in self.times if t >= start]
+        return max(b - a for a, b in zip(stamps, stamps[1:]))
+
+
+def test_oversize_prompt_freezes_no_stream(server, model_dir):
+    """A ~3.9 MB prompt is refused as fast as a request of the same size refused for its type:
+    the stream beside it sees no longer gap (with tokenization on the event loop or the engine
+    thread it stalled for seconds)."""
+    text = "The quick brown fox jumps over the lazy dog. " * 87_000
+    big = {"completions": ("/v1/completions", {"prompt": text, "max_tokens": 2}),
+           "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 2})}
+    watch = StreamWatch(server.base)
+    wait_for(lambda: len(watch.times) >= 3, what="the stream's first chunks")
+    for path, body in big.values():  # NOTE: the first gap of each kind warms up; the median of 3 counts
+        def send(body=body, path=path):
+            r = httpx.post(server.base + path, json=body, timeout=120)
+            assert r.status_code == 400 and "shorten" in r.json()["error"]["message"], r.text[:300]
+
+        def send_control(body=body, path=path):  # same bytes, refused by its type before any tokenizing
+            r = httpx.post(server.base + path, json={**body, "max_tokens": "2"}, timeout=120)
+            assert r.status_code == 400, r.text[:300]
+        control = statistics.median(watch.max_gap_during(send_control) for _ in range(3))
+        oversize = statistics.median(watch.max_gap_during(send) for _ in range(3))
+        assert oversize < 3 * control, (path, oversize, control)
+    watch.stop()
+
+
+def test_a_reader_that_pauses_loses_nothing(server):
+    """A client that stops reading (without hanging up) until the engine has finished its
+    request, then reads on, gets every chunk: a slow reader is not taken for a gone one."""
+    aborted = metric(server.base, 'numa_runtime_requests_total{status="abort"}')
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "n": 8, "stream": True}
+    with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        first = next(lines)
+        # NOTE: ~500 KB of chunks wait in the server while nobody reads
+        wait_for(lambda: metric(server.base, "numa_runtime_num_requests_running") == 0
+                 and metric(server.base, "numa_runtime_num_requests_waiting") == 0, what="the request finishing")
+        events = [first] + [line for line in lines if line]
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert events[-1] == "data: [DONE]"
+    reasons = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for c in chunks
+               if c["choices"][0]["finish_reason"]}
+    assert reasons == {i: "length" for i in range(8)}
+    assert metric(server.base, 'numa_runtime_requests_total{status="abort"}') == aborted
+
+
+# ------------------------------------------------------------------------------ many clients
+def test_256_concurrent_streams_some_disconnecting(server):
+    """256 streaming clients at once, every fourth hanging up after its first chunk: no error,
+    every full stream ends with [DONE], and the KV pool is empty afterwards."""
+    async def one(client: httpx.AsyncClient, i: int) -> str:
+        body = {"model": "tiny", "prompt": f"Client {i} says", "max_tokens": 12, "stream": True,
+                "ignore_eos": True}
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return f"status {r.status_code}"
+            last = None
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    last = line
+                    if i % 4 == 0:
+                        return "hung up"
+                    if '"error"' in line:
+                        return line
+            return "done" if last == "data: [DONE]" else f"ended with {last}"
+
+    async def run():
+        limits = httpx.Limits(max_connections=300, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=server.base, limits=limits, timeout=300) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(256)))
+    results = asyncio.run(run())
+    bad = [r for r in results if r not in ("done", "hung up")]
+    assert not bad, bad[:5]
+    assert results.count("done") == 192
+    wait_for(lambda: metric(server.base, "numa_runtime_num_requests_running") == 0
+             and metric(server.base, "numa_runtime_num_requests_waiting") == 0, what="the engine going idle")
+    assert metric(server.base, "numa_runtime_kv_cache_usage_ratio") == 0
+    assert httpx.get(server.base + "/health").json() == {"status": "ok"}
+
+
+# ------------------------------------------------------------------------------ threads
+def test_thread_count_holds_on_the_thread_that_steps(server):
+    assert metric(server.base, "numa_runtime_engine_threads") == 1
+
+
+def test_async_engine_sets_threads_on_its_own_thread(model_dir):
+    from numa_runtime import Engine
+    from numa_runtime.serve import AsyncEngine
+    eng = Engine(model_dir, dtype="float32", max_model_len=128, kv_cache_memory=1 << 22, num_threads=1)
+    before = eng.ops.get_num_threads()
+    aengine = AsyncEngine(eng)
+    aengine.start()
+    try:
+        threads = asyncio.run(aengine.call(lambda e: e.ops.get_num_threads()))
+    finally:
+        aengine.stop()
+    assert before == threads == 1
+
+
+# ------------------------------------------------------------------------------ small KV cache, warnings
+def test_context_follows_a_small_kv_cache_and_public_bind_warns(model_dir):
+    # 20 blocks of 16 tokens (8 KiB each in float32): 320 tokens, below --max-model-len 512
+    srv = ServerProcess(["--model", model_dir, "--dtype", "float32", "--max-model-len", "512", "--num-threads", "1",
+                         "--kv-cache-memory", str(20 * 8192), "--host", "0.0.0.0"])
+    try:
+        card = httpx.get(srv.base + "/v1/models").json()["data"][0]
+        assert card["max_model_len"] == 320
+        r = srv.client().chat.completions.create(model="tiny-llama", messages=CHAT, temperature=0)
+        assert r.choices[0].finish_reason in ("stop", "length")
+        assert r.usage.total_tokens <= 320
+    finally:
+        code = srv.stop()
+    assert code == 0, srv.output()
+    assert "without --api-key" in srv.output()
+
+
+# ------------------------------------------------------------------------------ shutdown
+def test_sigint_during_a_stream_ends_it_cleanly(model_dir):
+    srv = ServerProcess(["--model", model_dir, *TINY, "--shutdown-grace", "0"])
+    events = []
+    body = {"prompt": "Hello", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", srv.base + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line:
+                events.append(line)
+            if len(events) == 3:
+                srv.proc.send_signal(signal.SIGINT)
+    code = srv.proc.wait(timeout=60)  # NOTE: a second signal would mean "exit now"
+    srv.stop()
+    log = srv.output()
+    assert events[-1] == "data: [DONE]", events[-3:]
+    err = json.loads(events[-2][len("data: "):])
+    assert "shutting down" in err["error"]["message"]
+    assert code == 0, log
+    assert "Traceback" not in log and "CancelledError" not in log, log
+
+
+# ------------------------------------------------------------------------------ a stuck rank
+def test_health_reports_a_stopped_worker_rank(model_dir):
+    """Under mpirun -np 2: SIGSTOP rank 1 mid-request; /health turns 503 (the step never ends),
+    then 200 again after SIGCONT, and the request completes."""
+    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    srv = ServerProcess(["--model", model_dir, *TINY, "--kv-cache-memory", str(1 << 24), "--stall-timeout", "2"],
+                        launcher=[mpirun if os.path.exists(mpirun) else "mpirun", "-np", "2"],
+                        env={"MPI4PY_RC_THREAD_LEVEL": "funneled"})
+    worker = None
+    try:
+        worker = _rank_process(srv.proc.pid, 1)
+        done = {}
+        body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True}
+        t = threading.Thread(target=lambda: done.update(r=httpx.post(srv.base + "/v1/completions", json=body,
+                                                                      timeout=300)))
+        t.start()
+        wait_for(lambda: metric(srv.base, "numa_runtime_num_requests_running") == 1, what="the request running")
+        worker.suspend()
+        status = wait_for(lambda: httpx.get(srv.base + "/health", timeout=10).status_code == 503, timeout=120,
+                          what="/health turning 503")
+        assert status and metric(srv.base, "numa_runtime_engine_busy_seconds") > 2
+        worker.resume()
+        wait_for(lambda: httpx.get(srv.base + "/health", timeout=10).status_code == 200, timeout=120,
+                 what="/health turning 200 again")
+        t.join(timeout=300)
+        assert done["r"].status_code == 200 and done["r"].json()["usage"]["completion_tokens"] == 200
+    finally:
+        if worker is not None and worker.is_running():
+            worker.resume()
+        code = srv.stop()
+    assert code == 0, srv.output()
+
+
+def _rank_process(launcher_pid: int, rank: int) -> psutil.Process:
+    """The python process of `rank` below the mpirun process (by its PMI_RANK / OMPI rank)."""
+    def find():
+        for p in psutil.Process(launcher_pid).children(recursive=True):
+            try:
+                e = p.environ()
+            except psutil.Error:
+                continue
+            if "python" in p.name() and str(rank) in (e.get("PMI_RANK"), e.get("OMPI_COMM_WORLD_RANK")):
+                return p
+        return None
+    return wait_for(find, timeout=30, what=f"rank {rank}'s process")
+
+
+# ------------------------------------------------------------------------------ streaming cost
+def test_choice_tracker_reads_only_what_an_output_adds():
+    """The server turns an output into a chunk from its deltas alone: an output without the whole
+    text, token list or logprob list still gives every piece, and 2,000 of them cost O(2,000)."""
+    from numa_runtime.serve.responses import ChoiceTracker
+
+    class DeltaOnly:  # what the tracker may read; reading anything else raises AttributeError
+        __slots__ = ("index", "delta", "new_token_ids", "new_logprobs", "finish_reason")
+
+        def __init__(self, i):
+            self.index, self.delta, self.new_token_ids = 0, f"t{i} ", [i]
+            self.new_logprobs = [(-0.5, {i: -0.5})]
+            self.finish_reason = "length" if i == 1999 else None
+
+    class Out:
+        def __init__(self, i):
+            self.request_id, self.outputs, self.finished = "r", [DeltaOnly(i)], i == 1999
+    tracker = ChoiceTracker(n=1)
+    pieces = [p for i in range(2000) for p in tracker.update(0, Out(i))]
+    assert [p.token_ids for p in pieces] == [[i] for i in range(2000)]
+    assert "".join(p.text for p in pieces) == "".join(f"t{i} " for i in range(2000))
+    assert pieces[-1].finish_reason == "length" and tracker.finished == {0: "length"}
