@@ -12,6 +12,6 @@ model, cache_dir, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 eng = Engine(model, dtype="float32", kv_cache_memory=6 * 4096, max_model_len=128,
              kv_cache_dir=cache_dir, kv_cache_disk_load="always")
 params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-outs = [eng.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+outs = [list(eng.generate([p], params)[0].outputs[0].token_ids) for p in prompts]
 print("RESULT " + json.dumps({"tokens": outs, "tier_hits": eng.block_manager.tier_hit_blocks}), flush=True)
 eng.close()
