@@ -279,3 +279,23 @@ def test_two_ranks_restart_from_their_own_shards(model_dir, tmp_path):
     names = [n for d in os.listdir(tmp_path) for n in os.listdir(tmp_path / d)]
     assert {n.rsplit(".", 1)[1] for n in names} == {"r0", "r1"}
     assert sum(n.endswith(".r0") for n in names) == sum(n.endswith(".r1") for n in names)
+
+
+def test_bench_prefix_cache_disk_tier_and_restart_smoke(model_dir, tmp_path):
+    """The multi-turn benchmark with the disk tier off and on and a restart half-way, on the
+    tiny model (a smoke run: only that it works and what it counts, no timing)."""
+    out = str(tmp_path / "prefix")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_prefix_cache.py"), "--engine", "--quick",
+                        "--clients", "3", "--turns", "3", "--one-offs", "4", "--threads", "1", "--max-tokens", "2",
+                        "--policies", "reuse", "--disk-tier", "--restart", "--disk-load", "always", "--blocks", "64",
+                        "--model", model_dir, "--dtype", "float32", "--out", out],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    off, on = json.load(open(out + ".json"))["policies"]
+    assert (off["disk"], on["disk"]) == (False, True) and off["restarts"] == on["restarts"] == 1
+    assert off["disk_hit_blocks"] == 0 and on["disk_hit_blocks"] > 0
+    # the first turn of a conversation after the restart finds its history only on disk (with
+    # this seeded workload, 3 clients x 3 turns, some conversation spans the restart)
+    assert on["conv_hit_after_restart"] > off["conv_hit_after_restart"]
+    assert "| conv hit after restart |" in open(out + ".md").read()
