@@ -398,7 +398,8 @@ class Engine:
         every row or of the last."""
         import numpy as np
         from .plan import EMBED, StepPlan
-        bm, n = self.block_manager, len(ids)
+        # NOTE: with data-parallel replicas the scheduler is a ReplicaRouter: replica 0's pool
+        bm, n = getattr(self.scheduler, "replicas", [self.scheduler])[0].block_manager, len(ids)
         blocks = bm.take_blocks(bm.num_blocks_for(n))
         if blocks is None:
             raise RuntimeError(f"The KV cache has no room for {n} tokens now; retry when requests finish.")
@@ -479,7 +480,7 @@ class Engine:
 
     def _flush_disk_tier(self) -> None:
         """Write every cached block to the disk tier, so that a restart finds them."""
-        tier = self.block_manager.tier
+        tier = getattr(self.block_manager, "tier", None)  # NOTE: none under data-parallel replicas
         if tier is not None:
             from .plan import StepPlan
             self.block_manager.offload_all()
