@@ -43,10 +43,9 @@ cdef extern from "attention_kernels.h":
 cdef int _level = nr_tile_level()
 # NOTE: items with at least this many query vectors (query rows x query heads per kv head)
 # run the register-tiled path (Q K^T and P V as small matrix products over a transposed key
-# tile); fewer (MHA decode) run dot products straight from the cache rows. Measured on the
-# 16-core Sapphire Rapids, 14 q / 2 kv heads (7 query vectors per decode item), tiled vs direct:
-# decode 1.1x (ctx 512) to 1.36x (16 x ctx 2048), prefill 2.1-2.3x
-# (`python bench/bench_kernels.py --attention`).
+# tile); fewer (MHA decode) run dot products straight from the cache rows. The tiled path
+# measured faster with 7 vectors per item, decode included (bench/RESULTS.md, from
+# `python bench/bench_kernels.py --attention`).
 TILED_MIN_QUERIES = 4
 cdef int64_t _tiled_min = TILED_MIN_QUERIES
 
