@@ -139,9 +139,9 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"Unsupported architecture {archs or cfg.get('model_type')!r}; numa_runtime runs "
                 f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}.")
-        if cfg.get("quantization_config"):
-            raise UnsupportedModelError("Quantized checkpoints (quantization_config) are not supported; "
-                                        "use a bf16, f16 or f32 checkpoint.")
+        if cfg.get("quantization_config"):  # AWQ / GPTQ int4, or one clear error
+            from .quant.hf_quant import check_quantization_config
+            check_quantization_config(cfg["quantization_config"])
         act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
         if act not in ("silu", "swish"):
             raise UnsupportedModelError(f"Unsupported activation {act!r}; only silu is supported.")
@@ -232,7 +232,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     eviction: str = "lru"
     backend: str = "cpu"
+    device: str = "cpu"                # "cuda": the model shard on a GPU (cuda_backend/)
+    host_kv_cache_memory: int = 0      # bytes of pinned host memory behind the GPU KV cache (0: off)
+    cuda_graphs: bool = True           # device "cuda": replay decode steps as CUDA graphs
     seed: int = 0
+    quantization: str | None = None  # quantize dense weights at load: "int8", "int4", ...
     data_parallel: int | None = None  # model replicas over the MPI ranks; None: ParallelConfig.resolve's rule
     kv_cache_dir: str | None = None     # a disk tier under the prefix cache (kv_cache/disk_tier.py)
     kv_cache_disk_bytes: int = 8 << 30  # its size cap per rank
@@ -252,10 +256,23 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}.")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive.")
+        if self.quantization is not None:
+            from .quant.loader import parse_quantization
+            parse_quantization(self.quantization)  # raises one sentence on a bad name
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}.")
+        if not isinstance(self.host_kv_cache_memory, int) or self.host_kv_cache_memory < 0:
+            raise ValueError(f"host_kv_cache_memory must be a non-negative number of bytes, "
+                             f"got {self.host_kv_cache_memory!r}.")
+        if self.host_kv_cache_memory and self.device != "cuda":
+            raise ValueError("host_kv_cache_memory is a tier behind the GPU KV cache; it needs device='cuda'.")
         if self.data_parallel is not None and (isinstance(self.data_parallel, bool) or not isinstance(
                 self.data_parallel, int) or self.data_parallel < 1):
             raise ValueError(f"data_parallel must be a positive integer, got {self.data_parallel!r}.")
         self.disk_tier  # validates
+        if self.kv_cache_dir is not None and self.device != "cpu":
+            raise ValueError("The KV disk tier (kv_cache_dir) runs with the CPU backend; on a GPU use the host "
+                             "KV tier (host_kv_cache_memory) instead.")
         if not 0.0 < self.kv_cache_fraction <= 0.95:
             raise ValueError(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction!r}.")
 

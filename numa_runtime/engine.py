@@ -39,9 +39,8 @@ class Engine:
     def __init__(self, model: str | None = None, dtype: str = "bfloat16", max_model_len: int | None = None,
                  num_threads: int | None = None, **kwargs):
         from . import backend, data_parallel, distributed, profiler
-        from .default_model import default_model_dir
+        from .default_model import default_model_path
         from .kv_cache.block_manager import BlockManager
-        from .model_runner import ModelRunner
         from .sampler import Sampler
         from .router import ReplicaRouter
         from .scheduler import Scheduler, SchedulerConfig
@@ -51,7 +50,10 @@ class Engine:
         self.comm = distributed.init_distributed()
         ops = backend.get_backend(self.config.backend)
         placement = self._bind_and_set_threads(ops)
-        model_dir = model if model is not None else default_model_dir()
+        model_dir = model if model is not None else default_model_path()
+        if str(model_dir).endswith(".gguf"):  # NOTE: weights stay in the file, blocks as they are
+            from .gguf_model import gguf_model_dir
+            model_dir = gguf_model_dir(str(model_dir))
         self.model_config = mcfg = ModelConfig.from_dir(os.path.expanduser(str(model_dir)))
         self.max_model_len = self._resolve_max_len(mcfg, self.config.max_model_len)
         # NOTE: fail on a missing tokenizer before reading any weight; every rank has one, so
@@ -63,11 +65,12 @@ class Engine:
                              "without data-parallel replicas.")
         self.recorder = profiler.make_recorder(self.comm.rank)  # a no-op unless AS_PROFILE=ON
         self.ops = profiler.timed_ops(ops, self.recorder)
-        self.runner = ModelRunner(mcfg, self.config, profiler.timed_comm(tp_comm, self.recorder), self.ops,
-                                  self.max_model_len, progress=_Progress() if self.comm.is_driver else None,
-                                  recorder=self.recorder)
+        self.runner = _make_runner(mcfg, self.config, profiler.timed_comm(tp_comm, self.recorder), self.ops,
+                                   self.max_model_len, _Progress() if self.comm.is_driver else None,
+                                   self.recorder, gpu_index=self.comm.local_rank)
         self.ranks = self.comm.gather_object(self._rank_info(placement))  # rank 0: one dict per rank
-        disk_hashes = self.comm.gather_object(self.runner.disk_hashes)  # rank 0: valid files per rank
+        # rank 0: the disk tier's valid files per rank (the CPU runner's; none on the GPU runner)
+        disk_hashes = self.comm.gather_object(getattr(self.runner, "disk_hashes", []))
         self.placement = placement
         if not self.comm.is_driver:  # a worker serves rank 0 where the module docstring says
             self._closed = False
@@ -81,7 +84,7 @@ class Engine:
                                 BlockManager(n, self.config.block_size,
                                              enable_prefix_caching=self.config.enable_prefix_caching,
                                              eviction=self.config.eviction, recorder=self.recorder,
-                                             tier=self._disk_tier(disk_hashes)))
+                                             host_tier=self._host_tier(), tier=self._disk_tier(disk_hashes)))
                       for n in data_parallel.replica_blocks(self.parallel, self.ranks)]
         # NOTE: with data-parallel replicas, one scheduler (and KV pool) per replica behind a router
         self.scheduler = schedulers[0] if len(schedulers) == 1 else ReplicaRouter(schedulers)
@@ -144,6 +147,13 @@ class Engine:
         if asked > limit:
             raise ValueError(f"max_model_len={asked} exceeds what the model supports ({limit} tokens).")
         return asked
+
+    def _host_tier(self):
+        """The CUDA runner's host KV tier (host_kv_cache_memory), else None."""
+        tier = getattr(self.runner, "host_tier", None)
+        if tier is not None and self.parallel.data_parallel > 1:
+            raise ValueError("host_kv_cache_memory serves one model replica; set data_parallel=1 or turn it off.")
+        return tier
 
     def _fit_max_len_to_cache(self, mcfg: ModelConfig) -> int:
         """The context one request can really use: no more tokens than the KV cache holds (unless
@@ -491,6 +501,15 @@ class Engine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _make_runner(mcfg, cfg: EngineConfig, comm, ops, max_model_len: int, progress, recorder, gpu_index: int):
+    """The one place where the device picks the model runner (torch is imported only for cuda)."""
+    if cfg.device == "cuda":
+        import cuda_backend
+        return cuda_backend.make_runner(mcfg, cfg, comm, max_model_len, progress, gpu_index)
+    from .model_runner import ModelRunner
+    return ModelRunner(mcfg, cfg, comm, ops, max_model_len, progress=progress, recorder=recorder)
 
 
 class _Group:

@@ -19,8 +19,8 @@ from numa_runtime import env
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="numa-serve", description="OpenAI-compatible HTTP server for numa_runtime.")
     ap.add_argument("--model", action="append", default=None,
-                    help="Hugging Face model directory (default: SmolLM2-135M-Instruct); repeat it to serve "
-                         "several models, each named by its directory")
+                    help="Hugging Face model directory or a .gguf file (default: SmolLM2-135M-Instruct); "
+                         "repeat it to serve several models, each named by its directory")
     ap.add_argument("--models-dir", default=None, help="serve every model directory inside this directory")
     ap.add_argument("--memory-budget", default=None, help="several models: bytes per rank for all weights and "
                                                           "KV pools (e.g. 16G; default: 60%% of this host's memory / ranks)")
@@ -34,6 +34,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                               "(default: the model directory's name)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--quantization", default=None,
+                    help="quantize dense weights while loading: int8 (groups of 128), int4 (groups of "
+                         "32 with a min), or e.g. int4-g128-sym, int8-channel")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded side by side at most")
     ap.add_argument("--max-queue", type=int, default=256, help="waiting sequences beyond which requests get 429")
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes per rank")
@@ -45,6 +48,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--embedding-pooling", default=None, choices=["mean", "last"],
                     help="/v1/embeddings pooling (default: last for embedding checkpoints, else mean)")
     ap.add_argument("--num-threads", type=int, default=None, help="compute threads per rank")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs "
+                    "(cuda: one GPU per rank; needs `pip install numa_runtime[cuda]`)")
+    ap.add_argument("--host-kv-cache-memory", type=int, default=0, help="bytes of pinned host memory that "
+                    "keep prefix-cache blocks evicted from the GPU (--device cuda; 0: off)")
     ap.add_argument("--data-parallel", type=int, default=None,
                     help="model replicas over the MPI ranks, each tensor parallel over its share "
                          "(default: a rule logged at start-up)")
@@ -64,7 +71,8 @@ def is_multi_model(args) -> bool:
 
 def engine_kwargs(args) -> dict:
     kwargs = {"max_num_seqs": args.max_num_seqs, "dtype": args.dtype, "max_model_len": args.max_model_len,
-              "num_threads": args.num_threads}
+              "num_threads": args.num_threads, "quantization": args.quantization, "device": args.device,
+              "host_kv_cache_memory": args.host_kv_cache_memory}
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = args.kv_cache_memory
     if args.kv_cache_dir is not None:
