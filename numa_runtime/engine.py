@@ -36,6 +36,7 @@ class Engine:
         from .kv_cache.block_manager import BlockManager
         from .model_runner import ModelRunner
         from .sampler import Sampler
+        from .structured import Grammars
         from .scheduler import Scheduler, SchedulerConfig
         from .tokenizer import Tokenizer
 
@@ -65,7 +66,8 @@ class Engine:
                                                    max_num_batched_tokens=self.config.max_num_batched_tokens,
                                                    max_model_len=self.max_model_len,
                                                    sliding_window=mcfg.min_window), self.block_manager)
-        self.sampler = Sampler(self.ops, mcfg.vocab_size, self.config.seed)
+        self.grammars = Grammars(self.tokenizer.to_json(), mcfg.vocab_size, self.eos_ids)
+        self.sampler = Sampler(self.ops, mcfg.vocab_size, self.config.seed, self.grammars)
         self.profiler = profiler.attach(self)  # None unless AS_PROFILE=ON
         self._groups: dict[str, _Group] = {}
         self._texts: dict[str, TextState] = {}
@@ -165,6 +167,15 @@ class Engine:
             for req in group.children:  # NOTE: all or none of the n sequences are queued
                 self.scheduler.abort_request(req.request_id)
             raise
+        try:
+            for req in group.children:
+                if req.sampling_params.json_schema is not None:
+                    self.grammars.add(req.request_id, req.sampling_params.json_schema)
+        except Exception:
+            for req in group.children:
+                self.scheduler.abort_request(req.request_id)
+                self.grammars.forget(req.request_id)
+            raise
         self._groups[rid] = group
         for req in group.children:
             detok = IncrementalDetokenizer(self.tokenizer, ids, req.sampling_params.skip_special_tokens)
@@ -225,7 +236,10 @@ class Engine:
             if lp is not None:
                 req.logprobs.append(lp)
             text = self._texts[req.request_id]
-            status = text.add_token(req.output_token_ids[-1], self.max_model_len)
+            token = req.output_token_ids[-1]
+            status = text.add_token(token, self.max_model_len)
+            if status is None and self.grammars.advance(req.request_id, token):
+                status = text.finish(RequestStatus.FINISHED_STOPPED)
             if status is not None:
                 self.scheduler.finish_request(req, status)
             changed[text.group.request_id] = text.group
@@ -248,6 +262,7 @@ class Engine:
     def _forget(self, req: Request) -> None:
         self._texts.pop(req.request_id, None)
         self.sampler.forget(req.request_id)
+        self.grammars.forget(req.request_id)
 
     # ------------------------------------------------------------------ conveniences
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -12,6 +12,8 @@ class SamplingParams:
     beside it. `stop` strings are cut from the returned text; `stop_token_ids` end the
     request and are not returned (like EOS) unless `include_stop_str_in_output`.
     `logit_bias` maps token ids to a value added to their logits before sampling.
+    `json_schema` (a JSON schema as a dict; {"type": "object"} for any object) constrains the
+    output to JSON that matches it (structured.py).
     Integer fields take Python ints only (a bool is not an int).
     """
 
@@ -33,6 +35,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    json_schema: dict | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -75,6 +78,8 @@ class SamplingParams:
             bad(f"seed must be an integer in [0, 2**64) or None, got {self.seed!r}.")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             bad(f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}.")
+        if self.json_schema is not None and not isinstance(self.json_schema, dict):
+            bad(f"json_schema must be a dict (a JSON schema) or None, got {self.json_schema!r}.")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(f"{name} must be True or False, got {getattr(self, name)!r}.")
