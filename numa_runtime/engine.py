@@ -66,7 +66,7 @@ class Engine:
                                                    max_num_batched_tokens=self.config.max_num_batched_tokens,
                                                    max_model_len=self.max_model_len,
                                                    sliding_window=mcfg.min_window), self.block_manager)
-        self.grammars = Grammars(self.tokenizer.to_json(), mcfg.vocab_size, self.eos_ids)
+        self.grammars = Grammars(self.tokenizer, mcfg.vocab_size, self.eos_ids)
         self.sampler = Sampler(self.ops, mcfg.vocab_size, self.config.seed, self.grammars)
         self.profiler = profiler.attach(self)  # None unless AS_PROFILE=ON
         self._groups: dict[str, _Group] = {}

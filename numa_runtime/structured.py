@@ -29,8 +29,8 @@ _LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator"
 class Grammars:
     """The grammar matchers of the requests that have a json_schema, by request id."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: set[int]):
-        self._tokenizer_json, self._vocab, self._eos = tokenizer_json, vocab_size, sorted(eos_ids)
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: set[int]):
+        self._tokenizer, self._vocab, self._eos = tokenizer, vocab_size, sorted(eos_ids)
         self._ll_tokenizer = None
         self._lock = threading.Lock()
         self._matchers: dict = {}
@@ -40,7 +40,7 @@ class Grammars:
         with self._lock:
             if self._ll_tokenizer is None:
                 llg = _llguidance()
-                self._ll_tokenizer = llg.LLTokenizer(self._tokenizer_json, n_vocab=self._vocab,
+                self._ll_tokenizer = llg.LLTokenizer(self._tokenizer.to_json(), n_vocab=self._vocab,
                                                      eos_token=self._eos)
         return self._ll_tokenizer
 
