@@ -1,8 +1,12 @@
 """Build the Cython kernels in cython_kernels/ against oneDNN and install numa_runtime.
 
 Every `cython_kernels/<name>.pyx` becomes the extension `numa_runtime._kernels.<name>`.
-oneDNN comes from the `onednn-devel-cpu-gomp` wheel, which puts `libdnnl.so` in
-`sys.prefix/lib` and the headers in `sys.prefix/include`.
+oneDNN comes from wheels: `onednn-devel-cpu-gomp` has the headers (`<prefix>/include`) and
+depends on `onednn-cpu-gomp`, which has `libdnnl.so` (`<prefix>/lib`). `<prefix>` is this
+interpreter's for `python setup.py build_ext --inplace`, and pip's build environment for
+`pip install .` / `pip wheel .` (pyproject.toml lists the build requirements).
+The top-level `launch/` folder is the package `numa_runtime.launch` (numa_runtime/launch is a
+link to it), which the numa-launch command runs.
 """
 import glob
 import os
@@ -12,18 +16,37 @@ import numpy as np
 from Cython.Build import cythonize
 from setuptools import Extension, find_packages, setup
 
-PREFIX_LIB = os.path.join(sys.prefix, "lib")
-PREFIX_INC = os.path.join(sys.prefix, "include")
 
-if not os.path.exists(os.path.join(PREFIX_INC, "dnnl.h")):
-    sys.exit("oneDNN headers not found in %s: run `pip install onednn-devel-cpu-gomp==2023.2.0` "
-             "before building numa_runtime." % PREFIX_INC)
+
+def _wheel_file_dir(dist: str, path: str) -> str | None:
+    """The directory holding `path` (e.g. "include/dnnl.h") as installed by wheel `dist`."""
+    from importlib import metadata
+    try:
+        files = metadata.distribution(dist).files or ()
+    except metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        full = os.path.normpath(str(f.locate()))
+        if full.endswith(os.sep + os.path.normpath(path)):
+            return os.path.dirname(full)
+    return None
+
+
+ONEDNN_INC = _wheel_file_dir("onednn-devel-cpu-gomp", "include/dnnl.h")
+ONEDNN_LIB = _wheel_file_dir("onednn-cpu-gomp", "lib/libdnnl.so")
+if ONEDNN_INC is None or ONEDNN_LIB is None:
+    sys.exit("oneDNN headers or library not found: run `pip install onednn-devel-cpu-gomp==2023.2.0` "
+             "before building numa_runtime.")
+# NOTE: at run time libdnnl.so.3 comes from the onednn-cpu-gomp wheel in the environment that
+# imports us: $ORIGIN/../../../.. is <prefix>/lib seen from <prefix>/lib/pythonX.Y/site-packages/
+# numa_runtime/_kernels; sys.prefix/lib serves in-place builds in a checkout.
+RPATHS = ["$ORIGIN/../../../..", os.path.join(sys.prefix, "lib")]
 
 # NOTE: x86-64-v3 (AVX2/FMA/F16C) is the floor; AVX-512 paths are compiled with target
 # attributes and chosen at run time, so one build runs on every machine we target.
-COMPILE_ARGS = ["-O3", "-fopenmp", "-march=x86-64-v3", "-mtune=native", "-fno-math-errno", "-fno-trapping-math",
+COMPILE_ARGS = ["-O3", "-fopenmp", "-march=x86-64-v3", "-fno-math-errno", "-fno-trapping-math",
                 "-Wno-unused-function", "-Wno-unreachable-code"]
-LINK_ARGS = ["-fopenmp", "-Wl,--disable-new-dtags", "-Wl,-rpath," + PREFIX_LIB]
+LINK_ARGS = ["-fopenmp", "-Wl,--disable-new-dtags"] + ["-Wl,-rpath," + p for p in RPATHS]
 
 
 def kernel_extensions():
@@ -32,8 +55,8 @@ def kernel_extensions():
         name = os.path.splitext(os.path.basename(pyx))[0]
         exts.append(Extension(
             "numa_runtime._kernels." + name, [pyx],
-            include_dirs=[np.get_include(), PREFIX_INC, "cython_kernels"],
-            library_dirs=[PREFIX_LIB], libraries=["dnnl"],
+            include_dirs=[np.get_include(), ONEDNN_INC, "cython_kernels"],
+            library_dirs=[ONEDNN_LIB], libraries=["dnnl"],
             extra_compile_args=COMPILE_ARGS, extra_link_args=LINK_ARGS,
             define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
             language="c"))
@@ -44,7 +67,9 @@ setup(
     name="numa_runtime",
     version="0.1.0",
     description="CPU-first LLM inference runtime: one MPI rank per NUMA node, tensor parallel",
-    packages=find_packages(include=["numa_runtime", "numa_runtime.*", "launch", "cuda_backend"]),
+    # NOTE: launch/ installs as numa_runtime.launch (through the numa_runtime/launch link),
+    # never as a global `launch` module; cuda_backend/ is not installed until it exists
+    packages=find_packages(include=["numa_runtime", "numa_runtime.*"]),
     ext_modules=cythonize(kernel_extensions(), language_level=3,
                           compiler_directives={"boundscheck": False, "wraparound": False,
                                                "cdivision": True, "initializedcheck": False}),
@@ -52,8 +77,7 @@ setup(
     install_requires=["numpy", "mpi4py", "mpich", "psutil", "safetensors", "tokenizers", "jinja2",
                       "fastapi", "uvicorn", "prometheus-client", "tqdm", "gguf",
                       "onednn-cpu-gomp==2023.2.0"],
-    extras_require={"cuda": ["torch"]},
-    entry_points={"console_scripts": ["numa-launch=launch.cli:main",
+    entry_points={"console_scripts": ["numa-launch=numa_runtime.launch.cli:main",
                                       "numa-serve=numa_runtime.serve.__main__:main"]},
     zip_safe=False,
 )

@@ -32,20 +32,12 @@ def _timed(name, fn):
 
 
 def instrument() -> None:
-    """Wrap the collectives of every communicator class, and make each worker report its RSS
-    (the same gather rank 0 does right after its Engine() returns)."""
+    """Wrap the collectives of every communicator class."""
     from numa_runtime import distributed
-    from numa_runtime.model_runner import ModelRunner
     for cls in (distributed.MPIComm, distributed.SingleProcessComm):
         cls.all_reduce_ = _timed("all_reduce", cls.all_reduce_)
         cls.all_gather = _timed("all_gather", cls.all_gather)
         cls.broadcast_plan = _timed("broadcast_plan", cls.broadcast_plan)
-    worker_loop = ModelRunner.worker_loop
-
-    def reporting_worker_loop(self):
-        self.comm.gather_object(_rss_mb())
-        worker_loop(self)
-    ModelRunner.worker_loop = reporting_worker_loop
 
 
 def _rss_mb() -> tuple[float, float]:
@@ -75,8 +67,10 @@ def main() -> None:
     eng = Engine(cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"],
                  kv_cache_memory=cfg["kv_cache_memory"], max_num_seqs=max(cfg["concurrency"], 1),
                  max_num_batched_tokens=cfg["max_batched_tokens"])
-    # only rank 0 gets here; the workers are in worker_loop, which gathered their RSS first
-    rss = eng.comm.gather_object(_rss_mb())
+    rss = eng.comm.gather_object(_rss_mb())  # every rank: RSS after loading
+    if not eng.is_driver:
+        eng.serve_workers()  # execute rank 0's steps until it closes the engine
+        return
     vocab = eng.model_config.vocab_size
     rng = np.random.default_rng(0)
     greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)

@@ -108,7 +108,7 @@ def run_numa(a) -> dict:
     decode(100)  # warm-up (kernel primitives for these shapes)
     # NOTE: best of at least 3 even with --quick: decode is short and a shared machine is noisy
     out = {"decode_tps": max(decode(101 + r) for r in range(max(a.repeats, 3)))}
-    if eng.profiler is not None:  # where the decode time goes (rank 0, forward section)
+    if eng.recorder.enabled:  # where the decode time goes (rank 0, forward section)
         out["profile_forward_pct"] = {r["opname"]: round(r["percentage"], 1) for r in
                                       eng.get_op_profiling_stats() if r["section"] == "forward"}
     if a.decode_only:

@@ -2,8 +2,11 @@
 has the op), on Qwen2.5-0.5B shapes (H 896, 14 q heads / 2 kv heads of 64, I 4864, V 151936).
 
     python bench/bench_kernels.py [--quick] [--threads N]
+    python bench/bench_kernels.py --attention [--threads N]
 
 Prints one markdown table; times are the best of repeated calls, in microseconds.
+--attention times paged attention's two paths (dot products straight from the cache rows, and
+register-tiled products over transposed key tiles) on batch-1 decode and prefill, short and long.
 """
 from __future__ import annotations
 
@@ -166,6 +169,26 @@ def cases(quick: bool):
            lambda: lambda: T_().log_softmax(T_().from_numpy(logits), -1))
 
 
+def attention_paths(min_time: float) -> None:
+    """Paged attention, bf16 cache: each case on the direct and on the tiled path."""
+    from numa_runtime._kernels import attention
+    print("| case | direct us | tiled us | default path |\n| --- | ---: | ---: | --- |")
+    for name, new, prefix in [("decode, ctx 512", [1], [511]), ("decode, ctx 8192", [1], [8191]),
+                              ("decode, ctx 16000", [1], [15999]), ("decode 16 seqs, ctx 2048", [1] * 16, [2047] * 16),
+                              ("prefill 512", [512], [0]), ("prefill chunk 2048 after 6144", [2048], [6144])]:
+        b = paged_batch(new, prefix, "bf16")
+        o = np.empty_like(b[0])
+        times = []
+        for tiled_min in (1 << 30, 1):
+            old = attention._force_paths(tiled_min=tiled_min)
+            times.append(best_us(lambda: cpu.paged_attention(*b, D ** -0.5, o), min_time))
+            attention._force_paths(*old)
+        group = HQ // HK
+        rows = 1 if new[0] == 1 else max(1, 32 // group)
+        default = "tiled" if rows * group >= attention.TILED_MIN_QUERIES else "direct"
+        print(f"| {name} | {times[0]:.1f} | {times[1]:.1f} | {default} |", flush=True)
+
+
 def torch_times(quick: bool, threads: int) -> dict:
     """Torch timings from a child process: torch ships its own OpenMP runtime, whose spinning
     threads would slow ours (and ours its) if both lived in one process."""
@@ -183,6 +206,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="smaller shapes, shorter timing")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--attention", action="store_true", help="attention paths only")
     args = ap.parse_args()
     min_time = 0.05 if args.quick else 0.3
     if args.torch_only:
@@ -191,6 +215,10 @@ def main():
                           for op, shape, _, _, make in cases(args.quick) if make}))
         return
     cpu.set_num_threads(args.threads)
+    if args.attention:
+        print(f"threads {args.threads}; best of repeats, microseconds\n")
+        attention_paths(min_time)
+        return
     rows = [(op, shape, best_us(fn, min_time), best_us(ref_fn, min_time / 3))
             for op, shape, fn, ref_fn, _ in cases(args.quick)]
     tt = torch_times(args.quick, args.threads)

@@ -19,20 +19,7 @@ stay in steps (identical for both policies); TTFT is wall clock from the schedul
 to the step that samples the first token. Default model: a random 8-layer Llama (hidden 512).
 Writes OUT.json and OUT.md.
 
-Measured (seed 0, block 16; "conv hit" = share of conversation-turn prompt tokens served from
-the cache, infinite cache 86%):
-    default (think 20-200 steps)    1024 blocks: lru 22% -> reuse 54%; 1536: 47% -> 86%
-    --think 200 800 --one-offs 1280 1024 blocks: lru 10% -> reuse 25%; 2048: 24% -> 66%
-
---engine on a 2-core VM (AMD EPYC, shared with other jobs, so times are noisy), --threads 1,
-default model, 768 blocks = 56% of the conversations' final histories, infinite cache 27.6%:
-    | policy | hit rate | conv hit | prefill tokens | TTFT conv p50 / p99 ms | TTFT one-off p50 / p99 ms | total s |
-    | lru    | 16.3%    | 41.5%    | 202107         | 140 / 480              | 92 / 335                  | 83.6    |
-    | reuse  | 24.8%    | 70.9%    | 181515         |  64 / 318              | 88 / 201                  | 71.7    |
-  --quick (8 clients x 4 turns + 128 one-offs, 256 blocks, 30 s in all): lru 11.9% hit, 36.0% conv,
-  37875 prefill tokens, TTFT conv p50 70 ms; reuse 13.7%, 44.6%, 37123, 64 ms.
-One-offs are ~70% of the prompt tokens and rarely repeat, so prefill falls only 10%; the
-conversations' turns wait half as long.
+Results with their machines and commands: bench/RESULTS.md.
 """
 from __future__ import annotations
 

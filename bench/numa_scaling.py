@@ -2,7 +2,7 @@
 
     python bench/numa_scaling.py                       # random Qwen2.5-0.5B shape, bf16
     python bench/numa_scaling.py --quick --ranks 1 2   # tiny model, few tokens (smoke run)
-    python bench/numa_scaling.py --shape llama3.2-1b   # 32 heads: also runs 4 and 8 ranks
+    python bench/numa_scaling.py --shape llama3.2-1b   # 32 heads / 8 kv heads: even splits
     python bench/numa_scaling.py --model DIR --out /tmp/numa_scaling
 
 Every configuration uses all cpus of this process's affinity, split evenly among its ranks
@@ -22,9 +22,9 @@ would leave nodes idle, so the one rank spans every cpu with memory interleaved
     RSS per rank        MiB after loading (psutil), gathered with comm.gather_object; in
                         brackets without file-backed pages (the mmapped checkpoint)
 
-A rank count that does not divide the attention heads (or more ranks than cpus) is skipped:
-Qwen2.5-0.5B's 14 heads split over 1 and 2 ranks only, hence --shape llama3.2-1b (32 heads).
-Writes OUT.json, OUT.md and OUT.png (the plot needs matplotlib: pip install matplotlib).
+More ranks than attention heads (or than cpus) are skipped; any other count runs, with uneven
+shards where the heads do not divide (numa_runtime/sharding.py: 14 heads on 4 ranks: 4+3+4+3).
+Writes OUT.json, OUT.md and OUT.png (matplotlib: installed by scripts/install.sh).
 """
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import (ROOT, add_model_args, find_mpirun, resolve_model,  # noqa: E402
                           weights_bytes_per_token, write_report)
-from launch.cli import RANK_ENV, build_command, plan_ranks  # noqa: E402
-from launch.topology import format_cpulist, read_topology  # noqa: E402
+from numa_runtime.launch.cli import RANK_ENV, build_command, plan_ranks  # noqa: E402
+from numa_runtime.launch.topology import format_cpulist, read_topology  # noqa: E402
 
 CHILD = os.path.join(ROOT, "bench", "_scaling_child.py")
 
@@ -108,7 +108,7 @@ def run_config(ranks: int, a, topo, mpirun: str) -> dict:
 
 def why_skipped(ranks: int, a, num_cpus: int) -> str | None:
     from numa_runtime.config import ModelConfig, UnsupportedModelError
-    from numa_runtime.models.llama import ShardLayout
+    from numa_runtime.sharding import ShardLayout
     if ranks > num_cpus:
         return f"{ranks} ranks need at least {ranks} cpus, this process may use {num_cpus}"
     try:
@@ -149,7 +149,7 @@ def plot(r: dict, path: str) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "no plot: matplotlib is not installed (pip install matplotlib)"
+        return "no plot: matplotlib is not installed (scripts/install.sh installs it; or pip install matplotlib)"
     ok = [c for c in r["configs"] if "decode_tps" in c]
     if not ok:
         return "no plot: no configuration ran"

@@ -44,8 +44,9 @@ cdef int _level = nr_tile_level()
 # NOTE: items with at least this many query vectors (query rows x query heads per kv head)
 # run the register-tiled path (Q K^T and P V as small matrix products over a transposed key
 # tile); fewer (MHA or small-group decode) run dot products straight from the cache rows,
-# which skips the transposition that one query vector cannot amortize.
-TILED_MIN_QUERIES = 4
+# which skips the transposition that a few query vectors cannot amortize.
+# `python bench/bench_kernels.py --attention` times both paths.
+TILED_MIN_QUERIES = 8
 cdef int64_t _tiled_min = TILED_MIN_QUERIES
 
 

@@ -27,7 +27,7 @@
 
 #define NR_KT 64      /* keys per tile */
 #define NR_NQ 32      /* target query vectors (rows x group heads) per item */
-#define NR_SPLIT_MIN 256  /* fewest keys per split of one item's key range */
+#define NR_SPLIT_MIN 128  /* fewest keys per split of one item's key range */
 
 static int64_t nr_reshape_and_cache(const float *k, int64_t k_st, int64_t k_sh,
                                     const float *v, int64_t v_st, int64_t v_sh,
@@ -405,8 +405,8 @@ static void nr_paged_attention(const nr_attn_args *a) {
             }
         }
         if (!pass) { n_items = k; n_slots = slot; continue; }
-        int tiled = rows * group >= a->tiled_min;
-        size_t ws_n = tiled ? nr_ws_tiled_floats(rows * group, a->D) : nr_ws_floats(rows * group, a->D);
+        size_t ws_n = nr_ws_tiled_floats(rows * group, a->D), ws_d = nr_ws_floats(rows * group, a->D);
+        ws_n = ws_n > ws_d ? ws_n : ws_d;
         int64_t psz = rows * group * (a->D + 2);
         float *parts = n_slots ? (float *)malloc((size_t)(n_slots * psz) * sizeof(float)) : NULL;
         #pragma omp parallel if (n_items > 1)
@@ -417,6 +417,9 @@ static void nr_paged_attention(const nr_attn_args *a) {
                 const nr_item *x = &items[it];
                 int64_t n_new = a->qstart[x->s + 1] - a->qstart[x->s];
                 int64_t i1 = x->i0 + rows < n_new ? x->i0 + rows : n_new;
+                /* NOTE: the tiled path pays a key-tile transposition that only several query
+                 * vectors (prefill rows x group heads) amortize; decode takes the direct one. */
+                int tiled = (i1 - x->i0) * group >= a->tiled_min;
                 (tiled ? nr_attn_item_tiled : nr_attn_item)(a, x->s, x->h, x->i0, i1, x->ja, x->jb, ws,
                                                             x->slot >= 0 ? parts + x->slot * psz : NULL);
             }

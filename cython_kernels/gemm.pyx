@@ -310,6 +310,11 @@ cdef class Linear:
             if src_md != NULL:
                 dnnl_memory_desc_destroy(src_md)
 
+    @property
+    def data_ptr(self):
+        """Address of the packed weights (numa.memory_report checks which node holds them)."""
+        return <size_t>self.w
+
     def __dealloc__(self):
         if self.wmem != NULL:
             dnnl_memory_destroy(self.wmem)

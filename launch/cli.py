@@ -1,7 +1,11 @@
 """`numa-launch`: start one MPI rank per NUMA node, each bound to its node with numactl.
 
-    numa-launch [--ranks N] [--reserve-server-core] [--dry-run] [--mpirun PATH] \
+    numa-launch [--ranks N] [--tp T] [--dp D] [--reserve-server-core] [--dry-run] [--mpirun PATH] \
         -- python -m numa_runtime.serve ...
+
+--dp D runs D model replicas, each tensor parallel over --tp T consecutive ranks (D x T ranks;
+give one, the other follows from --ranks or the node count): `--dp 2` on a two-node machine is
+one replica per node. Every rank gets NUMA_RUNTIME_DATA_PARALLEL=D (the Engine reads it).
 
 The command is MPMD, one block per rank, in the syntax of MPICH's mpirun (hydra):
 
@@ -20,7 +24,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 
-from launch.topology import SYSFS_NODE_DIR, Topology, format_cpulist, read_topology, split_cpus
+from .topology import SYSFS_NODE_DIR, Topology, format_cpulist, read_topology, split_cpus
 
 # Environment every rank gets. NUMA_RUNTIME_BOUND tells numa_runtime.numa not to re-bind;
 # funneled MPI threading measured ~3x faster on small allreduces than the default.
@@ -68,15 +72,39 @@ def plan_ranks(topo: Topology, ranks: int | None = None,
     return placements
 
 
+def replica_shape(ranks: int | None, tp: int | None, dp: int | None, num_nodes: int
+                  ) -> tuple[int | None, int | None]:
+    """(ranks, data-parallel replicas) from --ranks/--tp/--dp: ranks = dp x tp; a missing one
+    follows from the others (ranks default: one per node). (ranks, None) without --tp/--dp."""
+    for name, v in (("--ranks", ranks), ("--tp", tp), ("--dp", dp)):
+        if v is not None and v < 1:
+            raise ValueError("%s must be at least 1, got %d" % (name, v))
+    if tp is None and dp is None:
+        return ranks, None
+    if tp is not None and dp is not None:
+        if ranks is not None and ranks != tp * dp:
+            raise ValueError("--ranks %d is not --dp %d x --tp %d" % (ranks, dp, tp))
+        return tp * dp, dp
+    total = ranks if ranks is not None else num_nodes
+    given, name = (tp, "--tp") if tp is not None else (dp, "--dp")
+    if total % given:
+        raise ValueError("%s %d does not divide the %d ranks; pass --ranks as a multiple of it"
+                         % (name, given, total))
+    return total, dp if dp is not None else total // tp
+
+
 def build_command(placements: list[RankPlacement], cmd: list[str], mpirun: str = "mpirun",
-                  numactl: str = "numactl", with_membind: bool = True) -> list[str]:
+                  numactl: str = "numactl", with_membind: bool = True,
+                  data_parallel: int | None = None) -> list[str]:
     """The full mpirun argv: one `-np 1 -env ... numactl ... cmd` block per rank."""
     argv = [mpirun]
+    env = list(RANK_ENV) + ([("NUMA_RUNTIME_DATA_PARALLEL", str(data_parallel))]
+                            if data_parallel is not None else [])
     for p in placements:
         if p.rank > 0:
             argv.append(":")
         argv += ["-np", "1", "-env", "OMP_NUM_THREADS", str(p.num_threads)]
-        for key, value in RANK_ENV:
+        for key, value in env:
             argv += ["-env", key, value]
         argv += [numactl] + p.numactl_args(with_membind) + list(cmd)
     return argv
@@ -88,6 +116,10 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         description="Run COMMAND as one MPI rank per NUMA node, each bound with numactl.")
     parser.add_argument("--ranks", type=int, default=None,
                         help="number of ranks (default: one per NUMA node)")
+    parser.add_argument("--tp", type=int, default=None,
+                        help="ranks per model replica (tensor parallel); default: all ranks")
+    parser.add_argument("--dp", type=int, default=None,
+                        help="model replicas (data parallel); default: the engine's rule")
     parser.add_argument("--reserve-server-core", action="store_true",
                         help="rank 0 runs one OpenMP thread fewer, leaving a core to the server")
     parser.add_argument("--dry-run", action="store_true",
@@ -122,17 +154,18 @@ def main(argv: list[str] | None = None) -> int:
     args, cmd = _parse(sys.argv[1:] if argv is None else argv)
     topo = read_topology(args.sysfs)
     try:
-        placements = plan_ranks(topo, args.ranks, args.reserve_server_core)
+        ranks, dp = replica_shape(args.ranks, args.tp, args.dp, topo.num_nodes)
+        placements = plan_ranks(topo, ranks, args.reserve_server_core)
     except ValueError as e:
         raise SystemExit("numa-launch: %s." % str(e).rstrip("."))
     # NOTE: without a readable sysfs there is no node to bind memory to; bind cpus only.
     with_membind = topo.from_sysfs
     if args.dry_run:
         print(shlex.join(build_command(placements, cmd, args.mpirun or "mpirun",
-                                       with_membind=with_membind)))
+                                       with_membind=with_membind, data_parallel=dp)))
         return 0
     mpirun, numactl = _find_tools(args.mpirun)
-    full = build_command(placements, cmd, mpirun, numactl, with_membind)
+    full = build_command(placements, cmd, mpirun, numactl, with_membind, dp)
     sys.stdout.flush()
     sys.stderr.flush()
     # exec: mpirun's exit status and signal handling become ours, nothing to forward.

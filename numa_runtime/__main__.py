@@ -21,6 +21,9 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if not eng.is_driver:  # under mpirun: a worker rank executes rank 0's steps
+        eng.serve_workers()
+        return 0
     if args.raw:
         prompt = args.prompt
     else:

@@ -223,6 +223,7 @@ class EngineConfig:
     eviction: str = "lru"
     backend: str = "cpu"
     seed: int = 0
+    data_parallel: int | None = None  # model replicas over the MPI ranks; None: ParallelConfig.resolve's rule
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -238,6 +239,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}.")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive.")
+        if self.data_parallel is not None and (isinstance(self.data_parallel, bool) or not isinstance(
+                self.data_parallel, int) or self.data_parallel < 1):
+            raise ValueError(f"data_parallel must be a positive integer, got {self.data_parallel!r}.")
         if not 0.0 < self.kv_cache_fraction <= 0.95:
             raise ValueError(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction!r}.")
 
@@ -245,6 +249,66 @@ class EngineConfig:
     def np_weight_dtype(self):
         import numpy as np
         return np.uint16 if self.dtype == "bfloat16" else np.float32
+
+
+# NOTE: the concurrency from which data-parallel replicas beat one tensor-parallel model
+# (issue 9); None until measured, so the default stays tensor parallel.
+DP_CROSSOVER_CONCURRENCY: int | None = None
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the MPI ranks are used: `data_parallel` replicas of the model, each tensor parallel
+    over `tensor_parallel` consecutive ranks (replica r: ranks r*tp .. r*tp + tp - 1)."""
+
+    world_size: int
+    data_parallel: int
+    reason: str = ""
+
+    def __post_init__(self):
+        if self.data_parallel > self.world_size or self.world_size % self.data_parallel:
+            raise ValueError(
+                f"data_parallel={self.data_parallel} does not divide the {self.world_size} MPI rank(s); "
+                f"start a multiple of {self.data_parallel} ranks (mpirun -np N) or choose a divisor of "
+                f"{self.world_size}.")
+
+    @property
+    def tensor_parallel(self) -> int:
+        return self.world_size // self.data_parallel
+
+    def replica_of(self, rank: int) -> int:
+        return rank // self.tensor_parallel
+
+    def leader_of(self, replica: int) -> int:
+        return replica * self.tensor_parallel
+
+    @classmethod
+    def resolve(cls, world_size: int, data_parallel: int | None, num_heads: int,
+                max_num_seqs: int) -> "ParallelConfig":
+        """The asked replica count, else the default rule (the one place it lives):
+        1. more ranks than attention heads: the fewest replicas whose groups have no more ranks
+           than heads (tensor parallel cannot use more);
+        2. max_num_seqs >= DP_CROSSOVER_CONCURRENCY: one replica per rank (no all-reduce);
+        3. otherwise one model over all ranks (tensor parallel): each sequence decodes fastest.
+        """
+        if data_parallel is not None:
+            return cls(world_size, data_parallel, "asked for")
+        if world_size <= 1:
+            return cls(world_size, 1, "one rank")
+        if world_size > num_heads:
+            dp = next(d for d in range(2, world_size + 1)
+                      if world_size % d == 0 and world_size // d <= num_heads)
+            return cls(world_size, dp, f"{world_size} ranks exceed the model's {num_heads} attention "
+                                       f"heads: {dp} replicas of {world_size // dp} ranks")
+        crossover = DP_CROSSOVER_CONCURRENCY
+        if crossover is not None and max_num_seqs >= crossover:
+            return cls(world_size, world_size, f"max_num_seqs {max_num_seqs} >= {crossover}, where "
+                                               "replicas beat tensor parallel: one replica per rank")
+        if crossover is None:
+            why = "the DP/TP crossover is not measured yet (config.DP_CROSSOVER_CONCURRENCY)"
+        else:
+            why = f"max_num_seqs {max_num_seqs} < {crossover}, where one model decodes each sequence faster"
+        return cls(world_size, 1, "tensor parallel over all ranks: " + why)
 
 
 def rope_inv_freq(model: ModelConfig):

@@ -23,6 +23,8 @@ from .plan import StepPlan
 log = logging.getLogger(__name__)
 
 SMALL_BYTES = 64 * 1024          # at or below: every rank sums all slots (one flag barrier)
+IDLE_SPIN_S = 0.02               # a worker polls without sleeping this long for the next plan
+IDLE_SLEEP_S = (50e-6, 2e-3)     # then sleeps between polls, doubling from the first to the second
 _FLAG_BYTES = 4096               # head of each rank's segment: its flag (64-bit counter)
 _MAX_SHM_RANKS = 256             # the C kernel's limit
 
@@ -222,15 +224,20 @@ class MPIComm:
         return out
 
     def broadcast_plan(self, plan: StepPlan | None) -> StepPlan:
-        """Rank 0 passes the plan, the others None; every rank returns rank 0's plan."""
+        """Rank 0 passes the plan, the others None; every rank returns rank 0's plan.
+
+        A worker waits for the plan's size in a non-blocking broadcast that it polls, briefly
+        without pause (back-to-back steps lose nothing), then sleeping (an idle worker uses
+        almost no cpu and wakes within IDLE_SLEEP_S[1])."""
         if self.rank == 0:
             if plan is None:
                 raise ValueError("broadcast_plan: rank 0 must pass the plan it sends.")
             buf = plan.to_buffer()
             size = np.array([buf.size], dtype=np.int64)
+            self.comm.Ibcast(size, root=0).Wait()
         else:
             size = np.empty(1, dtype=np.int64)
-        self.comm.Bcast(size, root=0)
+            wait_idle(self.comm.Ibcast(size, root=0).Test)
         if self.rank != 0:
             buf = np.empty(int(size[0]), dtype=np.int64)
         self.comm.Bcast(buf, root=0)
@@ -259,6 +266,19 @@ class MPIComm:
         if self._shm is not None:
             self._shm.close()
             self._shm = None
+
+
+def wait_idle(done) -> None:
+    """Wait for something that may take long (a worker waiting for work; `done()` polls it, e.g.
+    an MPI request's Test): poll without pause for IDLE_SPIN_S, then sleep between polls with a
+    doubling pause up to IDLE_SLEEP_S[1].
+    NOTE: MPI's blocking waits spin at 100% of a core for as long as they wait."""
+    start = time.perf_counter()
+    pause = IDLE_SLEEP_S[0]
+    while not done():
+        if time.perf_counter() - start > IDLE_SPIN_S:
+            time.sleep(pause)
+            pause = min(2 * pause, IDLE_SLEEP_S[1])
 
 
 # ----------------------------------------------------------------------------- set-up

@@ -1,8 +1,15 @@
 """Engine: add requests, step (schedule -> execute -> update), generate, stream, chat.
 
-Under mpirun every rank constructs the Engine; rank 0 returns from the constructor and
-drives, the other ranks execute plans inside the constructor and exit when rank 0 shuts
-down (so a script written for one process runs unchanged under mpirun).
+Worker ranks. Under mpirun every rank constructs the Engine, and the constructor returns on
+every rank. Rank 0 (`engine.is_driver`) schedules, samples and drives; a worker rank only
+executes the step plans rank 0 broadcasts, which it does in exactly these places:
+
+- `engine.serve_workers()`: serve until rank 0 closes the engine, then return;
+- `engine.close()`, and so the end of a `with engine:` block and interpreter exit: the same;
+- the first driving call (generate, stream, chat, step, add_request): the same, and then the
+  process exits with status 0, because that call has no result to return on a worker. This
+  keeps a script written for one process running unchanged under mpirun; the worker logs that
+  the rest of the script runs on rank 0 only.
 """
 from __future__ import annotations
 
@@ -14,9 +21,9 @@ import sys
 from collections import deque
 from typing import Iterable, Iterator
 
-from . import profiler as _profiler
 from .config import EngineConfig, ModelConfig
 from .outputs import RequestOutput, TextState
+from .recorder import FORWARD, RESHAPE
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .tokenizer import IncrementalDetokenizer
@@ -31,12 +38,16 @@ class Engine:
 
     def __init__(self, model: str | None = None, dtype: str = "bfloat16", max_model_len: int | None = None,
                  num_threads: int | None = None, **kwargs):
-        from . import backend, distributed, profiler
+        from . import backend, data_parallel, distributed, profiler
         from .default_model import default_model_dir
         from .kv_cache.block_manager import BlockManager
         from .model_runner import ModelRunner
         from .sampler import Sampler
+<<<<<<< HEAD
         from .structured import Grammars
+=======
+        from .router import ReplicaRouter
+>>>>>>> main
         from .scheduler import Scheduler, SchedulerConfig
         from .tokenizer import Tokenizer
 
@@ -47,18 +58,24 @@ class Engine:
         model_dir = model if model is not None else default_model_dir()
         self.model_config = mcfg = ModelConfig.from_dir(os.path.expanduser(str(model_dir)))
         self.max_model_len = self._resolve_max_len(mcfg, self.config.max_model_len)
-        if self.comm.is_driver:  # NOTE: fail on a missing tokenizer before reading any weight
-            self.tokenizer = Tokenizer.from_dir(mcfg.model_dir)
-        self.ops = profiler.wrap_ops(ops, self.comm)
-        self.runner = ModelRunner(mcfg, self.config, profiler.wrap_comm(self.comm, self.ops), self.ops,
-                                  self.max_model_len,
-                                  progress=_Progress() if self.comm.is_driver else None)
+        # NOTE: fail on a missing tokenizer before reading any weight; every rank has one, so
+        # that a script's tokenizer calls run unchanged on worker ranks too
+        self.tokenizer = Tokenizer.from_dir(mcfg.model_dir)
+        self.parallel, tp_comm, self._link = data_parallel.setup(self.comm, self.config, mcfg)
+        self.recorder = profiler.make_recorder(self.comm.rank)  # a no-op unless AS_PROFILE=ON
+        self.ops = profiler.timed_ops(ops, self.recorder)
+        self.runner = ModelRunner(mcfg, self.config, profiler.timed_comm(tp_comm, self.recorder), self.ops,
+                                  self.max_model_len, progress=_Progress() if self.comm.is_driver else None,
+                                  recorder=self.recorder)
         self.ranks = self.comm.gather_object(self._rank_info(placement))  # rank 0: one dict per rank
-        if not self.comm.is_driver:
-            self.runner.worker_loop()  # returns when rank 0 shuts down
-            sys.exit(0)
+        self.placement = placement
+        if not self.comm.is_driver:  # a worker serves rank 0 where the module docstring says
+            self._closed = False
+            atexit.register(self.close)
+            return
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
         self.max_model_len = self._fit_max_len_to_cache(mcfg)
+<<<<<<< HEAD
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           enable_prefix_caching=self.config.enable_prefix_caching,
                                           eviction=self.config.eviction)
@@ -69,12 +86,27 @@ class Engine:
         self.grammars = Grammars(self.tokenizer, mcfg.vocab_size, self.eos_ids)
         self.sampler = Sampler(self.ops, mcfg.vocab_size, self.config.seed, self.grammars)
         self.profiler = profiler.attach(self)  # None unless AS_PROFILE=ON
+=======
+        schedulers = [Scheduler(SchedulerConfig(max_num_seqs=self.config.max_num_seqs,
+                                                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                                                max_model_len=self.max_model_len, sliding_window=mcfg.min_window),
+                                BlockManager(n, self.config.block_size,
+                                             enable_prefix_caching=self.config.enable_prefix_caching,
+                                             eviction=self.config.eviction, recorder=self.recorder))
+                      for n in data_parallel.replica_blocks(self.parallel, self.ranks)]
+        # NOTE: with data-parallel replicas, one scheduler (and KV pool) per replica behind a router
+        self.scheduler = schedulers[0] if len(schedulers) == 1 else ReplicaRouter(schedulers)
+        self.block_manager = self.scheduler.block_manager
+        self.runner = data_parallel.driver_runner(self.runner, self._link, mcfg.vocab_size)
+        self.sampler = Sampler(self.ops, mcfg.vocab_size, self.config.seed, recorder=self.recorder)
+        self._profile = profiler.ProfileReports(self.recorder, self.runner.comm,
+                                                os.path.basename(os.path.normpath(mcfg.model_dir)))
+>>>>>>> main
         self._groups: dict[str, _Group] = {}
         self._texts: dict[str, TextState] = {}
         self._step_outbox: deque[RequestOutput] = deque()  # outputs of add_request's requests
         self._ids = itertools.count()
         self._closed = False
-        self.placement = placement
         atexit.register(self.close)
         self._log_start()
 
@@ -91,10 +123,13 @@ class Engine:
 
     def _rank_info(self, placement) -> dict:
         import psutil
+        from . import numa
         return {"rank": self.comm.rank, "node": getattr(placement, "node", None),
                 "cpus": len(getattr(placement, "cpus", ()) or os.sched_getaffinity(0)),
                 "threads": self.num_threads, "rss_bytes": psutil.Process().memory_info().rss,
-                "weight_bytes": self.runner.model.weight_bytes, "kv_cache_bytes": self.runner.kv_cache_bytes}
+                "weight_bytes": self.runner.model.weight_bytes, "kv_cache_bytes": self.runner.kv_cache_bytes,
+                "kv_blocks": self.runner.num_blocks, "replica": self.parallel.replica_of(self.comm.rank),
+                "memory": numa.check_binding(self.comm.rank, placement, self.runner.model.weight_buffers())}
 
     @staticmethod
     def _resolve_max_len(mcfg: ModelConfig, asked: int | None) -> int:
@@ -124,13 +159,16 @@ class Engine:
         log.info("KV cache: %d blocks of %d tokens, %.0f MiB per rank, %d tokens at once",
                  s["kv_blocks"], s["block_size"], s["kv_cache_bytes"] / mib, s["max_concurrent_tokens"])
         for r in s["per_rank"] or []:
-            log.info("rank %d: node %s, %d cpus, weights %.0f MiB, RSS %.0f MiB", r["rank"], r["node"],
-                     r["cpus"], r["weight_bytes"] / mib, r["rss_bytes"] / mib)
+            m = r["memory"]
+            log.info("rank %d: node %s, %d cpus, weights %.0f MiB, RSS %.0f MiB; memory policy %s %s, "
+                     "sampled weight pages by node %s", r["rank"], r["node"], r["cpus"], r["weight_bytes"] / mib,
+                     r["rss_bytes"] / mib, m["policy"], m["policy_nodes"], m["page_nodes"])
 
     def summary(self) -> dict:
         c = self.model_config
         return {"model": c.model_dir, "architecture": c.architecture, "dtype": self.config.dtype,
                 "ranks": self.comm.world_size, "threads_per_rank": self.num_threads,
+                "data_parallel": self.parallel.data_parallel, "tensor_parallel": self.parallel.tensor_parallel,
                 "max_model_len": self.max_model_len, "kv_blocks": self.runner.num_blocks,
                 "block_size": self.config.block_size, "kv_cache_bytes": self.runner.kv_cache_bytes,
                 "max_concurrent_tokens": self.runner.num_blocks * self.config.block_size,
@@ -141,6 +179,7 @@ class Engine:
                     request_id: str | None = None) -> str:
         """Queue a prompt (text or token ids); returns its request id. Its outputs come back from
         step(), also those made while generate() or stream() stepped the engine."""
+        self._driver_only("add_request")
         return self._add(prompt, params, request_id, self._step_outbox)
 
     def _add(self, prompt, params: SamplingParams | None, request_id: str | None, outbox: deque) -> str:
@@ -218,14 +257,21 @@ class Engine:
         """One engine iteration: schedule -> execute -> update. Returns the outputs of the
         requests queued with add_request since the last call, in order (outputs of generate()
         and stream() requests go to those calls, never here)."""
+        self._driver_only("step")
         if self.scheduler.has_unfinished():
             self._step()
         return _take_all(self._step_outbox)
 
     def _step(self) -> None:
-        out = self.scheduler.schedule()
+        rec = self.recorder  # times the three under AS_PROFILE=ON; otherwise does nothing
+        rec.begin_step()
+        with rec.span(RESHAPE, "schedule"):
+            out = self.scheduler.schedule()
         logits = self.runner.execute(out.plan)
-        self._update(out, logits)
+        with rec.span(FORWARD, "update"):
+            self._update(out, logits)
+        if rec.trace_due():  # AS_PROFILE_TRACE: once, when its number of steps is kept
+            self.export_chrome_trace(rec.trace_path)
 
     def _update(self, out, logits) -> None:
         """Sample, append tokens, decide stops, and hand each changed request's output to its owner."""
@@ -267,6 +313,7 @@ class Engine:
     # ------------------------------------------------------------------ conveniences
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run prompts (strings or token-id lists) to completion; outputs in input order."""
+        self._driver_only("generate")
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         plist = [prompts] if single else list(prompts)
         if isinstance(params, list):
@@ -294,6 +341,7 @@ class Engine:
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas of one request; they join to the final text. Other streams,
         generate() and step() may run between reads: each gets only its own outputs."""
+        self._driver_only("stream")
         outbox: deque[RequestOutput] = deque()
         rid = self._add(prompt, params, None, outbox)
         done = False
@@ -323,15 +371,59 @@ class Engine:
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         return self.generate([ids], params)[0]
 
-    # operator profiling (AS_PROFILE=ON; raise RuntimeError when off): see profiler.py
-    get_op_profiling_info = _profiler.get_op_profiling_info      # (model_name=None) -> str
-    get_op_profiling_stats = _profiler.get_op_profiling_stats    # () -> list[dict]
-    reset_op_profiling = _profiler.reset_op_profiling            # () -> None
-    export_chrome_trace = _profiler.export_chrome_trace          # (path, steps=None) -> path
+    # ------------------------------------------------------------------ operator profiling
+    # AS_PROFILE=ON: every rank's op timings (profiler.py); RuntimeError when profiling is off.
+    def get_op_profiling_info(self, model_name: str | None = None) -> str:
+        """The report: `*** reshape ***`, `*** alloc ***`, `*** forward ***` tables of every rank."""
+        return self._reports().report(model_name)
+
+    def get_op_profiling_stats(self) -> list[dict]:
+        """The report's rows as dicts: rank, section, opname, count, min/max/ave/total_ms, percentage."""
+        return self._reports().stats()
+
+    def reset_op_profiling(self) -> None:
+        """Start a new profiling window on every rank."""
+        self._reports().reset()
+
+    def export_chrome_trace(self, path: str, steps: int | None = None) -> str:
+        """Write the last `steps` kept steps of every rank as a Chrome trace; returns path."""
+        return self._reports().chrome_trace(path, steps)
+
+    def _reports(self):
+        self._driver_only("get_op_profiling")
+        return self._profile
+
+    # ------------------------------------------------------------------ ranks
+    @property
+    def is_driver(self) -> bool:
+        """True on rank 0 (and in a single process): the rank that schedules and drives."""
+        return self.comm.is_driver
+
+    def serve_workers(self) -> None:
+        """On a worker rank: execute rank 0's step plans until rank 0 closes the engine, then
+        return. On rank 0 (or in a single process): return at once."""
+        if self.comm.is_driver or self._closed:
+            return
+        self._closed = True
+        from . import data_parallel
+        data_parallel.worker_loop(self.runner, self._link)
+
+    def _driver_only(self, call: str) -> None:
+        """`call` drives the engine: on a worker rank, serve rank 0 and end this process."""
+        if self.comm.is_driver:
+            return
+        log.info("rank %d is a worker rank: at its first driving call (%s) it serves rank 0's steps until "
+                 "rank 0 closes the engine, then this process exits, so the rest of the script runs on "
+                 "rank 0 only (engine.serve_workers() serves and returns instead)", self.comm.rank, call)
+        self.serve_workers()
+        raise SystemExit(0)
 
     def close(self) -> None:
-        """Stop the worker ranks (if any). Idempotent."""
+        """Rank 0: stop the worker ranks (if any). A worker rank: serve_workers(). Idempotent."""
         if getattr(self, "_closed", True):
+            return
+        if not self.comm.is_driver:
+            self.serve_workers()
             return
         self._closed = True
         try:

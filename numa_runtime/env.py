@@ -106,3 +106,17 @@ __all__ += ["show_progress"]
 def show_progress() -> bool:
     """NUMA_RUNTIME_PROGRESS=1 forces the weight-loading progress bar (default: only on a tty)."""
     return os.environ.get("NUMA_RUNTIME_PROGRESS", "").lower() in ("1", "on", "true", "yes")
+
+
+__all__ += ["data_parallel"]
+
+
+def data_parallel() -> int | None:
+    """NUMA_RUNTIME_DATA_PARALLEL: model replicas over the MPI ranks when the Engine is not
+    told (numa-launch --dp/--tp sets it); unset: the default rule (config.ParallelConfig)."""
+    value = os.environ.get("NUMA_RUNTIME_DATA_PARALLEL", "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"NUMA_RUNTIME_DATA_PARALLEL must be a positive integer, got {value!r}.")
+    return int(value)

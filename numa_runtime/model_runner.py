@@ -8,8 +8,8 @@ import psutil
 
 from .config import EngineConfig, ModelConfig
 from .models import get_model_class
-from .plan import SHUTDOWN, StepPlan
-from .profiler import PROFILE, serve_worker as serve_profile
+from .plan import PROFILE, SHUTDOWN, StepPlan
+from .recorder import NULL_RECORDER
 
 log = logging.getLogger("numa_runtime")
 
@@ -19,8 +19,8 @@ class ModelRunner:
     workers first; workers sit in `worker_loop()` executing what they receive."""
 
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, comm, ops,
-                 max_model_len: int, progress=None):
-        self.comm, self.ops, self.engine_cfg = comm, ops, engine_cfg
+                 max_model_len: int, progress=None, recorder=NULL_RECORDER):
+        self.comm, self.ops, self.engine_cfg, self.recorder = comm, ops, engine_cfg, recorder
         self.model = get_model_class(model_cfg)(model_cfg, ops, comm, engine_cfg.dtype,
                                                 max_model_len, progress=progress)
         self.block_size = engine_cfg.block_size
@@ -67,7 +67,9 @@ class ModelRunner:
             if plan.kind == SHUTDOWN:
                 return
             if plan.kind == PROFILE:  # AS_PROFILE=ON: rank 0 gathers or resets the tables
-                serve_profile(plan, self.comm, self.ops)
+                reply = self.recorder.answer(plan.step_id)
+                if reply is not None:
+                    self.comm.gather_object(reply)
                 continue
             if plan.num_tokens:
                 self.model.forward(plan)

@@ -13,14 +13,20 @@ import os
 import platform
 from dataclasses import dataclass
 
-from launch.topology import Topology, format_cpulist, read_topology, split_cpus
+from .launch.topology import Topology, format_cpulist, read_topology, split_cpus
 
 from . import env
 
 log = logging.getLogger(__name__)
 
 MPOL_PREFERRED, MPOL_BIND = 1, 2
-_SYS_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237, "ppc64le": 261, "s390x": 270}
+MPOL_NAMES = {0: "default", 1: "preferred", 2: "bind", 3: "interleave", 4: "local",
+              5: "preferred_many", 6: "weighted_interleave"}
+_MPOL_MODE_FLAGS = (1 << 15) | (1 << 14) | (1 << 13)  # static/relative nodes, numa balancing
+# syscall numbers: (set_mempolicy, get_mempolicy, move_pages)
+_SYSCALLS = {"x86_64": (238, 239, 279), "aarch64": (237, 236, 239), "ppc64le": (261, 260, 301),
+             "s390x": (270, 269, 310)}
+_MAX_NODES = 1024
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,7 @@ class Placement:
     cpus: tuple[int, ...]   # cpus this rank may run on
     num_threads: int        # OpenMP threads to use
     how: str                # "launcher" (numactl), "self" (bound here) or "none"
+    memory_bound: bool = False  # the memory policy binds allocations to `node`
 
 
 _placement: Placement | None = None  # NOTE: binding is per process; repeated calls return it
@@ -52,9 +59,10 @@ def node_of_rank(local_rank: int, local_size: int, topo: Topology) -> tuple[int,
 def set_mempolicy(node: int, mode: int = MPOL_BIND) -> str | None:
     """Bind (or prefer) this thread's future allocations to `node`. Returns None on success,
     else why it failed (no libnuma: the raw syscall through ctypes)."""
-    nr = _SYS_SET_MEMPOLICY.get(platform.machine())
-    if nr is None:
+    nrs = _SYSCALLS.get(platform.machine())
+    if nrs is None:
         return "set_mempolicy syscall number unknown on %s" % platform.machine()
+    nr = nrs[0]
     nbits = 64 * (node // 64 + 1)
     mask = (ctypes.c_ulong * (nbits // 64))()
     mask[node // 64] = 1 << (node % 64)
@@ -63,6 +71,84 @@ def set_mempolicy(node: int, mode: int = MPOL_BIND) -> str | None:
     if libc.syscall(ctypes.c_long(nr), ctypes.c_int(mode), mask, ctypes.c_ulong(nbits + 1)) != 0:
         return os.strerror(ctypes.get_errno())
     return None
+
+
+def get_mempolicy() -> tuple[str, tuple[int, ...]]:
+    """This thread's memory policy: (mode name, nodes of its node mask); ("unknown", ())
+    where the syscall is unavailable."""
+    nrs = _SYSCALLS.get(platform.machine())
+    if nrs is None:
+        return "unknown", ()
+    mode = ctypes.c_int(0)
+    mask = (ctypes.c_ulong * (_MAX_NODES // 64))()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(ctypes.c_long(nrs[1]), ctypes.byref(mode), mask, ctypes.c_ulong(_MAX_NODES),
+                    ctypes.c_void_p(0), ctypes.c_ulong(0)) != 0:
+        return "unknown", ()
+    nodes = tuple(i for i in range(_MAX_NODES) if mask[i // 64] >> (i % 64) & 1)
+    m = mode.value & ~_MPOL_MODE_FLAGS
+    return MPOL_NAMES.get(m, "mode %d" % m), nodes
+
+
+def page_nodes(addresses: list[int]) -> list[int]:
+    """The NUMA node of the page holding each address (move_pages with nodes=NULL moves
+    nothing, it only reports); a negative errno for a page that is not there (-2: never
+    touched). Empty when the syscall is unavailable."""
+    nrs = _SYSCALLS.get(platform.machine())
+    if nrs is None or not addresses:
+        return []
+    n = len(addresses)
+    pages = (ctypes.c_void_p * n)(*addresses)
+    status = (ctypes.c_int * n)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(ctypes.c_long(nrs[2]), ctypes.c_int(0), ctypes.c_ulong(n), pages,
+                    ctypes.c_void_p(0), status, ctypes.c_int(0)) != 0:
+        return []
+    return list(status)
+
+
+def memory_report(buffers: list[tuple[int, int]], per_buffer: int = 4) -> dict:
+    """Where this process's memory goes: its memory policy, and the node of `per_buffer` pages
+    spread over each (address, nbytes) buffer (a rank passes its weights).
+
+    {"policy": "bind", "policy_nodes": [0], "sampled": 64, "page_nodes": {0: 64}} (page_nodes
+    keys are node ids, or negative errnos for pages not present)."""
+    mode, nodes = get_mempolicy()
+    page = os.sysconf("SC_PAGE_SIZE")
+    addrs = []
+    for addr, nbytes in buffers:
+        if addr and nbytes > 0:
+            k = max(1, min(per_buffer, nbytes // page))
+            addrs += [(addr + i * nbytes // k) // page * page for i in range(k)]
+    counts: dict[int, int] = {}
+    for node in page_nodes(addrs):
+        counts[node] = counts.get(node, 0) + 1
+    return {"policy": mode, "policy_nodes": list(nodes), "sampled": sum(counts.values()),
+            "page_nodes": counts}
+
+
+def binding_problem(report: dict, node: int, check_policy: bool = True) -> str | None:
+    """Why `report` (memory_report) shows memory not bound to `node`; None when it is."""
+    if check_policy and (report["policy"] != "bind" or report["policy_nodes"] != [node]):
+        return "memory policy is %s %s, not bound to node %d" % (
+            report["policy"], report["policy_nodes"], node)
+    away = sum(c for n, c in report["page_nodes"].items() if n != node)
+    if away:
+        return "%d of %d sampled weight pages are not on node %d (%s)" % (
+            away, report["sampled"], node, report["page_nodes"])
+    return None
+
+
+def check_binding(rank: int, placement: Placement | None, buffers: list[tuple[int, int]]) -> dict:
+    """This rank's memory_report over `buffers` (its weights); a warning when a rank placed on
+    a node has its policy or sampled pages elsewhere. (A failed set_mempolicy was already
+    reported at binding: then only the pages are checked.)"""
+    report = memory_report(buffers)
+    if placement is not None and placement.how != "none" and placement.node >= 0:
+        why = binding_problem(report, placement.node, check_policy=placement.memory_bound)
+        if why is not None:
+            log.warning("rank %d: %s; its weights may be read across nodes", rank, why)
+    return report
 
 
 def set_omp_threads(n: int) -> None:
@@ -110,8 +196,14 @@ def bind_this_rank(rank: int, local_rank: int, local_size: int,
     topo = topo or read_topology()
     cpus = sorted(os.sched_getaffinity(0))
     if env.numa_bound():
-        _placement = Placement(_node_of_cpus(cpus, topo), tuple(cpus),
-                               env.omp_num_threads() or len(cpus), "launcher")
+        node = _node_of_cpus(cpus, topo)
+        mode, nodes = get_mempolicy()
+        bound = mode == "bind" and list(nodes) == [node]
+        if not bound and topo.from_sysfs:
+            log.warning("rank %d: numa-launch bound it to node %d, but its memory policy is %s %s; "
+                        "pages may land on other nodes", rank, node, mode, list(nodes))
+        _placement = Placement(node, tuple(cpus), env.omp_num_threads() or len(cpus), "launcher",
+                               bound)
         return _placement
     if local_size <= 1:
         return Placement(_node_of_cpus(cpus, topo), tuple(cpus),
@@ -127,7 +219,7 @@ def bind_this_rank(rank: int, local_rank: int, local_size: int,
         log.warning("rank %d: could not bind memory to node %d (%s); pages may land on "
                     "other nodes", rank, node, err)
     set_omp_threads(len(cpus))
-    _placement = Placement(node, tuple(cpus), len(cpus), "self")
+    _placement = Placement(node, tuple(cpus), len(cpus), "self", err is None)
     log.info("rank %d (local %d/%d): bound itself to node %d, cpus %s, %d OpenMP threads%s",
              rank, local_rank, local_size, node, format_cpulist(cpus), len(cpus),
              "" if err is None else ", memory unbound")

@@ -5,7 +5,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-EXECUTE, SHUTDOWN = 1, 2
+EXECUTE, SHUTDOWN, PROFILE = 1, 2, 3
+# NOTE: a PROFILE plan carries no step: its step_id is the action every rank takes on its
+# operator profile (recorder.py / profiler.py); GATHER and TRACE answer with comm.gather_object.
+PROFILE_GATHER, PROFILE_RESET, PROFILE_TRACE = 1, 2, 3
 _FIELDS = ("token_ids", "positions", "slot_mapping", "query_start", "context_lens",
            "block_tables", "logits_indices")
 _HEADER = 4  # kind, step_id, num_seqs, max_blocks
@@ -33,9 +36,18 @@ class StepPlan:
 
     @classmethod
     def shutdown(cls) -> "StepPlan":
+        return cls._empty(SHUTDOWN, 0)
+
+    @classmethod
+    def profile(cls, action: int) -> "StepPlan":
+        """Ask every rank to take a profiler action (PROFILE_GATHER / _RESET / _TRACE)."""
+        return cls._empty(PROFILE, action)
+
+    @classmethod
+    def _empty(cls, kind: int, step_id: int) -> "StepPlan":
         e64, e32 = np.zeros(0, np.int64), np.zeros(0, np.int32)
         return cls(e64, e64, e64, np.zeros(1, np.int32), e32, np.zeros((0, 0), np.int32), e64,
-                   kind=SHUTDOWN)
+                   kind=kind, step_id=step_id)
 
     def to_buffer(self) -> np.ndarray:
         """Pack into one int64 array: header, field lengths, then the fields."""

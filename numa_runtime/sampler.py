@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .recorder import FORWARD, NULL_RECORDER
 from .request import Request
 
 
@@ -12,9 +13,14 @@ class Sampler:
     logprobs (of the raw distribution), logit_bias, penalties, min_tokens bans, the json_schema
     mask, then sampling."""
 
+<<<<<<< HEAD
     def __init__(self, ops, vocab_size: int, seed: int = 0, grammars=None):
         self.ops = ops
         self.grammars = grammars  # structured.Grammars: masks of requests with a json_schema
+=======
+    def __init__(self, ops, vocab_size: int, seed: int = 0, recorder=NULL_RECORDER):
+        self.ops, self.recorder = ops, recorder
+>>>>>>> main
         self.vocab_size = vocab_size
         self.rng = np.random.default_rng(seed)
         self._rngs: dict[str, np.random.Generator] = {}
@@ -23,6 +29,11 @@ class Sampler:
         self._rngs.pop(request_id, None)
 
     def __call__(self, logits: np.ndarray, reqs: list[Request], eos_ids: set[int]):
+        """(token ids [N], per request None or (logprob of its token, {top token: logprob}))."""
+        with self.recorder.span(FORWARD, "sample"):
+            return self._sample(logits, reqs, eos_ids)
+
+    def _sample(self, logits: np.ndarray, reqs: list[Request], eos_ids: set[int]):
         # logits: [N, V] f32, rows align with reqs; this step's own buffer, changed in place
         n = len(reqs)
         if n == 0:

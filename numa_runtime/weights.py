@@ -116,9 +116,3 @@ class Checkpoint:
             return bf16_to_f32(t)
         return np.array(t, dtype=np.float32, order="C")
 
-
-def split_range(n: int, parts: int, index: int) -> slice:
-    """The index-th of `parts` near-equal contiguous chunks of range(n) (earlier chunks larger)."""
-    base, extra = divmod(n, parts)
-    start = index * base + min(index, extra)
-    return slice(start, start + base + (1 if index < extra else 0))

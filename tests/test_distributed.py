@@ -150,3 +150,96 @@ def test_ranks_failing_together_all_report():
     out = run_mpi("rank_fails.py", 2, "--all", timeout=60)
     assert out.returncode != 0
     assert "rank 0 failed: RuntimeError" in out.stderr or "rank 1 failed: RuntimeError" in out.stderr
+
+
+# ----------------------------------------------------------------------------- memory binding
+def _engine_result(stdout: str) -> dict:
+    import json
+    line = [l for l in stdout.splitlines() if l.startswith("RESULT ")]
+    assert len(line) == 1, stdout[-2000:]
+    return json.loads(line[0][len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from models import build_model
+    path = str(tmp_path_factory.mktemp("tiny"))
+    build_model(path, arch="llama", num_attention_heads=4, num_key_value_heads=2)
+    return path
+
+
+@needs_mpirun
+def test_ranks_report_memory_policy_and_weight_page_nodes(tiny_model):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cpus: with fewer, ranks do not bind")
+    out = run_mpi("engine_generate.py", 2, tiny_model, "float32", "1", "[[1, 2, 3]]")
+    assert out.returncode == 0, out.stderr
+    ranks = _engine_result(out.stdout)["per_rank"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        m = r["memory"]
+        # bound by set_mempolicy, and the packed weights' pages really are on the node
+        assert m["policy"] == "bind" and m["policy_nodes"] == [r["node"]], r
+        assert m["sampled"] >= 4 * 2 + 1 and m["page_nodes"] == {str(r["node"]): m["sampled"]}, r
+    assert "sampled weight pages by node {%d: " % ranks[1]["node"] in out.stderr
+    assert "WARNING" not in out.stderr
+
+
+def test_failed_set_mempolicy_warns():
+    # a node that does not exist: set_mempolicy fails with EINVAL; the rank says so, then the
+    # check of its weight pages (on the real node, not on 63) says so too
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cpus: with fewer, ranks do not bind")
+    code = ("import logging, os, numpy as np; logging.basicConfig(level=logging.INFO);"
+            "from launch.topology import NumaNode, Topology; from numa_runtime import numa;"
+            "node = NumaNode(63, tuple(sorted(os.sched_getaffinity(0))), 0, 0);"
+            "p = numa.bind_this_rank(1, 0, 2, Topology((node,), True));"
+            "w = np.ones(1 << 20, np.float32);"
+            "r = numa.check_binding(1, p, [(w.ctypes.data, w.nbytes)]);"
+            "print(p.how, p.memory_bound, r['policy'], r['sampled'])")
+    out = subprocess.run([sys.executable, "-c", code], env=_env(), cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["self", "False", "default", "4"]
+    assert "rank 1: could not bind memory to node 63 (Invalid argument)" in out.stderr
+    assert "rank 1: 4 of 4 sampled weight pages are not on node 63" in out.stderr
+
+
+@needs_mpirun
+def test_idle_workers_sleep(tiny_model):
+    # Before: an idle worker spun in MPI_Bcast at 100% of a core (cpu/wall ~1 per worker).
+    out = run_mpi("idle_workers.py", 2, tiny_model, "3", timeout=180)
+    assert out.returncode == 0, out.stderr
+    r = _engine_result(out.stdout)
+    assert r["world"] == 2 and r["workers"] == 1
+    assert r["cpu_s"] / (r["wall_s"] * r["workers"]) < 0.1, r
+    assert r["after"] == r["before"] and len(r["before"]) == 8  # and they wake up to work
+
+
+@needs_mpirun
+def test_serve_with_data_parallel_replicas(tiny_model):
+    """One server and one API over two replicas: concurrent greedy completions equal one
+    process's, and the job stops cleanly."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from numa_runtime import Engine, SamplingParams
+    from test_server import ServerProcess
+    prompts = [[1, 17, 42, 99, 5], [3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13, 14]]
+    args = ["--model", tiny_model, "--dtype", "float32", "--max-model-len", "128",
+            "--kv-cache-memory", str(1 << 24), "--log-level", "info"]
+    srv = ServerProcess(args + ["--data-parallel", "2"], launcher=["mpirun", "-np", "2"], env=_env())
+    try:
+        client = srv.client()
+        ask = lambda p: client.completions.create(model=os.path.basename(tiny_model), prompt=p, max_tokens=6,
+                                                  temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            texts = list(pool.map(ask, prompts))
+        log = srv.output()
+    finally:
+        code = srv.stop()
+    assert code == 0, srv.output()
+    assert "parallel: 2 replica(s) x 1 tensor-parallel rank(s) (asked for)" in log
+    with Engine(tiny_model, dtype="float32", kv_cache_memory=1 << 24, max_model_len=128) as eng:
+        want = [o.outputs[0].text for o in eng.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))]
+    assert texts == want

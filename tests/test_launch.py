@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from launch.cli import build_command, plan_ranks
-from launch.topology import format_cpulist, parse_cpulist, read_topology, split_cpus
+from numa_runtime.launch.cli import build_command, plan_ranks
+from numa_runtime.launch.topology import format_cpulist, parse_cpulist, read_topology, split_cpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RANK_ENV = "-env MPI4PY_RC_THREAD_LEVEL funneled -env NUMA_RUNTIME_BOUND 1"
@@ -18,7 +18,7 @@ CMD = "python -m numa_runtime.serve --model 'my dir'"
 def launch(*args: str, env=None, timeout: float = 120) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "NUMA_RUNTIME_BOUND"))}
     base["PYTHONPATH"] = ROOT
-    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "numa_runtime.launch.cli", *args], cwd=ROOT,
                           env={**base, **(env or {})}, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -165,3 +165,69 @@ def test_launched_ranks_do_not_rebind():
     out = launch("--ranks", "2", "--", sys.executable, os.path.join(ROOT, "tests/mpi/self_bind.py"))
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("how launcher") == 2 and "bound itself" not in out.stderr
+
+
+@needs_tools
+def test_launched_ranks_report_their_memory_binding(tmp_path):
+    if len(os.sched_getaffinity(0)) < 2 or not read_topology().from_sysfs:
+        pytest.skip("needs 2 cpus and NUMA information in sysfs (numactl --membind)")
+    import json
+    from models import build_model
+    build_model(str(tmp_path), arch="llama", num_attention_heads=4, num_key_value_heads=2)
+    out = launch("--ranks", "2", "--", sys.executable, os.path.join(ROOT, "tests/mpi/engine_generate.py"),
+                 str(tmp_path), "float32", "1", "[[1, 2, 3]]", timeout=180)
+    assert out.returncode == 0, out.stderr
+    line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+    for r in json.loads(line[0][len("RESULT "):])["per_rank"]:
+        m = r["memory"]  # numactl --membind: the policy binds to the rank's node, pages are there
+        assert m["policy"] == "bind" and m["policy_nodes"] == [r["node"]], r
+        assert m["page_nodes"] == {str(r["node"]): m["sampled"]} and m["sampled"] > 0, r
+    assert "WARNING" not in out.stderr
+
+
+# ----------------------------------------------------------------------------- --tp / --dp
+def test_dry_run_data_parallel_replicas(fake_sysfs):
+    dp_env = " -env NUMA_RUNTIME_DATA_PARALLEL 2"
+    out = launch("--sysfs", fake_sysfs, "--dp", "2", "--dry-run", "--", "serve")
+    assert out.returncode == 0, out.stderr  # one replica per node
+    assert out.stdout.strip() == (
+        "mpirun -np 1 -env OMP_NUM_THREADS 8 %s%s numactl --cpunodebind=0 --membind=0 serve"
+        " : -np 1 -env OMP_NUM_THREADS 8 %s%s numactl --cpunodebind=1 --membind=1 serve"
+        % (RANK_ENV, dp_env, RANK_ENV, dp_env))
+    out = launch("--sysfs", fake_sysfs, "--dp", "2", "--tp", "2", "--dry-run", "--", "serve")
+    assert out.stdout.count("-np 1 ") == 4 and out.stdout.count(dp_env) == 4  # 2 x 2 ranks
+    out = launch("--sysfs", fake_sysfs, "--tp", "2", "--ranks", "4", "--dry-run", "--", "serve")
+    assert out.stdout.count("-np 1 ") == 4 and out.stdout.count(dp_env) == 4
+    out = launch("--sysfs", fake_sysfs, "--tp", "2", "--dry-run", "--", "serve")
+    assert out.stdout.count("-np 1 ") == 2 and "NUMA_RUNTIME_DATA_PARALLEL 1" in out.stdout
+
+
+@pytest.mark.parametrize("args,error", [
+    (["--tp", "3"], "--tp 3 does not divide the 2 ranks"),
+    (["--ranks", "4", "--dp", "2", "--tp", "3"], "--ranks 4 is not --dp 2 x --tp 3"),
+    (["--dp", "0"], "--dp must be at least 1"),
+])
+def test_replica_shape_errors(fake_sysfs, args, error):
+    out = launch("--sysfs", fake_sysfs, *args, "--dry-run", "--", "serve")
+    assert out.returncode != 0 and "numa-launch: " + error in out.stderr
+
+
+@needs_tools
+def test_launch_with_data_parallel_replicas(tmp_path):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cpus")
+    import json
+    from models import build_model
+    build_model(str(tmp_path), arch="llama", num_attention_heads=4, num_key_value_heads=2)
+    prompts = "[[1, 2, 3], [4, 5, 6, 7]]"
+    script = [sys.executable, os.path.join(ROOT, "tests/mpi/engine_generate.py"), str(tmp_path),
+              "float32", "6", prompts]
+    results = []
+    for args in (["--ranks", "2", "--dp", "2"], ["--ranks", "1"]):
+        out = launch(*args, "--", *script, timeout=180)
+        assert out.returncode == 0, out.stderr
+        line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+        results.append(json.loads(line[0][len("RESULT "):]))
+    replicas, single = results
+    assert replicas["data_parallel"] == 2 and replicas["routed"] == [1, 1]
+    assert replicas["tokens"] == single["tokens"]

@@ -1,4 +1,5 @@
-"""Tensor parallel under real mpirun: greedy tokens equal single-process and transformers' (f32)."""
+"""Tensor parallel under real mpirun: greedy tokens on 2, 3 and 4 ranks equal one rank's, which
+equal transformers' (float32), for head layouts that split unevenly."""
 import json
 import os
 import subprocess
@@ -11,41 +12,81 @@ from models import build_model, hf_greedy
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PROMPTS = [[1, 17, 42, 99, 5], list(range(3, 30))]
+MAX_TOKENS = 48
+
+# vocab 383 and intermediate 90/100 divide by none of the rank counts: padded vocab chunks and
+# uneven MLP columns everywhere.
+LAYOUTS = {
+    # the default model's layout (SmolLM2-135M): 9 heads / 3 kv heads, 6 + 3 on two ranks
+    "9h3kv": dict(arch="llama", num_attention_heads=9, num_key_value_heads=3, hidden_size=72,
+                  intermediate_size=100, vocab_size=383),
+    # Qwen2.5-0.5B's layout: 14 heads / 2 kv heads (3 and 4 ranks replicate kv heads unevenly)
+    "14h2kv": dict(arch="qwen2", num_attention_heads=14, num_key_value_heads=2, hidden_size=112,
+                   intermediate_size=90, vocab_size=383),
+    "4h1kv_mqa": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=1, hidden_size=64,
+                      intermediate_size=90, vocab_size=383),
+}
 
 
-def run_mpi(n, model_dir, dtype="float32", max_tokens=64, timeout=300):
-    env = dict(os.environ, MPI4PY_RC_THREAD_LEVEL="funneled", OMP_NUM_THREADS="1",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+def _env() -> dict:
+    return dict(os.environ, MPI4PY_RC_THREAD_LEVEL="funneled", OMP_NUM_THREADS="1",
+                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def run_mpi(n, model_dir, dtype="float32", max_tokens=MAX_TOKENS, timeout=300, extra=()):
     cmd = ["mpirun", "-np", str(n), sys.executable, os.path.join(HERE, "mpi", "engine_generate.py"),
-           model_dir, dtype, str(max_tokens), json.dumps(PROMPTS)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+           model_dir, dtype, str(max_tokens), json.dumps(PROMPTS), *extra]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
     assert len(line) == 1, p.stdout[-3000:]  # only rank 0 prints
-    return json.loads(line[0][7:])
+    return json.loads(line[0][7:]), p.stderr
 
 
-@pytest.mark.parametrize("kv_heads,ranks", [(2, 2), (1, 2), (2, 4)])
-def test_tp_greedy_equals_single_and_transformers(tmp_path, kv_heads, ranks):
-    # vocab 383 is not divisible by the rank count: exercises the padded vocab split;
-    # intermediate 90 is not divisible by 4: uneven MLP shards.
-    ref = build_model(str(tmp_path), arch="qwen2", num_key_value_heads=kv_heads, vocab_size=383,
-                      intermediate_size=90)
-    expected = [hf_greedy(ref, p, 64) for p in PROMPTS]
-    single = run_mpi(1, str(tmp_path))
-    multi = run_mpi(ranks, str(tmp_path))
-    assert single["world"] == 1 and multi["world"] == ranks
-    assert single["tokens"] == expected
-    assert multi["tokens"] == expected
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def single(request, tmp_path_factory):
+    """(layout, model dir, one rank's greedy tokens), checked against transformers once per layout."""
+    path = str(tmp_path_factory.mktemp(request.param))
+    ref = build_model(path, **LAYOUTS[request.param])
+    one, _ = run_mpi(1, path)
+    assert one["world"] == 1
+    assert one["tokens"] == [hf_greedy(ref, p, MAX_TOKENS) for p in PROMPTS]
+    return request.param, path, one["tokens"]
 
 
-def test_unsplittable_heads_is_a_clear_error(tmp_path):
-    build_model(str(tmp_path), arch="llama", num_attention_heads=4, num_key_value_heads=2,
-                hidden_size=48)
-    env = dict(os.environ, MPI4PY_RC_THREAD_LEVEL="funneled", OMP_NUM_THREADS="1",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_tp_greedy_equals_one_rank(single, ranks):
+    layout, path, tokens = single
+    multi, log = run_mpi(ranks, path)
+    assert multi["world"] == ranks
+    assert multi["tokens"] == tokens
+    # rank 0 logs every rank's share at start-up
+    shares = [l for l in log.splitlines() if "tensor parallel: rank " in l]
+    assert [l.split("tensor parallel: ")[1].split(" holds")[0] for l in shares] == [
+        "rank %d/%d" % (r, ranks) for r in range(ranks)]
+    if (layout, ranks) == ("9h3kv", 2):  # whole kv heads with their query heads: 6 + 3
+        assert "rank 0/2 holds q heads 0-5 (6), kv heads 0-1 (2)" in log
+        assert "rank 1/2 holds q heads 6-8 (3), kv heads 2-2 (1)" in log
+
+
+def test_more_ranks_than_heads_is_a_clear_error(tmp_path):
+    build_model(str(tmp_path), arch="llama", num_attention_heads=2, num_key_value_heads=1,
+                hidden_size=32)
     cmd = ["mpirun", "-np", "3", sys.executable, os.path.join(HERE, "mpi", "engine_generate.py"),
            str(tmp_path), "float32", "4", json.dumps(PROMPTS)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env())
     assert p.returncode != 0
-    assert "Cannot split 4 attention heads over 3 ranks" in p.stdout + p.stderr
+    assert "Cannot split 2 attention heads over 3 ranks; use 1 to 2 ranks" in p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("single", ["9h3kv"], indirect=True)
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_data_parallel_greedy_equals_one_rank(single, ranks):
+    # two replicas: of one rank each (2 ranks), of two tensor-parallel ranks each (4 ranks)
+    _, path, tokens = single
+    multi, log = run_mpi(ranks, path, extra=["2"])
+    assert multi["world"] == ranks and multi["data_parallel"] == 2
+    assert multi["routed"] == [1, 1]  # one prompt per replica: the least loaded took each
+    assert [r["replica"] for r in multi["per_rank"]] == [r * 2 // ranks for r in range(ranks)]
+    assert multi["tokens"] == tokens
+    assert "parallel: 2 replica(s) x %d tensor-parallel rank(s) (asked for)" % (ranks // 2) in log

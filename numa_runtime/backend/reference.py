@@ -53,6 +53,8 @@ class Linear:
         self.out_features, self.in_features = weight.shape
         self.weight = as_f32(weight)
         self.bias = None if bias is None else np.asarray(bias, dtype=np.float32)
+        self.nbytes = self.weight.nbytes
+        self.data_ptr = self.weight.ctypes.data  # where the weights live (numa.memory_report)
 
     def forward(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         # x: [M, K] -> out: [M, N]

@@ -17,6 +17,7 @@ from array import array
 from collections import deque
 from typing import Sequence
 
+from ..recorder import ALLOC, NULL_RECORDER
 from ..request import Request
 from .eviction import EvictionPolicy, make_eviction_policy
 
@@ -41,12 +42,13 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 eviction: str | EvictionPolicy = "lru"):
+                 eviction: str | EvictionPolicy = "lru", recorder=NULL_RECORDER):
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}.")
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}.")
         self.num_blocks = num_blocks
+        self.recorder = recorder  # times allocate / free / get_computed_blocks (AS_PROFILE=ON)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.policy = (eviction if isinstance(eviction, EvictionPolicy)
@@ -93,16 +95,17 @@ class BlockManager:
         """Cached blocks matching the leading full blocks of a request that holds no blocks,
         and how many tokens they cover. Never the whole sequence: the last token is always
         left to compute so that the step has its logits to sample from."""
-        if not self.enable_prefix_caching or req.block_ids:
-            return [], 0
-        max_blocks = (req.num_tokens - 1) // self.block_size
-        blocks = []
-        for h in self._block_hashes(req, max_blocks)[:max_blocks]:
-            block_id = self.hash_to_block.get(h)
-            if block_id is None:
-                break
-            blocks.append(block_id)
-        return blocks, len(blocks) * self.block_size
+        with self.recorder.span(ALLOC, "get_computed_blocks"):
+            if not self.enable_prefix_caching or req.block_ids:
+                return [], 0
+            max_blocks = (req.num_tokens - 1) // self.block_size
+            blocks = []
+            for h in self._block_hashes(req, max_blocks)[:max_blocks]:
+                block_id = self.hash_to_block.get(h)
+                if block_id is None:
+                    break
+                blocks.append(block_id)
+            return blocks, len(blocks) * self.block_size
 
     # ---- allocation ----------------------------------------------------------------------
     def _num_new_blocks(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int]) -> int:
@@ -124,30 +127,32 @@ class BlockManager:
         get_computed_blocks are attached first and their tokens become computed: this sets
         req.num_computed_tokens and req.num_cached_tokens.
         """
-        if not self.can_allocate(req, num_new_tokens, computed_blocks):
-            raise RuntimeError(f"KV cache over-committed by {req.request_id!r}; call can_allocate first.")
-        num_new = self._num_new_blocks(req, num_new_tokens, computed_blocks)
-        if not req.block_ids:  # admission: count the prefix-cache query once
-            assert not computed_blocks or req.num_computed_tokens == 0
-            num_cached = len(computed_blocks) * self.block_size
-            self.query_tokens += req.num_tokens
-            self.hit_tokens += num_cached
-            self.query_blocks += (req.num_tokens - 1) // self.block_size if self.enable_prefix_caching else 0
-            self.hit_blocks += len(computed_blocks)
-            for block_id in computed_blocks:
-                if self.ref_cnt[block_id] == 0:
-                    self.policy.remove(block_id)
-                self.ref_cnt[block_id] += 1
-                self.policy.touch(block_id)
+        with self.recorder.span(ALLOC, "allocate"):
+            if not self.can_allocate(req, num_new_tokens, computed_blocks):
+                raise RuntimeError(f"KV cache over-committed by {req.request_id!r}; "
+                                   "call can_allocate first.")
+            num_new = self._num_new_blocks(req, num_new_tokens, computed_blocks)
+            if not req.block_ids:  # admission: count the prefix-cache query once
+                assert not computed_blocks or req.num_computed_tokens == 0
+                num_cached = len(computed_blocks) * self.block_size
+                self.query_tokens += req.num_tokens
+                self.hit_tokens += num_cached
+                self.query_blocks += (req.num_tokens - 1) // self.block_size if self.enable_prefix_caching else 0
+                self.hit_blocks += len(computed_blocks)
+                for block_id in computed_blocks:
+                    if self.ref_cnt[block_id] == 0:
+                        self.policy.remove(block_id)
+                    self.ref_cnt[block_id] += 1
+                    self.policy.touch(block_id)
+                    req.block_ids.append(block_id)
+                self._num_hashed[req.request_id] = len(computed_blocks)
+                req.num_cached_tokens = num_cached
+                if computed_blocks:
+                    req.num_computed_tokens = num_cached
+            for _ in range(num_new):
+                block_id = self._take_block()
+                self.ref_cnt[block_id] = 1
                 req.block_ids.append(block_id)
-            self._num_hashed[req.request_id] = len(computed_blocks)
-            req.num_cached_tokens = num_cached
-            if computed_blocks:
-                req.num_computed_tokens = num_cached
-        for _ in range(num_new):
-            block_id = self._take_block()
-            self.ref_cnt[block_id] = 1
-            req.block_ids.append(block_id)
 
     def _take_block(self) -> int:
         if self.free_block_ids:
@@ -161,19 +166,20 @@ class BlockManager:
     def free(self, req: Request) -> None:
         """Release all of req's blocks. Tail first, so that under an LRU-ordered policy the
         leaves of a hash chain are evicted before the blocks they extend."""
-        for block_id in reversed(req.block_ids):
-            if block_id == RELEASED:
-                continue
-            self.ref_cnt[block_id] -= 1
-            assert self.ref_cnt[block_id] >= 0, f"block {block_id} freed twice"
-            if self.ref_cnt[block_id] == 0:
-                if self.block_hash[block_id] is not None:
-                    self.policy.add_evictable(block_id)
-                else:
-                    self.free_block_ids.append(block_id)
-        req.block_ids = []
-        self._num_hashed.pop(req.request_id, None)
-        self._num_released.pop(req.request_id, None)
+        with self.recorder.span(ALLOC, "free"):
+            for block_id in reversed(req.block_ids):
+                if block_id == RELEASED:
+                    continue
+                self.ref_cnt[block_id] -= 1
+                assert self.ref_cnt[block_id] >= 0, f"block {block_id} freed twice"
+                if self.ref_cnt[block_id] == 0:
+                    if self.block_hash[block_id] is not None:
+                        self.policy.add_evictable(block_id)
+                    else:
+                        self.free_block_ids.append(block_id)
+            req.block_ids = []
+            self._num_hashed.pop(req.request_id, None)
+            self._num_released.pop(req.request_id, None)
 
     def release_before(self, req: Request, num_tokens: int) -> None:
         """Release req's blocks that hold only tokens before `num_tokens` (tokens no later

@@ -1,61 +1,21 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over backend ops, tensor parallel.
 
-Megatron-style split over `world` ranks: q/k/v and gate/up by output rows (heads stay whole;
-kv heads are split, or replicated when there are fewer kv heads than ranks), o_proj and
-down_proj by input columns followed by an all-reduce, embedding and lm_head by vocabulary
-(embedding: masked lookup + all-reduce; lm_head: all-gather of logits).
+Megatron-style split over `world` ranks (which rank holds what: sharding.py): q/k/v and
+gate/up by output rows, o_proj and down_proj by input columns followed by an all-reduce,
+embedding and lm_head by vocabulary (embedding: masked lookup + all-reduce; lm_head:
+all-gather of logits).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
 
 import numpy as np
 
 from ..config import ModelConfig, UnsupportedModelError, rope_inv_freq
-from ..weights import Checkpoint, split_range
+from ..sharding import ShardLayout, shard_layouts
+from ..weights import Checkpoint
 
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """Which slice of every tensor one rank holds."""
-
-    rank: int
-    world: int
-    q_heads: slice        # global query heads of this rank
-    kv_heads: slice       # global kv heads of this rank
-    inter: slice          # rows of gate/up, columns of down
-    vocab: slice          # rows of embedding / lm_head
-    vocab_chunk: int      # padded rows per rank (equal on every rank, for all-gather)
-
-    @classmethod
-    def build(cls, cfg: ModelConfig, rank: int, world: int) -> "ShardLayout":
-        hq, hk = cfg.num_heads, cfg.num_kv_heads
-        if hq % world:
-            raise UnsupportedModelError(
-                f"Cannot split {hq} attention heads over {world} ranks; use a rank count that divides {hq}.")
-        if hk % world == 0:
-            per = hk // world
-            kv = slice(rank * per, (rank + 1) * per)
-        elif world % hk == 0:
-            k = rank // (world // hk)
-            kv = slice(k, k + 1)
-        else:
-            raise UnsupportedModelError(
-                f"Cannot split {hk} kv heads over {world} ranks; the rank count must divide the kv "
-                f"heads or be a multiple of them.")
-        per_q = hq // world
-        chunk = -(-cfg.vocab_size // world)
-        vocab = slice(min(rank * chunk, cfg.vocab_size), min((rank + 1) * chunk, cfg.vocab_size))
-        return cls(rank, world, slice(rank * per_q, (rank + 1) * per_q), kv,
-                   split_range(cfg.intermediate_size, world, rank), vocab, chunk)
-
-    @property
-    def num_q_heads(self) -> int:
-        return self.q_heads.stop - self.q_heads.start
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.kv_heads.stop - self.kv_heads.start
+log = logging.getLogger("numa_runtime")
 
 
 def _head_rows(heads: slice, head_dim: int) -> slice:
@@ -100,6 +60,9 @@ class LlamaModel:
     def __init__(self, cfg: ModelConfig, ops, comm, dtype: str, max_model_len: int, progress=None):
         self.cfg, self.ops, self.comm, self.dtype = cfg, ops, comm, dtype
         self.lay = lay = ShardLayout.build(cfg, comm.rank, comm.world_size)
+        if comm.rank == 0 and comm.world_size > 1:
+            for other in shard_layouts(cfg, comm.world_size):
+                log.info("tensor parallel: %s", other.describe())
         ckpt = Checkpoint(cfg.model_dir)
         _check_tensors(cfg, ckpt)
         self.embed = _embedding_table(ckpt, dtype, lay.vocab)
@@ -126,13 +89,21 @@ class LlamaModel:
         self.scale = cfg.head_dim ** -0.5
         self.windows = [cfg.window(i) for i in range(cfg.num_layers)]  # 0 = full attention
 
+    def _linears(self) -> list:
+        return [self.lm_head] + [getattr(l, n) for l in self.layers
+                                 for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights this rank holds in its own memory (the mmapped embedding excluded)."""
-        lin = [self.lm_head] + [getattr(l, n) for l in self.layers
-                                for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
-        own = sum(getattr(x, "nbytes", 0) or getattr(x, "weight").nbytes for x in lin)
+        own = sum(getattr(x, "nbytes", 0) or getattr(x, "weight").nbytes for x in self._linears())
         return own + (0 if isinstance(self.embed, np.memmap) else self.embed.nbytes)
+
+    def weight_buffers(self) -> list[tuple[int, int]]:
+        """(address, bytes) of the weights this rank packed into its own memory, for checking
+        which node their pages are on (numa.memory_report). Linears that do not expose their
+        buffer (data_ptr) are left out."""
+        return [(x.data_ptr, x.nbytes) for x in self._linears() if getattr(x, "data_ptr", 0)]
 
     @property
     def kv_dtype(self):
@@ -156,7 +127,8 @@ class LlamaModel:
             return ops.embedding(ids, self.embed, x)
         local = ids - lay.vocab.start
         inside = (local >= 0) & (local < self.embed.shape[0])
-        ops.embedding(np.where(inside, local, 0).astype(np.int64), self.embed, x)
+        if self.embed.shape[0]:  # NOTE: a tiny vocabulary over many ranks leaves the last ones none
+            ops.embedding(np.where(inside, local, 0).astype(np.int64), self.embed, x)
         x[~inside] = 0.0
         self.comm.all_reduce_(x)
         return x

@@ -1,7 +1,7 @@
 """`python -m numa_runtime.serve` / `numa-serve`: the OpenAI-compatible server.
 
-Under mpirun every rank builds the Engine; worker ranks never return from its constructor, and
-rank 0 goes on to serve. The engine loop runs on the main thread (the one that initialised
+Under mpirun every rank builds the Engine; worker ranks then execute rank 0's steps in
+engine.serve_workers() until it shuts down, and rank 0 goes on to serve. The engine loop runs on the main thread (the one that initialised
 MPI, as thread level "funneled" requires) and the HTTP server on a second thread.
 """
 from __future__ import annotations
@@ -31,6 +31,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-queue", type=int, default=256, help="waiting sequences beyond which requests get 429")
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes per rank")
     ap.add_argument("--num-threads", type=int, default=None, help="compute threads per rank")
+    ap.add_argument("--data-parallel", type=int, default=None,
+                    help="model replicas over the MPI ranks, each tensor parallel over its share "
+                         "(default: a rule logged at start-up)")
     ap.add_argument("--max-tokens-cap", type=int, default=None, help="clamp every request's max_tokens to this")
     ap.add_argument("--stall-timeout", type=float, default=60.0,
                     help="seconds one engine step may run before /health reports 503 (a stuck rank)")
@@ -46,6 +49,8 @@ def build_engine(args):
     kwargs = {"max_num_seqs": args.max_num_seqs}
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = args.kv_cache_memory
+    if args.data_parallel is not None:
+        kwargs["data_parallel"] = args.data_parallel
     return Engine(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                   num_threads=args.num_threads, **kwargs)
 
@@ -76,10 +81,13 @@ def main(argv=None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        engine = build_engine(args)  # NOTE: first, and on every rank: workers never return from it
+        engine = build_engine(args)  # NOTE: first, and on every rank
     except (ValueError, FileNotFoundError) as e:
         print(f"numa-serve: error: {e}", file=sys.stderr)
         return 2
+    if not engine.is_driver:
+        engine.serve_workers()  # returns when rank 0 shuts down
+        return 0
 
     import uvicorn
     from .app import ServeConfig, build_app

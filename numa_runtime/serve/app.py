@@ -122,7 +122,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
 
     @app.get("/debug/profile", response_class=PlainTextResponse)
     async def profile():
-        if getattr(engine, "profiler", None) is None or not hasattr(engine, "get_op_profiling_info"):
+        if not getattr(getattr(engine, "recorder", None), "enabled", False):
             raise ApiError(404, "Operator profiling is off; start the server with AS_PROFILE=ON.",
                            code="profiling_off")
         return PlainTextResponse(str(await aengine.call(lambda e: e.get_op_profiling_info())))

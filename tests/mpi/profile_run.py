@@ -10,7 +10,8 @@ from numa_runtime import Engine, SamplingParams
 
 model, backend, tokens_a, tokens_b, trace = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 eng = Engine(model, dtype="float32", backend=backend, kv_cache_memory=1 << 24, max_model_len=256)
-# only rank 0 gets here: the workers execute plans (and answer profile requests) inside Engine()
+# every rank gets here; on a worker rank generate() serves rank 0 (steps and profile
+# requests) and ends the process
 prompts = [[1, 17, 42, 99, 5], list(range(3, 30))]
 eng.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens_a, ignore_eos=True))
 stats_a = eng.get_op_profiling_stats()

@@ -1,0 +1,147 @@
+"""Data-parallel replicas: the ranks of the job split into groups, each a tensor-parallel model.
+
+Replica r is ranks r*tp .. r*tp + tp - 1 (ParallelConfig); its first rank is its leader. Rank 0
+(leader of replica 0) schedules and samples for every replica (router.py). Each step it sends
+replica r's plan to that leader (point to point, MPI_COMM_WORLD), runs its own replica's plan,
+and receives the leader's logits rows. A leader broadcasts its plan inside its group like rank
+0 does, so a replica's workers run the same loop as tensor-parallel workers.
+
+    rank 0 ──plan r──► leader of r ──broadcast──► its group ──logits rows──► rank 0
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from . import env
+from .config import EngineConfig, ModelConfig, ParallelConfig
+from .distributed import MPIComm, SingleProcessComm, wait_idle
+from .plan import SHUTDOWN, StepPlan
+
+log = logging.getLogger("numa_runtime")
+
+_PLAN_TAG, _LOGITS_TAG = 71, 72
+
+
+class ReplicaLink:
+    """Point-to-point messages between rank 0 and the leaders of replicas 1..N-1."""
+
+    def __init__(self, MPI, world, parallel: ParallelConfig):
+        self.MPI, self.world, self.parallel = MPI, world, parallel
+        self._sends: list = []
+
+    # ---- rank 0 -------------------------------------------------------------------------
+    def send_plan(self, replica: int, plan: StepPlan) -> None:
+        """Start sending (completed by finish_sends, after rank 0's own step)."""
+        buf = plan.to_buffer()
+        self._sends.append((self.world.Isend(buf, dest=self.parallel.leader_of(replica), tag=_PLAN_TAG), buf))
+
+    def finish_sends(self) -> None:
+        for req, _ in self._sends:
+            req.Wait()
+        self._sends.clear()
+
+    def post_logits(self, replica: int, out: np.ndarray):
+        """Start receiving replica's logits rows into out [rows, vocab] f32; returns the request."""
+        return self.world.Irecv(out, source=self.parallel.leader_of(replica), tag=_LOGITS_TAG)
+
+    # ---- a leader -----------------------------------------------------------------------
+    def recv_plan(self) -> StepPlan:
+        """Wait (sleeping when idle) for the next plan from rank 0."""
+        status = self.MPI.Status()
+        wait_idle(lambda: self.world.Iprobe(source=0, tag=_PLAN_TAG, status=status))
+        buf = np.empty(status.Get_count(self.MPI.INT64_T), dtype=np.int64)
+        self.world.Recv(buf, source=0, tag=_PLAN_TAG)
+        return StepPlan.from_buffer(buf)
+
+    def send_logits(self, logits: np.ndarray) -> None:
+        self.world.Send(np.ascontiguousarray(logits, dtype=np.float32), dest=0, tag=_LOGITS_TAG)
+
+
+def setup(world, engine_cfg: EngineConfig, model_cfg: ModelConfig):
+    """Every rank: (ParallelConfig, the communicator of this rank's replica group, the
+    ReplicaLink or None without replicas). Rank 0 logs the choice and its reason."""
+    asked = engine_cfg.data_parallel if engine_cfg.data_parallel is not None else env.data_parallel()
+    parallel = ParallelConfig.resolve(world.world_size, asked, model_cfg.num_heads,
+                                      engine_cfg.max_num_seqs)
+    if world.rank == 0 and world.world_size > 1:
+        log.info("parallel: %d replica(s) x %d tensor-parallel rank(s) (%s)", parallel.data_parallel,
+                 parallel.tensor_parallel, parallel.reason)
+    if parallel.data_parallel == 1:
+        return parallel, world, None
+    if env.profile_enabled():
+        raise ValueError("AS_PROFILE=ON profiles one tensor-parallel model; run it without data "
+                         "parallel replicas.")
+    from mpi4py import MPI
+    group = world.comm.Split(color=parallel.replica_of(world.rank), key=world.rank)
+    tp = SingleProcessComm() if parallel.tensor_parallel == 1 else MPIComm(MPI, comm=group)
+    # NOTE: the KV budget splits the host's memory among all its ranks, not the group's
+    tp.local_size = world.local_size
+    return parallel, tp, ReplicaLink(MPI, world.comm, parallel)
+
+
+def worker_loop(runner, link: ReplicaLink | None) -> None:
+    """Every rank but 0: execute plans until rank 0 shuts down (a replica's leader takes them
+    from rank 0, the other ranks from their leader)."""
+    if link is not None and runner.comm.rank == 0:
+        serve_replica(runner, link)
+    else:
+        runner.worker_loop()
+
+
+def replica_blocks(parallel: ParallelConfig, ranks: list[dict]) -> list[int]:
+    """KV blocks of each replica's pool, from the per-rank reports (its leader's)."""
+    return [ranks[parallel.leader_of(r)]["kv_blocks"] for r in range(parallel.data_parallel)]
+
+
+def driver_runner(runner, link: ReplicaLink | None, vocab_size: int):
+    """Rank 0's runner: its own replica's, or a DataParallelRunner over every replica."""
+    return runner if link is None else DataParallelRunner(runner, link, vocab_size)
+
+
+class DataParallelRunner:
+    """Rank 0's runner under DP: executes the list of plans of a ReplicaOutputs, replica 0's
+    locally, the others through their leaders; returns the logits rows in replica order."""
+
+    def __init__(self, local, link: ReplicaLink, vocab_size: int):
+        self.local, self.link, self.vocab_size = local, link, vocab_size
+
+    def __getattr__(self, name):  # num_blocks, kv_cache_bytes, model, comm: replica 0's
+        return getattr(self.local, name)
+
+    def execute(self, plans: list[StepPlan]) -> np.ndarray:
+        parts = [None] * len(plans)
+        pending = []
+        for r in range(1, len(plans)):
+            if plans[r].num_tokens == 0:  # nothing to run there: no message at all
+                parts[r] = np.zeros((0, self.vocab_size), np.float32)
+                continue
+            parts[r] = np.empty((len(plans[r].logits_indices), self.vocab_size), np.float32)
+            if len(parts[r]):
+                pending.append(self.link.post_logits(r, parts[r]))
+            self.link.send_plan(r, plans[r])
+        parts[0] = self.local.execute(plans[0])
+        self.link.finish_sends()
+        for req in pending:
+            req.Wait()
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def shutdown_workers(self) -> None:
+        for r in range(1, self.link.parallel.data_parallel):
+            self.link.send_plan(r, StepPlan.shutdown())
+        self.link.finish_sends()
+        self.local.shutdown_workers()
+
+
+def serve_replica(runner, link: ReplicaLink) -> None:
+    """The loop of the leader of replica r >= 1: run rank 0's plans on its group, send back the
+    logits rows, until a shutdown plan."""
+    while True:
+        plan = link.recv_plan()
+        if plan.kind == SHUTDOWN:
+            runner.shutdown_workers()
+            return
+        logits = runner.execute(plan)
+        if len(plan.logits_indices):
+            link.send_logits(logits)

@@ -1,0 +1,102 @@
+"""Data-parallel routing on rank 0 (router.py) without a model, and the replica-count rule."""
+import pytest
+
+from numa_runtime.config import EngineConfig, ParallelConfig
+from numa_runtime.kv_cache import BlockManager
+from numa_runtime.request import Request, RequestStatus
+from numa_runtime.router import ReplicaRouter
+from numa_runtime.sampling_params import SamplingParams
+from numa_runtime.scheduler import Scheduler, SchedulerConfig
+
+BS = 4
+
+
+def router(n=2, num_blocks=16, max_num_seqs=4):
+    return ReplicaRouter([Scheduler(SchedulerConfig(max_num_seqs, 64, 64), BlockManager(num_blocks, BS))
+                          for _ in range(n)])
+
+
+def req(rid, tokens, max_tokens=2):
+    return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens))
+
+
+def run_to_end(rt, reqs):
+    """Step until every request has max_tokens outputs (token 5 each), then finish them."""
+    while any(len(r.output_token_ids) < r.sampling_params.max_tokens for r in reqs):
+        out = rt.schedule()
+        rt.update(out, [5] * len(out.sampling))
+        for r in out.sampling:
+            if len(r.output_token_ids) == r.sampling_params.max_tokens:
+                rt.finish_request(r, RequestStatus.FINISHED_LENGTH)
+
+
+def test_new_requests_go_to_the_least_loaded_replica():
+    rt = router(3)
+    for i in range(7):
+        rt.add_request(req(str(i), range(100 * i, 100 * i + 5)))
+    assert [rt.where[str(i)] for i in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    assert rt.num_waiting == 7 and rt.routed == [3, 2, 2]
+
+
+def test_a_conversation_sticks_to_the_replica_caching_its_prefix():
+    rt = router(2)
+    turn1 = req("a1", range(1, 14))  # 13 tokens: 3 full blocks once computed
+    rt.add_request(turn1)
+    assert rt.where["a1"] == 0
+    run_to_end(rt, [turn1])
+    assert not rt.has_unfinished() and rt.where == {}
+    for rid, to in (("b", 0), ("c", 1), ("d", 0)):  # least loaded, ties to the lowest index
+        rt.add_request(req(rid, range(100 * ord(rid), 100 * ord(rid) + 5)))
+        assert rt.where[rid] == to
+    # the next turn repeats the conversation so far: replica 0 holds its prefix, though
+    # replica 1 is less loaded
+    turn2 = req("a2", turn1.all_token_ids + [7, 8, 9])
+    rt.add_request(turn2)
+    assert rt.where["a2"] == 0 and rt.routed_by_prefix == 1
+    out = rt.schedule()
+    assert turn2 in out.scheduled
+    assert rt.replicas[0].block_manager.hit_tokens == 12  # served by the prefix cache
+
+
+def test_a_full_replica_sends_the_conversation_elsewhere():
+    rt = router(2, max_num_seqs=2)
+    turn1 = req("a1", range(1, 14))
+    rt.add_request(turn1)
+    run_to_end(rt, [turn1])
+    for rid, to in (("x", 0), ("y", 1), ("z", 0)):  # replica 0, which caches a1, is full now
+        rt.add_request(req(rid, range(100 * ord(rid), 100 * ord(rid) + 5)))
+        assert rt.where[rid] == to
+    rt.add_request(req("a2", turn1.all_token_ids + [7]))
+    assert rt.where["a2"] == 1 and rt.routed_by_prefix == 0
+
+
+def test_outputs_and_updates_follow_replica_order():
+    rt = router(2)
+    a, b, c = req("a", range(1, 4)), req("b", range(10, 16)), req("c", range(20, 22))
+    for r in (a, b, c):
+        rt.add_request(r)
+    out = rt.schedule()
+    assert [len(p.token_ids) for p in out.plan] == [3 + 2, 6]
+    assert out.sampling == [a, c, b] and out.scheduled == [a, c, b]
+    rt.update(out, [11, 12, 13])
+    assert (a.output_token_ids, c.output_token_ids, b.output_token_ids) == ([11], [12], [13])
+    assert rt.abort_request("b") and not rt.abort_request("b") and "b" not in rt.where
+    s = rt.stats()
+    assert s["num_running"] == 2 and s["routed"] == [2, 1] and len(s["replicas"]) == 2
+    assert 0 < s["kv_usage"] == rt.block_manager.usage < 1
+
+
+def test_parallel_config_rule_and_errors():
+    p = ParallelConfig.resolve(4, None, num_heads=9, max_num_seqs=64)
+    assert (p.data_parallel, p.tensor_parallel) == (1, 4) and "tensor parallel" in p.reason
+    p = ParallelConfig.resolve(16, None, num_heads=9, max_num_seqs=64)  # TP cannot use 16 ranks
+    assert (p.data_parallel, p.tensor_parallel) == (2, 8) and "exceed" in p.reason
+    p = ParallelConfig.resolve(4, 2, num_heads=9, max_num_seqs=64)
+    assert [p.replica_of(r) for r in range(4)] == [0, 0, 1, 1] and p.leader_of(1) == 2
+    with pytest.raises(ValueError, match="data_parallel=3 does not divide the 4 MPI rank"):
+        ParallelConfig.resolve(4, 3, num_heads=9, max_num_seqs=64)
+    with pytest.raises(ValueError, match="data_parallel=2 does not divide the 1 MPI rank"):
+        ParallelConfig.resolve(1, 2, num_heads=9, max_num_seqs=64)
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="data_parallel must be a positive integer"):
+            EngineConfig(data_parallel=bad)
