@@ -43,11 +43,8 @@ class Engine:
         from .kv_cache.block_manager import BlockManager
         from .model_runner import ModelRunner
         from .sampler import Sampler
-<<<<<<< HEAD
-        from .structured import Grammars
-=======
         from .router import ReplicaRouter
->>>>>>> main
+        from .structured import Grammars
         from .scheduler import Scheduler, SchedulerConfig
         from .tokenizer import Tokenizer
 
@@ -74,34 +71,24 @@ class Engine:
             atexit.register(self.close)
             return
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
-        self.max_model_len = self._fit_max_len_to_cache(mcfg)
-<<<<<<< HEAD
-        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
-                                          enable_prefix_caching=self.config.enable_prefix_caching,
-                                          eviction=self.config.eviction)
-        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=self.config.max_num_seqs,
-                                                   max_num_batched_tokens=self.config.max_num_batched_tokens,
-                                                   max_model_len=self.max_model_len,
-                                                   sliding_window=mcfg.min_window), self.block_manager)
-        self.grammars = Grammars(self.tokenizer, mcfg.vocab_size, self.eos_ids)
-        self.sampler = Sampler(self.ops, mcfg.vocab_size, self.config.seed, self.grammars)
-        self.profiler = profiler.attach(self)  # None unless AS_PROFILE=ON
-=======
+        replica_blocks = data_parallel.replica_blocks(self.parallel, self.ranks)
+        self.max_model_len = self._fit_max_len_to_cache(mcfg, min(replica_blocks))
         schedulers = [Scheduler(SchedulerConfig(max_num_seqs=self.config.max_num_seqs,
                                                 max_num_batched_tokens=self.config.max_num_batched_tokens,
                                                 max_model_len=self.max_model_len, sliding_window=mcfg.min_window),
                                 BlockManager(n, self.config.block_size,
                                              enable_prefix_caching=self.config.enable_prefix_caching,
                                              eviction=self.config.eviction, recorder=self.recorder))
-                      for n in data_parallel.replica_blocks(self.parallel, self.ranks)]
+                      for n in replica_blocks]
         # NOTE: with data-parallel replicas, one scheduler (and KV pool) per replica behind a router
         self.scheduler = schedulers[0] if len(schedulers) == 1 else ReplicaRouter(schedulers)
         self.block_manager = self.scheduler.block_manager
         self.runner = data_parallel.driver_runner(self.runner, self._link, mcfg.vocab_size)
-        self.sampler = Sampler(self.ops, mcfg.vocab_size, self.config.seed, recorder=self.recorder)
+        self.grammars = Grammars(self.tokenizer, mcfg.vocab_size, self.eos_ids)
+        self.sampler = Sampler(self.ops, mcfg.vocab_size, self.config.seed, recorder=self.recorder,
+                               grammars=self.grammars)
         self._profile = profiler.ProfileReports(self.recorder, self.runner.comm,
                                                 os.path.basename(os.path.normpath(mcfg.model_dir)))
->>>>>>> main
         self._groups: dict[str, _Group] = {}
         self._texts: dict[str, TextState] = {}
         self._step_outbox: deque[RequestOutput] = deque()  # outputs of add_request's requests
@@ -140,10 +127,10 @@ class Engine:
             raise ValueError(f"max_model_len={asked} exceeds what the model supports ({limit} tokens).")
         return asked
 
-    def _fit_max_len_to_cache(self, mcfg: ModelConfig) -> int:
+    def _fit_max_len_to_cache(self, mcfg: ModelConfig, num_blocks: int) -> int:
         """The context one request can really use: no more tokens than the KV cache holds (unless
         every layer slides a window, and old blocks are released)."""
-        capacity = self.runner.num_blocks * self.config.block_size
+        capacity = num_blocks * self.config.block_size  # of the smallest replica's pool
         if mcfg.min_window or self.max_model_len <= capacity:
             return self.max_model_len
         log.warning("max_model_len %d lowered to %d: the KV cache holds %d tokens; enlarge it "

@@ -13,14 +13,9 @@ class Sampler:
     logprobs (of the raw distribution), logit_bias, penalties, min_tokens bans, the json_schema
     mask, then sampling."""
 
-<<<<<<< HEAD
-    def __init__(self, ops, vocab_size: int, seed: int = 0, grammars=None):
-        self.ops = ops
-        self.grammars = grammars  # structured.Grammars: masks of requests with a json_schema
-=======
-    def __init__(self, ops, vocab_size: int, seed: int = 0, recorder=NULL_RECORDER):
+    def __init__(self, ops, vocab_size: int, seed: int = 0, recorder=NULL_RECORDER, grammars=None):
         self.ops, self.recorder = ops, recorder
->>>>>>> main
+        self.grammars = grammars  # structured.Grammars: masks of requests with a json_schema
         self.vocab_size = vocab_size
         self.rng = np.random.default_rng(seed)
         self._rngs: dict[str, np.random.Generator] = {}
