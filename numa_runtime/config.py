@@ -129,9 +129,9 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"Unsupported architecture {archs or cfg.get('model_type')!r}; numa_runtime runs "
                 f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}.")
-        if cfg.get("quantization_config"):
-            raise UnsupportedModelError("Quantized checkpoints (quantization_config) are not supported; "
-                                        "use a bf16, f16 or f32 checkpoint.")
+        if cfg.get("quantization_config"):  # AWQ / GPTQ int4, or one clear error
+            from .quant.hf_quant import check_quantization_config
+            check_quantization_config(cfg["quantization_config"])
         act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
         if act not in ("silu", "swish"):
             raise UnsupportedModelError(f"Unsupported activation {act!r}; only silu is supported.")
@@ -223,6 +223,7 @@ class EngineConfig:
     eviction: str = "lru"
     backend: str = "cpu"
     seed: int = 0
+    quantization: str | None = None  # quantize dense weights at load: "int8", "int4", ...
     data_parallel: int | None = None  # model replicas over the MPI ranks; None: ParallelConfig.resolve's rule
     extra: dict = field(default_factory=dict)
 
@@ -239,6 +240,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}.")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive.")
+        if self.quantization is not None:
+            from .quant.loader import parse_quantization
+            parse_quantization(self.quantization)  # raises one sentence on a bad name
         if self.data_parallel is not None and (isinstance(self.data_parallel, bool) or not isinstance(
                 self.data_parallel, int) or self.data_parallel < 1):
             raise ValueError(f"data_parallel must be a positive integer, got {self.data_parallel!r}.")

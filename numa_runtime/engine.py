@@ -39,7 +39,7 @@ class Engine:
     def __init__(self, model: str | None = None, dtype: str = "bfloat16", max_model_len: int | None = None,
                  num_threads: int | None = None, **kwargs):
         from . import backend, data_parallel, distributed, profiler
-        from .default_model import default_model_dir
+        from .default_model import default_model_path
         from .kv_cache.block_manager import BlockManager
         from .model_runner import ModelRunner
         from .sampler import Sampler
@@ -52,7 +52,10 @@ class Engine:
         self.comm = distributed.init_distributed()
         ops = backend.get_backend(self.config.backend)
         placement = self._bind_and_set_threads(ops)
-        model_dir = model if model is not None else default_model_dir()
+        model_dir = model if model is not None else default_model_path()
+        if str(model_dir).endswith(".gguf"):  # NOTE: weights stay in the file, blocks as they are
+            from .gguf_model import gguf_model_dir
+            model_dir = gguf_model_dir(str(model_dir))
         self.model_config = mcfg = ModelConfig.from_dir(os.path.expanduser(str(model_dir)))
         self.max_model_len = self._resolve_max_len(mcfg, self.config.max_model_len)
         # NOTE: fail on a missing tokenizer before reading any weight; every rank has one, so

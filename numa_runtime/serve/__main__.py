@@ -18,7 +18,8 @@ from numa_runtime import env
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="numa-serve", description="OpenAI-compatible HTTP server for numa_runtime.")
-    ap.add_argument("--model", default=None, help="Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", default=None, help="Hugging Face model directory or a .gguf file "
+                                                  "(default: SmolLM2-135M-Instruct)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint "
@@ -27,6 +28,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                               "(default: the model directory's name)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--quantization", default=None,
+                    help="quantize dense weights while loading: int8 (groups of 128), int4 (groups of "
+                         "32 with a min), or e.g. int4-g128-sym, int8-channel")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded side by side at most")
     ap.add_argument("--max-queue", type=int, default=256, help="waiting sequences beyond which requests get 429")
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes per rank")
@@ -46,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_engine(args):
     from numa_runtime import Engine
-    kwargs = {"max_num_seqs": args.max_num_seqs}
+    kwargs = {"max_num_seqs": args.max_num_seqs, "quantization": args.quantization}
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = args.kv_cache_memory
     if args.data_parallel is not None:
