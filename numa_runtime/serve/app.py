@@ -157,11 +157,11 @@ def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
             body.refuse_unsupported()
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             params = body.sampling_params(cap(max_tokens), body.num_logprobs(), body.json_schema())
-            if params.json_schema is not None:  # NOTE: built once, off the loop and the engine thread
-                await asyncio.to_thread(engine.grammars.prepare)
             if body.content_chars() > engine.max_model_len * engine.tokenizer.max_token_chars:
                 raise ValueError(f"The messages hold {body.content_chars()} characters, more than a context of "
                                  f"{engine.max_model_len} tokens can hold; shorten them.")
+            if params.json_schema is not None:  # NOTE: built once, off the loop and the engine thread
+                await asyncio.to_thread(engine.grammars.prepare)
             messages = [m.as_template_dict() for m in body.messages]
             ids = await asyncio.to_thread(tokenize_chat, messages)
         return await _serve(request, body, "chatcmpl", [ids], params, arrival)
