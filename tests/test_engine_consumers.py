@@ -251,3 +251,23 @@ def test_async_engine_many_tasks_each_get_their_own_text(model_dir, alone):
     for final, i, max_tokens, streamed in results:
         want = alone(i, max_tokens)
         assert want.startswith(streamed) if final == "aborted" else final == streamed == want
+
+
+def test_stop_strings_of_every_length_cut_streams_and_outputs_alike(eng, alone):
+    """Stop strings of 1-5 characters taken at several places of the greedy text: the streamed
+    deltas, the output deltas and the final text all end just before the first occurrence."""
+    full = alone(0, 24)
+    cases = {full[i:i + k] for k in range(1, 6) for i in range(2, len(full) - k, 7) if full[i:i + k].strip()}
+    assert len(cases) >= 10, full
+    for stop in sorted(cases):
+        sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop, "@@@@@@"])
+        want = full[:full.index(stop)]
+        assert "".join(eng.stream(PROMPTS[0], sp)) == want, stop
+        rid = eng.add_request(PROMPTS[0], sp)
+        outs = []
+        while not outs or not outs[-1].finished:
+            outs += eng.step()
+        assert {o.request_id for o in outs} == {rid}
+        assert "".join(o.outputs[0].delta for o in outs) == outs[-1].text == want, stop
+        assert outs[-1].outputs[0].stop_reason == stop
+    assert_idle(eng)
