@@ -358,7 +358,7 @@ class Engine:
     def chat(self, messages: list[dict], params: SamplingParams | None = None, **template_kwargs) -> RequestOutput:
         """Render messages with the model's chat template and generate the reply."""
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = self.tokenizer.encode_within(prompt, self.max_model_len, add_special_tokens=False)
         return self.generate([ids], params)[0]
 
     # ------------------------------------------------------------------ operator profiling

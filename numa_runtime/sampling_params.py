@@ -1,6 +1,7 @@
 """SamplingParams: how one request's tokens are chosen and when it stops."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 
@@ -106,7 +107,8 @@ class SamplingParams:
 
 
 def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    # NOTE: numpy integers are integers; a bool is not, though Python calls it one
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def _is_num(v) -> bool:
