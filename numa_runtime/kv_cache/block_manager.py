@@ -24,8 +24,8 @@ from typing import NamedTuple, Sequence
 from ..recorder import ALLOC, NULL_RECORDER
 from ..request import Request
 from .eviction import EvictionPolicy, make_eviction_policy
-from .tier import KVTier
 from .host_tier import HostKVTier
+from .tier import KVTier
 
 
 RELEASED = -1  # a block-table entry whose block was released (outside every sliding window)
@@ -117,20 +117,19 @@ class BlockManager:
                 return [], 0
             max_blocks = (req.num_tokens - 1) // self.block_size
             blocks: list = []
-            tier = self.host_tier
+            host = self.host_tier
             hashes = self._block_hashes(req, max_blocks)[:max_blocks]
             for i, h in enumerate(hashes):
                 block_id = self.hash_to_block.get(h)
                 if block_id is not None:
                     blocks.append(block_id)
-                elif tier is not None and tier.lookup(h) is not None and tier.worth_copying(i, self.block_size):
+                elif host is not None and host.lookup(h) is not None and host.worth_copying(i, self.block_size):
                     blocks.append(HostHit(h))
                 else:
                     break
-            # the disk tier continues a chain of device hits (not beside a host tier)
-            if (self.tier is not None and self.host_tier is None and len(blocks) < len(hashes)
-                    and self.tier.lookup(hashes[len(blocks)])):
-                blocks += self._load_from_tier(hashes[len(blocks):], blocks)
+            # a disk tier continues the chain where memory (and the host tier) stopped
+            if self.tier is not None and len(blocks) < len(hashes) and self.tier.lookup(hashes[len(blocks)]):
+                blocks += self._load_from_tier(hashes[len(blocks):], [b for b in blocks if isinstance(b, int)])
             return blocks, len(blocks) * self.block_size
 
     def _load_from_tier(self, hashes: list[int], chain: list[int]) -> list[int]:

@@ -12,9 +12,9 @@ import logging
 import numpy as np
 
 from ..config import ModelConfig, UnsupportedModelError, rope_inv_freq
-from ..plan import EMBED
 from ..gguf_model import open_checkpoint
 from ..quant.loader import LinearFactory, parse_quantization
+from ..plan import EMBED
 from ..sharding import ShardLayout, shard_layouts
 from ..weights import Checkpoint
 
@@ -74,9 +74,9 @@ class LlamaModel:
             if progress:
                 progress(i + 1, cfg.num_layers)
         self.norm = ckpt.load("model.norm.weight", "float32")
-        tied = cfg.tie_word_embeddings or "lm_head.weight" not in ckpt
         # NOTE: lm_head stays as stored (quantized at load only if the file already is); an
-        # embedding model (a base model without a head) has none
+        # embedding model has none
+        tied = cfg.tie_word_embeddings or "lm_head.weight" not in ckpt
         self.lm_head = None if cfg.is_embedding_model else linear.head(
             "model.embed_tokens.weight" if tied else "lm_head.weight", lay.vocab, lay.vocab_chunk)
         inv_freq, attn_scale = rope_inv_freq(cfg)

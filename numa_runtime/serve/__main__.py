@@ -20,7 +20,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="numa-serve", description="OpenAI-compatible HTTP server for numa_runtime.")
     ap.add_argument("--model", action="append", default=None,
                     help="Hugging Face model directory or a .gguf file (default: SmolLM2-135M-Instruct); "
-                         "repeat it to serve several models, each named by its directory")
+                         "repeat it to serve several models, each named by its directory or file")
     ap.add_argument("--models-dir", default=None, help="serve every model directory inside this directory")
     ap.add_argument("--memory-budget", default=None, help="several models: bytes per rank for all weights and "
                                                           "KV pools (e.g. 16G; default: 60%% of this host's memory / ranks)")
