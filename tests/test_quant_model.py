@@ -107,7 +107,7 @@ def test_two_ranks_equal_one_and_dequantized(model_dir, tmp_path):
     ref_dir = str(tmp_path / "deq")
     write_dequantized_copy(model_dir, ref_dir, QuantFormat.parse(name))
     r = engine(ref_dir)
-    expected = r.generate([PROMPT], GREEDY)[0].token_ids
+    expected = list(r.generate([PROMPT], GREEDY)[0].token_ids)
     r.close()
     assert result(run_mpi(2, model_dir, name))["tokens"] == [expected]
 
