@@ -67,8 +67,9 @@ setup(
     name="numa_runtime",
     version="0.1.0",
     description="CPU-first LLM inference runtime: one MPI rank per NUMA node, tensor parallel",
-    # NOTE: launch/ installs as numa_runtime.launch (through the numa_runtime/launch link),
-    # never as a global `launch` module; cuda_backend/ is not installed until it exists
+    # NOTE: launch/ and cuda_backend/ install as numa_runtime.launch and numa_runtime.cuda_backend
+    # (through the links in numa_runtime/), never as global modules; cuda_backend is imported
+    # only for device="cuda", and its dependencies come with the `cuda` extra
     packages=find_packages(include=["numa_runtime", "numa_runtime.*"]),
     ext_modules=cythonize(kernel_extensions(), language_level=3,
                           compiler_directives={"boundscheck": False, "wraparound": False,
@@ -77,6 +78,7 @@ setup(
     install_requires=["numpy", "mpi4py", "mpich", "psutil", "safetensors", "tokenizers", "jinja2",
                       "fastapi", "uvicorn", "prometheus-client", "tqdm", "gguf",
                       "onednn-cpu-gomp==2023.2.0"],
+    extras_require={"cuda": ["torch>=2.4", "triton>=3.0"]},
     entry_points={"console_scripts": ["numa-launch=numa_runtime.launch.cli:main",
                                       "numa-serve=numa_runtime.serve.__main__:main"]},
     zip_safe=False,

@@ -108,6 +108,16 @@ def show_progress() -> bool:
     return os.environ.get("NUMA_RUNTIME_PROGRESS", "").lower() in ("1", "on", "true", "yes")
 
 
+# ----------------------------------------------------------------------------- CUDA backend
+__all__ += ["triton_interpret"]
+
+
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET=1 (Triton's own variable, read here only): Triton kernels run in its
+    interpreter on CPU tensors, so the CUDA backend's kernels and model can be checked
+    without a GPU (slowly)."""
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
 __all__ += ["data_parallel"]
 
 

@@ -9,20 +9,32 @@ request produced it (prompt or generated tokens alike). A later request whose le
 hash the same reuses them (refcount + 1) instead of recomputing. A cached block whose refcount
 drops to 0 keeps its contents and its hash and becomes *evictable*; an eviction policy
 (eviction.py) decides which one to reuse when no never-cached block is free.
+
+An optional lower tier (kv_cache/tier.py, e.g. disk_tier.DiskTier) sees every evicted cached
+block (`offload`) and is asked on a miss (`lookup`); a hit is loaded into a pool block, which
+then is an ordinary cached block.
 """
 from __future__ import annotations
 
 import hashlib
 from array import array
 from collections import deque
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from ..recorder import ALLOC, NULL_RECORDER
 from ..request import Request
 from .eviction import EvictionPolicy, make_eviction_policy
+from .host_tier import HostKVTier
+from .tier import KVTier
 
 
 RELEASED = -1  # a block-table entry whose block was released (outside every sliding window)
+
+
+class HostHit(NamedTuple):
+    """A prefix-cache hit in the host tier: get_computed_blocks lists it where a block id
+    would be; allocate copies it back into a fresh device block."""
+    block_hash: int
 
 
 def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
@@ -42,7 +54,8 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 eviction: str | EvictionPolicy = "lru", recorder=NULL_RECORDER):
+                 eviction: str | EvictionPolicy = "lru", recorder=NULL_RECORDER,
+                 host_tier: HostKVTier | None = None, tier: KVTier | None = None):
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}.")
         if not isinstance(block_size, int) or block_size < 1:
@@ -51,8 +64,10 @@ class BlockManager:
         self.recorder = recorder  # times allocate / free / get_computed_blocks (AS_PROFILE=ON)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.tier = tier if enable_prefix_caching else None
         self.policy = (eviction if isinstance(eviction, EvictionPolicy)
                        else make_eviction_policy(eviction, num_blocks))
+        self.host_tier = host_tier  # evicted cached blocks go there (None: they are dropped)
         self.ref_cnt = [0] * num_blocks                          # [num_blocks]
         self.block_hash: list[int | None] = [None] * num_blocks  # [num_blocks]
         self.hash_to_block: dict[int, int] = {}
@@ -63,6 +78,7 @@ class BlockManager:
         self.query_tokens = self.hit_tokens = 0
         self.query_blocks = self.hit_blocks = 0
         self.num_evictions = 0
+        self.tier_hit_blocks = 0  # blocks of hits that came back from the tier
 
     # ---- sizes ---------------------------------------------------------------------------
     @property
@@ -94,18 +110,48 @@ class BlockManager:
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
         """Cached blocks matching the leading full blocks of a request that holds no blocks,
         and how many tokens they cover. Never the whole sequence: the last token is always
-        left to compute so that the step has its logits to sample from."""
+        left to compute so that the step has its logits to sample from. With a host tier, a
+        block held there counts (as a HostHit) where copying it back beats recomputing it."""
         with self.recorder.span(ALLOC, "get_computed_blocks"):
             if not self.enable_prefix_caching or req.block_ids:
                 return [], 0
             max_blocks = (req.num_tokens - 1) // self.block_size
-            blocks = []
-            for h in self._block_hashes(req, max_blocks)[:max_blocks]:
+            blocks: list = []
+            host = self.host_tier
+            hashes = self._block_hashes(req, max_blocks)[:max_blocks]
+            for i, h in enumerate(hashes):
                 block_id = self.hash_to_block.get(h)
-                if block_id is None:
+                if block_id is not None:
+                    blocks.append(block_id)
+                elif host is not None and host.lookup(h) is not None and host.worth_copying(i, self.block_size):
+                    blocks.append(HostHit(h))
+                else:
                     break
-                blocks.append(block_id)
+            # a disk tier continues the chain where memory (and the host tier) stopped
+            if self.tier is not None and len(blocks) < len(hashes) and self.tier.lookup(hashes[len(blocks)]):
+                blocks += self._load_from_tier(hashes[len(blocks):], [b for b in blocks if isinstance(b, int)])
             return blocks, len(blocks) * self.block_size
+
+    def _load_from_tier(self, hashes: list[int], chain: list[int]) -> list[int]:
+        """Load the leading `hashes` the tier holds into pool blocks (cached, evictable); never
+        evicts a block of `chain`, the hits found so far."""
+        pinned = [b for b in chain if self.ref_cnt[b] == 0]
+        for b in pinned:  # NOTE: out of the policy while we take blocks, so none is a victim
+            self.policy.remove(b)
+        loaded = []
+        for h in hashes:
+            if not self.tier.lookup(h) or not (self.free_block_ids or len(self.policy)):
+                break
+            block_id = self._take_block()
+            self.tier.load(h, block_id)
+            self.block_hash[block_id] = h
+            self.hash_to_block[h] = block_id
+            self.policy.cached(block_id, False)
+            loaded.append(block_id)
+        for b in pinned + loaded:
+            self.policy.add_evictable(b)
+        self.tier_hit_blocks += len(loaded)
+        return loaded
 
     # ---- allocation ----------------------------------------------------------------------
     def _num_new_blocks(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int]) -> int:
@@ -115,9 +161,11 @@ class BlockManager:
 
     def can_allocate(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
         """Whether `allocate(req, num_new_tokens, computed_blocks)` would succeed now."""
-        # NOTE: an evictable block we are about to reuse as a hit stops being free.
-        num_evictable_hits = sum(1 for b in computed_blocks if self.ref_cnt[b] == 0)
-        return (self._num_new_blocks(req, num_new_tokens, computed_blocks)
+        # NOTE: an evictable block we are about to reuse as a hit stops being free; a host
+        # hit needs a fresh block to be copied into.
+        num_host_hits = sum(1 for b in computed_blocks if isinstance(b, HostHit))
+        num_evictable_hits = sum(1 for b in computed_blocks if not isinstance(b, HostHit) and self.ref_cnt[b] == 0)
+        return (self._num_new_blocks(req, num_new_tokens, computed_blocks) + num_host_hits
                 <= self.num_free_blocks - num_evictable_hits)
 
     def allocate(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> None:
@@ -139,12 +187,7 @@ class BlockManager:
                 self.hit_tokens += num_cached
                 self.query_blocks += (req.num_tokens - 1) // self.block_size if self.enable_prefix_caching else 0
                 self.hit_blocks += len(computed_blocks)
-                for block_id in computed_blocks:
-                    if self.ref_cnt[block_id] == 0:
-                        self.policy.remove(block_id)
-                    self.ref_cnt[block_id] += 1
-                    self.policy.touch(block_id)
-                    req.block_ids.append(block_id)
+                self._attach_hits(req, computed_blocks)
                 self._num_hashed[req.request_id] = len(computed_blocks)
                 req.num_cached_tokens = num_cached
                 if computed_blocks:
@@ -154,14 +197,68 @@ class BlockManager:
                 self.ref_cnt[block_id] = 1
                 req.block_ids.append(block_id)
 
+    def _attach_hits(self, req: Request, computed_blocks: Sequence) -> None:
+        """Append the hits to req.block_ids in order; host hits are copied back into fresh blocks."""
+        slots = [self.host_tier.take(b.block_hash) if isinstance(b, HostHit) else None for b in computed_blocks]
+        for b in computed_blocks:  # NOTE: pin the device hits before any eviction below
+            if not isinstance(b, HostHit):
+                if self.ref_cnt[b] == 0:
+                    self.policy.remove(b)
+                self.ref_cnt[b] += 1
+        for b, slot in zip(computed_blocks, slots):
+            if isinstance(b, HostHit):
+                block_id = self._take_block()
+                self.ref_cnt[block_id] = 1
+                self.block_hash[block_id] = b.block_hash
+                self.hash_to_block[b.block_hash] = block_id
+                self.policy.cached(block_id, True)
+                self.host_tier.copy_back(slot, block_id)
+                b = block_id
+            self.policy.touch(b)
+            req.block_ids.append(b)
+
     def _take_block(self) -> int:
         if self.free_block_ids:
             return self.free_block_ids.popleft()
         block_id = self.policy.pop_victim()
-        del self.hash_to_block[self.block_hash[block_id]]
+        h = self.block_hash[block_id]
+        if self.host_tier is not None:
+            self.host_tier.on_evict(block_id, h)
+        del self.hash_to_block[h]
         self.block_hash[block_id] = None
         self.num_evictions += 1
+        if self.tier is not None:
+            self.tier.offload(block_id, h)
         return block_id
+
+    def uncache(self, block_hash: int) -> None:
+        """Forget a cached block whose contents are wrong (its tier copy failed a check): it
+        is no longer a hit; if unused it returns to the free pool; the tier drops it too."""
+        block_id = self.hash_to_block.pop(block_hash, None)
+        if block_id is not None:
+            self.block_hash[block_id] = None
+            if self.ref_cnt[block_id] == 0:
+                self.policy.remove(block_id)
+                self.free_block_ids.append(block_id)
+        if self.tier is not None:
+            self.tier.drop(block_hash)
+
+    def offload_all(self) -> None:
+        """Hand every cached block to the tier (at shutdown, so that a restart finds them),
+        the least recently cached first."""
+        if self.tier is not None:
+            for h, block_id in self.hash_to_block.items():
+                self.tier.offload(block_id, h)
+
+    def take_blocks(self, n: int) -> list[int] | None:
+        """n blocks outside any request (scratch KV for an embedding), or None if there is no
+        room now. Give them back with return_blocks."""
+        if n > self.num_free_blocks:
+            return None
+        return [self._take_block() for _ in range(n)]
+
+    def return_blocks(self, block_ids: list[int]) -> None:
+        self.free_block_ids.extend(block_ids)
 
     def free(self, req: Request) -> None:
         """Release all of req's blocks. Tail first, so that under an LRU-ordered policy the
@@ -232,4 +329,4 @@ class BlockManager:
 
     def reset_counters(self) -> None:
         self.query_tokens = self.hit_tokens = self.query_blocks = self.hit_blocks = 0
-        self.num_evictions = 0
+        self.num_evictions = self.tier_hit_blocks = 0

@@ -14,6 +14,7 @@ import numpy as np
 from ..config import ModelConfig, UnsupportedModelError, rope_inv_freq
 from ..gguf_model import open_checkpoint
 from ..quant.loader import LinearFactory, parse_quantization
+from ..plan import EMBED
 from ..sharding import ShardLayout, shard_layouts
 from ..weights import Checkpoint
 
@@ -73,10 +74,11 @@ class LlamaModel:
             if progress:
                 progress(i + 1, cfg.num_layers)
         self.norm = ckpt.load("model.norm.weight", "float32")
+        # NOTE: lm_head stays as stored (quantized at load only if the file already is); an
+        # embedding model has none
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in ckpt
-        # NOTE: lm_head stays as stored (quantized at load only if the file already is)
-        self.lm_head = linear.head("model.embed_tokens.weight" if tied else "lm_head.weight",
-                                   lay.vocab, lay.vocab_chunk)
+        self.lm_head = None if cfg.is_embedding_model else linear.head(
+            "model.embed_tokens.weight" if tied else "lm_head.weight", lay.vocab, lay.vocab_chunk)
         inv_freq, attn_scale = rope_inv_freq(cfg)
         pos = np.arange(max_model_len, dtype=np.float64)[:, None] * inv_freq[None, :]
         # cos_sin: [max_model_len, rot_dim] = [cos | sin]
@@ -86,8 +88,8 @@ class LlamaModel:
         self.windows = [cfg.window(i) for i in range(cfg.num_layers)]  # 0 = full attention
 
     def _linears(self) -> list:
-        return [self.lm_head] + [getattr(l, n) for l in self.layers
-                                 for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+        head = [] if self.lm_head is None else [self.lm_head]  # an embedding model has none
+        return head + [getattr(l, n) for l in self.layers for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
 
     @property
     def weight_bytes(self) -> int:
@@ -130,7 +132,8 @@ class LlamaModel:
         return x
 
     def forward(self, plan) -> np.ndarray | None:
-        """Run one step; returns logits [S', vocab] for plan.logits_indices (every rank)."""
+        """Run one step; returns logits [S', vocab] for plan.logits_indices (every rank), or
+        for an EMBED plan the final normed hidden states [S', hidden] of those rows."""
         ops, cfg, lay, comm = self.ops, self.cfg, self.lay, self.comm
         T, H, D = plan.num_tokens, cfg.hidden_size, cfg.head_dim
         hq, hk = lay.num_q_heads, lay.num_kv_heads
@@ -174,6 +177,8 @@ class LlamaModel:
         last += delta[idx]
         hn = np.empty_like(last)
         ops.rms_norm(last, self.norm, eps, hn)
+        if plan.kind == EMBED:
+            return hn
         logits = self.lm_head.forward(hn)                   # [S', vocab_chunk]
         if lay.world > 1:
             logits = comm.all_gather(logits)

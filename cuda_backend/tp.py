@@ -1,0 +1,49 @@
+"""Tensor parallel over NCCL: one rank per GPU of one host, under the same mpirun launch.
+
+The ranks and their shards are the CPU path's (ShardLayout of the MPI rank); only the
+collectives move to NCCL. Rank 0 picks a free TCP port for NCCL's rendezvous and shares it
+over MPI, so nothing but mpirun is needed to start the job.
+"""
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class NcclGroup:
+    def __init__(self, comm, device: torch.device):
+        if comm.local_size != comm.world_size:
+            raise RuntimeError("The CUDA backend runs tensor parallel within one host only; start every "
+                               "rank on the same machine.")
+        port = np.array([_free_port() if comm.rank == 0 else 0], np.float32)  # exact below 2**24
+        comm.all_reduce_(port)  # NOTE: a sum with zeros elsewhere: rank 0's port on every rank
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{int(port[0])}",
+                                rank=comm.rank, world_size=comm.world_size, device_id=device)
+        self.rank, self.world = comm.rank, comm.world_size
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t)
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """t: [R, C] on every rank -> [R, world * C] (rank r's columns r*C:(r+1)*C)."""
+        out = torch.empty((self.world,) + tuple(t.shape), dtype=t.dtype, device=t.device)
+        dist.all_gather_into_tensor(out, t.contiguous())
+        return out.permute(1, 0, 2).reshape(t.shape[0], -1)
+
+    def broadcast_(self, t: torch.Tensor) -> torch.Tensor:
+        dist.broadcast(t, 0)
+        return t
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
