@@ -270,6 +270,9 @@ class EngineConfig:
                 self.data_parallel, int) or self.data_parallel < 1):
             raise ValueError(f"data_parallel must be a positive integer, got {self.data_parallel!r}.")
         self.disk_tier  # validates
+        if self.kv_cache_dir is not None and self.device != "cpu":
+            raise ValueError("The KV disk tier (kv_cache_dir) runs with the CPU backend; on a GPU use the host "
+                             "KV tier (host_kv_cache_memory) instead.")
         if not 0.0 < self.kv_cache_fraction <= 0.95:
             raise ValueError(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction!r}.")
 
@@ -335,7 +338,7 @@ class ParallelConfig:
             dp = next(d for d in range(2, world_size + 1)
                       if world_size % d == 0 and world_size // d <= num_heads)
             return cls(world_size, dp, f"{world_size} ranks exceed the model's {num_heads} attention "
-                                       f"heads: {dp} replicas of {world_size // dp} ranks")
+                                       f"heads: {dp} replicas of {world_size // dp} rank(s)")
         crossover = DP_CROSSOVER_CONCURRENCY
         if crossover is not None and max_num_seqs >= crossover:
             return cls(world_size, world_size, f"max_num_seqs {max_num_seqs} >= {crossover}, where "
