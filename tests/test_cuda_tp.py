@@ -33,11 +33,11 @@ def _reason():
 pytestmark = pytest.mark.skipif(_reason() is not None, reason=f"CUDA tensor-parallel test SKIPPED: {_reason()}")
 
 
-def run_mpi(n, model_dir):
+def run_mpi(n, model_dir, prompts=PROMPTS, extra=()):
     env = dict(os.environ, MPI4PY_RC_THREAD_LEVEL="funneled", OMP_NUM_THREADS="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = ["mpirun", "-np", str(n), sys.executable, os.path.join(HERE, "mpi", "cuda_generate.py"),
-           model_dir, "float32", str(MAX_TOKENS), json.dumps(PROMPTS)]
+           model_dir, str(MAX_TOKENS), json.dumps(prompts), *extra]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
@@ -52,3 +52,16 @@ def test_two_ranks_equal_transformers(tmp_path):
     two = run_mpi(2, str(tmp_path))
     assert two["world"] == 2
     assert two["tokens"] == [hf_greedy(ref, p, MAX_TOKENS) for p in PROMPTS]
+
+
+def test_two_ranks_share_the_host_tiers_copies(tmp_path):
+    """A GPU pool of 4 blocks per rank, three 33-token prompts run one at a time, twice: the
+    second round's prefixes come back from every rank's host pool, and the tokens equal one
+    rank's without a tier."""
+    ref = build_model(str(tmp_path), arch="llama")
+    prompts = [list(range(10 + 40 * i, 43 + 40 * i)) for i in range(3)]
+    block = 2 * 2 * 16 * 1 * 16 * 4  # layers, K|V, tokens, kv heads per rank, head_dim, f32
+    two = run_mpi(2, str(tmp_path), prompts, extra=(str(4 * block), str(1 << 20)))
+    assert two["restored"] > 0
+    want = [hf_greedy(ref, p, MAX_TOKENS) for p in prompts]
+    assert two["tokens"] == want + want
