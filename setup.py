@@ -67,10 +67,10 @@ setup(
     name="numa_runtime",
     version="0.1.0",
     description="CPU-first LLM inference runtime: one MPI rank per NUMA node, tensor parallel",
-    # NOTE: launch/ installs as numa_runtime.launch (through the numa_runtime/launch link),
-    # never as a global `launch` module; cuda_backend/ is the optional GPU side (imported only
-    # for device="cuda"; its dependencies come with the `cuda` extra)
-    packages=find_packages(include=["numa_runtime", "numa_runtime.*", "cuda_backend"]),
+    # NOTE: launch/ and cuda_backend/ install as numa_runtime.launch and numa_runtime.cuda_backend
+    # (through the links in numa_runtime/), never as global modules; cuda_backend is imported
+    # only for device="cuda", and its dependencies come with the `cuda` extra
+    packages=find_packages(include=["numa_runtime", "numa_runtime.*"]),
     ext_modules=cythonize(kernel_extensions(), language_level=3,
                           compiler_directives={"boundscheck": False, "wraparound": False,
                                                "cdivision": True, "initializedcheck": False}),

@@ -3,13 +3,15 @@ and long conversations).
 
     python bench/bench_isa_context.py                      # Qwen2.5-0.5B shape, bf16, all cores
     python bench/bench_isa_context.py --levels 2 1 0 --contexts 512 8192 16000
+    python bench/bench_isa_context.py --quantization int4 --contexts 512   # quantized at load
 
 Part 1, ISA levels: each level runs in its own process with our kernels capped at that level
 (gemm._force_cpu_level, attention._force_paths) and oneDNN capped at the matching ISA
 (ONEDNN_MAX_CPU_ISA: 2 -> AVX512_CORE_AMX, 1 -> AVX512_CORE, 0 -> AVX2), so a machine with
 AVX512_BF16 stands in for Skylake/Cascade Lake (level 1) and Zen 1-3/Haswell (level 0). Batch-1
 decode is reported as tok/s and as a fraction of the DRAM limit (bench/limits.py probe /
-weight bytes read per token).
+weight bytes read per token: the packed linears of the run, so a quantized format counts the
+bytes it streams).
 Part 2, long context at the best level: prefill of C tokens (tok/s) and batch-1 decode right
 after it, for each C in --contexts.
 """
@@ -23,8 +25,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import (CACHE, QWEN05B, add_model_args, build_once, resolve_model,  # noqa: E402
-                          weights_bytes_per_token, write_report)
+from bench.common import CACHE, QWEN05B, add_model_args, build_once, resolve_model, write_report  # noqa: E402
 
 ONEDNN_ISA = {2: "AVX512_CORE_AMX", 1: "AVX512_CORE", 0: "AVX2"}
 LONG_SHAPE_LEN = 32768
@@ -39,10 +40,12 @@ def child(args) -> dict:
     attention._force_paths(level=min(args.level, 1))
     eng = Engine(args.model_dir, dtype=args.dtype, num_threads=args.threads,
                  max_model_len=max(args.contexts) + args.decode_tokens + 8,
-                 enable_prefix_caching=False, max_num_batched_tokens=args.chunk)
+                 enable_prefix_caching=False, max_num_batched_tokens=args.chunk,
+                 quantization=args.quantization)
     rng = np.random.default_rng(0)
     vocab = eng.model_config.vocab_size
-    out = {"level": gemm.cpu_level(), "contexts": {}}
+    out = {"level": gemm.cpu_level(), "contexts": {},
+           "bytes_per_token": sum(getattr(x, "nbytes", 0) for x in eng.runner.model._linears())}
     for ctx in args.contexts:
         # warm-up request of the same length (oneDNN primitives, page faults), then the timed one
         for _ in range(2):
@@ -66,6 +69,8 @@ def run_level(args, level: int, contexts: list[int]) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model-dir", args.model_dir,
            "--level", str(level), "--dtype", args.dtype, "--decode-tokens", str(args.decode_tokens),
            "--chunk", str(args.chunk), "--contexts", *map(str, contexts)]
+    if args.quantization:
+        cmd += ["--quantization", args.quantization]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -82,6 +87,7 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 8192, 16000])
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens (prefill chunk)")
+    ap.add_argument("--quantization", default=None, help="quantize at load (int8, int4, ...)")
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--out", default="/tmp/bench_isa_context")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -98,28 +104,28 @@ def main() -> None:
         args.model_dir = build_once(os.path.join(CACHE, "qwen0.5b-32k"), "qwen0.5b-32k",
                                     dict(QWEN05B, max_position_embeddings=LONG_SHAPE_LEN))
     from numa_runtime._kernels import gemm
-    from numa_runtime.config import ModelConfig
     from bench.limits import dram_read_gbps
     best = gemm.cpu_level()
     levels = [lv for lv in args.levels if lv <= best]
     dram = dram_read_gbps(args.threads)
-    per_token = weights_bytes_per_token(ModelConfig.from_dir(args.model_dir), args.dtype)
+    results = {lv: run_level(args, lv, [512]) for lv in levels}
+    long = run_level(args, best, args.contexts)
+    per_token = long["bytes_per_token"]  # the linears one decode step streams, as packed
     limit = dram * 1e9 / per_token
-    report = {"dram_read_gbps": dram, "decode_limit_tok_s": limit, "levels": {}, "long": {}}
-    lines = [f"model {args.model_dir}, {args.dtype}, DRAM read {dram:.1f} GB/s, "
+    report = {"dram_read_gbps": dram, "bytes_per_token": per_token, "decode_limit_tok_s": limit,
+              "levels": {}, "long": {}}
+    lines = [f"model {args.model_dir}, {args.dtype}, quantization {args.quantization}, "
+             f"{per_token / 1e6:.0f} MB read per token, DRAM read {dram:.1f} GB/s, "
              f"decode limit {limit:.1f} tok/s", "",
              "| kernel level | decode tok/s (batch 1, 512 context) | of DRAM limit | prefill 512 tok/s |",
              "| --- | --- | --- | --- |"]
-    for lv in levels:
-        r = run_level(args, lv, [512])["contexts"]["512"]
-        report["levels"][lv] = r
+    for lv, res in results.items():
+        r = report["levels"][lv] = res["contexts"]["512"]
         lines.append(f"| {lv} ({ONEDNN_ISA[lv]}) | {r['decode_tok_s']:.1f} | "
                      f"{r['decode_tok_s'] / limit:.0%} | {r['prefill_tok_s']:.0f} |")
     lines += ["", "| context | prefill tok/s | decode tok/s after it |", "| --- | --- | --- |"]
-    long = run_level(args, best, args.contexts)["contexts"]
     for ctx in args.contexts:
-        r = long[str(ctx)]
-        report["long"][ctx] = r
+        r = report["long"][ctx] = long["contexts"][str(ctx)]
         lines.append(f"| {ctx} | {r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} |")
     print("\n".join(lines))
     write_report(args.out, report, "\n".join(lines))

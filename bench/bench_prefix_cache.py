@@ -3,6 +3,7 @@
     python bench/bench_prefix_cache.py                 # lru vs reuse, several cache sizes
     python bench/bench_prefix_cache.py --blocks 1024 --policies lru reuse
     python bench/bench_prefix_cache.py --engine --threads 1 [--quick] [--model DIR] [--out /tmp/x]
+    python bench/bench_prefix_cache.py [--engine] --disk-tier --restart   # disk tier off/on, restart mid-way
 
 Workload (seeded, identical for every policy): `clients` conversations of `turns` turns; each
 turn's prompt is the whole conversation so far (system prompt, earlier user texts and the
@@ -19,6 +20,12 @@ stay in steps (identical for both policies); TTFT is wall clock from the schedul
 to the step that samples the first token. Default model: a random 8-layer Llama (hidden 512).
 Writes OUT.json and OUT.md.
 
+--disk-tier runs every policy twice, without and with a disk tier under the pool
+(kv_cache/disk_tier.py; simulated: the block manager's ops only). --restart stops arrivals half-way
+(at half the steps of the run without a tier), lets the running requests finish, and replaces the
+server: a new scheduler, or a new Engine on the same --kv-cache-dir (the old one writes its cached
+blocks there when it closes). "conv hit after restart" is the conversations' hit rate from then on.
+
 Results with their machines and commands: bench/RESULTS.md.
 """
 from __future__ import annotations
@@ -26,7 +33,9 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import CACHE, build_once, percentiles, write_report  # noqa: E402
 from numa_runtime.kv_cache import BlockManager  # noqa: E402
+from numa_runtime.kv_cache.disk_tier import DiskTier  # noqa: E402
 from numa_runtime.request import Request, RequestStatus  # noqa: E402
 from numa_runtime.sampling_params import SamplingParams  # noqa: E402
 from numa_runtime.scheduler import Scheduler, SchedulerConfig  # noqa: E402
@@ -126,13 +136,26 @@ def simulated_step(out) -> list[int]:
     return (out.plan.positions[out.plan.logits_indices] % 7).tolist()
 
 
-def run_workload(sched: Scheduler, workload: Workload, run_step, max_steps: int = 1_000_000) -> dict:
-    """schedule -> run_step -> update until the workload is done. Returns per-request records."""
+def run_workload(sched: Scheduler, workload: Workload, run_step, max_steps: int = 1_000_000,
+                 restart_at: int | None = None, restart=None) -> dict:
+    """schedule -> run_step -> update until the workload is done. Returns per-request records.
+
+    With `restart_at`: from that step no request arrives until the running ones finish, then
+    `restart()` -> (scheduler, run_step) replaces the server (a new process on the same disk
+    tier, or with none) and arrivals resume."""
     arrived: dict[str, tuple[Request, int, float]] = {}
     records = []
     computed = prefill = 0
+    schedulers, after = [sched], False
     for step in range(max_steps):
-        for r in workload.arrivals(step):
+        if restart_at is not None and step >= restart_at:
+            if sched.has_unfinished():
+                pass  # draining: nobody arrives until the running requests finish
+            else:
+                sched, run_step = restart()
+                schedulers.append(sched)
+                restart_at, after = None, True
+        for r in workload.arrivals(step) if restart_at is None or step < restart_at else ():
             sched.add_request(r)
             arrived[r.request_id] = (r, step, time.perf_counter())
         if workload.done() and not sched.has_unfinished():
@@ -147,36 +170,57 @@ def run_workload(sched: Scheduler, workload: Workload, run_step, max_steps: int 
         for r in out.sampling:
             _, t0_step, t0 = arrived[r.request_id]
             if r.num_output_tokens == 1:
-                records.append({"id": r.request_id, "conv": r.request_id.startswith("c"),
+                records.append({"id": r.request_id, "conv": r.request_id.startswith("c"), "after_restart": after,
                                 "prompt": r.num_prompt_tokens, "cached": r.num_cached_tokens,
                                 "ttft_steps": step + 1 - t0_step, "ttft_s": time.perf_counter() - t0})
             if r.num_output_tokens >= r.sampling_params.max_tokens:
                 sched.finish_request(r, RequestStatus.FINISHED_LENGTH)
                 workload.finished(r, step)
-    return {"records": records, "steps": step, "computed_tokens": computed, "prefill_tokens": prefill}
+    return {"records": records, "steps": step, "computed_tokens": computed, "prefill_tokens": prefill,
+            "schedulers": schedulers}
 
 
 def simulate(policy: str, num_blocks: int, wcfg: WorkloadConfig, block_size: int = 16,
-             max_num_seqs: int = 16, budget: int = 512, run_step=simulated_step) -> dict:
-    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=policy != "none",
-                      eviction="lru" if policy == "none" else policy)
-    sched = Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len=4096), bm)
+             max_num_seqs: int = 16, budget: int = 512, run_step=simulated_step, disk_blocks: int = 0,
+             restart_at: int | None = None) -> dict:
+    """The workload on the simulated model; `disk_blocks` > 0 puts a disk tier of that many
+    blocks under the pool (plain Python: the ops are only counted); `restart_at` restarts."""
+    def new_scheduler(disk_entries=()):
+        tier = DiskTier(disk_blocks, True, list(disk_entries)) if disk_blocks else None
+        bm = BlockManager(num_blocks, block_size, enable_prefix_caching=policy != "none",
+                          eviction="lru" if policy == "none" else policy, tier=tier)
+        return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len=4096), bm)
+
+    def restart():
+        bm = sched.block_manager
+        if bm.tier is None:
+            return new_scheduler(), run_step
+        bm.offload_all()  # what Engine.close() does
+        return new_scheduler(bm.tier.index), run_step
+
+    sched = new_scheduler()
     t0 = time.perf_counter()
-    res = run_workload(sched, Workload(wcfg), run_step)
-    return summarize(policy, sched, res, time.perf_counter() - t0)
+    res = run_workload(sched, Workload(wcfg), run_step, restart_at=restart_at, restart=restart)
+    return summarize(policy, res["schedulers"][-1], res, time.perf_counter() - t0)
 
 
 def summarize(policy: str, sched: Scheduler, res: dict, wall_s: float) -> dict:
     """One row of the report from `run_workload`'s records and the block manager's counters."""
     bm, recs = sched.block_manager, res["records"]
+    bms = [s.block_manager for s in res.get("schedulers", [sched])]  # one per (re)start
     conv = [r for r in recs if r["conv"]]
     one = [r for r in recs if not r["conv"]]
     rate = lambda rs: sum(r["cached"] for r in rs) / max(1, sum(r["prompt"] for r in rs))  # noqa: E731
     mean = lambda rs, k: sum(r[k] for r in rs) / max(1, len(rs))  # noqa: E731
-    return {"policy": policy, "blocks": bm.num_blocks, "hit_rate": bm.hit_rate, "conv_hit": rate(conv),
-            "one_off_hit": rate(one), "saved": bm.hit_tokens, "queried": bm.query_tokens,
+    saved, queried = sum(b.hit_tokens for b in bms), sum(b.query_tokens for b in bms)
+    return {"policy": policy, "blocks": bm.num_blocks, "hit_rate": saved / max(1, queried), "conv_hit": rate(conv),
+            "conv_hit_after_restart": rate([r for r in conv if r.get("after_restart")]),
+            "restarts": len(bms) - 1, "disk": bm.tier is not None,
+            "disk_hit_blocks": sum(b.tier_hit_blocks for b in bms),
+            "one_off_hit": rate(one), "saved": saved, "queried": queried,
             "computed": res["computed_tokens"], "prefill": res["prefill_tokens"],
-            "steps": res["steps"], "evictions": bm.num_evictions, "preemptions": sched.num_preemptions,
+            "steps": res["steps"], "evictions": sum(b.num_evictions for b in bms),
+            "preemptions": sum(s.num_preemptions for s in res.get("schedulers", [sched])),
             "ttft_conv": mean(conv, "ttft_steps"), "wall_s": wall_s,
             "ttft_conv_s": percentiles([r["ttft_s"] for r in conv]),
             "ttft_one_off_s": percentiles([r["ttft_s"] for r in one])}
@@ -211,24 +255,46 @@ def working_set_blocks(w: WorkloadConfig, block_size: int = 16) -> int:
 
 def engine_step(eng):
     """Engine.step's middle: execute the plan on the model, sample greedily (no detokenizer)."""
-    return lambda out: eng.sampler(eng.runner.execute(out.plan), out.sampling, eng.eos_ids)[0].tolist()
+    def step(out):
+        logits = eng.runner.execute(out.plan)
+        if logits is None:
+            raise SystemExit(f"A disk-tier file failed its check ({len(eng.runner.failed_loads)} blocks); "
+                             "the benchmark expects an intact --kv-cache-dir.")
+        return eng.sampler(logits, out.sampling, eng.eos_ids)[0].tolist()
+    return step
 
 
-def run_engine(policy: str, num_blocks: int, bytes_per_block: int, w: WorkloadConfig, a) -> dict:
-    """The workload through an Engine whose KV pool holds exactly `num_blocks` blocks."""
+def run_engine(policy: str, num_blocks: int, bytes_per_block: int, w: WorkloadConfig, a,
+               disk_dir: str | None = None, restart_at: int | None = None) -> dict:
+    """The workload through an Engine whose KV pool holds exactly `num_blocks` blocks; with
+    `disk_dir` a disk tier under it; with `restart_at` a new Engine (same directory) mid-way."""
     from numa_runtime import Engine
-    eng = Engine(a.model, dtype=a.dtype, num_threads=a.threads, max_model_len=a.max_model_len,
-                 kv_cache_memory=num_blocks * bytes_per_block, eviction=policy,
-                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.budget)
-    try:
-        if eng.runner.num_blocks != num_blocks:
-            raise SystemExit(f"The engine made {eng.runner.num_blocks} KV blocks, not {num_blocks} "
+
+    def start():
+        disk = {} if disk_dir is None else dict(kv_cache_dir=disk_dir, kv_cache_disk_bytes=a.disk_bytes,
+                                                kv_cache_disk_load=a.disk_load)
+        e = Engine(a.model, dtype=a.dtype, num_threads=a.threads, max_model_len=a.max_model_len,
+                   kv_cache_memory=num_blocks * bytes_per_block, eviction=policy,
+                   max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.budget, **disk)
+        if e.runner.num_blocks != num_blocks:
+            raise SystemExit(f"The engine made {e.runner.num_blocks} KV blocks, not {num_blocks} "
                              "(capped at max_num_seqs full-length sequences); ask for fewer --blocks.")
+        engines.append(e)
+        return e
+
+    def restart():
+        engines[-1].close()  # writes its cached blocks to the disk tier, if any
+        e = start()
+        return e.scheduler, engine_step(e)
+
+    engines = []
+    eng = start()
+    try:
         t0 = time.perf_counter()
-        res = run_workload(eng.scheduler, Workload(w), engine_step(eng))
-        return summarize(policy, eng.scheduler, res, time.perf_counter() - t0)
+        res = run_workload(eng.scheduler, Workload(w), engine_step(eng), restart_at=restart_at, restart=restart)
+        return summarize(policy, res["schedulers"][-1], res, time.perf_counter() - t0)
     finally:
-        eng.close()
+        engines[-1].close()
 
 
 def warm_up(a) -> int:
@@ -255,12 +321,14 @@ def engine_markdown(r: dict) -> str:
              f"{c['blocks']} blocks of 16 = {c['pool_fraction']:.0%} of the conversations' final histories "
              f"({c['working_set_blocks']} blocks); infinite-cache hit rate {r['infinite_cache_hit_rate']:.1%} "
              f"(simulated){'; --quick (noisy)' if r['quick'] else ''}", "",
-             "| policy | hit rate | conv hit | prefill tokens | TTFT conv p50 / p99 ms | "
-             "TTFT one-off p50 / p99 ms | preempt | total s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| policy | disk tier | restart | hit rate | conv hit | conv hit after restart | disk hits (blocks) | "
+             "prefill tokens | TTFT conv p50 / p99 ms | TTFT one-off p50 / p99 ms | preempt | total s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     ms = lambda d: f"{d['p50'] * 1e3:.0f} / {d['p99'] * 1e3:.0f}"  # noqa: E731
     for p in r["policies"]:
-        lines.append(f"| {p['policy']} | {p['hit_rate']:.1%} | {p['conv_hit']:.1%} | {p['prefill']} | "
+        after = f"{p['conv_hit_after_restart']:.1%}" if p["restarts"] else "-"
+        lines.append(f"| {p['policy']} | {'on' if p['disk'] else 'off'} | {'at step %d' % p['restart_at'] if p['restarts'] else '-'} | "
+                     f"{p['hit_rate']:.1%} | {p['conv_hit']:.1%} | {after} | {p['disk_hit_blocks']} | {p['prefill']} | "
                      f"{ms(p['ttft_conv_s'])} | {ms(p['ttft_one_off_s'])} | {p['preemptions']} | "
                      f"{p['wall_s']:.1f} |")
     return "\n".join(lines) + "\n"
@@ -283,18 +351,27 @@ def engine_main(a) -> None:
     print(f"{a.clients} clients x {a.turns} turns + {a.one_offs} one-offs; KV pool {blocks} blocks "
           f"({blocks * bpb / 2**20:.1f} MiB) vs working set {ws} blocks", flush=True)
     rows = []
-    # NOTE: alternating policies so that load from other processes on the host hits both alike
-    for run, policy in ((r, p) for r in range(a.repeat) for p in a.policies):
-        rows.append(dict(run_engine(policy, blocks, bpb, w, a), run=run))
+    # NOTE: alternating variants so that load from other processes on the host hits all alike
+    variants = [(r, p, d) for r in range(a.repeat) for p in a.policies for d in ((False, True) if a.disk_tier else (False,))]
+    for run, policy, disk in variants:
+        restart_at = simulate(policy, blocks, w)["steps"] // 2 if a.restart else None
+        disk_dir = tempfile.mkdtemp(prefix="kv-disk-", dir=os.path.dirname(os.path.abspath(a.out))) if disk else None
+        try:
+            rows.append(dict(run_engine(policy, blocks, bpb, w, a, disk_dir, restart_at), run=run, restart_at=restart_at))
+        finally:
+            if disk_dir:
+                shutil.rmtree(disk_dir, ignore_errors=True)
         p = rows[-1]
-        print(f"{policy}: hit {p['hit_rate']:.1%}, prefill {p['prefill']} tokens, TTFT conv p50 "
+        print(f"{policy} disk {'on' if disk else 'off'}: hit {p['hit_rate']:.1%}, conv after restart "
+              f"{p['conv_hit_after_restart']:.1%}, prefill {p['prefill']} tokens, TTFT conv p50 "
               f"{p['ttft_conv_s']['p50'] * 1e3:.0f} ms, {p['wall_s']:.1f} s", flush=True)
     report = {"quick": a.quick, "infinite_cache_hit_rate": ideal["hit_rate"],
               "config": {"model": a.model, "dtype": a.dtype, "clients": a.clients, "turns": a.turns,
                          "one_offs": a.one_offs, "one_off_every": a.one_off_every, "think": a.think,
                          "max_tokens": a.max_tokens, "seed": a.seed, "blocks": blocks,
                          "bytes_per_block": bpb, "working_set_blocks": ws, "pool_fraction": blocks / ws,
-                         "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.budget},
+                         "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.budget,
+                         "disk_tier": a.disk_tier, "restart": a.restart},
               "policies": rows}
     md = engine_markdown(report)
     paths = write_report(a.out, report, md)
@@ -312,7 +389,13 @@ def main(argv=None):
     ap.add_argument("--one-off-every", type=int, default=4, help="steps between one-off arrivals")
     ap.add_argument("--think", type=int, nargs=2, default=[20, 200], help="steps a client waits between turns")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--disk-tier", action="store_true", help="also run each policy with a disk tier under the pool")
+    ap.add_argument("--restart", action="store_true",
+                    help="restart the server half-way (drain, then a new scheduler / Engine on the same disk tier)")
+    ap.add_argument("--disk-blocks", type=int, default=1 << 16, help="simulated disk tier's size in blocks")
     g = ap.add_argument_group("--engine: the workload through a real Engine (TTFT in seconds)")
+    g.add_argument("--disk-bytes", type=int, default=4 << 30, help="--disk-tier's size cap (kv_cache_disk_bytes)")
+    g.add_argument("--disk-load", default="auto", choices=["auto", "always"], help="kv_cache_disk_load")
     g.add_argument("--engine", action="store_true")
     g.add_argument("--quick", action="store_true", help="smaller workload and pool (under a minute)")
     g.add_argument("--model", help="HF model directory (default: random 8-layer Llama, 24M params, built once)")
@@ -336,14 +419,16 @@ def main(argv=None):
           f"(one every {args.one_off_every} steps), think {args.think[0]}-{args.think[1]} steps; "
           f"block 16; infinite cache hit rate {ideal['hit_rate']:.1%} "
           f"(conversation turns {ideal['conv_hit']:.1%})")
-    print(f"{'blocks':>6} {'policy':>6} {'hit':>6} {'conv hit':>8} {'1-off hit':>9} {'saved tok':>9} "
-          f"{'computed':>9} {'steps':>6} {'evict':>6} {'preempt':>7} {'ttft conv':>9}")
-    for nb in args.blocks:
-        for pol in args.policies:
-            r = simulate(pol, nb, wcfg)
-            print(f"{nb:>6} {pol:>6} {r['hit_rate']:>6.1%} {r['conv_hit']:>8.1%} {r['one_off_hit']:>9.1%} "
-                  f"{r['saved']:>9} {r['computed']:>9} {r['steps']:>6} {r['evictions']:>6} "
-                  f"{r['preemptions']:>7} {r['ttft_conv']:>9.1f}")
+    print(f"{'blocks':>6} {'policy':>6} {'disk':>4} {'hit':>6} {'conv hit':>8} {'conv rst':>8} {'1-off hit':>9} "
+          f"{'saved tok':>9} {'computed':>9} {'steps':>6} {'evict':>6} {'preempt':>7} {'ttft conv':>9}")
+    for nb, pol, disk in ((n, p, d) for n in args.blocks for p in args.policies
+                          for d in ((False, True) if args.disk_tier else (False,))):
+        restart_at = simulate(pol, nb, wcfg)["steps"] // 2 if args.restart else None
+        r = simulate(pol, nb, wcfg, disk_blocks=args.disk_blocks if disk else 0, restart_at=restart_at)
+        after = f"{r['conv_hit_after_restart']:>8.1%}" if r["restarts"] else f"{'-':>8}"
+        print(f"{nb:>6} {pol:>6} {'on' if disk else 'off':>4} {r['hit_rate']:>6.1%} {r['conv_hit']:>8.1%} {after} "
+              f"{r['one_off_hit']:>9.1%} {r['saved']:>9} {r['computed']:>9} {r['steps']:>6} {r['evictions']:>6} "
+              f"{r['preemptions']:>7} {r['ttft_conv']:>9.1f}")
 
 
 if __name__ == "__main__":

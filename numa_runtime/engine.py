@@ -39,7 +39,7 @@ class Engine:
     def __init__(self, model: str | None = None, dtype: str = "bfloat16", max_model_len: int | None = None,
                  num_threads: int | None = None, **kwargs):
         from . import backend, data_parallel, distributed, profiler
-        from .default_model import default_model_dir
+        from .default_model import default_model_path
         from .kv_cache.block_manager import BlockManager
         from .sampler import Sampler
         from .router import ReplicaRouter
@@ -50,19 +50,29 @@ class Engine:
         self.comm = distributed.init_distributed()
         ops = backend.get_backend(self.config.backend)
         placement = self._bind_and_set_threads(ops)
-        model_dir = model if model is not None else default_model_dir()
+        model_dir = model if model is not None else default_model_path()
+        if str(model_dir).endswith(".gguf"):  # NOTE: weights stay in the file, blocks as they are
+            from .gguf_model import gguf_model_dir
+            model_dir = gguf_model_dir(str(model_dir))
         self.model_config = mcfg = ModelConfig.from_dir(os.path.expanduser(str(model_dir)))
         self.max_model_len = self._resolve_max_len(mcfg, self.config.max_model_len)
         # NOTE: fail on a missing tokenizer before reading any weight; every rank has one, so
         # that a script's tokenizer calls run unchanged on worker ranks too
         self.tokenizer = Tokenizer.from_dir(mcfg.model_dir)
         self.parallel, tp_comm, self._link = data_parallel.setup(self.comm, self.config, mcfg)
+        if self.config.kv_cache_dir is not None and self.parallel.data_parallel > 1:
+            raise ValueError("The KV disk tier (kv_cache_dir) works with one tensor-parallel model; run it "
+                             "without data-parallel replicas.")
+        if self.config.kv_cache_dir is not None and self.config.device != "cpu":
+            raise ValueError("The KV disk tier (kv_cache_dir) runs on the CPU backend only; on a GPU use "
+                             "host_kv_cache_memory.")
         self.recorder = profiler.make_recorder(self.comm.rank)  # a no-op unless AS_PROFILE=ON
         self.ops = profiler.timed_ops(ops, self.recorder)
         self.runner = _make_runner(mcfg, self.config, profiler.timed_comm(tp_comm, self.recorder), self.ops,
                                    self.max_model_len, _Progress() if self.comm.is_driver else None,
                                    self.recorder, gpu_index=self.comm.local_rank)
         self.ranks = self.comm.gather_object(self._rank_info(placement))  # rank 0: one dict per rank
+        disk_hashes = self.comm.gather_object(getattr(self.runner, "disk_hashes", []))  # rank 0: per rank
         self.placement = placement
         if not self.comm.is_driver:  # a worker serves rank 0 where the module docstring says
             self._closed = False
@@ -76,7 +86,7 @@ class Engine:
                                 BlockManager(n, self.config.block_size,
                                              enable_prefix_caching=self.config.enable_prefix_caching,
                                              eviction=self.config.eviction, recorder=self.recorder,
-                                             host_tier=self._host_tier()))
+                                             host_tier=self._host_tier(), tier=self._disk_tier(disk_hashes)))
                       for n in data_parallel.replica_blocks(self.parallel, self.ranks)]
         # NOTE: with data-parallel replicas, one scheduler (and KV pool) per replica behind a router
         self.scheduler = schedulers[0] if len(schedulers) == 1 else ReplicaRouter(schedulers)
@@ -103,6 +113,23 @@ class Engine:
         ops.set_num_threads(threads)
         self.num_threads = threads
         return placement
+
+    def _disk_tier(self, per_rank: list[list[int]]):
+        """Rank 0's DiskTier over the blocks whose files are valid on every rank, or None."""
+        cfg = self.config.disk_tier
+        if cfg is None:
+            return None
+        from .kv_cache.disk_tier import DiskTier, worth_loading
+        r, world = self.runner, self.comm.world_size
+        valid = set.intersection(*(set(p) for p in per_rank))
+        stale = set().union(*(set(p) for p in per_rank)) - valid  # on some ranks only: deleted
+        load = cfg.load_policy == "always" or worth_loading(r.bytes_per_block / r.block_size,
+                                                            self.model_config.num_params / world)
+        tier = DiskTier(cfg.capacity_bytes // r.disk.file_bytes, load,
+                        [h for h in per_rank[0] if h in valid], sorted(stale))
+        log.info("KV disk tier %s: %d blocks found, room for %d; hits %s", r.disk.dir, len(tier),
+                 tier.capacity_blocks, "are loaded" if load else "are recomputed (reading is not faster)")
+        return tier
 
     def _rank_info(self, placement) -> dict:
         import psutil
@@ -174,6 +201,9 @@ class Engine:
 
     def _add(self, prompt, params: SamplingParams | None, request_id: str | None, outbox: deque) -> str:
         """Queue a request whose outputs are appended to `outbox` (its owner reads them there)."""
+        if self.model_config.is_embedding_model:
+            raise ValueError(f"{self.model_config.architecture} is an embedding model without an LM head: it "
+                             "cannot generate text; use Engine.embed (or /v1/embeddings).")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams.")
@@ -249,6 +279,9 @@ class Engine:
         with rec.span(RESHAPE, "schedule"):
             out = self.scheduler.schedule()
         logits = self.runner.execute(out.plan)
+        if logits is None:  # a block read back from disk failed its check: redo without it
+            self.scheduler.redo_without(out, self.runner.failed_loads)
+            return
         with rec.span(FORWARD, "update"):
             self._update(out, logits)
         if rec.trace_due():  # AS_PROFILE_TRACE: once, when its number of steps is kept
@@ -348,6 +381,53 @@ class Engine:
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         return self.generate([ids], params)[0]
 
+    # ------------------------------------------------------------------ embeddings
+    def embed(self, inputs, pooling: str | None = None):
+        """Unit-length embeddings [len(inputs), hidden] float32 of strings or token-id lists:
+        the final normed hidden states pooled by "mean" (over the tokens) or "last" (the last
+        token). Default: "last" for embedding checkpoints (Qwen3-Embedding), "mean" otherwise."""
+        import numpy as np
+        self._driver_only("embed")
+        pooling = pooling or ("last" if self.model_config.is_embedding_model else "mean")
+        if pooling not in ("mean", "last"):
+            raise ValueError(f"pooling must be 'mean' or 'last', got {pooling!r}.")
+        items = [inputs] if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)) else list(inputs)
+        if not items:
+            raise ValueError("Give at least one input to embed.")
+        out = np.empty((len(items), self.model_config.hidden_size), np.float32)  # [N, hidden]
+        for i, item in enumerate(items):
+            _, ids = self._tokenize(item)
+            if len(ids) > self.max_model_len:
+                raise ValueError(f"Input {i} has {len(ids)} tokens, but the context holds {self.max_model_len}; "
+                                 "shorten it or raise max_model_len.")
+            h = self._final_hidden(ids, every_row=pooling == "mean")  # [n or 1, hidden]
+            v = h.mean(axis=0) if pooling == "mean" else h[-1]
+            out[i] = v / max(float(np.linalg.norm(v)), 1e-12)
+        return out
+
+    def _final_hidden(self, ids: list[int], every_row: bool):
+        """One forward over `ids` in scratch KV blocks of replica 0: normed hidden states of
+        every row or of the last."""
+        import numpy as np
+        from .plan import EMBED, StepPlan
+        # NOTE: with data-parallel replicas the scheduler is a ReplicaRouter: replica 0's pool
+        bm, n = getattr(self.scheduler, "replicas", [self.scheduler])[0].block_manager, len(ids)
+        blocks = bm.take_blocks(bm.num_blocks_for(n))
+        if blocks is None:
+            raise RuntimeError(f"The KV cache has no room for {n} tokens now; retry when requests finish.")
+        try:
+            bs = bm.block_size
+            pos = np.arange(n, dtype=np.int64)                               # [n]
+            table = np.asarray(blocks, np.int64)
+            rows = pos if every_row else pos[-1:]
+            plan = StepPlan(np.asarray(ids, np.int64), pos, table[pos // bs] * bs + pos % bs,
+                            np.array([0, n], np.int32), np.array([n], np.int32),
+                            table[None, :].astype(np.int32), rows, kind=EMBED,
+                            tier_ops=bm.tier.take_ops() if bm.tier is not None else None)
+            return getattr(self.runner, "local", self.runner).execute(plan)  # NOTE: DP: replica 0's runner
+        finally:
+            bm.return_blocks(blocks)
+
     # ------------------------------------------------------------------ operator profiling
     # AS_PROFILE=ON: every rank's op timings (profiler.py); RuntimeError when profiling is off.
     def get_op_profiling_info(self, model_name: str | None = None) -> str:
@@ -403,10 +483,20 @@ class Engine:
             self.serve_workers()
             return
         self._closed = True
+        atexit.unregister(self.close)  # NOTE: else atexit keeps an unloaded model's weights alive
         try:
+            self._flush_disk_tier()
             self.runner.shutdown_workers()
         except Exception as e:  # noqa: BLE001 - shutting down anyway
             log.warning("numa_runtime: shutting down workers failed: %s", e)
+
+    def _flush_disk_tier(self) -> None:
+        """Write every cached block to the disk tier, so that a restart finds them."""
+        tier = getattr(self.block_manager, "tier", None)  # NOTE: none under data-parallel replicas
+        if tier is not None:
+            from .plan import StepPlan
+            self.block_manager.offload_all()
+            self.runner.execute(StepPlan.empty(tier.take_ops()))
 
     def __enter__(self):
         return self
@@ -418,7 +508,7 @@ class Engine:
 def _make_runner(mcfg, cfg: EngineConfig, comm, ops, max_model_len: int, progress, recorder, gpu_index: int):
     """The one place where the device picks the model runner (torch is imported only for cuda)."""
     if cfg.device == "cuda":
-        import cuda_backend
+        from . import cuda_backend
         return cuda_backend.make_runner(mcfg, cfg, comm, max_model_len, progress, gpu_index)
     from .model_runner import ModelRunner
     return ModelRunner(mcfg, cfg, comm, ops, max_model_len, progress=progress, recorder=recorder)

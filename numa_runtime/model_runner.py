@@ -22,11 +22,22 @@ class ModelRunner:
                  max_model_len: int, progress=None, recorder=NULL_RECORDER):
         self.comm, self.ops, self.engine_cfg, self.recorder = comm, ops, engine_cfg, recorder
         self.model = get_model_class(model_cfg)(model_cfg, ops, comm, engine_cfg.dtype,
-                                                max_model_len, progress=progress)
+                                                max_model_len, progress=progress,
+                                                quantization=engine_cfg.quantization)
         self.block_size = engine_cfg.block_size
         self.bytes_per_block = self.model.kv_bytes_per_block(self.block_size)
         self.num_blocks = self._num_kv_blocks(max_model_len)
         self.model.allocate_kv_cache(self.num_blocks, self.block_size)
+        self.disk = self._open_disk_store(model_cfg)
+        self.disk_hashes = self.disk.scan() if self.disk is not None else []  # valid on this rank
+        self.failed_loads: set[int] = set()  # rank 0: hashes of the last step's failed loads
+
+    def _open_disk_store(self, model_cfg: ModelConfig):
+        if self.engine_cfg.kv_cache_dir is None:
+            return None
+        from .kv_cache.disk_tier import DiskStore, model_fingerprint
+        fp = model_fingerprint(model_cfg.model_dir, self.engine_cfg.dtype, self.block_size, self.comm.world_size)
+        return DiskStore(self.engine_cfg.kv_cache_dir, fp, self.comm.rank, self.bytes_per_block)
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
         cfg = self.engine_cfg
@@ -48,13 +59,32 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
 
-    def execute(self, plan: StepPlan) -> np.ndarray:
-        """Run one step on every rank; returns logits [len(plan.logits_indices), vocab]."""
+    def execute(self, plan: StepPlan) -> np.ndarray | None:
+        """Run one step on every rank; returns logits [len(plan.logits_indices), vocab], or
+        None when a block loaded from the disk tier failed its check on some rank (nothing ran;
+        `failed_loads` names the hashes)."""
         if self.comm.world_size > 1:
             self.comm.broadcast_plan(plan)
+        if not self._apply_tier_ops(plan):
+            return None
         if plan.num_tokens == 0:
             return np.zeros((0, self.model.cfg.vocab_size), np.float32)
         return self.model.forward(plan)
+
+    def _apply_tier_ops(self, plan: StepPlan) -> bool:
+        """Every rank: the plan's tier ops on its own shard; False if a load failed anywhere."""
+        self.failed_loads = set()
+        if len(plan.tier_ops) == 0:
+            return True
+        if self.disk is None:
+            raise RuntimeError("The plan moves KV blocks to or from a tier, but this rank has no kv_cache_dir.")
+        from .kv_cache.disk_tier import apply_ops
+        from .kv_cache.tier import OP_LOAD, join_hash
+        failed = apply_ops(self.disk, plan.tier_ops, self.model.kv_cache)  # [K] 1.0 where a load failed
+        if self.comm.world_size > 1 and (plan.tier_ops[:, 0] == OP_LOAD).any():
+            self.comm.all_reduce_(failed)  # NOTE: every rank takes the same path below
+        self.failed_loads = {join_hash(lo, hi) for (_, _, lo, hi), bad in zip(plan.tier_ops.tolist(), failed) if bad}
+        return not self.failed_loads
 
     def shutdown_workers(self) -> None:
         if self.comm.world_size > 1:
@@ -71,5 +101,5 @@ class ModelRunner:
                 if reply is not None:
                     self.comm.gather_object(reply)
                 continue
-            if plan.num_tokens:
+            if self._apply_tier_ops(plan) and plan.num_tokens:
                 self.model.forward(plan)

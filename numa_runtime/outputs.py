@@ -156,6 +156,9 @@ class TextState:
         self.num_sent_tokens = n
         lps = req.logprobs if req.sampling_params.logprobs is not None else None
         sent, k, unsent = self.sent, len(self.sent), self.unsent
-        return CompletionOutput(index, lambda: "".join(sent[:k]) + unsent, Prefix(req.output_token_ids, n),
-                                req.finish_reason, req.stop_reason, None if lps is None else Prefix(lps, n),
+        # NOTE: a request's last output carries plain lists (one O(L) copy, once), so what users
+        # keep is an ordinary list; outputs along the way are O(1) views.
+        view = (lambda items: list(items[:n])) if req.is_finished else (lambda items: Prefix(items, n))
+        return CompletionOutput(index, lambda: "".join(sent[:k]) + unsent, view(req.output_token_ids),
+                                req.finish_reason, req.stop_reason, None if lps is None else view(lps),
                                 delta, req.output_token_ids[start:n], None if lps is None else lps[start:n])

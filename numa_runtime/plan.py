@@ -5,12 +5,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-EXECUTE, SHUTDOWN, PROFILE = 1, 2, 3
+EXECUTE, SHUTDOWN, PROFILE, EMBED = 1, 2, 3, 4  # EMBED: final hidden states, no lm_head
 # NOTE: a PROFILE plan carries no step: its step_id is the action every rank takes on its
 # operator profile (recorder.py / profiler.py); GATHER and TRACE answer with comm.gather_object.
 PROFILE_GATHER, PROFILE_RESET, PROFILE_TRACE = 1, 2, 3
 _FIELDS = ("token_ids", "positions", "slot_mapping", "query_start", "context_lens",
-           "block_tables", "logits_indices")
+           "block_tables", "logits_indices", "tier_ops")
 _HEADER = 4  # kind, step_id, num_seqs, max_blocks
 
 
@@ -25,6 +25,13 @@ class StepPlan:
     logits_indices: np.ndarray  # [S'] int64
     kind: int = EXECUTE
     step_id: int = 0
+    # [K, 4] int64 rows (op, block_id, hash_lo, hash_hi): KV blocks every rank saves to, loads
+    # from or deletes in a cache tier before the step runs (kv_cache/disk_tier.py)
+    tier_ops: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.tier_ops is None:
+            self.tier_ops = np.zeros((0, 4), np.int64)
 
     @property
     def num_tokens(self) -> int:
@@ -33,6 +40,11 @@ class StepPlan:
     @property
     def num_seqs(self) -> int:
         return int(self.context_lens.shape[0])
+
+    @classmethod
+    def empty(cls, tier_ops: np.ndarray | None = None) -> "StepPlan":
+        """A step that runs no tokens (only its tier ops)."""
+        return cls._empty(EXECUTE, 0, tier_ops)
 
     @classmethod
     def shutdown(cls) -> "StepPlan":
@@ -44,10 +56,10 @@ class StepPlan:
         return cls._empty(PROFILE, action)
 
     @classmethod
-    def _empty(cls, kind: int, step_id: int) -> "StepPlan":
+    def _empty(cls, kind: int, step_id: int, tier_ops: np.ndarray | None = None) -> "StepPlan":
         e64, e32 = np.zeros(0, np.int64), np.zeros(0, np.int32)
         return cls(e64, e64, e64, np.zeros(1, np.int32), e32, np.zeros((0, 0), np.int32), e64,
-                   kind=kind, step_id=step_id)
+                   kind=kind, step_id=step_id, tier_ops=tier_ops)
 
     def to_buffer(self) -> np.ndarray:
         """Pack into one int64 array: header, field lengths, then the fields."""
@@ -69,4 +81,5 @@ class StepPlan:
         for name in ("query_start", "context_lens", "block_tables"):
             arrays[name] = arrays[name].astype(np.int32)
         arrays["block_tables"] = arrays["block_tables"].reshape(num_seqs, max_blocks)
+        arrays["tier_ops"] = arrays["tier_ops"].reshape(-1, 4)
         return cls(kind=kind, step_id=step_id, **{k: np.ascontiguousarray(v) for k, v in arrays.items()})

@@ -213,8 +213,10 @@ class Scheduler:
             if end == req.num_tokens:  # its last token is in this step: it samples
                 logits_indices.append(t - 1)
                 sampling.append(req)
+        tier = self.block_manager.tier
         plan = StepPlan(token_ids, positions, slot_mapping, query_start, context_lens, block_tables,
-                        np.asarray(logits_indices, dtype=np.int64), step_id=self.num_steps)
+                        np.asarray(logits_indices, dtype=np.int64), step_id=self.num_steps,
+                        tier_ops=tier.take_ops() if tier is not None else None)
         return SchedulerOutput(plan, [r for r, _ in scheduled], [n for _, n in scheduled], sampling, preempted)
 
     def update(self, out: SchedulerOutput, sampled_token_ids) -> None:
@@ -232,6 +234,18 @@ class Scheduler:
         for req, token_id in zip(out.sampling, sampled_token_ids):
             if not req.is_finished:
                 req.append_output_token(int(token_id))
+
+    def redo_without(self, out: SchedulerOutput, bad_hashes: set[int]) -> None:
+        """`out.plan` did not run: a block it loaded from a cache tier failed its check on some
+        rank. Those blocks leave the cache; the requests that used them start over (like a
+        preemption); the other scheduled requests simply run again next step."""
+        bm = self.block_manager
+        for req in out.scheduled:
+            if not req.is_finished and bad_hashes.intersection(req.block_hashes[:len(req.block_ids)]):
+                self.running.remove(req)
+                self._preempt(req)
+        for h in bad_hashes:
+            bm.uncache(h)
 
     # ---- stats ---------------------------------------------------------------------------
     @property
@@ -253,7 +267,8 @@ class Scheduler:
         return {"num_running": self.num_running, "num_waiting": self.num_waiting,
                 "kv_usage": bm.usage, "prefix_cache_hits": bm.hit_tokens,
                 "prefix_cache_queries": bm.query_tokens, "prefix_cache_hit_rate": bm.hit_rate,
-                "num_preemptions": self.num_preemptions, "num_evictions": bm.num_evictions}
+                "num_preemptions": self.num_preemptions, "num_evictions": bm.num_evictions,
+                "disk_tier_hit_blocks": bm.tier_hit_blocks}
 
 
 def _token_slice(req: Request, start: int, end: int) -> list[int]:

@@ -78,6 +78,12 @@ class Checkpoint:
                 st = self._open(os.path.join(model_dir, fname))
                 for name in st.header:
                     self._where[name] = st.path
+        self._stored = {n: n for n in self._where}  # the name we use -> the name in the file
+        if "model.embed_tokens.weight" not in self._where and "embed_tokens.weight" in self._where:
+            # NOTE: a base model saved without its head (e.g. a Qwen3Model embedding checkpoint)
+            # names its tensors without the "model." prefix; they are read under the usual names.
+            self._stored = {"model." + n: n for n in self._where}
+            self._where = {"model." + n: p for n, p in self._where.items()}
 
     def _open(self, path: str) -> _SafetensorsFile:
         if path not in self._files:
@@ -96,7 +102,7 @@ class Checkpoint:
         """The mmapped tensor in its stored dtype (bf16 as uint16): no copy."""
         if name not in self._where:
             raise CheckpointError(f"Tensor {name!r} is missing from the checkpoint.")
-        return self._open(self._where[name]).tensor(name)
+        return self._open(self._where[name]).tensor(self._stored[name])
 
     def load(self, name: str, dtype: str, rows: slice | None = None, cols: slice | None = None,
              ) -> np.ndarray:
@@ -107,7 +113,7 @@ class Checkpoint:
             t = t[rows]
         if cols is not None:
             t = t[:, cols]
-        src = self._open(self._where[name]).dtype_of(name)
+        src = self._open(self._where[name]).dtype_of(self._stored[name])
         if dtype == "bfloat16":
             if src == "BF16":
                 return np.array(t, dtype=np.uint16, order="C")

@@ -104,7 +104,7 @@ def _block_bytes(path):
 
 @pytest.mark.skipif(SKIP_REASON is None, reason="this machine can run the CUDA backend")
 def test_cuda_without_a_gpu_says_so(tmp_path):
-    from cuda_backend import CudaUnavailableError
+    from numa_runtime.cuda_backend import CudaUnavailableError
     build_model(str(tmp_path), arch="llama")
     with pytest.raises(CudaUnavailableError, match="device='cpu'"):
         cuda_engine(tmp_path)

@@ -28,7 +28,7 @@ def _bf16_round(a):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("rows,cols", [(1, 64), (7, 96), (3, 4095)])
 def test_rms_norm_and_fused_residual(dtype, rows, cols):
-    from cuda_backend import kernels
+    from numa_runtime.cuda_backend import kernels
     rng = np.random.default_rng(rows + cols)
     x = rng.standard_normal((rows, cols)).astype(np.float32)
     res = rng.standard_normal((rows, cols)).astype(np.float32)
@@ -48,7 +48,7 @@ def test_rms_norm_and_fused_residual(dtype, rows, cols):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("rows,inter", [(1, 96), (5, 1025)])
 def test_silu_and_mul(dtype, rows, inter):
-    from cuda_backend import kernels
+    from numa_runtime.cuda_backend import kernels
     x = np.random.default_rng(inter).standard_normal((rows, 2 * inter)).astype(np.float32) * 4
     if dtype == "bfloat16":
         x = _bf16_round(x)
@@ -61,7 +61,7 @@ def test_silu_and_mul(dtype, rows, inter):
 @pytest.mark.parametrize("hq,hk,d,rot,norm", [(4, 2, 16, 16, False), (3, 1, 24, 12, False),
                                               (4, 4, 32, 32, True), (8, 2, 64, 32, True)])
 def test_rotary_and_cache(hq, hk, d, rot, norm):
-    from cuda_backend import kernels
+    from numa_runtime.cuda_backend import kernels
     rng = np.random.default_rng(hq * d + rot)
     t, nb, bs, eps = 9, 5, 4, 1e-6
     qkv = rng.standard_normal((t, (hq + 2 * hk) * d)).astype(np.float32)
@@ -118,7 +118,7 @@ def _attention_case(rng, hq, hk, d, bs, new, ctx, dtype):
 @pytest.mark.parametrize("hq,hk,d,bs,window", [(4, 2, 16, 16, 0), (8, 1, 24, 4, 0), (4, 4, 64, 16, 5),
                                                (16, 2, 128, 16, 0), (6, 3, 32, 8, 33)])
 def test_paged_attention_decode_and_chunked_prefill(dtype, hq, hk, d, bs, window):
-    from cuda_backend import kernels
+    from numa_runtime.cuda_backend import kernels
     rng = np.random.default_rng(hq + d + bs)
     new = [1, 7, 1, 70, 3]      # decodes, a prefill chunk behind cached tokens, a whole prompt
     ctx = [1, 40, 129, 70, 3]
@@ -136,7 +136,7 @@ def test_paged_attention_decode_and_chunked_prefill(dtype, hq, hk, d, bs, window
 
 def test_paged_attention_empty_context_gives_zeros():
     """A padding row of a captured decode batch (context 0) reads nothing and yields zeros."""
-    from cuda_backend import kernels
+    from numa_runtime.cuda_backend import kernels
     rng = np.random.default_rng(3)
     q, kc, vc, tables, qs, cl = _attention_case(rng, 4, 2, 16, 16, [1, 1], [5, 1], "float32")
     cl[1] = 0

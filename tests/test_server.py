@@ -290,7 +290,7 @@ BAD = {
     "too long with max_tokens": ("/v1/completions", json.dumps({"prompt": list(range(3, 200)),
                                                                  "max_tokens": 100}).encode(), 400, None),
     "over the body limit": ("/v1/completions", b'{"prompt": "' + b"a" * (5 << 20) + b'"}', 413, None),
-    "no such endpoint": ("/v1/embeddings", b'{}', 404, None),
+    "no such endpoint": ("/v1/moderations", b'{}', 404, None),
 }
 
 

@@ -39,7 +39,7 @@ def test_plain_script_runs_unchanged(model_dir):
     # before the first driving call every rank runs the script; the worker serves rank 0 in
     # generate() and then exits, and says so
     assert marks == ["MARK after-engine rank 0", "MARK after-engine rank 1", "MARK after-generate rank 0"]
-    assert "rank 1 is a worker rank: at its first driving call (add_request)" in p.stderr
+    assert "rank 1 is a worker rank: at its first driving call (generate)" in p.stderr
     assert "rest of the script runs on rank 0 only" in p.stderr
 
 

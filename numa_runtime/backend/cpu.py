@@ -27,7 +27,7 @@ try:
 except ImportError:  # the shm-collective kernels are optional for one process
     from numa_runtime.backend.reference import reduce_sum
 
-__all__ = ["Linear", "embedding", "rms_norm", "add_rms_norm", "silu_and_mul", "add_", "rotary",
+__all__ = ["Linear", "QLinear", "embedding", "rms_norm", "add_rms_norm", "silu_and_mul", "add_", "rotary",
            "reshape_and_cache", "paged_attention", "sample", "log_softmax", "reduce_sum",
            "f32_to_bf16", "bf16_to_f32", "set_num_threads", "get_num_threads"]
 
@@ -45,4 +45,7 @@ def __getattr__(name):
     # NOTE: Linear is imported lazily so the other ops work while gemm is (re)built.
     if name == "Linear":
         return _gemm().Linear
+    if name == "QLinear":
+        from numa_runtime._kernels.qgemm import QLinear
+        return QLinear
     raise AttributeError("module %r has no attribute %r" % (__name__, name))

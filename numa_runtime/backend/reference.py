@@ -67,6 +67,10 @@ class Linear:
         return out
 
 
+# QLinear: the same contract over packed int8/int4 weights, specified in numa_runtime/quant.
+from ..quant.reference import QLinear  # noqa: E402,F401
+
+
 # ----------------------------------------------------------------------------- elementwise
 def embedding(ids: np.ndarray, table: np.ndarray, out: np.ndarray) -> np.ndarray:
     """out[t] = table[ids[t]] as f32. ids: [T] int64, table: [V, H] f32|bf16, out: [T, H]."""

@@ -9,6 +9,10 @@ request produced it (prompt or generated tokens alike). A later request whose le
 hash the same reuses them (refcount + 1) instead of recomputing. A cached block whose refcount
 drops to 0 keeps its contents and its hash and becomes *evictable*; an eviction policy
 (eviction.py) decides which one to reuse when no never-cached block is free.
+
+An optional lower tier (kv_cache/tier.py, e.g. disk_tier.DiskTier) sees every evicted cached
+block (`offload`) and is asked on a miss (`lookup`); a hit is loaded into a pool block, which
+then is an ordinary cached block.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from ..recorder import ALLOC, NULL_RECORDER
 from ..request import Request
 from .eviction import EvictionPolicy, make_eviction_policy
 from .host_tier import HostKVTier
+from .tier import KVTier
 
 
 RELEASED = -1  # a block-table entry whose block was released (outside every sliding window)
@@ -50,7 +55,7 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
                  eviction: str | EvictionPolicy = "lru", recorder=NULL_RECORDER,
-                 host_tier: HostKVTier | None = None):
+                 host_tier: HostKVTier | None = None, tier: KVTier | None = None):
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}.")
         if not isinstance(block_size, int) or block_size < 1:
@@ -59,6 +64,7 @@ class BlockManager:
         self.recorder = recorder  # times allocate / free / get_computed_blocks (AS_PROFILE=ON)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.tier = tier if enable_prefix_caching else None
         self.policy = (eviction if isinstance(eviction, EvictionPolicy)
                        else make_eviction_policy(eviction, num_blocks))
         self.host_tier = host_tier  # evicted cached blocks go there (None: they are dropped)
@@ -72,6 +78,7 @@ class BlockManager:
         self.query_tokens = self.hit_tokens = 0
         self.query_blocks = self.hit_blocks = 0
         self.num_evictions = 0
+        self.tier_hit_blocks = 0  # blocks of hits that came back from the tier
 
     # ---- sizes ---------------------------------------------------------------------------
     @property
@@ -110,16 +117,41 @@ class BlockManager:
                 return [], 0
             max_blocks = (req.num_tokens - 1) // self.block_size
             blocks: list = []
-            tier = self.host_tier
-            for i, h in enumerate(self._block_hashes(req, max_blocks)[:max_blocks]):
+            host = self.host_tier
+            hashes = self._block_hashes(req, max_blocks)[:max_blocks]
+            for i, h in enumerate(hashes):
                 block_id = self.hash_to_block.get(h)
                 if block_id is not None:
                     blocks.append(block_id)
-                elif tier is not None and tier.lookup(h) is not None and tier.worth_copying(i, self.block_size):
+                elif host is not None and host.lookup(h) is not None and host.worth_copying(i, self.block_size):
                     blocks.append(HostHit(h))
                 else:
                     break
+            # a disk tier continues the chain where memory (and the host tier) stopped
+            if self.tier is not None and len(blocks) < len(hashes) and self.tier.lookup(hashes[len(blocks)]):
+                blocks += self._load_from_tier(hashes[len(blocks):], [b for b in blocks if isinstance(b, int)])
             return blocks, len(blocks) * self.block_size
+
+    def _load_from_tier(self, hashes: list[int], chain: list[int]) -> list[int]:
+        """Load the leading `hashes` the tier holds into pool blocks (cached, evictable); never
+        evicts a block of `chain`, the hits found so far."""
+        pinned = [b for b in chain if self.ref_cnt[b] == 0]
+        for b in pinned:  # NOTE: out of the policy while we take blocks, so none is a victim
+            self.policy.remove(b)
+        loaded = []
+        for h in hashes:
+            if not self.tier.lookup(h) or not (self.free_block_ids or len(self.policy)):
+                break
+            block_id = self._take_block()
+            self.tier.load(h, block_id)
+            self.block_hash[block_id] = h
+            self.hash_to_block[h] = block_id
+            self.policy.cached(block_id, False)
+            loaded.append(block_id)
+        for b in pinned + loaded:
+            self.policy.add_evictable(b)
+        self.tier_hit_blocks += len(loaded)
+        return loaded
 
     # ---- allocation ----------------------------------------------------------------------
     def _num_new_blocks(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int]) -> int:
@@ -189,12 +221,44 @@ class BlockManager:
         if self.free_block_ids:
             return self.free_block_ids.popleft()
         block_id = self.policy.pop_victim()
+        h = self.block_hash[block_id]
         if self.host_tier is not None:
-            self.host_tier.on_evict(block_id, self.block_hash[block_id])
-        del self.hash_to_block[self.block_hash[block_id]]
+            self.host_tier.on_evict(block_id, h)
+        del self.hash_to_block[h]
         self.block_hash[block_id] = None
         self.num_evictions += 1
+        if self.tier is not None:
+            self.tier.offload(block_id, h)
         return block_id
+
+    def uncache(self, block_hash: int) -> None:
+        """Forget a cached block whose contents are wrong (its tier copy failed a check): it
+        is no longer a hit; if unused it returns to the free pool; the tier drops it too."""
+        block_id = self.hash_to_block.pop(block_hash, None)
+        if block_id is not None:
+            self.block_hash[block_id] = None
+            if self.ref_cnt[block_id] == 0:
+                self.policy.remove(block_id)
+                self.free_block_ids.append(block_id)
+        if self.tier is not None:
+            self.tier.drop(block_hash)
+
+    def offload_all(self) -> None:
+        """Hand every cached block to the tier (at shutdown, so that a restart finds them),
+        the least recently cached first."""
+        if self.tier is not None:
+            for h, block_id in self.hash_to_block.items():
+                self.tier.offload(block_id, h)
+
+    def take_blocks(self, n: int) -> list[int] | None:
+        """n blocks outside any request (scratch KV for an embedding), or None if there is no
+        room now. Give them back with return_blocks."""
+        if n > self.num_free_blocks:
+            return None
+        return [self._take_block() for _ in range(n)]
+
+    def return_blocks(self, block_ids: list[int]) -> None:
+        self.free_block_ids.extend(block_ids)
 
     def free(self, req: Request) -> None:
         """Release all of req's blocks. Tail first, so that under an LRU-ordered policy the
@@ -265,4 +329,4 @@ class BlockManager:
 
     def reset_counters(self) -> None:
         self.query_tokens = self.hit_tokens = self.query_blocks = self.hit_blocks = 0
-        self.num_evictions = 0
+        self.num_evictions = self.tier_hit_blocks = 0

@@ -12,6 +12,9 @@ import logging
 import numpy as np
 
 from ..config import ModelConfig, UnsupportedModelError, rope_inv_freq
+from ..gguf_model import open_checkpoint
+from ..quant.loader import LinearFactory, parse_quantization
+from ..plan import EMBED
 from ..sharding import ShardLayout, shard_layouts
 from ..weights import Checkpoint
 
@@ -23,31 +26,27 @@ def _head_rows(heads: slice, head_dim: int) -> slice:
 
 
 class DecoderLayer:
-    def __init__(self, ops, cfg: ModelConfig, lay: ShardLayout, ckpt: Checkpoint, i: int, dtype: str):
+    def __init__(self, linear: LinearFactory, cfg: ModelConfig, lay: ShardLayout, ckpt: Checkpoint, i: int):
         p = f"model.layers.{i}."
         d = cfg.head_dim
         qr, kr = _head_rows(lay.q_heads, d), _head_rows(lay.kv_heads, d)
-        w = lambda n, **kw: ckpt.load(p + n, dtype, **kw)
         f = lambda n, **kw: ckpt.load(p + n, "float32", **kw)
-        qkv = np.concatenate([w("self_attn.q_proj.weight", rows=qr), w("self_attn.k_proj.weight", rows=kr),
-                              w("self_attn.v_proj.weight", rows=kr)])
         qkv_b = None
         if cfg.qkv_bias:
             qkv_b = np.concatenate([f("self_attn.q_proj.bias", rows=qr), f("self_attn.k_proj.bias", rows=kr),
                                     f("self_attn.v_proj.bias", rows=kr)])
-        self.qkv_proj = ops.Linear(qkv, qkv_b)
-        del qkv
+        self.qkv_proj = linear([(p + "self_attn.q_proj.weight", qr, None), (p + "self_attn.k_proj.weight", kr, None),
+                                (p + "self_attn.v_proj.weight", kr, None)], qkv_b)
         # NOTE: a row-parallel bias is added by rank 0 only, so the all-reduce sums it once.
         o_b = f("self_attn.o_proj.bias") if cfg.o_bias and lay.rank == 0 else None
-        self.o_proj = ops.Linear(w("self_attn.o_proj.weight", cols=qr), o_b)
-        gate_up = np.concatenate([w("mlp.gate_proj.weight", rows=lay.inter), w("mlp.up_proj.weight", rows=lay.inter)])
+        self.o_proj = linear([(p + "self_attn.o_proj.weight", None, qr)], o_b)
         gu_b = None
         if cfg.mlp_bias:
             gu_b = np.concatenate([f("mlp.gate_proj.bias", rows=lay.inter), f("mlp.up_proj.bias", rows=lay.inter)])
-        self.gate_up_proj = ops.Linear(gate_up, gu_b)
-        del gate_up
+        self.gate_up_proj = linear([(p + "mlp.gate_proj.weight", lay.inter, None),
+                                    (p + "mlp.up_proj.weight", lay.inter, None)], gu_b)
         d_b = f("mlp.down_proj.bias") if cfg.mlp_bias and lay.rank == 0 else None
-        self.down_proj = ops.Linear(w("mlp.down_proj.weight", cols=lay.inter), d_b)
+        self.down_proj = linear([(p + "mlp.down_proj.weight", None, lay.inter)], d_b)
         self.input_norm = f("input_layernorm.weight")
         self.post_norm = f("post_attention_layernorm.weight")
         self.q_norm = f("self_attn.q_norm.weight") if cfg.qk_norm else None
@@ -57,30 +56,29 @@ class DecoderLayer:
 class LlamaModel:
     """Weights of one rank's shard and its forward pass over a StepPlan."""
 
-    def __init__(self, cfg: ModelConfig, ops, comm, dtype: str, max_model_len: int, progress=None):
+    def __init__(self, cfg: ModelConfig, ops, comm, dtype: str, max_model_len: int, progress=None,
+                 quantization: str | None = None):
         self.cfg, self.ops, self.comm, self.dtype = cfg, ops, comm, dtype
-        self.lay = lay = ShardLayout.build(cfg, comm.rank, comm.world_size)
+        ckpt = open_checkpoint(cfg)  # safetensors, or the GGUF file the directory points at
+        linear = LinearFactory(ops, ckpt, dtype, parse_quantization(quantization))
+        # NOTE: quantized weights split the MLP on group boundaries
+        self.lay = lay = ShardLayout.build(cfg, comm.rank, comm.world_size, linear.split_align)
         if comm.rank == 0 and comm.world_size > 1:
-            for other in shard_layouts(cfg, comm.world_size):
+            for other in shard_layouts(cfg, comm.world_size, linear.split_align):
                 log.info("tensor parallel: %s", other.describe())
-        ckpt = Checkpoint(cfg.model_dir)
         _check_tensors(cfg, ckpt)
         self.embed = _embedding_table(ckpt, dtype, lay.vocab)
         self.layers = []
         for i in range(cfg.num_layers):
-            self.layers.append(DecoderLayer(ops, cfg, lay, ckpt, i, dtype))
+            self.layers.append(DecoderLayer(linear, cfg, lay, ckpt, i))
             if progress:
                 progress(i + 1, cfg.num_layers)
         self.norm = ckpt.load("model.norm.weight", "float32")
-        if cfg.tie_word_embeddings or "lm_head.weight" not in ckpt:
-            head = ckpt.load("model.embed_tokens.weight", dtype, rows=lay.vocab)
-        else:
-            head = ckpt.load("lm_head.weight", dtype, rows=lay.vocab)
-        pad = lay.vocab_chunk - head.shape[0]
-        if pad:
-            head = np.concatenate([head, np.zeros((pad, cfg.hidden_size), head.dtype)])
-        self.lm_head = ops.Linear(head)
-        del head
+        # NOTE: lm_head stays as stored (quantized at load only if the file already is); an
+        # embedding model has none
+        tied = cfg.tie_word_embeddings or "lm_head.weight" not in ckpt
+        self.lm_head = None if cfg.is_embedding_model else linear.head(
+            "model.embed_tokens.weight" if tied else "lm_head.weight", lay.vocab, lay.vocab_chunk)
         inv_freq, attn_scale = rope_inv_freq(cfg)
         pos = np.arange(max_model_len, dtype=np.float64)[:, None] * inv_freq[None, :]
         # cos_sin: [max_model_len, rot_dim] = [cos | sin]
@@ -90,8 +88,8 @@ class LlamaModel:
         self.windows = [cfg.window(i) for i in range(cfg.num_layers)]  # 0 = full attention
 
     def _linears(self) -> list:
-        return [self.lm_head] + [getattr(l, n) for l in self.layers
-                                 for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+        head = [] if self.lm_head is None else [self.lm_head]  # an embedding model has none
+        return head + [getattr(l, n) for l in self.layers for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
 
     @property
     def weight_bytes(self) -> int:
@@ -134,7 +132,8 @@ class LlamaModel:
         return x
 
     def forward(self, plan) -> np.ndarray | None:
-        """Run one step; returns logits [S', vocab] for plan.logits_indices (every rank)."""
+        """Run one step; returns logits [S', vocab] for plan.logits_indices (every rank), or
+        for an EMBED plan the final normed hidden states [S', hidden] of those rows."""
         ops, cfg, lay, comm = self.ops, self.cfg, self.lay, self.comm
         T, H, D = plan.num_tokens, cfg.hidden_size, cfg.head_dim
         hq, hk = lay.num_q_heads, lay.num_kv_heads
@@ -178,6 +177,8 @@ class LlamaModel:
         last += delta[idx]
         hn = np.empty_like(last)
         ops.rms_norm(last, self.norm, eps, hn)
+        if plan.kind == EMBED:
+            return hn
         logits = self.lm_head.forward(hn)                   # [S', vocab_chunk]
         if lay.world > 1:
             logits = comm.all_gather(logits)

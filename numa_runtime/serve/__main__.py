@@ -18,7 +18,14 @@ from numa_runtime import env
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="numa-serve", description="OpenAI-compatible HTTP server for numa_runtime.")
-    ap.add_argument("--model", default=None, help="Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", action="append", default=None,
+                    help="Hugging Face model directory or a .gguf file (default: SmolLM2-135M-Instruct); "
+                         "repeat it to serve several models, each named by its directory or file")
+    ap.add_argument("--models-dir", default=None, help="serve every model directory inside this directory")
+    ap.add_argument("--memory-budget", default=None, help="several models: bytes per rank for all weights and "
+                                                          "KV pools (e.g. 16G; default: 60%% of this host's memory / ranks)")
+    ap.add_argument("--load-timeout", type=float, default=60.0,
+                    help="several models: seconds a request waits for its model to load before a 503")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint "
@@ -27,9 +34,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                               "(default: the model directory's name)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--quantization", default=None,
+                    help="quantize dense weights while loading: int8 (groups of 128), int4 (groups of "
+                         "32 with a min), or e.g. int4-g128-sym, int8-channel")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded side by side at most")
     ap.add_argument("--max-queue", type=int, default=256, help="waiting sequences beyond which requests get 429")
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes per rank")
+    ap.add_argument("--kv-cache-dir", default=None, help="keep evicted prefix-cache blocks in files here "
+                                                         "(survives restarts)")
+    ap.add_argument("--kv-cache-disk-bytes", type=int, default=8 << 30, help="size cap of --kv-cache-dir per rank")
+    ap.add_argument("--kv-cache-disk-load", default="auto", choices=["auto", "always"],
+                    help="auto: read blocks back only when that beats recomputing them")
+    ap.add_argument("--embedding-pooling", default=None, choices=["mean", "last"],
+                    help="/v1/embeddings pooling (default: last for embedding checkpoints, else mean)")
     ap.add_argument("--num-threads", type=int, default=None, help="compute threads per rank")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs "
                     "(cuda: one GPU per rank; needs `pip install numa_runtime[cuda]`)")
@@ -48,16 +65,51 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def build_engine(args):
-    from numa_runtime import Engine
-    kwargs = {"max_num_seqs": args.max_num_seqs, "device": args.device,
+def is_multi_model(args) -> bool:
+    return args.models_dir is not None or len(args.model or []) > 1
+
+
+def engine_kwargs(args) -> dict:
+    kwargs = {"max_num_seqs": args.max_num_seqs, "dtype": args.dtype, "max_model_len": args.max_model_len,
+              "num_threads": args.num_threads, "quantization": args.quantization, "device": args.device,
               "host_kv_cache_memory": args.host_kv_cache_memory}
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = args.kv_cache_memory
+    if args.kv_cache_dir is not None:
+        kwargs.update(kv_cache_dir=args.kv_cache_dir, kv_cache_disk_bytes=args.kv_cache_disk_bytes,
+                      kv_cache_disk_load=args.kv_cache_disk_load)
     if args.data_parallel is not None:
         kwargs["data_parallel"] = args.data_parallel
-    return Engine(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                  num_threads=args.num_threads, **kwargs)
+    return kwargs
+
+
+def build_engine(args):
+    from numa_runtime import Engine
+    return Engine(args.model[0] if args.model else None, **engine_kwargs(args))
+
+
+def build_router(args):
+    """Several models (every rank): rank 0 gets the ModelRouter with its first model loaded;
+    workers serve it until rank 0 exits, then get None."""
+    import psutil
+    from .router import ModelRouter, ModelSpec, RouterConfig, models_in_dir, parse_bytes
+    specs = models_in_dir(args.models_dir) if args.models_dir else []
+    specs += [ModelSpec(os.path.basename(os.path.normpath(d)), d) for d in args.model or []]
+    world, local = env.mpi_world() or (0, 1), env.mpi_local() or (0, 1)
+    budget = (parse_bytes(args.memory_budget) if args.memory_budget
+              else int(psutil.virtual_memory().total * 0.6 / local[1]))
+    router = ModelRouter(RouterConfig(tuple(specs), budget, engine_kwargs(args)), world[1], world[0] == 0)
+    if world[0] != 0:
+        router.worker_main()
+        return None
+    router.get(specs[0].name)  # NOTE: the first model at start-up: its errors surface now
+    return router
+
+
+def router_summary(router, url: str) -> str:
+    loaded = ", ".join(router.engines)
+    return (f"numa-serve: {len(router.specs)} models ({', '.join(router.specs)}); loaded: {loaded}; "
+            f"memory budget {router.config.memory_budget / (1 << 20):.0f} MiB per rank\n  serving at {url}")
 
 
 def summary_text(engine, url: str) -> str:
@@ -85,12 +137,16 @@ def main(argv=None) -> int:
         # graceful shutdown, which ends it through engine.close().
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    multi = is_multi_model(args)
     try:
-        engine = build_engine(args)  # NOTE: first, and on every rank
+        # NOTE: first, and on every rank
+        engine = build_router(args) if multi else build_engine(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"numa-serve: error: {e}", file=sys.stderr)
         return 2
-    if not engine.is_driver:
+    if engine is None:  # a worker rank of several models: rank 0 has shut down
+        return 0
+    if not multi and not engine.is_driver:
         engine.serve_workers()  # returns when rank 0 shuts down
         return 0
 
@@ -98,10 +154,12 @@ def main(argv=None) -> int:
     from .app import ServeConfig, build_app
     from .async_engine import AsyncEngine
 
-    name = args.served_model_name or os.path.basename(os.path.normpath(engine.model_config.model_dir))
+    name = (next(iter(engine.specs)) if multi else
+            args.served_model_name or os.path.basename(os.path.normpath(engine.model_config.model_dir)))
     try:
         config = ServeConfig(served_model_name=name, api_key=args.api_key, max_queue=args.max_queue,
-                             max_tokens_cap=args.max_tokens_cap, stall_timeout_s=args.stall_timeout)
+                             max_tokens_cap=args.max_tokens_cap, stall_timeout_s=args.stall_timeout,
+                             embedding_pooling=args.embedding_pooling)
     except ValueError as e:
         print(f"numa-serve: error: {e}", file=sys.stderr)
         engine.close()
@@ -110,10 +168,14 @@ def main(argv=None) -> int:
         print(f"numa-serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
               "address can use the server; pass --api-key KEY or bind 127.0.0.1.", file=sys.stderr, flush=True)
     aengine = AsyncEngine(engine)
+    if multi:
+        from .multi_app import build_multi_app
+        asgi = build_multi_app(aengine, engine, config, args.load_timeout)
+    else:
+        asgi = build_app(aengine, config)
     # NOTE: uvicorn cancels what still runs after its own grace (a CancelledError traceback);
     # the engine ends every request before that.
-    server = uvicorn.Server(uvicorn.Config(build_app(aengine, config), host=args.host, port=args.port,
-                                           log_level=args.log_level,
+    server = uvicorn.Server(uvicorn.Config(asgi, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=args.shutdown_grace + 10))
     http = threading.Thread(target=server.run, name="numa-http", daemon=True)
 
@@ -130,7 +192,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     http.start()
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(summary_text(engine, f"http://{host}:{args.port}/v1"), flush=True)
+    print((router_summary if multi else summary_text)(engine, f"http://{host}:{args.port}/v1"), flush=True)
     try:
         aengine.run_forever(should_stop=lambda: not http.is_alive())
     finally:

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import responses as R
 from .async_engine import AsyncEngine, EngineDeadError
+from .embeddings import EmbeddingRequest, create_embeddings
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
 
@@ -34,6 +35,7 @@ class ServeConfig:
     max_tokens_cap: int | None = None  # larger max_tokens are clamped to this
     max_body_bytes: int = 4 << 20
     stall_timeout_s: float = 60.0      # /health is 503 once one engine step or command runs this long
+    embedding_pooling: str | None = None  # "mean" | "last"; None: the model's default
 
     def __post_init__(self):
         if not self.stall_timeout_s > 0:
@@ -161,6 +163,12 @@ def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
             messages = [m.as_template_dict() for m in body.messages]
             ids = await asyncio.to_thread(tokenize_chat, messages)
         return await _serve(request, body, "chatcmpl", [ids], params, arrival)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest):
+        check_model(body.model)
+        with _client_errors():
+            return await create_embeddings(aengine, body, config.served_model_name, config.embedding_pooling)
 
     async def _serve(request: Request, body, kind: str, prompts: list, params, arrival: float):
         check_queue()

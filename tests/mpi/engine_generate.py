@@ -12,7 +12,7 @@ dp = {"data_parallel": int(sys.argv[5])} if len(sys.argv) > 5 else {}
 eng = Engine(model, dtype=dtype, kv_cache_memory=1 << 24, max_model_len=256, **dp)
 # every rank gets here; on a worker rank generate() serves rank 0 and ends the process
 outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-print("RESULT " + json.dumps({"world": eng.comm.world_size, "tokens": [o.token_ids for o in outs],
+print("RESULT " + json.dumps({"world": eng.comm.world_size, "tokens": [list(o.token_ids) for o in outs],
                               "kv_blocks": eng.summary().get("kv_blocks"),
                               "data_parallel": eng.summary()["data_parallel"],
                               "routed": eng.scheduler.stats().get("routed"),

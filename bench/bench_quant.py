@@ -1,0 +1,112 @@
+"""Quantized linear benchmark: qgemm.QLinear per format vs the DRAM read probe (and bf16 Linear).
+
+    python bench/bench_quant.py [--quick] [--threads N] [--level L] [--model NAME] [--out PATH]
+
+For M = 1 it reports GB/s of packed weight bytes actually read (QLinear.nbytes / time: integers,
+scales and offsets) and that as a fraction of the DRAM read bandwidth measured in the same run
+(bench/limits.py), so "fraction of the decode limit" is counted in the bytes each format streams.
+For M = 512 (prefill) it reports GFLOP/s (2 M N K / time). Weights are cycled over copies of
+about 256 MiB at M = 1 so that they come from DRAM, as in decode. --level caps the ISA level
+(1 AVX-512, 0 AVX2). Writes PATH.json and PATH.md when --out is given.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import replace
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from bench_gemm import SHAPES, timeit  # noqa: E402
+from limits import dram_read_gbps  # noqa: E402
+
+from numa_runtime._kernels import gemm, ops, qgemm  # noqa: E402
+from numa_runtime.quant.formats import QuantFormat, quantize  # noqa: E402
+from numa_runtime.quant.loader import qlinear  # noqa: E402
+from numa_runtime.backend import cpu  # noqa: E402
+
+FORMATS = ["int8-g128", "int8-g32", "int8-channel", "int4-g32-sym", "int4-g32-min", "int4-g128-zero"]
+COLD_BYTES = 256 << 20
+
+
+def build(fmt_name: str, k: int, n: int, copies_for: int):
+    """(list of linears over copies of one weight, bytes read per call)."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((n, k), dtype=np.float32) * 0.05
+    if fmt_name == "bf16":
+        lin = gemm.Linear((w.view(np.uint32) >> 16).astype(np.uint16))
+        nbytes = n * k * 2
+        make = lambda: gemm.Linear((w.view(np.uint32) >> 16).astype(np.uint16))  # noqa: E731
+    else:
+        # NOTE: a group that does not divide K falls back to 64/32 (as quantization="int8" does)
+        fmt = replace(QuantFormat.parse(fmt_name), fit_group=True).for_k(k)
+        qw = quantize(w, fmt)
+        lin = qlinear(cpu, qw)
+        nbytes = lin.nbytes
+        make = lambda: qlinear(cpu, qw)  # noqa: E731
+    copies = max(1, min(256, -(-copies_for // nbytes)))
+    return [lin] + [make() for _ in range(copies - 1)], nbytes
+
+
+def bench(model: str, formats: list[str], ms: list[int], min_time: float) -> list[dict]:
+    rows = []
+    for layer, k, n in SHAPES[model]:
+        for f in formats:
+            lins, nbytes = build(f, k, n, COLD_BYTES)
+            for m in ms:
+                x = np.random.default_rng(1).standard_normal((m, k), dtype=np.float32)
+                out = np.empty((m, n), np.float32)
+                use = lins if m == 1 else lins[:1]
+
+                def run():
+                    for lin in use:
+                        lin.forward(x, out)
+                t = timeit(run, min_time) / len(use)
+                rows.append({"layer": layer, "K": k, "N": n, "format": f, "M": m, "us": t * 1e6,
+                             "bytes": nbytes, "gbps": nbytes / t / 1e9,
+                             "gflops": 2.0 * m * n * k / t / 1e9})
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one model, two formats, short timing")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--level", type=int, default=None, help="cap the qgemm ISA level")
+    ap.add_argument("--model", default="Qwen2.5-0.5B", choices=sorted(SHAPES))
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        ops.set_num_threads(args.threads)
+    if args.level is not None:
+        qgemm._force_cpu_level(args.level)
+    formats = ["int8-g128", "int4-g32-min"] if args.quick else FORMATS + ["bf16"]
+    ms = [1, 512]
+    dram = dram_read_gbps(args.threads, gib=0.25 if args.quick else 1.0)
+    rows = bench("SmolLM2-135M" if args.quick else args.model, formats, ms,
+                 0.05 if args.quick else 0.5)
+    for r in rows:
+        r["dram_fraction"] = r["gbps"] / dram if r["M"] == 1 else None
+    report = {"config": {"threads": ops.get_num_threads(), "qgemm_level": qgemm.cpu_level(),
+                         "model": args.model, "dram_read_gbps": dram}, "rows": rows}
+    if args.out:
+        with open(args.out + ".json", "w") as f:
+            json.dump(report, f, indent=1)
+        with open(args.out + ".md", "w") as f:
+            f.write(f"DRAM read probe {dram:.1f} GB/s, {report['config']['threads']} threads, "
+                    f"qgemm level {qgemm.cpu_level()}\n\n| layer | K x N | format | M | us | GB/s | "
+                    f"of DRAM | GFLOP/s |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n")
+            for r in rows:
+                frac = f"{r['dram_fraction']:.0%}" if r["dram_fraction"] else ""
+                f.write(f"| {r['layer']} | {r['K']} x {r['N']} | {r['format']} | {r['M']} | "
+                        f"{r['us']:.1f} | {r['gbps']:.1f} | {frac} | {r['gflops']:.1f} |\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+# distutils: language = c
+"""Quantized linear layer y = x @ W.T + b over int8/int4 weights in groups (qgemm_kernels.h).
+
+The weights arrive packed (numa_runtime/quant/packing.py: blocks of 16 output columns, each one
+contiguous stream of groups = f16 scales [+ f16 offsets] + 64-byte rows of 32-bit lanes) and
+are kept as that one copy. Both paths read it:
+  - M <= 3 (AVX2) / 8 (AVX-512) rows: each block is streamed once, dequantized in registers
+    (shift, mask, convert, one FMA with scale and offset) and multiplied into all rows (decode);
+  - more rows: each block is dequantized chunk by chunk (256 k) into an f32 tile in L1 and an FMA
+    register tile runs all rows over it (prefill).
+Threads: OpenMP over 16-column blocks (set_num_threads); compute runs without the GIL.
+Levels: 1 = AVX-512 (F/BW/VL/DQ), 0 = AVX2 + FMA + F16C, chosen at run time.
+"""
+import numpy as np
+
+cimport numpy as cnp
+from libc.stdint cimport uint8_t
+
+cnp.import_array()
+
+cdef extern from "qgemm_kernels.h" nogil:
+    ctypedef struct qg_format:
+        int bits
+        int kind
+        long group
+        long kp
+        long n
+    int qg_cpu_level()
+    long qg_block_bytes(const qg_format* f)
+    int qg_forward(const uint8_t* w, const qg_format* f, const float* x, long M, long ldx,
+                   const float* bias, float* out, int level)
+
+_KINDS = {"sym": 0, "zero": 1, "min": 2}
+cdef int _level = qg_cpu_level()
+
+
+def cpu_level():
+    """1: AVX-512 kernels, 0: AVX2 + FMA + F16C."""
+    return _level
+
+
+def _force_cpu_level(int level):
+    """Tests only: use a lower kernel level than detected (returns the previous one)."""
+    global _level
+    old = _level
+    _level = min(max(level, 0), qg_cpu_level())
+    return old
+
+
+cdef class QLinear:
+    """y = x @ W.T + b, the contract of numa_runtime.backend.reference.Linear, for a quantized W.
+
+    packed: uint8 stream from numa_runtime.quant.packing.pack; bits 4|8; kind 'sym'|'zero'|'min';
+    group: k per group (the padded in_features for per-row int8); bias None or f32 [N].
+    `nbytes` is the packed weight memory held (the only copy).
+    """
+    cdef readonly int in_features, out_features, bits, group
+    cdef readonly str kind
+    cdef readonly size_t nbytes
+    cdef qg_format fmt
+    cdef object packed, bias_arr
+
+    def __init__(self, packed, int bits, str kind, int group, int in_features, int out_features,
+                 bias=None):
+        if bits not in (4, 8) or kind not in _KINDS or (bits == 8 and kind != "sym"):
+            raise ValueError("QLinear: unsupported format bits=%d kind=%r" % (bits, kind))
+        pk = 8 if bits == 4 else 4
+        kp = (in_features + pk - 1) // pk * pk  # NOTE: C division (cdivision)
+        if group < pk or group % pk or kp % group or out_features < 1:
+            raise ValueError("QLinear: group %d does not tile in_features %d" % (group, in_features))
+        self.fmt.bits, self.fmt.kind, self.fmt.group = bits, _KINDS[kind], group
+        self.fmt.kp, self.fmt.n = kp, out_features
+        packed = np.ascontiguousarray(packed, dtype=np.uint8).reshape(-1)
+        nblocks = (out_features + 15) // 16
+        if packed.shape[0] != nblocks * qg_block_bytes(&self.fmt):
+            raise ValueError("QLinear: packed weights have %d bytes, the format needs %d"
+                             % (packed.shape[0], nblocks * qg_block_bytes(&self.fmt)))
+        if bias is not None:
+            bias = np.ascontiguousarray(bias, dtype=np.float32)
+            if bias.shape != (out_features,):
+                raise ValueError("QLinear bias must have shape (%d,), got %s"
+                                 % (out_features, bias.shape))
+        self.packed, self.bias_arr = packed, bias
+        self.in_features, self.out_features, self.bits, self.group = in_features, out_features, bits, group
+        self.kind = kind
+        self.nbytes = packed.nbytes
+
+    @property
+    def dtype(self):
+        return "int%d" % self.bits
+
+    def forward(self, x, out=None):
+        """x: [M, K] f32 C-contiguous -> [M, N] f32 (into `out` when given)."""
+        cdef cnp.ndarray xa = x, oa
+        cdef long M, K = self.in_features, N = self.out_features
+        if xa.dtype != np.float32 or xa.ndim != 2 or xa.shape[1] != K or \
+                not xa.flags.c_contiguous:
+            raise ValueError("QLinear.forward expects x as C-contiguous float32 [M, %d], got %s %s"
+                             % (K, xa.dtype, (<object>xa).shape))
+        M = xa.shape[0]
+        if out is None:
+            oa = np.empty((M, N), dtype=np.float32)
+        else:
+            oa = out
+            if oa.dtype != np.float32 or oa.ndim != 2 or oa.shape[0] != M or \
+                    oa.shape[1] != N or not oa.flags.c_contiguous:
+                raise ValueError("QLinear.forward out must be C-contiguous float32 [%d, %d]"
+                                 % (M, N))
+        if M == 0:
+            return oa
+        if self.fmt.kp != K:  # per-row int8 with K not a multiple of 4: zero-padded rows
+            xa = np.pad(xa, ((0, 0), (0, self.fmt.kp - K)))
+        cdef const float* bias = NULL
+        if self.bias_arr is not None:
+            bias = <const float*>cnp.PyArray_DATA(self.bias_arr)
+        cdef const uint8_t* w = <const uint8_t*>cnp.PyArray_DATA(self.packed)
+        cdef const float* xp = <const float*>cnp.PyArray_DATA(xa)
+        cdef float* op = <float*>cnp.PyArray_DATA(oa)
+        cdef long ldx = self.fmt.kp
+        cdef int rc
+        with nogil:
+            rc = qg_forward(w, &self.fmt, xp, M, ldx, bias, op, _level)
+        if rc != 0:
+            raise MemoryError("QLinear.forward: cannot allocate per-thread tiles")
+        return oa

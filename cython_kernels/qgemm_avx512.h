@@ -1,0 +1,137 @@
+/* AVX-512 quantized kernels (target attributes; qg_cpu_level() picks them at run time).
+ * Same contracts as qgemm_avx2.h; a 16-column block is one zmm. */
+#ifndef NUMA_RUNTIME_QGEMM_AVX512_H
+#define NUMA_RUNTIME_QGEMM_AVX512_H
+
+#define QG_T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define QG_MR_REG_AVX512 8   /* rows in registers while streaming */
+#define QG_MR_TILE_AVX512 12 /* rows per FMA tile on the L1 path */
+
+QG_INLINE QG_T512 void qg_sc_avx512(const uint8_t* meta, int bits, int kind, __m512* s,
+                                    __m512* c) {
+    *s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)meta));
+    if (bits == 8) {
+        *c = _mm512_setzero_ps();
+    } else if (kind == QG_SYM) {
+        *c = _mm512_mul_ps(*s, _mm512_set1_ps(-8.0f));
+    } else {
+        __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(meta + 32)));
+        *c = kind == QG_ZERO ? _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(*s, o)) : o;
+    }
+}
+
+QG_INLINE QG_T512 __m512 qg_q_avx512(__m512i v, int bits, int i) {
+    if (bits == 4)
+        return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 4 * i),
+                                                   _mm512_set1_epi32(0xF)));
+    return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * i), 24));
+}
+
+QG_INLINE QG_T512 void qg_dequant_avx512_b(const uint8_t* blk, const qg_format* f, long k0,
+                                           long k1, float* tile, const int bits) {
+    const long pk = bits == 4 ? 8 : 4, gb = qg_group_bytes(f), mb = qg_meta_bytes(f);
+    __m512 s = _mm512_setzero_ps(), c = _mm512_setzero_ps();
+    long g_last = -1;
+    for (long k = k0; k < k1; k += pk) {
+        long g = k / f->group;
+        const uint8_t* meta = blk + g * gb;
+        if (g != g_last) {
+            qg_sc_avx512(meta, bits, f->kind, &s, &c);
+            g_last = g;
+        }
+        const uint8_t* row = meta + mb + (k - g * f->group) / pk * 64;
+        __m512i v = _mm512_loadu_si512((const void*)row);
+        for (int i = 0; i < pk; i++)
+            _mm512_store_ps(tile + (k - k0 + i) * QG_NB,
+                            _mm512_fmadd_ps(qg_q_avx512(v, bits, i), s, c));
+    }
+}
+
+static QG_T512 void qg_dequant_avx512(const uint8_t* blk, const qg_format* f, long k0, long k1,
+                                      float* t) {
+    if (f->bits == 4) qg_dequant_avx512_b(blk, f, k0, k1, t, 4);
+    else qg_dequant_avx512_b(blk, f, k0, k1, t, 8);
+}
+
+QG_INLINE QG_T512 void qg_gemv_avx512_mr(const uint8_t* blk, const qg_format* f, const float* x,
+                                         long ldx, float* acc, const int bits, const int mr) {
+    const long pk = bits == 4 ? 8 : 4, gb = qg_group_bytes(f), mb = qg_meta_bytes(f);
+    const long ng = f->kp / f->group, rows = f->group / pk;
+    __m512 a[QG_MR_REG_AVX512];
+    for (int r = 0; r < mr; r++) a[r] = _mm512_setzero_ps();
+    for (long g = 0; g < ng; g++) {
+        const uint8_t* meta = blk + g * gb;
+        __m512 s, c;
+        qg_sc_avx512(meta, bits, f->kind, &s, &c);
+        const uint8_t* row = meta + mb;
+        const float* xg = x + g * f->group;
+        for (long q = 0; q < rows; q++, row += 64, xg += pk) {
+            __m512i v = _mm512_loadu_si512((const void*)row);
+            for (int i = 0; i < pk; i++) {
+                __m512 w = _mm512_fmadd_ps(qg_q_avx512(v, bits, i), s, c);
+                for (int r = 0; r < mr; r++)
+                    a[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(xg[r * ldx + i]), a[r]);
+            }
+        }
+    }
+    for (int r = 0; r < mr; r++) _mm512_store_ps(acc + r * QG_NB, a[r]);
+}
+
+#define QG_GEMV512_CASES(b)                                                  \
+    switch (m) {                                                             \
+        case 1: qg_gemv_avx512_mr(blk, f, x, ldx, acc, b, 1); break;         \
+        case 2: qg_gemv_avx512_mr(blk, f, x, ldx, acc, b, 2); break;         \
+        case 3: qg_gemv_avx512_mr(blk, f, x, ldx, acc, b, 3); break;         \
+        case 4: qg_gemv_avx512_mr(blk, f, x, ldx, acc, b, 4); break;         \
+        case 5: qg_gemv_avx512_mr(blk, f, x, ldx, acc, b, 5); break;         \
+        case 6: qg_gemv_avx512_mr(blk, f, x, ldx, acc, b, 6); break;         \
+        case 7: qg_gemv_avx512_mr(blk, f, x, ldx, acc, b, 7); break;         \
+        default: qg_gemv_avx512_mr(blk, f, x, ldx, acc, b, 8); break;        \
+    }
+
+static QG_T512 void qg_gemv_avx512(const uint8_t* blk, const qg_format* f, const float* x,
+                                   long ldx, int m, float* acc) {
+    if (f->bits == 4) {
+        QG_GEMV512_CASES(4)
+    } else {
+        QG_GEMV512_CASES(8)
+    }
+}
+
+QG_INLINE QG_T512 void qg_tile_avx512_mr(const float* wt, long kc, const float* x, long ldx,
+                                         float* acc, const int mr, int first) {
+    __m512 a[QG_MR_TILE_AVX512];
+    for (int r = 0; r < mr; r++)
+        a[r] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + r * QG_NB);
+    for (long k = 0; k < kc; k++) {
+        __m512 w = _mm512_load_ps(wt + k * QG_NB);
+        for (int r = 0; r < mr; r++)
+            a[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[r * ldx + k]), a[r]);
+    }
+    for (int r = 0; r < mr; r++) _mm512_store_ps(acc + r * QG_NB, a[r]);
+}
+
+static QG_T512 void qg_tile_avx512(const float* wt, long kc, const float* x, long ldx, int m,
+                                   float* acc, int first) {
+    for (int r0 = 0; r0 < m; r0 += QG_MR_TILE_AVX512) {
+        int mr = m - r0 < QG_MR_TILE_AVX512 ? m - r0 : QG_MR_TILE_AVX512;
+        const float* xr = x + r0 * ldx;
+        float* ar = acc + r0 * QG_NB;
+        switch (mr) {
+            case 1: qg_tile_avx512_mr(wt, kc, xr, ldx, ar, 1, first); break;
+            case 2: qg_tile_avx512_mr(wt, kc, xr, ldx, ar, 2, first); break;
+            case 3: qg_tile_avx512_mr(wt, kc, xr, ldx, ar, 3, first); break;
+            case 4: qg_tile_avx512_mr(wt, kc, xr, ldx, ar, 4, first); break;
+            case 5: qg_tile_avx512_mr(wt, kc, xr, ldx, ar, 5, first); break;
+            case 6: qg_tile_avx512_mr(wt, kc, xr, ldx, ar, 6, first); break;
+            case 7: qg_tile_avx512_mr(wt, kc, xr, ldx, ar, 7, first); break;
+            case 8: qg_tile_avx512_mr(wt, kc, xr, ldx, ar, 8, first); break;
+            case 9: qg_tile_avx512_mr(wt, kc, xr, ldx, ar, 9, first); break;
+            case 10: qg_tile_avx512_mr(wt, kc, xr, ldx, ar, 10, first); break;
+            case 11: qg_tile_avx512_mr(wt, kc, xr, ldx, ar, 11, first); break;
+            default: qg_tile_avx512_mr(wt, kc, xr, ldx, ar, 12, first); break;
+        }
+    }
+}
+
+#endif

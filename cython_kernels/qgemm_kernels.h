@@ -1,0 +1,120 @@
+/* Quantized linear kernels: y[M, N] = x[M, K] @ W^T + bias with W stored as int8/int4 groups.
+ *
+ * Packed layout (numa_runtime/quant/packing.py writes it, qgemm.pyx documents it): W [N, Kp] is
+ * cut into blocks of QG_NB = 16 output columns; each block is ONE contiguous stream of groups:
+ *   group g: [scales f16 x 16][offsets f16 x 16, absent for symmetric][rows]
+ *   int4 row: 16 uint32 lanes (64 bytes); lane j holds column j at k = 8r..8r+7, nibble i at
+ *             bits 4i..4i+3, unsigned 0..15;
+ *   int8 row: 16 int32 lanes; lane j holds column j at k = 4r..4r+3, byte i = k 4r+i, signed.
+ * Dequantized weight w = q * s + c, in f32 and exact (an f16 scale times a <= 8-bit integer
+ * needs at most 19 significant bits):
+ *   int8 symmetric: c = 0;  int4 symmetric: c = -8 s;  zero point z: c = -s z;  min m: c = m.
+ * So the kernels see the very same f32 weights as the numpy reference; only the order of the
+ * sums differs.
+ *
+ * Paths: m <= QG_MR_REG rows dequantize in registers while streaming (decode); more rows
+ * dequantize a chunk of a block to an f32 tile in L1 and run an FMA register tile over it.
+ */
+#ifndef NUMA_RUNTIME_QGEMM_KERNELS_H
+#define NUMA_RUNTIME_QGEMM_KERNELS_H
+
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QG_NB 16        /* output columns per block */
+#define QG_KC 256       /* k per L1 tile of dequantized weights: 16 KiB of f32 */
+#define QG_MPASS 128    /* activation rows per pass over a block on the L1 path */
+
+enum { QG_SYM = 0, QG_ZERO = 1, QG_MIN = 2 };
+
+typedef struct {
+    int bits;     /* 4 or 8 */
+    int kind;     /* QG_SYM, QG_ZERO, QG_MIN */
+    long group;   /* k per group (divides kp) */
+    long kp;      /* padded K (multiple of 8 for int4, 4 for int8) */
+    long n;       /* output columns */
+} qg_format;
+
+static inline long qg_pack_k(const qg_format* f) { return f->bits == 4 ? 8 : 4; }
+static inline long qg_meta_bytes(const qg_format* f) { return f->kind == QG_SYM ? 32 : 64; }
+static inline long qg_group_bytes(const qg_format* f) {
+    return qg_meta_bytes(f) + f->group / qg_pack_k(f) * 64;
+}
+static inline long qg_block_bytes(const qg_format* f) {
+    return f->kp / f->group * qg_group_bytes(f);
+}
+
+/* 1: AVX-512 F/BW/VL/DQ, 0: AVX2 + FMA + F16C (the build's floor). */
+static int qg_cpu_level(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
+/* Per-k contract shared by both ISA levels:
+ *   dequant(block, f, k0, k1, tile): tile[(k - k0) * 16 + j] = w[j, k] for k0 <= k < k1
+ *     (k0, k1 multiples of the row pack);
+ *   gemv(block, f, x, ldx, m, acc): acc[r * 16 + j] = sum_k x[r, k] w[j, k], r < m <= MR_REG;
+ *   tile(wt, kc, x, ldx, m, acc, first): acc[r * 16 + j] (+)= x[r, :kc] . wt[:kc, j]. */
+typedef void (*qg_dequant_fn)(const uint8_t*, const qg_format*, long, long, float*);
+typedef void (*qg_gemv_fn)(const uint8_t*, const qg_format*, const float*, long, int, float*);
+typedef void (*qg_tile_fn)(const float*, long, const float*, long, int, float*, int);
+
+#include "qgemm_avx2.h"
+#include "qgemm_avx512.h"
+
+static inline void qg_store(const float* acc, int m, long n0, long N, long ldo, const float* bias,
+                            float* out) {
+    long w = N - n0 < QG_NB ? N - n0 : QG_NB;
+    for (int r = 0; r < m; r++)
+        for (long j = 0; j < w; j++)
+            out[r * ldo + n0 + j] = acc[r * QG_NB + j] + (bias ? bias[n0 + j] : 0.0f);
+}
+
+/* out[M, N] = x[M, kp] @ W^T + bias; x rows have stride ldx (>= kp, zero beyond K). */
+static int qg_forward(const uint8_t* w, const qg_format* f, const float* x, long M, long ldx,
+                      const float* bias, float* out, int level) {
+    qg_dequant_fn dq = level >= 1 ? qg_dequant_avx512 : qg_dequant_avx2;
+    qg_gemv_fn gv = level >= 1 ? qg_gemv_avx512 : qg_gemv_avx2;
+    qg_tile_fn tl = level >= 1 ? qg_tile_avx512 : qg_tile_avx2;
+    int mr_reg = level >= 1 ? QG_MR_REG_AVX512 : QG_MR_REG_AVX2;
+    long nblocks = (f->n + QG_NB - 1) / QG_NB, bb = qg_block_bytes(f);
+    int err = 0;
+    #pragma omp parallel
+    {
+        float* acc = (float*)aligned_alloc(64, sizeof(float) * QG_MPASS * QG_NB);
+        float* wt = (float*)aligned_alloc(64, sizeof(float) * QG_KC * QG_NB);
+        if (acc == NULL || wt == NULL) {
+            #pragma omp atomic write
+            err = 1;
+        }
+        long chunk = nblocks / (8L * omp_get_num_threads());
+        #pragma omp for schedule(dynamic, chunk < 1 ? 1 : chunk)
+        for (long b = 0; b < nblocks; b++) {
+            if (acc == NULL || wt == NULL) continue;
+            const uint8_t* blk = w + b * bb;
+            if (M <= mr_reg) {
+                gv(blk, f, x, ldx, (int)M, acc);
+                qg_store(acc, (int)M, b * QG_NB, f->n, f->n, bias, out);
+                continue;
+            }
+            for (long m0 = 0; m0 < M; m0 += QG_MPASS) {
+                int m = (int)(M - m0 < QG_MPASS ? M - m0 : QG_MPASS);
+                for (long k0 = 0; k0 < f->kp; k0 += QG_KC) {
+                    long k1 = k0 + QG_KC < f->kp ? k0 + QG_KC : f->kp;
+                    dq(blk, f, k0, k1, wt);
+                    tl(wt, k1 - k0, x + m0 * ldx + k0, ldx, m, acc, k0 == 0);
+                }
+                qg_store(acc, m, b * QG_NB, f->n, f->n, bias, out + m0 * f->n);
+            }
+        }
+        free(acc);
+        free(wt);
+    }
+    return err ? -1 : 0;
+}
+
+#endif

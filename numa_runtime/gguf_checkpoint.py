@@ -1,0 +1,203 @@
+"""A GGUF file read as a checkpoint with Hugging Face tensor names, sliced per rank.
+
+The `gguf` package parses the file and maps the tensor data (numpy memmaps); the block math is
+ours. Q8_0, Q4_0 and Q4_1 map onto our formats without loss (their blocks are groups of 32 with
+f16 scales and offsets):
+    Q8_0 -> int8 group 32 "sym";  Q4_0 -> int4 group 32 "sym" (w = d (q - 8));
+    Q4_1 -> int4 group 32 "min" (w = d q + m).
+F32/F16/BF16 tensors are dense. Q4_K, Q5_K and Q6_K cannot map without loss (their effective
+scales d * sc need more than f16's 11 bits, and we have no 5/6-bit format): they are dequantized
+to dense weights (the engine's dtype) and a log line says so. Any other type is an error naming it.
+
+llama/mistral GGUFs store q/k rows in llama.cpp's interleaved rotary order; rows are mapped back
+to Hugging Face's rotate-half order (a permutation inside each head, so a rank's whole heads stay
+its own).
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from .backend.reference import f32_to_bf16
+from .quant.formats import QuantError, QuantFormat, QuantizedWeight
+from .weights import CheckpointError
+
+log = logging.getLogger("numa_runtime")
+
+BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+DENSE = ("F32", "F16", "BF16")
+LOSSLESS = {"Q8_0": (QuantFormat(8, 32, "sym"), 34), "Q4_0": (QuantFormat(4, 32, "sym"), 18),
+            "Q4_1": (QuantFormat(4, 32, "min"), 20)}
+DEQUANTIZED = ("Q4_K", "Q5_K", "Q6_K")
+PERMUTED_ARCHS = ("llama", "mistral")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in TOP_NAMES:
+        return TOP_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in BLOCK_NAMES:
+        return f"model.layers.{int(parts[1])}.{BLOCK_NAMES[parts[2]]}"
+    return None
+
+
+class _Tensor:
+    """One tensor of the index: GGUF name, type name, GGUF shape (innermost first), and its
+    bytes in the file as [rows, bytes per row] (a memmap view)."""
+
+    def __init__(self, entry: dict, mm: np.ndarray, path: str):
+        self.name, self.type, self.shape = entry["name"], entry["type"], entry["shape"]
+        off, n = entry["offset"], entry["nbytes"]
+        if off + n > mm.shape[0]:
+            raise CheckpointError(f"{path} is truncated: tensor {self.name} ends at byte {off + n}, "
+                                  f"the file has {mm.shape[0]}.")
+        rows = int(np.prod(self.shape[1:])) if len(self.shape) > 1 else 1
+        self.data = mm[off:off + n].reshape(rows, n // rows) if len(self.shape) > 1 else mm[off:off + n]
+
+
+class _QuantView:
+    """Shape and dtype of a quantized tensor (what model code asks `raw` for); no data."""
+
+    def __init__(self, shape):
+        self.shape, self.dtype = tuple(shape), np.dtype(np.uint8)
+
+
+class GGUFCheckpoint:
+    """The Checkpoint interface (names, raw, load) plus `quantized` for lossless blocks."""
+
+    def __init__(self, path: str, index: dict, n_head: int, n_kv_head: int):
+        """index: {"architecture", "tensors": [{name, type, shape, offset, nbytes}]}, read from
+        the file once by gguf_model (the gguf package)."""
+        self.path, self.arch = path, index["architecture"]
+        mm = np.memmap(path, dtype=np.uint8, mode="r")
+        self.heads = {"self_attn.q_proj.weight": n_head, "self_attn.k_proj.weight": n_kv_head}
+        self._tensors = {}
+        for entry in index["tensors"]:
+            t = _Tensor(entry, mm, path)
+            name = hf_name(t.name)
+            kind = t.type
+            if name is None:
+                continue
+            if kind not in DENSE and kind not in LOSSLESS and kind not in DEQUANTIZED:
+                raise CheckpointError(f"{path}: tensor {t.name} has GGUF type {kind}, which "
+                                      f"numa_runtime does not read (supported: "
+                                      f"{', '.join(DENSE + tuple(LOSSLESS) + DEQUANTIZED)}).")
+            self._tensors[name] = t
+        self._logged = set()
+
+    @property
+    def split_align(self) -> int:
+        """32 where any tensor is kept in its (32-element) blocks, else 1."""
+        return 32 if any(t.type in LOSSLESS for t in self._tensors.values()) else 1
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def _t(self, name):
+        if name not in self._tensors:
+            raise CheckpointError(f"Tensor {name!r} is missing from {self.path}.")
+        return self._tensors[name]
+
+    def shape(self, name: str) -> tuple:
+        return tuple(int(d) for d in reversed(self._t(name).shape))  # GGUF: innermost first
+
+    def raw(self, name: str):
+        """Dense tensors: the mmapped data (bf16 as uint16). Quantized: shape and dtype only."""
+        t = self._t(name)
+        kind = t.type
+        if kind not in DENSE:
+            return _QuantView(self.shape(name))
+        dt = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[kind]
+        return t.data.view(dt).reshape(self.shape(name))
+
+    def _row_index(self, name: str, rows: slice | None, n: int):
+        """GGUF rows holding HF rows `rows` (q/k of llama GGUFs are permuted within heads)."""
+        sl = rows if rows is not None else slice(0, n)
+        heads = self.heads.get(name.split(".", 3)[-1]) if self.arch in PERMUTED_ARCHS else None
+        if heads is None:
+            return sl
+        d = n // heads
+        i = np.arange(sl.start, sl.stop)
+        r = i % d
+        return (i // d) * d + 2 * (r % (d // 2)) + r // (d // 2)
+
+    def quantized(self, name: str, rows: slice | None, cols: slice | None) -> QuantizedWeight | None:
+        """Rows/cols of a Q8_0/Q4_0/Q4_1 tensor as our format, bit for bit; None otherwise."""
+        t = self._t(name)
+        kind = t.type
+        if kind not in LOSSLESS:
+            self._log_dequantized(name, kind)
+            return None
+        fmt, bsize = LOSSLESS[kind]
+        n, k = self.shape(name)
+        c0, c1 = (0, k) if cols is None else (cols.start, cols.stop)
+        if c0 % 32 or (c1 % 32 and c1 != k):
+            raise QuantError(f"{self.path}: {name} ({kind}) would be split at input column {c0 if c0 % 32 else c1}, "
+                             f"inside a 32-element block; use a rank count whose split falls on block boundaries.")
+        blocks = np.asarray(t.data).reshape(n, k // 32, bsize)
+        blocks = blocks[self._row_index(name, rows, n)][:, c0 // 32:c1 // 32]    # [n', nb, bsize]
+        return decode_blocks(kind, np.ascontiguousarray(blocks), c1 - c0)
+
+    def load(self, name: str, dtype: str, rows: slice | None = None, cols: slice | None = None) -> np.ndarray:
+        """A dense copy of (a slice of) a tensor in `dtype` ('bfloat16' -> uint16 bits, 'float32')."""
+        t = self._t(name)
+        kind = t.type
+        shape = self.shape(name)
+        if len(shape) == 1:
+            w = self.raw(name)
+            w = (w.astype(np.uint32) << 16).view(np.float32) if kind == "BF16" else w
+            w = np.asarray(w, np.float32)[rows if rows is not None else slice(None)]
+        elif kind in LOSSLESS:
+            from .quant.formats import dequantize
+            w = dequantize(self.quantized(name, rows, cols))
+        else:
+            idx = self._row_index(name, rows, shape[0])
+            if kind in DENSE:
+                w = self.raw(name)[idx]
+                w = (w.astype(np.uint32) << 16).view(np.float32) if kind == "BF16" else w.astype(np.float32)
+            else:
+                from gguf import GGMLQuantizationType
+                from gguf.quants import dequantize as gguf_dequantize
+                w = gguf_dequantize(np.asarray(t.data[idx]), GGMLQuantizationType[kind]).reshape(-1, shape[1])
+            if cols is not None:
+                w = w[:, cols]
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        return f32_to_bf16(w) if dtype == "bfloat16" else w
+
+    def _log_dequantized(self, name: str, kind: str) -> None:
+        if kind in DEQUANTIZED and kind not in self._logged:
+            self._logged.add(kind)
+            log.info("GGUF type %s has no lossless int8/int4 equivalent here (6-bit sub-block "
+                     "scales): %s tensors are dequantized to dense weights", kind, kind)
+
+
+def decode_blocks(kind: str, blocks: np.ndarray, k: int) -> QuantizedWeight:
+    """GGUF blocks [n, nb, bytes] -> our logical QuantizedWeight [n, k] (k = 32 nb)."""
+    fmt = LOSSLESS[kind][0]
+    n, nb, _ = blocks.shape
+    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]                     # [n, nb]
+    if kind == "Q8_0":
+        q = blocks[:, :, 2:34].copy().view(np.int8).reshape(n, nb * 32)
+        return QuantizedWeight(fmt, q, d, None, k)
+    off = 4 if kind == "Q4_1" else 2
+    qs = blocks[:, :, off:off + 16]                                            # [n, nb, 16]
+    # NOTE: element j of a block is the low nibble of byte j, element j + 16 its high nibble
+    q = np.concatenate([qs & 0xF, qs >> 4], axis=2).reshape(n, nb * 32).astype(np.uint8)
+    m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0] if kind == "Q4_1" else None
+    return QuantizedWeight(fmt, q, d, m, k)

@@ -1,0 +1,248 @@
+"""Disk tier: prefix-cache blocks evicted from DRAM live on in files, across restarts.
+
+Two halves:
+- `DiskTier` (rank 0, plain Python): the index of hashes on disk in LRU order, the size cap,
+  and the decisions. The block manager calls `offload` on eviction and `lookup`/`load` on a
+  DRAM miss; the queued ops travel to every rank in the next StepPlan (kv_cache/tier.py).
+- `DiskStore` (every rank): the files of this rank's KV shard. `apply_ops` carries out a
+  plan's ops against the rank's KV arrays before the step runs.
+
+Layout: `<dir>/<fingerprint>/<hash:032x>.r<rank>`, one file per block per rank. The
+fingerprint hashes the model's config.json, the weights' identity (safetensors headers, sizes
+and sampled bytes), the KV dtype, block size and rank count, so another model, dtype or TP
+layout never reads these files. A file is a header (magic, version, hash, payload length,
+CRC32 of the payload) and the payload: every layer's K then V rows of the block. Writes go to a
+temporary file renamed into place; at start-up every rank verifies its files (bad, truncated
+or stray temporary files are deleted) and rank 0 keeps the hashes valid on every rank. A load
+verifies again; a file that fails is dropped, and the step is redone without it.
+
+When reading back beats recomputing (the stated rule, `worth_loading`): reading a block costs
+its bytes at disk speed, recomputing it costs 2 x parameters FLOPs per token. Assuming at least
+1 GB/s from disk and at most 1 TFLOP/s per rank, reading wins when a token's KV bytes x 1000 <
+2 x parameters of the rank. Every real model passes (a 0.5B Qwen: 12 KB vs 1 GFLOP); tiny test
+models do not, so `load_policy="always"` skips the rule.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+import os
+import struct
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from .tier import OP_DELETE, OP_LOAD, OP_SAVE, join_hash, ops_array
+
+log = logging.getLogger("numa_runtime")
+
+_MAGIC, _VERSION = b"NRKV", 1
+_HEADER = struct.Struct("<4sI16sQI4x")  # magic, version, hash (16 bytes), payload length, crc32
+DISK_FLOPS_PER_BYTE = 1000  # the rule's ratio: 1 TFLOP/s of compute per 1 GB/s of disk
+LOAD_POLICIES = ("auto", "always")
+
+
+@dataclass(frozen=True)
+class DiskTierConfig:
+    path: str
+    capacity_bytes: int = 8 << 30      # per rank
+    load_policy: str = "auto"          # "auto": the rule above; "always": load every hit
+
+    def __post_init__(self):
+        if not self.path:
+            raise ValueError("kv_cache_dir must name a directory.")
+        if not isinstance(self.capacity_bytes, int) or self.capacity_bytes < 0:
+            raise ValueError(f"kv_cache_disk_bytes must be a non-negative integer, got {self.capacity_bytes!r}.")
+        if self.load_policy not in LOAD_POLICIES:
+            raise ValueError(f"kv_cache_disk_load must be one of {LOAD_POLICIES}, got {self.load_policy!r}.")
+
+
+def worth_loading(kv_bytes_per_token: float, params_per_rank: float) -> bool:
+    """The stated rule (module docstring): reading a block back beats recomputing it."""
+    return kv_bytes_per_token * DISK_FLOPS_PER_BYTE < 2 * params_per_rank
+
+
+def model_fingerprint(model_dir: str, kv_dtype: str, block_size: int, world_size: int) -> str:
+    """Hex id of everything that decides a block's KV bytes except its tokens."""
+    h = hashlib.blake2b(digest_size=12)
+    h.update(json.dumps([kv_dtype, block_size, world_size]).encode())
+    with open(os.path.join(model_dir, "config.json"), "rb") as f:
+        h.update(f.read())
+    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        size = os.path.getsize(path)
+        h.update(f"{os.path.basename(path)}:{size}".encode())
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            h.update(f.read(min(n, 1 << 24)))  # the header: names, dtypes, shapes, offsets
+            for i in range(16):  # NOTE: sampled data bytes: random models share headers
+                f.seek(8 + n + (size - 8 - n) * i // 16)
+                h.update(f.read(4096))
+    return h.hexdigest()
+
+
+class DiskTier:
+    """Rank 0's index of the blocks on disk (oldest use first) and the ops to send."""
+
+    def __init__(self, capacity_blocks: int, load_enabled: bool, entries: list[int] = (),
+                 stale: list[int] = ()):
+        self.capacity_blocks = capacity_blocks
+        self.load_enabled = load_enabled
+        self.index: OrderedDict[int, None] = OrderedDict((h, None) for h in entries)
+        self._ops: list[tuple[int, int, int]] = [(OP_DELETE, -1, h) for h in stale]
+        while len(self.index) > capacity_blocks:
+            self._ops.append((OP_DELETE, -1, self.index.popitem(last=False)[0]))
+        self.num_saved = self.num_loaded = self.num_dropped = 0
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self.index
+
+    def offload(self, block_id: int, block_hash: int) -> None:
+        if block_hash in self.index:  # already on disk, same bytes
+            self.index.move_to_end(block_hash)
+            return
+        if self.capacity_blocks == 0:
+            return
+        while len(self.index) >= self.capacity_blocks:
+            self._ops.append((OP_DELETE, -1, self.index.popitem(last=False)[0]))
+        self.index[block_hash] = None
+        self._ops.append((OP_SAVE, block_id, block_hash))
+        self.num_saved += 1
+
+    def lookup(self, block_hash: int) -> bool:
+        return self.load_enabled and block_hash in self.index
+
+    def load(self, block_hash: int, block_id: int) -> None:
+        self.index.move_to_end(block_hash)
+        self._ops.append((OP_LOAD, block_id, block_hash))
+        self.num_loaded += 1
+
+    def drop(self, block_hash: int) -> None:
+        self.index.pop(block_hash, None)
+        self._ops.append((OP_DELETE, -1, block_hash))  # NOTE: also on the ranks whose copy was fine
+        self.num_dropped += 1
+
+    def take_ops(self) -> np.ndarray:
+        ops, self._ops = self._ops, []
+        return ops_array(ops)
+
+
+class DiskStore:
+    """One rank's block files under `<root>/<fingerprint>/`."""
+
+    def __init__(self, root: str, fingerprint: str, rank: int, block_bytes: int):
+        self.dir = os.path.join(os.path.abspath(os.path.expanduser(root)), fingerprint)
+        self.rank, self.block_bytes = rank, block_bytes
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"Cannot create the KV cache directory {self.dir!r} ({e}); "
+                             "pass a writable --kv-cache-dir.") from None
+        self.num_bad = 0
+
+    @property
+    def file_bytes(self) -> int:
+        return _HEADER.size + self.block_bytes
+
+    def path(self, block_hash: int) -> str:
+        return os.path.join(self.dir, f"{block_hash:032x}.r{self.rank}")
+
+    def scan(self) -> list[int]:
+        """Hashes of this rank's valid files, least recently written first; deletes the rest."""
+        found = []
+        for name in os.listdir(self.dir):
+            path = os.path.join(self.dir, name)
+            if name.endswith(f".r{self.rank}.tmp"):
+                _remove(path)
+                continue
+            stem, _, suffix = name.partition(".")
+            if suffix != f"r{self.rank}":
+                continue
+            try:
+                h = int(stem, 16)
+            except ValueError:
+                continue
+            if self.read(h) is not None:
+                found.append((os.stat(path).st_mtime_ns, h))
+        return [h for _, h in sorted(found)]
+
+    def save(self, block_hash: int, payload: np.ndarray) -> None:
+        """payload: [block_bytes] uint8."""
+        head = _HEADER.pack(_MAGIC, _VERSION, block_hash.to_bytes(16, "little"), payload.nbytes,
+                            zlib.crc32(payload))
+        path = self.path(block_hash)
+        tmp = path + ".tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(head)
+                f.write(payload)
+            os.replace(tmp, path)
+        except OSError as e:  # a full disk loses a cache entry, never a request
+            log.warning("KV disk tier: cannot write %s (%s)", path, e)
+            _remove(tmp)
+
+    def read(self, block_hash: int) -> np.ndarray | None:
+        """The payload [block_bytes] uint8, or None (the file is missing, or it was corrupt or
+        truncated and is now deleted)."""
+        path = self.path(block_hash)
+        try:
+            with open(path, "rb") as f:
+                data = f.read(self.file_bytes + 1)
+        except OSError:
+            return None
+        if len(data) == self.file_bytes:
+            magic, version, h, n, crc = _HEADER.unpack_from(data)
+            payload = np.frombuffer(data, np.uint8, offset=_HEADER.size)
+            if (magic, version, h, n) == (_MAGIC, _VERSION, block_hash.to_bytes(16, "little"),
+                                          self.block_bytes) and zlib.crc32(payload) == crc:
+                return payload
+        log.warning("KV disk tier: dropped %s (truncated or failed its checksum)", path)
+        self.num_bad += 1
+        _remove(path)
+        return None
+
+    def delete(self, block_hash: int) -> None:
+        _remove(self.path(block_hash))
+
+
+def apply_ops(store: DiskStore, ops: np.ndarray, kv_cache: list) -> np.ndarray:
+    """Carry out a plan's tier ops, in order, on this rank's KV arrays.
+
+    ops: [K, 4] int64; kv_cache: per layer (k, v), each [num_blocks, block_size, heads, D].
+    Returns failed: [K] float32, 1.0 where a LOAD found no valid file (the block is untouched).
+    """
+    failed = np.zeros(len(ops), np.float32)  # [K]
+    for i, (op, block_id, lo, hi) in enumerate(ops.tolist()):
+        h = join_hash(lo, hi)
+        if op == OP_SAVE:
+            store.save(h, np.concatenate([a[block_id].reshape(-1).view(np.uint8)
+                                          for kv in kv_cache for a in kv]))
+        elif op == OP_LOAD:
+            payload = store.read(h)
+            if payload is None:
+                failed[i] = 1.0
+                continue
+            off = 0
+            for kv in kv_cache:
+                for a in kv:
+                    dst = a[block_id].reshape(-1).view(np.uint8)  # [bytes of one block of a layer]
+                    dst[:] = payload[off:off + dst.nbytes]
+                    off += dst.nbytes
+        elif op == OP_DELETE:
+            store.delete(h)
+        else:
+            raise ValueError(f"Unknown KV tier op {op}.")
+    return failed
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,217 @@
+"""Quantized weight formats: what a format is, how weights are quantized, and how they come back.
+
+A quantized weight W [N, K] holds integers q in groups of `group_size` consecutive k of one
+output row, with one f16 scale s per group and, for asymmetric formats, one f16 offset:
+
+| kind   | bits | q         | dequantized w (f32)       | sources                          |
+| ------ | ---- | --------- | ------------------------- | -------------------------------- |
+| "sym"  | 8    | -127..127 | q * s                     | int8 at load, GGUF Q8_0          |
+| "sym"  | 4    | 0..15     | q * s - 8 s               | int4 at load, GGUF Q4_0          |
+| "zero" | 4    | 0..15     | q * s - s z (z: 0..15)    | AWQ, GPTQ                        |
+| "min"  | 4    | 0..15     | q * s + m                 | GGUF Q4_1                        |
+
+NOTE: scales and offsets are stored as f16: every real source (GGUF, AWQ, GPTQ) stores f16
+scales, so they map without loss, and at 4 bits in groups of 32 an f16 scale + offset costs 1
+bit per weight against 2 in f32 (decode streams every byte). F16C converts 8 of them in one
+instruction on every x86-64-v3 CPU. bf16/f32 scales given to us are rounded to f16 once (the
+quantizer picks f16 scales before rounding the weights, so its q are computed against them).
+An f16 scale times a <= 8-bit integer is exact in f32, so `dequantize` here and the kernels'
+in-register dequantization produce the very same f32 weights.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+KINDS = ("sym", "zero", "min")
+GROUP_SIZES = (32, 64, 128)
+
+
+class QuantError(ValueError):
+    """A quantized format or tensor we cannot represent or read."""
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """bits 4 or 8; group_size 32/64/128, or -1 for one group per output row (int8 only);
+    kind "sym" | "zero" | "min" (asymmetric kinds are int4 only)."""
+
+    bits: int = 8
+    group_size: int = 128
+    kind: str = "sym"
+    fit_group: bool = False  # a weight whose K the group does not divide takes 64 or 32
+
+    def for_k(self, k: int) -> "QuantFormat":
+        """The format a weight with k input features gets (fit_group: the largest of
+        group_size, 64, 32 that divides k; otherwise this format)."""
+        if not self.fit_group or self.group_size == -1 or k % self.group_size == 0:
+            return self
+        for g in (64, 32):
+            if g < self.group_size and k % g == 0:
+                return QuantFormat(self.bits, g, self.kind)
+        return self
+
+    def __post_init__(self):
+        if self.bits not in (4, 8):
+            raise QuantError(f"Quantized weights have 4 or 8 bits, not {self.bits}.")
+        if self.kind not in KINDS:
+            raise QuantError(f"Quantization kind must be one of {KINDS}, not {self.kind!r}.")
+        if self.bits == 8 and self.kind != "sym":
+            raise QuantError("int8 weights are symmetric only (kind='sym').")
+        if self.group_size not in GROUP_SIZES + (-1,):
+            raise QuantError(f"Group size must be one of {GROUP_SIZES} (or -1: per output row, "
+                             f"int8), not {self.group_size}.")
+        if self.group_size == -1 and self.bits == 4:
+            raise QuantError("int4 weights need groups of 32, 64 or 128 (per-row int4 is too coarse).")
+
+    @property
+    def pack_k(self) -> int:
+        """k per 32-bit lane of the packed layout."""
+        return 8 if self.bits == 4 else 4
+
+    def padded_k(self, k: int) -> int:
+        """K as stored: per-row int8 pads K to 4 with zero weights; grouped formats need whole
+        groups."""
+        if self.group_size == -1:
+            return -(-k // 4) * 4
+        if k % self.group_size:
+            raise QuantError(f"in_features {k} is not a multiple of the group size "
+                             f"{self.group_size}; use a group size that divides it.")
+        return k
+
+    def group_of(self, k: int) -> int:
+        """Group size of a weight with k input features."""
+        return self.padded_k(k) if self.group_size == -1 else self.group_size
+
+    @classmethod
+    def parse(cls, name: str) -> "QuantFormat":
+        """'int8' (groups of 128, or 64/32 where 128 does not divide K), 'int4' (groups of 32
+        with a min), or e.g. 'int4-g128-sym', 'int8-channel' (an explicit group is kept)."""
+        parts = str(name).lower().split("-")
+        base = {"int8": cls(8, 128, "sym"), "int4": cls(4, 32, "min")}.get(parts[0])
+        if base is None:
+            raise QuantError(f"Unknown quantization {name!r}; use 'int8' or 'int4' "
+                             f"(optionally -g32/-g64/-g128, -channel, -sym/-zero/-min).")
+        bits, group, kind = base.bits, base.group_size, base.kind
+        fit = True
+        for p in parts[1:]:
+            if p.startswith("g") and p[1:].isdigit():
+                group, fit = int(p[1:]), False
+            elif p == "channel":
+                group, fit = -1, False
+            elif p in KINDS:
+                kind = p
+            else:
+                raise QuantError(f"Unknown quantization option {p!r} in {name!r}.")
+        return cls(bits, group, kind, fit)
+
+
+@dataclass
+class QuantizedWeight:
+    """Logical (unpacked) quantized weight of one Linear.
+
+    q: [N, Kp] uint8 (int4, 0..15) or int8; scales: [N, Kp / group] f16;
+    offsets: [N, Kp / group] f16 zero points (kind "zero") or mins (kind "min"), else None.
+    in_features: K (Kp - K trailing zero columns for per-row int8)."""
+
+    fmt: QuantFormat
+    q: np.ndarray
+    scales: np.ndarray
+    offsets: np.ndarray | None
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def group(self) -> int:
+        return self.fmt.group_of(self.in_features)
+
+    def rows(self, sl: slice) -> "QuantizedWeight":
+        """Output rows `sl` (a copy)."""
+        off = None if self.offsets is None else self.offsets[sl].copy()
+        return QuantizedWeight(self.fmt, self.q[sl].copy(), self.scales[sl].copy(), off,
+                               self.in_features)
+
+
+def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Stack weights of one format along the output dimension (fused q/k/v, gate/up)."""
+    f, k = parts[0].fmt, parts[0].in_features
+    if any(p.fmt != f or p.in_features != k for p in parts):
+        raise QuantError("Cannot fuse quantized weights of different formats or input sizes.")
+    off = None if f.kind == "sym" else np.concatenate([p.offsets for p in parts])
+    return QuantizedWeight(f, np.concatenate([p.q for p in parts]),
+                           np.concatenate([p.scales for p in parts]), off, k)
+
+
+def to_f16_scales(s: np.ndarray) -> np.ndarray:
+    """f32/bf16-valued scales -> f16; one clear error when they do not fit."""
+    with np.errstate(over="ignore"):
+        s16 = np.asarray(s, dtype=np.float32).astype(np.float16)
+    if not np.all(np.isfinite(s16)):
+        raise QuantError("A quantization scale or offset is outside the f16 range (|x| > 65504); "
+                         "this weight cannot be stored in our formats.")
+    return s16
+
+
+def offset_term(fmt: QuantFormat, scales: np.ndarray, offsets: np.ndarray | None) -> np.ndarray:
+    """c per group, in f32 (exact): w = q * s + c."""
+    s = scales.astype(np.float32)
+    if fmt.bits == 8:
+        return np.zeros_like(s)
+    if fmt.kind == "sym":
+        return s * np.float32(-8.0)
+    o = offsets.astype(np.float32)
+    return -(s * o) if fmt.kind == "zero" else o
+
+
+def dequantize(qw: QuantizedWeight) -> np.ndarray:
+    """The f32 weights [N, K] the kernels compute with (bit for bit)."""
+    n, kp = qw.q.shape
+    g = qw.group
+    s = qw.scales.astype(np.float32)[:, :, None]                        # [N, ng, 1]
+    c = offset_term(qw.fmt, qw.scales, qw.offsets)[:, :, None]          # [N, ng, 1]
+    q = qw.q.reshape(n, kp // g, g).astype(np.float32)                  # [N, ng, G]
+    w = q * s + c
+    return np.ascontiguousarray(w.reshape(n, kp)[:, :qw.in_features])
+
+
+def quantize(w: np.ndarray, fmt: QuantFormat) -> QuantizedWeight:
+    """Round-to-nearest quantization of f32 weights [N, K] (scales chosen per group from the
+    group's range, rounded to f16 before the weights are rounded against them)."""
+    w = np.asarray(w, dtype=np.float32)
+    n, k = w.shape
+    kp = fmt.padded_k(k)
+    g = fmt.group_of(k)
+    if kp != k:
+        w = np.concatenate([w, np.zeros((n, kp - k), np.float32)], axis=1)
+    wg = w.reshape(n, kp // g, g)                                         # [N, ng, G]
+    if fmt.kind == "sym":
+        qmax = 127.0 if fmt.bits == 8 else 7.0
+        s = to_f16_scales(np.abs(wg).max(axis=2) / qmax)
+        inv = _inverse(s)
+        lo = -127 if fmt.bits == 8 else -8
+        q = np.clip(np.rint(wg * inv), lo, qmax)
+        q = q.astype(np.int8) if fmt.bits == 8 else (q + 8).astype(np.uint8)
+        return QuantizedWeight(fmt, q.reshape(n, kp), s, None, k)
+    mn, mx = wg.min(axis=2), wg.max(axis=2)
+    if fmt.kind == "min":
+        s = to_f16_scales((mx - mn) / 15.0)
+        m = to_f16_scales(mn)
+        q = np.clip(np.rint((wg - m.astype(np.float32)[..., None]) * _inverse(s)), 0, 15)
+        return QuantizedWeight(fmt, q.astype(np.uint8).reshape(n, kp), s, m, k)
+    s = to_f16_scales((np.maximum(mx, 0) - np.minimum(mn, 0)) / 15.0)
+    inv = _inverse(s)
+    z = np.clip(np.rint(-np.minimum(mn, 0) * inv[..., 0]), 0, 15)
+    q = np.clip(np.rint(wg * inv) + z[..., None], 0, 15)
+    return QuantizedWeight(fmt, q.astype(np.uint8).reshape(n, kp), s, z.astype(np.float16), k)
+
+
+def _inverse(s16: np.ndarray) -> np.ndarray:
+    # s: [N, ng] f16 -> 1/s as [N, ng, 1] f32 (0 where s == 0: such groups are all zero)
+    s = s16.astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(s > 0, 1.0 / np.where(s > 0, s, 1.0), 0.0).astype(np.float32)
+    return inv[..., None]

@@ -1,0 +1,131 @@
+"""AWQ and GPTQ int4 checkpoints (Hugging Face `quantization_config`) as our int4 "zero" format.
+
+Both store, per linear `X`: `X.qweight` (int32 words of eight 4-bit values), `X.qzeros` (the same
+for zero points), `X.scales` (f16 [K / group, N]); the weight is w[n, k] = s (q - z) over groups
+of `group_size` consecutive k. They differ in packing:
+- GPTQ: qweight [K / 8, N], word i of column n holds k = 8i..8i+7 (nibble j = k 8i + j);
+  qzeros [K / G, N / 8] packs along N (nibble j = column 8i + j); format "gptq" (v1) stores
+  z - 1, "gptq_v2" z itself; `g_idx` [K] gives each k's group: anything but k // G
+  (act-order, desc_act) is refused.
+- AWQ ("gemm" version): qweight [K, N / 8] and qzeros [K / G, N / 8] both pack along N, nibble
+  i of word c holding column 8c + ORDER[i] with ORDER = 0, 2, 4, 6, 1, 3, 5, 7.
+s (q - z) = q s - s z exactly in f32, so the mapping is lossless.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .formats import QuantFormat, QuantizedWeight, dequantize
+from ..gguf_checkpoint import _QuantView
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def check_quantization_config(q: dict) -> None:
+    """Raise one sentence (UnsupportedModelError) for a quantization_config we cannot run."""
+    from ..config import UnsupportedModelError
+    method = q.get("quant_method")
+    if method not in ("gptq", "awq"):
+        raise UnsupportedModelError(f"Quantized checkpoints with quant_method {method!r} are not supported; "
+                                    "numa_runtime reads AWQ and GPTQ int4, GGUF files, or dense checkpoints.")
+    bits = q.get("bits", q.get("w_bit"))
+    if bits != 4:
+        raise UnsupportedModelError(f"{method.upper()} checkpoints with {bits} bits are not supported; only 4-bit.")
+    group = q.get("group_size", q.get("q_group_size"))
+    if group not in (32, 64, 128):
+        raise UnsupportedModelError(f"{method.upper()} group_size {group} is not supported; use 32, 64 or 128.")
+    if method == "awq" and str(q.get("version", "gemm")).lower() != "gemm":
+        raise UnsupportedModelError(f"AWQ version {q.get('version')!r} is not supported; only 'gemm'.")
+    if method == "gptq" and q.get("desc_act"):
+        raise UnsupportedModelError("GPTQ act-order (desc_act: true) checkpoints are not supported; "
+                                    "use one quantized with desc_act=false.")
+    if method == "gptq" and q.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
+        raise UnsupportedModelError(f"GPTQ checkpoint_format {q.get('checkpoint_format')!r} is not supported.")
+
+
+def _nibbles(words: np.ndarray, axis: int) -> np.ndarray:
+    """int32 words -> their 8 nibbles, expanded along `axis` (nibble j at 8 i + j)."""
+    u = words.astype(np.int64) & 0xFFFFFFFF
+    nib = np.stack([(u >> (4 * j)) & 0xF for j in range(8)], axis=axis + 1)
+    shape = list(words.shape)
+    shape[axis] *= 8
+    return nib.reshape(shape).astype(np.uint8)
+
+
+class HFQuantCheckpoint:
+    """A safetensors Checkpoint whose quantized linears read as QuantizedWeight slices."""
+
+    def __init__(self, ckpt, qcfg: dict):
+        check_quantization_config(qcfg)
+        self.ckpt, self.method = ckpt, qcfg["quant_method"]
+        self.group = int(qcfg.get("group_size", qcfg.get("q_group_size")))
+        self.zero_offset = 1 if self.method == "gptq" and qcfg.get("checkpoint_format", "gptq") == "gptq" else 0
+        self.fmt = QuantFormat(4, self.group, "zero")
+
+    @property
+    def split_align(self) -> int:
+        return self.group
+
+    def _base(self, name: str) -> str | None:
+        if name.endswith(".weight") and name[:-6] + "qweight" in self.ckpt:
+            return name[:-6]
+        return None
+
+    def __contains__(self, name: str) -> bool:
+        return self._base(name) is not None or name in self.ckpt
+
+    def names(self) -> list[str]:
+        return self.ckpt.names()
+
+    def raw(self, name: str):
+        base = self._base(name)
+        if base is None:
+            return self.ckpt.raw(name)
+        s = self.ckpt.raw(base + "scales").shape                      # [K / G, N]
+        return _QuantView((s[1], s[0] * self.group))
+
+    def load(self, name: str, dtype: str, rows=None, cols=None) -> np.ndarray:
+        if self._base(name) is None:
+            return self.ckpt.load(name, dtype, rows=rows, cols=cols)
+        from ..backend.reference import f32_to_bf16
+        w = dequantize(self.quantized(name, rows, cols))
+        return f32_to_bf16(w) if dtype == "bfloat16" else w
+
+    def quantized(self, name: str, rows: slice | None, cols: slice | None) -> QuantizedWeight | None:
+        base = self._base(name)
+        if base is None:
+            return None
+        n, k = self.raw(name).shape
+        r0, r1 = (0, n) if rows is None else (rows.start, rows.stop)
+        c0, c1 = (0, k) if cols is None else (cols.start, cols.stop)
+        g = self.group
+        if c0 % g or c1 % g:
+            from .formats import QuantError
+            raise QuantError(f"{base}weight would be split at input column {c0 if c0 % g else c1}, inside a "
+                             f"group of {g}; use a rank count whose split falls on group boundaries.")
+        if self.method == "gptq":
+            gidx = self.ckpt.raw(base + "g_idx") if base + "g_idx" in self.ckpt else None
+            if gidx is not None and not np.array_equal(np.asarray(gidx), np.arange(k) // g):
+                from ..config import UnsupportedModelError
+                raise UnsupportedModelError(f"{base}g_idx is not k // group_size (act-order GPTQ); "
+                                            "such checkpoints are not supported.")
+            qw = self.ckpt.raw(base + "qweight")[c0 // 8:c1 // 8, r0:r1]            # [k'/8, n']
+            q = _nibbles(qw, 0)                                                     # [k', n']
+        else:
+            qw = self.ckpt.raw(base + "qweight")[c0:c1, r0 // 8:-(-r1 // 8)]       # [k', n'/8]
+            q = self._awq_columns(qw, r0, r1)                                       # [k', n']
+        zw = self.ckpt.raw(base + "qzeros")[c0 // g:c1 // g, r0 // 8:-(-r1 // 8)]  # [k'/G, n'/8]
+        z = self._awq_columns(zw, r0, r1) if self.method == "awq" else _nibbles(zw, 1)[:, r0 % 8:r0 % 8 + r1 - r0]
+        z = z.astype(np.float16) + np.float16(self.zero_offset)
+        s = np.asarray(self.ckpt.raw(base + "scales")[c0 // g:c1 // g, r0:r1], np.float16)
+        return QuantizedWeight(self.fmt, np.ascontiguousarray(q.T), np.ascontiguousarray(s.T),
+                               np.ascontiguousarray(z.T), c1 - c0)
+
+    @staticmethod
+    def _awq_columns(words: np.ndarray, r0: int, r1: int) -> np.ndarray:
+        """AWQ words [rows, c] covering columns 8 (r0 // 8) ... -> values [rows, r1 - r0]."""
+        nib = _nibbles(words, 1).reshape(words.shape[0], words.shape[1], 8)
+        cols = np.empty_like(nib)
+        cols[:, :, list(AWQ_ORDER)] = nib                                        # nibble i -> column ORDER[i]
+        cols = cols.reshape(words.shape[0], -1)
+        return cols[:, r0 % 8:r0 % 8 + r1 - r0]

@@ -1,0 +1,172 @@
+"""The HTTP side of several models: one `build_app` per model over a `ModelView`, and an ASGI
+dispatcher in front that picks the app from the request body's `model` and lists every model
+at /v1/models. One AsyncEngine (one engine thread) drives the ModelRouter behind all of them.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import time
+
+from fastapi.responses import JSONResponse
+
+from . import responses as R
+from .app import ApiError, ServeConfig, build_app
+from .async_engine import AsyncEngine
+from .router import ModelRouter, ModelUnavailableError
+
+
+class _ModelInfo:
+    """What build_app reads from `aengine.engine`, available before the model is loaded."""
+
+    def __init__(self, router: ModelRouter, name: str):
+        self.router, self.name = router, name
+        self.tokenizer = router.tokenizers[name]
+        self.profiler = None
+
+    @property
+    def max_model_len(self) -> int:
+        eng = self.router.engines.get(self.name)
+        if eng is not None:
+            return eng.max_model_len
+        asked = self.router.config.engine_kwargs.get("max_model_len")
+        return asked or min(self.router.model_configs[self.name].max_position_embeddings, 32768)
+
+
+class ModelView:
+    """The AsyncEngine surface build_app uses, for one model of the router."""
+
+    def __init__(self, aengine: AsyncEngine, router: ModelRouter, name: str, load_timeout: float):
+        self.aengine, self.router, self.name, self.load_timeout = aengine, router, name, load_timeout
+        self.engine = _ModelInfo(router, name)
+
+    @property
+    def is_alive(self) -> bool:
+        return self.aengine.is_alive
+
+    @property
+    def num_waiting(self) -> int:
+        return self.aengine.num_waiting
+
+    @property
+    def stats(self):
+        return self.aengine.stats
+
+    @property
+    def busy_seconds(self) -> float:
+        return self.aengine.busy_seconds
+
+    @property
+    def seconds_since_last_step(self) -> float:
+        return self.aengine.seconds_since_last_step
+
+    async def add(self, request_id: str, prompt, params, sink: asyncio.Queue) -> None:
+        self.router.route[request_id] = self.name  # NOTE: before the engine thread sees the request
+        await self._in_time(self.aengine.add(request_id, prompt, params, sink))
+
+    def abort(self, request_id: str) -> None:
+        self.aengine.abort(request_id)
+
+    async def call(self, fn):
+        return await self._in_time(self.aengine.call(lambda router: router.call(self.name, fn)))
+
+    async def _in_time(self, work):
+        """Wait for work up to the load timeout (a model may be loading), then 503."""
+        retry = {"Retry-After": str(max(1, round(self.router.load_seconds.get(self.name, self.load_timeout))))}
+        try:
+            return await asyncio.wait_for(work, self.load_timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(503, f"The model {self.name!r} is still loading; retry shortly.", "server_error",
+                           code="model_loading", headers=retry) from None
+        except ModelUnavailableError as e:
+            raise ApiError(503, str(e), "server_error", code="model_unavailable", headers=retry) from None
+
+
+def build_multi_app(aengine: AsyncEngine, router: ModelRouter, base: ServeConfig, load_timeout: float):
+    """The dispatcher over one app per model; `base` gives every app's limits and API key."""
+    apps = {}
+    for name in router.specs:
+        cfg = dataclasses.replace(base, served_model_name=name)
+        apps[name] = build_app(ModelView(aengine, router, name, load_timeout), cfg)
+    return ModelDispatcher(apps, router, base.api_key, base.max_body_bytes)
+
+
+class ModelDispatcher:
+    """ASGI: POST bodies go to the app of their `model`; GET /v1/models lists every model;
+    everything else (health, metrics, errors it cannot place) goes to the first app."""
+
+    def __init__(self, apps: dict, router: ModelRouter, api_key: str | None, max_body: int):
+        self.apps, self.router, self.max_body = apps, router, max_body
+        self.first = next(iter(apps.values()))
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.created = int(time.time())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not self._authorized(scope):
+            return await self.first(scope, receive, send)  # its guard answers 401
+        if scope["path"] == "/v1/models" and scope["method"] == "GET":
+            return await JSONResponse(self._models())(scope, receive, send)
+        if scope["method"] != "POST":
+            return await self.first(scope, receive, send)
+        body, complete = await _read_body(receive, self.max_body)
+        replay = _replay(body, receive)
+        if not complete:
+            return await self.first(scope, replay, send)  # its guard answers 413
+        try:
+            name = json.loads(body).get("model") if body else None
+        except (ValueError, AttributeError):
+            name = None  # the app explains what is wrong with the body
+        if name is None and len(self.apps) > 1:
+            return await self._error(scope, receive, send, 400, "Name the model in the request's 'model' "
+                                     f"field; this server serves {self._names()}.", "model_required")
+        app = self.first if name is None else self.apps.get(name)
+        if app is None:
+            return await self._error(scope, receive, send, 404, f"The model {name!r} does not exist; this "
+                                     f"server serves {self._names()}.", "model_not_found")
+        return await app(scope, replay, send)
+
+    def _authorized(self, scope) -> bool:
+        if self.expected is None or scope.get("path") == "/health":
+            return True
+        return hmac.compare_digest(dict(scope.get("headers") or []).get(b"authorization", b""), self.expected)
+
+    def _names(self) -> str:
+        return ", ".join(repr(n) for n in self.apps)
+
+    def _models(self) -> dict:
+        data = [{"id": n, "object": "model", "created": self.created, "owned_by": "numa_runtime",
+                 "loaded": n in self.router.engines} for n in self.apps]
+        return {"object": "list", "data": data}
+
+    async def _error(self, scope, receive, send, status, message, code):
+        resp = JSONResponse(R.error_body(message, "invalid_request_error", "model", code), status_code=status)
+        await resp(scope, receive, send)
+
+
+async def _read_body(receive, limit: int) -> tuple[bytes, bool]:
+    """The request body, and False if it grew past `limit` (then only its first part)."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return b"".join(chunks), True
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if size > limit:
+            return b"".join(chunks), False
+        if not message.get("more_body", False):
+            return b"".join(chunks), True
+
+
+def _replay(body: bytes, receive):
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+    return replay

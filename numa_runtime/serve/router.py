@@ -1,0 +1,289 @@
+"""Several models in one server on one set of ranks, inside one memory budget.
+
+`ModelRouter` looks like one Engine to AsyncEngine (add_request / step / abort_request /
+has_unfinished_requests), so the one engine thread drives every model: each request goes to
+the Engine of the model it names (`route[request_id]`, set by the HTTP side before it queues
+the request), and `step()` steps every loaded model that has work.
+
+Memory rule (logged at start-up): a model's footprint per rank is its weights (parameters x
+dtype bytes / ranks; after loading, what it really holds) plus its KV pool, which is
+`kv_cache_memory` if given, else a quarter of the budget split evenly over the models. A model
+is loaded on its first request; if its footprint does not fit beside the loaded ones, loaded
+models without unfinished requests are unloaded, least recently used first. If that is not
+enough (the others are busy), the request fails with ModelUnavailableError (503, Retry-After).
+
+Ranks: every model spans all ranks, split as one model would be (no data-parallel replicas).
+Workers sit in
+`worker_main()`; rank 0 tells them to build (LOAD i) or drop (UNLOAD i) model i (every rank
+parsed the same model list) and to enter model i's plan loop (ENTER i); a SHUTDOWN plan sent by
+model i's runner brings them back (`_activate`).
+"""
+from __future__ import annotations
+
+import atexit
+import gc
+import logging
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from ..config import ModelConfig
+from ..plan import StepPlan
+
+log = logging.getLogger("numa_runtime.serve")
+
+LOAD, UNLOAD, ENTER, EXIT = 11, 12, 13, 14  # control plans, outside plan.py's kinds
+KV_SHARE = 0.25  # of the budget, split over the models, when kv_cache_memory is not given
+
+
+class ModelUnavailableError(RuntimeError):
+    """The model cannot be loaded now: the others fill the budget and are busy."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    model_dir: str
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    models: tuple[ModelSpec, ...]
+    memory_budget: int                      # bytes per rank for every model's weights and KV
+    engine_kwargs: dict = field(default_factory=dict)  # dtype, max_model_len, ... for every Engine
+
+    def __post_init__(self):
+        if not self.models:
+            raise ValueError("Give at least one model (--model DIR or --models-dir DIR).")
+        names = [m.name for m in self.models]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"Two models are named {sorted(dup)[0]!r}; give distinct directories.")
+        if not isinstance(self.memory_budget, int) or self.memory_budget <= 0:
+            raise ValueError(f"memory_budget must be a positive number of bytes, got {self.memory_budget!r}.")
+
+
+def models_in_dir(path: str) -> list[ModelSpec]:
+    """Every subdirectory of `path` holding a config.json, named by the subdirectory."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"--models-dir {path!r} is not a directory.")
+    specs = [ModelSpec(n, os.path.join(path, n)) for n in sorted(os.listdir(path))
+             if os.path.isfile(os.path.join(path, n, "config.json"))]
+    if not specs:
+        raise FileNotFoundError(f"--models-dir {path!r} holds no model directory (a subdirectory with config.json).")
+    return specs
+
+
+def parse_bytes(text: str) -> int:
+    """'8G', '512M', '1.5T', '1000000' -> bytes (powers of 1024)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = str(text).strip().upper().removesuffix("IB").removesuffix("B")
+    try:
+        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except (ValueError, KeyError):
+        raise ValueError(f"Cannot read {text!r} as a size; write e.g. 16G, 512M or a number of bytes.") from None
+
+
+class ModelRouter:
+    """The engine thread's view of every model (see the module docstring)."""
+
+    def __init__(self, config: RouterConfig, comm_world: int = 1, is_driver: bool = True):
+        from ..tokenizer import Tokenizer
+        self.config = config
+        self.world = comm_world
+        self.specs = {m.name: m for m in config.models}
+        self.index = {m.name: i for i, m in enumerate(config.models)}
+        self.model_configs = {m.name: ModelConfig.from_dir(os.path.expanduser(m.model_dir)) for m in config.models}
+        self.footprint = {n: self._estimate(n) for n in self.specs}  # bytes per rank
+        self.engines: OrderedDict[str, object] = OrderedDict()  # loaded, least recently used first
+        self.route: dict[str, str] = {}   # request id -> model name (set by the HTTP side)
+        self.owner: dict[str, str] = {}   # request id -> model name, while it runs
+        self._active: str | None = None   # the model whose plan loop the workers are in
+        # NOTE: every model spans all ranks as one tensor-parallel model (no replicas)
+        self._engine_kwargs = {**config.engine_kwargs, "data_parallel": 1}
+        self.load_seconds: dict[str, float] = {}
+        self.unload_seconds: dict[str, float] = {}
+        if comm_world > 1:  # NOTE: collective: every rank builds its router at start-up
+            from ..distributed import init_distributed
+            self._control_comm = init_distributed()
+        if is_driver:
+            self.tokenizers = {n: Tokenizer.from_dir(c.model_dir) for n, c in self.model_configs.items()}
+            self._check_and_log()
+
+    # ------------------------------------------------------------------ memory
+    def _kv_bytes(self) -> int:
+        given = self.config.engine_kwargs.get("kv_cache_memory")
+        return int(given) if given is not None else int(self.config.memory_budget * KV_SHARE / len(self.specs))
+
+    def _estimate(self, name: str) -> int:
+        dtype = self.config.engine_kwargs.get("dtype", "bfloat16")
+        item = 4 if dtype in ("float32", "fp32", "float") else 2
+        return self.model_configs[name].num_params * item // self.world + self._kv_bytes()
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self.footprint[n] for n in self.engines)
+
+    def _check_and_log(self) -> None:
+        mib, budget = 1 << 20, self.config.memory_budget
+        log.warning("memory budget %.0f MiB per rank; rule: weights + a KV pool of %.0f MiB per model "
+                    "(%s); least recently used idle models are unloaded to make room",
+                    budget / mib, self._kv_bytes() / mib,
+                    "--kv-cache-memory" if "kv_cache_memory" in self.config.engine_kwargs
+                    else f"{KV_SHARE:.0%} of the budget / {len(self.specs)} models")
+        for n, b in self.footprint.items():
+            log.warning("model %s: %.0f MiB per rank (weights %.0f + KV %.0f)", n, b / mib,
+                        (b - self._kv_bytes()) / mib, self._kv_bytes() / mib)
+            if b > budget:
+                raise ValueError(f"Model {n!r} needs about {b / mib:.0f} MiB per rank, more than the memory "
+                                 f"budget ({budget / mib:.0f} MiB); raise --memory-budget or lower --kv-cache-memory.")
+
+    # ------------------------------------------------------------------ loading
+    def get(self, name: str):
+        """The loaded Engine of `name`, loading it (and unloading idle ones) if needed."""
+        if name in self.engines:
+            self.engines.move_to_end(name)
+            return self.engines[name]
+        need = self.footprint[name]
+        for victim in list(self.engines):
+            if self.used_bytes + need <= self.config.memory_budget:
+                break
+            if not self.engines[victim].has_unfinished_requests():
+                self._unload(victim)
+        if self.used_bytes + need > self.config.memory_budget:
+            raise ModelUnavailableError(
+                f"The model {name!r} does not fit in the memory budget beside the busy models "
+                f"{list(self.engines)}; retry when their requests finish.")
+        return self._load(name)
+
+    def _load(self, name: str):
+        from ..engine import Engine
+        t0 = time.perf_counter()
+        self._send(LOAD, name)
+        eng = Engine(self.specs[name].model_dir, **self._engine_kwargs)
+        self._active = None  # the workers are back in worker_main
+        self.engines[name] = eng
+        r = eng.runner
+        self.footprint[name] = r.model.weight_bytes + r.kv_cache_bytes
+        self.load_seconds[name] = time.perf_counter() - t0
+        log.warning("loaded model %s in %.2f s (%.0f MiB per rank)", name, self.load_seconds[name],
+                    self.footprint[name] / (1 << 20))
+        return eng
+
+    def _unload(self, name: str) -> None:
+        t0 = time.perf_counter()
+        self._activate(name)
+        eng = self.engines.pop(name)
+        eng.close()  # flushes its disk tier; its SHUTDOWN plan returns the workers to worker_main
+        self._active = None
+        self._send(UNLOAD, name)
+        _close_comm(eng)
+        del eng
+        gc.collect()
+        self.footprint[name] = self._estimate(name)
+        self.unload_seconds[name] = time.perf_counter() - t0
+        log.warning("unloaded model %s in %.2f s", name, self.unload_seconds[name])
+
+    def _activate(self, name: str) -> None:
+        """Make the workers run `name`'s plans (no-op on one rank)."""
+        if self.world == 1 or self._active == name:
+            return
+        if self._active is not None:
+            self.engines[self._active].runner.shutdown_workers()
+        self._send(ENTER, name)
+        self._active = name
+
+    def _send(self, kind: int, name: str | None) -> None:
+        if self.world > 1:
+            if self._active is not None and kind != ENTER:
+                self.engines[self._active].runner.shutdown_workers()
+                self._active = None
+            self._control_comm.broadcast_plan(_control(kind, -1 if name is None else self.index[name]))
+
+    # ------------------------------------------------------------------ Engine-like surface
+    def add_request(self, prompt, params=None, request_id: str | None = None) -> str:
+        name = self.route.pop(str(request_id), None)
+        if name is None:
+            raise ValueError(f"Request {request_id!r} names no model.")
+        eng = self.get(name)
+        self._activate(name)
+        rid = eng.add_request(prompt, params, request_id=request_id)
+        self.owner[rid] = name
+        return rid
+
+    def abort_request(self, request_id: str) -> None:
+        self.route.pop(request_id, None)
+        name = self.owner.pop(request_id, None)
+        if name in self.engines:
+            self.engines[name].abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return any(e.has_unfinished_requests() for e in self.engines.values())
+
+    @property
+    def ops(self):
+        """The backend of every model (AsyncEngine sets its thread count)."""
+        return next(iter(self.engines.values())).ops
+
+    @property
+    def num_threads(self) -> int:
+        return next(iter(self.engines.values())).num_threads
+
+    def step(self) -> list:
+        outs = []
+        for name, eng in list(self.engines.items()):
+            if eng.has_unfinished_requests():
+                self._activate(name)
+                for o in eng.step():
+                    if o.finished:
+                        self.owner.pop(o.request_id, None)
+                    outs.append(o)
+        return outs
+
+    def call(self, name: str, fn):
+        """fn(engine of `name`) on the engine thread, loading it if needed."""
+        eng = self.get(name)
+        self._activate(name)
+        return fn(eng)
+
+    def close(self) -> None:
+        for name in list(self.engines):
+            self._unload(name)
+        self._send(EXIT, None)
+
+    # ------------------------------------------------------------------ workers
+    def worker_main(self) -> None:
+        """Worker ranks: build, drop and run models as rank 0 says, until EXIT."""
+        from ..engine import Engine
+        comm, engines = self._control_comm, {}
+        names = list(self.specs)
+        while True:
+            plan = comm.broadcast_plan(None)
+            name = names[plan.step_id] if plan.step_id >= 0 else None
+            if plan.kind == LOAD:
+                engines[name] = Engine(self.specs[name].model_dir, **self._engine_kwargs)
+            elif plan.kind == ENTER:
+                engines[name].runner.worker_loop()
+            elif plan.kind == UNLOAD:
+                eng = engines.pop(name)
+                atexit.unregister(eng.close)  # NOTE: a worker's close() would wait for plans that never come
+                _close_comm(eng)
+                del eng
+                gc.collect()
+            elif plan.kind == EXIT:
+                return
+
+
+def _control(kind: int, index: int) -> StepPlan:
+    plan = StepPlan.empty()
+    plan.kind, plan.step_id = kind, index
+    return plan
+
+
+def _close_comm(engine) -> None:
+    close = getattr(engine.comm, "close", None)
+    if close is not None:
+        close()  # NOTE: collective (frees the shared-memory window): every rank does it here
+
+

@@ -1,0 +1,158 @@
+"""Write GGUF files from random Hugging Face models (tests only), the way llama.cpp's converter
+lays them out (q/k rows permuted for llama), and the f32 reference directory the GGUF must
+reproduce (dequantized with the gguf package's own block math, independent of ours)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+
+from numa_runtime.gguf_checkpoint import BLOCK_NAMES, TOP_NAMES
+
+TO_GGUF = {v: k for k, v in TOP_NAMES.items()}
+KQUANT_D = {"Q4_K": (144, [0, 2]), "Q5_K": (176, [0, 2]), "Q6_K": (210, [208])}  # block bytes, f16 d fields
+
+
+def gguf_name(hf: str) -> str:
+    if hf in TO_GGUF:
+        return TO_GGUF[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    inv = {v: k for k, v in BLOCK_NAMES.items()}
+    return f"blk.{layer}.{inv[rest]}"
+
+
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row order: rotate-half pairs interleaved within each head."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def encode(w: np.ndarray, qtype: str, rng) -> tuple[np.ndarray, object]:
+    """(data for GGUFWriter.add_tensor, raw_dtype) of f32 w [N, K] in GGUF type qtype."""
+    import gguf
+    T = gguf.GGMLQuantizationType
+    if qtype == "F32":
+        return w.astype(np.float32), None
+    if qtype == "F16":
+        return w.astype(np.float16), None
+    if qtype == "BF16":
+        return gguf.quants.quantize(w, T.BF16), T.BF16
+    if qtype in KQUANT_D:
+        # NOTE: gguf-py cannot quantize K-quants; any bytes are a valid block, so random
+        # integers with small finite f16 scales make a well-formed tensor.
+        size, d_at = KQUANT_D[qtype]
+        blocks = rng.integers(0, 256, (w.shape[0], w.shape[1] // 256, size), dtype=np.uint8)
+        for at in d_at:
+            d = (rng.uniform(0.0005, 0.002, blocks.shape[:2])).astype(np.float16)
+            blocks[:, :, at:at + 2] = d.view(np.uint8).reshape(*blocks.shape[:2], 2)
+        return blocks.reshape(w.shape[0], -1), T[qtype]
+    return gguf.quants.quantize(w, T[qtype]), T[qtype]
+
+
+def write_gguf(hf_dir: str, path: str, qtype: str, arch: str = "llama", seed: int = 0,
+               norm_type: str = "F32") -> None:
+    """The model in hf_dir (f32 safetensors + tokenizer.json) as a GGUF: 2-D weights in qtype."""
+    import gguf
+    from safetensors.numpy import load_file
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(path, arch)
+    a = arch + "."
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    for key, val in [("block_count", cfg["num_hidden_layers"]), ("context_length", cfg["max_position_embeddings"]),
+                     ("embedding_length", cfg["hidden_size"]), ("feed_forward_length", cfg["intermediate_size"]),
+                     ("attention.head_count", cfg["num_attention_heads"]),
+                     ("attention.head_count_kv", cfg["num_key_value_heads"]), ("attention.key_length", hd),
+                     ("rope.dimension_count", hd)]:
+        w.add_uint32(a + key, val)
+    w.add_float32(a + "attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    w.add_float32(a + "rope.freq_base", cfg.get("rope_theta", 10000.0))
+    with open(os.path.join(hf_dir, "tokenizer.json")) as f:
+        tj = json.load(f)
+    vocab = {**tj["model"]["vocab"], **{t["content"]: t["id"] for t in tj["added_tokens"]}}
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    special = {t["id"] for t in tj["added_tokens"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", "default")
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.merges", merges)
+    w.add_array("tokenizer.ggml.token_type", [3 if i in special else 1 for i in range(len(tokens))])
+    w.add_uint32("tokenizer.ggml.bos_token_id", cfg["bos_token_id"])
+    w.add_uint32("tokenizer.ggml.eos_token_id", cfg["eos_token_id"])
+    w.add_string("tokenizer.chat_template", "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
+    for name, t in sorted(load_file(os.path.join(hf_dir, "model.safetensors")).items()):
+        t = t.astype(np.float32)
+        proj = name.split(".")[-2]
+        if arch in ("llama", "mistral") and proj in heads and name.endswith("weight"):
+            t = permute(t, heads[proj])
+        data, raw = encode(t, qtype if t.ndim == 2 else norm_type, rng)
+        w.add_tensor(gguf_name(name), data, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_reference(hf_dir: str, gguf_path: str, out_dir: str) -> None:
+    """hf_dir with every tensor replaced by the GGUF's, dequantized by the gguf package in f32
+    and un-permuted: the model Engine(gguf_path) must equal."""
+    import gguf
+    from safetensors.numpy import save_file
+    shutil.copytree(hf_dir, out_dir)
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    reader = gguf.GGUFReader(gguf_path)
+    arch = reader.fields["general.architecture"].contents()
+    heads = {"attn_q.weight": cfg["num_attention_heads"], "attn_k.weight": cfg["num_key_value_heads"]}
+    tensors = {}
+    names = {gguf_name(n): n for n in _hf_names(hf_dir)}
+    for t in reader.tensors:
+        shape = [int(d) for d in reversed(t.shape)]
+        x = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32).reshape(shape)
+        suffix = t.name.split(".", 2)[-1]
+        if arch in ("llama", "mistral") and suffix in heads:
+            n = heads[suffix]
+            x = x.reshape(n, shape[0] // n // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+        tensors[names[t.name]] = np.ascontiguousarray(x)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+
+
+def _hf_names(hf_dir: str) -> list[str]:
+    from safetensors import safe_open
+    with safe_open(os.path.join(hf_dir, "model.safetensors"), "np") as f:
+        return list(f.keys())
+
+
+def write_reference_from_gguf(gguf_path: str, out_dir: str) -> None:
+    """An f32 safetensors directory of a GGUF model (config and tokenizer from its metadata,
+    weights dequantized by the gguf package and un-permuted): the numpy reference model."""
+    import gguf
+    from safetensors.numpy import save_file
+
+    from numa_runtime.gguf_checkpoint import hf_name
+    from numa_runtime.gguf_model import gguf_model_dir
+    meta_dir = gguf_model_dir(gguf_path)
+    os.makedirs(out_dir)
+    for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(meta_dir, f), out_dir)
+    with open(os.path.join(out_dir, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["torch_dtype"] = "float32"
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    reader = gguf.GGUFReader(gguf_path)
+    heads = {"attn_q.weight": cfg["num_attention_heads"], "attn_k.weight": cfg["num_key_value_heads"]}
+    tensors = {}
+    for t in reader.tensors:
+        shape = [int(d) for d in reversed(t.shape)]
+        x = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32).reshape(shape)
+        suffix = t.name.split(".", 2)[-1]
+        if suffix in heads:
+            n = heads[suffix]
+            x = x.reshape(n, shape[0] // n // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+        tensors[hf_name(t.name)] = np.ascontiguousarray(x)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})

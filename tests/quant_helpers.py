@@ -1,0 +1,40 @@
+"""Helpers for the quantization tests: dequantized reference checkpoints and one-shot logits."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+
+from numa_runtime.plan import StepPlan
+from numa_runtime.quant.formats import QuantFormat, dequantize, quantize
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_dequantized_copy(src: str, dst: str, fmt: QuantFormat) -> None:
+    """dst = src with every decoder linear replaced by dequantize(quantize(w)) in f32: the model
+    a quantized engine must reproduce (lm_head and embeddings stay as stored, as the engine
+    keeps them). Quantizing a whole tensor equals quantizing row or column slices of it on
+    group boundaries, which is what each rank does."""
+    from safetensors.numpy import load_file, save_file
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "model.safetensors")
+    tensors = load_file(path)
+    for name, w in tensors.items():
+        if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
+            tensors[name] = dequantize(quantize(w.astype(np.float32), fmt.for_k(w.shape[1])))
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def prefill_logits(engine, ids: list[int]) -> np.ndarray:
+    """Logits [T, vocab] of every position of one prompt, one forward pass on a fresh engine
+    (one process; KV blocks 0.. are free)."""
+    t, bs = len(ids), engine.config.block_size
+    nb = -(-t // bs)
+    plan = StepPlan(token_ids=np.asarray(ids, np.int64), positions=np.arange(t, dtype=np.int64),
+                    slot_mapping=np.arange(t, dtype=np.int64),
+                    query_start=np.array([0, t], np.int32), context_lens=np.array([t], np.int32),
+                    block_tables=np.arange(nb, dtype=np.int32)[None, :],
+                    logits_indices=np.arange(t, dtype=np.int64))
+    return engine.runner.execute(plan)

@@ -1,0 +1,301 @@
+"""Disk tier under the prefix cache: exact block ids and ops with a plain-Python KV store, the
+file format's checks, and an Engine restarted on the same directory (one rank and two)."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from models import build_model
+from numa_runtime import Engine, SamplingParams
+from numa_runtime.kv_cache import BlockManager
+from numa_runtime.kv_cache.disk_tier import DiskStore, DiskTier, model_fingerprint, worth_loading
+from numa_runtime.plan import StepPlan
+from numa_runtime.kv_cache.tier import OP_DELETE, OP_LOAD, OP_SAVE, join_hash, ops_array, split_hash
+from numa_runtime.request import Request, RequestStatus
+from numa_runtime.sampling_params import SamplingParams as SP
+from numa_runtime.scheduler import Scheduler, SchedulerConfig
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+BS = 4
+
+
+# ------------------------------------------------------------------ a plain-Python KV store
+class FakeKV:
+    """The pool as lists of token ids per block and the disk as a dict: what a rank would do."""
+
+    def __init__(self, num_blocks):
+        self.pool = [[None] * BS for _ in range(num_blocks)]
+        self.disk: dict[int, list] = {}
+
+    def run(self, plan):
+        """Apply the tier ops in order, then write the step's tokens to their slots."""
+        for op, block_id, lo, hi in plan.tier_ops.tolist():
+            h = join_hash(lo, hi)
+            if op == OP_SAVE:
+                self.disk[h] = list(self.pool[block_id])
+            elif op == OP_LOAD:
+                self.pool[block_id] = list(self.disk[h])
+            else:
+                self.disk.pop(h, None)
+        for t, slot in zip(plan.token_ids.tolist(), plan.slot_mapping.tolist()):
+            self.pool[slot // BS][slot % BS] = t
+
+    def context(self, table, n):
+        """The token ids the KV of blocks `table` holds for positions [0, n)."""
+        return [self.pool[table[p // BS]][p % BS] for p in range(n)]
+
+
+def make_sched(num_blocks, capacity, tier_cls=DiskTier):
+    tier = tier_cls(capacity, True)
+    bm = BlockManager(num_blocks, BS, tier=tier)
+    return Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), bm), tier
+
+
+def serve(sched, kv, rid, tokens):
+    """Run one request to completion (1 output token); check that every step's attention would
+    read exactly its own tokens from the pool."""
+    r = Request(rid, list(tokens), SP(max_tokens=1))
+    sched.add_request(r)
+    while sched.has_unfinished():
+        out = sched.schedule()
+        kv.run(out.plan)
+        for s, req in enumerate(out.scheduled):
+            n = int(out.plan.context_lens[s])
+            assert kv.context(out.plan.block_tables[s], n) == req.all_token_ids[:n]
+        sched.update(out, [7] * len(out.sampling))
+        for q in out.sampling:
+            sched.finish_request(q, RequestStatus.FINISHED_LENGTH)
+    return r
+
+
+def test_evicted_blocks_go_to_disk_and_come_back_exactly():
+    sched, tier = make_sched(num_blocks=4, capacity=8)
+    bm, kv = sched.block_manager, FakeKV(4)
+    a = serve(sched, kv, "a", range(0, 9))           # blocks [0, 1, 2]: 0, 1 cached
+    assert (bm.hash_to_block, len(tier)) == ({a.block_hashes[0]: 0, a.block_hashes[1]: 1}, 0)
+    b = serve(sched, kv, "b", range(100, 113))       # 4 blocks: evicts a's 1 then 0
+    assert bm.num_evictions == 2 and list(tier.index) == [a.block_hashes[1], a.block_hashes[0]]
+    assert kv.disk == {a.block_hashes[0]: [0, 1, 2, 3], a.block_hashes[1]: [4, 5, 6, 7]}
+    # a again: both blocks miss DRAM and hit the disk. b left block 0 free (its partial block)
+    # and cached 3, 2, 1 (LRU order 1, 2, 3): the loads take block 0, then evict b's leaf, 1
+    a2 = Request("a2", list(range(0, 9)), SP(max_tokens=1))
+    assert bm.get_computed_blocks(a2) == ([0, 1], 8) and bm.tier_hit_blocks == 2
+    ops = tier.take_ops()
+    rows = [(o, bid, join_hash(lo, hi)) for o, bid, lo, hi in ops.tolist()]
+    assert rows == [(OP_LOAD, 0, a.block_hashes[0]), (OP_SAVE, 1, b.block_hashes[2]),
+                    (OP_LOAD, 1, a.block_hashes[1])]
+    assert list(tier.index) == [a.block_hashes[0], b.block_hashes[2], a.block_hashes[1]]  # LRU order
+    kv.run(StepPlan.empty(ops))
+    r = serve(sched, kv, "a3", range(0, 9))            # the pool check inside proves the loaded bytes
+    assert r.num_cached_tokens == 8 and bm.hit_blocks == 2
+
+
+def test_capacity_deletes_the_oldest_disk_blocks():
+    sched, tier = make_sched(num_blocks=3, capacity=2)
+    kv = FakeKV(3)
+    hashes = []
+    for i in range(4):  # each evicts the previous one's 2 cached blocks
+        hashes.append(serve(sched, kv, f"r{i}", range(10 * i, 10 * i + 9)).block_hashes[:2])
+    assert len(tier) == 2 and set(kv.disk) == set(tier.index)
+    assert list(tier.index) == [hashes[2][1], hashes[2][0]]
+
+
+def test_loading_never_evicts_the_chain_it_extends():
+    sched, tier = make_sched(num_blocks=4, capacity=8)
+    bm, kv = sched.block_manager, FakeKV(4)
+    a = serve(sched, kv, "a", range(0, 13))  # [0, 1, 2, 3]: 0, 1, 2 cached; LRU 2, 1, 0
+    x = serve(sched, kv, "x", range(500, 508))  # takes free 3, evicts a's 2: [3, 2]
+    assert x.block_ids == [] and list(tier.index) == [a.block_hashes[2]]
+    assert list(bm.policy._queue) == [1, 0, 2, 3] and not bm.free_block_ids
+    # a again: 0, 1 hit in DRAM; a's third block is on disk. The LRU victim would be 1 (the
+    # chain itself); it must be x's leaf, 2.
+    a2 = Request("a2", list(range(0, 13)), SP(max_tokens=1))
+    assert bm.get_computed_blocks(a2) == ([0, 1, 2], 12)
+    rows = [(o, bid, join_hash(lo, hi)) for o, bid, lo, hi in tier.take_ops().tolist()]
+    assert rows == [(OP_SAVE, 2, x.block_hashes[1]), (OP_LOAD, 2, a.block_hashes[2])]
+    kv.run(StepPlan.empty(ops_array(rows)))
+    r = serve(sched, kv, "a3", range(0, 13))
+    assert r.num_cached_tokens == 12 and bm.tier_hit_blocks == 1
+
+
+def test_failed_load_is_redone_without_the_block():
+    sched, tier = make_sched(num_blocks=4, capacity=8)
+    bm, kv = sched.block_manager, FakeKV(4)
+    a = serve(sched, kv, "a", range(0, 9))
+    serve(sched, kv, "b", range(100, 113))   # a's blocks to disk
+    kv.disk[a.block_hashes[1]] = ["garbage"] * BS  # a rank's copy went bad
+    r = Request("a2", list(range(0, 9)), SP(max_tokens=1))
+    sched.add_request(r)
+    out = sched.schedule()
+    assert r.num_computed_tokens == 8 and out.num_scheduled_tokens == [1]
+    kv.run(StepPlan.empty(out.plan.tier_ops))  # the loads ran; the check failed; no forward
+    sched.redo_without(out, {a.block_hashes[1]})
+    assert r.num_computed_tokens == 0 and list(sched.waiting) == [r] and r.block_ids == []
+    assert a.block_hashes[1] not in bm.hash_to_block and a.block_hashes[1] not in tier
+    assert a.block_hashes[0] in bm.hash_to_block  # its load was fine: still a hit
+    assert tier.take_ops()[-1, 0] == OP_DELETE
+    kv.disk.pop(a.block_hashes[1])
+    out = sched.schedule()
+    assert r.num_cached_tokens == 4 and out.num_scheduled_tokens == [5]
+    kv.run(out.plan)
+    assert kv.context(out.plan.block_tables[0], 9) == list(range(9))
+
+
+def test_hash_words_round_trip():
+    for h in (0, 1, (1 << 64) - 1, 1 << 64, (1 << 128) - 1, 0x8000_0000_0000_0000_1234):
+        assert join_hash(*split_hash(h)) == h
+
+
+def test_worth_loading_rule():
+    assert worth_loading(12 * 1024, 0.5e9)      # Qwen2.5-0.5B: 12 KB of KV per token
+    assert not worth_loading(1024, 1e5)        # a toy model recomputes faster than it reads
+
+
+# ------------------------------------------------------------------ files
+def test_store_round_trip_and_corruption_is_dropped(tmp_path):
+    st = DiskStore(str(tmp_path), "fp", rank=0, block_bytes=64)
+    payloads = {h: (np.arange(64) + h % 251).astype(np.uint8) for h in (1, 2, 3, 1 << 100)}
+    for h, p in payloads.items():
+        st.save(h, p)
+    assert sorted(st.scan()) == sorted(payloads)
+    assert np.array_equal(st.read(1 << 100), payloads[1 << 100])
+    with open(st.path(1), "r+b") as f:  # flip one payload byte
+        f.seek(50)
+        b = f.read(1)
+        f.seek(50)
+        f.write(bytes([b[0] ^ 1]))
+    with open(st.path(2), "r+b") as f:
+        f.truncate(st.file_bytes - 1)
+    os.rename(st.path(3), st.path(4))   # a file under another hash's name
+    open(st.path(5) + ".tmp", "wb").close()  # a write that never finished
+    assert st.read(1) is None and not os.path.exists(st.path(1)) and st.num_bad == 1
+    assert sorted(st.scan()) == [1 << 100]
+    assert os.listdir(st.dir) == [os.path.basename(st.path(1 << 100))]
+
+
+def test_fingerprint_tells_models_dtypes_and_layouts_apart(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    build_model(str(a), seed=0)
+    build_model(str(b), seed=1)  # same config and shapes, other weights
+    fp = model_fingerprint(str(a), "float32", 16, 1)
+    assert fp == model_fingerprint(str(a), "float32", 16, 1)
+    assert len({fp, model_fingerprint(str(b), "float32", 16, 1), model_fingerprint(str(a), "bfloat16", 16, 1),
+                model_fingerprint(str(a), "float32", 16, 2), model_fingerprint(str(a), "float32", 8, 1)}) == 5
+
+
+# ------------------------------------------------------------------ end to end
+PROMPTS = [list(range(s, s + n)) for s, n in ((3, 40), (50, 52), (110, 33), (200, 60))]  # no shared prefix
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("disk_tier_model")
+    build_model(str(d), arch="qwen2")
+    return str(d)
+
+
+def engine(model_dir, cache_dir, blocks=6, **kw):
+    # bytes per block: 2 layers x K,V x 16 tokens x 2 kv heads x 16 dims x 4 bytes = 8192
+    return Engine(model_dir, dtype="float32", kv_cache_memory=blocks * 8192, max_model_len=128,
+                  kv_cache_dir=cache_dir, kv_cache_disk_load="always", **kw)
+
+
+def tokens(eng, prompts=PROMPTS):
+    return [o.outputs[0].token_ids for o in eng.generate(prompts, GREEDY)]
+
+
+def test_restart_serves_hits_from_disk_with_equal_text(model_dir, tmp_path):
+    plain = Engine(model_dir, dtype="float32", kv_cache_memory=1 << 22, max_model_len=128,
+                   enable_prefix_caching=False)
+    expected = [tokens(plain, [p])[0] for p in PROMPTS]
+    plain.close()
+    first = engine(model_dir, str(tmp_path))
+    assert [tokens(first, [p])[0] for p in PROMPTS] == expected  # one by one: the pool of 6 evicts
+    assert first.block_manager.num_evictions > 0 and len(first.block_manager.tier) > 0
+    first.close()
+    second = engine(model_dir, str(tmp_path))  # the restart: a new Engine on the same directory
+    tier = second.block_manager.tier
+    assert len(tier) == sum((len(p) + 5) // 16 for p in PROMPTS)  # every full computed block
+    assert [tokens(second, [p])[0] for p in PROMPTS] == expected
+    bm = second.block_manager
+    assert bm.tier_hit_blocks == bm.hit_blocks == sum((len(p) - 1) // 16 for p in PROMPTS)
+    second.close()
+
+
+def test_corrupt_and_truncated_files_are_dropped(model_dir, tmp_path):
+    first = engine(model_dir, str(tmp_path))
+    expected = tokens(first)
+    first.close()
+    store_dir = first.runner.disk.dir
+    files = sorted(os.listdir(store_dir))
+    _flip_byte(os.path.join(store_dir, files[0]))
+    with open(os.path.join(store_dir, files[1]), "r+b") as f:
+        f.truncate(100)
+    second = engine(model_dir, str(tmp_path))
+    assert len(second.block_manager.tier) == len(files) - 2 and second.runner.disk.num_bad == 2
+    # and one that goes bad while the server runs: found at load time, the step is redone
+    third_victim = os.path.join(store_dir, sorted(os.listdir(store_dir))[0])
+    _flip_byte(third_victim)
+    assert tokens(second) == expected
+    assert second.runner.disk.num_bad == 3 and second.block_manager.tier.num_dropped == 1
+    assert not os.path.exists(third_victim)
+    second.close()
+
+
+def _flip_byte(path):
+    with open(path, "r+b") as f:
+        f.seek(-5, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-5, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_bad_disk_tier_settings_are_clear():
+    with pytest.raises(ValueError, match="kv_cache_disk_load must be one of"):
+        Engine("unused", kv_cache_dir="/tmp/x", kv_cache_disk_load="sometimes")
+    with pytest.raises(ValueError, match="kv_cache_disk_bytes must be a non-negative integer"):
+        Engine("unused", kv_cache_dir="/tmp/x", kv_cache_disk_bytes=-1)
+
+
+def test_two_ranks_restart_from_their_own_shards(model_dir, tmp_path):
+    env = dict(os.environ, MPI4PY_RC_THREAD_LEVEL="funneled", OMP_NUM_THREADS="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    script = os.path.join(HERE, "mpi", "disk_tier_restart.py")
+
+    def run():
+        p = subprocess.run(["mpirun", "-np", "2", sys.executable, script, model_dir, str(tmp_path),
+                            json.dumps(PROMPTS)], capture_output=True, text=True, timeout=300, env=env)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        return json.loads([l for l in p.stdout.splitlines() if l.startswith("RESULT ")][0][7:])
+
+    first, second = run(), run()
+    assert first["tier_hits"] == 0 and second["tier_hits"] == sum((len(p) - 1) // 16 for p in PROMPTS)
+    assert second["tokens"] == first["tokens"]
+    names = [n for d in os.listdir(tmp_path) for n in os.listdir(tmp_path / d)]
+    assert {n.rsplit(".", 1)[1] for n in names} == {"r0", "r1"}
+    assert sum(n.endswith(".r0") for n in names) == sum(n.endswith(".r1") for n in names)
+
+
+def test_bench_prefix_cache_disk_tier_and_restart_smoke(model_dir, tmp_path):
+    """The multi-turn benchmark with the disk tier off and on and a restart half-way, on the
+    tiny model (a smoke run: only that it works and what it counts, no timing)."""
+    out = str(tmp_path / "prefix")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_prefix_cache.py"), "--engine", "--quick",
+                        "--clients", "3", "--turns", "3", "--one-offs", "4", "--threads", "1", "--max-tokens", "2",
+                        "--policies", "reuse", "--disk-tier", "--restart", "--disk-load", "always", "--blocks", "64",
+                        "--model", model_dir, "--dtype", "float32", "--out", out],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    off, on = json.load(open(out + ".json"))["policies"]
+    assert (off["disk"], on["disk"]) == (False, True) and off["restarts"] == on["restarts"] == 1
+    assert off["disk_hit_blocks"] == 0 and on["disk_hit_blocks"] > 0
+    # the first turn of a conversation after the restart finds its history only on disk (with
+    # this seeded workload, 3 clients x 3 turns, some conversation spans the restart)
+    assert on["conv_hit_after_restart"] > off["conv_hit_after_restart"]
+    assert "| conv hit after restart |" in open(out + ".md").read()

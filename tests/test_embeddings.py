@@ -1,0 +1,112 @@
+"""Embeddings: Engine.embed against transformers' hidden states (float32), for a decoder model
+and for an embedding checkpoint (a Qwen3Model without lm_head), and /v1/embeddings through the
+official openai client."""
+import numpy as np
+import pytest
+
+from models import BASE, build_model, train_tokenizer
+from numa_runtime import Engine, SamplingParams
+
+INPUTS = [list(range(3, 40)), [5, 9, 200, 17], list(range(100, 300, 3))]
+
+
+def hf_embed(hf_base, ids, pooling):
+    """transformers' final (normed) hidden states, pooled and normalised."""
+    import torch
+    with torch.no_grad():
+        h = hf_base(torch.tensor([ids])).last_hidden_state[0].numpy()  # [n, hidden]
+    v = h.mean(axis=0) if pooling == "mean" else h[-1]
+    return v / np.linalg.norm(v)
+
+
+def build_embedding_model(out_dir, seed=0):
+    """A random Qwen3Model (no lm_head), saved as an embedding checkpoint is."""
+    import torch
+    from transformers import AutoConfig, AutoModel
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model("qwen3", **BASE)
+    cfg.architectures = ["Qwen3Model"]
+    model = AutoModel.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+    model.eval().save_pretrained(out_dir, safe_serialization=True)
+    train_tokenizer(out_dir, BASE["vocab_size"])
+    return model
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("emb_decoder"))
+    ref = build_model(d, arch="qwen3")
+    return d, ref.model
+
+
+@pytest.fixture(scope="module")
+def embedder(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("emb_qwen3model"))
+    return d, build_embedding_model(d)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "last"])
+def test_decoder_embeddings_equal_transformers(decoder, pooling):
+    d, hf = decoder
+    eng = Engine(d, dtype="float32", kv_cache_memory=1 << 22, max_model_len=256)
+    got = eng.embed(INPUTS, pooling=pooling)
+    assert got.shape == (3, BASE["hidden_size"]) and got.dtype == np.float32
+    for g, ids in zip(got, INPUTS):
+        np.testing.assert_allclose(g, hf_embed(hf, ids, pooling), atol=2e-5)
+    assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-6)
+    eng.close()
+
+
+def test_embedding_checkpoint_equals_transformers_and_cannot_generate(embedder):
+    d, hf = embedder
+    eng = Engine(d, dtype="float32", kv_cache_memory=1 << 22, max_model_len=256)
+    assert eng.model_config.is_embedding_model and eng.runner.model.lm_head is None
+    got = eng.embed(INPUTS)  # default pooling of an embedding checkpoint: the last token
+    for g, ids in zip(got, INPUTS):
+        np.testing.assert_allclose(g, hf_embed(hf, ids, "last"), atol=2e-5)
+    text = "The quick brown fox"
+    np.testing.assert_allclose(eng.embed(text, pooling="mean")[0],
+                               hf_embed(hf, eng.tokenizer.encode(text), "mean"), atol=2e-5)
+    with pytest.raises(ValueError, match="embedding model without an LM head"):
+        eng.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="pooling must be 'mean' or 'last'"):
+        eng.embed(INPUTS, pooling="max")
+    eng.close()
+
+
+def test_embedding_leaves_the_cache_as_it_was(decoder):
+    d, _ = decoder
+    eng = Engine(d, dtype="float32", kv_cache_memory=8 * 65536, max_model_len=256)  # 8 blocks (head_dim 128)
+    eng.generate([list(range(3, 40))], SamplingParams(temperature=0, max_tokens=2))
+    bm = eng.block_manager
+    before = (bm.num_free_blocks, dict(bm.hash_to_block), bm.query_tokens)
+    eng.embed([list(range(50, 50 + 16 * 3))])  # 3 blocks: fits beside the cached ones
+    assert (bm.num_free_blocks, dict(bm.hash_to_block), bm.query_tokens) == before
+    eng.close()
+
+
+def test_openai_client_embeddings(decoder):
+    from test_server import ServerProcess
+    d, hf = decoder
+    srv = ServerProcess(["--model", d, "--dtype", "float32", "--served-model-name", "emb",
+                         "--kv-cache-memory", str(1 << 22), "--max-model-len", "256"])
+    try:
+        client = srv.client()
+        res = client.embeddings.create(model="emb", input=INPUTS)  # the client asks for base64
+        assert [e.index for e in res.data] == [0, 1, 2]
+        assert res.usage.prompt_tokens == sum(map(len, INPUTS))
+        for e, ids in zip(res.data, INPUTS):
+            np.testing.assert_allclose(e.embedding, hf_embed(hf, ids, "mean"), atol=2e-5)
+        res = client.embeddings.create(model="emb", input="Hello world", encoding_format="float")
+        assert len(res.data) == 1 and len(res.data[0].embedding) == BASE["hidden_size"]
+        import openai
+        with pytest.raises(openai.BadRequestError, match="dimensions is not supported"):
+            client.embeddings.create(model="emb", input="x", dimensions=8)
+        with pytest.raises(openai.NotFoundError):
+            client.embeddings.create(model="other", input="x")
+    finally:
+        srv.stop()

@@ -1,0 +1,153 @@
+"""Several models in one server: the ModelRouter's loading, LRU unloading and routing, and the
+server (one process and under mpirun -np 2) through the official openai client."""
+import os
+import time
+
+import httpx
+import openai
+import pytest
+
+from models import build_model
+from numa_runtime import Engine, SamplingParams
+from numa_runtime.serve.router import (ModelRouter, ModelSpec, ModelUnavailableError, RouterConfig,
+                                       models_in_dir, parse_bytes)
+
+KW = dict(dtype="float32", kv_cache_memory=1 << 20, max_model_len=128)
+PROMPT = [1, 17, 42, 99, 5, 7]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    expected = {}
+    for name, arch, seed in (("alpha", "llama", 0), ("beta", "qwen2", 1), ("gamma", "qwen3", 2)):
+        build_model(str(root / name), arch=arch, seed=seed)
+        eng = Engine(str(root / name), **KW)
+        expected[name] = eng.generate([PROMPT], GREEDY)[0].outputs[0].token_ids
+        eng.close()
+    assert len({tuple(t) for t in expected.values()}) == 3  # the models really differ
+    return str(root), expected
+
+
+def router(root, names, budget_models: float):
+    """A router whose budget holds `budget_models` times the largest model's footprint."""
+    specs = tuple(ModelSpec(n, os.path.join(root, n)) for n in names)
+    probe = ModelRouter(RouterConfig(specs, 1 << 40, KW))
+    budget = int(max(probe.footprint.values()) * budget_models)
+    return ModelRouter(RouterConfig(specs, budget, KW))
+
+
+def run(r, name, rid):
+    r.route[rid] = name
+    r.add_request(PROMPT, GREEDY, request_id=rid)
+    while r.has_unfinished_requests():
+        for o in r.step():
+            if o.finished:
+                return o.outputs[0].token_ids
+
+
+def test_routes_by_model_and_unloads_the_least_recently_used(models):
+    root, expected = models
+    r = router(root, ["alpha", "beta", "gamma"], 2.2)  # two fit at once
+    assert run(r, "alpha", "a1") == expected["alpha"]
+    assert run(r, "beta", "b1") == expected["beta"]
+    assert list(r.engines) == ["alpha", "beta"] and not r.owner
+    assert run(r, "alpha", "a2") == expected["alpha"]  # alpha is now the most recent
+    assert run(r, "gamma", "c1") == expected["gamma"]  # needs room: beta goes
+    assert list(r.engines) == ["alpha", "gamma"]
+    assert set(r.load_seconds) == {"alpha", "beta", "gamma"} and set(r.unload_seconds) == {"beta"}
+    r.close()
+    assert not r.engines
+
+
+def test_a_busy_model_is_never_unloaded(models):
+    root, expected = models
+    r = router(root, ["alpha", "beta"], 1.5)  # one at a time
+    r.route["a1"] = "alpha"
+    r.add_request(PROMPT, GREEDY, request_id="a1")
+    r.step()  # alpha has an unfinished request
+    r.route["b1"] = "beta"
+    with pytest.raises(ModelUnavailableError, match="does not fit in the memory budget beside the busy"):
+        r.add_request(PROMPT, GREEDY, request_id="b1")
+    r.abort_request("a1")
+    assert run(r, "beta", "b2") == expected["beta"] and list(r.engines) == ["beta"]
+    r.close()
+
+
+def test_bad_configurations_are_clear(models, tmp_path):
+    root, _ = models
+    spec = ModelSpec("alpha", os.path.join(root, "alpha"))
+    with pytest.raises(ValueError, match="more than the memory budget"):
+        ModelRouter(RouterConfig((spec,), 1 << 10, KW))
+    with pytest.raises(ValueError, match="Two models are named 'alpha'"):
+        RouterConfig((spec, spec), 1 << 30, KW)
+    with pytest.raises(FileNotFoundError, match="holds no model directory"):
+        models_in_dir(str(tmp_path))
+    assert [m.name for m in models_in_dir(root)] == ["alpha", "beta", "gamma"]
+    assert parse_bytes("16G") == 16 << 30 and parse_bytes("512MiB") == 512 << 20 and parse_bytes("1000") == 1000
+    with pytest.raises(ValueError, match="Cannot read 'lots' as a size"):
+        parse_bytes("lots")
+
+
+# ------------------------------------------------------------------ the server
+def serve(root, names, budget, launcher=(), extra=()):
+    from test_server import ServerProcess
+    args = [a for n in names for a in ("--model", os.path.join(root, n))]
+    return ServerProcess([*args, "--dtype", "float32", "--kv-cache-memory", str(1 << 20), "--max-model-len", "128",
+                          "--memory-budget", str(budget), *extra], launcher=launcher,
+                         env={"OMP_NUM_THREADS": "1", "MPI4PY_RC_THREAD_LEVEL": "funneled"})
+
+
+def budget_for(root, names, n):
+    specs = tuple(ModelSpec(m, os.path.join(root, m)) for m in names)
+    return int(max(ModelRouter(RouterConfig(specs, 1 << 40, KW)).footprint.values()) * n)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_server_serves_each_model_by_name(models, ranks):
+    root, expected = models
+    launcher = ["mpirun", "-np", "2"] if ranks == 2 else []
+    names = ["alpha", "beta"]
+    srv = serve(root, names, budget_for(root, names, 2.5), launcher)
+    try:
+        client = srv.client()
+        assert [m.id for m in client.models.list().data] == names
+        for name in names:
+            text = client.completions.create(model=name, prompt=PROMPT, max_tokens=8, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+            ref = Engine(os.path.join(root, name), **KW)
+            assert text == ref.tokenizer.decode(expected[name])
+            ref.close()
+        with pytest.raises(openai.NotFoundError, match="does not exist; this server serves 'alpha', 'beta'"):
+            client.completions.create(model="delta", prompt="x", max_tokens=2)
+        r = httpx.post(srv.base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 400 and "Name the model" in r.json()["error"]["message"]
+    finally:
+        assert srv.stop() == 0, srv.output()
+
+
+def test_loading_model_gets_503_with_retry_after_then_serves(models):
+    root, expected = models
+    names = ["alpha", "beta"]
+    srv = serve(root, names, budget_for(root, names, 1.5), extra=["--load-timeout", "0.01"])
+    try:
+        r = httpx.post(srv.base + "/v1/completions", json={"model": "beta", "prompt": PROMPT, "max_tokens": 8,
+                                                           "temperature": 0, "ignore_eos": True}, timeout=30)
+        assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
+        assert r.json()["error"]["code"] == "model_loading"
+
+        def loaded():
+            return {m["id"]: m["loaded"] for m in httpx.get(srv.base + "/v1/models").json()["data"]}
+        deadline = time.monotonic() + 120
+        while loaded() != {"alpha": False, "beta": True}:  # beta replaces alpha (one fits)
+            assert time.monotonic() < deadline, srv.output()
+            time.sleep(0.05)  # NOTE: polling interval of the condition above, not a wait for it
+        client = srv.client()
+        text = client.completions.create(model="beta", prompt=PROMPT, max_tokens=8, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+        ref = Engine(os.path.join(root, "beta"), **KW)
+        assert text == ref.tokenizer.decode(expected["beta"])
+        ref.close()
+    finally:
+        assert srv.stop() == 0, srv.output()

@@ -1,0 +1,126 @@
+"""AWQ and GPTQ int4 checkpoints, packed here from the formats' descriptions with random
+integers, zero points and scales: the engine must reproduce the dense model w = s (q - z)."""
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from models import build_model
+from quant_helpers import LINEARS, prefill_logits
+
+from numa_runtime import Engine, SamplingParams
+from numa_runtime.config import UnsupportedModelError
+
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=384)
+PROMPT = [1, 17, 42, 99, 5, 200, 13, 7, 300, 64, 3, 250, 11]
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+G = 64
+
+
+def pack_words(vals: np.ndarray, axis: int) -> np.ndarray:
+    """Eight 4-bit values along `axis` per int32 word, value j in bits 4j..4j+3."""
+    v = np.moveaxis(vals.astype(np.uint32), axis, -1)
+    v = v.reshape(*v.shape[:-1], -1, 8)
+    words = np.zeros(v.shape[:-1], np.uint32)
+    for j in range(8):
+        words |= v[..., j] << np.uint32(4 * j)
+    return np.ascontiguousarray(np.moveaxis(words, -1, axis)).view(np.int32)
+
+
+def pack(method, q, z, s, fmt):
+    """q [K, N], z [K/G, N] -> the checkpoint's tensors."""
+    k = q.shape[0]
+    out = {"scales": s}
+    if method == "gptq":
+        out["qweight"] = pack_words(q, 0)                                   # [K/8, N]
+        out["qzeros"] = pack_words(z - (1 if fmt == "gptq" else 0), 1)      # [K/G, N/8]
+        out["g_idx"] = (np.arange(k) // G).astype(np.int32)
+    else:
+        # nibble i of a word holds column 8c + ORDER[i]
+        perm = lambda a: a.reshape(a.shape[0], -1, 8)[:, :, AWQ_ORDER].reshape(a.shape)  # noqa: E731
+        out["qweight"] = pack_words(perm(q), 1)                             # [K, N/8]
+        out["qzeros"] = pack_words(perm(z), 1)                              # [K/G, N/8]
+    return out
+
+
+def write_checkpoints(src, qdir, ref_dir, method, fmt="gptq", seed=0):
+    from safetensors.numpy import load_file, save_file
+    rng = np.random.default_rng(seed)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    qt, dense = {}, {}
+    for name, w in tensors.items():
+        base = name[:-len("weight")]
+        if not (name.endswith(".weight") and name.split(".")[-2] in LINEARS):
+            qt[name] = dense[name] = w
+            continue
+        n, k = w.shape
+        q = rng.integers(0, 16, (k, n))
+        z = rng.integers(1, 16, (k // G, n))
+        s = rng.uniform(0.002, 0.01, (k // G, n)).astype(np.float16)
+        zk, sk = np.repeat(z, G, axis=0), np.repeat(s.astype(np.float32), G, axis=0)
+        dense[name] = np.ascontiguousarray((sk * (q - zk).astype(np.float32)).T)    # [N, K]
+        for key, val in pack(method, q, z, s, fmt).items():
+            qt[base + key] = val
+    for d, t in ((qdir, qt), (ref_dir, dense)):
+        shutil.copytree(src, d)
+        save_file(t, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(qdir, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": G, "desc_act": False,
+                                  "sym": False, "version": "gemm", "checkpoint_format": fmt}
+    with open(os.path.join(qdir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
+def engine(model):
+    return Engine(model, dtype="float32", kv_cache_memory=1 << 23, max_model_len=128)
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("hfq") / "src")
+    build_model(d, arch="qwen2", **SHAPE)
+    return d
+
+
+@pytest.mark.parametrize("method,fmt", [("gptq", "gptq"), ("gptq", "gptq_v2"), ("awq", "gemm")])
+def test_checkpoint_equals_dense_model(src, tmp_path, method, fmt):
+    qdir, ref_dir = str(tmp_path / "q"), str(tmp_path / "ref")
+    write_checkpoints(src, qdir, ref_dir, method, fmt)
+    q, r = engine(qdir), engine(ref_dir)
+    try:
+        assert q.runner.model.layers[0].gate_up_proj.dtype == "int4"
+        lq, lr = prefill_logits(q, PROMPT), prefill_logits(r, PROMPT)
+        assert np.abs(lq - lr).max() <= 1e-4 * np.abs(lr).max()
+        greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        assert q.generate([PROMPT], greedy)[0].token_ids == r.generate([PROMPT], greedy)[0].token_ids
+    finally:
+        q.close()
+        r.close()
+
+
+def test_act_order_is_refused(src, tmp_path):
+    qdir, ref_dir = str(tmp_path / "q"), str(tmp_path / "ref")
+    write_checkpoints(src, qdir, ref_dir, "gptq")
+    with open(os.path.join(qdir, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"]["desc_act"] = True
+    with open(os.path.join(qdir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(UnsupportedModelError, match="act-order"):
+        engine(qdir)
+
+
+def test_other_quant_methods_are_refused(src, tmp_path):
+    d = str(tmp_path / "m")
+    shutil.copytree(src, d)
+    with open(os.path.join(d, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(UnsupportedModelError, match="quant_method 'bitsandbytes' are not supported"):
+        engine(d)

@@ -1,0 +1,104 @@
+"""numa_runtime._kernels.qgemm.QLinear against the numpy reference that reads the same packed
+bytes (numa_runtime.quant.reference.QLinear), for every format, group size and kernel level.
+
+The dequantized f32 weights are the same bit for bit (an f16 scale times a <= 8-bit integer is
+exact), so the only difference is the order of the f32 sums: per output element
+|y - ref| <= 1e-5 * sum_k |x[m, k]| |W[n, k]|. A wrong nibble, scale, offset, column or row is
+an error of the order of the weights themselves, far above that.
+"""
+import numpy as np
+import pytest
+
+from numa_runtime._kernels import qgemm
+from numa_runtime.quant.formats import QuantError, QuantFormat, dequantize, quantize
+from numa_runtime.quant.packing import pack, unpack
+from numa_runtime.quant.reference import QLinear as RefQLinear
+
+FORMATS = [QuantFormat(8, -1, "sym")] + [QuantFormat(8, g, "sym") for g in (32, 64, 128)] + [
+    QuantFormat(4, g, k) for g in (32, 64, 128) for k in ("sym", "zero", "min")]
+MS = [1, 2, 3, 7, 33, 100, 300]
+LEVELS = list(range(qgemm.cpu_level() + 1))
+
+
+def shapes(fmt):
+    """(K, N): N never a multiple of the 16-column block; K odd where the format allows."""
+    g = 128 if fmt.group_size == -1 else fmt.group_size
+    out = [(g, 1), (3 * g, 37), (5 * g, 100)]
+    if fmt.group_size == -1:
+        out += [(13, 5), (1001, 17)]
+    return out
+
+
+def make(fmt, k, n, with_bias, seed=0):
+    rng = np.random.default_rng(seed + k * 31 + n)
+    w = rng.standard_normal((n, k), dtype=np.float32) * 0.1
+    b = rng.standard_normal(n, dtype=np.float32) if with_bias else None
+    qw = quantize(w, fmt)
+    p = pack(qw)
+    args = (p, fmt.bits, fmt.kind, qw.group, k, n, b)
+    return qgemm.QLinear(*args), RefQLinear(*args), qw
+
+
+def check(y, ref, x, w):
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64) + 1e-30
+    err = np.abs(y.astype(np.float64) - ref) / scale
+    assert err.max() <= 1e-5, f"max relative error {err.max():.3g} at {np.unravel_index(err.argmax(), err.shape)}"
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_qlinear_matches_reference(fmt, level):
+    old = qgemm._force_cpu_level(level)
+    try:
+        rng = np.random.default_rng(1)
+        for k, n in shapes(fmt):
+            lin, ref, qw = make(fmt, k, n, with_bias=n % 2 == 1)
+            assert (lin.in_features, lin.out_features, lin.nbytes) == (k, n, ref.nbytes)
+            for m in MS:
+                x = rng.standard_normal((m, k), dtype=np.float32)
+                out = np.full((m, n), np.nan, np.float32)
+                y = lin.forward(x, out=out)
+                assert y is out
+                check(y, ref.forward(x).astype(np.float64), x, ref.weight)
+    finally:
+        qgemm._force_cpu_level(old)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_pack_roundtrip_and_dequant_error(fmt):
+    """unpack(pack(q)) is q; dequantized weights are within half a step of the originals."""
+    k = 256
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((19, k), dtype=np.float32)
+    qw = quantize(w, fmt)
+    back = unpack(pack(qw), fmt, 19, k)
+    assert np.array_equal(back.q, qw.q) and np.array_equal(back.scales, qw.scales)
+    assert (back.offsets is None) == (qw.offsets is None)
+    if qw.offsets is not None:
+        assert np.array_equal(back.offsets, qw.offsets)
+    g = qw.group
+    step = np.repeat(qw.scales.astype(np.float32), g, axis=1)[:, :k]   # [N, K] scale per weight
+    err = np.abs(dequantize(qw) - w)
+    # half a step of rounding, plus the f16 rounding of the scale/min over <= 15 steps
+    assert np.all(err <= step * (0.5 + 2 ** -9 * 16) + 1e-6)
+
+
+def test_nbytes_is_bits_plus_scales():
+    lin, _, _ = make(QuantFormat(4, 32, "min"), 256, 32, False)
+    assert lin.nbytes == 32 * 256 // 2 + 32 * (256 // 32) * 4        # 4 bits + f16 scale + f16 min
+    lin, _, _ = make(QuantFormat(8, 128, "sym"), 256, 32, False)
+    assert lin.nbytes == 32 * 256 + 32 * 2 * 2
+
+
+def test_bad_inputs_are_clear_errors():
+    lin, _, _ = make(QuantFormat(4, 32, "sym"), 64, 16, False)
+    with pytest.raises(ValueError, match="expects x as C-contiguous float32"):
+        lin.forward(np.zeros((2, 63), np.float32))
+    with pytest.raises(ValueError, match="out must be"):
+        lin.forward(np.zeros((2, 64), np.float32), out=np.zeros((2, 15), np.float32))
+    with pytest.raises(ValueError, match="packed weights have"):
+        qgemm.QLinear(np.zeros(10, np.uint8), 4, "sym", 32, 64, 16)
+    with pytest.raises(QuantError, match="multiple of the group size"):
+        quantize(np.zeros((4, 48), np.float32), QuantFormat(4, 32, "sym"))
+    with pytest.raises(QuantError, match="f16 range"):
+        quantize(np.full((1, 32), 1e9, np.float32), QuantFormat(8, 32, "sym"))

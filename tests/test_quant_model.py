@@ -1,0 +1,119 @@
+"""Quantization at load: Engine(model, quantization=...) against the same model with its
+weights dequantized in numpy (which it must reproduce up to f32 summation order), and against
+the float model (within the quantization error). Multi-rank runs under real mpirun."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from models import build_model
+from quant_helpers import LINEARS, prefill_logits, write_dequantized_copy
+
+from numa_runtime import Engine, SamplingParams
+from numa_runtime.quant.formats import QuantFormat, dequantize, quantize
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=384)
+PROMPT = [1, 17, 42, 99, 5, 200, 13, 7, 300, 64, 3, 250, 11]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def engine(model_dir, **kw):
+    return Engine(model_dir, dtype="float32", kv_cache_memory=1 << 23, max_model_len=128, **kw)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("qmodel"))
+    build_model(d, arch="qwen2", **SHAPE)
+    return d
+
+
+@pytest.mark.parametrize("name", ["int8", "int8-channel", "int4", "int4-g64-sym", "int4-g128-zero"])
+def test_quantized_engine_equals_dequantized_model(model_dir, tmp_path, name):
+    ref_dir = str(tmp_path / "deq")
+    write_dequantized_copy(model_dir, ref_dir, QuantFormat.parse(name))
+    q, r = engine(model_dir, quantization=name), engine(ref_dir)
+    try:
+        lq, lr = prefill_logits(q, PROMPT), prefill_logits(r, PROMPT)
+        # same f32 weights, sums in another order: f32 rounding only
+        assert np.abs(lq - lr).max() <= 1e-4 * np.abs(lr).max()
+        assert q.generate([PROMPT], GREEDY)[0].token_ids == r.generate([PROMPT], GREEDY)[0].token_ids
+        assert q.runner.model.weight_bytes < r.runner.model.weight_bytes
+    finally:
+        q.close()
+        r.close()
+
+
+def weight_error(model_dir, fmt):
+    """Relative (Frobenius) error of the decoder linears after quantization."""
+    from safetensors.numpy import load_file
+    num = den = 0.0
+    for name, w in load_file(os.path.join(model_dir, "model.safetensors")).items():
+        if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
+            num += float(((dequantize(quantize(w, fmt)) - w) ** 2).sum())
+            den += float((w ** 2).sum())
+    return (num / den) ** 0.5
+
+
+def test_logits_close_to_float_model(model_dir):
+    """Relative logit error <= gain * relative weight error e_w. A first-order bound: each of
+    the 2 layers x (attention, MLP) perturbs its output by about e_w times its gain; this random
+    model's linears have gain ~0.2 * sqrt(128) ~ 2.3, so we allow 16 e_w. A wrong nibble, scale
+    or offset gives an error of order 1, far above either bound."""
+    f = engine(model_dir)
+    lf = prefill_logits(f, PROMPT)
+    f.close()
+    errs = {}
+    for name in ("int8", "int4"):
+        e = engine(model_dir, quantization=name)
+        lq = prefill_logits(e, PROMPT)
+        e.close()
+        errs[name] = np.linalg.norm(lq - lf) / np.linalg.norm(lf)
+        e_w = weight_error(model_dir, QuantFormat.parse(name))
+        assert 0 < errs[name] <= 16 * e_w, (name, errs[name], e_w)
+    assert errs["int8"] < errs["int4"] / 3, errs
+
+
+def test_bad_quantization_name_is_a_clear_error(model_dir):
+    with pytest.raises(ValueError, match="Unknown quantization 'int3'"):
+        engine(model_dir, quantization="int3")
+
+
+def run_mpi(n, model_dir, quantization, timeout=300):
+    env = dict(os.environ, MPI4PY_RC_THREAD_LEVEL="funneled", OMP_NUM_THREADS="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = ["mpirun", "-np", str(n), sys.executable, os.path.join(HERE, "mpi", "quant_generate.py"),
+           model_dir, quantization, json.dumps([PROMPT])]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def result(p):
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+    assert len(line) == 1, p.stdout[-3000:]
+    return json.loads(line[0][7:])
+
+
+def test_two_ranks_equal_one_and_dequantized(model_dir, tmp_path):
+    """Each rank quantizes its own slice on group boundaries: 2 ranks give the tokens of the
+    dequantized model run in one process."""
+    name = "int4-g32-min"
+    ref_dir = str(tmp_path / "deq")
+    write_dequantized_copy(model_dir, ref_dir, QuantFormat.parse(name))
+    r = engine(ref_dir)
+    expected = r.generate([PROMPT], GREEDY)[0].token_ids
+    r.close()
+    assert result(run_mpi(2, model_dir, name))["tokens"] == [expected]
+
+
+def test_split_that_cuts_a_group_is_a_clear_error(model_dir):
+    # o_proj has 128 input features: 64 per rank, not a multiple of 128
+    p = run_mpi(2, model_dir, "int8-g128")
+    assert p.returncode != 0
+    assert "not a multiple of the group size 128" in p.stdout + p.stderr
