@@ -4,8 +4,9 @@
 
 Every rank: times the communicator's all_reduce_ / all_gather / broadcast_plan (class methods
 wrapped before the Engine exists), builds the Engine, and reports its RSS after loading with
-comm.gather_object. Rank 0 then measures decode at batch 1 and output throughput at
-concurrency 16 and prints one line "RESULT {json}".
+comm.gather_object. Rank 0 then measures decode at batch 1 and output throughput at each
+concurrency level and prints one line "RESULT {json}". cfg["data_parallel"]: model replicas
+(None: the engine's default rule).
 """
 from __future__ import annotations
 
@@ -64,9 +65,10 @@ def main() -> None:
     instrument()
     import numpy as np
     from numa_runtime import Engine, SamplingParams
+    levels = cfg["concurrency"]  # list of concurrency levels
     eng = Engine(cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"],
-                 kv_cache_memory=cfg["kv_cache_memory"], max_num_seqs=max(cfg["concurrency"], 1),
-                 max_num_batched_tokens=cfg["max_batched_tokens"])
+                 kv_cache_memory=cfg["kv_cache_memory"], max_num_seqs=max(levels),
+                 max_num_batched_tokens=cfg["max_batched_tokens"], data_parallel=cfg.get("data_parallel"))
     rss = eng.comm.gather_object(_rss_mb())  # every rank: RSS after loading
     if not eng.is_driver:
         eng.serve_workers()  # execute rank 0's steps until it closes the engine
@@ -84,16 +86,19 @@ def main() -> None:
     eng.generate([prompt(cfg["decode_prompt"])], greedy(4))  # warm-up
     runs = [decode() for _ in range(cfg["repeats"])]
     best = min(runs, key=lambda r: r["wall_s"])
-    n = cfg["concurrency"]
-    conc_prompts = [prompt(cfg["conc_prompt"]) for _ in range(n)]
-    conc = timed_steps(eng, lambda: eng.generate(conc_prompts, greedy(cfg["conc_tokens"])))
+    by_level = {}
+    for n in levels:  # the last (largest) level's run gives the comm shares
+        conc_prompts = [prompt(cfg["conc_prompt"]) for _ in range(n)]
+        conc = timed_steps(eng, lambda: eng.generate(conc_prompts, greedy(cfg["conc_tokens"])))
+        by_level[str(n)] = n * cfg["conc_tokens"] / conc["wall_s"]
     result = {
         "ranks": eng.comm.world_size, "threads_per_rank": eng.num_threads,
+        "data_parallel": eng.parallel.data_parallel, "conc_tps_by_level": by_level,
         "placement": None if eng.placement is None else {"node": eng.placement.node, "how": eng.placement.how},
         "decode_tps": cfg["decode_tokens"] / best["wall_s"],
         "decode_comm_share": best["comm_share"], "decode_bcast_share": best["bcast_share"],
         "decode_comm_s": best["comm_s"],
-        "conc_tps": n * cfg["conc_tokens"] / conc["wall_s"],
+        "conc_tps": by_level[str(levels[-1])],
         "conc_comm_share": conc["comm_share"], "conc_bcast_share": conc["bcast_share"],
         "rss_mb_per_rank": [r[0] for r in rss], "rss_anon_mb_per_rank": [r[1] for r in rss],
     }

@@ -4,6 +4,7 @@
     python bench/numa_scaling.py --quick --ranks 1 2   # tiny model, few tokens (smoke run)
     python bench/numa_scaling.py --shape llama3.2-1b   # 32 heads / 8 kv heads: even splits
     python bench/numa_scaling.py --model DIR --out /tmp/numa_scaling
+    python bench/numa_scaling.py --modes tp dp --concurrency 1 4 16 64   # the DP/TP crossover
 
 Every configuration uses all cpus of this process's affinity, split evenly among its ranks
 exactly as `numa-launch --ranks N` does (launch/cli.py: one `mpirun -np 1 ... numactl` block
@@ -16,7 +17,11 @@ would leave nodes idle, so the one rank spans every cpu with memory interleaved
     decode % of limit   decode / (DRAM read GB/s / weight bytes read per token); the DRAM read
                         bandwidth is bench/limits.py's, measured in this run with every cpu of
                         each node (nodes one after the other, summed)
-    conc16 tok/s        output tokens/s of 16 sequences generated together (prefill included)
+    concN tok/s         output tokens/s of N sequences generated together (prefill included),
+                        for each --concurrency level
+    mode                tp: one model over the ranks; dp: one replica per rank (--modes tp dp);
+                        the report gives, per rank count, the lowest level where dp >= tp (the
+                        crossover that config.DP_CROSSOVER_CONCURRENCY should follow)
     comm share          rank 0's time in all_reduce_ + all_gather over the phase's wall time
                         (it includes waiting for slower ranks); plan broadcast reported apart
     RSS per rank        MiB after loading (psutil), gathered with comm.gather_object; in
@@ -83,9 +88,10 @@ def dram_read_gbps_all_cores(topo, quick: bool) -> tuple[float, list[float]]:
     return sum(per_node), per_node
 
 
-def run_config(ranks: int, a, topo, mpirun: str) -> dict:
+def run_config(ranks: int, mode: str, a, topo, mpirun: str) -> dict:
     child_cfg = {"model": a.model, "dtype": a.dtype, "max_model_len": a.max_model_len,
                  "kv_cache_memory": a.kv_cache_memory, "concurrency": a.concurrency,
+                 "data_parallel": ranks if mode == "dp" else 1,
                  "max_batched_tokens": 2048, "decode_prompt": 16, "decode_tokens": a.decode_tokens,
                  "repeats": a.repeats, "conc_prompt": a.conc_prompt, "conc_tokens": a.conc_tokens}
     argv, how = launch_argv(ranks, [sys.executable, CHILD, json.dumps(child_cfg)], mpirun, topo)
@@ -96,26 +102,44 @@ def run_config(ranks: int, a, topo, mpirun: str) -> dict:
     try:
         p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=a.timeout)
     except subprocess.TimeoutExpired:
-        return {"ranks": ranks, "error": f"timed out after {a.timeout} s", "binding": how}
+        return {"ranks": ranks, "mode": mode, "error": f"timed out after {a.timeout} s", "binding": how}
     lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
     if p.returncode != 0 or not lines:
         tail = (p.stderr + p.stdout).strip().splitlines()[-5:]
-        return {"ranks": ranks, "error": f"exit {p.returncode}: " + " | ".join(tail), "binding": how}
+        return {"ranks": ranks, "mode": mode, "error": f"exit {p.returncode}: " + " | ".join(tail),
+                "binding": how}
     res = json.loads(lines[-1][len("RESULT "):])
-    res.update(binding=how, wall_s=time.perf_counter() - t0)
+    res.update(mode=mode, binding=how, wall_s=time.perf_counter() - t0)
     return res
 
 
-def why_skipped(ranks: int, a, num_cpus: int) -> str | None:
+def why_skipped(ranks: int, mode: str, a, num_cpus: int) -> str | None:
     from numa_runtime.config import ModelConfig, UnsupportedModelError
     from numa_runtime.sharding import ShardLayout
     if ranks > num_cpus:
         return f"{ranks} ranks need at least {ranks} cpus, this process may use {num_cpus}"
     try:
-        ShardLayout.build(ModelConfig.from_dir(a.model), 0, ranks)
+        ShardLayout.build(ModelConfig.from_dir(a.model), 0, ranks if mode == "tp" else 1)
     except UnsupportedModelError as e:
         return str(e)
     return None
+
+
+def crossover(configs: list[dict]) -> list[dict]:
+    """Per rank count run in both modes: tok/s by concurrency level, and the lowest level from
+    which the replicas (dp) are at least as fast as one tensor-parallel model (tp) at every
+    higher level (None: never)."""
+    out = []
+    for n in sorted({c["ranks"] for c in configs}):
+        by_mode = {c["mode"]: c["conc_tps_by_level"] for c in configs
+                   if c["ranks"] == n and "conc_tps_by_level" in c}
+        if set(by_mode) != {"tp", "dp"}:
+            continue
+        levels = sorted(by_mode["tp"], key=int)
+        wins = [by_mode["dp"][k] >= by_mode["tp"][k] for k in levels]
+        first = next((int(k) for i, k in enumerate(levels) if all(wins[i:])), None)
+        out.append({"ranks": n, "tp": by_mode["tp"], "dp": by_mode["dp"], "dp_wins_from": first})
+    return out
 
 
 # ----------------------------------------------------------------------------- report
@@ -125,19 +149,24 @@ def markdown(r: dict) -> str:
              f"DRAM read {m['dram_read_gbps']:.1f} GB/s, weights read per token "
              f"{r['weight_bytes_per_token'] / 1e6:.3g} MB, decode limit {r['decode_limit_tps']:.1f} tok/s"
              + (" (--quick: noisy)" if r["quick"] else ""), "",
-             f"| ranks | threads/rank | decode tok/s | decode % of limit | conc{r['concurrency']} tok/s | "
+             f"| ranks | mode | threads/rank | decode tok/s | decode % of limit | conc{r['concurrency']} tok/s | "
              "comm share decode | comm share conc | RSS MB per rank (anon) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     notes = []
     for c in r["configs"]:
         if "skipped" in c or "error" in c:
-            lines.append(f"| {c['ranks']} | - | - | - | - | - | - | {'skipped' if 'skipped' in c else 'error'} |")
-            notes.append(f"- {c['ranks']} ranks: {c.get('skipped') or c.get('error')}")
+            lines.append(f"| {c['ranks']} | {c['mode']} | - | - | - | - | - | - | "
+                         f"{'skipped' if 'skipped' in c else 'error'} |")
+            notes.append(f"- {c['ranks']} ranks ({c['mode']}): {c.get('skipped') or c.get('error')}")
             continue
         rss = " / ".join(f"{x:.0f} ({y:.0f})" for x, y in zip(c["rss_mb_per_rank"], c["rss_anon_mb_per_rank"]))
-        lines.append(f"| {c['ranks']} | {c['threads_per_rank']} | {c['decode_tps']:.1f} | "
+        lines.append(f"| {c['ranks']} | {c['mode']} | {c['threads_per_rank']} | {c['decode_tps']:.1f} | "
                      f"{c['decode_fraction_of_limit']:.0%} | {c['conc_tps']:.1f} | "
                      f"{c['decode_comm_share']:.1%} | {c['conc_comm_share']:.1%} | {rss} |")
+    for x in r.get("crossover", []):
+        tps = ", ".join(f"c{k}: tp {x['tp'][k]:.1f} / dp {x['dp'][k]:.1f}" for k in sorted(x["tp"], key=int))
+        notes.append(f"- {x['ranks']} ranks, output tok/s by concurrency: {tps}; replicas win from "
+                     + (f"concurrency {x['dp_wins_from']}" if x["dp_wins_from"] is not None else "no level measured"))
     notes += [f"- {r['plot']}"] if r.get("plot") else []
     return "\n".join(lines) + "\n" + ("\n" + "\n".join(notes) + "\n" if notes else "")
 
@@ -153,10 +182,15 @@ def plot(r: dict, path: str) -> str:
     ok = [c for c in r["configs"] if "decode_tps" in c]
     if not ok:
         return "no plot: no configuration ran"
-    xs = [c["ranks"] for c in ok]
+    xs = sorted({c["ranks"] for c in ok})
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(xs, [c["decode_tps"] for c in ok], "o-", label="decode, batch 1")
-    ax.plot(xs, [c["conc_tps"] for c in ok], "s-", label=f"concurrency {r['concurrency']}")
+    for mode in ("tp", "dp"):  # the 1-rank run belongs to both lines
+        run = [c for c in ok if c["mode"] == mode or c["ranks"] == 1]
+        if not any(c["mode"] == mode for c in run):
+            continue
+        ax.plot([c["ranks"] for c in run], [c["decode_tps"] for c in run], "o-", label=f"{mode}: decode, batch 1")
+        ax.plot([c["ranks"] for c in run], [c["conc_tps"] for c in run], "s-",
+                label=f"{mode}: concurrency {r['concurrency']}")
     ax.axhline(r["decode_limit_tps"], ls="--", c="gray", label="decode limit (DRAM)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(xs, [str(x) for x in xs])
@@ -174,11 +208,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(ap)
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8])
-    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[16],
+                    help="concurrency levels of the throughput runs (the largest gives the table's column)")
+    ap.add_argument("--modes", nargs="+", choices=["tp", "dp"], default=["tp"],
+                    help="tp: one model over the ranks; dp: one replica per rank (the data-parallel side)")
     ap.add_argument("--quick", action="store_true", help="tiny model, few tokens, small probes")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per configuration")
     ap.add_argument("--out", default="/tmp/numa_scaling", help="writes OUT.json, OUT.md, OUT.png")
     a = ap.parse_args()
+    a.concurrency = sorted(set(a.concurrency))
     a.decode_tokens, a.repeats = (16, 2) if a.quick else (128, 3)
     a.conc_prompt, a.conc_tokens = (16, 8) if a.quick else (128, 64)
     a.max_model_len = max(a.conc_prompt, 16) + max(a.conc_tokens, a.decode_tokens) + 16
@@ -197,13 +235,16 @@ def main() -> None:
           f"decode limit {limit:.1f} tok/s", flush=True)
     configs = []
     for n in a.ranks:
-        skip = why_skipped(n, a, cpus)
-        res = {"ranks": n, "skipped": skip} if skip else run_config(n, a, topo, mpirun)
-        if "decode_tps" in res:
-            res["decode_fraction_of_limit"] = res["decode_tps"] / limit
-        configs.append(res)
-        print(f"  {n} ranks: " + json.dumps({k: v for k, v in res.items() if k != "binding"}), flush=True)
-    report = {"quick": a.quick, "model": a.model, "dtype": a.dtype, "concurrency": a.concurrency,
+        for mode in (["tp"] if n == 1 else a.modes):  # NOTE: one rank is both modes
+            skip = why_skipped(n, mode, a, cpus)
+            res = {"ranks": n, "mode": mode, "skipped": skip} if skip else run_config(n, mode, a, topo, mpirun)
+            if "decode_tps" in res:
+                res["decode_fraction_of_limit"] = res["decode_tps"] / limit
+            configs.append(res)
+            print(f"  {n} ranks ({mode}): " + json.dumps({k: v for k, v in res.items() if k != "binding"}),
+                  flush=True)
+    report = {"quick": a.quick, "model": a.model, "dtype": a.dtype, "concurrency": a.concurrency[-1],
+              "concurrency_levels": a.concurrency, "crossover": crossover(configs),
               "machine": {"cpus": cpus, "numa_nodes": topo.num_nodes, "dram_read_gbps": gbps,
                           "dram_read_gbps_per_node": per_node},
               "weight_bytes_per_token": wbytes, "decode_limit_tps": limit,

@@ -43,10 +43,10 @@ cdef extern from "attention_kernels.h":
 cdef int _level = nr_tile_level()
 # NOTE: items with at least this many query vectors (query rows x query heads per kv head)
 # run the register-tiled path (Q K^T and P V as small matrix products over a transposed key
-# tile); fewer (MHA or small-group decode) run dot products straight from the cache rows,
-# which skips the transposition that a few query vectors cannot amortize.
-# `python bench/bench_kernels.py --attention` times both paths.
-TILED_MIN_QUERIES = 8
+# tile); fewer (MHA decode) run dot products straight from the cache rows. The tiled path
+# measured faster with 7 vectors per item, decode included (bench/RESULTS.md, from
+# `python bench/bench_kernels.py --attention`).
+TILED_MIN_QUERIES = 4
 cdef int64_t _tiled_min = TILED_MIN_QUERIES
 
 

@@ -338,7 +338,7 @@ class ParallelConfig:
             dp = next(d for d in range(2, world_size + 1)
                       if world_size % d == 0 and world_size // d <= num_heads)
             return cls(world_size, dp, f"{world_size} ranks exceed the model's {num_heads} attention "
-                                       f"heads: {dp} replicas of {world_size // dp} ranks")
+                                       f"heads: {dp} replicas of {world_size // dp} rank(s)")
         crossover = DP_CROSSOVER_CONCURRENCY
         if crossover is not None and max_num_seqs >= crossover:
             return cls(world_size, world_size, f"max_num_seqs {max_num_seqs} >= {crossover}, where "

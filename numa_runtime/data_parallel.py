@@ -107,8 +107,26 @@ class DataParallelRunner:
     def __init__(self, local, link: ReplicaLink, vocab_size: int):
         self.local, self.link, self.vocab_size = local, link, vocab_size
 
-    def __getattr__(self, name):  # num_blocks, kv_cache_bytes, model, comm: replica 0's
-        return getattr(self.local, name)
+    # replica 0's model, communicator and KV pool (every rank's pool: engine.ranks)
+    @property
+    def model(self):
+        return self.local.model
+
+    @property
+    def comm(self):
+        return self.local.comm
+
+    @property
+    def num_blocks(self) -> int:
+        return self.local.num_blocks
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.local.bytes_per_block
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.local.kv_cache_bytes
 
     def execute(self, plans: list[StepPlan]) -> np.ndarray:
         parts = [None] * len(plans)

@@ -42,28 +42,36 @@ def test_bench_engine_quick(tmp_path):
 
 def test_numa_scaling_quick(tmp_path):
     out = str(tmp_path / "scaling")
-    _run("numa_scaling.py", "--quick", "--ranks", "1", "2", "--out", out)
+    _run("numa_scaling.py", "--quick", "--ranks", "1", "2", "--modes", "tp", "dp",
+         "--concurrency", "4", "2", "--out", out, timeout=300)
     r = json.load(open(out + ".json"))
     assert _positive(r["machine"]["dram_read_gbps"]) and _positive(r["decode_limit_tps"])
     assert _positive(r["weight_bytes_per_token"])
-    by_ranks = {c["ranks"]: c for c in r["configs"]}
-    assert sorted(by_ranks) == [1, 2]
-    for n, c in by_ranks.items():
+    assert r["concurrency_levels"] == [2, 4] and r["concurrency"] == 4
+    runs = {(c["ranks"], c["mode"]): c for c in r["configs"]}
+    assert sorted(runs) == [(1, "tp"), (2, "dp"), (2, "tp")]  # one rank is both modes
+    for (n, mode), c in runs.items():
         if n > r["machine"]["cpus"]:
             assert "cpus" in c["skipped"]
             continue
         assert "error" not in c, c["error"]
         assert c["ranks"] == n and len(c["rss_mb_per_rank"]) == n
+        assert c["data_parallel"] == (n if mode == "dp" else 1)
         assert all(_positive(x) for x in c["rss_mb_per_rank"] + c["rss_anon_mb_per_rank"])
         for key in ("decode_tps", "conc_tps", "decode_fraction_of_limit"):
             assert _positive(c[key]), key
+        assert sorted(c["conc_tps_by_level"]) == ["2", "4"] and c["conc_tps"] == c["conc_tps_by_level"]["4"]
         for key in ("decode_comm_share", "conc_comm_share"):
             assert 0 <= c[key] < 1
-    assert by_ranks[1]["decode_comm_share"] < 0.05  # one rank: collectives are no-ops
-    if 2 in by_ranks and "skipped" not in by_ranks[2]:
-        assert by_ranks[2]["decode_comm_s"]["all_reduce"] > 0
+    assert runs[(1, "tp")]["decode_comm_share"] < 0.05  # one rank: collectives are no-ops
+    if "skipped" not in runs[(2, "tp")]:
+        assert runs[(2, "tp")]["decode_comm_s"]["all_reduce"] > 0
+        assert runs[(2, "dp")]["decode_comm_s"]["all_reduce"] == 0  # replicas of one rank reduce nothing
+        (x,) = r["crossover"]
+        assert x["ranks"] == 2 and x["dp_wins_from"] in (2, 4, None)
+        assert x["tp"] == runs[(2, "tp")]["conc_tps_by_level"]
     md = open(out + ".md").read()
-    assert "| ranks |" in md
+    assert "| ranks | mode |" in md
     # matplotlib comes with scripts/install.sh (requirements.txt): the plot is always written
     assert r["plot"] == "plot: " + out + ".png"
     with open(out + ".png", "rb") as f:

@@ -191,7 +191,7 @@ def test_failed_set_mempolicy_warns():
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 cpus: with fewer, ranks do not bind")
     code = ("import logging, os, numpy as np; logging.basicConfig(level=logging.INFO);"
-            "from launch.topology import NumaNode, Topology; from numa_runtime import numa;"
+            "from numa_runtime.launch.topology import NumaNode, Topology; from numa_runtime import numa;"
             "node = NumaNode(63, tuple(sorted(os.sched_getaffinity(0))), 0, 0);"
             "p = numa.bind_this_rank(1, 0, 2, Topology((node,), True));"
             "w = np.ones(1 << 20, np.float32);"

@@ -69,14 +69,20 @@ def test_tp_greedy_equals_one_rank(single, ranks):
         assert "rank 1/2 holds q heads 6-8 (3), kv heads 2-2 (1)" in log
 
 
-def test_more_ranks_than_heads_is_a_clear_error(tmp_path):
+def test_more_ranks_than_heads(tmp_path):
     build_model(str(tmp_path), arch="llama", num_attention_heads=2, num_key_value_heads=1,
                 hidden_size=32)
+    # asked for one model over 3 ranks: a clear error
     cmd = ["mpirun", "-np", "3", sys.executable, os.path.join(HERE, "mpi", "engine_generate.py"),
-           str(tmp_path), "float32", "4", json.dumps(PROMPTS)]
+           str(tmp_path), "float32", "4", json.dumps(PROMPTS), "1"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env())
     assert p.returncode != 0
     assert "Cannot split 2 attention heads over 3 ranks; use 1 to 2 ranks" in p.stdout + p.stderr
+    # not asked: the default rule runs replicas, and says why
+    multi, log = run_mpi(3, str(tmp_path), max_tokens=4)
+    one, _ = run_mpi(1, str(tmp_path), max_tokens=4)
+    assert multi["data_parallel"] == 3 and multi["tokens"] == one["tokens"]
+    assert "3 ranks exceed the model's 2 attention heads: 3 replicas of 1 rank(s)" in log
 
 
 @pytest.mark.parametrize("single", ["9h3kv"], indirect=True)
@@ -90,3 +96,13 @@ def test_data_parallel_greedy_equals_one_rank(single, ranks):
     assert [r["replica"] for r in multi["per_rank"]] == [r * 2 // ranks for r in range(ranks)]
     assert multi["tokens"] == tokens
     assert "parallel: 2 replica(s) x %d tensor-parallel rank(s) (asked for)" % (ranks // 2) in log
+
+
+def test_readme_command_on_two_ranks_with_the_default_model():
+    # The default model (SmolLM2-135M: 9 heads / 3 kv heads) split 6 + 3 over two ranks
+    cmd = ["mpirun", "-np", "2", sys.executable, "-m", "numa_runtime", "What is the capital of France?",
+           "--max-tokens", "12"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_env(), cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "rank 0/2 holds q heads 0-5 (6), kv heads 0-1 (2)" in p.stderr
+    assert "Paris" in p.stdout, p.stdout
