@@ -43,6 +43,7 @@ class Engine:
         from .kv_cache.block_manager import BlockManager
         from .sampler import Sampler
         from .router import ReplicaRouter
+        from .structured import Grammars
         from .scheduler import Scheduler, SchedulerConfig
         from .tokenizer import Tokenizer
 
@@ -79,7 +80,8 @@ class Engine:
             atexit.register(self.close)
             return
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
-        self.max_model_len = self._fit_max_len_to_cache(mcfg)
+        replica_blocks = data_parallel.replica_blocks(self.parallel, self.ranks)
+        self.max_model_len = self._fit_max_len_to_cache(mcfg, min(replica_blocks))
         schedulers = [Scheduler(SchedulerConfig(max_num_seqs=self.config.max_num_seqs,
                                                 max_num_batched_tokens=self.config.max_num_batched_tokens,
                                                 max_model_len=self.max_model_len, sliding_window=mcfg.min_window),
@@ -87,12 +89,14 @@ class Engine:
                                              enable_prefix_caching=self.config.enable_prefix_caching,
                                              eviction=self.config.eviction, recorder=self.recorder,
                                              host_tier=self._host_tier(), tier=self._disk_tier(disk_hashes)))
-                      for n in data_parallel.replica_blocks(self.parallel, self.ranks)]
+                      for n in replica_blocks]
         # NOTE: with data-parallel replicas, one scheduler (and KV pool) per replica behind a router
         self.scheduler = schedulers[0] if len(schedulers) == 1 else ReplicaRouter(schedulers)
         self.block_manager = self.scheduler.block_manager
         self.runner = data_parallel.driver_runner(self.runner, self._link, mcfg.vocab_size)
-        self.sampler = Sampler(self.ops, mcfg.vocab_size, self.config.seed, recorder=self.recorder)
+        self.grammars = Grammars(self.tokenizer, mcfg.vocab_size, self.eos_ids)
+        self.sampler = Sampler(self.ops, mcfg.vocab_size, self.config.seed, recorder=self.recorder,
+                               grammars=self.grammars)
         self._profile = profiler.ProfileReports(self.recorder, self.runner.comm,
                                                 os.path.basename(os.path.normpath(mcfg.model_dir)))
         self._groups: dict[str, _Group] = {}
@@ -157,10 +161,10 @@ class Engine:
             raise ValueError("host_kv_cache_memory serves one model replica; set data_parallel=1 or turn it off.")
         return tier
 
-    def _fit_max_len_to_cache(self, mcfg: ModelConfig) -> int:
+    def _fit_max_len_to_cache(self, mcfg: ModelConfig, num_blocks: int) -> int:
         """The context one request can really use: no more tokens than the KV cache holds (unless
         every layer slides a window, and old blocks are released)."""
-        capacity = self.runner.num_blocks * self.config.block_size
+        capacity = num_blocks * self.config.block_size  # of the smallest replica's pool
         if mcfg.min_window or self.max_model_len <= capacity:
             return self.max_model_len
         log.warning("max_model_len %d lowered to %d: the KV cache holds %d tokens; enlarge it "
@@ -225,6 +229,15 @@ class Engine:
         except Exception:
             for req in group.children:  # NOTE: all or none of the n sequences are queued
                 self.scheduler.abort_request(req.request_id)
+            raise
+        try:
+            for req in group.children:
+                if req.sampling_params.json_schema is not None:
+                    self.grammars.add(req.request_id, req.sampling_params.json_schema)
+        except Exception:
+            for req in group.children:
+                self.scheduler.abort_request(req.request_id)
+                self.grammars.forget(req.request_id)
             raise
         self._groups[rid] = group
         for req in group.children:
@@ -296,7 +309,10 @@ class Engine:
             if lp is not None:
                 req.logprobs.append(lp)
             text = self._texts[req.request_id]
-            status = text.add_token(req.output_token_ids[-1], self.max_model_len)
+            token = req.output_token_ids[-1]
+            status = text.add_token(token, self.max_model_len)
+            if status is None and self.grammars.advance(req.request_id, token):
+                status = text.finish(RequestStatus.FINISHED_STOPPED)
             if status is not None:
                 self.scheduler.finish_request(req, status)
             changed[text.group.request_id] = text.group
@@ -319,6 +335,7 @@ class Engine:
     def _forget(self, req: Request) -> None:
         self._texts.pop(req.request_id, None)
         self.sampler.forget(req.request_id)
+        self.grammars.forget(req.request_id)
 
     # ------------------------------------------------------------------ conveniences
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -378,7 +395,7 @@ class Engine:
     def chat(self, messages: list[dict], params: SamplingParams | None = None, **template_kwargs) -> RequestOutput:
         """Render messages with the model's chat template and generate the reply."""
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = self.tokenizer.encode_within(prompt, self.max_model_len, add_special_tokens=False)
         return self.generate([ids], params)[0]
 
     # ------------------------------------------------------------------ embeddings

@@ -36,7 +36,9 @@ class ModelRunner:
         if self.engine_cfg.kv_cache_dir is None:
             return None
         from .kv_cache.disk_tier import DiskStore, model_fingerprint
-        fp = model_fingerprint(model_cfg.model_dir, self.engine_cfg.dtype, self.block_size, self.comm.world_size)
+        # NOTE: quantized weights give other KV values: the weight format is part of the identity
+        kind = f"{self.engine_cfg.dtype}/{self.engine_cfg.quantization}"
+        fp = model_fingerprint(model_cfg.model_dir, kind, self.block_size, self.comm.world_size)
         return DiskStore(self.engine_cfg.kv_cache_dir, fp, self.comm.rank, self.bytes_per_block)
 
     def _num_kv_blocks(self, max_model_len: int) -> int:

@@ -140,6 +140,11 @@ class TextState:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def finish(self, status: RequestStatus) -> RequestStatus:
+        """The engine ends the sequence for its own reason: release the held-back text."""
+        self.unsent += self.detok.flush()
+        return status
+
     def take_delta(self, finished: bool) -> str:
         # NOTE: while running, hold back the characters that could start a stop string.
         end = len(self.unsent) if finished or not self.stop else max(0, len(self.unsent) - self.hold)

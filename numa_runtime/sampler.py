@@ -10,10 +10,12 @@ from .request import Request
 class Sampler:
     """Turns logits rows into one token per request. A request with a seed draws from its
     own generator, so its tokens do not depend on what else is in the batch. Order per row:
-    logprobs (of the raw distribution), logit_bias, penalties, min_tokens bans, then sampling."""
+    logprobs (of the raw distribution), logit_bias, penalties, min_tokens bans, the json_schema
+    mask, then sampling."""
 
-    def __init__(self, ops, vocab_size: int, seed: int = 0, recorder=NULL_RECORDER):
+    def __init__(self, ops, vocab_size: int, seed: int = 0, recorder=NULL_RECORDER, grammars=None):
         self.ops, self.recorder = ops, recorder
+        self.grammars = grammars  # structured.Grammars: masks of requests with a json_schema
         self.vocab_size = vocab_size
         self.rng = np.random.default_rng(seed)
         self._rngs: dict[str, np.random.Generator] = {}
@@ -42,6 +44,8 @@ class Sampler:
             if r.num_output_tokens < sp.min_tokens:
                 ban = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(eos_ids))
                 logits[i, [t for t in ban if t < logits.shape[1]]] = -np.inf
+            if sp.json_schema is not None and self.grammars is not None:
+                self.grammars.mask(r.request_id, logits[i])
         ids = np.empty(n, np.int64)
         greedy = np.array([r.sampling_params.is_greedy for r in reqs])
         # NOTE: argmax takes the lowest index on ties, as the sampling kernel does; an

@@ -1,6 +1,7 @@
 """SamplingParams: how one request's tokens are chosen and when it stops."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 
@@ -12,6 +13,8 @@ class SamplingParams:
     beside it. `stop` strings are cut from the returned text; `stop_token_ids` end the
     request and are not returned (like EOS) unless `include_stop_str_in_output`.
     `logit_bias` maps token ids to a value added to their logits before sampling.
+    `json_schema` (a JSON schema as a dict; {"type": "object"} for any object) constrains the
+    output to JSON that matches it (structured.py).
     Integer fields take Python ints only (a bool is not an int).
     """
 
@@ -33,6 +36,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    json_schema: dict | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -75,6 +79,8 @@ class SamplingParams:
             bad(f"seed must be an integer in [0, 2**64) or None, got {self.seed!r}.")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             bad(f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}.")
+        if self.json_schema is not None and not isinstance(self.json_schema, dict):
+            bad(f"json_schema must be a dict (a JSON schema) or None, got {self.json_schema!r}.")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(f"{name} must be True or False, got {getattr(self, name)!r}.")
@@ -101,7 +107,8 @@ class SamplingParams:
 
 
 def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    # NOTE: numpy integers are integers; a bool is not, though Python calls it one
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def _is_num(v) -> bool:

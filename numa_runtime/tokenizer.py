@@ -116,6 +116,10 @@ class Tokenizer:
         # every other thread, the HTTP server's included); one text gives the same ids.
         return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
+    def to_json(self) -> str:
+        """The tokenizer.json this tokenizer was read from (for libraries that read it too)."""
+        return self._backend.to_str()
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -116,6 +116,24 @@ def test_logit_bias_steers_greedy_choice(eng):
         eng.generate("Hello", SamplingParams(logit_bias={100000: 1.0}))
 
 
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 12},
+                                          "score": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["answer", "score"], "additionalProperties": False}
+
+
+def test_json_schema_constrains_the_output(eng):
+    """Even a random model writes JSON that follows the schema, and stops when it is complete."""
+    outs = eng.generate(["Hello world", "The quick brown fox"], SamplingParams(
+        temperature=0.8, seed=3, max_tokens=60, json_schema=ANSWER))
+    for o in outs:
+        value = json.loads(o.text)
+        assert set(value) == {"answer", "score"} and len(value["answer"]) <= 12 and 0 <= value["score"] <= 9
+        assert o.finish_reason == "stop"
+    with pytest.raises(ValueError, match="json_schema cannot be used"):
+        eng.generate("Hello", SamplingParams(json_schema={"type": "bogus"}))
+    assert not eng.has_unfinished_requests()
+
+
 def test_oversize_text_prompt_is_refused_by_its_length(eng):
     huge = "a" * (256 * eng.tokenizer.max_token_chars + 1)
     with pytest.raises(ValueError, match="characters, more than a context of 256 tokens"):

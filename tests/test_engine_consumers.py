@@ -35,15 +35,22 @@ def eng(model_dir):
 
 @pytest.fixture(scope="module")
 def alone(model_dir):
-    """(prompt index, max_tokens) -> text of that request run by itself on a fresh engine."""
+    """(prompt index, max_tokens[, n]) -> text of that request run by itself on a fresh engine
+    (with n: the texts of its n seeded samples)."""
     ref = Engine(model_dir, dtype="float32", kv_cache_memory=1 << 24, max_model_len=256)
     cache = {}
 
-    def text(i: int, max_tokens: int) -> str:
-        if (i, max_tokens) not in cache:
-            cache[(i, max_tokens)] = ref.generate(PROMPTS[i], greedy(max_tokens))[0].text
-        return cache[(i, max_tokens)]
+    def text(i: int, max_tokens: int, n: int | None = None):
+        if (i, max_tokens, n) not in cache:
+            out = ref.generate(PROMPTS[i], greedy(max_tokens) if n is None else sampled(max_tokens, n))[0]
+            cache[(i, max_tokens, n)] = out.text if n is None else [c.text for c in out.outputs]
+        return cache[(i, max_tokens, n)]
     return text
+
+
+def sampled(max_tokens: int, n: int) -> SamplingParams:
+    # NOTE: each sample draws from its own seeded generator, so what runs beside it cannot matter
+    return SamplingParams(n=n, temperature=0.9, top_p=0.95, seed=11, max_tokens=max_tokens, ignore_eos=True)
 
 
 def assert_idle(eng):
@@ -100,6 +107,7 @@ def test_abort_gives_the_owner_a_last_output(eng, alone):
 # ------------------------------------------------------------------------------ random interleavings
 OPS = st.one_of(
     st.tuples(st.just("add"), st.integers(0, len(PROMPTS) - 1), st.integers(1, 12)),
+    st.tuples(st.just("add_n"), st.integers(0, len(PROMPTS) - 1), st.integers(1, 12), st.integers(2, 3)),
     st.tuples(st.just("step")),
     st.tuples(st.just("abort"), st.integers(0, 20)),
     st.tuples(st.just("open"), st.integers(0, len(PROMPTS) - 1), st.integers(1, 12)),
@@ -134,16 +142,32 @@ class Consumers:
     def op_add(self, i, max_tokens):
         self.added[self.eng.add_request(PROMPTS[i], greedy(max_tokens))] = [i, max_tokens, "", False]
 
+    def op_add_n(self, i, max_tokens, n):
+        rid = self.eng.add_request(PROMPTS[i], sampled(max_tokens, n))
+        self.added[rid] = [i, max_tokens, [""] * n, False, n]
+
     def op_step(self):
         for o in self.eng.step():
             assert o.request_id in self.added, f"step() returned another consumer's request {o.request_id}"
             entry = self.added[o.request_id]
-            entry[2] += o.outputs[0].delta
+            if len(entry) == 5:  # n sequences
+                for c in o.outputs:
+                    entry[2][c.index] += c.delta
+            else:
+                entry[2] += o.outputs[0].delta
             if o.finished:
                 del self.added[o.request_id]
-                want = self.alone(entry[0], entry[1])
-                assert entry[2] == o.text
-                assert want.startswith(o.text) if entry[3] else o.text == want
+                self._check_final(entry, o)
+
+    def _check_final(self, entry, o):
+        if len(entry) == 5:
+            want, got = self.alone(entry[0], entry[1], entry[4]), [c.text for c in o.outputs]
+            assert entry[2] == got
+            assert all(w.startswith(g) for w, g in zip(want, got)) if entry[3] else got == want
+            return
+        want = self.alone(entry[0], entry[1])
+        assert entry[2] == o.text
+        assert want.startswith(o.text) if entry[3] else o.text == want
 
     def op_abort(self, k):
         if self.added:
@@ -209,3 +233,65 @@ def _freed(outs: list, lo: int, hi: int) -> int:
     del outs[lo:hi]
     gc.collect()
     return before - tracemalloc.get_traced_memory()[0]
+
+
+# ------------------------------------------------------------------------------ AsyncEngine, many tasks
+def test_async_engine_many_tasks_each_get_their_own_text(model_dir, alone):
+    """40 asyncio tasks share one AsyncEngine; a third of them abort midway. Every task sees only
+    its own request's outputs, the rest equal each request run alone, and the pool ends empty."""
+    import asyncio
+    import random
+
+    from numa_runtime.serve import AsyncEngine
+    eng = Engine(model_dir, dtype="float32", kv_cache_memory=40 * 8192, max_model_len=256, max_num_seqs=4,
+                 max_num_batched_tokens=64)
+    aengine = AsyncEngine(eng)
+    aengine.start()
+    rng = random.Random(7)
+    jobs = [(f"task-{k}", rng.randrange(len(PROMPTS)), rng.randrange(1, 12), k % 3 == 0) for k in range(40)]
+
+    async def one(rid, i, max_tokens, abort):
+        sink = asyncio.Queue()
+        await aengine.add(rid, PROMPTS[i], greedy(max_tokens), sink)
+        text = ""
+        while True:
+            out = await asyncio.wait_for(sink.get(), timeout=120)
+            assert out.request_id == rid
+            text += out.outputs[0].delta
+            if abort:
+                aengine.abort(rid)
+                return "aborted", i, max_tokens, text
+            if out.finished:
+                return out.text, i, max_tokens, text
+
+    async def run_all():
+        return await asyncio.gather(*(one(*job) for job in jobs))
+    try:
+        results = asyncio.run(run_all())
+        assert asyncio.run(aengine.call(lambda e: e.has_unfinished_requests())) is False
+        assert eng.block_manager.usage == 0.0
+    finally:
+        aengine.stop()
+    for final, i, max_tokens, streamed in results:
+        want = alone(i, max_tokens)
+        assert want.startswith(streamed) if final == "aborted" else final == streamed == want
+
+
+def test_stop_strings_of_every_length_cut_streams_and_outputs_alike(eng, alone):
+    """Stop strings of 1-5 characters taken at several places of the greedy text: the streamed
+    deltas, the output deltas and the final text all end just before the first occurrence."""
+    full = alone(0, 24)
+    cases = {full[i:i + k] for k in range(1, 6) for i in range(2, len(full) - k, 7) if full[i:i + k].strip()}
+    assert len(cases) >= 10, full
+    for stop in sorted(cases):
+        sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop, "@@@@@@"])
+        want = full[:full.index(stop)]
+        assert "".join(eng.stream(PROMPTS[0], sp)) == want, stop
+        rid = eng.add_request(PROMPTS[0], sp)
+        outs = []
+        while not outs or not outs[-1].finished:
+            outs += eng.step()
+        assert {o.request_id for o in outs} == {rid}
+        assert "".join(o.outputs[0].delta for o in outs) == outs[-1].text == want, stop
+        assert outs[-1].outputs[0].stop_reason == stop
+    assert_idle(eng)

@@ -390,12 +390,26 @@ def test_under_mpirun_two_ranks(model_dir):
 
 def test_default_model_answers_a_chat_question():
     srv = ServerProcess([], timeout=600)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 40}},
+              "required": ["capital"], "additionalProperties": False}
     try:
-        r = srv.client().chat.completions.create(
-            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "What is the capital of France?"}],
-            max_tokens=32, temperature=0)
+        client = srv.client()
+        r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question, max_tokens=32,
+                                           temperature=0)
+        structured = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=question, max_tokens=64, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}})
+        free_form = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", max_tokens=128, temperature=0, response_format={"type": "json_object"},
+            messages=[{"role": "user", "content": 'Return a JSON object with the key "capital" for France.'}])
     finally:
         srv.stop()
     answer = r.choices[0].message.content
-    print(f"\nSmolLM2 says: {answer!r}")
+    print(f"\nSmolLM2 says: {answer!r}, {structured.choices[0].message.content!r}, "
+          f"{free_form.choices[0].message.content!r}")
     assert "Paris" in answer
+    assert "Paris" in json.loads(structured.choices[0].message.content)["capital"]
+    assert structured.choices[0].finish_reason == "stop"
+    assert "Paris" in json.loads(free_form.choices[0].message.content)["capital"]
+    assert free_form.choices[0].finish_reason == "stop"

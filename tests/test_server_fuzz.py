@@ -4,7 +4,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-schemathesis = pytest.importorskip("schemathesis")
+schemathesis = pytest.importorskip("schemathesis", reason="SKIPPED: schemathesis is not installed, so the "
+                                   "server is not fuzzed (pip install -r requirements-test.txt)")
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 from test_server import ServerProcess, tiny_model_dir  # noqa: E402

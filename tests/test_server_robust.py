@@ -65,8 +65,12 @@ REFUSED = {
     "tool_choice": ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "auto"}, "tool_choice"),
     "functions": ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),
     "function_call": ("/v1/chat/completions", {"messages": CHAT, "function_call": "auto"}, "function_call"),
-    "response_format json": ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}},
-                             "response_format"),
+    "response_format xml": ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}},
+                            "response_format"),
+    "response_format no schema": ("/v1/chat/completions", {"messages": CHAT, "response_format": {
+        "type": "json_schema"}}, "response_format"),
+    "response_format bad schema": ("/v1/chat/completions", {"messages": CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}}, "response_format"),
     "logit_bias key": ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
     "logit_bias value": ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 200}}, "logit_bias"),
     "logit_bias outside vocab": ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, None),

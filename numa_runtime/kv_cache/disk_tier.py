@@ -9,7 +9,8 @@ Two halves:
 
 Layout: `<dir>/<fingerprint>/<hash:032x>.r<rank>`, one file per block per rank. The
 fingerprint hashes the model's config.json, the weights' identity (safetensors headers, sizes
-and sampled bytes), the KV dtype, block size and rank count, so another model, dtype or TP
+and sampled bytes of safetensors and GGUF files), the KV dtype, weight quantization, block size
+and rank count, so another model, dtype or TP
 layout never reads these files. A file is a header (magic, version, hash, payload length,
 CRC32 of the payload) and the payload: every layer's K then V rows of the block. Writes go to a
 temporary file renamed into place; at start-up every rank verifies its files (bad, truncated
@@ -72,14 +73,16 @@ def model_fingerprint(model_dir: str, kv_dtype: str, block_size: int, world_size
     h.update(json.dumps([kv_dtype, block_size, world_size]).encode())
     with open(os.path.join(model_dir, "config.json"), "rb") as f:
         h.update(f.read())
-    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+    paths = glob.glob(os.path.join(model_dir, "*.safetensors")) + glob.glob(os.path.join(model_dir, "*.gguf"))
+    for path in sorted(os.path.realpath(p) for p in paths):
         size = os.path.getsize(path)
         h.update(f"{os.path.basename(path)}:{size}".encode())
         with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            h.update(f.read(min(n, 1 << 24)))  # the header: names, dtypes, shapes, offsets
+            if path.endswith(".safetensors"):
+                (n,) = struct.unpack("<Q", f.read(8))
+                h.update(f.read(min(n, 1 << 24)))  # the header: names, dtypes, shapes, offsets
             for i in range(16):  # NOTE: sampled data bytes: random models share headers
-                f.seek(8 + n + (size - 8 - n) * i // 16)
+                f.seek(size * i // 16)
                 h.update(f.read(4096))
     return h.hexdigest()
 

@@ -65,10 +65,12 @@ def _client_errors():
         field = _LEADING_FIELD.match(str(e))  # "top_p must be ...": keep the field's spelling
         message = _sentence(str(e), capitalize=field is None)
         code = "context_length_exceeded" if re.search("max_model_len|context", message) else "invalid_value"
-        raise ApiError(400, message, param=field and field.group(1), code=code) from None
+        param = field and _API_NAME.get(field.group(1), field.group(1))
+        raise ApiError(400, message, param=param, code=code) from None
 
 
-_LEADING_FIELD = re.compile(r"^([a-z_]+)(?: keys| values| of type \S+)? (?:must|requires|is not supported)")
+_LEADING_FIELD = re.compile(r"^([a-z_]+)(?: keys| values| of type \S+)? (?:must|requires|is not supported|cannot)")
+_API_NAME = {"json_schema": "response_format"}  # SamplingParams field -> the OpenAI field it came from
 
 
 def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
@@ -156,10 +158,12 @@ def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
         with _client_errors():
             body.refuse_unsupported()
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-            params = body.sampling_params(cap(max_tokens), body.num_logprobs())
+            params = body.sampling_params(cap(max_tokens), body.num_logprobs(), body.json_schema())
             if body.content_chars() > engine.max_model_len * engine.tokenizer.max_token_chars:
                 raise ValueError(f"The messages hold {body.content_chars()} characters, more than a context of "
                                  f"{engine.max_model_len} tokens can hold; shorten them.")
+            if params.json_schema is not None:  # NOTE: built once, off the loop and the engine thread
+                await asyncio.to_thread(engine.grammars.prepare)
             messages = [m.as_template_dict() for m in body.messages]
             ids = await asyncio.to_thread(tokenize_chat, messages)
         return await _serve(request, body, "chatcmpl", [ids], params, arrival)

@@ -68,7 +68,8 @@ class _SamplingRequest(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        json_schema: dict | None = None) -> SamplingParams:
         """SamplingParams for this request; ValueError (one sentence) if a value is out of range."""
         given = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
@@ -81,7 +82,7 @@ class _SamplingRequest(_Body):
             check_text("stop", s)
         return SamplingParams(n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, seed=seed,
                               stop=self.stop, ignore_eos=self.ignore_eos, logprobs=logprobs,
-                              logit_bias=self._logit_bias(),
+                              logit_bias=self._logit_bias(), json_schema=json_schema,
                               **{k: v for k, v in given.items() if v is not None})
 
     def _logit_bias(self) -> dict[int, float] | None:
@@ -169,12 +170,24 @@ class ChatCompletionRequest(_SamplingRequest):
     web_search_options: Optional[Any] = None
 
     def refuse_unsupported(self) -> None:
-        fmt = self.response_format
-        if fmt is not None and fmt.get("type") != "text":
-            raise ValueError(f"response_format of type {fmt.get('type')!r} is not supported by this server "
-                             "(only 'text'); remove it from the request.")
         _refuse(self, {"tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
                        "audio": (), "prediction": (), "web_search_options": ()})
+
+    def json_schema(self) -> dict | None:
+        """The JSON schema that response_format asks the output to follow, or None."""
+        fmt = self.response_format
+        kind = None if fmt is None else fmt.get("type")
+        if kind in (None, "text"):
+            return None
+        if kind == "json_object":
+            return {"type": "object"}
+        spec = fmt.get("json_schema")
+        if kind == "json_schema" and isinstance(spec, dict) and isinstance(spec.get("schema", {}), dict):
+            return spec.get("schema", {})
+        if kind == "json_schema":
+            raise ValueError("response_format must hold 'json_schema': {'name': ..., 'schema': {...}}.")
+        raise ValueError(f"response_format of type {kind!r} is not supported; use 'text', 'json_object' "
+                         "or 'json_schema'.")
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
