@@ -29,14 +29,14 @@ def check_available() -> None:
     except ImportError:
         raise CudaUnavailableError("device='cuda' needs torch, which is not installed: install the CUDA "
                                    "extra with `pip install numa_runtime[cuda]`, or use device='cpu'.") from None
+    if not env.triton_interpret() and not torch.cuda.is_available():
+        raise CudaUnavailableError("device='cuda' was asked for, but torch finds no CUDA GPU on this "
+                                   "machine; use device='cpu'.")
     try:
         import triton  # noqa: F401
     except ImportError:
         raise CudaUnavailableError("device='cuda' needs Triton, which is not installed: install a CUDA build "
                                    "of torch (it brings Triton), or use device='cpu'.") from None
-    if not env.triton_interpret() and not torch.cuda.is_available():
-        raise CudaUnavailableError("device='cuda' was asked for, but torch finds no CUDA GPU on this "
-                                   "machine; use device='cpu'.")
 
 
 def make_runner(model_cfg, engine_cfg, comm, max_model_len: int, progress=None, gpu_index: int = 0):

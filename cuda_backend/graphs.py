@@ -1,4 +1,4 @@
-"""CUDA graphs of decode steps, one per batch-size bucket, captured on first use.
+"""CUDA graphs of decode steps, one per batch-size bucket, captured at start-up.
 
 A decode step (one new token per sequence, every sequence samples) of n sequences runs as
 the graph of the smallest bucket >= n; the rows past n are padding that writes no KV (slot
@@ -30,6 +30,13 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, _Captured] = {}
         self.num_replays = 0
+
+    def capture_all(self) -> None:
+        """Capture every bucket now, largest first (smaller graphs reuse its memory pool), so
+        that no request waits for a capture while serving."""
+        for size in reversed(self.buckets):
+            if size not in self.graphs:
+                self.graphs[size] = self._capture(size)
 
     def accepts(self, plan: StepPlan) -> bool:
         n = plan.num_seqs

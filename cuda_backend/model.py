@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from numa_runtime.config import ModelConfig, rope_inv_freq
+from numa_runtime.config import ModelConfig, UnsupportedModelError, rope_inv_freq
 from numa_runtime.models.llama import ShardLayout, _check_tensors, _head_rows
 from numa_runtime.weights import Checkpoint
 
@@ -59,6 +59,7 @@ class CudaLlama:
         self.tdtype = TORCH_DTYPES[dtype]
         self.lay = lay = ShardLayout.build(cfg, rank, world)
         ckpt = Checkpoint(cfg.model_dir)
+        _check_dense(cfg, ckpt)
         _check_tensors(cfg, ckpt)
         self.embed = self._put(ckpt.load("model.embed_tokens.weight", dtype, rows=lay.vocab))
         self.layers = []
@@ -159,3 +160,11 @@ class CudaLlama:
         if lay.world > 1:
             logits = self.tp.all_gather(logits)                  # [S', world * vocab_chunk]
         return logits[:, :cfg.vocab_size]
+
+
+def _check_dense(cfg: ModelConfig, ckpt: Checkpoint) -> None:
+    """Quantized weights (GGUF blocks, AWQ / GPTQ) have no CUDA kernel yet: say so up front."""
+    name = "model.layers.0.self_attn.q_proj.weight"
+    if name not in ckpt or ckpt.raw(name).dtype not in (np.uint16, np.float16, np.float32):
+        raise UnsupportedModelError(f"The model in {cfg.model_dir!r} has quantized weights, which the CUDA "
+                                    "backend cannot run yet; use device='cpu' or a bf16/f16/f32 checkpoint.")

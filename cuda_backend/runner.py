@@ -62,6 +62,7 @@ class CudaModelRunner:
         self.graphs = None
         if self.device.type == "cuda" and engine_cfg.cuda_graphs:
             self.graphs = DecodeGraphs(self.model, self.uploader, engine_cfg.max_num_seqs, -(-max_model_len // bs))
+            self.graphs.capture_all()
         self.pool = self.host_tier = None
         if engine_cfg.host_kv_cache_memory:
             self._start_host_tier(engine_cfg.host_kv_cache_memory, max_model_len)

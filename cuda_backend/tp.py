@@ -1,4 +1,5 @@
-"""Tensor parallel over NCCL: one rank per GPU of one host, under the same mpirun launch.
+"""Tensor parallel over NCCL: one rank per GPU of one host, under the same mpirun launch
+(over gloo when Triton's interpreter runs the model on CPU tensors).
 
 The ranks and their shards are the CPU path's (ShardLayout of the MPI rank); only the
 collectives move to NCCL. Rank 0 picks a free TCP port for NCCL's rendezvous and shares it
@@ -26,8 +27,11 @@ class NcclGroup:
                                "rank on the same machine.")
         port = np.array([_free_port() if comm.rank == 0 else 0], np.float32)  # exact below 2**24
         comm.all_reduce_(port)  # NOTE: a sum with zeros elsewhere: rank 0's port on every rank
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{int(port[0])}",
-                                rank=comm.rank, world_size=comm.world_size, device_id=device)
+        # NOTE: gloo on CPU tensors: Triton's interpreter runs the same code without GPUs
+        kw = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                init_method=f"tcp://127.0.0.1:{int(port[0])}",
+                                rank=comm.rank, world_size=comm.world_size, **kw)
         self.rank, self.world = comm.rank, comm.world_size
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
@@ -36,9 +40,9 @@ class NcclGroup:
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """t: [R, C] on every rank -> [R, world * C] (rank r's columns r*C:(r+1)*C)."""
-        out = torch.empty((self.world,) + tuple(t.shape), dtype=t.dtype, device=t.device)
-        dist.all_gather_into_tensor(out, t.contiguous())
-        return out.permute(1, 0, 2).reshape(t.shape[0], -1)
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(parts, t.contiguous())
+        return torch.cat(parts, dim=1)
 
     def broadcast_(self, t: torch.Tensor) -> torch.Tensor:
         dist.broadcast(t, 0)

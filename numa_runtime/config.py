@@ -260,6 +260,9 @@ class EngineConfig:
         if not isinstance(self.host_kv_cache_memory, int) or self.host_kv_cache_memory < 0:
             raise ValueError(f"host_kv_cache_memory must be a non-negative number of bytes, "
                              f"got {self.host_kv_cache_memory!r}.")
+        if self.device == "cuda" and self.quantization is not None:
+            raise ValueError(f"quantization={self.quantization!r} has no CUDA kernel yet; drop it (bf16 weights) "
+                             "or run on device='cpu'.")
         if self.host_kv_cache_memory and self.device != "cuda":
             raise ValueError("host_kv_cache_memory is a tier behind the GPU KV cache; it needs device='cuda'.")
         if self.data_parallel is not None and (isinstance(self.data_parallel, bool) or not isinstance(

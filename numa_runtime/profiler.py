@@ -173,6 +173,9 @@ class TimedOps:
     def Linear(self, *args, **kwargs):  # noqa: N802 - the backend's name
         return _TimedLinear(self._ops.Linear(*args, **kwargs), self.profiler)
 
+    def QLinear(self, *args, **kwargs):  # noqa: N802 - the backend's name (quantized weights)
+        return _TimedLinear(self._ops.QLinear(*args, **kwargs), self.profiler)
+
     def __getattr__(self, name):
         return getattr(self._ops, name)
 

@@ -16,14 +16,12 @@ def _reason() -> str | None:
         import torch
     except ImportError:
         return "torch is not installed (pip install .[cuda])"
+    if not env.triton_interpret() and not torch.cuda.is_available():
+        return "no CUDA GPU on this machine (with Triton installed, TRITON_INTERPRET=1 runs them on CPU)"
     try:
         import triton  # noqa: F401
     except ImportError:
         return "triton is not installed (it comes with CUDA builds of torch)"
-    if env.triton_interpret():
-        return None
-    if not torch.cuda.is_available():
-        return "no CUDA GPU on this machine (set TRITON_INTERPRET=1 to run the kernels on CPU)"
     return None
 
 

@@ -108,3 +108,16 @@ def test_cuda_without_a_gpu_says_so(tmp_path):
     build_model(str(tmp_path), arch="llama")
     with pytest.raises(CudaUnavailableError, match="device='cpu'"):
         cuda_engine(tmp_path)
+
+
+def test_device_options_are_checked_on_any_machine():
+    from numa_runtime.config import EngineConfig
+    with pytest.raises(ValueError, match="device must be"):
+        EngineConfig(device="gpu")
+    with pytest.raises(ValueError, match="needs device='cuda'"):
+        EngineConfig(host_kv_cache_memory=1 << 20)
+    with pytest.raises(ValueError, match="no CUDA kernel"):
+        EngineConfig(device="cuda", quantization="int8")
+    with pytest.raises(ValueError, match="non-negative"):
+        EngineConfig(device="cuda", host_kv_cache_memory=-1)
+    assert EngineConfig(device="cuda", host_kv_cache_memory=1 << 20).host_kv_cache_memory == 1 << 20

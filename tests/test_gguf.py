@@ -89,7 +89,7 @@ def test_two_ranks_equal_reference(hf_models, tmp_path):
     ref_dir = str(tmp_path / "ref")
     write_reference(hf_models["llama"], path, ref_dir)
     r = engine(ref_dir)
-    expected = r.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].token_ids
+    expected = list(r.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].token_ids)
     r.close()
     out = result(run_mpi(2, path, "none"))
     assert out["world"] == 2 and out["tokens"] == [expected]

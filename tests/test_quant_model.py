@@ -107,7 +107,7 @@ def test_two_ranks_equal_one_and_dequantized(model_dir, tmp_path):
     ref_dir = str(tmp_path / "deq")
     write_dequantized_copy(model_dir, ref_dir, QuantFormat.parse(name))
     r = engine(ref_dir)
-    expected = r.generate([PROMPT], GREEDY)[0].token_ids
+    expected = list(r.generate([PROMPT], GREEDY)[0].token_ids)
     r.close()
     assert result(run_mpi(2, model_dir, name))["tokens"] == [expected]
 
@@ -117,3 +117,14 @@ def test_split_that_cuts_a_group_is_a_clear_error(model_dir):
     p = run_mpi(2, model_dir, "int8-g128")
     assert p.returncode != 0
     assert "not a multiple of the group size 128" in p.stdout + p.stderr
+
+
+def test_profiler_times_quantized_linears(model_dir, monkeypatch):
+    """AS_PROFILE=ON counts every quantized linear like a dense one: 4 per layer + lm_head."""
+    monkeypatch.setenv("AS_PROFILE", "ON")
+    e = engine(model_dir, quantization="int4")
+    e.generate([PROMPT], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    stats = e.get_op_profiling_stats()
+    e.close()
+    linear = [r["count"] for r in stats if r["section"] == "forward" and r["opname"] == "Linear"]
+    assert linear == [3 * (4 * 2 + 1)]

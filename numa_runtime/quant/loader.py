@@ -36,7 +36,9 @@ class LinearFactory:
     def split_align(self) -> int:
         """Input columns a rank's slice of a row-parallel weight must come in multiples of:
         the file's quantization blocks, or the group we quantize in (1 for dense weights)."""
-        own = self.quant.group_size if self.quant is not None and self.quant.group_size > 0 else 1
+        q = self.quant
+        # NOTE: a format that fits its group to K (plain "int8"/"int4") needs only 32
+        own = 1 if q is None or q.group_size < 0 else (32 if q.fit_group else q.group_size)
         return max(own, getattr(self.ckpt, "split_align", 1))
 
     def __call__(self, parts: list[Part], bias: np.ndarray | None = None):

@@ -11,6 +11,6 @@ model, quantization, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 eng = Engine(model, dtype="float32", kv_cache_memory=1 << 23, max_model_len=128,
              quantization=None if quantization == "none" else quantization)
 outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-print("RESULT " + json.dumps({"world": eng.comm.world_size, "tokens": [o.token_ids for o in outs]}),
+print("RESULT " + json.dumps({"world": eng.comm.world_size, "tokens": [list(o.token_ids) for o in outs]}),
       flush=True)
 eng.close()
