@@ -100,7 +100,6 @@ cdef extern from "gemm_kernels.h" nogil:
                         const float* bias, float* out, void* xs, int level)
     int gemm_small_f32(const float* w, long K, long N, long kp, const float* x, long M,
                        const float* bias, float* out, float* xs, int level)
-    double gemm_read_probe(const float* a, long n)
 
 # NOTE: at M = 16 the streaming kernel already runs at the FMA / vdpbf16ps peak of a Zen4 core
 # (~220 bf16, ~100 f32 GFLOP/s per core with the weights in cache), so oneDNN cannot win much
@@ -143,18 +142,6 @@ cdef void _init_dnnl() except *:
 
 # NOTE: the thread count is numa_runtime._kernels.ops.set_num_threads: every extension shares
 # one OpenMP runtime, and oneDNN (the gomp build) follows it.
-
-
-def _read_probe(cnp.ndarray a):
-    """Sum of a C-contiguous float32 array with all threads (bench/limits.py's DRAM probe)."""
-    if a.dtype != np.float32 or not a.flags.c_contiguous:
-        raise ValueError("_read_probe needs a C-contiguous float32 array")
-    cdef const float* p = <const float*>cnp.PyArray_DATA(a)
-    cdef long n = a.size
-    cdef double s
-    with nogil:
-        s = gemm_read_probe(p, n)
-    return s
 
 
 def cpu_level():

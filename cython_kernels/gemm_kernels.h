@@ -20,6 +20,8 @@
 #include <string.h>
 #include <sys/mman.h>
 
+#include "bf16.h"
+
 #define GEMM_NB 64    /* output columns per weight block */
 #define GEMM_MR 6     /* activation rows per register tile: 6 x 4 accumulators + 4 weights */
 #define GEMM_MMAX 32  /* activation rows per pass over the weights */
@@ -49,25 +51,11 @@ static void* gemm_alloc(size_t nbytes) {
     return p;
 }
 
-static inline uint16_t gemm_f32_to_bf16_1(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN stays NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline float gemm_bf16_to_f32_1(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* y[r, :ldy] = bf16(x[r, :k]) then zeros; rows r < m. Round-to-nearest-even, as reference. */
 static void gemm_rows_to_bf16(const float* x, long m, long k, uint16_t* y, long ldy) {
     #pragma omp parallel for schedule(static) if (m * k >= (1 << 16))
     for (long r = 0; r < m; r++) {
-        for (long i = 0; i < k; i++) y[r * ldy + i] = gemm_f32_to_bf16_1(x[r * k + i]);
+        for (long i = 0; i < k; i++) y[r * ldy + i] = nr_f32_to_bf16(x[r * k + i]);
         for (long i = k; i < ldy; i++) y[r * ldy + i] = 0;
     }
 }
@@ -76,7 +64,7 @@ static void gemm_rows_to_bf16(const float* x, long m, long k, uint16_t* y, long 
  * kernels (levels 0 and 1) multiply, so they compute the products the bf16 dot product does. */
 static void gemm_rows_to_bf16f(const float* x, long m, long k, float* y, long ldy) {
     for (long r = 0; r < m; r++) {
-        for (long i = 0; i < k; i++) y[r * ldy + i] = gemm_bf16_to_f32_1(gemm_f32_to_bf16_1(x[r * k + i]));
+        for (long i = 0; i < k; i++) y[r * ldy + i] = nr_bf16_to_f32(nr_f32_to_bf16(x[r * k + i]));
         for (long i = k; i < ldy; i++) y[r * ldy + i] = 0.0f;
     }
 }
@@ -107,27 +95,6 @@ static inline void gemm_store_block(const float* acc, int m, long n0, long N, co
 
 #include "gemm_avx512.h"
 #include "gemm_widen.h"
-
-/* Sum of n floats, OpenMP, plain AVX2 adds with 8 independent accumulators: a pure DRAM read
- * probe for bench/limits.py, independent of the GEMV kernels it judges. */
-static double gemm_read_probe(const float* a, long n) {
-    double total = 0.0;
-    #pragma omp parallel reduction(+ : total)
-    {
-        long i0, i1;
-        gemm_split(n / 64, omp_get_thread_num(), omp_get_num_threads(), &i0, &i1);
-        __m256 s[8];
-        for (int j = 0; j < 8; j++) s[j] = _mm256_setzero_ps();
-        for (long i = i0 * 64; i < i1 * 64; i += 64)
-            for (int j = 0; j < 8; j++) s[j] = _mm256_add_ps(s[j], _mm256_loadu_ps(a + i + 8 * j));
-        float v[8];
-        for (int j = 1; j < 8; j++) s[0] = _mm256_add_ps(s[0], s[j]);
-        _mm256_storeu_ps(v, s[0]);
-        for (int j = 0; j < 8; j++) total += v[j];
-    }
-    for (long i = n / 64 * 64; i < n; i++) total += a[i];
-    return total;
-}
 
 /* ---------------------------------------------------------------- driver */
 typedef void (*gemm_block_fn)(const void* wb, const void* xs, int m, long kp, long s0, long s1,
