@@ -284,8 +284,11 @@ class EngineConfig:
         return DiskTierConfig(str(self.kv_cache_dir), self.kv_cache_disk_bytes, self.kv_cache_disk_load)
 
 
-# NOTE: the concurrency from which data-parallel replicas beat one tensor-parallel model
-# (issue 9); None until measured, so the default stays tensor parallel.
+# NOTE: the concurrency from which data-parallel replicas beat one tensor-parallel model.
+# Measured on one node only (bench/RESULTS.md, `bench/numa_scaling.py --modes tp dp`): 2
+# replicas beat 2-way TP only at 64 concurrent sequences (1.10x), lost at 1 and 16, and a
+# replica must hold the whole model in its node's memory. So the default stays tensor
+# parallel (None) until a multi-node measurement says otherwise; --data-parallel N asks.
 DP_CROSSOVER_CONCURRENCY: int | None = None
 
 
@@ -338,7 +341,8 @@ class ParallelConfig:
             return cls(world_size, world_size, f"max_num_seqs {max_num_seqs} >= {crossover}, where "
                                                "replicas beat tensor parallel: one replica per rank")
         if crossover is None:
-            why = "the DP/TP crossover is not measured yet (config.DP_CROSSOVER_CONCURRENCY)"
+            why = ("replicas beat it on one node only from 64 concurrent sequences and each holds the "
+                   "whole model; ask for replicas with --data-parallel N (config.DP_CROSSOVER_CONCURRENCY)")
         else:
             why = f"max_num_seqs {max_num_seqs} < {crossover}, where one model decodes each sequence faster"
         return cls(world_size, 1, "tensor parallel over all ranks: " + why)
