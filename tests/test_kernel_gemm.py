@@ -109,9 +109,12 @@ def test_thread_counts_give_same_result(threads):
         ops.set_num_threads(old)
 
 
-@pytest.mark.parametrize("level", range(gemm.cpu_level()))
+@pytest.mark.parametrize("level", [0, 1])
 def test_lower_cpu_levels_match(level):
-    """The portable (level 0) and AVX-512 f32-only (level 1) kernels agree with the best one."""
+    """The AVX2 (level 0) and AVX-512F (level 1) kernels agree with the best one."""
+    if level >= gemm.cpu_level():
+        pytest.skip(f"SKIPPED LOUDLY: level {level} is not below this CPU's best (cpu_level {gemm.cpu_level()}), "
+                    "so there is nothing better to compare it with; an AVX-512 BF16 machine runs it")
     for dtype in ["bfloat16", "float32"]:
         lin, _, w32 = make(129, 4097, dtype, True)
         x = np.random.default_rng(6).standard_normal((7, 129), dtype=np.float32)
