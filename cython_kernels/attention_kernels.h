@@ -141,6 +141,32 @@ static inline int64_t nr_first_key(const nr_attn_args *a, int64_t pos) {
     return a->window > 0 && pos - a->window + 1 > 0 ? pos - a->window + 1 : 0;
 }
 
+/* Keys [*lo, *n) of the tile j0..j0+nk are visible to the query at position pos. */
+static inline void nr_visible(const nr_attn_args *a, int64_t pos, int64_t j0, int64_t nk,
+                              int64_t *lo, int64_t *n) {
+    int64_t l0 = nr_first_key(a, pos) - j0, n0 = pos + 1 - j0;
+    *lo = l0 < 0 ? 0 : l0;
+    *n = n0 > nk ? nk : n0;
+}
+
+/* Online softmax over scores p[lo:n] of one query: p becomes exp(p - max), the running max m
+ * and sum l are updated, and acc[0:len] is rescaled to the new max. */
+static inline void nr_online_softmax(float *p, int64_t lo, int64_t n, float *m, float *l,
+                                     float *acc, int64_t len) {
+    float mx = *m;
+    #pragma omp simd reduction(max:mx)
+    for (int64_t j = lo; j < n; j++) mx = p[j] > mx ? p[j] : mx;
+    float corr = nr_expf(*m - mx), sum = 0.f;
+    #pragma omp simd reduction(+:sum)
+    for (int64_t j = lo; j < n; j++) { p[j] = nr_expf(p[j] - mx); sum += p[j]; }
+    *l = *l * corr + sum;
+    *m = mx;
+    if (corr != 1.0f) {
+        #pragma omp simd
+        for (int64_t d = 0; d < len; d++) acc[d] *= corr;
+    }
+}
+
 /* Query rows [i0, i1) of sequence s, kv head hk, all its query heads, over keys [ja, jb)
  * (clipped to each row's causal and window limits). part == NULL: write the normalized
  * result to out; else write the partial [acc: nq x D][m: nq][l: nq] to part. */
@@ -168,33 +194,17 @@ static void nr_attn_item(const nr_attn_args *a, int64_t s, int64_t hk, int64_t i
         int64_t nk = jb - j0 < NR_KT ? jb - j0 : NR_KT;
         nr_gather(a, a->kc, s, hk, j0, nk, kb, krows);
         for (int64_t qi = 0; qi < nq; qi++) {
-            int64_t pos = base + i0 + qi / group;
-            int64_t lo = nr_first_key(a, pos) - j0, n = pos + 1 - j0;  /* visible: [lo, n) */
-            if (n > nk) n = nk;
-            if (lo < 0) lo = 0;
+            int64_t lo, n;
+            nr_visible(a, base + i0 + qi / group, j0, nk, &lo, &n);
             if (n <= lo) continue;
             float *p = sc + qi * NR_KT;
             nr_scores(Q + qi * D, krows + lo, n - lo, D, p + lo);
-            float mx = m[qi];
-            #pragma omp simd reduction(max:mx)
-            for (int64_t j = lo; j < n; j++) mx = p[j] > mx ? p[j] : mx;
-            float corr = nr_expf(m[qi] - mx), sum = 0.f;
-            #pragma omp simd reduction(+:sum)
-            for (int64_t j = lo; j < n; j++) { p[j] = nr_expf(p[j] - mx); sum += p[j]; }
-            l[qi] = l[qi] * corr + sum;
-            m[qi] = mx;
-            if (corr != 1.0f) {
-                float *ac = acc + qi * D;
-                #pragma omp simd
-                for (int64_t d = 0; d < D; d++) ac[d] *= corr;
-            }
+            nr_online_softmax(p, lo, n, &m[qi], &l[qi], acc + qi * D, D);
         }
         nr_gather(a, a->vc, s, hk, j0, nk, vb, vrows);
         for (int64_t qi = 0; qi < nq; qi++) {
-            int64_t pos = base + i0 + qi / group;
-            int64_t lo = nr_first_key(a, pos) - j0, n = pos + 1 - j0;
-            if (n > nk) n = nk;
-            if (lo < 0) lo = 0;
+            int64_t lo, n;
+            nr_visible(a, base + i0 + qi / group, j0, nk, &lo, &n);
             if (n <= lo) continue;
             nr_accumulate(acc + qi * D, sc + qi * NR_KT + lo, vrows + lo, n - lo, D);
         }
@@ -271,30 +281,16 @@ static void nr_attn_item_tiled(const nr_attn_args *a, int64_t s, int64_t hk, int
         nr_gather_tiles(a, s, hk, j0, nk, Kt, Vb, Dp);
         nr_mm(a->level, Q, D, Kt, NR_KT, S, NR_KT, nq, NR_KT, D, 1);
         for (int64_t qi = 0; qi < nq; qi++) {
-            int64_t pos = base + i0 + qi / group;
-            int64_t lo = nr_first_key(a, pos) - j0, n = pos + 1 - j0;  /* visible: [lo, n) */
-            if (n > nk) n = nk;
-            if (lo < 0) lo = 0;
+            int64_t lo, n;
+            nr_visible(a, base + i0 + qi / group, j0, nk, &lo, &n);
             float *p = S + qi * NR_KT;
             if (n <= lo) {  /* nothing visible: P row of zeros, m and l unchanged */
                 for (int64_t j = 0; j < NR_KT; j++) p[j] = 0.f;
                 continue;
             }
-            float mx = m[qi];
-            #pragma omp simd reduction(max:mx)
-            for (int64_t j = lo; j < n; j++) mx = p[j] > mx ? p[j] : mx;
-            float corr = nr_expf(m[qi] - mx), sum = 0.f;
-            for (int64_t j = 0; j < lo; j++) p[j] = 0.f;
-            #pragma omp simd reduction(+:sum)
-            for (int64_t j = lo; j < n; j++) { p[j] = nr_expf(p[j] - mx); sum += p[j]; }
+            nr_online_softmax(p, lo, n, &m[qi], &l[qi], O + qi * Dp, Dp);
+            for (int64_t j = 0; j < lo; j++) p[j] = 0.f;  /* P V reads the whole tile row */
             for (int64_t j = n; j < NR_KT; j++) p[j] = 0.f;
-            l[qi] = l[qi] * corr + sum;
-            m[qi] = mx;
-            if (corr != 1.0f) {
-                float *o = O + qi * Dp;
-                #pragma omp simd
-                for (int64_t d = 0; d < Dp; d++) o[d] *= corr;
-            }
         }
         nr_mm(a->level, S, NR_KT, Vb, Dp, O, Dp, nq, Dp, nk, 0);
     }

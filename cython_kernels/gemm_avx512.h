@@ -65,16 +65,7 @@ GEMM_INLINE GEMM_T_AVX512 void gemm_tile_f32(const float* wb, const float* xs, l
         for (int j = 0; j < 4; j++) _mm512_store_ps(acc + r * GEMM_NB + 16 * j, c[r][j]);
 }
 
-/* NOTE: the switch turns mr into a constant so c[][] lives in registers. */
-#define GEMM_TILE_SWITCH(fn, mr, ...)                         \
-    switch (mr) {                                             \
-        case 1: fn(__VA_ARGS__, 1, first); break;             \
-        case 2: fn(__VA_ARGS__, 2, first); break;             \
-        case 3: fn(__VA_ARGS__, 3, first); break;             \
-        case 4: fn(__VA_ARGS__, 4, first); break;             \
-        case 5: fn(__VA_ARGS__, 5, first); break;             \
-        default: fn(__VA_ARGS__, 6, first); break;            \
-    }
+/* NR_MR_SWITCH (tile_kernels.h) turns mr into a constant so c[][] lives in registers. */
 
 /* acc[m][64] = rows xs[m][Kp] times k-pairs p0..p1 of one bf16 block wb [Kp/2][64][2]. With
  * more rows than one register tile, k is cut into GEMM_KC chunks so the weight chunk is reread
@@ -89,7 +80,7 @@ static GEMM_T_BF16 void gemm_block_bf16_avx512(const void* wv, const void* xv, i
         int first = c0 == p0;
         for (int r0 = 0; r0 < m; r0 += GEMM_MR) {
             int mr = m - r0 < GEMM_MR ? m - r0 : GEMM_MR;
-            GEMM_TILE_SWITCH(gemm_tile_bf16, mr, wb, x32 + r0 * np, np, c0, c1,
+            NR_MR_SWITCH(gemm_tile_bf16, mr, wb, x32 + r0 * np, np, c0, c1,
                              acc + r0 * GEMM_NB)
         }
     }
@@ -106,7 +97,7 @@ static GEMM_T_AVX512 void gemm_block_f32_avx512(const void* wv, const void* xv, 
         int first = c0 == k0;
         for (int r0 = 0; r0 < m; r0 += GEMM_MR) {
             int mr = m - r0 < GEMM_MR ? m - r0 : GEMM_MR;
-            GEMM_TILE_SWITCH(gemm_tile_f32, mr, wb, xs + r0 * kp, kp, c0, c1, acc + r0 * GEMM_NB)
+            NR_MR_SWITCH(gemm_tile_f32, mr, wb, xs + r0 * kp, kp, c0, c1, acc + r0 * GEMM_NB)
         }
     }
 }

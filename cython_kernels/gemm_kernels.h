@@ -21,6 +21,7 @@
 #include <sys/mman.h>
 
 #include "bf16.h"
+#include "tile_kernels.h"
 
 #define GEMM_NB 64    /* output columns per weight block */
 #define GEMM_MR 6     /* activation rows per register tile: 6 x 4 accumulators + 4 weights */

@@ -11,7 +11,7 @@
  *
  * m == 1 (batch-1 decode: bandwidth-bound) widens in registers while it streams the block.
  * m >= 2 widens a chunk of GEMM_WK k-steps into an f32 scratch [k][64] in L1 once and runs an
- * f32 register tile of 6 rows over it, so the widening is paid once for all m rows.
+ * f32 register tile (tile_kernels.h) over it, so the widening is paid once for all m rows.
  */
 #ifndef NUMA_RUNTIME_GEMM_WIDEN_H
 #define NUMA_RUNTIME_GEMM_WIDEN_H
@@ -67,38 +67,6 @@ static void gemm_widen_avx2(const uint16_t* wb, long p0, long p1, float* wf) {
     }
 }
 
-/* acc[r][0:16] (+)= x[r][0:nk] . w[0:nk][0:16] for r < mr: 12 accumulators + 2 weights + 1 x.
- * w: f32 rows of stride GEMM_NB; x: rows of stride ldx; acc: rows of stride GEMM_NB. */
-GEMM_INLINE void gemm_tile16_avx2(const float* w, const float* x, long ldx, long nk, float* acc,
-                                  const int mr, int first) {
-    __m256 c[GEMM_MR][2];
-    for (int r = 0; r < mr; r++)
-        for (int j = 0; j < 2; j++)
-            c[r][j] = first ? _mm256_setzero_ps() : _mm256_load_ps(acc + r * GEMM_NB + 8 * j);
-    for (long k = 0; k < nk; k++) {
-        __m256 w0 = _mm256_load_ps(w + k * GEMM_NB), w1 = _mm256_load_ps(w + k * GEMM_NB + 8);
-        for (int r = 0; r < mr; r++) {
-            __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
-            c[r][0] = _mm256_fmadd_ps(w0, xb, c[r][0]);
-            c[r][1] = _mm256_fmadd_ps(w1, xb, c[r][1]);
-        }
-    }
-    for (int r = 0; r < mr; r++)
-        for (int j = 0; j < 2; j++) _mm256_store_ps(acc + r * GEMM_NB + 8 * j, c[r][j]);
-}
-
-/* acc[m][64] (+)= x[m][0:nk] . w[0:nk][64] (w: f32 [k][64], in L1). */
-static void gemm_rows_f32_avx2(const float* w, const float* x, long ldx, long nk, int m,
-                               float* acc, int first) {
-    for (int r0 = 0; r0 < m; r0 += GEMM_MR) {
-        int mr = m - r0 < GEMM_MR ? m - r0 : GEMM_MR;
-        for (int cg = 0; cg < GEMM_NB; cg += 16) {
-            GEMM_TILE_SWITCH(gemm_tile16_avx2, mr, w + cg, x + r0 * ldx, ldx, nk,
-                             acc + r0 * GEMM_NB + cg)
-        }
-    }
-}
-
 static void gemm_block_bf16_avx2(const void* wv, const void* xv, int m, long kp, long p0,
                                  long p1, float* acc) {
     const uint16_t* wb = (const uint16_t*)wv;
@@ -111,7 +79,7 @@ static void gemm_block_bf16_avx2(const void* wv, const void* xv, int m, long kp,
     for (long c0 = p0; c0 < p1; c0 += GEMM_WK / 2) {
         long c1 = c0 + GEMM_WK / 2 < p1 ? c0 + GEMM_WK / 2 : p1;
         gemm_widen_avx2(wb, c0, c1, wf);
-        gemm_rows_f32_avx2(wf, x + 2 * c0, kp, 2 * (c1 - c0), m, acc, c0 == p0);
+        nr_mm_avx2(x + 2 * c0, kp, wf, GEMM_NB, acc, GEMM_NB, m, GEMM_NB, 2 * (c1 - c0), c0 == p0);
     }
 }
 
@@ -125,7 +93,7 @@ static void gemm_block_f32_avx2(const void* wv, const void* xv, int m, long kp, 
     }
     for (long c0 = k0; c0 < k1; c0 += GEMM_WK) {
         long c1 = c0 + GEMM_WK < k1 ? c0 + GEMM_WK : k1;
-        gemm_rows_f32_avx2(wb + c0 * GEMM_NB, x + c0, kp, c1 - c0, m, acc, c0 == k0);
+        nr_mm_avx2(x + c0, kp, wb + c0 * GEMM_NB, GEMM_NB, acc, GEMM_NB, m, GEMM_NB, c1 - c0, c0 == k0);
     }
 }
 
@@ -184,7 +152,7 @@ static GEMM_T_AVX512 void gemm_block_bf16_avx512f(const void* wv, const void* xv
         gemm_widen_avx512f(wb, c0, c1, wf);
         for (int r0 = 0; r0 < m; r0 += GEMM_MR) {
             int mr = m - r0 < GEMM_MR ? m - r0 : GEMM_MR;
-            GEMM_TILE_SWITCH(gemm_tile_f32, mr, wf, x + r0 * kp + 2 * c0, kp, 0, nk,
+            NR_MR_SWITCH(gemm_tile_f32, mr, wf, x + r0 * kp + 2 * c0, kp, 0, nk,
                              acc + r0 * GEMM_NB)
         }
     }
