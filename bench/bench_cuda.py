@@ -1,10 +1,10 @@
 """The CUDA backend on one GPU: decode speed and the host KV tier on multi-turn traffic.
 
-    python bench/bench_cuda.py [--shape llama3.2-1b] [--batch 1 16] [--multiturn] [--hf]
+    python bench/bench_cuda.py [--shape llama3.2-1b|llama3.1-8b] [--batch 1 16 64] [--multiturn] [--hf 1 64]
 
 decode: closed-loop batches of B requests (prompt 64 random tokens, 256 new), output tok/s
 and, for batch 1, weight bytes read per second against the GPU's HBM bandwidth (--hbm-gbs).
---hf: the same batch-1 decode with transformers' generate on the same GPU.
+--hf B...: the same decode with transformers' generate on the same GPU at batch sizes B (default 1).
 --multiturn: 20 clients x 8 turns (64 new user tokens, 32 answer tokens per turn), the GPU KV
 pool at half the working set; TTFT p50/p99 and prefix hit rate with the host tier off
 (recompute only) and on.
@@ -72,11 +72,21 @@ def profile_decode(model: str, dtype: str, steps: int = 20) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
 
 
-def hf_decode(model: str, new_tokens: int = 256) -> dict:
+def hf_decode(model: str, batches: list[int], new_tokens: int = 256) -> list[dict]:
+    """transformers' generate on the same GPU: greedy, `new_tokens` new tokens for each of a
+    batch of 64-token prompts (no padding), output tok/s per batch size."""
     import torch
     from transformers import AutoModelForCausalLM
     m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda().eval()
-    ids = torch.randint(3, m.config.vocab_size, (1, 64), device="cuda")
+    out = [_hf_generate(m, b, new_tokens) for b in batches]
+    del m
+    torch.cuda.empty_cache()
+    return out
+
+
+def _hf_generate(m, batch: int, new_tokens: int) -> dict:
+    import torch
+    ids = torch.randint(3, m.config.vocab_size, (batch, 64), device="cuda")
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
         m.generate(ids, max_new_tokens=8, min_new_tokens=8, **kw)
@@ -85,7 +95,7 @@ def hf_decode(model: str, new_tokens: int = 256) -> dict:
         m.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
-    return {"batch": 1, "tok_s": new_tokens / dt}
+    return {"batch": batch, "tok_s": batch * new_tokens / dt}
 
 
 def multiturn(model: str, dtype: str, host_bytes: int, clients: int = 20, turns: int = 8,
@@ -137,7 +147,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--hbm-gbs", type=float, default=4800.0, help="the GPU's HBM bandwidth (H200: 4800)")
-    ap.add_argument("--hf", action="store_true", help="also transformers' generate at batch 1")
+    ap.add_argument("--hf", type=int, nargs="*", default=None, metavar="B",
+                    help="also transformers' generate at these batch sizes (none given: 1)")
     ap.add_argument("--multiturn", action="store_true")
     ap.add_argument("--profile", action="store_true", help="print CUDA time per kernel of eager batch-1 decode")
     ap.add_argument("--out", default="/tmp/bench_cuda")
@@ -153,9 +164,13 @@ def main(argv=None) -> int:
                      f"{100 * d['gpu_weights_gbs'] / args.hbm_gbs:.0f}% |")
     if args.profile:
         print(profile_decode(model, args.dtype))
-    if args.hf:
-        report["hf"] = hf_decode(model)
-        lines.append(f"\ntransformers generate, batch 1: {report['hf']['tok_s']:.1f} tok/s")
+    if args.hf is not None:
+        report["hf"] = hf_decode(model, args.hf or [1])
+        ours = {d["batch"]: d["tok_s"] for d in report["decode"]}
+        lines += ["", "| batch | transformers generate tok/s | numa_runtime / transformers |", "| --- | --- | --- |"]
+        for h in report["hf"]:
+            ratio = f"{ours[h['batch']] / h['tok_s']:.2f}x" if h["batch"] in ours else "-"
+            lines.append(f"| {h['batch']} | {h['tok_s']:.1f} | {ratio} |")
     if args.multiturn:
         multiturn(model, args.dtype, 0, turns=2)  # warm-up: compiles, first captures
         report["multiturn"] = [multiturn(model, args.dtype, h) for h in (0, 4 << 30)]

@@ -26,6 +26,11 @@ LLAMA1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                tie_word_embeddings=True, max_position_embeddings=4096, rope_theta=500000.0,
                rms_norm_eps=1e-5, initializer_range=0.02)
+# Llama-3.1-8B's shape (untied, 128K vocab): 16 GB in bf16, built on a GPU when there is one
+LLAMA8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+               tie_word_embeddings=False, max_position_embeddings=4096, rope_theta=500000.0,
+               rms_norm_eps=1e-5, initializer_range=0.02)
 # smoke runs: 4 heads and 2 kv heads split over 1, 2 or 4 ranks
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=384, tie_word_embeddings=False,
@@ -48,7 +53,13 @@ def llama1b_model(cache: str = os.path.join(CACHE, "llama3.2-1b")) -> str:
     return build_once(cache, "llama3.2-1b", LLAMA1B)
 
 
-SHAPES = {"qwen0.5b": qwen05b_model, "llama3.2-1b": llama1b_model, "tiny": tiny_model}
+def llama8b_model(cache: str = os.path.join(CACHE, "llama3.1-8b")) -> str:
+    """A random bf16 LlamaForCausalLM of Llama-3.1-8B's shape (16 GB), built once."""
+    return build_once(cache, "llama3.1-8b", LLAMA8B)
+
+
+SHAPES = {"qwen0.5b": qwen05b_model, "llama3.2-1b": llama1b_model, "llama3.1-8b": llama8b_model,
+          "tiny": tiny_model}
 
 
 def add_model_args(ap) -> None:
@@ -92,7 +103,9 @@ def build_random_llama(out_dir: str, shape: dict, seed: int = 0) -> str:
     torch.manual_seed(seed)
     cfg = LlamaConfig(bos_token_id=1, eos_token_id=2, **shape)
     cfg.architectures = ["LlamaForCausalLM"]
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    # NOTE: the random init of billions of weights takes minutes on a CPU and seconds on a GPU
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     tmp = "%s.tmp%d" % (out_dir, os.getpid())
     os.makedirs(tmp, exist_ok=True)
     model.save_pretrained(tmp, safe_serialization=True)

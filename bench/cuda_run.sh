@@ -14,5 +14,5 @@ fi
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/machine.txt" 2>&1
 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda_kernels.py tests/test_cuda_engine.py \
   tests/test_host_tier.py 2>&1 | tee "$OUT/tests.txt"
-ARGS=("$@"); [ ${#ARGS[@]} -eq 0 ] && ARGS=(--shape llama3.2-1b --batch 1 16 --hf --multiturn --profile)
+ARGS=("$@"); [ ${#ARGS[@]} -eq 0 ] && ARGS=(--shape llama3.2-1b --batch 1 16 64 --hf 1 64 --multiturn --profile)
 python3 bench/bench_cuda.py "${ARGS[@]}" --out "$OUT/bench_cuda" 2>&1 | tee "$OUT/bench.txt"
