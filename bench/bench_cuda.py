@@ -40,9 +40,21 @@ def decode(model: str, dtype: str, batch: int, new_tokens: int = 256) -> dict:
     dt = time.perf_counter() - t0
     wb = weights_bytes_per_token(eng.model_config, dtype)
     gpu_ms = graph_step_ms(eng.runner.graphs, batch)
+    replays = eng.runner.graphs.num_replays
+    release(eng)
     return {"batch": batch, "steps": steps, "seconds": dt, "tok_s": batch * steps / dt,
             "step_ms": 1e3 * dt / steps, "weights_gbs": wb * steps / dt / 1e9, "gpu_step_ms": gpu_ms,
-            "gpu_weights_gbs": wb / gpu_ms / 1e6, "graph_replays": eng.runner.graphs.num_replays}
+            "gpu_weights_gbs": wb / gpu_ms / 1e6, "graph_replays": replays}
+
+
+def release(eng) -> None:
+    """Close an engine and give its GPU memory back before the next one loads (an 8B model)."""
+    import gc
+    import torch
+    eng.close()
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def graph_step_ms(graphs, batch: int, reps: int = 100) -> float:
