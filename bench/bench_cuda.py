@@ -41,18 +41,18 @@ def decode(model: str, dtype: str, batch: int, new_tokens: int = 256) -> dict:
     wb = weights_bytes_per_token(eng.model_config, dtype)
     gpu_ms = graph_step_ms(eng.runner.graphs, batch)
     replays = eng.runner.graphs.num_replays
-    release(eng)
+    eng.close()
+    del eng
+    free_gpu_memory()
     return {"batch": batch, "steps": steps, "seconds": dt, "tok_s": batch * steps / dt,
             "step_ms": 1e3 * dt / steps, "weights_gbs": wb * steps / dt / 1e9, "gpu_step_ms": gpu_ms,
             "gpu_weights_gbs": wb / gpu_ms / 1e6, "graph_replays": replays}
 
 
-def release(eng) -> None:
-    """Close an engine and give its GPU memory back before the next one loads (an 8B model)."""
+def free_gpu_memory() -> None:
+    """Give the memory of closed engines back before the next one loads (an 8B model)."""
     import gc
     import torch
-    eng.close()
-    del eng
     gc.collect()
     torch.cuda.empty_cache()
 
