@@ -1,6 +1,6 @@
 """Quantized linear benchmark: qgemm.QLinear per format vs the DRAM read probe (and bf16 Linear).
 
-    python bench/bench_quant.py [--quick] [--threads N] [--level L] [--model NAME] [--out PATH]
+    python bench/bench_quant.py [--quick] [--threads N] [--level L] [--model NAME] [--formats F..] [--bf16-prefill] [--out PATH]
 
 For M = 1 it reports GB/s of packed weight bytes actually read (QLinear.nbytes / time: integers,
 scales and offsets) and that as a fraction of the DRAM read bandwidth measured in the same run
@@ -34,7 +34,7 @@ FORMATS = ["int8-g128", "int8-g32", "int8-channel", "int4-g32-sym", "int4-g32-mi
 COLD_BYTES = 256 << 20
 
 
-def build(fmt_name: str, k: int, n: int, copies_for: int):
+def build(fmt_name: str, k: int, n: int, copies_for: int, bf16: bool = False):
     """(list of linears over copies of one weight, bytes read per call)."""
     rng = np.random.default_rng(0)
     w = rng.standard_normal((n, k), dtype=np.float32) * 0.05
@@ -46,18 +46,18 @@ def build(fmt_name: str, k: int, n: int, copies_for: int):
         # NOTE: a group that does not divide K falls back to 64/32 (as quantization="int8" does)
         fmt = replace(QuantFormat.parse(fmt_name), fit_group=True).for_k(k)
         qw = quantize(w, fmt)
-        lin = qlinear(cpu, qw)
+        lin = qlinear(cpu, qw, bf16=bf16)
         nbytes = lin.nbytes
-        make = lambda: qlinear(cpu, qw)  # noqa: E731
+        make = lambda: qlinear(cpu, qw, bf16=bf16)  # noqa: E731
     copies = max(1, min(256, -(-copies_for // nbytes)))
     return [lin] + [make() for _ in range(copies - 1)], nbytes
 
 
-def bench(model: str, formats: list[str], ms: list[int], min_time: float) -> list[dict]:
+def bench(model: str, formats: list[str], ms: list[int], min_time: float, bf16: bool = False) -> list[dict]:
     rows = []
     for layer, k, n in SHAPES[model]:
         for f in formats:
-            lins, nbytes = build(f, k, n, COLD_BYTES)
+            lins, nbytes = build(f, k, n, COLD_BYTES, bf16)
             for m in ms:
                 x = np.random.default_rng(1).standard_normal((m, k), dtype=np.float32)
                 out = np.empty((m, n), np.float32)
@@ -80,20 +80,24 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--level", type=int, default=None, help="cap the qgemm ISA level")
     ap.add_argument("--model", default="Qwen2.5-0.5B", choices=sorted(SHAPES))
+    ap.add_argument("--bf16-prefill", action="store_true",
+                    help="quantized linears as a bf16 engine builds them: large M on bf16 panels")
+    ap.add_argument("--formats", nargs="+", default=None, help="formats to run (default: all)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.threads:
         ops.set_num_threads(args.threads)
     if args.level is not None:
         qgemm._force_cpu_level(args.level)
-    formats = ["int8-g128", "int4-g32-min"] if args.quick else FORMATS + ["bf16"]
+    formats = args.formats or (["int8-g128", "int4-g32-min"] if args.quick else FORMATS + ["bf16"])
     ms = [1, 512]
     dram = dram_read_gbps(args.threads, gib=0.25 if args.quick else 1.0)
     rows = bench("SmolLM2-135M" if args.quick else args.model, formats, ms,
-                 0.05 if args.quick else 0.5)
+                 0.05 if args.quick else 0.5, args.bf16_prefill)
     for r in rows:
         r["dram_fraction"] = r["gbps"] / dram if r["M"] == 1 else None
     report = {"config": {"threads": ops.get_num_threads(), "qgemm_level": qgemm.cpu_level(),
+                         "bf16_prefill": args.bf16_prefill,
                          "model": args.model, "dram_read_gbps": dram}, "rows": rows}
     if args.out:
         with open(args.out + ".json", "w") as f:

@@ -67,6 +67,9 @@ cdef extern from "dnnl.h" nogil:
     dnnl_status_t dnnl_memory_desc_create_with_tag(dnnl_memory_desc_t* md, int ndims,
                                                    const int64_t* dims, dnnl_data_type_t dt,
                                                    dnnl_format_tag_t tag)
+    dnnl_status_t dnnl_memory_desc_create_with_strides(dnnl_memory_desc_t* md, int ndims,
+                                                       const int64_t* dims, dnnl_data_type_t dt,
+                                                       const int64_t* strides)
     dnnl_status_t dnnl_memory_desc_destroy(dnnl_memory_desc_t md)
     size_t dnnl_memory_desc_get_size(const_dnnl_memory_desc_t md)
     dnnl_status_t dnnl_memory_desc_query(const_dnnl_memory_desc_t md, dnnl_query_t what,
@@ -189,12 +192,14 @@ cdef class _Matmul:
     """A oneDNN matmul primitive for one M, with its src/dst memory objects (handles reset
     on every call)."""
     cdef dnnl_primitive_t prim
-    cdef dnnl_memory_t src, dst, bias
+    cdef dnnl_memory_t src, dst, bias, weights
     cdef readonly str impl
 
     def __dealloc__(self):
         if self.prim != NULL:
             dnnl_primitive_destroy(self.prim)
+        if self.weights != NULL:
+            dnnl_memory_destroy(self.weights)
         if self.src != NULL:
             dnnl_memory_destroy(self.src)
         if self.dst != NULL:
@@ -427,3 +432,145 @@ cdef class Linear:
     def impl_info(self, long M):
         """oneDNN implementation name used for this M on the large-M path (e.g. brg:...)."""
         return self._prim(M).impl
+
+
+cdef class BF16Panels:
+    """out[:, n0:n0+n] = bf16(x) @ P (+ bias[n0:n0+n]) for weight panels P [K, n] that the caller
+    writes in Linear's bf16 layout (BA16a64b2a = [ceil(n/64)][Kp/2][64][2], zero beyond K and
+    n): the large-M path of quantized linears (qgemm.pyx), which dequantize their weights panel
+    by panel into `panel_ptr` and run oneDNN's bf16 matmul (AMX or AVX-512 BF16) over each.
+
+    set_input(x) rounds x [M, K] to bf16 once; run(out, n0, n, bias) multiplies it by the panel
+    now in the buffer into columns n0..n0+n of out [M, N] (row stride N). Primitives are cached
+    per (M, n, N, bias). Not re-entrant.
+    """
+    cdef readonly long in_features, kp, max_cols
+    cdef void* panel
+    cdef object xs
+    cdef long m
+    cdef dict prims
+
+    def __cinit__(self):
+        self.panel = NULL
+
+    def __init__(self, long in_features, long max_cols):
+        cdef dnnl_memory_desc_t md
+        cdef int64_t* padded
+        _init_dnnl()
+        if in_features < 1 or max_cols < 64 or max_cols % 64:
+            raise ValueError("BF16Panels: in_features %d, max_cols %d (a multiple of 64)"
+                             % (in_features, max_cols))
+        md = _md(in_features, max_cols, dnnl_bf16, dnnl_BA16a64b2a)
+        try:
+            _check(dnnl_memory_desc_query(md, dnnl_query_padded_dims, &padded), "md_query")
+            self.kp = padded[0]
+        finally:
+            dnnl_memory_desc_destroy(md)
+        self.in_features, self.max_cols = in_features, max_cols
+        self.panel = gemm_alloc(sizeof(uint16_t) * self.kp * max_cols)
+        if self.panel == NULL:
+            raise MemoryError("cannot allocate a %d x %d bf16 weight panel" % (self.kp, max_cols))
+        self.xs = np.zeros(0, dtype=np.uint16)
+        self.m = 0
+        self.prims = {}
+
+    def __dealloc__(self):
+        if self.panel != NULL:
+            free(self.panel)
+
+    @property
+    def panel_ptr(self):
+        return <size_t>self.panel
+
+    def set_input(self, cnp.ndarray x):
+        """x: C-contiguous float32 [M, in_features], rounded to bf16 for the next run() calls."""
+        cdef long M = x.shape[0], K = self.in_features
+        if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != K or not x.flags.c_contiguous:
+            raise ValueError("BF16Panels.set_input expects C-contiguous float32 [M, %d]" % K)
+        if self.xs.shape[0] < M * K:
+            self.xs = np.empty(M * K, dtype=np.uint16)
+        cdef uint16_t* xb = <uint16_t*>cnp.PyArray_DATA(self.xs)
+        cdef const float* xp = <const float*>cnp.PyArray_DATA(x)
+        with nogil:
+            gemm_rows_to_bf16(xp, M, K, xb, K)
+        self.m = M
+
+    def run(self, cnp.ndarray out, long n0, long n, bias=None):
+        """out[:, n0:n0+n] (=) input @ panel (+ bias[n0:n0+n]); out: C-contiguous float32 [M, N]."""
+        cdef long M = self.m, N = out.shape[1]
+        if out.dtype != np.float32 or out.ndim != 2 or out.shape[0] != M or \
+                not out.flags.c_contiguous or n < 1 or n > self.max_cols or n0 < 0 or n0 + n > N:
+            raise ValueError("BF16Panels.run: out must be C-contiguous float32 [%d, >= %d + %d]"
+                             % (M, n0, n))
+        key = (M, n, N, bias is not None)
+        cdef _Matmul p = self.prims.get(key)
+        if p is None:
+            if len(self.prims) >= 4 * _PRIM_CACHE_SIZE:
+                self.prims.clear()
+            p = self.prims[key] = self._create_prim(M, n, N, bias is not None)
+        cdef dnnl_exec_arg_t args[4]
+        cdef int nargs = 3
+        cdef char* dst = <char*>cnp.PyArray_DATA(out) + sizeof(float) * n0
+        cdef char* bp = NULL
+        cdef void* src = cnp.PyArray_DATA(self.xs)
+        if bias is not None:
+            bp = <char*>cnp.PyArray_DATA(bias) + sizeof(float) * n0
+        args[0].arg = DNNL_ARG_SRC
+        args[0].memory = p.src
+        args[1].arg = DNNL_ARG_WEIGHTS
+        args[1].memory = p.weights
+        args[2].arg = DNNL_ARG_DST
+        args[2].memory = p.dst
+        if bp != NULL:
+            args[3].arg = DNNL_ARG_BIAS
+            args[3].memory = p.bias
+            nargs = 4
+        with nogil:
+            dnnl_memory_set_data_handle(p.src, src)
+            dnnl_memory_set_data_handle(p.dst, dst)
+            if bp != NULL:
+                dnnl_memory_set_data_handle(p.bias, bp)
+            dnnl_primitive_execute(p.prim, _stream, nargs, args)
+            dnnl_stream_wait(_stream)
+
+    def impl_info(self, long M, long n):
+        return self._create_prim(M, n, n, False).impl
+
+    cdef _Matmul _create_prim(self, long M, long n, long ldo, bint bias):
+        cdef long K = self.in_features
+        cdef dnnl_memory_desc_t src_md = NULL, w_md = NULL, dst_md = NULL, bias_md = NULL
+        cdef dnnl_primitive_desc_t pd = NULL
+        cdef const char* impl = NULL
+        cdef int64_t dims[12]
+        cdef int64_t strides[12]
+        cdef _Matmul p = _Matmul()
+        try:
+            src_md = _md(M, K, dnnl_bf16, dnnl_ab)
+            w_md = _md(K, n, dnnl_bf16, dnnl_BA16a64b2a)
+            dims[0], dims[1], strides[0], strides[1] = M, n, ldo, 1
+            _check(dnnl_memory_desc_create_with_strides(&dst_md, 2, dims, dnnl_f32, strides),
+                   "memory_desc_create")
+            if bias:
+                bias_md = _md(1, n, dnnl_f32, dnnl_ab)
+            _check(dnnl_matmul_primitive_desc_create(&pd, _engine, src_md, w_md, bias_md,
+                                                     dst_md, NULL), "matmul_pd")
+            _check(dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &impl), "query")
+            p.impl = impl.decode()
+            _check(dnnl_primitive_create(&p.prim, pd), "matmul")
+            _check(dnnl_memory_create(&p.src, src_md, _engine, NULL), "memory_create")
+            _check(dnnl_memory_create(&p.weights, w_md, _engine, self.panel), "memory_create")
+            _check(dnnl_memory_create(&p.dst, dst_md, _engine, NULL), "memory_create")
+            if bias:
+                _check(dnnl_memory_create(&p.bias, bias_md, _engine, NULL), "memory_create")
+        finally:
+            if pd != NULL:
+                dnnl_primitive_desc_destroy(pd)
+            if src_md != NULL:
+                dnnl_memory_desc_destroy(src_md)
+            if w_md != NULL:
+                dnnl_memory_desc_destroy(w_md)
+            if dst_md != NULL:
+                dnnl_memory_desc_destroy(dst_md)
+            if bias_md != NULL:
+                dnnl_memory_desc_destroy(bias_md)
+        return p

@@ -10,11 +10,19 @@ are kept as that one copy. Both paths read it:
     register tile runs all rows over it (prefill).
 Threads: OpenMP over 16-column blocks (set_num_threads); compute runs without the GIL.
 Levels: 1 = AVX-512 (F/BW/VL/DQ), 0 = AVX2 + FMA + F16C, chosen at run time.
+
+Large M on CPUs with AVX-512 BF16, for linears flagged `prefill_bf16` (the engine's dtype is
+bf16): the weights are dequantized panel by panel (about 2 MiB of bf16, in cache) into
+gemm.BF16Panels and multiplied by oneDNN's bf16 matmul (AMX where present): the prefill runs on
+the matrix units at the cost of rounding the dequantized weights to bf16, as the bf16 engine
+rounds its activations. f32 engines keep the exact f32 path.
 """
 import numpy as np
 
 cimport numpy as cnp
-from libc.stdint cimport uint8_t
+from libc.stdint cimport uint8_t, uint16_t
+
+from numa_runtime._kernels import gemm as _gemm
 
 cnp.import_array()
 
@@ -29,9 +37,32 @@ cdef extern from "qgemm_kernels.h" nogil:
     long qg_block_bytes(const qg_format* f)
     int qg_forward(const uint8_t* w, const qg_format* f, const float* x, long M, long ldx,
                    const float* bias, float* out, int level)
+    int qg_dequant_panel_bf16(const uint8_t* w, const qg_format* f, long K, long n0, long n1,
+                              long kpp, uint16_t* panel)
 
 _KINDS = {"sym": 0, "zero": 1, "min": 2}
 cdef int _level = qg_cpu_level()
+
+# NOTE: rows from which the bf16 panel path wins. Dequantizing a panel costs about 5 passes
+# over the packed bytes, so it needs enough rows to share it.
+PANEL_M_MIN = 32
+_PANEL_BYTES = 1 << 21
+_PANELS = {}
+
+
+def _panel_usable():
+    """The bf16 panel path needs AVX-512 BF16 (conversion) and a non-reference oneDNN bf16 matmul."""
+    return _level >= 1 and _gemm.cpu_level() >= 2 and _gemm._dnnl_usable(True)
+
+
+def _panels(long K, long N):
+    """The shared panel buffer for K input features: columns per panel so that one panel is
+    about _PANEL_BYTES (a multiple of 64, at least 64, at most N rounded up)."""
+    cols = max(64, min((N + 63) // 64 * 64, _PANEL_BYTES // (2 * ((K + 31) // 32 * 32)) // 64 * 64))
+    p = _PANELS.get((K, cols))
+    if p is None:
+        p = _PANELS[(K, cols)] = _gemm.BF16Panels(K, cols)
+    return p
 
 
 def cpu_level():
@@ -59,6 +90,7 @@ cdef class QLinear:
     cdef readonly size_t nbytes
     cdef qg_format fmt
     cdef object packed, bias_arr
+    cdef public bint prefill_bf16
 
     def __init__(self, packed, int bits, str kind, int group, int in_features, int out_features,
                  bias=None):
@@ -108,6 +140,9 @@ cdef class QLinear:
                                  % (M, N))
         if M == 0:
             return oa
+        if self.prefill_bf16 and M >= PANEL_M_MIN and _panel_usable():
+            self._panel_forward(xa, oa)
+            return oa
         if self.fmt.kp != K:  # per-row int8 with K not a multiple of 4: zero-padded rows
             xa = np.pad(xa, ((0, 0), (0, self.fmt.kp - K)))
         cdef const float* bias = NULL
@@ -123,3 +158,19 @@ cdef class QLinear:
         if rc != 0:
             raise MemoryError("QLinear.forward: cannot allocate per-thread tiles")
         return oa
+
+    cdef _panel_forward(self, cnp.ndarray xa, cnp.ndarray oa):
+        cdef long K = self.in_features, N = self.out_features, n0, n, kpp
+        cdef const uint8_t* w = <const uint8_t*>cnp.PyArray_DATA(self.packed)
+        cdef uint16_t* panel
+        cdef int rc
+        p = _panels(K, N)
+        panel, kpp = <uint16_t*><size_t>p.panel_ptr, p.kp
+        p.set_input(xa)
+        for n0 in range(0, N, p.max_cols):
+            n = min(p.max_cols, N - n0)
+            with nogil:
+                rc = qg_dequant_panel_bf16(w, &self.fmt, K, n0, n0 + n, kpp, panel)
+            if rc != 0:
+                raise MemoryError("QLinear.forward: cannot allocate per-thread tiles")
+            p.run(oa, n0, n, self.bias_arr)

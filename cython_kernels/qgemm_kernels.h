@@ -117,4 +117,56 @@ static int qg_forward(const uint8_t* w, const qg_format* f, const float* x, long
     return err ? -1 : 0;
 }
 
+/* ----------------------------------------------------------- bf16 panels for the large-M path
+ * Columns n0..n1 of W (n0 a multiple of 64) dequantized and rounded to bf16 (nearest-even) into
+ * a panel in gemm.pyx's bf16 layout BA16a64b2a = [ceil((n1 - n0) / 64)][kpp / 2][64][2]:
+ *   panel[(c / 64) * kpp * 64 + (k / 2) * 128 + (c % 64) * 2 + k % 2] = bf16(w[n0 + c][k])
+ * for k < K, c < n1 - n0, and zero elsewhere (oneDNN requires zero padding). kpp: the panel's
+ * padded K (>= f->kp). Needs AVX-512 BF16 (the caller checks). 0, or -1 when out of memory. */
+#define QG_TBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+static QG_TBF16 int qg_dequant_panel_bf16(const uint8_t* w, const qg_format* f, long K, long n0,
+                                          long n1, long kpp, uint16_t* panel) {
+    const long ncols = n1 - n0, nblk = (ncols + 63) / 64 * 64 / QG_NB, bb = qg_block_bytes(f);
+    int err = 0;
+    #pragma omp parallel
+    {
+        float* tile = (float*)aligned_alloc(64, sizeof(float) * QG_KC * QG_NB);
+        if (tile == NULL) {
+            #pragma omp atomic write
+            err = 1;
+        }
+        /* element 2j <- row k column j, 2j + 1 <- row k + 1 column j (cvtne2ps puts row k low) */
+        uint16_t ix[32];
+        for (int j = 0; j < 16; j++) {
+            ix[2 * j] = (uint16_t)j;
+            ix[2 * j + 1] = (uint16_t)(16 + j);
+        }
+        const __m512i idx = _mm512_loadu_si512((const void*)ix);
+        #pragma omp for schedule(static)
+        for (long i = 0; i < nblk; i++) {
+            if (tile == NULL) continue;
+            const long c0 = i * QG_NB, left = ncols - c0;
+            const __mmask16 live = left >= 16 ? (__mmask16)0xFFFF
+                                 : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+            uint16_t* pb = panel + (c0 / 64) * kpp * 64 + (c0 % 64) * 2;
+            const uint8_t* blk = w + (n0 / QG_NB + i) * bb;
+            for (long k0 = 0; k0 < kpp; k0 += QG_KC) {
+                long kend = k0 + QG_KC < kpp ? k0 + QG_KC : kpp;
+                if (live && k0 < f->kp)
+                    qg_dequant_avx512(blk, f, k0, kend < f->kp ? kend : f->kp, tile);
+                for (long k = k0; k < kend; k += 2) {
+                    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+                    if (live && k < K) a = _mm512_maskz_loadu_ps(live, tile + (k - k0) * QG_NB);
+                    if (live && k + 1 < K) b = _mm512_maskz_loadu_ps(live, tile + (k + 1 - k0) * QG_NB);
+                    __m512i v = _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+                    _mm512_storeu_si512((void*)(pb + (k / 2) * 128), v);
+                }
+            }
+        }
+        free(tile);
+    }
+    return err ? -1 : 0;
+}
+
 #endif

@@ -22,15 +22,19 @@ from .packing import pack
 Part = tuple  # (name, rows: slice | None, cols: slice | None)
 
 
-def qlinear(ops, qw: QuantizedWeight, bias: np.ndarray | None = None):
-    """The backend's QLinear over one quantized weight (packed once here)."""
-    return ops.QLinear(pack(qw), qw.fmt.bits, qw.fmt.kind, qw.group, qw.in_features,
-                       qw.out_features, bias)
+def qlinear(ops, qw: QuantizedWeight, bias: np.ndarray | None = None, bf16: bool = False):
+    """The backend's QLinear over one quantized weight (packed once here). `bf16`: the engine
+    computes in bf16, so prefill may round the dequantized weights to bf16 (matrix units)."""
+    lin = ops.QLinear(pack(qw), qw.fmt.bits, qw.fmt.kind, qw.group, qw.in_features,
+                      qw.out_features, bias)
+    lin.prefill_bf16 = bf16
+    return lin
 
 
 class LinearFactory:
     def __init__(self, ops, ckpt, dtype: str, quant: QuantFormat | None = None):
         self.ops, self.ckpt, self.dtype, self.quant = ops, ckpt, dtype, quant
+        self.bf16 = dtype == "bfloat16"
 
     @property
     def split_align(self) -> int:
@@ -47,7 +51,7 @@ class LinearFactory:
             return self.ops.Linear(weights[0] if len(weights) == 1 else np.concatenate(weights), bias)
         if all(isinstance(w, QuantizedWeight) for w in weights):
             try:
-                return qlinear(self.ops, concat_rows(weights), bias)
+                return qlinear(self.ops, concat_rows(weights), bias, self.bf16)
             except QuantError:
                 pass  # NOTE: mixed formats (e.g. a GGUF with Q6_K v and Q4_K q/k): one linear each
         return ConcatLinear([self._single(w) for w in weights], bias)
@@ -64,7 +68,7 @@ class LinearFactory:
             return self.ops.Linear(w)
         if pad:
             w = concat_rows([w, zero_rows(w, pad)])
-        return qlinear(self.ops, w)
+        return qlinear(self.ops, w, bf16=self.bf16)
 
     def _weight(self, name: str, rows: slice | None, cols: slice | None, quantize_dense=True):
         native = getattr(self.ckpt, "quantized", None)
@@ -83,7 +87,7 @@ class LinearFactory:
         return quantize(w, fmt)
 
     def _single(self, w):
-        return qlinear(self.ops, w) if isinstance(w, QuantizedWeight) else self.ops.Linear(w)
+        return qlinear(self.ops, w, bf16=self.bf16) if isinstance(w, QuantizedWeight) else self.ops.Linear(w)
 
 
 def zero_rows(like: QuantizedWeight, n: int) -> QuantizedWeight:
