@@ -67,9 +67,6 @@ cdef extern from "dnnl.h" nogil:
     dnnl_status_t dnnl_memory_desc_create_with_tag(dnnl_memory_desc_t* md, int ndims,
                                                    const int64_t* dims, dnnl_data_type_t dt,
                                                    dnnl_format_tag_t tag)
-    dnnl_status_t dnnl_memory_desc_create_with_strides(dnnl_memory_desc_t* md, int ndims,
-                                                       const int64_t* dims, dnnl_data_type_t dt,
-                                                       const int64_t* strides)
     dnnl_status_t dnnl_memory_desc_destroy(dnnl_memory_desc_t md)
     size_t dnnl_memory_desc_get_size(const_dnnl_memory_desc_t md)
     dnnl_status_t dnnl_memory_desc_query(const_dnnl_memory_desc_t md, dnnl_query_t what,
@@ -99,6 +96,7 @@ cdef extern from "gemm_kernels.h" nogil:
     int gemm_cpu_level()
     void* gemm_alloc(size_t nbytes)
     void gemm_rows_to_bf16(const float* x, long m, long k, uint16_t* y, long ldy)
+    void gemm_copy_rows(const float* src, long m, long n, float* dst, long ldd)
     int gemm_small_bf16(const uint16_t* w, long K, long N, long kp, const float* x, long M,
                         const float* bias, float* out, void* xs, int level)
     int gemm_small_f32(const float* w, long K, long N, long kp, const float* x, long M,
@@ -441,12 +439,15 @@ cdef class BF16Panels:
     by panel into `panel_ptr` and run oneDNN's bf16 matmul (AMX or AVX-512 BF16) over each.
 
     set_input(x) rounds x [M, K] to bf16 once; run(out, n0, n, bias) multiplies it by the panel
-    now in the buffer into columns n0..n0+n of out [M, N] (row stride N). Primitives are cached
-    per (M, n, N, bias). Not re-entrant.
+    now in the buffer into columns n0..n0+n of out [M, N]. Primitives are cached per (M, n,
+    bias). Not re-entrant.
+    NOTE: oneDNN 2023.2 runs a matmul whose dst rows are strided (ldo > n) on its reference
+    kernel (~1000x slower), so a panel narrower than out lands in a dense [M, n] buffer and is
+    copied into out's columns (M n 4 bytes against 2 M n K flops).
     """
     cdef readonly long in_features, kp, max_cols
     cdef void* panel
-    cdef object xs
+    cdef object xs, tmp
     cdef long m
     cdef dict prims
 
@@ -471,6 +472,7 @@ cdef class BF16Panels:
         if self.panel == NULL:
             raise MemoryError("cannot allocate a %d x %d bf16 weight panel" % (self.kp, max_cols))
         self.xs = np.zeros(0, dtype=np.uint16)
+        self.tmp = np.zeros(0, dtype=np.float32)
         self.m = 0
         self.prims = {}
 
@@ -502,15 +504,21 @@ cdef class BF16Panels:
                 not out.flags.c_contiguous or n < 1 or n > self.max_cols or n0 < 0 or n0 + n > N:
             raise ValueError("BF16Panels.run: out must be C-contiguous float32 [%d, >= %d + %d]"
                              % (M, n0, n))
-        key = (M, n, N, bias is not None)
+        key = (M, n, bias is not None)
         cdef _Matmul p = self.prims.get(key)
         if p is None:
             if len(self.prims) >= 4 * _PRIM_CACHE_SIZE:
                 self.prims.clear()
-            p = self.prims[key] = self._create_prim(M, n, N, bias is not None)
+            p = self.prims[key] = self._create_prim(M, n, bias is not None)
         cdef dnnl_exec_arg_t args[4]
         cdef int nargs = 3
-        cdef char* dst = <char*>cnp.PyArray_DATA(out) + sizeof(float) * n0
+        cdef bint dense = n == N
+        cdef float* final = <float*>cnp.PyArray_DATA(out) + n0
+        cdef char* dst = <char*>final
+        if not dense:
+            if self.tmp.shape[0] < M * n:
+                self.tmp = np.empty(M * n, dtype=np.float32)
+            dst = <char*>cnp.PyArray_DATA(self.tmp)
         cdef char* bp = NULL
         cdef void* src = cnp.PyArray_DATA(self.xs)
         if bias is not None:
@@ -532,30 +540,31 @@ cdef class BF16Panels:
                 dnnl_memory_set_data_handle(p.bias, bp)
             dnnl_primitive_execute(p.prim, _stream, nargs, args)
             dnnl_stream_wait(_stream)
+            if not dense:
+                gemm_copy_rows(<const float*>dst, M, n, final, N)
 
     def impl_info(self, long M, long n):
-        return self._create_prim(M, n, n, False).impl
+        return self._create_prim(M, n, False).impl
 
-    cdef _Matmul _create_prim(self, long M, long n, long ldo, bint bias):
+    cdef _Matmul _create_prim(self, long M, long n, bint bias):
         cdef long K = self.in_features
         cdef dnnl_memory_desc_t src_md = NULL, w_md = NULL, dst_md = NULL, bias_md = NULL
         cdef dnnl_primitive_desc_t pd = NULL
         cdef const char* impl = NULL
-        cdef int64_t dims[12]
-        cdef int64_t strides[12]
         cdef _Matmul p = _Matmul()
         try:
             src_md = _md(M, K, dnnl_bf16, dnnl_ab)
             w_md = _md(K, n, dnnl_bf16, dnnl_BA16a64b2a)
-            dims[0], dims[1], strides[0], strides[1] = M, n, ldo, 1
-            _check(dnnl_memory_desc_create_with_strides(&dst_md, 2, dims, dnnl_f32, strides),
-                   "memory_desc_create")
+            dst_md = _md(M, n, dnnl_f32, dnnl_ab)
             if bias:
                 bias_md = _md(1, n, dnnl_f32, dnnl_ab)
             _check(dnnl_matmul_primitive_desc_create(&pd, _engine, src_md, w_md, bias_md,
                                                      dst_md, NULL), "matmul_pd")
             _check(dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &impl), "query")
             p.impl = impl.decode()
+            if p.impl.startswith("ref"):
+                raise RuntimeError("oneDNN offers only its reference bf16 matmul for a %d x %d x %d "
+                                   "panel on this CPU" % (M, K, n))
             _check(dnnl_primitive_create(&p.prim, pd), "matmul")
             _check(dnnl_memory_create(&p.src, src_md, _engine, NULL), "memory_create")
             _check(dnnl_memory_create(&p.weights, w_md, _engine, self.panel), "memory_create")

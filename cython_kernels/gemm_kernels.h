@@ -61,6 +61,12 @@ static void gemm_rows_to_bf16(const float* x, long m, long k, uint16_t* y, long 
     }
 }
 
+/* dst[r * ldd + j] = src[r * n + j] for r < m, j < n (a dense block into wider rows). */
+static void gemm_copy_rows(const float* src, long m, long n, float* dst, long ldd) {
+    #pragma omp parallel for schedule(static) if (m * n >= (1 << 15))
+    for (long r = 0; r < m; r++) memcpy(dst + r * ldd, src + r * n, sizeof(float) * n);
+}
+
 /* y[r, :ldy] = f32(bf16(x[r, :k])) then zeros: the bf16-rounded activations the widening
  * kernels (levels 0 and 1) multiply, so they compute the products the bf16 dot product does. */
 static void gemm_rows_to_bf16f(const float* x, long m, long k, float* y, long ldy) {
