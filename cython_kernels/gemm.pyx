@@ -134,6 +134,16 @@ cdef int _check(dnnl_status_t st, str what) except -1:
     return 0
 
 
+cdef inline dnnl_status_t _execute(dnnl_primitive_t prim, int nargs,
+                                   const dnnl_exec_arg_t* args) noexcept nogil:
+    """Run a primitive on the stream and wait: the first failing status (checked by the caller
+    once it holds the GIL), so no failure leaves an output silently unwritten."""
+    cdef dnnl_status_t st = dnnl_primitive_execute(prim, _stream, nargs, args)
+    if st != dnnl_success:
+        return st
+    return dnnl_stream_wait(_stream)
+
+
 cdef void _init_dnnl() except *:
     global _engine, _stream
     if _engine == NULL:
@@ -264,6 +274,7 @@ cdef class Linear:
         cdef dnnl_primitive_desc_t rpd = NULL
         cdef dnnl_primitive_t reorder = NULL
         cdef dnnl_exec_arg_t args[2]
+        cdef dnnl_status_t st
         cdef int64_t* padded
         self.wmd = _md(K, N, dt, dnnl_BA16a64b2a if self.bf16 else dnnl_BA16a64b)
         self.nbytes = dnnl_memory_desc_get_size(self.wmd)
@@ -288,8 +299,8 @@ cdef class Linear:
             args[1].arg = DNNL_ARG_TO
             args[1].memory = self.wmem
             with nogil:
-                dnnl_primitive_execute(reorder, _stream, 2, args)
-                dnnl_stream_wait(_stream)
+                st = _execute(reorder, 2, args)
+            _check(st, "weight reorder")
         finally:
             if reorder != NULL:
                 dnnl_primitive_destroy(reorder)
@@ -419,13 +430,17 @@ cdef class Linear:
             args[3].arg = DNNL_ARG_BIAS
             args[3].memory = p.bias
             nargs = 4
+        cdef void* dst = cnp.PyArray_DATA(oa)
+        cdef dnnl_status_t st
         with nogil:
             if self.bf16:
                 gemm_rows_to_bf16(<const float*>cnp.PyArray_DATA(xa), M, K, <uint16_t*>src, K)
-            dnnl_memory_set_data_handle(p.src, src)
-            dnnl_memory_set_data_handle(p.dst, cnp.PyArray_DATA(oa))
-            dnnl_primitive_execute(p.prim, _stream, nargs, args)
-            dnnl_stream_wait(_stream)
+            st = dnnl_memory_set_data_handle(p.src, src)
+            if st == dnnl_success:
+                st = dnnl_memory_set_data_handle(p.dst, dst)
+            if st == dnnl_success:
+                st = _execute(p.prim, nargs, args)
+        _check(st, "matmul")
 
     def impl_info(self, long M):
         """oneDNN implementation name used for this M on the large-M path (e.g. brg:...)."""
@@ -533,15 +548,18 @@ cdef class BF16Panels:
             args[3].arg = DNNL_ARG_BIAS
             args[3].memory = p.bias
             nargs = 4
+        cdef dnnl_status_t st
         with nogil:
-            dnnl_memory_set_data_handle(p.src, src)
-            dnnl_memory_set_data_handle(p.dst, dst)
-            if bp != NULL:
-                dnnl_memory_set_data_handle(p.bias, bp)
-            dnnl_primitive_execute(p.prim, _stream, nargs, args)
-            dnnl_stream_wait(_stream)
-            if not dense:
+            st = dnnl_memory_set_data_handle(p.src, src)
+            if st == dnnl_success:
+                st = dnnl_memory_set_data_handle(p.dst, dst)
+            if st == dnnl_success and bp != NULL:
+                st = dnnl_memory_set_data_handle(p.bias, bp)
+            if st == dnnl_success:
+                st = _execute(p.prim, nargs, args)
+            if st == dnnl_success and not dense:
                 gemm_copy_rows(<const float*>dst, M, n, final, N)
+        _check(st, "matmul")
 
     def impl_info(self, long M, long n):
         return self._create_prim(M, n, False).impl
