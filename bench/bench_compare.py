@@ -208,7 +208,8 @@ def hf_to_gguf(model_dir: str, path: str) -> None:
     w.add_feed_forward_length(c["intermediate_size"])
     w.add_head_count(nh)
     w.add_head_count_kv(nkv)
-    w.add_rope_freq_base(float(c.get("rope_theta", 10000.0)))
+    rope = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)  # transformers 4 / 5
+    w.add_rope_freq_base(float(rope))
     w.add_layer_norm_rms_eps(float(c["rms_norm_eps"]))
     w.add_vocab_size(c["vocab_size"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)

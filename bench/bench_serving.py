@@ -7,6 +7,9 @@
     python bench/bench_serving.py --compare [--model DIR] [--gguf FILE]
     # a smoke run: two concurrencies, a few short requests
     python bench/bench_serving.py --compare --quick
+    # llama.cpp's own llama-server binary (bench/build_llamacpp.sh) and ours on the same GGUF
+    python bench/bench_serving.py --compare --gguf model-q4_0.gguf --llama-server BUILD/bin/llama-server \
+        --concurrency 1,16,64 --num-threads 16
 
 Each request is a streamed completion; TTFT is the time to its first token, TPOT the mean time
 between its later tokens, output tokens/s the tokens of all requests over the wall time.
@@ -148,19 +151,22 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, cmd: list[str], port: int, timeout: float = 900):
+    """A server process started with `cmd`, ready once GET `ready_path` answers 200."""
+
+    def __init__(self, cmd: list[str], port: int, timeout: float = 900, ready_path: str = "/v1/models"):
         import httpx
         # NOTE: stderr to a file, not a pipe: a chatty server (llama.cpp) fills a pipe and blocks.
         self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         self.base_url = f"http://127.0.0.1:{port}/v1"
+        ready_url = f"http://127.0.0.1:{port}{ready_path}"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.log.seek(0)
-                raise RuntimeError(f"{cmd[2:4]} exited ({self.proc.returncode}): {self.log.read()[-3000:]}")
+                raise RuntimeError(f"{cmd[:4]} exited ({self.proc.returncode}): {self.log.read()[-3000:]}")
             try:
-                if httpx.get(self.base_url + "/models", timeout=2).status_code == 200:
+                if httpx.get(ready_url, timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -186,12 +192,22 @@ def default_gguf() -> str | None:
         return None
 
 
+def llama_server_cmd(binary: str, gguf: str, port: int, threads: int, slots: int, max_tokens: int) -> list[str]:
+    """llama-server with `slots` slots under continuous batching; its context is split evenly
+    over the slots, so it holds `slots` x (prompt + max_tokens), rounded up to 256 per slot (the
+    prompt's UTF-8 bytes bound its token count)."""
+    per_slot = -(-(len(PROMPT.encode()) + 8 + max_tokens) // 256) * 256
+    return [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+            "-c", str(slots * per_slot), "-t", str(threads), "--cont-batching"]
+
+
 def compare(args, levels, requests_per_level) -> None:
     columns: dict[str, list[Result]] = {}
     port = free_port()
     ours = [sys.executable, "-m", "numa_runtime.serve", "--port", str(port), "--max-queue", "4096"]
-    if args.model:
-        ours += ["--model", args.model]
+    model = args.model or (args.gguf if args.llama_server else None)  # the same GGUF for both
+    if model:
+        ours += ["--model", model]
     if args.num_threads:
         ours += ["--num-threads", str(args.num_threads)]
     print(f"numa_runtime: {' '.join(ours[1:])}", flush=True)
@@ -202,7 +218,18 @@ def compare(args, levels, requests_per_level) -> None:
     finally:
         srv.stop()
     gguf = args.gguf or (default_gguf() if not args.model else None)
-    if importlib.util.find_spec("llama_cpp") is None:
+    if args.llama_server:
+        threads = args.num_threads or len(os.sched_getaffinity(0))
+        port = free_port()
+        cmd = llama_server_cmd(args.llama_server, gguf, port, threads, max(64, max(levels)), args.max_tokens)
+        print(f"llama.cpp: {' '.join(cmd)}", flush=True)
+        srv = Server(cmd, port, ready_path="/health")
+        try:
+            columns[f"llama-server ({os.path.basename(gguf)})"] = run_all(
+                srv.base_url, levels, requests_per_level, args.max_tokens, "none", {"ignore_eos": True})
+        finally:
+            srv.stop()
+    elif importlib.util.find_spec("llama_cpp") is None:
         print("llama.cpp: skipped (pip install 'llama-cpp-python[server]' to compare)", flush=True)
     elif gguf is None:
         print("llama.cpp: skipped (pass --gguf FILE: the same model converted to GGUF)", flush=True)
@@ -229,16 +256,26 @@ def main(argv=None) -> int:
     ap.add_argument("--compare", action="store_true", help="start our server and llama.cpp's in turn")
     ap.add_argument("--model", help="HF model directory for our server (default: the built-in model)")
     ap.add_argument("--gguf", help="the same model as GGUF for llama.cpp (default: the built-in model's GGUF)")
+    ap.add_argument("--llama-server", help="a llama-server binary (bench/build_llamacpp.sh) to compare with, on --gguf "
+                                           "(ours then serves the same GGUF)")
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--concurrency", default="1,4,16,64")
-    ap.add_argument("--requests", type=int, default=None, help="requests per level (default 4 x concurrency)")
+    ap.add_argument("--requests", type=int, default=None, help="requests per level (default ROUNDS x concurrency)")
+    ap.add_argument("--rounds", type=int, default=4, help="requests per level as a multiple of its concurrency")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="concurrency 1,4; few requests of 16 tokens")
     args = ap.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     if args.quick:
         levels, args.max_tokens = [1, 4], 16
-    per_level = (lambda c: args.requests) if args.requests else (lambda c: (2 if args.quick else 4) * c)
+    per_level = (lambda c: args.requests) if args.requests else (lambda c: (2 if args.quick else args.rounds) * c)
+    if args.llama_server:
+        if not (os.path.isfile(args.llama_server) and os.access(args.llama_server, os.X_OK)):
+            ap.error(f"--llama-server {args.llama_server} is not an executable file; build it with "
+                     f"bench/build_llamacpp.sh.")
+        if not args.gguf or not os.path.isfile(args.gguf):
+            ap.error("--llama-server needs --gguf FILE, the GGUF both servers run.")
+        args.compare = True
     if args.compare:
         compare(args, levels, per_level)
     elif args.base_url:
