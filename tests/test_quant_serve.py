@@ -7,6 +7,7 @@ from test_server import ServerProcess
 
 from numa_runtime import Engine, SamplingParams
 from numa_runtime.quant.formats import QuantFormat
+from numa_runtime.quant.loader import head_quantization
 
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=384)
@@ -36,7 +37,7 @@ def served(args, model_name):
 def test_serve_quantization_flag(tmp_path):
     src, ref = str(tmp_path / "m"), str(tmp_path / "ref")
     build_model(src, arch="qwen2", **SHAPE)
-    write_dequantized_copy(src, ref, QuantFormat.parse("int4"))
+    write_dequantized_copy(src, ref, QuantFormat.parse("int4"), head_quantization("auto", "int4"))
     r = served(["--model", src, "--quantization", "int4"], "m")
     assert r.usage.completion_tokens == 12
     assert r.choices[0].text == expected_text(ref)

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..config import ModelConfig, UnsupportedModelError, rope_inv_freq
 from ..gguf_model import open_checkpoint
-from ..quant.loader import LinearFactory, parse_quantization
+from ..quant.loader import LinearFactory, head_quantization, parse_quantization
 from ..plan import EMBED
 from ..sharding import ShardLayout, shard_layouts
 from ..weights import Checkpoint
@@ -57,10 +57,11 @@ class LlamaModel:
     """Weights of one rank's shard and its forward pass over a StepPlan."""
 
     def __init__(self, cfg: ModelConfig, ops, comm, dtype: str, max_model_len: int, progress=None,
-                 quantization: str | None = None):
+                 quantization: str | None = None, lm_head_quantization: str | None = None):
         self.cfg, self.ops, self.comm, self.dtype = cfg, ops, comm, dtype
         ckpt = open_checkpoint(cfg)  # safetensors, or the GGUF file the directory points at
-        linear = LinearFactory(ops, ckpt, dtype, parse_quantization(quantization))
+        linear = LinearFactory(ops, ckpt, dtype, parse_quantization(quantization),
+                               head_quantization(lm_head_quantization, quantization, ckpt))
         # NOTE: quantized weights split the MLP on group boundaries
         self.lay = lay = ShardLayout.build(cfg, comm.rank, comm.world_size, linear.split_align)
         if comm.rank == 0 and comm.world_size > 1:
@@ -74,8 +75,9 @@ class LlamaModel:
             if progress:
                 progress(i + 1, cfg.num_layers)
         self.norm = ckpt.load("model.norm.weight", "float32")
-        # NOTE: lm_head stays as stored (quantized at load only if the file already is); an
-        # embedding model has none
+        # NOTE: a dense lm_head is quantized at load only to lm_head_quantization (int8 when the
+        # decoder is quantized, by default); the embedding table stays as stored. An embedding
+        # model has no lm_head
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in ckpt
         self.lm_head = None if cfg.is_embedding_model else linear.head(
             "model.embed_tokens.weight" if tied else "lm_head.weight", lay.vocab, lay.vocab_chunk)

@@ -11,6 +11,8 @@ rank holds of W [N, K]. Parts are fused along the output dimension.
   tensor by tensor, so no rank ever holds more than one unquantized slice.
 - A checkpoint with `quantized(name, rows, cols)` (GGUF, AWQ/GPTQ) hands over its own integer
   blocks; parts of different formats run as separate linears writing into one output.
+- The lm_head (`head`) has a format of its own, `head_quant` (head_quantization): stored
+  quantized heads stay as they are; a dense one is quantized at load only to `head_quant`.
 """
 from __future__ import annotations
 
@@ -31,9 +33,16 @@ def qlinear(ops, qw: QuantizedWeight, bias: np.ndarray | None = None, bf16: bool
     return lin
 
 
+# NOTE: vocabulary rows of a dense lm_head quantized at a time (the f32 copy of one chunk is
+# what a rank holds unquantized: 16384 x 896 x 4 B = 59 MB for Qwen2.5-0.5B, not 545 MB)
+HEAD_CHUNK = 16384
+
+
 class LinearFactory:
-    def __init__(self, ops, ckpt, dtype: str, quant: QuantFormat | None = None):
+    def __init__(self, ops, ckpt, dtype: str, quant: QuantFormat | None = None,
+                 head_quant: QuantFormat | None = None):
         self.ops, self.ckpt, self.dtype, self.quant = ops, ckpt, dtype, quant
+        self.head_quant = head_quant
         self.bf16 = dtype == "bfloat16"
 
     @property
@@ -57,26 +66,40 @@ class LinearFactory:
         return ConcatLinear([self._single(w) for w in weights], bias)
 
     def head(self, name: str, rows: slice, padded_rows: int):
-        """lm_head: vocabulary rows `rows`, zero rows appended up to `padded_rows`. Kept as
-        stored: quantized only when the file holds it quantized (an int4 lm_head costs more
-        accuracy than it saves time on the models we target)."""
-        w = self._weight(name, rows, None, quantize_dense=False)
-        pad = padded_rows - w.shape[0] if isinstance(w, np.ndarray) else padded_rows - w.out_features
+        """lm_head: vocabulary rows `rows`, zero rows appended up to `padded_rows`. A head the
+        file holds quantized stays as stored; a dense one is quantized to `head_quant` if set
+        (the tied embedding table is read separately and stays as stored)."""
+        native = getattr(self.ckpt, "quantized", None)
+        w = native(name, rows, None) if native is not None else None
+        if w is None:
+            w = (self._quantized_head(name, rows) if self.head_quant is not None
+                 else self.ckpt.load(name, self.dtype, rows=rows))
         if isinstance(w, np.ndarray):
+            pad = padded_rows - w.shape[0]
             if pad:
                 w = np.concatenate([w, np.zeros((pad, w.shape[1]), w.dtype)])
             return self.ops.Linear(w)
+        pad = padded_rows - w.out_features
         if pad:
             w = concat_rows([w, zero_rows(w, pad)])
         return qlinear(self.ops, w, bf16=self.bf16)
 
-    def _weight(self, name: str, rows: slice | None, cols: slice | None, quantize_dense=True):
+    def _quantized_head(self, name: str, rows: slice) -> QuantizedWeight:
+        step = HEAD_CHUNK
+        starts = range(rows.start, rows.stop, step) or [rows.start]  # NOTE: a rank may hold no rows
+        parts = []
+        for r0 in starts:
+            w = self.ckpt.load(name, "float32", rows=slice(r0, min(r0 + step, rows.stop)))  # [n, K]
+            parts.append(quantize(w, self.head_quant.for_k(w.shape[1])))
+        return parts[0] if len(parts) == 1 else concat_rows(parts)
+
+    def _weight(self, name: str, rows: slice | None, cols: slice | None):
         native = getattr(self.ckpt, "quantized", None)
         if native is not None:
             qw = native(name, rows, cols)
             if qw is not None:
                 return qw
-        if self.quant is None or not quantize_dense:
+        if self.quant is None:
             return self.ckpt.load(name, self.dtype, rows=rows, cols=cols)
         w = self.ckpt.load(name, "float32", rows=rows, cols=cols)            # [n, k] this slice
         fmt = self.quant.for_k(w.shape[1])
@@ -124,3 +147,28 @@ class ConcatLinear:
 def parse_quantization(name: str | None) -> QuantFormat | None:
     """EngineConfig.quantization -> format (None: weights as stored)."""
     return None if name in (None, "", "none") else QuantFormat.parse(name)
+
+
+# NOTE: chosen by perplexity (bench/bench_perplexity.py, bench/RESULTS.md)
+HEAD_DEFAULT = "int8"
+HEAD_FORMATS_HINT = "None, 'auto' or an int8 format such as 'int8' or 'int8-channel'"
+
+
+def head_quantization(name: str | None, quantization: str | None, ckpt=None) -> QuantFormat | None:
+    """EngineConfig.lm_head_quantization -> the format a dense lm_head is quantized to at load
+    (None: as stored). "auto": the int8 default (HEAD_DEFAULT) when the decoder linears are
+    quantized at load from a dense checkpoint (like llama.cpp, which keeps the output matrix at
+    >= 6 bits), else as stored: a file that brings its own quantization (GGUF, AWQ, GPTQ) keeps
+    its lm_head. An explicit int8 format quantizes any dense lm_head."""
+    if name in (None, "", "none"):
+        return None
+    if name == "auto":
+        dense = ckpt is None or getattr(ckpt, "quantized", None) is None
+        return QuantFormat.parse(HEAD_DEFAULT) if quantization not in (None, "", "none") and dense else None
+    try:
+        fmt = QuantFormat.parse(name) if isinstance(name, str) else None
+    except QuantError:
+        fmt = None
+    if fmt is None or fmt.bits != 8:
+        raise QuantError(f"lm_head_quantization must be {HEAD_FORMATS_HINT}, not {name!r}.")
+    return fmt

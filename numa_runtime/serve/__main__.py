@@ -37,6 +37,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--quantization", default=None,
                     help="quantize dense weights while loading: int8 (groups of 128), int4 (groups of "
                          "32 with a min), or e.g. int4-g128-sym, int8-channel")
+    ap.add_argument("--lm-head-quantization", default="auto",
+                    help="lm_head format when loading a dense checkpoint: auto (int8 when --quantization "
+                         "is set, else as stored), none (as stored), or an int8 format such as int8-channel")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded side by side at most")
     ap.add_argument("--max-queue", type=int, default=256, help="waiting sequences beyond which requests get 429")
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes per rank")
@@ -71,7 +74,8 @@ def is_multi_model(args) -> bool:
 
 def engine_kwargs(args) -> dict:
     kwargs = {"max_num_seqs": args.max_num_seqs, "dtype": args.dtype, "max_model_len": args.max_model_len,
-              "num_threads": args.num_threads, "quantization": args.quantization, "device": args.device,
+              "num_threads": args.num_threads, "quantization": args.quantization,
+              "lm_head_quantization": args.lm_head_quantization, "device": args.device,
               "host_kv_cache_memory": args.host_kv_cache_memory}
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = args.kv_cache_memory

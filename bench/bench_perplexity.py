@@ -1,0 +1,156 @@
+"""Perplexity of the real SmolLM2-135M-Instruct (the default model's Q4_1 GGUF) on real English
+text, computed as llama.cpp's `llama-perplexity` does: the text's first tokens cut into
+non-overlapping chunks of n_ctx, each chunk one forward pass, only the second half of each
+chunk scored (every scored token sees at least n_ctx / 2 tokens before it).
+
+    python bench/bench_perplexity.py                                  # bf16, int8, int4
+    python bench/bench_perplexity.py --variants bf16 int8 int8-channel int8-g32 int4
+    python bench/bench_perplexity.py --llama-perplexity /path/to/llama-perplexity
+
+Variants: "bf16" and "f32" run the GGUF's weights dequantized into a bf16 Hugging Face directory
+(default_model_dir()) in that dtype; "int4" runs the GGUF's Q4_1 blocks as they are (Engine's
+default); any other name (int8, int8-channel, int8-g32, int4-g128-sym, ...) is quantized at
+load from that bf16 directory, the lm_head as --lm-head-quantization says. With
+--llama-perplexity, that binary runs on the same GGUF, text, n_ctx and number of chunks.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import write_report  # noqa: E402
+
+TEXT = "/usr/share/common-licenses/GPL-3"  # real English prose on every Debian system
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--text", default=TEXT, help="UTF-8 text file (default: the GPL-3 licence text)")
+    ap.add_argument("--tokens", type=int, default=8192, help="score the first this many tokens of the text "
+                    "(rounded down to whole chunks)")
+    ap.add_argument("--n-ctx", type=int, default=512, help="chunk length (llama-perplexity -c)")
+    ap.add_argument("--variants", nargs="+", default=["bf16", "int8", "int4"])
+    ap.add_argument("--lm-head-quantization", default="auto",
+                    help="lm_head of the variants quantized at load: auto, none or an int8 format")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--llama-perplexity", default=None, metavar="PATH",
+                    help="also run this llama.cpp llama-perplexity binary on the same GGUF and text")
+    ap.add_argument("--out", default="/tmp/bench_perplexity")
+    args = ap.parse_args(argv)
+    if args.n_ctx < 4 or args.n_ctx % 2:
+        ap.error(f"--n-ctx must be an even number of at least 4, not {args.n_ctx}.")
+    if args.tokens < args.n_ctx:
+        ap.error(f"--tokens ({args.tokens}) must hold at least one chunk of --n-ctx ({args.n_ctx}) tokens.")
+    if not os.path.isfile(args.text):
+        ap.error(f"--text {args.text} is not a file.")
+    if args.llama_perplexity is not None and not os.access(args.llama_perplexity, os.X_OK):
+        ap.error(f"--llama-perplexity {args.llama_perplexity} is not an executable file.")
+    return args
+
+
+def chunks_of(ids: list[int], n_ctx: int, max_tokens: int, bos: int | None) -> list[list[int]]:
+    """Non-overlapping chunks of n_ctx tokens from the start of `ids`; like llama-perplexity,
+    each chunk's first token becomes BOS when the tokenizer adds one."""
+    n = min(len(ids), max_tokens) // n_ctx
+    out = [list(ids[i * n_ctx:(i + 1) * n_ctx]) for i in range(n)]
+    if bos is not None:
+        for c in out:
+            c[0] = bos
+    return out
+
+
+def perplexity_of(logprobs_per_chunk: list, n_ctx: int) -> tuple[float, int]:
+    """exp(mean negative log-likelihood) over the second half of each chunk: logprobs[j] is
+    token j + 1's, and llama-perplexity scores tokens n_ctx/2 + 1 .. n_ctx - 1."""
+    first = n_ctx // 2
+    nll, count = 0.0, 0
+    for lp in logprobs_per_chunk:
+        scored = lp[first:]
+        nll -= float(sum(float(x) for x in scored))
+        count += len(scored)
+    return math.exp(nll / count), count
+
+
+def tokenize(text: str) -> tuple[list[int], int | None]:
+    """The default model's tokens of `text`, and the BOS it adds (None: it adds none)."""
+    from numa_runtime.default_model import default_model_path
+    from numa_runtime.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(default_model_path())
+    plain, special = tok.encode("a", add_special_tokens=False), tok.encode("a")
+    bos = special[0] if len(special) > len(plain) else None
+    return tok.encode(text, add_special_tokens=False), bos
+
+
+def engine_for(variant: str, args):
+    from numa_runtime import Engine
+    from numa_runtime.default_model import default_model_dir, find_default_gguf
+    kw = dict(max_model_len=args.n_ctx, num_threads=args.threads, kv_cache_memory=64 << 20,
+              enable_prefix_caching=False)
+    if variant in ("bf16", "f32"):
+        return Engine(default_model_dir(), dtype="bfloat16" if variant == "bf16" else "float32", **kw)
+    if variant == "int4":
+        return Engine(find_default_gguf(), **kw)
+    head = None if args.lm_head_quantization == "none" else args.lm_head_quantization
+    return Engine(default_model_dir(), quantization=variant, lm_head_quantization=head, **kw)
+
+
+def run_variant(variant: str, chunks: list[list[int]], args) -> dict:
+    eng = engine_for(variant, args)
+    try:
+        t0 = time.perf_counter()
+        lps = [eng.prompt_logprobs(c) for c in chunks]
+        secs = time.perf_counter() - t0
+        head = getattr(eng.runner.model.lm_head, "dtype", "?")
+    finally:
+        eng.close()
+    ppl, n = perplexity_of(lps, args.n_ctx)
+    return {"ppl": ppl, "scored_tokens": n, "seconds": secs, "lm_head": head}
+
+
+def run_llama(args, n_chunks: int) -> dict:
+    """llama-perplexity on the same GGUF and text; its 'Final estimate: PPL = x +/- e' line."""
+    from numa_runtime.default_model import find_default_gguf
+    cmd = [args.llama_perplexity, "-m", find_default_gguf(), "-f", args.text, "-c", str(args.n_ctx),
+           "-b", str(args.n_ctx), "--chunks", str(n_chunks)]
+    if args.threads:
+        cmd += ["-t", str(args.threads)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    m = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", p.stdout + p.stderr)
+    if p.returncode != 0 or m is None:
+        raise SystemExit(f"llama-perplexity failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}")
+    toks = re.search(r"tokenizing the input .*?\n.*?(\d+) tokens", p.stdout + p.stderr)
+    return {"ppl": float(m.group(1)), "ppl_err": float(m.group(2)), "command": " ".join(cmd),
+            "text_tokens": int(toks.group(1)) if toks else None}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    with open(args.text, encoding="utf-8") as f:
+        ids, bos = tokenize(f.read())
+    chunks = chunks_of(ids, args.n_ctx, args.tokens, bos)
+    if not chunks:
+        raise SystemExit(f"{args.text} has {len(ids)} tokens, fewer than one chunk of {args.n_ctx}.")
+    results = {v: run_variant(v, chunks, args) for v in args.variants}
+    if args.llama_perplexity:
+        results["llama.cpp Q4_1"] = run_llama(args, len(chunks))
+    base = results.get("bf16", {}).get("ppl")
+    lines = [f"SmolLM2-135M-Instruct (Q4_1 GGUF), {os.path.basename(args.text)}: {len(chunks)} chunks of "
+             f"{args.n_ctx} tokens ({len(ids)} in the text), second half of each chunk scored", "",
+             "| weights | lm_head | perplexity | vs bf16 |", "| --- | --- | --- | --- |"]
+    for name, r in results.items():
+        rel = f"{(r['ppl'] / base - 1) * 100:+.2f}%" if base else "-"
+        lines.append(f"| {name} | {r.get('lm_head', 'as stored')} | {r['ppl']:.4f} | {rel} |")
+    report = {"text": args.text, "text_tokens": len(ids), "n_ctx": args.n_ctx, "chunks": len(chunks),
+              "bos": bos, "results": results}
+    print("\n".join(lines))
+    write_report(args.out, report, "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
