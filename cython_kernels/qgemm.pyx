@@ -9,7 +9,15 @@ are kept as that one copy. Both paths read it:
   - more rows: each block is dequantized chunk by chunk (256 k) into an f32 tile in L1 and an FMA
     register tile runs all rows over it (prefill).
 Threads: OpenMP over 16-column blocks (set_num_threads); compute runs without the GIL.
-Levels: 1 = AVX-512 (F/BW/VL/DQ), 0 = AVX2 + FMA + F16C, chosen at run time.
+Levels: 2 = AVX-512 with VNNI, 1 = AVX-512 (F/BW/VL/DQ), 0 = AVX2 + FMA + F16C, chosen at run
+time (the f32 paths use AVX-512 at 1 and 2).
+
+Decode rows of linears flagged `act8` (the engine's dtype is bf16; f32 engines keep the exact
+path): up to QG_MR_Q8 = 8 rows are quantized to int8 in blocks of 32 k (absmax / 127, as
+llama.cpp's Q8 activations) and meet the packed weights in integer dot products (qgemm_q8.h:
+vpdpbusd with VNNI, vpmaddubsw + vpmaddwd without): several times fewer instructions per weight
+byte than dequantizing to f32, so decode stays bound by memory bandwidth on few cores. The
+numpy specification is numa_runtime.quant.reference.quantize_activations.
 
 Large M on CPUs with AVX-512 BF16, for linears flagged `prefill_bf16` (the engine's dtype is
 bf16): the weights are dequantized panel by panel (about 2 MiB of bf16, in cache) into
@@ -37,6 +45,9 @@ cdef extern from "qgemm_kernels.h" nogil:
     long qg_block_bytes(const qg_format* f)
     int qg_forward(const uint8_t* w, const qg_format* f, const float* x, long M, long ldx,
                    const float* bias, float* out, int level)
+    int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, long M, long ldx,
+                      const float* bias, float* out, int level)
+    enum: QG_MR_Q8
     int qg_dequant_panel_bf16(const uint8_t* w, const qg_format* f, long K, long n0, long n1,
                               long kpp, uint16_t* panel)
 
@@ -65,8 +76,12 @@ def _panels(long K, long N):
     return p
 
 
+# NOTE: most rows the int8-activation path takes (decode batches); more rows use the f32 paths
+ACT8_M_MAX = QG_MR_Q8
+
+
 def cpu_level():
-    """1: AVX-512 kernels, 0: AVX2 + FMA + F16C."""
+    """2: AVX-512 with VNNI, 1: AVX-512 kernels, 0: AVX2 + FMA + F16C."""
     return _level
 
 
@@ -91,6 +106,7 @@ cdef class QLinear:
     cdef qg_format fmt
     cdef object packed, bias_arr
     cdef public bint prefill_bf16
+    cdef public bint act8
 
     def __init__(self, packed, int bits, str kind, int group, int in_features, int out_features,
                  bias=None):
@@ -153,8 +169,12 @@ cdef class QLinear:
         cdef float* op = <float*>cnp.PyArray_DATA(oa)
         cdef long ldx = self.fmt.kp
         cdef int rc
+        cdef bint q8 = self.act8 and M <= QG_MR_Q8
         with nogil:
-            rc = qg_forward(w, &self.fmt, xp, M, ldx, bias, op, _level)
+            if q8:
+                rc = qg_forward_q8(w, &self.fmt, xp, M, ldx, bias, op, _level)
+            else:
+                rc = qg_forward(w, &self.fmt, xp, M, ldx, bias, op, _level)
         if rc != 0:
             raise MemoryError("QLinear.forward: cannot allocate per-thread tiles")
         return oa

@@ -47,11 +47,14 @@ static inline long qg_block_bytes(const qg_format* f) {
     return f->kp / f->group * qg_group_bytes(f);
 }
 
-/* 1: AVX-512 F/BW/VL/DQ, 0: AVX2 + FMA + F16C (the build's floor). */
+/* 2: AVX-512 with VNNI, 1: AVX-512 F/BW/VL/DQ, 0: AVX2 + FMA + F16C (the build's floor).
+ * Only the int8-activation decode path (qgemm_q8.h) tells 2 from 1. */
 static int qg_cpu_level(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")))
+        return 0;
+    return __builtin_cpu_supports("avx512vnni") ? 2 : 1;
 }
 
 /* Per-k contract shared by both ISA levels:
@@ -116,6 +119,8 @@ static int qg_forward(const uint8_t* w, const qg_format* f, const float* x, long
     }
     return err ? -1 : 0;
 }
+
+#include "qgemm_q8.h"
 
 /* ----------------------------------------------------------- bf16 panels for the large-M path
  * Columns n0..n1 of W (n0 a multiple of 64) dequantized and rounded to bf16 (nearest-even) into

@@ -8,4 +8,5 @@ export MPI4PY_RC_THREAD_LEVEL=funneled
 # mpirun (mpich wheel) lives beside the interpreter; make sure tests find it.
 export PATH="$($PY -c 'import os, sys; print(os.path.dirname(sys.executable))'):$PATH"
 # -rs: every skipped test's reason is printed in the summary
-exec $PY -m pytest -q -rs -p no:cacheprovider tests "$@"
+# arguments (test files, -k ...) replace the default of the whole tests/ folder
+exec $PY -m pytest -q -rs -p no:cacheprovider "${@:-tests}"

@@ -37,6 +37,29 @@ def write_dequantized_copy(src: str, dst: str, fmt: QuantFormat, head: QuantForm
     save_file(tensors, path, metadata={"format": "pt"})
 
 
+def decode_logits(engine, ids: list[int]) -> np.ndarray:
+    """Logits [T, vocab] of every position of one prompt, one token per forward as decode steps
+    run (one row per linear), on a fresh engine (one process; KV blocks 0.. are free)."""
+    t, bs = len(ids), engine.config.block_size
+    bt = np.arange(-(-t // bs), dtype=np.int32)[None, :]
+    out = []
+    for i in range(t):
+        plan = StepPlan(token_ids=np.asarray(ids[i:i + 1], np.int64), positions=np.array([i], np.int64),
+                        slot_mapping=np.array([i], np.int64), query_start=np.array([0, 1], np.int32),
+                        context_lens=np.array([i + 1], np.int32), block_tables=bt,
+                        logits_indices=np.array([0], np.int64))
+        out.append(engine.runner.execute(plan))
+    return np.concatenate(out)
+
+
+def quantized_linears(model) -> list:
+    """The QLinear kernels of a model (the parts of fused linears included)."""
+    found = []
+    for lin in model._linears():
+        found += [p for p in getattr(lin, "parts", [lin]) if hasattr(p, "act8")]
+    return found
+
+
 def prefill_logits(engine, ids: list[int]) -> np.ndarray:
     """Logits [T, vocab] of every position of one prompt, one forward pass on a fresh engine
     (one process; KV blocks 0.. are free)."""

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from gguf_helpers import write_reference_from_gguf
-from quant_helpers import prefill_logits
+from quant_helpers import decode_logits, prefill_logits, quantized_linears
 
 from numa_runtime import Engine, SamplingParams
 from numa_runtime.default_model import find_default_gguf
@@ -42,8 +42,8 @@ def ref_dir(tmp_path_factory):
     return d
 
 
-def perplexity(eng, ids):
-    logits = prefill_logits(eng, ids).astype(np.float64)            # [T, vocab]
+def perplexity(eng, ids, logits=None):
+    logits = (prefill_logits(eng, ids) if logits is None else logits).astype(np.float64)  # [T, vocab]
     logits -= logits.max(axis=1, keepdims=True)
     logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
     nll = -logp[np.arange(len(ids) - 1), ids[1:]]
@@ -85,3 +85,35 @@ def test_perplexity_int4_native_int8_at_load_and_bf16(ref_dir):
     # over f32 and +0.75% over bf16 on this 135M model (bf16 itself is -0.1%), so the issue's
     # 0.5% target is not met here; the bound is 1%, and the int8 error must exceed bf16's.
     assert abs(ppl_int8 - ppl_bf16) / ppl_bf16 < 0.01, (ppl_int8, ppl_bf16)
+
+
+@pytest.mark.parametrize("source", ["gguf-int4", "int8-at-load"])
+def test_int8_activation_decode_keeps_perplexity(ref_dir, source):
+    """A bf16 engine decodes with int8 activations (QLinear.act8: integer dot products). Scored
+    one token per step, as decode runs, the real model's perplexity stays within 1% of the same
+    engine with the exact f32-activation path; the logits do differ, so the path is taken."""
+    e = engine(GGUF, dtype="bfloat16") if source == "gguf-int4" else \
+        engine(ref_dir, dtype="bfloat16", quantization="int8")
+    try:
+        ids = e.tokenizer.encode(TEXT)[:160]
+        lins = quantized_linears(e.runner.model)
+        assert lins and all(lin.act8 for lin in lins)     # on for bf16 engines
+        on = decode_logits(e, ids)
+        for lin in lins:
+            lin.act8 = False
+        off = decode_logits(e, ids)
+        p_on, p_off = perplexity(e, ids, on), perplexity(e, ids, off)
+        print(f"{source}: decode perplexity int8 activations {p_on:.4f}, f32 activations {p_off:.4f}")
+        assert abs(p_on - p_off) / p_off < 0.01, (p_on, p_off)
+        assert np.abs(on - off).max() > 1e-3
+    finally:
+        e.close()
+
+
+def test_f32_engine_keeps_exact_activations():
+    e = engine(GGUF)
+    try:
+        lins = quantized_linears(e.runner.model)
+        assert lins and not any(lin.act8 for lin in lins)
+    finally:
+        e.close()

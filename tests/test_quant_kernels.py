@@ -132,3 +132,44 @@ def test_bf16_panel_path_matches_bf16_reference(fmt, monkeypatch):
             assert not np.array_equal(y, ref.forward(x)), "the bf16 panel path was not taken"
         x = rng.standard_normal((qgemm.PANEL_M_MIN - 1, k), dtype=np.float32)
         check(lin.forward(x), ref.forward(x).astype(np.float64), x, ref.weight)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_act8_decode_path_matches_reference(fmt, level):
+    """With act8, up to ACT8_M_MAX rows are rounded to int8 blocks and run on integer dot
+    products (VNNI at level 2, vpmaddubsw at 1 and 0): the result is the dequantized weights
+    times the dequantized int8 activations of quantize_activations (exact integer sums, f32
+    scaling), at every level; more rows keep the exact f32 path. The int8 rounding itself moves
+    each y by about 1% of sum |x| |w|, far above the 1e-5 bound, so the check tells the paths apart."""
+    from numa_runtime.quant.reference import quantize_activations
+    old = qgemm._force_cpu_level(level)
+    try:
+        rng = np.random.default_rng(4)
+        for k, n in shapes(fmt):
+            lin, ref, qw = make(fmt, k, n, with_bias=n % 2 == 1)
+            lin.act8 = ref.act8 = True
+            for m in (1, 2, 3, 5, 8, 9):
+                x = rng.standard_normal((m, k), dtype=np.float32)
+                x[0, : min(k, 5)] *= 40.0  # an outlier block, as real activations have
+                y = lin.forward(x)
+                want = ref.forward(x).astype(np.float64)
+                xq = quantize_activations(x, qw.group) if m <= qgemm.ACT8_M_MAX else x
+                check(y, want, xq, ref.weight)
+    finally:
+        qgemm._force_cpu_level(old)
+
+
+def test_quantize_activations_blocks():
+    """Blocks of 32 within each group, absmax / 127 per block, ties to even, zeros stay zero."""
+    from numa_runtime.quant.reference import quantize_activations
+    x = np.zeros((1, 96), np.float32)
+    x[0, 0], x[0, 1] = 127.0, 0.5        # 0.5 * 127 / 127 = 0.5 -> 0 (ties to even)
+    x[0, 32], x[0, 33] = 2.0, 1.0        # its own block: 2 -> 127, 1 -> 63.5 -> 64
+    q = quantize_activations(x, 64)      # group 64: blocks [0, 32), [32, 64); [64, 96) all zero
+    assert q[0, 0] == 127.0 and q[0, 1] == 0.0
+    assert q[0, 32] == 2.0 and q[0, 33] == np.float32(64 * np.float32(2.0 / 127))
+    assert not q[0, 64:].any()
+    q48 = quantize_activations(np.ones((1, 96), np.float32) * np.arange(96, dtype=np.float32), 48)
+    # group 48: blocks [0, 32), [32, 48), [48, 80), [80, 96): block [32, 48) is scaled by 47
+    assert q48[0, 47] == 47.0 and q48[0, 31] == 31.0

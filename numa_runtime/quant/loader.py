@@ -26,10 +26,12 @@ Part = tuple  # (name, rows: slice | None, cols: slice | None)
 
 def qlinear(ops, qw: QuantizedWeight, bias: np.ndarray | None = None, bf16: bool = False):
     """The backend's QLinear over one quantized weight (packed once here). `bf16`: the engine
-    computes in bf16, so prefill may round the dequantized weights to bf16 (matrix units)."""
+    computes in bf16, so prefill may round the dequantized weights to bf16 (matrix units) and
+    decode may round its activations to int8 blocks (integer dot products)."""
     lin = ops.QLinear(pack(qw), qw.fmt.bits, qw.fmt.kind, qw.group, qw.in_features,
                       qw.out_features, bias)
     lin.prefill_bf16 = bf16
+    lin.act8 = bf16
     return lin
 
 

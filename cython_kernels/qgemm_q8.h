@@ -1,0 +1,285 @@
+/* Decode GEMV with int8 activations: integer dot products over the packed int4/int8 weights.
+ *
+ * For engines that compute in bf16 (qgemm.pyx: QLinear.act8), the few rows of a decode step are
+ * quantized to int8 in blocks of QG_QB k (absmax / 127, round to nearest even), as llama.cpp
+ * quantizes its activations to Q8 blocks; then each 64-byte weight row meets them in integer
+ * dot products: vpdpbusd (AVX-512 VNNI), or vpmaddubsw + vpmaddwd (AVX-512BW, AVX2). Per output
+ * column j and group g (scale s_j, offset c_j, see qgemm_kernels.h):
+ *   sum_k w[j,k] x[k] = s_j * sum_b sx_b * (sum_{k in b} u[j,k] xi[k] - off * sum_{k in b} xi[k])
+ *                       + c_j * sum_b sx_b * sum_{k in b} xi[k]
+ * with u the unsigned weight code the instruction reads (int4: q in 0..15; int8: q + 128 on the
+ * VNNI path) and off what u carries beyond q (int4 symmetric: 8, int8 on VNNI: 128, else 0):
+ * the integer parts are exact, so the only rounding beyond f32 is that of x to int8.
+ * numa_runtime/quant/reference.py: quantize_activations is the numpy specification.
+ */
+#ifndef NUMA_RUNTIME_QGEMM_Q8_H
+#define NUMA_RUNTIME_QGEMM_Q8_H
+
+#include <math.h>
+
+#define QG_QB 32       /* k per activation block (a group's last block may be shorter) */
+#define QG_MR_Q8 8     /* most rows a call takes (decode); more rows use qg_forward */
+
+typedef struct {
+    const int8_t* xq;   /* [M][kp]; int4 weights: each 8 k stored as k 0 2 4 6 1 3 5 7 */
+    const float* sx;    /* [M][nb] scale of each block */
+    const int32_t* xi;  /* [M][nb] sum of each block's int8 values */
+    const float* xs;    /* [M][ng] sum over the group's blocks of sx * xi */
+    long kp, nb, ng;
+} qg_xq;
+
+static inline long qg_blocks_per_group(const qg_format* f) { return (f->group + QG_QB - 1) / QG_QB; }
+
+/* Quantize rows x[M, kp] (stride ldx) into q (buffers sized by the caller). */
+static void qg_quantize_x(const float* x, long M, long ldx, const qg_format* f, int8_t* xq,
+                          float* sx, int32_t* xi, float* xs) {
+    const long G = f->group, ng = f->kp / G, nbg = qg_blocks_per_group(f), nb = ng * nbg;
+    for (long r = 0; r < M; r++) {
+        const float* xr = x + r * ldx;
+        for (long g = 0; g < ng; g++) {
+            float gs = 0.0f;
+            for (long b = 0; b < nbg; b++) {
+                long k0 = g * G + b * QG_QB, k1 = k0 + QG_QB < (g + 1) * G ? k0 + QG_QB : (g + 1) * G;
+                float amax = 0.0f;
+                for (long k = k0; k < k1; k++) amax = fmaxf(amax, fabsf(xr[k]));
+                const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, scale = amax / 127.0f;
+                int32_t sum = 0;
+                for (long k = k0; k < k1; k++) {
+                    int32_t q = (int32_t)nearbyintf(xr[k] * inv);
+                    q = q > 127 ? 127 : q < -127 ? -127 : q;
+                    sum += q;
+                    long d = k;
+                    if (f->bits == 4) d = (k & ~7L) + ((k & 1) ? 4 : 0) + ((k & 7) >> 1);
+                    xq[r * f->kp + d] = (int8_t)q;
+                }
+                sx[r * nb + g * nbg + b] = scale;
+                xi[r * nb + g * nbg + b] = sum;
+                gs += scale * (float)sum;
+            }
+            xs[r * ng + g] = gs;
+        }
+    }
+}
+
+static inline int32_t qg_ld32(const int8_t* p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* ---- AVX-512: one 16-column block, mr rows; DOT(acc, u8, s8) adds 4-byte dot products.
+ * The BW variant (no VNNI) reads int8 weights by the sign trick (|w| times x with w's sign),
+ * since vpmaddubsw saturates above 255 * 127. */
+#define QG_Q8_AVX512_BODY(DOT, VNNI)                                                            \
+    const long pk = bits == 4 ? 8 : 4, gb = qg_group_bytes(f), mb = qg_meta_bytes(f);          \
+    const long G = f->group, ng = f->kp / G, nbg = qg_blocks_per_group(f);                      \
+    const int off = bits == 4 ? (f->kind == QG_SYM ? 8 : 0) : (VNNI ? 128 : 0);                 \
+    const int has_c = bits == 4 && f->kind != QG_SYM;                                           \
+    const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F), flip = _mm512_set1_epi32((int)0x80808080); \
+    __m512 a[QG_MR_Q8];                                                                         \
+    for (int r = 0; r < mr; r++) a[r] = _mm512_setzero_ps();                                   \
+    for (long g = 0; g < ng; g++) {                                                             \
+        const uint8_t* meta = blk + g * gb;                                                     \
+        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)meta));             \
+        const uint8_t* row = meta + mb;                                                         \
+        for (long b = 0; b < nbg; b++) {                                                        \
+            const long k0 = g * G + b * QG_QB;                                                  \
+            const long k1 = k0 + QG_QB < (g + 1) * G ? k0 + QG_QB : (g + 1) * G;               \
+            __m512i ia[QG_MR_Q8], ib[QG_MR_Q8];                                                 \
+            for (int r = 0; r < mr; r++) ia[r] = ib[r] = _mm512_setzero_si512();               \
+            for (long k = k0; k < k1; k += pk, row += 64) {                                     \
+                const __m512i v = _mm512_loadu_si512((const void*)row);                        \
+                if (bits == 4) {                                                                \
+                    const __m512i lo = _mm512_and_si512(v, m4);                                 \
+                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), m4);           \
+                    for (int r = 0; r < mr; r++) {                                              \
+                        const int8_t* xr = q->xq + r * q->kp + k;                               \
+                        ia[r] = DOT(ia[r], lo, _mm512_set1_epi32(qg_ld32(xr)));                 \
+                        ib[r] = DOT(ib[r], hi, _mm512_set1_epi32(qg_ld32(xr + 4)));             \
+                    }                                                                           \
+                } else if (VNNI) {                                                              \
+                    const __m512i u = _mm512_xor_si512(v, flip);                                \
+                    for (int r = 0; r < mr; r++)                                                \
+                        ia[r] = DOT(ia[r], u, _mm512_set1_epi32(qg_ld32(q->xq + r * q->kp + k))); \
+                } else {                                                                        \
+                    const __m512i u = _mm512_abs_epi8(v);                                       \
+                    const __mmask64 neg = _mm512_movepi8_mask(v);                               \
+                    for (int r = 0; r < mr; r++) {                                              \
+                        __m512i xb = _mm512_set1_epi32(qg_ld32(q->xq + r * q->kp + k));        \
+                        xb = _mm512_mask_sub_epi8(xb, neg, _mm512_setzero_si512(), xb);         \
+                        ia[r] = DOT(ia[r], u, xb);                                              \
+                    }                                                                           \
+                }                                                                               \
+            }                                                                                   \
+            const long bi = g * nbg + b;                                                        \
+            for (int r = 0; r < mr; r++) {                                                      \
+                __m512i t = _mm512_add_epi32(ia[r], ib[r]);                                     \
+                if (off) t = _mm512_sub_epi32(t, _mm512_set1_epi32(off * q->xi[r * q->nb + bi])); \
+                a[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t),                                   \
+                                       _mm512_mul_ps(s, _mm512_set1_ps(q->sx[r * q->nb + bi])), a[r]); \
+            }                                                                                   \
+        }                                                                                       \
+        if (has_c) {                                                                            \
+            const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(meta + 32)));  \
+            const __m512 c = f->kind == QG_ZERO ? _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(s, o)) : o; \
+            for (int r = 0; r < mr; r++)                                                        \
+                a[r] = _mm512_fmadd_ps(c, _mm512_set1_ps(q->xs[r * q->ng + g]), a[r]);          \
+        }                                                                                       \
+    }                                                                                           \
+    for (int r = 0; r < mr; r++) _mm512_store_ps(acc + r * QG_NB, a[r]);
+
+#define QG_T512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+#define QG_DOT_VNNI(acc, u, s) _mm512_dpbusd_epi32(acc, u, s)
+#define QG_DOT_BW(acc, u, s) \
+    _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)))
+
+QG_INLINE QG_T512VNNI void qg_q8_vnni_mr(const uint8_t* blk, const qg_format* f, const qg_xq* q,
+                                         float* acc, const int bits, const int mr) {
+    QG_Q8_AVX512_BODY(QG_DOT_VNNI, 1)
+}
+
+QG_INLINE QG_T512 void qg_q8_bw_mr(const uint8_t* blk, const qg_format* f, const qg_xq* q,
+                                   float* acc, const int bits, const int mr) {
+    QG_Q8_AVX512_BODY(QG_DOT_BW, 0)
+}
+
+#define QG_Q8_CASES(fn, b)                                        \
+    switch (m) {                                                  \
+        case 1: fn(blk, f, q, acc, b, 1); break;                  \
+        case 2: fn(blk, f, q, acc, b, 2); break;                  \
+        case 3: fn(blk, f, q, acc, b, 3); break;                  \
+        case 4: fn(blk, f, q, acc, b, 4); break;                  \
+        case 5: fn(blk, f, q, acc, b, 5); break;                  \
+        case 6: fn(blk, f, q, acc, b, 6); break;                  \
+        case 7: fn(blk, f, q, acc, b, 7); break;                  \
+        default: fn(blk, f, q, acc, b, 8); break;                 \
+    }
+
+static QG_T512VNNI void qg_q8_vnni(const uint8_t* blk, const qg_format* f, const qg_xq* q, int m,
+                                   float* acc) {
+    if (f->bits == 4) { QG_Q8_CASES(qg_q8_vnni_mr, 4) } else { QG_Q8_CASES(qg_q8_vnni_mr, 8) }
+}
+
+static QG_T512 void qg_q8_bw(const uint8_t* blk, const qg_format* f, const qg_xq* q, int m,
+                             float* acc) {
+    if (f->bits == 4) { QG_Q8_CASES(qg_q8_bw_mr, 4) } else { QG_Q8_CASES(qg_q8_bw_mr, 8) }
+}
+
+/* ---- AVX2: the block as two 8-column halves, two rows at a time (16 ymm registers). */
+QG_INLINE void qg_q8_avx2_mr(const uint8_t* blk, const qg_format* f, const qg_xq* q, float* acc,
+                             const int bits, const int mr) {
+    const long pk = bits == 4 ? 8 : 4, gb = qg_group_bytes(f), mb = qg_meta_bytes(f);
+    const long G = f->group, ng = f->kp / G, nbg = qg_blocks_per_group(f);
+    const int off = bits == 4 && f->kind == QG_SYM ? 8 : 0;
+    const int has_c = bits == 4 && f->kind != QG_SYM;
+    const __m256i m4 = _mm256_set1_epi32(0x0F0F0F0F), ones = _mm256_set1_epi16(1);
+    __m256 a[2][2];
+    for (int r = 0; r < mr; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    for (long g = 0; g < ng; g++) {
+        const uint8_t* meta = blk + g * gb;
+        __m256 s[2];
+        for (int h = 0; h < 2; h++) s[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(meta + 16 * h)));
+        const uint8_t* row = meta + mb;
+        for (long b = 0; b < nbg; b++) {
+            const long k0 = g * G + b * QG_QB;
+            const long k1 = k0 + QG_QB < (g + 1) * G ? k0 + QG_QB : (g + 1) * G;
+            __m256i ia[2][2];
+            for (int r = 0; r < mr; r++) ia[r][0] = ia[r][1] = _mm256_setzero_si256();
+            for (long k = k0; k < k1; k += pk, row += 64) {
+                for (int h = 0; h < 2; h++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i*)(row + 32 * h));
+                    if (bits == 4) {
+                        const __m256i lo = _mm256_and_si256(v, m4);
+                        const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(v, 4), m4);
+                        for (int r = 0; r < mr; r++) {
+                            const int8_t* xr = q->xq + r * q->kp + k;
+                            /* NOTE: two products of <= 15 * 127 per 16-bit lane: no saturation */
+                            __m256i p = _mm256_add_epi16(
+                                _mm256_maddubs_epi16(lo, _mm256_set1_epi32(qg_ld32(xr))),
+                                _mm256_maddubs_epi16(hi, _mm256_set1_epi32(qg_ld32(xr + 4))));
+                            ia[r][h] = _mm256_add_epi32(ia[r][h], _mm256_madd_epi16(p, ones));
+                        }
+                    } else {
+                        const __m256i u = _mm256_abs_epi8(v);
+                        for (int r = 0; r < mr; r++) {
+                            __m256i xb = _mm256_sign_epi8(
+                                _mm256_set1_epi32(qg_ld32(q->xq + r * q->kp + k)), v);
+                            ia[r][h] = _mm256_add_epi32(
+                                ia[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(u, xb), ones));
+                        }
+                    }
+                }
+            }
+            const long bi = g * nbg + b;
+            for (int r = 0; r < mr; r++) {
+                const __m256 sxr = _mm256_set1_ps(q->sx[r * q->nb + bi]);
+                const __m256i o = _mm256_set1_epi32(off * q->xi[r * q->nb + bi]);
+                for (int h = 0; h < 2; h++)
+                    a[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(ia[r][h], o)),
+                                              _mm256_mul_ps(s[h], sxr), a[r][h]);
+            }
+        }
+        if (has_c) {
+            for (int h = 0; h < 2; h++) {
+                __m256 o = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(meta + 32 + 16 * h)));
+                __m256 c = f->kind == QG_ZERO ? _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(s[h], o)) : o;
+                for (int r = 0; r < mr; r++)
+                    a[r][h] = _mm256_fmadd_ps(c, _mm256_set1_ps(q->xs[r * q->ng + g]), a[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int h = 0; h < 2; h++) _mm256_store_ps(acc + r * QG_NB + 8 * h, a[r][h]);
+}
+
+static void qg_q8_avx2(const uint8_t* blk, const qg_format* f, const qg_xq* q, int m, float* acc) {
+    for (int r0 = 0; r0 < m; r0 += 2) {
+        qg_xq qr = *q;
+        qr.xq += r0 * q->kp;
+        qr.sx += r0 * q->nb;
+        qr.xi += r0 * q->nb;
+        qr.xs += r0 * q->ng;
+        const int two = m - r0 >= 2;
+        if (f->bits == 4) {
+            if (two) qg_q8_avx2_mr(blk, f, &qr, acc + r0 * QG_NB, 4, 2);
+            else qg_q8_avx2_mr(blk, f, &qr, acc + r0 * QG_NB, 4, 1);
+        } else {
+            if (two) qg_q8_avx2_mr(blk, f, &qr, acc + r0 * QG_NB, 8, 2);
+            else qg_q8_avx2_mr(blk, f, &qr, acc + r0 * QG_NB, 8, 1);
+        }
+    }
+}
+
+typedef void (*qg_q8_fn)(const uint8_t*, const qg_format*, const qg_xq*, int, float*);
+
+/* out[M, N] = xq(x)[M, kp] @ W^T + bias for M <= QG_MR_Q8; level: 2 VNNI, 1 AVX-512BW, 0 AVX2.
+ * 0, or -1 when out of memory. */
+static int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, long M, long ldx,
+                         const float* bias, float* out, int level) {
+    const long ng = f->kp / f->group, nb = ng * qg_blocks_per_group(f);
+    int8_t* xq = (int8_t*)malloc((size_t)(M * f->kp));
+    float* sx = (float*)malloc(sizeof(float) * (size_t)(M * nb + M * ng));
+    int32_t* xi = (int32_t*)malloc(sizeof(int32_t) * (size_t)(M * nb));
+    if (xq == NULL || sx == NULL || xi == NULL) {
+        free(xq); free(sx); free(xi);
+        return -1;
+    }
+    qg_quantize_x(x, M, ldx, f, xq, sx, xi, sx + M * nb);
+    const qg_xq q = {xq, sx, xi, sx + M * nb, f->kp, nb, ng};
+    qg_q8_fn fn = level >= 2 ? qg_q8_vnni : level >= 1 ? qg_q8_bw : qg_q8_avx2;
+    const long nblocks = (f->n + QG_NB - 1) / QG_NB, bb = qg_block_bytes(f);
+    #pragma omp parallel
+    {
+        float acc[QG_MR_Q8 * QG_NB] __attribute__((aligned(64)));
+        long chunk = nblocks / (8L * omp_get_num_threads());
+        #pragma omp for schedule(dynamic, chunk < 1 ? 1 : chunk)
+        for (long b = 0; b < nblocks; b++) {
+            fn(w + b * bb, f, &q, (int)M, acc);
+            qg_store(acc, (int)M, b * QG_NB, f->n, f->n, bias, out);
+        }
+    }
+    free(xq); free(sx); free(xi);
+    return 0;
+}
+
+#endif
