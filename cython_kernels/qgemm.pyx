@@ -12,11 +12,13 @@ Threads: OpenMP over 16-column blocks (set_num_threads); compute runs without th
 Levels: 2 = AVX-512 with VNNI, 1 = AVX-512 (F/BW/VL/DQ), 0 = AVX2 + FMA + F16C, chosen at run
 time (the f32 paths use AVX-512 at 1 and 2).
 
-Decode rows of linears flagged `act8` (the engine's dtype is bf16; f32 engines keep the exact
-path): up to QG_MR_Q8 = 8 rows are quantized to int8 in blocks of 32 k (absmax / 127, as
-llama.cpp's Q8 activations) and meet the packed weights in integer dot products (qgemm_q8.h:
-vpdpbusd with VNNI, vpmaddubsw + vpmaddwd without): several times fewer instructions per weight
-byte than dequantizing to f32, so decode stays bound by memory bandwidth on few cores. The
+Linears flagged `act8` (the engine's dtype is bf16; f32 engines keep the exact path): the rows
+are quantized to int8 in blocks of 32 k (absmax / 127, as llama.cpp's Q8 activations) and meet
+the packed weights in integer dot products (qgemm_q8.h: vpdpbusd with VNNI, vpmaddubsw +
+vpmaddwd without), 8 rows per pass over a weight block: several times fewer instructions per
+weight byte than dequantizing to f32, so decode stays bound by memory bandwidth on few cores,
+and prefill gets 4x the multiply-adds of an f32 FMA per instruction. Only where AMX is present
+do prefill rows (M >= PANEL_M_MIN) take the bf16 panels instead (measured faster there). The
 numpy specification is numa_runtime.quant.reference.quantize_activations.
 
 Large M on CPUs with AVX-512 BF16, for linears flagged `prefill_bf16` (the engine's dtype is
@@ -53,6 +55,7 @@ cdef extern from "qgemm_kernels.h" nogil:
 
 _KINDS = {"sym": 0, "zero": 1, "min": 2}
 cdef int _level = qg_cpu_level()
+cdef bint _amx = _gemm._has_amx()
 
 # NOTE: rows from which the bf16 panel path wins. Dequantizing a panel costs about 5 passes
 # over the packed bytes, so it needs enough rows to share it.
@@ -76,8 +79,6 @@ def _panels(long K, long N):
     return p
 
 
-# NOTE: most rows the int8-activation path takes (decode batches); more rows use the f32 paths
-ACT8_M_MAX = QG_MR_Q8
 
 
 def cpu_level():
@@ -156,7 +157,8 @@ cdef class QLinear:
                                  % (M, N))
         if M == 0:
             return oa
-        if self.prefill_bf16 and M >= PANEL_M_MIN and _panel_usable():
+        if self.prefill_bf16 and M >= PANEL_M_MIN and (_amx or not self.act8) \
+                and _panel_usable():
             self._panel_forward(xa, oa)
             return oa
         if self.fmt.kp != K:  # per-row int8 with K not a multiple of 4: zero-padded rows
@@ -169,7 +171,7 @@ cdef class QLinear:
         cdef float* op = <float*>cnp.PyArray_DATA(oa)
         cdef long ldx = self.fmt.kp
         cdef int rc
-        cdef bint q8 = self.act8 and M <= QG_MR_Q8
+        cdef bint q8 = self.act8
         with nogil:
             if q8:
                 rc = qg_forward_q8(w, &self.fmt, xp, M, ldx, bias, op, _level)

@@ -18,7 +18,7 @@
 #include <math.h>
 
 #define QG_QB 32       /* k per activation block (a group's last block may be shorter) */
-#define QG_MR_Q8 8     /* most rows a call takes (decode); more rows use qg_forward */
+#define QG_MR_Q8 8     /* rows per pass over a weight block */
 
 typedef struct {
     const int8_t* xq;   /* [M][kp]; int4 weights: each 8 k stored as k 0 2 4 6 1 3 5 7 */
@@ -34,6 +34,7 @@ static inline long qg_blocks_per_group(const qg_format* f) { return (f->group + 
 static void qg_quantize_x(const float* x, long M, long ldx, const qg_format* f, int8_t* xq,
                           float* sx, int32_t* xi, float* xs) {
     const long G = f->group, ng = f->kp / G, nbg = qg_blocks_per_group(f), nb = ng * nbg;
+    #pragma omp parallel for schedule(static) if (M * f->kp > 65536)
     for (long r = 0; r < M; r++) {
         const float* xr = x + r * ldx;
         for (long g = 0; g < ng; g++) {
@@ -252,8 +253,9 @@ static void qg_q8_avx2(const uint8_t* blk, const qg_format* f, const qg_xq* q, i
 
 typedef void (*qg_q8_fn)(const uint8_t*, const qg_format*, const qg_xq*, int, float*);
 
-/* out[M, N] = xq(x)[M, kp] @ W^T + bias for M <= QG_MR_Q8; level: 2 VNNI, 1 AVX-512BW, 0 AVX2.
- * 0, or -1 when out of memory. */
+/* out[M, N] = xq(x)[M, kp] @ W^T + bias; level: 2 VNNI, 1 AVX-512BW, 0 AVX2. Each 16-column
+ * block meets the rows QG_MR_Q8 at a time (it stays in L1/L2 between them). 0, or -1 when out
+ * of memory. */
 static int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, long M, long ldx,
                          const float* bias, float* out, int level) {
     const long ng = f->kp / f->group, nb = ng * qg_blocks_per_group(f);
@@ -274,8 +276,13 @@ static int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, l
         long chunk = nblocks / (8L * omp_get_num_threads());
         #pragma omp for schedule(dynamic, chunk < 1 ? 1 : chunk)
         for (long b = 0; b < nblocks; b++) {
-            fn(w + b * bb, f, &q, (int)M, acc);
-            qg_store(acc, (int)M, b * QG_NB, f->n, f->n, bias, out);
+            for (long r0 = 0; r0 < M; r0 += QG_MR_Q8) {
+                const int m = (int)(M - r0 < QG_MR_Q8 ? M - r0 : QG_MR_Q8);
+                const qg_xq qr = {q.xq + r0 * q.kp, q.sx + r0 * nb, q.xi + r0 * nb,
+                                  q.xs + r0 * ng, q.kp, nb, ng};
+                fn(w + b * bb, f, &qr, m, acc);
+                qg_store(acc, m, b * QG_NB, f->n, f->n, bias, out + r0 * f->n);
+            }
         }
     }
     free(xq); free(sx); free(xi);

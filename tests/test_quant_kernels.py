@@ -137,11 +137,11 @@ def test_bf16_panel_path_matches_bf16_reference(fmt, monkeypatch):
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 def test_act8_decode_path_matches_reference(fmt, level):
-    """With act8, up to ACT8_M_MAX rows are rounded to int8 blocks and run on integer dot
-    products (VNNI at level 2, vpmaddubsw at 1 and 0): the result is the dequantized weights
+    """With act8 the rows are rounded to int8 blocks and run on integer dot products (VNNI at
+    level 2, vpmaddubsw at 1 and 0), 8 rows per pass: the result is the dequantized weights
     times the dequantized int8 activations of quantize_activations (exact integer sums, f32
-    scaling), at every level; more rows keep the exact f32 path. The int8 rounding itself moves
-    each y by about 1% of sum |x| |w|, far above the 1e-5 bound, so the check tells the paths apart."""
+    scaling), at every level and row count. The int8 rounding itself moves each y by about 1% of
+    sum |x| |w|, far above the 1e-5 bound, so the check tells the paths apart."""
     from numa_runtime.quant.reference import quantize_activations
     old = qgemm._force_cpu_level(level)
     try:
@@ -149,13 +149,11 @@ def test_act8_decode_path_matches_reference(fmt, level):
         for k, n in shapes(fmt):
             lin, ref, qw = make(fmt, k, n, with_bias=n % 2 == 1)
             lin.act8 = ref.act8 = True
-            for m in (1, 2, 3, 5, 8, 9):
+            for m in (1, 2, 3, 5, 8, 9, 19, 100):
                 x = rng.standard_normal((m, k), dtype=np.float32)
                 x[0, : min(k, 5)] *= 40.0  # an outlier block, as real activations have
                 y = lin.forward(x)
-                want = ref.forward(x).astype(np.float64)
-                xq = quantize_activations(x, qw.group) if m <= qgemm.ACT8_M_MAX else x
-                check(y, want, xq, ref.weight)
+                check(y, ref.forward(x).astype(np.float64), quantize_activations(x, qw.group), ref.weight)
     finally:
         qgemm._force_cpu_level(old)
 
