@@ -181,12 +181,22 @@ class TimedOps:
 
 
 class _TimedLinear:
+    """A linear whose forward is timed; every other attribute is the linear's own, written
+    ones included (the loader's path flags such as act8 must reach the kernel object)."""
+    _OWN = ("_linear", "forward")
+
     def __init__(self, linear, profiler: Profiler):
-        self._linear = linear
-        self.forward = profiler.timed(FORWARD, "Linear", linear.forward)
+        object.__setattr__(self, "_linear", linear)
+        object.__setattr__(self, "forward", profiler.timed(FORWARD, "Linear", linear.forward))
 
     def __getattr__(self, name):
         return getattr(self._linear, name)
+
+    def __setattr__(self, name, value):
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._linear, name, value)
 
 
 class TimedComm:

@@ -139,6 +139,22 @@ def test_off_is_zero_cost(model_dir, monkeypatch):
     eng.close()
 
 
+def test_profiling_keeps_the_kernel_paths(model_dir, monkeypatch):
+    """Timed linears pass the loader's path flags to the kernel objects: a bf16 engine quantized
+    at load runs the same int8-activation decode with profiling on as off."""
+    monkeypatch.setenv("AS_PROFILE", "ON")
+    eng = Engine(model_dir, dtype="bfloat16", backend=BACKEND, quantization="int4",
+                 kv_cache_memory=1 << 24, max_model_len=256)
+    try:
+        lin = eng.runner.model.layers[0].o_proj
+        assert type(lin).__name__ == "_TimedLinear"
+        assert lin._linear.act8 and lin._linear.prefill_bf16
+        generate(eng, 2)
+        assert counts(eng.get_op_profiling_stats())["Linear"] > 0
+    finally:
+        eng.close()
+
+
 @pytest.mark.skipif(shutil.which("mpirun") is None,
                     reason="SKIPPED: mpirun is not installed, so profiling of worker ranks is not tested "
                            "(scripts/install.sh installs MPICH)")
