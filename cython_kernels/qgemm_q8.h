@@ -79,7 +79,8 @@ static inline int32_t qg_ld32(const int8_t* p) {
     const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F), flip = _mm512_set1_epi32((int)0x80808080); \
     __m512 a[QG_MR_Q8];                                                                         \
     for (int r = 0; r < mr; r++) a[r] = _mm512_setzero_ps();                                   \
-    for (long g = 0; g < ng; g++) {                                                             \
+    (void)ng;                                                                                   \
+    for (long g = g0; g < g1; g++) {                                                            \
         const uint8_t* meta = blk + g * gb;                                                     \
         const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)meta));             \
         const uint8_t* row = meta + mb;                                                         \
@@ -135,40 +136,41 @@ static inline int32_t qg_ld32(const int8_t* p) {
     _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)))
 
 QG_INLINE QG_T512VNNI void qg_q8_vnni_mr(const uint8_t* blk, const qg_format* f, const qg_xq* q,
-                                         float* acc, const int bits, const int mr) {
+                                         long g0, long g1, float* acc, const int bits,
+                                         const int mr) {
     QG_Q8_AVX512_BODY(QG_DOT_VNNI, 1)
 }
 
 QG_INLINE QG_T512 void qg_q8_bw_mr(const uint8_t* blk, const qg_format* f, const qg_xq* q,
-                                   float* acc, const int bits, const int mr) {
+                                   long g0, long g1, float* acc, const int bits, const int mr) {
     QG_Q8_AVX512_BODY(QG_DOT_BW, 0)
 }
 
 #define QG_Q8_CASES(fn, b)                                        \
     switch (m) {                                                  \
-        case 1: fn(blk, f, q, acc, b, 1); break;                  \
-        case 2: fn(blk, f, q, acc, b, 2); break;                  \
-        case 3: fn(blk, f, q, acc, b, 3); break;                  \
-        case 4: fn(blk, f, q, acc, b, 4); break;                  \
-        case 5: fn(blk, f, q, acc, b, 5); break;                  \
-        case 6: fn(blk, f, q, acc, b, 6); break;                  \
-        case 7: fn(blk, f, q, acc, b, 7); break;                  \
-        default: fn(blk, f, q, acc, b, 8); break;                 \
+        case 1: fn(blk, f, q, g0, g1, acc, b, 1); break;          \
+        case 2: fn(blk, f, q, g0, g1, acc, b, 2); break;          \
+        case 3: fn(blk, f, q, g0, g1, acc, b, 3); break;          \
+        case 4: fn(blk, f, q, g0, g1, acc, b, 4); break;          \
+        case 5: fn(blk, f, q, g0, g1, acc, b, 5); break;          \
+        case 6: fn(blk, f, q, g0, g1, acc, b, 6); break;          \
+        case 7: fn(blk, f, q, g0, g1, acc, b, 7); break;          \
+        default: fn(blk, f, q, g0, g1, acc, b, 8); break;         \
     }
 
-static QG_T512VNNI void qg_q8_vnni(const uint8_t* blk, const qg_format* f, const qg_xq* q, int m,
-                                   float* acc) {
+static QG_T512VNNI void qg_q8_vnni(const uint8_t* blk, const qg_format* f, const qg_xq* q,
+                                   long g0, long g1, int m, float* acc) {
     if (f->bits == 4) { QG_Q8_CASES(qg_q8_vnni_mr, 4) } else { QG_Q8_CASES(qg_q8_vnni_mr, 8) }
 }
 
-static QG_T512 void qg_q8_bw(const uint8_t* blk, const qg_format* f, const qg_xq* q, int m,
-                             float* acc) {
+static QG_T512 void qg_q8_bw(const uint8_t* blk, const qg_format* f, const qg_xq* q, long g0,
+                             long g1, int m, float* acc) {
     if (f->bits == 4) { QG_Q8_CASES(qg_q8_bw_mr, 4) } else { QG_Q8_CASES(qg_q8_bw_mr, 8) }
 }
 
 /* ---- AVX2: the block as two 8-column halves, two rows at a time (16 ymm registers). */
-QG_INLINE void qg_q8_avx2_mr(const uint8_t* blk, const qg_format* f, const qg_xq* q, float* acc,
-                             const int bits, const int mr) {
+QG_INLINE void qg_q8_avx2_mr(const uint8_t* blk, const qg_format* f, const qg_xq* q, long g0,
+                             long g1, float* acc, const int bits, const int mr) {
     const long pk = bits == 4 ? 8 : 4, gb = qg_group_bytes(f), mb = qg_meta_bytes(f);
     const long G = f->group, ng = f->kp / G, nbg = qg_blocks_per_group(f);
     const int off = bits == 4 && f->kind == QG_SYM ? 8 : 0;
@@ -176,7 +178,8 @@ QG_INLINE void qg_q8_avx2_mr(const uint8_t* blk, const qg_format* f, const qg_xq
     const __m256i m4 = _mm256_set1_epi32(0x0F0F0F0F), ones = _mm256_set1_epi16(1);
     __m256 a[2][2];
     for (int r = 0; r < mr; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
-    for (long g = 0; g < ng; g++) {
+    (void)ng;
+    for (long g = g0; g < g1; g++) {
         const uint8_t* meta = blk + g * gb;
         __m256 s[2];
         for (int h = 0; h < 2; h++) s[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(meta + 16 * h)));
@@ -233,7 +236,8 @@ QG_INLINE void qg_q8_avx2_mr(const uint8_t* blk, const qg_format* f, const qg_xq
         for (int h = 0; h < 2; h++) _mm256_store_ps(acc + r * QG_NB + 8 * h, a[r][h]);
 }
 
-static void qg_q8_avx2(const uint8_t* blk, const qg_format* f, const qg_xq* q, int m, float* acc) {
+static void qg_q8_avx2(const uint8_t* blk, const qg_format* f, const qg_xq* q, long g0, long g1,
+                       int m, float* acc) {
     for (int r0 = 0; r0 < m; r0 += 2) {
         qg_xq qr = *q;
         qr.xq += r0 * q->kp;
@@ -242,16 +246,17 @@ static void qg_q8_avx2(const uint8_t* blk, const qg_format* f, const qg_xq* q, i
         qr.xs += r0 * q->ng;
         const int two = m - r0 >= 2;
         if (f->bits == 4) {
-            if (two) qg_q8_avx2_mr(blk, f, &qr, acc + r0 * QG_NB, 4, 2);
-            else qg_q8_avx2_mr(blk, f, &qr, acc + r0 * QG_NB, 4, 1);
+            if (two) qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 4, 2);
+            else qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 4, 1);
         } else {
-            if (two) qg_q8_avx2_mr(blk, f, &qr, acc + r0 * QG_NB, 8, 2);
-            else qg_q8_avx2_mr(blk, f, &qr, acc + r0 * QG_NB, 8, 1);
+            if (two) qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 8, 2);
+            else qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 8, 1);
         }
     }
 }
 
-typedef void (*qg_q8_fn)(const uint8_t*, const qg_format*, const qg_xq*, int, float*);
+/* acc[r * 16 + j] = sum over groups g0 <= g < g1 of block `blk`, rows r < m <= QG_MR_Q8 */
+typedef void (*qg_q8_fn)(const uint8_t*, const qg_format*, const qg_xq*, long, long, int, float*);
 
 /* out[M, N] = xq(x)[M, kp] @ W^T + bias; level: 2 VNNI, 1 AVX-512BW, 0 AVX2. Each 16-column
  * block meets the rows QG_MR_Q8 at a time (it stays in L1/L2 between them). 0, or -1 when out
@@ -270,21 +275,46 @@ static int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, l
     const qg_xq q = {xq, sx, xi, sx + M * nb, f->kp, nb, ng};
     qg_q8_fn fn = level >= 2 ? qg_q8_vnni : level >= 1 ? qg_q8_bw : qg_q8_avx2;
     const long nblocks = (f->n + QG_NB - 1) / QG_NB, bb = qg_block_bytes(f);
+    /* NOTE: few column blocks (down_proj: N = hidden, K = intermediate) leave threads idle and
+     * each one streaming a long block alone; the groups are then split into `ns` ranges whose
+     * partial sums are added at the end (in a fixed order: results do not depend on timing). */
+    const int nt = omp_get_max_threads();
+    long ns = 1;
+    if (M <= QG_MR_Q8 && nblocks < 4L * nt) {
+        ns = (4L * nt + nblocks - 1) / nblocks;
+        if (ns > ng) ns = ng;
+    }
+    float* part = ns > 1 ? (float*)malloc(sizeof(float) * (size_t)(ns * M * f->n)) : NULL;
+    if (ns > 1 && part == NULL) {
+        free(xq); free(sx); free(xi);
+        return -1;
+    }
     #pragma omp parallel
     {
         float acc[QG_MR_Q8 * QG_NB] __attribute__((aligned(64)));
-        long chunk = nblocks / (8L * omp_get_num_threads());
+        long ntask = nblocks * ns, chunk = ntask / (8L * omp_get_num_threads());
         #pragma omp for schedule(dynamic, chunk < 1 ? 1 : chunk)
-        for (long b = 0; b < nblocks; b++) {
+        for (long t = 0; t < ntask; t++) {
+            const long b = t / ns, sp = t % ns, g0 = sp * ng / ns, g1 = (sp + 1) * ng / ns;
             for (long r0 = 0; r0 < M; r0 += QG_MR_Q8) {
                 const int m = (int)(M - r0 < QG_MR_Q8 ? M - r0 : QG_MR_Q8);
                 const qg_xq qr = {q.xq + r0 * q.kp, q.sx + r0 * nb, q.xi + r0 * nb,
                                   q.xs + r0 * ng, q.kp, nb, ng};
-                fn(w + b * bb, f, &qr, m, acc);
-                qg_store(acc, m, b * QG_NB, f->n, f->n, bias, out + r0 * f->n);
+                fn(w + b * bb, f, &qr, g0, g1, m, acc);
+                if (ns == 1) qg_store(acc, m, b * QG_NB, f->n, f->n, bias, out + r0 * f->n);
+                else qg_store(acc, m, b * QG_NB, f->n, f->n, NULL, part + (sp * M + r0) * f->n);
+            }
+        }
+        if (ns > 1) {
+            #pragma omp for schedule(static)
+            for (long i = 0; i < M * f->n; i++) {
+                float v = bias ? bias[i % f->n] : 0.0f;
+                for (long sp = 0; sp < ns; sp++) v += part[sp * M * f->n + i];
+                out[i] = v;
             }
         }
     }
+    free(part);
     free(xq); free(sx); free(xi);
     return 0;
 }
