@@ -4,6 +4,7 @@ import os
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -118,6 +119,9 @@ def test_server_serves_each_model_by_name(models, ranks):
                                              extra_body={"ignore_eos": True}).choices[0].text
             ref = Engine(os.path.join(root, name), **KW)
             assert text == ref.tokenizer.decode(expected[name])
+            # embeddings go to the model named too (the client asks for base64)
+            emb = client.embeddings.create(model=name, input=[PROMPT]).data[0].embedding
+            np.testing.assert_allclose(emb, ref.embed([PROMPT])[0], atol=2e-5)
             ref.close()
         with pytest.raises(openai.NotFoundError, match="does not exist; this server serves 'alpha', 'beta'"):
             client.completions.create(model="delta", prompt="x", max_tokens=2)
@@ -143,6 +147,10 @@ def test_loading_model_gets_503_with_retry_after_then_serves(models):
         while loaded() != {"alpha": False, "beta": True}:  # beta replaces alpha (one fits)
             assert time.monotonic() < deadline, srv.output()
             time.sleep(0.05)  # NOTE: polling interval of the condition above, not a wait for it
+        listed = {m["id"]: m for m in httpx.get(srv.base + "/v1/models").json()["data"]}
+        # the server's own seconds: alpha loaded at start-up and was unloaded for beta
+        assert listed["alpha"]["load_seconds"] > 0 and listed["alpha"]["unload_seconds"] > 0
+        assert listed["beta"]["load_seconds"] > 0 and listed["beta"]["unload_seconds"] is None
         client = srv.client()
         text = client.completions.create(model="beta", prompt=PROMPT, max_tokens=8, temperature=0,
                                          extra_body={"ignore_eos": True}).choices[0].text
