@@ -58,14 +58,15 @@ def start(models: list[str], a, budget: int | None = None) -> Server:
 
 
 def memory(server: Server) -> dict:
-    """MiB of RSS, PSS and USS of the server and its children (ranks under a launcher)."""
+    """MiB of RSS (and its anonymous part: RSS less file-backed and shared pages), PSS and USS
+    of the server and its children (ranks under a launcher)."""
     import psutil
     root = psutil.Process(server.proc.pid)
-    total = dict.fromkeys(("rss", "pss", "uss"), 0)
+    total = dict.fromkeys(("rss", "anon", "pss", "uss"), 0)
     for p in [root, *root.children(recursive=True)]:
         m = p.memory_full_info()
         for k in total:
-            total[k] += getattr(m, k)
+            total[k] += m.rss - m.shared if k == "anon" else getattr(m, k)
     return {k: v / MIB for k, v in total.items()}
 
 
@@ -172,8 +173,8 @@ def budgets(dirs, names, a) -> tuple[int, int, dict]:
 def markdown(r: dict) -> str:
     L, S, U, c = r["load"], r["separate"], r["unload"], r["config"]
     small, big = c["names"]
-    one, sep = L["memory_both"], {k: sum(m[k] for m in S.values()) for k in ("rss", "pss", "uss")}
-    row = lambda label, m: f"| {label} | {m['rss']:.0f} | {m['pss']:.0f} | {m['uss']:.0f} |"  # noqa: E731
+    one, sep = L["memory_both"], {k: sum(m[k] for m in S.values()) for k in L["memory_both"]}
+    row = lambda label, m: f"| {label} | {m['rss']:.0f} | {m['anon']:.0f} | {m['pss']:.0f} | {m['uss']:.0f} |"  # noqa: E731
     return "\n".join([
         f"models: {big} (big) and {small} (small), {c['dtype']}, KV pool {c['kv_bytes'] / MIB:.0f} MiB each, "
         f"{c['num_threads'] or 'all'} thread(s){'; --quick' if r['quick'] else ''}", "",
@@ -182,7 +183,7 @@ def markdown(r: dict) -> str:
         f"| warm TTFT (median of {c['warm_requests']}) | {L['warm_ttft_s']:.3f} |",
         f"| load = first - warm (server's load_seconds) | {L['load_s']:.3f} ({L['server_load_s']:.3f}) |",
         f"| unload (server's unload_seconds, LRU when the small one needs room) | {U['server_unload_s']:.3f} |",
-        "", "| memory, MiB | RSS | PSS | USS |", "| --- | --- | --- | --- |",
+        "", "| memory, MiB | RSS | anon RSS | PSS | USS |", "| --- | --- | --- | --- | --- |",
         row(f"one server, {small} only", L["memory_small_only"]),
         row("one server, both loaded", one),
         row(f"resident {big} (both - {small} only)", L["big_resident"]),
