@@ -98,6 +98,26 @@ def test_prefix_cache_engine_quick(tmp_path):
     assert "| policy |" in open(out + ".md").read()
 
 
+def test_multimodel_quick(tmp_path):
+    out = str(tmp_path / "multi")
+    _run("bench_multimodel.py", "--quick", "--num-threads", "1", "--out", out, timeout=300)
+    r = json.load(open(out + ".json"))
+    small, big = r["config"]["names"]
+    load, sep, unload = r["load"], r["separate"], r["unload"]
+    assert load["load_s"] == load["first_ttft_s"] - load["warm_ttft_s"]
+    assert _positive(load["first_ttft_s"]) and _positive(load["warm_ttft_s"]) and _positive(load["server_load_s"])
+    assert {n: m["loaded"] for n, m in load["listed"].items()} == {small: True, big: True}
+    # the one-at-a-time server ends with big unloaded (least recently used) and small loaded
+    assert {n: m["loaded"] for n, m in unload["listed"].items()} == {small: True, big: False}
+    assert _positive(unload["server_unload_s"]) and unload["listed"][small]["unload_seconds"] > 0
+    assert sorted(sep) == sorted([small, big])
+    for m in (load["memory_small_only"], load["memory_both"], *sep.values(), unload["memory_big_loaded"]):
+        assert all(_positive(m[k]) for k in ("rss", "anon", "pss", "uss")) and m["uss"] <= m["pss"] <= m["rss"]
+        assert m["anon"] < m["rss"]  # the interpreter's own code is file-backed
+    assert load["big_resident"]["rss"] == load["memory_both"]["rss"] - load["memory_small_only"]["rss"]
+    assert "| memory, MiB | RSS | anon RSS | PSS | USS |" in open(out + ".md").read()
+
+
 def _has_smollm2() -> bool:
     from numa_runtime.default_model import find_default_gguf
     try:

@@ -292,10 +292,16 @@ def test_bench_prefix_cache_disk_tier_and_restart_smoke(model_dir, tmp_path):
                         "--model", model_dir, "--dtype", "float32", "--out", out],
                        capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    off, on = json.load(open(out + ".json"))["policies"]
+    off_base, off, on_base, on = json.load(open(out + ".json"))["policies"]
     assert (off["disk"], on["disk"]) == (False, True) and off["restarts"] == on["restarts"] == 1
+    assert (off_base["disk"], on_base["disk"]) == (False, True) and off_base["restarts"] == on_base["restarts"] == 0
     assert off["disk_hit_blocks"] == 0 and on["disk_hit_blocks"] > 0
+    # "kept": the hit rate after the restart over that of the same turns in the run without it
+    for row in (off, on):
+        assert 0 < row["conv_hit_same_turns_no_restart"] < 1
+        assert row["restart_kept"] == row["conv_hit_after_restart"] / row["conv_hit_same_turns_no_restart"]
+    assert on["restart_kept"] > off["restart_kept"]
     # the first turn of a conversation after the restart finds its history only on disk (with
     # this seeded workload, 3 clients x 3 turns, some conversation spans the restart)
     assert on["conv_hit_after_restart"] > off["conv_hit_after_restart"]
-    assert "| conv hit after restart |" in open(out + ".md").read()
+    assert "| conv hit after restart (same turns, no restart; kept) |" in open(out + ".md").read()

@@ -4,6 +4,7 @@ import os
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -75,6 +76,44 @@ def test_a_busy_model_is_never_unloaded(models):
     r.close()
 
 
+UNLOAD_SCRIPT = """
+import sys, psutil
+from numa_runtime import SamplingParams
+from numa_runtime.serve.router import ModelRouter, ModelSpec, RouterConfig
+p = psutil.Process()
+anon = lambda: p.memory_info().rss - p.memory_info().shared
+kw = dict(dtype="float32", kv_cache_memory=1 << 20, max_model_len=128, num_threads=1)
+r = ModelRouter(RouterConfig((ModelSpec("mid", sys.argv[1]), ModelSpec("alpha", sys.argv[2])), 1 << 40, kw))
+r.get("alpha")
+before = anon()
+r.route["a"] = "mid"
+r.add_request(list(range(3, 60)), SamplingParams(max_tokens=2), request_id="a")
+while r.has_unfinished_requests():
+    r.step()
+loaded = anon()
+r._unload("mid")
+print(before, loaded, anon())
+"""
+
+
+def test_unloading_gives_the_memory_back(models, tmp_path):
+    """An unloaded model's memory goes back to the OS: the anonymous RSS returns near where it
+    was before the load (glibc kept over half of it before). A fresh process, so that only the
+    router's allocations are measured."""
+    import subprocess
+    import sys
+    root, _ = models
+    mid = str(tmp_path / "mid")  # 48 MB of f32 weights
+    build_model(mid, arch="llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                num_attention_heads=8, num_key_value_heads=2)
+    p = subprocess.run([sys.executable, "-c", UNLOAD_SCRIPT, mid, os.path.join(root, "alpha")],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    before, loaded, after = map(int, p.stdout.split()[-3:])
+    assert loaded - before > 40 << 20  # the model really was resident
+    assert after - before < (loaded - before) / 4, (before, loaded, after)
+
+
 def test_bad_configurations_are_clear(models, tmp_path):
     root, _ = models
     spec = ModelSpec("alpha", os.path.join(root, "alpha"))
@@ -118,6 +157,9 @@ def test_server_serves_each_model_by_name(models, ranks):
                                              extra_body={"ignore_eos": True}).choices[0].text
             ref = Engine(os.path.join(root, name), **KW)
             assert text == ref.tokenizer.decode(expected[name])
+            # embeddings go to the model named too (the client asks for base64)
+            emb = client.embeddings.create(model=name, input=[PROMPT]).data[0].embedding
+            np.testing.assert_allclose(emb, ref.embed([PROMPT])[0], atol=2e-5)
             ref.close()
         with pytest.raises(openai.NotFoundError, match="does not exist; this server serves 'alpha', 'beta'"):
             client.completions.create(model="delta", prompt="x", max_tokens=2)
@@ -143,6 +185,10 @@ def test_loading_model_gets_503_with_retry_after_then_serves(models):
         while loaded() != {"alpha": False, "beta": True}:  # beta replaces alpha (one fits)
             assert time.monotonic() < deadline, srv.output()
             time.sleep(0.05)  # NOTE: polling interval of the condition above, not a wait for it
+        listed = {m["id"]: m for m in httpx.get(srv.base + "/v1/models").json()["data"]}
+        # the server's own seconds: alpha loaded at start-up and was unloaded for beta
+        assert listed["alpha"]["load_seconds"] > 0 and listed["alpha"]["unload_seconds"] > 0
+        assert listed["beta"]["load_seconds"] > 0 and listed["beta"]["unload_seconds"] is None
         client = srv.client()
         text = client.completions.create(model="beta", prompt=PROMPT, max_tokens=8, temperature=0,
                                          extra_body={"ignore_eos": True}).choices[0].text

@@ -136,8 +136,10 @@ class ModelDispatcher:
         return ", ".join(repr(n) for n in self.apps)
 
     def _models(self) -> dict:
+        r = self.router  # NOTE: the last load's and unload's seconds (None before the first)
         data = [{"id": n, "object": "model", "created": self.created, "owned_by": "numa_runtime",
-                 "loaded": n in self.router.engines} for n in self.apps]
+                 "loaded": n in r.engines, "load_seconds": r.load_seconds.get(n),
+                 "unload_seconds": r.unload_seconds.get(n)} for n in self.apps]
         return {"object": "list", "data": data}
 
     async def _error(self, scope, receive, send, status, message, code):

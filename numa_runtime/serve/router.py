@@ -21,6 +21,8 @@ model i's runner brings them back (`_activate`).
 from __future__ import annotations
 
 import atexit
+import ctypes
+import ctypes.util
 import gc
 import logging
 import os
@@ -180,7 +182,7 @@ class ModelRouter:
         self._send(UNLOAD, name)
         _close_comm(eng)
         del eng
-        gc.collect()
+        release_memory()
         self.footprint[name] = self._estimate(name)
         self.unload_seconds[name] = time.perf_counter() - t0
         log.warning("unloaded model %s in %.2f s", name, self.unload_seconds[name])
@@ -270,7 +272,7 @@ class ModelRouter:
                 atexit.unregister(eng.close)  # NOTE: a worker's close() would wait for plans that never come
                 _close_comm(eng)
                 del eng
-                gc.collect()
+                release_memory()
             elif plan.kind == EXIT:
                 return
 
@@ -279,6 +281,21 @@ def _control(kind: int, index: int) -> StepPlan:
     plan = StepPlan.empty()
     plan.kind, plan.step_id = kind, index
     return plan
+
+
+def release_memory() -> None:
+    """Free an unloaded model's memory and give it back to the OS.
+
+    NOTE: glibc keeps freed heap pages (a 0.5B model left ~380 MiB of RSS after its unload);
+    malloc_trim returns them, so the next model and other processes can use them."""
+    gc.collect()
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
 
 
 def _close_comm(engine) -> None:
