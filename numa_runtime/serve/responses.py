@@ -16,8 +16,15 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+# NOTE: JSON leaves U+0085, U+2028 and U+2029 unescaped, but clients that split the event stream
+# with str.splitlines (httpx, and so the openai client) cut a data line there: escape them.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+    """One server-sent event; its data stays on one line for any line splitter."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False).translate(_LINE_BREAKS)
+    return f"data: {text}\n\n"
 
 
 @dataclass
