@@ -1,7 +1,10 @@
 /* Paged KV cache write and causal paged attention (flash-style online softmax in f32).
  *
- * Caches are C-contiguous [num_blocks, block_size, Hk, D], f32 or bf16 bits. q/k/v/out are
- * [T, H, D] with any token and head stride but a contiguous last axis.
+ * Caches are C-contiguous [num_blocks, block_size, Hk, row] of one element type (nr_kv_type):
+ * f32 or bf16 bits with row = D, or int8 with row = D + NR_KV_SCALE_BYTES: the D values
+ * rounded to x / s (s = max |x| / 127 of that row, symmetric) followed by s as a native f32.
+ * int8 rows are quantized when written and dequantized (q * s) into f32 when read, like bf16
+ * rows. q/k/v/out are [T, H, D] with any token and head stride but a contiguous last axis.
  *
  * Work split: one item = (sequence, kv head, chunk of query rows, range of keys); an item
  * handles all `group` query heads sharing that kv head, so each K/V row is read once per item
@@ -17,6 +20,7 @@
 #ifndef NR_ATTENTION_KERNELS_H
 #define NR_ATTENTION_KERNELS_H
 
+#include <float.h>
 #include <stdlib.h>
 #include <omp.h>
 #include "ops_math.h"
@@ -26,10 +30,48 @@
 #define NR_NQ 32      /* target query vectors (rows x group heads) per item */
 #define NR_SPLIT_MIN 128  /* fewest keys per split of one item's key range */
 
+enum nr_kv_type { NR_KV_F32 = 0, NR_KV_BF16 = 1, NR_KV_INT8 = 2 };
+#define NR_KV_SCALE_BYTES 4  /* an int8 row ends with its f32 scale */
+
+/* Elements of one cache row (one slot of one kv head). */
+static inline int64_t nr_kv_row(int kv_type, int64_t D) {
+    return kv_type == NR_KV_INT8 ? D + NR_KV_SCALE_BYTES : D;
+}
+
+/* dst[0:D] (int8) and its scale at dst[D:D+4] from x[0:D]: q = rint(x * (127 / max |x|)).
+ * NOTE: the same f32 operations as reference.quantize_kv, so both give the same bytes. */
+static inline void nr_quantize_row(const float *x, int64_t D, int8_t *dst) {
+    float amax = 0.f;
+    #pragma omp simd reduction(max:amax)
+    for (int64_t d = 0; d < D; d++) { float ax = fabsf(x[d]); amax = ax > amax ? ax : amax; }
+    float s = amax / 127.f, inv = amax > 0.f ? fminf(127.f / amax, FLT_MAX) : 0.f;
+    #pragma omp simd
+    for (int64_t d = 0; d < D; d++) {
+        float r = nearbyintf(x[d] * inv);
+        dst[d] = (int8_t)(r > 127.f ? 127.f : (r < -127.f ? -127.f : r));
+    }
+    memcpy(dst + D, &s, sizeof s);
+}
+
+/* The scale at the end of an int8 row (unaligned when D is not a multiple of 4). */
+static inline float nr_row_scale(const int8_t *row, int64_t D) {
+    float s;
+    memcpy(&s, row + D, sizeof s);
+    return s;
+}
+
+/* dst[0:D] = q[d] * s of an int8 row. */
+static inline void nr_dequantize_row(const int8_t *row, int64_t D, float *dst) {
+    float s = nr_row_scale(row, D);
+    #pragma omp simd
+    for (int64_t d = 0; d < D; d++) dst[d] = (float)row[d] * s;
+}
+
 static int64_t nr_reshape_and_cache(const float *k, int64_t k_st, int64_t k_sh,
                                     const float *v, int64_t v_st, int64_t v_sh,
-                                    void *kc, void *vc, int is_bf16, int64_t T, int64_t Hk,
+                                    void *kc, void *vc, int kv_type, int64_t T, int64_t Hk,
                                     int64_t D, const int64_t *slots, int64_t n_slots) {
+    int64_t row = nr_kv_row(kv_type, D);
     for (int64_t t = 0; t < T; t++)
         if (slots[t] >= n_slots) return t;  /* caller raises */
     #pragma omp parallel for schedule(static) if (T * Hk * D > 65536)
@@ -38,8 +80,11 @@ static int64_t nr_reshape_and_cache(const float *k, int64_t k_st, int64_t k_sh,
         if (slot < 0) continue;
         for (int64_t h = 0; h < Hk; h++) {
             const float *ks = k + t * k_st + h * k_sh, *vs = v + t * v_st + h * v_sh;
-            int64_t off = (slot * Hk + h) * D;
-            if (is_bf16) {
+            int64_t off = (slot * Hk + h) * row;
+            if (kv_type == NR_KV_INT8) {
+                nr_quantize_row(ks, D, (int8_t *)kc + off);
+                nr_quantize_row(vs, D, (int8_t *)vc + off);
+            } else if (kv_type == NR_KV_BF16) {
                 uint16_t *kd = (uint16_t *)kc + off, *vd = (uint16_t *)vc + off;
                 #pragma omp simd
                 for (int64_t d = 0; d < D; d++) {
@@ -57,7 +102,7 @@ static int64_t nr_reshape_and_cache(const float *k, int64_t k_st, int64_t k_sh,
 
 typedef struct {
     const float *q; int64_t q_st, q_sh;
-    const void *kc, *vc; int is_bf16;
+    const void *kc, *vc; int kv_type;  /* nr_kv_type */
     int64_t nb, bs, Hq, Hk, D;
     const int32_t *bt; int64_t bt_st, max_blocks;
     const int32_t *qstart, *ctx; int64_t S;
@@ -68,16 +113,19 @@ typedef struct {
     float *out; int64_t o_st, o_sh;
 } nr_attn_args;
 
-/* Row pointers of keys/values j0..j0+nk of kv head hk of sequence s (bf16 rows are
+/* Row pointers of keys/values j0..j0+nk of kv head hk of sequence s (bf16 and int8 rows are
  * converted into buf). */
 static inline void nr_gather(const nr_attn_args *a, const void *cache, int64_t s, int64_t hk,
                              int64_t j0, int64_t nk, float *buf, const float **rows) {
     const int32_t *bt = a->bt + s * a->bt_st;
-    int64_t D = a->D;
+    int64_t D = a->D, row = nr_kv_row(a->kv_type, D);
     for (int64_t j = 0; j < nk; j++) {
         int64_t p = j0 + j;
-        int64_t off = (((int64_t)bt[p / a->bs] * a->bs + p % a->bs) * a->Hk + hk) * D;
-        if (a->is_bf16) {
+        int64_t off = (((int64_t)bt[p / a->bs] * a->bs + p % a->bs) * a->Hk + hk) * row;
+        if (a->kv_type == NR_KV_INT8) {
+            nr_dequantize_row((const int8_t *)cache + off, D, buf + j * D);
+            rows[j] = buf + j * D;
+        } else if (a->kv_type == NR_KV_BF16) {
             const uint16_t *src = (const uint16_t *)cache + off;
             float *dst = buf + j * D;
             #pragma omp simd
@@ -231,7 +279,7 @@ static inline size_t nr_ws_tiled_floats(int64_t nq, int64_t D) {
 static void nr_gather_tiles(const nr_attn_args *a, int64_t s, int64_t hk, int64_t j0, int64_t nk,
                             float *Kt, float *Vb, int64_t Dp) {
     const int32_t *bt = a->bt + s * a->bt_st;
-    int64_t D = a->D;
+    int64_t D = a->D, row = nr_kv_row(a->kv_type, D);
     for (int64_t j = 0; j < NR_KT; j++) {
         float *vd = Vb + j * Dp;
         if (j >= nk) {
@@ -240,8 +288,13 @@ static void nr_gather_tiles(const nr_attn_args *a, int64_t s, int64_t hk, int64_
             continue;
         }
         int64_t p = j0 + j;
-        int64_t off = (((int64_t)bt[p / a->bs] * a->bs + p % a->bs) * a->Hk + hk) * D;
-        if (a->is_bf16) {
+        int64_t off = (((int64_t)bt[p / a->bs] * a->bs + p % a->bs) * a->Hk + hk) * row;
+        if (a->kv_type == NR_KV_INT8) {
+            const int8_t *ks = (const int8_t *)a->kc + off;
+            float sk = nr_row_scale(ks, D);
+            for (int64_t d = 0; d < D; d++) Kt[d * NR_KT + j] = (float)ks[d] * sk;
+            nr_dequantize_row((const int8_t *)a->vc + off, D, vd);
+        } else if (a->kv_type == NR_KV_BF16) {
             const uint16_t *ks = (const uint16_t *)a->kc + off, *vs = (const uint16_t *)a->vc + off;
             for (int64_t d = 0; d < D; d++) Kt[d * NR_KT + j] = nr_bf16_to_f32(ks[d]);
             #pragma omp simd
