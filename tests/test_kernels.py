@@ -157,7 +157,7 @@ def test_quantize_kv_rows(d):
     back = ref.dequantize_kv(rows)
     assert np.all(np.abs(back - x) <= scale[..., None] * 0.5001 + 1e-30)
     np.testing.assert_array_equal(back[2, 1], 0.0)
-    assert np.abs(back[0, 1] - x[0, 1]).max() < 0.05  # the outlier's row only is coarse
+    assert np.abs(back[0, 1] - x[0, 1]).max() < 1e4 / 254 / 10  # the outlier coarsens its row only
 
 
 @pytest.mark.parametrize("case", [(7, 7, 33, 3, [1, 6], [40, 9]), (4, 2, 64, 16, [1, 30], [700, 0])])
