@@ -1,10 +1,9 @@
 /* Paged KV cache write and causal paged attention (flash-style online softmax in f32).
  *
- * Caches are C-contiguous [num_blocks, block_size, Hk, row] of one element type (nr_kv_type):
- * f32 or bf16 bits with row = D, or int8 with row = D + NR_KV_SCALE_BYTES: the D values
- * rounded to x / s (s = max |x| / 127 of that row, symmetric) followed by s as a native f32.
- * int8 rows are quantized when written and dequantized (q * s) into f32 when read, like bf16
- * rows. q/k/v/out are [T, H, D] with any token and head stride but a contiguous last axis.
+ * Caches are C-contiguous [num_blocks, block_size, Hk, row] of one element type (kv_rows.h):
+ * f32 or bf16 bits with row = D, or int8 with row = D + 4 (the values, then their f32 scale).
+ * int8 rows are quantized when written and dequantized into f32 when read, like bf16 rows.
+ * q/k/v/out are [T, H, D] with any token and head stride but a contiguous last axis.
  *
  * Work split: one item = (sequence, kv head, chunk of query rows, range of keys); an item
  * handles all `group` query heads sharing that kv head, so each K/V row is read once per item
@@ -20,52 +19,15 @@
 #ifndef NR_ATTENTION_KERNELS_H
 #define NR_ATTENTION_KERNELS_H
 
-#include <float.h>
 #include <stdlib.h>
 #include <omp.h>
+#include "kv_rows.h"
 #include "ops_math.h"
 #include "tile_kernels.h"
 
 #define NR_KT 64      /* keys per tile */
 #define NR_NQ 32      /* target query vectors (rows x group heads) per item */
 #define NR_SPLIT_MIN 128  /* fewest keys per split of one item's key range */
-
-enum nr_kv_type { NR_KV_F32 = 0, NR_KV_BF16 = 1, NR_KV_INT8 = 2 };
-#define NR_KV_SCALE_BYTES 4  /* an int8 row ends with its f32 scale */
-
-/* Elements of one cache row (one slot of one kv head). */
-static inline int64_t nr_kv_row(int kv_type, int64_t D) {
-    return kv_type == NR_KV_INT8 ? D + NR_KV_SCALE_BYTES : D;
-}
-
-/* dst[0:D] (int8) and its scale at dst[D:D+4] from x[0:D]: q = rint(x * (127 / max |x|)).
- * NOTE: the same f32 operations as reference.quantize_kv, so both give the same bytes. */
-static inline void nr_quantize_row(const float *x, int64_t D, int8_t *dst) {
-    float amax = 0.f;
-    #pragma omp simd reduction(max:amax)
-    for (int64_t d = 0; d < D; d++) { float ax = fabsf(x[d]); amax = ax > amax ? ax : amax; }
-    float s = amax / 127.f, inv = amax > 0.f ? fminf(127.f / amax, FLT_MAX) : 0.f;
-    #pragma omp simd
-    for (int64_t d = 0; d < D; d++) {
-        float r = nearbyintf(x[d] * inv);
-        dst[d] = (int8_t)(r > 127.f ? 127.f : (r < -127.f ? -127.f : r));
-    }
-    memcpy(dst + D, &s, sizeof s);
-}
-
-/* The scale at the end of an int8 row (unaligned when D is not a multiple of 4). */
-static inline float nr_row_scale(const int8_t *row, int64_t D) {
-    float s;
-    memcpy(&s, row + D, sizeof s);
-    return s;
-}
-
-/* dst[0:D] = q[d] * s of an int8 row. */
-static inline void nr_dequantize_row(const int8_t *row, int64_t D, float *dst) {
-    float s = nr_row_scale(row, D);
-    #pragma omp simd
-    for (int64_t d = 0; d < D; d++) dst[d] = (float)row[d] * s;
-}
 
 static int64_t nr_reshape_and_cache(const float *k, int64_t k_st, int64_t k_sh,
                                     const float *v, int64_t v_st, int64_t v_sh,
