@@ -292,7 +292,7 @@ class EngineConfig:
     def kv_dtype(self) -> str:
         """The KV cache's element type: "bfloat16", "float32" or "int8" ("auto": the dtype)."""
         kv = self.kv_cache_dtype
-        return self.dtype if kv == "auto" else "int8" if kv == "int8" else _DTYPES[kv]
+        return self.dtype if kv == "auto" else "int8" if kv == "int8" else _DTYPES[str(kv)]
 
     @property
     def disk_tier(self):
