@@ -57,8 +57,8 @@ def paged_batch(new, prefix, dtype):
     """q [T, HQ, D], caches, block tables for sequences with `prefix` cached + `new` tokens."""
     need = [(p + n + BS - 1) // BS for p, n in zip(prefix, new)]
     nb = sum(need) + 1
-    cache = lambda: (np.zeros((nb, BS, HK, D), np.uint16) if dtype == "bf16"  # noqa: E731
-                     else np.zeros((nb, BS, HK, D), np.float32))
+    kv = {"f32": "float32", "bf16": "bfloat16", "int8": "int8"}[dtype]
+    cache = lambda: np.zeros((nb, BS, HK, ref.kv_row_width(D, kv)), ref.KV_CACHE_DTYPES[kv])  # noqa: E731
     kc, vc = cache(), cache()
     bt = np.zeros((len(new), max(need)), np.int32)
     ids = RNG.permutation(np.arange(1, nb)).astype(np.int32)
@@ -83,8 +83,8 @@ def torch_sdpa(q, kc, vc, bt, qs, cl):  # called in the torch-only child process
     for s in range(len(cl)):
         n, ctx = int(qs[s + 1] - qs[s]), int(cl[s])
         blocks = bt[s, :(ctx + BS - 1) // BS]
-        k = ref.as_f32(kc[blocks]).reshape(-1, HK, D)[:ctx]
-        v = ref.as_f32(vc[blocks]).reshape(-1, HK, D)[:ctx]
+        k = ref.kv_as_f32(kc[blocks]).reshape(-1, HK, D)[:ctx]
+        v = ref.kv_as_f32(vc[blocks]).reshape(-1, HK, D)[:ctx]
         qt = torch.from_numpy(q[qs[s]:qs[s + 1]]).transpose(0, 1)[None]
         kt = torch.from_numpy(np.ascontiguousarray(k.transpose(1, 0, 2)))[None]
         vt = torch.from_numpy(np.ascontiguousarray(v.transpose(1, 0, 2)))[None]
@@ -132,21 +132,22 @@ def cases(quick: bool):
                          np.sin(pos[:, None] * 1e-3 + np.zeros(D // 2))], 1).astype(np.float32)
     yield ("rotary", f"q [{T}, {HQ}, {D}]", lambda: cpu.rotary(q, k, pos, cs),
            lambda: ref.rotary(q, k, pos, cs), None)
-    kc = np.zeros((T // BS + 1, BS, HK, D), np.uint16)
-    vc = kc.copy()
     slots = np.arange(T, dtype=np.int64)
-    yield ("reshape_and_cache bf16", f"[{T}, {HK}, {D}]",
-           lambda: cpu.reshape_and_cache(k, k, kc, vc, slots),
-           lambda: ref.reshape_and_cache(k, k, kc, vc, slots), None)
+    for kv in ("bfloat16", "int8"):
+        kc = np.zeros((T // BS + 1, BS, HK, ref.kv_row_width(D, kv)), ref.KV_CACHE_DTYPES[kv])
+        vc = kc.copy()
+        yield (f"reshape_and_cache {kv}", f"[{T}, {HK}, {D}]",
+               lambda kc=kc, vc=vc: cpu.reshape_and_cache(k, k, kc, vc, slots),
+               lambda kc=kc, vc=vc: ref.reshape_and_cache(k, k, kc, vc, slots), None)
     n_pre = 512 if quick else 2048
-    for dtype in ("f32", "bf16"):
+    for dtype in ("f32", "bf16", "int8"):
         b = paged_batch([n_pre], [0], dtype)
         o = np.empty_like(b[0])
         yield (f"attention prefill {dtype}", f"1 x {n_pre} new",
                lambda b=b, o=o: cpu.paged_attention(*b, D ** -0.5, o),
                lambda b=b, o=o: ref.paged_attention(*b, D ** -0.5, o), lambda b=b: torch_sdpa(*b))
     n_seq, ctx = (8, 512) if quick else (16, 2048)
-    for dtype in ("f32", "bf16"):
+    for dtype in ("f32", "bf16", "int8"):
         b = paged_batch([1] * n_seq, [ctx - 1] * n_seq, dtype)
         o = np.empty_like(b[0])
         yield (f"attention decode {dtype}", f"{n_seq} x 1 new, ctx {ctx}",

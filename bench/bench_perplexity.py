@@ -6,12 +6,17 @@ chunk scored (every scored token sees at least n_ctx / 2 tokens before it).
     python bench/bench_perplexity.py                                  # bf16, int8, int4
     python bench/bench_perplexity.py --variants bf16 int8 int8-channel int8-g32 int4
     python bench/bench_perplexity.py --llama-perplexity /path/to/llama-perplexity
+    python bench/bench_perplexity.py --variants bf16 --kv-cache-dtype bfloat16 int8   # KV drift
 
 Variants: "bf16" and "f32" run the GGUF's weights dequantized into a bf16 Hugging Face directory
 (default_model_dir()) in that dtype; "int4" runs the GGUF's Q4_1 blocks as they are (Engine's
 default); any other name (int8, int8-channel, int8-g32, int4-g128-sym, ...) is quantized at
 load from that bf16 directory, the lm_head as --lm-head-quantization says. With
 --llama-perplexity, that binary runs on the same GGUF, text, n_ctx and number of chunks.
+
+--kv-cache-dtype runs every variant with each KV cache dtype given (auto: the variant's dtype)
+and reports, beside each perplexity, the drift of the scored tokens' log-probs from the first
+KV dtype's on the same weights: mean and max |log p - log p_ref| over every scored token.
 """
 from __future__ import annotations
 
@@ -38,6 +43,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--variants", nargs="+", default=["bf16", "int8", "int4"])
     ap.add_argument("--lm-head-quantization", default="auto",
                     help="lm_head of the variants quantized at load: auto, none or an int8 format")
+    ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "bfloat16", "float32", "int8"],
+                    help="KV cache dtypes (auto, bfloat16, float32, int8) to run each variant with; the "
+                         "others' log-prob drift is measured against the first")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--llama-perplexity", default=None, metavar="PATH",
                     help="also run this llama.cpp llama-perplexity binary on the same GGUF and text")
@@ -87,11 +95,19 @@ def tokenize(text: str) -> tuple[list[int], int | None]:
     return tok.encode(text, add_special_tokens=False), bos
 
 
-def engine_for(variant: str, args):
+def logprob_drift(lps: list, ref: list, n_ctx: int) -> tuple[float, float]:
+    """Mean and max |lp - ref| over the scored tokens (the second half of every chunk)."""
+    import numpy as np
+    d = np.concatenate([np.abs(np.asarray(a[n_ctx // 2:], np.float64) - np.asarray(b[n_ctx // 2:], np.float64))
+                        for a, b in zip(lps, ref)])
+    return float(d.mean()), float(d.max())
+
+
+def engine_for(variant: str, kv_cache_dtype: str, args):
     from numa_runtime import Engine
     from numa_runtime.default_model import default_model_dir, find_default_gguf
     kw = dict(max_model_len=args.n_ctx, num_threads=args.threads, kv_cache_memory=64 << 20,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     if variant in ("bf16", "f32"):
         return Engine(default_model_dir(), dtype="bfloat16" if variant == "bf16" else "float32", **kw)
     if variant == "int4":
@@ -100,17 +116,19 @@ def engine_for(variant: str, args):
     return Engine(default_model_dir(), quantization=variant, lm_head_quantization=head, **kw)
 
 
-def run_variant(variant: str, chunks: list[list[int]], args) -> dict:
-    eng = engine_for(variant, args)
+def run_variant(variant: str, kv_cache_dtype: str, chunks: list[list[int]], args) -> tuple[dict, list]:
+    """The variant's perplexity with this KV dtype, and its log-probs per chunk."""
+    eng = engine_for(variant, kv_cache_dtype, args)
     try:
         t0 = time.perf_counter()
         lps = [eng.prompt_logprobs(c) for c in chunks]
         secs = time.perf_counter() - t0
         head = getattr(eng.runner.model.lm_head, "dtype", "?")
+        kv = eng.summary()["kv_cache_dtype"]
     finally:
         eng.close()
     ppl, n = perplexity_of(lps, args.n_ctx)
-    return {"ppl": ppl, "scored_tokens": n, "seconds": secs, "lm_head": head}
+    return {"ppl": ppl, "scored_tokens": n, "seconds": secs, "lm_head": head, "kv_cache": kv}, lps
 
 
 def run_llama(args, n_chunks: int) -> dict:
@@ -136,16 +154,30 @@ def main(argv=None) -> None:
     chunks = chunks_of(ids, args.n_ctx, args.tokens, bos)
     if not chunks:
         raise SystemExit(f"{args.text} has {len(ids)} tokens, fewer than one chunk of {args.n_ctx}.")
-    results = {v: run_variant(v, chunks, args) for v in args.variants}
+    results = {}
+    for v in args.variants:
+        ref = None
+        for kv in args.kv_cache_dtype:
+            r, lps = run_variant(v, kv, chunks, args)
+            if ref is None:
+                ref = lps
+            else:
+                r["logprob_drift_mean"], r["logprob_drift_max"] = logprob_drift(lps, ref, args.n_ctx)
+            results[v if len(args.kv_cache_dtype) == 1 else f"{v} kv={kv}"] = {"weights": v, **r}
     if args.llama_perplexity:
         results["llama.cpp Q4_1"] = run_llama(args, len(chunks))
-    base = results.get("bf16", {}).get("ppl")
+    base = next((r["ppl"] for r in results.values() if r.get("weights") == "bf16"), None)
     lines = [f"SmolLM2-135M-Instruct (Q4_1 GGUF), {os.path.basename(args.text)}: {len(chunks)} chunks of "
-             f"{args.n_ctx} tokens ({len(ids)} in the text), second half of each chunk scored", "",
-             "| weights | lm_head | perplexity | vs bf16 |", "| --- | --- | --- | --- |"]
+             f"{args.n_ctx} tokens ({len(ids)} in the text), second half of each chunk scored; log-prob "
+             f"drift of the scored tokens against KV {args.kv_cache_dtype[0]} on the same weights", "",
+             "| weights | KV cache | lm_head | perplexity | vs bf16 | mean abs log-prob drift | max |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in results.items():
         rel = f"{(r['ppl'] / base - 1) * 100:+.2f}%" if base else "-"
-        lines.append(f"| {name} | {r.get('lm_head', 'as stored')} | {r['ppl']:.4f} | {rel} |")
+        drift = (f"{r['logprob_drift_mean']:.5f} | {r['logprob_drift_max']:.4f}" if "logprob_drift_mean" in r
+                 else "- | -")
+        lines.append(f"| {r.get('weights', name)} | {r.get('kv_cache', 'f16')} | {r.get('lm_head', 'as stored')} | "
+                     f"{r['ppl']:.4f} | {rel} | {drift} |")
     report = {"text": args.text, "text_tokens": len(ids), "n_ctx": args.n_ctx, "chunks": len(chunks),
               "bos": bos, "results": results}
     print("\n".join(lines))

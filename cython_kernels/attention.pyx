@@ -2,9 +2,14 @@
 """Paged KV cache: reshape_and_cache and causal paged_attention (reference semantics).
 
 Layout contract: q, k, v and out are [T, H, D] float32 with a contiguous last axis and any
-token/head stride (slices of a fused qkv buffer are fine); k_cache/v_cache are C-contiguous
-[num_blocks, block_size, Hk, D], both float32 or both bf16 bits (uint16); block_tables,
-query_start and context_lens are converted to contiguous int32 if they are not already.
+token/head stride (slices of a fused qkv buffer are fine); k_cache/v_cache are C-contiguous,
+both of one type: float32 or bf16 bits (uint16) [num_blocks, block_size, Hk, D], or int8
+[num_blocks, block_size, Hk, D + 4], each row D values and their f32 scale
+(reference.quantize_kv); block_tables, query_start and context_lens are converted to
+contiguous int32 if they are not already.
+
+NOTE: an int8 row carries its own scale, so a cache stays one array per K and per V: the model
+passes it as it passes a bf16 one, and whatever copies blocks (the disk tier) copies the scales.
 """
 import numpy as np
 cimport numpy as cnp
@@ -18,7 +23,7 @@ cdef extern from "attention_kernels.h":
         int64_t q_st, q_sh
         const void *kc
         const void *vc
-        int is_bf16
+        int kv_type
         int64_t nb, bs, Hq, Hk, D
         const int32_t *bt
         int64_t bt_st, max_blocks
@@ -33,9 +38,10 @@ cdef extern from "attention_kernels.h":
         int64_t o_st, o_sh
     int64_t nr_reshape_and_cache(const float *k, int64_t k_st, int64_t k_sh,
                                  const float *v, int64_t v_st, int64_t v_sh,
-                                 void *kc, void *vc, int is_bf16, int64_t T, int64_t Hk,
+                                 void *kc, void *vc, int kv_type, int64_t T, int64_t Hk,
                                  int64_t D, const int64_t *slots, int64_t n_slots) nogil
     int64_t nr_attn_check(const nr_attn_args *a, int64_t T) nogil
+    int64_t nr_kv_row(int kv_type, int64_t D) nogil
     int nr_tile_level() nogil
     void nr_paged_attention(const nr_attn_args *a) nogil
 
@@ -73,30 +79,44 @@ cdef _check_thd(t, str name, bint writable=False):
     return t.strides[0] // 4, t.strides[1] // 4
 
 
-cdef _check_caches(k_cache, v_cache):
+_KV_TYPES = {np.dtype(np.float32): 0, np.dtype(np.uint16): 1, np.dtype(np.int8): 2}  # nr_kv_type
+
+
+cdef int _check_caches(k_cache, v_cache, int64_t D) except -1:
+    """Both caches C-contiguous [nb, bs, Hk, row] of one type with rows for head dim D;
+    returns the nr_kv_type."""
     for c, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
         if not isinstance(c, np.ndarray) or c.ndim != 4 or not c.flags.c_contiguous:
             raise ValueError("%s must be a C-contiguous [num_blocks, block_size, Hk, D] array"
                              % name)
-        if c.dtype != np.float32 and c.dtype != np.uint16:
-            raise TypeError("%s must be float32 or bf16 bits (uint16), got %s" % (name, c.dtype))
+        if c.dtype not in _KV_TYPES:
+            raise TypeError("%s must be float32, bf16 bits (uint16) or int8, got %s"
+                            % (name, c.dtype))
     if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError("k_cache %s %s and v_cache %s %s differ" % (
             k_cache.shape, k_cache.dtype, v_cache.shape, v_cache.dtype))
+    cdef int kv_type = _KV_TYPES[k_cache.dtype]
+    if k_cache.shape[3] != nr_kv_row(kv_type, D):
+        raise ValueError("a %s cache for head dim %d needs rows of %d, got %s%s" % (
+            k_cache.dtype, D, nr_kv_row(kv_type, D), k_cache.shape,
+            " (D int8 values + a 4-byte f32 scale)" if kv_type == 2 else ""))
+    return kv_type
 
 
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
-    """Write new K/V rows into the paged cache (rounded to bf16 for a bf16 cache).
+    """Write new K/V rows into the paged cache (rounded to bf16 for a bf16 cache, quantized
+    per row with its scale for an int8 one).
 
-    k, v: [T, Hk, D] f32; k_cache, v_cache: [num_blocks, block_size, Hk, D] f32|bf16;
-    slot_mapping: [T] int64, slot = block_id * block_size + offset; a slot < 0 is skipped.
+    k, v: [T, Hk, D] f32; k_cache, v_cache: [num_blocks, block_size, Hk, D] f32|bf16 or
+    [num_blocks, block_size, Hk, D + 4] int8; slot_mapping: [T] int64,
+    slot = block_id * block_size + offset; a slot < 0 is skipped.
     """
     k_st, k_sh = _check_thd(k, "k")
     v_st, v_sh = _check_thd(v, "v")
-    _check_caches(k_cache, v_cache)
+    cdef int kv_type = _check_caches(k_cache, v_cache, k.shape[2])
     cdef cnp.ndarray slots = np.ascontiguousarray(slot_mapping, dtype=np.int64).reshape(-1)
     cdef int64_t T = k.shape[0], Hk = k.shape[1], D = k.shape[2]
-    if v.shape != k.shape or slots.shape[0] != T or k_cache.shape[2:] != (Hk, D):
+    if v.shape != k.shape or slots.shape[0] != T or k_cache.shape[2] != Hk:
         raise ValueError("reshape_and_cache: k %s, v %s, slot_mapping %s and cache %s disagree"
                          % (k.shape, v.shape, slot_mapping.shape, k_cache.shape))
     cdef int64_t n_slots = k_cache.shape[0] * k_cache.shape[1]
@@ -105,10 +125,9 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
     cdef void *pkc = cnp.PyArray_DATA(k_cache)
     cdef void *pvc = cnp.PyArray_DATA(v_cache)
     cdef const int64_t *ps = <const int64_t *>cnp.PyArray_DATA(slots)
-    cdef int is_bf16 = k_cache.dtype == np.uint16
     cdef int64_t ks0 = k_st, ks1 = k_sh, vs0 = v_st, vs1 = v_sh, bad
     with nogil:
-        bad = nr_reshape_and_cache(pk, ks0, ks1, pv, vs0, vs1, pkc, pvc, is_bf16, T, Hk, D,
+        bad = nr_reshape_and_cache(pk, ks0, ks1, pv, vs0, vs1, pkc, pvc, kv_type, T, Hk, D,
                                    ps, n_slots)
     if bad >= 0:
         raise IndexError("slot_mapping[%d] = %d is past the cache's %d slots; nothing written"
@@ -122,7 +141,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens
     q: [T, Hq, D] f32, new tokens of all sequences back to back; query_start: [S+1] int32;
     context_lens: [S] int32, cached tokens of s *including* its new ones (already written);
     query row i of s sits at position context_lens[s] - n_new + i; block_tables:
-    [S, max_blocks] int32; k_cache/v_cache: [num_blocks, block_size, Hk, D] f32|bf16;
+    [S, max_blocks] int32; k_cache/v_cache: [num_blocks, block_size, Hk, D] f32|bf16 or
+    [num_blocks, block_size, Hk, D + 4] int8 (dequantized as read);
     query head h reads kv head h // (Hq // Hk). out: [T, Hq, D] f32 (rows of sequences with
     no new tokens are not written). window > 0: the query at position P sees only keys
     P - window + 1 .. P (sliding window); 0: every earlier key. Online softmax in f32; long
@@ -131,13 +151,14 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens
     cdef nr_attn_args a
     q_st, q_sh = _check_thd(q, "q")
     o_st, o_sh = _check_thd(out, "out", True)
-    _check_caches(k_cache, v_cache)
     if out.shape != q.shape:
         raise ValueError("out %s must have q's shape %s" % (out.shape, q.shape))
-    nb, bs, hk, d = k_cache.shape
-    if q.shape[2] != d or hk < 1 or q.shape[1] % hk:
-        raise ValueError("q %s does not fit a cache of [*, *, %d, %d] (Hq must be a multiple "
-                         "of Hk)" % (q.shape, hk, d))
+    d = q.shape[2]
+    a.kv_type = _check_caches(k_cache, v_cache, d)
+    nb, bs, hk = k_cache.shape[:3]
+    if hk < 1 or q.shape[1] % hk:
+        raise ValueError("q %s does not fit a cache of %s (Hq must be a multiple of Hk)"
+                         % (q.shape, k_cache.shape))
     cdef cnp.ndarray bt = np.ascontiguousarray(block_tables, dtype=np.int32)
     cdef cnp.ndarray qs = np.ascontiguousarray(query_start, dtype=np.int32).reshape(-1)
     cdef cnp.ndarray cl = np.ascontiguousarray(context_lens, dtype=np.int32).reshape(-1)
@@ -150,7 +171,6 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens
     a.q_sh = q_sh
     a.kc = cnp.PyArray_DATA(k_cache)
     a.vc = cnp.PyArray_DATA(v_cache)
-    a.is_bf16 = k_cache.dtype == np.uint16
     a.nb, a.bs, a.Hq, a.Hk, a.D = nb, bs, q.shape[1], hk, d
     a.bt = <const int32_t *>cnp.PyArray_DATA(bt)
     a.bt_st = bt.shape[1]

@@ -1,7 +1,9 @@
 /* Paged KV cache write and causal paged attention (flash-style online softmax in f32).
  *
- * Caches are C-contiguous [num_blocks, block_size, Hk, D], f32 or bf16 bits. q/k/v/out are
- * [T, H, D] with any token and head stride but a contiguous last axis.
+ * Caches are C-contiguous [num_blocks, block_size, Hk, row] of one element type (kv_rows.h):
+ * f32 or bf16 bits with row = D, or int8 with row = D + 4 (the values, then their f32 scale).
+ * int8 rows are quantized when written and dequantized into f32 when read, like bf16 rows.
+ * q/k/v/out are [T, H, D] with any token and head stride but a contiguous last axis.
  *
  * Work split: one item = (sequence, kv head, chunk of query rows, range of keys); an item
  * handles all `group` query heads sharing that kv head, so each K/V row is read once per item
@@ -19,6 +21,7 @@
 
 #include <stdlib.h>
 #include <omp.h>
+#include "kv_rows.h"
 #include "ops_math.h"
 #include "tile_kernels.h"
 
@@ -28,8 +31,9 @@
 
 static int64_t nr_reshape_and_cache(const float *k, int64_t k_st, int64_t k_sh,
                                     const float *v, int64_t v_st, int64_t v_sh,
-                                    void *kc, void *vc, int is_bf16, int64_t T, int64_t Hk,
+                                    void *kc, void *vc, int kv_type, int64_t T, int64_t Hk,
                                     int64_t D, const int64_t *slots, int64_t n_slots) {
+    int64_t row = nr_kv_row(kv_type, D);
     for (int64_t t = 0; t < T; t++)
         if (slots[t] >= n_slots) return t;  /* caller raises */
     #pragma omp parallel for schedule(static) if (T * Hk * D > 65536)
@@ -38,8 +42,11 @@ static int64_t nr_reshape_and_cache(const float *k, int64_t k_st, int64_t k_sh,
         if (slot < 0) continue;
         for (int64_t h = 0; h < Hk; h++) {
             const float *ks = k + t * k_st + h * k_sh, *vs = v + t * v_st + h * v_sh;
-            int64_t off = (slot * Hk + h) * D;
-            if (is_bf16) {
+            int64_t off = (slot * Hk + h) * row;
+            if (kv_type == NR_KV_INT8) {
+                nr_quantize_row(ks, D, (int8_t *)kc + off);
+                nr_quantize_row(vs, D, (int8_t *)vc + off);
+            } else if (kv_type == NR_KV_BF16) {
                 uint16_t *kd = (uint16_t *)kc + off, *vd = (uint16_t *)vc + off;
                 #pragma omp simd
                 for (int64_t d = 0; d < D; d++) {
@@ -57,7 +64,7 @@ static int64_t nr_reshape_and_cache(const float *k, int64_t k_st, int64_t k_sh,
 
 typedef struct {
     const float *q; int64_t q_st, q_sh;
-    const void *kc, *vc; int is_bf16;
+    const void *kc, *vc; int kv_type;  /* nr_kv_type */
     int64_t nb, bs, Hq, Hk, D;
     const int32_t *bt; int64_t bt_st, max_blocks;
     const int32_t *qstart, *ctx; int64_t S;
@@ -68,16 +75,19 @@ typedef struct {
     float *out; int64_t o_st, o_sh;
 } nr_attn_args;
 
-/* Row pointers of keys/values j0..j0+nk of kv head hk of sequence s (bf16 rows are
+/* Row pointers of keys/values j0..j0+nk of kv head hk of sequence s (bf16 and int8 rows are
  * converted into buf). */
 static inline void nr_gather(const nr_attn_args *a, const void *cache, int64_t s, int64_t hk,
                              int64_t j0, int64_t nk, float *buf, const float **rows) {
     const int32_t *bt = a->bt + s * a->bt_st;
-    int64_t D = a->D;
+    int64_t D = a->D, row = nr_kv_row(a->kv_type, D);
     for (int64_t j = 0; j < nk; j++) {
         int64_t p = j0 + j;
-        int64_t off = (((int64_t)bt[p / a->bs] * a->bs + p % a->bs) * a->Hk + hk) * D;
-        if (a->is_bf16) {
+        int64_t off = (((int64_t)bt[p / a->bs] * a->bs + p % a->bs) * a->Hk + hk) * row;
+        if (a->kv_type == NR_KV_INT8) {
+            nr_dequantize_row((const int8_t *)cache + off, D, buf + j * D);
+            rows[j] = buf + j * D;
+        } else if (a->kv_type == NR_KV_BF16) {
             const uint16_t *src = (const uint16_t *)cache + off;
             float *dst = buf + j * D;
             #pragma omp simd
@@ -231,7 +241,7 @@ static inline size_t nr_ws_tiled_floats(int64_t nq, int64_t D) {
 static void nr_gather_tiles(const nr_attn_args *a, int64_t s, int64_t hk, int64_t j0, int64_t nk,
                             float *Kt, float *Vb, int64_t Dp) {
     const int32_t *bt = a->bt + s * a->bt_st;
-    int64_t D = a->D;
+    int64_t D = a->D, row = nr_kv_row(a->kv_type, D);
     for (int64_t j = 0; j < NR_KT; j++) {
         float *vd = Vb + j * Dp;
         if (j >= nk) {
@@ -240,8 +250,13 @@ static void nr_gather_tiles(const nr_attn_args *a, int64_t s, int64_t hk, int64_
             continue;
         }
         int64_t p = j0 + j;
-        int64_t off = (((int64_t)bt[p / a->bs] * a->bs + p % a->bs) * a->Hk + hk) * D;
-        if (a->is_bf16) {
+        int64_t off = (((int64_t)bt[p / a->bs] * a->bs + p % a->bs) * a->Hk + hk) * row;
+        if (a->kv_type == NR_KV_INT8) {
+            const int8_t *ks = (const int8_t *)a->kc + off;
+            float sk = nr_row_scale(ks, D);
+            for (int64_t d = 0; d < D; d++) Kt[d * NR_KT + j] = (float)ks[d] * sk;
+            nr_dequantize_row((const int8_t *)a->vc + off, D, vd);
+        } else if (a->kv_type == NR_KV_BF16) {
             const uint16_t *ks = (const uint16_t *)a->kc + off, *vs = (const uint16_t *)a->vc + off;
             for (int64_t d = 0; d < D; d++) Kt[d * NR_KT + j] = nr_bf16_to_f32(ks[d]);
             #pragma omp simd

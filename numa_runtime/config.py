@@ -223,6 +223,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes per rank; None: kv_cache_fraction of available memory
     kv_cache_fraction: float = 0.2
+    kv_cache_dtype: str = "auto"        # "auto" (the dtype's: bf16 or f32), "bfloat16", "float32" or "int8"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
@@ -251,6 +252,9 @@ class EngineConfig:
             raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}.")
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}.")
+        kv = self.kv_cache_dtype
+        if kv not in ("auto", "int8") and _DTYPES.get(str(kv)) not in ("bfloat16", "float32"):
+            raise ValueError(f"kv_cache_dtype must be 'auto', 'bfloat16', 'float32' or 'int8', got {kv!r}.")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive.")
         if self.quantization is not None:
@@ -269,6 +273,9 @@ class EngineConfig:
         if self.device == "cuda" and head is not None:
             raise ValueError("An int8 lm_head has no CUDA kernel yet; pass lm_head_quantization=None "
                              "or run on device='cpu'.")
+        if self.device == "cuda" and self.kv_dtype != self.dtype:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} has no CUDA kernel yet (the GPU KV cache "
+                             f"holds {self.dtype}); drop it or run on device='cpu'.")
         if self.host_kv_cache_memory and self.device != "cuda":
             raise ValueError("host_kv_cache_memory is a tier behind the GPU KV cache; it needs device='cuda'.")
         if self.data_parallel is not None and (isinstance(self.data_parallel, bool) or not isinstance(
@@ -280,6 +287,12 @@ class EngineConfig:
                              "KV tier (host_kv_cache_memory) instead.")
         if not 0.0 < self.kv_cache_fraction <= 0.95:
             raise ValueError(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction!r}.")
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV cache's element type: "bfloat16", "float32" or "int8" ("auto": the dtype)."""
+        kv = self.kv_cache_dtype
+        return self.dtype if kv == "auto" else "int8" if kv == "int8" else _DTYPES[str(kv)]
 
     @property
     def disk_tier(self):

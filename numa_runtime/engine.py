@@ -177,8 +177,9 @@ class Engine:
         log.info("model %s (%s) in %s on %d rank(s) x %d thread(s); max_model_len %d",
                  os.path.basename(s["model"]), s["architecture"], s["dtype"], s["ranks"],
                  s["threads_per_rank"], s["max_model_len"])
-        log.info("KV cache: %d blocks of %d tokens, %.0f MiB per rank, %d tokens at once",
-                 s["kv_blocks"], s["block_size"], s["kv_cache_bytes"] / mib, s["max_concurrent_tokens"])
+        log.info("KV cache (%s): %d blocks of %d tokens, %.0f MiB per rank, %d tokens at once",
+                 s["kv_cache_dtype"], s["kv_blocks"], s["block_size"], s["kv_cache_bytes"] / mib,
+                 s["max_concurrent_tokens"])
         for r in s["per_rank"] or []:
             m = r["memory"]
             log.info("rank %d: node %s, %d cpus, weights %.0f MiB, RSS %.0f MiB; memory policy %s %s, "
@@ -192,6 +193,7 @@ class Engine:
                 "data_parallel": self.parallel.data_parallel, "tensor_parallel": self.parallel.tensor_parallel,
                 "max_model_len": self.max_model_len, "kv_blocks": self.runner.num_blocks,
                 "block_size": self.config.block_size, "kv_cache_bytes": self.runner.kv_cache_bytes,
+                "kv_cache_dtype": self.config.kv_dtype,
                 "max_concurrent_tokens": self.runner.num_blocks * self.config.block_size,
                 "per_rank": self.ranks}
 

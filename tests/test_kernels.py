@@ -115,17 +115,21 @@ def test_rotary_on_fused_qkv_views(hq, hk, d, rot, t):
 
 
 # ----------------------------------------------------------------------------- KV cache + attention
+KV_DTYPES = {"f32": "float32", "bf16": "bfloat16", "int8": "int8"}
+
+
 def make_cache(nb, bs, hk, d, dtype):
-    shape = (nb, bs, hk, d)
-    if dtype == "bf16":
-        return np.zeros(shape, np.uint16), np.zeros(shape, np.uint16)
-    return np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+    name = KV_DTYPES[dtype]
+    shape = (nb, bs, hk, ref.kv_row_width(d, name))
+    return np.zeros(shape, ref.KV_CACHE_DTYPES[name]), np.zeros(shape, ref.KV_CACHE_DTYPES[name])
 
 
-@pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_reshape_and_cache(dtype):
-    t, hk, d, bs = 33, 2, 72, 5
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "int8"])
+@pytest.mark.parametrize("d", [72, 7])
+def test_reshape_and_cache(dtype, d):
+    t, hk, bs = 33, 2, 5
     kv = randn(t, 2 * hk, d)
+    kv[4, 1] = 0.0  # an all-zero row (int8: scale 0)
     k, v = kv[:, :hk], kv[:, hk:]  # strided views
     slots = RNG.permutation(12 * bs)[:t].astype(np.int64)
     slots[[3, 9]] = -1
@@ -137,6 +141,56 @@ def test_reshape_and_cache(dtype):
     np.testing.assert_array_equal(vc, vc2)
     with pytest.raises(IndexError):
         cpu.reshape_and_cache(k[:1], v[:1], kc, vc, np.array([12 * bs]))
+
+
+@pytest.mark.parametrize("d", [1, 7, 33, 64, 4095])
+def test_quantize_kv_rows(d):
+    """int8 rows: per-row absmax / 127 scale, values within half a step, zero rows exact."""
+    x = randn(6, 3, d, scale=3.0)
+    x[2, 1] = 0.0
+    x[0, 0, 0] = 1e4  # one outlier sets its row's scale only
+    rows = ref.quantize_kv(x)                       # [6, 3, d + 4] int8
+    assert rows.shape == (6, 3, d + 4) and rows.dtype == np.int8
+    scale = np.ascontiguousarray(rows[..., d:]).view(np.float32)[..., 0]
+    np.testing.assert_array_equal(scale, (np.abs(x).max(-1) / np.float32(127)).astype(np.float32))
+    assert np.abs(rows[..., :d]).max() == 127
+    back = ref.dequantize_kv(rows)
+    assert np.all(np.abs(back - x) <= scale[..., None] * 0.5001 + 1e-30)
+    np.testing.assert_array_equal(back[2, 1], 0.0)
+    assert np.abs(back[0, 1] - x[0, 1]).max() < 1e4 / 254 / 10  # the outlier coarsens its row only
+
+
+@pytest.mark.parametrize("case", [(7, 7, 33, 3, [1, 6], [40, 9]), (4, 2, 64, 16, [1, 30], [700, 0])])
+def test_int8_cache_close_to_f32(case):
+    """int8 KV changes attention by no more than its rounding: close to f32 KV, not equal."""
+    hq, hk, d, bs, new, prefix = case
+    q, kc8, vc8, bt, qs, cl = build_batch(hq, hk, d, bs, new, prefix, "int8", fused=False)
+    nb = kc8.shape[0]
+    kc, vc = make_cache(nb, bs, hk, d, "f32")
+    kc[:], vc[:] = ref.dequantize_kv(kc8), ref.dequantize_kv(vc8)
+    out8 = cpu.paged_attention(q, kc8, vc8, bt, qs, cl, d ** -0.5, np.zeros(q.shape, np.float32))
+    close(out8, cpu.paged_attention(q, kc, vc, bt, qs, cl, d ** -0.5, np.zeros(q.shape, np.float32)),
+          1e-5, 2e-6)  # int8 reads are exactly its dequantized rows
+    kf, vf = make_cache(nb, bs, hk, d, "f32")
+    exact = RNG.standard_normal(kf.shape).astype(np.float32), RNG.standard_normal(vf.shape).astype(np.float32)
+    kf[:], vf[:] = exact
+    kc8[:], vc8[:] = ref.quantize_kv(exact[0]), ref.quantize_kv(exact[1])
+    want = cpu.paged_attention(q, kf, vf, bt, qs, cl, d ** -0.5, np.zeros(q.shape, np.float32))
+    out8 = cpu.paged_attention(q, kc8, vc8, bt, qs, cl, d ** -0.5, np.zeros(q.shape, np.float32))
+    err = np.abs(out8 - want).max()
+    assert 0 < err < 0.03, err
+
+
+def test_cache_row_width_is_checked():
+    """An int8 cache needs D + 4 bytes per row, the others D elements."""
+    k = randn(2, 2, 16)
+    for dtype, row, need in ((np.int8, 16, 20), (np.uint16, 20, 16), (np.float32, 20, 16)):
+        kc = np.zeros((4, 4, 2, row), dtype)
+        with pytest.raises(ValueError, match=f"rows of {need}"):
+            cpu.reshape_and_cache(k, k, kc, kc.copy(), np.arange(2))
+        with pytest.raises(ValueError, match=f"rows of {need}"):
+            cpu.paged_attention(k, kc, kc.copy(), np.zeros((1, 1), np.int32), np.array([0, 2]),
+                                np.array([2]), 0.25, np.empty_like(k))
 
 
 def build_batch(hq, hk, d, bs, new, prefix, dtype, fused):
@@ -171,10 +225,12 @@ ATTN_CASES = [  # hq, hk, d, bs, new tokens, cached prefix
     (14, 2, 128, 5, [1, 9, 0, 1], [130, 0, 3, 64]),  # a sequence with no new tokens
     (4, 2, 256, 16, [65], [0]),
     (6, 3, 80, 16, [1, 2], [3, 90]),
+    (7, 7, 33, 3, [1, 6, 1], [41, 9, 0]),        # 7 kv heads, head dim 33, blocks of 3
+    (5, 1, 7, 4, [12, 1], [5, 17]),              # head dim 7 (one vector tail only)
 ]
 
 
-@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "int8"])
 @pytest.mark.parametrize("case", ATTN_CASES)
 def test_paged_attention(case, dtype):
     hq, hk, d, bs, new, prefix = case
@@ -191,15 +247,17 @@ LONG_CASES = [  # long contexts with few items: the key range is split over thre
     (4, 1, 72, 5, [1, 1], [1500, 700]),         # MQA, odd head dim and block size
     (8, 2, 64, 16, [1, 40], [2100, 900]),       # decode beside a prefill chunk
     (2, 2, 128, 16, [1, 0], [520, 3]),          # just over two splits; an idle sequence
+    (3, 3, 33, 7, [1, 1], [900, 260]),          # odd head dim and block size, 3 kv heads
 ]
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
 @pytest.mark.parametrize("threads", [1, 2, 7, 16])
 @pytest.mark.parametrize("case", LONG_CASES)
-def test_paged_attention_split_context(case, threads):
+def test_paged_attention_split_context(case, threads, dtype):
     """Flash-decoding: any thread count (so any number of splits) gives the reference."""
     hq, hk, d, bs, new, prefix = case
-    q, kc, vc, bt, qs, cl = build_batch(hq, hk, d, bs, new, prefix, "bf16", fused=False)
+    q, kc, vc, bt, qs, cl = build_batch(hq, hk, d, bs, new, prefix, dtype, fused=False)
     want = ref.paged_attention(q, kc, vc, bt, qs, cl, d ** -0.5, np.zeros(q.shape, np.float32))
     old = ops.get_num_threads()
     try:
@@ -210,13 +268,14 @@ def test_paged_attention_split_context(case, threads):
     close(out, want, 1e-5, 2e-6)
 
 
+@pytest.mark.parametrize("dtype", ["f32", "int8"])
 @pytest.mark.parametrize("threads", [1, 16])
 @pytest.mark.parametrize("window", [1, 5, 16, 37, 600])
-def test_paged_attention_sliding_window(window, threads):
+def test_paged_attention_sliding_window(window, threads, dtype):
     """Each query sees the `window` newest keys up to itself; prefill and decode, long and
     short, split and unsplit."""
     q, kc, vc, bt, qs, cl = build_batch(6, 2, 64, 16, [1, 45, 1, 3], [2000, 30, 3, 700],
-                                        "f32", fused=False)
+                                        dtype, fused=False)
     want = ref.paged_attention(q, kc, vc, bt, qs, cl, 0.125, np.zeros(q.shape, np.float32),
                                window=window)
     old = ops.get_num_threads()
@@ -242,7 +301,7 @@ def attn_path(request):
     attention._force_paths(*old)
 
 
-@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "int8"])
 @pytest.mark.parametrize("case", ATTN_CASES + LONG_CASES)
 def test_paged_attention_every_path(case, dtype, attn_path):
     hq, hk, d, bs, new, prefix = case

@@ -69,6 +69,16 @@ def test_tp_greedy_equals_one_rank(single, ranks):
         assert "rank 1/2 holds q heads 6-8 (3), kv heads 2-2 (1)" in log
 
 
+@pytest.mark.parametrize("single", ["9h3kv"], indirect=True)
+def test_tp_int8_kv_equals_one_rank(single):
+    # each rank quantizes the rows of its own kv heads (6 + 3 heads: 2 + 1 kv heads)
+    _, path, _ = single
+    one, _ = run_mpi(1, path, extra=["kv_cache_dtype=int8"])
+    multi, log = run_mpi(2, path, extra=["kv_cache_dtype=int8"])
+    assert one["kv_cache_dtype"] == multi["kv_cache_dtype"] == "int8" and "KV cache (int8)" in log
+    assert multi["tokens"] == one["tokens"]
+
+
 def test_more_ranks_than_heads(tmp_path):
     build_model(str(tmp_path), arch="llama", num_attention_heads=2, num_key_value_heads=1,
                 hidden_size=32)

@@ -126,19 +126,59 @@ def rotary(q: np.ndarray, k: np.ndarray, positions: np.ndarray, cos_sin: np.ndar
 
 
 # ----------------------------------------------------------------------------- KV cache + attention
+# A KV cache row (one slot of one kv head) is D f32 or bf16 values, or for an int8 cache D
+# int8 values q followed by their scale s as the 4 bytes of a native f32: x ~= q * s with
+# s = max |x| / 127 over the row (symmetric; an all-zero row has s = 0).
+KV_CACHE_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "int8": np.int8}  # numpy storage
+KV_SCALE_BYTES = 4
+
+
+def kv_row_width(head_dim: int, kv_dtype: str) -> int:
+    """Elements of one cache row for kv_dtype ("float32", "bfloat16" or "int8")."""
+    return head_dim + KV_SCALE_BYTES if kv_dtype == "int8" else head_dim
+
+
+def quantize_kv(x: np.ndarray) -> np.ndarray:
+    """x: [..., D] f32 -> [..., D + 4] int8 rows: q = rint(x * (127 / max |x|)), then the
+    scale max |x| / 127 (every operation in f32, as the kernel does it)."""
+    x = np.asarray(x, dtype=np.float32)
+    amax = np.abs(x).max(axis=-1, keepdims=True) if x.shape[-1] else np.zeros(x.shape[:-1] + (1,), np.float32)
+    with np.errstate(divide="ignore", over="ignore"):
+        inv = np.where(amax > 0, np.minimum(np.float32(127) / amax, np.finfo(np.float32).max), np.float32(0))
+    q = np.clip(np.rint(x * inv.astype(np.float32)), -127, 127).astype(np.int8)
+    scale = (amax / np.float32(127)).astype(np.float32)
+    return np.concatenate([q, scale.view(np.int8)], axis=-1)
+
+
+def dequantize_kv(rows: np.ndarray) -> np.ndarray:
+    """[..., D + 4] int8 rows -> [..., D] f32 (q * s)."""
+    d = rows.shape[-1] - KV_SCALE_BYTES
+    scale = np.ascontiguousarray(rows[..., d:]).view(np.float32)  # [..., 1]
+    return rows[..., :d].astype(np.float32) * scale
+
+
+def kv_as_f32(rows: np.ndarray) -> np.ndarray:
+    """Cache rows of any KV dtype as f32 [..., D]."""
+    return dequantize_kv(rows) if rows.dtype == np.int8 else as_f32(rows)
+
+
 def reshape_and_cache(k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                       slot_mapping: np.ndarray) -> None:
     """Write new K/V rows into the paged cache.
 
-    k, v: [T, Hk, D] f32; k_cache, v_cache: [num_blocks, block_size, Hk, D] f32 or bf16 bits;
-    slot_mapping: [T] int64, slot = block_id * block_size + offset; a slot < 0 is skipped.
+    k, v: [T, Hk, D] f32; k_cache, v_cache: [num_blocks, block_size, Hk, D] f32 or bf16 bits,
+    or [num_blocks, block_size, Hk, D + 4] int8 (quantize_kv); slot_mapping: [T] int64,
+    slot = block_id * block_size + offset; a slot < 0 is skipped.
     """
     nb, bs = k_cache.shape[:2]
     kc = k_cache.reshape(nb * bs, *k_cache.shape[2:])
     vc = v_cache.reshape(nb * bs, *v_cache.shape[2:])
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    if k_cache.dtype == np.uint16:
+    if k_cache.dtype == np.int8:
+        kc[slots] = quantize_kv(k[valid])
+        vc[slots] = quantize_kv(v[valid])
+    elif k_cache.dtype == np.uint16:
         kc[slots] = f32_to_bf16(k[valid])
         vc[slots] = f32_to_bf16(v[valid])
     else:
@@ -156,7 +196,8 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     context_lens: [S] int32, tokens in the cache for s *including* its new ones (already
       written by reshape_and_cache); the new tokens are the last ones, so query row i of s
       sits at position context_lens[s] - n_new + i and sees keys 0..that position;
-    block_tables: [S, max_blocks] int32; k_cache/v_cache: [num_blocks, block_size, Hk, D];
+    block_tables: [S, max_blocks] int32; k_cache/v_cache: [num_blocks, block_size, Hk, row]
+      with row = D (f32, bf16) or D + 4 (int8, dequantized as read);
     grouped-query: query head h reads kv head h // (Hq // Hk).
     window > 0 (sliding window): the query at position P sees only keys P - window + 1 .. P.
     out: [T, Hq, D] f32. Softmax in f32 with max subtraction.
@@ -171,8 +212,8 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
             continue
         nblk = (ctx + bs - 1) // bs
         blocks = block_tables[s, :nblk]
-        keys = as_f32(k_cache[blocks].reshape(nblk * bs, hk, -1)[:ctx])  # [ctx, Hk, D]
-        vals = as_f32(v_cache[blocks].reshape(nblk * bs, hk, -1)[:ctx])
+        keys = kv_as_f32(k_cache[blocks].reshape(nblk * bs, hk, -1)[:ctx])  # [ctx, Hk, D]
+        vals = kv_as_f32(v_cache[blocks].reshape(nblk * bs, hk, -1)[:ctx])
         keys = np.repeat(keys, group, axis=1)  # [ctx, Hq, D]
         vals = np.repeat(vals, group, axis=1)
         qs = q[q0:q1]  # [n, Hq, D]

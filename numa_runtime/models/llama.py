@@ -11,6 +11,7 @@ import logging
 
 import numpy as np
 
+from ..backend.reference import KV_CACHE_DTYPES, kv_row_width
 from ..config import ModelConfig, UnsupportedModelError, rope_inv_freq
 from ..gguf_model import open_checkpoint
 from ..quant.loader import LinearFactory, head_quantization, parse_quantization
@@ -105,18 +106,17 @@ class LlamaModel:
         buffer (data_ptr) are left out."""
         return [(x.data_ptr, x.nbytes) for x in self._linears() if getattr(x, "data_ptr", 0)]
 
-    @property
-    def kv_dtype(self):
-        return np.uint16 if self.dtype == "bfloat16" else np.float32
+    def kv_bytes_per_block(self, block_size: int, kv_dtype: str) -> int:
+        """KV bytes of one block on this rank, all layers (int8 rows include their scales)."""
+        row = kv_row_width(self.cfg.head_dim, kv_dtype) * np.dtype(KV_CACHE_DTYPES[kv_dtype]).itemsize
+        return 2 * self.cfg.num_layers * block_size * self.lay.num_kv_heads * row
 
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        item = 2 if self.dtype == "bfloat16" else 4
-        return 2 * self.cfg.num_layers * block_size * self.lay.num_kv_heads * self.cfg.head_dim * item
-
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        shape = (num_blocks, block_size, self.lay.num_kv_heads, self.cfg.head_dim)
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: str) -> None:
+        """kv_cache: per layer (K, V), each [num_blocks, block_size, kv heads, row] of kv_dtype
+        (row: head_dim, or head_dim + 4 for int8; backend/reference.py)."""
+        shape = (num_blocks, block_size, self.lay.num_kv_heads, kv_row_width(self.cfg.head_dim, kv_dtype))
         # NOTE: np.zeros maps fresh pages; they land on this rank's node at first write.
-        self.kv_cache = [(np.zeros(shape, self.kv_dtype), np.zeros(shape, self.kv_dtype))
+        self.kv_cache = [(np.zeros(shape, KV_CACHE_DTYPES[kv_dtype]), np.zeros(shape, KV_CACHE_DTYPES[kv_dtype]))
                          for _ in self.layers]
 
     def embed_tokens(self, ids: np.ndarray) -> np.ndarray:
