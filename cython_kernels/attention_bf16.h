@@ -174,7 +174,10 @@ NR_ALWAYS NR_TBF16 void nr_softmax16_bf16(const float *St, int64_t nqp, int64_t 
     __m512i vp = _mm512_loadu_si512((const void *)pos), vf = _mm512_loadu_si512((const void *)first);
     int64_t ja = klo & ~(int64_t)1, jb = (khi + 1) & ~(int64_t)1;
     __m512 mold = _mm512_loadu_ps(m), mx = mold;
-#define NR_SCORE(j) ((j) < klo || (j) >= khi ? ninf : _mm512_mask_blend_ps(                      \
+    /* every lane sees every key of [klo, khi) (no causal or window edge in it): no masks */
+    int all = _mm512_reduce_min_epi32(vp) >= j0 + khi - 1 && _mm512_reduce_max_epi32(vf) <= j0 + klo;
+#define NR_SCORE(j) ((j) < klo || (j) >= khi ? ninf : all ? _mm512_loadu_ps(St + (j) * nqp) :     \
+        _mm512_mask_blend_ps(                                                                   \
         _mm512_cmp_epi32_mask(_mm512_set1_epi32((int)(j0 + (j))), vp, _MM_CMPINT_LE) &          \
         _mm512_cmp_epi32_mask(_mm512_set1_epi32((int)(j0 + (j))), vf, _MM_CMPINT_NLT),          \
         ninf, _mm512_loadu_ps(St + (j) * nqp)))
@@ -198,14 +201,17 @@ NR_ALWAYS NR_TBF16 void nr_softmax16_bf16(const float *St, int64_t nqp, int64_t 
     _mm512_storeu_ps(corr, c);
 }
 
-/* bf16 row pointers of keys/values j0..j0+nk of kv head hk of sequence s, from the cache. */
-static inline void nr_bf16_rows(const nr_attn_args *a, const void *cache, int64_t s, int64_t hk,
-                                int64_t j0, int64_t nk, const uint16_t **rows) {
+/* Row pointers of keys and values j0..j0+nk of kv head hk of sequence s, straight from the
+ * bf16 caches (one division per tile, not per key). */
+static inline void nr_bf16_rows(const nr_attn_args *a, int64_t s, int64_t hk, int64_t j0,
+                                int64_t nk, const uint16_t **krows, const uint16_t **vrows) {
     const int32_t *bt = a->bt + s * a->bt_st;
+    int64_t b = j0 / a->bs, o = j0 % a->bs;
     for (int64_t j = 0; j < nk; j++) {
-        int64_t p = j0 + j;
-        rows[j] = (const uint16_t *)cache +
-                  (((int64_t)bt[p / a->bs] * a->bs + p % a->bs) * a->Hk + hk) * a->D;
+        int64_t off = (((int64_t)bt[b] * a->bs + o) * a->Hk + hk) * a->D;
+        krows[j] = (const uint16_t *)a->kc + off;
+        vrows[j] = (const uint16_t *)a->vc + off;
+        if (++o == a->bs) { o = 0; b++; }
     }
 }
 
@@ -225,7 +231,7 @@ static NR_TBF16 void nr_attn_item_bf16(const nr_attn_args *a, int64_t s, int64_t
 
     memset(Q2, 0, (size_t)(D2 * nqp) * sizeof(uint32_t));
     for (int64_t qi = 0; qi < nqp; qi++) {
-        pos[qi] = -1;  /* padding lanes see no key */
+        pos[qi] = INT32_MAX;  /* padding lanes (zero Q) see every key; P V never reads them */
         first[qi] = 0;
         m[qi] = -INFINITY;
         l[qi] = 0.f;
@@ -244,7 +250,7 @@ static NR_TBF16 void nr_attn_item_bf16(const nr_attn_args *a, int64_t s, int64_t
         int64_t nk = jb - j0 < NR_KT ? jb - j0 : NR_KT;
         int64_t klo = kfirst - j0 > 0 ? kfirst - j0 : 0, khi = klast + 1 - j0 < nk ? klast + 1 - j0 : nk;
         if (khi <= klo) continue;  /* no query of the item sees a key of this tile */
-        nr_bf16_rows(a, a->kc, s, hk, j0, nk, krows);
+        nr_bf16_rows(a, s, hk, j0, nk, krows, vrows);
         nr_qk_tile_bf16(krows, klo, khi, D, Q2, nqp, St);
         for (int64_t c = 0; c < nqp; c += 16)
             nr_softmax16_bf16(St + c, nqp, j0, klo, khi, pos + c, first + c, m + c, l + c,
@@ -255,7 +261,6 @@ static NR_TBF16 void nr_attn_item_bf16(const nr_attn_args *a, int64_t s, int64_t
             for (int64_t d = 0; d < Dp; d += 16)
                 _mm512_storeu_ps(O + qi * Dp + d, _mm512_mul_ps(_mm512_loadu_ps(O + qi * Dp + d), cv));
         }
-        nr_bf16_rows(a, a->vc, s, hk, j0, nk, vrows);
         nr_pack_v_bf16(vrows, klo, khi, D, Dp, V2);
         nr_pv_tile_bf16(P2, nqp, V2, Dp, O, nq, klo / 2, (khi + 1) / 2);
     }
