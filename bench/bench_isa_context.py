@@ -38,7 +38,7 @@ def child(args) -> dict:
     from numa_runtime import Engine, SamplingParams
     from numa_runtime._kernels import attention, gemm
     gemm._force_cpu_level(args.level)
-    attention._force_paths(level=min(args.level, 1))
+    attention._force_paths(level=args.level)
     eng = Engine(args.model_dir, dtype=args.dtype, num_threads=args.threads,
                  max_model_len=max(args.contexts) + args.decode_tokens + 8,
                  enable_prefix_caching=False, max_num_batched_tokens=args.chunk,

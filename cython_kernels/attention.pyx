@@ -1,6 +1,15 @@
 # cython: language_level=3
 """Paged KV cache: reshape_and_cache and causal paged_attention (reference semantics).
 
+paged_attention runs each item (a chunk of query rows of one sequence and kv head, all the
+query heads sharing that kv head) on one of three paths: dot products straight from the cache
+rows (items of few query vectors: MHA decode); register-tiled f32 products over a transposed
+key tile (AVX2 or AVX-512); and, for a bf16 cache on a CPU with AVX-512 BF16, vdpbf16ps
+products with Q and P rounded to bf16 (attention_bf16.h; the K/V rows are bf16 already, so
+those two roundings are the only new ones: each weight of the softmax stays within 2^-8 of the
+f32 path's). Every path does the online softmax in f32 and visits only the key tiles its rows
+can see (causal and window limits).
+
 Layout contract: q, k, v and out are [T, H, D] float32 with a contiguous last axis and any
 token/head stride (slices of a fused qkv buffer are fine); k_cache/v_cache are C-contiguous,
 both of one type: float32 or bf16 bits (uint16) [num_blocks, block_size, Hk, D], or int8
@@ -46,18 +55,22 @@ cdef extern from "attention_kernels.h":
     void nr_paged_attention(const nr_attn_args *a) nogil
 
 
-cdef int _level = nr_tile_level()
+# The best tile level of this CPU: 2 AVX-512 BF16 (the bf16 path for bf16 caches), 1 AVX-512F,
+# 0 AVX2.
+TILE_LEVEL = nr_tile_level()
+cdef int _level = TILE_LEVEL
 # NOTE: items with at least this many query vectors (query rows x query heads per kv head)
-# run the register-tiled path (Q K^T and P V as small matrix products over a transposed key
-# tile); fewer (MHA decode) run dot products straight from the cache rows. The tiled path
-# measured faster with 7 vectors per item, decode included (bench/RESULTS.md, from
-# `python bench/bench_kernels.py --attention`).
+# run a register-tiled path (Q K^T and P V as small matrix products: f32 over a transposed key
+# tile, or bf16 dot products for a bf16 cache at level 2); fewer (MHA decode) run dot products
+# straight from the cache rows. The tiled path measured faster with 7 vectors per item, decode
+# included (bench/RESULTS.md, from `python bench/bench_kernels.py --attention`).
 TILED_MIN_QUERIES = 4
 cdef int64_t _tiled_min = TILED_MIN_QUERIES
 
 
 def _force_paths(level=None, tiled_min=None):
-    """Tests only: cap the tile ISA level (1 AVX-512, 0 AVX2) and set the tiled-path
+    """Tests and benchmarks only: cap the tile ISA level (2 AVX-512 BF16: bf16 dot products
+    for bf16 caches, 1 AVX-512 f32, 0 AVX2; never above TILE_LEVEL) and set the tiled-path
     threshold; returns the previous (level, tiled_min)."""
     global _level, _tiled_min
     old = (_level, _tiled_min)
@@ -146,7 +159,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens
     query head h reads kv head h // (Hq // Hk). out: [T, Hq, D] f32 (rows of sequences with
     no new tokens are not written). window > 0: the query at position P sees only keys
     P - window + 1 .. P (sliding window); 0: every earlier key. Online softmax in f32; long
-    key ranges of few items are split over threads (flash-decoding). Returns out.
+    key ranges of few items are split over threads (flash-decoding). A bf16 cache at tile
+    level 2 rounds Q * scale and the probabilities to bf16 (module docstring). Returns out.
     """
     cdef nr_attn_args a
     q_st, q_sh = _check_thd(q, "q")

@@ -70,7 +70,7 @@ typedef struct {
     const int32_t *qstart, *ctx; int64_t S;
     float scale;
     int64_t window;  /* sliding window in keys, 0 = none */
-    int level;       /* tile_kernels.h level: 1 AVX-512, 0 AVX2 */
+    int level;       /* tile_kernels.h level: 2 AVX-512 BF16, 1 AVX-512, 0 AVX2 */
     int64_t tiled_min;  /* items of >= this many query vectors use the tiled path */
     float *out; int64_t o_st, o_sh;
 } nr_attn_args;
@@ -327,6 +327,8 @@ static void nr_attn_item_tiled(const nr_attn_args *a, int64_t s, int64_t hk, int
     }
 }
 
+#include "attention_bf16.h"
+
 /* Merge nsplit partials (each [acc: nq x D][m: nq][l: nq], psz floats apart) of rows
  * [i0, i1) of sequence s, kv head hk into out. */
 static void nr_attn_combine(const nr_attn_args *a, int64_t s, int64_t hk, int64_t i0,
@@ -415,6 +417,8 @@ static void nr_paged_attention(const nr_attn_args *a) {
         if (!pass) { n_items = k; n_slots = slot; continue; }
         size_t ws_n = nr_ws_tiled_floats(rows * group, a->D), ws_d = nr_ws_floats(rows * group, a->D);
         ws_n = ws_n > ws_d ? ws_n : ws_d;
+        ws_d = nr_ws_bf16_floats(rows * group, a->D);
+        ws_n = ws_n > ws_d ? ws_n : ws_d;
         int64_t psz = rows * group * (a->D + 2);
         float *parts = n_slots ? (float *)malloc((size_t)(n_slots * psz) * sizeof(float)) : NULL;
         #pragma omp parallel if (n_items > 1)
@@ -428,8 +432,10 @@ static void nr_paged_attention(const nr_attn_args *a) {
                 /* NOTE: the tiled path pays a key-tile transposition that only several query
                  * vectors (prefill rows x group heads) amortize; decode takes the direct one. */
                 int tiled = (i1 - x->i0) * group >= a->tiled_min;
-                (tiled ? nr_attn_item_tiled : nr_attn_item)(a, x->s, x->h, x->i0, i1, x->ja, x->jb, ws,
-                                                            x->slot >= 0 ? parts + x->slot * psz : NULL);
+                (!tiled ? nr_attn_item : a->kv_type == NR_KV_BF16 && a->level >= 2 ? nr_attn_item_bf16
+                                                                     : nr_attn_item_tiled)(
+                    a, x->s, x->h, x->i0, i1, x->ja, x->jb, ws,
+                    x->slot >= 0 ? parts + x->slot * psz : NULL);
             }
             if (n_slots) {
                 /* the first split of every split item merges them all */

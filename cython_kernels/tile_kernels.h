@@ -14,11 +14,14 @@
 #define NR_T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 #define NR_ALWAYS static inline __attribute__((always_inline))
 
-/* 1: AVX-512F/BW/VL available, 0: AVX2 + FMA only (the build's floor). */
+/* 2: AVX-512 BF16 too (attention_bf16.h, for bf16 caches), 1: AVX-512F/BW/VL/DQ, 0: AVX2 + FMA
+ * only (the build's floor). */
 static int nr_tile_level(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl");
+    if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")))
+        return 0;
+    return __builtin_cpu_supports("avx512bf16") ? 2 : 1;
 }
 
 NR_ALWAYS void nr_tile_avx2(const float *A, long lda, const float *B, long ldb, float *C,
