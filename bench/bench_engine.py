@@ -24,8 +24,8 @@ means the per-step bookkeeping costs O(new tokens), rising means it touches whol
 (O(L) per step, O(L^2) per request). Issue 13's figure:
     python bench/bench_engine.py --concurrency 1 --overhead-batch 32 --overhead-tokens 2000
 Per-token overhead at batch 1: `--overhead` skips the concurrency levels and splits batch-1
-decode steps (one request, `--overhead-tokens` output tokens, default 512) into schedule /
-execute / update, as medians. On the default `tiny24` shape (TINY's kernels at Qwen2.5-0.5B's
+decode steps (8 requests one after another, prompts of 16-32 tokens, `--overhead-tokens` output
+tokens each, default 128, so that contexts stay short) into schedule / execute / update, as medians. On the default `tiny24` shape (TINY's kernels at Qwen2.5-0.5B's
 24 layers) the kernels take almost no time, so the step is the per-op and per-step overhead:
     python bench/bench_engine.py --overhead                                  # tiny24, bf16
     python bench/bench_engine.py --overhead --shape qwen0.5b --quantization int4
@@ -110,8 +110,8 @@ def step_breakdown(eng, a, rng) -> dict:
     samples = []  # (step, schedule, execute) seconds of every counted step
     try:
         params = SamplingParams(temperature=0, max_tokens=a.overhead_tokens, ignore_eos=True)
-        for p in random_prompts(rng, n, a.prompt_min, a.prompt_max, eng.model_config.vocab_size):
-            eng.add_request(p, params)
+        for p in random_prompts(rng, n * a.overhead_rounds, a.prompt_min, a.prompt_max, eng.model_config.vocab_size):
+            eng.add_request(p, params)  # NOTE: max_num_seqs = n: the rounds run one after another
         while eng.has_unfinished_requests():
             cur.clear()
             planned.clear()
@@ -213,6 +213,8 @@ def main() -> None:
     ap.add_argument("--overhead-batch", type=int, default=32, help="running requests for the overhead split")
     ap.add_argument("--overhead-tokens", type=int, default=None,
                     help="output tokens of each of those requests (default --output-len; 2000 shows streaming cost)")
+    ap.add_argument("--overhead-rounds", type=int, default=None,
+                    help="batches of --overhead-batch requests run one after another (default 1; 8 with --overhead)")
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="tiny model, concurrency 1 4 16, few tokens")
@@ -225,11 +227,12 @@ def main() -> None:
         a.concurrency = [c for c in a.concurrency if c <= 16] or [1]
         a.prompt_min, a.prompt_max, a.output_len = 8, 32, 16
         a.overhead_batch = min(a.overhead_batch, 8)
-    if a.overhead:
-        a.concurrency, a.overhead_batch = [], 1
-        a.overhead_tokens = a.overhead_tokens or 512
+    if a.overhead:  # NOTE: short contexts, so that attention's kernel time stays small
+        a.concurrency, a.overhead_batch, a.prompt_min, a.prompt_max = [], 1, 16, 32
+        a.overhead_tokens, a.overhead_rounds = a.overhead_tokens or 128, a.overhead_rounds or 8
     if a.overhead_tokens is None or a.quick:
         a.overhead_tokens = a.output_len
+    a.overhead_rounds = a.overhead_rounds or 1
     a.model = resolve_model(a.model, a.shape or ("tiny" if a.quick else "tiny24" if a.overhead else "qwen0.5b"))
     import numpy as np
     eng = make_engine(a)
@@ -246,7 +249,8 @@ def main() -> None:
     overhead = step_breakdown(eng, a, rng)
     report = {"quick": a.quick, "summary": eng.summary(),
               "config": {k: getattr(a, k) for k in ("prompt_min", "prompt_max", "output_len", "seed", "quantization",
-                                                    "max_batched_tokens", "overhead_batch", "overhead_tokens")},
+                                                    "max_batched_tokens", "overhead_batch", "overhead_tokens",
+                                                    "overhead_rounds")},
               "levels": levels,
               "scaling_c16_over_c1": by_c[16] / by_c[1] if 16 in by_c and 1 in by_c else None,
               "overhead": overhead, "scheduler_stats": eng.scheduler.stats()}
