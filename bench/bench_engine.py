@@ -23,6 +23,12 @@ the update time is also reported per window of output position (`update_by_posit
 means the per-step bookkeeping costs O(new tokens), rising means it touches whole sequences
 (O(L) per step, O(L^2) per request). Issue 13's figure:
     python bench/bench_engine.py --concurrency 1 --overhead-batch 32 --overhead-tokens 2000
+Per-token overhead at batch 1: `--overhead` skips the concurrency levels and splits batch-1
+decode steps (8 requests one after another, prompts of 16-32 tokens, `--overhead-tokens` output
+tokens each, default 128, so that contexts stay short) into schedule / execute / update, as medians. On the default `tiny24` shape (TINY's kernels at Qwen2.5-0.5B's
+24 layers) the kernels take almost no time, so the step is the per-op and per-step overhead:
+    python bench/bench_engine.py --overhead                                  # tiny24, bf16
+    python bench/bench_engine.py --overhead --shape qwen0.5b --quantization int4
 Writes OUT.json and OUT.md.
 """
 from __future__ import annotations
@@ -38,9 +44,9 @@ from bench.common import add_model_args, percentiles, random_prompts, resolve_mo
 
 def make_engine(a):
     from numa_runtime import Engine
-    return Engine(a.model, dtype=a.dtype, num_threads=a.threads,
+    return Engine(a.model, dtype=a.dtype, num_threads=a.threads, quantization=a.quantization,
                   max_model_len=a.prompt_max + max(a.output_len, a.overhead_tokens) + 16,
-                  max_num_seqs=max(max(a.concurrency), a.overhead_batch),
+                  max_num_seqs=max([*a.concurrency, a.overhead_batch]),
                   max_num_batched_tokens=a.max_batched_tokens)
 
 
@@ -101,10 +107,11 @@ def step_breakdown(eng, a, rng) -> dict:
     totals = {"schedule": 0.0, "execute": 0.0, "step": 0.0}
     steps = 0
     by_position = []  # (output tokens of each request, update ms) of every counted step
+    samples = []  # (step, schedule, execute) seconds of every counted step
     try:
         params = SamplingParams(temperature=0, max_tokens=a.overhead_tokens, ignore_eos=True)
-        for p in random_prompts(rng, n, a.prompt_min, a.prompt_max, eng.model_config.vocab_size):
-            eng.add_request(p, params)
+        for p in random_prompts(rng, n * a.overhead_rounds, a.prompt_min, a.prompt_max, eng.model_config.vocab_size):
+            eng.add_request(p, params)  # NOTE: max_num_seqs = n: the rounds run one after another
         while eng.has_unfinished_requests():
             cur.clear()
             planned.clear()
@@ -118,6 +125,7 @@ def step_breakdown(eng, a, rng) -> dict:
                 totals["schedule"] += cur.get("schedule", 0.0)
                 totals["execute"] += cur.get("execute", 0.0)
                 update = dt - cur.get("schedule", 0.0) - cur.get("execute", 0.0)
+                samples.append((dt, cur.get("schedule", 0.0), cur.get("execute", 0.0)))
                 by_position.append((eng.scheduler.running[0].num_output_tokens, update * 1e3))
     finally:
         for name in ("schedule", "execute"):  # drop the instance attributes: class methods again
@@ -129,7 +137,17 @@ def step_breakdown(eng, a, rng) -> dict:
     return {"running": n, "steps": steps, "step_ms": mean["step"], "schedule_ms": mean["schedule"],
             "execute_ms": mean["execute"], "update_ms": mean["update"],
             "overhead_share": (mean["step"] - mean["execute"]) / mean["step"],
-            "update_by_position": _windows(by_position, a.overhead_tokens)}
+            "median_ms": _medians(samples), "update_by_position": _windows(by_position, a.overhead_tokens)}
+
+
+def _medians(samples: list[tuple[float, float, float]]) -> dict:
+    """Median step / schedule / execute / update ms (update: step - schedule - execute, per step)."""
+    import numpy as np
+    s = np.asarray(samples) * 1e3  # [steps, 3]
+    upd = s[:, 0] - s[:, 1] - s[:, 2]
+    return {"step": float(np.median(s[:, 0])), "schedule": float(np.median(s[:, 1])),
+            "execute": float(np.median(s[:, 2])), "update": float(np.median(upd)),
+            "step_p10": float(np.percentile(s[:, 0], 10))}
 
 
 def _windows(samples: list[tuple[int, float]], length: int, count: int = 8) -> list[dict]:
@@ -142,6 +160,18 @@ def _windows(samples: list[tuple[int, float]], length: int, count: int = 8) -> l
             out.append({"from_token": lo, "to_token": min(length, lo + width), "steps": len(ms),
                         "update_ms": sum(ms) / len(ms)})
     return out
+
+
+def overhead_markdown(r: dict) -> str:
+    s, o = r["summary"], r["overhead"]
+    head = (f"model `{s['model']}` ({s['dtype']}, quantization {r['config']['quantization']}), "
+            f"{s['threads_per_rank']} threads, batch-1 decode")
+    if not o.get("steps"):
+        return f"{head}: {o.get('note')}\n"
+    m = o["median_ms"]
+    return (f"{head}, {o['steps']} steps: median step {m['step']:.3f} ms (p10 {m['step_p10']:.3f}; "
+            f"{1e3 / m['step']:.1f} tok/s) = schedule {m['schedule']:.3f} + execute {m['execute']:.3f} "
+            f"+ update {m['update']:.3f} (medians of each part)\n")
 
 
 def markdown(r: dict) -> str:
@@ -183,18 +213,27 @@ def main() -> None:
     ap.add_argument("--overhead-batch", type=int, default=32, help="running requests for the overhead split")
     ap.add_argument("--overhead-tokens", type=int, default=None,
                     help="output tokens of each of those requests (default --output-len; 2000 shows streaming cost)")
+    ap.add_argument("--overhead-rounds", type=int, default=None,
+                    help="batches of --overhead-batch requests run one after another (default 1; 8 with --overhead)")
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="tiny model, concurrency 1 4 16, few tokens")
+    ap.add_argument("--overhead", action="store_true",
+                    help="only the batch-1 decode step split (default shape tiny24, 512 tokens)")
+    ap.add_argument("--quantization", default=None, help="quantize at load (int8, int4, ...)")
     ap.add_argument("--out", default="/tmp/bench_engine", help="writes OUT.json and OUT.md")
     a = ap.parse_args()
     if a.quick:
         a.concurrency = [c for c in a.concurrency if c <= 16] or [1]
         a.prompt_min, a.prompt_max, a.output_len = 8, 32, 16
         a.overhead_batch = min(a.overhead_batch, 8)
+    if a.overhead:  # NOTE: short contexts, so that attention's kernel time stays small
+        a.concurrency, a.overhead_batch, a.prompt_min, a.prompt_max = [], 1, 16, 32
+        a.overhead_tokens, a.overhead_rounds = a.overhead_tokens or 128, a.overhead_rounds or 8
     if a.overhead_tokens is None or a.quick:
         a.overhead_tokens = a.output_len
-    a.model = resolve_model(a.model, a.shape or ("tiny" if a.quick else "qwen0.5b"))
+    a.overhead_rounds = a.overhead_rounds or 1
+    a.model = resolve_model(a.model, a.shape or ("tiny" if a.quick else "tiny24" if a.overhead else "qwen0.5b"))
     import numpy as np
     eng = make_engine(a)
     rng = np.random.default_rng(a.seed)
@@ -209,13 +248,14 @@ def main() -> None:
     by_c = {lv["concurrency"]: lv["output_tps"] for lv in levels}
     overhead = step_breakdown(eng, a, rng)
     report = {"quick": a.quick, "summary": eng.summary(),
-              "config": {k: getattr(a, k) for k in ("prompt_min", "prompt_max", "output_len", "seed",
-                                                    "max_batched_tokens", "overhead_batch", "overhead_tokens")},
+              "config": {k: getattr(a, k) for k in ("prompt_min", "prompt_max", "output_len", "seed", "quantization",
+                                                    "max_batched_tokens", "overhead_batch", "overhead_tokens",
+                                                    "overhead_rounds")},
               "levels": levels,
               "scaling_c16_over_c1": by_c[16] / by_c[1] if 16 in by_c and 1 in by_c else None,
               "overhead": overhead, "scheduler_stats": eng.scheduler.stats()}
     eng.close()
-    md = markdown(report)
+    md = overhead_markdown(report) if a.overhead else markdown(report)
     paths = write_report(a.out, report, md)
     print("\n" + md + "\nwrote " + ", ".join(paths))
 

@@ -35,6 +35,8 @@ LLAMA8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=384, tie_word_embeddings=False,
             max_position_embeddings=2048, initializer_range=0.02)
+# per-op overhead: TINY's op calls at Qwen2.5-0.5B's depth, kernels that take almost no time
+TINY24 = dict(TINY, num_hidden_layers=24)
 
 
 # ----------------------------------------------------------------------------- models
@@ -48,6 +50,11 @@ def tiny_model(cache: str = os.path.join(CACHE, "tiny")) -> str:
     return build_once(cache, "tiny", TINY)
 
 
+def tiny24_model(cache: str = os.path.join(CACHE, "tiny24")) -> str:
+    """TINY with 24 layers: a decode step is almost only per-op overhead (bench_engine --overhead)."""
+    return build_once(cache, "tiny24", TINY24)
+
+
 def llama1b_model(cache: str = os.path.join(CACHE, "llama3.2-1b")) -> str:
     """A random bf16 LlamaForCausalLM of Llama-3.2-1B's shape (splits 8 ways), built once."""
     return build_once(cache, "llama3.2-1b", LLAMA1B)
@@ -59,7 +66,7 @@ def llama8b_model(cache: str = os.path.join(CACHE, "llama3.1-8b")) -> str:
 
 
 SHAPES = {"qwen0.5b": qwen05b_model, "llama3.2-1b": llama1b_model, "llama3.1-8b": llama8b_model,
-          "tiny": tiny_model}
+          "tiny": tiny_model, "tiny24": tiny24_model}
 
 
 def add_model_args(ap) -> None:

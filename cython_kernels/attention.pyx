@@ -26,6 +26,8 @@ from libc.stdint cimport int64_t, int32_t
 
 cnp.import_array()
 
+include "arrays.pxi"
+
 cdef extern from "attention_kernels.h":
     ctypedef struct nr_attn_args:
         const float *q
@@ -83,13 +85,15 @@ def _force_paths(level=None, tiled_min=None):
 
 cdef _check_thd(t, str name, bint writable=False):
     """t must be [T, H, D] float32 with a contiguous last axis; returns (st, sh) in floats."""
-    if not isinstance(t, np.ndarray) or t.dtype != np.float32 or t.ndim != 3:
-        raise TypeError("%s must be a [T, H, D] float32 array" % name)
-    if (t.shape[2] > 1 and t.strides[2] != 4) or t.strides[0] % 4 or t.strides[1] % 4:
-        raise ValueError("%s must be contiguous in its last axis" % name)
-    if writable and not t.flags.writeable:
-        raise ValueError("%s must be writable" % name)
-    return t.strides[0] // 4, t.strides[1] // 4
+    if not _is_thd(t, writable):
+        if not isinstance(t, np.ndarray) or t.dtype != np.float32 or t.ndim != 3:
+            raise TypeError("%s must be a [T, H, D] float32 array" % name)
+        if (t.shape[2] > 1 and t.strides[2] != 4) or t.strides[0] % 4 or t.strides[1] % 4:
+            raise ValueError("%s must be contiguous in its last axis" % name)
+        if writable and not t.flags.writeable:
+            raise ValueError("%s must be writable" % name)
+    cdef cnp.ndarray a = t
+    return a.strides[0] // 4, a.strides[1] // 4
 
 
 _KV_TYPES = {np.dtype(np.float32): 0, np.dtype(np.uint16): 1, np.dtype(np.int8): 2}  # nr_kv_type
@@ -98,6 +102,12 @@ _KV_TYPES = {np.dtype(np.float32): 0, np.dtype(np.uint16): 1, np.dtype(np.int8):
 cdef int _check_caches(k_cache, v_cache, int64_t D) except -1:
     """Both caches C-contiguous [nb, bs, Hk, row] of one type with rows for head dim D;
     returns the nr_kv_type."""
+    cdef int tn = cnp.PyArray_TYPE(k_cache) if cnp.PyArray_Check(k_cache) else -1
+    cdef int fast = 0 if tn == cnp.NPY_FLOAT32 else 1 if tn == cnp.NPY_UINT16 else \
+        2 if tn == cnp.NPY_INT8 else -1
+    if fast >= 0 and _is_c(k_cache, tn, 4) and _is_c(v_cache, tn, 4) and \
+            _same_shape(k_cache, v_cache) and (<cnp.ndarray>k_cache).shape[3] == nr_kv_row(fast, D):
+        return fast  # the common case, decided without Python attribute lookups
     for c, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
         if not isinstance(c, np.ndarray) or c.ndim != 4 or not c.flags.c_contiguous:
             raise ValueError("%s must be a C-contiguous [num_blocks, block_size, Hk, D] array"
@@ -116,6 +126,25 @@ cdef int _check_caches(k_cache, v_cache, int64_t D) except -1:
     return kv_type
 
 
+cdef bint _same_shape(cnp.ndarray a, cnp.ndarray b):
+    cdef int i
+    if a.ndim != b.ndim:
+        return False
+    for i in range(a.ndim):
+        if a.shape[i] != b.shape[i]:
+            return False
+    return True
+
+
+cdef cnp.ndarray _int_array(a, dtype, int typenum, int ndim):
+    """`a` as a C-contiguous array of `dtype` (converted only if it is not one already); 1-D
+    when ndim is 1."""
+    if _is_c(a, typenum, ndim):
+        return a
+    a = np.ascontiguousarray(a, dtype=dtype)
+    return a.reshape(-1) if ndim == 1 else a
+
+
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
     """Write new K/V rows into the paged cache (rounded to bf16 for a bf16 cache, quantized
     per row with its scale for an int8 one).
@@ -126,13 +155,14 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
     """
     k_st, k_sh = _check_thd(k, "k")
     v_st, v_sh = _check_thd(v, "v")
-    cdef int kv_type = _check_caches(k_cache, v_cache, k.shape[2])
-    cdef cnp.ndarray slots = np.ascontiguousarray(slot_mapping, dtype=np.int64).reshape(-1)
-    cdef int64_t T = k.shape[0], Hk = k.shape[1], D = k.shape[2]
-    if v.shape != k.shape or slots.shape[0] != T or k_cache.shape[2] != Hk:
+    cdef cnp.ndarray ka = k, kca = k_cache
+    cdef int kv_type = _check_caches(k_cache, v_cache, ka.shape[2])
+    cdef cnp.ndarray slots = _int_array(slot_mapping, np.int64, cnp.NPY_INT64, 1)
+    cdef int64_t T = ka.shape[0], Hk = ka.shape[1], D = ka.shape[2]
+    if not _same_shape(ka, v) or slots.shape[0] != T or kca.shape[2] != Hk:
         raise ValueError("reshape_and_cache: k %s, v %s, slot_mapping %s and cache %s disagree"
                          % (k.shape, v.shape, slot_mapping.shape, k_cache.shape))
-    cdef int64_t n_slots = k_cache.shape[0] * k_cache.shape[1]
+    cdef int64_t n_slots = kca.shape[0] * kca.shape[1]
     cdef const float *pk = <const float *>cnp.PyArray_DATA(k)
     cdef const float *pv = <const float *>cnp.PyArray_DATA(v)
     cdef void *pkc = cnp.PyArray_DATA(k_cache)
@@ -165,17 +195,18 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens
     cdef nr_attn_args a
     q_st, q_sh = _check_thd(q, "q")
     o_st, o_sh = _check_thd(out, "out", True)
-    if out.shape != q.shape:
+    if not _same_shape(out, q):
         raise ValueError("out %s must have q's shape %s" % (out.shape, q.shape))
-    d = q.shape[2]
+    cdef cnp.ndarray qa = q, kca = k_cache
+    cdef int64_t d = qa.shape[2]
     a.kv_type = _check_caches(k_cache, v_cache, d)
-    nb, bs, hk = k_cache.shape[:3]
-    if hk < 1 or q.shape[1] % hk:
+    cdef int64_t nb = kca.shape[0], bs = kca.shape[1], hk = kca.shape[2]
+    if hk < 1 or qa.shape[1] % hk:
         raise ValueError("q %s does not fit a cache of %s (Hq must be a multiple of Hk)"
                          % (q.shape, k_cache.shape))
-    cdef cnp.ndarray bt = np.ascontiguousarray(block_tables, dtype=np.int32)
-    cdef cnp.ndarray qs = np.ascontiguousarray(query_start, dtype=np.int32).reshape(-1)
-    cdef cnp.ndarray cl = np.ascontiguousarray(context_lens, dtype=np.int32).reshape(-1)
+    cdef cnp.ndarray bt = _int_array(block_tables, np.int32, cnp.NPY_INT32, 2)
+    cdef cnp.ndarray qs = _int_array(query_start, np.int32, cnp.NPY_INT32, 1)
+    cdef cnp.ndarray cl = _int_array(context_lens, np.int32, cnp.NPY_INT32, 1)
     cdef int64_t S = cl.shape[0]
     if bt.ndim != 2 or bt.shape[0] < S or qs.shape[0] != S + 1:
         raise ValueError("block_tables %s, query_start %s and context_lens %s disagree"
@@ -185,7 +216,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens
     a.q_sh = q_sh
     a.kc = cnp.PyArray_DATA(k_cache)
     a.vc = cnp.PyArray_DATA(v_cache)
-    a.nb, a.bs, a.Hq, a.Hk, a.D = nb, bs, q.shape[1], hk, d
+    a.nb, a.bs, a.Hq, a.Hk, a.D = nb, bs, qa.shape[1], hk, d
     a.bt = <const int32_t *>cnp.PyArray_DATA(bt)
     a.bt_st = bt.shape[1]
     a.max_blocks = bt.shape[1]
@@ -202,7 +233,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens
     a.out = <float *>cnp.PyArray_DATA(out)
     a.o_st = o_st
     a.o_sh = o_sh
-    cdef int64_t T = q.shape[0], bad
+    cdef int64_t T = qa.shape[0], bad
     with nogil:
         bad = nr_attn_check(&a, T)
     if bad >= 0:

@@ -52,19 +52,32 @@ static void* gemm_alloc(size_t nbytes) {
     return p;
 }
 
-/* y[r, :ldy] = bf16(x[r, :k]) then zeros; rows r < m. Round-to-nearest-even, as reference. */
+/* y[:ldy] = bf16(x[:k]) then zeros. Round-to-nearest-even, as reference. */
+static inline void gemm_row_to_bf16(const float* x, long k, uint16_t* y, long ldy) {
+    for (long i = 0; i < k; i++) y[i] = nr_f32_to_bf16(x[i]);
+    for (long i = k; i < ldy; i++) y[i] = 0;
+}
+
+/* y[r, :ldy] = bf16(x[r, :k]) then zeros; rows r < m.
+ * NOTE: small inputs (decode's rows) do not enter OpenMP at all: a parallel region with a false
+ * if clause still builds a team of one in libgomp (about a microsecond, once per GEMV). */
 static void gemm_rows_to_bf16(const float* x, long m, long k, uint16_t* y, long ldy) {
-    #pragma omp parallel for schedule(static) if (m * k >= (1 << 16))
-    for (long r = 0; r < m; r++) {
-        for (long i = 0; i < k; i++) y[r * ldy + i] = nr_f32_to_bf16(x[r * k + i]);
-        for (long i = k; i < ldy; i++) y[r * ldy + i] = 0;
+    if (m * k >= (1 << 16)) {
+        #pragma omp parallel for schedule(static)
+        for (long r = 0; r < m; r++) gemm_row_to_bf16(x + r * k, k, y + r * ldy, ldy);
+    } else {
+        for (long r = 0; r < m; r++) gemm_row_to_bf16(x + r * k, k, y + r * ldy, ldy);
     }
 }
 
 /* dst[r * ldd + j] = src[r * n + j] for r < m, j < n (a dense block into wider rows). */
 static void gemm_copy_rows(const float* src, long m, long n, float* dst, long ldd) {
-    #pragma omp parallel for schedule(static) if (m * n >= (1 << 15))
-    for (long r = 0; r < m; r++) memcpy(dst + r * ldd, src + r * n, sizeof(float) * n);
+    if (m * n >= (1 << 15)) {
+        #pragma omp parallel for schedule(static)
+        for (long r = 0; r < m; r++) memcpy(dst + r * ldd, src + r * n, sizeof(float) * n);
+    } else {
+        for (long r = 0; r < m; r++) memcpy(dst + r * ldd, src + r * n, sizeof(float) * n);
+    }
 }
 
 /* y[r, :ldy] = f32(bf16(x[r, :k])) then zeros: the bf16-rounded activations the widening

@@ -12,6 +12,8 @@ from libc.stdint cimport int64_t, uint16_t
 
 cnp.import_array()
 
+include "arrays.pxi"
+
 cdef extern from "omp.h":
     void omp_set_num_threads(int n) nogil
     int omp_get_max_threads() nogil
@@ -47,8 +49,11 @@ cdef inline void *_ptr(cnp.ndarray a):
     return cnp.PyArray_DATA(a)
 
 
-cdef cnp.ndarray _rows(a, str name, dtype, bint writable=False):
-    """A 2-D view [R, H] of `a` (last axis contiguous, any row stride), never a copy."""
+cdef cnp.ndarray _rows(a, str name, dtype, int typenum, bint writable=False):
+    """A 2-D view [R, H] of `a` (last axis contiguous, any row stride), never a copy.
+    `typenum` is `dtype`'s number (a 2-D array of it is returned as it is)."""
+    if _is_rows(a, typenum, writable):
+        return a
     if not isinstance(a, np.ndarray) or a.dtype != dtype:
         raise TypeError("%s must be a numpy array of %s, got %r"
                         % (name, np.dtype(dtype).name, getattr(a, "dtype", type(a))))
@@ -71,7 +76,7 @@ cdef cnp.ndarray _rows(a, str name, dtype, bint writable=False):
 
 
 cdef inline int64_t _rs(cnp.ndarray a):
-    return a.strides[0] // a.itemsize
+    return a.strides[0] // cnp.PyArray_ITEMSIZE(a)
 
 
 def f32_to_bf16(x):
@@ -101,19 +106,27 @@ def bf16_to_f32(x):
 def embedding(ids, table, out):
     """out[t] = table[ids[t]] as f32. ids: [T] int64, table: [V, H] f32|bf16, out: [T, H] f32.
     Negative ids count from the end (numpy indexing); others out of range raise IndexError."""
-    cdef cnp.ndarray idc = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
-    cdef cnp.ndarray tb = _rows(table, "table", table.dtype)
-    if tb.dtype != np.float32 and tb.dtype != np.uint16:
+    cdef cnp.ndarray idc = _vector(ids, np.int64, cnp.NPY_INT64)
+    cdef cnp.ndarray tb = _rows(table, "table", table.dtype,
+                                cnp.PyArray_TYPE(table) if cnp.PyArray_Check(table) else -1)
+    cdef int tn = cnp.PyArray_TYPE(tb)
+    if tn != cnp.NPY_FLOAT32 and tn != cnp.NPY_UINT16 or not cnp.PyArray_ISNOTSWAPPED(tb):
         raise TypeError("table must be float32 or bf16 (uint16), got %s" % tb.dtype)
-    cdef cnp.ndarray o = _rows(out, "out", np.float32, True)
-    cdef int64_t V = tb.shape[0], H = tb.shape[1], T = idc.shape[0]
+    cdef cnp.ndarray o = _rows(out, "out", np.float32, cnp.NPY_FLOAT32, True)
+    cdef int64_t V = tb.shape[0], H = tb.shape[1], T = idc.shape[0], i, lo = 0, hi = -1
     if o.shape[0] != T or o.shape[1] != H:
         raise ValueError("out must be [%d, %d], got %s" % (T, H, out.shape))
-    if T and (idc.min() < -V or idc.max() >= V):
+    cdef const int64_t *pid = <const int64_t *>_ptr(idc)
+    for i in range(T):  # the id range, without two numpy reductions
+        if i == 0 or pid[i] < lo:
+            lo = pid[i]
+        if i == 0 or pid[i] > hi:
+            hi = pid[i]
+    if T and (lo < -V or hi >= V):
         raise IndexError("embedding: token id out of range for a vocabulary of %d" % V)
-    if T and idc.min() < 0:
+    if T and lo < 0:
         idc = np.where(idc < 0, idc + V, idc)
-    cdef int is_bf16 = tb.dtype == np.uint16
+    cdef int is_bf16 = tn == cnp.NPY_UINT16
     cdef int64_t *pi = <int64_t *>_ptr(idc)
     cdef void *pt = _ptr(tb)
     cdef float *po = <float *>_ptr(o)
@@ -123,7 +136,16 @@ def embedding(ids, table, out):
     return out
 
 
+cdef cnp.ndarray _vector(a, dtype, int typenum):
+    """`a` as a contiguous 1-D array of `dtype` (converted only if it is not one already)."""
+    if _is_c(a, typenum, 1):
+        return a
+    return np.ascontiguousarray(a, dtype=dtype).reshape(-1)
+
+
 cdef cnp.ndarray _weight(weight, int64_t H):
+    if _is_c(weight, cnp.NPY_FLOAT32, 1) and (<cnp.ndarray>weight).shape[0] == H:
+        return weight
     cdef cnp.ndarray w = np.asarray(weight)
     if w.dtype != np.float32:
         raise TypeError("norm weight must be float32 (convert bf16 weights once at load with "
@@ -136,8 +158,8 @@ cdef cnp.ndarray _weight(weight, int64_t H):
 
 def rms_norm(x, weight, double eps, out):
     """out = x / sqrt(mean(x^2) + eps) * weight over the last axis. x, out: [R, H] f32."""
-    cdef cnp.ndarray xr = _rows(x, "x", np.float32)
-    cdef cnp.ndarray o = _rows(out, "out", np.float32, True)
+    cdef cnp.ndarray xr = _rows(x, "x", np.float32, cnp.NPY_FLOAT32)
+    cdef cnp.ndarray o = _rows(out, "out", np.float32, cnp.NPY_FLOAT32, True)
     cdef int64_t R = xr.shape[0], H = xr.shape[1]
     if o.shape[0] != R or o.shape[1] != H:
         raise ValueError("out shape %s does not match x %s" % (out.shape, x.shape))
@@ -153,9 +175,9 @@ def rms_norm(x, weight, double eps, out):
 
 def add_rms_norm(x, residual, weight, double eps, out):
     """residual += x (in place); out = rms_norm(residual). All [T, H] f32; out may be x."""
-    cdef cnp.ndarray xr = _rows(x, "x", np.float32)
-    cdef cnp.ndarray r = _rows(residual, "residual", np.float32, True)
-    cdef cnp.ndarray o = _rows(out, "out", np.float32, True)
+    cdef cnp.ndarray xr = _rows(x, "x", np.float32, cnp.NPY_FLOAT32)
+    cdef cnp.ndarray r = _rows(residual, "residual", np.float32, cnp.NPY_FLOAT32, True)
+    cdef cnp.ndarray o = _rows(out, "out", np.float32, cnp.NPY_FLOAT32, True)
     cdef int64_t R = xr.shape[0], H = xr.shape[1]
     if r.shape[0] != R or r.shape[1] != H or o.shape[0] != R or o.shape[1] != H:
         raise ValueError("x %s, residual %s and out %s must have one shape"
@@ -173,8 +195,8 @@ def add_rms_norm(x, residual, weight, double eps, out):
 
 def silu_and_mul(x, out):
     """x: [T, 2*I] = [gate | up]; out: [T, I] = silu(gate) * up (f32)."""
-    cdef cnp.ndarray xr = _rows(x, "x", np.float32)
-    cdef cnp.ndarray o = _rows(out, "out", np.float32, True)
+    cdef cnp.ndarray xr = _rows(x, "x", np.float32, cnp.NPY_FLOAT32)
+    cdef cnp.ndarray o = _rows(out, "out", np.float32, cnp.NPY_FLOAT32, True)
     cdef int64_t T = xr.shape[0], n_inter = xr.shape[1] // 2
     if o.shape[0] != T or o.shape[1] != n_inter:
         raise ValueError("out must be [%d, %d], got %s" % (T, n_inter, out.shape))
@@ -188,8 +210,8 @@ def silu_and_mul(x, out):
 
 def add_(a, b):
     """a += b, same shape f32 (b may broadcast only if it has a's shape)."""
-    cdef cnp.ndarray ar = _rows(a, "a", np.float32, True)
-    cdef cnp.ndarray br = _rows(b, "b", np.float32)
+    cdef cnp.ndarray ar = _rows(a, "a", np.float32, cnp.NPY_FLOAT32, True)
+    cdef cnp.ndarray br = _rows(b, "b", np.float32, cnp.NPY_FLOAT32)
     if ar.shape[0] != br.shape[0] or ar.shape[1] != br.shape[1]:
         raise ValueError("add_: shapes %s and %s differ" % (a.shape, b.shape))
     cdef float *pa = <float *>_ptr(ar)
@@ -201,12 +223,13 @@ def add_(a, b):
 
 
 cdef _rotate(cnp.ndarray t, str name, cnp.ndarray pos, cnp.ndarray cs, int64_t rot):
-    if t.dtype != np.float32 or t.ndim != 3:
-        raise TypeError("%s must be a [T, H, D] float32 array" % name)
-    if t.shape[2] > 1 and t.strides[2] != 4 or t.strides[0] % 4 or t.strides[1] % 4:
-        raise ValueError("%s must be contiguous in its last axis" % name)
-    if not t.flags.writeable:
-        raise ValueError("%s must be writable" % name)
+    if not _is_thd(t, True):
+        if t.dtype != np.float32 or t.ndim != 3:
+            raise TypeError("%s must be a [T, H, D] float32 array" % name)
+        if t.shape[2] > 1 and t.strides[2] != 4 or t.strides[0] % 4 or t.strides[1] % 4:
+            raise ValueError("%s must be contiguous in its last axis" % name)
+        if not t.flags.writeable:
+            raise ValueError("%s must be writable" % name)
     if t.shape[0] != pos.shape[0]:
         raise ValueError("%s has %d tokens, positions %d" % (name, t.shape[0], pos.shape[0]))
     if rot > t.shape[2]:
@@ -223,10 +246,13 @@ def rotary(q, k, positions, cos_sin):
     """In-place neox-style rotary on q: [T, Hq, D] and k: [T, Hk, D] f32 (any token/head
     stride, last axis contiguous); positions: [T] int64 in [0, max_pos);
     cos_sin: [max_pos, rot_dim] f32 = [cos | sin]; dims past rot_dim are untouched."""
-    cdef cnp.ndarray pos = np.ascontiguousarray(positions, dtype=np.int64).reshape(-1)
-    cdef cnp.ndarray cs = np.ascontiguousarray(cos_sin, dtype=np.float32)
-    cdef int64_t rot = cs.shape[1]
-    if pos.shape[0] and (pos.min() < 0 or pos.max() >= cs.shape[0]):
-        raise IndexError("rotary: position out of range [0, %d)" % cs.shape[0])
+    cdef cnp.ndarray pos = _vector(positions, np.int64, cnp.NPY_INT64)
+    cdef cnp.ndarray cs = cos_sin if _is_c(cos_sin, cnp.NPY_FLOAT32, 2) else \
+        np.ascontiguousarray(cos_sin, dtype=np.float32)
+    cdef int64_t rot = cs.shape[1], n = cs.shape[0], i
+    cdef const int64_t *pp = <const int64_t *>_ptr(pos)
+    for i in range(pos.shape[0]):
+        if pp[i] < 0 or pp[i] >= n:
+            raise IndexError("rotary: position out of range [0, %d)" % n)
     _rotate(q, "q", pos, cs, rot)
     _rotate(k, "k", pos, cs, rot)

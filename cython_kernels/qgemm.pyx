@@ -36,6 +36,8 @@ from numa_runtime._kernels import gemm as _gemm
 
 cnp.import_array()
 
+include "arrays.pxi"
+
 cdef extern from "qgemm_kernels.h" nogil:
     ctypedef struct qg_format:
         int bits
@@ -142,8 +144,7 @@ cdef class QLinear:
         """x: [M, K] f32 C-contiguous -> [M, N] f32 (into `out` when given)."""
         cdef cnp.ndarray xa = x, oa
         cdef long M, K = self.in_features, N = self.out_features
-        if xa.dtype != np.float32 or xa.ndim != 2 or xa.shape[1] != K or \
-                not xa.flags.c_contiguous:
+        if not _is_c(xa, cnp.NPY_FLOAT32, 2) or xa.shape[1] != K:
             raise ValueError("QLinear.forward expects x as C-contiguous float32 [M, %d], got %s %s"
                              % (K, xa.dtype, (<object>xa).shape))
         M = xa.shape[0]
@@ -151,8 +152,7 @@ cdef class QLinear:
             oa = np.empty((M, N), dtype=np.float32)
         else:
             oa = out
-            if oa.dtype != np.float32 or oa.ndim != 2 or oa.shape[0] != M or \
-                    oa.shape[1] != N or not oa.flags.c_contiguous:
+            if not _is_c(oa, cnp.NPY_FLOAT32, 2) or oa.shape[0] != M or oa.shape[1] != N:
                 raise ValueError("QLinear.forward out must be C-contiguous float32 [%d, %d]"
                                  % (M, N))
         if M == 0:

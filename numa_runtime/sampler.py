@@ -47,12 +47,14 @@ class Sampler:
             if sp.json_schema is not None and self.grammars is not None:
                 self.grammars.mask(r.request_id, logits[i])
         ids = np.empty(n, np.int64)
-        greedy = np.array([r.sampling_params.is_greedy for r in reqs])
+        greedy = [r.sampling_params.is_greedy for r in reqs]
         # NOTE: argmax takes the lowest index on ties, as the sampling kernel does; an
         # all-greedy batch (the common case) is reduced in place, without a [N, V] copy.
-        if greedy.all():
-            ids[:] = np.argmax(logits, axis=1)
-        elif greedy.any():
+        if all(greedy):
+            ids[:] = logits.argmax(axis=1)
+            return ids, self._chosen_logprobs(logprobs, ids, n)
+        greedy = np.array(greedy)
+        if greedy.any():
             for i in np.flatnonzero(greedy):
                 ids[i] = np.argmax(logits[i])
         rows = np.flatnonzero(~greedy)
@@ -65,11 +67,14 @@ class Sampler:
                 np.array([sp.top_p for sp in sps], np.float32),
                 np.array([sp.min_p for sp in sps], np.float32),
                 np.array([self._rng_for(reqs[i]).random() for i in rows], np.float64))
-        if logprobs is not None:
-            logprobs = [None if x is None else (float(x[0][ids[i]]), x[1]) for i, x in enumerate(logprobs)]
-        else:
-            logprobs = [None] * n
-        return ids, logprobs
+        return ids, self._chosen_logprobs(logprobs, ids, n)
+
+    @staticmethod
+    def _chosen_logprobs(logprobs, ids: np.ndarray, n: int) -> list:
+        """Per row: None, or (logprob of the chosen token, {top token: logprob})."""
+        if logprobs is None:
+            return [None] * n
+        return [None if x is None else (float(x[0][ids[i]]), x[1]) for i, x in enumerate(logprobs)]
 
     def _logprobs(self, logits: np.ndarray, reqs: list[Request]):
         """Per row: None, or (log-probabilities [V], {top token: logprob}) when asked for."""

@@ -201,13 +201,19 @@ class Scheduler:
         t = 0
         for s, (req, n) in enumerate(scheduled):
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
-            pos = np.arange(start, end, dtype=np.int64)
-            table = np.asarray(req.block_ids, dtype=np.int64)
-            token_ids[t:t + n] = _token_slice(req, start, end)
-            positions[t:t + n] = pos
-            slot_mapping[t:t + n] = table[pos // bs] * bs + pos % bs
+            row = block_tables[s, :len(req.block_ids)]
+            row[:] = req.block_ids
+            if n == 1:  # NOTE: a decode row, without the numpy temporaries of a chunk
+                token_ids[t] = _token_slice(req, start, end)[0]
+                positions[t] = start
+                slot_mapping[t] = req.block_ids[start // bs] * bs + start % bs
+            else:
+                pos = np.arange(start, end, dtype=np.int64)
+                token_ids[t:t + n] = _token_slice(req, start, end)
+                positions[t:t + n] = pos
+                slot_mapping[t:t + n] = row.astype(np.int64)[pos // bs] * bs + pos % bs
             # NOTE: released blocks (outside the window) read as block 0; attention never reads them
-            block_tables[s, :len(req.block_ids)] = np.maximum(table, 0)
+            np.maximum(row, 0, out=row)
             context_lens[s] = end
             t += n
             query_start[s + 1] = t

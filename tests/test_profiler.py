@@ -62,8 +62,8 @@ def counts(stats, rank=0, section="forward"):
 
 
 def per_step_forward(steps, layers=LAYERS):
-    # rms_norm: layer 0's input norm and the final norm; add_rms_norm: every other norm
-    return {"Linear": steps * (4 * layers + 1), "rms_norm": steps * 2, "add_rms_norm": steps * (2 * layers - 1),
+    # rms_norm: layer 0's input norm; add_rms_norm: every other norm, the final one included
+    return {"Linear": steps * (4 * layers + 1), "rms_norm": steps, "add_rms_norm": steps * 2 * layers,
             "paged_attention": steps * layers, "rotary": steps * layers, "reshape_and_cache": steps * layers,
             "silu_and_mul": steps * layers, "embedding": steps}
 

@@ -89,6 +89,7 @@ class LlamaModel:
             np.concatenate([np.cos(pos), np.sin(pos)], axis=1) * attn_scale, dtype=np.float32)
         self.scale = cfg.head_dim ** -0.5
         self.windows = [cfg.window(i) for i in range(cfg.num_layers)]  # 0 = full attention
+        self._kept: dict[int, _StepBuffers] = {}  # tokens per step -> its buffers (_buffers)
 
     def _linears(self) -> list:
         head = [] if self.lm_head is None else [self.lm_head]  # an embedding model has none
@@ -119,10 +120,10 @@ class LlamaModel:
         self.kv_cache = [(np.zeros(shape, KV_CACHE_DTYPES[kv_dtype]), np.zeros(shape, KV_CACHE_DTYPES[kv_dtype]))
                          for _ in self.layers]
 
-    def embed_tokens(self, ids: np.ndarray) -> np.ndarray:
-        # ids: [T] -> x: [T, hidden]
+    def embed_tokens(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        # ids: [T] -> x: [T, hidden] (into `out` when given)
         ops, lay = self.ops, self.lay
-        x = np.empty((ids.shape[0], self.cfg.hidden_size), np.float32)
+        x = np.empty((ids.shape[0], self.cfg.hidden_size), np.float32) if out is None else out
         if lay.world == 1:
             return ops.embedding(ids, self.embed, x)
         local = ids - lay.vocab.start
@@ -133,58 +134,111 @@ class LlamaModel:
         self.comm.all_reduce_(x)
         return x
 
+    def _buffers(self, T: int) -> "_StepBuffers":
+        """The activation buffers of a step of T tokens: every layer writes the same ones, and
+        steps of up to KEEP_BUFFER_TOKENS tokens (decode) keep theirs for the next step of T."""
+        b = self._kept.get(T)
+        if b is None:
+            b = _StepBuffers(T, self.cfg, self.lay, self.layers[0].gate_up_proj.out_features // 2)
+            if T <= KEEP_BUFFER_TOKENS:
+                if len(self._kept) >= KEEP_BUFFERS:
+                    del self._kept[next(iter(self._kept))]  # the oldest
+                self._kept[T] = b
+        return b
+
     def forward(self, plan) -> np.ndarray | None:
         """Run one step; returns logits [S', vocab] for plan.logits_indices (every rank), or
         for an EMBED plan the final normed hidden states [S', hidden] of those rows."""
-        ops, cfg, lay, comm = self.ops, self.cfg, self.lay, self.comm
-        T, H, D = plan.num_tokens, cfg.hidden_size, cfg.head_dim
-        hq, hk = lay.num_q_heads, lay.num_kv_heads
-        eps = cfg.rms_norm_eps
-        residual = self.embed_tokens(plan.token_ids)      # [T, H]
-        h = np.empty_like(residual)                        # [T, H] normed input
-        delta = None                                       # [T, H] last sublayer output
-        attn = np.empty((T, hq, D), np.float32)            # [T, hq, D]
-        for i, (layer, (kc, vc)) in enumerate(zip(self.layers, self.kv_cache)):
-            if delta is None:
-                ops.rms_norm(residual, layer.input_norm, eps, h)
+        ops, lay, comm = self.ops, self.lay, self.comm
+        eps, tp = self.cfg.rms_norm_eps, lay.world > 1
+        rms_norm, add_rms_norm, silu_and_mul = ops.rms_norm, ops.add_rms_norm, ops.silu_and_mul
+        rotary, reshape_and_cache, paged_attention = ops.rotary, ops.reshape_and_cache, ops.paged_attention
+        pos, slots, cos_sin, scale = plan.positions, plan.slot_mapping, self.cos_sin, self.scale
+        # NOTE: the plan's int32 arrays as the attention kernel takes them, converted once a step
+        bt, qs, cl = (np.ascontiguousarray(a, dtype=np.int32)
+                      for a in (plan.block_tables, plan.query_start, plan.context_lens))
+        b = self._buffers(plan.num_tokens)
+        residual = self.embed_tokens(plan.token_ids, b.residual)  # [T, H]
+        h, v, attn, o, gu, act, delta = b.h, b.v, b.attn, b.o, b.gu, b.act, b.delta
+        qk_norm = self.cfg.qk_norm
+        q, k = (b.qn, b.kn) if qk_norm else (b.q, b.k)  # the views of b.qkv, or their normed copies
+        first = True
+        for layer, (kc, vc), window in zip(self.layers, self.kv_cache, self.windows):
+            if first:
+                rms_norm(residual, layer.input_norm, eps, h)
+                first = False
             else:
-                ops.add_rms_norm(delta, residual, layer.input_norm, eps, h)
-            qkv = layer.qkv_proj.forward(h)                # [T, (hq + 2 hk) D]
-            # q, k, v: strided views into qkv (the kernels take any row stride)
-            qkv3 = qkv.reshape(T, hq + 2 * hk, D)
-            q, k, v = qkv3[:, :hq], qkv3[:, hq:hq + hk], qkv3[:, hq + hk:]
-            if layer.q_norm is not None:
-                # NOTE: per-head norms run over [T * heads, D] rows, which needs contiguous q, k
-                q, k = np.ascontiguousarray(q), np.ascontiguousarray(k)
-                ops.rms_norm(q.reshape(T * hq, D), layer.q_norm, eps, q.reshape(T * hq, D))
-                ops.rms_norm(k.reshape(T * hk, D), layer.k_norm, eps, k.reshape(T * hk, D))
-            ops.rotary(q, k, plan.positions, self.cos_sin)
-            ops.reshape_and_cache(k, v, kc, vc, plan.slot_mapping)
-            ops.paged_attention(q, kc, vc, plan.block_tables, plan.query_start, plan.context_lens,
-                                self.scale, attn, self.windows[i])
-            o = layer.o_proj.forward(attn.reshape(T, hq * D))   # [T, H] partial sum
-            if lay.world > 1:
+                add_rms_norm(delta, residual, layer.input_norm, eps, h)
+            layer.qkv_proj.forward(h, b.qkv)                 # q, k, v: views of b.qkv
+            if qk_norm:
+                self._qk_norm(layer, b)
+            rotary(q, k, pos, cos_sin)
+            reshape_and_cache(k, v, kc, vc, slots)
+            paged_attention(q, kc, vc, bt, qs, cl, scale, attn, window)
+            layer.o_proj.forward(b.attn_rows, o)             # [T, H] partial sum
+            if tp:
                 comm.all_reduce_(o)
-            ops.add_rms_norm(o, residual, layer.post_norm, eps, h)
-            gu = layer.gate_up_proj.forward(h)                  # [T, 2 I_local]
-            act = np.empty((T, gu.shape[1] // 2), np.float32)
-            ops.silu_and_mul(gu, act)
-            delta = layer.down_proj.forward(act)                # [T, H] partial sum
-            if lay.world > 1:
+            add_rms_norm(o, residual, layer.post_norm, eps, h)
+            layer.gate_up_proj.forward(h, gu)                # [T, 2 I_local]
+            silu_and_mul(gu, act)
+            layer.down_proj.forward(act, delta)              # [T, H] partial sum
+            if tp:
                 comm.all_reduce_(delta)
-        idx = plan.logits_indices
+        return self._head(plan, residual, delta)
+
+    def _qk_norm(self, layer: DecoderLayer, b: "_StepBuffers") -> None:
+        """Per-head norms of q and k (Qwen3) over [T * heads, D] rows, which needs contiguous
+        q and k: b.qn, b.kn = the normed q and k views of b.qkv."""
+        D = self.cfg.head_dim
+        np.copyto(b.qn, b.q)
+        np.copyto(b.kn, b.k)
+        qr, kr = b.qn.reshape(-1, D), b.kn.reshape(-1, D)
+        self.ops.rms_norm(qr, layer.q_norm, self.cfg.rms_norm_eps, qr)
+        self.ops.rms_norm(kr, layer.k_norm, self.cfg.rms_norm_eps, kr)
+
+    def _head(self, plan, residual: np.ndarray, delta: np.ndarray) -> np.ndarray:
+        """The final norm of the rows plan.logits_indices, then lm_head (or, for EMBED, the
+        normed rows themselves)."""
+        cfg, idx = self.cfg, plan.logits_indices
         if idx.shape[0] == 0:
             return np.zeros((0, cfg.vocab_size), np.float32)
-        last = np.ascontiguousarray(residual[idx])
-        last += delta[idx]
-        hn = np.empty_like(last)
-        ops.rms_norm(last, self.norm, eps, hn)
+        hn = delta[idx]                                     # [S', H] copies of the rows
+        self.ops.add_rms_norm(hn, residual[idx], self.norm, cfg.rms_norm_eps, hn)
         if plan.kind == EMBED:
             return hn
         logits = self.lm_head.forward(hn)                   # [S', vocab_chunk]
-        if lay.world > 1:
-            logits = comm.all_gather(logits)
+        if self.lay.world > 1:
+            logits = self.comm.all_gather(logits)
         return logits[:, :cfg.vocab_size] if logits.shape[1] != cfg.vocab_size else logits
+
+
+# NOTE: a step of at most this many tokens (a decode batch) keeps its activation buffers for the
+# next step of as many tokens, up to KEEP_BUFFERS sizes; a larger one (a prefill chunk) allocates
+# its buffers once for all its layers and drops them after the step.
+KEEP_BUFFER_TOKENS = 256
+KEEP_BUFFERS = 4
+
+
+class _StepBuffers:
+    """Activations of one step of T tokens, written by every layer in turn."""
+
+    def __init__(self, T: int, cfg: ModelConfig, lay: ShardLayout, inter: int):
+        H, D, hq, hk = cfg.hidden_size, cfg.head_dim, lay.num_q_heads, lay.num_kv_heads
+        f32 = np.float32
+        self.residual = np.empty((T, H), f32)                 # [T, H] the residual stream
+        self.h = np.empty((T, H), f32)                        # [T, H] normed input of a sublayer
+        self.qkv = np.empty((T, (hq + 2 * hk) * D), f32)      # [T, (hq + 2 hk) D]
+        qkv3 = self.qkv.reshape(T, hq + 2 * hk, D)
+        # q: [T, hq, D], k, v: [T, hk, D], strided views of qkv (the kernels take any row stride)
+        self.q, self.k, self.v = qkv3[:, :hq], qkv3[:, hq:hq + hk], qkv3[:, hq + hk:]
+        if cfg.qk_norm:  # [T, hq, D], [T, hk, D]: q and k normed per head (_qk_norm)
+            self.qn, self.kn = np.empty((T, hq, D), f32), np.empty((T, hk, D), f32)
+        self.attn = np.empty((T, hq, D), f32)                 # [T, hq, D]
+        self.attn_rows = self.attn.reshape(T, hq * D)         # [T, hq D], the same memory
+        self.o = np.empty((T, H), f32)                        # [T, H] o_proj's partial sum
+        self.gu = np.empty((T, 2 * inter), f32)               # [T, 2 I_local] = [gate | up]
+        self.act = np.empty((T, inter), f32)                  # [T, I_local]
+        self.delta = np.empty((T, H), f32)                    # [T, H] the last sublayer's output
 
 
 def _embedding_table(ckpt: Checkpoint, dtype: str, rows: slice) -> np.ndarray:
