@@ -36,13 +36,15 @@ def child(args) -> dict:
     """One process: build the Engine at one kernel level, time prefill and decode."""
     import numpy as np
     from numa_runtime import Engine, SamplingParams
-    from numa_runtime._kernels import attention, gemm
+    from numa_runtime._kernels import attention, gemm, qgemm
     gemm._force_cpu_level(args.level)
+    # NOTE: level 2 stands for AVX-512 with BF16 and VNNI, 1 for AVX-512 without either (Skylake)
+    qgemm._force_cpu_level(args.level)
     attention._force_paths(level=args.level)
     eng = Engine(args.model_dir, dtype=args.dtype, num_threads=args.threads,
                  max_model_len=max(args.contexts) + args.decode_tokens + 8,
                  enable_prefix_caching=False, max_num_batched_tokens=args.chunk,
-                 quantization=args.quantization,
+                 quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                  lm_head_quantization=None if args.lm_head_quantization == "none" else args.lm_head_quantization)
     rng = np.random.default_rng(0)
     vocab = eng.model_config.vocab_size
@@ -73,6 +75,7 @@ def run_level(args, level: int, contexts: list[int]) -> dict:
            "--chunk", str(args.chunk), "--contexts", *map(str, contexts)]
     if args.quantization:
         cmd += ["--quantization", args.quantization]
+    cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
     cmd += ["--lm-head-quantization", args.lm_head_quantization]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
@@ -91,6 +94,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens (prefill chunk)")
     ap.add_argument("--quantization", default=None, help="quantize at load (int8, int4, ...)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32", "int8"],
+                    help="KV cache dtype (int8: quantized rows with a scale each)")
     ap.add_argument("--lm-head-quantization", default="auto",
                     help="auto (int8 with --quantization), none (as stored), or an int8 format")
     ap.add_argument("--timeout", type=int, default=1800)

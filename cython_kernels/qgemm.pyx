@@ -12,14 +12,14 @@ Threads: OpenMP over 16-column blocks (set_num_threads); compute runs without th
 Levels: 2 = AVX-512 with VNNI, 1 = AVX-512 (F/BW/VL/DQ), 0 = AVX2 + FMA + F16C, chosen at run
 time (the f32 paths use AVX-512 at 1 and 2).
 
-Linears flagged `act8` (the engine's dtype is bf16; f32 engines keep the exact path): the rows
-are quantized to int8 in blocks of 32 k (absmax / 127, as llama.cpp's Q8 activations) and meet
-the packed weights in integer dot products (qgemm_q8.h: vpdpbusd with VNNI, vpmaddubsw +
-vpmaddwd without), 8 rows per pass over a weight block: several times fewer instructions per
-weight byte than dequantizing to f32, so decode stays bound by memory bandwidth on few cores,
-and prefill gets 4x the multiply-adds of an f32 FMA per instruction. Only where AMX is present
-do prefill rows (M >= PANEL_M_MIN) take the bf16 panels instead (measured faster there). The
-numpy specification is numa_runtime.quant.reference.quantize_activations.
+Linears flagged `act8` (the engine's dtype is bf16; f32 engines keep the exact path): decode
+rows (M <= ACT8_M_MAX = 8) are quantized to int8 in blocks of 32 k (absmax / 127, as llama.cpp's
+Q8 activations) and meet the packed weights in integer dot products (qgemm_q8.h: vpdpbusd with
+VNNI, vpmaddubsw + vpmaddwd without): several times fewer instructions per weight byte than
+dequantizing to f32, so decode stays bound by memory bandwidth on few cores. The kernel takes
+any M (8 rows per pass over a weight block; tests raise the bound with _set_act8_m_max), but
+prefill rows keep the exact path for accuracy (see the NOTE at ACT8_M_MAX). The numpy
+specification is numa_runtime.quant.reference.quantize_activations.
 
 Large M on CPUs with AVX-512 BF16, for linears flagged `prefill_bf16` (the engine's dtype is
 bf16): the weights are dequantized panel by panel (about 2 MiB of bf16, in cache) into
@@ -58,6 +58,19 @@ cdef extern from "qgemm_kernels.h" nogil:
 _KINDS = {"sym": 0, "zero": 1, "min": 2}
 cdef int _level = qg_cpu_level()
 cdef bint _amx = _gemm._has_amx()
+# NOTE: decode rows only (M <= 8). Prefill takes the exact f32 path or the bf16 panels: with
+# int8 prefill activations too, SmolLM2-135M's greedy answer to "What is the capital of France?"
+# flips from Paris (a near tie on that small model), where int8 decode rows keep it.
+cdef long _act8_m_max = QG_MR_Q8
+ACT8_M_MAX = QG_MR_Q8
+
+
+def _set_act8_m_max(long m):
+    """Tests and benchmarks: the most rows a linear flagged act8 quantizes (returns the old)."""
+    global _act8_m_max
+    old = _act8_m_max
+    _act8_m_max = m
+    return old
 
 # NOTE: rows from which the bf16 panel path wins. Dequantizing a panel costs about 5 passes
 # over the packed bytes, so it needs enough rows to share it.
@@ -157,7 +170,7 @@ cdef class QLinear:
                                  % (M, N))
         if M == 0:
             return oa
-        if self.prefill_bf16 and M >= PANEL_M_MIN and (_amx or not self.act8) \
+        if self.prefill_bf16 and M >= PANEL_M_MIN and (_amx or not self.act8 or M > _act8_m_max) \
                 and _panel_usable():
             self._panel_forward(xa, oa)
             return oa
@@ -171,7 +184,7 @@ cdef class QLinear:
         cdef float* op = <float*>cnp.PyArray_DATA(oa)
         cdef long ldx = self.fmt.kp
         cdef int rc
-        cdef bint q8 = self.act8
+        cdef bint q8 = self.act8 and M <= _act8_m_max
         with nogil:
             if q8:
                 rc = qg_forward_q8(w, &self.fmt, xp, M, ldx, bias, op, _level)

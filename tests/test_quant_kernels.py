@@ -137,13 +137,15 @@ def test_bf16_panel_path_matches_bf16_reference(fmt, monkeypatch):
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 def test_act8_decode_path_matches_reference(fmt, level):
-    """With act8 the rows are rounded to int8 blocks and run on integer dot products (VNNI at
-    level 2, vpmaddubsw at 1 and 0), 8 rows per pass: the result is the dequantized weights
+    """With act8 the decode rows (M <= ACT8_M_MAX) are rounded to int8 blocks and run on integer
+    dot products (VNNI at level 2, vpmaddubsw at 1 and 0): the result is the dequantized weights
     times the dequantized int8 activations of quantize_activations (exact integer sums, f32
-    scaling), at every level and row count. The int8 rounding itself moves each y by about 1% of
-    sum |x| |w|, far above the 1e-5 bound, so the check tells the paths apart."""
+    scaling), at every level; with the bound raised, any row count (8 rows per pass). The int8
+    rounding itself moves each y by about 1% of sum |x| |w|, far above the 1e-5 bound, so the
+    check tells the paths apart. By default more rows keep the exact path."""
     from numa_runtime.quant.reference import quantize_activations
     old = qgemm._force_cpu_level(level)
+    old_m = qgemm._set_act8_m_max(1 << 30)
     try:
         rng = np.random.default_rng(4)
         for k, n in shapes(fmt):
@@ -152,9 +154,20 @@ def test_act8_decode_path_matches_reference(fmt, level):
             for m in (1, 2, 3, 5, 8, 9, 19, 100):
                 x = rng.standard_normal((m, k), dtype=np.float32)
                 x[0, : min(k, 5)] *= 40.0  # an outlier block, as real activations have
-                y = lin.forward(x)
-                check(y, ref.forward(x).astype(np.float64), quantize_activations(x, qw.group), ref.weight)
+                xq = quantize_activations(x, qw.group)
+                ref.act8 = False
+                want = ref.forward(xq).astype(np.float64)
+                ref.act8 = True
+                check(lin.forward(x), want, xq, ref.weight)
+                if m <= qgemm.ACT8_M_MAX:
+                    check(ref.forward(x).astype(np.float64), want, xq, ref.weight)
+        qgemm._set_act8_m_max(old_m)
+        lin, ref, _ = make(fmt, 3 * (128 if fmt.group_size == -1 else fmt.group_size), 37, False)
+        lin.act8 = ref.act8 = True
+        x = rng.standard_normal((qgemm.ACT8_M_MAX + 1, lin.in_features), dtype=np.float32)
+        check(lin.forward(x), ref.forward(x).astype(np.float64), x, ref.weight)  # exact path
     finally:
+        qgemm._set_act8_m_max(old_m)
         qgemm._force_cpu_level(old)
 
 

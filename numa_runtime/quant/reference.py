@@ -11,6 +11,7 @@ from .formats import GROUP_SIZES, QuantFormat, dequantize
 from .packing import unpack
 
 
+ACT8_M_MAX = 8   # qgemm.pyx ACT8_M_MAX (qgemm_q8.h QG_MR_Q8)
 ACT8_BLOCK = 32  # qgemm_q8.h QG_QB
 
 
@@ -47,9 +48,8 @@ class QLinear:
         self.bias = None if bias is None else np.asarray(bias, dtype=np.float32)
         self.nbytes = np.asarray(packed).nbytes
 
-    # NOTE: set by the loader for bf16 engines: rows are rounded to int8 blocks first, as the
-    # kernel's integer dot-product path does (where AMX is present the kernel runs prefill rows
-    # on bf16 panels instead, with prefill_bf16; tests/test_quant_kernels.py checks that path)
+    # NOTE: set by the loader for bf16 engines: decode rows (M <= ACT8_M_MAX) are rounded to
+    # int8 blocks first, as the kernel's integer dot-product path does
     act8 = False
 
     @property
@@ -58,7 +58,7 @@ class QLinear:
 
     def forward(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         # x: [M, K] -> out: [M, N]
-        if self.act8:
+        if self.act8 and x.shape[0] <= ACT8_M_MAX:
             x = quantize_activations(x, self.group)
         y = x @ self.weight.T
         if self.bias is not None:
