@@ -271,8 +271,8 @@ def test_sigint_during_a_stream_ends_it_cleanly(model_dir):
 
 # ------------------------------------------------------------------------------ a stuck rank
 def test_health_reports_a_stopped_worker_rank(model_dir):
-    """Under mpirun -np 2: SIGSTOP rank 1 mid-request; /health turns 503 (the step never ends),
-    then 200 again after SIGCONT, and the request completes."""
+    """Under mpirun -np 2: SIGSTOP rank 1, then a request arrives; /health turns 503 (its step
+    never ends), then 200 again after SIGCONT, and the request completes."""
     mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
     srv = ServerProcess(["--model", model_dir, *TINY, "--kv-cache-memory", str(1 << 24), "--stall-timeout", "2"],
                         launcher=[mpirun if os.path.exists(mpirun) else "mpirun", "-np", "2"],
@@ -284,9 +284,11 @@ def test_health_reports_a_stopped_worker_rank(model_dir):
         body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True}
         t = threading.Thread(target=lambda: done.update(r=httpx.post(srv.base + "/v1/completions", json=body,
                                                                       timeout=300)))
-        t.start()
-        wait_for(lambda: metric(srv.base, "numa_runtime_num_requests_running") == 1, what="the request running")
+        # NOTE: rank 1 stops before the request arrives, so the request's first step is the one
+        # that stalls (200 tokens of this tiny model can finish between two polls of a metric)
+        assert httpx.get(srv.base + "/health", timeout=10).status_code == 200
         worker.suspend()
+        t.start()
         status = wait_for(lambda: httpx.get(srv.base + "/health", timeout=10).status_code == 503, timeout=120,
                           what="/health turning 503")
         assert status and metric(srv.base, "numa_runtime_engine_busy_seconds") > 2
