@@ -25,10 +25,8 @@
 #define NR_TBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 #define NR_KR 8  /* key rows per Q K^T register tile */
 
-static inline int64_t nr_pad16i(int64_t n) { return (n + 15) / 16 * 16; }
-
 static inline size_t nr_ws_bf16_floats(int64_t nq, int64_t D) {
-    int64_t nqp = nr_pad16i(nq), Dp = nr_pad16i(D), D2 = (D + 1) / 2;
+    int64_t nqp = nr_pad16(nq), Dp = nr_pad16(D), D2 = (D + 1) / 2;
     return (size_t)(D2 * nqp + nq * Dp + 5 * nqp + NR_KT * nqp + NR_KT / 2 * nqp +
                     NR_KT / 2 * Dp + 64);
 }
@@ -218,10 +216,10 @@ static inline void nr_bf16_rows(const nr_attn_args *a, int64_t s, int64_t hk, in
 /* nr_attn_item_tiled on vdpbf16ps for a bf16 cache (a->level >= 2). Same contract. */
 static NR_TBF16 void nr_attn_item_bf16(const nr_attn_args *a, int64_t s, int64_t hk, int64_t i0,
                                        int64_t i1, int64_t ja, int64_t jb, float *ws, float *part) {
-    int64_t D = a->D, Dp = nr_pad16i(D), D2 = (D + 1) / 2, group = a->Hq / a->Hk;
+    int64_t D = a->D, Dp = nr_pad16(D), D2 = (D + 1) / 2, group = a->Hq / a->Hk;
     int64_t q0 = a->qstart[s], n_new = a->qstart[s + 1] - q0;
     int64_t base = (int64_t)a->ctx[s] - n_new;  /* position of query row 0 */
-    int64_t nq = (i1 - i0) * group, nqp = nr_pad16i(nq);
+    int64_t nq = (i1 - i0) * group, nqp = nr_pad16(nq);
     uint32_t *Q2 = (uint32_t *)ws;
     float *O = (float *)(Q2 + D2 * nqp), *m = O + nq * Dp, *l = m + nqp, *corr = l + nqp;
     int32_t *pos = (int32_t *)(corr + nqp), *first = pos + nqp;
@@ -264,21 +262,7 @@ static NR_TBF16 void nr_attn_item_bf16(const nr_attn_args *a, int64_t s, int64_t
         nr_pack_v_bf16(vrows, klo, khi, D, Dp, V2);
         nr_pv_tile_bf16(P2, nqp, V2, Dp, O, nq, klo / 2, (khi + 1) / 2);
     }
-    if (part != NULL) {
-        float *pm = part + nq * D, *pl = pm + nq;
-        for (int64_t qi = 0; qi < nq; qi++) {
-            memcpy(part + qi * D, O + qi * Dp, (size_t)D * sizeof(float));
-            pm[qi] = m[qi];
-            pl[qi] = l[qi];
-        }
-        return;
-    }
-    for (int64_t qi = 0; qi < nq; qi++) {
-        int64_t i = i0 + qi / group, h = hk * group + qi % group;
-        float *dst = a->out + (q0 + i) * a->o_st + h * a->o_sh, *o = O + qi * Dp;
-        float inv = 1.0f / l[qi];
-        for (int64_t d = 0; d < D; d++) dst[d] = o[d] * inv;
-    }
+    nr_item_store(a, s, hk, i0, nq, O, Dp, m, l, part);
 }
 
 #endif

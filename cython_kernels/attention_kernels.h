@@ -180,6 +180,31 @@ static inline void nr_online_softmax(float *p, int64_t lo, int64_t n, float *m, 
 /* Query rows [i0, i1) of sequence s, kv head hk, all its query heads, over keys [ja, jb)
  * (clipped to each row's causal and window limits). part == NULL: write the normalized
  * result to out; else write the partial [acc: nq x D][m: nq][l: nq] to part. */
+/* An item's result: with `part`, its unnormalized rows O (row stride ldo), running max m and
+ * sum l into part ([nq][D], [nq], [nq]) for the combine pass; else O / l into a->out. */
+static inline void nr_item_store(const nr_attn_args *a, int64_t s, int64_t hk, int64_t i0,
+                                 int64_t nq, const float *O, int64_t ldo, const float *m,
+                                 const float *l, float *part) {
+    int64_t D = a->D, group = a->Hq / a->Hk, q0 = a->qstart[s];
+    if (part != NULL) {
+        float *pm = part + nq * D, *pl = pm + nq;
+        for (int64_t qi = 0; qi < nq; qi++) {
+            memcpy(part + qi * D, O + qi * ldo, (size_t)D * sizeof(float));
+            pm[qi] = m[qi];
+            pl[qi] = l[qi];
+        }
+        return;
+    }
+    for (int64_t qi = 0; qi < nq; qi++) {
+        int64_t i = i0 + qi / group, h = hk * group + qi % group;
+        float *dst = a->out + (q0 + i) * a->o_st + h * a->o_sh;
+        const float *o = O + qi * ldo;
+        float inv = 1.0f / l[qi];
+        #pragma omp simd
+        for (int64_t d = 0; d < D; d++) dst[d] = o[d] * inv;
+    }
+}
+
 static void nr_attn_item(const nr_attn_args *a, int64_t s, int64_t hk, int64_t i0, int64_t i1,
                          int64_t ja, int64_t jb, float *ws, float *part) {
     int64_t D = a->D, group = a->Hq / a->Hk;
@@ -219,14 +244,8 @@ static void nr_attn_item(const nr_attn_args *a, int64_t s, int64_t hk, int64_t i
             nr_accumulate(acc + qi * D, sc + qi * NR_KT + lo, vrows + lo, n - lo, D);
         }
     }
-    if (part != NULL) return;
-    for (int64_t qi = 0; qi < nq; qi++) {
-        int64_t i = i0 + qi / group, h = hk * group + qi % group;
-        float *dst = a->out + (q0 + i) * a->o_st + h * a->o_sh, *ac = acc + qi * D;
-        float inv = 1.0f / l[qi];
-        #pragma omp simd
-        for (int64_t d = 0; d < D; d++) dst[d] = ac[d] * inv;
-    }
+    if (part == NULL)  /* NOTE: with part, acc, m and l already are the partial result */
+        nr_item_store(a, s, hk, i0, nq, acc, D, m, l, NULL);
 }
 
 static inline int64_t nr_pad16(int64_t d) { return (d + 15) / 16 * 16; }
@@ -309,22 +328,7 @@ static void nr_attn_item_tiled(const nr_attn_args *a, int64_t s, int64_t hk, int
         }
         nr_mm(a->level, S, NR_KT, Vb, Dp, O, Dp, nq, Dp, nk, 0);
     }
-    if (part != NULL) {
-        float *pm = part + nq * D, *pl = pm + nq;
-        for (int64_t qi = 0; qi < nq; qi++) {
-            memcpy(part + qi * D, O + qi * Dp, (size_t)D * sizeof(float));
-            pm[qi] = m[qi];
-            pl[qi] = l[qi];
-        }
-        return;
-    }
-    for (int64_t qi = 0; qi < nq; qi++) {
-        int64_t i = i0 + qi / group, h = hk * group + qi % group;
-        float *dst = a->out + (q0 + i) * a->o_st + h * a->o_sh, *o = O + qi * Dp;
-        float inv = 1.0f / l[qi];
-        #pragma omp simd
-        for (int64_t d = 0; d < D; d++) dst[d] = o[d] * inv;
-    }
+    nr_item_store(a, s, hk, i0, nq, O, Dp, m, l, part);
 }
 
 #include "attention_bf16.h"

@@ -57,7 +57,6 @@ cdef extern from "qgemm_kernels.h" nogil:
 
 _KINDS = {"sym": 0, "zero": 1, "min": 2}
 cdef int _level = qg_cpu_level()
-cdef bint _amx = _gemm._has_amx()
 # NOTE: decode rows only (M <= 8). Prefill takes the exact f32 path or the bf16 panels: with
 # int8 prefill activations too, SmolLM2-135M's greedy answer to "What is the capital of France?"
 # flips from Paris (a near tie on that small model), where int8 decode rows keep it.
@@ -170,8 +169,8 @@ cdef class QLinear:
                                  % (M, N))
         if M == 0:
             return oa
-        if self.prefill_bf16 and M >= PANEL_M_MIN and (_amx or not self.act8 or M > _act8_m_max) \
-                and _panel_usable():
+        cdef bint q8 = self.act8 and M <= _act8_m_max
+        if not q8 and self.prefill_bf16 and M >= PANEL_M_MIN and _panel_usable():
             self._panel_forward(xa, oa)
             return oa
         if self.fmt.kp != K:  # per-row int8 with K not a multiple of 4: zero-padded rows
@@ -184,7 +183,6 @@ cdef class QLinear:
         cdef float* op = <float*>cnp.PyArray_DATA(oa)
         cdef long ldx = self.fmt.kp
         cdef int rc
-        cdef bint q8 = self.act8 and M <= _act8_m_max
         with nogil:
             if q8:
                 rc = qg_forward_q8(w, &self.fmt, xp, M, ldx, bias, op, _level)

@@ -24,14 +24,16 @@ from .packing import pack
 Part = tuple  # (name, rows: slice | None, cols: slice | None)
 
 
-def qlinear(ops, qw: QuantizedWeight, bias: np.ndarray | None = None, bf16: bool = False):
+def qlinear(ops, qw: QuantizedWeight, bias: np.ndarray | None = None, bf16: bool = False,
+            act8: bool | None = None):
     """The backend's QLinear over one quantized weight (packed once here). `bf16`: the engine
-    computes in bf16, so prefill may round the dequantized weights to bf16 (matrix units) and
-    decode may round its activations to int8 blocks (integer dot products)."""
+    computes in bf16, so prefill may round the dequantized weights to bf16 (matrix units) and,
+    unless `act8` is False, decode may round its activations to int8 blocks (integer dot
+    products)."""
     lin = ops.QLinear(pack(qw), qw.fmt.bits, qw.fmt.kind, qw.group, qw.in_features,
                       qw.out_features, bias)
     lin.prefill_bf16 = bf16
-    lin.act8 = bf16
+    lin.act8 = bf16 if act8 is None else act8
     return lin
 
 
@@ -84,11 +86,9 @@ class LinearFactory:
         pad = padded_rows - w.out_features
         if pad:
             w = concat_rows([w, zero_rows(w, pad)])
-        lin = qlinear(self.ops, w, bf16=self.bf16)
         # NOTE: the logits keep exact activations: with int8 ones SmolLM2-135M's answer to
         # "What is the capital of France?" on 2 ranks flips at a near tie (the headline command)
-        lin.act8 = False
-        return lin
+        return qlinear(self.ops, w, bf16=self.bf16, act8=False)
 
     def _quantized_head(self, name: str, rows: slice) -> QuantizedWeight:
         step = HEAD_CHUNK
