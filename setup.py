@@ -49,12 +49,16 @@ COMPILE_ARGS = ["-O3", "-fopenmp", "-march=x86-64-v3", "-fno-math-errno", "-fno-
 LINK_ARGS = ["-fopenmp", "-Wl,--disable-new-dtags"] + ["-Wl,-rpath," + p for p in RPATHS]
 
 
+HEADERS = sorted(glob.glob("cython_kernels/*.h") + glob.glob("cython_kernels/*.pxi"))
+
+
 def kernel_extensions():
     exts = []
     for pyx in sorted(glob.glob("cython_kernels/*.pyx")):
         name = os.path.splitext(os.path.basename(pyx))[0]
         exts.append(Extension(
             "numa_runtime._kernels." + name, [pyx],
+            depends=HEADERS,  # NOTE: a changed kernel header rebuilds the extensions
             include_dirs=[np.get_include(), ONEDNN_INC, "cython_kernels"],
             library_dirs=[ONEDNN_LIB], libraries=["dnnl"],
             extra_compile_args=COMPILE_ARGS, extra_link_args=LINK_ARGS,

@@ -18,8 +18,10 @@ Q8 activations) and meet the packed weights in integer dot products (qgemm_q8.h:
 VNNI, vpmaddubsw + vpmaddwd without): several times fewer instructions per weight byte than
 dequantizing to f32, so decode stays bound by memory bandwidth on few cores. The kernel takes
 any M (8 rows per pass over a weight block; tests raise the bound with _set_act8_m_max), but
-prefill rows keep the exact path for accuracy (see the NOTE at ACT8_M_MAX). The numpy
-specification is numa_runtime.quant.reference.quantize_activations.
+prefill rows keep the exact path for accuracy (see the NOTE at ACT8_M_MAX). With
+`act8_residual` too (the lm_head), each row runs as two int8 rows, x and its rounding residual,
+whose products are added: about 15 bits of activation for twice the integer work on the same
+weight bytes. The numpy specification is numa_runtime.quant.reference.quantize_activations.
 
 Large M on CPUs with AVX-512 BF16, for linears flagged `prefill_bf16` (the engine's dtype is
 bf16): the weights are dequantized panel by panel (about 2 MiB of bf16, in cache) into
@@ -50,7 +52,7 @@ cdef extern from "qgemm_kernels.h" nogil:
     int qg_forward(const uint8_t* w, const qg_format* f, const float* x, long M, long ldx,
                    const float* bias, float* out, int level)
     int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, long M, long ldx,
-                      const float* bias, float* out, int level)
+                      const float* bias, float* out, int level, int resid)
     enum: QG_MR_Q8
     int qg_dequant_panel_bf16(const uint8_t* w, const qg_format* f, long K, long n0, long n1,
                               long kpp, uint16_t* panel)
@@ -122,6 +124,7 @@ cdef class QLinear:
     cdef object packed, bias_arr
     cdef public bint prefill_bf16
     cdef public bint act8
+    cdef public bint act8_residual
 
     def __init__(self, packed, int bits, str kind, int group, int in_features, int out_features,
                  bias=None):
@@ -185,7 +188,7 @@ cdef class QLinear:
         cdef int rc
         with nogil:
             if q8:
-                rc = qg_forward_q8(w, &self.fmt, xp, M, ldx, bias, op, _level)
+                rc = qg_forward_q8(w, &self.fmt, xp, M, ldx, bias, op, _level, self.act8_residual)
             else:
                 rc = qg_forward(w, &self.fmt, xp, M, ldx, bias, op, _level)
         if rc != 0:

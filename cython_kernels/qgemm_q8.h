@@ -30,20 +30,66 @@ typedef struct {
 
 static inline long qg_blocks_per_group(const qg_format* f) { return (f->group + QG_QB - 1) / QG_QB; }
 
-/* Quantize rows x[M, kp] (stride ldx) into q (buffers sized by the caller). */
-static void qg_quantize_x(const float* x, long M, long ldx, const qg_format* f, int8_t* xq,
-                          float* sx, int32_t* xi, float* xs) {
-    const long G = f->group, ng = f->kp / G, nbg = qg_blocks_per_group(f), nb = ng * nbg;
-    #pragma omp parallel for schedule(static) if (M * f->kp > 65536)
-    for (long r = 0; r < M; r++) {
-        const float* xr = x + r * ldx;
-        for (long g = 0; g < ng; g++) {
-            float gs = 0.0f;
-            for (long b = 0; b < nbg; b++) {
-                long k0 = g * G + b * QG_QB, k1 = k0 + QG_QB < (g + 1) * G ? k0 + QG_QB : (g + 1) * G;
+/* One full block of QG_QB = 32 k: the scalar rule of qg_quantize_block in AVX2 (the build's
+ * floor). cvtps rounds to nearest even, as nearbyintf does in the default rounding mode, and
+ * |x * inv| <= 127 up to one rounding, so both give the same bytes. */
+static inline void qg_quantize_block32(const float* xr, int perm4, int8_t* dst, float* sx,
+                                       int32_t* xi, float* res) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 v0 = _mm256_loadu_ps(xr), v1 = _mm256_loadu_ps(xr + 8);
+    const __m256 v2 = _mm256_loadu_ps(xr + 16), v3 = _mm256_loadu_ps(xr + 24);
+    const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v0, absm), _mm256_and_ps(v1, absm)),
+                                   _mm256_max_ps(_mm256_and_ps(v2, absm), _mm256_and_ps(v3, absm)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    const float amax = _mm_cvtss_f32(h);
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const __m256 vi = _mm256_set1_ps(inv);
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+#define QG_Q(v) _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v, vi)), lo), hi)
+    const __m256i q0 = QG_Q(v0), q1 = QG_Q(v1), q2 = QG_Q(v2), q3 = QG_Q(v3);
+#undef QG_Q
+    __m256i t = _mm256_add_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3));
+    __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
+    u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
+    /* packs interleave the 128-bit lanes: dword i of b holds q[i % 4][4 (i / 4) ..] */
+    __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
+    b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    if (perm4)  /* int4 weights: each 8 k as k 0 2 4 6 1 3 5 7 */
+        b = _mm256_shuffle_epi8(b, _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11,
+                                                    13, 15, 0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14,
+                                                    9, 11, 13, 15));
+    _mm256_storeu_si256((__m256i*)dst, b);
+    const float scale = amax / 127.0f;
+    *sx = scale;
+    *xi = _mm_cvtsi128_si32(u);
+    if (res) {  /* x - q * scale, rounded once (an FMA): what the integer rows leave out */
+        const __m256 vs = _mm256_set1_ps(scale);
+        _mm256_storeu_ps(res, _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q0), vs, v0));
+        _mm256_storeu_ps(res + 8, _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q1), vs, v1));
+        _mm256_storeu_ps(res + 16, _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q2), vs, v2));
+        _mm256_storeu_ps(res + 24, _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q3), vs, v3));
+    }
+}
+
+/* Quantize one row of kp k into q's buffers; res (NULL: none) gets x - the dequantized row. */
+static void qg_quantize_row(const float* xr, const qg_format* f, int8_t* xq, float* sx,
+                            int32_t* xi, float* xs, float* res) {
+    const long G = f->group, ng = f->kp / G, nbg = qg_blocks_per_group(f);
+    for (long g = 0; g < ng; g++) {
+        float gs = 0.0f;
+        for (long b = 0; b < nbg; b++) {
+            long k0 = g * G + b * QG_QB, k1 = k0 + QG_QB < (g + 1) * G ? k0 + QG_QB : (g + 1) * G;
+            float* bs = sx + g * nbg + b;
+            int32_t* bi = xi + g * nbg + b;
+            if (k1 - k0 == QG_QB) {
+                qg_quantize_block32(xr + k0, f->bits == 4, xq + k0, bs, bi, res ? res + k0 : NULL);
+            } else {
                 float amax = 0.0f;
                 for (long k = k0; k < k1; k++) amax = fmaxf(amax, fabsf(xr[k]));
-                const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, scale = amax / 127.0f;
+                const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
                 int32_t sum = 0;
                 for (long k = k0; k < k1; k++) {
                     int32_t q = (int32_t)nearbyintf(xr[k] * inv);
@@ -51,15 +97,70 @@ static void qg_quantize_x(const float* x, long M, long ldx, const qg_format* f, 
                     sum += q;
                     long d = k;
                     if (f->bits == 4) d = (k & ~7L) + ((k & 1) ? 4 : 0) + ((k & 7) >> 1);
-                    xq[r * f->kp + d] = (int8_t)q;
+                    xq[d] = (int8_t)q;
                 }
-                sx[r * nb + g * nbg + b] = scale;
-                xi[r * nb + g * nbg + b] = sum;
-                gs += scale * (float)sum;
+                *bs = amax / 127.0f;
+                *bi = sum;
+                if (res)
+                    for (long k = k0; k < k1; k++) {
+                        int32_t q = (int32_t)nearbyintf(xr[k] * inv);
+                        q = q > 127 ? 127 : q < -127 ? -127 : q;
+                        res[k] = fmaf(-(float)q, *bs, xr[k]);
+                    }
             }
-            xs[r * ng + g] = gs;
+            gs += *bs * (float)*bi;
         }
+        xs[g] = gs;
     }
+}
+
+/* Quantize rows x[M, kp] (stride ldx) into q (buffers sized by the caller). With `resid`
+ * (res: a [M][kp] f32 buffer) row r becomes two int8 rows, 2r = x and 2r + 1 = its residual
+ * x - dq(x): their sum carries about 15 bits, where one row carries 8. NOTE: a decode step's few
+ * rows are quantized by the calling thread alone: vectorized, one row of 4864 k takes about a
+ * microsecond, less than starting a team. */
+static void qg_quantize_rows(const float* x, long r, long ldx, const qg_format* f, int8_t* xq,
+                             float* sx, int32_t* xi, float* xs, int resid, float* res) {
+    const long ng = f->kp / f->group, nb = ng * qg_blocks_per_group(f);
+    if (!resid) {
+        qg_quantize_row(x + r * ldx, f, xq + r * f->kp, sx + r * nb, xi + r * nb, xs + r * ng, NULL);
+        return;
+    }
+    float* rr = res + r * f->kp;
+    const long a = 2 * r, c = 2 * r + 1;
+    qg_quantize_row(x + r * ldx, f, xq + a * f->kp, sx + a * nb, xi + a * nb, xs + a * ng, rr);
+    qg_quantize_row(rr, f, xq + c * f->kp, sx + c * nb, xi + c * nb, xs + c * ng, NULL);
+}
+
+static void qg_quantize_x(const float* x, long M, long ldx, const qg_format* f, int8_t* xq,
+                          float* sx, int32_t* xi, float* xs, int resid, float* res) {
+    if (M * f->kp <= 65536) {
+        for (long r = 0; r < M; r++) qg_quantize_rows(x, r, ldx, f, xq, sx, xi, xs, resid, res);
+        return;
+    }
+    #pragma omp parallel for schedule(static)
+    for (long r = 0; r < M; r++) qg_quantize_rows(x, r, ldx, f, xq, sx, xi, xs, resid, res);
+}
+
+/* Scratch of the calling thread, kept between calls up to QG_SCRATCH_KEEP bytes (a decode
+ * step's activations); larger requests are allocated per call. NULL when out of memory. */
+#define QG_SCRATCH_KEEP (1L << 20)
+static __thread void* qg_scratch_buf;
+static __thread size_t qg_scratch_cap;
+
+static void* qg_scratch_get(size_t n) {
+    if (n > QG_SCRATCH_KEEP) return malloc(n);
+    if (n > qg_scratch_cap) {
+        free(qg_scratch_buf);
+        qg_scratch_buf = malloc(QG_SCRATCH_KEEP);
+        qg_scratch_cap = qg_scratch_buf ? QG_SCRATCH_KEEP : 0;
+        if (qg_scratch_buf == NULL) return NULL;
+    }
+    return qg_scratch_buf;
+}
+
+static void qg_scratch_put(void* p) {
+    if (p != qg_scratch_buf) free(p);
 }
 
 static inline int32_t qg_ld32(const int8_t* p) {
@@ -258,21 +359,27 @@ static void qg_q8_avx2(const uint8_t* blk, const qg_format* f, const qg_xq* q, l
 /* acc[r * 16 + j] = sum over groups g0 <= g < g1 of block `blk`, rows r < m <= QG_MR_Q8 */
 typedef void (*qg_q8_fn)(const uint8_t*, const qg_format*, const qg_xq*, long, long, int, float*);
 
-/* out[M, N] = xq(x)[M, kp] @ W^T + bias; level: 2 VNNI, 1 AVX-512BW, 0 AVX2. Each 16-column
- * block meets the rows QG_MR_Q8 at a time (it stays in L1/L2 between them). 0, or -1 when out
- * of memory. */
+/* out[M, N] = xq(x)[M, kp] @ W^T + bias; level: 2 VNNI, 1 AVX-512BW, 0 AVX2. `resid`: each row
+ * runs as two int8 rows (x and its residual, qg_quantize_x) whose products are added before
+ * the store. Each 16-column block meets the rows QG_MR_Q8 at a time (it stays in L1/L2 between
+ * them). 0, or -1 when out of memory. */
 static int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, long M, long ldx,
-                         const float* bias, float* out, int level) {
+                         const float* bias, float* out, int level, int resid) {
     const long ng = f->kp / f->group, nb = ng * qg_blocks_per_group(f);
-    int8_t* xq = (int8_t*)malloc((size_t)(M * f->kp));
-    float* sx = (float*)malloc(sizeof(float) * (size_t)(M * nb + M * ng));
-    int32_t* xi = (int32_t*)malloc(sizeof(int32_t) * (size_t)(M * nb));
-    if (xq == NULL || sx == NULL || xi == NULL) {
-        free(xq); free(sx); free(xi);
-        return -1;
-    }
-    qg_quantize_x(x, M, ldx, f, xq, sx, xi, sx + M * nb);
-    const qg_xq q = {xq, sx, xi, sx + M * nb, f->kp, nb, ng};
+    const long Q = resid ? 2 * M : M;  /* int8 rows */
+    /* one scratch: sx [Q nb] + xs [Q ng] floats, xi [Q nb], res [M kp] floats (resid only),
+     * xq [Q kp] (64-byte aligned parts) */
+    const size_t fb = (sizeof(float) * (size_t)(Q * nb + Q * ng) + 63) & ~(size_t)63;
+    const size_t ib = (sizeof(int32_t) * (size_t)(Q * nb) + 63) & ~(size_t)63;
+    const size_t rb = resid ? sizeof(float) * (size_t)(M * f->kp) : 0;
+    char* scratch = (char*)qg_scratch_get(fb + ib + rb + (size_t)(Q * f->kp));
+    if (scratch == NULL) return -1;
+    float* sx = (float*)scratch;
+    int32_t* xi = (int32_t*)(scratch + fb);
+    float* res = resid ? (float*)(scratch + fb + ib) : NULL;
+    int8_t* xq = (int8_t*)(scratch + fb + ib + rb);
+    qg_quantize_x(x, M, ldx, f, xq, sx, xi, sx + Q * nb, resid, res);
+    const qg_xq q = {xq, sx, xi, sx + Q * nb, f->kp, nb, ng};
     qg_q8_fn fn = level >= 2 ? qg_q8_vnni : level >= 1 ? qg_q8_bw : qg_q8_avx2;
     const long nblocks = (f->n + QG_NB - 1) / QG_NB, bb = qg_block_bytes(f);
     /* NOTE: few column blocks (down_proj: N = hidden, K = intermediate) leave threads idle and
@@ -280,13 +387,13 @@ static int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, l
      * partial sums are added at the end (in a fixed order: results do not depend on timing). */
     const int nt = omp_get_max_threads();
     long ns = 1;
-    if (M <= QG_MR_Q8 && nblocks < 4L * nt) {
+    if (Q <= QG_MR_Q8 && nblocks < 4L * nt) {
         ns = (4L * nt + nblocks - 1) / nblocks;
         if (ns > ng) ns = ng;
     }
     float* part = ns > 1 ? (float*)malloc(sizeof(float) * (size_t)(ns * M * f->n)) : NULL;
     if (ns > 1 && part == NULL) {
-        free(xq); free(sx); free(xi);
+        qg_scratch_put(scratch);
         return -1;
     }
     #pragma omp parallel
@@ -296,13 +403,21 @@ static int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, l
         #pragma omp for schedule(dynamic, chunk < 1 ? 1 : chunk)
         for (long t = 0; t < ntask; t++) {
             const long b = t / ns, sp = t % ns, g0 = sp * ng / ns, g1 = (sp + 1) * ng / ns;
-            for (long r0 = 0; r0 < M; r0 += QG_MR_Q8) {
-                const int m = (int)(M - r0 < QG_MR_Q8 ? M - r0 : QG_MR_Q8);
+            for (long r0 = 0; r0 < Q; r0 += QG_MR_Q8) {
+                int m = (int)(Q - r0 < QG_MR_Q8 ? Q - r0 : QG_MR_Q8);
                 const qg_xq qr = {q.xq + r0 * q.kp, q.sx + r0 * nb, q.xi + r0 * nb,
                                   q.xs + r0 * ng, q.kp, nb, ng};
                 fn(w + b * bb, f, &qr, g0, g1, m, acc);
-                if (ns == 1) qg_store(acc, m, b * QG_NB, f->n, f->n, bias, out + r0 * f->n);
-                else qg_store(acc, m, b * QG_NB, f->n, f->n, NULL, part + (sp * M + r0) * f->n);
+                long o0 = r0;
+                if (resid) {  /* m is even: rows 2i and 2i + 1 are one output row */
+                    m /= 2;
+                    o0 = r0 / 2;
+                    for (int i = 0; i < m; i++)
+                        for (int j = 0; j < QG_NB; j++)
+                            acc[i * QG_NB + j] = acc[2 * i * QG_NB + j] + acc[(2 * i + 1) * QG_NB + j];
+                }
+                if (ns == 1) qg_store(acc, m, b * QG_NB, f->n, f->n, bias, out + o0 * f->n);
+                else qg_store(acc, m, b * QG_NB, f->n, f->n, NULL, part + (sp * M + o0) * f->n);
             }
         }
         if (ns > 1) {
@@ -315,7 +430,7 @@ static int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, l
         }
     }
     free(part);
-    free(xq); free(sx); free(xi);
+    qg_scratch_put(scratch);
     return 0;
 }
 

@@ -99,8 +99,11 @@ def test_int8_activation_decode_keeps_perplexity(ref_dir, source):
         m = e.runner.model
         lins = quantized_linears(m)
         head = [p for p in getattr(m.lm_head, "parts", [m.lm_head]) if hasattr(p, "act8")]
-        # on for a bf16 engine's layers; the logits keep exact activations (loader NOTE)
-        assert lins and all(lin.act8 for lin in lins if lin not in head) and not any(h.act8 for h in head)
+        # on for every linear of a bf16 engine; the logits take two int8 rows (x and its
+        # residual, loader NOTE), the layers one
+        assert lins and head and all(lin.act8 for lin in lins)
+        assert all(h.act8_residual for h in head)
+        assert not any(lin.act8_residual for lin in lins if lin not in head)
         on = decode_logits(e, ids)
         for lin in lins:
             lin.act8 = False

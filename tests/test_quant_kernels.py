@@ -151,16 +151,19 @@ def test_act8_decode_path_matches_reference(fmt, level):
         for k, n in shapes(fmt):
             lin, ref, qw = make(fmt, k, n, with_bias=n % 2 == 1)
             lin.act8 = ref.act8 = True
-            for m in (1, 2, 3, 5, 8, 9, 19, 100):
-                x = rng.standard_normal((m, k), dtype=np.float32)
-                x[0, : min(k, 5)] *= 40.0  # an outlier block, as real activations have
-                xq = quantize_activations(x, qw.group)
-                ref.act8 = False
-                want = ref.forward(xq).astype(np.float64)
-                ref.act8 = True
-                check(lin.forward(x), want, xq, ref.weight)
-                if m <= qgemm.ACT8_M_MAX:
-                    check(ref.forward(x).astype(np.float64), want, xq, ref.weight)
+            for resid in (False, True):
+                lin.act8_residual = ref.act8_residual = resid
+                for m in (1, 2, 3, 5, 8, 9, 19, 100):
+                    x = rng.standard_normal((m, k), dtype=np.float32)
+                    x[0, : min(k, 5)] *= 40.0  # an outlier block, as real activations have
+                    xq = quantize_activations(x, qw.group, resid)
+                    ref.act8 = False
+                    want = ref.forward(xq).astype(np.float64)
+                    ref.act8 = True
+                    check(lin.forward(x), want, xq, ref.weight)
+                    if m <= qgemm.ACT8_M_MAX:
+                        check(ref.forward(x).astype(np.float64), want, xq, ref.weight)
+            lin.act8_residual = ref.act8_residual = False
         qgemm._set_act8_m_max(old_m)
         lin, ref, _ = make(fmt, 3 * (128 if fmt.group_size == -1 else fmt.group_size), 37, False)
         lin.act8 = ref.act8 = True
@@ -169,6 +172,35 @@ def test_act8_decode_path_matches_reference(fmt, level):
     finally:
         qgemm._set_act8_m_max(old_m)
         qgemm._force_cpu_level(old)
+
+
+def test_residual_activations_carry_about_15_bits():
+    """act8_residual (the lm_head): x and its rounding residual as two int8 rows. Against the
+    exact product, the error is about 100 times smaller than with one int8 row, and the kernel
+    shows the same on every level."""
+    from numa_runtime.quant.reference import quantize_activations
+    rng = np.random.default_rng(9)
+    fmt = QuantFormat(8, -1, "sym")
+    lin, ref, qw = make(fmt, 896, 640, False)
+    x = rng.standard_normal((3, 896), dtype=np.float32)
+    x[:, :7] *= 30.0
+    exact = x.astype(np.float64) @ ref.weight.T.astype(np.float64)
+    one = quantize_activations(x, qw.group)
+    two = quantize_activations(x, qw.group, residual=True)
+    e1 = np.abs(one - x).max() / np.abs(x).max()
+    e2 = np.abs(two - x).max() / np.abs(x).max()
+    assert 1e-3 < e1 < 1e-2 and e2 < e1 / 100, (e1, e2)
+    lin.act8 = True
+    for level in LEVELS:
+        old = qgemm._force_cpu_level(level)
+        try:
+            errs = []
+            for resid in (False, True):
+                lin.act8_residual = resid
+                errs.append(np.abs(lin.forward(x) - exact).max())
+            assert errs[1] < errs[0] / 30, (level, errs)
+        finally:
+            qgemm._force_cpu_level(old)
 
 
 def test_quantize_activations_blocks():

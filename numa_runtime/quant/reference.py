@@ -15,24 +15,38 @@ ACT8_M_MAX = 8   # qgemm.pyx ACT8_M_MAX (qgemm_q8.h QG_MR_Q8)
 ACT8_BLOCK = 32  # qgemm_q8.h QG_QB
 
 
-def quantize_activations(x: np.ndarray, group: int) -> np.ndarray:
-    """x [M, K] f32 as the int8-activation decode path sees it: within each weight group of
-    `group` k, blocks of ACT8_BLOCK k (the group's last one shorter) are scaled by absmax / 127
-    and rounded to the nearest integer (ties to even) in [-127, 127]; returns the dequantized
-    values q * absmax / 127 (f32, the kernel's arithmetic)."""
-    x = np.asarray(x, dtype=np.float32)
-    out = np.zeros_like(x)
+def _int8_blocks(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """(q, scale) of x [M, K] f32, both [M, K] f32: q in [-127, 127] and each k's block scale."""
+    q, sc = np.zeros_like(x), np.zeros_like(x)
     K = x.shape[1]
     for g0 in range(0, K, group):
         for k0 in range(g0, min(g0 + group, K), ACT8_BLOCK):
             k1 = min(k0 + ACT8_BLOCK, g0 + group, K)
             blk = x[:, k0:k1]
-            amax = np.max(np.abs(blk), axis=1, keepdims=True) if k1 > k0 else np.zeros((x.shape[0], 1), np.float32)
+            amax = np.max(np.abs(blk), axis=1, keepdims=True)
             with np.errstate(divide="ignore"):
                 inv = np.where(amax > 0, np.float32(127.0) / amax, np.float32(0.0)).astype(np.float32)
-            q = np.clip(np.rint(blk * inv), -127, 127).astype(np.float32)
-            out[:, k0:k1] = q * (amax / np.float32(127.0)).astype(np.float32)
-    return out
+            q[:, k0:k1] = np.clip(np.rint(blk * inv), -127, 127)
+            sc[:, k0:k1] = (amax / np.float32(127.0)).astype(np.float32)
+    return q, sc
+
+
+def quantize_activations(x: np.ndarray, group: int, residual: bool = False) -> np.ndarray:
+    """x [M, K] f32 as the int8-activation decode path sees it: within each weight group of
+    `group` k, blocks of ACT8_BLOCK k (the group's last one shorter) are scaled by absmax / 127
+    and rounded to the nearest integer (ties to even) in [-127, 127]; returns the dequantized
+    values q * absmax / 127 (f32, the kernel's arithmetic). `residual` (QLinear.act8_residual):
+    the residual x - q * scale (rounded once to f32, as the kernel's FMA) is quantized the same
+    way, and the two dequantized rows are returned summed (f64; the kernel adds their products)."""
+    x = np.asarray(x, dtype=np.float32)
+    q, sc = _int8_blocks(x, group)
+    first = q * sc
+    if not residual:
+        return first
+    # NOTE: q * scale is exact in f64 (7 + 24 bits), so this rounds once, like the FMA
+    rest = (x.astype(np.float64) - q.astype(np.float64) * sc.astype(np.float64)).astype(np.float32)
+    q2, sc2 = _int8_blocks(rest, group)
+    return first.astype(np.float64) + (q2 * sc2).astype(np.float64)
 
 
 class QLinear:
@@ -51,6 +65,7 @@ class QLinear:
     # NOTE: set by the loader for bf16 engines: decode rows (M <= ACT8_M_MAX) are rounded to
     # int8 blocks first, as the kernel's integer dot-product path does
     act8 = False
+    act8_residual = False  # the lm_head: x and its int8 rounding residual, two int8 rows
 
     @property
     def dtype(self) -> str:
@@ -59,7 +74,7 @@ class QLinear:
     def forward(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         # x: [M, K] -> out: [M, N]
         if self.act8 and x.shape[0] <= ACT8_M_MAX:
-            x = quantize_activations(x, self.group)
+            x = quantize_activations(x, self.group, self.act8_residual)
         y = x @ self.weight.T
         if self.bias is not None:
             y += self.bias
