@@ -28,6 +28,10 @@ typedef struct {
     long kp, nb, ng;
 } qg_xq;
 
+/* Set by the model for each step on its compute thread (qgemm.set_decode_step): the step's rows
+ * are all decode rows, so a batch of them may take int8 activations beyond QG_MR_Q8 rows. */
+static __thread int qg_decode_step;
+
 static inline long qg_blocks_per_group(const qg_format* f) { return (f->group + QG_QB - 1) / QG_QB; }
 
 /* One full block of QG_QB = 32 k: the scalar rule of qg_quantize_block in AVX2 (the build's

@@ -216,3 +216,39 @@ def test_quantize_activations_blocks():
     q48 = quantize_activations(np.ones((1, 96), np.float32) * np.arange(96, dtype=np.float32), 48)
     # group 48: blocks [0, 32), [32, 48), [48, 80), [80, 96): block [32, 48) is scaled by 47
     assert q48[0, 47] == 47.0 and q48[0, 31] == 31.0
+
+
+def test_decode_step_takes_int8_activations_for_a_batch():
+    """set_decode_step(True) (a step of decode rows only, set by the model): a decode batch of
+    more than ACT8_M_MAX rows takes the int8 path too, like the reference; prefill steps and
+    other threads keep the exact path for those rows."""
+    import threading
+    from numa_runtime.quant.reference import quantize_activations, set_decode_step as ref_step
+    fmt = QuantFormat(4, 32, "sym")
+    lin, ref, qw = make(fmt, 256, 80, True)
+    lin.act8 = ref.act8 = True
+    rng = np.random.default_rng(12)
+    m = 16 if qgemm._act8_decode_m_max() >= 16 else qgemm.ACT8_M_MAX  # 31 with AMX panels
+    x = rng.standard_normal((m, 256), dtype=np.float32)
+    ref.act8 = False
+    exact = ref.forward(x).astype(np.float64)
+    int8 = ref.forward(quantize_activations(x, qw.group)).astype(np.float64)
+    ref.act8 = True
+    assert not qgemm.set_decode_step(True) and not ref_step(True)
+    try:
+        check(lin.forward(x), int8, x, ref.weight)
+        check(ref.forward(x).astype(np.float64), int8, x, ref.weight)
+        seen = {}
+        t = threading.Thread(target=lambda: seen.update(y=lin.forward(x)))
+        t.start()
+        t.join()
+        check(seen["y"], exact, x, ref.weight)  # the flag is per thread
+        big = rng.standard_normal((qgemm.ACT8_DECODE_M_MAX + 1, 256), dtype=np.float32)
+        ref.act8 = False
+        check(lin.forward(big), ref.forward(big).astype(np.float64), big, ref.weight)
+        ref.act8 = True
+    finally:
+        assert qgemm.set_decode_step(False) and ref_step(False)
+    if m > qgemm.ACT8_M_MAX:
+        check(lin.forward(x), exact, x, ref.weight)
+        assert np.abs(exact - int8).max() > 1e-3

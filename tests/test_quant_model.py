@@ -202,3 +202,34 @@ def test_profiler_times_quantized_linears(model_dir, monkeypatch):
     e.close()
     linear = [r["count"] for r in stats if r["section"] == "forward" and r["opname"] == "Linear"]
     assert linear == [3 * (4 * 2 + 1)]
+
+
+def test_decode_steps_flag_their_rows_for_int8_activations(model_dir):
+    """A bf16 engine tells the kernels which steps hold decode rows only (a decode batch may
+    take int8 activations beyond 8 rows): a batch of 12 prompts prefills with the flag off and
+    decodes with it on, and the flag is cleared after every step."""
+    from numa_runtime._kernels import qgemm
+    e = Engine(model_dir, dtype="bfloat16", quantization="int4", kv_cache_memory=1 << 23,
+               max_model_len=128)
+    try:
+        ops, seen = e.runner.model.ops, []
+        real = ops.set_decode_step
+
+        class Spy:
+            def __getattr__(self, name):
+                return getattr(ops, name)
+
+            def set_decode_step(self, on):
+                seen.append(bool(on))
+                return real(on)
+
+        e.runner.model.ops = Spy()
+        outs = e.generate([[3 + i, 5, 7 + i] for i in range(12)],
+                          SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        assert all(len(o.token_ids) == 4 for o in outs)
+        steps = list(zip(seen[::2], seen[1::2]))
+        assert steps and all(after is False for _, after in steps)
+        assert steps[0][0] is False and any(on for on, _ in steps[1:])
+        assert not qgemm.set_decode_step(False)
+    finally:
+        e.close()

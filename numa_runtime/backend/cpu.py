@@ -29,7 +29,14 @@ except ImportError:  # the shm-collective kernels are optional for one process
 
 __all__ = ["Linear", "QLinear", "embedding", "rms_norm", "add_rms_norm", "silu_and_mul", "add_", "rotary",
            "reshape_and_cache", "paged_attention", "sample", "log_softmax", "reduce_sum",
-           "f32_to_bf16", "bf16_to_f32", "set_num_threads", "get_num_threads"]
+           "f32_to_bf16", "bf16_to_f32", "set_num_threads", "get_num_threads", "set_decode_step"]
+
+
+def set_decode_step(on: bool) -> bool:
+    """Before a step, on the thread that runs it: True when every row is a decode row, so a
+    decode batch of quantized linears takes int8 activations (qgemm.set_decode_step)."""
+    from numa_runtime._kernels import qgemm
+    return qgemm.set_decode_step(on)
 
 
 def _gemm():

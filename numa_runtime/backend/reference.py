@@ -68,7 +68,7 @@ class Linear:
 
 
 # QLinear: the same contract over packed int8/int4 weights, specified in numa_runtime/quant.
-from ..quant.reference import QLinear  # noqa: E402,F401
+from ..quant.reference import QLinear, set_decode_step  # noqa: E402,F401
 
 
 # ----------------------------------------------------------------------------- elementwise

@@ -149,6 +149,15 @@ class LlamaModel:
     def forward(self, plan) -> np.ndarray | None:
         """Run one step; returns logits [S', vocab] for plan.logits_indices (every rank), or
         for an EMBED plan the final normed hidden states [S', hidden] of those rows."""
+        # NOTE: a step of decode rows only lets a decode batch take int8 activations (qgemm);
+        # the flag is this thread's, and is cleared after the step
+        self.ops.set_decode_step(plan.num_tokens == plan.num_seqs)
+        try:
+            return self._forward(plan)
+        finally:
+            self.ops.set_decode_step(False)
+
+    def _forward(self, plan) -> np.ndarray | None:
         ops, lay, comm = self.ops, self.lay, self.comm
         eps, tp = self.cfg.rms_norm_eps, lay.world > 1
         rms_norm, add_rms_norm, silu_and_mul = ops.rms_norm, ops.add_rms_norm, ops.silu_and_mul

@@ -5,6 +5,8 @@ formats.dequantize, so a kernel test compares against the same f32 weights, bit 
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from .formats import GROUP_SIZES, QuantFormat, dequantize
@@ -13,6 +15,20 @@ from .packing import unpack
 
 ACT8_M_MAX = 8   # qgemm.pyx ACT8_M_MAX (qgemm_q8.h QG_MR_Q8)
 ACT8_BLOCK = 32  # qgemm_q8.h QG_QB
+ACT8_DECODE_M_MAX = 64  # qgemm.pyx: rows of a decode-only step (the kernel keeps 31 with AMX)
+_step = threading.local()
+
+
+def set_decode_step(on: bool) -> bool:
+    """qgemm.set_decode_step: every row of this thread's next steps is a decode row."""
+    old = getattr(_step, "decode", False)
+    _step.decode = bool(on)
+    return old
+
+
+def act8_rows(m: int) -> bool:
+    """Whether m rows take int8 activations on a linear flagged act8."""
+    return m <= ACT8_M_MAX or (getattr(_step, "decode", False) and m <= ACT8_DECODE_M_MAX)
 
 
 def _int8_blocks(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
@@ -73,7 +89,7 @@ class QLinear:
 
     def forward(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         # x: [M, K] -> out: [M, N]
-        if self.act8 and x.shape[0] <= ACT8_M_MAX:
+        if self.act8 and act8_rows(x.shape[0]):
             x = quantize_activations(x, self.group, self.act8_residual)
         y = x @ self.weight.T
         if self.bias is not None:
