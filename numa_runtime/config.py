@@ -220,6 +220,9 @@ class EngineConfig:
     dtype: str = "bfloat16"
     max_model_len: int | None = None
     num_threads: int | None = None
+    # the server's rank 0, with num_threads and OMP_NUM_THREADS unset and at least
+    # RESERVE_MIN_CPUS cpus, computes on one cpu fewer: that one runs the HTTP server
+    reserve_server_core: bool = False
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes per rank; None: kv_cache_fraction of available memory
     kv_cache_fraction: float = 0.2

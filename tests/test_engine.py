@@ -244,3 +244,33 @@ def test_user_request_ids_may_contain_any_character(eng):
     while eng.has_unfinished_requests():
         outs += [o for o in eng.step() if o.request_id == rid]
     assert outs and outs[-1].finished and len(outs[-1].token_ids) == 3
+
+
+@pytest.mark.parametrize("cpus, given, omp, want", [(16, None, None, 15), (4, None, None, 4),
+                                                    (16, 16, None, 16), (16, None, "12", 16)])
+def test_server_engine_leaves_a_cpu_to_the_http_thread(model_dir, monkeypatch, cpus, given, omp, want):
+    """reserve_server_core (what serve passes): from RESERVE_MIN_CPUS cpus on, rank 0 computes on
+    one fewer; an explicit num_threads, or OMP_NUM_THREADS, is taken as given (one rank reads
+    its cpus, not OMP_NUM_THREADS), and small machines keep every cpu."""
+    import numa_runtime.engine as engine_mod
+    assert engine_mod.RESERVE_MIN_CPUS <= 16
+    monkeypatch.setattr(engine_mod.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    e = Engine(model_dir, dtype="float32", kv_cache_memory=1 << 22, max_model_len=64,
+               num_threads=given, reserve_server_core=True)
+    try:
+        assert e.num_threads == want
+        assert e.ops.get_num_threads() == want
+    finally:
+        e.close()
+        e.ops.set_num_threads(2)
+    plain = Engine(model_dir, dtype="float32", kv_cache_memory=1 << 22, max_model_len=64,
+                   num_threads=given)
+    try:
+        assert plain.num_threads == (given or cpus)  # the Engine alone keeps every cpu
+    finally:
+        plain.close()
+        plain.ops.set_num_threads(2)

@@ -15,7 +15,7 @@ from .packing import unpack
 
 ACT8_M_MAX = 8   # qgemm.pyx ACT8_M_MAX (qgemm_q8.h QG_MR_Q8)
 ACT8_BLOCK = 32  # qgemm_q8.h QG_QB
-ACT8_DECODE_M_MAX = 64  # qgemm.pyx: rows of a decode-only step (the kernel keeps 31 with AMX)
+ACT8_DECODE_M_MAX = 64  # qgemm.pyx: rows of a decode-only step
 _step = threading.local()
 
 

@@ -53,7 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="auto: read blocks back only when that beats recomputing them")
     ap.add_argument("--embedding-pooling", default=None, choices=["mean", "last"],
                     help="/v1/embeddings pooling (default: last for embedding checkpoints, else mean)")
-    ap.add_argument("--num-threads", type=int, default=None, help="compute threads per rank")
+    ap.add_argument("--num-threads", type=int, default=None,
+                    help="compute threads per rank (default: its cpus; rank 0 leaves one to the HTTP "
+                         "server when it has 8 or more)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs "
                     "(cuda: one GPU per rank; needs `pip install numa_runtime[cuda]`)")
     ap.add_argument("--host-kv-cache-memory", type=int, default=0, help="bytes of pinned host memory that "
@@ -79,7 +81,8 @@ def engine_kwargs(args) -> dict:
     kwargs = {"max_num_seqs": args.max_num_seqs, "dtype": args.dtype, "max_model_len": args.max_model_len,
               "num_threads": args.num_threads, "quantization": args.quantization,
               "lm_head_quantization": args.lm_head_quantization, "device": args.device,
-              "host_kv_cache_memory": args.host_kv_cache_memory, "kv_cache_dtype": args.kv_cache_dtype}
+              "host_kv_cache_memory": args.host_kv_cache_memory, "kv_cache_dtype": args.kv_cache_dtype,
+              "reserve_server_core": True}
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = args.kv_cache_memory
     if args.kv_cache_dir is not None:
