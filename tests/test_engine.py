@@ -254,6 +254,7 @@ def test_server_engine_leaves_a_cpu_to_the_http_thread(model_dir, monkeypatch, c
     its cpus, not OMP_NUM_THREADS), and small machines keep every cpu."""
     import numa_runtime.engine as engine_mod
     assert engine_mod.RESERVE_MIN_CPUS <= 16
+    mine = len(os.sched_getaffinity(0))
     monkeypatch.setattr(engine_mod.os, "sched_getaffinity", lambda pid: set(range(cpus)))
     if omp is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -266,11 +267,11 @@ def test_server_engine_leaves_a_cpu_to_the_http_thread(model_dir, monkeypatch, c
         assert e.ops.get_num_threads() == want
     finally:
         e.close()
-        e.ops.set_num_threads(2)
+        e.ops.set_num_threads(mine)
     plain = Engine(model_dir, dtype="float32", kv_cache_memory=1 << 22, max_model_len=64,
                    num_threads=given)
     try:
         assert plain.num_threads == (given or cpus)  # the Engine alone keeps every cpu
     finally:
         plain.close()
-        plain.ops.set_num_threads(2)
+        plain.ops.set_num_threads(mine)
