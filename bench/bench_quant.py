@@ -1,6 +1,7 @@
 """Quantized linear benchmark: qgemm.QLinear per format vs the DRAM read probe (and bf16 Linear).
 
     python bench/bench_quant.py [--quick] [--threads N] [--level L] [--model NAME] [--formats F..] [--bf16-prefill] [--out PATH]
+    python bench/bench_quant.py --decode-batch [--threads N]   # the paths of a 16-64 row decode batch
 
 For M = 1 it reports GB/s of packed weight bytes actually read (QLinear.nbytes / time: integers,
 scales and offsets) and that as a fraction of the DRAM read bandwidth measured in the same run
@@ -74,6 +75,37 @@ def bench(model: str, formats: list[str], ms: list[int], min_time: float, bf16: 
     return rows
 
 
+def decode_batch(model: str, rows=(16, 32, 64)) -> list[dict]:
+    """One linear per shape of `model` (gate_up, down) at decode-batch row counts: us on the
+    f32 tile path, on int8 activations (a step of decode rows, qgemm.set_decode_step) and on
+    the bf16 panels (oneDNN, AMX where present)."""
+    out = []
+    shapes = [s for s in SHAPES[model] if s[0] in ("gate_up", "down")]
+    for layer, k, n in shapes:
+        w = np.random.default_rng(0).standard_normal((n, k), dtype=np.float32) * 0.05
+        for name in ("int4-g32-sym", "int8-channel"):
+            fmt = QuantFormat.parse(name)
+            lin = qlinear(cpu, quantize(w, fmt.for_k(k)), bf16=True)
+            for m in rows:
+                x = np.random.default_rng(1).standard_normal((m, k), dtype=np.float32)
+                r = {"layer": layer, "K": k, "N": n, "format": name, "M": m}
+                for path in ("f32", "int8", "panels"):
+                    if path == "panels" and m < qgemm.PANEL_M_MIN:
+                        r[path] = None
+                        continue
+                    lin.act8, lin.prefill_bf16 = path == "int8", path == "panels"
+                    old = qgemm.set_decode_step(path == "int8")
+                    try:
+                        r[path] = timeit(lambda: lin.forward(x), 0.3) * 1e6
+                    finally:
+                        qgemm.set_decode_step(old)
+                out.append(r)
+                cell = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+                print(f"| {layer} | {k} x {n} | {name} | {m} | {cell(r['f32'])} | {cell(r['int8'])} | "
+                      f"{cell(r['panels'])} |", flush=True)
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one model, two formats, short timing")
@@ -83,12 +115,19 @@ def main(argv=None) -> None:
     ap.add_argument("--bf16-prefill", action="store_true",
                     help="quantized linears as a bf16 engine builds them: large M on bf16 panels")
     ap.add_argument("--formats", nargs="+", default=None, help="formats to run (default: all)")
+    ap.add_argument("--decode-batch", action="store_true",
+                    help="decode batches of 16/32/64 rows: f32 path / int8 activations / bf16 panels (us)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.threads:
         ops.set_num_threads(args.threads)
     if args.level is not None:
         qgemm._force_cpu_level(args.level)
+    if args.decode_batch:
+        print("| layer | K x N | format | rows | f32 us | int8 activations us | bf16 panels us |\n"
+              "| --- | --- | --- | --- | --- | --- | --- |")
+        decode_batch(args.model)
+        return
     formats = args.formats or (["int8-g128", "int4-g32-min"] if args.quick else FORMATS + ["bf16"])
     ms = [1, 512]
     dram = dram_read_gbps(args.threads, gib=0.25 if args.quick else 1.0)
