@@ -118,7 +118,9 @@ class Engine:
         placement = None
         if self.comm.world_size > 1:  # NOTE: init_distributed bound the rank; this reads it back
             placement = numa.bind_this_rank(self.comm.rank, self.comm.local_rank, self.comm.local_size)
-        threads = self.config.num_threads or (placement.num_threads if placement else len(os.sched_getaffinity(0)))
+        # NOTE: one rank reads OMP_NUM_THREADS too (numa-launch --ranks 1 sets it)
+        threads = self.config.num_threads or (placement.num_threads if placement else
+                                              env.omp_num_threads() or len(os.sched_getaffinity(0)))
         if (self.config.reserve_server_core and self.config.num_threads is None and self.comm.rank == 0
                 and env.omp_num_threads() is None and (placement is None or placement.how != "launcher")
                 and threads >= RESERVE_MIN_CPUS):
