@@ -191,9 +191,7 @@ cdef class QLinear:
                                  % (M, N))
         if M == 0:
             return oa
-        cdef bint q8 = self.act8 and M <= _act8_m_max
-        if self.act8 and not q8 and qg_decode_step != 0:
-            q8 = M <= ACT8_DECODE_M_MAX
+        cdef bint q8 = self.act8 and (M <= _act8_m_max or (qg_decode_step != 0 and M <= ACT8_DECODE_M_MAX))
         if not q8 and self.prefill_bf16 and M >= PANEL_M_MIN and _panel_usable():
             self._panel_forward(xa, oa)
             return oa

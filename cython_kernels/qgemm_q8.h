@@ -93,7 +93,7 @@ static void qg_quantize_row(const float* xr, const qg_format* f, int8_t* xq, flo
             } else {
                 float amax = 0.0f;
                 for (long k = k0; k < k1; k++) amax = fmaxf(amax, fabsf(xr[k]));
-                const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+                const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, scale = amax / 127.0f;
                 int32_t sum = 0;
                 for (long k = k0; k < k1; k++) {
                     int32_t q = (int32_t)nearbyintf(xr[k] * inv);
@@ -102,15 +102,10 @@ static void qg_quantize_row(const float* xr, const qg_format* f, int8_t* xq, flo
                     long d = k;
                     if (f->bits == 4) d = (k & ~7L) + ((k & 1) ? 4 : 0) + ((k & 7) >> 1);
                     xq[d] = (int8_t)q;
+                    if (res) res[k] = fmaf(-(float)q, scale, xr[k]);
                 }
-                *bs = amax / 127.0f;
+                *bs = scale;
                 *bi = sum;
-                if (res)
-                    for (long k = k0; k < k1; k++) {
-                        int32_t q = (int32_t)nearbyintf(xr[k] * inv);
-                        q = q > 127 ? 127 : q < -127 ? -127 : q;
-                        res[k] = fmaf(-(float)q, *bs, xr[k]);
-                    }
             }
             gs += *bs * (float)*bi;
         }
@@ -146,20 +141,14 @@ static void qg_quantize_x(const float* x, long M, long ldx, const qg_format* f, 
     for (long r = 0; r < M; r++) qg_quantize_rows(x, r, ldx, f, xq, sx, xi, xs, resid, res);
 }
 
-/* Scratch of the calling thread, kept between calls up to QG_SCRATCH_KEEP bytes (a decode
- * step's activations); larger requests are allocated per call. NULL when out of memory. */
+/* Scratch of the calling thread: one QG_SCRATCH_KEEP buffer kept between calls (a decode step's
+ * activations); larger requests are allocated per call. NULL when out of memory. */
 #define QG_SCRATCH_KEEP (1L << 20)
 static __thread void* qg_scratch_buf;
-static __thread size_t qg_scratch_cap;
 
 static void* qg_scratch_get(size_t n) {
     if (n > QG_SCRATCH_KEEP) return malloc(n);
-    if (n > qg_scratch_cap) {
-        free(qg_scratch_buf);
-        qg_scratch_buf = malloc(QG_SCRATCH_KEEP);
-        qg_scratch_cap = qg_scratch_buf ? QG_SCRATCH_KEEP : 0;
-        if (qg_scratch_buf == NULL) return NULL;
-    }
+    if (qg_scratch_buf == NULL) qg_scratch_buf = malloc(QG_SCRATCH_KEEP);
     return qg_scratch_buf;
 }
 

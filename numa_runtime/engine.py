@@ -119,10 +119,11 @@ class Engine:
         if self.comm.world_size > 1:  # NOTE: init_distributed bound the rank; this reads it back
             placement = numa.bind_this_rank(self.comm.rank, self.comm.local_rank, self.comm.local_size)
         # NOTE: one rank reads OMP_NUM_THREADS too (numa-launch --ranks 1 sets it)
+        omp = env.omp_num_threads()
         threads = self.config.num_threads or (placement.num_threads if placement else
-                                              env.omp_num_threads() or len(os.sched_getaffinity(0)))
+                                              omp or len(os.sched_getaffinity(0)))
         if (self.config.reserve_server_core and self.config.num_threads is None and self.comm.rank == 0
-                and env.omp_num_threads() is None and (placement is None or placement.how != "launcher")
+                and omp is None and (placement is None or placement.how != "launcher")
                 and threads >= RESERVE_MIN_CPUS):
             # NOTE: with every cpu in the OpenMP team, the HTTP thread preempts a team thread
             # and every barrier of the step waits for it: on SPR-16 a streamed batch-1 request
