@@ -21,6 +21,7 @@
 #include <sys/mman.h>
 
 #include "bf16.h"
+#include "split.h"
 #include "tile_kernels.h"
 
 #define GEMM_NB 64    /* output columns per weight block */
@@ -95,15 +96,6 @@ static inline void gemm_split(long nblocks, int t, int nt, long* b0, long* b1) {
     *b1 = nblocks * (t + 1) / nt;
 }
 
-/* Blocks per dynamic work item: about 8 items per thread.
- * NOTE: dynamic, not a static split: a thread that is preempted (shared machines, other ranks)
- * or slower costs only its current chunk, not the whole call, and each block is already a
- * 60+ KiB contiguous stream, so the prefetchers lose nothing. */
-static inline int gemm_chunk(long nblocks) {
-    long c = nblocks / (8L * omp_get_num_threads());
-    return c < 1 ? 1 : (int)c;
-}
-
 /* acc: [m][64] partial sums of one block -> out[m, n0:n0+64] (+bias), clipped at N. */
 static inline void gemm_store_block(const float* acc, int m, long n0, long N, const float* bias,
                                     float* out) {
@@ -122,20 +114,17 @@ typedef void (*gemm_block_fn)(const void* wb, const void* xs, int m, long kp, lo
 
 /* out[m, N] = xs @ B + bias for m <= GEMM_MMAX rows. B: nblocks blocks of block_bytes, each
  * `steps` k-steps (k-pairs for bf16, k for f32) deep.
- * NOTE: with fewer than 8 blocks per thread (N = 896 on 16 cores is 14 blocks) the blocks are
- * also cut along k into slices of >= 64 steps (each still one contiguous stream), partial sums
- * go to `part` and a second pass adds them: otherwise 14 blocks on 16 threads leave 2 idle and
- * 18 blocks take two rounds. */
+ * NOTE: blocks that do not share out evenly over the threads (N = 896 on 16 cores is 14
+ * blocks) are also cut along k into slices of >= 64 steps (each still one contiguous stream),
+ * partial sums go to `part` and a second pass adds them (split.h says when; a static schedule:
+ * a dynamic one's shared counter costs more than a small GEMV). */
 static int gemm_small_run(const char* w, size_t block_bytes, long steps, long kp, long N,
                           const void* xs, int m, const float* bias, float* out,
                           gemm_block_fn fn) {
     long nblocks = (N + GEMM_NB - 1) / GEMM_NB, np_ = nblocks * GEMM_NB;
-    long nt = omp_get_max_threads(), ks = 1;
-    if (nblocks < 8 * nt && nt > 1) {
-        long max_ks = steps / 64 > 1 ? steps / 64 : 1;
-        ks = (8 * nt + nblocks - 1) / nblocks;
-        ks = ks < max_ks ? ks : max_ks;
-    }
+    const long nt = omp_get_max_threads();
+    const long ks = nr_split_count(nblocks, nt, steps / 64 > 1 ? (steps / 64 < 16 ? steps / 64 : 16) : 1,
+                                   0.08);
     float* part = NULL;
     if (ks > 1) {
         part = (float*)aligned_alloc(64, sizeof(float) * ks * m * np_);
@@ -145,7 +134,7 @@ static int gemm_small_run(const char* w, size_t block_bytes, long steps, long kp
     #pragma omp parallel
     {
         float acc[GEMM_MMAX * GEMM_NB] __attribute__((aligned(64)));
-        #pragma omp for schedule(dynamic, gemm_chunk(units))
+        #pragma omp for schedule(static)
         for (long u = 0; u < units; u++) {
             long b = u / ks, s = u % ks;
             fn(w + b * block_bytes, xs, m, kp, steps * s / ks, steps * (s + 1) / ks, acc);

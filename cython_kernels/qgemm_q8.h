@@ -17,6 +17,8 @@
 
 #include <math.h>
 
+#include "split.h"
+
 #define QG_QB 32       /* k per activation block (a group's last block may be shorter) */
 #define QG_MR_Q8 8     /* rows per pass over a weight block */
 
@@ -375,15 +377,11 @@ static int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, l
     const qg_xq q = {xq, sx, xi, sx + Q * nb, f->kp, nb, ng};
     qg_q8_fn fn = level >= 2 ? qg_q8_vnni : level >= 1 ? qg_q8_bw : qg_q8_avx2;
     const long nblocks = (f->n + QG_NB - 1) / QG_NB, bb = qg_block_bytes(f);
-    /* NOTE: few column blocks (down_proj: N = hidden, K = intermediate) leave threads idle and
-     * each one streaming a long block alone; the groups are then split into `ns` ranges whose
-     * partial sums are added at the end (in a fixed order: results do not depend on timing). */
+    /* NOTE: column blocks that do not share out evenly over the threads (down_proj on 16 cores:
+     * 56 blocks) are cut into `ns` ranges of groups whose partial sums are added at the end (in
+     * a fixed order: results do not depend on timing); split.h says when. */
     const int nt = omp_get_max_threads();
-    long ns = 1;
-    if (Q <= QG_MR_Q8 && nblocks < 4L * nt) {
-        ns = (4L * nt + nblocks - 1) / nblocks;
-        if (ns > ng) ns = ng;
-    }
+    long ns = Q <= QG_MR_Q8 ? nr_split_count(nblocks, nt, ng < 8 ? ng : 8, 0.12) : 1;
     float* part = ns > 1 ? (float*)malloc(sizeof(float) * (size_t)(ns * M * f->n)) : NULL;
     if (ns > 1 && part == NULL) {
         qg_scratch_put(scratch);
@@ -392,8 +390,8 @@ static int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, l
     #pragma omp parallel
     {
         float acc[QG_MR_Q8 * QG_NB] __attribute__((aligned(64)));
-        long ntask = nblocks * ns, chunk = ntask / (8L * omp_get_num_threads());
-        #pragma omp for schedule(dynamic, chunk < 1 ? 1 : chunk)
+        const long ntask = nblocks * ns;
+        #pragma omp for schedule(static)
         for (long t = 0; t < ntask; t++) {
             const long b = t / ns, sp = t % ns, g0 = sp * ng / ns, g1 = (sp + 1) * ng / ns;
             for (long r0 = 0; r0 < Q; r0 += QG_MR_Q8) {
