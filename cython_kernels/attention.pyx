@@ -54,7 +54,7 @@ cdef extern from "attention_kernels.h":
     int64_t nr_attn_check(const nr_attn_args *a, int64_t T) nogil
     int64_t nr_kv_row(int kv_type, int64_t D) nogil
     int nr_tile_level() nogil
-    void nr_paged_attention(const nr_attn_args *a) nogil
+    int nr_paged_attention(const nr_attn_args *a) nogil
 
 
 # The best tile level of this CPU: 2 AVX-512 BF16 (the bf16 path for bf16 caches), 1 AVX-512F,
@@ -242,6 +242,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens
                          % (bad, qs[bad], qs[bad + 1], T, cl[bad], bt.shape[1], bs, nb))
     if T == 0 or d == 0:
         return out
+    cdef int rc
     with nogil:
-        nr_paged_attention(&a)
+        rc = nr_paged_attention(&a)
+    if rc != 0:
+        raise MemoryError("paged_attention: cannot allocate its work items or per-thread scratch")
     return out

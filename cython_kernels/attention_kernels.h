@@ -383,13 +383,14 @@ static int64_t nr_attn_check(const nr_attn_args *a, int64_t T) {
  * the index of its partial when split (its nsplit partials are consecutive), else -1. */
 typedef struct { int64_t s, h, i0, ja, jb, slot, t, nsplit; } nr_item;
 
-static void nr_paged_attention(const nr_attn_args *a) {
+/* 0, or -1 when out of memory (out is then not fully written). */
+static int nr_paged_attention(const nr_attn_args *a) {
     int64_t group = a->Hq / a->Hk, rows = nr_item_rows(group), n_base = 0;
     for (int64_t s = 0; s < a->S; s++) {
         int64_t n_new = a->qstart[s + 1] - a->qstart[s];
         n_base += a->Hk * ((n_new + rows - 1) / rows);
     }
-    if (n_base == 0) return;
+    if (n_base == 0) return 0;
     /* NOTE: split key ranges only when items are too few to keep every thread busy. */
     int64_t nt = omp_get_max_threads(), want = n_base >= 2 * nt ? 1 : (2 * nt + n_base - 1) / n_base;
     int64_t n_items = 0, n_slots = 0;
@@ -419,17 +420,28 @@ static void nr_paged_attention(const nr_attn_args *a) {
             }
         }
         if (!pass) { n_items = k; n_slots = slot; continue; }
+        if (items == NULL) return -1;
         size_t ws_n = nr_ws_tiled_floats(rows * group, a->D), ws_d = nr_ws_floats(rows * group, a->D);
         ws_n = ws_n > ws_d ? ws_n : ws_d;
         ws_d = nr_ws_bf16_floats(rows * group, a->D);
         ws_n = ws_n > ws_d ? ws_n : ws_d;
         int64_t psz = rows * group * (a->D + 2);
         float *parts = n_slots ? (float *)malloc((size_t)(n_slots * psz) * sizeof(float)) : NULL;
+        if (n_slots && parts == NULL) {
+            free(items);
+            return -1;
+        }
+        int err = 0;
         #pragma omp parallel if (n_items > 1)
         {
             float *ws = (float *)malloc(ws_n * sizeof(float));
+            if (ws == NULL) {
+                #pragma omp atomic write
+                err = 1;
+            }
             #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < n_items; it++) {
+                if (ws == NULL) continue;
                 const nr_item *x = &items[it];
                 int64_t n_new = a->qstart[x->s + 1] - a->qstart[x->s];
                 int64_t i1 = x->i0 + rows < n_new ? x->i0 + rows : n_new;
@@ -441,7 +453,8 @@ static void nr_paged_attention(const nr_attn_args *a) {
                     a, x->s, x->h, x->i0, i1, x->ja, x->jb, ws,
                     x->slot >= 0 ? parts + x->slot * psz : NULL);
             }
-            if (n_slots) {
+            /* NOTE: err is read after the loop's barrier, so every thread takes the same branch */
+            if (n_slots && !err) {
                 /* the first split of every split item merges them all */
                 #pragma omp for schedule(dynamic, 1)
                 for (int64_t it = 0; it < n_items; it++) {
@@ -457,7 +470,9 @@ static void nr_paged_attention(const nr_attn_args *a) {
         }
         free(parts);
         free(items);
+        return err ? -1 : 0;
     }
+    return 0;
 }
 
 #endif

@@ -43,6 +43,8 @@ def reduce_sum(cnp.ndarray dst, srcs):
     if not dst.flags.c_contiguous:
         raise ValueError("reduce_sum: dst must be C-contiguous")
     cdef const void **ptrs = <const void **>malloc(max(nsrc, 1) * sizeof(void *))
+    if ptrs == NULL:
+        raise MemoryError("reduce_sum: cannot allocate %d source pointers" % nsrc)
     try:
         for i in range(nsrc):
             s = srcs[i]
