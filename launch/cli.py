@@ -95,11 +95,14 @@ def replica_shape(ranks: int | None, tp: int | None, dp: int | None, num_nodes: 
 
 def build_command(placements: list[RankPlacement], cmd: list[str], mpirun: str = "mpirun",
                   numactl: str = "numactl", with_membind: bool = True,
-                  data_parallel: int | None = None) -> list[str]:
-    """The full mpirun argv: one `-np 1 -env ... numactl ... cmd` block per rank."""
+                  data_parallel: int | None = None, reserved_core: bool = False) -> list[str]:
+    """The full mpirun argv: one `-np 1 -env ... numactl ... cmd` block per rank.
+    `reserved_core`: the placements already leave rank 0's server a cpu, which
+    NUMA_RUNTIME_RESERVED_CORE=1 tells the Engine (it would reserve one itself for a server)."""
     argv = [mpirun]
     env = list(RANK_ENV) + ([("NUMA_RUNTIME_DATA_PARALLEL", str(data_parallel))]
                             if data_parallel is not None else [])
+    env += [("NUMA_RUNTIME_RESERVED_CORE", "1")] if reserved_core else []
     for p in placements:
         if p.rank > 0:
             argv.append(":")
@@ -121,7 +124,9 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--dp", type=int, default=None,
                         help="model replicas (data parallel); default: the engine's rule")
     parser.add_argument("--reserve-server-core", action="store_true",
-                        help="rank 0 runs one OpenMP thread fewer, leaving a core to the server")
+                        help="rank 0 runs one OpenMP thread fewer, leaving a core to the server "
+                             "(numa_runtime.serve does this by itself from 8 cpus on; this "
+                             "forces it for any command and any cpu count)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the command instead of running it")
     parser.add_argument("--mpirun", default=None, help="mpirun executable (default: from PATH)")
@@ -162,10 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     with_membind = topo.from_sysfs
     if args.dry_run:
         print(shlex.join(build_command(placements, cmd, args.mpirun or "mpirun",
-                                       with_membind=with_membind, data_parallel=dp)))
+                                       with_membind=with_membind, data_parallel=dp,
+                                       reserved_core=args.reserve_server_core)))
         return 0
     mpirun, numactl = _find_tools(args.mpirun)
-    full = build_command(placements, cmd, mpirun, numactl, with_membind, dp)
+    full = build_command(placements, cmd, mpirun, numactl, with_membind, dp,
+                         args.reserve_server_core)
     sys.stdout.flush()
     sys.stderr.flush()
     # exec: mpirun's exit status and signal handling become ours, nothing to forward.

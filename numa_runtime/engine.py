@@ -122,9 +122,11 @@ class Engine:
         omp = env.omp_num_threads()
         threads = self.config.num_threads or (placement.num_threads if placement else
                                               omp or len(os.sched_getaffinity(0)))
+        # NOTE: under numa-launch OMP_NUM_THREADS is the launcher's (all of the rank's cpus, or
+        # one fewer with --reserve-server-core), not a user's choice: reserve as under mpirun
+        user_threads = omp is not None and not env.numa_bound()
         if (self.config.reserve_server_core and self.config.num_threads is None and self.comm.rank == 0
-                and omp is None and (placement is None or placement.how != "launcher")
-                and threads >= RESERVE_MIN_CPUS):
+                and not user_threads and not env.reserved_core() and threads >= RESERVE_MIN_CPUS):
             # NOTE: with every cpu in the OpenMP team, the HTTP thread preempts a team thread
             # and every barrier of the step waits for it: on SPR-16 a streamed batch-1 request
             # decoded at 90 tok/s on 16 threads and 143 on 15 (llama-server: 137)

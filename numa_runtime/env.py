@@ -19,7 +19,7 @@ def cache_dir() -> str:
 
 # ----------------------------------------------------------------------------- MPI and NUMA
 # Read by numa_runtime.distributed and numa_runtime.numa.
-__all__ += ["numa_bound", "mpi_world", "mpi_local", "mpi_thread_level", "collective_timeout",
+__all__ += ["numa_bound", "reserved_core", "mpi_world", "mpi_local", "mpi_thread_level", "collective_timeout",
             "omp_num_threads"]
 
 
@@ -36,6 +36,12 @@ def _int_pair(a: str, b: str) -> tuple[int, int] | None:
 def numa_bound() -> bool:
     """NUMA_RUNTIME_BOUND=1: numa-launch already bound this rank with numactl."""
     return os.environ.get("NUMA_RUNTIME_BOUND", "") not in ("", "0")
+
+
+def reserved_core() -> bool:
+    """NUMA_RUNTIME_RESERVED_CORE=1: numa-launch --reserve-server-core already gave rank 0 one
+    OpenMP thread fewer than its cpus."""
+    return os.environ.get("NUMA_RUNTIME_RESERVED_CORE", "") not in ("", "0")
 
 
 def mpi_world() -> tuple[int, int] | None:

@@ -246,16 +246,28 @@ def test_user_request_ids_may_contain_any_character(eng):
     assert outs and outs[-1].finished and len(outs[-1].token_ids) == 3
 
 
-@pytest.mark.parametrize("cpus, given, omp, want", [(16, None, None, 15), (4, None, None, 4),
-                                                    (16, 16, None, 16), (16, None, "12", 12)])
-def test_server_engine_leaves_a_cpu_to_the_http_thread(model_dir, monkeypatch, cpus, given, omp, want):
+@pytest.mark.parametrize("cpus, given, omp, launcher, want", [
+    (16, None, None, None, 15), (4, None, None, None, 4), (16, 16, None, None, 16),
+    (16, None, "12", None, 12),
+    (16, None, "16", "all", 15),        # numa-launch: its OMP_NUM_THREADS is the whole node
+    (16, None, "15", "reserved", 15)])  # numa-launch --reserve-server-core: already one fewer
+def test_server_engine_leaves_a_cpu_to_the_http_thread(model_dir, monkeypatch, cpus, given, omp,
+                                                       launcher, want):
     """reserve_server_core (what serve passes): from RESERVE_MIN_CPUS cpus on, rank 0 computes on
-    one fewer; an explicit num_threads, or OMP_NUM_THREADS (numa-launch sets it), is taken as
-    given, and small machines keep every cpu."""
+    one fewer; an explicit num_threads, or a user's OMP_NUM_THREADS, is taken as given, and
+    small machines keep every cpu. Under numa-launch the same rule holds as under mpirun, and
+    --reserve-server-core is not applied twice."""
     import numa_runtime.engine as engine_mod
     assert engine_mod.RESERVE_MIN_CPUS <= 16
     mine = len(os.sched_getaffinity(0))
     monkeypatch.setattr(engine_mod.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    monkeypatch.delenv("NUMA_RUNTIME_RESERVED_CORE", raising=False)
+    if launcher is None:
+        monkeypatch.delenv("NUMA_RUNTIME_BOUND", raising=False)
+    else:
+        monkeypatch.setenv("NUMA_RUNTIME_BOUND", "1")
+        if launcher == "reserved":
+            monkeypatch.setenv("NUMA_RUNTIME_RESERVED_CORE", "1")
     if omp is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     else:

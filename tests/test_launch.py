@@ -97,6 +97,7 @@ def test_dry_run_fake_topology_reserve_core_and_mpirun_path(fake_sysfs):
     out = launch("--sysfs", fake_sysfs, "--ranks", "1", "--reserve-server-core",
                  "--mpirun", "/opt/mpich/bin/mpirun", "--dry-run", "--", "serve")
     assert out.stdout.strip() == ("/opt/mpich/bin/mpirun -np 1 -env OMP_NUM_THREADS 7 %s "
+                                  "-env NUMA_RUNTIME_RESERVED_CORE 1 "
                                   "numactl --cpunodebind=0 --membind=0 serve" % RANK_ENV)
 
 
