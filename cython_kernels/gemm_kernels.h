@@ -134,8 +134,10 @@ static int gemm_small_run(const char* w, size_t block_bytes, long steps, long kp
     #pragma omp parallel
     {
         float acc[GEMM_MMAX * GEMM_NB] __attribute__((aligned(64)));
-        #pragma omp for schedule(static)
-        for (long u = 0; u < units; u++) {
+        /* NOTE: each thread's contiguous share by hand rather than `omp for`: no barrier after
+         * the loop unless partial sums follow (the region's end is one already) */
+        const long me = omp_get_thread_num(), team = omp_get_num_threads();
+        for (long u = units * me / team; u < units * (me + 1) / team; u++) {
             long b = u / ks, s = u % ks;
             fn(w + b * block_bytes, xs, m, kp, steps * s / ks, steps * (s + 1) / ks, acc);
             if (ks == 1) {
@@ -147,7 +149,8 @@ static int gemm_small_run(const char* w, size_t block_bytes, long steps, long kp
             }
         }
         if (ks > 1) {
-            #pragma omp for schedule(static)
+            #pragma omp barrier
+            #pragma omp for schedule(static) nowait
             for (long b = 0; b < nblocks; b++) {
                 for (int r = 0; r < m; r++)
                     for (int j = 0; j < GEMM_NB; j++) {

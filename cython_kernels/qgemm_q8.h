@@ -390,9 +390,10 @@ static int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, l
     #pragma omp parallel
     {
         float acc[QG_MR_Q8 * QG_NB] __attribute__((aligned(64)));
-        const long ntask = nblocks * ns;
-        #pragma omp for schedule(static)
-        for (long t = 0; t < ntask; t++) {
+        /* NOTE: each thread's contiguous share by hand rather than `omp for`: no barrier after
+         * the loop unless partial sums follow (the region's end is one already) */
+        const long ntask = nblocks * ns, me = omp_get_thread_num(), team = omp_get_num_threads();
+        for (long t = ntask * me / team; t < ntask * (me + 1) / team; t++) {
             const long b = t / ns, sp = t % ns, g0 = sp * ng / ns, g1 = (sp + 1) * ng / ns;
             for (long r0 = 0; r0 < Q; r0 += QG_MR_Q8) {
                 int m = (int)(Q - r0 < QG_MR_Q8 ? Q - r0 : QG_MR_Q8);
@@ -412,7 +413,8 @@ static int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, l
             }
         }
         if (ns > 1) {
-            #pragma omp for schedule(static)
+            #pragma omp barrier
+            #pragma omp for schedule(static) nowait
             for (long i = 0; i < M * f->n; i++) {
                 float v = bias ? bias[i % f->n] : 0.0f;
                 for (long sp = 0; sp < ns; sp++) v += part[sp * M * f->n + i];
