@@ -90,12 +90,6 @@ static void gemm_rows_to_bf16f(const float* x, long m, long k, float* y, long ld
     }
 }
 
-/* Block-range split: thread t of nt gets blocks [*b0, *b1). */
-static inline void gemm_split(long nblocks, int t, int nt, long* b0, long* b1) {
-    *b0 = nblocks * t / nt;
-    *b1 = nblocks * (t + 1) / nt;
-}
-
 /* acc: [m][64] partial sums of one block -> out[m, n0:n0+64] (+bias), clipped at N. */
 static inline void gemm_store_block(const float* acc, int m, long n0, long N, const float* bias,
                                     float* out) {
@@ -123,8 +117,7 @@ static int gemm_small_run(const char* w, size_t block_bytes, long steps, long kp
                           gemm_block_fn fn) {
     long nblocks = (N + GEMM_NB - 1) / GEMM_NB, np_ = nblocks * GEMM_NB;
     const long nt = omp_get_max_threads();
-    const long ks = nr_split_count(nblocks, nt, steps / 64 > 1 ? (steps / 64 < 16 ? steps / 64 : 16) : 1,
-                                   0.08);
+    const long ks = nr_split_count(nblocks, nt, steps / 64 < 16 ? steps / 64 : 16, 0.08);
     float* part = NULL;
     if (ks > 1) {
         part = (float*)aligned_alloc(64, sizeof(float) * ks * m * np_);
@@ -136,8 +129,9 @@ static int gemm_small_run(const char* w, size_t block_bytes, long steps, long kp
         float acc[GEMM_MMAX * GEMM_NB] __attribute__((aligned(64)));
         /* NOTE: each thread's contiguous share by hand rather than `omp for`: no barrier after
          * the loop unless partial sums follow (the region's end is one already) */
-        const long me = omp_get_thread_num(), team = omp_get_num_threads();
-        for (long u = units * me / team; u < units * (me + 1) / team; u++) {
+        long u0, u1;
+        nr_share(units, omp_get_thread_num(), omp_get_num_threads(), &u0, &u1);
+        for (long u = u0; u < u1; u++) {
             long b = u / ks, s = u % ks;
             fn(w + b * block_bytes, xs, m, kp, steps * s / ks, steps * (s + 1) / ks, acc);
             if (ks == 1) {

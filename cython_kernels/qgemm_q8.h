@@ -392,8 +392,9 @@ static int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, l
         float acc[QG_MR_Q8 * QG_NB] __attribute__((aligned(64)));
         /* NOTE: each thread's contiguous share by hand rather than `omp for`: no barrier after
          * the loop unless partial sums follow (the region's end is one already) */
-        const long ntask = nblocks * ns, me = omp_get_thread_num(), team = omp_get_num_threads();
-        for (long t = ntask * me / team; t < ntask * (me + 1) / team; t++) {
+        long t0, t1;
+        nr_share(nblocks * ns, omp_get_thread_num(), omp_get_num_threads(), &t0, &t1);
+        for (long t = t0; t < t1; t++) {
             const long b = t / ns, sp = t % ns, g0 = sp * ng / ns, g1 = (sp + 1) * ng / ns;
             for (long r0 = 0; r0 < Q; r0 += QG_MR_Q8) {
                 int m = (int)(Q - r0 < QG_MR_Q8 ? Q - r0 : QG_MR_Q8);

@@ -11,6 +11,12 @@
 #ifndef NUMA_RUNTIME_SPLIT_H
 #define NUMA_RUNTIME_SPLIT_H
 
+/* thread t of nt takes the contiguous tasks [*lo, *hi) of n (a static schedule's share) */
+static inline void nr_share(long n, long t, long nt, long* lo, long* hi) {
+    *lo = n * t / nt;
+    *hi = n * (t + 1) / nt;
+}
+
 /* the busiest thread's tasks over the mean, for `ntask` equal tasks on `nt` threads */
 static inline double nr_imbalance(long ntask, long nt) {
     return (double)((ntask + nt - 1) / nt) * (double)nt / (double)ntask;
