@@ -14,7 +14,8 @@ types it chose are recorded). For each file, one after the other, each in its ow
 Extra rows: ours quantized at load (quantization="int8" / "int4") from the bf16 safetensors,
 against llama.cpp Q8_0 / Q4_0. Our decode is also given as a fraction of the DRAM read limit
 (bench/limits.py, same run) in the bytes our engine reads per token: its packed linears,
-lm_head included (plus the KV cache at depth).
+lm_head included (plus the KV cache at depth). --op-by-op adds each quantized row of ours run
+again with NUMA_RUNTIME_FUSED_DECODE=0 (decode steps op by op instead of one OpenMP region).
 --depth D...: llama.cpp's prefill of D tokens (-p D -n 0) and decode after D tokens
 (-p 0 -n G -d D), flash attention off and on (-fa 0,1), against ours (bf16 file): prefill of D
 tokens, then decode right after it. Writes OUT.json and OUT.md and prints the markdown.
@@ -37,6 +38,8 @@ from bench import common  # noqa: E402
 QUANT_TYPES = {"bf16": None, "q8_0": "Q8_0", "q4_0": "Q4_0"}
 AT_LOAD = {"int8": "q8_0", "int4": "q4_0"}  # ours quantized at load -> the llama.cpp row it faces
 LONG_CONTEXT = 32768
+# --op-by-op: our quantized rows again with decode steps run op by op (models/llama.py)
+OP_BY_OP = {"NUMA_RUNTIME_FUSED_DECODE": "0"}
 SHAPE_DICTS = {"qwen0.5b": common.QWEN05B, "llama3.2-1b": common.LLAMA1B, "tiny": common.TINY}
 
 
@@ -169,7 +172,7 @@ def child(a) -> dict:
     return out
 
 
-def run_ours(a, path: str, quantization: str | None, depth: list[int]) -> dict:
+def run_ours(a, path: str, quantization: str | None, depth: list[int], env_extra: dict | None = None) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model-path", path,
            "--threads", str(a.threads), "--prefill", str(a.prefill), "--gen", str(a.gen),
            "--reps", str(a.reps), "--depth-reps", str(a.depth_reps)]
@@ -177,7 +180,7 @@ def run_ours(a, path: str, quantization: str | None, depth: list[int]) -> dict:
     cmd += ["--depth", *map(str, depth)] if depth else []
     print(f"  ours: Engine({os.path.basename(path)!r}, quantization={quantization!r})"
           + (f", depth {depth}" if depth else ""), flush=True)
-    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", **(env_extra or {}))
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -225,6 +228,9 @@ def measure(a) -> dict:
         ours = run_ours(a, path, None, a.depth if t == "bf16" else [])
         report["rows"].append({"ours": f"{t.upper()} GGUF", "file": t, "quantization": None, "ours_result": ours,
                                "llama_cpp": llama.get(t)})
+        if a.op_by_op and t != "bf16":
+            report["rows"].append({"ours": f"{t.upper()} GGUF, op by op", "file": t, "quantization": None,
+                                   "ours_result": run_ours(a, path, None, [], OP_BY_OP), "llama_cpp": llama.get(t)})
     if not a.no_load_quant:
         for q, t in AT_LOAD.items():
             if t not in a.types:
@@ -232,6 +238,10 @@ def measure(a) -> dict:
             ours = run_ours(a, model_dir, q, [])
             report["rows"].append({"ours": f"{q} at load (bf16 safetensors)", "file": t, "quantization": q,
                                    "ours_result": ours, "llama_cpp": llama.get(t)})
+            if a.op_by_op:
+                report["rows"].append({"ours": f"{q} at load, op by op", "file": t, "quantization": q,
+                                       "ours_result": run_ours(a, model_dir, q, [], OP_BY_OP),
+                                       "llama_cpp": llama.get(t)})
     if a.depth and bench_bin and "bf16" in files:
         fa = ["-fa", "0,1"]
         ds = ",".join(map(str, a.depth))
@@ -319,6 +329,8 @@ def main(argv=None) -> None:
     ap.add_argument("--depth", type=int, nargs="*", default=[], help="long-context runs, e.g. 8192 16000")
     ap.add_argument("--depth-reps", type=int, default=1)
     ap.add_argument("--no-load-quant", action="store_true", help="skip ours quantized at load (int8/int4)")
+    ap.add_argument("--op-by-op", action="store_true",
+                    help="each quantized row of ours again with NUMA_RUNTIME_FUSED_DECODE=0 (decode op by op)")
     ap.add_argument("--work", help="where the GGUF files go (default MODEL_DIR/gguf)")
     ap.add_argument("--quick", action="store_true", help="small probe, 32/8 tokens, 1 repeat (a smoke run)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per process")

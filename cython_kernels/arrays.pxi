@@ -41,3 +41,12 @@ cdef inline bint _is_c(object a, int typenum, int ndim):
     """a is a C-contiguous `ndim`-D array of `typenum`."""
     return (_is_array(a, typenum) and (<cnp.ndarray>a).ndim == ndim
             and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>a))
+
+
+cdef cnp.ndarray _int_array(a, dtype, int typenum, int ndim):
+    """`a` as a C-contiguous array of `dtype` (converted only if it is not one already); 1-D
+    when ndim is 1."""
+    if _is_c(a, typenum, ndim):
+        return a
+    a = np.ascontiguousarray(a, dtype=dtype)
+    return a.reshape(-1) if ndim == 1 else a

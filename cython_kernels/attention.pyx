@@ -136,15 +136,6 @@ cdef bint _same_shape(cnp.ndarray a, cnp.ndarray b):
     return True
 
 
-cdef cnp.ndarray _int_array(a, dtype, int typenum, int ndim):
-    """`a` as a C-contiguous array of `dtype` (converted only if it is not one already); 1-D
-    when ndim is 1."""
-    if _is_c(a, typenum, ndim):
-        return a
-    a = np.ascontiguousarray(a, dtype=dtype)
-    return a.reshape(-1) if ndim == 1 else a
-
-
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
     """Write new K/V rows into the paged cache (rounded to bf16 for a bf16 cache, quantized
     per row with its scale for an int8 one).

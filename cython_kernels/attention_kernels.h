@@ -29,6 +29,26 @@
 #define NR_NQ 32      /* target query vectors (rows x group heads) per item */
 #define NR_SPLIT_MIN 128  /* fewest keys per split of one item's key range */
 
+/* One slot of one kv head: the K and V rows ks, vs (D values) into the caches at element
+ * offset `off`, converted to the cache's type. */
+static inline void nr_cache_write(const float *ks, const float *vs, void *kc, void *vc,
+                                  int kv_type, int64_t off, int64_t D) {
+    if (kv_type == NR_KV_INT8) {
+        nr_quantize_row(ks, D, (int8_t *)kc + off);
+        nr_quantize_row(vs, D, (int8_t *)vc + off);
+    } else if (kv_type == NR_KV_BF16) {
+        uint16_t *kd = (uint16_t *)kc + off, *vd = (uint16_t *)vc + off;
+        #pragma omp simd
+        for (int64_t d = 0; d < D; d++) {
+            kd[d] = nr_f32_to_bf16(ks[d]);
+            vd[d] = nr_f32_to_bf16(vs[d]);
+        }
+    } else {
+        memcpy((float *)kc + off, ks, (size_t)D * sizeof(float));
+        memcpy((float *)vc + off, vs, (size_t)D * sizeof(float));
+    }
+}
+
 static int64_t nr_reshape_and_cache(const float *k, int64_t k_st, int64_t k_sh,
                                     const float *v, int64_t v_st, int64_t v_sh,
                                     void *kc, void *vc, int kv_type, int64_t T, int64_t Hk,
@@ -40,24 +60,9 @@ static int64_t nr_reshape_and_cache(const float *k, int64_t k_st, int64_t k_sh,
     for (int64_t t = 0; t < T; t++) {
         int64_t slot = slots[t];
         if (slot < 0) continue;
-        for (int64_t h = 0; h < Hk; h++) {
-            const float *ks = k + t * k_st + h * k_sh, *vs = v + t * v_st + h * v_sh;
-            int64_t off = (slot * Hk + h) * row;
-            if (kv_type == NR_KV_INT8) {
-                nr_quantize_row(ks, D, (int8_t *)kc + off);
-                nr_quantize_row(vs, D, (int8_t *)vc + off);
-            } else if (kv_type == NR_KV_BF16) {
-                uint16_t *kd = (uint16_t *)kc + off, *vd = (uint16_t *)vc + off;
-                #pragma omp simd
-                for (int64_t d = 0; d < D; d++) {
-                    kd[d] = nr_f32_to_bf16(ks[d]);
-                    vd[d] = nr_f32_to_bf16(vs[d]);
-                }
-            } else {
-                memcpy((float *)kc + off, ks, (size_t)D * sizeof(float));
-                memcpy((float *)vc + off, vs, (size_t)D * sizeof(float));
-            }
-        }
+        for (int64_t h = 0; h < Hk; h++)
+            nr_cache_write(k + t * k_st + h * k_sh, v + t * v_st + h * v_sh, kc, vc, kv_type,
+                           (slot * Hk + h) * row, D);
     }
     return -1;
 }
@@ -383,19 +388,36 @@ static int64_t nr_attn_check(const nr_attn_args *a, int64_t T) {
  * the index of its partial when split (its nsplit partials are consecutive), else -1. */
 typedef struct { int64_t s, h, i0, ja, jb, slot, t, nsplit; } nr_item;
 
-/* 0, or -1 when out of memory (out is then not fully written). */
-static int nr_paged_attention(const nr_attn_args *a) {
+/* The work of one attention call for nt threads: its items, the partials of split items and
+ * each thread's scratch size (nr_attn_plan fills it, nr_attn_plan_free frees it). */
+typedef struct {
+    nr_item *items; int64_t n_items, n_slots, rows, group, psz;
+    float *parts; size_t ws_n;
+} nr_attn_plan_t;
+
+static void nr_attn_plan_free(nr_attn_plan_t *p) {
+    free(p->parts);
+    free(p->items);
+    p->items = NULL;
+    p->parts = NULL;
+}
+
+/* 0 (p->n_items may be 0: nothing to do), or -1 when out of memory (p holds nothing). */
+static int nr_attn_plan(const nr_attn_args *a, int64_t nt, nr_attn_plan_t *p) {
     int64_t group = a->Hq / a->Hk, rows = nr_item_rows(group), n_base = 0;
+    memset(p, 0, sizeof *p);
+    p->rows = rows;
+    p->group = group;
     for (int64_t s = 0; s < a->S; s++) {
         int64_t n_new = a->qstart[s + 1] - a->qstart[s];
         n_base += a->Hk * ((n_new + rows - 1) / rows);
     }
     if (n_base == 0) return 0;
     /* NOTE: split key ranges only when items are too few to keep every thread busy. */
-    int64_t nt = omp_get_max_threads(), want = n_base >= 2 * nt ? 1 : (2 * nt + n_base - 1) / n_base;
-    int64_t n_items = 0, n_slots = 0;
+    int64_t want = n_base >= 2 * nt ? 1 : (2 * nt + n_base - 1) / n_base;
     for (int pass = 0; pass < 2; pass++) {
-        nr_item *items = pass ? (nr_item *)malloc((size_t)n_items * sizeof(nr_item)) : NULL;
+        nr_item *items = pass ? (nr_item *)malloc((size_t)p->n_items * sizeof(nr_item)) : NULL;
+        if (pass && items == NULL) return -1;
         int64_t k = 0, slot = 0;
         /* largest first: the last chunks of each sequence see the most keys */
         for (int64_t s = 0; s < a->S; s++) {
@@ -419,60 +441,78 @@ static int nr_paged_attention(const nr_attn_args *a) {
                 if (ns > 1) slot += ns * a->Hk;
             }
         }
-        if (!pass) { n_items = k; n_slots = slot; continue; }
-        if (items == NULL) return -1;
-        size_t ws_n = nr_ws_tiled_floats(rows * group, a->D), ws_d = nr_ws_floats(rows * group, a->D);
-        ws_n = ws_n > ws_d ? ws_n : ws_d;
-        ws_d = nr_ws_bf16_floats(rows * group, a->D);
-        ws_n = ws_n > ws_d ? ws_n : ws_d;
-        int64_t psz = rows * group * (a->D + 2);
-        float *parts = n_slots ? (float *)malloc((size_t)(n_slots * psz) * sizeof(float)) : NULL;
-        if (n_slots && parts == NULL) {
-            free(items);
+        if (!pass) {
+            p->n_items = k;
+            p->n_slots = slot;
+            continue;
+        }
+        p->items = items;
+    }
+    size_t ws_n = nr_ws_tiled_floats(rows * group, a->D), ws_d = nr_ws_floats(rows * group, a->D);
+    ws_n = ws_n > ws_d ? ws_n : ws_d;
+    ws_d = nr_ws_bf16_floats(rows * group, a->D);
+    p->ws_n = ws_n > ws_d ? ws_n : ws_d;
+    p->psz = rows * group * (a->D + 2);
+    if (p->n_slots) {
+        p->parts = (float *)malloc((size_t)(p->n_slots * p->psz) * sizeof(float));
+        if (p->parts == NULL) {
+            nr_attn_plan_free(p);
             return -1;
         }
-        int err = 0;
-        #pragma omp parallel if (n_items > 1)
-        {
-            float *ws = (float *)malloc(ws_n * sizeof(float));
-            if (ws == NULL) {
-                #pragma omp atomic write
-                err = 1;
-            }
-            #pragma omp for schedule(dynamic, 1)
-            for (int64_t it = 0; it < n_items; it++) {
-                if (ws == NULL) continue;
-                const nr_item *x = &items[it];
-                int64_t n_new = a->qstart[x->s + 1] - a->qstart[x->s];
-                int64_t i1 = x->i0 + rows < n_new ? x->i0 + rows : n_new;
-                /* NOTE: the tiled path pays a key-tile transposition that only several query
-                 * vectors (prefill rows x group heads) amortize; decode takes the direct one. */
-                int tiled = (i1 - x->i0) * group >= a->tiled_min;
-                (!tiled ? nr_attn_item : a->kv_type == NR_KV_BF16 && a->level >= 2 ? nr_attn_item_bf16
-                                                                     : nr_attn_item_tiled)(
-                    a, x->s, x->h, x->i0, i1, x->ja, x->jb, ws,
-                    x->slot >= 0 ? parts + x->slot * psz : NULL);
-            }
-            /* NOTE: err is read after the loop's barrier, so every thread takes the same branch */
-            if (n_slots && !err) {
-                /* the first split of every split item merges them all */
-                #pragma omp for schedule(dynamic, 1)
-                for (int64_t it = 0; it < n_items; it++) {
-                    const nr_item *x = &items[it];
-                    if (x->nsplit < 2 || x->t != 0) continue;
-                    int64_t n_new = a->qstart[x->s + 1] - a->qstart[x->s];
-                    int64_t i1 = x->i0 + rows < n_new ? x->i0 + rows : n_new;
-                    nr_attn_combine(a, x->s, x->h, x->i0, i1, parts + x->slot * psz, x->nsplit,
-                                    psz);
-                }
-            }
-            free(ws);
-        }
-        free(parts);
-        free(items);
-        return err ? -1 : 0;
     }
     return 0;
+}
+
+/* The items of plan p on the threads of the enclosing parallel region (orphaned worksharing:
+ * every thread of the team calls it; it ends with a barrier). *err is set to 1 (by any thread)
+ * when a thread's scratch cannot be allocated; out is then not fully written. */
+static void nr_attn_exec(const nr_attn_args *a, const nr_attn_plan_t *p, int *err) {
+    const int64_t rows = p->rows, group = p->group, psz = p->psz;
+    float *ws = (float *)malloc(p->ws_n * sizeof(float));
+    if (ws == NULL) {
+        #pragma omp atomic write
+        *err = 1;
+    }
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < p->n_items; it++) {
+        if (ws == NULL) continue;
+        const nr_item *x = &p->items[it];
+        int64_t n_new = a->qstart[x->s + 1] - a->qstart[x->s];
+        int64_t i1 = x->i0 + rows < n_new ? x->i0 + rows : n_new;
+        /* NOTE: the tiled path pays a key-tile transposition that only several query
+         * vectors (prefill rows x group heads) amortize; decode takes the direct one. */
+        int tiled = (i1 - x->i0) * group >= a->tiled_min;
+        (!tiled ? nr_attn_item : a->kv_type == NR_KV_BF16 && a->level >= 2 ? nr_attn_item_bf16
+                                                             : nr_attn_item_tiled)(
+            a, x->s, x->h, x->i0, i1, x->ja, x->jb, ws,
+            x->slot >= 0 ? p->parts + x->slot * psz : NULL);
+    }
+    /* NOTE: *err is read after the loop's barrier, so every thread takes the same branch */
+    if (p->n_slots && !*err) {
+        /* the first split of every split item merges them all */
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < p->n_items; it++) {
+            const nr_item *x = &p->items[it];
+            if (x->nsplit < 2 || x->t != 0) continue;
+            int64_t n_new = a->qstart[x->s + 1] - a->qstart[x->s];
+            int64_t i1 = x->i0 + rows < n_new ? x->i0 + rows : n_new;
+            nr_attn_combine(a, x->s, x->h, x->i0, i1, p->parts + x->slot * psz, x->nsplit, psz);
+        }
+    }
+    free(ws);
+}
+
+/* 0, or -1 when out of memory (out is then not fully written). */
+static int nr_paged_attention(const nr_attn_args *a) {
+    nr_attn_plan_t p;
+    if (nr_attn_plan(a, omp_get_max_threads(), &p) != 0) return -1;
+    int err = 0;
+    if (p.n_items) {
+        #pragma omp parallel if (p.n_items > 1)
+        nr_attn_exec(a, &p, &err);
+    }
+    nr_attn_plan_free(&p);
+    return err ? -1 : 0;
 }
 
 #endif

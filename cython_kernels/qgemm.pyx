@@ -229,3 +229,6 @@ cdef class QLinear:
             if rc != 0:
                 raise MemoryError("QLinear.forward: cannot allocate per-thread tiles")
             p.run(oa, n0, n, self.bias_arr)
+
+
+include "decode.pxi"

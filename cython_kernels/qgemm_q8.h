@@ -80,39 +80,45 @@ static inline void qg_quantize_block32(const float* xr, int perm4, int8_t* dst, 
     }
 }
 
+/* Quantize group g of one row (xr: the row's kp values) into the row's buffers (xq: [kp],
+ * sx, xi: [nb], xs: [ng]); res (NULL: none) gets x - the dequantized values. */
+static void qg_quantize_group(const float* xr, const qg_format* f, long g, int8_t* xq, float* sx,
+                              int32_t* xi, float* xs, float* res) {
+    const long G = f->group, nbg = qg_blocks_per_group(f);
+    float gs = 0.0f;
+    for (long b = 0; b < nbg; b++) {
+        long k0 = g * G + b * QG_QB, k1 = k0 + QG_QB < (g + 1) * G ? k0 + QG_QB : (g + 1) * G;
+        float* bs = sx + g * nbg + b;
+        int32_t* bi = xi + g * nbg + b;
+        if (k1 - k0 == QG_QB) {
+            qg_quantize_block32(xr + k0, f->bits == 4, xq + k0, bs, bi, res ? res + k0 : NULL);
+        } else {
+            float amax = 0.0f;
+            for (long k = k0; k < k1; k++) amax = fmaxf(amax, fabsf(xr[k]));
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, scale = amax / 127.0f;
+            int32_t sum = 0;
+            for (long k = k0; k < k1; k++) {
+                int32_t q = (int32_t)nearbyintf(xr[k] * inv);
+                q = q > 127 ? 127 : q < -127 ? -127 : q;
+                sum += q;
+                long d = k;
+                if (f->bits == 4) d = (k & ~7L) + ((k & 1) ? 4 : 0) + ((k & 7) >> 1);
+                xq[d] = (int8_t)q;
+                if (res) res[k] = fmaf(-(float)q, scale, xr[k]);
+            }
+            *bs = scale;
+            *bi = sum;
+        }
+        gs += *bs * (float)*bi;
+    }
+    xs[g] = gs;
+}
+
 /* Quantize one row of kp k into q's buffers; res (NULL: none) gets x - the dequantized row. */
 static void qg_quantize_row(const float* xr, const qg_format* f, int8_t* xq, float* sx,
                             int32_t* xi, float* xs, float* res) {
-    const long G = f->group, ng = f->kp / G, nbg = qg_blocks_per_group(f);
-    for (long g = 0; g < ng; g++) {
-        float gs = 0.0f;
-        for (long b = 0; b < nbg; b++) {
-            long k0 = g * G + b * QG_QB, k1 = k0 + QG_QB < (g + 1) * G ? k0 + QG_QB : (g + 1) * G;
-            float* bs = sx + g * nbg + b;
-            int32_t* bi = xi + g * nbg + b;
-            if (k1 - k0 == QG_QB) {
-                qg_quantize_block32(xr + k0, f->bits == 4, xq + k0, bs, bi, res ? res + k0 : NULL);
-            } else {
-                float amax = 0.0f;
-                for (long k = k0; k < k1; k++) amax = fmaxf(amax, fabsf(xr[k]));
-                const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, scale = amax / 127.0f;
-                int32_t sum = 0;
-                for (long k = k0; k < k1; k++) {
-                    int32_t q = (int32_t)nearbyintf(xr[k] * inv);
-                    q = q > 127 ? 127 : q < -127 ? -127 : q;
-                    sum += q;
-                    long d = k;
-                    if (f->bits == 4) d = (k & ~7L) + ((k & 1) ? 4 : 0) + ((k & 7) >> 1);
-                    xq[d] = (int8_t)q;
-                    if (res) res[k] = fmaf(-(float)q, scale, xr[k]);
-                }
-                *bs = scale;
-                *bi = sum;
-            }
-            gs += *bs * (float)*bi;
-        }
-        xs[g] = gs;
-    }
+    const long ng = f->kp / f->group;
+    for (long g = 0; g < ng; g++) qg_quantize_group(xr, f, g, xq, sx, xi, xs, res);
 }
 
 /* Quantize rows x[M, kp] (stride ldx) into q (buffers sized by the caller). With `resid`
@@ -354,6 +360,60 @@ static void qg_q8_avx2(const uint8_t* blk, const qg_format* f, const qg_xq* q, l
 /* acc[r * 16 + j] = sum over groups g0 <= g < g1 of block `blk`, rows r < m <= QG_MR_Q8 */
 typedef void (*qg_q8_fn)(const uint8_t*, const qg_format*, const qg_xq*, long, long, int, float*);
 
+static inline qg_q8_fn qg_q8_kernel(int level) {
+    return level >= 2 ? qg_q8_vnni : level >= 1 ? qg_q8_bw : qg_q8_avx2;
+}
+
+/* How many k slices each column block of a GEMV of Q int8 rows is cut into on nt threads
+ * (split.h): 1 unless whole blocks would leave threads idle. */
+static inline long qg_q8_slices(const qg_format* f, long Q, int nt) {
+    const long ng = f->kp / f->group, nblocks = (f->n + QG_NB - 1) / QG_NB;
+    return Q <= QG_MR_Q8 ? nr_split_count(nblocks, nt, ng < 8 ? ng : 8, 0.12) : 1;
+}
+
+/* Thread tid of nt: its contiguous share of the ns * nblocks tasks of out[M, N] = q @ W^T + bias
+ * (Q int8 rows; with `resid` rows 2i and 2i + 1 are one output row). With ns > 1 each task
+ * stores its slice's partial sums into part [ns][M][N] instead (qg_q8_sum_parts adds them). */
+static void qg_q8_share(const uint8_t* w, const qg_format* f, const qg_xq* q, long Q, long M,
+                        const float* bias, float* out, float* part, long ns, qg_q8_fn fn,
+                        int resid, int tid, int nt) {
+    const long ng = q->ng, nb = q->nb, nblocks = (f->n + QG_NB - 1) / QG_NB, bb = qg_block_bytes(f);
+    float acc[QG_MR_Q8 * QG_NB] __attribute__((aligned(64)));
+    long t0, t1;
+    nr_share(nblocks * ns, tid, nt, &t0, &t1);
+    for (long t = t0; t < t1; t++) {
+        const long b = t / ns, sp = t % ns, g0 = sp * ng / ns, g1 = (sp + 1) * ng / ns;
+        for (long r0 = 0; r0 < Q; r0 += QG_MR_Q8) {
+            int m = (int)(Q - r0 < QG_MR_Q8 ? Q - r0 : QG_MR_Q8);
+            const qg_xq qr = {q->xq + r0 * q->kp, q->sx + r0 * nb, q->xi + r0 * nb,
+                              q->xs + r0 * ng, q->kp, nb, ng};
+            fn(w + b * bb, f, &qr, g0, g1, m, acc);
+            long o0 = r0;
+            if (resid) {  /* m is even: rows 2i and 2i + 1 are one output row */
+                m /= 2;
+                o0 = r0 / 2;
+                for (int i = 0; i < m; i++)
+                    for (int j = 0; j < QG_NB; j++)
+                        acc[i * QG_NB + j] = acc[2 * i * QG_NB + j] + acc[(2 * i + 1) * QG_NB + j];
+            }
+            if (ns == 1) qg_store(acc, m, b * QG_NB, f->n, f->n, bias, out + o0 * f->n);
+            else qg_store(acc, m, b * QG_NB, f->n, f->n, NULL, part + (sp * M + o0) * f->n);
+        }
+    }
+}
+
+/* out[M, N] = bias + the ns partials, in a fixed order (results do not depend on timing); an
+ * orphaned `omp for` without its barrier, after a barrier that follows every qg_q8_share. */
+static void qg_q8_sum_parts(const float* part, long ns, long M, long N, const float* bias,
+                            float* out) {
+    #pragma omp for schedule(static) nowait
+    for (long i = 0; i < M * N; i++) {
+        float v = bias ? bias[i % N] : 0.0f;
+        for (long sp = 0; sp < ns; sp++) v += part[sp * M * N + i];
+        out[i] = v;
+    }
+}
+
 /* out[M, N] = xq(x)[M, kp] @ W^T + bias; level: 2 VNNI, 1 AVX-512BW, 0 AVX2. `resid`: each row
  * runs as two int8 rows (x and its residual, qg_quantize_x) whose products are added before
  * the store. Each 16-column block meets the rows QG_MR_Q8 at a time (it stays in L1/L2 between
@@ -375,13 +435,11 @@ static int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, l
     int8_t* xq = (int8_t*)(scratch + fb + ib + rb);
     qg_quantize_x(x, M, ldx, f, xq, sx, xi, sx + Q * nb, resid, res);
     const qg_xq q = {xq, sx, xi, sx + Q * nb, f->kp, nb, ng};
-    qg_q8_fn fn = level >= 2 ? qg_q8_vnni : level >= 1 ? qg_q8_bw : qg_q8_avx2;
-    const long nblocks = (f->n + QG_NB - 1) / QG_NB, bb = qg_block_bytes(f);
+    const qg_q8_fn fn = qg_q8_kernel(level);
     /* NOTE: column blocks that do not share out evenly over the threads (down_proj on 16 cores:
-     * 56 blocks) are cut into `ns` ranges of groups whose partial sums are added at the end (in
-     * a fixed order: results do not depend on timing); split.h says when. */
-    const int nt = omp_get_max_threads();
-    long ns = Q <= QG_MR_Q8 ? nr_split_count(nblocks, nt, ng < 8 ? ng : 8, 0.12) : 1;
+     * 56 blocks) are cut into `ns` ranges of groups whose partial sums are added at the end;
+     * split.h says when. */
+    const long ns = qg_q8_slices(f, Q, omp_get_max_threads());
     float* part = ns > 1 ? (float*)malloc(sizeof(float) * (size_t)(ns * M * f->n)) : NULL;
     if (ns > 1 && part == NULL) {
         qg_scratch_put(scratch);
@@ -389,38 +447,13 @@ static int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, l
     }
     #pragma omp parallel
     {
-        float acc[QG_MR_Q8 * QG_NB] __attribute__((aligned(64)));
         /* NOTE: each thread's contiguous share by hand rather than `omp for`: no barrier after
          * the loop unless partial sums follow (the region's end is one already) */
-        long t0, t1;
-        nr_share(nblocks * ns, omp_get_thread_num(), omp_get_num_threads(), &t0, &t1);
-        for (long t = t0; t < t1; t++) {
-            const long b = t / ns, sp = t % ns, g0 = sp * ng / ns, g1 = (sp + 1) * ng / ns;
-            for (long r0 = 0; r0 < Q; r0 += QG_MR_Q8) {
-                int m = (int)(Q - r0 < QG_MR_Q8 ? Q - r0 : QG_MR_Q8);
-                const qg_xq qr = {q.xq + r0 * q.kp, q.sx + r0 * nb, q.xi + r0 * nb,
-                                  q.xs + r0 * ng, q.kp, nb, ng};
-                fn(w + b * bb, f, &qr, g0, g1, m, acc);
-                long o0 = r0;
-                if (resid) {  /* m is even: rows 2i and 2i + 1 are one output row */
-                    m /= 2;
-                    o0 = r0 / 2;
-                    for (int i = 0; i < m; i++)
-                        for (int j = 0; j < QG_NB; j++)
-                            acc[i * QG_NB + j] = acc[2 * i * QG_NB + j] + acc[(2 * i + 1) * QG_NB + j];
-                }
-                if (ns == 1) qg_store(acc, m, b * QG_NB, f->n, f->n, bias, out + o0 * f->n);
-                else qg_store(acc, m, b * QG_NB, f->n, f->n, NULL, part + (sp * M + o0) * f->n);
-            }
-        }
+        qg_q8_share(w, f, &q, Q, M, bias, out, part, ns, fn, resid, omp_get_thread_num(),
+                    omp_get_num_threads());
         if (ns > 1) {
             #pragma omp barrier
-            #pragma omp for schedule(static) nowait
-            for (long i = 0; i < M * f->n; i++) {
-                float v = bias ? bias[i % f->n] : 0.0f;
-                for (long sp = 0; sp < ns; sp++) v += part[sp * M * f->n + i];
-                out[i] = v;
-            }
+            qg_q8_sum_parts(part, ns, M, f->n, bias, out);
         }
     }
     free(part);

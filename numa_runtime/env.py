@@ -136,3 +136,14 @@ def data_parallel() -> int | None:
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"NUMA_RUNTIME_DATA_PARALLEL must be a positive integer, got {value!r}.")
     return int(value)
+
+
+# ----------------------------------------------------------------------------- kernels
+__all__ += ["fused_decode"]
+
+
+def fused_decode() -> bool:
+    """NUMA_RUNTIME_FUSED_DECODE=0 runs quantized decode steps op by op instead of in one OpenMP
+    region per step (models/llama.py; same values either way). Read when the KV cache is
+    allocated. Default on."""
+    return os.environ.get("NUMA_RUNTIME_FUSED_DECODE", "1").strip().lower() not in ("0", "off", "false", "no")

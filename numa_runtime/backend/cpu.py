@@ -29,7 +29,8 @@ except ImportError:  # the shm-collective kernels are optional for one process
 
 __all__ = ["Linear", "QLinear", "embedding", "rms_norm", "add_rms_norm", "silu_and_mul", "add_", "rotary",
            "reshape_and_cache", "paged_attention", "sample", "log_softmax", "reduce_sum",
-           "f32_to_bf16", "bf16_to_f32", "set_num_threads", "get_num_threads", "set_decode_step"]
+           "f32_to_bf16", "bf16_to_f32", "set_num_threads", "get_num_threads", "set_decode_step",
+           "fused_decoder"]
 
 
 def set_decode_step(on: bool) -> bool:
@@ -55,4 +56,7 @@ def __getattr__(name):
     if name == "QLinear":
         from numa_runtime._kernels.qgemm import QLinear
         return QLinear
+    if name == "fused_decoder":
+        from numa_runtime._kernels.qgemm import fused_decoder
+        return fused_decoder
     raise AttributeError("module %r has no attribute %r" % (__name__, name))

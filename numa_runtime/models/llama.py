@@ -11,6 +11,7 @@ import logging
 
 import numpy as np
 
+from .. import env
 from ..backend.reference import KV_CACHE_DTYPES, kv_row_width
 from ..config import ModelConfig, UnsupportedModelError, rope_inv_freq
 from ..gguf_model import open_checkpoint
@@ -90,6 +91,7 @@ class LlamaModel:
         self.scale = cfg.head_dim ** -0.5
         self.windows = [cfg.window(i) for i in range(cfg.num_layers)]  # 0 = full attention
         self._kept: dict[int, _StepBuffers] = {}  # tokens per step -> its buffers (_buffers)
+        self.fused = None  # set with the KV cache (_fused_decoder)
 
     def _linears(self) -> list:
         head = [] if self.lm_head is None else [self.lm_head]  # an embedding model has none
@@ -119,6 +121,19 @@ class LlamaModel:
         # NOTE: np.zeros maps fresh pages; they land on this rank's node at first write.
         self.kv_cache = [(np.zeros(shape, KV_CACHE_DTYPES[kv_dtype]), np.zeros(shape, KV_CACHE_DTYPES[kv_dtype]))
                          for _ in self.layers]
+        self.fused = self._fused_decoder()
+
+    def _fused_decoder(self):
+        """The one-region decode of a quantized model (decode_layers.h), or None: another
+        backend, linears it does not take (dense, f32-exact, profiled), or switched off."""
+        make = getattr(self.ops, "fused_decoder", None)
+        if make is None or not env.fused_decode():
+            return None
+        cfg, lay = self.cfg, self.lay
+        layers = [(l.qkv_proj, l.o_proj, l.gate_up_proj, l.down_proj, l.input_norm, l.post_norm,
+                   l.q_norm, l.k_norm, kc, vc, w) for l, (kc, vc), w in zip(self.layers, self.kv_cache, self.windows)]
+        return make(layers, cfg.hidden_size, cfg.head_dim, lay.num_q_heads, lay.num_kv_heads,
+                    self.layers[0].gate_up_proj.out_features // 2, cfg.rms_norm_eps, self.scale, self.cos_sin)
 
     def embed_tokens(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         # ids: [T] -> x: [T, hidden] (into `out` when given)
@@ -168,6 +183,8 @@ class LlamaModel:
                       for a in (plan.block_tables, plan.query_start, plan.context_lens))
         b = self._buffers(plan.num_tokens)
         residual = self.embed_tokens(plan.token_ids, b.residual)  # [T, H]
+        if self.fused is not None and plan.num_tokens == plan.num_seqs <= self.fused.MAX_ROWS:
+            return self._fused_forward(plan, b, bt, qs, cl)
         h, v, attn, o, gu, act, delta = b.h, b.v, b.attn, b.o, b.gu, b.act, b.delta
         qk_norm = self.cfg.qk_norm
         q, k = (b.qn, b.kn) if qk_norm else (b.q, b.k)  # the views of b.qkv, or their normed copies
@@ -194,6 +211,18 @@ class LlamaModel:
             if tp:
                 comm.all_reduce_(delta)
         return self._head(plan, residual, delta)
+
+    def _fused_forward(self, plan, b: "_StepBuffers", bt, qs, cl) -> np.ndarray:
+        """A decode step in one OpenMP region (one rank), or one region per half layer with the
+        all-reduces of o and delta between them (tensor parallel): the values of _forward."""
+        args = (b, plan.positions, plan.slot_mapping, bt, qs, cl)
+        stages = 2 * len(self.layers)
+        if self.lay.world == 1:
+            self.fused.run(*args, 0, stages)
+        else:
+            for s in range(stages):
+                self.comm.all_reduce_(self.fused.run(*args, s, s + 1))
+        return self._head(plan, b.residual, b.delta)
 
     def _qk_norm(self, layer: DecoderLayer, b: "_StepBuffers") -> None:
         """Per-head norms of q and k (Qwen3) over [T * heads, D] rows, which needs contiguous

@@ -1,0 +1,254 @@
+# FusedDecoder: decode steps of a quantized decoder in one OpenMP region (decode_layers.h).
+# Included by qgemm.pyx, whose QLinear internals (packed weights, format, bias) it reads.
+from libc.stdint cimport int8_t, int32_t, int64_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memset
+
+from numa_runtime._kernels import attention as _attention
+
+cdef extern from "decode_layers.h" nogil:
+    ctypedef struct nd_linear:
+        const uint8_t* w
+        qg_format f
+        const float* bias
+    ctypedef struct nd_layer:
+        nd_linear qkv, o, gu, down
+        const float* in_norm
+        const float* post_norm
+        const float* q_norm
+        const float* k_norm
+        void* kc
+        void* vc
+        int64_t window
+    ctypedef struct nd_model:
+        int64_t H, D, Hq, Hk, inter
+        double eps
+        int kv_type
+        int64_t nb, bs
+        float scale
+        const float* cos_sin
+        int64_t rot
+        const nd_layer* layers
+    ctypedef struct nd_step:
+        int64_t M
+        const int64_t* pos
+        const int64_t* slots
+        const int32_t* bt
+        const int32_t* qstart
+        const int32_t* ctx
+        int64_t bt_st
+        float* residual
+        float* h
+        float* qkv
+        float* attn
+        float* o
+        float* gu
+        float* act
+        float* delta
+        int8_t* xq
+        float* sx
+        float* xs
+        float* part
+        int32_t* xi
+        int qg_level, attn_level
+        int64_t tiled_min
+    int nd_run(const nd_model* m, const nd_step* st, int64_t s0, int64_t s1)
+    long qg_blocks_per_group(const qg_format* f)
+
+_KV_CACHE_TYPES = {np.dtype(np.float32): 0, np.dtype(np.uint16): 1, np.dtype(np.int8): 2}  # nr_kv_type
+# NOTE: as many k slices as qg_q8_slices ever cuts a block into (split.h, max_slices 8)
+cdef long _MAX_SLICES = 8
+
+
+cdef inline void _set_linear(nd_linear* d, QLinear lin):
+    d.w = <const uint8_t*>cnp.PyArray_DATA(lin.packed)
+    d.f = lin.fmt
+    d.bias = NULL if lin.bias_arr is None else <const float*>cnp.PyArray_DATA(lin.bias_arr)
+
+
+cdef inline float* _f32(object a, long M, long n, str name) except NULL:
+    if not _is_c(a, cnp.NPY_FLOAT32, 2) or (<cnp.ndarray>a).shape[0] != M or (<cnp.ndarray>a).shape[1] != n:
+        raise ValueError("FusedDecoder.run: %s must be C-contiguous float32 [%d, %d]" % (name, M, n))
+    return <float*>cnp.PyArray_DATA(a)
+
+
+def fused_decode_usable(linears) -> bool:
+    """True when every linear is a QLinear whose decode rows take int8 activations (act8) and
+    whose packed k equals its in_features (no zero-padded rows): FusedDecoder's contract."""
+    for lin in linears:
+        if not isinstance(lin, QLinear) or not lin.act8 or (<QLinear>lin).fmt.kp != lin.in_features:
+            return False
+    return True
+
+
+def fused_decoder(layers, *args):
+    """A FusedDecoder over `layers` (FusedDecoder's arguments), or None when a layer's linears
+    are not all int8-activation QLinears (dense, f32-exact or profiled linears run op by op)."""
+    if not all(fused_decode_usable(spec[:4]) for spec in layers):
+        return None
+    return FusedDecoder(layers, *args)
+
+
+cdef class FusedDecoder:
+    """Decode steps (one new token per sequence, up to MAX_ROWS rows) of a quantized decoder in
+    one OpenMP region: decode_layers.h. Same values as the op-by-op path (the same kernel
+    functions in the same order); one Python call and one team per call instead of ~11 calls and
+    ~5 teams per layer.
+
+    layers: per layer a tuple (qkv, o_proj, gate_up, down_proj QLinears, input_norm, post_norm,
+    q_norm or None, k_norm or None, k_cache, v_cache, window); the caches are C-contiguous
+    [num_blocks, block_size, Hk, row] of one type (float32, bf16 bits, or int8 rows).
+    """
+    MAX_ROWS = 64   # the int8-activation bound of a decode batch (qgemm.ACT8_DECODE_M_MAX)
+    cdef nd_model m
+    cdef nd_layer* layers
+    cdef readonly long num_layers
+    cdef long kmax, nbmax, ngmax, nmax
+    cdef object keep, scratch
+    cdef long _max_pos
+
+    def __cinit__(self):
+        self.layers = NULL
+
+    def __dealloc__(self):
+        free(self.layers)
+
+    def __init__(self, layers, int hidden, int head_dim, int num_q_heads, int num_kv_heads,
+                 int inter, double eps, double scale, cos_sin):
+        cdef long L = len(layers), i
+        cdef QLinear lin
+        if L < 1:
+            raise ValueError("FusedDecoder needs at least one layer")
+        cos_sin = np.ascontiguousarray(cos_sin, dtype=np.float32)
+        self.layers = <nd_layer*>malloc(L * sizeof(nd_layer))
+        if self.layers == NULL:
+            raise MemoryError("FusedDecoder: cannot allocate its layer table")
+        memset(self.layers, 0, L * sizeof(nd_layer))
+        self.num_layers = L
+        D, A, W = head_dim, num_q_heads * head_dim, (num_q_heads + 2 * num_kv_heads) * head_dim
+        shapes = ((W, hidden), (hidden, A), (2 * inter, hidden), (hidden, inter))
+        keep = [cos_sin]
+        self.kmax = self.nbmax = self.ngmax = self.nmax = 1
+        kv_type, kv_shape = None, None
+        for i, spec in enumerate(layers):
+            lins, (in_norm, post_norm, q_norm, k_norm, kc, vc, window) = spec[:4], spec[4:]
+            if not fused_decode_usable(lins):
+                raise ValueError("FusedDecoder: layer %d has a linear that is not an int8-activation QLinear" % i)
+            for lin, (n, k) in zip(lins, shapes):
+                if lin.out_features != n or lin.in_features != k:
+                    raise ValueError("FusedDecoder: layer %d has a %dx%d linear where %dx%d belongs"
+                                     % (i, lin.out_features, lin.in_features, n, k))
+                self.kmax = max(self.kmax, lin.fmt.kp)
+                self.nmax = max(self.nmax, lin.out_features)
+                ng = lin.fmt.kp // lin.fmt.group
+                self.ngmax = max(self.ngmax, ng)
+                self.nbmax = max(self.nbmax, ng * qg_blocks_per_group(&lin.fmt))
+            norms = [np.ascontiguousarray(x, dtype=np.float32) for x in (in_norm, post_norm)]
+            heads = [None if x is None else np.ascontiguousarray(x, dtype=np.float32) for x in (q_norm, k_norm)]
+            if any(x.shape != (hidden,) for x in norms) or any(x is not None and x.shape != (D,) for x in heads):
+                raise ValueError("FusedDecoder: layer %d has norm weights of the wrong size" % i)
+            if kc.dtype not in _KV_CACHE_TYPES or vc.dtype != kc.dtype or kc.shape != vc.shape \
+                    or kc.ndim != 4 or not (kc.flags.c_contiguous and vc.flags.c_contiguous):
+                raise ValueError("FusedDecoder: layer %d has K/V caches of another layout" % i)
+            if kv_shape is not None and (kc.shape != kv_shape or kc.dtype != kv_type):
+                raise ValueError("FusedDecoder: the layers' caches differ in shape or type")
+            kv_type, kv_shape = kc.dtype, kc.shape
+            if kc.shape[2] != num_kv_heads:
+                raise ValueError("FusedDecoder: caches hold %d kv heads, not %d" % (kc.shape[2], num_kv_heads))
+            keep += list(lins) + norms + heads + [kc, vc]
+            _set_linear(&self.layers[i].qkv, <QLinear>lins[0])
+            _set_linear(&self.layers[i].o, <QLinear>lins[1])
+            _set_linear(&self.layers[i].gu, <QLinear>lins[2])
+            _set_linear(&self.layers[i].down, <QLinear>lins[3])
+            self.layers[i].in_norm = <const float*>cnp.PyArray_DATA(norms[0])
+            self.layers[i].post_norm = <const float*>cnp.PyArray_DATA(norms[1])
+            self.layers[i].q_norm = NULL if heads[0] is None else <const float*>cnp.PyArray_DATA(heads[0])
+            self.layers[i].k_norm = NULL if heads[1] is None else <const float*>cnp.PyArray_DATA(heads[1])
+            self.layers[i].kc = cnp.PyArray_DATA(kc)
+            self.layers[i].vc = cnp.PyArray_DATA(vc)
+            self.layers[i].window = window
+        self.keep, self.scratch = keep, {}
+        self.m.H, self.m.D, self.m.Hq, self.m.Hk, self.m.inter = hidden, D, num_q_heads, num_kv_heads, inter
+        self.m.eps, self.m.scale = eps, scale
+        self.m.kv_type = _KV_CACHE_TYPES[kv_type]
+        self.m.nb, self.m.bs = kv_shape[0], kv_shape[1]
+        self.m.cos_sin = <const float*>cnp.PyArray_DATA(cos_sin)
+        self.m.rot = cos_sin.shape[1]
+        self.m.layers = self.layers
+        self._max_pos = cos_sin.shape[0]
+
+    cdef _scratch(self, long M):
+        """The int8-activation buffers of a step of M rows (kept for the next step of M)."""
+        s = self.scratch.get(M)
+        if s is None:
+            if len(self.scratch) >= 4:
+                del self.scratch[next(iter(self.scratch))]
+            ns = _MAX_SLICES if M <= QG_MR_Q8 else 1
+            s = self.scratch[M] = (np.empty(M * self.kmax, np.int8), np.empty(M * self.nbmax, np.float32),
+                                   np.empty(M * self.nbmax, np.int32), np.empty(M * self.ngmax, np.float32),
+                                   np.empty(ns * M * self.nmax, np.float32))
+        return s
+
+    def run(self, b, positions, slot_mapping, block_tables, query_start, context_lens,
+            long s0, long s1):
+        """Stages [s0, s1) of a decode step (2 l: attention half of layer l, 2 l + 1: its MLP
+        half) over the step buffers b (models/llama.py _StepBuffers: residual holds the
+        embeddings before stage 0; o and delta are each half's output, all-reduced by the
+        caller between stages under tensor parallelism). positions, slot_mapping: [M] int64;
+        block_tables [M, max_blocks], query_start [M + 1], context_lens [M]: int32 with one new
+        token per sequence."""
+        cdef nd_step st
+        cdef long M = (<cnp.ndarray>b.residual).shape[0], i, H = self.m.H, D = self.m.D
+        cdef long Hq = self.m.Hq, Hk = self.m.Hk, I = self.m.inter
+        if M < 1 or M > self.MAX_ROWS or s0 < 0 or s1 > 2 * self.num_layers or s0 >= s1:
+            raise ValueError("FusedDecoder.run: %d rows, stages [%d, %d) of %d layers"
+                             % (M, s0, s1, self.num_layers))
+        cdef cnp.ndarray pos = _int_array(positions, np.int64, cnp.NPY_INT64, 1)
+        cdef cnp.ndarray slots = _int_array(slot_mapping, np.int64, cnp.NPY_INT64, 1)
+        cdef cnp.ndarray bt = _int_array(block_tables, np.int32, cnp.NPY_INT32, 2)
+        cdef cnp.ndarray qs = _int_array(query_start, np.int32, cnp.NPY_INT32, 1)
+        cdef cnp.ndarray cl = _int_array(context_lens, np.int32, cnp.NPY_INT32, 1)
+        if pos.shape[0] != M or slots.shape[0] != M or cl.shape[0] != M or qs.shape[0] != M + 1 \
+                or bt.ndim != 2 or bt.shape[0] < M:
+            raise ValueError("FusedDecoder.run: the step's arrays do not describe %d decode rows" % M)
+        cdef const int64_t* pp = <const int64_t*>cnp.PyArray_DATA(pos)
+        cdef const int64_t* sp = <const int64_t*>cnp.PyArray_DATA(slots)
+        cdef const int32_t* qp = <const int32_t*>cnp.PyArray_DATA(qs)
+        cdef const int32_t* cp = <const int32_t*>cnp.PyArray_DATA(cl)
+        cdef const int32_t* bp = <const int32_t*>cnp.PyArray_DATA(bt)
+        cdef long nblk, nbt = bt.shape[1], j
+        for i in range(M):
+            if pp[i] < 0 or pp[i] >= self._max_pos or sp[i] >= self.m.nb * self.m.bs \
+                    or qp[i] != i or qp[i + 1] != i + 1 or cp[i] < 1:
+                raise ValueError("FusedDecoder.run: row %d is not a decode row in range (position %d, "
+                                 "slot %d, context %d)" % (i, pp[i], sp[i], cp[i]))
+            nblk = (cp[i] + self.m.bs - 1) // self.m.bs
+            if nblk > nbt:
+                raise ValueError("FusedDecoder.run: sequence %d needs %d blocks, its table has %d" % (i, nblk, nbt))
+            for j in range(nblk):
+                if bp[i * nbt + j] < 0 or bp[i * nbt + j] >= self.m.nb:
+                    raise ValueError("FusedDecoder.run: sequence %d has block id %d" % (i, bp[i * nbt + j]))
+        xq, sx, xi, xs, part = self._scratch(M)
+        st.M = M
+        st.pos, st.slots, st.bt, st.qstart, st.ctx, st.bt_st = pp, sp, bp, qp, cp, nbt
+        st.residual = _f32(b.residual, M, H, "residual")
+        st.h = _f32(b.h, M, H, "h")
+        st.qkv = _f32(b.qkv, M, (Hq + 2 * Hk) * D, "qkv")
+        st.attn = _f32(b.attn_rows, M, Hq * D, "attn")
+        st.o = _f32(b.o, M, H, "o")
+        st.gu = _f32(b.gu, M, 2 * I, "gu")
+        st.act = _f32(b.act, M, I, "act")
+        st.delta = _f32(b.delta, M, H, "delta")
+        st.xq = <int8_t*>cnp.PyArray_DATA(xq)
+        st.sx = <float*>cnp.PyArray_DATA(sx)
+        st.xi = <int32_t*>cnp.PyArray_DATA(xi)
+        st.xs = <float*>cnp.PyArray_DATA(xs)
+        st.part = <float*>cnp.PyArray_DATA(part)
+        st.qg_level = _level
+        st.attn_level, st.tiled_min = _attention._force_paths()
+        cdef int rc
+        with nogil:
+            rc = nd_run(&self.m, &st, s0, s1)
+        if rc != 0:
+            raise MemoryError("FusedDecoder.run: cannot allocate attention work items or scratch")
+        return b.delta if s1 % 2 == 0 else b.o
