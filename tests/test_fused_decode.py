@@ -1,0 +1,168 @@
+"""Decode steps of a quantized model in one OpenMP region (models/llama.py _fused_forward over
+qgemm.FusedDecoder, cython_kernels/decode_layers.h) against the same steps op by op
+(NUMA_RUNTIME_FUSED_DECODE=0): the same kernel functions in the same order, so the logits must
+be bitwise equal, on every architecture feature the decoder layer has (q/k/v bias, q/k norms,
+sliding windows, GQA), every KV cache type, several thread counts and 2 ranks under mpirun."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from models import build_model
+from quant_helpers import decode_logits
+
+from numa_runtime import Engine, SamplingParams
+from numa_runtime._kernels import qgemm
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=384, max_position_embeddings=256)
+PROMPT = [1, 17, 42, 99, 5, 200, 13, 7, 300, 64, 3, 250, 11]
+# NOTE: mistral's window (16 keys) is shorter than the prompt plus its decode, so decode rows
+# attend over a sliding window; qwen3 has q/k norms and a head_dim other than hidden / heads
+ARCH_KW = {"llama": {}, "qwen2": {}, "qwen3": dict(head_dim=48), "mistral": dict(sliding_window=16)}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    out = {}
+    for arch, kw in ARCH_KW.items():
+        d = str(tmp_path_factory.mktemp(arch))
+        build_model(d, arch=arch, **SHAPE, **kw)
+        out[arch] = d
+    return out
+
+
+def engine(model_dir, fused: bool, monkeypatch, **kw):
+    monkeypatch.setenv("NUMA_RUNTIME_FUSED_DECODE", "1" if fused else "0")
+    kw.setdefault("quantization", "int4")
+    e = Engine(model_dir, dtype="bfloat16", kv_cache_memory=1 << 24, max_model_len=256, **kw)
+    assert (e.runner.model.fused is not None) == fused
+    return e
+
+
+def both(model_dir, monkeypatch, **kw):
+    return engine(model_dir, True, monkeypatch, **kw), engine(model_dir, False, monkeypatch, **kw)
+
+
+def batch_prompts(n: int) -> list[list[int]]:
+    rng = np.random.default_rng(n)
+    return [rng.integers(3, 384, int(rng.integers(1, 20))).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("arch,quantization,kv", [
+    ("llama", "int4", "auto"), ("qwen2", "int8", "int8"), ("qwen3", "int4-g64-zero", "auto"),
+    ("mistral", "int4-g32-sym", "float32"), ("qwen2", "int8-channel", "bfloat16")])
+def test_fused_decode_is_bitwise_op_by_op(models, monkeypatch, arch, quantization, kv):
+    """One sequence decoded token by token (every position a decode step), then a batch of
+    sequences whose decode steps have several rows."""
+    f, o = both(models[arch], monkeypatch, quantization=quantization, kv_cache_dtype=kv)
+    try:
+        lf, lo = decode_logits(f, PROMPT), decode_logits(o, PROMPT)
+        assert np.isfinite(lf).all()
+        np.testing.assert_array_equal(lf, lo)
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        prompts = batch_prompts(5)
+        assert [x.token_ids for x in f.generate(prompts, params)] == [x.token_ids for x in o.generate(prompts, params)]
+    finally:
+        f.close()
+        o.close()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_fused_decode_equals_op_by_op_at_other_thread_counts(models, monkeypatch, threads):
+    """The k slices of a GEMV depend on the thread count (split.h): both paths take the same."""
+    f, o = both(models["llama"], monkeypatch, num_threads=threads)
+    try:
+        np.testing.assert_array_equal(decode_logits(f, PROMPT), decode_logits(o, PROMPT))
+    finally:
+        f.close()
+        o.close()
+
+
+def test_decode_batches_past_the_fused_bound_run_op_by_op(models, monkeypatch):
+    """More decode rows than FusedDecoder.MAX_ROWS take the op-by-op path (prefill rows always
+    do); the tokens are those of the op-by-op engine either way."""
+    f, o = both(models["qwen2"], monkeypatch, max_num_seqs=80)
+    model, decode_rows, fused_rows = f.runner.model, [], []
+    forward, fused_forward = model.forward, model._fused_forward
+
+    def spy_forward(plan):
+        if plan.num_tokens == plan.num_seqs:
+            decode_rows.append(plan.num_tokens)
+        return forward(plan)
+
+    def spy_fused(plan, *a):
+        fused_rows.append(plan.num_tokens)
+        return fused_forward(plan, *a)
+
+    monkeypatch.setattr(model, "forward", spy_forward)
+    monkeypatch.setattr(model, "_fused_forward", spy_fused)
+    try:
+        prompts = batch_prompts(qgemm.FusedDecoder.MAX_ROWS + 6)
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        assert [x.token_ids for x in f.generate(prompts, params)] == [x.token_ids for x in o.generate(prompts, params)]
+        assert max(decode_rows) > qgemm.FusedDecoder.MAX_ROWS
+        assert fused_rows == [n for n in decode_rows if n <= qgemm.FusedDecoder.MAX_ROWS]
+    finally:
+        f.close()
+        o.close()
+
+
+def test_the_fused_path_is_taken_only_where_it_applies(models, monkeypatch):
+    """f32 engines keep exact activations, dense linears have no int8 path, and the switch
+    turns it off: those run op by op."""
+    monkeypatch.setenv("NUMA_RUNTIME_FUSED_DECODE", "1")
+    for kw in (dict(dtype="float32", quantization="int4"), dict(dtype="bfloat16")):
+        e = Engine(models["llama"], kv_cache_memory=1 << 22, max_model_len=64, **kw)
+        try:
+            assert e.runner.model.fused is None, kw
+        finally:
+            e.close()
+
+
+def test_fused_decoder_refuses_steps_it_cannot_run(models, monkeypatch):
+    f = engine(models["llama"], True, monkeypatch)
+    try:
+        m = f.runner.model
+        b = m._buffers(1)
+        bt = np.zeros((1, 4), np.int32)
+        ok = dict(positions=np.array([3]), slot_mapping=np.array([3]), block_tables=bt,
+                  query_start=np.array([0, 1], np.int32), context_lens=np.array([4], np.int32))
+        m.fused.run(b, *ok.values(), 0, 2 * len(m.layers))
+        bad = [dict(ok, positions=np.array([10 ** 6])), dict(ok, slot_mapping=np.array([10 ** 9])),
+               dict(ok, query_start=np.array([0, 2], np.int32)), dict(ok, block_tables=np.full((1, 4), -1, np.int32)),
+               dict(ok, context_lens=np.array([1000], np.int32))]
+        for args in bad:
+            with pytest.raises(ValueError, match="FusedDecoder.run"):
+                m.fused.run(b, *args.values(), 0, 2)
+        with pytest.raises(ValueError, match="stages"):
+            m.fused.run(b, *ok.values(), 0, 2 * len(m.layers) + 1)
+    finally:
+        f.close()
+
+
+def run_mpi(n, model_dir, fused: bool, prompts):
+    env = dict(os.environ, MPI4PY_RC_THREAD_LEVEL="funneled", OMP_NUM_THREADS="1",
+               NUMA_RUNTIME_FUSED_DECODE="1" if fused else "0",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = ["mpirun", "-np", str(n), sys.executable, os.path.join(HERE, "mpi", "fused_decode.py"),
+           model_dir, "int4-g32-min", json.dumps(prompts)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+    assert len(line) == 1, p.stdout[-3000:]
+    return json.loads(line[0][7:])
+
+
+def test_two_ranks_fused_equal_op_by_op(models):
+    """Under tensor parallelism each half layer is one region and o / delta are all-reduced
+    between them: the tokens of the op-by-op steps (which all-reduce the same sums)."""
+    prompts = [PROMPT, PROMPT[:4], PROMPT[5:]]
+    f, o = run_mpi(2, models["qwen2"], True, prompts), run_mpi(2, models["qwen2"], False, prompts)
+    assert f["world"] == 2 and f["fused"] and not o["fused"]
+    assert f["tokens"] == o["tokens"]
