@@ -266,7 +266,7 @@ CHILDREN = {"numa": run_numa, "hf": run_hf, "llamacpp": run_llamacpp}
 # ----------------------------------------------------------------------------- driver
 def run_child(name: str, a, profile: bool = False, decode_only: bool = False) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AS_PROFILE")}
-    env.update(OMP_NUM_THREADS=str(a.threads), PYTHONPATH=ROOT)
+    env.update(OMP_NUM_THREADS=str(a.threads), PYTHONPATH=os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")])))
     if profile:
         env["AS_PROFILE"] = "ON"
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--model", a.model,

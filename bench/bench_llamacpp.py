@@ -180,7 +180,9 @@ def run_ours(a, path: str, quantization: str | None, depth: list[int], env_extra
     cmd += ["--depth", *map(str, depth)] if depth else []
     print(f"  ours: Engine({os.path.basename(path)!r}, quantization={quantization!r})"
           + (f", depth {depth}" if depth else ""), flush=True)
-    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", **(env_extra or {}))
+    # NOTE: the child sees this checkout first and the caller's PYTHONPATH after it
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), PYTHONPATH=path, PYTHONUNBUFFERED="1", **(env_extra or {}))
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=env)
     except subprocess.TimeoutExpired:
