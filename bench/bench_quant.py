@@ -2,6 +2,7 @@
 
     python bench/bench_quant.py [--quick] [--threads N] [--level L] [--model NAME] [--formats F..] [--bf16-prefill] [--out PATH]
     python bench/bench_quant.py --decode-batch [--threads N]   # the paths of a 16-64 row decode batch
+    python bench/bench_quant.py --bf16-prefill --m 512 --panel-mib 2 8 32 --formats int4-g32-sym bf16
 
 For M = 1 it reports GB/s of packed weight bytes actually read (QLinear.nbytes / time: integers,
 scales and offsets) and that as a fraction of the DRAM read bandwidth measured in the same run
@@ -117,6 +118,9 @@ def main(argv=None) -> None:
     ap.add_argument("--formats", nargs="+", default=None, help="formats to run (default: all)")
     ap.add_argument("--decode-batch", action="store_true",
                     help="decode batches of 16/32/64 rows: f32 path / int8 activations / bf16 panels (us)")
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 512], help="rows per call (default 1 512)")
+    ap.add_argument("--panel-mib", type=float, nargs="+", default=None,
+                    help="with --bf16-prefill: each size of the bf16 panel in turn (qgemm._PANEL_BYTES)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.threads:
@@ -129,10 +133,14 @@ def main(argv=None) -> None:
         decode_batch(args.model)
         return
     formats = args.formats or (["int8-g128", "int4-g32-min"] if args.quick else FORMATS + ["bf16"])
-    ms = [1, 512]
+    ms = args.m
     dram = dram_read_gbps(args.threads, gib=0.25 if args.quick else 1.0)
-    rows = bench("SmolLM2-135M" if args.quick else args.model, formats, ms,
-                 0.05 if args.quick else 0.5, args.bf16_prefill)
+    rows = []
+    for mib in args.panel_mib or [qgemm._PANEL_BYTES / 2 ** 20]:
+        qgemm._PANEL_BYTES, qgemm._PANELS = int(mib * 2 ** 20), {}
+        for r in bench("SmolLM2-135M" if args.quick else args.model, formats, ms,
+                       0.05 if args.quick else 0.5, args.bf16_prefill):
+            rows.append(dict(r, panel_mib=mib))
     for r in rows:
         r["dram_fraction"] = r["gbps"] / dram if r["M"] == 1 else None
     report = {"config": {"threads": ops.get_num_threads(), "qgemm_level": qgemm.cpu_level(),
@@ -143,11 +151,11 @@ def main(argv=None) -> None:
             json.dump(report, f, indent=1)
         with open(args.out + ".md", "w") as f:
             f.write(f"DRAM read probe {dram:.1f} GB/s, {report['config']['threads']} threads, "
-                    f"qgemm level {qgemm.cpu_level()}\n\n| layer | K x N | format | M | us | GB/s | "
-                    f"of DRAM | GFLOP/s |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n")
+                    f"qgemm level {qgemm.cpu_level()}\n\n| layer | K x N | format | M | panel MiB | us | GB/s | "
+                    f"of DRAM | GFLOP/s |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
             for r in rows:
                 frac = f"{r['dram_fraction']:.0%}" if r["dram_fraction"] else ""
-                f.write(f"| {r['layer']} | {r['K']} x {r['N']} | {r['format']} | {r['M']} | "
+                f.write(f"| {r['layer']} | {r['K']} x {r['N']} | {r['format']} | {r['M']} | {r['panel_mib']:g} | "
                         f"{r['us']:.1f} | {r['gbps']:.1f} | {frac} | {r['gflops']:.1f} |\n")
 
 
