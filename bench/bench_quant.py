@@ -120,7 +120,7 @@ def main(argv=None) -> None:
                     help="decode batches of 16/32/64 rows: f32 path / int8 activations / bf16 panels (us)")
     ap.add_argument("--m", type=int, nargs="+", default=[1, 512], help="rows per call (default 1 512)")
     ap.add_argument("--panel-mib", type=float, nargs="+", default=None,
-                    help="with --bf16-prefill: each size of the bf16 panel in turn (qgemm._PANEL_BYTES)")
+                    help="with --bf16-prefill: each size of the bf16 panel in turn (default: qgemm's rule per thread count)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.threads:
@@ -136,11 +136,11 @@ def main(argv=None) -> None:
     ms = args.m
     dram = dram_read_gbps(args.threads, gib=0.25 if args.quick else 1.0)
     rows = []
-    for mib in args.panel_mib or [qgemm._PANEL_BYTES / 2 ** 20]:
-        qgemm._PANEL_BYTES, qgemm._PANELS = int(mib * 2 ** 20), {}
+    for mib in args.panel_mib or [None]:
+        qgemm._PANEL_BYTES, qgemm._PANELS = None if mib is None else int(mib * 2 ** 20), {}
         for r in bench("SmolLM2-135M" if args.quick else args.model, formats, ms,
                        0.05 if args.quick else 0.5, args.bf16_prefill):
-            rows.append(dict(r, panel_mib=mib))
+            rows.append(dict(r, panel_mib=qgemm._panel_bytes() / 2 ** 20))
     for r in rows:
         r["dram_fraction"] = r["gbps"] / dram if r["M"] == 1 else None
     report = {"config": {"threads": ops.get_num_threads(), "qgemm_level": qgemm.cpu_level(),

@@ -40,6 +40,14 @@ cnp.import_array()
 
 include "arrays.pxi"
 
+cdef extern from "omp.h" nogil:
+    int omp_get_max_threads()
+
+
+cdef inline int _gemm_threads():
+    return omp_get_max_threads()
+
+
 cdef extern from "qgemm_kernels.h" nogil:
     ctypedef struct qg_format:
         int bits
@@ -95,8 +103,21 @@ def _set_act8_m_max(long m):
 # NOTE: rows from which the bf16 panel path wins. Dequantizing a panel costs about 5 passes
 # over the packed bytes, so it needs enough rows to share it.
 PANEL_M_MIN = 32
-_PANEL_BYTES = 1 << 21
+# NOTE: a panel of about PANEL_BYTES_PER_THREAD per OpenMP thread (at least _PANEL_MIN_BYTES): each
+# thread's share stays in its L2 between the dequantization and the matmul, and the panels are
+# few enough that oneDNN's calls stay large. M = 512 on Qwen2.5-0.5B's linears (bench_quant.py
+# --bf16-prefill --panel-mib): SPR-16, 16 threads: 8 MiB panels 1.0-1.45x as fast as 2 MiB; a
+# 2-core Zen 4: 2 MiB as fast as or faster than 8 MiB.
+PANEL_BYTES_PER_THREAD = 1 << 19
+_PANEL_MIN_BYTES = 1 << 21
+_PANEL_BYTES = None  # benchmarks: a fixed panel size instead of the rule above
 _PANELS = {}
+
+
+def _panel_bytes():
+    if _PANEL_BYTES is not None:
+        return _PANEL_BYTES
+    return max(_PANEL_MIN_BYTES, PANEL_BYTES_PER_THREAD * _gemm_threads())
 
 
 def _panel_usable():
@@ -106,8 +127,8 @@ def _panel_usable():
 
 def _panels(long K, long N):
     """The shared panel buffer for K input features: columns per panel so that one panel is
-    about _PANEL_BYTES (a multiple of 64, at least 64, at most N rounded up)."""
-    cols = max(64, min((N + 63) // 64 * 64, _PANEL_BYTES // (2 * ((K + 31) // 32 * 32)) // 64 * 64))
+    about _panel_bytes() (a multiple of 64, at least 64, at most N rounded up)."""
+    cols = max(64, min((N + 63) // 64 * 64, _panel_bytes() // (2 * ((K + 31) // 32 * 32)) // 64 * 64))
     p = _PANELS.get((K, cols))
     if p is None:
         p = _PANELS[(K, cols)] = _gemm.BF16Panels(K, cols)

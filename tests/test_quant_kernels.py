@@ -251,3 +251,21 @@ def test_decode_step_takes_int8_activations_for_a_batch():
         assert qgemm.set_decode_step(False) and ref_step(False)
     check(lin.forward(x), exact, x, ref.weight)
     assert np.abs(exact - int8).max() > 1e-3
+
+
+def test_panel_size_grows_with_the_thread_count(monkeypatch):
+    """About PANEL_BYTES_PER_THREAD of bf16 panel per thread, 2 MiB at least; a fixed
+    _PANEL_BYTES (benchmarks, tests) overrides the rule."""
+    from numa_runtime._kernels import ops
+    old = ops.get_num_threads()
+    try:
+        sizes = {}
+        for nt in (1, 2, 16, 64):
+            ops.set_num_threads(nt)
+            sizes[nt] = qgemm._panel_bytes()
+        assert sizes == {1: 1 << 21, 2: 1 << 21, 16: 16 * qgemm.PANEL_BYTES_PER_THREAD,
+                         64: 64 * qgemm.PANEL_BYTES_PER_THREAD}
+        monkeypatch.setattr(qgemm, "_PANEL_BYTES", 1 << 14)
+        assert qgemm._panel_bytes() == 1 << 14
+    finally:
+        ops.set_num_threads(old)
