@@ -463,41 +463,44 @@ static int nr_attn_plan(const nr_attn_args *a, int64_t nt, nr_attn_plan_t *p) {
     return 0;
 }
 
+/* Item `it` of plan p (ws: a scratch of p->ws_n floats). */
+static void nr_attn_run_item(const nr_attn_args *a, const nr_attn_plan_t *p, int64_t it, float *ws) {
+    const nr_item *x = &p->items[it];
+    int64_t n_new = a->qstart[x->s + 1] - a->qstart[x->s];
+    int64_t i1 = x->i0 + p->rows < n_new ? x->i0 + p->rows : n_new;
+    /* NOTE: the tiled path pays a key-tile transposition that only several query vectors
+     * (prefill rows x group heads) amortize; decode takes the direct one. */
+    int tiled = (i1 - x->i0) * p->group >= a->tiled_min;
+    (!tiled ? nr_attn_item : a->kv_type == NR_KV_BF16 && a->level >= 2 ? nr_attn_item_bf16
+                                                         : nr_attn_item_tiled)(
+        a, x->s, x->h, x->i0, i1, x->ja, x->jb, ws, x->slot >= 0 ? p->parts + x->slot * p->psz : NULL);
+}
+
+/* After every item of p: the first split of split item `it` merges its splits (others: none). */
+static void nr_attn_combine_item(const nr_attn_args *a, const nr_attn_plan_t *p, int64_t it) {
+    const nr_item *x = &p->items[it];
+    if (x->nsplit < 2 || x->t != 0) return;
+    int64_t n_new = a->qstart[x->s + 1] - a->qstart[x->s];
+    int64_t i1 = x->i0 + p->rows < n_new ? x->i0 + p->rows : n_new;
+    nr_attn_combine(a, x->s, x->h, x->i0, i1, p->parts + x->slot * p->psz, x->nsplit, p->psz);
+}
+
 /* The items of plan p on the threads of the enclosing parallel region (orphaned worksharing:
  * every thread of the team calls it; it ends with a barrier). *err is set to 1 (by any thread)
  * when a thread's scratch cannot be allocated; out is then not fully written. */
 static void nr_attn_exec(const nr_attn_args *a, const nr_attn_plan_t *p, int *err) {
-    const int64_t rows = p->rows, group = p->group, psz = p->psz;
     float *ws = (float *)malloc(p->ws_n * sizeof(float));
     if (ws == NULL) {
         #pragma omp atomic write
         *err = 1;
     }
     #pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < p->n_items; it++) {
-        if (ws == NULL) continue;
-        const nr_item *x = &p->items[it];
-        int64_t n_new = a->qstart[x->s + 1] - a->qstart[x->s];
-        int64_t i1 = x->i0 + rows < n_new ? x->i0 + rows : n_new;
-        /* NOTE: the tiled path pays a key-tile transposition that only several query
-         * vectors (prefill rows x group heads) amortize; decode takes the direct one. */
-        int tiled = (i1 - x->i0) * group >= a->tiled_min;
-        (!tiled ? nr_attn_item : a->kv_type == NR_KV_BF16 && a->level >= 2 ? nr_attn_item_bf16
-                                                             : nr_attn_item_tiled)(
-            a, x->s, x->h, x->i0, i1, x->ja, x->jb, ws,
-            x->slot >= 0 ? p->parts + x->slot * psz : NULL);
-    }
+    for (int64_t it = 0; it < p->n_items; it++)
+        if (ws != NULL) nr_attn_run_item(a, p, it, ws);
     /* NOTE: *err is read after the loop's barrier, so every thread takes the same branch */
     if (p->n_slots && !*err) {
-        /* the first split of every split item merges them all */
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < p->n_items; it++) {
-            const nr_item *x = &p->items[it];
-            if (x->nsplit < 2 || x->t != 0) continue;
-            int64_t n_new = a->qstart[x->s + 1] - a->qstart[x->s];
-            int64_t i1 = x->i0 + rows < n_new ? x->i0 + rows : n_new;
-            nr_attn_combine(a, x->s, x->h, x->i0, i1, p->parts + x->slot * psz, x->nsplit, psz);
-        }
+        for (int64_t it = 0; it < p->n_items; it++) nr_attn_combine_item(a, p, it);
     }
     free(ws);
 }

@@ -52,10 +52,25 @@ cdef extern from "decode_layers.h" nogil:
         int32_t* xi
         int qg_level, attn_level
         int64_t tiled_min
+        int barrier
     int nd_run(const nd_model* m, const nd_step* st, int64_t s0, int64_t s1)
     long qg_blocks_per_group(const qg_format* f)
 
 _KV_CACHE_TYPES = {np.dtype(np.float32): 0, np.dtype(np.uint16): 1, np.dtype(np.int8): 2}  # nr_kv_type
+_BARRIERS = {"auto": 0, "own": 1, "omp": 2}
+cdef int _barrier = 0
+
+
+def _force_barrier(str kind):
+    """Tests: the barrier of FusedDecoder's region: "auto" (ours, libgomp's when the team
+    outnumbers the cpus), "own" (ours always: spin, then sleep on a futex) or "omp"; returns
+    the previous kind."""
+    global _barrier
+    old = [k for k, v in _BARRIERS.items() if v == _barrier][0]
+    _barrier = _BARRIERS[kind]
+    return old
+
+
 # NOTE: as many k slices as qg_q8_slices ever cuts a block into (split.h, max_slices 8)
 cdef long _MAX_SLICES = 8
 
@@ -246,6 +261,7 @@ cdef class FusedDecoder:
         st.part = <float*>cnp.PyArray_DATA(part)
         st.qg_level = _level
         st.attn_level, st.tiled_min = _attention._force_paths()
+        st.barrier = _barrier
         cdef int rc
         with nogil:
             rc = nd_run(&self.m, &st, s0, s1)

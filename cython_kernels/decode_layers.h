@@ -20,6 +20,11 @@
 #ifndef NR_DECODE_LAYERS_H
 #define NR_DECODE_LAYERS_H
 
+#include <sched.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include "attention_kernels.h"
 #include "ops_kernels.h"
 #include "qgemm_kernels.h"
@@ -64,12 +69,91 @@ typedef struct {
     int32_t* xi;
     int qg_level, attn_level;
     int64_t tiled_min;
+    int barrier;        /* 0: ours unless the team outnumbers the cpus, 1: ours, 2: libgomp's (tests) */
 } nd_step;
 
+/* ---- synchronization inside the region: a dissemination barrier (Hensgen, Finkel and Manber)
+ * NOTE: libgomp's barrier is one counter that every thread increments: 16 atomic updates of one
+ * cache line in a row, about 2.5 us a barrier on SPR-16 (bench_engine.py --overhead: tiny24 at
+ * 16 threads, ~13 barriers a layer). Here each of ceil(log2 nt) rounds is one store to another
+ * thread's flag and one wait on one's own, each flag on its own cache line. */
 typedef struct {
-    int err;                            /* set before a barrier, read after it */
-    nr_attn_plan_t plan;
-} nd_shared;
+    int v;              /* the round's flag: the sense of the episode that set it */
+    int sleeping;       /* its waiter sleeps on v (futex) */
+    char pad[64 - 2 * sizeof(int)];
+} nd_cell;
+
+typedef struct {
+    nd_cell* cells;     /* [nt][2][rmax] */
+    int rmax;
+    long spins;         /* pauses before a waiter sleeps */
+    int omp;            /* more threads than cpus: libgomp's barrier instead */
+} nd_bar;
+
+#define ND_SPINS 4096  /* pauses before a waiting thread sleeps (~20-150 us) */
+
+static inline int nd_rounds(int nt) {
+    int r = 0;
+    while ((1 << r) < nt) r++;
+    return r;
+}
+
+/* One thread's view of the region: its barrier state, its share of dynamic work, its scratch. */
+typedef struct {
+    const nd_bar* bar;
+    int parity, sense, tid, nt;
+    int64_t* counter;   /* shared: items taken so far, over every dynamic loop of the region */
+    int64_t base;       /* the counter's value when this thread's current dynamic loop began */
+    float* ws;          /* attention scratch */
+} nd_thread;
+
+/* Wait until cell c holds `sense`: spin, then sleep on a futex. NOTE: with more threads than
+ * cpus (or a busy host) the thread it waits for may need this cpu to arrive; spinning or
+ * sched_yield alone made a 5-thread step on 2 cpus 10x slower than libgomp's barrier. */
+static inline void nd_wait(nd_cell* c, int sense, long spins) {
+    for (long spin = 0; __atomic_load_n(&c->v, __ATOMIC_ACQUIRE) != sense; spin++) {
+        if (spin < spins) {
+            _mm_pause();
+            continue;
+        }
+        __atomic_store_n(&c->sleeping, 1, __ATOMIC_SEQ_CST);
+        /* the signaller stores v, then reads sleeping (both seq_cst): it wakes us, or we see v */
+        if (__atomic_load_n(&c->v, __ATOMIC_SEQ_CST) != sense)
+            syscall(SYS_futex, &c->v, FUTEX_WAIT_PRIVATE, !sense, NULL, NULL, 0);
+        __atomic_store_n(&c->sleeping, 0, __ATOMIC_RELAXED);
+    }
+}
+
+static inline void nd_signal(nd_cell* c, int sense) {
+    __atomic_store_n(&c->v, sense, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&c->sleeping, __ATOMIC_SEQ_CST))
+        syscall(SYS_futex, &c->v, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+}
+
+static inline void nd_barrier(nd_thread* t) {
+    if (t->bar->omp) {
+        #pragma omp barrier
+        return;
+    }
+    const int R = nd_rounds(t->nt), rm = t->bar->rmax;
+    nd_cell* c = t->bar->cells;
+    for (int r = 0; r < R; r++) {
+        nd_signal(&c[(((t->tid + (1 << r)) % t->nt) * 2 + t->parity) * rm + r], t->sense);
+        nd_wait(&c[(t->tid * 2 + t->parity) * rm + r], t->sense, t->bar->spins);
+    }
+    if (t->parity) t->sense = !t->sense;
+    t->parity ^= 1;
+}
+
+/* The next item of a dynamic loop of n items, or -1 when none is left. Every thread of the team
+ * runs the loop until -1 (one failed take each), so the loop advances the shared counter by
+ * exactly n + nt and each thread knows where the next loop begins. */
+static inline int64_t nd_take(nd_thread* t, int64_t n) {
+    const int64_t i = __atomic_fetch_add(t->counter, 1, __ATOMIC_RELAXED) - t->base;
+    if (i < n) return i;
+    t->base += n + t->nt;
+    return -1;
+}
 
 /* Row r's int8 activations for linear format f, from x (kp values). */
 static inline void nd_quant_row(const nd_step* st, const qg_format* f, const float* x, int64_t r) {
@@ -80,38 +164,46 @@ static inline void nd_quant_row(const nd_step* st, const qg_format* f, const flo
 
 /* residual += x (x NULL: none); h = rms_norm(residual) * w; h -> int8 for f. Rows over threads. */
 static void nd_norm_quant(const nd_model* m, const nd_step* st, const float* x, const float* w,
-                          const qg_format* f, int tid, int nt) {
+                          const qg_format* f, nd_thread* t) {
     const int64_t H = m->H;
-    for (int64_t r = tid; r < st->M; r += nt) {
+    for (int64_t r = t->tid; r < st->M; r += t->nt) {
         float *res = st->residual + r * H, *h = st->h + r * H;
         if (x) nr_add_rms_row(x + r * H, res, w, m->eps, H, h);
         else nr_rms_row(res, w, m->eps, H, h);
         nd_quant_row(st, f, h, r);
     }
-    #pragma omp barrier
+    nd_barrier(t);
 }
 
 /* out[M, N] = int8 activations @ W^T + bias, as qg_forward_q8 computes it; ends with a barrier. */
-static void nd_gemv(const nd_step* st, const nd_linear* L, float* out, int tid, int nt) {
+static void nd_gemv(const nd_step* st, const nd_linear* L, float* out, nd_thread* t) {
     const qg_format* f = &L->f;
-    const long ng = f->kp / f->group, nb = ng * qg_blocks_per_group(f), ns = qg_q8_slices(f, st->M, nt);
+    const long ng = f->kp / f->group, nb = ng * qg_blocks_per_group(f);
+    const long ns = qg_q8_slices(f, st->M, t->nt);
     const qg_xq q = {st->xq, st->sx, st->xi, st->xs, f->kp, nb, ng};
     qg_q8_share(L->w, f, &q, st->M, st->M, L->bias, out, st->part, ns, qg_q8_kernel(st->qg_level),
-                0, tid, nt);
-    #pragma omp barrier
+                0, t->tid, t->nt);
+    nd_barrier(t);
     if (ns > 1) {
-        qg_q8_sum_parts(st->part, ns, st->M, f->n, L->bias, out);
-        #pragma omp barrier
+        /* the partial sums, in qg_q8_sum_parts' order, each thread a contiguous share */
+        long i0, i1;
+        const long N = f->n, MN = st->M * N;
+        nr_share(MN, t->tid, t->nt, &i0, &i1);
+        for (long i = i0; i < i1; i++) {
+            float v = L->bias ? L->bias[i % N] : 0.0f;
+            for (long sp = 0; sp < ns; sp++) v += st->part[sp * MN + i];
+            out[i] = v;
+        }
+        nd_barrier(t);
     }
 }
 
 /* q/k norms and rotary on every head of qkv, K and V rows into the cache: (row, head) units. */
-static void nd_rope_cache(const nd_model* m, const nd_step* st, const nd_layer* ly, int tid,
-                          int nt) {
+static void nd_rope_cache(const nd_model* m, const nd_step* st, const nd_layer* ly, nd_thread* t) {
     const int64_t D = m->D, Hq = m->Hq, Hk = m->Hk, W = (Hq + 2 * Hk) * D;
     const int64_t row = nr_kv_row(m->kv_type, D), heads = Hq + Hk;
     long u0, u1;
-    nr_share(st->M * heads, tid, nt, &u0, &u1);
+    nr_share(st->M * heads, t->tid, t->nt, &u0, &u1);
     for (long u = u0; u < u1; u++) {
         const int64_t r = u / heads, h = u % heads;  /* h < Hq: query head; else kv head h - Hq */
         float* x = st->qkv + r * W + h * D;
@@ -122,69 +214,71 @@ static void nd_rope_cache(const nd_model* m, const nd_step* st, const nd_layer* 
             nr_cache_write(x, x + Hk * D, ly->kc, ly->vc, m->kv_type,
                            (st->slots[r] * Hk + (h - Hq)) * row, D);
     }
-    #pragma omp barrier
+    nd_barrier(t);
 }
 
-static void nd_attention(const nd_model* m, const nd_step* st, const nd_layer* ly, nd_shared* sh,
-                         int nt) {
+/* The attention arguments of layer ly over the step's qkv (as paged_attention receives them). */
+static void nd_attn_args(const nd_model* m, const nd_step* st, const nd_layer* ly, nr_attn_args* a) {
     const int64_t D = m->D, Hq = m->Hq, Hk = m->Hk;
+    a->q = st->qkv;
+    a->q_st = (Hq + 2 * Hk) * D;
+    a->q_sh = D;
+    a->kc = ly->kc;
+    a->vc = ly->vc;
+    a->kv_type = m->kv_type;
+    a->nb = m->nb;
+    a->bs = m->bs;
+    a->Hq = Hq;
+    a->Hk = Hk;
+    a->D = D;
+    a->bt = st->bt;
+    a->bt_st = a->max_blocks = st->bt_st;
+    a->qstart = st->qstart;
+    a->ctx = st->ctx;
+    a->S = st->M;
+    a->scale = m->scale;
+    a->window = ly->window;
+    a->level = st->attn_level;
+    a->tiled_min = st->tiled_min;
+    a->out = st->attn;
+    a->o_st = Hq * D;
+    a->o_sh = D;
+}
+
+/* The items of plan p (made before the region), then the merges of split items. */
+static void nd_attention(const nd_model* m, const nd_step* st, const nd_layer* ly,
+                         const nr_attn_plan_t* p, nd_thread* t) {
     nr_attn_args a;
-    a.q = st->qkv;
-    a.q_st = (Hq + 2 * Hk) * D;
-    a.q_sh = D;
-    a.kc = ly->kc;
-    a.vc = ly->vc;
-    a.kv_type = m->kv_type;
-    a.nb = m->nb;
-    a.bs = m->bs;
-    a.Hq = Hq;
-    a.Hk = Hk;
-    a.D = D;
-    a.bt = st->bt;
-    a.bt_st = a.max_blocks = st->bt_st;
-    a.qstart = st->qstart;
-    a.ctx = st->ctx;
-    a.S = st->M;
-    a.scale = m->scale;
-    a.window = ly->window;
-    a.level = st->attn_level;
-    a.tiled_min = st->tiled_min;
-    a.out = st->attn;
-    a.o_st = Hq * D;
-    a.o_sh = D;
-    #pragma omp single
-    {
-        if (nr_attn_plan(&a, nt, &sh->plan) != 0) sh->err = 1;
+    nd_attn_args(m, st, ly, &a);
+    for (int64_t i; (i = nd_take(t, p->n_items)) >= 0;) nr_attn_run_item(&a, p, i, t->ws);
+    nd_barrier(t);
+    if (p->n_slots) {
+        for (int64_t i; (i = nd_take(t, p->n_items)) >= 0;) nr_attn_combine_item(&a, p, i);
+        nd_barrier(t);
     }
-    if (sh->err) return;
-    if (sh->plan.n_items) nr_attn_exec(&a, &sh->plan, &sh->err);
-    /* NOTE: no barrier needed after the free: the next plan is a layer (several barriers) away */
-    #pragma omp single nowait
-    nr_attn_plan_free(&sh->plan);
 }
 
 static void nd_attention_half(const nd_model* m, const nd_step* st, const nd_layer* ly, int first,
-                              nd_shared* sh, int tid, int nt) {
-    nd_norm_quant(m, st, first ? NULL : st->delta, ly->in_norm, &ly->qkv.f, tid, nt);
-    nd_gemv(st, &ly->qkv, st->qkv, tid, nt);
-    nd_rope_cache(m, st, ly, tid, nt);
-    nd_attention(m, st, ly, sh, nt);
-    if (sh->err) return;
+                              const nr_attn_plan_t* plan, nd_thread* t) {
+    nd_norm_quant(m, st, first ? NULL : st->delta, ly->in_norm, &ly->qkv.f, t);
+    nd_gemv(st, &ly->qkv, st->qkv, t);
+    nd_rope_cache(m, st, ly, t);
+    nd_attention(m, st, ly, plan, t);
     const int64_t A = m->Hq * m->D;
-    for (int64_t r = tid; r < st->M; r += nt) nd_quant_row(st, &ly->o.f, st->attn + r * A, r);
-    #pragma omp barrier
-    nd_gemv(st, &ly->o, st->o, tid, nt);
+    for (int64_t r = t->tid; r < st->M; r += t->nt) nd_quant_row(st, &ly->o.f, st->attn + r * A, r);
+    nd_barrier(t);
+    nd_gemv(st, &ly->o, st->o, t);
 }
 
-static void nd_mlp_half(const nd_model* m, const nd_step* st, const nd_layer* ly, int tid, int nt) {
-    nd_norm_quant(m, st, st->o, ly->post_norm, &ly->gu.f, tid, nt);
-    nd_gemv(st, &ly->gu, st->gu, tid, nt);
+static void nd_mlp_half(const nd_model* m, const nd_step* st, const nd_layer* ly, nd_thread* t) {
+    nd_norm_quant(m, st, st->o, ly->post_norm, &ly->gu.f, t);
+    nd_gemv(st, &ly->gu, st->gu, t);
     /* silu(gate) * up and its int8 rounding, one (row, group of down_proj) at a time */
     const qg_format* f = &ly->down.f;
     const long G = f->group, ng = f->kp / G, nb = ng * qg_blocks_per_group(f);
     const int64_t In = m->inter;
     long u0, u1;
-    nr_share(st->M * ng, tid, nt, &u0, &u1);
+    nr_share(st->M * ng, t->tid, t->nt, &u0, &u1);
     for (long u = u0; u < u1; u++) {
         const int64_t r = u / ng, g = u % ng;
         const float* gate = st->gu + r * 2 * In;
@@ -193,27 +287,65 @@ static void nd_mlp_half(const nd_model* m, const nd_step* st, const nd_layer* ly
         qg_quantize_group(act, f, g, st->xq + r * f->kp, st->sx + r * nb, st->xi + r * nb,
                           st->xs + r * ng, NULL);
     }
-    #pragma omp barrier
-    nd_gemv(st, &ly->down, st->delta, tid, nt);
+    nd_barrier(t);
+    nd_gemv(st, &ly->down, st->delta, t);
 }
 
 /* Stages [s0, s1) (2 l: attention half of layer l, 2 l + 1: its MLP half) on the OpenMP threads.
- * The caller checked every index (positions, slots, block tables). 0, or -1 when out of memory
- * (the outputs are then not fully written). */
+ * The caller checked every index (positions, slots, block tables). Everything the region needs
+ * is allocated before it: the attention plans (one per distinct window, as paged_attention
+ * plans them), each thread's scratch and the barrier's flags. 0, or -1 when out of memory. */
 static int nd_run(const nd_model* m, const nd_step* st, int64_t s0, int64_t s1) {
-    nd_shared sh;
-    memset(&sh, 0, sizeof sh);
-    #pragma omp parallel
-    {
-        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-        for (int64_t s = s0; s < s1; s++) {
-            const nd_layer* ly = &m->layers[s / 2];
-            if (s % 2 == 0) nd_attention_half(m, st, ly, s == 0, &sh, tid, nt);
-            else nd_mlp_half(m, st, ly, tid, nt);
-            if (sh.err) break;  /* NOTE: written before a barrier, so every thread agrees */
+    const int ntmax = omp_get_max_threads();
+    const int64_t l0 = s0 / 2, nl = (s1 + 1) / 2 - l0;
+    nr_attn_plan_t* plans = (nr_attn_plan_t*)calloc((size_t)nl, sizeof(nr_attn_plan_t));
+    const nr_attn_plan_t** use = (const nr_attn_plan_t**)calloc((size_t)nl, sizeof(void*));
+    int err = plans == NULL || use == NULL;
+    size_t ws_n = 0;
+    for (int64_t i = 0; i < nl && !err; i++) {
+        if (2 * (l0 + i) < s0) continue;  /* this call runs only the layer's MLP half */
+        const int64_t w = m->layers[l0 + i].window;
+        for (int64_t j = 0; j < i && !use[i]; j++)
+            if (use[j] && m->layers[l0 + j].window == w) use[i] = use[j];
+        if (use[i]) continue;
+        nr_attn_args a;
+        nd_attn_args(m, st, &m->layers[l0 + i], &a);
+        err = nr_attn_plan(&a, ntmax, &plans[i]) != 0;
+        use[i] = &plans[i];
+        ws_n = plans[i].ws_n > ws_n ? plans[i].ws_n : ws_n;
+    }
+    const size_t ws_st = (ws_n + 15) / 16 * 16;
+    const int rmax = nd_rounds(ntmax);
+    float* ws = err ? NULL : (float*)aligned_alloc(64, sizeof(float) * (ws_st * ntmax + 16));
+    nd_cell* cells = err ? NULL : (nd_cell*)aligned_alloc(64, sizeof(nd_cell) * (size_t)(ntmax * 2 * (rmax + 1)));
+    err = err || ws == NULL || cells == NULL;
+    if (!err) {
+        memset(cells, 0, sizeof(nd_cell) * (size_t)(ntmax * 2 * (rmax + 1)));
+        /* NOTE: waiters that spin on every cpu starve the threads they wait for when the team is
+         * larger than the cpus it may use (5 threads on 2 cpus: 10x slower than op by op, 1.5x
+         * when they sleep at once); libgomp's barrier, which counts the cpus too, serves there */
+        cpu_set_t cpus;
+        const int ncpu = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : ntmax;
+        const nd_bar bar = {cells, rmax + 1, ND_SPINS,
+                            st->barrier == 2 || (st->barrier == 0 && ntmax > ncpu)};
+        int64_t counter = 0;
+        #pragma omp parallel
+        {
+            nd_thread t = {&bar, 0, 1, omp_get_thread_num(), omp_get_num_threads(), &counter, 0, NULL};
+            t.ws = ws + (size_t)t.tid * ws_st;
+            for (int64_t s = s0; s < s1; s++) {
+                const nd_layer* ly = &m->layers[s / 2];
+                if (s % 2 == 0) nd_attention_half(m, st, ly, s == 0, use[s / 2 - l0], &t);
+                else nd_mlp_half(m, st, ly, &t);
+            }
         }
     }
-    return sh.err ? -1 : 0;
+    for (int64_t i = 0; plans && i < nl; i++) nr_attn_plan_free(&plans[i]);
+    free(plans);
+    free(use);
+    free(ws);
+    free(cells);
+    return err ? -1 : 0;
 }
 
 #endif

@@ -73,13 +73,22 @@ def test_fused_decode_is_bitwise_op_by_op(models, monkeypatch, arch, quantizatio
         o.close()
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_fused_decode_equals_op_by_op_at_other_thread_counts(models, monkeypatch, threads):
-    """The k slices of a GEMV depend on the thread count (split.h): both paths take the same."""
-    f, o = both(models["llama"], monkeypatch, num_threads=threads)
+@pytest.mark.parametrize("threads,barrier", [(1, "auto"), (2, "auto"), (3, "own"), (5, "own"), (8, "own"),
+                                            (5, "omp")])
+def test_fused_decode_equals_op_by_op_at_other_thread_counts(models, monkeypatch, threads, barrier):
+    """The k slices of a GEMV depend on the thread count (split.h): both paths take the same.
+    Our dissemination barrier at team sizes that are not powers of two, and with more threads
+    than cpus (its waiters then sleep on a futex), and libgomp's barrier, which "auto" takes
+    when the team outnumbers the cpus."""
+    old = qgemm._force_barrier(barrier)
+    f, o = both(models["qwen3"], monkeypatch, num_threads=threads)
     try:
         np.testing.assert_array_equal(decode_logits(f, PROMPT), decode_logits(o, PROMPT))
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        prompts = batch_prompts(threads + 2)
+        assert [x.token_ids for x in f.generate(prompts, params)] == [x.token_ids for x in o.generate(prompts, params)]
     finally:
+        qgemm._force_barrier(old)
         f.close()
         o.close()
 
