@@ -90,7 +90,10 @@ typedef struct {
     int omp;            /* more threads than cpus: libgomp's barrier instead */
 } nd_bar;
 
-#define ND_SPINS 4096  /* pauses before a waiting thread sleeps (~20-150 us) */
+/* NOTE: pauses before a waiting thread sleeps: 2^17 is 3-8 ms (a pause is 65-140 cycles), the
+ * order of libgomp's own spin (GOMP_SPINCOUNT 300000), so a thread sleeps only when a step
+ * stalls for milliseconds (a wake-up on a futex costs tens of microseconds in a VM). */
+#define ND_SPINS (1L << 17)
 
 static inline int nd_rounds(int nt) {
     int r = 0;

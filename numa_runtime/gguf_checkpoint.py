@@ -137,6 +137,10 @@ class GGUFCheckpoint:
         r = i % d
         return (i // d) * d + 2 * (r % (d // 2)) + r // (d // 2)
 
+    def dequantizes(self, name: str) -> bool:
+        """True when tensor `name` is stored in a type that loads as dense weights (K-quants)."""
+        return self._t(name).type in DEQUANTIZED
+
     def quantized(self, name: str, rows: slice | None, cols: slice | None) -> QuantizedWeight | None:
         """Rows/cols of a Q8_0/Q4_0/Q4_1 tensor as our format, bit for bit; None otherwise."""
         t = self._t(name)

@@ -13,9 +13,9 @@ from numa_runtime.quant.formats import QuantFormat, dequantize, quantize
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_dequantized_copy(src: str, dst: str, fmt: QuantFormat, head: QuantFormat | None) -> None:
-    """dst = src with every decoder linear replaced by dequantize(quantize(w)) in f32, and the
-    lm_head by the same in format `head` (None: as stored): the model a quantized engine must
+def write_dequantized_copy(src: str, dst: str, fmt: QuantFormat | None, head: QuantFormat | None) -> None:
+    """dst = src with every decoder linear replaced by dequantize(quantize(w)) in f32 (fmt None:
+    as stored), and the lm_head by the same in format `head` (None: as stored): the model a quantized engine must
     reproduce. A tied lm_head becomes an untied copy of the embedding table, which itself stays
     as stored (the engine looks tokens up in the stored table). Quantizing a whole tensor equals
     quantizing row or column slices of it on group boundaries, which is what each rank does."""
@@ -24,7 +24,7 @@ def write_dequantized_copy(src: str, dst: str, fmt: QuantFormat, head: QuantForm
     path = os.path.join(dst, "model.safetensors")
     tensors = load_file(path)
     for name, w in tensors.items():
-        if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
+        if fmt is not None and name.endswith(".weight") and name.split(".")[-2] in LINEARS:
             tensors[name] = dequantize(quantize(w.astype(np.float32), fmt.for_k(w.shape[1])))
     if head is not None:
         w = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"]).astype(np.float32)

@@ -44,7 +44,7 @@ def test_gguf_equals_dequantized_reference(hf_models, tmp_path, arch, qtype):
     write_gguf(hf_models[arch], path, qtype, arch=arch)
     ref_dir = str(tmp_path / "ref")
     write_reference(hf_models[arch], path, ref_dir)
-    g, r = engine(path), engine(ref_dir)
+    g, r = engine(path, lm_head_quantization=None), engine(ref_dir)  # the head as stored
     try:
         lg, lr = prefill_logits(g, PROMPT), prefill_logits(r, PROMPT)
         assert np.abs(lg - lr).max() <= 1e-4 * np.abs(lr).max()
@@ -55,6 +55,36 @@ def test_gguf_equals_dequantized_reference(hf_models, tmp_path, arch, qtype):
     finally:
         g.close()
         r.close()
+
+
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q4_K"])
+def test_k_quant_head_is_int8_by_default(hf_models, tmp_path, qtype):
+    """A head stored in a K-quant would be held dense (a Q6_K head in bf16 is 2.4x the bytes
+    llama.cpp reads for it): lm_head_quantization="auto" makes it int8, like a dense head
+    quantized at load; a Q8_0 head stays as stored."""
+    from numa_runtime.quant.formats import QuantFormat
+    from quant_helpers import write_dequantized_copy
+    path = str(tmp_path / f"m.{qtype}.gguf")
+    write_gguf(hf_models["llama"], path, qtype)
+    ref_dir, ref8_dir = str(tmp_path / "ref"), str(tmp_path / "ref8")
+    write_reference(hf_models["llama"], path, ref_dir)
+    write_dequantized_copy(ref_dir, ref8_dir, None, QuantFormat.parse("int8"))
+    g, r = engine(path), engine(ref8_dir)
+    try:
+        assert g.runner.model.lm_head.dtype == "int8"
+        lg, lr = prefill_logits(g, PROMPT), prefill_logits(r, PROMPT)
+        assert np.abs(lg - lr).max() <= 1e-4 * np.abs(lr).max()
+        assert g.generate([PROMPT], GREEDY)[0].token_ids == r.generate([PROMPT], GREEDY)[0].token_ids
+    finally:
+        g.close()
+        r.close()
+    path8 = str(tmp_path / "m.Q8_0.gguf")
+    write_gguf(hf_models["llama"], path8, "Q8_0")
+    g8 = engine(path8)
+    try:
+        assert g8.runner.model.lm_head.dtype == "int8" and g8.runner.model.lm_head.group == 32
+    finally:
+        g8.close()
 
 
 def test_unknown_tensor_type_is_named(hf_models, tmp_path):

@@ -167,13 +167,22 @@ def head_quantization(name: str | None, quantization: str | None, ckpt=None) -> 
     """EngineConfig.lm_head_quantization -> the format a dense lm_head is quantized to at load
     (None: as stored). "auto": the int8 default (HEAD_DEFAULT) when the decoder linears are
     quantized at load from a dense checkpoint (like llama.cpp, which keeps the output matrix at
-    >= 6 bits), else as stored: a file that brings its own quantization (GGUF, AWQ, GPTQ) keeps
-    its lm_head. An explicit int8 format quantizes any dense lm_head."""
+    >= 6 bits), or when a GGUF stores its head in a K-quant (which we would hold dense), else as
+    stored: a file that brings its own quantization (GGUF Q8_0/Q4_x, AWQ, GPTQ) keeps its
+    lm_head. An explicit int8 format quantizes any dense lm_head."""
     if name in (None, "", "none"):
         return None
     if name == "auto":
         dense = ckpt is None or getattr(ckpt, "quantized", None) is None
-        return QuantFormat.parse(HEAD_DEFAULT) if quantization not in (None, "", "none") and dense else None
+        if quantization not in (None, "", "none") and dense:
+            return QuantFormat.parse(HEAD_DEFAULT)
+        # NOTE: a GGUF head in a K-quant (Q6_K, llama-quantize's usual output type) would be held
+        # dense, 2.4x the bytes llama.cpp reads for it (Llama-3.2-1B Q4_0: 525 of the 1070 MB a
+        # decode step read): int8, as a dense head quantized at load
+        head = "lm_head.weight" if ckpt is not None and "lm_head.weight" in ckpt else "model.embed_tokens.weight"
+        if getattr(ckpt, "dequantizes", None) is not None and head in ckpt and ckpt.dequantizes(head):
+            return QuantFormat.parse(HEAD_DEFAULT)
+        return None
     try:
         fmt = QuantFormat.parse(name) if isinstance(name, str) else None
     except QuantError:
