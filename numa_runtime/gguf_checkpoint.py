@@ -5,9 +5,11 @@ ours. Q8_0, Q4_0 and Q4_1 map onto our formats without loss (their blocks are gr
 f16 scales and offsets):
     Q8_0 -> int8 group 32 "sym";  Q4_0 -> int4 group 32 "sym" (w = d (q - 8));
     Q4_1 -> int4 group 32 "min" (w = d q + m).
-F32/F16/BF16 tensors are dense. Q4_K, Q5_K and Q6_K cannot map without loss (their effective
-scales d * sc need more than f16's 11 bits, and we have no 5/6-bit format): they are dequantized
-to dense weights (the engine's dtype) and a log line says so. Any other type is an error naming it.
+F32/F16/BF16 tensors are dense. Q4_K maps onto int4 group 32 "min" with one rounding: each
+sub-block's scale d * sc and min dmin * m (products of an f16 and a 6-bit integer, up to 17
+significant bits) are rounded to f16, a relative change of at most 2^-11 of each, while the 4-bit
+codes stay as stored. Q5_K and Q6_K have no 5/6-bit format here: they are dequantized to dense
+weights (the engine's dtype) and a log line says so. Any other type is an error naming it.
 
 llama/mistral GGUFs store q/k rows in llama.cpp's interleaved rotary order; rows are mapped back
 to Hugging Face's rotate-half order (a permutation inside each head, so a rank's whole heads stay
@@ -41,6 +43,9 @@ TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weig
 DENSE = ("F32", "F16", "BF16")
 LOSSLESS = {"Q8_0": (QuantFormat(8, 32, "sym"), 34), "Q4_0": (QuantFormat(4, 32, "sym"), 18),
             "Q4_1": (QuantFormat(4, 32, "min"), 20)}
+# NOTE: Q4_K in 256-element super-blocks of 144 bytes: f16 d, f16 dmin, 12 bytes of eight 6-bit
+# scales and mins, 128 bytes of 4-bit codes (decode_q4k)
+NEAR_LOSSLESS = {"Q4_K": (QuantFormat(4, 32, "min"), 144, 256)}
 DEQUANTIZED = ("Q4_K", "Q5_K", "Q6_K")
 PERMUTED_ARCHS = ("llama", "mistral")
 
@@ -100,8 +105,8 @@ class GGUFCheckpoint:
 
     @property
     def split_align(self) -> int:
-        """32 where any tensor is kept in its (32-element) blocks, else 1."""
-        return 32 if any(t.type in LOSSLESS for t in self._tensors.values()) else 1
+        """32 where any tensor is kept in (32-element) blocks, else 1."""
+        return 32 if any(t.type in LOSSLESS or t.type in NEAR_LOSSLESS for t in self._tensors.values()) else 1
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
@@ -138,24 +143,38 @@ class GGUFCheckpoint:
         return (i // d) * d + 2 * (r % (d // 2)) + r // (d // 2)
 
     def dequantizes(self, name: str) -> bool:
-        """True when tensor `name` is stored in a type that loads as dense weights (K-quants)."""
-        return self._t(name).type in DEQUANTIZED
+        """True when tensor `name` is stored in a type that loads as dense weights (Q5_K, Q6_K)."""
+        kind = self._t(name).type
+        return kind in DEQUANTIZED and kind not in NEAR_LOSSLESS
 
     def quantized(self, name: str, rows: slice | None, cols: slice | None) -> QuantizedWeight | None:
-        """Rows/cols of a Q8_0/Q4_0/Q4_1 tensor as our format, bit for bit; None otherwise."""
+        """Rows/cols of a Q8_0/Q4_0/Q4_1 tensor as our format, bit for bit, or of a Q4_K tensor
+        with its scales rounded to f16 (decode_q4k); None otherwise (dense)."""
         t = self._t(name)
         kind = t.type
-        if kind not in LOSSLESS:
+        if kind not in LOSSLESS and kind not in NEAR_LOSSLESS:
             self._log_dequantized(name, kind)
             return None
-        fmt, bsize = LOSSLESS[kind]
         n, k = self.shape(name)
         c0, c1 = (0, k) if cols is None else (cols.start, cols.stop)
         if c0 % 32 or (c1 % 32 and c1 != k):
             raise QuantError(f"{self.path}: {name} ({kind}) would be split at input column {c0 if c0 % 32 else c1}, "
                              f"inside a 32-element block; use a rank count whose split falls on block boundaries.")
+        idx = self._row_index(name, rows, n)
+        if kind in NEAR_LOSSLESS:
+            _, bsize, per = NEAR_LOSSLESS[kind]
+            s0, s1 = c0 // per, -(-c1 // per)                                     # super-blocks of the slice
+            blocks = np.asarray(t.data).reshape(n, k // per, bsize)[idx][:, s0:s1]
+            w = decode_q4k(np.ascontiguousarray(blocks))
+            if w is None:
+                self._log_dequantized(name, kind)
+                return None
+            g0 = (c0 - s0 * per) // 32
+            return QuantizedWeight(w.fmt, w.q[:, g0 * 32:g0 * 32 + c1 - c0], w.scales[:, g0:g0 + (c1 - c0 + 31) // 32],
+                                   w.offsets[:, g0:g0 + (c1 - c0 + 31) // 32], c1 - c0)
+        fmt, bsize = LOSSLESS[kind]
         blocks = np.asarray(t.data).reshape(n, k // 32, bsize)
-        blocks = blocks[self._row_index(name, rows, n)][:, c0 // 32:c1 // 32]    # [n', nb, bsize]
+        blocks = blocks[idx][:, c0 // 32:c1 // 32]    # [n', nb, bsize]
         return decode_blocks(kind, np.ascontiguousarray(blocks), c1 - c0)
 
     def load(self, name: str, dtype: str, rows: slice | None = None, cols: slice | None = None) -> np.ndarray:
@@ -187,8 +206,8 @@ class GGUFCheckpoint:
     def _log_dequantized(self, name: str, kind: str) -> None:
         if kind in DEQUANTIZED and kind not in self._logged:
             self._logged.add(kind)
-            log.info("GGUF type %s has no lossless int8/int4 equivalent here (6-bit sub-block "
-                     "scales): %s tensors are dequantized to dense weights", kind, kind)
+            log.info("GGUF type %s has no int8/int4 equivalent here (5/6-bit codes, or scales "
+                     "beyond f16's range): %s tensors are dequantized to dense weights", kind, kind)
 
 
 def decode_blocks(kind: str, blocks: np.ndarray, k: int) -> QuantizedWeight:
@@ -205,3 +224,26 @@ def decode_blocks(kind: str, blocks: np.ndarray, k: int) -> QuantizedWeight:
     q = np.concatenate([qs & 0xF, qs >> 4], axis=2).reshape(n, nb * 32).astype(np.uint8)
     m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0] if kind == "Q4_1" else None
     return QuantizedWeight(fmt, q, d, m, k)
+
+
+def decode_q4k(blocks: np.ndarray) -> QuantizedWeight | None:
+    """Q4_K super-blocks [n, ns, 144] -> int4 group 32 "min" [n, 256 ns]: q as stored, scale
+    f16(d sc) and offset f16(-dmin m) per 32-element sub-block (w = s q + offset). None when a
+    product leaves f16's range (the caller keeps the tensor dense)."""
+    n, ns, _ = blocks.shape
+    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)       # [n, ns]
+    dmin = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    b = blocks[:, :, 4:16]                                                         # [n, ns, 12]
+    # six bits per scale / min: sub-blocks 0-3 in the low bits of bytes 0-3 / 4-7; sub-blocks
+    # 4-7 take a nibble of bytes 8-11 (scale low, min high) and the top 2 bits of bytes 0-3 / 4-7
+    sc = np.concatenate([b[..., 0:4] & 63, (b[..., 8:12] & 15) | ((b[..., 0:4] >> 6) << 4)], axis=2)
+    mn = np.concatenate([b[..., 4:8] & 63, (b[..., 8:12] >> 4) | ((b[..., 4:8] >> 6) << 4)], axis=2)
+    # codes: 4 chunks of 32 bytes; chunk c holds sub-block 2c in its low nibbles, 2c + 1 high
+    qs = blocks[:, :, 16:144].reshape(n, ns, 4, 1, 32)
+    q = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(n, ns * 256).astype(np.uint8)
+    with np.errstate(over="ignore"):
+        scales = (d[..., None] * sc).reshape(n, ns * 8).astype(np.float16)
+        offsets = (-(dmin[..., None] * mn)).reshape(n, ns * 8).astype(np.float16)
+    if not (np.isfinite(scales).all() and np.isfinite(offsets).all()):
+        return None
+    return QuantizedWeight(NEAR_LOSSLESS["Q4_K"][0], q, scales, offsets, ns * 256)
