@@ -35,7 +35,7 @@ sys.path.insert(0, ROOT)
 from bench.common import CACHE, build_once, write_report  # noqa: E402
 from bench import common  # noqa: E402
 
-QUANT_TYPES = {"bf16": None, "q8_0": "Q8_0", "q4_0": "Q4_0"}
+QUANT_TYPES = {"bf16": None, "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}
 AT_LOAD = {"int8": "q8_0", "int4": "q4_0"}  # ours quantized at load -> the llama.cpp row it faces
 LONG_CONTEXT = 32768
 # --op-by-op: our quantized rows again with decode steps run op by op (models/llama.py)
@@ -324,7 +324,8 @@ def main(argv=None) -> None:
                     help="folder with llama-bench and llama-quantize (default $LLAMACPP_BIN); "
                          "left out: our half only")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    ap.add_argument("--types", nargs="+", default=list(QUANT_TYPES), choices=list(QUANT_TYPES))
+    ap.add_argument("--types", nargs="+", default=["bf16", "q8_0", "q4_0"], choices=list(QUANT_TYPES),
+                    help="GGUF types to compare (q4_k_m also: llama-quantize's Q4_K_M mix)")
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)

@@ -1,10 +1,12 @@
 """A GGUF file read as a checkpoint with Hugging Face tensor names, sliced per rank.
 
 The `gguf` package parses the file and maps the tensor data (numpy memmaps); the block math is
-ours. Q8_0, Q4_0 and Q4_1 map onto our formats without loss (their blocks are groups of 32 with
-f16 scales and offsets):
+ours. Q8_0, Q4_0, Q4_1 and Q5_0 map onto our formats without loss (their blocks are groups of
+32 with f16 scales and offsets):
     Q8_0 -> int8 group 32 "sym";  Q4_0 -> int4 group 32 "sym" (w = d (q - 8));
-    Q4_1 -> int4 group 32 "min" (w = d q + m).
+    Q4_1 -> int4 group 32 "min" (w = d q + m);  Q5_0 -> int8 group 32 "sym" (w = d (q - 16)),
+    8.5 bits a weight where the file has 5.5 (llama-quantize's Q4_K_M puts Q5_0 in tensors
+    whose K is not a multiple of 256, e.g. Qwen2.5-0.5B's 896).
 F32/F16/BF16 tensors are dense. Q4_K maps onto int4 group 32 "min" with one rounding: each
 sub-block's scale d * sc and min dmin * m (products of an f16 and a 6-bit integer, up to 17
 significant bits) are rounded to f16, a relative change of at most 2^-11 of each, while the 4-bit
@@ -42,7 +44,7 @@ TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weig
              "output.weight": "lm_head.weight"}
 DENSE = ("F32", "F16", "BF16")
 LOSSLESS = {"Q8_0": (QuantFormat(8, 32, "sym"), 34), "Q4_0": (QuantFormat(4, 32, "sym"), 18),
-            "Q4_1": (QuantFormat(4, 32, "min"), 20)}
+            "Q4_1": (QuantFormat(4, 32, "min"), 20), "Q5_0": (QuantFormat(8, 32, "sym"), 22)}
 # NOTE: Q4_K in 256-element super-blocks of 144 bytes: f16 d, f16 dmin, 12 bytes of eight 6-bit
 # scales and mins, 128 bytes of 4-bit codes (decode_q4k)
 NEAR_LOSSLESS = {"Q4_K": (QuantFormat(4, 32, "min"), 144, 256)}
@@ -148,7 +150,7 @@ class GGUFCheckpoint:
         return kind in DEQUANTIZED and kind not in NEAR_LOSSLESS
 
     def quantized(self, name: str, rows: slice | None, cols: slice | None) -> QuantizedWeight | None:
-        """Rows/cols of a Q8_0/Q4_0/Q4_1 tensor as our format, bit for bit, or of a Q4_K tensor
+        """Rows/cols of a Q8_0/Q4_0/Q4_1/Q5_0 tensor as our format, bit for bit, or of a Q4_K tensor
         with its scales rounded to f16 (decode_q4k); None otherwise (dense)."""
         t = self._t(name)
         kind = t.type
@@ -217,6 +219,15 @@ def decode_blocks(kind: str, blocks: np.ndarray, k: int) -> QuantizedWeight:
     d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]                     # [n, nb]
     if kind == "Q8_0":
         q = blocks[:, :, 2:34].copy().view(np.int8).reshape(n, nb * 32)
+        return QuantizedWeight(fmt, q, d, None, k)
+    if kind == "Q5_0":
+        # NOTE: 4 bytes of high bits (bit j: element j), then low nibbles as in Q4_0; w = d (q - 16)
+        # with q in 0..31 is an int8 group of 32 without loss
+        qh = blocks[:, :, 2:6].copy().view("<u4")                              # [n, nb, 1]
+        hi = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)     # [n, nb, 32]
+        qs = blocks[:, :, 6:22]
+        lo = np.concatenate([qs & 0xF, qs >> 4], axis=2)
+        q = ((lo | (hi << 4)).astype(np.int16) - 16).astype(np.int8).reshape(n, nb * 32)
         return QuantizedWeight(fmt, q, d, None, k)
     off = 4 if kind == "Q4_1" else 2
     qs = blocks[:, :, off:off + 16]                                            # [n, nb, 16]

@@ -34,7 +34,7 @@ def hf_models(tmp_path_factory):
     return out
 
 
-CASES = [("llama", t) for t in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")] + [
+CASES = [("llama", t) for t in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K")] + [
     ("qwen2", "Q4_1"), ("qwen3", "Q8_0")]
 
 
@@ -51,7 +51,7 @@ def test_gguf_equals_dequantized_reference(hf_models, tmp_path, arch, qtype):
         # the other types only sum in another order
         assert np.abs(lg - lr).max() <= (2e-3 if qtype == "Q4_K" else 1e-4) * np.abs(lr).max()
         assert g.generate([PROMPT], GREEDY)[0].token_ids == r.generate([PROMPT], GREEDY)[0].token_ids
-        native = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4"}.get(qtype)
+        native = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4", "Q5_0": "int8", "Q4_K": "int4"}.get(qtype)
         lin = g.runner.model.layers[0].qkv_proj
         assert getattr(lin, "dtype", None) == (native or "float32")
     finally:
@@ -111,8 +111,8 @@ def test_q4_k_blocks_map_to_int4_with_f16_scales():
 
 def test_unknown_tensor_type_is_named(hf_models, tmp_path):
     path = str(tmp_path / "m.gguf")
-    write_gguf(hf_models["llama"], path, "Q5_0")
-    with pytest.raises(CheckpointError, match="has GGUF type Q5_0, which numa_runtime does not read"):
+    write_gguf(hf_models["llama"], path, "Q5_1")
+    with pytest.raises(CheckpointError, match="has GGUF type Q5_1, which numa_runtime does not read"):
         engine(path)
 
 
