@@ -10,8 +10,9 @@ ours. Q8_0, Q4_0, Q4_1 and Q5_0 map onto our formats without loss (their blocks 
 F32/F16/BF16 tensors are dense. Q4_K maps onto int4 group 32 "min" with one rounding: each
 sub-block's scale d * sc and min dmin * m (products of an f16 and a 6-bit integer, up to 17
 significant bits) are rounded to f16, a relative change of at most 2^-11 of each, while the 4-bit
-codes stay as stored. Q5_K and Q6_K have no 5/6-bit format here: they are dequantized to dense
-weights (the engine's dtype) and a log line says so. Any other type is an error naming it.
+codes stay as stored. Q5_K and Q6_K have no 5/6-bit format here: they are dequantized (a log
+line says so) and held dense by an f32 engine, as int8 groups of 32 by a bf16 one
+(quant/loader.py). Any other type is an error naming it.
 
 llama/mistral GGUFs store q/k rows in llama.cpp's interleaved rotary order; rows are mapped back
 to Hugging Face's rotate-half order (a permutation inside each head, so a rank's whole heads stay
@@ -107,8 +108,9 @@ class GGUFCheckpoint:
 
     @property
     def split_align(self) -> int:
-        """32 where any tensor is kept in (32-element) blocks, else 1."""
-        return 32 if any(t.type in LOSSLESS or t.type in NEAR_LOSSLESS for t in self._tensors.values()) else 1
+        """32 where any tensor is kept in (32-element) groups, else 1."""
+        # NOTE: Q5_K/Q6_K tensors too: a bf16 engine holds them as int8 groups of 32 (quant/loader.py)
+        return 32 if any(t.type not in DENSE for t in self._tensors.values()) else 1
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors

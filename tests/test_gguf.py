@@ -161,3 +161,25 @@ def test_two_ranks_equal_one_on_q4_k(hf_models, tmp_path):
         one.close()
     out = result(run_mpi(2, path, "none"))
     assert out["world"] == 2 and out["tokens"] == [expected]
+
+
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q5_K"])
+def test_bf16_engine_holds_5_and_6_bit_k_quants_as_int8(hf_models, tmp_path, qtype):
+    """No int8/int4 format holds Q5_K/Q6_K as stored: a bf16 engine (which would round them to
+    bf16) takes them as int8 groups of 32, the very weights `quantization="int8-g32"` makes of
+    the dequantized model, so both engines give the same logits; an f32 engine keeps them dense
+    (test_gguf_equals_dequantized_reference)."""
+    path = str(tmp_path / f"m.{qtype}.gguf")
+    write_gguf(hf_models["llama"], path, qtype)
+    ref_dir = str(tmp_path / "ref")
+    write_reference(hf_models["llama"], path, ref_dir)
+    kw = dict(dtype="bfloat16", kv_cache_memory=1 << 23, max_model_len=128)
+    g, r = Engine(path, **kw), Engine(ref_dir, quantization="int8-g32", **kw)
+    try:
+        lin = g.runner.model.layers[0].qkv_proj
+        assert lin.dtype == "int8" and lin.group == 32
+        np.testing.assert_array_equal(prefill_logits(g, PROMPT), prefill_logits(r, PROMPT))
+        assert g.generate([PROMPT], GREEDY)[0].token_ids == r.generate([PROMPT], GREEDY)[0].token_ids
+    finally:
+        g.close()
+        r.close()

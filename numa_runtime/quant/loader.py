@@ -38,6 +38,9 @@ def qlinear(ops, qw: QuantizedWeight, bias: np.ndarray | None = None, bf16: bool
     return lin
 
 
+# what a bf16 engine makes of GGUF tensors it would otherwise hold dense (Q5_K, Q6_K)
+GGUF_DENSE_QUANT = QuantFormat(8, 32, "sym")
+
 # NOTE: vocabulary rows of a dense lm_head quantized at a time (the f32 copy of one chunk is
 # what a rank holds unquantized: 16384 x 896 x 4 B = 59 MB for Qwen2.5-0.5B, not 545 MB)
 HEAD_CHUNK = 16384
@@ -104,14 +107,21 @@ class LinearFactory:
 
     def _weight(self, name: str, rows: slice | None, cols: slice | None):
         native = getattr(self.ckpt, "quantized", None)
+        quant = self.quant
         if native is not None:
             qw = native(name, rows, cols)
             if qw is not None:
                 return qw
-        if self.quant is None:
+            # NOTE: a GGUF tensor that has no int8/int4 equivalent (Q5_K, Q6_K) would be held dense:
+            # a bf16 engine, which would round it to bf16 (8 significant bits) anyway, takes it as
+            # int8 groups of 32 (error within half a step of 1/127 of each group's largest weight),
+            # half the bytes; an f32 engine keeps it exact
+            if self.bf16 and quant is None and getattr(self.ckpt, "dequantizes", lambda _: False)(name):
+                quant = GGUF_DENSE_QUANT
+        if quant is None:
             return self.ckpt.load(name, self.dtype, rows=rows, cols=cols)
         w = self.ckpt.load(name, "float32", rows=rows, cols=cols)            # [n, k] this slice
-        fmt = self.quant.for_k(w.shape[1])
+        fmt = quant.for_k(w.shape[1])
         if fmt.group_size > 0 and w.shape[1] % fmt.group_size:
             raise QuantError(f"{name}: this rank's slice has {w.shape[1]} input features, not a "
                              f"multiple of the group size {fmt.group_size}; use fewer ranks or a "
