@@ -189,9 +189,11 @@ def head_quantization(name: str | None, quantization: str | None, ckpt=None) -> 
         # NOTE: a GGUF head in a K-quant (Q6_K, llama-quantize's usual output type) would be held
         # dense, 2.4x the bytes llama.cpp reads for it (Llama-3.2-1B Q4_0: 525 of the 1070 MB a
         # decode step read): int8, as a dense head quantized at load
-        head = "lm_head.weight" if ckpt is not None and "lm_head.weight" in ckpt else "model.embed_tokens.weight"
-        if getattr(ckpt, "dequantizes", None) is not None and head in ckpt and ckpt.dequantizes(head):
-            return QuantFormat.parse(HEAD_DEFAULT)
+        dequantizes = getattr(ckpt, "dequantizes", None)
+        if dequantizes is not None:
+            head = "lm_head.weight" if "lm_head.weight" in ckpt else "model.embed_tokens.weight"
+            if head in ckpt and dequantizes(head):
+                return QuantFormat.parse(HEAD_DEFAULT)
         return None
     try:
         fmt = QuantFormat.parse(name) if isinstance(name, str) else None
