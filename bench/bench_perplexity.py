@@ -7,12 +7,17 @@ chunk scored (every scored token sees at least n_ctx / 2 tokens before it).
     python bench/bench_perplexity.py --variants bf16 int8 int8-channel int8-g32 int4
     python bench/bench_perplexity.py --llama-perplexity /path/to/llama-perplexity
     python bench/bench_perplexity.py --variants bf16 --kv-cache-dtype bfloat16 int8   # KV drift
+    python bench/bench_perplexity.py --variants f32 gguf-f32 gguf-bf16 --gguf smollm2-q6_k.gguf
 
 Variants: "bf16" and "f32" run the GGUF's weights dequantized into a bf16 Hugging Face directory
 (default_model_dir()) in that dtype; "int4" runs the GGUF's Q4_1 blocks as they are (Engine's
 default); any other name (int8, int8-channel, int8-g32, int4-g128-sym, ...) is quantized at
 load from that bf16 directory, the lm_head as --lm-head-quantization says. With
 --llama-perplexity, that binary runs on the same GGUF, text, n_ctx and number of chunks.
+
+"gguf-f32" / "gguf-bf16" run the file --gguf (the same model in another GGUF type, e.g. made by
+llama-quantize from the bf16 directory) in that dtype: a bf16 engine holds Q5_K/Q6_K tensors as
+int8 groups of 32, an f32 one dense.
 
 --kv-cache-dtype runs every variant with each KV cache dtype given (auto: the variant's dtype)
 and reports, beside each perplexity, the drift of the scored tokens' log-probs from the first
@@ -47,6 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="KV cache dtypes (auto, bfloat16, float32, int8) to run each variant with; the "
                          "others' log-prob drift is measured against the first")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--gguf", default=None, metavar="FILE", help="the GGUF file of the gguf-f32 / gguf-bf16 variants")
     ap.add_argument("--llama-perplexity", default=None, metavar="PATH",
                     help="also run this llama.cpp llama-perplexity binary on the same GGUF and text")
     ap.add_argument("--out", default="/tmp/bench_perplexity")
@@ -112,6 +118,10 @@ def engine_for(variant: str, kv_cache_dtype: str, args):
         return Engine(default_model_dir(), dtype="bfloat16" if variant == "bf16" else "float32", **kw)
     if variant == "int4":
         return Engine(find_default_gguf(), **kw)
+    if variant in ("gguf-f32", "gguf-bf16"):
+        if not args.gguf:
+            raise SystemExit(f"variant {variant} needs --gguf FILE.")
+        return Engine(args.gguf, dtype="float32" if variant == "gguf-f32" else "bfloat16", **kw)
     head = None if args.lm_head_quantization == "none" else args.lm_head_quantization
     return Engine(default_model_dir(), quantization=variant, lm_head_quantization=head, **kw)
 
