@@ -7,10 +7,14 @@ from libc.string cimport memset
 from numa_runtime._kernels import attention as _attention
 
 cdef extern from "decode_layers.h" nogil:
+    enum: ND_MAX_PARTS
     ctypedef struct nd_linear:
-        const uint8_t* w
-        qg_format f
+        int nparts
+        const uint8_t* w[ND_MAX_PARTS]
+        qg_format f[ND_MAX_PARTS]
+        long n
         const float* bias
+        int bias_after
     ctypedef struct nd_layer:
         nd_linear qkv, o, gu, down
         const float* in_norm
@@ -75,10 +79,27 @@ def _force_barrier(str kind):
 cdef long _MAX_SLICES = 8
 
 
-cdef inline void _set_linear(nd_linear* d, QLinear lin):
-    d.w = <const uint8_t*>cnp.PyArray_DATA(lin.packed)
-    d.f = lin.fmt
-    d.bias = NULL if lin.bias_arr is None else <const float*>cnp.PyArray_DATA(lin.bias_arr)
+def _parts(lin):
+    """The QLinears of a linear: itself, or the parts of a loader.ConcatLinear."""
+    return list(getattr(lin, "parts", [lin]))
+
+
+cdef _set_linear(nd_linear* d, lin, list keep):
+    """d <- a QLinear (its bias in its sums) or a ConcatLinear of QLinears (its bias after them)."""
+    cdef QLinear part
+    parts = _parts(lin)
+    d.nparts = len(parts)
+    for i, q in enumerate(parts):
+        part = <QLinear>q
+        d.w[i] = <const uint8_t*>cnp.PyArray_DATA(part.packed)
+        d.f[i] = part.fmt
+    d.n = lin.out_features
+    d.bias_after = parts[0] is not lin
+    bias = (<QLinear>lin).bias_arr if parts[0] is lin else lin.bias
+    if bias is not None:
+        bias = np.ascontiguousarray(bias, dtype=np.float32)
+        keep.append(bias)
+    d.bias = NULL if bias is None else <const float*>cnp.PyArray_DATA(bias)
 
 
 cdef inline float* _f32(object a, long M, long n, str name) except NULL:
@@ -88,11 +109,16 @@ cdef inline float* _f32(object a, long M, long n, str name) except NULL:
 
 
 def fused_decode_usable(linears) -> bool:
-    """True when every linear is a QLinear whose decode rows take int8 activations (act8) and
-    whose packed k equals its in_features (no zero-padded rows): FusedDecoder's contract."""
-    for lin in linears:
-        if not isinstance(lin, QLinear) or not lin.act8 or (<QLinear>lin).fmt.kp != lin.in_features:
+    """True when every linear is a QLinear, or a ConcatLinear of up to ND_MAX_PARTS QLinears,
+    whose decode rows take int8 activations (act8) and whose packed k equals its in_features
+    (no zero-padded rows), and down_proj (the last) is one part: FusedDecoder's contract."""
+    for i, lin in enumerate(linears):
+        parts = _parts(lin)
+        if not parts or len(parts) > ND_MAX_PARTS or (i == 3 and len(parts) > 1):
             return False
+        for q in parts:
+            if not isinstance(q, QLinear) or not q.act8 or (<QLinear>q).fmt.kp != q.in_features:
+                return False
     return True
 
 
@@ -110,7 +136,8 @@ cdef class FusedDecoder:
     functions in the same order); one Python call and one team per call instead of ~11 calls and
     ~5 teams per layer.
 
-    layers: per layer a tuple (qkv, o_proj, gate_up, down_proj QLinears, input_norm, post_norm,
+    layers: per layer a tuple (qkv, o_proj, gate_up, down_proj: QLinears, or ConcatLinears of
+    QLinears but for down_proj, input_norm, post_norm,
     q_norm or None, k_norm or None, k_cache, v_cache, window); the caches are C-contiguous
     [num_blocks, block_size, Hk, row] of one type (float32, bf16 bits, or int8 rows).
     """
@@ -131,7 +158,6 @@ cdef class FusedDecoder:
     def __init__(self, layers, int hidden, int head_dim, int num_q_heads, int num_kv_heads,
                  int inter, double eps, double scale, cos_sin):
         cdef long L = len(layers), i
-        cdef QLinear lin
         if L < 1:
             raise ValueError("FusedDecoder needs at least one layer")
         cos_sin = np.ascontiguousarray(cos_sin, dtype=np.float32)
@@ -148,16 +174,20 @@ cdef class FusedDecoder:
         for i, spec in enumerate(layers):
             lins, (in_norm, post_norm, q_norm, k_norm, kc, vc, window) = spec[:4], spec[4:]
             if not fused_decode_usable(lins):
-                raise ValueError("FusedDecoder: layer %d has a linear that is not an int8-activation QLinear" % i)
+                raise ValueError("FusedDecoder: layer %d has a linear that is not made of int8-activation QLinears" % i)
             for lin, (n, k) in zip(lins, shapes):
                 if lin.out_features != n or lin.in_features != k:
                     raise ValueError("FusedDecoder: layer %d has a %dx%d linear where %dx%d belongs"
                                      % (i, lin.out_features, lin.in_features, n, k))
-                self.kmax = max(self.kmax, lin.fmt.kp)
-                self.nmax = max(self.nmax, lin.out_features)
-                ng = lin.fmt.kp // lin.fmt.group
-                self.ngmax = max(self.ngmax, ng)
-                self.nbmax = max(self.nbmax, ng * qg_blocks_per_group(&lin.fmt))
+                # NOTE: each part keeps its own int8 rounding of the input (decode_layers.h)
+                kq = nb = ng = 0
+                for q in _parts(lin):
+                    fmt = (<QLinear>q).fmt
+                    kq += fmt.kp
+                    ng += fmt.kp // fmt.group
+                    nb += fmt.kp // fmt.group * qg_blocks_per_group(&fmt)
+                    self.nmax = max(self.nmax, q.out_features)
+                self.kmax, self.ngmax, self.nbmax = max(self.kmax, kq), max(self.ngmax, ng), max(self.nbmax, nb)
             norms = [np.ascontiguousarray(x, dtype=np.float32) for x in (in_norm, post_norm)]
             heads = [None if x is None else np.ascontiguousarray(x, dtype=np.float32) for x in (q_norm, k_norm)]
             if any(x.shape != (hidden,) for x in norms) or any(x is not None and x.shape != (D,) for x in heads):
@@ -171,10 +201,10 @@ cdef class FusedDecoder:
             if kc.shape[2] != num_kv_heads:
                 raise ValueError("FusedDecoder: caches hold %d kv heads, not %d" % (kc.shape[2], num_kv_heads))
             keep += list(lins) + norms + heads + [kc, vc]
-            _set_linear(&self.layers[i].qkv, <QLinear>lins[0])
-            _set_linear(&self.layers[i].o, <QLinear>lins[1])
-            _set_linear(&self.layers[i].gu, <QLinear>lins[2])
-            _set_linear(&self.layers[i].down, <QLinear>lins[3])
+            _set_linear(&self.layers[i].qkv, lins[0], keep)
+            _set_linear(&self.layers[i].o, lins[1], keep)
+            _set_linear(&self.layers[i].gu, lins[2], keep)
+            _set_linear(&self.layers[i].down, lins[3], keep)
             self.layers[i].in_norm = <const float*>cnp.PyArray_DATA(norms[0])
             self.layers[i].post_norm = <const float*>cnp.PyArray_DATA(norms[1])
             self.layers[i].q_norm = NULL if heads[0] is None else <const float*>cnp.PyArray_DATA(heads[0])

@@ -29,10 +29,18 @@
 #include "ops_kernels.h"
 #include "qgemm_kernels.h"
 
+#define ND_MAX_PARTS 4
+
+/* A linear of one or more parts (loader.ConcatLinear: formats that differ, e.g. a GGUF's Q4_K
+ * q/k and Q6_K v), each writing its columns of the output row; every part reads the same input
+ * but takes its own int8 rounding of it (its group and bit layout). */
 typedef struct {
-    const uint8_t* w;     /* packed weights (qgemm_kernels.h) */
-    qg_format f;          /* f.kp == in_features (the caller checks) */
-    const float* bias;    /* [N] or NULL */
+    int nparts;
+    const uint8_t* w[ND_MAX_PARTS];   /* packed weights (qgemm_kernels.h) */
+    qg_format f[ND_MAX_PARTS];        /* f.kp == in_features (the caller checks) */
+    long n;                           /* output columns of all parts */
+    const float* bias;                /* [n] or NULL */
+    int bias_after;                   /* added after the parts' sums (ConcatLinear), not in them */
 } nd_linear;
 
 typedef struct {
@@ -158,45 +166,73 @@ static inline int64_t nd_take(nd_thread* t, int64_t n) {
     return -1;
 }
 
-/* Row r's int8 activations for linear format f, from x (kp values). */
-static inline void nd_quant_row(const nd_step* st, const qg_format* f, const float* x, int64_t r) {
-    const long ng = f->kp / f->group, nb = ng * qg_blocks_per_group(f);
-    qg_quantize_row(x, f, st->xq + r * f->kp, st->sx + r * nb, st->xi + r * nb, st->xs + r * ng,
-                    NULL);
+/* Where part p of L keeps the int8 activations of M rows in the step's scratch: after the parts
+ * before it (each M kp int8, M nb block scales and sums, M ng group sums). */
+static inline qg_xq nd_part_xq(const nd_step* st, const nd_linear* L, int p) {
+    long oq = 0, ob = 0, og = 0;
+    for (int i = 0; i < p; i++) {
+        const long ng = L->f[i].kp / L->f[i].group;
+        oq += st->M * L->f[i].kp;
+        ob += st->M * ng * qg_blocks_per_group(&L->f[i]);
+        og += st->M * ng;
+    }
+    const qg_format* f = &L->f[p];
+    const long ng = f->kp / f->group;
+    const qg_xq q = {st->xq + oq, st->sx + ob, st->xi + ob, st->xs + og, f->kp, ng * qg_blocks_per_group(f), ng};
+    return q;
+}
+
+/* Row r's int8 activations for every part of L, from x (kp values). */
+static inline void nd_quant_row(const nd_step* st, const nd_linear* L, const float* x, int64_t r) {
+    for (int p = 0; p < L->nparts; p++) {
+        const qg_xq q = nd_part_xq(st, L, p);
+        qg_quantize_row(x, &L->f[p], (int8_t*)q.xq + r * q.kp, (float*)q.sx + r * q.nb,
+                        (int32_t*)q.xi + r * q.nb, (float*)q.xs + r * q.ng, NULL);
+    }
 }
 
 /* residual += x (x NULL: none); h = rms_norm(residual) * w; h -> int8 for f. Rows over threads. */
 static void nd_norm_quant(const nd_model* m, const nd_step* st, const float* x, const float* w,
-                          const qg_format* f, nd_thread* t) {
+                          const nd_linear* L, nd_thread* t) {
     const int64_t H = m->H;
     for (int64_t r = t->tid; r < st->M; r += t->nt) {
         float *res = st->residual + r * H, *h = st->h + r * H;
         if (x) nr_add_rms_row(x + r * H, res, w, m->eps, H, h);
         else nr_rms_row(res, w, m->eps, H, h);
-        nd_quant_row(st, f, h, r);
+        nd_quant_row(st, L, h, r);
     }
     nd_barrier(t);
 }
 
-/* out[M, N] = int8 activations @ W^T + bias, as qg_forward_q8 computes it; ends with a barrier. */
+/* out[M, n] = int8 activations @ W^T + bias, part by part as qg_forward_q8 computes each (and
+ * loader.ConcatLinear adds its bias after them); ends with a barrier. */
 static void nd_gemv(const nd_step* st, const nd_linear* L, float* out, nd_thread* t) {
-    const qg_format* f = &L->f;
-    const long ng = f->kp / f->group, nb = ng * qg_blocks_per_group(f);
-    const long ns = qg_q8_slices(f, st->M, t->nt);
-    const qg_xq q = {st->xq, st->sx, st->xi, st->xs, f->kp, nb, ng};
-    qg_q8_share(L->w, f, &q, st->M, st->M, L->bias, out, st->part, ns, qg_q8_kernel(st->qg_level),
-                0, t->tid, t->nt);
-    nd_barrier(t);
-    if (ns > 1) {
-        /* the partial sums, in qg_q8_sum_parts' order, each thread a contiguous share */
-        long i0, i1;
-        const long N = f->n, MN = st->M * N;
-        nr_share(MN, t->tid, t->nt, &i0, &i1);
-        for (long i = i0; i < i1; i++) {
-            float v = L->bias ? L->bias[i % N] : 0.0f;
-            for (long sp = 0; sp < ns; sp++) v += st->part[sp * MN + i];
-            out[i] = v;
+    const long M = st->M, N = L->n;
+    long col = 0;
+    for (int p = 0; p < L->nparts; col += L->f[p].n, p++) {
+        const qg_format* f = &L->f[p];
+        const long ns = qg_q8_slices(f, M, t->nt), Np = f->n;
+        const qg_xq q = nd_part_xq(st, L, p);
+        const float* bias = L->bias_after || !L->bias ? NULL : L->bias + col;
+        qg_q8_share(L->w[p], f, &q, M, M, bias, out + col, N, st->part, ns, qg_q8_kernel(st->qg_level),
+                    0, t->tid, t->nt);
+        nd_barrier(t);
+        if (ns > 1) {
+            /* the partial sums, in qg_q8_sum_parts' order, each thread a contiguous share */
+            long i0, i1;
+            nr_share(M * Np, t->tid, t->nt, &i0, &i1);
+            for (long i = i0; i < i1; i++) {
+                float v = bias ? bias[i % Np] : 0.0f;
+                for (long sp = 0; sp < ns; sp++) v += st->part[sp * M * Np + i];
+                out[(i / Np) * N + col + i % Np] = v;
+            }
+            nd_barrier(t);
         }
+    }
+    if (L->bias_after && L->bias) {
+        long i0, i1;
+        nr_share(M * N, t->tid, t->nt, &i0, &i1);
+        for (long i = i0; i < i1; i++) out[i] += L->bias[i % N];
         nd_barrier(t);
     }
 }
@@ -263,21 +299,22 @@ static void nd_attention(const nd_model* m, const nd_step* st, const nd_layer* l
 
 static void nd_attention_half(const nd_model* m, const nd_step* st, const nd_layer* ly, int first,
                               const nr_attn_plan_t* plan, nd_thread* t) {
-    nd_norm_quant(m, st, first ? NULL : st->delta, ly->in_norm, &ly->qkv.f, t);
+    nd_norm_quant(m, st, first ? NULL : st->delta, ly->in_norm, &ly->qkv, t);
     nd_gemv(st, &ly->qkv, st->qkv, t);
     nd_rope_cache(m, st, ly, t);
     nd_attention(m, st, ly, plan, t);
     const int64_t A = m->Hq * m->D;
-    for (int64_t r = t->tid; r < st->M; r += t->nt) nd_quant_row(st, &ly->o.f, st->attn + r * A, r);
+    for (int64_t r = t->tid; r < st->M; r += t->nt) nd_quant_row(st, &ly->o, st->attn + r * A, r);
     nd_barrier(t);
     nd_gemv(st, &ly->o, st->o, t);
 }
 
 static void nd_mlp_half(const nd_model* m, const nd_step* st, const nd_layer* ly, nd_thread* t) {
-    nd_norm_quant(m, st, st->o, ly->post_norm, &ly->gu.f, t);
+    nd_norm_quant(m, st, st->o, ly->post_norm, &ly->gu, t);
     nd_gemv(st, &ly->gu, st->gu, t);
-    /* silu(gate) * up and its int8 rounding, one (row, group of down_proj) at a time */
-    const qg_format* f = &ly->down.f;
+    /* silu(gate) * up and its int8 rounding, one (row, group of down_proj) at a time (down_proj
+     * is one weight, so one part: the caller checks) */
+    const qg_format* f = &ly->down.f[0];
     const long G = f->group, ng = f->kp / G, nb = ng * qg_blocks_per_group(f);
     const int64_t In = m->inter;
     long u0, u1;

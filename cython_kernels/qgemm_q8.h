@@ -372,10 +372,11 @@ static inline long qg_q8_slices(const qg_format* f, long Q, int nt) {
 }
 
 /* Thread tid of nt: its contiguous share of the ns * nblocks tasks of out[M, N] = q @ W^T + bias
- * (Q int8 rows; with `resid` rows 2i and 2i + 1 are one output row). With ns > 1 each task
- * stores its slice's partial sums into part [ns][M][N] instead (qg_q8_sum_parts adds them). */
+ * (Q int8 rows; with `resid` rows 2i and 2i + 1 are one output row; out rows ldo apart). With
+ * ns > 1 each task stores its slice's partial sums into part [ns][M][N] instead
+ * (qg_q8_sum_parts adds them). */
 static void qg_q8_share(const uint8_t* w, const qg_format* f, const qg_xq* q, long Q, long M,
-                        const float* bias, float* out, float* part, long ns, qg_q8_fn fn,
+                        const float* bias, float* out, long ldo, float* part, long ns, qg_q8_fn fn,
                         int resid, int tid, int nt) {
     const long ng = q->ng, nb = q->nb, nblocks = (f->n + QG_NB - 1) / QG_NB, bb = qg_block_bytes(f);
     float acc[QG_MR_Q8 * QG_NB] __attribute__((aligned(64)));
@@ -396,7 +397,7 @@ static void qg_q8_share(const uint8_t* w, const qg_format* f, const qg_xq* q, lo
                     for (int j = 0; j < QG_NB; j++)
                         acc[i * QG_NB + j] = acc[2 * i * QG_NB + j] + acc[(2 * i + 1) * QG_NB + j];
             }
-            if (ns == 1) qg_store(acc, m, b * QG_NB, f->n, f->n, bias, out + o0 * f->n);
+            if (ns == 1) qg_store(acc, m, b * QG_NB, f->n, ldo, bias, out + o0 * ldo);
             else qg_store(acc, m, b * QG_NB, f->n, f->n, NULL, part + (sp * M + o0) * f->n);
         }
     }
@@ -449,7 +450,7 @@ static int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, l
     {
         /* NOTE: each thread's contiguous share by hand rather than `omp for`: no barrier after
          * the loop unless partial sums follow (the region's end is one already) */
-        qg_q8_share(w, f, &q, Q, M, bias, out, part, ns, fn, resid, omp_get_thread_num(),
+        qg_q8_share(w, f, &q, Q, M, bias, out, f->n, part, ns, fn, resid, omp_get_thread_num(),
                     omp_get_num_threads());
         if (ns > 1) {
             #pragma omp barrier

@@ -51,8 +51,9 @@ def encode(w: np.ndarray, qtype: str, rng) -> tuple[np.ndarray, object]:
 
 
 def write_gguf(hf_dir: str, path: str, qtype: str, arch: str = "llama", seed: int = 0,
-               norm_type: str = "F32") -> None:
-    """The model in hf_dir (f32 safetensors + tokenizer.json) as a GGUF: 2-D weights in qtype."""
+               norm_type: str = "F32", types: dict | None = None) -> None:
+    """The model in hf_dir (f32 safetensors + tokenizer.json) as a GGUF: 2-D weights in qtype,
+    or in types[projection] for the projections it names (e.g. {"v_proj": "Q8_0"}: a mix)."""
     import gguf
     from safetensors.numpy import load_file
     with open(os.path.join(hf_dir, "config.json")) as f:
@@ -89,7 +90,7 @@ def write_gguf(hf_dir: str, path: str, qtype: str, arch: str = "llama", seed: in
         proj = name.split(".")[-2]
         if arch in ("llama", "mistral") and proj in heads and name.endswith("weight"):
             t = permute(t, heads[proj])
-        data, raw = encode(t, qtype if t.ndim == 2 else norm_type, rng)
+        data, raw = encode(t, (types or {}).get(proj, qtype) if t.ndim == 2 else norm_type, rng)
         w.add_tensor(gguf_name(name), data, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -122,6 +122,27 @@ def test_decode_batches_past_the_fused_bound_run_op_by_op(models, monkeypatch):
         o.close()
 
 
+@pytest.mark.parametrize("types", [{"v_proj": "Q8_0"}, {"k_proj": "Q4_1", "v_proj": "Q8_0", "up_proj": "Q8_0"}])
+def test_mixed_format_linears_are_fused_too(models, tmp_path, monkeypatch, types):
+    """A GGUF whose q/k/v (or gate/up) differ in format loads them as a ConcatLinear of
+    QLinears (each part its own int8 rounding of the input); the fused step runs its parts and
+    adds its bias after them as ConcatLinear does: bitwise the op-by-op logits (qwen2: q/k/v
+    bias)."""
+    from gguf_helpers import write_gguf
+    path = str(tmp_path / "mixed.gguf")
+    write_gguf(models["qwen2"], path, "Q4_0", arch="qwen2", types=types)
+    f, o = both(path, monkeypatch, quantization=None)
+    try:
+        assert len(f.runner.model.layers[0].qkv_proj.parts) > 1
+        np.testing.assert_array_equal(decode_logits(f, PROMPT), decode_logits(o, PROMPT))
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        prompts = batch_prompts(4)
+        assert [x.token_ids for x in f.generate(prompts, params)] == [x.token_ids for x in o.generate(prompts, params)]
+    finally:
+        f.close()
+        o.close()
+
+
 def test_the_fused_path_is_taken_only_where_it_applies(models, monkeypatch):
     """f32 engines keep exact activations, dense linears have no int8 path, and the switch
     turns it off: those run op by op."""
