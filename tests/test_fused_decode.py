@@ -54,6 +54,13 @@ def batch_prompts(n: int) -> list[list[int]]:
     return [rng.integers(3, 384, int(rng.integers(1, 20))).tolist() for _ in range(n)]
 
 
+def assert_same_batch(f, o, n: int, max_tokens: int) -> None:
+    """n sequences at once (decode steps of several rows): the same greedy tokens."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    prompts = batch_prompts(n)
+    assert [x.token_ids for x in f.generate(prompts, params)] == [x.token_ids for x in o.generate(prompts, params)]
+
+
 @pytest.mark.parametrize("arch,quantization,kv", [
     ("llama", "int4", "auto"), ("qwen2", "int8", "int8"), ("qwen3", "int4-g64-zero", "auto"),
     ("mistral", "int4-g32-sym", "float32"), ("qwen2", "int8-channel", "bfloat16")])
@@ -65,9 +72,7 @@ def test_fused_decode_is_bitwise_op_by_op(models, monkeypatch, arch, quantizatio
         lf, lo = decode_logits(f, PROMPT), decode_logits(o, PROMPT)
         assert np.isfinite(lf).all()
         np.testing.assert_array_equal(lf, lo)
-        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-        prompts = batch_prompts(5)
-        assert [x.token_ids for x in f.generate(prompts, params)] == [x.token_ids for x in o.generate(prompts, params)]
+        assert_same_batch(f, o, 5, 12)
     finally:
         f.close()
         o.close()
@@ -84,9 +89,7 @@ def test_fused_decode_equals_op_by_op_at_other_thread_counts(models, monkeypatch
     f, o = both(models["qwen3"], monkeypatch, num_threads=threads)
     try:
         np.testing.assert_array_equal(decode_logits(f, PROMPT), decode_logits(o, PROMPT))
-        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-        prompts = batch_prompts(threads + 2)
-        assert [x.token_ids for x in f.generate(prompts, params)] == [x.token_ids for x in o.generate(prompts, params)]
+        assert_same_batch(f, o, threads + 2, 6)
     finally:
         qgemm._force_barrier(old)
         f.close()
@@ -135,9 +138,7 @@ def test_mixed_format_linears_are_fused_too(models, tmp_path, monkeypatch, types
     try:
         assert len(f.runner.model.layers[0].qkv_proj.parts) > 1
         np.testing.assert_array_equal(decode_logits(f, PROMPT), decode_logits(o, PROMPT))
-        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-        prompts = batch_prompts(4)
-        assert [x.token_ids for x in f.generate(prompts, params)] == [x.token_ids for x in o.generate(prompts, params)]
+        assert_same_batch(f, o, 4, 8)
     finally:
         f.close()
         o.close()
