@@ -132,8 +132,12 @@ class LlamaModel:
         cfg, lay = self.cfg, self.lay
         layers = [(l.qkv_proj, l.o_proj, l.gate_up_proj, l.down_proj, l.input_norm, l.post_norm,
                    l.q_norm, l.k_norm, kc, vc, w) for l, (kc, vc), w in zip(self.layers, self.kv_cache, self.windows)]
-        return make(layers, cfg.hidden_size, cfg.head_dim, lay.num_q_heads, lay.num_kv_heads,
-                    self.layers[0].gate_up_proj.out_features // 2, cfg.rms_norm_eps, self.scale, self.cos_sin)
+        fused = make(layers, cfg.hidden_size, cfg.head_dim, lay.num_q_heads, lay.num_kv_heads,
+                     self.layers[0].gate_up_proj.out_features // 2, cfg.rms_norm_eps, self.scale, self.cos_sin)
+        if lay.rank == 0:
+            log.info("decode steps: %s", "one OpenMP region per %s (FusedDecoder)" % ("step" if lay.world == 1 else "half layer")
+                     if fused is not None else "op by op (dense, f32-exact or profiled linears)")
+        return fused
 
     def embed_tokens(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         # ids: [T] -> x: [T, hidden] (into `out` when given)
