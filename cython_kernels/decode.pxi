@@ -58,6 +58,7 @@ cdef extern from "decode_layers.h" nogil:
         int64_t tiled_min
         int barrier
     int nd_run(const nd_model* m, const nd_step* st, int64_t s0, int64_t s1)
+    enum: QG_MAX_SLICES
     long qg_blocks_per_group(const qg_format* f)
 
 _KV_CACHE_TYPES = {np.dtype(np.float32): 0, np.dtype(np.uint16): 1, np.dtype(np.int8): 2}  # nr_kv_type
@@ -75,8 +76,6 @@ def _force_barrier(str kind):
     return old
 
 
-# NOTE: as many k slices as qg_q8_slices ever cuts a block into (split.h, max_slices 8)
-cdef long _MAX_SLICES = 8
 
 
 def _parts(lin):
@@ -228,7 +227,7 @@ cdef class FusedDecoder:
         if s is None:
             if len(self.scratch) >= 4:
                 del self.scratch[next(iter(self.scratch))]
-            ns = _MAX_SLICES if M <= QG_MR_Q8 else 1
+            ns = QG_MAX_SLICES if M <= QG_MR_Q8 else 1  # the most k slices qg_q8_slices cuts
             s = self.scratch[M] = (np.empty(M * self.kmax, np.int8), np.empty(M * self.nbmax, np.float32),
                                    np.empty(M * self.nbmax, np.int32), np.empty(M * self.ngmax, np.float32),
                                    np.empty(ns * M * self.nmax, np.float32))

@@ -218,14 +218,9 @@ static void nd_gemv(const nd_step* st, const nd_linear* L, float* out, nd_thread
                     0, t->tid, t->nt);
         nd_barrier(t);
         if (ns > 1) {
-            /* the partial sums, in qg_q8_sum_parts' order, each thread a contiguous share */
             long i0, i1;
             nr_share(M * Np, t->tid, t->nt, &i0, &i1);
-            for (long i = i0; i < i1; i++) {
-                float v = bias ? bias[i % Np] : 0.0f;
-                for (long sp = 0; sp < ns; sp++) v += st->part[sp * M * Np + i];
-                out[(i / Np) * N + col + i % Np] = v;
-            }
+            qg_q8_sum_parts(st->part, ns, M, Np, bias, out + col, N, i0, i1);
             nd_barrier(t);
         }
     }

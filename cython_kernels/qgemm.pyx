@@ -44,10 +44,6 @@ cdef extern from "omp.h" nogil:
     int omp_get_max_threads()
 
 
-cdef inline int _gemm_threads():
-    return omp_get_max_threads()
-
-
 cdef extern from "qgemm_kernels.h" nogil:
     ctypedef struct qg_format:
         int bits
@@ -117,7 +113,7 @@ _PANELS = {}
 def _panel_bytes():
     if _PANEL_BYTES is not None:
         return _PANEL_BYTES
-    return max(_PANEL_MIN_BYTES, PANEL_BYTES_PER_THREAD * _gemm_threads())
+    return max(_PANEL_MIN_BYTES, PANEL_BYTES_PER_THREAD * omp_get_max_threads())
 
 
 def _panel_usable():

@@ -21,6 +21,7 @@
 
 #define QG_QB 32       /* k per activation block (a group's last block may be shorter) */
 #define QG_MR_Q8 8     /* rows per pass over a weight block */
+#define QG_MAX_SLICES 8  /* most k slices a column block of a decode GEMV is cut into */
 
 typedef struct {
     const int8_t* xq;   /* [M][kp]; int4 weights: each 8 k stored as k 0 2 4 6 1 3 5 7 */
@@ -368,7 +369,7 @@ static inline qg_q8_fn qg_q8_kernel(int level) {
  * (split.h): 1 unless whole blocks would leave threads idle. */
 static inline long qg_q8_slices(const qg_format* f, long Q, int nt) {
     const long ng = f->kp / f->group, nblocks = (f->n + QG_NB - 1) / QG_NB;
-    return Q <= QG_MR_Q8 ? nr_split_count(nblocks, nt, ng < 8 ? ng : 8, 0.12) : 1;
+    return Q <= QG_MR_Q8 ? nr_split_count(nblocks, nt, ng < QG_MAX_SLICES ? ng : QG_MAX_SLICES, 0.12) : 1;
 }
 
 /* Thread tid of nt: its contiguous share of the ns * nblocks tasks of out[M, N] = q @ W^T + bias
@@ -403,15 +404,14 @@ static void qg_q8_share(const uint8_t* w, const qg_format* f, const qg_xq* q, lo
     }
 }
 
-/* out[M, N] = bias + the ns partials, in a fixed order (results do not depend on timing); an
- * orphaned `omp for` without its barrier, after a barrier that follows every qg_q8_share. */
+/* Elements [i0, i1) of out[M, N] (rows ldo apart) = bias + the ns partials [ns][M][N], in a fixed
+ * order (results do not depend on timing); after a barrier that follows every qg_q8_share. */
 static void qg_q8_sum_parts(const float* part, long ns, long M, long N, const float* bias,
-                            float* out) {
-    #pragma omp for schedule(static) nowait
-    for (long i = 0; i < M * N; i++) {
+                            float* out, long ldo, long i0, long i1) {
+    for (long i = i0; i < i1; i++) {
         float v = bias ? bias[i % N] : 0.0f;
         for (long sp = 0; sp < ns; sp++) v += part[sp * M * N + i];
-        out[i] = v;
+        out[(i / N) * ldo + i % N] = v;
     }
 }
 
@@ -450,11 +450,13 @@ static int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, l
     {
         /* NOTE: each thread's contiguous share by hand rather than `omp for`: no barrier after
          * the loop unless partial sums follow (the region's end is one already) */
-        qg_q8_share(w, f, &q, Q, M, bias, out, f->n, part, ns, fn, resid, omp_get_thread_num(),
-                    omp_get_num_threads());
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        qg_q8_share(w, f, &q, Q, M, bias, out, f->n, part, ns, fn, resid, tid, nt);
         if (ns > 1) {
+            long i0, i1;
+            nr_share(M * f->n, tid, nt, &i0, &i1);
             #pragma omp barrier
-            qg_q8_sum_parts(part, ns, M, f->n, bias, out);
+            qg_q8_sum_parts(part, ns, M, f->n, bias, out, f->n, i0, i1);
         }
     }
     free(part);
