@@ -96,6 +96,23 @@ def test_fused_decode_equals_op_by_op_at_other_thread_counts(models, monkeypatch
         o.close()
 
 
+@pytest.mark.parametrize("level", [0, 1])
+def test_fused_decode_equals_op_by_op_at_lower_isa_levels(models, monkeypatch, level):
+    """The int8 GEMV and attention kernels forced down to AVX2 (0) or AVX-512 without VNNI /
+    BF16 (1): both paths take the forced level."""
+    from numa_runtime._kernels import attention
+    old_q, old_a = qgemm._force_cpu_level(level), attention._force_paths(level=level)
+    f, o = both(models["qwen2"], monkeypatch, kv_cache_dtype="bfloat16")
+    try:
+        np.testing.assert_array_equal(decode_logits(f, PROMPT), decode_logits(o, PROMPT))
+        assert_same_batch(f, o, 3, 6)
+    finally:
+        qgemm._force_cpu_level(old_q)
+        attention._force_paths(*old_a)
+        f.close()
+        o.close()
+
+
 def test_decode_batches_past_the_fused_bound_run_op_by_op(models, monkeypatch):
     """More decode rows than FusedDecoder.MAX_ROWS take the op-by-op path (prefill rows always
     do); the tokens are those of the op-by-op engine either way."""
