@@ -257,9 +257,9 @@ def test_sigint_during_a_stream_ends_it_cleanly(model_dir):
         for line in r.iter_lines():
             if line:
                 events.append(line)
-            if len(events) == 3:
-                srv.proc.send_signal(signal.SIGINT)
-    code = srv.proc.wait(timeout=60)  # NOTE: a second signal would mean "exit now"
+                if len(events) == 3:  # NOTE: once: a second signal means "exit now"
+                    srv.proc.send_signal(signal.SIGINT)
+    code = srv.proc.wait(timeout=60)
     srv.stop()
     log = srv.output()
     assert events[-1] == "data: [DONE]", events[-3:]
@@ -267,6 +267,40 @@ def test_sigint_during_a_stream_ends_it_cleanly(model_dir):
     assert "shutting down" in err["error"]["message"]
     assert code == 0, log
     assert "Traceback" not in log and "CancelledError" not in log, log
+
+
+def test_a_second_sigint_exits_now_without_a_traceback(model_dir):
+    """A request stuck mid-body holds uvicorn's graceful shutdown open for the whole grace; a
+    second SIGINT exits at once, and cleanly."""
+    import socket
+    srv = ServerProcess(["--model", model_dir, *TINY, "--shutdown-grace", "600"])
+    sock = socket.create_connection(("127.0.0.1", srv.port), timeout=60)
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        srv.proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the first signal closes the listening socket
+            try:
+                socket.create_connection(("127.0.0.1", srv.port), timeout=5).close()
+            except ConnectionRefusedError:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the server still accepts connections after SIGINT:\n" + srv.output())
+        assert srv.proc.poll() is None, "the first signal must wait for the stuck request"
+        srv.proc.send_signal(signal.SIGINT)
+        code = srv.proc.wait(timeout=60)  # NOTE: the grace was 600 s
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    finally:
+        sock.close()
+        srv.stop()
+    log = srv.output()
+    assert code == 0, log
+    assert "Traceback" not in log and "CancelledError" not in log, log
+    assert answer.startswith(b"HTTP/1.1 503") and b"shutting down" in answer, answer
 
 
 # ------------------------------------------------------------------------------ a stuck rank

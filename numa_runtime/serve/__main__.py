@@ -184,8 +184,10 @@ def main(argv=None) -> int:
     else:
         asgi = build_app(aengine, config)
     # NOTE: uvicorn cancels what still runs after its own grace (a CancelledError traceback);
-    # the engine ends every request before that.
+    # the engine ends every request before that. The app has no lifespan events: with them on,
+    # a second signal (exit now) cancels the lifespan task and Starlette logs a traceback.
     server = uvicorn.Server(uvicorn.Config(asgi, host=args.host, port=args.port, log_level=args.log_level,
+                                           lifespan="off",
                                            timeout_graceful_shutdown=args.shutdown_grace + 10))
     http = threading.Thread(target=server.run, name="numa-http", daemon=True)
 

@@ -10,6 +10,7 @@ import logging
 import re
 import time
 import uuid
+import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -377,8 +378,12 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
 
+        started = False
+
         async def counting_send(message):
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.metrics.http_responses.labels(str(message["status"])).inc()
             await send(message)
 
@@ -401,7 +406,15 @@ class _Guard:
                 raise StarletteHTTPException(413, f"The request body exceeds the limit of {self.max_body} bytes.")
             return message
 
-        await self.app(scope, limited_receive, counting_send)
+        try:
+            await self.app(scope, limited_receive, counting_send)
+        except asyncio.CancelledError:
+            # NOTE: uvicorn cancels a request still open when its shutdown grace ends or on a
+            # second signal (exit now); answer what has not started, and end without a traceback.
+            if not started:
+                with contextlib.suppress(Exception):
+                    await _send_error(counting_send, 503, "The server is shutting down.", "server_error",
+                                      "shutting_down")
 
 
 async def _send_error(send, status: int, message: str, type_="invalid_request_error", code=None):
