@@ -58,6 +58,7 @@ cdef extern from "qgemm_kernels.h" nogil:
     int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, long M, long ldx,
                       const float* bias, float* out, int level, int resid)
     enum: QG_MR_Q8
+    int qg_q8_tiles
     int qg_decode_step
     int qg_dequant_panel_bf16(const uint8_t* w, const qg_format* f, long K, long n0, long n1,
                               long kpp, uint16_t* panel)
@@ -96,6 +97,15 @@ def _set_act8_m_max(long m):
     _act8_m_max = m
     return old
 
+def _set_q8_tiles(bint on):
+    """Tests and benchmarks: False runs int8 activations of more than ACT8_M_MAX rows on the
+    decode kernel instead of row tiles (qgemm_q8tile.h; same results). Returns the old value."""
+    global qg_q8_tiles
+    old = qg_q8_tiles != 0
+    qg_q8_tiles = 1 if on else 0
+    return old
+
+
 # NOTE: rows from which the bf16 panel path wins. Dequantizing a panel costs about 5 passes
 # over the packed bytes, so it needs enough rows to share it.
 PANEL_M_MIN = 32
@@ -133,6 +143,15 @@ def _panels(long K, long N):
 
 
 
+def prefill_int8_wins():
+    """Whether a prefill over quantized weights runs faster on int8 activations (row tiles,
+    vpdpbusd) than on bf16 panels: AVX-512 VNNI without AMX. M = 512 over Qwen2.5-0.5B's linears
+    on a 2-core Zen 4 (bench_quant.py --prefill-int8): 1.3-1.4x the panels. With AMX the panels
+    run on the matrix units (int8 AMX is not written); below VNNI the int8 path was not measured
+    faster, so those keep the exact or bf16 paths."""
+    return _level >= 2 and not _gemm._has_amx()
+
+
 def cpu_level():
     """2: AVX-512 with VNNI, 1: AVX-512 kernels, 0: AVX2 + FMA + F16C."""
     return _level
@@ -161,6 +180,10 @@ cdef class QLinear:
     cdef public bint prefill_bf16
     cdef public bint act8
     cdef public bint act8_residual
+    # Rows beyond the decode rule: 0 the exact f32 path or the bf16 panels; 1 int8 activations;
+    # 2 at least bf16's precision: the bf16 panels where usable, else int8 activations as two rows
+    # (x and its rounding residual, about 15 bits, as act8_residual)
+    cdef public int prefill_act8
 
     def __init__(self, packed, int bits, str kind, int group, int in_features, int out_features,
                  bias=None):
@@ -208,7 +231,13 @@ cdef class QLinear:
                                  % (M, N))
         if M == 0:
             return oa
-        cdef bint q8 = self.act8 and (M <= _act8_m_max or (qg_decode_step != 0 and M <= ACT8_DECODE_M_MAX))
+        cdef bint decode_rows = M <= _act8_m_max or (qg_decode_step != 0 and M <= ACT8_DECODE_M_MAX)
+        cdef bint q8 = self.act8 and decode_rows
+        cdef int resid = self.act8_residual
+        if not decode_rows and self.prefill_act8 and not (self.prefill_act8 == 2 and self.prefill_bf16
+                                                  and M >= PANEL_M_MIN and _panel_usable()):
+            q8 = True
+            resid = resid or self.prefill_act8 == 2
         if not q8 and self.prefill_bf16 and M >= PANEL_M_MIN and _panel_usable():
             self._panel_forward(xa, oa)
             return oa
@@ -224,7 +253,7 @@ cdef class QLinear:
         cdef int rc
         with nogil:
             if q8:
-                rc = qg_forward_q8(w, &self.fmt, xp, M, ldx, bias, op, _level, self.act8_residual)
+                rc = qg_forward_q8(w, &self.fmt, xp, M, ldx, bias, op, _level, resid)
             else:
                 rc = qg_forward(w, &self.fmt, xp, M, ldx, bias, op, _level)
         if rc != 0:

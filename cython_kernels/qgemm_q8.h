@@ -415,6 +415,8 @@ static void qg_q8_sum_parts(const float* part, long ns, long M, long N, const fl
     }
 }
 
+#include "qgemm_q8tile.h"
+
 /* out[M, N] = xq(x)[M, kp] @ W^T + bias; level: 2 VNNI, 1 AVX-512BW, 0 AVX2. `resid`: each row
  * runs as two int8 rows (x and its residual, qg_quantize_x) whose products are added before
  * the store. Each 16-column block meets the rows QG_MR_Q8 at a time (it stays in L1/L2 between
@@ -436,6 +438,27 @@ static int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, l
     int8_t* xq = (int8_t*)(scratch + fb + ib + rb);
     qg_quantize_x(x, M, ldx, f, xq, sx, xi, sx + Q * nb, resid, res);
     const qg_xq q = {xq, sx, xi, sx + Q * nb, f->kp, nb, ng};
+    if (level >= 2 && Q > QG_MR_Q8 && qg_q8_tiles) {  /* many rows: tiles (qgemm_q8tile.h) */
+        char* tb = (char*)malloc(qg_tiles_bytes(f, Q));
+        if (tb == NULL) {
+            qg_scratch_put(scratch);
+            return -1;
+        }
+        const qg_tiles T = qg_tiles_at(tb, f, Q);
+        #pragma omp parallel
+        {
+            const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+            for (long i = tid; i < T.ntiles; i += nt) {
+                const qg_xt x = qg_tile(&T, f, i);
+                qg_tile_fill(&q, f, Q, i, (int8_t*)x.xt, (float*)x.st, (int32_t*)x.ot, (float*)x.xst);
+            }
+            #pragma omp barrier
+            qg_q8t_share(w, f, &T, Q, bias, out, f->n, resid, tid, nt);
+        }
+        free(tb);
+        qg_scratch_put(scratch);
+        return 0;
+    }
     const qg_q8_fn fn = qg_q8_kernel(level);
     /* NOTE: column blocks that do not share out evenly over the threads (down_proj on 16 cores:
      * 56 blocks) are cut into `ns` ranges of groups whose partial sums are added at the end;

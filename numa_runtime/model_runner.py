@@ -24,7 +24,8 @@ class ModelRunner:
         self.model = get_model_class(model_cfg)(model_cfg, ops, comm, engine_cfg.dtype,
                                                 max_model_len, progress=progress,
                                                 quantization=engine_cfg.quantization,
-                                                lm_head_quantization=engine_cfg.lm_head_quantization)
+                                                lm_head_quantization=engine_cfg.lm_head_quantization,
+                                                prefill_activations=engine_cfg.prefill_activations)
         self.block_size = engine_cfg.block_size
         self.kv_dtype = engine_cfg.kv_dtype
         self.bytes_per_block = self.model.kv_bytes_per_block(self.block_size, self.kv_dtype)

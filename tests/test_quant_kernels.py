@@ -269,3 +269,75 @@ def test_panel_size_grows_with_the_thread_count(monkeypatch):
         assert qgemm._panel_bytes() == 1 << 14
     finally:
         ops.set_num_threads(old)
+
+
+@pytest.mark.skipif(qgemm.cpu_level() < 2, reason="the row-tile kernel needs AVX-512 VNNI (level 2)")
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_row_tiles_equal_the_decode_kernel_bitwise(fmt):
+    """More than ACT8_M_MAX int8 rows run in row tiles (qgemm_q8tile.h) on VNNI: the same exact
+    integer block sums and the same f32 operations per output as the decode kernel, so each row
+    is bitwise what that kernel gives it, tails of tiles and the residual rows included, at 1
+    and 2 threads; and both equal the numpy reference on the dequantized int8 activations."""
+    from numa_runtime._kernels import ops
+    from numa_runtime.quant.reference import quantize_activations
+    old_m = qgemm._set_act8_m_max(1 << 30)
+    old_t = ops.get_num_threads()
+    try:
+        rng = np.random.default_rng(21)
+        for k, n in shapes(fmt):
+            lin, ref, qw = make(fmt, k, n, with_bias=n % 2 == 1)
+            lin.act8 = True
+            for resid in (False, True):
+                lin.act8_residual = resid
+                for m in (9, 12, 13, 24, 37):
+                    x = rng.standard_normal((m, k), dtype=np.float32)
+                    x[1, : min(k, 3)] *= 50.0
+                    got = []
+                    for threads in (1, 2):
+                        ops.set_num_threads(threads)
+                        for tiles in (True, False):
+                            qgemm._set_q8_tiles(tiles)
+                            got.append(lin.forward(x))
+                    for g in got[1:]:
+                        assert np.array_equal(got[0], g), (k, n, m, resid)
+                    xq = quantize_activations(x, qw.group, resid)
+                    check(got[0], ref.forward(xq).astype(np.float64), xq, ref.weight)
+    finally:
+        qgemm._set_q8_tiles(True)
+        ops.set_num_threads(old_t)
+        qgemm._set_act8_m_max(old_m)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_prefill_act8_modes(level):
+    """prefill_act8 (set by the model for prefill_activations="int8"): rows beyond the decode rule
+    take int8 blocks (1), or (2) the bf16 panels where usable, else int8 blocks as two rows; 0
+    keeps the exact path. Decode rows follow act8 alone. The reference backend does the same
+    (without panels)."""
+    from numa_runtime.quant.reference import quantize_activations
+    old = qgemm._force_cpu_level(level)
+    try:
+        fmt = QuantFormat(4, 32, "sym")
+        lin, ref, qw = make(fmt, 256, 72, True)
+        rng = np.random.default_rng(3)
+        x = rng.standard_normal((40, 256), dtype=np.float32)
+        x[:, 0] *= 60.0
+        exact = ref.forward(x).astype(np.float64)  # act8 and prefill_act8 off
+        one = ref.forward(quantize_activations(x, qw.group)).astype(np.float64)
+        two = ref.forward(quantize_activations(x, qw.group, True)).astype(np.float64)
+        assert np.abs(one - exact).max() > 1e-2 and np.abs(two - exact).max() < np.abs(one - exact).max() / 30
+        lin.act8 = ref.act8 = False  # prefill_act8 alone
+        for mode, want in ((0, exact), (1, one), (2, two)):
+            lin.prefill_act8 = ref.prefill_act8 = mode
+            check(lin.forward(x), want, x, ref.weight)
+            check(ref.forward(x).astype(np.float64), want, x, ref.weight)
+        small = x[:qgemm.ACT8_M_MAX]
+        check(lin.forward(small), exact[:qgemm.ACT8_M_MAX], small, ref.weight)  # decode rows: act8 off
+        if qgemm._panel_usable():
+            lin.prefill_bf16 = True
+            lin.prefill_act8 = 2  # the panels: bf16 products, not two int8 rows
+            y = lin.forward(x)
+            lin.prefill_act8 = 0
+            assert np.array_equal(y, lin.forward(x))
+    finally:
+        qgemm._force_cpu_level(old)

@@ -82,6 +82,9 @@ class QLinear:
     # int8 blocks first, as the kernel's integer dot-product path does
     act8 = False
     act8_residual = False  # the lm_head: x and its int8 rounding residual, two int8 rows
+    # other rows: 0 as given, 1 int8 blocks, 2 int8 blocks with the residual (qgemm.QLinear takes
+    # its bf16 panels for 2 where usable; this backend has none)
+    prefill_act8 = 0
 
     @property
     def dtype(self) -> str:
@@ -89,8 +92,11 @@ class QLinear:
 
     def forward(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         # x: [M, K] -> out: [M, N]
-        if self.act8 and act8_rows(x.shape[0]):
+        rows = act8_rows(x.shape[0])
+        if self.act8 and rows:
             x = quantize_activations(x, self.group, self.act8_residual)
+        elif self.prefill_act8 and not rows:
+            x = quantize_activations(x, self.group, self.act8_residual or self.prefill_act8 == 2)
         y = x @ self.weight.T
         if self.bias is not None:
             y += self.bias

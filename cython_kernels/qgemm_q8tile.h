@@ -1,0 +1,220 @@
+/* Int8-activation GEMM for many rows on AVX-512 VNNI: row tiles.
+ *
+ * qgemm_q8.h's kernel meets each 64-byte weight row with up to QG_MR_Q8 activation rows, each
+ * read from its own row of xq: fine for a decode step, where the weight bytes are the cost. With
+ * more rows (a decode batch, a prefill on int8 activations) the integer dot products are the
+ * cost, and there that kernel spends about as many instructions on addressing, broadcasts and
+ * the per-block epilogue as on vpdpbusd. Here the quantized rows are first copied into tiles of
+ * QG_MR_T rows, interleaved by 4 k (each dword of the tile is one row's 4 k), with each block's
+ * scale and the offset correction -off * xi beside them in the same interleaved order: every
+ * operand of the inner loop is then an embedded broadcast at a constant offset from one pointer,
+ * and the integer accumulator starts at the offset correction instead of subtracting it.
+ *
+ * Per output element the integer block sums are the same exact integers as qg_q8_vnni's and the
+ * float operations (convert, scale product, fused multiply-add per block; the group's c term)
+ * run in the same order, so the two kernels give bitwise equal results: a row does not depend on
+ * which kernel, pass or tile it ran in.
+ */
+#ifndef NUMA_RUNTIME_QGEMM_Q8TILE_H
+#define NUMA_RUNTIME_QGEMM_Q8TILE_H
+
+#define QG_MR_T 12   /* rows per tile: 12 int32 + 12 f32 accumulators and the weight registers */
+
+/* 0: many rows take qgemm_q8.h's kernel too (tests and benchmarks: qgemm._set_q8_tiles) */
+static int qg_q8_tiles = 1;
+
+typedef struct {
+    const int8_t* xt;   /* [kp / 4][QG_MR_T][4] */
+    const float* st;    /* [nb][QG_MR_T] block scales */
+    const int32_t* ot;  /* [nb][QG_MR_T] -off * (sum of the block's int8 values) */
+    const float* xst;   /* [ng][QG_MR_T] the group sums xs (qg_xq) */
+} qg_xt;
+
+/* acc += dot(u, broadcast *p) by 4-byte lanes (vpdpbusd with an embedded broadcast). NOTE: in asm
+ * because GCC 12 neither embeds the broadcast nor accumulates in place (it adds register moves). */
+static inline __m512i qg_dpbusd_bcast(__m512i acc, __m512i u, const int32_t* p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*p));
+    return acc;
+}
+
+static inline long qg_tile_bytes(const qg_format* f) { return f->kp * QG_MR_T; }
+
+/* The offset the VNNI kernel's unsigned weight codes carry (qgemm_q8.h). */
+static inline int qg_q8_off_vnni(const qg_format* f) {
+    return f->bits == 4 ? (f->kind == QG_SYM ? 8 : 0) : 128;
+}
+
+/* Tile i of rows [12 i, 12 i + 12) of q (Q rows; rows past Q are zeros). */
+static void qg_tile_fill(const qg_xq* q, const qg_format* f, long Q, long i, int8_t* xt,
+                         float* st, int32_t* ot, float* xst) {
+    const long kc = f->kp / 4, off = qg_q8_off_vnni(f);
+    for (int r = 0; r < QG_MR_T; r++) {
+        const long row = i * QG_MR_T + r;
+        if (row < Q) {
+            const int32_t* src = (const int32_t*)(q->xq + row * q->kp);  /* kp % 4 == 0 */
+            int32_t* dst = (int32_t*)xt + r;
+            for (long c = 0; c < kc; c++) dst[c * QG_MR_T] = src[c];
+            for (long b = 0; b < q->nb; b++) {
+                st[b * QG_MR_T + r] = q->sx[row * q->nb + b];
+                ot[b * QG_MR_T + r] = (int32_t)(-off * q->xi[row * q->nb + b]);
+            }
+            for (long g = 0; g < q->ng; g++) xst[g * QG_MR_T + r] = q->xs[row * q->ng + g];
+        } else {
+            int32_t* dst = (int32_t*)xt + r;
+            for (long c = 0; c < kc; c++) dst[c * QG_MR_T] = 0;
+            for (long b = 0; b < q->nb; b++) {
+                st[b * QG_MR_T + r] = 0.0f;
+                ot[b * QG_MR_T + r] = 0;
+            }
+            for (long g = 0; g < q->ng; g++) xst[g * QG_MR_T + r] = 0.0f;
+        }
+    }
+}
+
+/* acc[r * 16 + j] for rows r < mr of tile t and the 16 columns of block blk, groups [g0, g1). */
+QG_INLINE QG_T512VNNI void qg_q8t_vnni_mr(const uint8_t* blk, const qg_format* f, const qg_xt* t,
+                                          long g0, long g1, float* acc, const int bits,
+                                          const int mr) {
+    const long pk = bits == 4 ? 8 : 4, gb = qg_group_bytes(f), mb = qg_meta_bytes(f);
+    const long G = f->group, nbg = qg_blocks_per_group(f);
+    const int has_c = bits == 4 && f->kind != QG_SYM;
+    const int has_off = bits == 8 || f->kind == QG_SYM;
+    const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F), flip = _mm512_set1_epi32((int)0x80808080);
+    __m512 a[QG_MR_T];
+    for (int r = 0; r < mr; r++) a[r] = _mm512_setzero_ps();
+    for (long g = g0; g < g1; g++) {
+        const uint8_t* meta = blk + g * gb;
+        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)meta));
+        const uint8_t* row = meta + mb;
+        for (long b = 0; b < nbg; b++) {
+            const long k0 = g * G + b * QG_QB;
+            const long k1 = k0 + QG_QB < (g + 1) * G ? k0 + QG_QB : (g + 1) * G;
+            const long bi = g * nbg + b;
+            const int32_t* ob = t->ot + bi * QG_MR_T;
+            __m512i ia[QG_MR_T];
+            for (int r = 0; r < mr; r++)
+                ia[r] = has_off ? _mm512_set1_epi32(ob[r]) : _mm512_setzero_si512();
+            const int32_t* xb = (const int32_t*)t->xt + (k0 / 4) * QG_MR_T;
+#define QG_T_STEP                                                                                 \
+            {                                                                                     \
+                const __m512i v = _mm512_loadu_si512((const void*)row);                          \
+                if (bits == 4) {                                                                  \
+                    const __m512i lo = _mm512_and_si512(v, m4);                                   \
+                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), m4);             \
+                    for (int r = 0; r < mr; r++) {                                                \
+                        ia[r] = qg_dpbusd_bcast(ia[r], lo, xb + r);                               \
+                        ia[r] = qg_dpbusd_bcast(ia[r], hi, xb + QG_MR_T + r);                  \
+                    }                                                                             \
+                } else {                                                                          \
+                    const __m512i u = _mm512_xor_si512(v, flip);                                  \
+                    for (int r = 0; r < mr; r++)                                                  \
+                        ia[r] = qg_dpbusd_bcast(ia[r], u, xb + r);                                \
+                }                                                                                 \
+                row += 64;                                                                        \
+                xb += (pk / 4) * QG_MR_T;                                                         \
+            }
+            if (k1 - k0 == QG_QB) {  /* NOTE: a constant trip count: unrolled, no moves between steps */
+                #pragma GCC unroll 8
+                for (int st = 0; st < QG_QB / pk; st++) QG_T_STEP
+            } else {
+                for (long k = k0; k < k1; k += pk) QG_T_STEP
+            }
+#undef QG_T_STEP
+            const float* sb = t->st + bi * QG_MR_T;
+            for (int r = 0; r < mr; r++)
+                a[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r]), _mm512_mul_ps(s, _mm512_set1_ps(sb[r])), a[r]);
+        }
+        if (has_c) {
+            const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(meta + 32)));
+            const __m512 c = f->kind == QG_ZERO ? _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(s, o)) : o;
+            const float* xg = t->xst + g * QG_MR_T;
+            for (int r = 0; r < mr; r++) a[r] = _mm512_fmadd_ps(c, _mm512_set1_ps(xg[r]), a[r]);
+        }
+    }
+    for (int r = 0; r < mr; r++) _mm512_store_ps(acc + r * QG_NB, a[r]);
+}
+
+#define QG_Q8T_CASES(b)                                                   \
+    switch (m) {                                                          \
+        case 1: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, 1); break;      \
+        case 2: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, 2); break;      \
+        case 3: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, 3); break;      \
+        case 4: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, 4); break;      \
+        case 5: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, 5); break;      \
+        case 6: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, 6); break;      \
+        case 7: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, 7); break;      \
+        case 8: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, 8); break;      \
+        case 9: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, 9); break;      \
+        case 10: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, 10); break;    \
+        case 11: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, 11); break;    \
+        default: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, 12); break;    \
+    }
+
+static QG_T512VNNI void qg_q8t_vnni(const uint8_t* blk, const qg_format* f, const qg_xt* t,
+                                    long g0, long g1, int m, float* acc) {
+    if (f->bits == 4) { QG_Q8T_CASES(4) } else { QG_Q8T_CASES(8) }
+}
+
+/* Buffers of the tiles of Q rows: [nt][...] each, 64-byte aligned parts. */
+typedef struct {
+    int8_t* xt;
+    float* st;
+    int32_t* ot;
+    float* xst;
+    long ntiles;
+} qg_tiles;
+
+static size_t qg_tiles_bytes(const qg_format* f, long Q) {
+    const long ng = f->kp / f->group, nb = ng * qg_blocks_per_group(f), nt = (Q + QG_MR_T - 1) / QG_MR_T;
+    return (size_t)nt * ((size_t)qg_tile_bytes(f) + sizeof(float) * QG_MR_T * (size_t)(2 * nb + ng)) + 4 * 64;
+}
+
+static qg_tiles qg_tiles_at(char* buf, const qg_format* f, long Q) {
+    const long ng = f->kp / f->group, nb = ng * qg_blocks_per_group(f), nt = (Q + QG_MR_T - 1) / QG_MR_T;
+    qg_tiles t;
+    uintptr_t p = ((uintptr_t)buf + 63) & ~(uintptr_t)63;
+    t.xt = (int8_t*)p;
+    p = (p + (size_t)nt * qg_tile_bytes(f) + 63) & ~(uintptr_t)63;
+    t.st = (float*)p;
+    p = (p + sizeof(float) * (size_t)(nt * nb * QG_MR_T) + 63) & ~(uintptr_t)63;
+    t.ot = (int32_t*)p;
+    p = (p + sizeof(int32_t) * (size_t)(nt * nb * QG_MR_T) + 63) & ~(uintptr_t)63;
+    t.xst = (float*)p;
+    t.ntiles = nt;
+    return t;
+}
+
+static inline qg_xt qg_tile(const qg_tiles* T, const qg_format* f, long i) {
+    const long ng = f->kp / f->group, nb = ng * qg_blocks_per_group(f);
+    const qg_xt t = {T->xt + i * qg_tile_bytes(f), T->st + i * nb * QG_MR_T, T->ot + i * nb * QG_MR_T,
+                     T->xst + i * ng * QG_MR_T};
+    return t;
+}
+
+/* Thread tid of nt: its share of the (column block, tile) tasks of out[M, N] (rows ldo apart),
+ * block-major (a block's weights stay in cache over its tiles); `resid`: int8 rows 2i and
+ * 2i + 1 are output row i. */
+static QG_T512VNNI void qg_q8t_share(const uint8_t* w, const qg_format* f, const qg_tiles* T, long Q,
+                                     const float* bias, float* out, long ldo, int resid, int tid, int nt) {
+    const long nblocks = (f->n + QG_NB - 1) / QG_NB, bb = qg_block_bytes(f), ng = f->kp / f->group;
+    float acc[QG_MR_T * QG_NB] __attribute__((aligned(64)));
+    long t0, t1;
+    nr_share(nblocks * T->ntiles, tid, nt, &t0, &t1);
+    for (long t = t0; t < t1; t++) {
+        const long b = t / T->ntiles, i = t % T->ntiles, r0 = i * QG_MR_T;
+        int m = (int)(Q - r0 < QG_MR_T ? Q - r0 : QG_MR_T);
+        const qg_xt x = qg_tile(T, f, i);
+        qg_q8t_vnni(w + b * bb, f, &x, 0, ng, m, acc);
+        long o0 = r0;
+        if (resid) {  /* m is even: QG_MR_T is */
+            m /= 2;
+            o0 = r0 / 2;
+            for (int k = 0; k < m; k++)
+                for (int j = 0; j < QG_NB; j++)
+                    acc[k * QG_NB + j] = acc[2 * k * QG_NB + j] + acc[(2 * k + 1) * QG_NB + j];
+        }
+        qg_store(acc, m, b * QG_NB, f->n, ldo, bias, out + o0 * ldo);
+    }
+}
+
+#endif
