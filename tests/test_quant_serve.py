@@ -50,3 +50,34 @@ def test_serve_gguf_model(tmp_path):
     write_reference(src, path, ref)
     r = served(["--model", path], "tiny.Q4_0")
     assert r.choices[0].text == expected_text(ref)
+
+
+def test_serve_prefill_activations_flag(tmp_path):
+    """`--prefill-activations int8` reaches the engine: the served greedy text equals the
+    in-process bf16 engine's with the same option (and the log says which prefill runs); with
+    a float32 engine it is a one-sentence error before serving."""
+    import subprocess
+    import sys
+    src = str(tmp_path / "m")
+    build_model(src, arch="qwen2", **SHAPE)
+    prompt = PROMPT * 6  # 42 rows: past the decode rule
+    kw = dict(dtype="bfloat16", quantization="int4", kv_cache_memory=1 << 23, max_model_len=128,
+              prefill_activations="int8")
+    e = Engine(src, **kw)
+    want = e.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0].text
+    e.close()
+    srv = ServerProcess(["--model", src, "--dtype", "bfloat16", "--quantization", "int4", "--max-model-len", "128",
+                         "--kv-cache-memory", str(1 << 23), "--prefill-activations", "int8"])
+    try:
+        r = srv.client().completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    finally:
+        code = srv.stop()
+    assert code == 0, srv.output()
+    assert r.choices[0].text == want
+    assert "prefill activations: int8 blocks" in srv.output()
+    p = subprocess.run([sys.executable, "-m", "numa_runtime.serve", "--model", src, "--dtype", "float32",
+                        "--quantization", "int4", "--prefill-activations", "int8"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "needs dtype='bfloat16'" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
