@@ -15,7 +15,9 @@ Extra rows: ours quantized at load (quantization="int8" / "int4") from the bf16 
 against llama.cpp Q8_0 / Q4_0. Our decode is also given as a fraction of the DRAM read limit
 (bench/limits.py, same run) in the bytes our engine reads per token: its packed linears,
 lm_head included (plus the KV cache at depth). --op-by-op adds each quantized row of ours run
-again with NUMA_RUNTIME_FUSED_DECODE=0 (decode steps op by op instead of one OpenMP region).
+again with NUMA_RUNTIME_FUSED_DECODE=0 (decode steps op by op instead of one OpenMP region);
+--prefill-bf16 adds it again with prefill_activations="bf16" (rows marked "int8 prefill" are
+where "auto" took int8 activations).
 --depth D...: llama.cpp's prefill of D tokens (-p D -n 0) and decode after D tokens
 (-p 0 -n G -d D), flash attention off and on (-fa 0,1), against ours (bf16 file): prefill of D
 tokens, then decode right after it. Writes OUT.json and OUT.md and prints the markdown.
@@ -137,7 +139,8 @@ def child(a) -> dict:
     from numa_runtime import Engine, SamplingParams
     longest = max([a.prefill, *a.depth]) + a.gen + 16
     eng = Engine(a.model_path, dtype="bfloat16", num_threads=a.threads, max_model_len=longest,
-                 enable_prefix_caching=False, quantization=a.quantization)
+                 enable_prefix_caching=False, quantization=a.quantization,
+                 prefill_activations=a.prefill_activations or "auto")
     rng = np.random.default_rng(0)
     vocab = eng.model_config.vocab_size
 
@@ -156,7 +159,7 @@ def child(a) -> dict:
     m = eng.model_config
     # the packed linears one decode step streams, lm_head included
     nbytes = sum(getattr(x, "nbytes", 0) or x.weight.nbytes for x in eng.runner.model._linears())
-    out = {"bytes_per_token": nbytes,
+    out = {"bytes_per_token": nbytes, "prefill_int8": bool(getattr(eng.runner.model, "prefill_int8", False)),
            "kv_bytes_per_context_token": 2 * m.num_layers * m.kv_size * 2,  # K and V, bf16
            "depth": {}}
     run(a.prefill, 4)  # warm-up: kernel primitives for these shapes, first-touch pages
@@ -172,13 +175,15 @@ def child(a) -> dict:
     return out
 
 
-def run_ours(a, path: str, quantization: str | None, depth: list[int], env_extra: dict | None = None) -> dict:
+def run_ours(a, path: str, quantization: str | None, depth: list[int], env_extra: dict | None = None,
+             prefill: str = "auto") -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model-path", path,
            "--threads", str(a.threads), "--prefill", str(a.prefill), "--gen", str(a.gen),
            "--reps", str(a.reps), "--depth-reps", str(a.depth_reps)]
     cmd += ["--quantization", quantization] if quantization else []
+    cmd += ["--prefill-activations", prefill]
     cmd += ["--depth", *map(str, depth)] if depth else []
-    print(f"  ours: Engine({os.path.basename(path)!r}, quantization={quantization!r})"
+    print(f"  ours: Engine({os.path.basename(path)!r}, quantization={quantization!r}, prefill_activations={prefill!r})"
           + (f", depth {depth}" if depth else ""), flush=True)
     # NOTE: the child sees this checkout first and the caller's PYTHONPATH after it
     path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
@@ -233,6 +238,9 @@ def measure(a) -> dict:
         if a.op_by_op and t != "bf16":
             report["rows"].append({"ours": f"{t.upper()} GGUF, op by op", "file": t, "quantization": None,
                                    "ours_result": run_ours(a, path, None, [], OP_BY_OP), "llama_cpp": llama.get(t)})
+        if a.prefill_bf16 and t != "bf16":
+            report["rows"].append({"ours": f"{t.upper()} GGUF, bf16 prefill", "file": t, "quantization": None,
+                                   "ours_result": run_ours(a, path, None, [], prefill="bf16"), "llama_cpp": llama.get(t)})
     if not a.no_load_quant:
         for q, t in AT_LOAD.items():
             if t not in a.types:
@@ -243,6 +251,10 @@ def measure(a) -> dict:
             if a.op_by_op:
                 report["rows"].append({"ours": f"{q} at load, op by op", "file": t, "quantization": q,
                                        "ours_result": run_ours(a, model_dir, q, [], OP_BY_OP),
+                                       "llama_cpp": llama.get(t)})
+            if a.prefill_bf16:
+                report["rows"].append({"ours": f"{q} at load, bf16 prefill", "file": t, "quantization": q,
+                                       "ours_result": run_ours(a, model_dir, q, [], prefill="bf16"),
                                        "llama_cpp": llama.get(t)})
     if a.depth and bench_bin and "bf16" in files:
         fa = ["-fa", "0,1"]
@@ -274,7 +286,8 @@ def markdown(r: dict, a) -> str:
                          + " - |" * 6)
             continue
         limit = dram * 1e9 / o["bytes_per_token"]
-        lines.append(f"| {row['ours']} | {row['file'].upper()} | {num(ld)} | {o['decode_tok_s']:.1f} | "
+        pre = " (int8 prefill)" if o.get("prefill_int8") else ""
+        lines.append(f"| {row['ours']}{pre} | {row['file'].upper()} | {num(ld)} | {o['decode_tok_s']:.1f} | "
                      f"{ratio(o['decode_tok_s'], ld)} | {num(lp, '{:.0f}')} | {o['prefill_tok_s']:.0f} | "
                      f"{ratio(o['prefill_tok_s'], lp)} | {o['bytes_per_token'] / 1e6:.3g} | "
                      f"{o['decode_tok_s'] / limit:.0%} |")
@@ -334,6 +347,9 @@ def main(argv=None) -> None:
     ap.add_argument("--no-load-quant", action="store_true", help="skip ours quantized at load (int8/int4)")
     ap.add_argument("--op-by-op", action="store_true",
                     help="each quantized row of ours again with NUMA_RUNTIME_FUSED_DECODE=0 (decode op by op)")
+    ap.add_argument("--prefill-bf16", action="store_true",
+                    help="each quantized row of ours again with prefill_activations='bf16' (the rows "
+                         "say which prefill 'auto' took: int8 or bf16)")
     ap.add_argument("--work", help="where the GGUF files go (default MODEL_DIR/gguf)")
     ap.add_argument("--quick", action="store_true", help="small probe, 32/8 tokens, 1 repeat (a smoke run)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per process")
@@ -341,6 +357,7 @@ def main(argv=None) -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model-path", help=argparse.SUPPRESS)
     ap.add_argument("--quantization", help=argparse.SUPPRESS)
+    ap.add_argument("--prefill-activations", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.quick:
         a.prefill, a.gen, a.reps = 32, 8, 1
