@@ -54,6 +54,7 @@ cdef extern from "decode_layers.h" nogil:
         float* xs
         float* part
         int32_t* xi
+        char* tiles
         int qg_level, attn_level
         int64_t tiled_min
         int barrier
@@ -228,9 +229,12 @@ cdef class FusedDecoder:
             if len(self.scratch) >= 4:
                 del self.scratch[next(iter(self.scratch))]
             ns = QG_MAX_SLICES if M <= QG_MR_Q8 else 1  # the most k slices qg_q8_slices cuts
+            # row tiles (qg_tiles_bytes at the largest sizes of any part)
+            nt = (M + QG_MR_T - 1) // QG_MR_T if M > QG_MR_Q8 else 0
+            tb = nt * (self.kmax * QG_MR_T + 4 * QG_MR_T * (2 * self.nbmax + self.ngmax)) + 4 * 64 if nt else 1
             s = self.scratch[M] = (np.empty(M * self.kmax, np.int8), np.empty(M * self.nbmax, np.float32),
                                    np.empty(M * self.nbmax, np.int32), np.empty(M * self.ngmax, np.float32),
-                                   np.empty(ns * M * self.nmax, np.float32))
+                                   np.empty(ns * M * self.nmax, np.float32), np.empty(tb, np.uint8))
         return s
 
     def run(self, b, positions, slot_mapping, block_tables, query_start, context_lens,
@@ -272,7 +276,7 @@ cdef class FusedDecoder:
             for j in range(nblk):
                 if bp[i * nbt + j] < 0 or bp[i * nbt + j] >= self.m.nb:
                     raise ValueError("FusedDecoder.run: sequence %d has block id %d" % (i, bp[i * nbt + j]))
-        xq, sx, xi, xs, part = self._scratch(M)
+        xq, sx, xi, xs, part, tiles = self._scratch(M)
         st.M = M
         st.pos, st.slots, st.bt, st.qstart, st.ctx, st.bt_st = pp, sp, bp, qp, cp, nbt
         st.residual = _f32(b.residual, M, H, "residual")
@@ -288,6 +292,7 @@ cdef class FusedDecoder:
         st.xi = <int32_t*>cnp.PyArray_DATA(xi)
         st.xs = <float*>cnp.PyArray_DATA(xs)
         st.part = <float*>cnp.PyArray_DATA(part)
+        st.tiles = <char*>cnp.PyArray_DATA(tiles) if M > QG_MR_Q8 else NULL
         st.qg_level = _level
         st.attn_level, st.tiled_min = _attention._force_paths()
         st.barrier = _barrier

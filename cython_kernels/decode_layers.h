@@ -75,6 +75,7 @@ typedef struct {
     int8_t* xq;
     float *sx, *xs, *part;
     int32_t* xi;
+    char* tiles;        /* row tiles of the int8 activations (qgemm_q8tile.h); NULL: not used */
     int qg_level, attn_level;
     int64_t tiled_min;
     int barrier;        /* 0: ours unless the team outnumbers the cpus, 1: ours, 2: libgomp's (tests) */
@@ -214,6 +215,17 @@ static void nd_gemv(const nd_step* st, const nd_linear* L, float* out, nd_thread
         const long ns = qg_q8_slices(f, M, t->nt), Np = f->n;
         const qg_xq q = nd_part_xq(st, L, p);
         const float* bias = L->bias_after || !L->bias ? NULL : L->bias + col;
+        if (st->tiles && M > QG_MR_Q8 && st->qg_level >= 2 && qg_q8_tiles) {  /* as qg_forward_q8 */
+            const qg_tiles T = qg_tiles_at(st->tiles, f, M);
+            for (long i = t->tid; i < T.ntiles; i += t->nt) {
+                const qg_xt x = qg_tile(&T, f, i);
+                qg_tile_fill(&q, f, M, i, (int8_t*)x.xt, (float*)x.st, (int32_t*)x.ot, (float*)x.xst);
+            }
+            nd_barrier(t);
+            qg_q8t_share(L->w[p], f, &T, M, bias, out + col, N, 0, t->tid, t->nt);
+            nd_barrier(t);
+            continue;
+        }
         qg_q8_share(L->w[p], f, &q, M, M, bias, out + col, N, st->part, ns, qg_q8_kernel(st->qg_level),
                     0, t->tid, t->nt);
         nd_barrier(t);

@@ -58,6 +58,7 @@ cdef extern from "qgemm_kernels.h" nogil:
     int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, long M, long ldx,
                       const float* bias, float* out, int level, int resid)
     enum: QG_MR_Q8
+    enum: QG_MR_T
     int qg_q8_tiles
     int qg_decode_step
     int qg_dequant_panel_bf16(const uint8_t* w, const qg_format* f, long K, long n0, long n1,

@@ -78,6 +78,29 @@ def test_fused_decode_is_bitwise_op_by_op(models, monkeypatch, arch, quantizatio
         o.close()
 
 
+@pytest.mark.skipif(qgemm.cpu_level() < 2, reason="row tiles need AVX-512 VNNI (level 2)")
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_decode_batches_in_row_tiles(models, monkeypatch, quantization):
+    """Decode steps of more than 8 rows run their GEMVs in row tiles (qgemm_q8tile.h) on both
+    paths: 20 sequences give the same greedy tokens fused with tiles, op by op with tiles, and
+    op by op on the decode kernel alone (tiles off: the same numbers by construction)."""
+    f, o = both(models["qwen2"], monkeypatch, quantization=quantization)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = batch_prompts(20)
+    try:
+        want = [x.token_ids for x in f.generate(prompts, params)]
+        assert [x.token_ids for x in o.generate(prompts, params)] == want
+        old = qgemm._set_q8_tiles(False)
+        try:
+            assert [x.token_ids for x in o.generate(prompts, params)] == want
+            assert [x.token_ids for x in f.generate(prompts, params)] == want
+        finally:
+            qgemm._set_q8_tiles(old)
+    finally:
+        f.close()
+        o.close()
+
+
 @pytest.mark.parametrize("threads,barrier", [(1, "auto"), (2, "auto"), (3, "own"), (5, "own"), (8, "own"),
                                             (5, "omp")])
 def test_fused_decode_equals_op_by_op_at_other_thread_counts(models, monkeypatch, threads, barrier):
