@@ -17,8 +17,9 @@ rows (M <= ACT8_M_MAX = 8) are quantized to int8 in blocks of 32 k (absmax / 127
 Q8 activations) and meet the packed weights in integer dot products (qgemm_q8.h: vpdpbusd with
 VNNI, vpmaddubsw + vpmaddwd without): several times fewer instructions per weight byte than
 dequantizing to f32, so decode stays bound by memory bandwidth on few cores. The kernel takes
-any M (8 rows per pass over a weight block; tests raise the bound with _set_act8_m_max), but
-prefill rows keep the exact path for accuracy (see the NOTE at ACT8_M_MAX). With
+any M (8 rows per pass over a weight block; on VNNI more rows run in register tiles of 8 rows,
+qgemm_q8tile.h, with bitwise the same results). Prefill rows take it where the model sets
+`prefill_act8` (EngineConfig.prefill_activations; see the NOTE at ACT8_M_MAX). With
 `act8_residual` too (the lm_head), each row runs as two int8 rows, x and its rounding residual,
 whose products are added: about 15 bits of activation for twice the integer work on the same
 weight bytes. The numpy specification is numa_runtime.quant.reference.quantize_activations.
@@ -66,9 +67,11 @@ cdef extern from "qgemm_kernels.h" nogil:
 
 _KINDS = {"sym": 0, "zero": 1, "min": 2}
 cdef int _level = qg_cpu_level()
-# NOTE: decode rows only (M <= 8). Prefill takes the exact f32 path or the bf16 panels: with
-# int8 prefill activations too, SmolLM2-135M's greedy answer to "What is the capital of France?"
-# flips from Paris (a near tie on that small model), where int8 decode rows keep it.
+# NOTE: decode rows (M <= 8) by default; longer prefills only with prefill_act8. With every
+# prefill linear in int8, SmolLM2-135M's perplexity rose 0.5% (18.30 to 18.40) and its greedy
+# answer to "What is the capital of France?" left Paris (a near tie on that small model that
+# other small perturbations flip too); with qkv_proj kept at bf16 precision (prefill_act8 = 2)
+# it is 18.33 and the answer stays Paris.
 cdef long _act8_m_max = QG_MR_Q8
 ACT8_M_MAX = QG_MR_Q8
 

@@ -18,7 +18,12 @@
 #ifndef NUMA_RUNTIME_QGEMM_Q8TILE_H
 #define NUMA_RUNTIME_QGEMM_Q8TILE_H
 
-#define QG_MR_T 12   /* rows per tile: 12 int32 + 12 f32 accumulators and the weight registers */
+/* NOTE: rows per tile. 12 fit the registers (12 int32 + 12 f32 accumulators and the weights), but
+ * 8 ran as fast at M = 512 and 1.2-1.4x as fast at 16 and 64 rows (896 x 9728 int4, 2-core Zen 4,
+ * a C harness around qg_forward_q8, best of 40): more tasks, no 12 + 4 split of 16 rows. */
+#ifndef QG_MR_T
+#define QG_MR_T 8
+#endif
 
 /* 0: many rows take qgemm_q8.h's kernel too (tests and benchmarks: qgemm._set_q8_tiles) */
 static int qg_q8_tiles = 1;
@@ -32,7 +37,7 @@ typedef struct {
 
 /* acc += dot(u, broadcast *p) by 4-byte lanes (vpdpbusd with an embedded broadcast). NOTE: in asm
  * because GCC 12 neither embeds the broadcast nor accumulates in place (it adds register moves). */
-static inline __m512i qg_dpbusd_bcast(__m512i acc, __m512i u, const int32_t* p) {
+QG_INLINE QG_T512VNNI __m512i qg_dpbusd_bcast(__m512i acc, __m512i u, const int32_t* p) {
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*p));
     return acc;
 }
@@ -44,7 +49,7 @@ static inline int qg_q8_off_vnni(const qg_format* f) {
     return f->bits == 4 ? (f->kind == QG_SYM ? 8 : 0) : 128;
 }
 
-/* Tile i of rows [12 i, 12 i + 12) of q (Q rows; rows past Q are zeros). */
+/* Tile i of rows [QG_MR_T i, QG_MR_T (i + 1)) of q (Q rows; rows past Q are zeros). */
 static void qg_tile_fill(const qg_xq* q, const qg_format* f, long Q, long i, int8_t* xt,
                          float* st, int32_t* ot, float* xst) {
     const long kc = f->kp / 4, off = qg_q8_off_vnni(f);
@@ -134,6 +139,8 @@ QG_INLINE QG_T512VNNI void qg_q8t_vnni_mr(const uint8_t* blk, const qg_format* f
     for (int r = 0; r < mr; r++) _mm512_store_ps(acc + r * QG_NB, a[r]);
 }
 
+/* NOTE: a partial tile (m < QG_MR_T) beyond case 7 runs as a full one: its padding rows are
+ * zeros, computed and not stored */
 #define QG_Q8T_CASES(b)                                                   \
     switch (m) {                                                          \
         case 1: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, 1); break;      \
@@ -143,11 +150,7 @@ QG_INLINE QG_T512VNNI void qg_q8t_vnni_mr(const uint8_t* blk, const qg_format* f
         case 5: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, 5); break;      \
         case 6: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, 6); break;      \
         case 7: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, 7); break;      \
-        case 8: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, 8); break;      \
-        case 9: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, 9); break;      \
-        case 10: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, 10); break;    \
-        case 11: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, 11); break;    \
-        default: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, 12); break;    \
+        default: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, QG_MR_T); break; \
     }
 
 static QG_T512VNNI void qg_q8t_vnni(const uint8_t* blk, const qg_format* f, const qg_xt* t,
@@ -213,7 +216,13 @@ static QG_T512VNNI void qg_q8t_share(const uint8_t* w, const qg_format* f, const
                 for (int j = 0; j < QG_NB; j++)
                     acc[k * QG_NB + j] = acc[2 * k * QG_NB + j] + acc[(2 * k + 1) * QG_NB + j];
         }
-        qg_store(acc, m, b * QG_NB, f->n, ldo, bias, out + o0 * ldo);
+        if ((b + 1) * QG_NB <= f->n) {
+            const __m512 bv = bias ? _mm512_loadu_ps(bias + b * QG_NB) : _mm512_setzero_ps();
+            for (int r = 0; r < m; r++)
+                _mm512_storeu_ps(out + (o0 + r) * ldo + b * QG_NB, _mm512_add_ps(_mm512_load_ps(acc + r * QG_NB), bv));
+        } else {
+            qg_store(acc, m, b * QG_NB, f->n, ldo, bias, out + o0 * ldo);
+        }
     }
 }
 
