@@ -16,8 +16,8 @@ against llama.cpp Q8_0 / Q4_0. Our decode is also given as a fraction of the DRA
 (bench/limits.py, same run) in the bytes our engine reads per token: its packed linears,
 lm_head included (plus the KV cache at depth). --op-by-op adds each quantized row of ours run
 again with NUMA_RUNTIME_FUSED_DECODE=0 (decode steps op by op instead of one OpenMP region);
---prefill-bf16 adds it again with prefill_activations="bf16" (rows marked "int8 prefill" are
-where "auto" took int8 activations).
+--prefill-int8 adds it again with prefill_activations="int8" (int8 prefill activations, as
+llama.cpp's; the default is bf16).
 --depth D...: llama.cpp's prefill of D tokens (-p D -n 0) and decode after D tokens
 (-p 0 -n G -d D), flash attention off and on (-fa 0,1), against ours (bf16 file): prefill of D
 tokens, then decode right after it. Writes OUT.json and OUT.md and prints the markdown.
@@ -140,7 +140,7 @@ def child(a) -> dict:
     longest = max([a.prefill, *a.depth]) + a.gen + 16
     eng = Engine(a.model_path, dtype="bfloat16", num_threads=a.threads, max_model_len=longest,
                  enable_prefix_caching=False, quantization=a.quantization,
-                 prefill_activations=a.prefill_activations or "auto")
+                 prefill_activations=a.prefill_activations or "bf16")
     rng = np.random.default_rng(0)
     vocab = eng.model_config.vocab_size
 
@@ -176,7 +176,7 @@ def child(a) -> dict:
 
 
 def run_ours(a, path: str, quantization: str | None, depth: list[int], env_extra: dict | None = None,
-             prefill: str = "auto") -> dict:
+             prefill: str = "bf16") -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model-path", path,
            "--threads", str(a.threads), "--prefill", str(a.prefill), "--gen", str(a.gen),
            "--reps", str(a.reps), "--depth-reps", str(a.depth_reps)]
@@ -238,9 +238,9 @@ def measure(a) -> dict:
         if a.op_by_op and t != "bf16":
             report["rows"].append({"ours": f"{t.upper()} GGUF, op by op", "file": t, "quantization": None,
                                    "ours_result": run_ours(a, path, None, [], OP_BY_OP), "llama_cpp": llama.get(t)})
-        if a.prefill_bf16 and t != "bf16":
-            report["rows"].append({"ours": f"{t.upper()} GGUF, bf16 prefill", "file": t, "quantization": None,
-                                   "ours_result": run_ours(a, path, None, [], prefill="bf16"), "llama_cpp": llama.get(t)})
+        if a.prefill_int8 and t != "bf16":
+            report["rows"].append({"ours": f"{t.upper()} GGUF, int8 prefill", "file": t, "quantization": None,
+                                   "ours_result": run_ours(a, path, None, [], prefill="int8"), "llama_cpp": llama.get(t)})
     if not a.no_load_quant:
         for q, t in AT_LOAD.items():
             if t not in a.types:
@@ -252,9 +252,9 @@ def measure(a) -> dict:
                 report["rows"].append({"ours": f"{q} at load, op by op", "file": t, "quantization": q,
                                        "ours_result": run_ours(a, model_dir, q, [], OP_BY_OP),
                                        "llama_cpp": llama.get(t)})
-            if a.prefill_bf16:
-                report["rows"].append({"ours": f"{q} at load, bf16 prefill", "file": t, "quantization": q,
-                                       "ours_result": run_ours(a, model_dir, q, [], prefill="bf16"),
+            if a.prefill_int8:
+                report["rows"].append({"ours": f"{q} at load, int8 prefill", "file": t, "quantization": q,
+                                       "ours_result": run_ours(a, model_dir, q, [], prefill="int8"),
                                        "llama_cpp": llama.get(t)})
     if a.depth and bench_bin and "bf16" in files:
         fa = ["-fa", "0,1"]
@@ -286,8 +286,7 @@ def markdown(r: dict, a) -> str:
                          + " - |" * 6)
             continue
         limit = dram * 1e9 / o["bytes_per_token"]
-        pre = " (int8 prefill)" if o.get("prefill_int8") else ""
-        lines.append(f"| {row['ours']}{pre} | {row['file'].upper()} | {num(ld)} | {o['decode_tok_s']:.1f} | "
+        lines.append(f"| {row['ours']} | {row['file'].upper()} | {num(ld)} | {o['decode_tok_s']:.1f} | "
                      f"{ratio(o['decode_tok_s'], ld)} | {num(lp, '{:.0f}')} | {o['prefill_tok_s']:.0f} | "
                      f"{ratio(o['prefill_tok_s'], lp)} | {o['bytes_per_token'] / 1e6:.3g} | "
                      f"{o['decode_tok_s'] / limit:.0%} |")
@@ -347,9 +346,8 @@ def main(argv=None) -> None:
     ap.add_argument("--no-load-quant", action="store_true", help="skip ours quantized at load (int8/int4)")
     ap.add_argument("--op-by-op", action="store_true",
                     help="each quantized row of ours again with NUMA_RUNTIME_FUSED_DECODE=0 (decode op by op)")
-    ap.add_argument("--prefill-bf16", action="store_true",
-                    help="each quantized row of ours again with prefill_activations='bf16' (the rows "
-                         "say which prefill 'auto' took: int8 or bf16)")
+    ap.add_argument("--prefill-int8", action="store_true",
+                    help="each quantized row of ours again with prefill_activations='int8'")
     ap.add_argument("--work", help="where the GGUF files go (default MODEL_DIR/gguf)")
     ap.add_argument("--quick", action="store_true", help="small probe, 32/8 tokens, 1 repeat (a smoke run)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per process")

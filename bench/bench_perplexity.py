@@ -52,8 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "bfloat16", "float32", "int8"],
                     help="KV cache dtypes (auto, bfloat16, float32, int8) to run each variant with; the "
                          "others' log-prob drift is measured against the first")
-    ap.add_argument("--prefill-activations", nargs="+", default=["auto"], choices=["auto", "int8", "bf16"],
-                    help="prefill activations of the quantized variants (auto, int8, bf16), each in turn; "
+    ap.add_argument("--prefill-activations", nargs="+", default=["bf16"], choices=["bf16", "int8"],
+                    help="prefill activations of the quantized variants (bf16, int8), each in turn; "
                          "the log-prob drift of the others is measured against the first")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--gguf", default=None, metavar="FILE", help="the GGUF file of the gguf-f32 / gguf-bf16 variants")
@@ -117,7 +117,7 @@ def logprob_drift(lps: list, ref: list, n_ctx: int) -> tuple[float, float]:
 DENSE = ("bf16", "f32", "gguf-f32")
 
 
-def engine_for(variant: str, kv_cache_dtype: str, args, prefill: str = "auto"):
+def engine_for(variant: str, kv_cache_dtype: str, args, prefill: str = "bf16"):
     from numa_runtime import Engine
     from numa_runtime.default_model import default_model_dir, find_default_gguf
     kw = dict(max_model_len=args.n_ctx, num_threads=args.threads, kv_cache_memory=64 << 20,
@@ -137,7 +137,7 @@ def engine_for(variant: str, kv_cache_dtype: str, args, prefill: str = "auto"):
 
 
 def run_variant(variant: str, kv_cache_dtype: str, chunks: list[list[int]], args,
-                prefill: str = "auto") -> tuple[dict, list]:
+                prefill: str = "bf16") -> tuple[dict, list]:
     """The variant's perplexity with this KV dtype and prefill activations, and its log-probs per chunk."""
     eng = engine_for(variant, kv_cache_dtype, args, prefill)
     try:
@@ -181,7 +181,7 @@ def main(argv=None) -> None:
     for v in args.variants:
         ref = None
         for kv in args.kv_cache_dtype:
-            for pre in (["auto"] if v in DENSE else args.prefill_activations):
+            for pre in (["bf16"] if v in DENSE else args.prefill_activations):
                 r, lps = run_variant(v, kv, chunks, args, pre)
                 if ref is None:
                     ref = lps

@@ -150,7 +150,7 @@ def _panels(long K, long N):
 def prefill_int8_wins():
     """Whether a prefill over quantized weights runs faster on int8 activations (row tiles,
     vpdpbusd) than on bf16 panels: AVX-512 VNNI without AMX. M = 512 over Qwen2.5-0.5B's linears
-    on a 2-core Zen 4 (bench_quant.py --prefill-int8): 1.3-1.4x the panels. With AMX the panels
+    on a 2-core Zen 4: 1.15-1.4x the panels; the 512-token prefill 1.15x (bench_llamacpp.py). With AMX the panels
     run on the matrix units (int8 AMX is not written); below VNNI the int8 path was not measured
     faster, so those keep the exact or bf16 paths."""
     return _level >= 2 and not _gemm._has_amx()

@@ -30,7 +30,7 @@ except ImportError:  # the shm-collective kernels are optional for one process
 __all__ = ["Linear", "QLinear", "embedding", "rms_norm", "add_rms_norm", "silu_and_mul", "add_", "rotary",
            "reshape_and_cache", "paged_attention", "sample", "log_softmax", "reduce_sum",
            "f32_to_bf16", "bf16_to_f32", "set_num_threads", "get_num_threads", "set_decode_step",
-           "fused_decoder", "prefill_int8_default"]
+           "fused_decoder", "prefill_int8_wins"]
 
 
 def set_decode_step(on: bool) -> bool:
@@ -40,9 +40,8 @@ def set_decode_step(on: bool) -> bool:
     return qgemm.set_decode_step(on)
 
 
-def prefill_int8_default() -> bool:
-    """prefill_activations="auto": int8 activations for quantized prefills where the integer
-    kernel is the faster one (qgemm.prefill_int8_wins)."""
+def prefill_int8_wins() -> bool:
+    """Whether prefill_activations="int8" runs faster than "bf16" on this CPU (qgemm.prefill_int8_wins)."""
     from numa_runtime._kernels import qgemm
     return qgemm.prefill_int8_wins()
 

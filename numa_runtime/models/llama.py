@@ -65,7 +65,7 @@ class LlamaModel:
 
     def __init__(self, cfg: ModelConfig, ops, comm, dtype: str, max_model_len: int, progress=None,
                  quantization: str | None = None, lm_head_quantization: str | None = None,
-                 prefill_activations: str = "auto"):
+                 prefill_activations: str = "bf16"):
         self.cfg, self.ops, self.comm, self.dtype = cfg, ops, comm, dtype
         ckpt = open_checkpoint(cfg)  # safetensors, or the GGUF file the directory points at
         linear = LinearFactory(ops, ckpt, dtype, parse_quantization(quantization),
@@ -102,31 +102,30 @@ class LlamaModel:
 
     def _set_prefill_activations(self, mode: str) -> bool:
         """Prefill rows of the int8-activation linears (those a bf16 engine quantized: act8) take
-        int8 blocks too under "int8" (or "auto" where the backend says that kernel wins), but
-        for the attention input (qkv_proj: prefill_act8 = 2, the bf16 panels where usable, else
-        two int8 rows). SmolLM2-135M Q4_1, bench_perplexity.py: 18.30 with bf16 prefill, 18.40
-        with every prefill row in int8 (llama.cpp's Q4_1: 18.39), 18.33 with qkv_proj on bf16
-        panels (18.33 as two int8 rows) and the rest int8; qkv_proj is about 7% of the MACs."""
+        int8 blocks too under "int8", but for the attention input (qkv_proj: prefill_act8 = 2,
+        the bf16 panels where usable, else two int8 rows). SmolLM2-135M Q4_1,
+        bench_perplexity.py: 18.30 with bf16 prefill, 18.40 with every prefill row in int8
+        (llama.cpp's Q4_1: 18.39), 18.33 with qkv_proj on bf16 panels (18.33 as two int8 rows)
+        and the rest int8; qkv_proj is about 7% of the MACs. NOTE: "bf16" is the default: the
+        default model's answer to the README's question (Paris, by 0.12 logits over "L" with
+        bf16 prefill, 0.06 with int8 on one rank) left Paris with int8 prefill on two ranks."""
         lins = [(n, p) for l in self.layers for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
                 for p in _parts(getattr(l, n))]
         if self.lm_head is not None:
             lins += [("lm_head", p) for p in _parts(self.lm_head)]
         lins = [(n, p) for n, p in lins if getattr(p, "act8", False)]
-        if mode == "auto":
-            pick = getattr(self.ops, "prefill_int8_default", None)
-            on = bool(lins) and pick is not None and pick()
-        elif mode == "int8":
-            if not lins:
-                raise ValueError(f"prefill_activations='int8' needs quantized weights (quantization=... or a "
-                                 f"quantized checkpoint); {self.cfg.model_dir} has none.")
-            on = True
-        else:
-            on = False
+        on = mode == "int8"
+        if on and not lins:
+            raise ValueError(f"prefill_activations='int8' needs quantized weights (quantization=... or a "
+                             f"quantized checkpoint); {self.cfg.model_dir} has none.")
         for n, p in lins:
             p.prefill_act8 = (2 if n == "qkv_proj" else 1) if on else 0
         if lins and self.lay.rank == 0:
-            log.info("prefill activations: %s", "int8 blocks (qkv_proj at 15+ bits)" if on else
-                     "bf16 panels / f32 (int8 blocks only in decode steps)")
+            wins = getattr(self.ops, "prefill_int8_wins", None)
+            hint = "" if on or wins is None or not wins() else \
+                " (prefill_activations='int8' / --prefill-activations int8 runs faster on this CPU)"
+            log.info("prefill activations: %s%s", "int8 blocks (qkv_proj at 15+ bits)" if on else
+                     "bf16 panels / f32 (int8 blocks only in decode steps)", hint)
         return on
 
     def _linears(self) -> list:

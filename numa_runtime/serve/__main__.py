@@ -40,10 +40,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lm-head-quantization", default="auto",
                     help="lm_head format when loading a dense checkpoint: auto (int8 when --quantization "
                          "is set, else as stored), none (as stored), or an int8 format such as int8-channel")
-    ap.add_argument("--prefill-activations", default="auto", choices=("auto", "int8", "bf16"),
-                    help="prefill rows of quantized linears in a bf16 engine: int8 blocks (integer dot "
-                         "products, as llama.cpp), bf16 (bf16 panels, more exact), or auto (int8 where "
-                         "that kernel is faster: AVX-512 VNNI without AMX)")
+    ap.add_argument("--prefill-activations", default="bf16", choices=("bf16", "int8"),
+                    help="prefill rows of quantized linears in a bf16 engine: bf16 (bf16 panels; the "
+                         "default) or int8 blocks (integer dot products, as llama.cpp: faster with "
+                         "AVX-512 VNNI and no AMX, slightly less exact)")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded side by side at most")
     ap.add_argument("--max-queue", type=int, default=256, help="waiting sequences beyond which requests get 429")
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes per rank")
