@@ -145,11 +145,11 @@ def test_bad_quantization_name_is_a_clear_error(model_dir):
         engine(model_dir, quantization="int3")
 
 
-def run_mpi(n, model_dir, quantization, timeout=300, head="auto"):
+def run_mpi(n, model_dir, quantization, timeout=300, head="auto", prefill=None, prompt=PROMPT):
     env = dict(os.environ, MPI4PY_RC_THREAD_LEVEL="funneled", OMP_NUM_THREADS="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = ["mpirun", "-np", str(n), sys.executable, os.path.join(HERE, "mpi", "quant_generate.py"),
-           model_dir, quantization, json.dumps([PROMPT]), str(head)]
+           model_dir, quantization, json.dumps([prompt]), str(head)] + ([prefill] if prefill else [])
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -277,3 +277,17 @@ def test_prefill_activations(model_dir):
     with pytest.raises(ValueError, match="needs quantized weights"):
         Engine(model_dir, dtype="bfloat16", kv_cache_memory=1 << 23, max_model_len=128,
                prefill_activations="int8")
+
+
+def test_int8_prefill_over_ranks(model_dir):
+    """prefill_activations="int8" under mpirun: each rank rounds its own k slice of the row-split
+    linears to int8 blocks (the split keeps blocks whole), so 2 ranks generate the tokens of one
+    (a 39-token prompt: past the decode rule, qkv_proj on the bf16 panels)."""
+    prompt = PROMPT * 3
+    e = Engine(model_dir, dtype="bfloat16", quantization="int4", kv_cache_memory=1 << 23, max_model_len=128,
+               prefill_activations="int8")
+    assert e.runner.model.prefill_int8
+    expected = list(e.generate([prompt], GREEDY)[0].token_ids)
+    e.close()
+    got = result(run_mpi(2, model_dir, "int4", prefill="int8", prompt=prompt))
+    assert got["world"] == 2 and got["tokens"] == [expected]
