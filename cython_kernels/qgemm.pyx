@@ -67,11 +67,11 @@ cdef extern from "qgemm_kernels.h" nogil:
 
 _KINDS = {"sym": 0, "zero": 1, "min": 2}
 cdef int _level = qg_cpu_level()
-# NOTE: decode rows (M <= 8) by default; longer prefills only with prefill_act8. With every
-# prefill linear in int8, SmolLM2-135M's perplexity rose 0.5% (18.30 to 18.40) and its greedy
-# answer to "What is the capital of France?" left Paris (a near tie on that small model that
-# other small perturbations flip too); with qkv_proj kept at bf16 precision (prefill_act8 = 2)
-# it is 18.33 and the answer stays Paris.
+# NOTE: decode rows (M <= 8) by default; longer prefills only with prefill_act8 (the model's
+# prefill_activations="int8"). With every prefill linear in int8, SmolLM2-135M's perplexity rose
+# 0.5% (18.30 to 18.40); with qkv_proj kept at bf16 precision (prefill_act8 = 2), 0.16%. Its
+# greedy answer to "What is the capital of France?" is a near tie ("The" over "L" by 0.12
+# logits) that int8 prefill flips on two ranks, so bf16 stays the engine's default.
 cdef long _act8_m_max = QG_MR_Q8
 ACT8_M_MAX = QG_MR_Q8
 
@@ -150,9 +150,9 @@ def _panels(long K, long N):
 def prefill_int8_wins():
     """Whether a prefill over quantized weights runs faster on int8 activations (row tiles,
     vpdpbusd) than on bf16 panels: AVX-512 VNNI without AMX. M = 512 over Qwen2.5-0.5B's linears
-    on a 2-core Zen 4: 1.15-1.4x the panels; the 512-token prefill 1.15x (bench_llamacpp.py). With AMX the panels
-    run on the matrix units (int8 AMX is not written); below VNNI the int8 path was not measured
-    faster, so those keep the exact or bf16 paths."""
+    on a 2-core Zen 4: 1.15-1.4x the panels; a 512-token prefill 1.15-1.33x (bench_llamacpp.py
+    --prefill-int8). With AMX the panels run on the matrix units (int8 AMX is not written); below
+    VNNI the int8 path was not measured faster."""
     return _level >= 2 and not _gemm._has_amx()
 
 

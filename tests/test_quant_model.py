@@ -240,7 +240,6 @@ def test_prefill_activations(model_dir):
     (qkv_proj at 15+ bits: prefill_act8 2), "bf16" (the default) keeps them exact. The two
     prefills differ (the path is taken), the int8 one
     adds little to the error against the f32 model, and bad values are one-sentence errors."""
-    from numa_runtime._kernels import qgemm
     from quant_helpers import quantized_linears
     f = engine(model_dir)
     lf = prefill_logits(f, PROMPT * 3)  # 39 rows: beyond the decode rule and PANEL_M_MIN

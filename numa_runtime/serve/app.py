@@ -5,12 +5,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import re
 import time
 import uuid
-import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 
