@@ -146,7 +146,7 @@ cdef class FusedDecoder:
     cdef nd_layer* layers
     cdef readonly long num_layers
     cdef long kmax, nbmax, ngmax, nmax
-    cdef object keep, scratch
+    cdef object keep, scratch, parts
     cdef long _max_pos
 
     def __cinit__(self):
@@ -170,6 +170,7 @@ cdef class FusedDecoder:
         shapes = ((W, hidden), (hidden, A), (2 * inter, hidden), (hidden, inter))
         keep = [cos_sin]
         self.kmax = self.nbmax = self.ngmax = self.nmax = 1
+        self.parts = []  # every QLinear of every layer (row-tile scratch sizes)
         kv_type, kv_shape = None, None
         for i, spec in enumerate(layers):
             lins, (in_norm, post_norm, q_norm, k_norm, kc, vc, window) = spec[:4], spec[4:]
@@ -182,6 +183,7 @@ cdef class FusedDecoder:
                 # NOTE: each part keeps its own int8 rounding of the input (decode_layers.h)
                 kq = nb = ng = 0
                 for q in _parts(lin):
+                    self.parts.append(q)
                     fmt = (<QLinear>q).fmt
                     kq += fmt.kp
                     ng += fmt.kp // fmt.group
@@ -229,9 +231,10 @@ cdef class FusedDecoder:
             if len(self.scratch) >= 4:
                 del self.scratch[next(iter(self.scratch))]
             ns = QG_MAX_SLICES if M <= QG_MR_Q8 else 1  # the most k slices qg_q8_slices cuts
-            # row tiles (qg_tiles_bytes at the largest sizes of any part)
-            nt = (M + QG_MR_T - 1) // QG_MR_T if M > QG_MR_Q8 else 0
-            tb = nt * (self.kmax * QG_MR_T + 4 * QG_MR_T * (2 * self.nbmax + self.ngmax)) + 4 * 64 if nt else 1
+            tb = 1  # the row tiles of one part at a time (decode_layers.h nd_gemv)
+            if M > QG_MR_Q8:
+                for q in self.parts:
+                    tb = max(tb, qg_tiles_bytes(&(<QLinear>q).fmt, M))
             s = self.scratch[M] = (np.empty(M * self.kmax, np.int8), np.empty(M * self.nbmax, np.float32),
                                    np.empty(M * self.nbmax, np.int32), np.empty(M * self.ngmax, np.float32),
                                    np.empty(ns * M * self.nmax, np.float32), np.empty(tb, np.uint8))

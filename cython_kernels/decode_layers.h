@@ -217,10 +217,7 @@ static void nd_gemv(const nd_step* st, const nd_linear* L, float* out, nd_thread
         const float* bias = L->bias_after || !L->bias ? NULL : L->bias + col;
         if (st->tiles && M > QG_MR_Q8 && st->qg_level >= 2 && qg_q8_tiles) {  /* as qg_forward_q8 */
             const qg_tiles T = qg_tiles_at(st->tiles, f, M);
-            for (long i = t->tid; i < T.ntiles; i += t->nt) {
-                const qg_xt x = qg_tile(&T, f, i);
-                qg_tile_fill(&q, f, M, i, (int8_t*)x.xt, (float*)x.st, (int32_t*)x.ot, (float*)x.xst);
-            }
+            qg_tiles_fill(&T, &q, f, M, t->tid, t->nt);
             nd_barrier(t);
             qg_q8t_share(L->w[p], f, &T, M, bias, out + col, N, 0, t->tid, t->nt);
             nd_barrier(t);

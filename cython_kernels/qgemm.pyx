@@ -59,8 +59,8 @@ cdef extern from "qgemm_kernels.h" nogil:
     int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, long M, long ldx,
                       const float* bias, float* out, int level, int resid)
     enum: QG_MR_Q8
-    enum: QG_MR_T
     int qg_q8_tiles
+    size_t qg_tiles_bytes(const qg_format* f, long Q)
     int qg_decode_step
     int qg_dequant_panel_bf16(const uint8_t* w, const qg_format* f, long K, long n0, long n1,
                               long kpp, uint16_t* panel)
@@ -238,11 +238,11 @@ cdef class QLinear:
         cdef bint decode_rows = M <= _act8_m_max or (qg_decode_step != 0 and M <= ACT8_DECODE_M_MAX)
         cdef bint q8 = self.act8 and decode_rows
         cdef int resid = self.act8_residual
-        if not decode_rows and self.prefill_act8 and not (self.prefill_act8 == 2 and self.prefill_bf16
-                                                  and M >= PANEL_M_MIN and _panel_usable()):
+        cdef bint panels = self.prefill_bf16 and M >= PANEL_M_MIN and _panel_usable()
+        if not decode_rows and self.prefill_act8 and not (self.prefill_act8 == 2 and panels):
             q8 = True
             resid = resid or self.prefill_act8 == 2
-        if not q8 and self.prefill_bf16 and M >= PANEL_M_MIN and _panel_usable():
+        if not q8 and panels:
             self._panel_forward(xa, oa)
             return oa
         if self.fmt.kp != K:  # per-row int8 with K not a multiple of 4: zero-padded rows

@@ -72,6 +72,15 @@ typedef void (*qg_tile_fn)(const float*, long, const float*, long, int, float*, 
 static inline void qg_store(const float* acc, int m, long n0, long N, long ldo, const float* bias,
                             float* out) {
     long w = N - n0 < QG_NB ? N - n0 : QG_NB;
+    if (w == QG_NB) {  /* a full block: two 8-float vectors a row (the same sums) */
+        const __m256 b0 = bias ? _mm256_loadu_ps(bias + n0) : _mm256_setzero_ps();
+        const __m256 b1 = bias ? _mm256_loadu_ps(bias + n0 + 8) : _mm256_setzero_ps();
+        for (int r = 0; r < m; r++) {
+            _mm256_storeu_ps(out + r * ldo + n0, _mm256_add_ps(_mm256_loadu_ps(acc + r * QG_NB), b0));
+            _mm256_storeu_ps(out + r * ldo + n0 + 8, _mm256_add_ps(_mm256_loadu_ps(acc + r * QG_NB + 8), b1));
+        }
+        return;
+    }
     for (int r = 0; r < m; r++)
         for (long j = 0; j < w; j++)
             out[r * ldo + n0 + j] = acc[r * QG_NB + j] + (bias ? bias[n0 + j] : 0.0f);

@@ -37,6 +37,12 @@ static __thread int qg_decode_step;
 
 static inline long qg_blocks_per_group(const qg_format* f) { return (f->group + QG_QB - 1) / QG_QB; }
 
+/* The offset the unsigned weight codes of the VNNI kernels carry (int4 symmetric: q + 8; int8:
+ * q + 128, its sign bit flipped); vpmaddubsw reads int8 weights by the sign trick instead. */
+static inline int qg_q8_off_vnni(const qg_format* f) {
+    return f->bits == 4 ? (f->kind == QG_SYM ? 8 : 0) : 128;
+}
+
 /* One full block of QG_QB = 32 k: the scalar rule of qg_quantize_block in AVX2 (the build's
  * floor). cvtps rounds to nearest even, as nearbyintf does in the default rounding mode, and
  * |x * inv| <= 127 up to one rounding, so both give the same bytes. */
@@ -177,7 +183,7 @@ static inline int32_t qg_ld32(const int8_t* p) {
 #define QG_Q8_AVX512_BODY(DOT, VNNI)                                                            \
     const long pk = bits == 4 ? 8 : 4, gb = qg_group_bytes(f), mb = qg_meta_bytes(f);          \
     const long G = f->group, ng = f->kp / G, nbg = qg_blocks_per_group(f);                      \
-    const int off = bits == 4 ? (f->kind == QG_SYM ? 8 : 0) : (VNNI ? 128 : 0);                 \
+    const int off = bits == 4 || VNNI ? qg_q8_off_vnni(f) : 0;                                  \
     const int has_c = bits == 4 && f->kind != QG_SYM;                                           \
     const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F), flip = _mm512_set1_epi32((int)0x80808080); \
     __m512 a[QG_MR_Q8];                                                                         \
@@ -276,7 +282,7 @@ QG_INLINE void qg_q8_avx2_mr(const uint8_t* blk, const qg_format* f, const qg_xq
                              long g1, float* acc, const int bits, const int mr) {
     const long pk = bits == 4 ? 8 : 4, gb = qg_group_bytes(f), mb = qg_meta_bytes(f);
     const long G = f->group, ng = f->kp / G, nbg = qg_blocks_per_group(f);
-    const int off = bits == 4 && f->kind == QG_SYM ? 8 : 0;
+    const int off = bits == 4 ? qg_q8_off_vnni(f) : 0;  /* int8: the sign trick, no offset */
     const int has_c = bits == 4 && f->kind != QG_SYM;
     const __m256i m4 = _mm256_set1_epi32(0x0F0F0F0F), ones = _mm256_set1_epi16(1);
     __m256 a[2][2];
@@ -372,6 +378,16 @@ static inline long qg_q8_slices(const qg_format* f, long Q, int nt) {
     return Q <= QG_MR_Q8 ? nr_split_count(nblocks, nt, ng < QG_MAX_SLICES ? ng : QG_MAX_SLICES, 0.12) : 1;
 }
 
+/* With `resid` (rows 2i and 2i + 1 are one output row; m is even): add each pair into row i of
+ * acc. Returns the output rows acc holds. */
+static inline int qg_fold_resid(float* acc, int m, int resid) {
+    if (!resid) return m;
+    for (int i = 0; i < m / 2; i++)
+        for (int j = 0; j < QG_NB; j++)
+            acc[i * QG_NB + j] = acc[2 * i * QG_NB + j] + acc[(2 * i + 1) * QG_NB + j];
+    return m / 2;
+}
+
 /* Thread tid of nt: its contiguous share of the ns * nblocks tasks of out[M, N] = q @ W^T + bias
  * (Q int8 rows; with `resid` rows 2i and 2i + 1 are one output row; out rows ldo apart). With
  * ns > 1 each task stores its slice's partial sums into part [ns][M][N] instead
@@ -390,14 +406,8 @@ static void qg_q8_share(const uint8_t* w, const qg_format* f, const qg_xq* q, lo
             const qg_xq qr = {q->xq + r0 * q->kp, q->sx + r0 * nb, q->xi + r0 * nb,
                               q->xs + r0 * ng, q->kp, nb, ng};
             fn(w + b * bb, f, &qr, g0, g1, m, acc);
-            long o0 = r0;
-            if (resid) {  /* m is even: rows 2i and 2i + 1 are one output row */
-                m /= 2;
-                o0 = r0 / 2;
-                for (int i = 0; i < m; i++)
-                    for (int j = 0; j < QG_NB; j++)
-                        acc[i * QG_NB + j] = acc[2 * i * QG_NB + j] + acc[(2 * i + 1) * QG_NB + j];
-            }
+            m = qg_fold_resid(acc, m, resid);
+            const long o0 = resid ? r0 / 2 : r0;
             if (ns == 1) qg_store(acc, m, b * QG_NB, f->n, ldo, bias, out + o0 * ldo);
             else qg_store(acc, m, b * QG_NB, f->n, f->n, NULL, part + (sp * M + o0) * f->n);
         }
@@ -448,10 +458,7 @@ static int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, l
         #pragma omp parallel
         {
             const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-            for (long i = tid; i < T.ntiles; i += nt) {
-                const qg_xt x = qg_tile(&T, f, i);
-                qg_tile_fill(&q, f, Q, i, (int8_t*)x.xt, (float*)x.st, (int32_t*)x.ot, (float*)x.xst);
-            }
+            qg_tiles_fill(&T, &q, f, Q, tid, nt);
             #pragma omp barrier
             qg_q8t_share(w, f, &T, Q, bias, out, f->n, resid, tid, nt);
         }

@@ -18,12 +18,11 @@
 #ifndef NUMA_RUNTIME_QGEMM_Q8TILE_H
 #define NUMA_RUNTIME_QGEMM_Q8TILE_H
 
-/* NOTE: rows per tile. 12 fit the registers (12 int32 + 12 f32 accumulators and the weights), but
- * 8 ran as fast at M = 512 and 1.2-1.4x as fast at 16 and 64 rows (896 x 9728 int4, 2-core Zen 4,
- * a C harness around qg_forward_q8, best of 40): more tasks, no 12 + 4 split of 16 rows. */
-#ifndef QG_MR_T
-#define QG_MR_T 8
-#endif
+/* NOTE: rows per tile: the decode kernel's rows per pass (so both take QG_Q8_CASES). 12 fit the
+ * registers (12 int32 + 12 f32 accumulators and the weights), but 8 ran as fast at M = 512 and
+ * 1.2-1.4x as fast at 16 and 64 rows (896 x 9728 int4, 2-core Zen 4, a C harness around
+ * qg_forward_q8, best of 40): more tasks, no 12 + 4 split of 16 rows. */
+#define QG_MR_T QG_MR_Q8
 
 /* 0: many rows take qgemm_q8.h's kernel too (tests and benchmarks: qgemm._set_q8_tiles) */
 static int qg_q8_tiles = 1;
@@ -43,11 +42,6 @@ QG_INLINE QG_T512VNNI __m512i qg_dpbusd_bcast(__m512i acc, __m512i u, const int3
 }
 
 static inline long qg_tile_bytes(const qg_format* f) { return f->kp * QG_MR_T; }
-
-/* The offset the VNNI kernel's unsigned weight codes carry (qgemm_q8.h). */
-static inline int qg_q8_off_vnni(const qg_format* f) {
-    return f->bits == 4 ? (f->kind == QG_SYM ? 8 : 0) : 128;
-}
 
 /* Tile i of rows [QG_MR_T i, QG_MR_T (i + 1)) of q (Q rows; rows past Q are zeros). */
 static void qg_tile_fill(const qg_xq* q, const qg_format* f, long Q, long i, int8_t* xt,
@@ -83,7 +77,7 @@ QG_INLINE QG_T512VNNI void qg_q8t_vnni_mr(const uint8_t* blk, const qg_format* f
     const long pk = bits == 4 ? 8 : 4, gb = qg_group_bytes(f), mb = qg_meta_bytes(f);
     const long G = f->group, nbg = qg_blocks_per_group(f);
     const int has_c = bits == 4 && f->kind != QG_SYM;
-    const int has_off = bits == 8 || f->kind == QG_SYM;
+    const int has_off = qg_q8_off_vnni(f) != 0;
     const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F), flip = _mm512_set1_epi32((int)0x80808080);
     __m512 a[QG_MR_T];
     for (int r = 0; r < mr; r++) a[r] = _mm512_setzero_ps();
@@ -139,23 +133,9 @@ QG_INLINE QG_T512VNNI void qg_q8t_vnni_mr(const uint8_t* blk, const qg_format* f
     for (int r = 0; r < mr; r++) _mm512_store_ps(acc + r * QG_NB, a[r]);
 }
 
-/* NOTE: a partial tile (m < QG_MR_T) beyond case 7 runs as a full one: its padding rows are
- * zeros, computed and not stored */
-#define QG_Q8T_CASES(b)                                                   \
-    switch (m) {                                                          \
-        case 1: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, 1); break;      \
-        case 2: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, 2); break;      \
-        case 3: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, 3); break;      \
-        case 4: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, 4); break;      \
-        case 5: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, 5); break;      \
-        case 6: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, 6); break;      \
-        case 7: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, 7); break;      \
-        default: qg_q8t_vnni_mr(blk, f, t, g0, g1, acc, b, QG_MR_T); break; \
-    }
-
-static QG_T512VNNI void qg_q8t_vnni(const uint8_t* blk, const qg_format* f, const qg_xt* t,
+static QG_T512VNNI void qg_q8t_vnni(const uint8_t* blk, const qg_format* f, const qg_xt* q,
                                     long g0, long g1, int m, float* acc) {
-    if (f->bits == 4) { QG_Q8T_CASES(4) } else { QG_Q8T_CASES(8) }
+    if (f->bits == 4) { QG_Q8_CASES(qg_q8t_vnni_mr, 4) } else { QG_Q8_CASES(qg_q8t_vnni_mr, 8) }
 }
 
 /* Buffers of the tiles of Q rows: [nt][...] each, 64-byte aligned parts. */
@@ -194,6 +174,14 @@ static inline qg_xt qg_tile(const qg_tiles* T, const qg_format* f, long i) {
     return t;
 }
 
+/* Thread tid of nt: its tiles of q's Q rows (each tile is written by one thread). */
+static void qg_tiles_fill(const qg_tiles* T, const qg_xq* q, const qg_format* f, long Q, int tid, int nt) {
+    for (long i = tid; i < T->ntiles; i += nt) {
+        const qg_xt x = qg_tile(T, f, i);
+        qg_tile_fill(q, f, Q, i, (int8_t*)x.xt, (float*)x.st, (int32_t*)x.ot, (float*)x.xst);
+    }
+}
+
 /* Thread tid of nt: its share of the (column block, tile) tasks of out[M, N] (rows ldo apart),
  * block-major (a block's weights stay in cache over its tiles); `resid`: int8 rows 2i and
  * 2i + 1 are output row i. */
@@ -208,21 +196,8 @@ static QG_T512VNNI void qg_q8t_share(const uint8_t* w, const qg_format* f, const
         int m = (int)(Q - r0 < QG_MR_T ? Q - r0 : QG_MR_T);
         const qg_xt x = qg_tile(T, f, i);
         qg_q8t_vnni(w + b * bb, f, &x, 0, ng, m, acc);
-        long o0 = r0;
-        if (resid) {  /* m is even: QG_MR_T is */
-            m /= 2;
-            o0 = r0 / 2;
-            for (int k = 0; k < m; k++)
-                for (int j = 0; j < QG_NB; j++)
-                    acc[k * QG_NB + j] = acc[2 * k * QG_NB + j] + acc[(2 * k + 1) * QG_NB + j];
-        }
-        if ((b + 1) * QG_NB <= f->n) {
-            const __m512 bv = bias ? _mm512_loadu_ps(bias + b * QG_NB) : _mm512_setzero_ps();
-            for (int r = 0; r < m; r++)
-                _mm512_storeu_ps(out + (o0 + r) * ldo + b * QG_NB, _mm512_add_ps(_mm512_load_ps(acc + r * QG_NB), bv));
-        } else {
-            qg_store(acc, m, b * QG_NB, f->n, ldo, bias, out + o0 * ldo);
-        }
+        m = qg_fold_resid(acc, m, resid);  /* m is even with resid: QG_MR_T is */
+        qg_store(acc, m, b * QG_NB, f->n, ldo, bias, out + (resid ? r0 / 2 : r0) * ldo);
     }
 }
 

@@ -109,17 +109,14 @@ class LlamaModel:
         and the rest int8; qkv_proj is about 7% of the MACs. NOTE: "bf16" is the default: the
         default model's answer to the README's question (Paris, by 0.12 logits over "L" with
         bf16 prefill, 0.06 with int8 on one rank) left Paris with int8 prefill on two ranks."""
-        lins = [(n, p) for l in self.layers for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-                for p in _parts(getattr(l, n))]
-        if self.lm_head is not None:
-            lins += [("lm_head", p) for p in _parts(self.lm_head)]
-        lins = [(n, p) for n, p in lins if getattr(p, "act8", False)]
+        lins = [p for lin in self._linears() for p in _parts(lin) if getattr(p, "act8", False)]
+        qkv = {id(p) for l in self.layers for p in _parts(l.qkv_proj)}
         on = mode == "int8"
         if on and not lins:
             raise ValueError(f"prefill_activations='int8' needs quantized weights (quantization=... or a "
                              f"quantized checkpoint); {self.cfg.model_dir} has none.")
-        for n, p in lins:
-            p.prefill_act8 = (2 if n == "qkv_proj" else 1) if on else 0
+        for p in lins:
+            p.prefill_act8 = (2 if id(p) in qkv else 1) if on else 0
         if lins and self.lay.rank == 0:
             wins = getattr(self.ops, "prefill_int8_wins", None)
             hint = "" if on or wins is None or not wins() else \
