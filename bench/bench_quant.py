@@ -77,11 +77,14 @@ def bench(model: str, formats: list[str], ms: list[int], min_time: float, bf16: 
 
 
 def decode_batch(model: str, rows=(16, 32, 64)) -> list[dict]:
-    """One linear per shape of `model` (gate_up, down) at decode-batch row counts: us on the
-    f32 tile path, on int8 activations (a step of decode rows, qgemm.set_decode_step) and on
-    the bf16 panels (oneDNN, AMX where present)."""
+    """One linear per shape of `model` (gate_up, down) at several row counts: us on the f32
+    tile path, on int8 activations in row tiles (qgemm_q8tile.h, VNNI) and on the decode kernel
+    alone (tiles off; "-" where the two are the same kernel: 8 rows or fewer, or no VNNI), and on
+    the bf16 panels (oneDNN, AMX where present); the int8 rows in GMAC/s too. Rows beyond a decode
+    batch (64) take int8 as prefill_activations="int8" would."""
     out = []
     shapes = [s for s in SHAPES[model] if s[0] in ("gate_up", "down")]
+    tiled = qgemm.cpu_level() >= 2
     for layer, k, n in shapes:
         w = np.random.default_rng(0).standard_normal((n, k), dtype=np.float32) * 0.05
         for name in ("int4-g32-sym", "int8-channel"):
@@ -90,19 +93,26 @@ def decode_batch(model: str, rows=(16, 32, 64)) -> list[dict]:
             for m in rows:
                 x = np.random.default_rng(1).standard_normal((m, k), dtype=np.float32)
                 r = {"layer": layer, "K": k, "N": n, "format": name, "M": m}
-                for path in ("f32", "int8", "panels"):
-                    if path == "panels" and m < qgemm.PANEL_M_MIN:
+                for path in ("f32", "int8", "int8_no_tiles", "panels"):
+                    if (path == "panels" and m < qgemm.PANEL_M_MIN) or \
+                            (path == "int8_no_tiles" and (m <= qgemm.ACT8_M_MAX or not tiled)):
                         r[path] = None
                         continue
-                    lin.act8, lin.prefill_bf16 = path == "int8", path == "panels"
-                    old = qgemm.set_decode_step(path == "int8")
+                    lin.act8, lin.prefill_bf16 = path.startswith("int8"), path == "panels"
+                    old = qgemm.set_decode_step(path.startswith("int8"))
+                    old_m = qgemm._set_act8_m_max(m if path.startswith("int8") else qgemm.ACT8_M_MAX)
+                    old_t = qgemm._set_q8_tiles(path != "int8_no_tiles")
                     try:
                         r[path] = timeit(lambda: lin.forward(x), 0.3) * 1e6
                     finally:
                         qgemm.set_decode_step(old)
+                        qgemm._set_act8_m_max(old_m)
+                        qgemm._set_q8_tiles(old_t)
                 out.append(r)
                 cell = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
-                print(f"| {layer} | {k} x {n} | {name} | {m} | {cell(r['f32'])} | {cell(r['int8'])} | "
+                gmac = lambda v: "-" if v is None else f"{m * k * n / v / 1e3:.0f}"  # noqa: E731
+                print(f"| {layer} | {k} x {n} | {name} | {m} | {cell(r['f32'])} | {cell(r['int8'])} "
+                      f"({gmac(r['int8'])}) | {cell(r['int8_no_tiles'])} ({gmac(r['int8_no_tiles'])}) | "
                       f"{cell(r['panels'])} |", flush=True)
     return out
 
@@ -117,7 +127,9 @@ def main(argv=None) -> None:
                     help="quantized linears as a bf16 engine builds them: large M on bf16 panels")
     ap.add_argument("--formats", nargs="+", default=None, help="formats to run (default: all)")
     ap.add_argument("--decode-batch", action="store_true",
-                    help="decode batches of 16/32/64 rows: f32 path / int8 activations / bf16 panels (us)")
+                    help="row counts of --rows: f32 path / int8 activations (row tiles, and without) / bf16 panels (us)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64],
+                    help="with --decode-batch: rows per call (default 16 32 64; 512: a prefill)")
     ap.add_argument("--m", type=int, nargs="+", default=[1, 512], help="rows per call (default 1 512)")
     ap.add_argument("--panel-mib", type=float, nargs="+", default=None,
                     help="with --bf16-prefill: each size of the bf16 panel in turn (default: qgemm's rule per thread count)")
@@ -128,9 +140,10 @@ def main(argv=None) -> None:
     if args.level is not None:
         qgemm._force_cpu_level(args.level)
     if args.decode_batch:
-        print("| layer | K x N | format | rows | f32 us | int8 activations us | bf16 panels us |\n"
-              "| --- | --- | --- | --- | --- | --- | --- |")
-        decode_batch(args.model)
+        print("| layer | K x N | format | rows | f32 us | int8 activations us (GMAC/s) | "
+              "int8 without row tiles us (GMAC/s) | bf16 panels us |\n"
+              "| --- | --- | --- | --- | --- | --- | --- | --- |")
+        decode_batch(args.model, tuple(args.rows))
         return
     formats = args.formats or (["int8-g128", "int4-g32-min"] if args.quick else FORMATS + ["bf16"])
     ms = args.m

@@ -190,3 +190,9 @@ def test_perplexity_bad_arguments(tmp_path):
         p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_perplexity.py"), *args],
                            capture_output=True, text=True, timeout=60, env=env)
         assert p.returncode == 2 and msg in p.stderr, p.stderr
+
+
+def test_quant_decode_batch_quick():
+    """bench_quant.py --decode-batch over the small model's shapes, 9 rows: every path runs
+    (row tiles on and off included where the CPU has VNNI)."""
+    _run("bench_quant.py", "--decode-batch", "--model", "SmolLM2-135M", "--rows", "9", "--threads", "1")
