@@ -78,10 +78,11 @@ def bench(model: str, formats: list[str], ms: list[int], min_time: float, bf16: 
 
 def decode_batch(model: str, rows=(16, 32, 64)) -> list[dict]:
     """One linear per shape of `model` (gate_up, down) at several row counts: us on the f32
-    tile path, on int8 activations in row tiles (qgemm_q8tile.h, VNNI) and on the decode kernel
-    alone (tiles off; "-" where the two are the same kernel: 8 rows or fewer, or no VNNI), and on
-    the bf16 panels (oneDNN, AMX where present); the int8 rows in GMAC/s too. Rows beyond a decode
-    batch (64) take int8 as prefill_activations="int8" would."""
+    tile path, on int8 activations as the engine runs them (AMX-INT8 matrix tiles where present,
+    qgemm_amx.h, else VNNI row tiles, qgemm_q8tile.h), on the VNNI row tiles with AMX off ("-"
+    without AMX), on the decode kernel alone (tiles off; "-" where it is the same kernel: 8 rows
+    or fewer, or no VNNI), and on the bf16 panels (oneDNN, AMX where present); the int8 rows in
+    GMAC/s too. Rows beyond a decode batch (64) take int8 as prefill_activations="int8" would."""
     out = []
     shapes = [s for s in SHAPES[model] if s[0] in ("gate_up", "down")]
     tiled = qgemm.cpu_level() >= 2
@@ -93,8 +94,9 @@ def decode_batch(model: str, rows=(16, 32, 64)) -> list[dict]:
             for m in rows:
                 x = np.random.default_rng(1).standard_normal((m, k), dtype=np.float32)
                 r = {"layer": layer, "K": k, "N": n, "format": name, "M": m}
-                for path in ("f32", "int8", "int8_no_tiles", "panels"):
+                for path in ("f32", "int8", "int8_no_amx", "int8_no_tiles", "panels"):
                     if (path == "panels" and m < qgemm.PANEL_M_MIN) or \
+                            (path == "int8_no_amx" and (m <= qgemm.ACT8_M_MAX or not qgemm.has_amx())) or \
                             (path == "int8_no_tiles" and (m <= qgemm.ACT8_M_MAX or not tiled)):
                         r[path] = None
                         continue
@@ -102,17 +104,20 @@ def decode_batch(model: str, rows=(16, 32, 64)) -> list[dict]:
                     old = qgemm.set_decode_step(path.startswith("int8"))
                     old_m = qgemm._set_act8_m_max(m if path.startswith("int8") else qgemm.ACT8_M_MAX)
                     old_t = qgemm._set_q8_tiles(path != "int8_no_tiles")
+                    old_a = qgemm._set_amx(path != "int8_no_amx")
                     try:
                         r[path] = timeit(lambda: lin.forward(x), 0.3) * 1e6
                     finally:
                         qgemm.set_decode_step(old)
                         qgemm._set_act8_m_max(old_m)
                         qgemm._set_q8_tiles(old_t)
+                        qgemm._set_amx(old_a)
                 out.append(r)
                 cell = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
                 gmac = lambda v: "-" if v is None else f"{m * k * n / v / 1e3:.0f}"  # noqa: E731
                 print(f"| {layer} | {k} x {n} | {name} | {m} | {cell(r['f32'])} | {cell(r['int8'])} "
-                      f"({gmac(r['int8'])}) | {cell(r['int8_no_tiles'])} ({gmac(r['int8_no_tiles'])}) | "
+                      f"({gmac(r['int8'])}) | {cell(r['int8_no_amx'])} ({gmac(r['int8_no_amx'])}) | "
+                      f"{cell(r['int8_no_tiles'])} ({gmac(r['int8_no_tiles'])}) | "
                       f"{cell(r['panels'])} |", flush=True)
     return out
 
@@ -141,8 +146,8 @@ def main(argv=None) -> None:
         qgemm._force_cpu_level(args.level)
     if args.decode_batch:
         print("| layer | K x N | format | rows | f32 us | int8 activations us (GMAC/s) | "
-              "int8 without row tiles us (GMAC/s) | bf16 panels us |\n"
-              "| --- | --- | --- | --- | --- | --- | --- | --- |")
+              "int8 on VNNI row tiles, AMX off, us (GMAC/s) | int8 without row tiles us (GMAC/s) | "
+              "bf16 panels us |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         decode_batch(args.model, tuple(args.rows))
         return
     formats = args.formats or (["int8-g128", "int4-g32-min"] if args.quick else FORMATS + ["bf16"])

@@ -18,7 +18,8 @@ Q8 activations) and meet the packed weights in integer dot products (qgemm_q8.h:
 VNNI, vpmaddubsw + vpmaddwd without): several times fewer instructions per weight byte than
 dequantizing to f32, so decode stays bound by memory bandwidth on few cores. The kernel takes
 any M (8 rows per pass over a weight block; on VNNI more rows run in register tiles of 8 rows,
-qgemm_q8tile.h, with bitwise the same results). Prefill rows take it where the model sets
+qgemm_q8tile.h, and on AMX-INT8 in 16 x 16 matrix tiles, qgemm_amx.h, with bitwise the same
+results). Prefill rows take it where the model sets
 `prefill_act8` (EngineConfig.prefill_activations; see the NOTE at ACT8_M_MAX). With
 `act8_residual` too (the lm_head), each row runs as two int8 rows, x and its rounding residual,
 whose products are added: about 15 bits of activation for twice the integer work on the same
@@ -60,6 +61,8 @@ cdef extern from "qgemm_kernels.h" nogil:
                       const float* bias, float* out, int level, int resid)
     enum: QG_MR_Q8
     int qg_q8_tiles
+    int qg_amx
+    int qg_amx_init()
     size_t qg_tiles_bytes(const qg_format* f, long Q)
     int qg_decode_step
     int qg_dequant_panel_bf16(const uint8_t* w, const qg_format* f, long K, long n0, long n1,
@@ -67,6 +70,8 @@ cdef extern from "qgemm_kernels.h" nogil:
 
 _KINDS = {"sym": 0, "zero": 1, "min": 2}
 cdef int _level = qg_cpu_level()
+cdef int _amx_present = qg_amx_init()
+qg_amx = _amx_present
 # NOTE: decode rows (M <= 8) by default; longer prefills only with prefill_act8 (the model's
 # prefill_activations="int8"). With every prefill linear in int8, SmolLM2-135M's perplexity rose
 # 0.5% (18.30 to 18.40); with qkv_proj kept at bf16 precision (prefill_act8 = 2), 0.16%. Its
@@ -100,6 +105,21 @@ def _set_act8_m_max(long m):
     old = _act8_m_max
     _act8_m_max = m
     return old
+
+def has_amx():
+    """Whether int8 activations of many rows run on AMX-INT8 matrix tiles (qgemm_amx.h): the
+    CPU has AMX-INT8 and the kernel granted this process the tile state."""
+    return _amx_present != 0
+
+
+def _set_amx(bint on):
+    """Tests and benchmarks: False runs many int8 rows on the VNNI row tiles even where AMX-INT8
+    is present (bitwise the same results). Returns the old value; a no-op without AMX."""
+    global qg_amx
+    old = qg_amx != 0
+    qg_amx = 1 if on and _amx_present else 0
+    return old
+
 
 def _set_q8_tiles(bint on):
     """Tests and benchmarks: False runs int8 activations of more than ACT8_M_MAX rows on the
@@ -151,8 +171,11 @@ def prefill_int8_wins():
     """Whether a prefill over quantized weights runs faster on int8 activations (row tiles,
     vpdpbusd) than on bf16 panels: AVX-512 VNNI without AMX. M = 512 over Qwen2.5-0.5B's linears
     on a 2-core Zen 4: 1.15-1.4x the panels; a 512-token prefill 1.15-1.33x (bench_llamacpp.py
-    --prefill-int8). With AMX the panels run on the matrix units (int8 AMX is not written); below
-    VNNI the int8 path was not measured faster."""
+    --prefill-int8). With AMX the panels run on the bf16 matrix units, and the int8 ones
+    (qgemm_amx.h) lose to them: a 32-k block's epilogue (activation scale x weight scale, in
+    AVX-512) costs more than its tile multiply. M = 512, 896 x 9728, 2-core Sapphire Rapids-class
+    VM (bench_quant.py --decode-batch --rows 512): int4 AMX 1.1-1.25x the VNNI row tiles but
+    0.55x the panels. Below VNNI the int8 path was not measured faster."""
     return _level >= 2 and not _gemm._has_amx()
 
 

@@ -426,6 +426,7 @@ static void qg_q8_sum_parts(const float* part, long ns, long M, long N, const fl
 }
 
 #include "qgemm_q8tile.h"
+#include "qgemm_amx.h"
 
 /* out[M, N] = xq(x)[M, kp] @ W^T + bias; level: 2 VNNI, 1 AVX-512BW, 0 AVX2. `resid`: each row
  * runs as two int8 rows (x and its residual, qg_quantize_x) whose products are added before
@@ -440,7 +441,10 @@ static int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, l
     const size_t fb = (sizeof(float) * (size_t)(Q * nb + Q * ng) + 63) & ~(size_t)63;
     const size_t ib = (sizeof(int32_t) * (size_t)(Q * nb) + 63) & ~(size_t)63;
     const size_t rb = resid ? sizeof(float) * (size_t)(M * f->kp) : 0;
-    char* scratch = (char*)qg_scratch_get(fb + ib + rb + (size_t)(Q * f->kp));
+    const int amx = level >= 2 && Q > QG_MR_Q8 && qg_q8_tiles && qg_amx && qg_amx_fits(f);
+    /* AMX loads whole 16-row tiles: the last one may read up to 15 rows past xq (not stored) */
+    const size_t pad = amx ? (size_t)((QG_MR_AMX - 1) * f->kp) : 0;
+    char* scratch = (char*)qg_scratch_get(fb + ib + rb + (size_t)(Q * f->kp) + pad);
     if (scratch == NULL) return -1;
     float* sx = (float*)scratch;
     int32_t* xi = (int32_t*)(scratch + fb);
@@ -448,6 +452,24 @@ static int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, l
     int8_t* xq = (int8_t*)(scratch + fb + ib + rb);
     qg_quantize_x(x, M, ldx, f, xq, sx, xi, sx + Q * nb, resid, res);
     const qg_xq q = {xq, sx, xi, sx + Q * nb, f->kp, nb, ng};
+    if (amx) {  /* many rows on AMX: matrix tiles (qgemm_amx.h) */
+        char* tb = (char*)malloc(qg_amx_rows_bytes(&q, Q));
+        if (tb == NULL) {
+            qg_scratch_put(scratch);
+            return -1;
+        }
+        const qg_amx_rows T = qg_amx_rows_at(tb, &q, Q);
+        #pragma omp parallel
+        {
+            const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+            qg_amx_rows_fill(&T, &q, f, Q, tid, nt);
+            #pragma omp barrier
+            qg_amx_share(w, f, &q, &T, Q, bias, out, f->n, resid, tid, nt);
+        }
+        free(tb);
+        qg_scratch_put(scratch);
+        return 0;
+    }
     if (level >= 2 && Q > QG_MR_Q8 && qg_q8_tiles) {  /* many rows: tiles (qgemm_q8tile.h) */
         char* tb = (char*)malloc(qg_tiles_bytes(f, Q));
         if (tb == NULL) {

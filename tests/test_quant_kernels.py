@@ -274,10 +274,11 @@ def test_panel_size_grows_with_the_thread_count(monkeypatch):
 @pytest.mark.skipif(qgemm.cpu_level() < 2, reason="the row-tile kernel needs AVX-512 VNNI (level 2)")
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 def test_row_tiles_equal_the_decode_kernel_bitwise(fmt):
-    """More than ACT8_M_MAX int8 rows run in row tiles (qgemm_q8tile.h) on VNNI: the same exact
+    """More than ACT8_M_MAX int8 rows run in row tiles (qgemm_q8tile.h) on VNNI, or in AMX-INT8
+    matrix tiles (qgemm_amx.h) where present and the format's blocks are whole: the same exact
     integer block sums and the same f32 operations per output as the decode kernel, so each row
     is bitwise what that kernel gives it, tails of tiles and the residual rows included, at 1
-    and 2 threads; and both equal the numpy reference on the dequantized int8 activations."""
+    and 2 threads; and all equal the numpy reference on the dequantized int8 activations."""
     from numa_runtime._kernels import ops
     from numa_runtime.quant.reference import quantize_activations
     old_m = qgemm._set_act8_m_max(1 << 30)
@@ -289,14 +290,15 @@ def test_row_tiles_equal_the_decode_kernel_bitwise(fmt):
             lin.act8 = True
             for resid in (False, True):
                 lin.act8_residual = resid
-                for m in (9, 12, 13, 24, 37):
+                for m in (9, 12, 13, 16, 24, 33, 37):
                     x = rng.standard_normal((m, k), dtype=np.float32)
                     x[1, : min(k, 3)] *= 50.0
                     got = []
                     for threads in (1, 2):
                         ops.set_num_threads(threads)
-                        for tiles in (True, False):
+                        for tiles, amx in ((True, True), (True, False), (False, False)):
                             qgemm._set_q8_tiles(tiles)
+                            qgemm._set_amx(amx)
                             got.append(lin.forward(x))
                     for g in got[1:]:
                         assert np.array_equal(got[0], g), (k, n, m, resid)
@@ -304,6 +306,7 @@ def test_row_tiles_equal_the_decode_kernel_bitwise(fmt):
                     check(got[0], ref.forward(xq).astype(np.float64), xq, ref.weight)
     finally:
         qgemm._set_q8_tiles(True)
+        qgemm._set_amx(True)
         ops.set_num_threads(old_t)
         qgemm._set_act8_m_max(old_m)
 

@@ -1,0 +1,262 @@
+/* Int8-activation GEMM for many rows on AMX-INT8 (Sapphire Rapids and later): matrix tiles.
+ *
+ * The row tiles of qgemm_q8tile.h spend one vpdpbusd per 64 multiply-adds; an AMX tile
+ * multiply (tdpbssd / tdpbsud) does 16 x 16 x 32 = 8192 of them. Operands, per 32-k activation
+ * block (QG_QB):
+ *   A  16 activation rows x 32 int8 k, loaded straight from xq (rows kp apart; int4 formats
+ *      keep xq's k order 0 2 4 6 1 3 5 7, which the B rows below follow);
+ *   B  8 rows of 16 columns x 4 k: int8 weights are the packed rows themselves (signed, so
+ *      tdpbssd, no offset); int4 rows are split into their low and high nibbles (k 0 2 4 6 and
+ *      1 3 5 7 of each 8, unsigned 0..15, so tdpbsud, and the offset correction -off * xi).
+ *   C  16 x 16 int32: the block's exact integer sums, the very integers the VNNI kernels form.
+ * After each block C goes to memory and the float epilogue runs in AVX-512 as in the VNNI
+ * kernels (convert, scale product, fused multiply-add per block; the group's c term), in the
+ * same order: results are bitwise equal to qg_q8_vnni's and the row tiles', whichever kernel a
+ * row ran in. The epilogue (per 32 k, because the activation scales are per 32 k) is most of
+ * the instructions; the tile multiply is a few cycles.
+ *
+ * Formats: every block a full 32 k (group a multiple of 32, or per channel with K a multiple
+ * of 32: every real model's K). Others keep the row tiles (qg_amx_fits).
+ * Linux hands out the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, once
+ * per process; oneDNN asks the same); each OpenMP thread loads its tile configuration at the
+ * start of its share and releases it at the end.
+ */
+#ifndef NUMA_RUNTIME_QGEMM_AMX_H
+#define NUMA_RUNTIME_QGEMM_AMX_H
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define QG_TAMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8")))
+#define QG_MR_AMX 16   /* activation rows per A tile */
+
+/* 1: AMX-INT8 present and granted (qg_amx_init); tests and benchmarks switch it (qgemm._set_amx) */
+static int qg_amx = 0;
+
+/* 1 when this CPU has AMX-INT8 and the kernel lets this process use the tile state. */
+static int qg_amx_init(void) {
+    unsigned a, b, c, d;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    if (!((d >> 24) & 1) || !((d >> 25) & 1)) return 0;  /* AMX-TILE, AMX-INT8 */
+    __builtin_cpu_init();
+    if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+          __builtin_cpu_supports("avx512vnni")))
+        return 0;
+#ifdef SYS_arch_prctl
+    /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA */
+    if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return 0;
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Every block a full QG_QB k: the group (which divides kp; per channel it is kp) a multiple. */
+static inline int qg_amx_fits(const qg_format* f) { return f->group % QG_QB == 0; }
+
+typedef struct {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} qg_tilecfg;
+
+/* Two sets, used alternately by even and odd blocks so that one block's multiply overlaps the
+ * previous block's epilogue (tiles are not renamed: reusing one C tile would wait for its
+ * store): tmm0/tmm1 C 16 x 16 int32; tmm2/tmm3 A 16 rows x 32 bytes; tmm4/tmm5 B 8 rows x 64. */
+static QG_TAMX void qg_amx_config(void) {
+    qg_tilecfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 2; i++) {
+        c.rows[i] = 16; c.colsb[i] = 64;
+        c.rows[2 + i] = 16; c.colsb[2 + i] = QG_QB;
+        c.rows[4 + i] = QG_QB / 4; c.colsb[4 + i] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* Per 16-row tile, the scalars of its rows in row order, so that the epilogue reads each
+ * block's 16 of them from one place (as the VNNI row tiles do): st [nb][16] block scales,
+ * ot [nb][16] the offset correction -off * xi, xst [ng][16] the group sums xs. Rows past Q are
+ * zeros (their sums are not stored). */
+typedef struct {
+    float* st;
+    int32_t* ot;
+    float* xst;
+    long ntiles;
+} qg_amx_rows;
+
+static size_t qg_amx_rows_bytes(const qg_xq* q, long Q) {
+    const long nt = (Q + QG_MR_AMX - 1) / QG_MR_AMX;
+    return (size_t)nt * QG_MR_AMX * sizeof(float) * (size_t)(2 * q->nb + q->ng) + 3 * 64;
+}
+
+static qg_amx_rows qg_amx_rows_at(char* buf, const qg_xq* q, long Q) {
+    const long nt = (Q + QG_MR_AMX - 1) / QG_MR_AMX;
+    qg_amx_rows t;
+    uintptr_t p = ((uintptr_t)buf + 63) & ~(uintptr_t)63;
+    t.st = (float*)p;
+    p = (p + sizeof(float) * (size_t)(nt * q->nb * QG_MR_AMX) + 63) & ~(uintptr_t)63;
+    t.ot = (int32_t*)p;
+    p = (p + sizeof(int32_t) * (size_t)(nt * q->nb * QG_MR_AMX) + 63) & ~(uintptr_t)63;
+    t.xst = (float*)p;
+    t.ntiles = nt;
+    return t;
+}
+
+/* Thread tid of nt: its tiles' scalars. */
+static void qg_amx_rows_fill(const qg_amx_rows* T, const qg_xq* q, const qg_format* f, long Q,
+                             int tid, int nt) {
+    const long nb = q->nb, ng = q->ng;
+    const int off = f->bits == 4 ? qg_q8_off_vnni(f) : 0;  /* int8: signed x signed */
+    for (long i = tid; i < T->ntiles; i += nt) {
+        float* st = T->st + i * nb * QG_MR_AMX;
+        int32_t* ot = T->ot + i * nb * QG_MR_AMX;
+        float* xst = T->xst + i * ng * QG_MR_AMX;
+        for (int r = 0; r < QG_MR_AMX; r++) {
+            const long row = i * QG_MR_AMX + r;
+            const int in = row < Q;
+            for (long b = 0; b < nb; b++) {
+                st[b * QG_MR_AMX + r] = in ? q->sx[row * nb + b] : 0.0f;
+                ot[b * QG_MR_AMX + r] = in ? (int32_t)(-off * q->xi[row * nb + b]) : 0;
+            }
+            for (long g = 0; g < ng; g++) xst[g * QG_MR_AMX + r] = in ? q->xs[row * ng + g] : 0.0f;
+        }
+    }
+}
+
+/* NOTE: GCC's tile load and store intrinsics are asm statements without a memory clobber: this
+ * compiler barrier keeps the stores of the unpacked B rows before the tile load that reads
+ * them, and the loads of the sums after the tile store that writes them. */
+#define QG_AMX_FENCE() __asm__ volatile("" ::: "memory")
+
+/* Block bi's 32 k (block b_ of the group whose rows start at rows_): A from xq, B from the
+ * packed rows, C = A . B stored to cb. int4 rows are split into their low and high nibbles
+ * into bt, symmetric ones less their offset 8 (so signed: the integer the VNNI kernels form
+ * with their offset correction). TC, TA, TB: the tile set. */
+#define QG_AMX_MUL(TC, TA, TB, bi, rows_, b_, bt, cb)                                             \
+    {                                                                                             \
+        _tile_loadd(TA, xa + (bi) * QG_QB, kp);                                                   \
+        _tile_zero(TC);                                                                           \
+        if (bits == 4) {                                                                          \
+            const uint8_t* src_ = (rows_) + (b_) * (QG_QB / 8) * 64;                              \
+            for (int i_ = 0; i_ < QG_QB / 8; i_++) {                                              \
+                const __m512i v_ = _mm512_loadu_si512((const void*)(src_ + i_ * 64));             \
+                __m512i lo_ = _mm512_and_si512(v_, m4);                                           \
+                __m512i hi_ = _mm512_and_si512(_mm512_srli_epi32(v_, 4), m4);                     \
+                if (sym) {                                                                        \
+                    lo_ = _mm512_sub_epi8(lo_, eight);                                            \
+                    hi_ = _mm512_sub_epi8(hi_, eight);                                            \
+                }                                                                                 \
+                _mm512_store_si512((void*)((bt) + (2 * i_) * 64), lo_);                           \
+                _mm512_store_si512((void*)((bt) + (2 * i_ + 1) * 64), hi_);                       \
+            }                                                                                     \
+            QG_AMX_FENCE();                                                                       \
+            _tile_loadd(TB, (bt), 64);                                                            \
+            if (sym) _tile_dpbssd(TC, TA, TB);                                                    \
+            else _tile_dpbsud(TC, TA, TB);                                                        \
+        } else {                                                                                  \
+            _tile_loadd(TB, (rows_) + (b_) * (QG_QB / 4) * 64, 64);                               \
+            _tile_dpbssd(TC, TA, TB);                                                             \
+        }                                                                                         \
+        _tile_stored(TC, (cb), 64);                                                               \
+        QG_AMX_FENCE();                                                                           \
+    }
+
+/* The epilogue of block bi (sums in cbuf; group meta_, index g_; last_: the group's last
+ * block): the VNNI kernels' float operations in their order. */
+#define QG_AMX_EPI(bi, cbuf, meta_, g_, last_)                                                    \
+    {                                                                                             \
+        const __m512 s_ = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(meta_)));          \
+        const float* sb_ = st + (bi) * QG_MR_AMX;                                                 \
+        _Pragma("GCC unroll 16")                                                                  \
+        for (int r = 0; r < QG_MR_AMX; r++)                                                       \
+            a[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void*)((cbuf) + r * 16))), \
+                                   _mm512_mul_ps(s_, _mm512_set1_ps(sb_[r])), a[r]);              \
+        if (has_c && (last_)) {                                                                   \
+            const __m512 o_ = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((meta_) + 32))); \
+            const __m512 c_ = f->kind == QG_ZERO ? _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(s_, o_)) : o_; \
+            const float* xg_ = xst + (g_) * QG_MR_AMX;                                            \
+            _Pragma("GCC unroll 16")                                                              \
+            for (int r = 0; r < QG_MR_AMX; r++) a[r] = _mm512_fmadd_ps(c_, _mm512_set1_ps(xg_[r]), a[r]); \
+        }                                                                                         \
+    }
+
+/* acc[r * 16 + j] for the 16 rows of tile i and the 16 columns of block blk, all groups.
+ * bt: 64-byte aligned 2 x 512-byte scratch (int4 B rows); cb: 4 x 1 KiB (C). Software
+ * pipelined: blocks 2p and 2p + 1 multiply on the two tile sets while the epilogue of blocks
+ * 2p - 2 and 2p - 1 runs, on sums stored an iteration earlier (a load waits for a tile store
+ * until it is written to the cache). */
+QG_INLINE QG_TAMX void qg_amx_block(const uint8_t* blk, const qg_format* f, const qg_xq* q,
+                                    const qg_amx_rows* T, long i, float* acc, uint8_t* bt,
+                                    int32_t* cb, const int bits) {
+    const long gb = qg_group_bytes(f), mb = qg_meta_bytes(f), nbg = f->group / QG_QB;
+    const long ng = q->ng, nb = q->nb, kp = q->kp, nbk = ng * nbg;
+    const int has_c = bits == 4 && f->kind != QG_SYM, sym = f->kind == QG_SYM;
+    const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F), eight = _mm512_set1_epi8(8);
+    const int8_t* xa = q->xq + i * QG_MR_AMX * kp;
+    const float* st = T->st + i * nb * QG_MR_AMX;
+    const float* xst = T->xst + i * ng * QG_MR_AMX;
+    __m512 a[QG_MR_AMX];
+    for (int r = 0; r < QG_MR_AMX; r++) a[r] = _mm512_setzero_ps();
+    const uint8_t* metas[4];  /* block x: its group's meta, index and block in it, at x & 3 */
+    long gs[4], bs[4];
+    long g = 0, b = 0;  /* the next block to multiply is block b of group g */
+    const uint8_t* meta = blk;
+#define QG_AMX_NEXT(x)                                                                            \
+    {                                                                                             \
+        metas[(x) & 3] = meta; gs[(x) & 3] = g; bs[(x) & 3] = b;                                  \
+        if (++b == nbg) { b = 0; g++; meta += gb; }                                               \
+    }
+#define QG_AMX_EPI_AT(x) QG_AMX_EPI(x, cb + ((x) & 3) * 256, metas[(x) & 3], gs[(x) & 3], bs[(x) & 3] == nbg - 1)
+    for (long bi = 0; bi < nbk + 2; bi += 2) {
+        if (bi < nbk) {
+            QG_AMX_NEXT(bi)
+            QG_AMX_MUL(0, 2, 4, bi, metas[bi & 3] + mb, bs[bi & 3], bt, cb + (bi & 3) * 256)
+        }
+        if (bi + 1 < nbk) {
+            QG_AMX_NEXT(bi + 1)
+            QG_AMX_MUL(1, 3, 5, bi + 1, metas[(bi + 1) & 3] + mb, bs[(bi + 1) & 3], bt + 512,
+                       cb + ((bi + 1) & 3) * 256)
+        }
+        if (bi >= 2) {
+            QG_AMX_EPI_AT(bi - 2)
+            if (bi - 1 < nbk) QG_AMX_EPI_AT(bi - 1)
+        }
+    }
+#undef QG_AMX_NEXT
+#undef QG_AMX_EPI_AT
+    for (int r = 0; r < QG_MR_AMX; r++) _mm512_store_ps(acc + r * QG_NB, a[r]);
+}
+#undef QG_AMX_MUL
+#undef QG_AMX_EPI
+
+/* Thread tid of nt: its share of the (column block, 16-row tile) tasks of out[M, N] (rows ldo
+ * apart), block-major; `resid`: int8 rows 2i and 2i + 1 are output row i. xq must be readable
+ * for 16 rows past any tile's first row (qg_forward_q8 pads it). */
+static QG_TAMX void qg_amx_share(const uint8_t* w, const qg_format* f, const qg_xq* q,
+                                 const qg_amx_rows* T, long Q, const float* bias, float* out,
+                                 long ldo, int resid, int tid, int nt) {
+    const long nblocks = (f->n + QG_NB - 1) / QG_NB, bb = qg_block_bytes(f);
+    float acc[QG_MR_AMX * QG_NB] __attribute__((aligned(64)));
+    int32_t cb[4 * QG_MR_AMX * 16] __attribute__((aligned(64)));
+    uint8_t bt[2 * QG_QB / 4 * 64] __attribute__((aligned(64)));
+    long t0, t1;
+    nr_share(nblocks * T->ntiles, tid, nt, &t0, &t1);
+    if (t0 >= t1) return;
+    qg_amx_config();
+    for (long t = t0; t < t1; t++) {
+        const long b = t / T->ntiles, i = t % T->ntiles, r0 = i * QG_MR_AMX;
+        int m = (int)(Q - r0 < QG_MR_AMX ? Q - r0 : QG_MR_AMX);
+        if (f->bits == 4) qg_amx_block(w + b * bb, f, q, T, i, acc, bt, cb, 4);
+        else qg_amx_block(w + b * bb, f, q, T, i, acc, bt, cb, 8);
+        m = qg_fold_resid(acc, m, resid);  /* m is even with resid: Q and QG_MR_AMX are */
+        qg_store(acc, m, b * QG_NB, f->n, ldo, bias, out + (resid ? r0 / 2 : r0) * ldo);
+    }
+    _tile_release();
+}
+
+#endif
