@@ -168,15 +168,15 @@ def _panels(long K, long N):
 
 
 def prefill_int8_wins():
-    """Whether a prefill over quantized weights runs faster on int8 activations (row tiles,
-    vpdpbusd) than on bf16 panels: AVX-512 VNNI without AMX. M = 512 over Qwen2.5-0.5B's linears
-    on a 2-core Zen 4: 1.15-1.4x the panels; a 512-token prefill 1.15-1.33x (bench_llamacpp.py
-    --prefill-int8). With AMX the panels run on the bf16 matrix units, and the int8 ones
-    (qgemm_amx.h) lose to them: a 32-k block's epilogue (activation scale x weight scale, in
-    AVX-512) costs more than its tile multiply. M = 512, 896 x 9728, 2-core Sapphire Rapids-class
-    VM (bench_quant.py --decode-batch --rows 512): int4 AMX 1.1-1.25x the VNNI row tiles but
-    0.55x the panels. Below VNNI the int8 path was not measured faster."""
-    return _level >= 2 and not _gemm._has_amx()
+    """Whether a prefill over quantized weights runs faster on int8 activations than on bf16
+    panels: AVX-512 VNNI (row tiles), AMX included (matrix tiles, qgemm_amx.h). 512-token
+    prefill, bench_llamacpp.py --prefill-int8: 2-core Zen 4 1.15-1.33x; SPR-16 (16 threads,
+    AMX) Qwen2.5-0.5B Q4_0 / Q8_0 1.17x / 1.25x, Llama-3.2-1B 1.00x / 1.19x. On a 2-core
+    Sapphire Rapids-class VM the AMX-INT8 linears alone ran at 0.5-1.0x the bf16 panels at 512
+    rows (bench_quant.py --decode-batch; a 32-k block's AVX-512 epilogue costs more than its
+    tile multiply), so this is the 16-core answer. Below VNNI the int8 path was not measured
+    faster."""
+    return _level >= 2
 
 
 def cpu_level():
