@@ -215,7 +215,7 @@ static void nd_gemv(const nd_step* st, const nd_linear* L, float* out, nd_thread
         const long ns = qg_q8_slices(f, M, t->nt), Np = f->n;
         const qg_xq q = nd_part_xq(st, L, p);
         const float* bias = L->bias_after || !L->bias ? NULL : L->bias + col;
-        if (st->tiles && M > QG_MR_Q8 && st->qg_level >= 2 && qg_q8_tiles) {  /* as qg_forward_q8 */
+        if (st->tiles && M > QG_MR_Q8 && st->qg_level >= 2 && qg_q8_tiles) {  /* as qg_forward_q8 without AMX */
             const qg_tiles T = qg_tiles_at(st->tiles, f, M);
             qg_tiles_fill(&T, &q, f, M, t->tid, t->nt);
             nd_barrier(t);

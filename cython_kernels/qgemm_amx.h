@@ -6,8 +6,9 @@
  *   A  16 activation rows x 32 int8 k, loaded straight from xq (rows kp apart; int4 formats
  *      keep xq's k order 0 2 4 6 1 3 5 7, which the B rows below follow);
  *   B  8 rows of 16 columns x 4 k: int8 weights are the packed rows themselves (signed, so
- *      tdpbssd, no offset); int4 rows are split into their low and high nibbles (k 0 2 4 6 and
- *      1 3 5 7 of each 8, unsigned 0..15, so tdpbsud, and the offset correction -off * xi).
+ *      tdpbssd); int4 rows are split into their low and high nibbles (k 0 2 4 6 and 1 3 5 7 of
+ *      each 8): symmetric ones less their offset 8 (signed, tdpbssd), the others as they are
+ *      (unsigned 0..15 with no offset, tdpbsud). So no offset correction -off * xi is needed.
  *   C  16 x 16 int32: the block's exact integer sums, the very integers the VNNI kernels form.
  * After each block C goes to memory and the float epilogue runs in AVX-512 as in the VNNI
  * kernels (convert, scale product, fused multiply-add per block; the group's c term), in the
@@ -38,11 +39,7 @@ static int qg_amx_init(void) {
     unsigned a, b, c, d;
     __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
     if (!((d >> 24) & 1) || !((d >> 25) & 1)) return 0;  /* AMX-TILE, AMX-INT8 */
-    __builtin_cpu_init();
-    if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-          __builtin_cpu_supports("avx512vnni")))
-        return 0;
+    if (qg_cpu_level() < 2) return 0;  /* the epilogue and the int4 split: AVX-512 with VNNI */
 #ifdef SYS_arch_prctl
     /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA */
     if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return 0;
@@ -78,20 +75,18 @@ static QG_TAMX void qg_amx_config(void) {
     _tile_loadconfig(&c);
 }
 
-/* Per 16-row tile, the scalars of its rows in row order, so that the epilogue reads each
- * block's 16 of them from one place (as the VNNI row tiles do): st [nb][16] block scales,
- * ot [nb][16] the offset correction -off * xi, xst [ng][16] the group sums xs. Rows past Q are
- * zeros (their sums are not stored). */
+/* Per 16-row tile, the scalars of its rows in row order (qg_row_scalars), so that the epilogue
+ * reads each block's 16 of them from one place, as the VNNI row tiles do: st [nb][16] block
+ * scales, xst [ng][16] the group sums xs. Rows past Q are zeros (their sums are not stored). */
 typedef struct {
     float* st;
-    int32_t* ot;
     float* xst;
     long ntiles;
 } qg_amx_rows;
 
 static size_t qg_amx_rows_bytes(const qg_xq* q, long Q) {
     const long nt = (Q + QG_MR_AMX - 1) / QG_MR_AMX;
-    return (size_t)nt * QG_MR_AMX * sizeof(float) * (size_t)(2 * q->nb + q->ng) + 3 * 64;
+    return (size_t)nt * QG_MR_AMX * sizeof(float) * (size_t)(q->nb + q->ng) + 2 * 64;
 }
 
 static qg_amx_rows qg_amx_rows_at(char* buf, const qg_xq* q, long Q) {
@@ -100,32 +95,17 @@ static qg_amx_rows qg_amx_rows_at(char* buf, const qg_xq* q, long Q) {
     uintptr_t p = ((uintptr_t)buf + 63) & ~(uintptr_t)63;
     t.st = (float*)p;
     p = (p + sizeof(float) * (size_t)(nt * q->nb * QG_MR_AMX) + 63) & ~(uintptr_t)63;
-    t.ot = (int32_t*)p;
-    p = (p + sizeof(int32_t) * (size_t)(nt * q->nb * QG_MR_AMX) + 63) & ~(uintptr_t)63;
     t.xst = (float*)p;
     t.ntiles = nt;
     return t;
 }
 
 /* Thread tid of nt: its tiles' scalars. */
-static void qg_amx_rows_fill(const qg_amx_rows* T, const qg_xq* q, const qg_format* f, long Q,
-                             int tid, int nt) {
-    const long nb = q->nb, ng = q->ng;
-    const int off = f->bits == 4 ? qg_q8_off_vnni(f) : 0;  /* int8: signed x signed */
-    for (long i = tid; i < T->ntiles; i += nt) {
-        float* st = T->st + i * nb * QG_MR_AMX;
-        int32_t* ot = T->ot + i * nb * QG_MR_AMX;
-        float* xst = T->xst + i * ng * QG_MR_AMX;
-        for (int r = 0; r < QG_MR_AMX; r++) {
-            const long row = i * QG_MR_AMX + r;
-            const int in = row < Q;
-            for (long b = 0; b < nb; b++) {
-                st[b * QG_MR_AMX + r] = in ? q->sx[row * nb + b] : 0.0f;
-                ot[b * QG_MR_AMX + r] = in ? (int32_t)(-off * q->xi[row * nb + b]) : 0;
-            }
-            for (long g = 0; g < ng; g++) xst[g * QG_MR_AMX + r] = in ? q->xs[row * ng + g] : 0.0f;
-        }
-    }
+static void qg_amx_rows_fill(const qg_amx_rows* T, const qg_xq* q, long Q, int tid, int nt) {
+    for (long i = tid; i < T->ntiles; i += nt)
+        for (int r = 0; r < QG_MR_AMX; r++)
+            qg_row_scalars(q, Q, i * QG_MR_AMX + r, QG_MR_AMX, r, 0, T->st + i * q->nb * QG_MR_AMX,
+                           NULL, T->xst + i * q->ng * QG_MR_AMX);
 }
 
 /* NOTE: GCC's tile load and store intrinsics are asm statements without a memory clobber: this

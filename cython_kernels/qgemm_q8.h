@@ -462,7 +462,7 @@ static int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, l
         #pragma omp parallel
         {
             const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-            qg_amx_rows_fill(&T, &q, f, Q, tid, nt);
+            qg_amx_rows_fill(&T, &q, Q, tid, nt);
             #pragma omp barrier
             qg_amx_share(w, f, &q, &T, Q, bias, out, f->n, resid, tid, nt);
         }

@@ -43,30 +43,29 @@ QG_INLINE QG_T512VNNI __m512i qg_dpbusd_bcast(__m512i acc, __m512i u, const int3
 
 static inline long qg_tile_bytes(const qg_format* f) { return f->kp * QG_MR_T; }
 
+/* Slot r of the row-interleaved scalar tables of a tile of R rows (qgemm_amx.h's tiles too):
+ * row `row` of q's block scales into st [nb][R], its offset corrections -off * xi into ot
+ * [nb][R] (ot NULL: none) and its group sums into xst [ng][R]; zeros for a row past Q. */
+static void qg_row_scalars(const qg_xq* q, long Q, long row, int R, int r, long off, float* st,
+                           int32_t* ot, float* xst) {
+    const int in = row < Q;
+    for (long b = 0; b < q->nb; b++) {
+        st[b * R + r] = in ? q->sx[row * q->nb + b] : 0.0f;
+        if (ot) ot[b * R + r] = in ? (int32_t)(-off * q->xi[row * q->nb + b]) : 0;
+    }
+    for (long g = 0; g < q->ng; g++) xst[g * R + r] = in ? q->xs[row * q->ng + g] : 0.0f;
+}
+
 /* Tile i of rows [QG_MR_T i, QG_MR_T (i + 1)) of q (Q rows; rows past Q are zeros). */
 static void qg_tile_fill(const qg_xq* q, const qg_format* f, long Q, long i, int8_t* xt,
                          float* st, int32_t* ot, float* xst) {
     const long kc = f->kp / 4, off = qg_q8_off_vnni(f);
     for (int r = 0; r < QG_MR_T; r++) {
         const long row = i * QG_MR_T + r;
-        if (row < Q) {
-            const int32_t* src = (const int32_t*)(q->xq + row * q->kp);  /* kp % 4 == 0 */
-            int32_t* dst = (int32_t*)xt + r;
-            for (long c = 0; c < kc; c++) dst[c * QG_MR_T] = src[c];
-            for (long b = 0; b < q->nb; b++) {
-                st[b * QG_MR_T + r] = q->sx[row * q->nb + b];
-                ot[b * QG_MR_T + r] = (int32_t)(-off * q->xi[row * q->nb + b]);
-            }
-            for (long g = 0; g < q->ng; g++) xst[g * QG_MR_T + r] = q->xs[row * q->ng + g];
-        } else {
-            int32_t* dst = (int32_t*)xt + r;
-            for (long c = 0; c < kc; c++) dst[c * QG_MR_T] = 0;
-            for (long b = 0; b < q->nb; b++) {
-                st[b * QG_MR_T + r] = 0.0f;
-                ot[b * QG_MR_T + r] = 0;
-            }
-            for (long g = 0; g < q->ng; g++) xst[g * QG_MR_T + r] = 0.0f;
-        }
+        const int32_t* src = (const int32_t*)(q->xq + row * q->kp);  /* kp % 4 == 0 */
+        int32_t* dst = (int32_t*)xt + r;
+        for (long c = 0; c < kc; c++) dst[c * QG_MR_T] = row < Q ? src[c] : 0;
+        qg_row_scalars(q, Q, row, QG_MR_T, r, off, st, ot, xst);
     }
 }
 

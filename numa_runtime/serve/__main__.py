@@ -43,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prefill-activations", default="bf16", choices=("bf16", "int8"),
                     help="prefill rows of quantized linears in a bf16 engine: bf16 (bf16 panels; the "
                          "default) or int8 blocks (integer dot products, as llama.cpp: faster with "
-                         "AVX-512 VNNI and no AMX, slightly less exact)")
+                         "AVX-512 VNNI, AMX-INT8 included; slightly less exact)")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded side by side at most")
     ap.add_argument("--max-queue", type=int, default=256, help="waiting sequences beyond which requests get 429")
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes per rank")
