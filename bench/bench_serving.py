@@ -9,7 +9,7 @@
     python bench/bench_serving.py --compare --quick
     # llama.cpp's own llama-server binary (bench/build_llamacpp.sh) and ours on the same GGUF
     python bench/bench_serving.py --compare --gguf model-q4_0.gguf --llama-server BUILD/bin/llama-server \
-        --concurrency 1,16,64 --num-threads 16
+        --concurrency 1,16,64 --num-threads 16   # ours: 15 compute threads + HTTP
 
 Each request is a streamed completion; TTFT is the time to its first token, TPOT the mean time
 between its later tokens, output tokens/s the tokens of all requests over the wall time.
@@ -208,8 +208,15 @@ def compare(args, levels, requests_per_level) -> None:
     model = args.model or (args.gguf if args.llama_server else None)  # the same GGUF for both
     if model:
         ours += ["--model", model]
-    if args.num_threads:
-        ours += ["--num-threads", str(args.num_threads)]
+    # NOTE: --num-threads N is the cpus each server gets. llama-server runs -t N; ours, as
+    # `serve` does by default from RESERVE_MIN_CPUS cpus on, computes on N - 1 and leaves one to
+    # its HTTP thread: 16 compute threads on 16 cpus beside a busy HTTP thread stall at every
+    # OpenMP barrier (SPR-16, concurrency 16: 33 ms a token against 15). --our-threads: ours alone.
+    from numa_runtime.engine import RESERVE_MIN_CPUS
+    n = args.num_threads
+    our_threads = args.our_threads or (n - 1 if n and n >= RESERVE_MIN_CPUS else n)
+    if our_threads:
+        ours += ["--num-threads", str(our_threads)]
     print(f"numa_runtime: {' '.join(ours[1:])}", flush=True)
     srv = Server(ours, port)
     try:
@@ -258,7 +265,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gguf", help="the same model as GGUF for llama.cpp (default: the built-in model's GGUF)")
     ap.add_argument("--llama-server", help="a llama-server binary (bench/build_llamacpp.sh) to compare with, on --gguf "
                                            "(ours then serves the same GGUF)")
-    ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--num-threads", type=int, default=None,
+                    help="cpus per server: llama-server -t N; ours N compute threads, from 8 on N - 1 and its HTTP thread")
+    ap.add_argument("--our-threads", type=int, default=None, help="our compute threads (overrides the above)")
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--requests", type=int, default=None, help="requests per level (default ROUNDS x concurrency)")
     ap.add_argument("--rounds", type=int, default=4, help="requests per level as a multiple of its concurrency")
