@@ -452,37 +452,26 @@ static int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, l
     int8_t* xq = (int8_t*)(scratch + fb + ib + rb);
     qg_quantize_x(x, M, ldx, f, xq, sx, xi, sx + Q * nb, resid, res);
     const qg_xq q = {xq, sx, xi, sx + Q * nb, f->kp, nb, ng};
-    if (amx) {  /* many rows on AMX: matrix tiles (qgemm_amx.h) */
-        char* tb = (char*)malloc(qg_amx_rows_bytes(&q, Q));
+    if (level >= 2 && Q > QG_MR_Q8 && qg_q8_tiles) {
+        /* many rows: AMX-INT8 matrix tiles (qgemm_amx.h) where present, else VNNI row tiles
+         * (qgemm_q8tile.h); both first lay out the rows' scalars (and the row tiles the rows) */
+        char* tb = (char*)malloc(amx ? qg_amx_rows_bytes(&q, Q) : qg_tiles_bytes(f, Q));
         if (tb == NULL) {
             qg_scratch_put(scratch);
             return -1;
         }
-        const qg_amx_rows T = qg_amx_rows_at(tb, &q, Q);
+        qg_amx_rows A;
+        qg_tiles T;
+        if (amx) A = qg_amx_rows_at(tb, &q, Q);
+        else T = qg_tiles_at(tb, f, Q);
         #pragma omp parallel
         {
             const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-            qg_amx_rows_fill(&T, &q, Q, tid, nt);
+            if (amx) qg_amx_rows_fill(&A, &q, Q, tid, nt);
+            else qg_tiles_fill(&T, &q, f, Q, tid, nt);
             #pragma omp barrier
-            qg_amx_share(w, f, &q, &T, Q, bias, out, f->n, resid, tid, nt);
-        }
-        free(tb);
-        qg_scratch_put(scratch);
-        return 0;
-    }
-    if (level >= 2 && Q > QG_MR_Q8 && qg_q8_tiles) {  /* many rows: tiles (qgemm_q8tile.h) */
-        char* tb = (char*)malloc(qg_tiles_bytes(f, Q));
-        if (tb == NULL) {
-            qg_scratch_put(scratch);
-            return -1;
-        }
-        const qg_tiles T = qg_tiles_at(tb, f, Q);
-        #pragma omp parallel
-        {
-            const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-            qg_tiles_fill(&T, &q, f, Q, tid, nt);
-            #pragma omp barrier
-            qg_q8t_share(w, f, &T, Q, bias, out, f->n, resid, tid, nt);
+            if (amx) qg_amx_share(w, f, &q, &A, Q, bias, out, f->n, resid, tid, nt);
+            else qg_q8t_share(w, f, &T, Q, bias, out, f->n, resid, tid, nt);
         }
         free(tb);
         qg_scratch_put(scratch);
