@@ -50,9 +50,6 @@ _TOP_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-# llama.cpp `tokenizer.ggml.pre` values whose split is "each digit alone, then GPT-2's regex"
-_DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "codeshell"}
-_GPT2_PRE = {"gpt-2", "gpt2", "default"}
 
 
 def _log(msg: str) -> None:
@@ -166,50 +163,8 @@ def _hf_config(meta: dict, tensor_names: set) -> dict:
 
 
 def _write_tokenizer(meta: dict, out_dir: str, prefix: str = "llama.") -> None:
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-
-    if meta.get("tokenizer.ggml.model") != "gpt2":
-        raise ValueError(f"GGUF tokenizer {meta.get('tokenizer.ggml.model')!r} is not supported; "
-                         "only byte-level BPE ('gpt2').")
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in _DIGIT_SPLIT_PRE:
-        pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True), byte_level])
-    elif pre in _GPT2_PRE:
-        pre_tokenizer = byte_level
-    else:
-        raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported (known: "
-                         f"{sorted(_DIGIT_SPLIT_PRE | _GPT2_PRE)}).")
-    tokens = list(meta["tokenizer.ggml.tokens"])
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
-    tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizer
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    control = [tokens[i] for i, t in enumerate(types) if t == 3]  # 3: CONTROL
-    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
-    tok.save(os.path.join(out_dir, "tokenizer.json"))
-
-    def name(key):
-        return tokens[int(meta[key])] if key in meta else None
-
-    cfg = {
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "add_prefix_space": False,
-        "bos_token": name("tokenizer.ggml.bos_token_id"),
-        "eos_token": name("tokenizer.ggml.eos_token_id"),
-        "pad_token": name("tokenizer.ggml.padding_token_id") or name("tokenizer.ggml.eos_token_id"),
-        "unk_token": name("tokenizer.ggml.unknown_token_id"),
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": int(meta.get(prefix + "context_length", 2048)),
-        "tokenizer_class": "PreTrainedTokenizerFast",  # NOTE: use tokenizer.json as-is
-    }
-    if "tokenizer.chat_template" in meta:
-        cfg["chat_template"] = meta["tokenizer.chat_template"]
-    _write_json(os.path.join(out_dir, "tokenizer_config.json"), cfg)
+    from .gguf_tokenizer import write_tokenizer
+    write_tokenizer(meta, out_dir, prefix)
 
 
 def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -1,0 +1,220 @@
+"""The tokenizer of a GGUF file (its `tokenizer.ggml.*` metadata) as tokenizer.json +
+tokenizer_config.json, built with the `tokenizers` library.
+
+Two GGUF tokenizer models:
+  - "gpt2": byte-level BPE with the file's merges. `tokenizer.ggml.pre` names the split before
+    BPE (llama.cpp's names): GPT-2's regex, GPT-2's after each digit alone (SmolLM, StarCoder),
+    or the regexes of Llama 3, Qwen2/2.5/3 (with Qwen's NFC normalizer) and Mistral's Tekken,
+    as the models' own tokenizer.json write them. Llama 3 and Tekken emit a word that is itself
+    in the vocabulary as that token (BPE `ignore_merges`).
+  - "llama": SentencePiece BPE (Llama 2, Mistral 7B, TinyLlama). The file has pieces and scores,
+    no merges: SentencePiece merges the adjacent pair whose joined piece scores highest, which is
+    BPE with every split of every normal piece as a merge ranked by that piece's score (as
+    transformers' converter from SentencePiece builds them). Spaces become U+2581, each text
+    between special tokens gets one in front (`tokenizer.ggml.add_space_prefix`, as llama.cpp and
+    transformers' legacy Llama tokenizer), and characters outside the vocabulary fall back to
+    byte tokens <0xXX>.
+Control tokens (type 3) are special tokens (matched in text, dropped by skip_special_tokens);
+user-defined ones (type 4) are matched in text and kept. BOS/EOS are added around a text as
+`tokenizer.ggml.add_bos_token` / `add_eos_token` say (llama.cpp's per-model defaults otherwise).
+The stop tokens are EOS plus the file's end-of-turn / end-of-message tokens (`eot_token_id`,
+`eom_token_id`): `stop_token_ids(meta)`.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from .config import UnsupportedModelError
+
+# GGUF token types (llama.cpp's llama_token_type)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# Pre-tokenizer regexes as the models' tokenizer.json files write them
+_LLAMA3_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+             r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN35_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+              r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN_RE = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+              r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+              r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+# tokenizer.ggml.pre -> (split, NFC normalizer, ignore_merges, llama.cpp's default for add_bos)
+# split: "gpt2" (GPT-2's regex), "digits" (each digit alone, then GPT-2's), or a regex
+BPE_PRE = {
+    **{name: ("gpt2", False, False, False) for name in ("default", "gpt2", "gpt-2", "phi-2", "mpt", "olmo",
+                                                         "roberta-bpe")},
+    **{name: ("digits", False, False, False) for name in ("smollm", "starcoder", "refact", "codeshell",
+                                                           "command-r")},
+    **{name: (_LLAMA3_RE, False, True, True) for name in ("llama3", "llama-v3", "llama-bpe", "falcon3",
+                                                          "pixtral")},
+    "smaug-bpe": (_LLAMA3_RE, False, False, False),
+    **{name: (_QWEN2_RE, True, False, False) for name in ("qwen2", "deepseek-r1-qwen", "megrez")},
+    "qwen35": (_QWEN35_RE, True, False, False),
+    "tekken": (_TEKKEN_RE, False, True, True),
+}
+
+
+def write_tokenizer(meta: dict, out_dir: str, prefix: str, source: str = "") -> None:
+    """tokenizer.json and tokenizer_config.json in out_dir for the GGUF metadata `meta`
+    (`prefix`: the architecture's key prefix, e.g. "qwen2."; `source`: the file, for errors)."""
+    kind = meta.get("tokenizer.ggml.model")
+    where = f"{source}: " if source else ""
+    if kind == "gpt2":
+        tok, add_bos_default = _bpe(meta, where)
+    elif kind == "llama":
+        tok, add_bos_default = _spm(meta, where)
+    else:
+        raise UnsupportedModelError(f"{where}GGUF tokenizer model {kind!r} is not supported; numa_runtime "
+                                    "reads byte-level BPE ('gpt2') and SentencePiece ('llama').")
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    types = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+    _add_special(tok, tokens, types)
+
+    def token(key):
+        i = meta.get(key)
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default))
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    _post_processor(tok, meta, tokens, add_bos, add_eos, where)
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    cfg = {
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "add_prefix_space": False,
+        "bos_token": token("tokenizer.ggml.bos_token_id"),
+        "eos_token": token("tokenizer.ggml.eos_token_id"),
+        "pad_token": token("tokenizer.ggml.padding_token_id") or token("tokenizer.ggml.eos_token_id"),
+        "unk_token": token("tokenizer.ggml.unknown_token_id"),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(meta.get(prefix + "context_length", 2048)),
+        "tokenizer_class": "PreTrainedTokenizerFast",  # NOTE: tokenizer.json as it is, BOS included
+    }
+    if "tokenizer.chat_template" in meta:
+        cfg["chat_template"] = meta["tokenizer.chat_template"]
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def stop_token_ids(meta: dict) -> list[int]:
+    """EOS, then the end-of-turn and end-of-message tokens the file names (each once)."""
+    ids = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        if key in meta and int(meta[key]) >= 0 and int(meta[key]) not in ids:
+            ids.append(int(meta[key]))
+    return ids
+
+
+def _bpe(meta: dict, where: str):
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in BPE_PRE:
+        raise UnsupportedModelError(f"{where}GGUF pre-tokenizer {pre!r} is not supported (known: "
+                                    f"{', '.join(sorted(BPE_PRE))}).")
+    split, nfc, ignore_merges, add_bos = BPE_PRE[pre]
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    merges = []
+    for m in meta.get("tokenizer.ggml.merges") or []:
+        a, sep, b = m.partition(" ")
+        if not sep:
+            raise UnsupportedModelError(f"{where}GGUF merge {m!r} is not two tokens.")
+        merges.append((a, b))
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False,
+                               byte_fallback=False, ignore_merges=ignore_merges))
+    if split == "gpt2":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    elif split == "digits":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if nfc:
+        tok.normalizer = normalizers.NFC()
+    tok.decoder = decoders.ByteLevel()
+    return tok, add_bos
+
+
+def _spm(meta: dict, where: str):
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    if meta.get("tokenizer.ggml.remove_extra_whitespaces"):
+        raise UnsupportedModelError(f"{where}GGUF SentencePiece tokenizers that remove extra whitespace "
+                                    "are not supported.")
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    n = len(tokens)
+    scores = list(meta.get("tokenizer.ggml.scores") or [])
+    types = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * n)
+    if len(scores) != n or len(types) != n:
+        raise UnsupportedModelError(f"{where}the GGUF SentencePiece vocabulary has {n} tokens but "
+                                    f"{len(scores)} scores and {len(types)} token types.")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    normal = {t: i for i, t in enumerate(tokens) if types[i] == NORMAL}
+    # NOTE: SentencePiece joins the adjacent pair whose joined piece scores highest: every split
+    # of a normal piece into two normal pieces is a merge, ranked by the joined piece's score
+    ranked = []
+    for piece, i in normal.items():
+        for cut in range(1, len(piece)):
+            a, b = piece[:cut], piece[cut:]
+            if a in normal and b in normal:
+                ranked.append((-float(scores[i]), normal[a], normal[b], a, b))
+    ranked.sort()
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    unk_token = tokens[int(unk)] if unk is not None and 0 <= int(unk) < n else None
+    byte_fallback = any(t == BYTE for t in types)
+    tok = Tokenizer(models.BPE(vocab, [(a, b) for *_, a, b in ranked], unk_token=unk_token,
+                               fuse_unk=True, byte_fallback=byte_fallback))
+    steps = [normalizers.Replace(" ", "\u2581")]
+    decode = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if meta.get("tokenizer.ggml.add_space_prefix", True):
+        steps.insert(0, normalizers.Prepend("\u2581"))
+        decode.append(decoders.Strip(" ", 1, 0))
+    tok.normalizer = normalizers.Sequence(steps)
+    tok.decoder = decoders.Sequence(decode)
+    return tok, True  # llama.cpp adds BOS to SentencePiece models unless the file says not to
+
+
+def _add_special(tok, tokens: list, types: list) -> None:
+    from tokenizers import AddedToken
+
+    control = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types) if k == CONTROL]
+    user = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
+    if control:
+        tok.add_special_tokens(control)
+    if user:
+        tok.add_tokens(user)
+
+
+def _post_processor(tok, meta: dict, tokens: list, add_bos: bool, add_eos: bool, where: str) -> None:
+    from tokenizers import processors
+
+    byte_level = processors.ByteLevel(trim_offsets=False)
+    if meta.get("tokenizer.ggml.model") == "gpt2" and not (add_bos or add_eos):
+        tok.post_processor = byte_level
+        return
+    single, special = ["$A"], []
+    for flag, key, at in ((add_bos, "tokenizer.ggml.bos_token_id", 0), (add_eos, "tokenizer.ggml.eos_token_id", None)):
+        if not flag:
+            continue
+        i = meta.get(key)
+        if i is None or not 0 <= int(i) < len(tokens):
+            raise UnsupportedModelError(f"{where}the GGUF asks for {key.split('.')[-1][:3].upper()} "
+                                        f"around each text but names no such token.")
+        if at == 0:
+            single.insert(0, tokens[int(i)])
+        else:
+            single.append(tokens[int(i)])
+        if (tokens[int(i)], int(i)) not in special:
+            special.append((tokens[int(i)], int(i)))
+    pair = single + [s if s != "$A" else "$B" for s in single]
+    template = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+    if meta.get("tokenizer.ggml.model") == "gpt2":
+        tok.post_processor = processors.Sequence([byte_level, template])
+    else:
+        tok.post_processor = template

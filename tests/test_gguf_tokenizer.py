@@ -1,0 +1,255 @@
+"""GGUF tokenizers (numa_runtime/gguf_tokenizer.py) against independent references.
+
+- SentencePiece ("llama" model: Llama 2, Mistral): a BPE model trained here with the
+  sentencepiece library, written into GGUF metadata as llama.cpp's converter writes it (pieces,
+  scores, token types, no merges); our encode must equal sentencepiece's own encode, byte
+  fallback and spaces included.
+- Byte-level BPE ("gpt2" model) with the pre-tokenizers of Qwen2, Llama 3 and Tekken: a
+  `tokenizers` BPE trained here with the split of each model's own tokenizer.json (the regexes
+  below are theirs, written out here, not imported); our encode must equal it.
+- An Engine on a GGUF of each kind: its prompt ids and stop tokens come from the metadata.
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from numa_runtime.config import UnsupportedModelError
+from numa_runtime.gguf_tokenizer import stop_token_ids, write_tokenizer
+from numa_runtime.tokenizer import Tokenizer
+
+CORPUS = "/usr/share/common-licenses/GPL-3"
+EXTRA = ("Numbers 1234567 and 3.14159, dates 2026-12-02. Cafe naive facade, caf\u00e9 na\u00efve. "
+         "I'm you're we'll IT'S. CAPS and MixedCase wordsHere.\n\n\tTabbed  double  spaces.\r\n")
+TEXTS = ["Hello world", " leading space", "trailing space ", "two  spaces   three", "\n\nnewlines\n",
+         "tabs\tand\r\nCRLF", "Numbers 1234567 and 3.14159", "I'm you're WE'LL It'S", "Caf\u00e9 na\u00efve",
+         "\u6771\u4eac \u3068 \u5927\u962a", "emoji \U0001F600 end", "CamelCaseWords and ALLCAPS", "x" * 40,
+         "a/b/c path/to/file.py", "   ", "", "0.5x 10x 100,000 1e-5",
+         "This program is free software: you can redistribute it and/or modify it"]
+
+# the pre-tokenizer regexes of the models' tokenizer.json files
+QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+         r"|\s+(?!\S)|\s+")
+LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?"
+          r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*"
+          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+SPECIALS = ["<|begin|>", "<|end|>", "<|im_start|>", "<|im_end|>"]
+
+
+def corpus_lines():
+    with open(CORPUS) as f:
+        return f.read().splitlines() + [EXTRA] * 50
+
+
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory):
+    spm = pytest.importorskip("sentencepiece")
+    prefix = str(tmp_path_factory.mktemp("sp") / "sp")
+    # NOTE: as Llama 2's tokenizer.model: BPE, byte fallback, identity normalization, spaces kept
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus_lines()), model_prefix=prefix, vocab_size=1200, model_type="bpe",
+        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        split_digits=True, control_symbols=["[INST]", "[/INST]"], minloglevel=2)
+    return spm.SentencePieceProcessor(model_file=prefix + ".model")
+
+
+def sp_meta(sp) -> dict:
+    """GGUF metadata of a SentencePiece model, as llama.cpp's converter writes it."""
+    tokens, scores, types = [], [], []
+    for i in range(sp.get_piece_size()):
+        tokens.append(sp.id_to_piece(i))
+        scores.append(sp.get_score(i))
+        types.append(2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i)
+                     else 5 if sp.is_unused(i) else 1)
+    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.scores": scores, "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.bos_token_id": sp.bos_id(), "tokenizer.ggml.eos_token_id": sp.eos_id(),
+            "tokenizer.ggml.unknown_token_id": sp.unk_id()}
+
+
+def ours(meta: dict, tmp_path) -> Tokenizer:
+    d = str(tmp_path / "tok")
+    os.makedirs(d, exist_ok=True)
+    write_tokenizer(meta, d, "llama.")
+    return Tokenizer.from_dir(d)
+
+
+def test_sentencepiece_equals_sentencepiece(sp_model, tmp_path):
+    tok = ours(sp_meta(sp_model), tmp_path)
+    texts = TEXTS + ["\u00a7 \u00b6 \u2603 unseen characters fall back to bytes \u0416\u0436"]
+    fallback = False
+    for text in texts:
+        want = sp_model.encode(text)
+        assert tok.encode(text, add_special_tokens=False) == want, text
+        assert tok.encode(text) == [sp_model.bos_id()] + want, text  # llama.cpp's default: BOS
+        assert tok.decode(want) == sp_model.decode(want), text
+        fallback |= any(sp_model.is_byte(i) for i in want)
+    assert fallback  # the byte-fallback path ran
+
+
+def test_sentencepiece_space_prefix_after_special_tokens(sp_model, tmp_path):
+    """Each text between special tokens gets its own space prefix (llama.cpp, transformers'
+    legacy Llama tokenizer); special tokens in the text are matched."""
+    tok = ours(sp_meta(sp_model), tmp_path)
+    inst, end = sp_model.piece_to_id("[INST]"), sp_model.piece_to_id("[/INST]")
+    got = tok.encode("[INST] What is GPL? [/INST]", add_special_tokens=False)
+    assert got == [inst] + sp_model.encode(" What is GPL? ") + [end]
+
+
+def test_sentencepiece_without_space_prefix(tmp_path):
+    """tokenizer.ggml.add_space_prefix = false (a model trained without SentencePiece's dummy prefix)."""
+    spm = pytest.importorskip("sentencepiece")
+    prefix = str(tmp_path / "nop")
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus_lines()), model_prefix=prefix, vocab_size=800, model_type="bpe",
+        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        add_dummy_prefix=False, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_file=prefix + ".model")
+    meta = {**sp_meta(sp), "tokenizer.ggml.add_space_prefix": False, "tokenizer.ggml.add_bos_token": False}
+    tok = ours(meta, tmp_path)
+    for text in TEXTS:
+        assert tok.encode(text) == sp.encode(text), text
+        assert tok.decode(sp.encode(text)) == sp.decode(sp.encode(text)), text
+
+
+def bpe_reference(split: str | None, nfc: bool, ignore_merges: bool):
+    from tokenizers import Regex, Tokenizer as HF, decoders, models, normalizers, pre_tokenizers, trainers
+    tok = HF(models.BPE(ignore_merges=ignore_merges))
+    if nfc:
+        tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(split), "isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus_lines(), trainers.BpeTrainer(
+        vocab_size=1500, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    return tok
+
+
+def bpe_meta(ref, pre: str) -> dict:
+    """GGUF metadata of a byte-level BPE tokenizer, as llama.cpp's converter writes it."""
+    tj = json.loads(ref.to_str())
+    vocab = tj["model"]["vocab"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.merges": merges,
+            "tokenizer.ggml.token_type": [3 if t in SPECIALS else 1 for t in tokens],
+            "tokenizer.ggml.bos_token_id": tokens.index("<|begin|>"),
+            "tokenizer.ggml.eos_token_id": tokens.index("<|end|>"), "tokenizer.ggml.add_bos_token": False}
+
+
+@pytest.mark.parametrize("pre,split,nfc,ignore_merges", [
+    ("qwen2", QWEN2, True, False), ("llama-bpe", LLAMA3, False, True), ("tekken", TEKKEN, False, True)])
+def test_byte_level_pre_tokenizers_equal_reference(tmp_path, pre, split, nfc, ignore_merges):
+    ref = bpe_reference(split, nfc, ignore_merges)
+    tok = ours(bpe_meta(ref, pre), tmp_path)
+    chat = "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
+    for text in TEXTS + [chat, "e\u0301 and \u00e9"]:
+        want = ref.encode(text).ids
+        assert tok.encode(text, add_special_tokens=False) == want, text
+        assert tok.decode(want, skip_special_tokens=False) == ref.decode(want, skip_special_tokens=False)
+    assert tok.encode(chat, add_special_tokens=False)[0] == ref.token_to_id("<|im_start|>")
+
+
+def test_pre_tokenizer_names_pick_different_splits(tmp_path):
+    """The name decides the split: Qwen2 takes digits one by one, Llama 3 up to three."""
+    ref = bpe_reference(LLAMA3, False, True)
+    qwen = ours(bpe_meta(ref, "qwen2"), tmp_path / "q")
+    llama = ours(bpe_meta(ref, "llama-bpe"), tmp_path / "l")
+    digits = [ref.token_to_id(c) for c in "1234567"]
+    assert qwen.encode("1234567", add_special_tokens=False) == digits
+    assert llama.encode("1234567", add_special_tokens=False) == ref.encode("1234567").ids != digits
+
+
+def test_bos_eos_follow_the_metadata(tmp_path):
+    ref = bpe_reference(LLAMA3, False, True)
+    meta = {**bpe_meta(ref, "llama-bpe"), "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_eos_token": True}
+    tok = ours(meta, tmp_path)
+    body = ref.encode("Hello world").ids
+    assert tok.encode("Hello world") == [ref.token_to_id("<|begin|>")] + body + [ref.token_to_id("<|end|>")]
+    meta.pop("tokenizer.ggml.add_bos_token")
+    meta.pop("tokenizer.ggml.add_eos_token")
+    # NOTE: without the keys, llama.cpp's default for Llama 3's pre-tokenizer: BOS
+    assert ours(meta, tmp_path / "d").encode("Hello world") == [ref.token_to_id("<|begin|>")] + body
+
+
+def test_stop_tokens_include_end_of_turn():
+    meta = {"tokenizer.ggml.eos_token_id": 5, "tokenizer.ggml.eot_token_id": 9, "tokenizer.ggml.eom_token_id": 9}
+    assert stop_token_ids(meta) == [5, 9]
+
+
+@pytest.mark.parametrize("meta,words", [
+    ({"tokenizer.ggml.model": "bert"}, "'bert' is not supported"),
+    ({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "no-such-pre", "tokenizer.ggml.tokens": ["a"]},
+     "'no-such-pre' is not supported"),
+])
+def test_unsupported_tokenizers_are_clear_errors(tmp_path, meta, words):
+    with pytest.raises(UnsupportedModelError, match=words):
+        write_tokenizer(meta, str(tmp_path), "llama.", source="x.gguf")
+
+
+def write_tiny_gguf(path: str, tok_meta: dict, n_vocab: int) -> None:
+    """A one-layer random llama GGUF with the given tokenizer metadata."""
+    import gguf
+    w = gguf.GGUFWriter(path, "llama")
+    H, NH, FF = 64, 4, 128
+    for k, v in [("block_count", 1), ("context_length", 256), ("embedding_length", H),
+                 ("feed_forward_length", FF), ("attention.head_count", NH), ("attention.head_count_kv", NH),
+                 ("rope.dimension_count", H // NH)]:
+        w.add_uint32("llama." + k, v)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    for k, v in tok_meta.items():
+        if isinstance(v, str):
+            w.add_string(k, v)
+        elif isinstance(v, bool):
+            w.add_bool(k, v)
+        elif isinstance(v, int):
+            w.add_uint32(k, v)
+        elif k == "tokenizer.ggml.scores":
+            w.add_array(k, [float(x) for x in v])
+        else:
+            w.add_array(k, v)
+    rng = np.random.default_rng(0)
+
+    def add(name, shape):
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.05).astype(np.float32))
+    add("token_embd.weight", (n_vocab, H))
+    w.add_tensor("output_norm.weight", np.ones(H, np.float32))
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(H, np.float32))
+    w.add_tensor("blk.0.ffn_norm.weight", np.ones(H, np.float32))
+    for n in ("attn_q", "attn_k", "attn_v", "attn_output"):
+        add(f"blk.0.{n}.weight", (H, H))
+    add("blk.0.ffn_gate.weight", (FF, H))
+    add("blk.0.ffn_up.weight", (FF, H))
+    add("blk.0.ffn_down.weight", (H, FF))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_engine_on_sentencepiece_and_qwen2_ggufs(sp_model, tmp_path):
+    from numa_runtime import Engine, SamplingParams
+    ref = bpe_reference(QWEN2, True, False)
+    qmeta = {**bpe_meta(ref, "qwen2"), "tokenizer.ggml.eot_token_id": ref.token_to_id("<|im_end|>")}
+    cases = [("spm", sp_meta(sp_model), sp_model.get_piece_size(),
+              lambda t: [sp_model.bos_id()] + sp_model.encode(t), {sp_model.eos_id()}),
+             ("qwen2", qmeta, ref.get_vocab_size(), lambda t: ref.encode(t).ids,
+              {ref.token_to_id("<|end|>"), ref.token_to_id("<|im_end|>")})]
+    for name, meta, n_vocab, want, stops in cases:
+        path = str(tmp_path / f"{name}.gguf")
+        write_tiny_gguf(path, meta, n_vocab)
+        eng = Engine(path, dtype="float32", kv_cache_memory=1 << 22, max_model_len=128)
+        try:
+            text = "What is the GNU General Public License?"
+            assert eng.tokenizer.encode(text) == want(text)
+            assert set(eng.tokenizer.eos_token_ids) == stops
+            out = eng.generate([text], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+            assert len(out.token_ids) == 4
+        finally:
+            eng.close()
