@@ -38,6 +38,7 @@ class RopeConfig:
     beta_slow: float = 1.0
     attention_factor: float | None = None
     partial_rotary_factor: float = 1.0
+    freq_factors: tuple = ()  # [rot_dim/2] divisors of the inverse frequencies; () = none
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,7 @@ class ModelConfig:
             hidden_size=hidden, intermediate_size=int(cfg["intermediate_size"]),
             num_layers=int(cfg["num_hidden_layers"]), num_heads=num_heads, num_kv_heads=num_kv,
             head_dim=int(head_dim), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=_rope_config(cfg), max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rope=_rope_config(cfg, int(head_dim)), max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
             o_bias=family != "qwen2" and bool(cfg.get("attention_bias", False)),
@@ -192,9 +193,12 @@ def _sliding_window(cfg: dict, family: str) -> tuple[int | None, tuple]:
     return window, tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
 
 
-def _rope_config(cfg: dict) -> RopeConfig:
+def _rope_config(cfg: dict, head_dim: int) -> RopeConfig:
     # NOTE: transformers >= 4.56 writes `rope_parameters` (theta inside); older configs use
-    # `rope_theta` + `rope_scaling`. Both are accepted.
+    # `rope_theta` + `rope_scaling`. Both are accepted. `rope_freq_factors` is ours, not
+    # transformers': llama.cpp's `rope_freqs.weight` (Llama 3.1/3.2 GGUFs store llama3 scaling
+    # so), one divisor per inverse frequency, applied after the rope type's scaling
+    # (rope_inv_freq); gguf_model writes it from the GGUF.
     params = dict(cfg.get("rope_parameters") or {})
     scaling = dict(cfg.get("rope_scaling") or {})
     merged = {**scaling, **params}
@@ -204,13 +208,18 @@ def _rope_config(cfg: dict) -> RopeConfig:
         raise UnsupportedModelError(f"Unsupported rope scaling type {rope_type!r}; supported: "
                                     f"{', '.join(SUPPORTED_ROPE_TYPES)}.")
     partial = float(merged.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    factors = tuple(float(f) for f in cfg.get("rope_freq_factors") or ())
+    if factors and (len(factors) != int(head_dim * partial) // 2 or not all(0 < f < math.inf for f in factors)):
+        raise UnsupportedModelError(f"rope_freq_factors must hold {int(head_dim * partial) // 2} positive "
+                                    f"numbers (one per rotary frequency), got {len(factors)}.")
     return RopeConfig(
         theta=theta, rope_type=rope_type, factor=float(merged.get("factor", 1.0)),
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=merged.get("original_max_position_embeddings"),
         beta_fast=float(merged.get("beta_fast", 32.0)), beta_slow=float(merged.get("beta_slow", 1.0)),
-        attention_factor=merged.get("attention_factor"), partial_rotary_factor=partial)
+        attention_factor=merged.get("attention_factor"), partial_rotary_factor=partial,
+        freq_factors=factors)
 
 
 @dataclass(frozen=True)
@@ -412,4 +421,6 @@ def rope_inv_freq(model: ModelConfig):
             0.1 * math.log(r.factor) + 1.0 if r.factor > 1 else 1.0)
     # NOTE: "dynamic" NTK only changes frequencies past the trained length; within
     # max_position_embeddings it equals "default", and max_model_len is capped there.
+    if r.freq_factors:  # llama.cpp: theta_i = pos * inv_i / factors_i, with any scaling type
+        inv = inv / np.asarray(r.freq_factors, dtype=np.float64)
     return inv, float(scale)

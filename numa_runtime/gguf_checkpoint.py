@@ -51,6 +51,9 @@ LOSSLESS = {"Q8_0": (QuantFormat(8, 32, "sym"), 34), "Q4_0": (QuantFormat(4, 32,
 NEAR_LOSSLESS = {"Q4_K": (QuantFormat(4, 32, "min"), 144, 256)}
 DEQUANTIZED = ("Q4_K", "Q5_K", "Q6_K")
 PERMUTED_ARCHS = ("llama", "mistral")
+# tensors gguf_model reads into config.json rather than loading: the rope frequency divisors
+ROPE_FREQS = "rope_freqs.weight"
+CONFIG_TENSORS = (ROPE_FREQS,)
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -93,17 +96,23 @@ class GGUFCheckpoint:
         mm = np.memmap(path, dtype=np.uint8, mode="r")
         self.heads = {"self_attn.q_proj.weight": n_head, "self_attn.k_proj.weight": n_kv_head}
         self._tensors = {}
+        ignored = []
         for entry in index["tensors"]:
             t = _Tensor(entry, mm, path)
             name = hf_name(t.name)
             kind = t.type
             if name is None:
+                if t.name not in CONFIG_TENSORS:
+                    ignored.append(t.name)
                 continue
             if kind not in DENSE and kind not in LOSSLESS and kind not in DEQUANTIZED:
                 raise CheckpointError(f"{path}: tensor {t.name} has GGUF type {kind}, which "
                                       f"numa_runtime does not read (supported: "
                                       f"{', '.join(DENSE + tuple(LOSSLESS) + DEQUANTIZED)}).")
             self._tensors[name] = t
+        if ignored:
+            log.warning("%s: ignoring %d GGUF tensor(s) that numa_runtime does not use: %s", path, len(ignored),
+                        ", ".join(ignored[:8]) + (", ..." if len(ignored) > 8 else ""))
         self._logged = set()
 
     @property

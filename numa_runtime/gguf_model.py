@@ -18,9 +18,12 @@ import numpy as np
 
 from . import env
 from .config import UnsupportedModelError
+from .gguf_checkpoint import ROPE_FREQS
 
 GGUF_LINK = "model.gguf"
 INDEX = "gguf_tensors.json"
+# NOTE: part of the cache key: a change to what _describe writes makes files describe again
+DESCRIBE_VERSION = 2
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
          "qwen3": "Qwen3ForCausalLM"}
 
@@ -37,7 +40,7 @@ def gguf_model_dir(path: str, name: str | None = None) -> str:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file {path!r} does not exist.")
     st = os.stat(path)
-    key = hashlib.sha1(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha1(f"{path}:{st.st_size}:{st.st_mtime_ns}:{DESCRIBE_VERSION}".encode()).hexdigest()[:16]
     stem = name or os.path.splitext(os.path.basename(path))[0]
     parent = os.path.join(env.cache_dir(), "gguf", key)
     target = os.path.join(parent, stem)
@@ -66,7 +69,9 @@ def _describe(path: str, out_dir: str) -> None:
     except Exception as e:  # noqa: BLE001 - the gguf package raises many kinds
         raise UnsupportedModelError(f"{path} is not a readable GGUF file ({e}).") from None
     meta = {name: field.contents() for name, field in reader.fields.items()}
-    config = hf_config(meta, {t.name for t in reader.tensors}, path)
+    freqs = next((gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32).ravel()
+                  for t in reader.tensors if t.name == ROPE_FREQS), None)
+    config = hf_config(meta, {t.name for t in reader.tensors}, path, freqs)
     for name, obj in (("config.json", config), ("generation_config.json", {
             "bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})):
         with open(os.path.join(out_dir, name), "w") as f:
@@ -82,31 +87,47 @@ def _describe(path: str, out_dir: str) -> None:
     os.symlink(path, os.path.join(out_dir, GGUF_LINK))
 
 
-def hf_config(meta: dict, tensor_names: set, path: str = "") -> dict:
-    """A Hugging Face config.json for a llama/mistral/qwen2/qwen3 GGUF."""
+def hf_config(meta: dict, tensor_names: set, path: str = "", rope_freqs=None) -> dict:
+    """A Hugging Face config.json for a llama/mistral/qwen2/qwen3 GGUF. rope_freqs: the file's
+    `rope_freqs.weight` (float32 [rot_dim/2]) where it has one."""
     arch = meta.get("general.architecture")
     if arch not in ARCHS:
         raise UnsupportedModelError(f"{path}: GGUF architecture {arch!r} is not supported; "
                                     f"numa_runtime runs {', '.join(sorted(ARCHS))}.")
     a = arch + "."
+    experts = int(meta.get(a + "expert_count", 0) or 0)
+    if experts or any("_exps." in n or "ffn_gate_inp." in n for n in tensor_names):
+        raise UnsupportedModelError(f"{path} is a mixture-of-experts model ({experts} experts), which "
+                                    "numa_runtime does not run; use a dense llama/mistral/qwen2/qwen3 GGUF.")
+    rope_tensors = sorted(n for n in tensor_names if "rope" in n and n != ROPE_FREQS)
+    if rope_tensors:
+        raise UnsupportedModelError(f"{path} holds rope tensors numa_runtime does not apply "
+                                    f"({', '.join(rope_tensors[:4])}).")
     try:
         hidden, n_head = int(meta[a + "embedding_length"]), int(meta[a + "attention.head_count"])
         head_dim = int(meta.get(a + "attention.key_length", hidden // n_head))
-        if int(meta.get(a + "rope.dimension_count", head_dim)) != head_dim or a + "rope.scaling.type" in meta:
-            raise UnsupportedModelError(f"{path}: partial rotary or rope scaling in a GGUF is not supported.")
+        rot_dim = int(meta.get(a + "rope.dimension_count", head_dim))
+        if rot_dim != head_dim:
+            raise UnsupportedModelError(f"{path}: partial rotary (rope over {rot_dim} of {head_dim} head "
+                                        "dimensions) in a GGUF is not supported.")
+        if rope_freqs is not None and len(rope_freqs) != rot_dim // 2:
+            raise UnsupportedModelError(f"{path}: {ROPE_FREQS} holds {len(rope_freqs)} factors where the "
+                                        f"rope has {rot_dim // 2} frequencies.")
+        n_layers = int(meta[a + "block_count"])
         tokens = meta["tokenizer.ggml.tokens"]
         eos = int(meta["tokenizer.ggml.eos_token_id"])
         return {
             "architectures": [ARCHS[arch]], "model_type": arch, "hidden_size": hidden,
             "intermediate_size": int(meta[a + "feed_forward_length"]),
-            "num_hidden_layers": int(meta[a + "block_count"]),
+            "num_hidden_layers": n_layers,
             "num_attention_heads": n_head,
             "num_key_value_heads": int(meta.get(a + "attention.head_count_kv", n_head)),
             "head_dim": head_dim, "hidden_act": "silu",
             "max_position_embeddings": int(meta.get(a + "context_length", 2048)),
-            # NOTE: GGUF stores eps and theta as float32; str() of the float32 gives back 1e-05
-            "rms_norm_eps": float(str(np.float32(meta[a + "attention.layer_norm_rms_epsilon"]))),
-            "rope_theta": float(str(np.float32(meta.get(a + "rope.freq_base", 10000.0)))),
+            "rms_norm_eps": _f32(meta[a + "attention.layer_norm_rms_epsilon"]),
+            "rope_theta": _f32(meta.get(a + "rope.freq_base", 10000.0)),
+            **_rope_keys(meta, a, path, rope_freqs),
+            **_window_keys(meta, a, n_layers, path),
             "attention_bias": "blk.0.attn_q.bias" in tensor_names and arch != "qwen2",
             "vocab_size": int(meta.get(a + "vocab_size", len(tokens))),
             "tie_word_embeddings": "output.weight" not in tensor_names,
@@ -115,6 +136,65 @@ def hf_config(meta: dict, tensor_names: set, path: str = "") -> dict:
         }
     except KeyError as e:
         raise UnsupportedModelError(f"{path}: the GGUF metadata lacks {e.args[0]!r}.") from None
+
+
+def _f32(x) -> float:
+    # NOTE: GGUF stores eps, theta and rope factors as float32; str() of the float32 gives back 1e-05
+    return float(str(np.float32(x)))
+
+
+def _rope_keys(meta: dict, a: str, path: str, rope_freqs) -> dict:
+    """The rope scaling of a GGUF as config.json keys, read as llama.cpp reads it (a factor
+    without a type is linear; `rope.scale_linear` is the old name of the factor):
+    - rope_freqs.weight (Llama 3.1/3.2's llama3 scaling): `rope_freq_factors`, our key
+      (config._rope_config), the divisors of the inverse frequencies as stored;
+    - linear and yarn: transformers' `rope_scaling`, the keys llama.cpp's converter wrote them from."""
+    keys = {} if rope_freqs is None else {"rope_freq_factors": [float(f) for f in rope_freqs]}
+    kind = meta.get(a + "rope.scaling.type", "linear")
+    factor = _f32(meta.get(a + "rope.scaling.factor", meta.get(a + "rope.scale_linear", 0.0)) or 1.0)
+    attn = _f32(meta.get(a + "rope.scaling.attn_factor", 1.0))
+    if attn != 1.0:
+        raise UnsupportedModelError(f"{path}: a GGUF rope attention factor ({attn}) is not supported.")
+    if kind == "none" or (kind == "linear" and factor == 1.0):
+        return keys
+    if kind == "linear":
+        return {**keys, "rope_scaling": {"rope_type": "linear", "factor": factor}}
+    if kind != "yarn":
+        raise UnsupportedModelError(f"{path}: GGUF rope scaling type {kind!r} is not supported; numa_runtime "
+                                    "runs none, linear and yarn (and llama3 as rope_freqs.weight).")
+    y = a + "rope.scaling.yarn_"
+    ext, log_mul = _f32(meta.get(y + "ext_factor", -1.0)), _f32(meta.get(y + "log_multiplier", 0.0))
+    if ext not in (-1.0, 1.0) or log_mul != 0.0:  # NOTE: -1 is llama.cpp's "unset" (1 for yarn)
+        raise UnsupportedModelError(f"{path}: yarn rope with extrapolation factor {ext} or log multiplier "
+                                    f"{log_mul} is not supported (transformers' yarn has 1 and 0).")
+    scaling = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": int(meta.get(
+        a + "rope.scaling.original_context_length", meta.get(a + "context_length", 2048)))}
+    # NOTE: yarn_attn_factor is transformers' attention_factor (llama.cpp's converter writes it
+    # from there; this llama.cpp does not read it and scales by 0.1 ln(factor) + 1, as
+    # transformers does without attention_factor)
+    for key, hf in (("beta_fast", "beta_fast"), ("beta_slow", "beta_slow"), ("attn_factor", "attention_factor")):
+        if y + key in meta:
+            scaling[hf] = _f32(meta[y + key])
+    return {**keys, "rope_scaling": scaling}
+
+
+def _window_keys(meta: dict, a: str, n_layers: int, path: str) -> dict:
+    """`{arch}.attention.sliding_window` (Mistral v0.1) as config.json keys: every layer slides,
+    or those a per-layer `sliding_window_pattern` marks. config._sliding_window reads them for
+    every family (`use_sliding_window` is what Qwen2/Qwen3 configs need)."""
+    window = int(meta.get(a + "attention.sliding_window", 0) or 0)
+    if not window:
+        return {}
+    pattern = meta.get(a + "attention.sliding_window_pattern")
+    if pattern is not None and (not isinstance(pattern, list) or len(pattern) != n_layers):
+        raise UnsupportedModelError(f"{path}: sliding_window_pattern {pattern!r} does not list the {n_layers} "
+                                    "layers, so numa_runtime cannot tell which layers slide.")
+    base = a + "rope.freq_base"
+    if _f32(meta.get(base + "_swa", meta.get(base, 10000.0))) != _f32(meta.get(base, 10000.0)):
+        raise UnsupportedModelError(f"{path}: a separate rope base for sliding-window layers is not supported.")
+    slides = pattern if pattern is not None else [True] * n_layers
+    return {"sliding_window": window, "use_sliding_window": True,
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in slides]}
 
 
 def open_checkpoint(cfg):

@@ -51,9 +51,10 @@ def encode(w: np.ndarray, qtype: str, rng) -> tuple[np.ndarray, object]:
 
 
 def write_gguf(hf_dir: str, path: str, qtype: str, arch: str = "llama", seed: int = 0,
-               norm_type: str = "F32", types: dict | None = None) -> None:
+               norm_type: str = "F32", types: dict | None = None, extra=None) -> None:
     """The model in hf_dir (f32 safetensors + tokenizer.json) as a GGUF: 2-D weights in qtype,
-    or in types[projection] for the projections it names (e.g. {"v_proj": "Q8_0"}: a mix)."""
+    or in types[projection] for the projections it names (e.g. {"v_proj": "Q8_0"}: a mix).
+    extra(writer): adds more metadata or tensors (rope scaling, experts, ...)."""
     import gguf
     from safetensors.numpy import load_file
     with open(os.path.join(hf_dir, "config.json")) as f:
@@ -69,7 +70,7 @@ def write_gguf(hf_dir: str, path: str, qtype: str, arch: str = "llama", seed: in
                      ("rope.dimension_count", hd)]:
         w.add_uint32(a + key, val)
     w.add_float32(a + "attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
-    w.add_float32(a + "rope.freq_base", cfg.get("rope_theta", 10000.0))
+    w.add_float32(a + "rope.freq_base", (cfg.get("rope_parameters") or cfg).get("rope_theta", 10000.0))
     with open(os.path.join(hf_dir, "tokenizer.json")) as f:
         tj = json.load(f)
     vocab = {**tj["model"]["vocab"], **{t["content"]: t["id"] for t in tj["added_tokens"]}}
@@ -92,6 +93,8 @@ def write_gguf(hf_dir: str, path: str, qtype: str, arch: str = "llama", seed: in
             t = permute(t, heads[proj])
         data, raw = encode(t, (types or {}).get(proj, qtype) if t.ndim == 2 else norm_type, rng)
         w.add_tensor(gguf_name(name), data, raw_dtype=raw)
+    if extra is not None:
+        extra(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

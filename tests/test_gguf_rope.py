@@ -1,0 +1,171 @@
+"""GGUF rope and attention metadata: a llama3 rope (as Llama 3.1/3.2 GGUFs store it, the
+`rope_freqs.weight` divisors), linear and yarn scaling and a sliding window run as transformers
+runs the model the file was made from (greedy tokens in float32), and the same file without that
+metadata does not (so each case can fail). Experts and rope settings we cannot run are refused in
+one sentence naming the file; tensors we do not use are named in a warning."""
+import json
+import logging
+import math
+import os
+
+import numpy as np
+import pytest
+
+from gguf_helpers import write_gguf
+from models import build_model, hf_greedy
+
+from numa_runtime import Engine, SamplingParams
+from numa_runtime.config import UnsupportedModelError
+from numa_runtime.gguf_model import gguf_model_dir
+
+PROMPTS = [[1, 17, 42, 99, 5, 200, 13, 7, 300, 64, 3, 250, 11], list(range(3, 40))]
+MAX_TOKENS = 32
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+
+
+def llama3_factors(rope: dict, theta: float, dim: int) -> np.ndarray:
+    """rope_freqs.weight as llama.cpp's converter computes it (conversion/llama.py
+    generate_extra_tensors): per frequency, the divisor llama3 scaling applies."""
+    import torch
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    old, low, high, factor = (rope["original_max_position_embeddings"], rope["low_freq_factor"],
+                              rope["high_freq_factor"], rope["factor"])
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32).numpy()
+
+
+def metadata(keys: dict, tensors: dict | None = None, arch: str = "llama"):
+    """write_gguf's `extra`: `{arch}.key` metadata (str, float32, uint32 or bool array) and tensors."""
+    def extra(w):
+        for key, val in keys.items():
+            key = f"{arch}.{key}"
+            if isinstance(val, str):
+                w.add_string(key, val)
+            elif isinstance(val, float):
+                w.add_float32(key, val)
+            elif isinstance(val, list):
+                w.add_array(key, val)
+            else:
+                w.add_uint32(key, val)
+        for name, data in (tensors or {}).items():
+            w.add_tensor(name, data)
+    return extra
+
+
+# case: (build_model arguments, the GGUF metadata of the scaling: keys, tensors)
+CASES = {
+    "llama3-rope-freqs": (dict(rope_scaling=LLAMA3, rope_theta=500000.0),
+                          ({}, {"rope_freqs.weight": llama3_factors(LLAMA3, 500000.0, 16)})),
+    "linear": (dict(rope_scaling={"rope_type": "linear", "factor": 4.0}),
+               ({"rope.scaling.type": "linear", "rope.scaling.factor": 4.0}, {})),
+    "yarn": (dict(rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
+                                "beta_fast": 32.0, "beta_slow": 1.0}),
+             ({"rope.scaling.type": "yarn", "rope.scaling.factor": 8.0, "rope.scaling.original_context_length": 64,
+               "rope.scaling.yarn_beta_fast": 32.0, "rope.scaling.yarn_beta_slow": 1.0}, {})),
+    "yarn-attention-factor": (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "attention_factor": 1.5,
+                                                 "original_max_position_embeddings": 128}),
+                              ({"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                                "rope.scaling.original_context_length": 128,
+                                "rope.scaling.yarn_attn_factor": 1.5}, {})),
+    # Mistral v0.1 GGUFs: arch "llama" with a window; shorter than the prompts + new tokens
+    "mistral-sliding-window": (dict(arch="mistral", sliding_window=7), ({"attention.sliding_window": 7}, {})),
+}
+
+
+def greedy(path: str) -> list[list[int]]:
+    eng = Engine(path, dtype="float32", kv_cache_memory=1 << 23, max_model_len=128)
+    try:
+        outs = eng.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        return [list(o.token_ids) for o in outs]
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gguf_rope_matches_transformers_f32(tmp_path, case):
+    kw, (keys, tensors) = CASES[case]
+    hf_dir = str(tmp_path / "hf")
+    ref = build_model(hf_dir, **{"arch": "llama", **kw})
+    expected = [hf_greedy(ref, p, MAX_TOKENS) for p in PROMPTS]
+    path, plain = str(tmp_path / "m.gguf"), str(tmp_path / "plain.gguf")
+    write_gguf(hf_dir, path, "F32", extra=metadata(keys, tensors))
+    write_gguf(hf_dir, plain, "F32")
+    assert greedy(path) == expected
+    assert greedy(plain) != expected  # the metadata changes the tokens: this test can fail
+    with open(os.path.join(gguf_model_dir(path), "config.json")) as f:
+        config = json.load(f)
+    if "rope_freqs.weight" in tensors:  # the divisors as stored, exactly
+        assert config["rope_freq_factors"] == [float(x) for x in tensors["rope_freqs.weight"]]
+
+
+def test_rope_freq_factors_divide_every_frequency():
+    """rope_inv_freq (the CPU and CUDA rope tables both take theirs from it): llama.cpp's
+    theta_i = pos * base^(-2i/d) / factors_i, on top of a scaling type."""
+    from numa_runtime.config import ModelConfig, rope_inv_freq
+    base = dict(architectures=["LlamaForCausalLM"], vocab_size=8, hidden_size=64, intermediate_size=8,
+                num_hidden_layers=1, num_attention_heads=4, rope_theta=10000.0)
+    factors = [1.0, 2.0, 3.5, 8.0, 1.0, 1.25, 4.0, 8.0]
+    plain, _ = rope_inv_freq(ModelConfig.from_dict(base))
+    inv, scale = rope_inv_freq(ModelConfig.from_dict({**base, "rope_freq_factors": factors}))
+    np.testing.assert_array_equal(inv, plain / np.array(factors))
+    linear = {**base, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    inv2, _ = rope_inv_freq(ModelConfig.from_dict({**linear, "rope_freq_factors": factors}))
+    np.testing.assert_allclose(inv2, plain / 2.0 / np.array(factors), rtol=1e-15)
+    with pytest.raises(UnsupportedModelError, match="rope_freq_factors must hold 8 positive numbers"):
+        ModelConfig.from_dict({**base, "rope_freq_factors": factors[:4]})
+
+
+ERRORS = {
+    "mixture-of-experts": (dict(keys={"expert_count": 8, "expert_used_count": 2},
+                                tensors={"blk.0.ffn_gate_exps.weight": np.zeros((8, 96, 64), np.float32)}),
+                           r"is a mixture-of-experts model \(8 experts\), which numa_runtime does not run"),
+    "longrope": (dict(keys={"rope.scaling.type": "longrope"}),
+                 "GGUF rope scaling type 'longrope' is not supported"),
+    "yarn-extrapolation": (dict(keys={"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                                      "rope.scaling.yarn_ext_factor": 0.5}),
+                           r"yarn rope with extrapolation factor 0.5 or log multiplier 0.0 is not supported"),
+    "window-pattern": (dict(keys={"attention.sliding_window": 8, "attention.sliding_window_pattern": 4}),
+                       "cannot tell which layers slide"),
+    "factor-count": (dict(keys={}, tensors={"rope_freqs.weight": np.ones(3, np.float32)}),
+                     "rope_freqs.weight holds 3 factors where the rope has 8 frequencies"),
+}
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("llama"))
+    build_model(d, arch="llama")
+    return d
+
+
+@pytest.mark.parametrize("case", sorted(ERRORS))
+def test_unsupported_gguf_metadata_is_one_sentence(llama_dir, tmp_path, case):
+    spec, match = ERRORS[case]
+    path = str(tmp_path / f"{case}.gguf")
+    write_gguf(llama_dir, path, "F32", extra=metadata(spec["keys"], spec.get("tensors")))
+    with pytest.raises(UnsupportedModelError, match=match) as e:
+        Engine(path, dtype="float32", kv_cache_memory=1 << 23, max_model_len=128)
+    msg = str(e.value)
+    assert msg.startswith(path) and msg.endswith(".") and ". " not in msg.replace(path, "")
+
+
+def test_unused_tensors_are_named_in_a_warning(llama_dir, tmp_path, caplog):
+    path = str(tmp_path / "m.gguf")
+    extra = {"blk.0.attn_post_norm.weight": np.ones(64, np.float32),
+             "rope_freqs.weight": np.ones(8, np.float32)}  # read into config.json: not ignored
+    write_gguf(llama_dir, path, "F32", extra=metadata({}, extra))
+    with caplog.at_level(logging.WARNING, logger="numa_runtime"):
+        greedy(path)
+    warnings = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "blk.0.attn_post_norm.weight" in warnings[0] and "rope_freqs" not in warnings[0]
