@@ -23,7 +23,7 @@ from .gguf_checkpoint import ROPE_FREQS
 GGUF_LINK = "model.gguf"
 INDEX = "gguf_tensors.json"
 # NOTE: part of the cache key: a change to what _describe writes makes files describe again
-DESCRIBE_VERSION = 2
+DESCRIBE_VERSION = 3
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
          "qwen3": "Qwen3ForCausalLM"}
 
@@ -63,7 +63,7 @@ def gguf_model_dir(path: str, name: str | None = None) -> str:
 def _describe(path: str, out_dir: str) -> None:
     import gguf
 
-    from .default_model import _write_tokenizer
+    from .gguf_tokenizer import stop_token_ids, write_tokenizer
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # noqa: BLE001 - the gguf package raises many kinds
@@ -72,11 +72,12 @@ def _describe(path: str, out_dir: str) -> None:
     freqs = next((gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32).ravel()
                   for t in reader.tensors if t.name == ROPE_FREQS), None)
     config = hf_config(meta, {t.name for t in reader.tensors}, path, freqs)
+    # NOTE: generation stops at EOS and at the file's end-of-turn / end-of-message tokens
     for name, obj in (("config.json", config), ("generation_config.json", {
-            "bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})):
+            "bos_token_id": config["bos_token_id"], "eos_token_id": stop_token_ids(meta)})):
         with open(os.path.join(out_dir, name), "w") as f:
             json.dump(obj, f, indent=2)
-    _write_tokenizer(meta, out_dir, prefix=config["model_type"] + ".")
+    write_tokenizer(meta, out_dir, config["model_type"] + ".", source=path)
     # NOTE: the tensor index, so that loading maps the file without re-parsing its metadata
     # (the gguf reader takes seconds to a minute on a 49K-token vocabulary)
     index = {"architecture": meta["general.architecture"], "tensors": [

@@ -4,7 +4,7 @@ tokenizer_config.json, built with the `tokenizers` library.
 Two GGUF tokenizer models:
   - "gpt2": byte-level BPE with the file's merges. `tokenizer.ggml.pre` names the split before
     BPE (llama.cpp's names): GPT-2's regex, GPT-2's after each digit alone (SmolLM, StarCoder),
-    or the regexes of Llama 3, Qwen2/2.5/3 (with Qwen's NFC normalizer) and Mistral's Tekken,
+    or the regexes of Llama 3, Qwen2/2.5/3 (with their NFC normalizer), Qwen3.5 and Tekken,
     as the models' own tokenizer.json write them. Llama 3 and Tekken emit a word that is itself
     in the vocabulary as that token (BPE `ignore_merges`).
   - "llama": SentencePiece BPE (Llama 2, Mistral 7B, TinyLlama). The file has pieces and scores,
@@ -52,7 +52,7 @@ BPE_PRE = {
                                                           "pixtral")},
     "smaug-bpe": (_LLAMA3_RE, False, False, False),
     **{name: (_QWEN2_RE, True, False, False) for name in ("qwen2", "deepseek-r1-qwen", "megrez")},
-    "qwen35": (_QWEN35_RE, True, False, False),
+    "qwen35": (_QWEN35_RE, False, False, False),
     "tekken": (_TEKKEN_RE, False, True, True),
 }
 

@@ -1,0 +1,61 @@
+"""Real models' GGUF tokenizers against the token ids their own Hugging Face tokenizers give.
+
+llama.cpp keeps vocabulary-only GGUF files of real models (Llama 3, Llama 2, Qwen2, Qwen3.5,
+Phi-3, GPT-2, StarCoder, ...) beside test texts (.inp) and the ids transformers' tokenizer of
+each model gives for them (.out). They ship in the source distribution of llama-cpp-python on
+PyPI (vendor/llama.cpp/models), which this test downloads once per run (set
+NUMA_RUNTIME_LLAMA_VOCAB to a folder holding the files to use a local copy).
+"""
+import os
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+from numa_runtime.gguf_tokenizer import write_tokenizer
+from numa_runtime.tokenizer import Tokenizer
+
+SDIST = "llama-cpp-python==0.3.36"
+PREFIX = "vendor/llama.cpp/models/ggml-vocab-"
+# tokenizer.ggml.model / pre of each: llama = SentencePiece
+VOCABS = ["llama-bpe", "llama-spm", "qwen2", "qwen35", "phi-3", "gpt-2", "starcoder", "refact", "command-r"]
+SEP = "\n__ggml_vocab_test__\n"
+
+
+@pytest.fixture(scope="module")
+def vocab_dir(tmp_path_factory):
+    local = os.environ.get("NUMA_RUNTIME_LLAMA_VOCAB")
+    if local:
+        return local
+    dl = tmp_path_factory.mktemp("sdist")
+    r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                        SDIST, "-d", str(dl)], capture_output=True, text=True, timeout=600)
+    archives = [f for f in os.listdir(dl) if f.endswith(".tar.gz")]
+    if r.returncode != 0 or not archives:
+        pytest.skip(f"could not download {SDIST} from PyPI: {r.stderr.strip()[-300:]}")
+    out = tmp_path_factory.mktemp("vocab")
+    with tarfile.open(dl / archives[0]) as tar:
+        for m in tar.getmembers():
+            rel = m.name.split("/", 1)[-1]
+            if rel.startswith(PREFIX) and rel[len(PREFIX):].split(".gguf")[0] in VOCABS and m.isfile():
+                m.name = os.path.basename(rel)
+                tar.extract(m, out, filter="data")
+    return str(out)
+
+
+@pytest.mark.parametrize("name", VOCABS)
+def test_real_vocab_equals_transformers_ids(vocab_dir, tmp_path, name):
+    import gguf
+    path = os.path.join(vocab_dir, f"ggml-vocab-{name}.gguf")
+    reader = gguf.GGUFReader(path)
+    meta = {n: f.contents() for n, f in reader.fields.items()}
+    write_tokenizer(meta, str(tmp_path), meta["general.architecture"] + ".", source=path)
+    tok = Tokenizer.from_dir(str(tmp_path))
+    with open(path + ".inp", encoding="utf-8") as f:
+        texts = f.read().split(SEP)
+    with open(path + ".out") as f:
+        wants = f.read().split("\n")
+    assert len(texts) > 40
+    for text, want in zip(texts, wants):
+        assert tok.encode(text, add_special_tokens=False) == [int(x) for x in want.split()], text
