@@ -49,7 +49,9 @@ LOSSLESS = {"Q8_0": (QuantFormat(8, 32, "sym"), 34), "Q4_0": (QuantFormat(4, 32,
 # NOTE: Q4_K in 256-element super-blocks of 144 bytes: f16 d, f16 dmin, 12 bytes of eight 6-bit
 # scales and mins, 128 bytes of 4-bit codes (decode_q4k)
 NEAR_LOSSLESS = {"Q4_K": (QuantFormat(4, 32, "min"), 144, 256)}
-DEQUANTIZED = ("Q4_K", "Q5_K", "Q6_K")
+# NOTE: types without an int8/int4 equivalent load dense (f32 engine) or as int8 groups of 32 (bf16
+# engine), dequantized by the gguf package: more bytes than the file holds, logged once per type
+DEQUANTIZED = ("Q4_K", "Q5_K", "Q6_K", "Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
 PERMUTED_ARCHS = ("llama", "mistral")
 # tensors gguf_model reads into config.json rather than loading: the rope frequency divisors
 ROPE_FREQS = "rope_freqs.weight"
@@ -219,8 +221,10 @@ class GGUFCheckpoint:
     def _log_dequantized(self, name: str, kind: str) -> None:
         if kind in DEQUANTIZED and kind not in self._logged:
             self._logged.add(kind)
-            log.info("GGUF type %s has no int8/int4 equivalent here (5/6-bit codes, or scales "
-                     "beyond f16's range): %s tensors are dequantized to dense weights", kind, kind)
+            log.info("GGUF type %s has no int8/int4 equivalent here (2/3/5/6-bit or non-linear codes, "
+                     "or scales beyond f16's range): %s tensors are dequantized (dense in a float32 "
+                     "engine, int8 groups of 32 in a bfloat16 one), more bytes than the file holds",
+                     kind, kind)
 
 
 def decode_blocks(kind: str, blocks: np.ndarray, k: int) -> QuantizedWeight:

@@ -12,7 +12,9 @@ import numpy as np
 from numa_runtime.gguf_checkpoint import BLOCK_NAMES, TOP_NAMES
 
 TO_GGUF = {v: k for k, v in TOP_NAMES.items()}
-KQUANT_D = {"Q4_K": (144, [0, 2]), "Q5_K": (176, [0, 2]), "Q6_K": (210, [208])}  # block bytes, f16 d fields
+# block bytes and the offsets of its f16 d fields, for the types gguf-py cannot quantize
+KQUANT_D = {"Q4_K": (144, [0, 2]), "Q5_K": (176, [0, 2]), "Q6_K": (210, [208]), "Q2_K": (84, [80, 82]),
+            "Q3_K": (110, [108]), "IQ4_XS": (136, [0]), "IQ4_NL": (18, [0]), "IQ2_XXS": (66, [0])}
 
 
 def gguf_name(hf: str) -> str:
@@ -42,7 +44,8 @@ def encode(w: np.ndarray, qtype: str, rng) -> tuple[np.ndarray, object]:
         # NOTE: gguf-py cannot quantize K-quants; any bytes are a valid block, so random
         # integers with small finite f16 scales make a well-formed tensor.
         size, d_at = KQUANT_D[qtype]
-        blocks = rng.integers(0, 256, (w.shape[0], w.shape[1] // 256, size), dtype=np.uint8)
+        per = gguf.GGML_QUANT_SIZES[T[qtype]][0]  # elements a block
+        blocks = rng.integers(0, 256, (w.shape[0], w.shape[1] // per, size), dtype=np.uint8)
         for at in d_at:
             d = (rng.uniform(0.0005, 0.002, blocks.shape[:2])).astype(np.float16)
             blocks[:, :, at:at + 2] = d.view(np.uint8).reshape(*blocks.shape[:2], 2)

@@ -34,7 +34,8 @@ def hf_models(tmp_path_factory):
     return out
 
 
-CASES = [("llama", t) for t in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K")] + [
+CASES = [("llama", t) for t in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K",
+                                 "Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")] + [
     ("qwen2", "Q4_1"), ("qwen3", "Q8_0")]
 
 
@@ -111,8 +112,8 @@ def test_q4_k_blocks_map_to_int4_with_f16_scales():
 
 def test_unknown_tensor_type_is_named(hf_models, tmp_path):
     path = str(tmp_path / "m.gguf")
-    write_gguf(hf_models["llama"], path, "Q5_1")
-    with pytest.raises(CheckpointError, match="has GGUF type Q5_1, which numa_runtime does not read"):
+    write_gguf(hf_models["llama"], path, "IQ2_XXS")
+    with pytest.raises(CheckpointError, match="has GGUF type IQ2_XXS, which numa_runtime does not read"):
         engine(path)
 
 
@@ -163,7 +164,7 @@ def test_two_ranks_equal_one_on_q4_k(hf_models, tmp_path):
     assert out["world"] == 2 and out["tokens"] == [expected]
 
 
-@pytest.mark.parametrize("qtype", ["Q6_K", "Q5_K"])
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q5_K", "Q5_1", "Q3_K", "IQ4_XS"])
 def test_bf16_engine_holds_5_and_6_bit_k_quants_as_int8(hf_models, tmp_path, qtype):
     """No int8/int4 format holds Q5_K/Q6_K as stored: a bf16 engine (which would round them to
     bf16) takes them as int8 groups of 32, the very weights `quantization="int8-g32"` makes of
