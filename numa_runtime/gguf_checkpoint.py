@@ -91,16 +91,19 @@ class _QuantView:
 class GGUFCheckpoint:
     """The Checkpoint interface (names, raw, load) plus `quantized` for lossless blocks."""
 
-    def __init__(self, path: str, index: dict, n_head: int, n_kv_head: int):
-        """index: {"architecture", "tensors": [{name, type, shape, offset, nbytes}]}, read from
-        the file once by gguf_model (the gguf package)."""
+    def __init__(self, path: str, index: dict, n_head: int, n_kv_head: int, files: list[str] | None = None):
+        """index: {"architecture", "tensors": [{name, type, shape, offset, nbytes, file}]}, read
+        from the file once by gguf_model (the gguf package); `files`: the files of a split model
+        (tensor field "file" indexes them), else just `path`."""
         self.path, self.arch = path, index["architecture"]
-        mm = np.memmap(path, dtype=np.uint8, mode="r")
+        files = files or [path]
+        maps = [np.memmap(f, dtype=np.uint8, mode="r") for f in files]
         self.heads = {"self_attn.q_proj.weight": n_head, "self_attn.k_proj.weight": n_kv_head}
         self._tensors = {}
         ignored = []
         for entry in index["tensors"]:
-            t = _Tensor(entry, mm, path)
+            f = int(entry.get("file", 0))
+            t = _Tensor(entry, maps[f], files[f])
             name = hf_name(t.name)
             kind = t.type
             if name is None:

@@ -11,6 +11,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 
@@ -23,7 +24,7 @@ from .gguf_checkpoint import ROPE_FREQS
 GGUF_LINK = "model.gguf"
 INDEX = "gguf_tensors.json"
 # NOTE: part of the cache key: a change to what _describe writes makes files describe again
-DESCRIBE_VERSION = 3
+DESCRIBE_VERSION = 4
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
          "qwen3": "Qwen3ForCausalLM"}
 
@@ -35,13 +36,16 @@ def is_gguf_dir(model_dir: str) -> bool:
 def gguf_model_dir(path: str, name: str | None = None) -> str:
     """The cache directory describing the GGUF at `path` (made on first use; one writer at a
     time, renamed into place when complete). Its base name, which the server reports as the
-    model name, is `name` or the file's stem."""
+    model name, is `name` or the file's stem. A model split by llama.cpp's gguf-split
+    (STEM-00001-of-0000N.gguf ...) is given by any of its files and described as one."""
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file {path!r} does not exist.")
-    st = os.stat(path)
-    key = hashlib.sha1(f"{path}:{st.st_size}:{st.st_mtime_ns}:{DESCRIBE_VERSION}".encode()).hexdigest()[:16]
-    stem = name or os.path.splitext(os.path.basename(path))[0]
+    files = gguf_shards(path)
+    stamp = ":".join(f"{f}:{st.st_size}:{st.st_mtime_ns}" for f, st in ((f, os.stat(f)) for f in files))
+    key = hashlib.sha1(f"{stamp}:{DESCRIBE_VERSION}".encode()).hexdigest()[:16]
+    shard = _SHARD.match(os.path.basename(path))
+    stem = name or (shard["stem"] if shard else os.path.splitext(os.path.basename(path))[0])
     parent = os.path.join(env.cache_dir(), "gguf", key)
     target = os.path.join(parent, stem)
     if os.path.isfile(os.path.join(target, "config.json")):
@@ -52,7 +56,7 @@ def gguf_model_dir(path: str, name: str | None = None) -> str:
         if not os.path.isfile(os.path.join(target, "config.json")):
             tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
             try:
-                _describe(path, tmp)
+                _describe(files, tmp)
                 os.chmod(tmp, 0o755)
                 os.rename(tmp, target)
             finally:
@@ -60,18 +64,43 @@ def gguf_model_dir(path: str, name: str | None = None) -> str:
     return target
 
 
-def _describe(path: str, out_dir: str) -> None:
+# llama.cpp's names for the files of a split model (gguf-split, llama_split_path)
+_SHARD = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def gguf_shards(path: str) -> list[str]:
+    """The files of the GGUF model at `path`, in order: the file itself, or every file of a
+    split model that `path` is one of. FileNotFoundError names the first missing one."""
+    m = _SHARD.match(os.path.basename(path))
+    if not m or int(m["count"]) < 1:
+        return [path]
+    n = int(m["count"])
+    files = [os.path.join(os.path.dirname(path), f"{m['stem']}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
+    missing = [os.path.basename(f) for f in files if not os.path.isfile(f)]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise FileNotFoundError(f"{path} is part {int(m['no'])} of a GGUF model split into {n} files, and "
+                                f"{missing[0]}{more} is missing from {os.path.dirname(path)}.")
+    return files
+
+
+def _describe(files: list[str], out_dir: str) -> None:
     import gguf
 
     from .gguf_tokenizer import stop_token_ids, write_tokenizer
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # noqa: BLE001 - the gguf package raises many kinds
-        raise UnsupportedModelError(f"{path} is not a readable GGUF file ({e}).") from None
-    meta = {name: field.contents() for name, field in reader.fields.items()}
+    path = files[0]
+    readers = []
+    for f in files:
+        try:
+            readers.append(gguf.GGUFReader(f))
+        except Exception as e:  # noqa: BLE001 - the gguf package raises many kinds
+            raise UnsupportedModelError(f"{f} is not a readable GGUF file ({e}).") from None
+    meta = {name: field.contents() for name, field in readers[0].fields.items()}
+    _check_split(files, readers, meta)
+    tensors = [(i, t) for i, r in enumerate(readers) for t in r.tensors]
     freqs = next((gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32).ravel()
-                  for t in reader.tensors if t.name == ROPE_FREQS), None)
-    config = hf_config(meta, {t.name for t in reader.tensors}, path, freqs)
+                  for _, t in tensors if t.name == ROPE_FREQS), None)
+    config = hf_config(meta, {t.name for _, t in tensors}, path, freqs)
     # NOTE: generation stops at EOS and at the file's end-of-turn / end-of-message tokens
     for name, obj in (("config.json", config), ("generation_config.json", {
             "bos_token_id": config["bos_token_id"], "eos_token_id": stop_token_ids(meta)})):
@@ -80,12 +109,33 @@ def _describe(path: str, out_dir: str) -> None:
     write_tokenizer(meta, out_dir, config["model_type"] + ".", source=path)
     # NOTE: the tensor index, so that loading maps the file without re-parsing its metadata
     # (the gguf reader takes seconds to a minute on a 49K-token vocabulary)
-    index = {"architecture": meta["general.architecture"], "tensors": [
+    links = [GGUF_LINK] + [f"model-{i + 1:05d}.gguf" for i in range(1, len(files))]
+    index = {"architecture": meta["general.architecture"], "files": links, "tensors": [
         {"name": t.name, "type": t.tensor_type.name, "shape": [int(d) for d in t.shape],
-         "offset": int(t.data_offset), "nbytes": int(t.n_bytes)} for t in reader.tensors]}
+         "offset": int(t.data_offset), "nbytes": int(t.n_bytes), "file": i} for i, t in tensors]}
     with open(os.path.join(out_dir, INDEX), "w") as f:
         json.dump(index, f)
-    os.symlink(path, os.path.join(out_dir, GGUF_LINK))
+    for link, f in zip(links, files):
+        os.symlink(f, os.path.join(out_dir, link))
+
+
+def _check_split(files: list[str], readers: list, meta: dict) -> None:
+    """The split.* keys of the files agree with their names (llama.cpp's gguf-split)."""
+    count = int(meta.get("split.count", 1) or 1)
+    if count != len(files):
+        raise UnsupportedModelError(
+            f"{files[0]} is part of a GGUF model split into {count} files, but its name does not say "
+            f"so; keep gguf-split's names (NAME-00001-of-{count:05d}.gguf ...)." if len(files) == 1 else
+            f"{files[0]} says the model is split into {count} files, but its name says {len(files)}.")
+    for i, r in enumerate(readers):
+        no = r.fields.get("split.no")
+        if len(files) > 1 and (no is None or int(no.contents()) != i):
+            raise UnsupportedModelError(f"{files[i]} is not part {i + 1} of the split model its name says.")
+    want = meta.get("split.tensors.count")
+    have = sum(len(r.tensors) for r in readers)
+    if want is not None and int(want) != have:
+        raise UnsupportedModelError(f"{files[0]}: the split model's files hold {have} tensors, not the "
+                                    f"{int(want)} its metadata lists.")
 
 
 def hf_config(meta: dict, tensor_names: set, path: str = "", rope_freqs=None) -> dict:
@@ -205,8 +255,8 @@ def open_checkpoint(cfg):
         from .gguf_checkpoint import GGUFCheckpoint
         with open(os.path.join(cfg.model_dir, INDEX)) as f:
             index = json.load(f)
-        return GGUFCheckpoint(os.path.realpath(os.path.join(cfg.model_dir, GGUF_LINK)), index,
-                              cfg.num_heads, cfg.num_kv_heads)
+        files = [os.path.realpath(os.path.join(cfg.model_dir, f)) for f in index.get("files", [GGUF_LINK])]
+        return GGUFCheckpoint(files[0], index, cfg.num_heads, cfg.num_kv_heads, files=files)
     with open(os.path.join(cfg.model_dir, "config.json")) as f:
         qcfg = json.load(f).get("quantization_config")
     if qcfg:

@@ -54,7 +54,7 @@ def encode(w: np.ndarray, qtype: str, rng) -> tuple[np.ndarray, object]:
 
 
 def write_gguf(hf_dir: str, path: str, qtype: str, arch: str = "llama", seed: int = 0,
-               norm_type: str = "F32", types: dict | None = None, extra=None) -> None:
+               norm_type: str = "F32", types: dict | None = None, extra=None, split_max_tensors: int = 0) -> None:
     """The model in hf_dir (f32 safetensors + tokenizer.json) as a GGUF: 2-D weights in qtype,
     or in types[projection] for the projections it names (e.g. {"v_proj": "Q8_0"}: a mix).
     extra(writer): adds more metadata or tensors (rope scaling, experts, ...)."""
@@ -63,7 +63,8 @@ def write_gguf(hf_dir: str, path: str, qtype: str, arch: str = "llama", seed: in
     with open(os.path.join(hf_dir, "config.json")) as f:
         cfg = json.load(f)
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(path, arch)
+    # NOTE: split_max_tensors > 0 writes llama.cpp's split files (STEM-00001-of-0000N.gguf ...)
+    w = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
     a = arch + "."
     hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     for key, val in [("block_count", cfg["num_hidden_layers"]), ("context_length", cfg["max_position_embeddings"]),
