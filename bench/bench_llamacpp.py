@@ -19,8 +19,8 @@ again with NUMA_RUNTIME_FUSED_DECODE=0 (decode steps op by op instead of one Ope
 --prefill-int8 adds it again with prefill_activations="int8" (int8 prefill activations, as
 llama.cpp's; the default is bf16).
 --depth D...: llama.cpp's prefill of D tokens (-p D -n 0) and decode after D tokens
-(-p 0 -n G -d D), flash attention off and on (-fa 0,1), against ours (bf16 file): prefill of D
-tokens, then decode right after it. Writes OUT.json and OUT.md and prints the markdown.
+(-p 0 -n G -d D), flash attention off and on (-fa 0,1), against ours (the --depth-type file,
+bf16 by default): prefill of D tokens, then decode right after it. Writes OUT.json and OUT.md and prints the markdown.
 """
 from __future__ import annotations
 
@@ -232,7 +232,7 @@ def measure(a) -> dict:
             llama[t] = {"records": recs, "decode": pick(recs, n_gen=a.gen), "prefill": pick(recs, n_prompt=a.prefill)}
             report["llama_cpp_build"] = report["llama_cpp_build"] or next(
                 ({k: r.get(k) for k in ("build_commit", "build_number", "cpu_info")} for r in recs if "error" not in r), None)
-        ours = run_ours(a, path, None, a.depth if t == "bf16" else [])
+        ours = run_ours(a, path, None, a.depth if t == a.depth_type else [])
         report["rows"].append({"ours": f"{t.upper()} GGUF", "file": t, "quantization": None, "ours_result": ours,
                                "llama_cpp": llama.get(t)})
         if a.op_by_op and t != "bf16":
@@ -256,12 +256,12 @@ def measure(a) -> dict:
                 report["rows"].append({"ours": f"{q} at load, int8 prefill", "file": t, "quantization": q,
                                        "ours_result": run_ours(a, model_dir, q, [], prefill="int8"),
                                        "llama_cpp": llama.get(t)})
-    if a.depth and bench_bin and "bf16" in files:
+    if a.depth and bench_bin and a.depth_type in files:
         fa = ["-fa", "0,1"]
         ds = ",".join(map(str, a.depth))
-        pre = llama_bench(bench_bin, files["bf16"], a.threads,
+        pre = llama_bench(bench_bin, files[a.depth_type], a.threads,
                           ["-p", ds, "-n", "0", "-r", str(a.depth_reps), "--no-warmup", *fa], a.timeout * 4)
-        dec = llama_bench(bench_bin, files["bf16"], a.threads,
+        dec = llama_bench(bench_bin, files[a.depth_type], a.threads,
                           ["-p", "0", "-n", str(a.gen), "-d", ds, "-r", str(a.depth_reps), *fa], a.timeout * 4)
         report["depth"] = {"prefill": pre, "decode": dec}
     return report
@@ -305,10 +305,10 @@ def markdown(r: dict, a) -> str:
         types = ", ".join(f"{role} {'/'.join(f'{k}x{v}' for k, v in c.items())}"
                           for role, c in f["tensor_types"].items() if not role.endswith("norm.weight"))
         lines.append(f"- {t.upper()} ({f['bytes'] / 1e6:.0f} MB): {types}")
-    bf16 = next((row["ours_result"] for row in r["rows"] if row["file"] == "bf16" and not row["quantization"]), {})
+    bf16 = next((row["ours_result"] for row in r["rows"] if row["file"] == a.depth_type and not row["quantization"]), {})
     if a.depth and bf16.get("depth"):
         pre, dec = r["depth"].get("prefill", []), r["depth"].get("decode", [])
-        lines += ["", "Long context, bf16 GGUF, batch 1 (ours: prefill of D tokens, then decode right after; "
+        lines += ["", f"Long context, {a.depth_type.upper()} GGUF, batch 1 (ours: prefill of D tokens, then decode right after; "
                   "llama.cpp: -p D -n 0 and -p 0 -n G -d D)", "",
                   "| D | metric | llama.cpp fa off | llama.cpp fa on | ours | ours / better llama.cpp | "
                   "ours decode of DRAM limit (weights + KV) |", "|" + " --- |" * 7]
@@ -343,6 +343,8 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--depth", type=int, nargs="*", default=[], help="long-context runs, e.g. 8192 16000")
     ap.add_argument("--depth-reps", type=int, default=1)
+    ap.add_argument("--depth-type", default="bf16", choices=list(QUANT_TYPES),
+                    help="the GGUF type of the --depth runs (one of --types; default bf16)")
     ap.add_argument("--no-load-quant", action="store_true", help="skip ours quantized at load (int8/int4)")
     ap.add_argument("--op-by-op", action="store_true",
                     help="each quantized row of ours again with NUMA_RUNTIME_FUSED_DECODE=0 (decode op by op)")
@@ -364,6 +366,8 @@ def main(argv=None) -> None:
             ap.error(f"--{name.replace('_', '-')} must be at least 1.")
     if any(d < 1 for d in a.depth):
         ap.error("--depth values must be positive token counts.")
+    if a.depth and a.depth_type not in a.types:
+        ap.error(f"--depth-type {a.depth_type} must be one of --types ({' '.join(a.types)}).")
     if a.child:
         print("RESULT " + json.dumps(child(a)), flush=True)
         return
