@@ -19,6 +19,7 @@ __all__ = ["Tokenizer", "IncrementalDetokenizer", "ChatTemplateError"]
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
                  "mask_token")
 _LLAMA_STYLE = {"LlamaTokenizer", "CodeLlamaTokenizer", "GemmaTokenizer"}
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # the first is what templates read
 
 
 class ChatTemplateError(ValueError):
@@ -124,18 +125,27 @@ class Tokenizer:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, **kwargs) -> str:
+                            tools: list[dict] | None = None, documents: list[dict] | None = None,
+                            **kwargs) -> str:
         """Render the conversation to the prompt string. Extra kwargs reach the template
-        (e.g. `enable_thinking=False`)."""
+        (e.g. `enable_thinking=False`) and override the special tokens of the same name.
+
+        As HF does: keys whose value is None are dropped from each message, and a message's
+        reasoning (`reasoning_content`, `thinking` or `reasoning`) is given under the first two
+        names too. ChatTemplateError if the template raises, whatever it raises."""
         source = self._pick_template(tools)
         context = {k: v for k, v in self._special.items() if v is not None}
         context.update(kwargs)
         try:
-            return _compile(source).render(messages=messages, tools=tools,
+            return _compile(source).render(messages=_template_messages(messages), tools=tools,
+                                           documents=documents,
                                            add_generation_prompt=add_generation_prompt, **context)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"the model's chat template rejected the conversation: {e}") \
                 from e
+        except Exception as e:  # NOTE: templates are code; a TypeError is as much a refusal
+            raise ChatTemplateError(f"the model's chat template failed on this conversation "
+                                    f"({type(e).__name__}: {e}).") from e
 
     def _pick_template(self, tools) -> str:
         if not self._chat_templates:
@@ -212,6 +222,19 @@ def _compile(source: str) -> jinja2.Template:
     return _jinja_env().from_string(source)
 
 
+def _template_messages(messages: list[dict]) -> list[dict]:
+    """Messages as HF hands them to templates: None-valued keys dropped (OpenAI clients send
+    `content: None` beside tool calls), reasoning aliased as `reasoning_content` and `thinking`."""
+    out = []
+    for m in messages:
+        m = {k: v for k, v in m.items() if v is not None}
+        reasoning = next((m[k] for k in _REASONING_KEYS if k in m), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
+    return out
+
+
 def _raise_exception(message):
     raise jinja2.TemplateError(message)
 
@@ -224,6 +247,38 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
 
 def _strftime_now(fmt):
     return datetime.now().strftime(fmt)
+
+
+class _Dict:
+    """`dict(...)` and `dict.fromkeys(...)` only: the builtin type would hand templates its
+    unbound methods (`dict.update(messages[0], ...)` mutates what the sandbox keeps immutable)."""
+
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """jinja's namespace() without underscore-prefixed attributes (as HF's sandbox hardening)."""
+
+    def __init__(*args, **kwargs):  # NOTE: no named self, so `namespace(self=...)` still works
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _Namespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"chat templates cannot set underscore-prefixed attributes on a namespace ({name!r}).")
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -247,6 +302,8 @@ def _jinja_env() -> ImmutableSandboxedEnvironment:
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
+        env.globals["dict"] = _Dict()
+        env.globals["namespace"] = _Namespace
         _ENV = env
     return _ENV
 

@@ -6,6 +6,7 @@ the `tokenizers` library (byte-level BPE; sentencepiece-style metaspace BPE with
 import json
 import random
 
+import jinja2
 import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
@@ -259,6 +260,23 @@ def test_chat_template_errors_are_clear(tmp_path):
     tok._chat_templates = {"default": "{{ messages.__class__.__mro__ }}"}
     with pytest.raises(ChatTemplateError):  # the sandbox refuses
         tok.apply_chat_template([{"role": "user", "content": "a"}])
+
+
+@pytest.mark.parametrize("source", [
+    "{{ dict.update(messages[0], {'role': 'x'}) }}{{ messages[0].role }}",  # the builtin's unbound methods
+    "{% set ns = namespace(_x=1) %}{{ ns._x }}",
+    "{% set ns = namespace(x=1) %}{% set ns._y = 2 %}{{ ns.x }}",
+])
+def test_chat_template_sandbox_refuses_what_hf_refuses(tmp_path, source):
+    d = _train_byte_level(tmp_path, {"chat_template": source + "{{ dict(a=1) }} {{ dict.fromkeys('ab', 0) }}"})
+    ours, theirs = Tokenizer.from_dir(str(d)), transformers.AutoTokenizer.from_pretrained(str(d))
+    messages = [{"role": "user", "content": "a"}]
+    with pytest.raises(jinja2.TemplateError):
+        theirs.apply_chat_template(messages, tokenize=False)
+    with pytest.raises(ChatTemplateError):
+        ours.apply_chat_template(messages)
+    ours._chat_templates = {"default": "{{ dict(a=1) }} {{ dict.fromkeys('ab', 0) }}"}
+    assert ours.apply_chat_template(messages) == "{'a': 1} {'a': 0, 'b': 0}"
 
 
 def _train_metaspace(model_dir, config=None, bos_in_post_processor=True):

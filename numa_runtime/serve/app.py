@@ -134,8 +134,8 @@ def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
         # NOTE: runs in a worker thread; the tokenizer releases the GIL while it encodes.
         return [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
 
-    def tokenize_chat(messages: list[dict]) -> list[int]:
-        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    def tokenize_chat(messages: list[dict], template_kwargs: dict) -> list[int]:
+        text = engine.tokenizer.apply_chat_template(messages, **template_kwargs)
         engine.tokenizer.check_length(text, engine.max_model_len)
         return engine.tokenizer.encode(text, add_special_tokens=False)
 
@@ -166,7 +166,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
             if params.json_schema is not None:  # NOTE: built once, off the loop and the engine thread
                 await asyncio.to_thread(engine.grammars.prepare)
             messages = [m.as_template_dict() for m in body.messages]
-            ids = await asyncio.to_thread(tokenize_chat, messages)
+            ids = await asyncio.to_thread(tokenize_chat, messages, body.template_kwargs())
         return await _serve(request, body, "chatcmpl", [ids], params, arrival)
 
     @app.post("/v1/embeddings")

@@ -7,6 +7,8 @@ as the OpenAI API does. No field names a file.
 """
 from __future__ import annotations
 
+import json
+import logging
 import re
 from typing import Any, Literal, Optional, Union
 
@@ -14,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..sampling_params import SamplingParams
 
+log = logging.getLogger("numa_runtime.serve")
 MAX_CHOICES = 128  # n times the number of prompts, per request
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -133,12 +136,47 @@ class ContentPart(_Body):
     text: Optional[str] = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: Union[str, dict[str, Any], None] = Field(None, description="A JSON object, as a string or not.")
+
+
+class ToolCall(_Body):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def as_template_dict(self) -> dict:
+        """The call as templates read it (as vLLM hands it): `arguments` a dict, parsed from its
+        JSON string; empty, invalid or not an object: {} (history the model wrote stays usable)."""
+        args = self.function.arguments
+        if isinstance(args, str) and args:
+            try:
+                args = json.loads(args)
+            except ValueError:
+                args = None
+        if not isinstance(args, dict):
+            if args:
+                log.warning("tool call %r: arguments are not a JSON object; the template sees {}.",
+                            self.function.name)
+            args = {}
+        check_text("messages", json.dumps([self.id, self.function.name, args], ensure_ascii=False))
+        call = {"type": "function", "function": {"name": self.function.name, "arguments": args}}
+        return call if self.id is None else {"id": self.id, **call}
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = Field(None, description="Assistant messages: the calls it made.")
+    tool_call_id: Optional[str] = Field(None, description="Tool messages: the call answered.")
+    reasoning: Optional[str] = Field(None, description="Assistant messages: their reasoning (vLLM's name).")
+    reasoning_content: Optional[str] = Field(None, description="The same, under its older name.")
 
     def as_template_dict(self) -> dict:
+        """The message as vLLM hands it to the chat template: content a string (text parts joined
+        by newlines; None is ""), tool calls with parsed arguments, reasoning under both names."""
         content = self.content
         if isinstance(content, list):
             for part in content:
@@ -146,11 +184,18 @@ class ChatMessage(_Body):
                     raise ValueError(f"Only text content parts ({{'type': 'text', 'text': ...}}) are supported, "
                                      f"got type {part.type!r}.")
             content = "\n".join(part.text for part in content)
-        check_text("messages", content or "")
-        check_text("messages", self.name or "")
         msg = {"role": self.role, "content": content if content is not None else ""}
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if self.role == "assistant" and self.tool_calls:
+            msg["tool_calls"] = [call.as_template_dict() for call in self.tool_calls]
+        if self.role == "assistant" and reasoning is not None:
+            msg["reasoning"] = msg["reasoning_content"] = reasoning
+        if self.role == "tool" and self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             msg["name"] = self.name
+        for key in ("content", "name", "reasoning", "tool_call_id"):
+            check_text("messages", msg.get(key) or "")
         return msg
 
 
@@ -168,6 +213,9 @@ class ChatCompletionRequest(_SamplingRequest):
     audio: Optional[Any] = None
     prediction: Optional[Any] = None
     web_search_options: Optional[Any] = None
+    # extension (vLLM name)
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(
+        None, description="Extra variables for the chat template, e.g. {'enable_thinking': false}.")
 
     def refuse_unsupported(self) -> None:
         _refuse(self, {"tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
@@ -200,4 +248,16 @@ class ChatCompletionRequest(_SamplingRequest):
         for m in self.messages:
             parts = m.content if isinstance(m.content, list) else [m]
             total += sum(len(getattr(p, "text", None) or getattr(p, "content", None) or "") for p in parts)
+            total += len(m.reasoning or m.reasoning_content or "")
+            for call in m.tool_calls or []:
+                args = call.function.arguments
+                total += len(args) if isinstance(args, str) else 0
         return total
+
+    def template_kwargs(self) -> dict:
+        """Keyword arguments of Tokenizer.apply_chat_template: chat_template_kwargs may set any
+        template variable (add_generation_prompt too, as in vLLM), but not the messages."""
+        extra = self.chat_template_kwargs or {}
+        if "messages" in extra:
+            raise ValueError("chat_template_kwargs cannot set 'messages'; send them as messages.")
+        return {"add_generation_prompt": True, **extra}
