@@ -61,6 +61,7 @@ cdef extern from "qgemm_kernels.h" nogil:
                       const float* bias, float* out, int level, int resid)
     enum: QG_MR_Q8
     int qg_q8_tiles
+    long qg_pf_bytes
     int qg_amx
     int qg_amx_init()
     size_t qg_tiles_bytes(const qg_format* f, long Q)
@@ -118,6 +119,15 @@ def _set_amx(bint on):
     global qg_amx
     old = qg_amx != 0
     qg_amx = 1 if on and _amx_present else 0
+    return old
+
+
+def _set_prefetch(long nbytes):
+    """Tests and benchmarks: the software prefetch distance of the int8-activation decode kernels
+    in bytes (0: off; default 4096, qgemm_q8.h). Same results either way. Returns the old value."""
+    global qg_pf_bytes
+    old = qg_pf_bytes
+    qg_pf_bytes = nbytes
     return old
 
 
