@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # NOTE: numa_runtime from this checkout, installed or not
 PROMPT = ("You are a helpful assistant. Explain in a few sentences why the sky is blue, "
           "and what changes at sunset. ")
 
