@@ -124,6 +124,7 @@ static void qg_amx_rows_fill(const qg_amx_rows* T, const qg_xq* q, long Q, int t
         if (bits == 4) {                                                                          \
             const uint8_t* src_ = (rows_) + (b_) * (QG_QB / 8) * 64;                              \
             for (int i_ = 0; i_ < QG_QB / 8; i_++) {                                              \
+                if (qg_pf_bytes) _mm_prefetch((const char*)src_ + i_ * 64 + qg_pf_bytes, _MM_HINT_T0); \
                 const __m512i v_ = _mm512_loadu_si512((const void*)(src_ + i_ * 64));             \
                 __m512i lo_ = _mm512_and_si512(v_, m4);                                           \
                 __m512i hi_ = _mm512_and_si512(_mm512_srli_epi32(v_, 4), m4);                     \
@@ -139,6 +140,9 @@ static void qg_amx_rows_fill(const qg_amx_rows* T, const qg_xq* q, long Q, int t
             if (sym) _tile_dpbssd(TC, TA, TB);                                                    \
             else _tile_dpbsud(TC, TA, TB);                                                        \
         } else {                                                                                  \
+            if (qg_pf_bytes)                                                                      \
+                for (int i_ = 0; i_ < QG_QB / 4; i_++)                                            \
+                    _mm_prefetch((const char*)(rows_) + ((b_) * (QG_QB / 4) + i_) * 64 + qg_pf_bytes, _MM_HINT_T0); \
             _tile_loadd(TB, (rows_) + (b_) * (QG_QB / 4) * 64, 64);                               \
             _tile_dpbssd(TC, TA, TB);                                                             \
         }                                                                                         \

@@ -95,6 +95,7 @@ QG_INLINE QG_T512VNNI void qg_q8t_vnni_mr(const uint8_t* blk, const qg_format* f
             const int32_t* xb = (const int32_t*)t->xt + (k0 / 4) * QG_MR_T;
 #define QG_T_STEP                                                                                 \
             {                                                                                     \
+                if (qg_pf_bytes) _mm_prefetch((const char*)row + qg_pf_bytes, _MM_HINT_T0);     \
                 const __m512i v = _mm512_loadu_si512((const void*)row);                          \
                 if (bits == 4) {                                                                  \
                     const __m512i lo = _mm512_and_si512(v, m4);                                   \
