@@ -96,6 +96,7 @@ cdef extern from "gemm_kernels.h" nogil:
     enum:
         GEMM_MMAX
     int gemm_cpu_level()
+    long gemm_pf_bytes
     void* gemm_alloc(size_t nbytes)
     void gemm_rows_to_bf16(const float* x, long m, long k, uint16_t* y, long ldy)
     void gemm_copy_rows(const float* src, long m, long n, float* dst, long ldd)
@@ -160,6 +161,15 @@ cdef void _init_dnnl() except *:
 def cpu_level():
     """2: AVX-512 BF16 dot products; 1: AVX-512F, bf16 widened in registers; 0: AVX2 + FMA."""
     return _level
+
+
+def _set_prefetch(long nbytes):
+    """Tests and benchmarks: the software prefetch distance of the bf16/f32 GEMV tiles in bytes
+    (0: off; default 4096, gemm_avx512.h). Same results either way. Returns the old value."""
+    global gemm_pf_bytes
+    old = gemm_pf_bytes
+    gemm_pf_bytes = nbytes
+    return old
 
 
 def _force_cpu_level(int level):
