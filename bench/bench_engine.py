@@ -29,6 +29,13 @@ tokens each, default 128, so that contexts stay short) into schedule / execute /
 24 layers) the kernels take almost no time, so the step is the per-op and per-step overhead:
     python bench/bench_engine.py --overhead                                  # tiny24, bf16
     python bench/bench_engine.py --overhead --shape qwen0.5b --quantization int4
+Software prefetch A/B: `--prefetch 0 4096 ...` skips the rest and runs decode-only rounds that
+alternate the kernels' prefetch distance (qgemm._set_prefetch and gemm._set_prefetch; same
+results at every distance): each round, for each distance, B requests (--prefetch-batch, default
+1 and 16) decode 48 tokens after a short prompt, and the median step is kept; reported per
+distance as the median over --overhead-rounds rounds (default 5). Alternating rounds in one
+process keeps a shared host's drift out of the comparison.
+    python bench/bench_engine.py --prefetch 0 4096 --shape qwen0.5b --quantization int4
 Writes OUT.json and OUT.md.
 """
 from __future__ import annotations
@@ -201,6 +208,49 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def prefetch_ab(eng, a) -> dict:
+    """Median decode step (ms) per prefetch distance and batch, rounds alternating the distances."""
+    import statistics
+
+    from numa_runtime import SamplingParams
+    from numa_runtime._kernels import gemm, qgemm
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    res = {b: {d: [] for d in a.prefetch} for b in a.prefetch_batch}
+    old = qgemm._set_prefetch(0), gemm._set_prefetch(0)
+    try:
+        for _ in range(a.overhead_rounds):
+            for b in a.prefetch_batch:
+                for d in a.prefetch:
+                    qgemm._set_prefetch(d)
+                    gemm._set_prefetch(d)
+                    for i in range(b):
+                        eng.add_request(list(range(10 + i, 42 + i)), params)
+                    eng.step()  # the prefill
+                    steps = []
+                    while eng.has_unfinished_requests():
+                        t = time.perf_counter()
+                        eng.step()
+                        steps.append(time.perf_counter() - t)
+                    res[b][d].append(1e3 * statistics.median(steps))
+    finally:
+        qgemm._set_prefetch(old[0])
+        gemm._set_prefetch(old[1])
+    return {str(b): {str(d): {"rounds_ms": v, "median_ms": statistics.median(v)} for d, v in r.items()}
+            for b, r in res.items()}
+
+
+def prefetch_markdown(r: dict, a) -> str:
+    lines = [f"model {r['summary'].get('model', '')}, quantization {a.quantization}, threads {r['threads']}; "
+             f"median decode step ms over {a.overhead_rounds} alternating rounds", "",
+             "| batch | " + " | ".join(f"prefetch {d} B" for d in a.prefetch) + " |",
+             "|" + " --- |" * (len(a.prefetch) + 1)]
+    for b, row in r["prefetch"].items():
+        base = row[str(a.prefetch[0])]["median_ms"]
+        lines.append(f"| {b} | " + " | ".join(
+            f"{row[str(d)]['median_ms']:.2f} ({row[str(d)]['median_ms'] / base:.2f}x)" for d in a.prefetch) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(ap)
@@ -221,8 +271,14 @@ def main() -> None:
     ap.add_argument("--overhead", action="store_true",
                     help="only the batch-1 decode step split (default shape tiny24, 512 tokens)")
     ap.add_argument("--quantization", default=None, help="quantize at load (int8, int4, ...)")
+    ap.add_argument("--prefetch", type=int, nargs="+", default=None,
+                    help="only the prefetch A/B: these distances in bytes, e.g. 0 4096")
+    ap.add_argument("--prefetch-batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--out", default="/tmp/bench_engine", help="writes OUT.json and OUT.md")
     a = ap.parse_args()
+    if a.prefetch:
+        a.concurrency, a.overhead_rounds = [], a.overhead_rounds or 5
+        a.overhead_batch = max(a.prefetch_batch)
     if a.quick:
         a.concurrency = [c for c in a.concurrency if c <= 16] or [1]
         a.prompt_min, a.prompt_max, a.output_len = 8, 32, 16
@@ -237,6 +293,14 @@ def main() -> None:
     import numpy as np
     eng = make_engine(a)
     rng = np.random.default_rng(a.seed)
+    if a.prefetch:
+        closed_loop(eng, a, rng, 1, 1)
+        report = {"summary": eng.summary(), "threads": eng.num_threads, "prefetch": prefetch_ab(eng, a)}
+        eng.close()
+        md = prefetch_markdown(report, a)
+        paths = write_report(a.out, report, md)
+        print("\n" + md + "\nwrote " + ", ".join(paths))
+        return
     closed_loop(eng, a, rng, 1, 1)  # warm-up: kernel primitives for prefill and decode shapes
     levels = []
     for c in a.concurrency:
