@@ -293,15 +293,14 @@ def main() -> None:
     import numpy as np
     eng = make_engine(a)
     rng = np.random.default_rng(a.seed)
+    closed_loop(eng, a, rng, 1, 1)  # warm-up: kernel primitives for prefill and decode shapes
     if a.prefetch:
-        closed_loop(eng, a, rng, 1, 1)
         report = {"summary": eng.summary(), "threads": eng.num_threads, "prefetch": prefetch_ab(eng, a)}
         eng.close()
         md = prefetch_markdown(report, a)
         paths = write_report(a.out, report, md)
         print("\n" + md + "\nwrote " + ", ".join(paths))
         return
-    closed_loop(eng, a, rng, 1, 1)  # warm-up: kernel primitives for prefill and decode shapes
     levels = []
     for c in a.concurrency:
         n = a.requests_per_level or max(2 * c, 4)

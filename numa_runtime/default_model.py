@@ -106,6 +106,7 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> None:
     """Write a LlamaForCausalLM HF directory (bf16 safetensors + tokenizer) from a llama GGUF."""
     import gguf  # NOTE: only needed for the one-off conversion
 
+    from .gguf_tokenizer import write_tokenizer
     t0 = time.perf_counter()
     _log(f"converting {os.path.basename(gguf_path)} into {out_dir}")
     reader = gguf.GGUFReader(gguf_path)
@@ -119,7 +120,7 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> None:
         "bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
         "pad_token_id": config["pad_token_id"]})
     _log("  [1/3] config.json, generation_config.json")
-    _write_tokenizer(meta, out_dir)
+    write_tokenizer(meta, out_dir, "llama.", source=gguf_path)
     _log("  [2/3] tokenizer.json, tokenizer_config.json")
     _write_weights(reader, config, os.path.join(out_dir, "model.safetensors"))
     _log(f"  [3/3] model.safetensors: {len(reader.tensors)} tensors, bf16 "
@@ -160,11 +161,6 @@ def _hf_config(meta: dict, tensor_names: set) -> dict:
         "initializer_range": 0.02,
         "torch_dtype": "bfloat16",
     }
-
-
-def _write_tokenizer(meta: dict, out_dir: str, prefix: str = "llama.") -> None:
-    from .gguf_tokenizer import write_tokenizer
-    write_tokenizer(meta, out_dir, prefix)
 
 
 def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -79,7 +79,14 @@ def write_tokenizer(meta: dict, out_dir: str, prefix: str, source: str = "") -> 
 
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default))
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
-    _post_processor(tok, meta, tokens, add_bos, add_eos, where)
+    around = []  # (token, id) of BOS / EOS where they are added around a text, else None
+    for flag, name in ((add_bos, "bos"), (add_eos, "eos")):
+        key = f"tokenizer.ggml.{name}_token_id"
+        if flag and token(key) is None:
+            raise UnsupportedModelError(f"{where}the GGUF asks for {name.upper()} around each text but names "
+                                        "no such token.")
+        around.append((token(key), int(meta[key])) if flag else None)
+    _post_processor(tok, kind == "gpt2", *around)
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     cfg = {
         "add_bos_token": add_bos,
@@ -191,30 +198,16 @@ def _add_special(tok, tokens: list, types: list) -> None:
         tok.add_tokens(user)
 
 
-def _post_processor(tok, meta: dict, tokens: list, add_bos: bool, add_eos: bool, where: str) -> None:
+def _post_processor(tok, byte_level: bool, bos: tuple | None, eos: tuple | None) -> None:
+    """Byte-level BPE's offsets, then BOS / EOS ((token, id), or None) around each text."""
     from tokenizers import processors
 
-    byte_level = processors.ByteLevel(trim_offsets=False)
-    if meta.get("tokenizer.ggml.model") == "gpt2" and not (add_bos or add_eos):
-        tok.post_processor = byte_level
-        return
-    single, special = ["$A"], []
-    for flag, key, at in ((add_bos, "tokenizer.ggml.bos_token_id", 0), (add_eos, "tokenizer.ggml.eos_token_id", None)):
-        if not flag:
-            continue
-        i = meta.get(key)
-        if i is None or not 0 <= int(i) < len(tokens):
-            raise UnsupportedModelError(f"{where}the GGUF asks for {key.split('.')[-1][:3].upper()} "
-                                        f"around each text but names no such token.")
-        if at == 0:
-            single.insert(0, tokens[int(i)])
-        else:
-            single.append(tokens[int(i)])
-        if (tokens[int(i)], int(i)) not in special:
-            special.append((tokens[int(i)], int(i)))
-    pair = single + [s if s != "$A" else "$B" for s in single]
-    template = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
-    if meta.get("tokenizer.ggml.model") == "gpt2":
-        tok.post_processor = processors.Sequence([byte_level, template])
-    else:
-        tok.post_processor = template
+    steps = [processors.ByteLevel(trim_offsets=False)] if byte_level else []
+    if bos or eos:
+        def around(x):
+            return ([bos[0]] if bos else []) + [x] + ([eos[0]] if eos else [])
+        special = list(dict.fromkeys(t for t in (bos, eos) if t))
+        steps.append(processors.TemplateProcessing(single=around("$A"), pair=around("$A") + around("$B"),
+                                                   special_tokens=special))
+    if steps:
+        tok.post_processor = steps[0] if len(steps) == 1 else processors.Sequence(steps)

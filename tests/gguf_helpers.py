@@ -53,6 +53,22 @@ def encode(w: np.ndarray, qtype: str, rng) -> tuple[np.ndarray, object]:
     return gguf.quants.quantize(w, T[qtype]), T[qtype]
 
 
+def add_metadata(w, keys: dict, prefix: str = "") -> None:
+    """GGUF metadata on writer w: str, bool, float (float32), int (uint32) or a list (array)."""
+    for key, val in keys.items():
+        key = prefix + key
+        if isinstance(val, str):
+            w.add_string(key, val)
+        elif isinstance(val, bool):
+            w.add_bool(key, val)
+        elif isinstance(val, float):
+            w.add_float32(key, val)
+        elif isinstance(val, int):
+            w.add_uint32(key, val)
+        else:
+            w.add_array(key, list(val))
+
+
 def write_gguf(hf_dir: str, path: str, qtype: str, arch: str = "llama", seed: int = 0,
                norm_type: str = "F32", types: dict | None = None, extra=None, split_max_tensors: int = 0) -> None:
     """The model in hf_dir (f32 safetensors + tokenizer.json) as a GGUF: 2-D weights in qtype,

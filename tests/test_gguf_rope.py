@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from gguf_helpers import write_gguf
+from gguf_helpers import add_metadata, write_gguf
 from models import build_model, hf_greedy
 
 from numa_runtime import Engine, SamplingParams
@@ -47,16 +47,7 @@ def llama3_factors(rope: dict, theta: float, dim: int) -> np.ndarray:
 def metadata(keys: dict, tensors: dict | None = None, arch: str = "llama"):
     """write_gguf's `extra`: `{arch}.key` metadata (str, float32, uint32 or bool array) and tensors."""
     def extra(w):
-        for key, val in keys.items():
-            key = f"{arch}.{key}"
-            if isinstance(val, str):
-                w.add_string(key, val)
-            elif isinstance(val, float):
-                w.add_float32(key, val)
-            elif isinstance(val, list):
-                w.add_array(key, val)
-            else:
-                w.add_uint32(key, val)
+        add_metadata(w, keys, f"{arch}.")
         for name, data in (tensors or {}).items():
             w.add_tensor(name, data)
     return extra

@@ -14,6 +14,7 @@ import os
 
 import numpy as np
 import pytest
+from gguf_helpers import add_metadata
 
 from numa_runtime.config import UnsupportedModelError
 from numa_runtime.gguf_tokenizer import stop_token_ids, write_tokenizer
@@ -203,17 +204,7 @@ def write_tiny_gguf(path: str, tok_meta: dict, n_vocab: int) -> None:
                  ("rope.dimension_count", H // NH)]:
         w.add_uint32("llama." + k, v)
     w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-    for k, v in tok_meta.items():
-        if isinstance(v, str):
-            w.add_string(k, v)
-        elif isinstance(v, bool):
-            w.add_bool(k, v)
-        elif isinstance(v, int):
-            w.add_uint32(k, v)
-        elif k == "tokenizer.ggml.scores":
-            w.add_array(k, [float(x) for x in v])
-        else:
-            w.add_array(k, v)
+    add_metadata(w, tok_meta)
     rng = np.random.default_rng(0)
 
     def add(name, shape):
