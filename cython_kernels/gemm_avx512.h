@@ -8,10 +8,10 @@
 #define GEMM_INLINE static inline __attribute__((always_inline))
 
 /* Software prefetch distance of the GEMV tiles in bytes (0: off; gemm._set_prefetch). NOTE: 4096
- * bytes ahead cut a bf16 batch-1 decode step by 8-9% on a 2-core Zen 5 (24.2 -> 22.4 ms, Qwen2.5-0.5B
- * shape) and a 16-core Sapphire Rapids (14.6 -> 13.3 ms), in rounds alternating with it off, as it
- * did for the quantized kernels (qgemm_q8.h). An earlier Zen 4 build-time comparison (separate
- * processes) had found 1-4 KiB a 10-15% loss. */
+ * bytes ahead, as the quantized kernels (qgemm_q8.h): bf16 batch-1 decode steps 0.95x on a 2-core
+ * Zen 5 and 0.92x on a 16-core Sapphire Rapids (`bench/bench_engine.py --prefetch 0 4096`, rounds
+ * alternating off and on, bench/RESULTS.md). An earlier Zen 4 build-time comparison (separate
+ * processes) had found 1-4 KiB a 10-15% loss; Zen 4 was not measured again. */
 #ifndef GEMM_PF_BYTES
 #define GEMM_PF_BYTES 4096
 #endif

@@ -35,13 +35,12 @@ typedef struct {
  * are all decode rows, so a batch of them may take int8 activations beyond QG_MR_Q8 rows. */
 static __thread int qg_decode_step;
 /* Software prefetch distance of the int8-activation kernels (bytes ahead of each 64-byte weight row
- * they read: decode, VNNI row tiles, AMX tiles; 0: off; qgemm._set_prefetch). NOTE: each thread streams its own contiguous run of column
- * blocks, yet the hardware prefetchers alone left decode short of DRAM speed: 4096 bytes ahead
- * cut the step of a batch-1 decode by 11-24% (16-core Sapphire Rapids: Qwen2.5-0.5B int4 5.55 ->
- * 4.70 ms, int8 7.10 -> 5.85, Llama-3.2-1B int8 12.59 -> 9.51, int4 12.14 -> 10.83; 2-core Zen 5:
- * Q4_0 GGUF 10.1 -> 9.0, Q8_0 12.1 -> 9.2), in rounds alternating with it off; 256-1024 bytes did
- * not help, 2048-16384 all did. A decode batch of 16 on the row tiles (compute-bound) gained too:
- * 45.2 -> 33.3 ms a step on the 2-core Zen 5. */
+ * they read: decode, VNNI row tiles, AMX tiles; 0: off; qgemm._set_prefetch). NOTE: each thread
+ * streams its own contiguous run of column blocks, yet the hardware prefetchers alone left decode
+ * short of DRAM speed. `bench/bench_engine.py --prefetch 0 4096` (rounds alternating off and on,
+ * bench/RESULTS.md): int4 batch-1 decode steps 0.86x (2-core Zen 5) and 0.87x (16-core Sapphire
+ * Rapids), int8 0.89x (Sapphire Rapids), a batch of 16 0.81x (Zen 5, VNNI row tiles) and 0.93x
+ * (Sapphire Rapids, AMX tiles). Distances of 256-1024 bytes did not help, 2-16 KiB all did. */
 static long qg_pf_bytes = 4096;
 
 static inline long qg_blocks_per_group(const qg_format* f) { return (f->group + QG_QB - 1) / QG_QB; }
