@@ -31,6 +31,8 @@ gemm.BF16Panels and multiplied by oneDNN's bf16 matmul (AMX where present): the 
 the matrix units at the cost of rounding the dequantized weights to bf16, as the bf16 engine
 rounds its activations. f32 engines keep the exact f32 path.
 """
+import threading
+
 import numpy as np
 
 cimport numpy as cnp
@@ -68,11 +70,19 @@ cdef extern from "qgemm_kernels.h" nogil:
     int qg_decode_step
     int qg_dequant_panel_bf16(const uint8_t* w, const qg_format* f, long K, long n0, long n1,
                               long kpp, uint16_t* panel)
+    int qg_amxbf16
+    int qg_amxbf16_init()
+    size_t qg_amxbf16_bytes(const qg_format* f, long M, int nt)
+    void qg_amxbf16_forward(const uint8_t* w, const qg_format* f, const float* x, long M, long K,
+                            long ldx, const float* bias, float* out, long ldo, char* scratch,
+                            int nthreads)
 
 _KINDS = {"sym": 0, "zero": 1, "min": 2}
 cdef int _level = qg_cpu_level()
 cdef int _amx_present = qg_amx_init()
 qg_amx = _amx_present
+cdef int _amxbf16_present = qg_amxbf16_init()
+qg_amxbf16 = _amxbf16_present
 # NOTE: decode rows (M <= 8) by default; longer prefills only with prefill_act8 (the model's
 # prefill_activations="int8"). With every prefill linear in int8, SmolLM2-135M's perplexity rose
 # 0.5% (18.30 to 18.40); with qkv_proj kept at bf16 precision (prefill_act8 = 2), 0.16%. Its
@@ -177,6 +187,34 @@ def _panels(long K, long N):
 
 
 
+_SCRATCH = threading.local()
+
+
+def _scratch(size_t nbytes):
+    """This thread's scratch bytes for the AMX-BF16 prefill (kept and grown, so that a prefill's
+    linears do not map fresh pages on every call; per thread, as engines on other threads run
+    their own linears concurrently)."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.shape[0] < nbytes:
+        buf = _SCRATCH.buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
+    return buf
+
+
+def has_amx_bf16():
+    """Whether prefill rows over quantized weights run on AMX-BF16 tiles (qgemm_amxbf16.h): the
+    CPU has AMX-BF16 and AVX512-BF16 and the tile state was granted."""
+    return _amxbf16_present != 0
+
+
+def _set_amx_bf16(bint on):
+    """Tests and benchmarks: False runs the bf16 prefill on oneDNN panels even where AMX-BF16 is
+    present (the same products, other f32 summation order). Returns the old value."""
+    global qg_amxbf16
+    old = qg_amxbf16 != 0
+    qg_amxbf16 = 1 if on and _amxbf16_present else 0
+    return old
+
+
 def prefill_int8_wins():
     """Whether a prefill over quantized weights runs faster on int8 activations than on bf16
     panels: AVX-512 VNNI (row tiles), AMX included (matrix tiles, qgemm_amx.h). 512-token
@@ -271,10 +309,14 @@ cdef class QLinear:
         cdef bint decode_rows = M <= _act8_m_max or (qg_decode_step != 0 and M <= ACT8_DECODE_M_MAX)
         cdef bint q8 = self.act8 and decode_rows
         cdef int resid = self.act8_residual
-        cdef bint panels = self.prefill_bf16 and M >= PANEL_M_MIN and _panel_usable()
+        cdef bint tiles = self.prefill_bf16 and M >= PANEL_M_MIN and qg_amxbf16 != 0
+        cdef bint panels = tiles or (self.prefill_bf16 and M >= PANEL_M_MIN and _panel_usable())
         if not decode_rows and self.prefill_act8 and not (self.prefill_act8 == 2 and panels):
             q8 = True
             resid = resid or self.prefill_act8 == 2
+        if not q8 and tiles:
+            self._amxbf16_forward(xa, oa)
+            return oa
         if not q8 and panels:
             self._panel_forward(xa, oa)
             return oa
@@ -296,6 +338,20 @@ cdef class QLinear:
         if rc != 0:
             raise MemoryError("QLinear.forward: cannot allocate per-thread tiles")
         return oa
+
+    cdef _amxbf16_forward(self, cnp.ndarray xa, cnp.ndarray oa):
+        cdef long M = xa.shape[0], K = self.in_features, N = self.out_features
+        cdef int nt = omp_get_max_threads()
+        cdef cnp.ndarray buf = _scratch(qg_amxbf16_bytes(&self.fmt, M, nt))
+        cdef const float* bias = NULL
+        if self.bias_arr is not None:
+            bias = <const float*>cnp.PyArray_DATA(self.bias_arr)
+        cdef const uint8_t* w = <const uint8_t*>cnp.PyArray_DATA(self.packed)
+        cdef const float* xp = <const float*>cnp.PyArray_DATA(xa)
+        cdef float* op = <float*>cnp.PyArray_DATA(oa)
+        cdef char* sp = <char*>cnp.PyArray_DATA(buf)
+        with nogil:
+            qg_amxbf16_forward(w, &self.fmt, xp, M, K, K, bias, op, N, sp, nt)
 
     cdef _panel_forward(self, cnp.ndarray xa, cnp.ndarray oa):
         cdef long K = self.in_features, N = self.out_features, n0, n, kpp

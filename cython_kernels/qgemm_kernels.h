@@ -183,4 +183,6 @@ static QG_TBF16 int qg_dequant_panel_bf16(const uint8_t* w, const qg_format* f, 
     return err ? -1 : 0;
 }
 
+#include "qgemm_amxbf16.h"
+
 #endif

@@ -104,34 +104,50 @@ def test_bad_inputs_are_clear_errors():
         quantize(np.full((1, 32), 1e9, np.float32), QuantFormat(8, 32, "sym"))
 
 
-@pytest.mark.skipif(not qgemm._panel_usable(), reason="the bf16 panel path needs AVX-512 BF16 and "
-                    "a non-reference oneDNN bf16 matmul, which this CPU lacks")
+BF16_PATHS = [pytest.param("amx", marks=pytest.mark.skipif(
+                  not qgemm.has_amx_bf16(), reason="the AMX-BF16 prefill needs AMX-BF16 and AVX512-BF16, "
+                  "which this CPU lacks")),
+              pytest.param("panels", marks=pytest.mark.skipif(
+                  not qgemm._panel_usable(), reason="the bf16 panel path needs AVX-512 BF16 and a "
+                  "non-reference oneDNN bf16 matmul, which this CPU lacks"))]
+
+
+@pytest.mark.parametrize("path", BF16_PATHS)
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
-def test_bf16_panel_path_matches_bf16_reference(fmt, monkeypatch):
-    """With prefill_bf16, M >= PANEL_M_MIN rows run on bf16 panels: the result is the product of
-    the bf16-rounded dequantized weights and bf16-rounded x (exact products, f32 sums), over
-    several panels and a ragged last one; fewer rows keep the exact f32 path."""
+def test_bf16_prefill_paths_match_bf16_reference(fmt, path, monkeypatch):
+    """With prefill_bf16, M >= PANEL_M_MIN rows run on bf16 weights: AMX-BF16 tiles over weights
+    dequantized per task where the CPU has them, else oneDNN over bf16 panels. The result is the
+    product of the bf16-rounded dequantized weights and bf16-rounded x (exact products, f32
+    sums): over several panels and a ragged last one, column and row tails, K past a 32-k step;
+    fewer rows keep the exact f32 path."""
     from numa_runtime.backend.reference import bf16_to_f32, f32_to_bf16
     monkeypatch.setattr(qgemm, "_PANEL_BYTES", 1 << 14)  # 64-column panels: 100 columns are 2
-    # NOTE: oneDNN's reference matmul would give the right numbers 1000x slower
-    assert not qgemm._panels(384, 100).impl_info(qgemm.PANEL_M_MIN, 64).startswith("ref")
-    rng = np.random.default_rng(3)
-    g = 128 if fmt.group_size == -1 else fmt.group_size
-    cases = [(3 * g, 37), (5 * g, 100)] + ([(1001, 17)] if fmt.group_size == -1 else [])
-    for k, n in cases:
-        lin, ref, _ = make(fmt, k, n, with_bias=n % 2 == 1)
-        lin.prefill_bf16 = True
-        w16 = bf16_to_f32(f32_to_bf16(ref.weight)).astype(np.float64)
-        for m in (qgemm.PANEL_M_MIN, 100):
-            x = rng.standard_normal((m, k), dtype=np.float32)
-            y = lin.forward(x)
-            want = bf16_to_f32(f32_to_bf16(x)).astype(np.float64) @ w16.T
-            if ref.bias is not None:
-                want += ref.bias
-            check(y, want, x, ref.weight)
-            assert not np.array_equal(y, ref.forward(x)), "the bf16 panel path was not taken"
-        x = rng.standard_normal((qgemm.PANEL_M_MIN - 1, k), dtype=np.float32)
-        check(lin.forward(x), ref.forward(x).astype(np.float64), x, ref.weight)
+    old = qgemm._set_amx_bf16(path == "amx")
+    try:
+        if path == "panels":
+            # NOTE: oneDNN's reference matmul would give the right numbers 1000x slower
+            assert not qgemm._panels(384, 100).impl_info(qgemm.PANEL_M_MIN, 64).startswith("ref")
+        rng = np.random.default_rng(3)
+        g = 128 if fmt.group_size == -1 else fmt.group_size
+        # (8192, 200): on AMX several chunks of rows and several groups of column tasks a thread
+        cases = [(3 * g, 37), (5 * g, 100), (g, 200), (8192, 200)] + (
+            [(1001, 17), (13, 5)] if fmt.group_size == -1 else [])
+        for k, n in cases:
+            lin, ref, _ = make(fmt, k, n, with_bias=n % 2 == 1)
+            lin.prefill_bf16 = True
+            w16 = bf16_to_f32(f32_to_bf16(ref.weight)).astype(np.float64)
+            for m in (qgemm.PANEL_M_MIN, 100, 300):
+                x = rng.standard_normal((m, k), dtype=np.float32)
+                y = lin.forward(x, out=np.full((m, n), np.nan, np.float32))
+                want = bf16_to_f32(f32_to_bf16(x)).astype(np.float64) @ w16.T
+                if ref.bias is not None:
+                    want += ref.bias
+                check(y, want, x, ref.weight)
+                assert not np.array_equal(y, ref.forward(x)), "the bf16 path was not taken"
+            x = rng.standard_normal((qgemm.PANEL_M_MIN - 1, k), dtype=np.float32)
+            check(lin.forward(x), ref.forward(x).astype(np.float64), x, ref.weight)
+    finally:
+        qgemm._set_amx_bf16(old)
 
 
 @pytest.mark.parametrize("level", LEVELS)
