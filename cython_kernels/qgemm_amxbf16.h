@@ -26,6 +26,7 @@
 #define QG_AB_MR 32     /* rows per C-tile pass */
 #define QG_AB_B_BYTES (1L << 20)  /* dequantized weights a thread keeps at once (in its L2) */
 #define QG_AB_A_BYTES (1L << 19)  /* activation rows a thread runs over them at once */
+#define QG_AB_KC 1024  /* k per block of K: a task's B tiles for a block are 64 KiB */
 
 /* 1: AMX-BF16 and AVX512-BF16 present and the tile state granted (tests switch it off) */
 static int qg_amxbf16 = 0;
@@ -47,21 +48,22 @@ static int qg_amxbf16_init(void) {
 }
 
 static inline long qg_ab_kb(const qg_format* f) { return (f->kp + 31) / 32 * 32; }
-static inline long qg_ab_lda(const qg_format* f) {
-    const long kb = qg_ab_kb(f);
-    return kb % 512 == 0 ? kb + 32 : kb;
-}
+static inline long qg_ab_lda(const qg_format* f) { return qg_ab_kb(f); }
 static inline long qg_ab_mp(long M) { return (M + QG_AB_MR - 1) / QG_AB_MR * QG_AB_MR; }
 
 /* Per-thread bytes of dequantized B tiles: a group of whole 32-column tasks (at least one). */
+static inline long qg_ab_kc(const qg_format* f) {
+    const long kb = qg_ab_kb(f);
+    return kb < QG_AB_KC ? kb : QG_AB_KC;
+}
 static inline long qg_ab_group(const qg_format* f) {
-    const long per = qg_ab_kb(f) * 64, g = QG_AB_B_BYTES / per;
+    const long per = qg_ab_kc(f) * 64, g = QG_AB_B_BYTES / per;
     return g < 1 ? 1 : g;
 }
 
 /* Scratch bytes for M rows on nt threads: xb, then one B group buffer per thread. */
 static size_t qg_amxbf16_bytes(const qg_format* f, long M, int nt) {
-    return (size_t)qg_ab_mp(M) * qg_ab_lda(f) * 2 + (size_t)nt * qg_ab_group(f) * qg_ab_kb(f) * 64 + 3 * 64;
+    return (size_t)qg_ab_mp(M) * qg_ab_lda(f) * 2 + (size_t)nt * qg_ab_group(f) * qg_ab_kc(f) * 64 + 3 * 64;
 }
 
 static QG_TAB16 void qg_ab_config(void) {
@@ -75,9 +77,9 @@ static QG_TAB16 void qg_ab_config(void) {
     _tile_loadconfig(&c);
 }
 
-/* Block blk (16 columns) for all steps into bt (one block's 512 bf16 a step, stride 1024):
- * zero past kp. */
-QG_INLINE QG_TAB16 void qg_ab_dequant(const uint8_t* blk, const qg_format* f, long kb,
+/* Block blk (16 columns), k0 <= k < k1 (k0 a multiple of 32), into bt (one block's 512 bf16 a
+ * 32-k step, stride 1024; bt's first step is k0's): zero past kp. */
+QG_INLINE QG_TAB16 void qg_ab_dequant(const uint8_t* blk, const qg_format* f, long k0, long k1,
                                        uint16_t* bt, const int bits) {
     const long pk = bits == 4 ? 8 : 4, gb = qg_group_bytes(f), mb = qg_meta_bytes(f);
     uint16_t ix[32];
@@ -88,7 +90,8 @@ QG_INLINE QG_TAB16 void qg_ab_dequant(const uint8_t* blk, const qg_format* f, lo
     const __m512i idx = _mm512_loadu_si512((const void*)ix);
     __m512 s = _mm512_setzero_ps(), c = _mm512_setzero_ps();
     long g_last = -1;
-    for (long k = 0; k < f->kp; k += pk) {
+    const long kend = k1 < f->kp ? k1 : f->kp;
+    for (long k = k0; k < kend; k += pk) {
         const long g = k / f->group;
         const uint8_t* meta = blk + g * gb;
         if (g != g_last) {
@@ -96,7 +99,7 @@ QG_INLINE QG_TAB16 void qg_ab_dequant(const uint8_t* blk, const qg_format* f, lo
             g_last = g;
         }
         const __m512i v = _mm512_loadu_si512((const void*)(meta + mb + (k - g * f->group) / pk * 64));
-        uint16_t* dst = bt + (k / 32) * 1024 + (k % 32) / 2 * 32;
+        uint16_t* dst = bt + ((k - k0) / 32) * 1024 + (k % 32) / 2 * 32;
         for (int i = 0; i < pk; i += 2) {
             const __m512 lo = _mm512_fmadd_ps(qg_q_avx512(v, bits, i), s, c);
             const __m512 hi = _mm512_fmadd_ps(qg_q_avx512(v, bits, i + 1), s, c);
@@ -104,69 +107,102 @@ QG_INLINE QG_TAB16 void qg_ab_dequant(const uint8_t* blk, const qg_format* f, lo
                                _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(hi, lo)));
         }
     }
-    for (long k = f->kp; k < kb; k += 2)
-        _mm512_store_si512((void*)(bt + (k / 32) * 1024 + (k % 32) / 2 * 32), _mm512_setzero_si512());
+    for (long k = kend > k0 ? kend : k0; k < k1; k += 2)
+        _mm512_store_si512((void*)(bt + ((k - k0) / 32) * 1024 + (k % 32) / 2 * 32), _mm512_setzero_si512());
 }
 
-/* Rows r0..r0+31 (xa: row r0 of xb) by the task's 32 columns, all of K: c[4][256] f32. */
-QG_INLINE QG_TAB16 void qg_ab_rows(const uint16_t* xa, long lda, const uint16_t* bt, long steps,
-                                    float* c) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    const long sa = lda * 2;
+/* C tile T (rows r0 + 16 h, columns nc of out) before a k block: the bias (first block) or
+ * zeros, else the partial sums in out. Full tiles load from out (or, for the bias, one row with
+ * stride 0); tiles past M or N go through c. */
+#define QG_AB_CLOAD(T, h, j)                                                                      \
+    {                                                                                             \
+        const long r_ = r0 + 16 * (h), n_ = nc0 + 16 * (j);                                       \
+        if (r_ + 16 <= M && n_ + 16 <= N) {                                                       \
+            if (!first) _tile_loadd(T, out + r_ * ldo + n_, ldo * 4);                             \
+            else if (bias) _tile_loadd(T, bias + n_, 0);                                          \
+            else _tile_zero(T);                                                                   \
+        } else {                                                                                  \
+            float* c_ = c + (T) * 256;                                                            \
+            const long w_ = n_ >= N ? 0 : (N - n_ < 16 ? N - n_ : 16);                            \
+            const __mmask16 mk_ = (__mmask16)((1u << w_) - 1);                                   \
+            for (int r = 0; r < 16; r++) {                                                        \
+                __m512 v_ = _mm512_setzero_ps();                                                  \
+                if (r_ + r < M && w_ > 0) {                                                       \
+                    if (!first) v_ = _mm512_maskz_loadu_ps(mk_, out + (r_ + r) * ldo + n_);      \
+                    else if (bias) v_ = _mm512_maskz_loadu_ps(mk_, bias + n_);                    \
+                }                                                                                 \
+                _mm512_store_ps(c_ + r * 16, v_);                                                 \
+            }                                                                                     \
+            QG_AMX_FENCE();                                                                       \
+            _tile_loadd(T, c_, 64);                                                               \
+        }                                                                                         \
+    }
+
+#define QG_AB_CSTORE(T, h, j)                                                                     \
+    {                                                                                             \
+        const long r_ = r0 + 16 * (h), n_ = nc0 + 16 * (j);                                       \
+        if (r_ + 16 <= M && n_ + 16 <= N) {                                                       \
+            _tile_stored(T, out + r_ * ldo + n_, ldo * 4);                                        \
+        } else if (r_ < M && n_ < N) {                                                            \
+            float* c_ = c + (T) * 256;                                                            \
+            _tile_stored(T, c_, 64);                                                              \
+            QG_AMX_FENCE();                                                                       \
+            const long w_ = N - n_ < 16 ? N - n_ : 16;                                            \
+            const __mmask16 mk_ = (__mmask16)((1u << w_) - 1);                                   \
+            for (int r = 0; r < 16 && r_ + r < M; r++)                                            \
+                _mm512_mask_storeu_ps(out + (r_ + r) * ldo + n_, mk_, _mm512_load_ps(c_ + r * 16)); \
+        }                                                                                         \
+    }
+
+/* Rows r0..r0+31 of xb (from k block column kx; the rest of the 32 zeros) by column task cb
+ * (bt: its B tiles for the block's steps) into out: 2 x 2 C tiles, rows 0-15 / 16-31 by
+ * blocks 0 / 1, summed over the block's steps on top of the bias or the earlier blocks. */
+QG_INLINE QG_TAB16 void qg_ab_pass(const uint16_t* xb, long lda, long kx, const uint16_t* bt,
+                                   long steps, long r0, long M, long cb, long N, const float* bias,
+                                   float* out, long ldo, int first, float* c) {
+    const long nc0 = cb * QG_AB_NC;
+    QG_AB_CLOAD(0, 0, 0)
+    QG_AB_CLOAD(1, 0, 1)
+    QG_AB_CLOAD(2, 1, 0)
+    QG_AB_CLOAD(3, 1, 1)
+    /* xb in 16-row tiles: [r / 16][k / 32][r % 16][k % 32] */
+    const long ts = lda / 32 * 512;  /* one 16-row tile's stride */
+    const uint16_t* xa = xb + (r0 / 16) * ts + kx / 32 * 512;
     for (long s = 0; s < steps; s++) {
-        _tile_loadd(4, xa + s * 32, sa);
+        _tile_loadd(4, xa + s * 512, 64);
         _tile_loadd(6, bt + s * 1024, 64);
-        _tile_loadd(5, xa + 16 * lda + s * 32, sa);
+        _tile_loadd(5, xa + ts + s * 512, 64);
         _tile_loadd(7, bt + s * 1024 + 512, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
     }
-    _tile_stored(0, c, 64);
-    _tile_stored(1, c + 256, 64);
-    _tile_stored(2, c + 512, 64);
-    _tile_stored(3, c + 768, 64);
+    QG_AB_CSTORE(0, 0, 0)
+    QG_AB_CSTORE(1, 0, 1)
+    QG_AB_CSTORE(2, 1, 0)
+    QG_AB_CSTORE(3, 1, 1)
     QG_AMX_FENCE();
 }
-
-/* Rows r0..r1 (r1 - r0 <= 32, the rest zeros in xb) by column task cb (bt: its B tiles) into out. */
-QG_INLINE QG_TAB16 void qg_ab_pass(const uint16_t* xb, long lda, const uint16_t* bt, long steps,
-                                   long r0, long r1, long cb, long N, const float* bias, float* out,
-                                   long ldo, float* c) {
-    qg_ab_rows(xb + r0 * lda, lda, bt, steps, c);
-    for (int j = 0; j < 2; j++) {  /* column block */
-        const long nc = cb * QG_AB_NC + 16 * j;
-        if (nc >= N) continue;
-        const long wdt = N - nc < 16 ? N - nc : 16;
-        const __mmask16 mk = wdt == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << wdt) - 1);
-        const __m512 bv = bias ? _mm512_maskz_loadu_ps(mk, bias + nc) : _mm512_setzero_ps();
-        for (long r = r0; r < r1; r++) {
-            const int h = (int)((r - r0) / 16), rr = (int)((r - r0) % 16);
-            _mm512_mask_storeu_ps(out + r * ldo + nc, mk,
-                                  _mm512_add_ps(_mm512_load_ps(c + (2 * h + j) * 256 + rr * 16), bv));
-        }
-    }
-}
+#undef QG_AB_CLOAD
+#undef QG_AB_CSTORE
 
 /* x [M, K] f32 (rows ldx apart) -> out [M, N] (rows ldo apart); scratch: qg_amxbf16_bytes.
  *
  * Work: 32-column tasks x row parts (more than one part only when the tasks are fewer than the
- * threads), row-part-major, a contiguous share per thread. A thread dequantizes a group of its
- * tasks' weights (QG_AB_B_BYTES) once, then runs chunks of rows (QG_AB_A_BYTES of bf16 x) over
- * every task of the group: the weights and the chunk stay in its L2, and each output row is
- * written across the group's columns together (a 32-column task over all rows would touch a
- * page per row). */
+ * threads), row-part-major, a contiguous share per thread. K runs in blocks of QG_AB_KC, the
+ * sums kept in out between blocks. For a group of its tasks (QG_AB_B_BYTES of B tiles a block)
+ * a thread dequantizes one block's weights once, then runs chunks of rows (QG_AB_A_BYTES of
+ * bf16 x) over every task of the group: the weights and the chunk stay in its L2, and each
+ * output row is written across the group's columns together (a 32-column task over all rows
+ * would touch a page per row). */
 static QG_TAB16 void qg_amxbf16_forward(const uint8_t* w, const qg_format* f, const float* x,
                                         long M, long K, long ldx, const float* bias, float* out,
                                         long ldo, char* scratch, int nthreads) {
-    const long kb = qg_ab_kb(f), lda = qg_ab_lda(f), mp = qg_ab_mp(M), steps = kb / 32;
-    const long bb = qg_block_bytes(f), nblk = (f->n + QG_NB - 1) / QG_NB;
-    const long ncb = (f->n + QG_AB_NC - 1) / QG_AB_NC, grp = qg_ab_group(f);
-    long mc = QG_AB_A_BYTES / (lda * 2) / QG_AB_MR * QG_AB_MR;
+    const long kb = qg_ab_kb(f), lda = qg_ab_lda(f), mp = qg_ab_mp(M), kc = qg_ab_kc(f);
+    const long bb = qg_block_bytes(f), nblk = (f->n + QG_NB - 1) / QG_NB, N = f->n;
+    const long ncb = (N + QG_AB_NC - 1) / QG_AB_NC, grp = qg_ab_group(f);
+    long mc = QG_AB_A_BYTES / (kc * 2) / QG_AB_MR * QG_AB_MR;
     if (mc < QG_AB_MR) mc = QG_AB_MR;
     uint16_t* xb = (uint16_t*)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     char* bts = (char*)(((uintptr_t)(xb + mp * lda) + 63) & ~(uintptr_t)63);
@@ -179,7 +215,7 @@ static QG_TAB16 void qg_amxbf16_forward(const uint8_t* w, const qg_format* f, co
         const int tid = omp_get_thread_num();
         #pragma omp for schedule(static)
         for (long r = 0; r < mp; r++) {
-            uint16_t* d = xb + r * lda;
+            uint16_t* d = xb + (r / 16) * (lda / 32 * 512) + (r % 16) * 32;
             const float* s = x + r * ldx;
             for (long k = 0; k < lda; k += 16) {
                 __m512 v = _mm512_setzero_ps();
@@ -187,10 +223,11 @@ static QG_TAB16 void qg_amxbf16_forward(const uint8_t* w, const qg_format* f, co
                     const __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
                     v = _mm512_maskz_loadu_ps(m, s + k);
                 }
-                _mm256_storeu_si256((__m256i*)(d + k), (__m256i)_mm512_cvtneps_pbh(v));
+                _mm256_storeu_si256((__m256i*)(d + k / 32 * 512 + k % 32), (__m256i)_mm512_cvtneps_pbh(v));
             }
         }
-        uint16_t* bt = (uint16_t*)(bts + (size_t)tid * grp * kb * 64);
+        uint16_t* bt = (uint16_t*)(bts + (size_t)tid * grp * kc * 64);
+        const long tstride = kc / 32 * 1024;  /* a task's B tiles in bt */
         float c[4 * 256] __attribute__((aligned(64)));
         long t0, t1;
         nr_share(ntask, tid, omp_get_num_threads(), &t0, &t1);
@@ -201,24 +238,28 @@ static QG_TAB16 void qg_amxbf16_forward(const uint8_t* w, const qg_format* f, co
             const long rp = t0 / ncb, ca = t0 % ncb;
             long cz = ncb < ca + (t1 - t0) ? ncb : ca + (t1 - t0);
             if (cz - ca > grp) cz = ca + grp;
-            for (long cb = ca; cb < cz; cb++)
-                for (int j = 0; j < 2; j++) {
-                    const long b = 2 * cb + j;
-                    uint16_t* d = bt + (cb - ca) * steps * 1024 + j * 512;
-                    if (b >= nblk)
-                        for (long s = 0; s < steps; s++) memset(d + s * 1024, 0, 1024);
-                    else if (f->bits == 4)
-                        qg_ab_dequant(w + b * bb, f, kb, d, 4);
-                    else
-                        qg_ab_dequant(w + b * bb, f, kb, d, 8);
-                }
             const long ra = rp * rpart, rz = ra + rpart < M ? ra + rpart : M;
-            for (long m0 = ra; m0 < rz; m0 += mc) {
-                const long m1 = m0 + mc < rz ? m0 + mc : rz;
+            for (long k0 = 0; k0 < kb; k0 += kc) {
+                const long k1 = k0 + kc < kb ? k0 + kc : kb, steps = (k1 - k0) / 32;
                 for (long cb = ca; cb < cz; cb++)
-                    for (long r0 = m0; r0 < m1; r0 += QG_AB_MR)
-                        qg_ab_pass(xb, lda, bt + (cb - ca) * steps * 1024, steps, r0,
-                                   r0 + QG_AB_MR < m1 ? r0 + QG_AB_MR : m1, cb, f->n, bias, out, ldo, c);
+                    for (int j = 0; j < 2; j++) {
+                        const long b = 2 * cb + j;
+                        uint16_t* d = bt + (cb - ca) * tstride + j * 512;
+                        if (b >= nblk)
+                            for (long s = 0; s < steps; s++) memset(d + s * 1024, 0, 1024);
+                        else if (f->bits == 4)
+                            qg_ab_dequant(w + b * bb, f, k0, k1, d, 4);
+                        else
+                            qg_ab_dequant(w + b * bb, f, k0, k1, d, 8);
+                    }
+                QG_AMX_FENCE();
+                for (long m0 = ra; m0 < rz; m0 += mc) {
+                    const long m1 = m0 + mc < rz ? m0 + mc : rz;
+                    for (long cb = ca; cb < cz; cb++)
+                        for (long r0 = m0; r0 < m1; r0 += QG_AB_MR)
+                            qg_ab_pass(xb, lda, k0, bt + (cb - ca) * tstride, steps, r0, m1, cb, N,
+                                       bias, out, ldo, k0 == 0, c);
+                }
             }
             t0 += cz - ca;
         }

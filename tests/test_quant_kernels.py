@@ -129,8 +129,8 @@ def test_bf16_prefill_paths_match_bf16_reference(fmt, path, monkeypatch):
             assert not qgemm._panels(384, 100).impl_info(qgemm.PANEL_M_MIN, 64).startswith("ref")
         rng = np.random.default_rng(3)
         g = 128 if fmt.group_size == -1 else fmt.group_size
-        # (8192, 200): on AMX several chunks of rows and several groups of column tasks a thread
-        cases = [(3 * g, 37), (5 * g, 100), (g, 200), (8192, 200)] + (
+        # (8192, 201): on AMX several blocks of K, chunks of rows and groups of column tasks
+        cases = [(3 * g, 37), (5 * g, 100), (g, 200), (8192, 201)] + (
             [(1001, 17), (13, 5)] if fmt.group_size == -1 else [])
         for k, n in cases:
             lin, ref, _ = make(fmt, k, n, with_bias=n % 2 == 1)
