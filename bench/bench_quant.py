@@ -1,7 +1,7 @@
 """Quantized linear benchmark: qgemm.QLinear per format vs the DRAM read probe (and bf16 Linear).
 
     python bench/bench_quant.py [--quick] [--threads N] [--level L] [--model NAME] [--formats F..] [--bf16-prefill] [--out PATH]
-    python bench/bench_quant.py --decode-batch [--threads N]   # the paths of a 16-64 row decode batch
+    python bench/bench_quant.py --decode-batch [--threads N] [--rows 16 32 64 512]   # each path at these row counts
     python bench/bench_quant.py --bf16-prefill --m 512 --panel-mib 2 8 32 --formats int4-g32-sym bf16
 
 For M = 1 it reports GB/s of packed weight bytes actually read (QLinear.nbytes / time: integers,
@@ -81,8 +81,8 @@ def decode_batch(model: str, rows=(16, 32, 64)) -> list[dict]:
     tile path, on int8 activations as the engine runs them (AMX-INT8 matrix tiles where present,
     qgemm_amx.h, else VNNI row tiles, qgemm_q8tile.h), on the VNNI row tiles with AMX off ("-"
     without AMX), on the decode kernel alone (tiles off; "-" where it is the same kernel: 8 rows
-    or fewer, or no VNNI), and on the bf16 panels (oneDNN, AMX where present); the int8 rows in
-    GMAC/s too. Rows beyond a decode batch (64) take int8 as prefill_activations="int8" would."""
+    or fewer, or no VNNI), on the AMX-BF16 tiles (qgemm_amxbf16.h; "-" without AMX-BF16) and on
+    the bf16 panels (oneDNN, AMX where present); the int8 and bf16 rows in GMAC/s too. Rows beyond a decode batch (64) take int8 as prefill_activations="int8" would."""
     out = []
     shapes = [s for s in SHAPES[model] if s[0] in ("gate_up", "down")]
     tiled = qgemm.cpu_level() >= 2
@@ -94,13 +94,15 @@ def decode_batch(model: str, rows=(16, 32, 64)) -> list[dict]:
             for m in rows:
                 x = np.random.default_rng(1).standard_normal((m, k), dtype=np.float32)
                 r = {"layer": layer, "K": k, "N": n, "format": name, "M": m}
-                for path in ("f32", "int8", "int8_no_amx", "int8_no_tiles", "panels"):
-                    if (path == "panels" and m < qgemm.PANEL_M_MIN) or \
+                for path in ("f32", "int8", "int8_no_amx", "int8_no_tiles", "bf16_tiles", "panels"):
+                    if (path in ("panels", "bf16_tiles") and m < qgemm.PANEL_M_MIN) or \
+                            (path == "bf16_tiles" and not qgemm.has_amx_bf16()) or \
                             (path == "int8_no_amx" and (m <= qgemm.ACT8_M_MAX or not qgemm.has_amx())) or \
                             (path == "int8_no_tiles" and (m <= qgemm.ACT8_M_MAX or not tiled)):
                         r[path] = None
                         continue
-                    lin.act8, lin.prefill_bf16 = path.startswith("int8"), path == "panels"
+                    lin.act8, lin.prefill_bf16 = path.startswith("int8"), path in ("panels", "bf16_tiles")
+                    old_b = qgemm._set_amx_bf16(path == "bf16_tiles")
                     old = qgemm.set_decode_step(path.startswith("int8"))
                     old_m = qgemm._set_act8_m_max(m if path.startswith("int8") else qgemm.ACT8_M_MAX)
                     old_t = qgemm._set_q8_tiles(path != "int8_no_tiles")
@@ -112,13 +114,15 @@ def decode_batch(model: str, rows=(16, 32, 64)) -> list[dict]:
                         qgemm._set_act8_m_max(old_m)
                         qgemm._set_q8_tiles(old_t)
                         qgemm._set_amx(old_a)
+                        qgemm._set_amx_bf16(old_b)
                 out.append(r)
                 cell = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
                 gmac = lambda v: "-" if v is None else f"{m * k * n / v / 1e3:.0f}"  # noqa: E731
                 print(f"| {layer} | {k} x {n} | {name} | {m} | {cell(r['f32'])} | {cell(r['int8'])} "
                       f"({gmac(r['int8'])}) | {cell(r['int8_no_amx'])} ({gmac(r['int8_no_amx'])}) | "
                       f"{cell(r['int8_no_tiles'])} ({gmac(r['int8_no_tiles'])}) | "
-                      f"{cell(r['panels'])} |", flush=True)
+                      f"{cell(r['bf16_tiles'])} ({gmac(r['bf16_tiles'])}) | "
+                      f"{cell(r['panels'])} ({gmac(r['panels'])}) |", flush=True)
     return out
 
 
@@ -147,7 +151,8 @@ def main(argv=None) -> None:
     if args.decode_batch:
         print("| layer | K x N | format | rows | f32 us | int8 activations us (GMAC/s) | "
               "int8 on VNNI row tiles, AMX off, us (GMAC/s) | int8 without row tiles us (GMAC/s) | "
-              "bf16 panels us |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+              "bf16 on AMX-BF16 tiles us (GMAC/s) | bf16 panels us (GMAC/s) |\n"
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         decode_batch(args.model, tuple(args.rows))
         return
     formats = args.formats or (["int8-g128", "int4-g32-min"] if args.quick else FORMATS + ["bf16"])

@@ -26,10 +26,12 @@ whose products are added: about 15 bits of activation for twice the integer work
 weight bytes. The numpy specification is numa_runtime.quant.reference.quantize_activations.
 
 Large M on CPUs with AVX-512 BF16, for linears flagged `prefill_bf16` (the engine's dtype is
-bf16): the weights are dequantized panel by panel (about 2 MiB of bf16, in cache) into
-gemm.BF16Panels and multiplied by oneDNN's bf16 matmul (AMX where present): the prefill runs on
-the matrix units at the cost of rounding the dequantized weights to bf16, as the bf16 engine
-rounds its activations. f32 engines keep the exact f32 path.
+bf16): the dequantized weights are rounded to bf16, as the bf16 engine rounds its activations,
+and multiplied on the matrix units. With AMX-BF16 (Sapphire Rapids and later) each thread
+dequantizes its own columns into AMX tiles in its L2 and runs every row over them
+(qgemm_amxbf16.h); elsewhere the weights are dequantized panel by panel (about 2 MiB of bf16 a
+thread, in cache) into gemm.BF16Panels and multiplied by oneDNN's bf16 matmul. f32 engines keep
+the exact f32 path.
 """
 import threading
 
@@ -217,14 +219,15 @@ def _set_amx_bf16(bint on):
 
 def prefill_int8_wins():
     """Whether a prefill over quantized weights runs faster on int8 activations than on bf16
-    panels: AVX-512 VNNI (row tiles), AMX included (matrix tiles, qgemm_amx.h). 512-token
-    prefill, bench_llamacpp.py --prefill-int8: 2-core Zen 4 1.15-1.33x; SPR-16 (16 threads,
-    AMX) Qwen2.5-0.5B Q4_0 / Q8_0 1.17x / 1.25x, Llama-3.2-1B 1.00x / 1.19x. On a 2-core
-    Sapphire Rapids-class VM the AMX-INT8 linears alone ran at 0.5-1.0x the bf16 panels at 512
-    rows (bench_quant.py --decode-batch; a 32-k block's AVX-512 epilogue costs more than its
-    tile multiply), so this is the 16-core answer. Below VNNI the int8 path was not measured
-    faster."""
-    return _level >= 2
+    weights: AVX-512 VNNI (row tiles) without AMX-BF16. 512-token prefill, bench_llamacpp.py
+    --prefill-int8: 2-core Zen 4 1.15-1.33x over the oneDNN bf16 panels. Where AMX-BF16 is
+    present the bf16 tiles (qgemm_amxbf16.h) win: on SPR-16 (16 threads) Qwen2.5-0.5B's 896 x
+    9728 int4 linear at 512 rows took 1.7 ms on them, 2.9 ms on the AMX-INT8 tiles (whose 32-k
+    block epilogue in AVX-512 costs more than the tile multiply), 2.5-2.9 ms on the panels; on a
+    2-core Sapphire Rapids-class VM the whole 512-token prefill ran 1100-1230 tok/s on the bf16
+    tiles against about 500 in int8 on SPR-16's 2 threads. Below VNNI the int8 path was not
+    measured faster."""
+    return _level >= 2 and _amxbf16_present == 0
 
 
 def cpu_level():

@@ -247,9 +247,10 @@ class EngineConfig:
     seed: int = 0
     quantization: str | None = None  # quantize dense weights at load: "int8", "int4", ...
     lm_head_quantization: str | None = "auto"  # "auto": int8 when `quantization` is set; None: as stored
-    # prefill rows of quantized linears in a bf16 engine: "bf16" (bf16 panels or the f32 path) or
-    # "int8" blocks as decode rows take (qkv_proj at bf16 precision; VNNI or AMX-INT8): faster
-    # where AVX-512 VNNI is present (qgemm.prefill_int8_wins), +0.16% perplexity on the default model
+    # prefill rows of quantized linears in a bf16 engine: "bf16" (AMX-BF16 tiles, bf16 panels or
+    # the f32 path) or "int8" blocks as decode rows take (qkv_proj at bf16 precision; VNNI or
+    # AMX-INT8): faster where AVX-512 VNNI is present without AMX-BF16 (qgemm.prefill_int8_wins),
+    # +0.16% perplexity on the default model
     prefill_activations: str = "bf16"
     data_parallel: int | None = None  # model replicas over the MPI ranks; None: ParallelConfig.resolve's rule
     kv_cache_dir: str | None = None     # a disk tier under the prefix cache (kv_cache/disk_tier.py)

@@ -122,7 +122,7 @@ class LlamaModel:
             hint = "" if on or wins is None or not wins() else \
                 " (prefill_activations='int8' / --prefill-activations int8 runs faster on this CPU)"
             log.info("prefill activations: %s%s", "int8 blocks (qkv_proj at 15+ bits)" if on else
-                     "bf16 panels / f32 (int8 blocks only in decode steps)", hint)
+                     "bf16 weights (AMX-BF16 tiles or oneDNN panels) / f32 (int8 blocks only in decode steps)", hint)
         return on
 
     def _linears(self) -> list:
