@@ -317,13 +317,15 @@ cdef class QLinear:
         if not decode_rows and self.prefill_act8 and not (self.prefill_act8 == 2 and panels):
             q8 = True
             resid = resid or self.prefill_act8 == 2
-        if not q8 and tiles:
-            self._amxbf16_forward(xa, oa)
-            return oa
-        if not q8 and panels:
+        tiles = tiles and not q8
+        if not q8 and panels and not tiles:
             self._panel_forward(xa, oa)
             return oa
-        if self.fmt.kp != K:  # per-row int8 with K not a multiple of 4: zero-padded rows
+        cdef int nt = omp_get_max_threads()
+        cdef char* sp = NULL
+        if tiles:  # x as it is (the kernel zero-pads its bf16 copy)
+            sp = <char*>cnp.PyArray_DATA(_scratch(qg_amxbf16_bytes(&self.fmt, M, nt)))
+        elif self.fmt.kp != K:  # per-row int8 with K not a multiple of 4: zero-padded rows
             xa = np.pad(xa, ((0, 0), (0, self.fmt.kp - K)))
         cdef const float* bias = NULL
         if self.bias_arr is not None:
@@ -332,29 +334,17 @@ cdef class QLinear:
         cdef const float* xp = <const float*>cnp.PyArray_DATA(xa)
         cdef float* op = <float*>cnp.PyArray_DATA(oa)
         cdef long ldx = self.fmt.kp
-        cdef int rc
+        cdef int rc = 0
         with nogil:
-            if q8:
+            if tiles:
+                qg_amxbf16_forward(w, &self.fmt, xp, M, K, K, bias, op, N, sp, nt)
+            elif q8:
                 rc = qg_forward_q8(w, &self.fmt, xp, M, ldx, bias, op, _level, resid)
             else:
                 rc = qg_forward(w, &self.fmt, xp, M, ldx, bias, op, _level)
         if rc != 0:
             raise MemoryError("QLinear.forward: cannot allocate per-thread tiles")
         return oa
-
-    cdef _amxbf16_forward(self, cnp.ndarray xa, cnp.ndarray oa):
-        cdef long M = xa.shape[0], K = self.in_features, N = self.out_features
-        cdef int nt = omp_get_max_threads()
-        cdef cnp.ndarray buf = _scratch(qg_amxbf16_bytes(&self.fmt, M, nt))
-        cdef const float* bias = NULL
-        if self.bias_arr is not None:
-            bias = <const float*>cnp.PyArray_DATA(self.bias_arr)
-        cdef const uint8_t* w = <const uint8_t*>cnp.PyArray_DATA(self.packed)
-        cdef const float* xp = <const float*>cnp.PyArray_DATA(xa)
-        cdef float* op = <float*>cnp.PyArray_DATA(oa)
-        cdef char* sp = <char*>cnp.PyArray_DATA(buf)
-        with nogil:
-            qg_amxbf16_forward(w, &self.fmt, xp, M, K, K, bias, op, N, sp, nt)
 
     cdef _panel_forward(self, cnp.ndarray xa, cnp.ndarray oa):
         cdef long K = self.in_features, N = self.out_features, n0, n, kpp

@@ -34,19 +34,24 @@
 /* 1: AMX-INT8 present and granted (qg_amx_init); tests and benchmarks switch it (qgemm._set_amx) */
 static int qg_amx = 0;
 
+/* 1 when the kernel lets this process use the AMX tile state (once per process; asking again
+ * is harmless). */
+static int qg_amx_grant(void) {
+#ifdef SYS_arch_prctl
+    /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA */
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#else
+    return 0;
+#endif
+}
+
 /* 1 when this CPU has AMX-INT8 and the kernel lets this process use the tile state. */
 static int qg_amx_init(void) {
     unsigned a, b, c, d;
     __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
     if (!((d >> 24) & 1) || !((d >> 25) & 1)) return 0;  /* AMX-TILE, AMX-INT8 */
     if (qg_cpu_level() < 2) return 0;  /* the epilogue and the int4 split: AVX-512 with VNNI */
-#ifdef SYS_arch_prctl
-    /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA */
-    if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return 0;
-    return 1;
-#else
-    return 0;
-#endif
+    return qg_amx_grant();
 }
 
 /* Every block a full QG_QB k: the group (which divides kp; per channel it is kp) a multiple. */

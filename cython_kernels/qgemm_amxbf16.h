@@ -9,14 +9,15 @@
  * threads; here each thread dequantizes its own 32 columns for the whole K into a buffer that
  * stays in its L2 and runs every row over it, so nothing is shared but the bf16 activations.
  *
- * Task: 32 output columns (two packed 16-column blocks) x a chunk of rows (all M unless that
- * leaves threads idle). The task's weights become bf16 B tiles, per 32-k step s and block j:
+ * Task: 32 output columns (two packed 16-column blocks) x a part of the rows (all M unless the
+ * tasks are fewer than the threads). The task's weights become bf16 B tiles, per 32-k step s
+ * and block j:
  *   bt[(2 s + j) * 512 + (k / 2) * 32 + c * 2 + k % 2] = bf16(w[16 j + c][32 s + k])
- * (tdpbf16ps's B layout: 16 rows of 16 column pairs). Then per 32 rows four C tiles
- * (2 x 2: rows 0-15 / 16-31 by blocks 0 / 1) sum over every step of K in f32, are stored once,
- * and get the bias. A: x rounded to bf16 once per call into xb [Mp][lda] (zero past K and
- * past M), lda a multiple of 32 that is not a multiple of 512 (rows 1 KiB apart or a multiple of
- * it would share L1 sets in a 16-row tile load).
+ * (tdpbf16ps's B layout: 16 rows of 16 column pairs), one block of K (QG_AB_KC) at a time. Per
+ * 32 rows four C tiles (2 x 2: rows 0-15 / 16-31 by blocks 0 / 1) start from the bias (first
+ * K block) or the partial sums in out, sum over the block's steps in f32 and go back to out.
+ * A: x rounded to bf16 once per call into xb, zero past K and past M, in 16-row tiles
+ * [r / 16][k / 32][r % 16][k % 32], so that a tile load reads 1 KiB in a row.
  */
 #ifndef NUMA_RUNTIME_QGEMM_AMXBF16_H
 #define NUMA_RUNTIME_QGEMM_AMXBF16_H
@@ -39,16 +40,10 @@ static int qg_amxbf16_init(void) {
     __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(1));
     if (!((a >> 5) & 1)) return 0;  /* AVX512_BF16 */
     if (qg_cpu_level() < 1) return 0;
-#ifdef SYS_arch_prctl
-    if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return 0;  /* ARCH_REQ_XCOMP_PERM, XTILEDATA */
-    return 1;
-#else
-    return 0;
-#endif
+    return qg_amx_grant();
 }
 
 static inline long qg_ab_kb(const qg_format* f) { return (f->kp + 31) / 32 * 32; }
-static inline long qg_ab_lda(const qg_format* f) { return qg_ab_kb(f); }
 static inline long qg_ab_mp(long M) { return (M + QG_AB_MR - 1) / QG_AB_MR * QG_AB_MR; }
 
 /* Per-thread bytes of dequantized B tiles: a group of whole 32-column tasks (at least one). */
@@ -63,7 +58,7 @@ static inline long qg_ab_group(const qg_format* f) {
 
 /* Scratch bytes for M rows on nt threads: xb, then one B group buffer per thread. */
 static size_t qg_amxbf16_bytes(const qg_format* f, long M, int nt) {
-    return (size_t)qg_ab_mp(M) * qg_ab_lda(f) * 2 + (size_t)nt * qg_ab_group(f) * qg_ab_kc(f) * 64 + 3 * 64;
+    return (size_t)qg_ab_mp(M) * qg_ab_kb(f) * 2 + (size_t)nt * qg_ab_group(f) * qg_ab_kc(f) * 64 + 3 * 64;
 }
 
 static QG_TAB16 void qg_ab_config(void) {
@@ -157,7 +152,7 @@ QG_INLINE QG_TAB16 void qg_ab_dequant(const uint8_t* blk, const qg_format* f, lo
 /* Rows r0..r0+31 of xb (from k block column kx; the rest of the 32 zeros) by column task cb
  * (bt: its B tiles for the block's steps) into out: 2 x 2 C tiles, rows 0-15 / 16-31 by
  * blocks 0 / 1, summed over the block's steps on top of the bias or the earlier blocks. */
-QG_INLINE QG_TAB16 void qg_ab_pass(const uint16_t* xb, long lda, long kx, const uint16_t* bt,
+QG_INLINE QG_TAB16 void qg_ab_pass(const uint16_t* xb, long kb, long kx, const uint16_t* bt,
                                    long steps, long r0, long M, long cb, long N, const float* bias,
                                    float* out, long ldo, int first, float* c) {
     const long nc0 = cb * QG_AB_NC;
@@ -166,7 +161,7 @@ QG_INLINE QG_TAB16 void qg_ab_pass(const uint16_t* xb, long lda, long kx, const 
     QG_AB_CLOAD(2, 1, 0)
     QG_AB_CLOAD(3, 1, 1)
     /* xb in 16-row tiles: [r / 16][k / 32][r % 16][k % 32] */
-    const long ts = lda / 32 * 512;  /* one 16-row tile's stride */
+    const long ts = kb / 32 * 512;  /* one 16-row tile's stride */
     const uint16_t* xa = xb + (r0 / 16) * ts + kx / 32 * 512;
     for (long s = 0; s < steps; s++) {
         _tile_loadd(4, xa + s * 512, 64);
@@ -199,13 +194,13 @@ QG_INLINE QG_TAB16 void qg_ab_pass(const uint16_t* xb, long lda, long kx, const 
 static QG_TAB16 void qg_amxbf16_forward(const uint8_t* w, const qg_format* f, const float* x,
                                         long M, long K, long ldx, const float* bias, float* out,
                                         long ldo, char* scratch, int nthreads) {
-    const long kb = qg_ab_kb(f), lda = qg_ab_lda(f), mp = qg_ab_mp(M), kc = qg_ab_kc(f);
+    const long kb = qg_ab_kb(f), mp = qg_ab_mp(M), kc = qg_ab_kc(f);
     const long bb = qg_block_bytes(f), nblk = (f->n + QG_NB - 1) / QG_NB, N = f->n;
     const long ncb = (N + QG_AB_NC - 1) / QG_AB_NC, grp = qg_ab_group(f);
     long mc = QG_AB_A_BYTES / (kc * 2) / QG_AB_MR * QG_AB_MR;
     if (mc < QG_AB_MR) mc = QG_AB_MR;
     uint16_t* xb = (uint16_t*)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
-    char* bts = (char*)(((uintptr_t)(xb + mp * lda) + 63) & ~(uintptr_t)63);
+    char* bts = (char*)(((uintptr_t)(xb + mp * kb) + 63) & ~(uintptr_t)63);
     /* row parts: 1, or doubled while the tasks leave threads idle (at least 64 rows a part) */
     long nrp = 1;
     while (ncb * nrp < nthreads && mp / (2 * nrp) >= 64) nrp *= 2;
@@ -215,9 +210,9 @@ static QG_TAB16 void qg_amxbf16_forward(const uint8_t* w, const qg_format* f, co
         const int tid = omp_get_thread_num();
         #pragma omp for schedule(static)
         for (long r = 0; r < mp; r++) {
-            uint16_t* d = xb + (r / 16) * (lda / 32 * 512) + (r % 16) * 32;
+            uint16_t* d = xb + (r / 16) * (kb / 32 * 512) + (r % 16) * 32;
             const float* s = x + r * ldx;
-            for (long k = 0; k < lda; k += 16) {
+            for (long k = 0; k < kb; k += 16) {
                 __m512 v = _mm512_setzero_ps();
                 if (r < M && k < K) {
                     const __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
@@ -257,7 +252,7 @@ static QG_TAB16 void qg_amxbf16_forward(const uint8_t* w, const qg_format* f, co
                     const long m1 = m0 + mc < rz ? m0 + mc : rz;
                     for (long cb = ca; cb < cz; cb++)
                         for (long r0 = m0; r0 < m1; r0 += QG_AB_MR)
-                            qg_ab_pass(xb, lda, k0, bt + (cb - ca) * tstride, steps, r0, m1, cb, N,
+                            qg_ab_pass(xb, kb, k0, bt + (cb - ca) * tstride, steps, r0, m1, cb, N,
                                        bias, out, ldo, k0 == 0, c);
                 }
             }
