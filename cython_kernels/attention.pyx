@@ -5,7 +5,8 @@ paged_attention runs each item (a chunk of query rows of one sequence and kv hea
 query heads sharing that kv head) on one of three paths: dot products straight from the cache
 rows (items of few query vectors: MHA decode); register-tiled f32 products over a transposed
 key tile (AVX2 or AVX-512); and, for a bf16 cache on a CPU with AVX-512 BF16, vdpbf16ps
-products with Q and P rounded to bf16 (attention_bf16.h; the K/V rows are bf16 already, so
+products (AMX-BF16 tiles where present, attention_amx.h) with Q and P rounded to bf16
+(attention_bf16.h; the K/V rows are bf16 already, so
 those two roundings are the only new ones: each weight of the softmax stays within 2^-8 of the
 f32 path's). Every path does the online softmax in f32 and visits only the key tiles its rows
 can see (causal and window limits).
@@ -55,6 +56,8 @@ cdef extern from "attention_kernels.h":
     int64_t nr_kv_row(int kv_type, int64_t D) nogil
     int nr_tile_level() nogil
     int nr_paged_attention(const nr_attn_args *a) nogil
+    int nr_amx
+    int nr_amx_init()
 
 
 # The best tile level of this CPU: 2 AVX-512 BF16 (the bf16 path for bf16 caches), 1 AVX-512F,
@@ -68,6 +71,23 @@ cdef int _level = TILE_LEVEL
 # included (bench/RESULTS.md, from `python bench/bench_kernels.py --attention`).
 TILED_MIN_QUERIES = 4
 cdef int64_t _tiled_min = TILED_MIN_QUERIES
+
+
+# Q K^T and P V of the bf16 path on AMX-BF16 tiles where present (attention_amx.h): the
+# CPU has AMX-BF16 and the kernel granted this process the tile state; heads of D a multiple of
+# 32. Same roundings as the vdpbf16ps products.
+cdef int _amx_present = nr_amx_init()
+nr_amx = _amx_present
+HAS_AMX = _amx_present != 0
+
+
+def _set_amx(bint on):
+    """Tests and benchmarks: False runs the bf16 path on vdpbf16ps even where AMX-BF16 is
+    present (same roundings, other f32 summation order). Returns the old value."""
+    global nr_amx
+    old = nr_amx != 0
+    nr_amx = 1 if on and _amx_present else 0
+    return old
 
 
 def _force_paths(level=None, tiled_min=None):

@@ -25,10 +25,13 @@
 #define NR_TBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 #define NR_KR 8  /* key rows per Q K^T register tile */
 
+#include "attention_amx.h"
+
 static inline size_t nr_ws_bf16_floats(int64_t nq, int64_t D) {
     int64_t nqp = nr_pad16(nq), Dp = nr_pad16(D), D2 = (D + 1) / 2;
-    return (size_t)(D2 * nqp + nq * Dp + 5 * nqp + NR_KT * nqp + NR_KT / 2 * nqp +
-                    NR_KT / 2 * Dp + 64);
+    /* O has nqp rows for the AMX tiles, then their key copies (16 x D bf16) and Pr */
+    return (size_t)(D2 * nqp + nqp * Dp + 5 * nqp + NR_KT * nqp + NR_KT / 2 * nqp +
+                    NR_KT / 2 * Dp + 8 * D + 16 * NR_KT / 2 + 64);
 }
 
 NR_ALWAYS uint32_t nr_ld32(const uint16_t *p) {
@@ -213,7 +216,8 @@ static inline void nr_bf16_rows(const nr_attn_args *a, int64_t s, int64_t hk, in
     }
 }
 
-/* nr_attn_item_tiled on vdpbf16ps for a bf16 cache (a->level >= 2). Same contract. */
+/* nr_attn_item_tiled on vdpbf16ps for a bf16 cache (a->level >= 2), with Q K^T and P V on
+ * AMX-BF16 tiles where nr_amx and D is a multiple of 32 (attention_amx.h). Same contract. */
 static NR_TBF16 void nr_attn_item_bf16(const nr_attn_args *a, int64_t s, int64_t hk, int64_t i0,
                                        int64_t i1, int64_t ja, int64_t jb, float *ws, float *part) {
     int64_t D = a->D, Dp = nr_pad16(D), D2 = (D + 1) / 2, group = a->Hq / a->Hk;
@@ -221,11 +225,14 @@ static NR_TBF16 void nr_attn_item_bf16(const nr_attn_args *a, int64_t s, int64_t
     int64_t base = (int64_t)a->ctx[s] - n_new;  /* position of query row 0 */
     int64_t nq = (i1 - i0) * group, nqp = nr_pad16(nq);
     uint32_t *Q2 = (uint32_t *)ws;
-    float *O = (float *)(Q2 + D2 * nqp), *m = O + nq * Dp, *l = m + nqp, *corr = l + nqp;
+    float *O = (float *)(Q2 + D2 * nqp), *m = O + nqp * Dp, *l = m + nqp, *corr = l + nqp;
     int32_t *pos = (int32_t *)(corr + nqp), *first = pos + nqp;
     float *St = (float *)(first + nqp);
     uint32_t *P2 = (uint32_t *)(St + NR_KT * nqp), *V2 = P2 + NR_KT / 2 * nqp;
+    uint32_t *Pr = V2 + NR_KT / 2 * Dp;
+    uint16_t *gbuf = (uint16_t *)(Pr + 16 * NR_KT / 2);
     const uint16_t *krows[NR_KT], *vrows[NR_KT];
+    const int amx = nr_amx && D % 32 == 0;  /* attention_amx.h */
 
     memset(Q2, 0, (size_t)(D2 * nqp) * sizeof(uint32_t));
     for (int64_t qi = 0; qi < nqp; qi++) {
@@ -242,14 +249,18 @@ static NR_TBF16 void nr_attn_item_bf16(const nr_attn_args *a, int64_t s, int64_t
         pos[qi] = (int32_t)(base + i);
         first[qi] = (int32_t)nr_first_key(a, base + i);
     }
-    memset(O, 0, (size_t)(nq * Dp) * sizeof(float));
+    memset(O, 0, (size_t)(nqp * Dp) * sizeof(float));
     int64_t kfirst = first[0], klast = pos[nq - 1];  /* lanes are in position order */
+    if (amx) nr_amx_config();
     for (int64_t j0 = ja; j0 < jb; j0 += NR_KT) {
         int64_t nk = jb - j0 < NR_KT ? jb - j0 : NR_KT;
         int64_t klo = kfirst - j0 > 0 ? kfirst - j0 : 0, khi = klast + 1 - j0 < nk ? klast + 1 - j0 : nk;
         if (khi <= klo) continue;  /* no query of the item sees a key of this tile */
         nr_bf16_rows(a, s, hk, j0, nk, krows, vrows);
-        nr_qk_tile_bf16(krows, klo, khi, D, Q2, nqp, St);
+        if (amx)
+            nr_qk_amx(krows, klo, khi, nk, D, a->Hk * D, Q2, nqp, St, gbuf);
+        else
+            nr_qk_tile_bf16(krows, klo, khi, D, Q2, nqp, St);
         for (int64_t c = 0; c < nqp; c += 16)
             nr_softmax16_bf16(St + c, nqp, j0, klo, khi, pos + c, first + c, m + c, l + c,
                               corr + c, P2 + c);
@@ -260,8 +271,12 @@ static NR_TBF16 void nr_attn_item_bf16(const nr_attn_args *a, int64_t s, int64_t
                 _mm512_storeu_ps(O + qi * Dp + d, _mm512_mul_ps(_mm512_loadu_ps(O + qi * Dp + d), cv));
         }
         nr_pack_v_bf16(vrows, klo, khi, D, Dp, V2);
-        nr_pv_tile_bf16(P2, nqp, V2, Dp, O, nq, klo / 2, (khi + 1) / 2);
+        if (amx)
+            nr_pv_amx(P2, nqp, V2, Dp, O, klo / 2, (khi + 1) / 2, Pr);
+        else
+            nr_pv_tile_bf16(P2, nqp, V2, Dp, O, nq, klo / 2, (khi + 1) / 2);
     }
+    if (amx) nr_amx_release();
     nr_item_store(a, s, hk, i0, nq, O, Dp, m, l, part);
 }
 

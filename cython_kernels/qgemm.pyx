@@ -73,6 +73,8 @@ cdef extern from "qgemm_kernels.h" nogil:
     int qg_dequant_panel_bf16(const uint8_t* w, const qg_format* f, long K, long n0, long n1,
                               long kpp, uint16_t* panel)
     int qg_amxbf16
+    long qg_ab_kc_max
+    int qg_ab_pf
     int qg_amxbf16_init()
     size_t qg_amxbf16_bytes(const qg_format* f, long M, int nt)
     void qg_amxbf16_forward(const uint8_t* w, const qg_format* f, const float* x, long M, long K,
@@ -214,6 +216,27 @@ def _set_amx_bf16(bint on):
     global qg_amxbf16
     old = qg_amxbf16 != 0
     qg_amxbf16 = 1 if on and _amxbf16_present else 0
+    return old
+
+
+def _set_amx_bf16_kc(long kc):
+    """Benchmarks: the k per block of K of the AMX-BF16 prefill (a multiple of 32, at least 32;
+    same results up to f32 summation order). Returns the old value."""
+    global qg_ab_kc_max
+    if kc < 32 or kc % 32:
+        raise ValueError("the AMX-BF16 k block must be a positive multiple of 32, got %d" % kc)
+    old = qg_ab_kc_max
+    qg_ab_kc_max = kc
+    return old
+
+
+def _set_amx_bf16_prefetch(int bits):
+    """Benchmarks: the AMX-BF16 prefill's software prefetches (same results either way): bit 0,
+    each pass fetches the next pass's block of the output; bit 1, the A and B tiles a few steps
+    ahead into L1. Returns the old value."""
+    global qg_ab_pf
+    old = qg_ab_pf
+    qg_ab_pf = bits & 3
     return old
 
 

@@ -77,6 +77,9 @@ static QG_TAMX void qg_amx_config(void) {
         c.rows[2 + i] = 16; c.colsb[2 + i] = QG_QB;
         c.rows[4 + i] = QG_QB / 4; c.colsb[4 + i] = 64;
     }
+    /* NOTE: GCC 12 drops the stores into c as dead (ldtilecfg is not seen to read them) unless
+     * the compiler is told c's memory is used */
+    __asm__ volatile("" : : "r"(&c) : "memory");
     _tile_loadconfig(&c);
 }
 

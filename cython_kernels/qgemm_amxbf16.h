@@ -22,15 +22,21 @@
 #ifndef NUMA_RUNTIME_QGEMM_AMXBF16_H
 #define NUMA_RUNTIME_QGEMM_AMXBF16_H
 
-#define QG_TAB16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
+#define QG_TAB16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16,prfchw")))
 #define QG_AB_NC 32     /* output columns per task */
 #define QG_AB_MR 32     /* rows per C-tile pass */
 #define QG_AB_B_BYTES (1L << 20)  /* dequantized weights a thread keeps at once (in its L2) */
 #define QG_AB_A_BYTES (1L << 19)  /* activation rows a thread runs over them at once */
-#define QG_AB_KC 1024  /* k per block of K: a task's B tiles for a block are 64 KiB */
+#define QG_AB_PFD 2     /* steps ahead that A and B tiles are prefetched into L1 */
+#define QG_AB_KC 1024  /* default k per block of K (qg_ab_kc_max) */
 
 /* 1: AMX-BF16 and AVX512-BF16 present and the tile state granted (tests switch it off) */
 static int qg_amxbf16 = 0;
+/* k per block of K (a multiple of 32): a task's B tiles for a block are 64 bytes a k; a
+ * benchmark setting (qgemm._set_amx_bf16_kc) */
+static long qg_ab_kc_max = QG_AB_KC;
+/* 1: each pass prefetches the next pass's block of out (qgemm._set_amx_bf16_prefetch) */
+static int qg_ab_pf = 1;
 
 static int qg_amxbf16_init(void) {
     unsigned a, b, c, d;
@@ -49,7 +55,7 @@ static inline long qg_ab_mp(long M) { return (M + QG_AB_MR - 1) / QG_AB_MR * QG_
 /* Per-thread bytes of dequantized B tiles: a group of whole 32-column tasks (at least one). */
 static inline long qg_ab_kc(const qg_format* f) {
     const long kb = qg_ab_kb(f);
-    return kb < QG_AB_KC ? kb : QG_AB_KC;
+    return kb < qg_ab_kc_max ? kb : qg_ab_kc_max;
 }
 static inline long qg_ab_group(const qg_format* f) {
     const long per = qg_ab_kc(f) * 64, g = QG_AB_B_BYTES / per;
@@ -69,6 +75,9 @@ static QG_TAB16 void qg_ab_config(void) {
         c.rows[i] = 16;
         c.colsb[i] = 64;
     }
+    /* NOTE: GCC 12 drops the stores into c as dead (ldtilecfg is not seen to read them) unless
+     * the compiler is told c's memory is used */
+    __asm__ volatile("" : : "r"(&c) : "memory");
     _tile_loadconfig(&c);
 }
 
@@ -154,7 +163,7 @@ QG_INLINE QG_TAB16 void qg_ab_dequant(const uint8_t* blk, const qg_format* f, lo
  * blocks 0 / 1, summed over the block's steps on top of the bias or the earlier blocks. */
 QG_INLINE QG_TAB16 void qg_ab_pass(const uint16_t* xb, long kb, long kx, const uint16_t* bt,
                                    long steps, long r0, long M, long cb, long N, const float* bias,
-                                   float* out, long ldo, int first, float* c) {
+                                   float* out, long ldo, int first, float* c, const float* pf) {
     const long nc0 = cb * QG_AB_NC;
     QG_AB_CLOAD(0, 0, 0)
     QG_AB_CLOAD(1, 0, 1)
@@ -163,7 +172,24 @@ QG_INLINE QG_TAB16 void qg_ab_pass(const uint16_t* xb, long kb, long kx, const u
     /* xb in 16-row tiles: [r / 16][k / 32][r % 16][k % 32] */
     const long ts = kb / 32 * 512;  /* one 16-row tile's stride */
     const uint16_t* xa = xb + (r0 / 16) * ts + kx / 32 * 512;
+    /* pf: the next pass's 32 x 32 block of out, fetched for writing (prefetchw) over this
+     * pass's steps, so that its tile stores do not wait for the lines (out is many MiB) */
+    const long pfr = pf ? (32 + steps - 1) / steps : 0;
     for (long s = 0; s < steps; s++) {
+        for (long i = s * pfr; i < (s + 1) * pfr && i < 32; i++) {
+            __builtin_prefetch(pf + i * ldo, 1, 3);
+            __builtin_prefetch(pf + i * ldo + 16, 1, 3);
+        }
+        if ((qg_ab_pf & 2) && s + QG_AB_PFD < steps) {
+            const char* pa = (const char*)(xa + (s + QG_AB_PFD) * 512);
+            const char* pb = (const char*)(bt + (s + QG_AB_PFD) * 1024);
+            for (int i = 0; i < 1024; i += 64) {
+                _mm_prefetch(pa + i, _MM_HINT_T0);
+                _mm_prefetch(pa + ts * 2 + i, _MM_HINT_T0);
+                _mm_prefetch(pb + i, _MM_HINT_T0);
+                _mm_prefetch(pb + 1024 + i, _MM_HINT_T0);
+            }
+        }
         _tile_loadd(4, xa + s * 512, 64);
         _tile_loadd(6, bt + s * 1024, 64);
         _tile_loadd(5, xa + ts + s * 512, 64);
@@ -201,9 +227,18 @@ static QG_TAB16 void qg_amxbf16_forward(const uint8_t* w, const qg_format* f, co
     if (mc < QG_AB_MR) mc = QG_AB_MR;
     uint16_t* xb = (uint16_t*)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     char* bts = (char*)(((uintptr_t)(xb + mp * kb) + 63) & ~(uintptr_t)63);
-    /* row parts: 1, or doubled while the tasks leave threads idle (at least 64 rows a part) */
-    long nrp = 1;
-    while (ncb * nrp < nthreads && mp / (2 * nrp) >= 64) nrp *= 2;
+    /* row parts: the count (1..8, at least 64 rows a part) whose busiest thread has the
+     * fewest task rows (ties: fewer parts, as each part dequantizes its columns again), e.g.
+     * 28 column tasks on 16 threads: 4 parts of 128 rows, 7 tasks a thread */
+    long nrp = 1, best = -1;
+    for (long p = 1; p <= 8 && (p == 1 || mp / p >= 64); p++) {
+        const long rp_ = (mp / p + QG_AB_MR - 1) / QG_AB_MR * QG_AB_MR;
+        const long cost = (ncb * p + nthreads - 1) / nthreads * rp_;
+        if (best < 0 || cost < best) {
+            best = cost;
+            nrp = p;
+        }
+    }
     const long rpart = (mp / nrp + QG_AB_MR - 1) / QG_AB_MR * QG_AB_MR, ntask = ncb * nrp;
     #pragma omp parallel num_threads(nthreads)
     {
@@ -251,9 +286,15 @@ static QG_TAB16 void qg_amxbf16_forward(const uint8_t* w, const qg_format* f, co
                 for (long m0 = ra; m0 < rz; m0 += mc) {
                     const long m1 = m0 + mc < rz ? m0 + mc : rz;
                     for (long cb = ca; cb < cz; cb++)
-                        for (long r0 = m0; r0 < m1; r0 += QG_AB_MR)
+                        for (long r0 = m0; r0 < m1; r0 += QG_AB_MR) {
+                            /* the next pass: the next rows, else the next task's first */
+                            const long pr = r0 + QG_AB_MR < m1 ? r0 + QG_AB_MR : m0;
+                            const long pc = r0 + QG_AB_MR < m1 ? cb : cb + 1;
+                            const float* pf = (qg_ab_pf & 1) && pc < cz && pr + QG_AB_MR <= M && (pc + 1) * QG_AB_NC <= N
+                                                  ? out + pr * ldo + pc * QG_AB_NC : NULL;
                             qg_ab_pass(xb, kb, k0, bt + (cb - ca) * tstride, steps, r0, m1, cb, N,
-                                       bias, out, ldo, k0 == 0, c);
+                                       bias, out, ldo, k0 == 0, c, pf);
+                        }
                 }
             }
             t0 += cz - ca;

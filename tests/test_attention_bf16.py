@@ -24,14 +24,20 @@ BF16_CASES = [  # hq, hk, d, bs, new tokens, cached prefix: groups 1..7, 32, 40;
     (14, 2, 81, 5, [40, 1], [100, 30]),         # group 7, odd D
     (64, 2, 64, 16, [3], [50]),                 # group 32: one row per item
     (40, 1, 17, 16, [2], [90]),                 # group 40: 48 query lanes (32 + 16), odd D
+    (14, 2, 64, 16, [300], [0]),                # Qwen2.5-0.5B's heads: a prefill of 5 key tiles
+    (16, 2, 128, 16, [90], [45]),               # group 8, D 128, after an unaligned prefix
+    (8, 1, 96, 3, [40], [20]),                  # D 96 (3 AMX steps), blocks of 3 (keys copied)
 ]
 
 
-@pytest.fixture
-def bf16_path():
-    """Every item of >= 1 query vector on the bf16 path."""
+@pytest.fixture(params=["amx", "vdpbf16ps"] if attention.HAS_AMX else ["vdpbf16ps"])
+def bf16_path(request):
+    """Every item of >= 1 query vector on the bf16 path: its products on AMX-BF16 tiles (where
+    the CPU has them; heads of D a multiple of 32) and on vdpbf16ps."""
     old = attention._force_paths(level=2, tiled_min=1)
-    yield
+    old_amx = attention._set_amx(request.param == "amx")
+    yield request.param
+    attention._set_amx(old_amx)
     attention._force_paths(*old)
 
 
@@ -62,16 +68,22 @@ def check_bf16_path(out, batch, scale, window):
     assert np.all(err <= bound), f"max error {err.max():.3g}, worst error / bound {(err / bound).max():.3g}"
 
 
-@pytest.mark.usefixtures("bf16_path")
 @pytest.mark.parametrize("window", [0, 1, 5, 37, 64])
 @pytest.mark.parametrize("case", BF16_CASES + ATTN_CASES)
-def test_bf16_path_matches_reference(case, window):
+def test_bf16_path_matches_reference(case, window, bf16_path):
     hq, hk, d, bs, new, prefix = case
     batch = build_batch(hq, hk, d, bs, new, prefix, "bf16", fused=hq == 14)
     out = run(batch, d ** -0.5, window)
     check_bf16_path(out, batch, d ** -0.5, window)
     if window == 0:  # the forced level took effect: the f32 tiles (level 1) round differently
         assert not np.array_equal(out, run(batch, d ** -0.5, window, level=1))
+    if window == 0 and bf16_path == "amx" and d % 32 == 0 and max(new) > 1:
+        # the AMX tiles ran: vdpbf16ps sums the same products in another order
+        attention._set_amx(False)
+        try:
+            assert not np.array_equal(out, run(batch, d ** -0.5, window))
+        finally:
+            attention._set_amx(True)
 
 
 @pytest.mark.usefixtures("bf16_path")
