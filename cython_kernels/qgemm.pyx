@@ -41,6 +41,7 @@ cimport numpy as cnp
 from libc.stdint cimport uint8_t, uint16_t
 
 from numa_runtime._kernels import gemm as _gemm
+from numa_runtime._kernels import ops as _ops
 
 cnp.import_array()
 
@@ -79,7 +80,7 @@ cdef extern from "qgemm_kernels.h" nogil:
     size_t qg_amxbf16_bytes(const qg_format* f, long M, int nt)
     void qg_amxbf16_forward(const uint8_t* w, const qg_format* f, const float* x, long M, long K,
                             long ldx, const float* bias, float* out, long ldo, char* scratch,
-                            int nthreads)
+                            int nthreads, int gated)
 
 _KINDS = {"sym": 0, "zero": 1, "min": 2}
 cdef int _level = qg_cpu_level()
@@ -317,9 +318,43 @@ cdef class QLinear:
 
     def forward(self, x, out=None):
         """x: [M, K] f32 C-contiguous -> [M, N] f32 (into `out` when given)."""
-        cdef cnp.ndarray xa = x, oa
+        return self._forward(x, out, False)
+
+    def fuses_silu(self, long M):
+        """Whether forward_silu of M rows runs silu_and_mul inside the kernel (the AMX-BF16
+        prefill tiles: silu(gate) * up is computed as x is rounded to bf16, so the [M, K]
+        product never goes through memory); elsewhere it computes it first, as the model would."""
+        return self._path(M) == 2
+
+    def forward_silu(self, x2, out=None):
+        """x2: [M, 2 K] f32 C-contiguous, gate then up -> (silu(gate) * up) @ W.T + b [M, N]."""
+        cdef cnp.ndarray xa = x2
+        cdef long K = self.in_features
+        if not _is_c(xa, cnp.NPY_FLOAT32, 2) or xa.shape[1] != 2 * K:
+            raise ValueError("QLinear.forward_silu expects x as C-contiguous float32 [M, %d], got %s %s"
+                             % (2 * K, xa.dtype, (<object>xa).shape))
+        if self._path(xa.shape[0]) == 2:
+            return self._forward(xa, out, True)
+        act = np.empty((xa.shape[0], K), dtype=np.float32)
+        _ops.silu_and_mul(xa, act)
+        return self._forward(act, out, False)
+
+    cdef int _path(self, long M):
+        """0: the f32 paths (exact), 1: int8 activations, 2: AMX-BF16 tiles, 3: bf16 panels."""
+        cdef bint decode_rows = M <= _act8_m_max or (qg_decode_step != 0 and M <= ACT8_DECODE_M_MAX)
+        cdef bint q8 = self.act8 and decode_rows
+        cdef bint tiles = self.prefill_bf16 and M >= PANEL_M_MIN and qg_amxbf16 != 0
+        cdef bint panels = tiles or (self.prefill_bf16 and M >= PANEL_M_MIN and _panel_usable())
+        if not decode_rows and self.prefill_act8 and not (self.prefill_act8 == 2 and panels):
+            q8 = True
+        if q8:
+            return 1
+        return 2 if tiles else 3 if panels else 0
+
+    cdef _forward(self, cnp.ndarray xa, object out, bint gated):
+        cdef cnp.ndarray oa
         cdef long M, K = self.in_features, N = self.out_features
-        if not _is_c(xa, cnp.NPY_FLOAT32, 2) or xa.shape[1] != K:
+        if not gated and (not _is_c(xa, cnp.NPY_FLOAT32, 2) or xa.shape[1] != K):
             raise ValueError("QLinear.forward expects x as C-contiguous float32 [M, %d], got %s %s"
                              % (K, xa.dtype, (<object>xa).shape))
         M = xa.shape[0]
@@ -332,16 +367,13 @@ cdef class QLinear:
                                  % (M, N))
         if M == 0:
             return oa
-        cdef bint decode_rows = M <= _act8_m_max or (qg_decode_step != 0 and M <= ACT8_DECODE_M_MAX)
-        cdef bint q8 = self.act8 and decode_rows
+        cdef int path = self._path(M)
+        cdef bint q8 = path == 1, tiles = path == 2
         cdef int resid = self.act8_residual
-        cdef bint tiles = self.prefill_bf16 and M >= PANEL_M_MIN and qg_amxbf16 != 0
-        cdef bint panels = tiles or (self.prefill_bf16 and M >= PANEL_M_MIN and _panel_usable())
-        if not decode_rows and self.prefill_act8 and not (self.prefill_act8 == 2 and panels):
-            q8 = True
+        cdef bint decode_rows = M <= _act8_m_max or (qg_decode_step != 0 and M <= ACT8_DECODE_M_MAX)
+        if q8 and not decode_rows:  # prefill rows in int8 (prefill_act8)
             resid = resid or self.prefill_act8 == 2
-        tiles = tiles and not q8
-        if not q8 and panels and not tiles:
+        if path == 3:
             self._panel_forward(xa, oa)
             return oa
         cdef int nt = omp_get_max_threads()
@@ -356,11 +388,11 @@ cdef class QLinear:
         cdef const uint8_t* w = <const uint8_t*>cnp.PyArray_DATA(self.packed)
         cdef const float* xp = <const float*>cnp.PyArray_DATA(xa)
         cdef float* op = <float*>cnp.PyArray_DATA(oa)
-        cdef long ldx = self.fmt.kp
+        cdef long ldx = self.fmt.kp, ldx_t = 2 * K if gated else K
         cdef int rc = 0
         with nogil:
             if tiles:
-                qg_amxbf16_forward(w, &self.fmt, xp, M, K, K, bias, op, N, sp, nt)
+                qg_amxbf16_forward(w, &self.fmt, xp, M, K, ldx_t, bias, op, N, sp, nt, gated)
             elif q8:
                 rc = qg_forward_q8(w, &self.fmt, xp, M, ldx, bias, op, _level, resid)
             else:
@@ -368,7 +400,6 @@ cdef class QLinear:
         if rc != 0:
             raise MemoryError("QLinear.forward: cannot allocate per-thread tiles")
         return oa
-
     cdef _panel_forward(self, cnp.ndarray xa, cnp.ndarray oa):
         cdef long K = self.in_features, N = self.out_features, n0, n, kpp
         cdef const uint8_t* w = <const uint8_t*>cnp.PyArray_DATA(self.packed)

@@ -22,6 +22,8 @@
 #ifndef NUMA_RUNTIME_QGEMM_AMXBF16_H
 #define NUMA_RUNTIME_QGEMM_AMXBF16_H
 
+#include "ops_math.h"
+
 #define QG_TAB16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16,prfchw")))
 #define QG_AB_NC 32     /* output columns per task */
 #define QG_AB_MR 32     /* rows per C-tile pass */
@@ -35,8 +37,12 @@ static int qg_amxbf16 = 0;
 /* k per block of K (a multiple of 32): a task's B tiles for a block are 64 bytes a k; a
  * benchmark setting (qgemm._set_amx_bf16_kc) */
 static long qg_ab_kc_max = QG_AB_KC;
-/* 1: each pass prefetches the next pass's block of out (qgemm._set_amx_bf16_prefetch) */
-static int qg_ab_pf = 1;
+/* software prefetches (qgemm._set_amx_bf16_prefetch): bit 1, the A and B tiles QG_AB_PFD steps
+ * ahead into L1; bit 0, each pass the next pass's block of out for writing. NOTE: 512 rows of
+ * Qwen2.5-0.5B's int4 linears (a one-off timing loop, the settings alternating in one process): on a 2-core
+ * Sapphire Rapids-class VM bit 1 alone took 4-7% less time than none and 2-4% less than bit 0
+ * or both; on SPR-16 at 16 threads every setting was within 3% */
+static int qg_ab_pf = 2;
 
 static int qg_amxbf16_init(void) {
     unsigned a, b, c, d;
@@ -209,6 +215,8 @@ QG_INLINE QG_TAB16 void qg_ab_pass(const uint16_t* xb, long kb, long kx, const u
 #undef QG_AB_CSTORE
 
 /* x [M, K] f32 (rows ldx apart) -> out [M, N] (rows ldo apart); scratch: qg_amxbf16_bytes.
+ * gated: x rows hold 2 K values, gate then up, and the input is silu(gate) * up (the MLP's
+ * silu_and_mul, fused into the rounding of x to bf16).
  *
  * Work: 32-column tasks x row parts (more than one part only when the tasks are fewer than the
  * threads), row-part-major, a contiguous share per thread. K runs in blocks of QG_AB_KC, the
@@ -219,7 +227,7 @@ QG_INLINE QG_TAB16 void qg_ab_pass(const uint16_t* xb, long kb, long kx, const u
  * would touch a page per row). */
 static QG_TAB16 void qg_amxbf16_forward(const uint8_t* w, const qg_format* f, const float* x,
                                         long M, long K, long ldx, const float* bias, float* out,
-                                        long ldo, char* scratch, int nthreads) {
+                                        long ldo, char* scratch, int nthreads, int gated) {
     const long kb = qg_ab_kb(f), mp = qg_ab_mp(M), kc = qg_ab_kc(f);
     const long bb = qg_block_bytes(f), nblk = (f->n + QG_NB - 1) / QG_NB, N = f->n;
     const long ncb = (N + QG_AB_NC - 1) / QG_AB_NC, grp = qg_ab_group(f);
@@ -252,6 +260,14 @@ static QG_TAB16 void qg_amxbf16_forward(const uint8_t* w, const qg_format* f, co
                 if (r < M && k < K) {
                     const __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
                     v = _mm512_maskz_loadu_ps(m, s + k);
+                    if (gated) {  /* silu(gate) * up, as ops' silu_and_mul computes it */
+                        float g[16] __attribute__((aligned(64))), u[16] __attribute__((aligned(64)));
+                        _mm512_store_ps(g, v);
+                        _mm512_store_ps(u, _mm512_maskz_loadu_ps(m, s + K + k));
+                        #pragma omp simd
+                        for (int i = 0; i < 16; i++) g[i] = g[i] / (1.0f + nr_expf(-g[i])) * u[i];
+                        v = _mm512_load_ps(g);
+                    }
                 }
                 _mm256_storeu_si256((__m256i*)(d + k / 32 * 512 + k % 32), (__m256i)_mm512_cvtneps_pbh(v));
             }

@@ -183,11 +183,14 @@ class TimedOps:
 class _TimedLinear:
     """A linear whose forward is timed; every other attribute is the linear's own, written
     ones included (the loader's path flags such as act8 must reach the kernel object)."""
-    _OWN = ("_linear", "forward")
+    _OWN = ("_linear", "forward", "forward_silu")
 
     def __init__(self, linear, profiler: Profiler):
         object.__setattr__(self, "_linear", linear)
         object.__setattr__(self, "forward", profiler.timed(FORWARD, "Linear", linear.forward))
+        if hasattr(linear, "forward_silu"):  # QLinear: silu_and_mul fused into the down projection
+            object.__setattr__(self, "forward_silu",
+                               profiler.timed(FORWARD, "Linear", linear.forward_silu))
 
     def __getattr__(self, name):
         return getattr(self._linear, name)

@@ -150,6 +150,36 @@ def test_bf16_prefill_paths_match_bf16_reference(fmt, path, monkeypatch):
         qgemm._set_amx_bf16(old)
 
 
+@pytest.mark.parametrize("path", ["amx", "other"])
+@pytest.mark.parametrize("fmt", [QuantFormat(8, 32, "sym"), QuantFormat(4, 64, "min")], ids=str)
+def test_forward_silu_is_silu_and_mul_then_forward(fmt, path):
+    """forward_silu(x2) = forward(silu_and_mul(x2)) bit for bit: on the AMX-BF16 tiles silu(gate)
+    * up is computed (as ops' silu_and_mul computes it) while x is rounded to bf16; on every
+    other path (fewer rows, no AMX, f32) the layer runs silu_and_mul first. Row tails, a K
+    that is not a multiple of 32, bias."""
+    from numa_runtime._kernels import ops
+    if path == "amx" and not qgemm.has_amx_bf16():
+        pytest.skip("the fused silu needs the AMX-BF16 prefill, which this CPU lacks")
+    old = qgemm._set_amx_bf16(path == "amx")
+    try:
+        rng = np.random.default_rng(5)
+        for k, n in ((320, 70), (1024 + 192, 33)):
+            lin, _, _ = make(fmt, k, n, with_bias=True)
+            for bf16 in (True, False):
+                lin.prefill_bf16 = bf16
+                for m in (1, qgemm.PANEL_M_MIN, 77):
+                    x2 = rng.standard_normal((m, 2 * k), dtype=np.float32) * 3
+                    act = np.empty((m, k), np.float32)
+                    ops.silu_and_mul(x2, act)
+                    assert lin.fuses_silu(m) == (path == "amx" and bf16 and m >= qgemm.PANEL_M_MIN)
+                    got = lin.forward_silu(x2, out=np.full((m, n), np.nan, np.float32))
+                    np.testing.assert_array_equal(got, lin.forward(act))
+        with pytest.raises(ValueError, match="forward_silu expects"):
+            lin.forward_silu(np.zeros((4, k), np.float32))
+    finally:
+        qgemm._set_amx_bf16(old)
+
+
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 def test_act8_decode_path_matches_reference(fmt, level):

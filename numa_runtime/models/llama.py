@@ -242,8 +242,13 @@ class LlamaModel:
                 comm.all_reduce_(o)
             add_rms_norm(o, residual, layer.post_norm, eps, h)
             layer.gate_up_proj.forward(h, gu)                # [T, 2 I_local]
-            silu_and_mul(gu, act)
-            layer.down_proj.forward(act, delta)              # [T, H] partial sum
+            down = layer.down_proj
+            fuses = getattr(down, "fuses_silu", None)
+            if fuses is not None and fuses(plan.num_tokens):  # silu_and_mul inside the kernel
+                down.forward_silu(gu, delta)
+            else:
+                silu_and_mul(gu, act)
+                down.forward(act, delta)                     # [T, H] partial sum
             if tp:
                 comm.all_reduce_(delta)
         return self._head(plan, residual, delta)
