@@ -6,8 +6,8 @@ has the op), on Qwen2.5-0.5B shapes (H 896, 14 q heads / 2 kv heads of 64, I 486
 
 Prints one markdown table; times are the best of repeated calls, in microseconds.
 --attention times paged attention's paths (dot products straight from the cache rows,
-register-tiled f32 products over transposed key tiles, and bf16 dot products on AVX-512 BF16)
-on batch-1 decode and prefill, short and long.
+register-tiled f32 products over transposed key tiles, bf16 dot products on AVX-512 BF16, and
+those products on AMX-BF16 tiles) on batch-1 decode and prefill, short and long.
 """
 from __future__ import annotations
 
@@ -173,25 +173,31 @@ def cases(quick: bool):
 
 def attention_paths(min_time: float) -> None:
     """Paged attention, bf16 cache: each case on the direct path, the f32 tiled path (tile
-    level 1) and, where the CPU has AVX-512 BF16, the bf16 tiled path (level 2)."""
+    level 1), where the CPU has AVX-512 BF16 the bf16 tiled path on vdpbf16ps (level 2), and
+    where it has AMX-BF16 that path's products on AMX tiles (the default there)."""
     from numa_runtime._kernels import attention
-    bf16 = attention.TILE_LEVEL >= 2
-    print("| case | direct us | tiled f32 us | tiled bf16 us | default path |\n"
-          "| --- | ---: | ---: | ---: | --- |")
+    bf16, amx = attention.TILE_LEVEL >= 2, attention.HAS_AMX
+    print("| case | direct us | tiled f32 us | tiled bf16 us | tiled bf16 on AMX us | default path |\n"
+          "| --- | ---: | ---: | ---: | ---: | --- |")
     for name, new, prefix in [("decode, ctx 512", [1], [511]), ("decode, ctx 8192", [1], [8191]),
                               ("decode, ctx 16000", [1], [15999]), ("decode 16 seqs, ctx 2048", [1] * 16, [2047] * 16),
                               ("prefill 512", [512], [0]), ("prefill chunk 2048 after 6144", [2048], [6144])]:
         b = paged_batch(new, prefix, "bf16")
         o = np.empty_like(b[0])
         times = []
-        for level, tiled_min in ((1, 1 << 30), (1, 1)) + (((2, 1),) if bf16 else ()):
+        paths = ((1, 1 << 30, False), (1, 1, False)) + (((2, 1, False),) if bf16 else ()) + (
+            ((2, 1, True),) if amx else ())
+        for level, tiled_min, on in paths:
             old = attention._force_paths(level=min(level, attention.TILE_LEVEL), tiled_min=tiled_min)
+            old_amx = attention._set_amx(on)
             times.append(best_us(lambda: cpu.paged_attention(*b, D ** -0.5, o), min_time))
+            attention._set_amx(old_amx)
             attention._force_paths(*old)
         group = HQ // HK
         rows = 1 if new[0] == 1 else max(1, 32 // group)
-        default = "direct" if rows * group < attention.TILED_MIN_QUERIES else "tiled bf16" if bf16 else "tiled f32"
-        cols = " | ".join(f"{t:.1f}" for t in times) + ("" if bf16 else " | -")
+        default = ("direct" if rows * group < attention.TILED_MIN_QUERIES else
+                   "tiled bf16 on AMX" if amx else "tiled bf16" if bf16 else "tiled f32")
+        cols = " | ".join(f"{t:.1f}" for t in times) + " | -" * (4 - len(times))
         print(f"| {name} | {cols} | {default} |", flush=True)
 
 
