@@ -81,6 +81,12 @@ nr_amx = _amx_present
 HAS_AMX = _amx_present != 0
 
 
+def amx_enabled():
+    """Whether the bf16 path runs its products on AMX-BF16 tiles now (present and not switched
+    off by _set_amx); the fused decoder (qgemm) follows it."""
+    return nr_amx != 0
+
+
 def _set_amx(bint on):
     """Tests and benchmarks: False runs the bf16 path on vdpbf16ps even where AMX-BF16 is
     present (same roundings, other f32 summation order). Returns the old value."""

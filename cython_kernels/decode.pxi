@@ -8,6 +8,7 @@ from numa_runtime._kernels import attention as _attention
 
 cdef extern from "decode_layers.h" nogil:
     enum: ND_MAX_PARTS
+    int nr_amx  # this module's copy of attention_amx.h's switch (set from attention's each step)
     ctypedef struct nd_linear:
         int nparts
         const uint8_t* w[ND_MAX_PARTS]
@@ -298,6 +299,8 @@ cdef class FusedDecoder:
         st.tiles = <char*>cnp.PyArray_DATA(tiles) if M > QG_MR_Q8 else NULL
         st.qg_level = _level
         st.attn_level, st.tiled_min = _attention._force_paths()
+        global nr_amx
+        nr_amx = 1 if _attention.amx_enabled() else 0  # the attention items as paged_attention runs them
         st.barrier = _barrier
         cdef int rc
         with nogil:

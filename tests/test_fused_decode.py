@@ -119,6 +119,31 @@ def test_fused_decode_equals_op_by_op_at_other_thread_counts(models, monkeypatch
         o.close()
 
 
+@pytest.mark.parametrize("amx", [True, False])
+def test_fused_decode_tiled_attention_is_bitwise_op_by_op(tmp_path, monkeypatch, amx):
+    """8 query heads on 2 kv heads of 32: a decode row's item has 4 query vectors, so attention
+    runs the tiled bf16 path (on AMX-BF16 tiles where present, else vdpbf16ps) in both the
+    fused region and op by op, and both follow attention's AMX switch."""
+    from numa_runtime._kernels import attention
+    if amx and not attention.HAS_AMX:
+        pytest.skip("this CPU has no AMX-BF16 for the attention tiles")
+    build_model(str(tmp_path), arch="qwen2", **dict(SHAPE, hidden_size=256, num_attention_heads=8))
+    old = attention._set_amx(amx)
+    f, o = both(str(tmp_path), monkeypatch, kv_cache_dtype="bfloat16")
+    try:
+        assert attention.amx_enabled() == amx
+        lf = decode_logits(f, PROMPT)
+        np.testing.assert_array_equal(lf, decode_logits(o, PROMPT))
+        assert_same_batch(f, o, 4, 8)
+        if amx:  # the tiles ran: vdpbf16ps sums the same products in another order
+            attention._set_amx(False)
+            assert not np.array_equal(lf, decode_logits(f, PROMPT))
+    finally:
+        attention._set_amx(old)
+        f.close()
+        o.close()
+
+
 @pytest.mark.parametrize("level", [0, 1])
 def test_fused_decode_equals_op_by_op_at_lower_isa_levels(models, monkeypatch, level):
     """The int8 GEMV and attention kernels forced down to AVX2 (0) or AVX-512 without VNNI /
