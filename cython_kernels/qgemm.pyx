@@ -31,7 +31,9 @@ and multiplied on the matrix units. With AMX-BF16 (Sapphire Rapids and later) ea
 dequantizes its own columns into AMX tiles in its L2 and runs every row over them
 (qgemm_amxbf16.h); elsewhere the weights are dequantized panel by panel (about 2 MiB of bf16 a
 thread, in cache) into gemm.BF16Panels and multiplied by oneDNN's bf16 matmul. f32 engines keep
-the exact f32 path.
+the exact f32 path. forward_silu takes the MLP's [gate | up] rows: on the AMX-BF16 tiles
+silu(gate) * up is computed as x is rounded to bf16 (the model's down projection skips the
+separate silu_and_mul), elsewhere silu_and_mul runs first.
 """
 import threading
 

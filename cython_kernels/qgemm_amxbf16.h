@@ -39,9 +39,9 @@ static int qg_amxbf16 = 0;
 static long qg_ab_kc_max = QG_AB_KC;
 /* software prefetches (qgemm._set_amx_bf16_prefetch): bit 1, the A and B tiles QG_AB_PFD steps
  * ahead into L1; bit 0, each pass the next pass's block of out for writing. NOTE: 512 rows of
- * Qwen2.5-0.5B's int4 linears (a one-off timing loop, the settings alternating in one process): on a 2-core
- * Sapphire Rapids-class VM bit 1 alone took 4-7% less time than none and 2-4% less than bit 0
- * or both; on SPR-16 at 16 threads every setting was within 3% */
+ * Qwen2.5-0.5B's int4 linears (a one-off timing loop, the settings alternating in one
+ * process): on a 2-core Sapphire Rapids-class VM bit 1 alone took 4-7% less time than none and
+ * 2-4% less than bit 0 or both; on SPR-16 at 16 threads every setting was within 3% */
 static int qg_ab_pf = 2;
 
 static int qg_amxbf16_init(void) {
@@ -218,8 +218,8 @@ QG_INLINE QG_TAB16 void qg_ab_pass(const uint16_t* xb, long kb, long kx, const u
  * gated: x rows hold 2 K values, gate then up, and the input is silu(gate) * up (the MLP's
  * silu_and_mul, fused into the rounding of x to bf16).
  *
- * Work: 32-column tasks x row parts (more than one part only when the tasks are fewer than the
- * threads), row-part-major, a contiguous share per thread. K runs in blocks of QG_AB_KC, the
+ * Work: 32-column tasks x row parts (as many parts as balance the tasks over the threads best),
+ * row-part-major, a contiguous share per thread. K runs in blocks of QG_AB_KC, the
  * sums kept in out between blocks. For a group of its tasks (QG_AB_B_BYTES of B tiles a block)
  * a thread dequantizes one block's weights once, then runs chunks of rows (QG_AB_A_BYTES of
  * bf16 x) over every task of the group: the weights and the chunk stay in its L2, and each
