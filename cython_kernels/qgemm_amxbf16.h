@@ -222,9 +222,9 @@ QG_INLINE QG_TAB16 void qg_ab_pass(const uint16_t* xb, long kb, long kx, const u
  * row-part-major, a contiguous share per thread. K runs in blocks of QG_AB_KC, the
  * sums kept in out between blocks. For a group of its tasks (QG_AB_B_BYTES of B tiles a block)
  * a thread dequantizes one block's weights once, then runs chunks of rows (QG_AB_A_BYTES of
- * bf16 x) over every task of the group: the weights and the chunk stay in its L2, and each
- * output row is written across the group's columns together (a 32-column task over all rows
- * would touch a page per row). */
+ * bf16 x), 32 rows at a time, over every task of the group: the weights and the chunk stay in
+ * its L2, and each output row is written across the group's columns together (a 32-column
+ * task over all rows would touch a page per row). */
 static QG_TAB16 void qg_amxbf16_forward(const uint8_t* w, const qg_format* f, const float* x,
                                         long M, long K, long ldx, const float* bias, float* out,
                                         long ldo, char* scratch, int nthreads, int gated) {
@@ -301,13 +301,18 @@ static QG_TAB16 void qg_amxbf16_forward(const uint8_t* w, const qg_format* f, co
                 QG_AMX_FENCE();
                 for (long m0 = ra; m0 < rz; m0 += mc) {
                     const long m1 = m0 + mc < rz ? m0 + mc : rz;
-                    for (long cb = ca; cb < cz; cb++)
-                        for (long r0 = m0; r0 < m1; r0 += QG_AB_MR) {
-                            /* the next pass: the next rows, else the next task's first */
-                            const long pr = r0 + QG_AB_MR < m1 ? r0 + QG_AB_MR : m0;
-                            const long pc = r0 + QG_AB_MR < m1 ? cb : cb + 1;
-                            const float* pf = (qg_ab_pf & 1) && pc < cz && pr + QG_AB_MR <= M && (pc + 1) * QG_AB_NC <= N
-                                                  ? out + pr * ldo + pc * QG_AB_NC : NULL;
+                    /* NOTE: 32 rows by every task of the group, then the next 32 rows: the rows'
+                     * A tiles stay hot while the group's B tiles stream from L2, and out is
+                     * written 32 rows at a time across the group's columns. 512 rows of
+                     * Qwen2.5-0.5B's int4 linears on XEON-AMX-2 (2 threads, a one-off timing
+                     * loop, alternating): 2-7% less time than each task over the chunk's rows */
+                    for (long r0 = m0; r0 < m1; r0 += QG_AB_MR)
+                        for (long cb = ca; cb < cz; cb++) {
+                            /* the next pass: the next task, else the next rows' first task */
+                            const long pc = cb + 1 < cz ? cb + 1 : ca;
+                            const long pr = cb + 1 < cz ? r0 : r0 + QG_AB_MR;
+                            const float* pf = (qg_ab_pf & 1) && pr + QG_AB_MR <= m1 && pr + QG_AB_MR <= M &&
+                                              (pc + 1) * QG_AB_NC <= N ? out + pr * ldo + pc * QG_AB_NC : NULL;
                             qg_ab_pass(xb, kb, k0, bt + (cb - ca) * tstride, steps, r0, m1, cb, N,
                                        bias, out, ldo, k0 == 0, c, pf);
                         }
