@@ -61,7 +61,7 @@ static NR_TAMX void nr_amx_config(void) {
 static NR_TAMX void nr_amx_release(void) { _tile_release(); }
 
 /* dst[16][16] (rows ld apart) = the transpose of src[16][16] (rows ls apart), 32-bit items. */
-static inline NR_TAMX void nr_tr16_u32(const uint32_t *src, int64_t ls, uint32_t *dst, int64_t ld) {
+static inline NR_TBF16 void nr_tr16_u32(const uint32_t *src, int64_t ls, uint32_t *dst, int64_t ld) {
     __m512i r[16], t[16];
     for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512((const void *)(src + i * ls));
     for (int i = 0; i < 8; i++) {

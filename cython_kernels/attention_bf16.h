@@ -10,6 +10,7 @@
  * Layout of one item (nq query vectors = rows x group heads, nqp = nq rounded up to 16, D2 =
  * ceil(D / 2), Dp = D rounded up to 16). Queries lie in the lanes for Q K^T and softmax:
  *   Q2 [D2][nqp] u32      bf16 pair (q[2p], q[2p+1]) * scale of query qi at [p][qi]; zero pad
+ *                         (built row by query in Qr, then transposed in 16 x 16 blocks)
  *   St [NR_KT][nqp] f32   scores of key j of the tile (row j) against every query (lanes)
  *   P2 [NR_KT/2][nqp] u32 bf16 pair (p[2jp], p[2jp+1]) of each query
  *   V2 [NR_KT/2][Dp] u32  bf16 pair (v[2jp][d], v[2jp+1][d]) of each column d
@@ -28,9 +29,10 @@
 #include "attention_amx.h"
 
 static inline size_t nr_ws_bf16_floats(int64_t nq, int64_t D) {
-    int64_t nqp = nr_pad16(nq), Dp = nr_pad16(D), D2 = (D + 1) / 2;
-    /* O has nqp rows for the AMX tiles, then their key copies (16 x D bf16) and Pr */
-    return (size_t)(D2 * nqp + nqp * Dp + 5 * nqp + NR_KT * nqp + NR_KT / 2 * nqp +
+    int64_t nqp = nr_pad16(nq), Dp = nr_pad16(D), D2p = nr_pad16((D + 1) / 2);
+    /* Q2 has D2p rows and Qr (its rows by query) as many values; O has nqp rows for the AMX
+     * tiles; then their key copies (16 x D bf16) and Pr */
+    return (size_t)(2 * D2p * nqp + nqp * Dp + 5 * nqp + NR_KT * nqp + NR_KT / 2 * nqp +
                     NR_KT / 2 * Dp + 8 * D + 16 * NR_KT / 2 + 64);
 }
 
@@ -220,12 +222,13 @@ static inline void nr_bf16_rows(const nr_attn_args *a, int64_t s, int64_t hk, in
  * AMX-BF16 tiles where nr_amx and D is a multiple of 32 (attention_amx.h). Same contract. */
 static NR_TBF16 void nr_attn_item_bf16(const nr_attn_args *a, int64_t s, int64_t hk, int64_t i0,
                                        int64_t i1, int64_t ja, int64_t jb, float *ws, float *part) {
-    int64_t D = a->D, Dp = nr_pad16(D), D2 = (D + 1) / 2, group = a->Hq / a->Hk;
+    int64_t D = a->D, Dp = nr_pad16(D), D2p = nr_pad16((D + 1) / 2), group = a->Hq / a->Hk;
     int64_t q0 = a->qstart[s], n_new = a->qstart[s + 1] - q0;
     int64_t base = (int64_t)a->ctx[s] - n_new;  /* position of query row 0 */
     int64_t nq = (i1 - i0) * group, nqp = nr_pad16(nq);
     uint32_t *Q2 = (uint32_t *)ws;
-    float *O = (float *)(Q2 + D2 * nqp), *m = O + nqp * Dp, *l = m + nqp, *corr = l + nqp;
+    uint32_t *Qr = Q2 + D2p * nqp;
+    float *O = (float *)(Qr + D2p * nqp), *m = O + nqp * Dp, *l = m + nqp, *corr = l + nqp;
     int32_t *pos = (int32_t *)(corr + nqp), *first = pos + nqp;
     float *St = (float *)(first + nqp);
     uint32_t *P2 = (uint32_t *)(St + NR_KT * nqp), *V2 = P2 + NR_KT / 2 * nqp;
@@ -234,21 +237,36 @@ static NR_TBF16 void nr_attn_item_bf16(const nr_attn_args *a, int64_t s, int64_t
     const uint16_t *krows[NR_KT], *vrows[NR_KT];
     const int amx = nr_amx && D % 32 == 0;  /* attention_amx.h */
 
-    memset(Q2, 0, (size_t)(D2 * nqp) * sizeof(uint32_t));
     for (int64_t qi = 0; qi < nqp; qi++) {
         pos[qi] = INT32_MAX;  /* padding lanes (zero Q) see every key; P V never reads them */
         first[qi] = 0;
         m[qi] = -INFINITY;
         l[qi] = 0.f;
     }
-    for (int64_t qi = 0; qi < nq; qi++) {
+    /* Qr[qi][p] = the bf16 pair (q[2 p], q[2 p + 1]) * scale of query qi (zero past D and for
+     * padding lanes), then Q2 = its transpose in 16 x 16 blocks */
+    const __m512 vscale = _mm512_set1_ps(a->scale);
+    for (int64_t qi = 0; qi < nqp; qi++) {
+        uint32_t *dst = Qr + qi * D2p;
+        if (qi >= nq) {
+            memset(dst, 0, (size_t)D2p * sizeof(uint32_t));
+            continue;
+        }
         int64_t i = i0 + qi / group, h = hk * group + qi % group;
         const float *src = a->q + (q0 + i) * a->q_st + h * a->q_sh;
-        for (int64_t d = 0; d < D; d++)
-            Q2[d / 2 * nqp + qi] |= (uint32_t)nr_f32_to_bf16(src[d] * a->scale) << (16 * (d & 1));
+        for (int64_t d0 = 0; d0 < 2 * D2p; d0 += 32) {
+            const int64_t r0 = D - d0, r1 = D - d0 - 16;
+            const __mmask16 k0 = r0 >= 16 ? 0xFFFF : r0 <= 0 ? 0 : (__mmask16)((1u << r0) - 1u);
+            const __mmask16 k1 = r1 >= 16 ? 0xFFFF : r1 <= 0 ? 0 : (__mmask16)((1u << r1) - 1u);
+            const __m512 lo = _mm512_mul_ps(_mm512_maskz_loadu_ps(k0, src + d0), vscale);
+            const __m512 hi = _mm512_mul_ps(_mm512_maskz_loadu_ps(k1, src + d0 + 16), vscale);
+            _mm512_storeu_si512((void *)(dst + d0 / 2), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
         pos[qi] = (int32_t)(base + i);
         first[qi] = (int32_t)nr_first_key(a, base + i);
     }
+    for (int64_t p0 = 0; p0 < D2p; p0 += 16)
+        for (int64_t c = 0; c < nqp; c += 16) nr_tr16_u32(Qr + c * D2p + p0, D2p, Q2 + p0 * nqp + c, nqp);
     memset(O, 0, (size_t)(nqp * Dp) * sizeof(float));
     int64_t kfirst = first[0], klast = pos[nq - 1];  /* lanes are in position order */
     if (amx) nr_amx_config();
