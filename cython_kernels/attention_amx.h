@@ -14,9 +14,7 @@
 #ifndef NR_ATTENTION_AMX_H
 #define NR_ATTENTION_AMX_H
 
-#include <immintrin.h>
-#include <unistd.h>
-#include <sys/syscall.h>
+#include "amx_tiles.h"
 
 #define NR_TAMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
 #define NR_AMX_FENCE() __asm__ volatile("" ::: "memory")
@@ -25,40 +23,10 @@
 static int nr_amx = 0;
 
 static int nr_amx_init(void) {
-    unsigned a, b, c, d;
-    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-    if (!((d >> 22) & 1) || !((d >> 24) & 1)) return 0;  /* AMX-BF16, AMX-TILE */
+    if (!nr_amx_has(NR_AMX_BF16 | NR_AMX_TILE)) return 0;
     if (nr_tile_level() < 2) return 0;
-#ifdef SYS_arch_prctl
-    /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA */
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-#else
-    return 0;
-#endif
+    return nr_amx_grant();
 }
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} nr_tilecfg;
-
-/* Every tile 16 rows x 64 bytes: C 16 x 16 f32, A 16 x 32 bf16, B 16 pairs x 16 lanes. */
-static NR_TAMX void nr_amx_config(void) {
-    nr_tilecfg c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        c.rows[i] = 16;
-        c.colsb[i] = 64;
-    }
-    /* NOTE: GCC 12 drops the stores into c as dead (ldtilecfg is not seen to read them) unless
-     * the compiler is told c's memory is used */
-    __asm__ volatile("" : : "r"(&c) : "memory");
-    _tile_loadconfig(&c);
-}
-
-static NR_TAMX void nr_amx_release(void) { _tile_release(); }
 
 /* dst[16][16] (rows ld apart) = the transpose of src[16][16] (rows ls apart), 32-bit items. */
 static inline NR_TBF16 void nr_tr16_u32(const uint32_t *src, int64_t ls, uint32_t *dst, int64_t ld) {

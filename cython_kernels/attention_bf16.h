@@ -269,7 +269,7 @@ static NR_TBF16 void nr_attn_item_bf16(const nr_attn_args *a, int64_t s, int64_t
         for (int64_t c = 0; c < nqp; c += 16) nr_tr16_u32(Qr + c * D2p + p0, D2p, Q2 + p0 * nqp + c, nqp);
     memset(O, 0, (size_t)(nqp * Dp) * sizeof(float));
     int64_t kfirst = first[0], klast = pos[nq - 1];  /* lanes are in position order */
-    if (amx) nr_amx_config();
+    if (amx) nr_tile_config_16x64();
     for (int64_t j0 = ja; j0 < jb; j0 += NR_KT) {
         int64_t nk = jb - j0 < NR_KT ? jb - j0 : NR_KT;
         int64_t klo = kfirst - j0 > 0 ? kfirst - j0 : 0, khi = klast + 1 - j0 < nk ? klast + 1 - j0 : nk;
@@ -294,7 +294,7 @@ static NR_TBF16 void nr_attn_item_bf16(const nr_attn_args *a, int64_t s, int64_t
         else
             nr_pv_tile_bf16(P2, nqp, V2, Dp, O, nq, klo / 2, (khi + 1) / 2);
     }
-    if (amx) nr_amx_release();
+    if (amx) nr_tile_release();
     nr_item_store(a, s, hk, i0, nq, O, Dp, m, l, part);
 }
 

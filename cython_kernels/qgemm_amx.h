@@ -25,8 +25,7 @@
 #ifndef NUMA_RUNTIME_QGEMM_AMX_H
 #define NUMA_RUNTIME_QGEMM_AMX_H
 
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 
 #define QG_TAMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8")))
 #define QG_MR_AMX 16   /* activation rows per A tile */
@@ -34,42 +33,21 @@
 /* 1: AMX-INT8 present and granted (qg_amx_init); tests and benchmarks switch it (qgemm._set_amx) */
 static int qg_amx = 0;
 
-/* 1 when the kernel lets this process use the AMX tile state (once per process; asking again
- * is harmless). */
-static int qg_amx_grant(void) {
-#ifdef SYS_arch_prctl
-    /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA */
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-#else
-    return 0;
-#endif
-}
-
 /* 1 when this CPU has AMX-INT8 and the kernel lets this process use the tile state. */
 static int qg_amx_init(void) {
-    unsigned a, b, c, d;
-    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-    if (!((d >> 24) & 1) || !((d >> 25) & 1)) return 0;  /* AMX-TILE, AMX-INT8 */
+    if (!nr_amx_has(NR_AMX_TILE | NR_AMX_INT8)) return 0;
     if (qg_cpu_level() < 2) return 0;  /* the epilogue and the int4 split: AVX-512 with VNNI */
-    return qg_amx_grant();
+    return nr_amx_grant();
 }
 
 /* Every block a full QG_QB k: the group (which divides kp; per channel it is kp) a multiple. */
 static inline int qg_amx_fits(const qg_format* f) { return f->group % QG_QB == 0; }
 
-typedef struct {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} qg_tilecfg;
-
 /* Two sets, used alternately by even and odd blocks so that one block's multiply overlaps the
  * previous block's epilogue (tiles are not renamed: reusing one C tile would wait for its
  * store): tmm0/tmm1 C 16 x 16 int32; tmm2/tmm3 A 16 rows x 32 bytes; tmm4/tmm5 B 8 rows x 64. */
 static QG_TAMX void qg_amx_config(void) {
-    qg_tilecfg c;
+    nr_tilecfg c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int i = 0; i < 2; i++) {
@@ -77,10 +55,7 @@ static QG_TAMX void qg_amx_config(void) {
         c.rows[2 + i] = 16; c.colsb[2 + i] = QG_QB;
         c.rows[4 + i] = QG_QB / 4; c.colsb[4 + i] = 64;
     }
-    /* NOTE: GCC 12 drops the stores into c as dead (ldtilecfg is not seen to read them) unless
-     * the compiler is told c's memory is used */
-    __asm__ volatile("" : : "r"(&c) : "memory");
-    _tile_loadconfig(&c);
+    nr_tile_loadconfig(&c);
 }
 
 /* Per 16-row tile, the scalars of its rows in row order (qg_row_scalars), so that the epilogue

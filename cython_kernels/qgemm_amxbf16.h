@@ -46,13 +46,13 @@ static int qg_ab_pf = 2;
 
 static int qg_amxbf16_init(void) {
     unsigned a, b, c, d;
+    if (!nr_amx_has(NR_AMX_BF16 | NR_AMX_TILE)) return 0;
     __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-    if (!((d >> 22) & 1) || !((d >> 24) & 1)) return 0;  /* AMX-BF16, AMX-TILE */
     if (a < 1) return 0;  /* no subleaf 1 */
     __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(1));
     if (!((a >> 5) & 1)) return 0;  /* AVX512_BF16 */
     if (qg_cpu_level() < 1) return 0;
-    return qg_amx_grant();
+    return nr_amx_grant();
 }
 
 static inline long qg_ab_kb(const qg_format* f) { return (f->kp + 31) / 32 * 32; }
@@ -71,20 +71,6 @@ static inline long qg_ab_group(const qg_format* f) {
 /* Scratch bytes for M rows on nt threads: xb, then one B group buffer per thread. */
 static size_t qg_amxbf16_bytes(const qg_format* f, long M, int nt) {
     return (size_t)qg_ab_mp(M) * qg_ab_kb(f) * 2 + (size_t)nt * qg_ab_group(f) * qg_ab_kc(f) * 64 + 3 * 64;
-}
-
-static QG_TAB16 void qg_ab_config(void) {
-    qg_tilecfg c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        c.rows[i] = 16;
-        c.colsb[i] = 64;
-    }
-    /* NOTE: GCC 12 drops the stores into c as dead (ldtilecfg is not seen to read them) unless
-     * the compiler is told c's memory is used */
-    __asm__ volatile("" : : "r"(&c) : "memory");
-    _tile_loadconfig(&c);
 }
 
 /* Block blk (16 columns), k0 <= k < k1 (k0 a multiple of 32), into bt (one block's 512 bf16 a
@@ -278,7 +264,7 @@ static QG_TAB16 void qg_amxbf16_forward(const uint8_t* w, const qg_format* f, co
         long t0, t1;
         nr_share(ntask, tid, omp_get_num_threads(), &t0, &t1);
         const int held = t0 < t1;
-        if (held) qg_ab_config();
+        if (held) nr_tile_config_16x64();
         while (t0 < t1) {
             /* a run of tasks in one row part, at most a group of them */
             const long rp = t0 / ncb, ca = t0 % ncb;
