@@ -76,8 +76,6 @@ cdef extern from "qgemm_kernels.h" nogil:
     int qg_dequant_panel_bf16(const uint8_t* w, const qg_format* f, long K, long n0, long n1,
                               long kpp, uint16_t* panel)
     int qg_amxbf16
-    long qg_ab_kc_max
-    int qg_ab_pf
     int qg_amxbf16_init()
     size_t qg_amxbf16_bytes(const qg_format* f, long M, int nt)
     void qg_amxbf16_forward(const uint8_t* w, const qg_format* f, const float* x, long M, long K,
@@ -104,6 +102,12 @@ ACT8_M_MAX = QG_MR_Q8
 # panels (32+), AMX included: 896 x 9728 int4 at 64 rows, SPR-16 (16 threads, AMX) 0.72 ms
 # against 1.10 (f32) and 1.36 (panels); 2-core Zen 4 1.84 against 3.20 and 1.78.
 ACT8_DECODE_M_MAX = 64
+
+
+cdef inline bint _decode_rows(long M):
+    """Rows the decode rule gives int8 activations (linears flagged act8): a few rows, or a
+    decode batch in a step of decode rows only."""
+    return M <= _act8_m_max or (qg_decode_step != 0 and M <= ACT8_DECODE_M_MAX)
 
 
 def set_decode_step(bint on):
@@ -222,27 +226,6 @@ def _set_amx_bf16(bint on):
     return old
 
 
-def _set_amx_bf16_kc(long kc):
-    """Benchmarks: the k per block of K of the AMX-BF16 prefill (a multiple of 32, at least 32;
-    same results up to f32 summation order). Returns the old value."""
-    global qg_ab_kc_max
-    if kc < 32 or kc % 32:
-        raise ValueError("the AMX-BF16 k block must be a positive multiple of 32, got %d" % kc)
-    old = qg_ab_kc_max
-    qg_ab_kc_max = kc
-    return old
-
-
-def _set_amx_bf16_prefetch(int bits):
-    """Benchmarks: the AMX-BF16 prefill's software prefetches (same results either way): bit 0,
-    each pass fetches the next pass's block of the output; bit 1, the A and B tiles a few steps
-    ahead into L1. Returns the old value."""
-    global qg_ab_pf
-    old = qg_ab_pf
-    qg_ab_pf = bits & 3
-    return old
-
-
 def prefill_int8_wins():
     """Whether a prefill over quantized weights runs faster on int8 activations than on bf16
     weights: AVX-512 VNNI (row tiles) without AMX-BF16. 512-token prefill, bench_llamacpp.py
@@ -343,7 +326,7 @@ cdef class QLinear:
 
     cdef int _path(self, long M):
         """0: the f32 paths (exact), 1: int8 activations, 2: AMX-BF16 tiles, 3: bf16 panels."""
-        cdef bint decode_rows = M <= _act8_m_max or (qg_decode_step != 0 and M <= ACT8_DECODE_M_MAX)
+        cdef bint decode_rows = _decode_rows(M)
         cdef bint q8 = self.act8 and decode_rows
         cdef bint tiles = self.prefill_bf16 and M >= PANEL_M_MIN and qg_amxbf16 != 0
         cdef bint panels = tiles or (self.prefill_bf16 and M >= PANEL_M_MIN and _panel_usable())
@@ -372,8 +355,7 @@ cdef class QLinear:
         cdef int path = self._path(M)
         cdef bint q8 = path == 1, tiles = path == 2
         cdef int resid = self.act8_residual
-        cdef bint decode_rows = M <= _act8_m_max or (qg_decode_step != 0 and M <= ACT8_DECODE_M_MAX)
-        if q8 and not decode_rows:  # prefill rows in int8 (prefill_act8)
+        if q8 and not _decode_rows(M):  # prefill rows in int8 (prefill_act8)
             resid = resid or self.prefill_act8 == 2
         if path == 3:
             self._panel_forward(xa, oa)

@@ -24,25 +24,22 @@
 
 #include "ops_math.h"
 
-#define QG_TAB16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16,prfchw")))
+#define QG_TAB16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
 #define QG_AB_NC 32     /* output columns per task */
 #define QG_AB_MR 32     /* rows per C-tile pass */
 #define QG_AB_B_BYTES (1L << 20)  /* dequantized weights a thread keeps at once (in its L2) */
 #define QG_AB_A_BYTES (1L << 19)  /* activation rows a thread runs over them at once */
-#define QG_AB_PFD 2     /* steps ahead that A and B tiles are prefetched into L1 */
-#define QG_AB_KC 1024  /* default k per block of K (qg_ab_kc_max) */
+/* Steps ahead that a pass prefetches its A and B tiles into L1. NOTE: 512 rows of
+ * Qwen2.5-0.5B's int4 linears (a one-off timing loop, alternating in one process): on a 2-core
+ * Sapphire Rapids-class VM 4-7% less time than without, and 2-4% less than also prefetching
+ * the next pass's block of out for writing; on SPR-16 at 16 threads all within 3% */
+#define QG_AB_PFD 2
+/* k per block of K: a task's B tiles for a block are 64 KiB. NOTE: the same loop with blocks
+ * of 128-768 k was slower on both machines */
+#define QG_AB_KC 1024
 
 /* 1: AMX-BF16 and AVX512-BF16 present and the tile state granted (tests switch it off) */
 static int qg_amxbf16 = 0;
-/* k per block of K (a multiple of 32): a task's B tiles for a block are 64 bytes a k; a
- * benchmark setting (qgemm._set_amx_bf16_kc) */
-static long qg_ab_kc_max = QG_AB_KC;
-/* software prefetches (qgemm._set_amx_bf16_prefetch): bit 1, the A and B tiles QG_AB_PFD steps
- * ahead into L1; bit 0, each pass the next pass's block of out for writing. NOTE: 512 rows of
- * Qwen2.5-0.5B's int4 linears (a one-off timing loop, the settings alternating in one
- * process): on a 2-core Sapphire Rapids-class VM bit 1 alone took 4-7% less time than none and
- * 2-4% less than bit 0 or both; on SPR-16 at 16 threads every setting was within 3% */
-static int qg_ab_pf = 2;
 
 static int qg_amxbf16_init(void) {
     unsigned a, b, c, d;
@@ -61,7 +58,7 @@ static inline long qg_ab_mp(long M) { return (M + QG_AB_MR - 1) / QG_AB_MR * QG_
 /* Per-thread bytes of dequantized B tiles: a group of whole 32-column tasks (at least one). */
 static inline long qg_ab_kc(const qg_format* f) {
     const long kb = qg_ab_kb(f);
-    return kb < qg_ab_kc_max ? kb : qg_ab_kc_max;
+    return kb < QG_AB_KC ? kb : QG_AB_KC;
 }
 static inline long qg_ab_group(const qg_format* f) {
     const long per = qg_ab_kc(f) * 64, g = QG_AB_B_BYTES / per;
@@ -155,7 +152,7 @@ QG_INLINE QG_TAB16 void qg_ab_dequant(const uint8_t* blk, const qg_format* f, lo
  * blocks 0 / 1, summed over the block's steps on top of the bias or the earlier blocks. */
 QG_INLINE QG_TAB16 void qg_ab_pass(const uint16_t* xb, long kb, long kx, const uint16_t* bt,
                                    long steps, long r0, long M, long cb, long N, const float* bias,
-                                   float* out, long ldo, int first, float* c, const float* pf) {
+                                   float* out, long ldo, int first, float* c) {
     const long nc0 = cb * QG_AB_NC;
     QG_AB_CLOAD(0, 0, 0)
     QG_AB_CLOAD(1, 0, 1)
@@ -164,15 +161,8 @@ QG_INLINE QG_TAB16 void qg_ab_pass(const uint16_t* xb, long kb, long kx, const u
     /* xb in 16-row tiles: [r / 16][k / 32][r % 16][k % 32] */
     const long ts = kb / 32 * 512;  /* one 16-row tile's stride */
     const uint16_t* xa = xb + (r0 / 16) * ts + kx / 32 * 512;
-    /* pf: the next pass's 32 x 32 block of out, fetched for writing (prefetchw) over this
-     * pass's steps, so that its tile stores do not wait for the lines (out is many MiB) */
-    const long pfr = pf ? (32 + steps - 1) / steps : 0;
     for (long s = 0; s < steps; s++) {
-        for (long i = s * pfr; i < (s + 1) * pfr && i < 32; i++) {
-            __builtin_prefetch(pf + i * ldo, 1, 3);
-            __builtin_prefetch(pf + i * ldo + 16, 1, 3);
-        }
-        if ((qg_ab_pf & 2) && s + QG_AB_PFD < steps) {
+        if (s + QG_AB_PFD < steps) {
             const char* pa = (const char*)(xa + (s + QG_AB_PFD) * 512);
             const char* pb = (const char*)(bt + (s + QG_AB_PFD) * 1024);
             for (int i = 0; i < 1024; i += 64) {
@@ -293,15 +283,9 @@ static QG_TAB16 void qg_amxbf16_forward(const uint8_t* w, const qg_format* f, co
                      * Qwen2.5-0.5B's int4 linears on XEON-AMX-2 (2 threads, a one-off timing
                      * loop, alternating): 2-7% less time than each task over the chunk's rows */
                     for (long r0 = m0; r0 < m1; r0 += QG_AB_MR)
-                        for (long cb = ca; cb < cz; cb++) {
-                            /* the next pass: the next task, else the next rows' first task */
-                            const long pc = cb + 1 < cz ? cb + 1 : ca;
-                            const long pr = cb + 1 < cz ? r0 : r0 + QG_AB_MR;
-                            const float* pf = (qg_ab_pf & 1) && pr + QG_AB_MR <= m1 && pr + QG_AB_MR <= M &&
-                                              (pc + 1) * QG_AB_NC <= N ? out + pr * ldo + pc * QG_AB_NC : NULL;
+                        for (long cb = ca; cb < cz; cb++)
                             qg_ab_pass(xb, kb, k0, bt + (cb - ca) * tstride, steps, r0, m1, cb, N,
-                                       bias, out, ldo, k0 == 0, c, pf);
-                        }
+                                       bias, out, ldo, k0 == 0, c);
                 }
             }
             t0 += cz - ca;
