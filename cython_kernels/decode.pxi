@@ -55,10 +55,12 @@ cdef extern from "decode_layers.h" nogil:
         float* xs
         float* part
         int32_t* xi
+        float* part2
         char* tiles
         int qg_level, attn_level
         int64_t tiled_min
         int barrier
+        int redundant
     int nd_run(const nd_model* m, const nd_step* st, int64_t s0, int64_t s1)
     enum: QG_MAX_SLICES
     long qg_blocks_per_group(const qg_format* f)
@@ -66,6 +68,8 @@ cdef extern from "decode_layers.h" nogil:
 _KV_CACHE_TYPES = {np.dtype(np.float32): 0, np.dtype(np.uint16): 1, np.dtype(np.int8): 2}  # nr_kv_type
 _BARRIERS = {"auto": 0, "own": 1, "omp": 2}
 cdef int _barrier = 0
+_REDUNDANT = {"auto": 0, "on": 1, "off": 2}
+cdef int _redundant = 0
 
 
 def _force_barrier(str kind):
@@ -75,6 +79,17 @@ def _force_barrier(str kind):
     global _barrier
     old = [k for k, v in _BARRIERS.items() if v == _barrier][0]
     _barrier = _BARRIERS[kind]
+    return old
+
+
+def _force_redundant(str mode):
+    """Tests: whether FusedDecoder's small steps run redundant (every thread computes the norms
+    and int8 roundings of GEMV inputs itself instead of a barrier after a share of the rows,
+    decode_layers.h nd_red_ok): "auto", "on" (whenever the rows fit one pass, QG_MR_Q8) or
+    "off"; returns the previous mode."""
+    global _redundant
+    old = [k for k, v in _REDUNDANT.items() if v == _redundant][0]
+    _redundant = _REDUNDANT[mode]
     return old
 
 
@@ -238,7 +253,8 @@ cdef class FusedDecoder:
                     tb = max(tb, qg_tiles_bytes(&(<QLinear>q).fmt, M))
             s = self.scratch[M] = (np.empty(M * self.kmax, np.int8), np.empty(M * self.nbmax, np.float32),
                                    np.empty(M * self.nbmax, np.int32), np.empty(M * self.ngmax, np.float32),
-                                   np.empty(ns * M * self.nmax, np.float32), np.empty(tb, np.uint8))
+                                   np.empty(ns * M * self.nmax, np.float32), np.empty(tb, np.uint8),
+                                   np.empty(ns * M * self.nmax, np.float32))
         return s
 
     def run(self, b, positions, slot_mapping, block_tables, query_start, context_lens,
@@ -280,7 +296,7 @@ cdef class FusedDecoder:
             for j in range(nblk):
                 if bp[i * nbt + j] < 0 or bp[i * nbt + j] >= self.m.nb:
                     raise ValueError("FusedDecoder.run: sequence %d has block id %d" % (i, bp[i * nbt + j]))
-        xq, sx, xi, xs, part, tiles = self._scratch(M)
+        xq, sx, xi, xs, part, tiles, part2 = self._scratch(M)
         st.M = M
         st.pos, st.slots, st.bt, st.qstart, st.ctx, st.bt_st = pp, sp, bp, qp, cp, nbt
         st.residual = _f32(b.residual, M, H, "residual")
@@ -296,12 +312,14 @@ cdef class FusedDecoder:
         st.xi = <int32_t*>cnp.PyArray_DATA(xi)
         st.xs = <float*>cnp.PyArray_DATA(xs)
         st.part = <float*>cnp.PyArray_DATA(part)
+        st.part2 = <float*>cnp.PyArray_DATA(part2)
         st.tiles = <char*>cnp.PyArray_DATA(tiles) if M > QG_MR_Q8 else NULL
         st.qg_level = _level
         st.attn_level, st.tiled_min = _attention._force_paths()
         global nr_amx
         nr_amx = 1 if _attention.amx_enabled() else 0  # the attention items as paged_attention runs them
         st.barrier = _barrier
+        st.redundant = _redundant
         cdef int rc
         with nogil:
             rc = nd_run(&self.m, &st, s0, s1)

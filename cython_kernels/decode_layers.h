@@ -75,10 +75,13 @@ typedef struct {
     int8_t* xq;
     float *sx, *xs, *part;
     int32_t* xi;
+    float* part2;       /* the k-slice partial sums of o_proj and down_proj (read after the GEMV
+                         * without a barrier when they are folded: see nd_red_ok) */
     char* tiles;        /* row tiles of the int8 activations (qgemm_q8tile.h); NULL: not used */
     int qg_level, attn_level;
     int64_t tiled_min;
     int barrier;        /* 0: ours unless the team outnumbers the cpus, 1: ours, 2: libgomp's (tests) */
+    int redundant;      /* 0: as nd_red_ok decides, 1: always (M <= QG_MR_Q8), 2: never (tests) */
 } nd_step;
 
 /* ---- synchronization inside the region: a dissemination barrier (Hensgen, Finkel and Manber)
@@ -110,6 +113,21 @@ static inline int nd_rounds(int nt) {
     return r;
 }
 
+/* The int8 activations of a GEMV's input: xq [M, kp], sx, xi [M, nb], xs [M, ng] per part (the
+ * layout of qg_xq with each row at its own linear's sizes, parts one after another). */
+typedef struct {
+    int8_t* xq;
+    float *sx, *xs;
+    int32_t* xi;
+} nd_xqbuf;
+
+/* k-slice partial sums of a GEMV not yet added up (folded into the phase that reads them). */
+typedef struct {
+    const float* part;  /* [ns][M][n], NULL: none pending */
+    long ns, n;
+    const float* bias;  /* [n] or NULL */
+} nd_pending;
+
 /* One thread's view of the region: its barrier state, its share of dynamic work, its scratch. */
 typedef struct {
     const nd_bar* bar;
@@ -117,6 +135,16 @@ typedef struct {
     int64_t* counter;   /* shared: items taken so far, over every dynamic loop of the region */
     int64_t base;       /* the counter's value when this thread's current dynamic loop began */
     float* ws;          /* attention scratch */
+    /* redundant small steps (nd_red_ok): every thread computes the norms and the int8 rounding
+     * of each GEMV input itself, into its own buffers, instead of a share of the rows and a
+     * barrier; the residual alternates between two buffers (thread 0 writes the one that is
+     * not being read) */
+    int red;
+    nd_xqbuf own;       /* this thread's int8 activations */
+    float *res, *xrow, *hrow;    /* [H] each */
+    float* rbuf[2];     /* the residual: the caller's and a scratch one */
+    int cur;            /* rbuf[cur] holds the residual */
+    nd_pending pend;    /* o_proj's or down_proj's partial sums, added by the next norm */
 } nd_thread;
 
 /* Wait until cell c holds `sense`: spin, then sleep on a futex. NOTE: with more threads than
@@ -167,53 +195,105 @@ static inline int64_t nd_take(nd_thread* t, int64_t n) {
     return -1;
 }
 
-/* Where part p of L keeps the int8 activations of M rows in the step's scratch: after the parts
- * before it (each M kp int8, M nb block scales and sums, M ng group sums). */
-static inline qg_xq nd_part_xq(const nd_step* st, const nd_linear* L, int p) {
+/* Where part p of L keeps the int8 activations of M rows in b: after the parts before it (each
+ * M kp int8, M nb block scales and sums, M ng group sums). */
+static inline qg_xq nd_part_xq(const nd_xqbuf* b, int64_t M, const nd_linear* L, int p) {
     long oq = 0, ob = 0, og = 0;
     for (int i = 0; i < p; i++) {
         const long ng = L->f[i].kp / L->f[i].group;
-        oq += st->M * L->f[i].kp;
-        ob += st->M * ng * qg_blocks_per_group(&L->f[i]);
-        og += st->M * ng;
+        oq += M * L->f[i].kp;
+        ob += M * ng * qg_blocks_per_group(&L->f[i]);
+        og += M * ng;
     }
     const qg_format* f = &L->f[p];
     const long ng = f->kp / f->group;
-    const qg_xq q = {st->xq + oq, st->sx + ob, st->xi + ob, st->xs + og, f->kp, ng * qg_blocks_per_group(f), ng};
+    const qg_xq q = {b->xq + oq, b->sx + ob, b->xi + ob, b->xs + og, f->kp, ng * qg_blocks_per_group(f), ng};
     return q;
 }
 
-/* Row r's int8 activations for every part of L, from x (kp values). */
-static inline void nd_quant_row(const nd_step* st, const nd_linear* L, const float* x, int64_t r) {
+/* The int8-activation sizes of L's input over its parts: int8 values, block scales, groups. */
+static inline void nd_xq_sizes(const nd_linear* L, long* kq, long* nb, long* ng) {
+    *kq = *nb = *ng = 0;
     for (int p = 0; p < L->nparts; p++) {
-        const qg_xq q = nd_part_xq(st, L, p);
+        const long g = L->f[p].kp / L->f[p].group;
+        *kq += L->f[p].kp;
+        *ng += g;
+        *nb += g * qg_blocks_per_group(&L->f[p]);
+    }
+}
+
+/* Row r's int8 activations in b for every part of L, from x (kp values). */
+static inline void nd_quant_row(const nd_xqbuf* b, int64_t M, const nd_linear* L, const float* x, int64_t r) {
+    for (int p = 0; p < L->nparts; p++) {
+        const qg_xq q = nd_part_xq(b, M, L, p);
         qg_quantize_row(x, &L->f[p], (int8_t*)q.xq + r * q.kp, (float*)q.sx + r * q.nb,
                         (int32_t*)q.xi + r * q.nb, (float*)q.xs + r * q.ng, NULL);
     }
 }
 
-/* residual += x (x NULL: none); h = rms_norm(residual) * w; h -> int8 for f. Rows over threads. */
-static void nd_norm_quant(const nd_model* m, const nd_step* st, const float* x, const float* w,
-                          const nd_linear* L, nd_thread* t) {
-    const int64_t H = m->H;
-    for (int64_t r = t->tid; r < st->M; r += t->nt) {
-        float *res = st->residual + r * H, *h = st->h + r * H;
-        if (x) nr_add_rms_row(x + r * H, res, w, m->eps, H, h);
-        else nr_rms_row(res, w, m->eps, H, h);
-        nd_quant_row(st, L, h, r);
-    }
-    nd_barrier(t);
+static inline nd_xqbuf nd_shared_xq(const nd_step* st) {
+    const nd_xqbuf b = {st->xq, st->sx, st->xs, st->xi};
+    return b;
 }
 
-/* out[M, n] = int8 activations @ W^T + bias, part by part as qg_forward_q8 computes each (and
- * loader.ConcatLinear adds its bias after them); ends with a barrier. */
-static void nd_gemv(const nd_step* st, const nd_linear* L, float* out, nd_thread* t) {
+/* Columns [c0, c1) of row r of pending partial sums, added up as qg_q8_sum_parts adds them. */
+static inline void nd_sum_pending(const nd_pending* pd, int64_t M, int64_t r, long c0, long c1, float* out) {
+    for (long c = c0; c < c1; c++) {
+        float v = pd->bias ? pd->bias[c] : 0.0f;
+        for (long sp = 0; sp < pd->ns; sp++) v += pd->part[(sp * M + r) * pd->n + c];
+        out[c - c0] = v;
+    }
+}
+
+/* residual += x, or += the partial sums pending from the GEMV before (t->pend; then no sum of
+ * its own and no barrier before this), or nothing (x NULL, none pending);
+ * h = rms_norm(residual) * w; h -> int8 for L.
+ * Shared: rows over threads into the step's buffers, then a barrier. Redundant (t->red): every
+ * thread computes every row into its own buffers and thread 0 stores the new residual into the
+ * buffer nobody reads now; no barrier: each thread's GEMV reads only its own int8 activations. */
+static void nd_norm_quant(const nd_model* m, const nd_step* st, const float* x, const float* w,
+                          const nd_linear* L, nd_thread* t) {
+    const int64_t H = m->H, M = st->M;
+    const int pending = t->pend.part != NULL, add = pending || x != NULL;
+    const int64_t r0 = t->red ? 0 : t->tid, dr = t->red ? 1 : t->nt;
+    const nd_xqbuf shared = nd_shared_xq(st);
+    for (int64_t r = r0; r < M; r += dr) {
+        const float* xr = pending ? t->xrow : add ? x + r * H : NULL;
+        if (pending) nd_sum_pending(&t->pend, M, r, 0, H, t->xrow);
+        if (!t->red) {
+            float *res = st->residual + r * H, *h = st->h + r * H;
+            if (xr) nr_add_rms_row(xr, res, w, m->eps, H, h);
+            else nr_rms_row(res, w, m->eps, H, h);
+            nd_quant_row(&shared, M, L, h, r);
+            continue;
+        }
+        const float* src = t->rbuf[t->cur] + r * H;
+        if (xr) {
+            memcpy(t->res, src, sizeof(float) * (size_t)H);
+            nr_add_rms_row(xr, t->res, w, m->eps, H, t->hrow);
+            if (t->tid == 0) memcpy(t->rbuf[!t->cur] + r * H, t->res, sizeof(float) * (size_t)H);
+        } else {
+            nr_rms_row(src, w, m->eps, H, t->hrow);
+        }
+        nd_quant_row(&t->own, M, L, t->hrow, r);
+    }
+    t->pend.part = NULL;
+    if (!t->red) nd_barrier(t);
+    else if (add) t->cur ^= 1;
+}
+
+/* out[M, n] = int8 activations b @ W^T + bias, part by part as qg_forward_q8 computes each (and
+ * loader.ConcatLinear adds its bias after them); ends with a barrier. `part`: the k-slice
+ * scratch. With `fold`, k-slice partial sums of a one-part linear are left in t->pend for the
+ * next phase to add up (nd_norm_quant, nd_rope_cache), one barrier fewer. */
+static void nd_gemv(const nd_step* st, const nd_linear* L, const nd_xqbuf* b, float* out, float* part,
+                    int fold, nd_thread* t) {
     const long M = st->M, N = L->n;
     long col = 0;
     for (int p = 0; p < L->nparts; col += L->f[p].n, p++) {
         const qg_format* f = &L->f[p];
         const long ns = qg_q8_slices(f, M, t->nt), Np = f->n;
-        const qg_xq q = nd_part_xq(st, L, p);
+        const qg_xq q = nd_part_xq(b, M, L, p);
         const float* bias = L->bias_after || !L->bias ? NULL : L->bias + col;
         if (st->tiles && M > QG_MR_Q8 && st->qg_level >= 2 && qg_q8_tiles) {  /* as qg_forward_q8 without AMX */
             const qg_tiles T = qg_tiles_at(st->tiles, f, M);
@@ -223,13 +303,18 @@ static void nd_gemv(const nd_step* st, const nd_linear* L, float* out, nd_thread
             nd_barrier(t);
             continue;
         }
-        qg_q8_share(L->w[p], f, &q, M, M, bias, out + col, N, st->part, ns, qg_q8_kernel(st->qg_level),
+        qg_q8_share(L->w[p], f, &q, M, M, bias, out + col, N, part, ns, qg_q8_kernel(st->qg_level),
                     0, t->tid, t->nt);
         nd_barrier(t);
+        if (ns > 1 && fold && L->nparts == 1 && !L->bias_after) {
+            const nd_pending pd = {part, ns, Np, bias};
+            t->pend = pd;
+            return;
+        }
         if (ns > 1) {
             long i0, i1;
             nr_share(M * Np, t->tid, t->nt, &i0, &i1);
-            qg_q8_sum_parts(st->part, ns, M, Np, bias, out + col, N, i0, i1);
+            qg_q8_sum_parts(part, ns, M, Np, bias, out + col, N, i0, i1);
             nd_barrier(t);
         }
     }
@@ -241,15 +326,22 @@ static void nd_gemv(const nd_step* st, const nd_linear* L, float* out, nd_thread
     }
 }
 
-/* q/k norms and rotary on every head of qkv, K and V rows into the cache: (row, head) units. */
+/* q/k norms and rotary on every head of qkv, K and V rows into the cache: (row, head) units. A
+ * unit first adds up its head's columns (and a kv head's V columns) when the qkv GEMV left its
+ * k-slice partial sums pending. */
 static void nd_rope_cache(const nd_model* m, const nd_step* st, const nd_layer* ly, nd_thread* t) {
-    const int64_t D = m->D, Hq = m->Hq, Hk = m->Hk, W = (Hq + 2 * Hk) * D;
+    const int64_t D = m->D, Hq = m->Hq, Hk = m->Hk, W = (Hq + 2 * Hk) * D, M = st->M;
     const int64_t row = nr_kv_row(m->kv_type, D), heads = Hq + Hk;
+    const nd_pending* pd = t->pend.part ? &t->pend : NULL;
     long u0, u1;
-    nr_share(st->M * heads, t->tid, t->nt, &u0, &u1);
+    nr_share(M * heads, t->tid, t->nt, &u0, &u1);
     for (long u = u0; u < u1; u++) {
         const int64_t r = u / heads, h = u % heads;  /* h < Hq: query head; else kv head h - Hq */
         float* x = st->qkv + r * W + h * D;
+        if (pd) {
+            nd_sum_pending(pd, M, r, h * D, (h + 1) * D, x);
+            if (h >= Hq) nd_sum_pending(pd, M, r, (h + Hk) * D, (h + Hk + 1) * D, x + Hk * D);
+        }
         const float* norm = h < Hq ? ly->q_norm : ly->k_norm;
         if (norm) nr_rms_row(x, norm, m->eps, D, x);
         nr_rotary_token(x, 1, D, m->cos_sin + st->pos[r] * m->rot, m->rot);
@@ -257,6 +349,7 @@ static void nd_rope_cache(const nd_model* m, const nd_step* st, const nd_layer* 
             nr_cache_write(x, x + Hk * D, ly->kc, ly->vc, m->kv_type,
                            (st->slots[r] * Hk + (h - Hq)) * row, D);
     }
+    t->pend.part = NULL;
     nd_barrier(t);
 }
 
@@ -301,21 +394,28 @@ static void nd_attention(const nd_model* m, const nd_step* st, const nd_layer* l
     }
 }
 
+/* `fold`: the next stage runs in this region too (it adds up o_proj's partial sums itself). */
 static void nd_attention_half(const nd_model* m, const nd_step* st, const nd_layer* ly, int first,
-                              const nr_attn_plan_t* plan, nd_thread* t) {
+                              const nr_attn_plan_t* plan, int fold, nd_thread* t) {
+    const nd_xqbuf shared = nd_shared_xq(st), *in = t->red ? &t->own : &shared;
     nd_norm_quant(m, st, first ? NULL : st->delta, ly->in_norm, &ly->qkv, t);
-    nd_gemv(st, &ly->qkv, st->qkv, t);
+    nd_gemv(st, &ly->qkv, in, st->qkv, st->part, 1, t);
     nd_rope_cache(m, st, ly, t);
     nd_attention(m, st, ly, plan, t);
     const int64_t A = m->Hq * m->D;
-    for (int64_t r = t->tid; r < st->M; r += t->nt) nd_quant_row(st, &ly->o, st->attn + r * A, r);
-    nd_barrier(t);
-    nd_gemv(st, &ly->o, st->o, t);
+    if (t->red) {
+        for (int64_t r = 0; r < st->M; r++) nd_quant_row(&t->own, st->M, &ly->o, st->attn + r * A, r);
+    } else {
+        for (int64_t r = t->tid; r < st->M; r += t->nt) nd_quant_row(&shared, st->M, &ly->o, st->attn + r * A, r);
+        nd_barrier(t);
+    }
+    nd_gemv(st, &ly->o, in, st->o, st->part2, fold, t);
 }
 
-static void nd_mlp_half(const nd_model* m, const nd_step* st, const nd_layer* ly, nd_thread* t) {
+static void nd_mlp_half(const nd_model* m, const nd_step* st, const nd_layer* ly, int fold, nd_thread* t) {
+    const nd_xqbuf shared = nd_shared_xq(st);
     nd_norm_quant(m, st, st->o, ly->post_norm, &ly->gu, t);
-    nd_gemv(st, &ly->gu, st->gu, t);
+    nd_gemv(st, &ly->gu, t->red ? &t->own : &shared, st->gu, st->part, 0, t);
     /* silu(gate) * up and its int8 rounding, one (row, group of down_proj) at a time (down_proj
      * is one weight, so one part: the caller checks) */
     const qg_format* f = &ly->down.f[0];
@@ -332,8 +432,19 @@ static void nd_mlp_half(const nd_model* m, const nd_step* st, const nd_layer* ly
                           st->xs + r * ng, NULL);
     }
     nd_barrier(t);
-    nd_gemv(st, &ly->down, st->delta, t);
+    nd_gemv(st, &ly->down, &shared, st->delta, st->part2, fold, t);
 }
+
+/* Whether a step of M rows runs redundant (nd_thread.red): when a row's norm and int8 rounding
+ * cost less than the barrier they save. NOTE: M H <= 8192 values a thread (Qwen2.5-0.5B: 9
+ * rows, Llama-3.2-1B: 4, a 70B: 1); past QG_MR_Q8 rows the GEMVs run in row tiles, with
+ * barriers of their own. */
+static inline int nd_red_ok(const nd_model* m, const nd_step* st, int nt) {
+    if (st->redundant == 2 || nt < 2 || st->M > QG_MR_Q8) return 0;
+    return st->redundant == 1 || st->M * m->H <= 8192;
+}
+
+static inline size_t nd_up64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 /* Stages [s0, s1) (2 l: attention half of layer l, 2 l + 1: its MLP half) on the OpenMP threads.
  * The caller checked every index (positions, slots, block tables). Everything the region needs
@@ -360,9 +471,29 @@ static int nd_run(const nd_model* m, const nd_step* st, int64_t s0, int64_t s1) 
     }
     const size_t ws_st = (ws_n + 15) / 16 * 16;
     const int rmax = nd_rounds(ntmax);
+    /* each thread's own buffers: res, xrow, hrow [H]; int8 activations of the largest input of
+     * qkv, o_proj and gate_up (nd_thread) */
+    const int64_t M = st->M, H = m->H;
+    long kq = 0, nbq = 0, ngq = 0;
+    for (int64_t l = l0; l < l0 + nl; l++) {
+        const nd_linear* Ls[3] = {&m->layers[l].qkv, &m->layers[l].o, &m->layers[l].gu};
+        for (int i = 0; i < 3; i++) {
+            long a, b, c;
+            nd_xq_sizes(Ls[i], &a, &b, &c);
+            kq = a > kq ? a : kq;
+            nbq = b > nbq ? b : nbq;
+            ngq = c > ngq ? c : ngq;
+        }
+    }
+    const size_t o_sx = nd_up64(sizeof(float) * (size_t)(3 * H)), o_xs = o_sx + nd_up64(sizeof(float) * (size_t)(M * nbq));
+    const size_t o_xi = o_xs + nd_up64(sizeof(float) * (size_t)(M * ngq)), o_xq = o_xi + nd_up64(sizeof(int32_t) * (size_t)(M * nbq));
+    const size_t own_st = o_xq + nd_up64((size_t)(M * kq));
+    const int red_any = nd_red_ok(m, st, ntmax);
     float* ws = err ? NULL : (float*)aligned_alloc(64, sizeof(float) * (ws_st * ntmax + 16));
     nd_cell* cells = err ? NULL : (nd_cell*)aligned_alloc(64, sizeof(nd_cell) * (size_t)(ntmax * 2 * (rmax + 1)));
-    err = err || ws == NULL || cells == NULL;
+    char* own = err ? NULL : (char*)aligned_alloc(64, own_st * (size_t)ntmax);
+    float* rbuf1 = err || !red_any ? NULL : (float*)aligned_alloc(64, nd_up64(sizeof(float) * (size_t)(M * H)));
+    err = err || ws == NULL || cells == NULL || own == NULL || (red_any && rbuf1 == NULL);
     if (!err) {
         memset(cells, 0, sizeof(nd_cell) * (size_t)(ntmax * 2 * (rmax + 1)));
         /* NOTE: waiters that spin on every cpu starve the threads they wait for when the team is
@@ -373,22 +504,45 @@ static int nd_run(const nd_model* m, const nd_step* st, int64_t s0, int64_t s1) 
         const nd_bar bar = {cells, rmax + 1, ND_SPINS,
                             st->barrier == 2 || (st->barrier == 0 && ntmax > ncpu)};
         int64_t counter = 0;
+        int last = 0;
         #pragma omp parallel
         {
-            nd_thread t = {&bar, 0, 1, omp_get_thread_num(), omp_get_num_threads(), &counter, 0, NULL};
+            nd_thread t;
+            memset(&t, 0, sizeof t);
+            t.bar = &bar;
+            t.sense = 1;
+            t.tid = omp_get_thread_num();
+            t.nt = omp_get_num_threads();
+            t.counter = &counter;
             t.ws = ws + (size_t)t.tid * ws_st;
+            char* mine = own + (size_t)t.tid * own_st;
+            t.res = (float*)mine;
+            t.xrow = t.res + H;
+            t.hrow = t.xrow + H;
+            t.own.sx = (float*)(mine + o_sx);
+            t.own.xs = (float*)(mine + o_xs);
+            t.own.xi = (int32_t*)(mine + o_xi);
+            t.own.xq = (int8_t*)(mine + o_xq);
+            t.red = red_any && nd_red_ok(m, st, t.nt);
+            t.rbuf[0] = st->residual;
+            t.rbuf[1] = rbuf1;
             for (int64_t s = s0; s < s1; s++) {
                 const nd_layer* ly = &m->layers[s / 2];
-                if (s % 2 == 0) nd_attention_half(m, st, ly, s == 0, use[s / 2 - l0], &t);
-                else nd_mlp_half(m, st, ly, &t);
+                if (s % 2 == 0) nd_attention_half(m, st, ly, s == 0, use[s / 2 - l0], s + 1 < s1, &t);
+                else nd_mlp_half(m, st, ly, s + 1 < s1, &t);
             }
+            if (t.tid == 0) last = t.cur;
         }
+        /* the residual ended in the scratch buffer (an odd number of updates) */
+        if (last) memcpy(st->residual, rbuf1, sizeof(float) * (size_t)(M * H));
     }
     for (int64_t i = 0; plans && i < nl; i++) nr_attn_plan_free(&plans[i]);
     free(plans);
     free(use);
     free(ws);
     free(cells);
+    free(own);
+    free(rbuf1);
     return err ? -1 : 0;
 }
 

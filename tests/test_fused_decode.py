@@ -101,20 +101,27 @@ def test_decode_batches_in_row_tiles(models, monkeypatch, quantization):
         o.close()
 
 
-@pytest.mark.parametrize("threads,barrier", [(1, "auto"), (2, "auto"), (3, "own"), (5, "own"), (8, "own"),
-                                            (5, "omp")])
-def test_fused_decode_equals_op_by_op_at_other_thread_counts(models, monkeypatch, threads, barrier):
+@pytest.mark.parametrize("threads,barrier,redundant", [
+    (1, "auto", "auto"), (2, "auto", "auto"), (2, "auto", "off"), (3, "own", "auto"), (5, "own", "auto"),
+    (7, "own", "auto"), (7, "own", "off"), (8, "own", "auto"), (5, "omp", "auto"), (5, "omp", "off")])
+def test_fused_decode_equals_op_by_op_at_other_thread_counts(models, monkeypatch, threads, barrier, redundant):
     """The k slices of a GEMV depend on the thread count (split.h): both paths take the same.
     Our dissemination barrier at team sizes that are not powers of two, and with more threads
     than cpus (its waiters then sleep on a futex), and libgomp's barrier, which "auto" takes
-    when the team outnumbers the cpus."""
-    old = qgemm._force_barrier(barrier)
+    when the team outnumbers the cpus. Steps of up to 8 rows run redundant ("auto" here: every
+    thread computes the norms and int8 roundings itself, the residual alternates between two
+    buffers) or with a barrier after each share ("off"). The partial sums of sliced GEMVs are
+    added where they are read: o_proj and down_proj (128 columns) are sliced at 3, 5 and 7
+    threads, the qkv projection (384 columns) at 7."""
+    old, old_red = qgemm._force_barrier(barrier), qgemm._force_redundant(redundant)
     f, o = both(models["qwen3"], monkeypatch, num_threads=threads)
     try:
         np.testing.assert_array_equal(decode_logits(f, PROMPT), decode_logits(o, PROMPT))
         assert_same_batch(f, o, threads + 2, 6)
+        assert_same_batch(f, o, 11, 4)  # steps of 9 to 11 rows: row tiles, never redundant
     finally:
         qgemm._force_barrier(old)
+        qgemm._force_redundant(old_red)
         f.close()
         o.close()
 
