@@ -142,6 +142,7 @@ typedef struct {
     int red;
     nd_xqbuf own;       /* this thread's int8 activations */
     float *res, *xrow, *hrow;    /* [H] each */
+    float* arow;        /* [M, Hq D]: attention rows merged by this thread */
     float* rbuf[2];     /* the residual: the caller's and a scratch one */
     int cur;            /* rbuf[cur] holds the residual */
     nd_pending pend;    /* o_proj's or down_proj's partial sums, added by the next norm */
@@ -381,17 +382,25 @@ static void nd_attn_args(const nd_model* m, const nd_step* st, const nd_layer* l
     a->o_sh = D;
 }
 
-/* The items of plan p (made before the region), then the merges of split items. */
-static void nd_attention(const nd_model* m, const nd_step* st, const nd_layer* ly,
-                         const nr_attn_plan_t* p, nd_thread* t) {
+/* The items of plan p (made before the region), then the merges of split items. Returns the
+ * attention rows [M, Hq D]: the step's, or, redundant with split items, this thread's own copy
+ * with every merge made in it (no barrier after the merges). */
+static const float* nd_attention(const nd_model* m, const nd_step* st, const nd_layer* ly,
+                                 const nr_attn_plan_t* p, nd_thread* t) {
     nr_attn_args a;
     nd_attn_args(m, st, ly, &a);
     for (int64_t i; (i = nd_take(t, p->n_items)) >= 0;) nr_attn_run_item(&a, p, i, t->ws);
     nd_barrier(t);
-    if (p->n_slots) {
-        for (int64_t i; (i = nd_take(t, p->n_items)) >= 0;) nr_attn_combine_item(&a, p, i);
-        nd_barrier(t);
+    if (!p->n_slots) return st->attn;
+    if (t->red) {
+        memcpy(t->arow, st->attn, sizeof(float) * (size_t)(st->M * m->Hq * m->D));
+        a.out = t->arow;
+        for (int64_t i = 0; i < p->n_items; i++) nr_attn_combine_item(&a, p, i);
+        return t->arow;
     }
+    for (int64_t i; (i = nd_take(t, p->n_items)) >= 0;) nr_attn_combine_item(&a, p, i);
+    nd_barrier(t);
+    return st->attn;
 }
 
 /* `fold`: the next stage runs in this region too (it adds up o_proj's partial sums itself). */
@@ -401,12 +410,12 @@ static void nd_attention_half(const nd_model* m, const nd_step* st, const nd_lay
     nd_norm_quant(m, st, first ? NULL : st->delta, ly->in_norm, &ly->qkv, t);
     nd_gemv(st, &ly->qkv, in, st->qkv, st->part, 1, t);
     nd_rope_cache(m, st, ly, t);
-    nd_attention(m, st, ly, plan, t);
+    const float* attn = nd_attention(m, st, ly, plan, t);
     const int64_t A = m->Hq * m->D;
     if (t->red) {
-        for (int64_t r = 0; r < st->M; r++) nd_quant_row(&t->own, st->M, &ly->o, st->attn + r * A, r);
+        for (int64_t r = 0; r < st->M; r++) nd_quant_row(&t->own, st->M, &ly->o, attn + r * A, r);
     } else {
-        for (int64_t r = t->tid; r < st->M; r += t->nt) nd_quant_row(&shared, st->M, &ly->o, st->attn + r * A, r);
+        for (int64_t r = t->tid; r < st->M; r += t->nt) nd_quant_row(&shared, st->M, &ly->o, attn + r * A, r);
         nd_barrier(t);
     }
     nd_gemv(st, &ly->o, in, st->o, st->part2, fold, t);
@@ -471,7 +480,7 @@ static int nd_run(const nd_model* m, const nd_step* st, int64_t s0, int64_t s1) 
     }
     const size_t ws_st = (ws_n + 15) / 16 * 16;
     const int rmax = nd_rounds(ntmax);
-    /* each thread's own buffers: res, xrow, hrow [H]; int8 activations of the largest input of
+    /* each thread's own buffers: res, xrow, hrow [H]; attention rows [M, Hq D]; int8 activations of the largest input of
      * qkv, o_proj and gate_up (nd_thread) */
     const int64_t M = st->M, H = m->H;
     long kq = 0, nbq = 0, ngq = 0;
@@ -485,7 +494,8 @@ static int nd_run(const nd_model* m, const nd_step* st, int64_t s0, int64_t s1) 
             ngq = c > ngq ? c : ngq;
         }
     }
-    const size_t o_sx = nd_up64(sizeof(float) * (size_t)(3 * H)), o_xs = o_sx + nd_up64(sizeof(float) * (size_t)(M * nbq));
+    const size_t o_ar = nd_up64(sizeof(float) * (size_t)(3 * H));
+    const size_t o_sx = o_ar + nd_up64(sizeof(float) * (size_t)(M * m->Hq * m->D)), o_xs = o_sx + nd_up64(sizeof(float) * (size_t)(M * nbq));
     const size_t o_xi = o_xs + nd_up64(sizeof(float) * (size_t)(M * ngq)), o_xq = o_xi + nd_up64(sizeof(int32_t) * (size_t)(M * nbq));
     const size_t own_st = o_xq + nd_up64((size_t)(M * kq));
     const int red_any = nd_red_ok(m, st, ntmax);
@@ -519,6 +529,7 @@ static int nd_run(const nd_model* m, const nd_step* st, int64_t s0, int64_t s1) 
             t.res = (float*)mine;
             t.xrow = t.res + H;
             t.hrow = t.xrow + H;
+            t.arow = (float*)(mine + o_ar);
             t.own.sx = (float*)(mine + o_sx);
             t.own.xs = (float*)(mine + o_xs);
             t.own.xi = (int32_t*)(mine + o_xi);

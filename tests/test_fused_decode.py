@@ -40,7 +40,8 @@ def models(tmp_path_factory):
 def engine(model_dir, fused: bool, monkeypatch, **kw):
     monkeypatch.setenv("NUMA_RUNTIME_FUSED_DECODE", "1" if fused else "0")
     kw.setdefault("quantization", "int4")
-    e = Engine(model_dir, dtype="bfloat16", kv_cache_memory=1 << 24, max_model_len=256, **kw)
+    kw.setdefault("max_model_len", 256)
+    e = Engine(model_dir, dtype="bfloat16", kv_cache_memory=1 << 24, **kw)
     assert (e.runner.model.fused is not None) == fused
     return e
 
@@ -122,6 +123,24 @@ def test_fused_decode_equals_op_by_op_at_other_thread_counts(models, monkeypatch
     finally:
         qgemm._force_barrier(old)
         qgemm._force_redundant(old_red)
+        f.close()
+        o.close()
+
+
+@pytest.mark.parametrize("redundant", ["auto", "off"])
+def test_fused_decode_merges_split_attention_like_op_by_op(tmp_path, monkeypatch, redundant):
+    """Past 256 keys a decode row's attention is cut into key ranges (NR_SPLIT_MIN 128 keys,
+    up to 2 x threads / kv heads items) that are merged after the items: redundant steps merge
+    them in each thread's own copy of the attention rows, without the barrier after the merges.
+    Every position of a 300-token prompt decoded one token at a time, at 3 threads."""
+    build_model(str(tmp_path), arch="qwen2", **dict(SHAPE, max_position_embeddings=512))
+    ids = np.random.default_rng(3).integers(3, 384, 300).tolist()
+    old = qgemm._force_redundant(redundant)
+    f, o = both(str(tmp_path), monkeypatch, num_threads=3, max_model_len=512)
+    try:
+        np.testing.assert_array_equal(decode_logits(f, ids), decode_logits(o, ids))
+    finally:
+        qgemm._force_redundant(old)
         f.close()
         o.close()
 
