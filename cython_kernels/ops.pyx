@@ -8,7 +8,7 @@ bf16 tensors are uint16 arrays of bf16 bits.
 """
 import numpy as np
 cimport numpy as cnp
-from libc.stdint cimport int64_t, uint16_t
+from libc.stdint cimport int64_t, uint16_t, uint64_t
 
 cnp.import_array()
 
@@ -32,6 +32,7 @@ cdef extern from "ops_kernels.h":
     void nr_add(float *a, int64_t as_, const float *b, int64_t bs, int64_t R, int64_t H) nogil
     void nr_rotary(float *x, int64_t T, int64_t H, int64_t st, int64_t sh, const int64_t *pos,
                    const float *cs, int64_t rot) nogil
+    uint64_t nr_read_words(const uint64_t *p, int64_t n) nogil
 
 
 def set_num_threads(int n):
@@ -43,6 +44,20 @@ def set_num_threads(int n):
 
 def get_num_threads():
     return omp_get_max_threads()
+
+
+def read_words(a):
+    """The sum (mod 2**64) of a C-contiguous uint64 array, read on the OpenMP threads: the
+    DRAM read probe of bench/limits.py (reads as the decode kernels read, every thread a
+    contiguous share with vector loads)."""
+    if not isinstance(a, np.ndarray) or a.dtype != np.uint64 or a.ndim != 1 or not a.flags.c_contiguous:
+        raise TypeError("read_words needs a 1-D C-contiguous uint64 array")
+    cdef const uint64_t *p = <const uint64_t *>cnp.PyArray_DATA(a)
+    cdef int64_t n = a.shape[0]
+    cdef uint64_t s
+    with nogil:
+        s = nr_read_words(p, n)
+    return s
 
 
 cdef inline void *_ptr(cnp.ndarray a):

@@ -121,4 +121,13 @@ static void nr_rotary(float *x, int64_t T, int64_t H, int64_t st, int64_t sh,
     NR_ROWS_FOR(T * H * rot > NR_PAR_MIN, t, T, nr_rotary_token(x + t * st, H, sh, cs + pos[t] * rot, rot));
 }
 
+/* The DRAM read probe of bench/limits.py: the sum of n words, read on the OpenMP threads (a
+ * static share each, vector loads); the sum only keeps the reads from being optimized away. */
+static uint64_t nr_read_words(const uint64_t *p, int64_t n) {
+    uint64_t total = 0;
+    #pragma omp parallel for simd schedule(static) reduction(+:total)
+    for (int64_t i = 0; i < n; i++) total += p[i];
+    return total;
+}
+
 #endif

@@ -370,3 +370,19 @@ def test_log_softmax(n, v):
     out = np.empty_like(x)
     cpu.log_softmax(x, out)
     close(out, ref.log_softmax(x, np.empty_like(x)), rtol=1e-6, atol=2e-5)
+
+
+# ----------------------------------------------------------------------------- DRAM read probe
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("n", [0, 1, 13, 100003])
+def test_read_words_sums_every_word(threads, n):
+    """bench/limits.py's DRAM probe reads every word: its sum wraps mod 2**64 like numpy's."""
+    a = RNG.integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True)
+    old = ops.get_num_threads()
+    ops.set_num_threads(threads)
+    try:
+        assert ops.read_words(a) == int(a.sum(dtype=np.uint64))
+    finally:
+        ops.set_num_threads(old)
+    with pytest.raises(TypeError, match="uint64"):
+        ops.read_words(a.astype(np.int64))
