@@ -277,19 +277,22 @@ def markdown(r: dict, a) -> str:
         lines.append(f"llama.cpp: {r['skipped']}")
     lines += ["", f"| ours | vs llama.cpp | llama.cpp decode tok/s | ours decode tok/s | ours/llama.cpp | "
               f"llama.cpp prefill {a.prefill} tok/s | ours prefill tok/s | ours/llama.cpp | "
-              f"ours MB read/token | ours decode of DRAM limit |", "|" + " --- |" * 10]
+              f"ours MB read/token | ours decode of DRAM limit | llama.cpp decode of DRAM limit |", "|" + " --- |" * 11]
     for row in r["rows"]:
         o, lc = row["ours_result"], row["llama_cpp"] or {}
         ld, lp = (lc.get("decode") or {}).get("avg_ts"), (lc.get("prefill") or {}).get("avg_ts")
         if "error" in o:
             lines.append(f"| {row['ours']} | {row['file'].upper()} | {num(ld)} | error: {o['error'][:120]} |"
-                         + " - |" * 6)
+                         + " - |" * 7)
             continue
         limit = dram * 1e9 / o["bytes_per_token"]
+        # llama.cpp reads its whole file's tensors a token (model_size: llama-bench's count)
+        lsize = (lc.get("decode") or {}).get("model_size")
+        lfrac = f"{ld * lsize / (dram * 1e9):.0%}" if ld and lsize else "-"
         lines.append(f"| {row['ours']} | {row['file'].upper()} | {num(ld)} | {o['decode_tok_s']:.1f} | "
                      f"{ratio(o['decode_tok_s'], ld)} | {num(lp, '{:.0f}')} | {o['prefill_tok_s']:.0f} | "
                      f"{ratio(o['prefill_tok_s'], lp)} | {o['bytes_per_token'] / 1e6:.3g} | "
-                     f"{o['decode_tok_s'] / limit:.0%} |")
+                     f"{o['decode_tok_s'] / limit:.0%} | {lfrac} |")
     fas = sorted({fa_label((row["llama_cpp"] or {}).get("decode", {}).get("flash_attn")) for row in r["rows"]
                   if (row["llama_cpp"] or {}).get("decode")})
     if fas:
