@@ -228,14 +228,11 @@ def _set_amx_bf16(bint on):
 
 def prefill_int8_wins():
     """Whether a prefill over quantized weights runs faster on int8 activations than on bf16
-    weights: AVX-512 VNNI (row tiles) without AMX-BF16. 512-token prefill, bench_llamacpp.py
-    --prefill-int8: 2-core Zen 4 1.15-1.33x over the oneDNN bf16 panels. Where AMX-BF16 is
-    present the bf16 tiles (qgemm_amxbf16.h) win: on SPR-16 (16 threads) Qwen2.5-0.5B's 896 x
-    9728 int4 linear at 512 rows took 1.7 ms on them, 2.9 ms on the AMX-INT8 tiles (whose 32-k
-    block epilogue in AVX-512 costs more than the tile multiply), 2.5-2.9 ms on the panels; on a
-    2-core Sapphire Rapids-class VM the whole 512-token prefill ran 1100-1230 tok/s on the bf16
-    tiles against about 500 in int8 on SPR-16's 2 threads. Below VNNI the int8 path was not
-    measured faster."""
+    weights: AVX-512 VNNI (row tiles) without AMX-BF16. The `bench_llamacpp.py --prefill-int8`
+    rows of bench/RESULTS.md: on 2-core Zen 4 the int8 prefill beat the oneDNN bf16 panels; on
+    SPR-16 the int8 prefill on AMX-INT8 tiles did not beat the panels, and the AMX-BF16 tiles
+    (qgemm_amxbf16.h) later beat both there and on the 2-core Sapphire Rapids-class VM. Below
+    VNNI the int8 path was not measured faster."""
     return _level >= 2 and _amxbf16_present == 0
 
 
