@@ -61,7 +61,6 @@ cdef extern from "decode_layers.h" nogil:
         int64_t tiled_min
         int barrier
         int redundant
-        int dynamic
     int nd_run(const nd_model* m, const nd_step* st, int64_t s0, int64_t s1)
     enum: QG_MAX_SLICES
     long qg_blocks_per_group(const qg_format* f)
@@ -71,7 +70,6 @@ _BARRIERS = {"auto": 0, "own": 1, "omp": 2}
 cdef int _barrier = 0
 _REDUNDANT = {"auto": 0, "on": 1, "off": 2}
 cdef int _redundant = 0
-cdef int _dynamic = 1
 
 
 def _force_barrier(str kind):
@@ -95,17 +93,6 @@ def _force_redundant(str mode):
     return old
 
 
-
-
-def _force_gemv_schedule(str kind):
-    """Tests: FusedDecoder's GEMV tasks taken in chunks as threads come free ("dynamic", the
-    default) or a static share per thread ("static"); returns the previous kind."""
-    global _dynamic
-    if kind not in ("dynamic", "static"):
-        raise ValueError("_force_gemv_schedule: 'dynamic' or 'static', not %r" % kind)
-    old = "dynamic" if _dynamic else "static"
-    _dynamic = kind == "dynamic"
-    return old
 
 
 def _parts(lin):
@@ -333,7 +320,6 @@ cdef class FusedDecoder:
         nr_amx = 1 if _attention.amx_enabled() else 0  # the attention items as paged_attention runs them
         st.barrier = _barrier
         st.redundant = _redundant
-        st.dynamic = _dynamic
         cdef int rc
         with nogil:
             rc = nd_run(&self.m, &st, s0, s1)

@@ -30,7 +30,6 @@
 #include "qgemm_kernels.h"
 
 #define ND_MAX_PARTS 4
-#define ND_CHUNKS 6     /* chunks a thread of a dynamic GEMV takes on average (nd_gemv) */
 
 /* A linear of one or more parts (loader.ConcatLinear: formats that differ, e.g. a GGUF's Q4_K
  * q/k and Q6_K v), each writing its columns of the output row; every part reads the same input
@@ -83,7 +82,6 @@ typedef struct {
     int64_t tiled_min;
     int barrier;        /* 0: ours unless the team outnumbers the cpus, 1: ours, 2: libgomp's (tests) */
     int redundant;      /* 0: as nd_red_ok decides, 1: always (M <= QG_MR_Q8), 2: never (tests) */
-    int dynamic;        /* GEMV tasks: 1 in chunks as threads come free, 0 a static share each */
 } nd_step;
 
 /* ---- synchronization inside the region: a dissemination barrier (Hensgen, Finkel and Manber)
@@ -198,16 +196,6 @@ static inline int64_t nd_take(nd_thread* t, int64_t n) {
     return -1;
 }
 
-/* The next chunk [*c0, *c1) of a dynamic loop over n tasks in chunks of c, or 0 when none is
- * left (nd_take's counting: every thread runs the loop until it fails once). */
-static inline int nd_take_chunk(nd_thread* t, long n, long c, long* c0, long* c1) {
-    const long i = (long)nd_take(t, (n + c - 1) / c);
-    if (i < 0) return 0;
-    *c0 = i * c;
-    *c1 = *c0 + c < n ? *c0 + c : n;
-    return 1;
-}
-
 /* Where part p of L keeps the int8 activations of M rows in b: after the parts before it (each
  * M kp int8, M nb block scales and sums, M ng group sums). */
 static inline qg_xq nd_part_xq(const nd_xqbuf* b, int64_t M, const nd_linear* L, int p) {
@@ -316,17 +304,12 @@ static void nd_gemv(const nd_step* st, const nd_linear* L, const nd_xqbuf* b, fl
             nd_barrier(t);
             continue;
         }
-        const qg_q8_fn fn = qg_q8_kernel(st->qg_level);
-        if (st->dynamic && t->nt > 1) {
-            /* NOTE: chunks taken as threads come free: on a shared host some cores stream
-             * slower than others (SPR-16 at 16 threads: one thread's GEMV time 1.5x another's
-             * in a step on a static share), and each task's sums do not depend on who runs it */
-            const long n = qg_q8_ntasks(f, ns), c = n / (ND_CHUNKS * t->nt) > 1 ? n / (ND_CHUNKS * t->nt) : 1;
-            for (long c0, c1; nd_take_chunk(t, n, c, &c0, &c1);)
-                qg_q8_tasks(L->w[p], f, &q, M, M, bias, out + col, N, part, ns, fn, 0, c0, c1);
-        } else {
-            qg_q8_share(L->w[p], f, &q, M, M, bias, out + col, N, part, ns, fn, 0, t->tid, t->nt);
-        }
+        /* NOTE: a static share each. On SPR-16 at 16 threads one thread's GEMV time in a step
+         * was up to 1.5x another's (a shared host), yet tasks taken in chunks as threads came
+         * free (about 6 a thread, one atomic a chunk) decoded 2-20% slower (a one-off probe,
+         * batch 1 and 4, Qwen2.5-0.5B and Llama-3.2-1B int4) */
+        qg_q8_share(L->w[p], f, &q, M, M, bias, out + col, N, part, ns, qg_q8_kernel(st->qg_level),
+                    0, t->tid, t->nt);
         nd_barrier(t);
         if (ns > 1 && fold && L->nparts == 1 && !L->bias_after) {
             const nd_pending pd = {part, ns, Np, bias};
