@@ -75,8 +75,9 @@ typedef struct {
     int8_t* xq;
     float *sx, *xs, *part;
     int32_t* xi;
-    float* part2;       /* the k-slice partial sums of o_proj and down_proj (read after the GEMV
-                         * without a barrier when they are folded: see nd_red_ok) */
+    float* part2;       /* the k-slice partial sums of o_proj and down_proj: apart from part (qkv,
+                         * gate_up), as the next norm may read them after the next GEMV began
+                         * (nd_gemv's fold, redundant steps) */
     char* tiles;        /* row tiles of the int8 activations (qgemm_q8tile.h); NULL: not used */
     int qg_level, attn_level;
     int64_t tiled_min;
@@ -145,7 +146,8 @@ typedef struct {
     float* arow;        /* [M, Hq D]: attention rows merged by this thread */
     float* rbuf[2];     /* the residual: the caller's and a scratch one */
     int cur;            /* rbuf[cur] holds the residual */
-    nd_pending pend;    /* o_proj's or down_proj's partial sums, added by the next norm */
+    nd_pending pend;    /* partial sums left by nd_gemv's fold: qkv's (added by nd_rope_cache),
+                         * o_proj's or down_proj's (added by the next nd_norm_quant) */
 } nd_thread;
 
 /* Wait until cell c holds `sense`: spin, then sleep on a futex. NOTE: with more threads than
@@ -237,15 +239,6 @@ static inline nd_xqbuf nd_shared_xq(const nd_step* st) {
     return b;
 }
 
-/* Columns [c0, c1) of row r of pending partial sums, added up as qg_q8_sum_parts adds them. */
-static inline void nd_sum_pending(const nd_pending* pd, int64_t M, int64_t r, long c0, long c1, float* out) {
-    for (long c = c0; c < c1; c++) {
-        float v = pd->bias ? pd->bias[c] : 0.0f;
-        for (long sp = 0; sp < pd->ns; sp++) v += pd->part[(sp * M + r) * pd->n + c];
-        out[c - c0] = v;
-    }
-}
-
 /* residual += x, or += the partial sums pending from the GEMV before (t->pend; then no sum of
  * its own and no barrier before this), or nothing (x NULL, none pending);
  * h = rms_norm(residual) * w; h -> int8 for L.
@@ -260,7 +253,8 @@ static void nd_norm_quant(const nd_model* m, const nd_step* st, const float* x, 
     const nd_xqbuf shared = nd_shared_xq(st);
     for (int64_t r = r0; r < M; r += dr) {
         const float* xr = pending ? t->xrow : add ? x + r * H : NULL;
-        if (pending) nd_sum_pending(&t->pend, M, r, 0, H, t->xrow);
+        if (pending)  /* row r's sums into xrow (ldo 0: each row into the same one) */
+            qg_q8_sum_parts(t->pend.part, t->pend.ns, M, t->pend.n, t->pend.bias, t->xrow, 0, r * H, (r + 1) * H);
         if (!t->red) {
             float *res = st->residual + r * H, *h = st->h + r * H;
             if (xr) nr_add_rms_row(xr, res, w, m->eps, H, h);
@@ -343,9 +337,11 @@ static void nd_rope_cache(const nd_model* m, const nd_step* st, const nd_layer* 
     for (long u = u0; u < u1; u++) {
         const int64_t r = u / heads, h = u % heads;  /* h < Hq: query head; else kv head h - Hq */
         float* x = st->qkv + r * W + h * D;
-        if (pd) {
-            nd_sum_pending(pd, M, r, h * D, (h + 1) * D, x);
-            if (h >= Hq) nd_sum_pending(pd, M, r, (h + Hk) * D, (h + Hk + 1) * D, x + Hk * D);
+        if (pd) {  /* the head's columns, and a kv head's V columns (qkv is one part: n == W) */
+            qg_q8_sum_parts(pd->part, pd->ns, M, pd->n, pd->bias, st->qkv, W, r * W + h * D, r * W + (h + 1) * D);
+            if (h >= Hq)
+                qg_q8_sum_parts(pd->part, pd->ns, M, pd->n, pd->bias, st->qkv, W, r * W + (h + Hk) * D,
+                                r * W + (h + Hk + 1) * D);
         }
         const float* norm = h < Hq ? ly->q_norm : ly->k_norm;
         if (norm) nr_rms_row(x, norm, m->eps, D, x);
@@ -454,8 +450,7 @@ static void nd_mlp_half(const nd_model* m, const nd_step* st, const nd_layer* ly
  * 26% slower than with barriers (16 threads reading every row that other threads wrote), and
  * one row about as fast or a few percent faster; past QG_MR_Q8 rows the GEMVs run in row
  * tiles, with barriers of their own. */
-static inline int nd_red_ok(const nd_model* m, const nd_step* st, int nt) {
-    (void)m;
+static inline int nd_red_ok(const nd_step* st, int nt) {
     if (st->redundant == 2 || nt < 2 || st->M > QG_MR_Q8) return 0;
     return st->redundant == 1 || st->M == 1;
 }
@@ -487,9 +482,11 @@ static int nd_run(const nd_model* m, const nd_step* st, int64_t s0, int64_t s1) 
     }
     const size_t ws_st = (ws_n + 15) / 16 * 16;
     const int rmax = nd_rounds(ntmax);
-    /* each thread's own buffers: res, xrow, hrow [H]; attention rows [M, Hq D]; int8 activations of the largest input of
-     * qkv, o_proj and gate_up (nd_thread) */
-    const int64_t M = st->M, H = m->H;
+    /* each thread's own buffers (nd_thread): res, xrow, hrow [H]; redundant steps only: the
+     * attention rows [M, Hq D] and the int8 activations of the largest input of qkv, o_proj and
+     * gate_up */
+    const int red_any = nd_red_ok(st, ntmax);
+    const int64_t M = st->M, H = m->H, Mr = red_any ? M : 0;
     long kq = 0, nbq = 0, ngq = 0;
     for (int64_t l = l0; l < l0 + nl; l++) {
         const nd_linear* Ls[3] = {&m->layers[l].qkv, &m->layers[l].o, &m->layers[l].gu};
@@ -502,10 +499,11 @@ static int nd_run(const nd_model* m, const nd_step* st, int64_t s0, int64_t s1) 
         }
     }
     const size_t o_ar = nd_up64(sizeof(float) * (size_t)(3 * H));
-    const size_t o_sx = o_ar + nd_up64(sizeof(float) * (size_t)(M * m->Hq * m->D)), o_xs = o_sx + nd_up64(sizeof(float) * (size_t)(M * nbq));
-    const size_t o_xi = o_xs + nd_up64(sizeof(float) * (size_t)(M * ngq)), o_xq = o_xi + nd_up64(sizeof(int32_t) * (size_t)(M * nbq));
-    const size_t own_st = o_xq + nd_up64((size_t)(M * kq));
-    const int red_any = nd_red_ok(m, st, ntmax);
+    const size_t o_sx = o_ar + nd_up64(sizeof(float) * (size_t)(Mr * m->Hq * m->D));
+    const size_t o_xs = o_sx + nd_up64(sizeof(float) * (size_t)(Mr * nbq));
+    const size_t o_xi = o_xs + nd_up64(sizeof(float) * (size_t)(Mr * ngq));
+    const size_t o_xq = o_xi + nd_up64(sizeof(int32_t) * (size_t)(Mr * nbq));
+    const size_t own_st = o_xq + nd_up64((size_t)(Mr * kq));
     float* ws = err ? NULL : (float*)aligned_alloc(64, sizeof(float) * (ws_st * ntmax + 16));
     nd_cell* cells = err ? NULL : (nd_cell*)aligned_alloc(64, sizeof(nd_cell) * (size_t)(ntmax * 2 * (rmax + 1)));
     char* own = err ? NULL : (char*)aligned_alloc(64, own_st * (size_t)ntmax);
@@ -541,7 +539,7 @@ static int nd_run(const nd_model* m, const nd_step* st, int64_t s0, int64_t s1) 
             t.own.xs = (float*)(mine + o_xs);
             t.own.xi = (int32_t*)(mine + o_xi);
             t.own.xq = (int8_t*)(mine + o_xq);
-            t.red = red_any && nd_red_ok(m, st, t.nt);
+            t.red = red_any && nd_red_ok(st, t.nt);
             t.rbuf[0] = st->residual;
             t.rbuf[1] = rbuf1;
             for (int64_t s = s0; s < s1; s++) {

@@ -398,20 +398,17 @@ static inline int qg_fold_resid(float* acc, int m, int resid) {
     return m / 2;
 }
 
-/* The tasks of a decode GEMV: (16-column block, k slice) pairs. */
-static inline long qg_q8_ntasks(const qg_format* f, long ns) {
-    return (f->n + QG_NB - 1) / QG_NB * ns;
-}
-
-/* Tasks [t0, t1) of the ns * nblocks tasks of out[M, N] = q @ W^T + bias
+/* Thread tid of nt: its contiguous share of the ns * nblocks tasks of out[M, N] = q @ W^T + bias
  * (Q int8 rows; with `resid` rows 2i and 2i + 1 are one output row; out rows ldo apart). With
  * ns > 1 each task stores its slice's partial sums into part [ns][M][N] instead
  * (qg_q8_sum_parts adds them). */
-static void qg_q8_tasks(const uint8_t* w, const qg_format* f, const qg_xq* q, long Q, long M,
+static void qg_q8_share(const uint8_t* w, const qg_format* f, const qg_xq* q, long Q, long M,
                         const float* bias, float* out, long ldo, float* part, long ns, qg_q8_fn fn,
-                        int resid, long t0, long t1) {
-    const long ng = q->ng, nb = q->nb, bb = qg_block_bytes(f);
+                        int resid, int tid, int nt) {
+    const long ng = q->ng, nb = q->nb, nblocks = (f->n + QG_NB - 1) / QG_NB, bb = qg_block_bytes(f);
     float acc[QG_MR_Q8 * QG_NB] __attribute__((aligned(64)));
+    long t0, t1;
+    nr_share(nblocks * ns, tid, nt, &t0, &t1);
     for (long t = t0; t < t1; t++) {
         const long b = t / ns, sp = t % ns, g0 = sp * ng / ns, g1 = (sp + 1) * ng / ns;
         for (long r0 = 0; r0 < Q; r0 += QG_MR_Q8) {
@@ -425,15 +422,6 @@ static void qg_q8_tasks(const uint8_t* w, const qg_format* f, const qg_xq* q, lo
             else qg_store(acc, m, b * QG_NB, f->n, f->n, NULL, part + (sp * M + o0) * f->n);
         }
     }
-}
-
-/* Thread tid's contiguous share of the tasks (qg_q8_tasks). */
-static void qg_q8_share(const uint8_t* w, const qg_format* f, const qg_xq* q, long Q, long M,
-                        const float* bias, float* out, long ldo, float* part, long ns, qg_q8_fn fn,
-                        int resid, int tid, int nt) {
-    long t0, t1;
-    nr_share(qg_q8_ntasks(f, ns), tid, nt, &t0, &t1);
-    qg_q8_tasks(w, f, q, Q, M, bias, out, ldo, part, ns, fn, resid, t0, t1);
 }
 
 /* Elements [i0, i1) of out[M, N] (rows ldo apart) = bias + the ns partials [ns][M][N], in a fixed
