@@ -381,6 +381,7 @@ cdef class QLinear:
         if rc != 0:
             raise MemoryError("QLinear.forward: cannot allocate per-thread tiles")
         return oa
+
     cdef _panel_forward(self, cnp.ndarray xa, cnp.ndarray oa):
         cdef long K = self.in_features, N = self.out_features, n0, n, kpp
         cdef const uint8_t* w = <const uint8_t*>cnp.PyArray_DATA(self.packed)
