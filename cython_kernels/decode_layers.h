@@ -298,10 +298,10 @@ static void nd_gemv(const nd_step* st, const nd_linear* L, const nd_xqbuf* b, fl
             nd_barrier(t);
             continue;
         }
-        /* NOTE: a static share each. On SPR-16 at 16 threads one thread's GEMV time in a step
-         * was up to 1.5x another's (a shared host), yet tasks taken in chunks as threads came
-         * free (about 6 a thread, one atomic a chunk) decoded 2-20% slower (a one-off probe,
-         * batch 1 and 4, Qwen2.5-0.5B and Llama-3.2-1B int4) */
+        /* NOTE: a static share each. On SPR-16 at 16 threads the threads' GEMV times in a step
+         * differ (a shared host), yet tasks taken in chunks as threads came free (about 6 a
+         * thread, one atomic a chunk) decoded slower there in a one-off probe (batch 1 and 4,
+         * Qwen2.5-0.5B and Llama-3.2-1B int4), so that path was removed */
         qg_q8_share(L->w[p], f, &q, M, M, bias, out + col, N, part, ns, qg_q8_kernel(st->qg_level),
                     0, t->tid, t->nt);
         nd_barrier(t);
@@ -446,10 +446,10 @@ static void nd_mlp_half(const nd_model* m, const nd_step* st, const nd_layer* ly
 
 /* Whether a step of M rows runs redundant (nd_thread.red): when a row's norm and int8 rounding
  * on every thread cost less than the barriers they save. NOTE: batch 1 only: on SPR-16 at 16
- * threads (Qwen2.5-0.5B int4, a one-off probe) redundant steps of 4 and 8 rows decoded 17% and
- * 26% slower than with barriers (16 threads reading every row that other threads wrote), and
- * one row about as fast or a few percent faster; past QG_MR_Q8 rows the GEMVs run in row
- * tiles, with barriers of their own. */
+ * threads (Qwen2.5-0.5B int4, a one-off probe) redundant steps of 4 and 8 rows decoded clearly
+ * slower than with barriers (16 threads reading every row that other threads wrote), one row
+ * about as fast or a little faster; past QG_MR_Q8 rows the GEMVs run in row tiles, with
+ * barriers of their own. */
 static inline int nd_red_ok(const nd_step* st, int nt) {
     if (st->redundant == 2 || nt < 2 || st->M > QG_MR_Q8) return 0;
     return st->redundant == 1 || st->M == 1;
