@@ -25,6 +25,12 @@ cdef extern from "decode_layers.h" nogil:
         void* kc
         void* vc
         int64_t window
+    ctypedef struct nd_head:
+        const float* norm
+        const uint8_t* w
+        qg_format f
+        const float* bias
+        int resid
     ctypedef struct nd_model:
         int64_t H, D, Hq, Hk, inter
         double eps
@@ -34,6 +40,7 @@ cdef extern from "decode_layers.h" nogil:
         const float* cos_sin
         int64_t rot
         const nd_layer* layers
+        const nd_head* head
     ctypedef struct nd_step:
         int64_t M
         const int64_t* pos
@@ -61,6 +68,10 @@ cdef extern from "decode_layers.h" nogil:
         int64_t tiled_min
         int barrier
         int redundant
+        int64_t nlog, vocab
+        const int64_t* lidx
+        float* logits
+        int64_t* amax
     int nd_run(const nd_model* m, const nd_step* st, int64_t s0, int64_t s1)
     enum: QG_MAX_SLICES
     long qg_blocks_per_group(const qg_format* f)
@@ -159,6 +170,9 @@ cdef class FusedDecoder:
     """
     MAX_ROWS = 64   # the int8-activation bound of a decode batch (qgemm.ACT8_DECODE_M_MAX)
     cdef nd_model m
+    cdef nd_head head
+    cdef object head_keep
+    cdef long vocab
     cdef nd_layer* layers
     cdef readonly long num_layers
     cdef long kmax, nbmax, ngmax, nmax
@@ -238,7 +252,35 @@ cdef class FusedDecoder:
         self.m.cos_sin = <const float*>cnp.PyArray_DATA(cos_sin)
         self.m.rot = cos_sin.shape[1]
         self.m.layers = self.layers
+        self.m.head = NULL
         self._max_pos = cos_sin.shape[0]
+
+    def set_head(self, norm, lm_head, long vocab):
+        """Run the final norm (weights `norm` [hidden]) and `lm_head` in the region of the last
+        layer when run() is given logits_indices (a model on one rank). lm_head: a QLinear of int8
+        activations (else False and nothing changes); vocab: its columns that are real tokens
+        (the rest are padding, left out of the argmax). Returns whether it was set."""
+        if not fused_decode_usable([lm_head]) or len(_parts(lm_head)) != 1 or _parts(lm_head)[0] is not lm_head \
+                or lm_head.in_features != self.m.H or not 0 < vocab <= lm_head.out_features:
+            return False
+        cdef QLinear q = <QLinear>lm_head
+        w = np.ascontiguousarray(norm, dtype=np.float32)
+        if w.shape != (self.m.H,):
+            raise ValueError("FusedDecoder.set_head: the final norm has %s weights, not [%d]" % (w.shape, self.m.H))
+        self.head_keep = (w, q)
+        self.head.norm = <const float*>cnp.PyArray_DATA(w)
+        self.head.w = <const uint8_t*>cnp.PyArray_DATA(q.packed)
+        self.head.f = q.fmt
+        self.head.bias = NULL if q.bias_arr is None else <const float*>cnp.PyArray_DATA(q.bias_arr)
+        self.head.resid = 1 if q.act8_residual else 0
+        self.vocab = vocab
+        self.m.head = &self.head
+        return True
+
+    def head_fits(self, long rows):
+        """Whether run() can end with the head of `rows` logits rows (set_head, and their int8
+        rows fit one pass over each weight block, QG_MR_Q8)."""
+        return self.m.head != NULL and 0 < rows and rows * (2 if self.head.resid else 1) <= QG_MR_Q8
 
     cdef _scratch(self, long M):
         """The int8-activation buffers of a step of M rows (kept for the next step of M)."""
@@ -258,13 +300,15 @@ cdef class FusedDecoder:
         return s
 
     def run(self, b, positions, slot_mapping, block_tables, query_start, context_lens,
-            long s0, long s1):
+            long s0, long s1, logits_indices=None):
         """Stages [s0, s1) of a decode step (2 l: attention half of layer l, 2 l + 1: its MLP
         half) over the step buffers b (models/llama.py _StepBuffers: residual holds the
         embeddings before stage 0; o and delta are each half's output, all-reduced by the
         caller between stages under tensor parallelism). positions, slot_mapping: [M] int64;
         block_tables [M, max_blocks], query_start [M + 1], context_lens [M]: int32 with one new
-        token per sequence."""
+        token per sequence. With logits_indices ([S'] rows, head_fits(S'), s1 the last stage) the
+        region ends with the head of those rows: returns (logits [S', lm_head columns], the first
+        index of each row's largest logit among the real tokens [S'] int64); else o or delta."""
         cdef nd_step st
         cdef long M = (<cnp.ndarray>b.residual).shape[0], i, H = self.m.H, D = self.m.D
         cdef long Hq = self.m.Hq, Hk = self.m.Hk, I = self.m.inter
@@ -320,9 +364,27 @@ cdef class FusedDecoder:
         nr_amx = 1 if _attention.amx_enabled() else 0  # the attention items as paged_attention runs them
         st.barrier = _barrier
         st.redundant = _redundant
+        st.nlog, st.vocab, st.lidx, st.logits, st.amax = 0, 0, NULL, NULL, NULL
+        cdef cnp.ndarray lidx, logits = None, amax = None
+        if logits_indices is not None:
+            lidx = _int_array(logits_indices, np.int64, cnp.NPY_INT64, 1)
+            if not self.head_fits(lidx.shape[0]) or s1 != 2 * self.num_layers:
+                raise ValueError("FusedDecoder.run: no head of %d rows after stage %d (head_fits, the last stage)"
+                                 % (lidx.shape[0], s1))
+            for i in range(lidx.shape[0]):
+                if not 0 <= (<const int64_t*>cnp.PyArray_DATA(lidx))[i] < M:
+                    raise ValueError("FusedDecoder.run: logits row %d of %d rows" % ((<const int64_t*>cnp.PyArray_DATA(lidx))[i], M))
+            logits = np.empty((lidx.shape[0], self.head.f.n), np.float32)
+            amax = np.empty(lidx.shape[0], np.int64)
+            st.nlog, st.vocab = lidx.shape[0], self.vocab
+            st.lidx = <const int64_t*>cnp.PyArray_DATA(lidx)
+            st.logits = <float*>cnp.PyArray_DATA(logits)
+            st.amax = <int64_t*>cnp.PyArray_DATA(amax)
         cdef int rc
         with nogil:
             rc = nd_run(&self.m, &st, s0, s1)
         if rc != 0:
             raise MemoryError("FusedDecoder.run: cannot allocate attention work items or scratch")
+        if logits is not None:
+            return logits, amax
         return b.delta if s1 % 2 == 0 else b.o

@@ -51,6 +51,16 @@ typedef struct {
     int64_t window;                     /* sliding window in keys, 0 = none */
 } nd_layer;
 
+/* The final norm and lm_head (a model on one rank): logits rows in the region that ran the
+ * last layer, as models/llama.py _head computes them op by op. */
+typedef struct {
+    const float* norm;                  /* [H] */
+    const uint8_t* w;                   /* packed weights of one QLinear, f.kp == H */
+    qg_format f;
+    const float* bias;                  /* [f.n] or NULL */
+    int resid;                          /* each row as two int8 rows (QLinear.act8_residual) */
+} nd_head;
+
 typedef struct {
     int64_t H, D, Hq, Hk, inter;        /* hidden; head dim; this rank's heads and MLP width */
     double eps;
@@ -60,6 +70,7 @@ typedef struct {
     const float* cos_sin;               /* [max_pos, rot] = [cos | sin] */
     int64_t rot;
     const nd_layer* layers;
+    const nd_head* head;                /* NULL: the caller runs the head */
 } nd_model;
 
 typedef struct {
@@ -83,6 +94,14 @@ typedef struct {
     int64_t tiled_min;
     int barrier;        /* 0: ours unless the team outnumbers the cpus, 1: ours, 2: libgomp's (tests) */
     int redundant;      /* 0: as nd_red_ok decides, 1: always (M <= QG_MR_Q8), 2: never (tests) */
+    /* after the last stage, with logits != NULL: the head (nd_model.head) of rows lidx [nlog]
+     * into logits [nlog, head.f.n]; (head.resid ? 2 : 1) nlog <= QG_MR_Q8 (the caller checks).
+     * amax (NULL: not asked): [nlog] the first index of each row's largest logit among the
+     * first `vocab` (a NaN counts as largest: numpy's argmax) */
+    int64_t nlog, vocab;
+    const int64_t* lidx;
+    float* logits;
+    int64_t* amax;
 } nd_step;
 
 /* ---- synchronization inside the region: a dissemination barrier (Hensgen, Finkel and Manber)
@@ -147,7 +166,7 @@ typedef struct {
     float* rbuf[2];     /* the residual: the caller's and a scratch one */
     int cur;            /* rbuf[cur] holds the residual */
     nd_pending pend;    /* partial sums left by nd_gemv's fold: qkv's (added by nd_rope_cache),
-                         * o_proj's or down_proj's (added by the next nd_norm_quant) */
+                         * o_proj's or down_proj's (added by the next nd_norm_quant or nd_head_phase) */
 } nd_thread;
 
 /* Wait until cell c holds `sense`: spin, then sleep on a futex. NOTE: with more threads than
@@ -444,6 +463,64 @@ static void nd_mlp_half(const nd_model* m, const nd_step* st, const nd_layer* ly
     nd_gemv(st, &ly->down, &shared, st->delta, st->part2, fold, t);
 }
 
+/* Scratch of the head phase (nd_run allocates it): the int8 rows of the normed logits rows
+ * (shared steps), the k-slice partial sums, and each thread's argmax candidates. */
+typedef struct {
+    nd_xqbuf xq;
+    float* part;        /* [ns][nlog][n] when ns > 1 */
+    long ns;
+    float* cval;        /* [nt][nlog] */
+    int64_t* cidx;      /* [nt][nlog]; -1: the thread had no column */
+} nd_head_buf;
+
+/* The head of the logits rows: hn = rms_norm(residual + delta) * norm on a copy of the residual
+ * (the residual itself is not updated), its int8 rows, the lm_head GEMV into st->logits, then each
+ * thread's argmax candidate over its columns. Shared steps: rows over threads, then a barrier;
+ * redundant ones: every thread every row, into its own buffers. */
+static void nd_head_phase(const nd_model* m, const nd_step* st, const nd_head_buf* hb, nd_thread* t) {
+    const nd_head* hd = m->head;
+    const qg_format* f = &hd->f;
+    const int64_t H = m->H, M = st->M, S = st->nlog, N = f->n;
+    const long ng = f->kp / f->group, nb = ng * qg_blocks_per_group(f), Q = hd->resid ? 2 * S : S;
+    const nd_xqbuf* b = t->red ? &t->own : &hb->xq;
+    const float* res = t->red ? t->rbuf[t->cur] : st->residual;
+    for (int64_t i = t->red ? 0 : t->tid; i < S; i += t->red ? 1 : t->nt) {
+        const int64_t r = st->lidx[i];
+        if (t->pend.part)  /* row r of down_proj's sums (ldo 0: into hrow) */
+            qg_q8_sum_parts(t->pend.part, t->pend.ns, M, t->pend.n, t->pend.bias, t->hrow, 0, r * H, (r + 1) * H);
+        else
+            memcpy(t->hrow, st->delta + r * H, sizeof(float) * (size_t)H);
+        memcpy(t->res, res + r * H, sizeof(float) * (size_t)H);
+        nr_add_rms_row(t->hrow, t->res, hd->norm, m->eps, H, t->hrow);
+        qg_quantize_row_at(t->hrow, i, f, b->xq, b->sx, b->xi, b->xs, hd->resid, t->xrow);
+    }
+    t->pend.part = NULL;
+    if (!t->red) nd_barrier(t);
+    const qg_xq q = {b->xq, b->sx, b->xi, b->xs, f->kp, nb, ng};
+    qg_q8_share(hd->w, f, &q, Q, S, hd->bias, st->logits, N, hb->part, hb->ns, qg_q8_kernel(st->qg_level),
+                hd->resid, t->tid, t->nt);
+    if (hb->ns > 1) {
+        long i0, i1;
+        nr_share(S * N, t->tid, t->nt, &i0, &i1);
+        nd_barrier(t);
+        qg_q8_sum_parts(hb->part, hb->ns, S, N, hd->bias, st->logits, N, i0, i1);
+        nd_barrier(t);
+    }
+    if (!st->amax) return;
+    /* NOTE: with one slice these are the columns this thread just stored (no barrier before) */
+    long b0, b1;
+    nr_share((N + QG_NB - 1) / QG_NB, t->tid, t->nt, &b0, &b1);
+    const int64_t c0 = b0 * QG_NB, c1 = b1 * QG_NB < st->vocab ? b1 * QG_NB : st->vocab;
+    for (int64_t i = 0; i < S; i++) {
+        const float* x = st->logits + i * N;
+        int64_t best = c0 < c1 ? c0 : -1;
+        for (int64_t c = c0; c < c1 && x[best] == x[best]; c++)
+            if (x[c] > x[best] || x[c] != x[c]) best = c;
+        hb->cval[t->tid * S + i] = best >= 0 ? x[best] : 0.0f;
+        hb->cidx[t->tid * S + i] = best;
+    }
+}
+
 /* Whether a step of M rows runs redundant (nd_thread.red): when a row's norm and int8 rounding
  * on every thread cost less than the barriers they save. NOTE: batch 1 only: on SPR-16 at 16
  * threads (Qwen2.5-0.5B int4, a one-off probe) redundant steps of 4 and 8 rows decoded clearly
@@ -498,6 +575,38 @@ static int nd_run(const nd_model* m, const nd_step* st, int64_t s0, int64_t s1) 
             ngq = c > ngq ? c : ngq;
         }
     }
+    /* the head: its int8 rows (two a row with resid), shared or in each thread's own buffers */
+    const nd_head* hd = st->logits ? m->head : NULL;
+    long hq = 0, hnb = 0, hng = 0, hrows = 0;
+    if (hd) {
+        const long g = hd->f.kp / hd->f.group, per = hd->resid ? 2 : 1;
+        hrows = per * st->nlog;
+        hq = hd->f.kp;
+        hng = g;
+        hnb = g * qg_blocks_per_group(&hd->f);
+        kq = per * hq > kq ? per * hq : kq;
+        nbq = per * hnb > nbq ? per * hnb : nbq;
+        ngq = per * hng > ngq ? per * hng : ngq;
+    }
+    nd_head_buf hb;
+    memset(&hb, 0, sizeof hb);
+    const int64_t S = hd ? st->nlog : 0;
+    hb.ns = hd ? qg_q8_slices(&hd->f, hrows, ntmax) : 1;
+    const size_t h_sx = nd_up64(sizeof(float) * (size_t)(hrows * hnb));
+    const size_t h_xs = nd_up64(sizeof(float) * (size_t)(hrows * hng));
+    const size_t h_xi = nd_up64(sizeof(int32_t) * (size_t)(hrows * hnb)), h_xq = nd_up64((size_t)(hrows * hq));
+    const size_t h_part = hb.ns > 1 ? nd_up64(sizeof(float) * (size_t)(hb.ns * S * hd->f.n)) : 0;
+    const size_t h_cand = nd_up64((sizeof(float) + sizeof(int64_t)) * (size_t)(ntmax * S));
+    char* hbuf = err || !hd ? NULL : (char*)aligned_alloc(64, h_sx + h_xs + h_xi + h_xq + h_part + h_cand);
+    if (hbuf) {
+        hb.xq.sx = (float*)hbuf;
+        hb.xq.xs = (float*)(hbuf + h_sx);
+        hb.xq.xi = (int32_t*)(hbuf + h_sx + h_xs);
+        hb.xq.xq = (int8_t*)(hbuf + h_sx + h_xs + h_xi);
+        hb.part = hb.ns > 1 ? (float*)(hbuf + h_sx + h_xs + h_xi + h_xq) : NULL;
+        hb.cidx = (int64_t*)(hbuf + h_sx + h_xs + h_xi + h_xq + h_part);
+        hb.cval = (float*)(hb.cidx + ntmax * S);
+    }
     const size_t o_ar = nd_up64(sizeof(float) * (size_t)(3 * H));
     const size_t o_sx = o_ar + nd_up64(sizeof(float) * (size_t)(Mr * m->Hq * m->D));
     const size_t o_xs = o_sx + nd_up64(sizeof(float) * (size_t)(Mr * nbq));
@@ -508,7 +617,7 @@ static int nd_run(const nd_model* m, const nd_step* st, int64_t s0, int64_t s1) 
     nd_cell* cells = err ? NULL : (nd_cell*)aligned_alloc(64, sizeof(nd_cell) * (size_t)(ntmax * 2 * (rmax + 1)));
     char* own = err ? NULL : (char*)aligned_alloc(64, own_st * (size_t)ntmax);
     float* rbuf1 = err || !red_any ? NULL : (float*)aligned_alloc(64, nd_up64(sizeof(float) * (size_t)(M * H)));
-    err = err || ws == NULL || cells == NULL || own == NULL || (red_any && rbuf1 == NULL);
+    err = err || ws == NULL || cells == NULL || own == NULL || (red_any && rbuf1 == NULL) || (hd && hbuf == NULL);
     if (!err) {
         memset(cells, 0, sizeof(nd_cell) * (size_t)(ntmax * 2 * (rmax + 1)));
         /* NOTE: waiters that spin on every cpu starve the threads they wait for when the team is
@@ -519,7 +628,7 @@ static int nd_run(const nd_model* m, const nd_step* st, int64_t s0, int64_t s1) 
         const nd_bar bar = {cells, rmax + 1, ND_SPINS,
                             st->barrier == 2 || (st->barrier == 0 && ntmax > ncpu)};
         int64_t counter = 0;
-        int last = 0;
+        int last = 0, team = 1;
         #pragma omp parallel
         {
             nd_thread t;
@@ -544,10 +653,30 @@ static int nd_run(const nd_model* m, const nd_step* st, int64_t s0, int64_t s1) 
             t.rbuf[1] = rbuf1;
             for (int64_t s = s0; s < s1; s++) {
                 const nd_layer* ly = &m->layers[s / 2];
-                if (s % 2 == 0) nd_attention_half(m, st, ly, s == 0, use[s / 2 - l0], s + 1 < s1, &t);
-                else nd_mlp_half(m, st, ly, s + 1 < s1, &t);
+                const int fold = s + 1 < s1 || hd != NULL;
+                if (s % 2 == 0) nd_attention_half(m, st, ly, s == 0, use[s / 2 - l0], fold, &t);
+                else nd_mlp_half(m, st, ly, fold, &t);
             }
-            if (t.tid == 0) last = t.cur;
+            if (hd) nd_head_phase(m, st, &hb, &t);
+            if (t.tid == 0) {
+                last = t.cur;
+                team = t.nt;
+            }
+        }
+        /* each row's argmax: the first thread's candidate that is a NaN, else the largest (the
+         * lowest index on ties: the threads' columns ascend with tid) */
+        for (int64_t i = 0; hd && st->amax && i < S; i++) {
+            int64_t best = -1;
+            float v = 0.0f;
+            for (int k = 0; k < team && !(best >= 0 && v != v); k++) {
+                const int64_t c = hb.cidx[k * S + i];
+                const float x = hb.cval[k * S + i];
+                if (c >= 0 && (best < 0 || x > v || x != x)) {
+                    best = c;
+                    v = x;
+                }
+            }
+            st->amax[i] = best;
         }
         /* the residual ended in the scratch buffer (an odd number of updates) */
         if (last) memcpy(st->residual, rbuf1, sizeof(float) * (size_t)(M * H));
@@ -559,6 +688,7 @@ static int nd_run(const nd_model* m, const nd_step* st, int64_t s0, int64_t s1) 
     free(cells);
     free(own);
     free(rbuf1);
+    free(hbuf);
     return err ? -1 : 0;
 }
 

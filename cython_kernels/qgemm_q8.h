@@ -136,6 +136,20 @@ static void qg_quantize_row(const float* xr, const qg_format* f, int8_t* xq, flo
     for (long g = 0; g < ng; g++) qg_quantize_group(xr, f, g, xq, sx, xi, xs, res);
 }
 
+/* Row xr as activation row r of q's buffers: int8 row r, or with `resid` int8 rows 2 r (xr) and
+ * 2 r + 1 (its residual xr - dq(xr), computed in rr: kp floats). */
+static void qg_quantize_row_at(const float* xr, long r, const qg_format* f, int8_t* xq, float* sx,
+                               int32_t* xi, float* xs, int resid, float* rr) {
+    const long ng = f->kp / f->group, nb = ng * qg_blocks_per_group(f);
+    if (!resid) {
+        qg_quantize_row(xr, f, xq + r * f->kp, sx + r * nb, xi + r * nb, xs + r * ng, NULL);
+        return;
+    }
+    const long a = 2 * r, c = 2 * r + 1;
+    qg_quantize_row(xr, f, xq + a * f->kp, sx + a * nb, xi + a * nb, xs + a * ng, rr);
+    qg_quantize_row(rr, f, xq + c * f->kp, sx + c * nb, xi + c * nb, xs + c * ng, NULL);
+}
+
 /* Quantize rows x[M, kp] (stride ldx) into q (buffers sized by the caller). With `resid`
  * (res: a [M][kp] f32 buffer) row r becomes two int8 rows, 2r = x and 2r + 1 = its residual
  * x - dq(x): their sum carries about 15 bits, where one row carries 8. NOTE: a decode step's few
@@ -143,15 +157,7 @@ static void qg_quantize_row(const float* xr, const qg_format* f, int8_t* xq, flo
  * microsecond, less than starting a team. */
 static void qg_quantize_rows(const float* x, long r, long ldx, const qg_format* f, int8_t* xq,
                              float* sx, int32_t* xi, float* xs, int resid, float* res) {
-    const long ng = f->kp / f->group, nb = ng * qg_blocks_per_group(f);
-    if (!resid) {
-        qg_quantize_row(x + r * ldx, f, xq + r * f->kp, sx + r * nb, xi + r * nb, xs + r * ng, NULL);
-        return;
-    }
-    float* rr = res + r * f->kp;
-    const long a = 2 * r, c = 2 * r + 1;
-    qg_quantize_row(x + r * ldx, f, xq + a * f->kp, sx + a * nb, xi + a * nb, xs + a * ng, rr);
-    qg_quantize_row(rr, f, xq + c * f->kp, sx + c * nb, xi + c * nb, xs + c * ng, NULL);
+    qg_quantize_row_at(x + r * ldx, r, f, xq, sx, xi, xs, resid, resid ? res + r * f->kp : NULL);
 }
 
 static void qg_quantize_x(const float* x, long M, long ldx, const qg_format* f, int8_t* xq,

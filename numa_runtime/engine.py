@@ -320,7 +320,7 @@ class Engine:
 
     def _update(self, out, logits) -> None:
         """Sample, append tokens, decide stops, and hand each changed request's output to its owner."""
-        ids, logprobs = self.sampler(logits, out.sampling, self.eos_ids)
+        ids, logprobs = self.sampler(logits, out.sampling, self.eos_ids, getattr(self.runner, "greedy_ids", None))
         self.scheduler.update(out, ids)
         changed = {}
         for req, lp in zip(out.sampling, logprobs):

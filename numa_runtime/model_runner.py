@@ -34,6 +34,9 @@ class ModelRunner:
         self.disk = self._open_disk_store(model_cfg)
         self.disk_hashes = self.disk.scan() if self.disk is not None else []  # valid on this rank
         self.failed_loads: set[int] = set()  # rank 0: hashes of the last step's failed loads
+        # [S'] int64 or None: the argmax of each row of the logits the last execute returned,
+        # when the model's decode region computed it (the sampler's greedy rows take it)
+        self.greedy_ids = None
 
     def _open_disk_store(self, model_cfg: ModelConfig):
         if self.engine_cfg.kv_cache_dir is None:
@@ -71,13 +74,16 @@ class ModelRunner:
         """Run one step on every rank; returns logits [len(plan.logits_indices), vocab], or
         None when a block loaded from the disk tier failed its check on some rank (nothing ran;
         `failed_loads` names the hashes)."""
+        self.greedy_ids = None
         if self.comm.world_size > 1:
             self.comm.broadcast_plan(plan)
         if not self._apply_tier_ops(plan):
             return None
         if plan.num_tokens == 0:
             return np.zeros((0, self.model.cfg.vocab_size), np.float32)
-        return self.model.forward(plan)
+        logits = self.model.forward(plan)
+        self.greedy_ids = getattr(self.model, "greedy_ids", None)
+        return logits
 
     def _apply_tier_ops(self, plan: StepPlan) -> bool:
         """Every rank: the plan's tier ops on its own shard; False if a load failed anywhere."""

@@ -23,35 +23,42 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._rngs.pop(request_id, None)
 
-    def __call__(self, logits: np.ndarray, reqs: list[Request], eos_ids: set[int]):
-        """(token ids [N], per request None or (logprob of its token, {top token: logprob}))."""
+    def __call__(self, logits: np.ndarray, reqs: list[Request], eos_ids: set[int], argmax=None):
+        """(token ids [N], per request None or (logprob of its token, {top token: logprob})).
+        argmax: None, or [N] each row's argmax as the model computed it with the logits (greedy
+        rows whose logits nothing changes take it instead of a pass over the row)."""
         with self.recorder.span(FORWARD, "sample"):
-            return self._sample(logits, reqs, eos_ids)
+            return self._sample(logits, reqs, eos_ids, argmax)
 
-    def _sample(self, logits: np.ndarray, reqs: list[Request], eos_ids: set[int]):
+    def _sample(self, logits: np.ndarray, reqs: list[Request], eos_ids: set[int], argmax=None):
         # logits: [N, V] f32, rows align with reqs; this step's own buffer, changed in place
         n = len(reqs)
         if n == 0:
             return np.zeros(0, np.int64), []
         logprobs = self._logprobs(logits, reqs)  # from the raw distribution, before penalties
+        changed = False  # whether a row's logits were changed below (argmax no longer holds)
         for i, r in enumerate(reqs):
             sp = r.sampling_params
             if sp.logit_bias:
                 ids, bias = zip(*sp.logit_bias.items())
                 logits[i, list(ids)] += np.asarray(bias, np.float32)
+                changed = True
             if sp.has_penalties:
                 self._apply_penalties(logits[i], r)
+                changed = True
             if r.num_output_tokens < sp.min_tokens:
                 ban = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(eos_ids))
                 logits[i, [t for t in ban if t < logits.shape[1]]] = -np.inf
+                changed = True
             if sp.json_schema is not None and self.grammars is not None:
                 self.grammars.mask(r.request_id, logits[i])
+                changed = True
         ids = np.empty(n, np.int64)
         greedy = [r.sampling_params.is_greedy for r in reqs]
         # NOTE: argmax takes the lowest index on ties, as the sampling kernel does; an
         # all-greedy batch (the common case) is reduced in place, without a [N, V] copy.
         if all(greedy):
-            ids[:] = logits.argmax(axis=1)
+            ids[:] = logits.argmax(axis=1) if argmax is None or changed else argmax
             return ids, self._chosen_logprobs(logprobs, ids, n)
         greedy = np.array(greedy)
         if greedy.any():

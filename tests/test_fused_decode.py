@@ -16,6 +16,7 @@ from quant_helpers import decode_logits
 
 from numa_runtime import Engine, SamplingParams
 from numa_runtime._kernels import qgemm
+from numa_runtime.plan import StepPlan
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -268,6 +269,93 @@ def test_fused_decoder_refuses_steps_it_cannot_run(models, monkeypatch):
             m.fused.run(b, *ok.values(), 0, 2 * len(m.layers) + 1)
     finally:
         f.close()
+
+
+def decode_plan(ids: list[int], ctx: list[int], logits_rows: list[int], bs: int) -> StepPlan:
+    """A decode step of len(ids) sequences: sequence s holds keys [s * 16, s * 16 + ctx[s]) of a
+    fresh engine's cache (one block each, block size bs >= 16), its new token the last of them."""
+    n = len(ids)
+    pos = np.array([c - 1 for c in ctx], np.int64)
+    return StepPlan(token_ids=np.asarray(ids, np.int64), positions=pos,
+                    slot_mapping=np.array([s * bs + p for s, p in enumerate(pos)], np.int64),
+                    query_start=np.arange(n + 1, dtype=np.int32), context_lens=np.asarray(ctx, np.int32),
+                    block_tables=np.arange(n, dtype=np.int32)[:, None],
+                    logits_indices=np.asarray(logits_rows, np.int64))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 5, 7])
+def test_the_region_runs_the_head_and_its_argmax(models, monkeypatch, threads):
+    """On one rank a decode step of up to 4 logits rows (two int8 rows each fit one pass, QG_MR_Q8)
+    ends with the final norm, lm_head and each row's argmax in the region: the logits of the
+    op-by-op head for any subset of the rows (a row that does not sample gets none), and argmax
+    ids equal to numpy's over the logits (at 7 threads the head's GEMV is cut into k slices)."""
+    f, o = both(models["qwen2"], monkeypatch, num_threads=threads)
+    try:
+        fused = f.runner.model.fused
+        assert fused.head_fits(1) and fused.head_fits(4) and not fused.head_fits(5)
+        bs = f.config.block_size
+        for rows in ([0], [1], [0, 2], [0, 1, 2, 3], [3, 1]):
+            plan = decode_plan([5, 77, 300, 9], [1, 3, 2, 4], rows, bs)
+            lf, lo = f.runner.execute(plan), o.runner.execute(plan)
+            np.testing.assert_array_equal(lf, lo)
+            assert o.runner.greedy_ids is None  # op by op: the sampler takes the argmax
+            np.testing.assert_array_equal(f.runner.greedy_ids, lf.argmax(axis=1))
+        plan = decode_plan([5] * 5, [1] * 5, list(range(5)), bs)  # 10 int8 rows: the head after the region
+        f.runner.execute(plan)
+        assert f.runner.greedy_ids is None
+    finally:
+        f.close()
+        o.close()
+
+
+def test_region_argmax_ties_and_padding_follow_numpy(models, monkeypatch):
+    """Ties go to the lowest index across the threads' column ranges, a NaN counts as the
+    largest (numpy), and columns past the vocabulary (padding) are never chosen."""
+    f = engine(models["qwen2"], True, monkeypatch, num_threads=5)
+    try:
+        model, bs = f.runner.model, f.config.block_size
+        fused, V = model.fused, model.cfg.vocab_size
+        plan = decode_plan([5, 77], [1, 1], [0, 1], bs)
+        logits = f.runner.execute(plan)
+        top = logits.argmax(axis=1)
+        # a vocabulary that ends before the first row's largest logit
+        assert fused.set_head(model.norm, model.lm_head, int(top[0]))
+        logits = f.runner.execute(plan)
+        np.testing.assert_array_equal(f.runner.greedy_ids, logits[:, :top[0]].argmax(axis=1))
+        # every logit equal (the final norm's weights 0): index 0 on every row
+        assert fused.set_head(np.zeros_like(model.norm), model.lm_head, V)
+        logits = f.runner.execute(plan)
+        assert (logits == logits[0, 0]).all()
+        np.testing.assert_array_equal(f.runner.greedy_ids, [0, 0])
+        # every logit NaN: numpy's argmax is the first NaN
+        assert fused.set_head(np.full_like(model.norm, np.nan), model.lm_head, V)
+        logits = f.runner.execute(plan)
+        assert np.isnan(logits).all()
+        np.testing.assert_array_equal(f.runner.greedy_ids, np.argmax(logits, axis=1))
+        assert not fused.set_head(model.norm, model.lm_head, V + 1000)  # more tokens than columns
+    finally:
+        f.close()
+
+
+def test_greedy_rows_whose_logits_change_do_not_take_the_region_argmax(models, monkeypatch):
+    """logit_bias, repetition penalties and min_tokens change a greedy row's logits after the
+    region computed its argmax: the sampler then takes the argmax of the changed row. The op-by-op
+    engine (which never has a region argmax) gives the same tokens."""
+    f, o = both(models["llama"], monkeypatch)
+    try:
+        plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        base = f.generate(PROMPT, plain)[0].outputs[0].token_ids
+        forced = next(t for t in range(3, 384) if t not in base)
+        for sp in (SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={forced: 100.0}),
+                   SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=1.8),
+                   SamplingParams(temperature=0, max_tokens=8, min_tokens=8, stop_token_ids=[base[1]])):
+            got = f.generate(PROMPT, sp)[0].outputs[0].token_ids
+            assert got == o.generate(PROMPT, sp)[0].outputs[0].token_ids, sp
+            if sp.logit_bias:
+                assert got == [forced] * 8
+    finally:
+        f.close()
+        o.close()
 
 
 def run_mpi(n, model_dir, fused: bool, prompts):

@@ -98,6 +98,8 @@ class LlamaModel:
         self.windows = [cfg.window(i) for i in range(cfg.num_layers)]  # 0 = full attention
         self._kept: dict[int, _StepBuffers] = {}  # tokens per step -> its buffers (_buffers)
         self.fused = None  # set with the KV cache (_fused_decoder)
+        # [S'] int64: each logits row's argmax, when the step's region computed it; else None
+        self.greedy_ids = None
         self.prefill_int8 = self._set_prefill_activations(prefill_activations)
 
     def _set_prefill_activations(self, mode: str) -> bool:
@@ -166,9 +168,14 @@ class LlamaModel:
                    l.q_norm, l.k_norm, kc, vc, w) for l, (kc, vc), w in zip(self.layers, self.kv_cache, self.windows)]
         fused = make(layers, cfg.hidden_size, cfg.head_dim, lay.num_q_heads, lay.num_kv_heads,
                      self.layers[0].gate_up_proj.out_features // 2, cfg.rms_norm_eps, self.scale, self.cos_sin)
+        # NOTE: on one rank the step's region runs the final norm and lm_head too (and each row's
+        # argmax, for greedy rows); tensor parallel ranks all-gather their vocabulary slices after it
+        head = fused is not None and lay.world == 1 and self.lm_head is not None and \
+            fused.set_head(self.norm, self.lm_head, cfg.vocab_size)
         if lay.rank == 0:
-            log.info("decode steps: %s", "one OpenMP region per %s (FusedDecoder)" % ("step" if lay.world == 1 else "half layer")
-                     if fused is not None else "op by op (dense, f32-exact or profiled linears)")
+            log.info("decode steps: %s", "one OpenMP region per %s%s (FusedDecoder)" % (
+                "step" if lay.world == 1 else "half layer", ", lm_head included" if head else "")
+                if fused is not None else "op by op (dense, f32-exact or profiled linears)")
         return fused
 
     def embed_tokens(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -203,6 +210,7 @@ class LlamaModel:
         # NOTE: a step of decode rows only lets a decode batch take int8 activations (qgemm);
         # the flag is this thread's, and is cleared after the step
         self.ops.set_decode_step(plan.num_tokens == plan.num_seqs)
+        self.greedy_ids = None
         try:
             return self._forward(plan)
         finally:
@@ -258,6 +266,10 @@ class LlamaModel:
         all-reduces of o and delta between them (tensor parallel): the values of _forward."""
         args = (b, plan.positions, plan.slot_mapping, bt, qs, cl)
         stages = 2 * len(self.layers)
+        idx, V = plan.logits_indices, self.cfg.vocab_size
+        if self.lay.world == 1 and plan.kind != EMBED and self.fused.head_fits(idx.shape[0]):
+            logits, self.greedy_ids = self.fused.run(*args, 0, stages, idx)
+            return logits[:, :V] if logits.shape[1] != V else logits
         if self.lay.world == 1:
             self.fused.run(*args, 0, stages)
         else:
