@@ -238,6 +238,11 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"        # "auto" (the dtype's: bf16 or f32), "bfloat16", "float32" or "int8"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # NOTE: greedy decode steps of up to 4 sequences, with nothing waiting, run this many steps
+    # per scheduling round (vLLM's multi-step scheduling; engine._burst_len): the per-step Python
+    # work (schedule, sampling, outputs) runs once per burst with cold caches instead of every
+    # step. Bursts are kept to about BURST_SECONDS of decode; 1: off
+    num_scheduler_steps: int = 8
     enable_prefix_caching: bool = True
     eviction: str = "lru"
     backend: str = "cpu"
@@ -274,6 +279,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be 'auto', 'bfloat16', 'float32' or 'int8', got {kv!r}.")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive.")
+        if not isinstance(self.num_scheduler_steps, int) or self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be a positive integer, got {self.num_scheduler_steps!r}.")
         if self.quantization is not None:
             from .quant.loader import parse_quantization
             parse_quantization(self.quantization)  # raises one sentence on a bad name

@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import sys
+import time
 from collections import deque
 from typing import Iterable, Iterator
 
@@ -36,6 +37,9 @@ log = init_logger()
 # NOTE: EngineConfig.reserve_server_core leaves a cpu to the HTTP server from this many cpus on;
 # with fewer, a compute thread is worth more than the server's wake-ups cost
 RESERVE_MIN_CPUS = 8
+# NOTE: a decode burst (EngineConfig.num_scheduler_steps) lasts about this long at most, so that
+# streamed tokens arrive at least this often and a new request waits at most this long to start
+BURST_SECONDS = 0.025
 
 
 class Engine:
@@ -107,6 +111,10 @@ class Engine:
         self._groups: dict[str, _Group] = {}
         self._texts: dict[str, TextState] = {}
         self._step_outbox: deque[RequestOutput] = deque()  # outputs of add_request's requests
+        # decode bursts (_burst_len): the runner's row bound and the last decode step's seconds
+        burst_rows = getattr(self.runner, "burst_rows", None)
+        self._burst_rows = burst_rows() if burst_rows is not None else 0
+        self._decode_step_s = float("inf")
         self._ids = itertools.count()
         self._closed = False
         atexit.register(self.close)
@@ -309,18 +317,68 @@ class Engine:
         rec.begin_step()
         with rec.span(RESHAPE, "schedule"):
             out = self.scheduler.schedule()
+        steps = self._burst_len(out)
+        t0 = time.perf_counter()
+        if steps > 1 and self.scheduler.extend_decode(out, steps):
+            tokens = self.runner.execute_burst(out.plan, steps)
+            self._decode_step_s = (time.perf_counter() - t0) / steps
+            with rec.span(FORWARD, "update"):
+                self._update_burst(out, tokens)
+            return
         logits = self.runner.execute(out.plan)
         if logits is None:  # a block read back from disk failed its check: redo without it
             self.scheduler.redo_without(out, self.runner.failed_loads)
             return
+        if self._burst_rows and out.plan.num_tokens == out.plan.num_seqs:  # decode rows: a burst's step
+            self._decode_step_s = time.perf_counter() - t0
         with rec.span(FORWARD, "update"):
             self._update(out, logits)
         if rec.trace_due():  # AS_PROFILE_TRACE: once, when its number of steps is kept
             self.export_chrome_trace(rec.trace_path)
 
+    def _burst_len(self, out) -> int:
+        """How many greedy decode steps this step's plan runs in one go (1: just itself).
+        NOTE: only where a burst changes nothing but timing: up to burst_rows sequences, each
+        on its last token and greedy with nothing that changes its logits (bias, penalties,
+        min_tokens, a schema) and no logprobs, no request waiting (it would wait for the burst),
+        no cache tier ops; at most num_scheduler_steps steps, about BURST_SECONDS of decode at
+        the last measured step time, and the fewest tokens any of the sequences has left. A
+        sequence that stops inside the burst (eos, stop strings) keeps only its tokens up to
+        the stop; what it computed after is dropped with it."""
+        cap = min(self.config.num_scheduler_steps, int(BURST_SECONDS / max(self._decode_step_s, 1e-6)))
+        reqs, plan = out.sampling, out.plan
+        if (cap < 2 or not reqs or len(reqs) > self._burst_rows or plan.num_tokens != len(reqs)
+                or len(out.scheduled) != len(reqs) or out.preempted or self.scheduler.num_waiting
+                or len(plan.tier_ops)):
+            return 1
+        for r in reqs:
+            sp = r.sampling_params
+            if (not sp.is_greedy or sp.logit_bias or sp.has_penalties or sp.logprobs is not None
+                    or sp.json_schema is not None or r.num_output_tokens < sp.min_tokens):
+                return 1
+            left = self.max_model_len - r.num_tokens  # tokens it may still append
+            if sp.max_tokens is not None:
+                left = min(left, sp.max_tokens - r.num_output_tokens)
+            cap = min(cap, left)
+        return max(cap, 1)
+
+    def _update_burst(self, out, tokens) -> None:
+        """Step j of a burst's tokens [steps, S] as _update takes one step's samples: the
+        requests still running each get their token; one that stopped gets no more."""
+        for j in range(tokens.shape[0]):
+            live = [i for i, r in enumerate(out.sampling) if not r.is_finished]
+            if not live:
+                return
+            sub = out if len(live) == len(out.sampling) else type(out)(
+                out.plan, [out.scheduled[i] for i in live], [1] * len(live), [out.sampling[i] for i in live])
+            self._apply(sub, tokens[j, live], [None] * len(live))
+
     def _update(self, out, logits) -> None:
         """Sample, append tokens, decide stops, and hand each changed request's output to its owner."""
         ids, logprobs = self.sampler(logits, out.sampling, self.eos_ids, getattr(self.runner, "greedy_ids", None))
+        self._apply(out, ids, logprobs)
+
+    def _apply(self, out, ids, logprobs) -> None:
         self.scheduler.update(out, ids)
         changed = {}
         for req, lp in zip(out.sampling, logprobs):

@@ -85,6 +85,20 @@ class ModelRunner:
         self.greedy_ids = getattr(self.model, "greedy_ids", None)
         return logits
 
+    def burst_rows(self) -> int:
+        """The most sequences a decode burst may have (execute_burst); 0: none."""
+        f = getattr(self.model, "burst_rows", None)
+        return f() if f is not None and self.comm.world_size == 1 else 0
+
+    def execute_burst(self, plan: StepPlan, steps: int) -> np.ndarray:
+        """`steps` greedy decode steps from one plan of decode rows that all sample, without
+        tier ops (one rank): each row's token of step j + 1 is its argmax of step j. Returns the
+        tokens [steps, S]."""
+        self.greedy_ids = None
+        if len(plan.tier_ops):
+            raise ValueError("execute_burst: the plan has cache tier ops; run it with execute")
+        return self.model.decode_burst(plan, steps)
+
     def _apply_tier_ops(self, plan: StepPlan) -> bool:
         """Every rank: the plan's tier ops on its own shard; False if a load failed anywhere."""
         self.failed_loads = set()

@@ -226,6 +226,22 @@ class Scheduler:
                         tier_ops=tier.take_ops() if tier is not None else None)
         return SchedulerOutput(plan, [r for r, _ in scheduled], [n for _, n in scheduled], sampling, preempted)
 
+    def extend_decode(self, out: SchedulerOutput, steps: int) -> bool:
+        """Give each request of a step of decode rows blocks for `steps` tokens and widen the
+        plan's block tables to them, for a burst of that many decode steps (the engine then calls
+        update once a step). False, with nothing changed, when the pool lacks the blocks."""
+        bm = self.block_manager
+        if sum(bm._num_new_blocks(r, steps, ()) for r in out.scheduled) > bm.num_free_blocks:
+            return False
+        for r in out.scheduled:
+            bm.allocate(r, steps)
+        bt = np.zeros((len(out.scheduled), max(len(r.block_ids) for r in out.scheduled)), np.int32)
+        for s, r in enumerate(out.scheduled):
+            bt[s, :len(r.block_ids)] = r.block_ids
+        np.maximum(bt, 0, out=bt)  # NOTE: released blocks (outside the window) read as block 0
+        out.plan.block_tables = bt
+        return True
+
     def update(self, out: SchedulerOutput, sampled_token_ids) -> None:
         """After the model ran `out.plan`: advance what was computed, cache newly full blocks,
         append one sampled token to each request in `out.sampling`."""

@@ -277,6 +277,45 @@ class LlamaModel:
                 self.comm.all_reduce_(self.fused.run(*args, s, s + 1))
         return self._head(plan, b.residual, b.delta)
 
+    def burst_rows(self) -> int:
+        """The most rows of a decode burst (decode_burst): a step's region must end with the
+        head and its argmax (one rank, quantized linears, head_fits); 0: no bursts."""
+        if self.fused is None or self.lay.world != 1 or self.lm_head is None:
+            return 0
+        return max((s for s in range(1, self.fused.MAX_ROWS + 1) if self.fused.head_fits(s)), default=0)
+
+    def decode_burst(self, plan, steps: int) -> np.ndarray:
+        """`steps` greedy decode steps of the plan's rows in a row (every row samples; the
+        block tables hold the blocks of all of them): step j + 1 takes each row's argmax of step
+        j as its token, one position further. Returns the tokens [steps, S] (int64)."""
+        S, bs = plan.num_seqs, self.kv_cache[0][0].shape[1]
+        if not (0 < S <= self.burst_rows() and plan.num_tokens == S and steps >= 1):
+            raise ValueError(f"decode_burst: {plan.num_tokens} tokens of {S} sequences, {steps} steps")
+        idx = np.ascontiguousarray(plan.logits_indices, dtype=np.int64)
+        if not np.array_equal(idx, np.arange(S)):
+            raise ValueError("decode_burst: every row of the plan must sample")
+        bt, qs = (np.ascontiguousarray(a, dtype=np.int32) for a in (plan.block_tables, plan.query_start))
+        cl = plan.context_lens.astype(np.int32)  # a copy: advanced step by step
+        if int(cl.max()) + steps - 1 > bt.shape[1] * bs:
+            raise ValueError(f"decode_burst: {steps} steps need more blocks than the block tables hold")
+        b = self._buffers(S)
+        pos, slots, ids = plan.positions.astype(np.int64), plan.slot_mapping.astype(np.int64), plan.token_ids
+        rows, stages = np.arange(S), 2 * len(self.layers)
+        out = np.empty((steps, S), np.int64)
+        self.ops.set_decode_step(True)
+        try:
+            for j in range(steps):
+                if j:
+                    pos += 1
+                    cl += 1
+                    slots = bt[rows, pos // bs].astype(np.int64) * bs + pos % bs
+                self.embed_tokens(ids, b.residual)
+                _, ids = self.fused.run(b, pos, slots, bt, qs, cl, 0, stages, idx)
+                out[j] = ids
+        finally:
+            self.ops.set_decode_step(False)
+        return out
+
     def _qk_norm(self, layer: DecoderLayer, b: "_StepBuffers") -> None:
         """Per-head norms of q and k (Qwen3) over [T * heads, D] rows, which needs contiguous
         q and k: b.qn, b.kn = the normed q and k views of b.qkv."""

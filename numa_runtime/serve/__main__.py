@@ -45,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "default) or int8 blocks (integer dot products, as llama.cpp: faster with "
                          "AVX-512 VNNI, AMX-INT8 included; slightly less exact)")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded side by side at most")
+    ap.add_argument("--num-scheduler-steps", type=int, default=8,
+                    help="greedy decode steps of up to 4 sequences, with no request waiting, run up to "
+                         "this many steps per scheduling round (about 25 ms of decode at most; 1: off)")
     ap.add_argument("--max-queue", type=int, default=256, help="waiting sequences beyond which requests get 429")
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes per rank")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32", "int8"],
@@ -87,7 +90,7 @@ def engine_kwargs(args) -> dict:
               "lm_head_quantization": args.lm_head_quantization, "device": args.device,
               "prefill_activations": args.prefill_activations,
               "host_kv_cache_memory": args.host_kv_cache_memory, "kv_cache_dtype": args.kv_cache_dtype,
-              "reserve_server_core": True}
+              "reserve_server_core": True, "num_scheduler_steps": args.num_scheduler_steps}
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = args.kv_cache_memory
     if args.kv_cache_dir is not None:
