@@ -54,7 +54,10 @@ def make_engine(a):
     return Engine(a.model, dtype=a.dtype, num_threads=a.threads, quantization=a.quantization,
                   max_model_len=a.prompt_max + max(a.output_len, a.overhead_tokens) + 16,
                   max_num_seqs=max([*a.concurrency, a.overhead_batch]),
-                  max_num_batched_tokens=a.max_batched_tokens)
+                  max_num_batched_tokens=a.max_batched_tokens,
+                  # NOTE: the overhead split and the prefetch rounds time single decode steps (a
+                  # burst of several, EngineConfig.num_scheduler_steps, would count as one)
+                  num_scheduler_steps=1 if a.overhead or a.prefetch else 8)
 
 
 def closed_loop(eng, a, rng, concurrency: int, num_requests: int) -> dict:

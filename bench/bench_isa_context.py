@@ -62,15 +62,16 @@ def child(args) -> dict:
             eng.add_request(rng.integers(3, vocab, ctx).tolist(),
                             SamplingParams(temperature=0, max_tokens=args.decode_tokens + 1, ignore_eos=True))
             t0 = time.perf_counter()
-            steps = []
+            steps, n = [], 0
             while eng.has_unfinished_requests():
                 outs = eng.step()
-                steps.append((time.perf_counter(), sum(len(o.token_ids) for o in outs)))
-            # the step that emits the first token ends the prefill; every later step decodes one
-            first = next(i for i, (_, n) in enumerate(steps) if n > 0)
+                n = max([n] + [len(o.token_ids) for o in outs])  # tokens so far (bursts bring several)
+                steps.append((time.perf_counter(), n))
+            # the step that emits the first token ends the prefill; the later ones decode
+            first = next(i for i, (_, k) in enumerate(steps) if k > 0)
             t_first, t_end = steps[first][0], steps[-1][0]
             res = {"prefill_tok_s": ctx / (t_first - t0),
-                   "decode_tok_s": (len(steps) - 1 - first) / (t_end - t_first)}
+                   "decode_tok_s": (steps[-1][1] - steps[first][1]) / (t_end - t_first)}
             if r == 0:
                 continue  # the warm-up
             if best is None or res["decode_tok_s"] > best["decode_tok_s"]:

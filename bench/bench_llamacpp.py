@@ -17,7 +17,9 @@ against llama.cpp Q8_0 / Q4_0. Our decode is also given as a fraction of the DRA
 lm_head included (plus the KV cache at depth). --op-by-op adds each quantized row of ours run
 again with NUMA_RUNTIME_FUSED_DECODE=0 (decode steps op by op instead of one OpenMP region);
 --prefill-int8 adds it again with prefill_activations="int8" (int8 prefill activations, as
-llama.cpp's; the default is bf16).
+llama.cpp's; the default is bf16); --one-step adds each GGUF row again with
+num_scheduler_steps=1 (one decode step per scheduling round; the default runs up to 8, as a
+burst).
 --depth D...: llama.cpp's prefill of D tokens (-p D -n 0) and decode after D tokens
 (-p 0 -n G -d D), flash attention off and on (-fa 0,1), against ours (the --depth-type file,
 bf16 by default): prefill of D tokens, then decode right after it. Writes OUT.json and OUT.md and prints the markdown.
@@ -140,7 +142,7 @@ def child(a) -> dict:
     longest = max([a.prefill, *a.depth]) + a.gen + 16
     eng = Engine(a.model_path, dtype="bfloat16", num_threads=a.threads, max_model_len=longest,
                  enable_prefix_caching=False, quantization=a.quantization,
-                 prefill_activations=a.prefill_activations or "bf16")
+                 prefill_activations=a.prefill_activations or "bf16", num_scheduler_steps=a.num_scheduler_steps)
     rng = np.random.default_rng(0)
     vocab = eng.model_config.vocab_size
 
@@ -148,12 +150,14 @@ def child(a) -> dict:
         """(prefill tok/s, decode tok/s after it) of one request alone."""
         eng.add_request(rng.integers(3, vocab, prompt_len).tolist(),
                         SamplingParams(temperature=0, max_tokens=gen + 1, ignore_eos=True))
-        t0, steps = time.perf_counter(), []
+        t0, steps, n = time.perf_counter(), [], 0
         while eng.has_unfinished_requests():
             outs = eng.step()
-            steps.append((time.perf_counter(), sum(len(o.token_ids) for o in outs)))
-        first = next(i for i, (_, n) in enumerate(steps) if n > 0)  # the step of the first token
-        decoded = len(steps) - 1 - first
+            # NOTE: tokens so far (a step may bring several: decode bursts, num_scheduler_steps)
+            n = max([n] + [len(o.token_ids) for o in outs])
+            steps.append((time.perf_counter(), n))
+        first = next(i for i, (_, k) in enumerate(steps) if k > 0)  # the step of the first token
+        decoded = steps[-1][1] - steps[first][1]
         return prompt_len / (steps[first][0] - t0), decoded / (steps[-1][0] - steps[first][0]) if decoded else 0.0
 
     m = eng.model_config
@@ -176,12 +180,12 @@ def child(a) -> dict:
 
 
 def run_ours(a, path: str, quantization: str | None, depth: list[int], env_extra: dict | None = None,
-             prefill: str = "bf16") -> dict:
+             prefill: str = "bf16", steps: int = 8) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model-path", path,
            "--threads", str(a.threads), "--prefill", str(a.prefill), "--gen", str(a.gen),
            "--reps", str(a.reps), "--depth-reps", str(a.depth_reps)]
     cmd += ["--quantization", quantization] if quantization else []
-    cmd += ["--prefill-activations", prefill]
+    cmd += ["--prefill-activations", prefill, "--num-scheduler-steps", str(steps)]
     cmd += ["--depth", *map(str, depth)] if depth else []
     print(f"  ours: Engine({os.path.basename(path)!r}, quantization={quantization!r}, prefill_activations={prefill!r})"
           + (f", depth {depth}" if depth else ""), flush=True)
@@ -241,6 +245,9 @@ def measure(a) -> dict:
         if a.prefill_int8 and t != "bf16":
             report["rows"].append({"ours": f"{t.upper()} GGUF, int8 prefill", "file": t, "quantization": None,
                                    "ours_result": run_ours(a, path, None, [], prefill="int8"), "llama_cpp": llama.get(t)})
+        if a.one_step:
+            report["rows"].append({"ours": f"{t.upper()} GGUF, one step a round", "file": t, "quantization": None,
+                                   "ours_result": run_ours(a, path, None, [], steps=1), "llama_cpp": llama.get(t)})
     if not a.no_load_quant:
         for q, t in AT_LOAD.items():
             if t not in a.types:
@@ -353,6 +360,8 @@ def main(argv=None) -> None:
                     help="each quantized row of ours again with NUMA_RUNTIME_FUSED_DECODE=0 (decode op by op)")
     ap.add_argument("--prefill-int8", action="store_true",
                     help="each quantized row of ours again with prefill_activations='int8'")
+    ap.add_argument("--one-step", action="store_true",
+                    help="each GGUF row of ours again with num_scheduler_steps=1 (no decode bursts)")
     ap.add_argument("--work", help="where the GGUF files go (default MODEL_DIR/gguf)")
     ap.add_argument("--quick", action="store_true", help="small probe, 32/8 tokens, 1 repeat (a smoke run)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per process")
@@ -361,6 +370,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model-path", help=argparse.SUPPRESS)
     ap.add_argument("--quantization", help=argparse.SUPPRESS)
     ap.add_argument("--prefill-activations", help=argparse.SUPPRESS)
+    ap.add_argument("--num-scheduler-steps", type=int, default=8, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.quick:
         a.prefill, a.gen, a.reps = 32, 8, 1
