@@ -19,7 +19,9 @@ again with NUMA_RUNTIME_FUSED_DECODE=0 (decode steps op by op instead of one Ope
 --prefill-int8 adds it again with prefill_activations="int8" (int8 prefill activations, as
 llama.cpp's; the default is bf16); --one-step adds each GGUF row again with
 num_scheduler_steps=1 (one decode step per scheduling round; the default runs up to 8, as a
-burst).
+burst). --rounds R alternates decode only R - 1 more times after each file's first pass
+(llama-bench, then each of our rows on that file) and reports medians and the range of the
+paired ratios: a shared host's load moves both runtimes by more than the gap between them.
 --depth D...: llama.cpp's prefill of D tokens (-p D -n 0) and decode after D tokens
 (-p 0 -n G -d D), flash attention off and on (-fa 0,1), against ours (the --depth-type file,
 bf16 by default): prefill of D tokens, then decode right after it. Writes OUT.json and OUT.md and prints the markdown.
@@ -33,6 +35,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from statistics import median
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -166,11 +169,11 @@ def child(a) -> dict:
     out = {"bytes_per_token": nbytes, "prefill_int8": bool(getattr(eng.runner.model, "prefill_int8", False)),
            "kv_bytes_per_context_token": 2 * m.num_layers * m.kv_size * 2,  # K and V, bf16
            "depth": {}}
-    run(a.prefill, 4)  # warm-up: kernel primitives for these shapes, first-touch pages
+    run(8 if a.decode_only else a.prefill, 4)  # warm-up: kernel primitives for these shapes, first-touch pages
     decode = [run(8, a.gen)[1] for _ in range(a.reps)]
-    prefill = [run(a.prefill, 0)[0] for _ in range(a.reps)]
+    prefill = [] if a.decode_only else [run(a.prefill, 0)[0] for _ in range(a.reps)]
     out.update(decode_tok_s=float(np.mean(decode)), decode_all=decode,
-               prefill_tok_s=float(np.mean(prefill)), prefill_all=prefill)
+               prefill_tok_s=float(np.mean(prefill)) if prefill else None, prefill_all=prefill)
     for d in a.depth:
         runs = [run(d, a.gen) for _ in range(a.depth_reps)]
         out["depth"][str(d)] = {"prefill_tok_s": float(np.mean([r[0] for r in runs])),
@@ -180,12 +183,13 @@ def child(a) -> dict:
 
 
 def run_ours(a, path: str, quantization: str | None, depth: list[int], env_extra: dict | None = None,
-             prefill: str = "bf16", steps: int = 8) -> dict:
+             prefill: str = "bf16", steps: int = 8, decode_only: bool = False) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model-path", path,
            "--threads", str(a.threads), "--prefill", str(a.prefill), "--gen", str(a.gen),
            "--reps", str(a.reps), "--depth-reps", str(a.depth_reps)]
     cmd += ["--quantization", quantization] if quantization else []
     cmd += ["--prefill-activations", prefill, "--num-scheduler-steps", str(steps)]
+    cmd += ["--decode-only"] if decode_only else []
     cmd += ["--depth", *map(str, depth)] if depth else []
     print(f"  ours: Engine({os.path.basename(path)!r}, quantization={quantization!r}, prefill_activations={prefill!r})"
           + (f", depth {depth}" if depth else ""), flush=True)
@@ -209,6 +213,26 @@ def ratio(a, b) -> str:
 
 def num(x, fmt="{:.1f}") -> str:
     return fmt.format(x) if isinstance(x, (int, float)) else "-"
+
+
+def alternate(a, bench_bin: str | None, path: str, rows: list[dict]) -> None:
+    """--rounds R: R - 1 more rounds of decode only, llama-bench then each of `rows` (ours on this
+    file), one after the other, so that both runtimes meet the host's load in turn. Each row gets
+    `pairs`: (llama.cpp, ours) decode tok/s of every round, the first pass included."""
+    if a.rounds < 2 or not bench_bin:
+        return
+    for row in rows:
+        lc, o = (row["llama_cpp"] or {}).get("decode"), row["ours_result"]
+        row["pairs"] = [(lc["avg_ts"], o["decode_tok_s"])] if lc and "error" not in o else []
+    for r in range(1, a.rounds):
+        print(f"  decode round {r + 1} of {a.rounds}", flush=True)
+        recs = llama_bench(bench_bin, path, a.threads, ["-p", "0", "-n", str(a.gen), "-r", str(a.reps)], a.timeout)
+        ld = (pick(recs, n_gen=a.gen) or {}).get("avg_ts")
+        for row in rows:
+            steps = 1 if "one step" in row["ours"] else 8
+            o = run_ours(a, path, None, [], steps=steps, decode_only=True)
+            if ld and "error" not in o:
+                row["pairs"].append((ld, o["decode_tok_s"]))
 
 
 def measure(a) -> dict:
@@ -248,6 +272,8 @@ def measure(a) -> dict:
         if a.one_step:
             report["rows"].append({"ours": f"{t.upper()} GGUF, one step a round", "file": t, "quantization": None,
                                    "ours_result": run_ours(a, path, None, [], steps=1), "llama_cpp": llama.get(t)})
+        alternate(a, bench_bin, path, [row for row in report["rows"] if row["file"] == t and row["quantization"] is None
+                                       and "op by op" not in row["ours"] and "int8 prefill" not in row["ours"]])
     if not a.no_load_quant:
         for q, t in AT_LOAD.items():
             if t not in a.types:
@@ -296,10 +322,16 @@ def markdown(r: dict, a) -> str:
         # llama.cpp reads its whole file's tensors a token (model_size: llama-bench's count)
         lsize = (lc.get("decode") or {}).get("model_size")
         lfrac = f"{ld * lsize / (dram * 1e9):.0%}" if ld and lsize else "-"
-        lines.append(f"| {row['ours']} | {row['file'].upper()} | {num(ld)} | {o['decode_tok_s']:.1f} | "
-                     f"{ratio(o['decode_tok_s'], ld)} | {num(lp, '{:.0f}')} | {o['prefill_tok_s']:.0f} | "
+        od, dr = o["decode_tok_s"], ratio(o["decode_tok_s"], ld)
+        pairs = row.get("pairs") or []
+        if len(pairs) > 1:  # --rounds: medians over the paired rounds, and the range of the ratios
+            rs = sorted(b / c for c, b in pairs)
+            ld, od = median([c for c, _ in pairs]), median([b for _, b in pairs])
+            dr = f"{median(rs):.2f}x ({rs[0]:.2f}-{rs[-1]:.2f}x, {len(rs)} rounds)"
+        lines.append(f"| {row['ours']} | {row['file'].upper()} | {num(ld)} | {od:.1f} | "
+                     f"{dr} | {num(lp, '{:.0f}')} | {o['prefill_tok_s']:.0f} | "
                      f"{ratio(o['prefill_tok_s'], lp)} | {o['bytes_per_token'] / 1e6:.3g} | "
-                     f"{o['decode_tok_s'] / limit:.0%} | {lfrac} |")
+                     f"{od / limit:.0%} | {lfrac} |")
     fas = sorted({fa_label((row["llama_cpp"] or {}).get("decode", {}).get("flash_attn")) for row in r["rows"]
                   if (row["llama_cpp"] or {}).get("decode")})
     if fas:
@@ -360,6 +392,9 @@ def main(argv=None) -> None:
                     help="each quantized row of ours again with NUMA_RUNTIME_FUSED_DECODE=0 (decode op by op)")
     ap.add_argument("--prefill-int8", action="store_true",
                     help="each quantized row of ours again with prefill_activations='int8'")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="decode side by side in R rounds (llama-bench, then ours, R - 1 more times "
+                         "after the first pass): medians and the range of the paired ratios")
     ap.add_argument("--one-step", action="store_true",
                     help="each GGUF row of ours again with num_scheduler_steps=1 (no decode bursts)")
     ap.add_argument("--work", help="where the GGUF files go (default MODEL_DIR/gguf)")
@@ -371,10 +406,11 @@ def main(argv=None) -> None:
     ap.add_argument("--quantization", help=argparse.SUPPRESS)
     ap.add_argument("--prefill-activations", help=argparse.SUPPRESS)
     ap.add_argument("--num-scheduler-steps", type=int, default=8, help=argparse.SUPPRESS)
+    ap.add_argument("--decode-only", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.quick:
         a.prefill, a.gen, a.reps = 32, 8, 1
-    for name in ("threads", "prefill", "gen", "reps", "depth_reps"):
+    for name in ("threads", "prefill", "gen", "reps", "depth_reps", "rounds"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1.")
     if any(d < 1 for d in a.depth):

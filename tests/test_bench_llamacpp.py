@@ -35,6 +35,7 @@ def _positive(x) -> bool:
 @pytest.mark.parametrize("args, message", [
     (["--depth", "0"], "--depth values must be positive"),
     (["--reps", "0"], "--reps must be at least 1"),
+    (["--rounds", "0"], "--rounds must be at least 1"),
     (["--model", "/nonexistent/model"], "no config.json there"),
     (["--shape", "tiny", "--llama-bin", "/nonexistent/bin"], "no llama-bench and llama-quantize there"),
 ])
@@ -115,3 +116,18 @@ def test_both_halves_on_the_same_files(tmp_path):
     assert "numa_runtime" in table and "llama-server (model-q4_0.gguf)" in table
     errors = [line for line in table.splitlines() if "| errors |" in line]
     assert len(errors) == 2 and all(line.endswith("| 0 | 0 |") for line in errors)
+
+
+@needs_llamacpp
+def test_rounds_pair_each_decode_with_llamacpp(tmp_path):
+    """--rounds 2 --one-step: after the first pass, one more round of llama-bench's decode, then
+    ours with and without bursts; each row keeps both (llama.cpp, ours) pairs and the table gives
+    the median ratio and its range."""
+    out = str(tmp_path / "r")
+    _run("bench_llamacpp.py", "--shape", "tiny", "--quick", "--types", "q8_0", "--no-load-quant", "--one-step",
+         "--rounds", "2", "--work", str(tmp_path), "--llama-bin", LLAMA_BIN, "--out", out, timeout=1200)
+    r = json.load(open(out + ".json"))
+    assert [row["ours"] for row in r["rows"]] == ["Q8_0 GGUF", "Q8_0 GGUF, one step a round"]
+    for row in r["rows"]:
+        assert len(row["pairs"]) == 2 and all(_positive(a) and _positive(b) for a, b in row["pairs"])
+    assert open(out + ".md").read().count(", 2 rounds)") == 2
