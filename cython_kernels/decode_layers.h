@@ -309,7 +309,7 @@ static void nd_gemv(const nd_step* st, const nd_linear* L, const nd_xqbuf* b, fl
         const long ns = qg_q8_slices(f, M, t->nt), Np = f->n;
         const qg_xq q = nd_part_xq(b, M, L, p);
         const float* bias = L->bias_after || !L->bias ? NULL : L->bias + col;
-        if (st->tiles && M > QG_MR_Q8 && st->qg_level >= 2 && qg_q8_tiles) {  /* as qg_forward_q8 without AMX */
+        if (st->tiles && M > QG_MR_Q8 && st->qg_level >= 2 && qg_q8_tiles && qg_tileable(f)) {  /* as qg_forward_q8 without AMX */
             const qg_tiles T = qg_tiles_at(st->tiles, f, M);
             qg_tiles_fill(&T, &q, f, M, t->tid, t->nt);
             nd_barrier(t);

@@ -252,7 +252,7 @@ def _force_cpu_level(int level):
 cdef class QLinear:
     """y = x @ W.T + b, the contract of numa_runtime.backend.reference.Linear, for a quantized W.
 
-    packed: uint8 stream from numa_runtime.quant.packing.pack; bits 4|8; kind 'sym'|'zero'|'min';
+    packed: uint8 stream from numa_runtime.quant.packing.pack; bits 4|5|6|8; kind 'sym'|'zero'|'min';
     group: k per group (the padded in_features for per-row int8); bias None or f32 [N].
     `nbytes` is the packed weight memory held (the only copy).
     """
@@ -271,9 +271,9 @@ cdef class QLinear:
 
     def __init__(self, packed, int bits, str kind, int group, int in_features, int out_features,
                  bias=None):
-        if bits not in (4, 8) or kind not in _KINDS or (bits == 8 and kind != "sym"):
+        if bits not in (4, 5, 6, 8) or kind not in _KINDS or (bits == 8 and kind != "sym"):
             raise ValueError("QLinear: unsupported format bits=%d kind=%r" % (bits, kind))
-        pk = 8 if bits == 4 else 4
+        pk = {4: 8, 8: 4, 5: 32, 6: 16}[bits]  # k per packed unit (qg_pack_k)
         kp = (in_features + pk - 1) // pk * pk  # NOTE: C division (cdivision)
         if group < pk or group % pk or kp % group or out_features < 1:
             raise ValueError("QLinear: group %d does not tile in_features %d" % (group, in_features))

@@ -104,6 +104,42 @@ QG_INLINE QG_TAB16 void qg_ab_dequant(const uint8_t* blk, const qg_format* f, lo
         _mm512_store_si512((void*)(bt + ((k - k0) / 32) * 1024 + (k % 32) / 2 * 32), _mm512_setzero_si512());
 }
 
+/* qg_ab_dequant for int5/int6 units (qgemm_hb.h): k0 a multiple of 32, so of the unit. */
+static QG_TAB16 void qg_ab_dequant_hb(const uint8_t* blk, const qg_format* f, long k0, long k1,
+                                      uint16_t* bt) {
+    const long uk = qg_pack_k(f), ub = qg_unit_bytes(f), gb = qg_group_bytes(f), mb = qg_meta_bytes(f);
+    uint16_t ix[32];
+    for (int j = 0; j < 16; j++) {
+        ix[2 * j] = (uint16_t)j;
+        ix[2 * j + 1] = (uint16_t)(16 + j);
+    }
+    const __m512i idx = _mm512_loadu_si512((const void*)ix);
+    __m512 s = _mm512_setzero_ps(), c = _mm512_setzero_ps();
+    long g_last = -1;
+    const long kend = k1 < f->kp ? k1 : f->kp;
+    for (long k = k0; k < kend; k += 2) {
+        const long g = k / f->group, kl = k - g * f->group;
+        const uint8_t* meta = blk + g * gb;
+        if (g != g_last) {
+            qg_sc_avx512(meta, f->bits, f->kind, &s, &c);
+            g_last = g;
+        }
+        const uint8_t* unit = meta + mb + kl / uk * ub;
+        const int i = (int)(kl % uk);
+        __m512 w[2];
+        for (int e = 0; e < 2; e++) {
+            const __m512i q = _mm512_inserti64x4(
+                _mm512_castsi256_si512(qg_hb_code_avx2(unit, f->bits, i + e, 0)),
+                qg_hb_code_avx2(unit, f->bits, i + e, 1), 1);
+            w[e] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), s, c);
+        }
+        _mm512_store_si512((void*)(bt + ((k - k0) / 32) * 1024 + (k % 32) / 2 * 32),
+                           _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0])));
+    }
+    for (long k = kend > k0 ? kend : k0; k < k1; k += 2)
+        _mm512_store_si512((void*)(bt + ((k - k0) / 32) * 1024 + (k % 32) / 2 * 32), _mm512_setzero_si512());
+}
+
 /* C tile T (rows r0 + 16 h, columns nc of out) before a k block: the bias (first block) or
  * zeros, else the partial sums in out. Full tiles load from out (or, for the bias, one row with
  * stride 0); tiles past M or N go through c. */
@@ -269,6 +305,8 @@ static QG_TAB16 void qg_amxbf16_forward(const uint8_t* w, const qg_format* f, co
                         uint16_t* d = bt + (cb - ca) * tstride + j * 512;
                         if (b >= nblk)
                             for (long s = 0; s < steps; s++) memset(d + s * 1024, 0, 1024);
+                        else if (qg_is_hb(f))
+                            qg_ab_dequant_hb(w + b * bb, f, k0, k1, d);
                         else if (f->bits == 4)
                             qg_ab_dequant(w + b * bb, f, k0, k1, d, 4);
                         else

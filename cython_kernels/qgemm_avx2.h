@@ -14,7 +14,7 @@ QG_INLINE void qg_sc_avx2(const uint8_t* meta, int bits, int kind, __m256 s[2], 
         if (bits == 8) {
             c[h] = _mm256_setzero_ps();
         } else if (kind == QG_SYM) {
-            c[h] = _mm256_mul_ps(s[h], _mm256_set1_ps(-8.0f));
+            c[h] = _mm256_mul_ps(s[h], _mm256_set1_ps(-(float)(1 << (bits - 1))));
         } else {
             __m256 o = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(meta + 32 + 16 * h)));
             /* zero point: c = -(s z), exact; min: c = m */
@@ -54,8 +54,11 @@ QG_INLINE void qg_dequant_avx2_b(const uint8_t* blk, const qg_format* f, long k0
     }
 }
 
+static void qg_dequant_hb(const uint8_t* blk, const qg_format* f, long k0, long k1, float* t);
+
 static void qg_dequant_avx2(const uint8_t* blk, const qg_format* f, long k0, long k1, float* t) {
-    if (f->bits == 4) qg_dequant_avx2_b(blk, f, k0, k1, t, 4);
+    if (qg_is_hb(f)) qg_dequant_hb(blk, f, k0, k1, t);
+    else if (f->bits == 4) qg_dequant_avx2_b(blk, f, k0, k1, t, 4);
     else qg_dequant_avx2_b(blk, f, k0, k1, t, 8);
 }
 

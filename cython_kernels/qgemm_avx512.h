@@ -13,7 +13,7 @@ QG_INLINE QG_T512 void qg_sc_avx512(const uint8_t* meta, int bits, int kind, __m
     if (bits == 8) {
         *c = _mm512_setzero_ps();
     } else if (kind == QG_SYM) {
-        *c = _mm512_mul_ps(*s, _mm512_set1_ps(-8.0f));
+        *c = _mm512_mul_ps(*s, _mm512_set1_ps(-(float)(1 << (bits - 1))));
     } else {
         __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(meta + 32)));
         *c = kind == QG_ZERO ? _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(*s, o)) : o;
@@ -49,7 +49,8 @@ QG_INLINE QG_T512 void qg_dequant_avx512_b(const uint8_t* blk, const qg_format* 
 
 static QG_T512 void qg_dequant_avx512(const uint8_t* blk, const qg_format* f, long k0, long k1,
                                       float* t) {
-    if (f->bits == 4) qg_dequant_avx512_b(blk, f, k0, k1, t, 4);
+    if (qg_is_hb(f)) qg_dequant_hb(blk, f, k0, k1, t);
+    else if (f->bits == 4) qg_dequant_avx512_b(blk, f, k0, k1, t, 4);
     else qg_dequant_avx512_b(blk, f, k0, k1, t, 8);
 }
 

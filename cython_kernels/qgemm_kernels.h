@@ -5,10 +5,14 @@
  *   group g: [scales f16 x 16][offsets f16 x 16, absent for symmetric][rows]
  *   int4 row: 16 uint32 lanes (64 bytes); lane j holds column j at k = 8r..8r+7, nibble i at
  *             bits 4i..4i+3, unsigned 0..15;
- *   int8 row: 16 int32 lanes; lane j holds column j at k = 4r..4r+3, byte i = k 4r+i, signed.
+ *   int8 row: 16 int32 lanes; lane j holds column j at k = 4r..4r+3, byte i = k 4r+i, signed;
+ *   int5/int6 unit of U = 32/16 k (GGUF Q5_x/Q6_K): a plane row (lane j: the high bits of
+ *             column j's U codes, unit-local k = 8r + 2b + e at bit 8b + (bits - 4)(2r + e))
+ *             and U / 8 int4 rows of the low nibbles (packing.py).
  * Dequantized weight w = q * s + c, in f32 and exact (an f16 scale times a <= 8-bit integer
  * needs at most 19 significant bits):
- *   int8 symmetric: c = 0;  int4 symmetric: c = -8 s;  zero point z: c = -s z;  min m: c = m.
+ *   int8 symmetric: c = 0;  int4/5/6 symmetric: c = -8 s / -16 s / -32 s;  zero point z:
+ *   c = -s z;  min m: c = m.
  * So the kernels see the very same f32 weights as the numpy reference; only the order of the
  * sums differs.
  *
@@ -31,17 +35,26 @@
 enum { QG_SYM = 0, QG_ZERO = 1, QG_MIN = 2 };
 
 typedef struct {
-    int bits;     /* 4 or 8 */
+    int bits;     /* 4, 5, 6 or 8 */
     int kind;     /* QG_SYM, QG_ZERO, QG_MIN */
     long group;   /* k per group (divides kp) */
     long kp;      /* padded K (multiple of 8 for int4, 4 for int8) */
     long n;       /* output columns */
 } qg_format;
 
-static inline long qg_pack_k(const qg_format* f) { return f->bits == 4 ? 8 : 4; }
+/* k per packed unit (a row for int4/int8) and the unit's bytes */
+static inline long qg_pack_k(const qg_format* f) {
+    return f->bits == 4 ? 8 : f->bits == 8 ? 4 : f->bits == 5 ? 32 : 16;
+}
+static inline int qg_is_hb(const qg_format* f) { return f->bits == 5 || f->bits == 6; }
+static inline long qg_unit_bytes(const qg_format* f) {
+    return qg_is_hb(f) ? 64 + qg_pack_k(f) / 8 * 64 : 64;
+}
+/* The row-tile kernels (qgemm_q8tile.h, qgemm_amx.h) read int4/int8 rows only. */
+static inline int qg_tileable(const qg_format* f) { return !qg_is_hb(f); }
 static inline long qg_meta_bytes(const qg_format* f) { return f->kind == QG_SYM ? 32 : 64; }
 static inline long qg_group_bytes(const qg_format* f) {
-    return qg_meta_bytes(f) + f->group / qg_pack_k(f) * 64;
+    return qg_meta_bytes(f) + f->group / qg_pack_k(f) * qg_unit_bytes(f);
 }
 static inline long qg_block_bytes(const qg_format* f) {
     return f->kp / f->group * qg_group_bytes(f);
@@ -67,6 +80,7 @@ typedef void (*qg_gemv_fn)(const uint8_t*, const qg_format*, const float*, long,
 typedef void (*qg_tile_fn)(const float*, long, const float*, long, int, float*, int);
 
 #include "qgemm_avx2.h"
+#include "qgemm_hb.h"
 #include "qgemm_avx512.h"
 
 static inline void qg_store(const float* acc, int m, long n0, long N, long ldo, const float* bias,
@@ -108,7 +122,7 @@ static int qg_forward(const uint8_t* w, const qg_format* f, const float* x, long
         for (long b = 0; b < nblocks; b++) {
             if (acc == NULL || wt == NULL) continue;
             const uint8_t* blk = w + b * bb;
-            if (M <= mr_reg) {
+            if (M <= mr_reg && !qg_is_hb(f)) {  /* int5/int6 take the L1 path */
                 gv(blk, f, x, ldx, (int)M, acc);
                 qg_store(acc, (int)M, b * QG_NB, f->n, f->n, bias, out);
                 continue;

@@ -24,7 +24,7 @@
 #define QG_MAX_SLICES 8  /* most k slices a column block of a decode GEMV is cut into */
 
 typedef struct {
-    const int8_t* xq;   /* [M][kp]; int4 weights: each 8 k stored as k 0 2 4 6 1 3 5 7 */
+    const int8_t* xq;   /* [M][kp]; int4/5/6 weights: each 8 k stored as k 0 2 4 6 1 3 5 7 */
     const float* sx;    /* [M][nb] scale of each block */
     const int32_t* xi;  /* [M][nb] sum of each block's int8 values */
     const float* xs;    /* [M][ng] sum over the group's blocks of sx * xi */
@@ -48,7 +48,7 @@ static inline long qg_blocks_per_group(const qg_format* f) { return (f->group + 
 /* The offset the unsigned weight codes of the VNNI kernels carry (int4 symmetric: q + 8; int8:
  * q + 128, its sign bit flipped); vpmaddubsw reads int8 weights by the sign trick instead. */
 static inline int qg_q8_off_vnni(const qg_format* f) {
-    return f->bits == 4 ? (f->kind == QG_SYM ? 8 : 0) : 128;
+    return f->bits == 8 ? 128 : (f->kind == QG_SYM ? 1 << (f->bits - 1) : 0);
 }
 
 /* One full block of QG_QB = 32 k: the scalar rule of qg_quantize_block in AVX2 (the build's
@@ -106,7 +106,7 @@ static void qg_quantize_group(const float* xr, const qg_format* f, long g, int8_
         float* bs = sx + g * nbg + b;
         int32_t* bi = xi + g * nbg + b;
         if (k1 - k0 == QG_QB) {
-            qg_quantize_block32(xr + k0, f->bits == 4, xq + k0, bs, bi, res ? res + k0 : NULL);
+            qg_quantize_block32(xr + k0, f->bits != 8, xq + k0, bs, bi, res ? res + k0 : NULL);
         } else {
             float amax = 0.0f;
             for (long k = k0; k < k1; k++) amax = fmaxf(amax, fabsf(xr[k]));
@@ -117,7 +117,7 @@ static void qg_quantize_group(const float* xr, const qg_format* f, long g, int8_
                 q = q > 127 ? 127 : q < -127 ? -127 : q;
                 sum += q;
                 long d = k;
-                if (f->bits == 4) d = (k & ~7L) + ((k & 1) ? 4 : 0) + ((k & 7) >> 1);
+                if (f->bits != 8) d = (k & ~7L) + ((k & 1) ? 4 : 0) + ((k & 7) >> 1);
                 xq[d] = (int8_t)q;
                 if (res) res[k] = fmaf(-(float)q, scale, xr[k]);
             }
@@ -191,15 +191,24 @@ static inline int32_t qg_ld32(const int8_t* p) {
     return v;
 }
 
+/* P's 32-bit lanes shifted left by s (right by -s), s a constant after unrolling. */
+#define QG_SHV512(P, s) ((s) >= 0 ? _mm512_sll_epi32(P, _mm_cvtsi32_si128(s)) \
+                                  : _mm512_srl_epi32(P, _mm_cvtsi32_si128(-(s))))
+#define QG_SHV256(P, s) ((s) >= 0 ? _mm256_sll_epi32(P, _mm_cvtsi32_si128(s)) \
+                                  : _mm256_srl_epi32(P, _mm_cvtsi32_si128(-(s))))
+
 /* ---- AVX-512: one 16-column block, mr rows; DOT(acc, u8, s8) adds 4-byte dot products.
  * The BW variant (no VNNI) reads int8 weights by the sign trick (|w| times x with w's sign),
  * since vpmaddubsw saturates above 255 * 127. */
 #define QG_Q8_AVX512_BODY(DOT, VNNI)                                                            \
-    const long pk = bits == 4 ? 8 : 4, gb = qg_group_bytes(f), mb = qg_meta_bytes(f);          \
+    const long pk = bits == 4 ? 8 : bits == 8 ? 4 : bits == 5 ? 32 : 16;                        \
+    const long ub = bits == 4 || bits == 8 ? 64 : 64 + pk / 8 * 64;                             \
+    const long gb = qg_group_bytes(f), mb = qg_meta_bytes(f);                                   \
     const long G = f->group, ng = f->kp / G, nbg = qg_blocks_per_group(f);                      \
-    const int off = bits == 4 || VNNI ? qg_q8_off_vnni(f) : 0;                                  \
-    const int has_c = bits == 4 && f->kind != QG_SYM;                                           \
+    const int off = bits != 8 || VNNI ? qg_q8_off_vnni(f) : 0;                                  \
+    const int has_c = bits != 8 && f->kind != QG_SYM;                                           \
     const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F), flip = _mm512_set1_epi32((int)0x80808080); \
+    const __m512i hm = _mm512_set1_epi32(bits == 5 ? 0x10101010 : 0x30303030);                 \
     __m512 a[QG_MR_Q8];                                                                         \
     for (int r = 0; r < mr; r++) a[r] = _mm512_setzero_ps();                                   \
     (void)ng;                                                                                   \
@@ -212,10 +221,27 @@ static inline int32_t qg_ld32(const int8_t* p) {
             const long k1 = k0 + QG_QB < (g + 1) * G ? k0 + QG_QB : (g + 1) * G;               \
             __m512i ia[QG_MR_Q8], ib[QG_MR_Q8];                                                 \
             for (int r = 0; r < mr; r++) ia[r] = ib[r] = _mm512_setzero_si512();               \
-            for (long k = k0; k < k1; k += pk, row += 64) {                                     \
-                if (qg_pf_bytes) _mm_prefetch((const char*)row + qg_pf_bytes, _MM_HINT_T0);      \
+            for (long k = k0; k < k1; k += pk, row += ub) {                                     \
+                if (qg_pf_bytes)                                                                \
+                    for (long l = 0; l < ub; l += 64)                                           \
+                        _mm_prefetch((const char*)row + l + qg_pf_bytes, _MM_HINT_T0);          \
                 const __m512i v = _mm512_loadu_si512((const void*)row);                        \
-                if (bits == 4) {                                                                \
+                if (bits == 5 || bits == 6) {                                                   \
+                    /* v: the plane; each nibble row's bytes take their high bits from it */   \
+                    for (int rr = 0; rr < pk / 8; rr++) {                                       \
+                        const __m512i n = _mm512_loadu_si512((const void*)(row + 64 + 64 * rr)); \
+                        const int se = bits == 5 ? 4 - 2 * rr : 4 - 4 * rr, so = se - (bits - 4); \
+                        const __m512i lo = _mm512_ternarylogic_epi32(_mm512_and_si512(n, m4),   \
+                                                                     QG_SHV512(v, se), hm, 0xF8); \
+                        const __m512i hi = _mm512_ternarylogic_epi32(                           \
+                            _mm512_and_si512(_mm512_srli_epi32(n, 4), m4), QG_SHV512(v, so), hm, 0xF8); \
+                        for (int r = 0; r < mr; r++) {                                          \
+                            const int8_t* xr = q->xq + r * q->kp + k + 8 * rr;                  \
+                            ia[r] = DOT(ia[r], lo, _mm512_set1_epi32(qg_ld32(xr)));             \
+                            ib[r] = DOT(ib[r], hi, _mm512_set1_epi32(qg_ld32(xr + 4)));         \
+                        }                                                                       \
+                    }                                                                           \
+                } else if (bits == 4) {                                                         \
                     const __m512i lo = _mm512_and_si512(v, m4);                                 \
                     const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), m4);           \
                     for (int r = 0; r < mr; r++) {                                              \
@@ -284,22 +310,35 @@ QG_INLINE QG_T512 void qg_q8_bw_mr(const uint8_t* blk, const qg_format* f, const
 
 static QG_T512VNNI void qg_q8_vnni(const uint8_t* blk, const qg_format* f, const qg_xq* q,
                                    long g0, long g1, int m, float* acc) {
-    if (f->bits == 4) { QG_Q8_CASES(qg_q8_vnni_mr, 4) } else { QG_Q8_CASES(qg_q8_vnni_mr, 8) }
+    switch (f->bits) {
+        case 4: { QG_Q8_CASES(qg_q8_vnni_mr, 4) } break;
+        case 5: { QG_Q8_CASES(qg_q8_vnni_mr, 5) } break;
+        case 6: { QG_Q8_CASES(qg_q8_vnni_mr, 6) } break;
+        default: { QG_Q8_CASES(qg_q8_vnni_mr, 8) } break;
+    }
 }
 
 static QG_T512 void qg_q8_bw(const uint8_t* blk, const qg_format* f, const qg_xq* q, long g0,
                              long g1, int m, float* acc) {
-    if (f->bits == 4) { QG_Q8_CASES(qg_q8_bw_mr, 4) } else { QG_Q8_CASES(qg_q8_bw_mr, 8) }
+    switch (f->bits) {
+        case 4: { QG_Q8_CASES(qg_q8_bw_mr, 4) } break;
+        case 5: { QG_Q8_CASES(qg_q8_bw_mr, 5) } break;
+        case 6: { QG_Q8_CASES(qg_q8_bw_mr, 6) } break;
+        default: { QG_Q8_CASES(qg_q8_bw_mr, 8) } break;
+    }
 }
 
 /* ---- AVX2: the block as two 8-column halves, two rows at a time (16 ymm registers). */
 QG_INLINE void qg_q8_avx2_mr(const uint8_t* blk, const qg_format* f, const qg_xq* q, long g0,
                              long g1, float* acc, const int bits, const int mr) {
-    const long pk = bits == 4 ? 8 : 4, gb = qg_group_bytes(f), mb = qg_meta_bytes(f);
+    const long pk = bits == 4 ? 8 : bits == 8 ? 4 : bits == 5 ? 32 : 16;
+    const long ub = bits == 4 || bits == 8 ? 64 : 64 + pk / 8 * 64;
+    const long gb = qg_group_bytes(f), mb = qg_meta_bytes(f);
     const long G = f->group, ng = f->kp / G, nbg = qg_blocks_per_group(f);
-    const int off = bits == 4 ? qg_q8_off_vnni(f) : 0;  /* int8: the sign trick, no offset */
-    const int has_c = bits == 4 && f->kind != QG_SYM;
+    const int off = bits != 8 ? qg_q8_off_vnni(f) : 0;  /* int8: the sign trick, no offset */
+    const int has_c = bits != 8 && f->kind != QG_SYM;
     const __m256i m4 = _mm256_set1_epi32(0x0F0F0F0F), ones = _mm256_set1_epi16(1);
+    const __m256i hm = _mm256_set1_epi32(bits == 5 ? 0x10101010 : 0x30303030);
     __m256 a[2][2];
     for (int r = 0; r < mr; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
     (void)ng;
@@ -313,11 +352,32 @@ QG_INLINE void qg_q8_avx2_mr(const uint8_t* blk, const qg_format* f, const qg_xq
             const long k1 = k0 + QG_QB < (g + 1) * G ? k0 + QG_QB : (g + 1) * G;
             __m256i ia[2][2];
             for (int r = 0; r < mr; r++) ia[r][0] = ia[r][1] = _mm256_setzero_si256();
-            for (long k = k0; k < k1; k += pk, row += 64) {
-                if (qg_pf_bytes) _mm_prefetch((const char*)row + qg_pf_bytes, _MM_HINT_T0);
+            for (long k = k0; k < k1; k += pk, row += ub) {
+                if (qg_pf_bytes)
+                    for (long l = 0; l < ub; l += 64)
+                        _mm_prefetch((const char*)row + l + qg_pf_bytes, _MM_HINT_T0);
                 for (int h = 0; h < 2; h++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i*)(row + 32 * h));
-                    if (bits == 4) {
+                    if (bits == 5 || bits == 6) {
+                        /* v: the plane (see the AVX-512 body); NOTE: two products of <= 63 * 127
+                         * per 16-bit lane twice: 32004, no saturation */
+                        for (int rr = 0; rr < pk / 8; rr++) {
+                            const __m256i n = _mm256_loadu_si256((const __m256i*)(row + 64 + 64 * rr + 32 * h));
+                            const int se = bits == 5 ? 4 - 2 * rr : 4 - 4 * rr, so = se - (bits - 4);
+                            const __m256i lo = _mm256_or_si256(_mm256_and_si256(n, m4),
+                                                               _mm256_and_si256(QG_SHV256(v, se), hm));
+                            const __m256i hi = _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi32(n, 4), m4),
+                                _mm256_and_si256(QG_SHV256(v, so), hm));
+                            for (int r = 0; r < mr; r++) {
+                                const int8_t* xr = q->xq + r * q->kp + k + 8 * rr;
+                                __m256i p = _mm256_add_epi16(
+                                    _mm256_maddubs_epi16(lo, _mm256_set1_epi32(qg_ld32(xr))),
+                                    _mm256_maddubs_epi16(hi, _mm256_set1_epi32(qg_ld32(xr + 4))));
+                                ia[r][h] = _mm256_add_epi32(ia[r][h], _mm256_madd_epi16(p, ones));
+                            }
+                        }
+                    } else if (bits == 4) {
                         const __m256i lo = _mm256_and_si256(v, m4);
                         const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(v, 4), m4);
                         for (int r = 0; r < mr; r++) {
@@ -373,6 +433,12 @@ static void qg_q8_avx2(const uint8_t* blk, const qg_format* f, const qg_xq* q, l
         if (f->bits == 4) {
             if (two) qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 4, 2);
             else qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 4, 1);
+        } else if (f->bits == 5) {
+            if (two) qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 5, 2);
+            else qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 5, 1);
+        } else if (f->bits == 6) {
+            if (two) qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 6, 2);
+            else qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 6, 1);
         } else {
             if (two) qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 8, 2);
             else qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 8, 1);
@@ -457,7 +523,8 @@ static int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, l
     const size_t fb = (sizeof(float) * (size_t)(Q * nb + Q * ng) + 63) & ~(size_t)63;
     const size_t ib = (sizeof(int32_t) * (size_t)(Q * nb) + 63) & ~(size_t)63;
     const size_t rb = resid ? sizeof(float) * (size_t)(M * f->kp) : 0;
-    const int amx = level >= 2 && Q > QG_MR_Q8 && qg_q8_tiles && qg_amx && qg_amx_fits(f);
+    const int tiles = level >= 2 && Q > QG_MR_Q8 && qg_q8_tiles && qg_tileable(f);
+    const int amx = tiles && qg_amx && qg_amx_fits(f);
     /* AMX loads whole 16-row tiles: the last one may read up to 15 rows past xq (not stored) */
     const size_t pad = amx ? (size_t)((QG_MR_AMX - 1) * f->kp) : 0;
     char* scratch = (char*)qg_scratch_get(fb + ib + rb + (size_t)(Q * f->kp) + pad);
@@ -468,7 +535,7 @@ static int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, l
     int8_t* xq = (int8_t*)(scratch + fb + ib + rb);
     qg_quantize_x(x, M, ldx, f, xq, sx, xi, sx + Q * nb, resid, res);
     const qg_xq q = {xq, sx, xi, sx + Q * nb, f->kp, nb, ng};
-    if (level >= 2 && Q > QG_MR_Q8 && qg_q8_tiles) {
+    if (tiles) {
         /* many rows: AMX-INT8 matrix tiles (qgemm_amx.h) where present, else VNNI row tiles
          * (qgemm_q8tile.h); both first lay out the rows' scalars (and the row tiles the rows) */
         char* tb = (char*)malloc(amx ? qg_amx_rows_bytes(&q, Q) : qg_tiles_bytes(f, Q));

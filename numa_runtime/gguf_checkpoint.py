@@ -1,18 +1,20 @@
 """A GGUF file read as a checkpoint with Hugging Face tensor names, sliced per rank.
 
 The `gguf` package parses the file and maps the tensor data (numpy memmaps); the block math is
-ours. Q8_0, Q4_0, Q4_1 and Q5_0 map onto our formats without loss (their blocks are groups of
-32 with f16 scales and offsets):
+ours. Each quantized type keeps its own bit width (quant/formats.py):
     Q8_0 -> int8 group 32 "sym";  Q4_0 -> int4 group 32 "sym" (w = d (q - 8));
-    Q4_1 -> int4 group 32 "min" (w = d q + m);  Q5_0 -> int8 group 32 "sym" (w = d (q - 16)),
-    8.5 bits a weight where the file has 5.5 (llama-quantize's Q4_K_M puts Q5_0 in tensors
-    whose K is not a multiple of 256, e.g. Qwen2.5-0.5B's 896).
-F32/F16/BF16 tensors are dense. Q4_K maps onto int4 group 32 "min" with one rounding: each
-sub-block's scale d * sc and min dmin * m (products of an f16 and a 6-bit integer, up to 17
-significant bits) are rounded to f16, a relative change of at most 2^-11 of each, while the 4-bit
-codes stay as stored. Q5_K and Q6_K have no 5/6-bit format here: they are dequantized (a log
-line says so) and held dense by an f32 engine, as int8 groups of 32 by a bf16 one
-(quant/loader.py). Any other type is an error naming it.
+    Q4_1 -> int4 group 32 "min" (w = d q + m);  Q5_0 -> int5 group 32 "sym" (w = d (q - 16));
+    Q5_1 -> int5 group 32 "min"
+without loss (blocks of 32 with f16 scales and offsets), and the K-quants' 256-element
+super-blocks with one rounding:
+    Q4_K -> int4 group 32 "min";  Q5_K -> int5 group 32 "min";  Q6_K -> int6 group 16 "sym"
+(w = d sc (q - 32)): each sub-block's scale d * sc and min dmin * m (products of an f16 and a
+6- or 8-bit integer, up to 19 significant bits) are rounded to f16, a relative change of at most
+2^-11 of each, while the codes stay as stored. A super-block whose products leave f16's range
+is dequantized instead (logged). F32/F16/BF16 tensors are dense. Q2_K, Q3_K, IQ4_NL and IQ4_XS
+have no format here: they are dequantized (a log line says so) and held dense by an f32
+engine, as int8 groups of 32 by a bf16 one (quant/loader.py). Any other type is an error
+naming it.
 
 llama/mistral GGUFs store q/k rows in llama.cpp's interleaved rotary order; rows are mapped back
 to Hugging Face's rotate-half order (a permutation inside each head, so a rank's whole heads stay
@@ -45,13 +47,16 @@ TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weig
              "output.weight": "lm_head.weight"}
 DENSE = ("F32", "F16", "BF16")
 LOSSLESS = {"Q8_0": (QuantFormat(8, 32, "sym"), 34), "Q4_0": (QuantFormat(4, 32, "sym"), 18),
-            "Q4_1": (QuantFormat(4, 32, "min"), 20), "Q5_0": (QuantFormat(8, 32, "sym"), 22)}
-# NOTE: Q4_K in 256-element super-blocks of 144 bytes: f16 d, f16 dmin, 12 bytes of eight 6-bit
-# scales and mins, 128 bytes of 4-bit codes (decode_q4k)
-NEAR_LOSSLESS = {"Q4_K": (QuantFormat(4, 32, "min"), 144, 256)}
-# NOTE: types without an int8/int4 equivalent load dense (f32 engine) or as int8 groups of 32 (bf16
-# engine), dequantized by the gguf package: more bytes than the file holds, logged once per type
-DEQUANTIZED = ("Q4_K", "Q5_K", "Q6_K", "Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
+            "Q4_1": (QuantFormat(4, 32, "min"), 20), "Q5_0": (QuantFormat(5, 32, "sym"), 22),
+            "Q5_1": (QuantFormat(5, 32, "min"), 24)}
+# NOTE: K-quants in 256-element super-blocks: (format, bytes per super-block, 256); decode_kquant
+NEAR_LOSSLESS = {"Q4_K": (QuantFormat(4, 32, "min"), 144, 256),
+                 "Q5_K": (QuantFormat(5, 32, "min"), 176, 256),
+                 "Q6_K": (QuantFormat(6, 16, "sym"), 210, 256)}
+# NOTE: types without a format of their own load dense (f32 engine) or as int8 groups of 32 (bf16
+# engine), dequantized by the gguf package: more bytes than the file holds, logged once per type;
+# the K-quants of NEAR_LOSSLESS only where a scale leaves f16's range
+DEQUANTIZED = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
 PERMUTED_ARCHS = ("llama", "mistral")
 # tensors gguf_model reads into config.json rather than loading: the rope frequency divisors
 ROPE_FREQS = "rope_freqs.weight"
@@ -161,13 +166,15 @@ class GGUFCheckpoint:
         return (i // d) * d + 2 * (r % (d // 2)) + r // (d // 2)
 
     def dequantizes(self, name: str) -> bool:
-        """True when tensor `name` is stored in a type that loads as dense weights (Q5_K, Q6_K)."""
+        """True when tensor `name` is stored in a type that loads as dense weights (Q2_K, Q3_K,
+        IQ4_NL, IQ4_XS)."""
         kind = self._t(name).type
         return kind in DEQUANTIZED and kind not in NEAR_LOSSLESS
 
     def quantized(self, name: str, rows: slice | None, cols: slice | None) -> QuantizedWeight | None:
-        """Rows/cols of a Q8_0/Q4_0/Q4_1/Q5_0 tensor as our format, bit for bit, or of a Q4_K tensor
-        with its scales rounded to f16 (decode_q4k); None otherwise (dense)."""
+        """Rows/cols of a Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 tensor as our format, bit for bit, or of a
+        Q4_K/Q5_K/Q6_K tensor with its scales rounded to f16 (decode_kquant); None otherwise
+        (dense)."""
         t = self._t(name)
         kind = t.type
         if kind not in LOSSLESS and kind not in NEAR_LOSSLESS:
@@ -183,13 +190,14 @@ class GGUFCheckpoint:
             _, bsize, per = NEAR_LOSSLESS[kind]
             s0, s1 = c0 // per, -(-c1 // per)                                     # super-blocks of the slice
             blocks = np.asarray(t.data).reshape(n, k // per, bsize)[idx][:, s0:s1]
-            w = decode_q4k(np.ascontiguousarray(blocks))
+            w = decode_kquant(kind, np.ascontiguousarray(blocks))
             if w is None:
                 self._log_dequantized(name, kind)
                 return None
-            g0 = (c0 - s0 * per) // 32
-            return QuantizedWeight(w.fmt, w.q[:, g0 * 32:g0 * 32 + c1 - c0], w.scales[:, g0:g0 + (c1 - c0 + 31) // 32],
-                                   w.offsets[:, g0:g0 + (c1 - c0 + 31) // 32], c1 - c0)
+            G = w.fmt.group_size
+            g0, g1 = (c0 - s0 * per) // G, (c1 - s0 * per + G - 1) // G
+            return QuantizedWeight(w.fmt, w.q[:, g0 * G:g0 * G + c1 - c0], w.scales[:, g0:g1],
+                                   None if w.offsets is None else w.offsets[:, g0:g1], c1 - c0)
         fmt, bsize = LOSSLESS[kind]
         blocks = np.asarray(t.data).reshape(n, k // 32, bsize)
         blocks = blocks[idx][:, c0 // 32:c1 // 32]    # [n', nb, bsize]
@@ -224,7 +232,7 @@ class GGUFCheckpoint:
     def _log_dequantized(self, name: str, kind: str) -> None:
         if kind in DEQUANTIZED and kind not in self._logged:
             self._logged.add(kind)
-            log.info("GGUF type %s has no int8/int4 equivalent here (2/3/5/6-bit or non-linear codes, "
+            log.info("GGUF type %s has no format of its own here (2/3-bit or non-linear codes, "
                      "or scales beyond f16's range): %s tensors are dequantized (dense in a float32 "
                      "engine, int8 groups of 32 in a bfloat16 one), more bytes than the file holds",
                      kind, kind)
@@ -238,15 +246,17 @@ def decode_blocks(kind: str, blocks: np.ndarray, k: int) -> QuantizedWeight:
     if kind == "Q8_0":
         q = blocks[:, :, 2:34].copy().view(np.int8).reshape(n, nb * 32)
         return QuantizedWeight(fmt, q, d, None, k)
-    if kind == "Q5_0":
-        # NOTE: 4 bytes of high bits (bit j: element j), then low nibbles as in Q4_0; w = d (q - 16)
-        # with q in 0..31 is an int8 group of 32 without loss
-        qh = blocks[:, :, 2:6].copy().view("<u4")                              # [n, nb, 1]
+    if kind in ("Q5_0", "Q5_1"):
+        # NOTE: [f16 m (Q5_1)], 4 bytes of high bits (bit j: element j), then low nibbles as in
+        # Q4_0: q in 0..31, w = d (q - 16) or d q + m
+        off = 4 if kind == "Q5_1" else 2
+        qh = blocks[:, :, off:off + 4].copy().view("<u4")                      # [n, nb, 1]
         hi = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)     # [n, nb, 32]
-        qs = blocks[:, :, 6:22]
+        qs = blocks[:, :, off + 4:off + 20]
         lo = np.concatenate([qs & 0xF, qs >> 4], axis=2)
-        q = ((lo | (hi << 4)).astype(np.int16) - 16).astype(np.int8).reshape(n, nb * 32)
-        return QuantizedWeight(fmt, q, d, None, k)
+        q = (lo | (hi << 4)).reshape(n, nb * 32)
+        m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0] if kind == "Q5_1" else None
+        return QuantizedWeight(fmt, q, d, m, k)
     off = 4 if kind == "Q4_1" else 2
     qs = blocks[:, :, off:off + 16]                                            # [n, nb, 16]
     # NOTE: element j of a block is the low nibble of byte j, element j + 16 its high nibble
@@ -255,24 +265,62 @@ def decode_blocks(kind: str, blocks: np.ndarray, k: int) -> QuantizedWeight:
     return QuantizedWeight(fmt, q, d, m, k)
 
 
+def _f16_products(d: np.ndarray, sc: np.ndarray, n: int, ng: int) -> np.ndarray:
+    """f16(d * sc) per sub-block [n, ng] (d [n, ns] per super-block, sc [n, ns, ng / ns])."""
+    with np.errstate(over="ignore"):
+        return (d[..., None] * sc.astype(np.float32)).reshape(n, ng).astype(np.float16)
+
+
 def decode_q4k(blocks: np.ndarray) -> QuantizedWeight | None:
     """Q4_K super-blocks [n, ns, 144] -> int4 group 32 "min" [n, 256 ns]: q as stored, scale
     f16(d sc) and offset f16(-dmin m) per 32-element sub-block (w = s q + offset). None when a
     product leaves f16's range (the caller keeps the tensor dense)."""
-    n, ns, _ = blocks.shape
-    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)       # [n, ns]
-    dmin = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    b = blocks[:, :, 4:16]                                                         # [n, ns, 12]
-    # six bits per scale / min: sub-blocks 0-3 in the low bits of bytes 0-3 / 4-7; sub-blocks
-    # 4-7 take a nibble of bytes 8-11 (scale low, min high) and the top 2 bits of bytes 0-3 / 4-7
+    return decode_kquant("Q4_K", blocks)
+
+
+def _scale_min_k4(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The eight 6-bit scales and mins of Q4_K/Q5_K's 12 bytes [n, ns, 12]: sub-blocks 0-3 in
+    the low bits of bytes 0-3 / 4-7; sub-blocks 4-7 take a nibble of bytes 8-11 (scale low, min
+    high) and the top 2 bits of bytes 0-3 / 4-7."""
     sc = np.concatenate([b[..., 0:4] & 63, (b[..., 8:12] & 15) | ((b[..., 0:4] >> 6) << 4)], axis=2)
     mn = np.concatenate([b[..., 4:8] & 63, (b[..., 8:12] >> 4) | ((b[..., 4:8] >> 6) << 4)], axis=2)
-    # codes: 4 chunks of 32 bytes; chunk c holds sub-block 2c in its low nibbles, 2c + 1 high
-    qs = blocks[:, :, 16:144].reshape(n, ns, 4, 1, 32)
-    q = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(n, ns * 256).astype(np.uint8)
-    with np.errstate(over="ignore"):
-        scales = (d[..., None] * sc).reshape(n, ns * 8).astype(np.float16)
-        offsets = (-(dmin[..., None] * mn)).reshape(n, ns * 8).astype(np.float16)
-    if not (np.isfinite(scales).all() and np.isfinite(offsets).all()):
+    return sc, mn
+
+
+def decode_kquant(kind: str, blocks: np.ndarray) -> QuantizedWeight | None:
+    """Q4_K/Q5_K/Q6_K super-blocks [n, ns, bytes] -> our format [n, 256 ns] (NEAR_LOSSLESS): the
+    codes as stored, each sub-block's scale (and min) rounded once to f16. None when a product
+    leaves f16's range (the caller keeps the tensor dense)."""
+    fmt = NEAR_LOSSLESS[kind][0]
+    n, ns, _ = blocks.shape
+    f16 = lambda a, b: blocks[:, :, a:b].copy().view(np.float16)[..., 0].astype(np.float32)  # noqa: E731
+    offsets = None
+    if kind == "Q6_K":
+        # NOTE: ql [128], qh [64], 16 int8 scales, f16 d. Each 128-element half h: element
+        # 32 c + l (c: 0..3) has its low nibble in ql[64 h + l + 32 (c % 2)] (low for c < 2, high
+        # after) and its two high bits at 2c of qh[32 h + l]; sub-block t of 16 takes scale t
+        ql = blocks[:, :, 0:128].reshape(n, ns, 2, 2, 32)                  # [.., h, c % 2, l]
+        qh = blocks[:, :, 128:192].reshape(n, ns, 2, 1, 32)                # [.., h, 1, l]
+        lo = np.concatenate([ql & 15, ql >> 4], axis=3)                     # [.., h, c, l]
+        hi = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3       # [.., h, c, l]
+        q = (lo | (hi << 4)).reshape(n, ns * 256).astype(np.uint8)
+        sc = blocks[:, :, 192:208].copy().view(np.int8)                    # [n, ns, 16]
+        scales = _f16_products(f16(208, 210), sc, n, ns * 16)
+    else:
+        d, dmin = f16(0, 2), f16(2, 4)
+        sc, mn = _scale_min_k4(blocks[:, :, 4:16])
+        # codes: 4 chunks of 32 bytes; chunk c holds sub-block 2c in its low nibbles, 2c + 1 high
+        qoff = 16 if kind == "Q4_K" else 48
+        qs = blocks[:, :, qoff:qoff + 128].reshape(n, ns, 4, 1, 32)
+        q = np.concatenate([qs & 15, qs >> 4], axis=3)                       # [n, ns, 4, 2, 32]
+        if kind == "Q5_K":
+            # NOTE: qh [32] after the scales: bit j of byte l is element l of sub-block j
+            qh = blocks[:, :, 16:48].reshape(n, ns, 1, 1, 32)
+            sub = np.arange(8, dtype=np.uint8).reshape(4, 2, 1)
+            q = q | (((qh >> sub) & 1) << 4)
+        q = q.reshape(n, ns * 256).astype(np.uint8)
+        scales = _f16_products(d, sc, n, ns * 8)
+        offsets = -_f16_products(dmin, mn, n, ns * 8)
+    if not (np.isfinite(scales).all() and (offsets is None or np.isfinite(offsets).all())):
         return None
-    return QuantizedWeight(NEAR_LOSSLESS["Q4_K"][0], q, scales, offsets, ns * 256)
+    return QuantizedWeight(fmt, q, scales, offsets, ns * 256)

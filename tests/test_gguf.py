@@ -48,11 +48,13 @@ def test_gguf_equals_dequantized_reference(hf_models, tmp_path, arch, qtype):
     g, r = engine(path, lm_head_quantization=None), engine(ref_dir)  # the head as stored
     try:
         lg, lr = prefill_logits(g, PROMPT), prefill_logits(r, PROMPT)
-        # NOTE: Q4_K's scales and mins are rounded to f16 (2^-11 of each, gguf_checkpoint.py);
-        # the other types only sum in another order
-        assert np.abs(lg - lr).max() <= (2e-3 if qtype == "Q4_K" else 1e-4) * np.abs(lr).max()
+        # NOTE: the K-quants' scales and mins are rounded to f16 (2^-11 of each,
+        # gguf_checkpoint.py); the other types only sum in another order
+        near = qtype in ("Q4_K", "Q5_K", "Q6_K")
+        assert np.abs(lg - lr).max() <= (2e-3 if near else 1e-4) * np.abs(lr).max()
         assert g.generate([PROMPT], GREEDY)[0].token_ids == r.generate([PROMPT], GREEDY)[0].token_ids
-        native = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4", "Q5_0": "int8", "Q4_K": "int4"}.get(qtype)
+        native = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4", "Q5_0": "int5", "Q5_1": "int5",
+                  "Q4_K": "int4", "Q5_K": "int5", "Q6_K": "int6"}.get(qtype)
         lin = g.runner.model.layers[0].qkv_proj
         assert getattr(lin, "dtype", None) == (native or "float32")
     finally:
@@ -60,11 +62,11 @@ def test_gguf_equals_dequantized_reference(hf_models, tmp_path, arch, qtype):
         r.close()
 
 
-@pytest.mark.parametrize("qtype", ["Q6_K", "Q5_K"])
-def test_k_quant_head_is_int8_by_default(hf_models, tmp_path, qtype):
-    """A head stored in a K-quant would be held dense (a Q6_K head in bf16 is 2.4x the bytes
-    llama.cpp reads for it): lm_head_quantization="auto" makes it int8, like a dense head
-    quantized at load; a Q8_0 head stays as stored."""
+@pytest.mark.parametrize("qtype", ["Q3_K", "IQ4_XS"])
+def test_dequantized_head_is_int8_by_default(hf_models, tmp_path, qtype):
+    """A head stored in a type without a format here would be held dense: lm_head_quantization=
+    "auto" makes it int8, like a dense head quantized at load; a Q8_0 head stays as stored (and
+    a Q6_K/Q5_K one, test_k_quant_head_keeps_its_width)."""
     from numa_runtime.quant.formats import QuantFormat
     from quant_helpers import write_dequantized_copy
     path = str(tmp_path / f"m.{qtype}.gguf")
@@ -90,6 +92,19 @@ def test_k_quant_head_is_int8_by_default(hf_models, tmp_path, qtype):
         g8.close()
 
 
+@pytest.mark.parametrize("qtype,dtype", [("Q6_K", "int6"), ("Q5_K", "int5"), ("Q5_0", "int5")])
+def test_k_quant_head_keeps_its_width(hf_models, tmp_path, qtype, dtype):
+    """llama-quantize's usual output type Q6_K (and Q5_K, Q5_0) keeps its bit width as the head
+    under the default lm_head_quantization="auto": 6.5-7 bits a weight where int8 took 8.5."""
+    path = str(tmp_path / f"m.{qtype}.gguf")
+    write_gguf(hf_models["llama"], path, qtype)
+    g = engine(path)
+    try:
+        assert g.runner.model.lm_head.dtype == dtype
+    finally:
+        g.close()
+
+
 def test_q4_k_blocks_map_to_int4_with_f16_scales():
     """Q4_K super-blocks as int4 groups of 32 with "min" offsets: the codes as stored, each
     sub-block's scale d sc and min dmin m rounded once to f16, so every weight is within 2^-11
@@ -108,6 +123,30 @@ def test_q4_k_blocks_map_to_int4_with_f16_scales():
     bound = 2.0 ** -11 * (np.abs(w.scales.astype(np.float32)).repeat(32, 1) * w.q + np.abs(w.offsets.astype(np.float32)).repeat(32, 1))
     assert (np.abs(ours - ref) <= bound * 1.001 + 1e-9).all()
     assert np.abs(ours - ref).max() > 0  # the rounding is real: this is not the lossless path
+
+
+@pytest.mark.parametrize("qtype,bits,group,kind", [("Q5_K", 5, 32, "min"), ("Q6_K", 6, 16, "sym")])
+def test_q5_k_and_q6_k_blocks_keep_their_codes(qtype, bits, group, kind):
+    """Q5_K as int5 groups of 32 with "min" offsets, Q6_K as int6 groups of 16 (w = s (q - 32)):
+    the codes as stored, each sub-block's scale (and min) rounded once to f16, so every weight
+    is within 2^-11 of (|s q| + |offset|) of the gguf package's dequantization."""
+    import gguf
+    from numa_runtime.gguf_checkpoint import NEAR_LOSSLESS, decode_kquant
+    from numa_runtime.quant.formats import dequantize
+    from gguf_helpers import encode
+    rng = np.random.default_rng(5)
+    data, _ = encode(np.zeros((7, 768), np.float32), qtype, rng)
+    ref = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[qtype]).reshape(7, 768)
+    w = decode_kquant(qtype, data.reshape(7, 3, NEAR_LOSSLESS[qtype][1]))
+    assert (w.fmt.bits, w.fmt.group_size, w.fmt.kind) == (bits, group, kind)
+    assert w.q.max() <= (1 << bits) - 1 and w.q.max() >= (1 << (bits - 1))  # the high bits are read
+    ours = dequantize(w)
+    s = np.abs(w.scales.astype(np.float32)).repeat(group, 1)
+    off = (np.abs(w.offsets.astype(np.float32)).repeat(group, 1) if w.offsets is not None
+           else s * (1 << (bits - 1)))
+    bound = 2.0 ** -11 * (s * w.q + off)
+    assert (np.abs(ours - ref) <= bound * 1.001 + 1e-9).all()
+    assert np.abs(ours - ref).max() > 0
 
 
 def test_unknown_tensor_type_is_named(hf_models, tmp_path):
@@ -148,15 +187,17 @@ def test_two_ranks_equal_reference(hf_models, tmp_path):
     assert out["world"] == 2 and out["tokens"] == [expected]
 
 
-def test_two_ranks_equal_one_on_q4_k(hf_models, tmp_path):
-    """A Q4_K file over 2 ranks: each rank decodes only its super-blocks and takes the 32-element
-    groups of its columns (o_proj's split falls inside a 256-element super-block here)."""
+@pytest.mark.parametrize("qtype,dtype", [("Q4_K", "int4"), ("Q6_K", "int6")])
+def test_two_ranks_equal_one_on_k_quants(hf_models, tmp_path, qtype, dtype):
+    """A Q4_K or Q6_K file over 2 ranks: each rank decodes only its super-blocks and takes the
+    32- or 16-element groups of its columns (o_proj's split falls inside a 256-element
+    super-block here)."""
     from test_quant_model import result, run_mpi
-    path = str(tmp_path / "m.Q4_K.gguf")
-    write_gguf(hf_models["llama"], path, "Q4_K")
+    path = str(tmp_path / f"m.{qtype}.gguf")
+    write_gguf(hf_models["llama"], path, qtype)
     one = engine(path)
     try:
-        assert one.runner.model.layers[0].o_proj.dtype == "int4"
+        assert one.runner.model.layers[0].o_proj.dtype == dtype
         expected = list(one.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].token_ids)
     finally:
         one.close()
@@ -164,9 +205,9 @@ def test_two_ranks_equal_one_on_q4_k(hf_models, tmp_path):
     assert out["world"] == 2 and out["tokens"] == [expected]
 
 
-@pytest.mark.parametrize("qtype", ["Q6_K", "Q5_K", "Q5_1", "Q3_K", "IQ4_XS"])
-def test_bf16_engine_holds_5_and_6_bit_k_quants_as_int8(hf_models, tmp_path, qtype):
-    """No int8/int4 format holds Q5_K/Q6_K as stored: a bf16 engine (which would round them to
+@pytest.mark.parametrize("qtype", ["Q3_K", "IQ4_XS"])
+def test_bf16_engine_holds_dequantized_types_as_int8(hf_models, tmp_path, qtype):
+    """No format here holds Q3_K/IQ4_XS as stored: a bf16 engine (which would round them to
     bf16) takes them as int8 groups of 32, the very weights `quantization="int8-g32"` makes of
     the dequantized model, so both engines give the same logits; an f32 engine keeps them dense
     (test_gguf_equals_dequantized_reference)."""

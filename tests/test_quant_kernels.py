@@ -16,6 +16,9 @@ from numa_runtime.quant.reference import QLinear as RefQLinear
 
 FORMATS = [QuantFormat(8, -1, "sym")] + [QuantFormat(8, g, "sym") for g in (32, 64, 128)] + [
     QuantFormat(4, g, k) for g in (32, 64, 128) for k in ("sym", "zero", "min")]
+# int5/int6 (GGUF Q5_x, Q6_K at their own widths): a plane of high bits beside the int4 nibbles
+FORMATS += [QuantFormat(5, 32, "sym"), QuantFormat(5, 32, "min"), QuantFormat(5, 128, "zero"),
+            QuantFormat(6, 16, "sym"), QuantFormat(6, 64, "min")]
 MS = [1, 2, 3, 7, 33, 100, 300]
 LEVELS = list(range(qgemm.cpu_level() + 1))
 

@@ -8,7 +8,15 @@ output row, with one f16 scale s per group and, for asymmetric formats, one f16 
 | "sym"  | 8    | -127..127 | q * s                     | int8 at load, GGUF Q8_0          |
 | "sym"  | 4    | 0..15     | q * s - 8 s               | int4 at load, GGUF Q4_0          |
 | "zero" | 4    | 0..15     | q * s - s z (z: 0..15)    | AWQ, GPTQ                        |
-| "min"  | 4    | 0..15     | q * s + m                 | GGUF Q4_1                        |
+| "min"  | 4    | 0..15     | q * s + m                 | GGUF Q4_1, Q4_K                  |
+| "sym"  | 5    | 0..31     | q * s - 16 s              | GGUF Q5_0                        |
+| "min"  | 5    | 0..31     | q * s + m                 | GGUF Q5_1, Q5_K                  |
+| "sym"  | 6    | 0..63     | q * s - 32 s (groups 16)  | GGUF Q6_K                        |
+
+5- and 6-bit weights exist so that GGUF files keep their own bit widths (llama-quantize's
+Q4_K_M/Q5_K_M mixes hold Q5_0, Q5_K and Q6_K tensors); they are not offered for quantizing at
+load. Their packed layout (packing.py) stores each code as a 4-bit nibble plus its high bits in a
+plane of their own, so the kernels reuse the int4 path's unpacking.
 
 NOTE: scales and offsets are stored as f16: every real source (GGUF, AWQ, GPTQ) stores f16
 scales, so they map without loss, and at 4 bits in groups of 32 an f16 scale + offset costs 1
@@ -26,6 +34,10 @@ import numpy as np
 
 KINDS = ("sym", "zero", "min")
 GROUP_SIZES = (32, 64, 128)
+BITS = (4, 5, 6, 8)
+# k per packed unit (packing.py): one 64-byte row of lanes for int4/int8; for int5/int6 a plane
+# row of high bits and the nibble rows of the k it covers
+UNIT_K = {4: 8, 8: 4, 5: 32, 6: 16}
 
 
 class QuantError(ValueError):
@@ -53,22 +65,30 @@ class QuantFormat:
         return self
 
     def __post_init__(self):
-        if self.bits not in (4, 8):
-            raise QuantError(f"Quantized weights have 4 or 8 bits, not {self.bits}.")
+        if self.bits not in BITS:
+            raise QuantError(f"Quantized weights have 4, 5, 6 or 8 bits, not {self.bits}.")
         if self.kind not in KINDS:
             raise QuantError(f"Quantization kind must be one of {KINDS}, not {self.kind!r}.")
         if self.bits == 8 and self.kind != "sym":
             raise QuantError("int8 weights are symmetric only (kind='sym').")
-        if self.group_size not in GROUP_SIZES + (-1,):
+        if self.bits == 6 and self.group_size == 16:
+            pass  # Q6_K's 16-element sub-blocks
+        elif self.group_size not in GROUP_SIZES + (-1,):
             raise QuantError(f"Group size must be one of {GROUP_SIZES} (or -1: per output row, "
                              f"int8), not {self.group_size}.")
-        if self.group_size == -1 and self.bits == 4:
-            raise QuantError("int4 weights need groups of 32, 64 or 128 (per-row int4 is too coarse).")
+        if self.group_size == -1 and self.bits != 8:
+            raise QuantError(f"int{self.bits} weights need groups of 32, 64 or 128 (per-row is "
+                             f"for int8 only).")
 
     @property
     def pack_k(self) -> int:
-        """k per 32-bit lane of the packed layout."""
-        return 8 if self.bits == 4 else 4
+        """k per packed unit (a 32-bit lane of a row for int4/int8)."""
+        return UNIT_K[self.bits]
+
+    @property
+    def qmax(self) -> int:
+        """Largest unsigned code of the asymmetric and sub-8-bit symmetric formats."""
+        return (1 << self.bits) - 1
 
     def padded_k(self, k: int) -> int:
         """K as stored: per-row int8 pads K to 4 with zero weights; grouped formats need whole
@@ -162,7 +182,7 @@ def offset_term(fmt: QuantFormat, scales: np.ndarray, offsets: np.ndarray | None
     if fmt.bits == 8:
         return np.zeros_like(s)
     if fmt.kind == "sym":
-        return s * np.float32(-8.0)
+        return s * np.float32(-(1 << (fmt.bits - 1)))
     o = offsets.astype(np.float32)
     return -(s * o) if fmt.kind == "zero" else o
 
@@ -188,24 +208,26 @@ def quantize(w: np.ndarray, fmt: QuantFormat) -> QuantizedWeight:
     if kp != k:
         w = np.concatenate([w, np.zeros((n, kp - k), np.float32)], axis=1)
     wg = w.reshape(n, kp // g, g)                                         # [N, ng, G]
+    half = 1 << (fmt.bits - 1)
     if fmt.kind == "sym":
-        qmax = 127.0 if fmt.bits == 8 else 7.0
+        qmax = 127.0 if fmt.bits == 8 else float(half - 1)
         s = to_f16_scales(np.abs(wg).max(axis=2) / qmax)
         inv = _inverse(s)
-        lo = -127 if fmt.bits == 8 else -8
+        lo = -127 if fmt.bits == 8 else -half
         q = np.clip(np.rint(wg * inv), lo, qmax)
-        q = q.astype(np.int8) if fmt.bits == 8 else (q + 8).astype(np.uint8)
+        q = q.astype(np.int8) if fmt.bits == 8 else (q + half).astype(np.uint8)
         return QuantizedWeight(fmt, q.reshape(n, kp), s, None, k)
     mn, mx = wg.min(axis=2), wg.max(axis=2)
+    top = float(fmt.qmax)
     if fmt.kind == "min":
-        s = to_f16_scales((mx - mn) / 15.0)
+        s = to_f16_scales((mx - mn) / top)
         m = to_f16_scales(mn)
-        q = np.clip(np.rint((wg - m.astype(np.float32)[..., None]) * _inverse(s)), 0, 15)
+        q = np.clip(np.rint((wg - m.astype(np.float32)[..., None]) * _inverse(s)), 0, top)
         return QuantizedWeight(fmt, q.astype(np.uint8).reshape(n, kp), s, m, k)
-    s = to_f16_scales((np.maximum(mx, 0) - np.minimum(mn, 0)) / 15.0)
+    s = to_f16_scales((np.maximum(mx, 0) - np.minimum(mn, 0)) / top)
     inv = _inverse(s)
-    z = np.clip(np.rint(-np.minimum(mn, 0) * inv[..., 0]), 0, 15)
-    q = np.clip(np.rint(wg * inv) + z[..., None], 0, 15)
+    z = np.clip(np.rint(-np.minimum(mn, 0) * inv[..., 0]), 0, top)
+    q = np.clip(np.rint(wg * inv) + z[..., None], 0, top)
     return QuantizedWeight(fmt, q.astype(np.uint8).reshape(n, kp), s, z.astype(np.float16), k)
 
 

@@ -9,6 +9,13 @@ contiguous byte stream of its groups, each group:
              (int4: nibble i at bits 4i..4i+3, unsigned; int8: byte i, signed)
 Every 64-byte row is one cache line of 16 columns; the stream holds the scales next to the
 integers they scale, so decode reads one sequential stream per block.
+
+int5/int6 (GGUF Q5_x, Q6_K) come in units of U = 32 (int5) or 16 (int6) k instead of rows:
+    plane    [16] uint32        lane j: the high bits (q >> 4) of column j's U codes
+    rows     [U / 8][16]        the low nibbles (q & 15), laid out as int4 rows
+The high bits of unit-local k = 8 r + 2 b + e (r: nibble row, b: byte of its lane, e: 0/1) sit
+at bit 8 b + (bits - 4) (2 r + e) of the plane lane: shifted by a constant per nibble row, they
+land on bit 4 (and 5) of the very bytes the int4 path's two masks take each nibble into.
 """
 from __future__ import annotations
 
@@ -20,9 +27,50 @@ NB = 16
 KINDS = {"sym": 0, "zero": 1, "min": 2}
 
 
+def unit_bytes(fmt: QuantFormat) -> int:
+    """Bytes of one packed unit of fmt.pack_k k (16 columns)."""
+    return 64 if fmt.bits in (4, 8) else 64 + fmt.pack_k // 8 * 64
+
+
 def group_bytes(fmt: QuantFormat, group: int) -> int:
     meta = 32 if fmt.kind == "sym" else 64
-    return meta + group // fmt.pack_k * 64
+    return meta + group // fmt.pack_k * unit_bytes(fmt)
+
+
+def _plane_shift(bits: int, u: int) -> np.ndarray:
+    """Bit position in the plane lane of each unit-local k (see the module docstring)."""
+    i = np.arange(u)
+    r, b, e = i // 8, (i % 8) // 2, i % 2
+    return (8 * b + (bits - 4) * (2 * r + e)).astype(np.uint32)
+
+
+def _hb_units(q: np.ndarray, bits: int, nb: int, ng: int, g: int) -> np.ndarray:
+    """int5/int6 codes q [Np, Kp] -> the unit bytes [Nb, ng, G / U * unit_bytes]."""
+    u = UNIT_K_HB[bits]
+    qq = q.astype(np.uint32).reshape(nb, NB, ng, g // u, u)             # [Nb, 16, ng, units, U]
+    plane = (((qq >> np.uint32(4)) << _plane_shift(bits, u)).sum(axis=4, dtype=np.uint64)
+             .astype(np.uint32))                                        # [Nb, 16, ng, units]
+    nib = (qq & np.uint32(0xF)).reshape(nb, NB, ng, g // u, u // 8, 8)
+    lanes = np.zeros(nib.shape[:5], np.uint32)
+    for i in range(8):
+        lanes |= nib[..., i] << np.uint32(4 * i)                        # [Nb, 16, ng, units, U/8]
+    unit = np.concatenate([plane[..., None], lanes], axis=4)            # [Nb, 16, ng, units, 1+U/8]
+    return unit.transpose(0, 2, 3, 4, 1).copy().view(np.uint8).reshape(nb, ng, -1)
+
+
+def _hb_codes(rows: np.ndarray, bits: int, n: int, g: int) -> np.ndarray:
+    """Inverse of _hb_units: the unit bytes [Nb, ng, G / U * unit_bytes] -> codes [n, Kp]."""
+    u = UNIT_K_HB[bits]
+    nb, ng = rows.shape[:2]
+    unit = (np.ascontiguousarray(rows).view(np.uint32)
+            .reshape(nb, ng, g // u, 1 + u // 8, NB).transpose(0, 4, 1, 2, 3))  # [Nb,16,ng,units,.]
+    hb = (unit[..., :1] >> _plane_shift(bits, u)) & np.uint32((1 << (bits - 4)) - 1)  # [.., U]
+    nib = np.stack([(unit[..., 1:] >> np.uint32(4 * i)) & np.uint32(0xF) for i in range(8)], axis=5)
+    q = nib.reshape(hb.shape) | (hb << np.uint32(4))
+    return q.astype(np.uint8).reshape(nb * NB, ng * g)[:n]
+
+
+UNIT_K_HB = {5: 32, 6: 16}
 
 
 def pack(qw: QuantizedWeight) -> np.ndarray:
@@ -32,6 +80,16 @@ def pack(qw: QuantizedWeight) -> np.ndarray:
     nb, ng, pk = -(-n // NB), kp // g, fmt.pack_k
     pad = nb * NB - n
     q = np.pad(qw.q, ((0, pad), (0, 0)))
+    gb = group_bytes(fmt, g)
+    out = np.empty((nb, ng, gb), np.uint8)
+    meta = [qw.scales] + ([] if fmt.kind == "sym" else [qw.offsets])
+    for i, m in enumerate(meta):
+        m16 = np.pad(np.asarray(m, np.float16), ((0, pad), (0, 0)))      # [Np, ng]
+        out[:, :, 32 * i:32 * i + 32] = (m16.reshape(nb, NB, ng).transpose(0, 2, 1)
+                                         .copy().view(np.uint8))
+    if fmt.bits in UNIT_K_HB:
+        out[:, :, 32 * len(meta):] = _hb_units(q, fmt.bits, nb, ng, g)
+        return out.reshape(-1)
     # lanes: [Np, Kp / pk] uint32, k-th of a lane in bits (32 / pk) * i
     if fmt.bits == 4:
         q4 = q.astype(np.uint32).reshape(nb * NB, kp // pk, pk)
@@ -41,13 +99,6 @@ def pack(qw: QuantizedWeight) -> np.ndarray:
     else:
         lanes = np.ascontiguousarray(q.astype(np.int8)).view(np.uint32)   # little-endian bytes
     rows = lanes.reshape(nb, NB, ng, g // pk).transpose(0, 2, 3, 1)     # [Nb, ng, rows, 16]
-    gb = group_bytes(fmt, g)
-    out = np.empty((nb, ng, gb), np.uint8)
-    meta = [qw.scales] + ([] if fmt.kind == "sym" else [qw.offsets])
-    for i, m in enumerate(meta):
-        m16 = np.pad(np.asarray(m, np.float16), ((0, pad), (0, 0)))      # [Np, ng]
-        out[:, :, 32 * i:32 * i + 32] = (m16.reshape(nb, NB, ng).transpose(0, 2, 1)
-                                         .copy().view(np.uint8))
     out[:, :, 32 * len(meta):] = rows.copy().view(np.uint8).reshape(nb, ng, -1)
     return out.reshape(-1)
 
@@ -60,6 +111,9 @@ def unpack(packed: np.ndarray, fmt: QuantFormat, n: int, k: int) -> QuantizedWei
     s = packed.reshape(nb, ng, group_bytes(fmt, g))
     meta = [np.ascontiguousarray(s[:, :, 32 * i:32 * i + 32]).view(np.float16)   # [Nb, ng, 16]
             .transpose(0, 2, 1).reshape(nb * NB, ng)[:n] for i in range(nm)]
+    if fmt.bits in UNIT_K_HB:
+        q = _hb_codes(s[:, :, 32 * nm:], fmt.bits, n, g)
+        return QuantizedWeight(fmt, q, meta[0].copy(), meta[1].copy() if nm == 2 else None, k)
     lanes = (np.ascontiguousarray(s[:, :, 32 * nm:]).view(np.uint32)
              .reshape(nb, ng, g // pk, NB).transpose(0, 3, 1, 2).reshape(nb * NB, kp // pk)[:n])
     if fmt.bits == 4:

@@ -70,8 +70,8 @@ class QLinear:
 
     def __init__(self, packed: np.ndarray, bits: int, kind: str, group: int, in_features: int,
                  out_features: int, bias: np.ndarray | None = None):
-        # NOTE: a group that is not 32/64/128 is per-row int8 (group = padded K)
-        fmt = QuantFormat(bits, group if group in GROUP_SIZES else -1, kind)
+        # NOTE: a group that is not 32/64/128 is per-row int8 (group = padded K), but Q6_K's 16
+        fmt = QuantFormat(bits, group if group in GROUP_SIZES or bits != 8 else -1, kind)
         self.in_features, self.out_features, self.bits, self.kind = in_features, out_features, bits, kind
         self.group = group
         self.weight = dequantize(unpack(np.asarray(packed), fmt, out_features, in_features))  # [N, K]
