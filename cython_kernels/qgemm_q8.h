@@ -95,6 +95,40 @@ static inline void qg_quantize_block32(const float* xr, int perm4, int8_t* dst, 
     }
 }
 
+/* A block of 16 k (int6 groups of 16, GGUF Q6_K): qg_quantize_block32's rule on two vectors. */
+static inline void qg_quantize_block16(const float* xr, int8_t* dst, float* sx, int32_t* xi,
+                                       float* res) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 v0 = _mm256_loadu_ps(xr), v1 = _mm256_loadu_ps(xr + 8);
+    const __m256 m = _mm256_max_ps(_mm256_and_ps(v0, absm), _mm256_and_ps(v1, absm));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    const float amax = _mm_cvtss_f32(h);
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const __m256 vi = _mm256_set1_ps(inv);
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    const __m256i q0 = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v0, vi)), lo), hi);
+    const __m256i q1 = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v1, vi)), lo), hi);
+    __m256i t = _mm256_add_epi32(q0, q1);
+    __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
+    u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
+    /* bytes in k order (q0: k 0-7, q1: k 8-15), then each 8 k as k 0 2 4 6 1 3 5 7 */
+    __m128i w = _mm_packs_epi16(_mm_packs_epi32(_mm256_castsi256_si128(q0), _mm256_extracti128_si256(q0, 1)),
+                                _mm_packs_epi32(_mm256_castsi256_si128(q1), _mm256_extracti128_si256(q1, 1)));
+    w = _mm_shuffle_epi8(w, _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
+    _mm_storeu_si128((__m128i*)dst, w);
+    const float scale = amax / 127.0f;
+    *sx = scale;
+    *xi = _mm_cvtsi128_si32(u);
+    if (res) {
+        const __m256 vs = _mm256_set1_ps(scale);
+        _mm256_storeu_ps(res, _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q0), vs, v0));
+        _mm256_storeu_ps(res + 8, _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q1), vs, v1));
+    }
+}
+
 /* Quantize group g of one row (xr: the row's kp values) into the row's buffers (xq: [kp],
  * sx, xi: [nb], xs: [ng]); res (NULL: none) gets x - the dequantized values. */
 static void qg_quantize_group(const float* xr, const qg_format* f, long g, int8_t* xq, float* sx,
@@ -107,6 +141,8 @@ static void qg_quantize_group(const float* xr, const qg_format* f, long g, int8_
         int32_t* bi = xi + g * nbg + b;
         if (k1 - k0 == QG_QB) {
             qg_quantize_block32(xr + k0, f->bits != 8, xq + k0, bs, bi, res ? res + k0 : NULL);
+        } else if (k1 - k0 == 16 && f->bits != 8) {
+            qg_quantize_block16(xr + k0, xq + k0, bs, bi, res ? res + k0 : NULL);
         } else {
             float amax = 0.0f;
             for (long k = k0; k < k1; k++) amax = fmaxf(amax, fabsf(xr[k]));
