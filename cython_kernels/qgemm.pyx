@@ -60,6 +60,7 @@ cdef extern from "qgemm_kernels.h" nogil:
         long group
         long kp
         long n
+        long ks
     int qg_cpu_level()
     long qg_block_bytes(const qg_format* f)
     int qg_forward(const uint8_t* w, const qg_format* f, const float* x, long M, long ldx,
@@ -253,7 +254,8 @@ cdef class QLinear:
     """y = x @ W.T + b, the contract of numa_runtime.backend.reference.Linear, for a quantized W.
 
     packed: uint8 stream from numa_runtime.quant.packing.pack; bits 4|5|6|8; kind 'sym'|'zero'|'min';
-    group: k per group (the padded in_features for per-row int8); bias None or f32 [N].
+    group: k per group (the padded in_features for per-row int8); bias None or f32 [N]; ks: k per
+    super-block of int8 sub-scales (GGUF K-quants: 256), 0 for f16 group scales.
     `nbytes` is the packed weight memory held (the only copy).
     """
     cdef readonly int in_features, out_features, bits, group
@@ -270,15 +272,18 @@ cdef class QLinear:
     cdef public int prefill_act8
 
     def __init__(self, packed, int bits, str kind, int group, int in_features, int out_features,
-                 bias=None):
+                 bias=None, int ks=0):
         if bits not in (4, 5, 6, 8) or kind not in _KINDS or (bits == 8 and kind != "sym"):
             raise ValueError("QLinear: unsupported format bits=%d kind=%r" % (bits, kind))
+        if ks and (ks != 256 or bits == 8 or kind == "zero" or ks % group or in_features % ks):
+            raise ValueError("QLinear: super-block scales (ks=%d) need int4/5/6 sym or min groups "
+                             "dividing 256 and in_features a multiple of 256" % ks)
         pk = {4: 8, 8: 4, 5: 32, 6: 16}[bits]  # k per packed unit (qg_pack_k)
         kp = (in_features + pk - 1) // pk * pk  # NOTE: C division (cdivision)
         if group < pk or group % pk or kp % group or out_features < 1:
             raise ValueError("QLinear: group %d does not tile in_features %d" % (group, in_features))
         self.fmt.bits, self.fmt.kind, self.fmt.group = bits, _KINDS[kind], group
-        self.fmt.kp, self.fmt.n = kp, out_features
+        self.fmt.kp, self.fmt.n, self.fmt.ks = kp, out_features, ks
         packed = np.ascontiguousarray(packed, dtype=np.uint8).reshape(-1)
         nblocks = (out_features + 15) // 16
         if packed.shape[0] != nblocks * qg_block_bytes(&self.fmt):

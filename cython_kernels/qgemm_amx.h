@@ -137,15 +137,14 @@ static void qg_amx_rows_fill(const qg_amx_rows* T, const qg_xq* q, long Q, int t
  * block): the VNNI kernels' float operations in their order. */
 #define QG_AMX_EPI(bi, cbuf, meta_, g_, last_)                                                    \
     {                                                                                             \
-        const __m512 s_ = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(meta_)));          \
+        const __m512 s_ = qg_s512(blk, f, (meta_), (g_));                                          \
         const float* sb_ = st + (bi) * QG_MR_AMX;                                                 \
         _Pragma("GCC unroll 16")                                                                  \
         for (int r = 0; r < QG_MR_AMX; r++)                                                       \
             a[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void*)((cbuf) + r * 16))), \
                                    _mm512_mul_ps(s_, _mm512_set1_ps(sb_[r])), a[r]);              \
         if (has_c && (last_)) {                                                                   \
-            const __m512 o_ = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((meta_) + 32))); \
-            const __m512 c_ = f->kind == QG_ZERO ? _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(s_, o_)) : o_; \
+            const __m512 c_ = qg_c512(blk, f, (meta_), (g_), s_);                                  \
             const float* xg_ = xst + (g_) * QG_MR_AMX;                                            \
             _Pragma("GCC unroll 16")                                                              \
             for (int r = 0; r < QG_MR_AMX; r++) a[r] = _mm512_fmadd_ps(c_, _mm512_set1_ps(xg_[r]), a[r]); \
@@ -172,7 +171,7 @@ QG_INLINE QG_TAMX void qg_amx_block(const uint8_t* blk, const qg_format* f, cons
     const uint8_t* metas[4];  /* block x: its group's meta, index and block in it, at x & 3 */
     long gs[4], bs[4];
     long g = 0, b = 0;  /* the next block to multiply is block b of group g */
-    const uint8_t* meta = blk;
+    const uint8_t* meta = blk + qg_super_bytes(f);
 #define QG_AMX_NEXT(x)                                                                            \
     {                                                                                             \
         metas[(x) & 3] = meta; gs[(x) & 3] = g; bs[(x) & 3] = b;                                  \

@@ -86,9 +86,9 @@ QG_INLINE QG_TAB16 void qg_ab_dequant(const uint8_t* blk, const qg_format* f, lo
     const long kend = k1 < f->kp ? k1 : f->kp;
     for (long k = k0; k < kend; k += pk) {
         const long g = k / f->group;
-        const uint8_t* meta = blk + g * gb;
+        const uint8_t* meta = qg_gmeta(blk, f, g);
         if (g != g_last) {
-            qg_sc_avx512(meta, bits, f->kind, &s, &c);
+            qg_sc_avx512(blk, f, meta, g, bits, &s, &c);
             g_last = g;
         }
         const __m512i v = _mm512_loadu_si512((const void*)(meta + mb + (k - g * f->group) / pk * 64));
@@ -119,9 +119,9 @@ static QG_TAB16 void qg_ab_dequant_hb(const uint8_t* blk, const qg_format* f, lo
     const long kend = k1 < f->kp ? k1 : f->kp;
     for (long k = k0; k < kend; k += 2) {
         const long g = k / f->group, kl = k - g * f->group;
-        const uint8_t* meta = blk + g * gb;
+        const uint8_t* meta = qg_gmeta(blk, f, g);
         if (g != g_last) {
-            qg_sc_avx512(meta, f->bits, f->kind, &s, &c);
+            qg_sc_avx512(blk, f, meta, g, f->bits, &s, &c);
             g_last = g;
         }
         const uint8_t* unit = meta + mb + kl / uk * ub;

@@ -7,18 +7,17 @@
 #define QG_MR_TILE_AVX2 6 /* rows per FMA tile on the L1 path: 2 x 6 accumulators + 3 */
 #define QG_INLINE static inline __attribute__((always_inline))
 
-/* Scales s and offsets c of one group (16 columns as two halves). */
-QG_INLINE void qg_sc_avx2(const uint8_t* meta, int bits, int kind, __m256 s[2], __m256 c[2]) {
+/* Scales s and offsets c of group g (meta: its meta; 16 columns as two halves). */
+QG_INLINE void qg_sc_avx2(const uint8_t* blk, const qg_format* f, const uint8_t* meta, long g,
+                          int bits, __m256 s[2], __m256 c[2]) {
     for (int h = 0; h < 2; h++) {
-        s[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(meta + 16 * h)));
+        s[h] = qg_s256(blk, f, meta, g, h);
         if (bits == 8) {
             c[h] = _mm256_setzero_ps();
-        } else if (kind == QG_SYM) {
+        } else if (f->kind == QG_SYM) {
             c[h] = _mm256_mul_ps(s[h], _mm256_set1_ps(-(float)(1 << (bits - 1))));
         } else {
-            __m256 o = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(meta + 32 + 16 * h)));
-            /* zero point: c = -(s z), exact; min: c = m */
-            c[h] = kind == QG_ZERO ? _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(s[h], o)) : o;
+            c[h] = qg_c256(blk, f, meta, g, s[h], h);
         }
     }
 }
@@ -39,9 +38,9 @@ QG_INLINE void qg_dequant_avx2_b(const uint8_t* blk, const qg_format* f, long k0
     long g_last = -1;
     for (long k = k0; k < k1; k += pk) {
         long g = k / f->group;
-        const uint8_t* meta = blk + g * gb;
+        const uint8_t* meta = qg_gmeta(blk, f, g);
         if (g != g_last) {
-            qg_sc_avx2(meta, bits, f->kind, s, c);
+            qg_sc_avx2(blk, f, meta, g, bits, s, c);
             g_last = g;
         }
         const uint8_t* row = meta + mb + (k - g * f->group) / pk * 64;
@@ -70,9 +69,9 @@ QG_INLINE void qg_gemv_avx2_mr(const uint8_t* blk, const qg_format* f, const flo
     __m256 a[QG_MR_REG_AVX2][2];
     for (int r = 0; r < mr; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
     for (long g = 0; g < ng; g++) {
-        const uint8_t* meta = blk + g * gb;
+        const uint8_t* meta = qg_gmeta(blk, f, g);
         __m256 s[2], c[2];
-        qg_sc_avx2(meta, bits, f->kind, s, c);
+        qg_sc_avx2(blk, f, meta, g, bits, s, c);
         const uint8_t* row = meta + mb;
         const float* xg = x + g * f->group;
         for (long q = 0; q < rows; q++, row += 64, xg += pk) {

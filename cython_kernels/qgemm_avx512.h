@@ -7,16 +7,34 @@
 #define QG_MR_REG_AVX512 8   /* rows in registers while streaming */
 #define QG_MR_TILE_AVX512 12 /* rows per FMA tile on the L1 path */
 
-QG_INLINE QG_T512 void qg_sc_avx512(const uint8_t* meta, int bits, int kind, __m512* s,
-                                    __m512* c) {
-    *s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)meta));
+/* Group g's scales s (meta: its meta) and, for the asymmetric kinds, the c of w = q s + c:
+ * f16 values, or with ks d * sc and -dmin * m (exact in f32). */
+QG_INLINE QG_T512 __m512 qg_s512(const uint8_t* blk, const qg_format* f, const uint8_t* meta, long g) {
+    if (!f->ks) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)meta));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)qg_super_of(blk, f, g)));
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)meta))));
+}
+
+QG_INLINE QG_T512 __m512 qg_c512(const uint8_t* blk, const qg_format* f, const uint8_t* meta, long g,
+                                  __m512 s) {
+    if (f->ks) {
+        const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(qg_super_of(blk, f, g) + 32)));
+        const __m512 m = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(meta + 16))));
+        return _mm512_fnmadd_ps(dm, m, _mm512_setzero_ps());
+    }
+    const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(meta + 32)));
+    return f->kind == QG_ZERO ? _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(s, o)) : o;
+}
+
+QG_INLINE QG_T512 void qg_sc_avx512(const uint8_t* blk, const qg_format* f, const uint8_t* meta,
+                                    long g, int bits, __m512* s, __m512* c) {
+    *s = qg_s512(blk, f, meta, g);
     if (bits == 8) {
         *c = _mm512_setzero_ps();
-    } else if (kind == QG_SYM) {
+    } else if (f->kind == QG_SYM) {
         *c = _mm512_mul_ps(*s, _mm512_set1_ps(-(float)(1 << (bits - 1))));
     } else {
-        __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(meta + 32)));
-        *c = kind == QG_ZERO ? _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(*s, o)) : o;
+        *c = qg_c512(blk, f, meta, g, *s);
     }
 }
 
@@ -34,9 +52,9 @@ QG_INLINE QG_T512 void qg_dequant_avx512_b(const uint8_t* blk, const qg_format* 
     long g_last = -1;
     for (long k = k0; k < k1; k += pk) {
         long g = k / f->group;
-        const uint8_t* meta = blk + g * gb;
+        const uint8_t* meta = qg_gmeta(blk, f, g);
         if (g != g_last) {
-            qg_sc_avx512(meta, bits, f->kind, &s, &c);
+            qg_sc_avx512(blk, f, meta, g, bits, &s, &c);
             g_last = g;
         }
         const uint8_t* row = meta + mb + (k - g * f->group) / pk * 64;
@@ -61,9 +79,9 @@ QG_INLINE QG_T512 void qg_gemv_avx512_mr(const uint8_t* blk, const qg_format* f,
     __m512 a[QG_MR_REG_AVX512];
     for (int r = 0; r < mr; r++) a[r] = _mm512_setzero_ps();
     for (long g = 0; g < ng; g++) {
-        const uint8_t* meta = blk + g * gb;
+        const uint8_t* meta = qg_gmeta(blk, f, g);
         __m512 s, c;
-        qg_sc_avx512(meta, bits, f->kind, &s, &c);
+        qg_sc_avx512(blk, f, meta, g, bits, &s, &c);
         const uint8_t* row = meta + mb;
         const float* xg = x + g * f->group;
         for (long q = 0; q < rows; q++, row += 64, xg += pk) {

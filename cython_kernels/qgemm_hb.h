@@ -30,9 +30,9 @@ static void qg_dequant_hb(const uint8_t* blk, const qg_format* f, long k0, long 
     long g_last = -1;
     for (long k = k0; k < k1; k++) {
         const long g = k / f->group, kl = k - g * f->group;
-        const uint8_t* meta = blk + g * gb;
+        const uint8_t* meta = qg_gmeta(blk, f, g);
         if (g != g_last) {
-            qg_sc_avx2(meta, f->bits, f->kind, s, c);
+            qg_sc_avx2(blk, f, meta, g, f->bits, s, c);
             g_last = g;
         }
         const uint8_t* unit = meta + mb + kl / uk * ub;

@@ -40,6 +40,7 @@ typedef struct {
     long group;   /* k per group (divides kp) */
     long kp;      /* padded K (multiple of 8 for int4, 4 for int8) */
     long n;       /* output columns */
+    long ks;      /* k per super-block of int8 sub-scales (GGUF K-quants: 256), 0: f16 scales */
 } qg_format;
 
 /* k per packed unit (a row for int4/int8) and the unit's bytes */
@@ -52,12 +53,46 @@ static inline long qg_unit_bytes(const qg_format* f) {
 }
 /* The row-tile kernels (qgemm_q8tile.h, qgemm_amx.h) read int4/int8 rows only. */
 static inline int qg_tileable(const qg_format* f) { return !qg_is_hb(f); }
-static inline long qg_meta_bytes(const qg_format* f) { return f->kind == QG_SYM ? 32 : 64; }
+/* A group's meta for 16 columns: f16 scales [+ f16 offsets], or with ks int8 sub-scales
+ * [+ int8 mins]; with ks each block's stream starts with its super-blocks' f16 d [+ f16 dmin]. */
+static inline long qg_meta_bytes(const qg_format* f) {
+    return (f->ks ? 16 : 32) * (f->kind == QG_SYM ? 1 : 2);
+}
 static inline long qg_group_bytes(const qg_format* f) {
     return qg_meta_bytes(f) + f->group / qg_pack_k(f) * qg_unit_bytes(f);
 }
+static inline long qg_super_each(const qg_format* f) { return f->kind == QG_SYM ? 32 : 64; }
+static inline long qg_super_bytes(const qg_format* f) {
+    return f->ks ? f->kp / f->ks * qg_super_each(f) : 0;
+}
 static inline long qg_block_bytes(const qg_format* f) {
-    return f->kp / f->group * qg_group_bytes(f);
+    return qg_super_bytes(f) + f->kp / f->group * qg_group_bytes(f);
+}
+/* Group g's meta in block blk (its rows follow the meta). */
+static inline const uint8_t* qg_gmeta(const uint8_t* blk, const qg_format* f, long g) {
+    return blk + qg_super_bytes(f) + g * qg_group_bytes(f);
+}
+/* Group g's super-block scales (ks formats). */
+static inline const uint8_t* qg_super_of(const uint8_t* blk, const qg_format* f, long g) {
+    return blk + g * f->group / f->ks * qg_super_each(f);
+}
+
+/* Half h (columns 8h..8h+7) of group g's scale s and, for the asymmetric kinds, the c of
+ * w = q s + c: f16 values, or with ks d * sc and -dmin * m (exact in f32). */
+static inline __m256 qg_s256(const uint8_t* blk, const qg_format* f, const uint8_t* meta, long g, int h) {
+    if (!f->ks) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(meta + 16 * h)));
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(qg_super_of(blk, f, g) + 16 * h)));
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(meta + 8 * h)))));
+}
+static inline __m256 qg_c256(const uint8_t* blk, const qg_format* f, const uint8_t* meta, long g, __m256 s, int h) {
+    if (f->ks) {
+        const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(qg_super_of(blk, f, g) + 32 + 16 * h)));
+        const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(meta + 16 + 8 * h))));
+        return _mm256_fnmadd_ps(dm, m, _mm256_setzero_ps());
+    }
+    const __m256 o = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(meta + 32 + 16 * h)));
+    /* zero point: c = -(s z), exact; min: c = m */
+    return f->kind == QG_ZERO ? _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(s, o)) : o;
 }
 
 /* 2: AVX-512 with VNNI, 1: AVX-512 F/BW/VL/DQ, 0: AVX2 + FMA + F16C (the build's floor).

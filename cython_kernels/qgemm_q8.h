@@ -249,8 +249,8 @@ static inline int32_t qg_ld32(const int8_t* p) {
     for (int r = 0; r < mr; r++) a[r] = _mm512_setzero_ps();                                   \
     (void)ng;                                                                                   \
     for (long g = g0; g < g1; g++) {                                                            \
-        const uint8_t* meta = blk + g * gb;                                                     \
-        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)meta));             \
+        const uint8_t* meta = qg_gmeta(blk, f, g);                                              \
+        const __m512 s = qg_s512(blk, f, meta, g);                                              \
         const uint8_t* row = meta + mb;                                                         \
         for (long b = 0; b < nbg; b++) {                                                        \
             const long k0 = g * G + b * QG_QB;                                                  \
@@ -308,8 +308,7 @@ static inline int32_t qg_ld32(const int8_t* p) {
             }                                                                                   \
         }                                                                                       \
         if (has_c) {                                                                            \
-            const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(meta + 32)));  \
-            const __m512 c = f->kind == QG_ZERO ? _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(s, o)) : o; \
+            const __m512 c = qg_c512(blk, f, meta, g, s);                                       \
             for (int r = 0; r < mr; r++)                                                        \
                 a[r] = _mm512_fmadd_ps(c, _mm512_set1_ps(q->xs[r * q->ng + g]), a[r]);          \
         }                                                                                       \
@@ -379,9 +378,9 @@ QG_INLINE void qg_q8_avx2_mr(const uint8_t* blk, const qg_format* f, const qg_xq
     for (int r = 0; r < mr; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
     (void)ng;
     for (long g = g0; g < g1; g++) {
-        const uint8_t* meta = blk + g * gb;
+        const uint8_t* meta = qg_gmeta(blk, f, g);
         __m256 s[2];
-        for (int h = 0; h < 2; h++) s[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(meta + 16 * h)));
+        for (int h = 0; h < 2; h++) s[h] = qg_s256(blk, f, meta, g, h);
         const uint8_t* row = meta + mb;
         for (long b = 0; b < nbg; b++) {
             const long k0 = g * G + b * QG_QB;
@@ -446,8 +445,7 @@ QG_INLINE void qg_q8_avx2_mr(const uint8_t* blk, const qg_format* f, const qg_xq
         }
         if (has_c) {
             for (int h = 0; h < 2; h++) {
-                __m256 o = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(meta + 32 + 16 * h)));
-                __m256 c = f->kind == QG_ZERO ? _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(s[h], o)) : o;
+                __m256 c = qg_c256(blk, f, meta, g, s[h], h);
                 for (int r = 0; r < mr; r++)
                     a[r][h] = _mm256_fmadd_ps(c, _mm256_set1_ps(q->xs[r * q->ng + g]), a[r][h]);
             }

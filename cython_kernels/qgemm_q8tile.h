@@ -81,8 +81,8 @@ QG_INLINE QG_T512VNNI void qg_q8t_vnni_mr(const uint8_t* blk, const qg_format* f
     __m512 a[QG_MR_T];
     for (int r = 0; r < mr; r++) a[r] = _mm512_setzero_ps();
     for (long g = g0; g < g1; g++) {
-        const uint8_t* meta = blk + g * gb;
-        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)meta));
+        const uint8_t* meta = qg_gmeta(blk, f, g);
+        const __m512 s = qg_s512(blk, f, meta, g);
         const uint8_t* row = meta + mb;
         for (long b = 0; b < nbg; b++) {
             const long k0 = g * G + b * QG_QB;
@@ -124,8 +124,7 @@ QG_INLINE QG_T512VNNI void qg_q8t_vnni_mr(const uint8_t* blk, const qg_format* f
                 a[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r]), _mm512_mul_ps(s, _mm512_set1_ps(sb[r])), a[r]);
         }
         if (has_c) {
-            const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(meta + 32)));
-            const __m512 c = f->kind == QG_ZERO ? _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(s, o)) : o;
+            const __m512 c = qg_c512(blk, f, meta, g, s);
             const float* xg = t->xst + g * QG_MR_T;
             for (int r = 0; r < mr; r++) a[r] = _mm512_fmadd_ps(c, _mm512_set1_ps(xg[r]), a[r]);
         }

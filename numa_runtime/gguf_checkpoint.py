@@ -6,12 +6,13 @@ ours. Each quantized type keeps its own bit width (quant/formats.py):
     Q4_1 -> int4 group 32 "min" (w = d q + m);  Q5_0 -> int5 group 32 "sym" (w = d (q - 16));
     Q5_1 -> int5 group 32 "min"
 without loss (blocks of 32 with f16 scales and offsets), and the K-quants' 256-element
-super-blocks with one rounding:
+super-blocks without loss too, as formats with super-block scales (quant/formats.py, ks = 256):
     Q4_K -> int4 group 32 "min";  Q5_K -> int5 group 32 "min";  Q6_K -> int6 group 16 "sym"
-(w = d sc (q - 32)): each sub-block's scale d * sc and min dmin * m (products of an f16 and a
-6- or 8-bit integer, up to 19 significant bits) are rounded to f16, a relative change of at most
-2^-11 of each, while the codes stay as stored. A super-block whose products leave f16's range
-is dequantized instead (logged). F32/F16/BF16 tensors are dense. Q2_K, Q3_K, IQ4_NL and IQ4_XS
+(w = d sc q - dmin m, or d sc (q - 32)): the codes, the 6/8-bit sub-scales and mins and the f16
+d/dmin as stored. A rank whose columns start or end inside a super-block (a row-parallel split
+off 256-element boundaries) takes its groups with f16 scales instead: each sub-block's d * sc and
+dmin * m (up to 19 significant bits) rounded to f16, a relative change of at most 2^-11 of each;
+where such a product leaves f16's range the tensor is dequantized (logged). F32/F16/BF16 tensors are dense. Q2_K, Q3_K, IQ4_NL and IQ4_XS
 have no format here: they are dequantized (a log line says so) and held dense by an f32
 engine, as int8 groups of 32 by a bf16 one (quant/loader.py). Any other type is an error
 naming it.
@@ -190,6 +191,8 @@ class GGUFCheckpoint:
             _, bsize, per = NEAR_LOSSLESS[kind]
             s0, s1 = c0 // per, -(-c1 // per)                                     # super-blocks of the slice
             blocks = np.asarray(t.data).reshape(n, k // per, bsize)[idx][:, s0:s1]
+            if c0 % per == 0 and c1 % per == 0:
+                return decode_kquant(kind, np.ascontiguousarray(blocks), exact=True)
             w = decode_kquant(kind, np.ascontiguousarray(blocks))
             if w is None:
                 self._log_dequantized(name, kind)
@@ -287,11 +290,14 @@ def _scale_min_k4(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
-def decode_kquant(kind: str, blocks: np.ndarray) -> QuantizedWeight | None:
-    """Q4_K/Q5_K/Q6_K super-blocks [n, ns, bytes] -> our format [n, 256 ns] (NEAR_LOSSLESS): the
-    codes as stored, each sub-block's scale (and min) rounded once to f16. None when a product
-    leaves f16's range (the caller keeps the tensor dense)."""
+def decode_kquant(kind: str, blocks: np.ndarray, exact: bool = False) -> QuantizedWeight | None:
+    """Q4_K/Q5_K/Q6_K super-blocks [n, ns, bytes] -> our format [n, 256 ns]: the codes as
+    stored; `exact`: the sub-scales and mins as int8 under the super-blocks' f16 d/dmin (ks =
+    256), else each sub-block's scale (and min) rounded once to f16 (NEAR_LOSSLESS; None when a
+    product leaves f16's range: the caller keeps the tensor dense)."""
     fmt = NEAR_LOSSLESS[kind][0]
+    if exact:
+        fmt = QuantFormat(fmt.bits, fmt.group_size, fmt.kind, ks=256)
     n, ns, _ = blocks.shape
     f16 = lambda a, b: blocks[:, :, a:b].copy().view(np.float16)[..., 0].astype(np.float32)  # noqa: E731
     offsets = None
@@ -305,6 +311,9 @@ def decode_kquant(kind: str, blocks: np.ndarray) -> QuantizedWeight | None:
         hi = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3       # [.., h, c, l]
         q = (lo | (hi << 4)).reshape(n, ns * 256).astype(np.uint8)
         sc = blocks[:, :, 192:208].copy().view(np.int8)                    # [n, ns, 16]
+        if exact:
+            d16 = blocks[:, :, 208:210].copy().view(np.float16)[..., 0]
+            return QuantizedWeight(fmt, q, sc.reshape(n, ns * 16).copy(), None, ns * 256, (d16, None))
         scales = _f16_products(f16(208, 210), sc, n, ns * 16)
     else:
         d, dmin = f16(0, 2), f16(2, 4)
@@ -319,6 +328,10 @@ def decode_kquant(kind: str, blocks: np.ndarray) -> QuantizedWeight | None:
             sub = np.arange(8, dtype=np.uint8).reshape(4, 2, 1)
             q = q | (((qh >> sub) & 1) << 4)
         q = q.reshape(n, ns * 256).astype(np.uint8)
+        if exact:
+            raw = lambda a, b: blocks[:, :, a:b].copy().view(np.float16)[..., 0]  # noqa: E731
+            return QuantizedWeight(fmt, q, sc.reshape(n, ns * 8).astype(np.int8), mn.reshape(n, ns * 8).astype(np.int8),
+                                   ns * 256, (raw(0, 2), raw(2, 4)))
         scales = _f16_products(d, sc, n, ns * 8)
         offsets = -_f16_products(dmin, mn, n, ns * 8)
     if not (np.isfinite(scales).all() and (offsets is None or np.isfinite(offsets).all())):

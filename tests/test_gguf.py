@@ -48,10 +48,9 @@ def test_gguf_equals_dequantized_reference(hf_models, tmp_path, arch, qtype):
     g, r = engine(path, lm_head_quantization=None), engine(ref_dir)  # the head as stored
     try:
         lg, lr = prefill_logits(g, PROMPT), prefill_logits(r, PROMPT)
-        # NOTE: the K-quants' scales and mins are rounded to f16 (2^-11 of each,
-        # gguf_checkpoint.py); the other types only sum in another order
-        near = qtype in ("Q4_K", "Q5_K", "Q6_K")
-        assert np.abs(lg - lr).max() <= (2e-3 if near else 1e-4) * np.abs(lr).max()
+        # NOTE: every type maps without loss (the K-quants with super-block scales): the sums
+        # only run in another order
+        assert np.abs(lg - lr).max() <= 1e-4 * np.abs(lr).max()
         assert g.generate([PROMPT], GREEDY)[0].token_ids == r.generate([PROMPT], GREEDY)[0].token_ids
         native = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4", "Q5_0": "int5", "Q5_1": "int5",
                   "Q4_K": "int4", "Q5_K": "int5", "Q6_K": "int6"}.get(qtype)
@@ -106,7 +105,8 @@ def test_k_quant_head_keeps_its_width(hf_models, tmp_path, qtype, dtype):
 
 
 def test_q4_k_blocks_map_to_int4_with_f16_scales():
-    """Q4_K super-blocks as int4 groups of 32 with "min" offsets: the codes as stored, each
+    """Off a super-block boundary (a rank's columns that start inside one), Q4_K super-blocks
+    as int4 groups of 32 with "min" offsets: the codes as stored, each
     sub-block's scale d sc and min dmin m rounded once to f16, so every weight is within 2^-11
     of (|s q| + |m|) of the gguf package's dequantization; column slices on 32-element
     boundaries (what a rank reads) are the same groups."""
@@ -125,11 +125,33 @@ def test_q4_k_blocks_map_to_int4_with_f16_scales():
     assert np.abs(ours - ref).max() > 0  # the rounding is real: this is not the lossless path
 
 
+@pytest.mark.parametrize("qtype,bits,group,kind", [("Q4_K", 4, 32, "min"), ("Q5_K", 5, 32, "min"),
+                                                  ("Q6_K", 6, 16, "sym")])
+def test_k_quants_map_exactly_onto_super_block_scales(qtype, bits, group, kind):
+    """Q4_K/Q5_K as int4/int5 groups of 32 with mins, Q6_K as int6 groups of 16, each with its
+    super-blocks' f16 d (and dmin) and its int8 sub-scales (and mins) as stored: the very
+    weights of the gguf package's dequantization, and packed in fewer bytes than f16 group
+    scales would take (Q4_K: 4.625 bits a weight; Q6_K: 6.5625, the file's own)."""
+    import gguf
+    from numa_runtime.gguf_checkpoint import NEAR_LOSSLESS, decode_kquant
+    from numa_runtime.quant.formats import dequantize
+    from numa_runtime.quant.packing import pack
+    from gguf_helpers import encode
+    rng = np.random.default_rng(7)
+    data, _ = encode(np.zeros((16, 768), np.float32), qtype, rng)
+    ref = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[qtype]).reshape(16, 768)
+    w = decode_kquant(qtype, data.reshape(16, 3, NEAR_LOSSLESS[qtype][1]), exact=True)
+    assert (w.fmt.bits, w.fmt.group_size, w.fmt.kind, w.fmt.ks) == (bits, group, kind, 256)
+    np.testing.assert_array_equal(dequantize(w), ref)
+    assert pack(w).nbytes * 8 / (16 * 768) == {4: 4.625, 5: 5.625, 6: 6.5625}[bits]
+
+
 @pytest.mark.parametrize("qtype,bits,group,kind", [("Q5_K", 5, 32, "min"), ("Q6_K", 6, 16, "sym")])
 def test_q5_k_and_q6_k_blocks_keep_their_codes(qtype, bits, group, kind):
-    """Q5_K as int5 groups of 32 with "min" offsets, Q6_K as int6 groups of 16 (w = s (q - 32)):
-    the codes as stored, each sub-block's scale (and min) rounded once to f16, so every weight
-    is within 2^-11 of (|s q| + |offset|) of the gguf package's dequantization."""
+    """Off a super-block boundary (a rank's columns that start inside one): Q5_K as int5 groups
+    of 32 with "min" offsets, Q6_K as int6 groups of 16 (w = s (q - 32)): the codes as stored,
+    each sub-block's scale (and min) rounded once to f16, so every weight is within 2^-11 of
+    (|s q| + |offset|) of the gguf package's dequantization."""
     import gguf
     from numa_runtime.gguf_checkpoint import NEAR_LOSSLESS, decode_kquant
     from numa_runtime.quant.formats import dequantize
@@ -190,8 +212,9 @@ def test_two_ranks_equal_reference(hf_models, tmp_path):
 @pytest.mark.parametrize("qtype,dtype", [("Q4_K", "int4"), ("Q6_K", "int6")])
 def test_two_ranks_equal_one_on_k_quants(hf_models, tmp_path, qtype, dtype):
     """A Q4_K or Q6_K file over 2 ranks: each rank decodes only its super-blocks and takes the
-    32- or 16-element groups of its columns (o_proj's split falls inside a 256-element
-    super-block here)."""
+    32- or 16-element groups of its columns: down_proj's split falls on a super-block boundary
+    (super-block scales, exact), o_proj's inside one (f16 group scales, within 2^-11): the
+    tokens of one rank, where every tensor is exact."""
     from test_quant_model import result, run_mpi
     path = str(tmp_path / f"m.{qtype}.gguf")
     write_gguf(hf_models["llama"], path, qtype)
@@ -225,3 +248,28 @@ def test_bf16_engine_holds_dequantized_types_as_int8(hf_models, tmp_path, qtype)
     finally:
         g.close()
         r.close()
+
+
+def test_k_quant_columns_off_a_super_block_take_f16_group_scales(hf_models, tmp_path):
+    """What a rank reads of a Q4_K tensor: whole super-blocks keep their super-block scales
+    (exact); columns that start inside a super-block (o_proj's half on 2 ranks here) take f16
+    group scales, within 2^-11 of each scale and min of the exact weights."""
+    from numa_runtime.gguf_model import open_checkpoint
+    from numa_runtime.quant.formats import dequantize
+    path = str(tmp_path / "m.Q4_K.gguf")
+    write_gguf(hf_models["llama"], path, "Q4_K")
+    g = engine(path)
+    try:
+        ckpt = open_checkpoint(g.runner.model.cfg)
+        name = "model.layers.0.self_attn.o_proj.weight"
+        whole = ckpt.quantized(name, None, None)
+        part = ckpt.quantized(name, None, slice(128, 256))
+        aligned = ckpt.quantized(name, slice(0, 64), slice(0, 256))
+    finally:
+        g.close()
+    assert whole.fmt.ks == 256 and aligned.fmt.ks == 256 and part.fmt.ks == 0
+    exact = dequantize(whole)
+    np.testing.assert_array_equal(dequantize(aligned), exact[:64])
+    s = np.abs(part.scales.astype(np.float32)).repeat(32, 1)
+    bound = 2.0 ** -11 * (s * part.q + np.abs(part.offsets.astype(np.float32)).repeat(32, 1))
+    assert (np.abs(dequantize(part) - exact[:, 128:256]) <= bound * 1.001 + 1e-9).all()

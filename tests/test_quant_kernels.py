@@ -19,13 +19,21 @@ FORMATS = [QuantFormat(8, -1, "sym")] + [QuantFormat(8, g, "sym") for g in (32, 
 # int5/int6 (GGUF Q5_x, Q6_K at their own widths): a plane of high bits beside the int4 nibbles
 FORMATS += [QuantFormat(5, 32, "sym"), QuantFormat(5, 32, "min"), QuantFormat(5, 128, "zero"),
             QuantFormat(6, 16, "sym"), QuantFormat(6, 64, "min")]
+# super-block scales (GGUF K-quants as stored: int8 sub-scales and mins under f16 d and dmin)
+FORMATS += [QuantFormat(4, 32, "min", ks=256), QuantFormat(4, 64, "sym", ks=256),
+            QuantFormat(5, 32, "min", ks=256), QuantFormat(6, 16, "sym", ks=256)]
 MS = [1, 2, 3, 7, 33, 100, 300]
 LEVELS = list(range(qgemm.cpu_level() + 1))
 
 
+def unit(fmt):
+    """The k a weight's in_features must be a multiple of (per-row int8: 128 for the shapes)."""
+    return fmt.ks or (128 if fmt.group_size == -1 else fmt.group_size)
+
+
 def shapes(fmt):
     """(K, N): N never a multiple of the 16-column block; K odd where the format allows."""
-    g = 128 if fmt.group_size == -1 else fmt.group_size
+    g = unit(fmt)
     out = [(g, 1), (3 * g, 37), (5 * g, 100)]
     if fmt.group_size == -1:
         out += [(13, 5), (1001, 17)]
@@ -38,7 +46,7 @@ def make(fmt, k, n, with_bias, seed=0):
     b = rng.standard_normal(n, dtype=np.float32) if with_bias else None
     qw = quantize(w, fmt)
     p = pack(qw)
-    args = (p, fmt.bits, fmt.kind, qw.group, k, n, b)
+    args = (p, fmt.bits, fmt.kind, qw.group, k, n, b, fmt.ks)
     return qgemm.QLinear(*args), RefQLinear(*args), qw
 
 
@@ -131,7 +139,7 @@ def test_bf16_prefill_paths_match_bf16_reference(fmt, path, monkeypatch):
             # NOTE: oneDNN's reference matmul would give the right numbers 1000x slower
             assert not qgemm._panels(384, 100).impl_info(qgemm.PANEL_M_MIN, 64).startswith("ref")
         rng = np.random.default_rng(3)
-        g = 128 if fmt.group_size == -1 else fmt.group_size
+        g = unit(fmt)
         # (8192, 201): on AMX several blocks of K, chunks of rows and groups of column tasks
         cases = [(3 * g, 37), (5 * g, 100), (g, 200), (8192, 201)] + (
             [(1001, 17), (13, 5)] if fmt.group_size == -1 else [])
@@ -214,7 +222,7 @@ def test_act8_decode_path_matches_reference(fmt, level):
                         check(ref.forward(x).astype(np.float64), want, xq, ref.weight)
             lin.act8_residual = ref.act8_residual = False
         qgemm._set_act8_m_max(old_m)
-        lin, ref, _ = make(fmt, 3 * (128 if fmt.group_size == -1 else fmt.group_size), 37, False)
+        lin, ref, _ = make(fmt, 3 * unit(fmt), 37, False)
         lin.act8 = ref.act8 = True
         x = rng.standard_normal((qgemm.ACT8_M_MAX + 1, lin.in_features), dtype=np.float32)
         check(lin.forward(x), ref.forward(x).astype(np.float64), x, ref.weight)  # exact path

@@ -13,6 +13,11 @@ output row, with one f16 scale s per group and, for asymmetric formats, one f16 
 | "min"  | 5    | 0..31     | q * s + m                 | GGUF Q5_1, Q5_K                  |
 | "sym"  | 6    | 0..63     | q * s - 32 s (groups 16)  | GGUF Q6_K                        |
 
+With `ks` (k per super-block, 256: GGUF's K-quants) a group's scale is an int8 multiple sc of an
+f16 scale d of its super-block, s = d sc, and a "min" group's offset is -dmin m (m int8): the
+K-quants' own numbers, exact in f32 (an f16 times an int8), at 8 + 8 bits a group plus 32 a
+super-block instead of 16 + 16 a group (Q4_K: 4.625 bits a weight, not 5).
+
 5- and 6-bit weights exist so that GGUF files keep their own bit widths (llama-quantize's
 Q4_K_M/Q5_K_M mixes hold Q5_0, Q5_K and Q6_K tensors); they are not offered for quantizing at
 load. Their packed layout (packing.py) stores each code as a 4-bit nibble plus its high bits in a
@@ -53,6 +58,7 @@ class QuantFormat:
     group_size: int = 128
     kind: str = "sym"
     fit_group: bool = False  # a weight whose K the group does not divide takes 64 or 32
+    ks: int = 0  # k per super-block of int8 sub-scales (GGUF K-quants: 256); 0: f16 scales
 
     def for_k(self, k: int) -> "QuantFormat":
         """The format a weight with k input features gets (fit_group: the largest of
@@ -76,6 +82,10 @@ class QuantFormat:
         elif self.group_size not in GROUP_SIZES + (-1,):
             raise QuantError(f"Group size must be one of {GROUP_SIZES} (or -1: per output row, "
                              f"int8), not {self.group_size}.")
+        if self.ks and (self.ks != 256 or self.bits == 8 or self.kind == "zero"
+                        or self.group_size < 0 or self.ks % self.group_size):
+            raise QuantError(f"Super-block scales (ks={self.ks}) are for int4/5/6 'sym' or 'min' "
+                             f"groups that divide 256.")
         if self.group_size == -1 and self.bits != 8:
             raise QuantError(f"int{self.bits} weights need groups of 32, 64 or 128 (per-row is "
                              f"for int8 only).")
@@ -90,6 +100,11 @@ class QuantFormat:
         """Largest unsigned code of the asymmetric and sub-8-bit symmetric formats."""
         return (1 << self.bits) - 1
 
+    @property
+    def super_bytes(self) -> int:
+        """Bytes of one super-block's f16 scales (d, and dmin for "min") for 16 columns."""
+        return 0 if not self.ks else (32 if self.kind == "sym" else 64)
+
     def padded_k(self, k: int) -> int:
         """K as stored: per-row int8 pads K to 4 with zero weights; grouped formats need whole
         groups."""
@@ -98,6 +113,8 @@ class QuantFormat:
         if k % self.group_size:
             raise QuantError(f"in_features {k} is not a multiple of the group size "
                              f"{self.group_size}; use a group size that divides it.")
+        if self.ks and k % self.ks:
+            raise QuantError(f"in_features {k} is not a multiple of the super-block ({self.ks}).")
         return k
 
     def group_of(self, k: int) -> int:
@@ -131,15 +148,18 @@ class QuantFormat:
 class QuantizedWeight:
     """Logical (unpacked) quantized weight of one Linear.
 
-    q: [N, Kp] uint8 (int4, 0..15) or int8; scales: [N, Kp / group] f16;
+    q: [N, Kp] uint8 (int4/5/6 codes) or int8; scales: [N, Kp / group] f16;
     offsets: [N, Kp / group] f16 zero points (kind "zero") or mins (kind "min"), else None.
-    in_features: K (Kp - K trailing zero columns for per-row int8)."""
+    in_features: K (Kp - K trailing zero columns for per-row int8).
+    With fmt.ks: scales and offsets are int8 sub-scales sc and m, and supers = (d, dmin or
+    None), f16 [N, Kp / ks]: s = d sc, offset -dmin m."""
 
     fmt: QuantFormat
     q: np.ndarray
     scales: np.ndarray
     offsets: np.ndarray | None
     in_features: int
+    supers: tuple | None = None
 
     @property
     def out_features(self) -> int:
@@ -152,8 +172,9 @@ class QuantizedWeight:
     def rows(self, sl: slice) -> "QuantizedWeight":
         """Output rows `sl` (a copy)."""
         off = None if self.offsets is None else self.offsets[sl].copy()
+        sup = None if self.supers is None else tuple(None if a is None else a[sl].copy() for a in self.supers)
         return QuantizedWeight(self.fmt, self.q[sl].copy(), self.scales[sl].copy(), off,
-                               self.in_features)
+                               self.in_features, sup)
 
 
 def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -162,8 +183,12 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     if any(p.fmt != f or p.in_features != k for p in parts):
         raise QuantError("Cannot fuse quantized weights of different formats or input sizes.")
     off = None if f.kind == "sym" else np.concatenate([p.offsets for p in parts])
+    sup = None
+    if f.ks:
+        sup = (np.concatenate([p.supers[0] for p in parts]),
+               None if f.kind == "sym" else np.concatenate([p.supers[1] for p in parts]))
     return QuantizedWeight(f, np.concatenate([p.q for p in parts]),
-                           np.concatenate([p.scales for p in parts]), off, k)
+                           np.concatenate([p.scales for p in parts]), off, k, sup)
 
 
 def to_f16_scales(s: np.ndarray) -> np.ndarray:
@@ -187,12 +212,28 @@ def offset_term(fmt: QuantFormat, scales: np.ndarray, offsets: np.ndarray | None
     return -(s * o) if fmt.kind == "zero" else o
 
 
+def super_terms(qw: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
+    """(s, c) per group [N, ng] f32 of a weight with super-block scales: s = d sc, c = -half s
+    ("sym") or -dmin m ("min"); each an f16 times an int8, exact in f32."""
+    gps = qw.fmt.ks // qw.group
+    d = np.repeat(qw.supers[0].astype(np.float32), gps, axis=1)
+    s = d * qw.scales.astype(np.float32)
+    if qw.fmt.kind == "sym":
+        return s, s * np.float32(-(1 << (qw.fmt.bits - 1)))
+    dmin = np.repeat(qw.supers[1].astype(np.float32), gps, axis=1)
+    return s, -(dmin * qw.offsets.astype(np.float32))
+
+
 def dequantize(qw: QuantizedWeight) -> np.ndarray:
     """The f32 weights [N, K] the kernels compute with (bit for bit)."""
     n, kp = qw.q.shape
     g = qw.group
-    s = qw.scales.astype(np.float32)[:, :, None]                        # [N, ng, 1]
-    c = offset_term(qw.fmt, qw.scales, qw.offsets)[:, :, None]          # [N, ng, 1]
+    if qw.fmt.ks:
+        s, c = super_terms(qw)
+        s, c = s[:, :, None], c[:, :, None]
+    else:
+        s = qw.scales.astype(np.float32)[:, :, None]                    # [N, ng, 1]
+        c = offset_term(qw.fmt, qw.scales, qw.offsets)[:, :, None]      # [N, ng, 1]
     q = qw.q.reshape(n, kp // g, g).astype(np.float32)                  # [N, ng, G]
     w = q * s + c
     return np.ascontiguousarray(w.reshape(n, kp)[:, :qw.in_features])
@@ -209,6 +250,8 @@ def quantize(w: np.ndarray, fmt: QuantFormat) -> QuantizedWeight:
         w = np.concatenate([w, np.zeros((n, kp - k), np.float32)], axis=1)
     wg = w.reshape(n, kp // g, g)                                         # [N, ng, G]
     half = 1 << (fmt.bits - 1)
+    if fmt.ks:
+        return _quantize_super(wg, fmt, k)
     if fmt.kind == "sym":
         qmax = 127.0 if fmt.bits == 8 else float(half - 1)
         s = to_f16_scales(np.abs(wg).max(axis=2) / qmax)
@@ -229,6 +272,37 @@ def quantize(w: np.ndarray, fmt: QuantFormat) -> QuantizedWeight:
     z = np.clip(np.rint(-np.minimum(mn, 0) * inv[..., 0]), 0, top)
     q = np.clip(np.rint(wg * inv) + z[..., None], 0, top)
     return QuantizedWeight(fmt, q.astype(np.uint8).reshape(n, kp), s, z.astype(np.float16), k)
+
+
+def _int8_multiples(v: np.ndarray, gps: int) -> tuple[np.ndarray, np.ndarray]:
+    """v [N, ng] f32 -> (d f16 [N, ng / gps], m int8 [N, ng]) with d m close to v: d the
+    super-block's largest |v| / 127 (rounded to f16), m = rint(v / d)."""
+    n, ng = v.shape
+    vs = v.reshape(n, ng // gps, gps)
+    d = to_f16_scales(np.abs(vs).max(axis=2) / 127.0)
+    m = np.clip(np.rint(vs * _inverse(d)), -127, 127).astype(np.int8)
+    return d, m.reshape(n, ng)
+
+
+def _quantize_super(wg: np.ndarray, fmt: QuantFormat, k: int) -> QuantizedWeight:
+    """quantize() for super-block formats: the groups' f32 scales (and mins) as int8 multiples
+    of one f16 value per super-block, then the weights rounded against s = d sc."""
+    n, ng, g = wg.shape
+    gps, top = fmt.ks // g, float(fmt.qmax)
+    if fmt.kind == "sym":
+        half = 1 << (fmt.bits - 1)
+        d, sc = _int8_multiples(np.abs(wg).max(axis=2) / (half - 1), gps)
+        qw = QuantizedWeight(fmt, np.zeros((n, ng * g), np.uint8), sc, None, k, (d, None))
+    else:
+        mn, mx = wg.min(axis=2), wg.max(axis=2)
+        d, sc = _int8_multiples((mx - mn) / top, gps)
+        dmin, m = _int8_multiples(-mn, gps)
+        qw = QuantizedWeight(fmt, np.zeros((n, ng * g), np.uint8), sc, m, k, (d, dmin))
+    s, c = super_terms(qw)
+    with np.errstate(divide="ignore"):
+        inv = np.where(s > 0, 1.0 / np.where(s > 0, s, 1.0), 0.0).astype(np.float32)[..., None]
+    qw.q = np.clip(np.rint((wg - c[..., None]) * inv), 0, top).astype(np.uint8).reshape(n, ng * g)
+    return qw
 
 
 def _inverse(s16: np.ndarray) -> np.ndarray:

@@ -31,7 +31,7 @@ def qlinear(ops, qw: QuantizedWeight, bias: np.ndarray | None = None, bf16: bool
     unless `act8` is False, decode may round its activations to int8 blocks (integer dot
     products); `residual`: as two int8 rows, x and its rounding residual (about 15 bits)."""
     lin = ops.QLinear(pack(qw), qw.fmt.bits, qw.fmt.kind, qw.group, qw.in_features,
-                      qw.out_features, bias)
+                      qw.out_features, bias, qw.fmt.ks)
     lin.prefill_bf16 = bf16
     lin.act8 = bf16 if act8 is None else act8
     lin.act8_residual = residual
@@ -135,9 +135,11 @@ class LinearFactory:
 def zero_rows(like: QuantizedWeight, n: int) -> QuantizedWeight:
     """n output rows of weight zero in the format of `like` (padding)."""
     ng = like.scales.shape[1]
-    off = None if like.offsets is None else np.zeros((n, ng), np.float16)
+    off = None if like.offsets is None else np.zeros((n, ng), like.offsets.dtype)
+    sup = None if like.supers is None else tuple(None if a is None else np.zeros((n, a.shape[1]), a.dtype)
+                                                 for a in like.supers)
     return QuantizedWeight(like.fmt, np.zeros((n, like.q.shape[1]), like.q.dtype),
-                           np.zeros((n, ng), np.float16), off, like.in_features)
+                           np.zeros((n, ng), like.scales.dtype), off, like.in_features, sup)
 
 
 class ConcatLinear:

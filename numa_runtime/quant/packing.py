@@ -13,6 +13,9 @@ integers they scale, so decode reads one sequential stream per block.
 int5/int6 (GGUF Q5_x, Q6_K) come in units of U = 32 (int5) or 16 (int6) k instead of rows:
     plane    [16] uint32        lane j: the high bits (q >> 4) of column j's U codes
     rows     [U / 8][16]        the low nibbles (q & 15), laid out as int4 rows
+Super-block formats (fmt.ks, GGUF K-quants) start each block's stream with the super-blocks'
+    d        f16 [16]  per super-block, then dmin f16 [16] ("min")
+and their groups' meta is int8 [16] sub-scales (then int8 [16] mins) instead of the f16 ones.
 The high bits of unit-local k = 8 r + 2 b + e (r: nibble row, b: byte of its lane, e: 0/1) sit
 at bit 8 b + (bits - 4) (2 r + e) of the plane lane: shifted by a constant per nibble row, they
 land on bit 4 (and 5) of the very bytes the int4 path's two masks take each nibble into.
@@ -32,9 +35,13 @@ def unit_bytes(fmt: QuantFormat) -> int:
     return 64 if fmt.bits in (4, 8) else 64 + fmt.pack_k // 8 * 64
 
 
+def meta_bytes(fmt: QuantFormat) -> int:
+    """Bytes of a group's scales (and offsets) for 16 columns: f16, or int8 with fmt.ks."""
+    return (16 if fmt.ks else 32) * (1 if fmt.kind == "sym" else 2)
+
+
 def group_bytes(fmt: QuantFormat, group: int) -> int:
-    meta = 32 if fmt.kind == "sym" else 64
-    return meta + group // fmt.pack_k * unit_bytes(fmt)
+    return meta_bytes(fmt) + group // fmt.pack_k * unit_bytes(fmt)
 
 
 def _plane_shift(bits: int, u: int) -> np.ndarray:
@@ -80,16 +87,18 @@ def pack(qw: QuantizedWeight) -> np.ndarray:
     nb, ng, pk = -(-n // NB), kp // g, fmt.pack_k
     pad = nb * NB - n
     q = np.pad(qw.q, ((0, pad), (0, 0)))
-    gb = group_bytes(fmt, g)
+    gb, mb = group_bytes(fmt, g), meta_bytes(fmt)
     out = np.empty((nb, ng, gb), np.uint8)
     meta = [qw.scales] + ([] if fmt.kind == "sym" else [qw.offsets])
+    dt, w = (np.int8, 16) if fmt.ks else (np.float16, 32)
     for i, m in enumerate(meta):
-        m16 = np.pad(np.asarray(m, np.float16), ((0, pad), (0, 0)))      # [Np, ng]
-        out[:, :, 32 * i:32 * i + 32] = (m16.reshape(nb, NB, ng).transpose(0, 2, 1)
-                                         .copy().view(np.uint8))
+        m16 = np.pad(np.asarray(m, dt), ((0, pad), (0, 0)))              # [Np, ng]
+        out[:, :, w * i:w * i + w] = (m16.reshape(nb, NB, ng).transpose(0, 2, 1)
+                                      .copy().view(np.uint8))
+    head = _supers(qw, nb, pad)
     if fmt.bits in UNIT_K_HB:
-        out[:, :, 32 * len(meta):] = _hb_units(q, fmt.bits, nb, ng, g)
-        return out.reshape(-1)
+        out[:, :, mb:] = _hb_units(q, fmt.bits, nb, ng, g)
+        return np.concatenate([head, out.reshape(nb, -1)], axis=1).reshape(-1)
     # lanes: [Np, Kp / pk] uint32, k-th of a lane in bits (32 / pk) * i
     if fmt.bits == 4:
         q4 = q.astype(np.uint32).reshape(nb * NB, kp // pk, pk)
@@ -99,8 +108,21 @@ def pack(qw: QuantizedWeight) -> np.ndarray:
     else:
         lanes = np.ascontiguousarray(q.astype(np.int8)).view(np.uint32)   # little-endian bytes
     rows = lanes.reshape(nb, NB, ng, g // pk).transpose(0, 2, 3, 1)     # [Nb, ng, rows, 16]
-    out[:, :, 32 * len(meta):] = rows.copy().view(np.uint8).reshape(nb, ng, -1)
-    return out.reshape(-1)
+    out[:, :, mb:] = rows.copy().view(np.uint8).reshape(nb, ng, -1)
+    return np.concatenate([head, out.reshape(nb, -1)], axis=1).reshape(-1)
+
+
+def _supers(qw: QuantizedWeight, nb: int, pad: int) -> np.ndarray:
+    """The super-block area at the head of each block [Nb, ns * super_bytes] (empty without ks)."""
+    if not qw.fmt.ks:
+        return np.zeros((nb, 0), np.uint8)
+    parts = [a for a in qw.supers if a is not None]
+    ns = parts[0].shape[1]
+    out = np.empty((nb, ns, len(parts), 32), np.uint8)
+    for i, a in enumerate(parts):
+        a16 = np.pad(np.asarray(a, np.float16), ((0, pad), (0, 0)))      # [Np, ns]
+        out[:, :, i] = a16.reshape(nb, NB, ns).transpose(0, 2, 1).copy().view(np.uint8)
+    return out.reshape(nb, -1)
 
 
 def unpack(packed: np.ndarray, fmt: QuantFormat, n: int, k: int) -> QuantizedWeight:
@@ -108,17 +130,28 @@ def unpack(packed: np.ndarray, fmt: QuantFormat, n: int, k: int) -> QuantizedWei
     kp, g, pk = fmt.padded_k(k), fmt.group_of(k), fmt.pack_k
     nb, ng = -(-n // NB), kp // g
     nm = 1 if fmt.kind == "sym" else 2
+    sup = None
+    if fmt.ks:
+        ns = kp // fmt.ks
+        blocks = packed.reshape(nb, -1)
+        head = np.ascontiguousarray(blocks[:, :ns * fmt.super_bytes]).reshape(nb, ns, nm, 32)
+        arrs = [head[:, :, i].copy().view(np.float16).transpose(0, 2, 1).reshape(nb * NB, ns)[:n].copy()
+                for i in range(nm)]
+        sup = (arrs[0], arrs[1] if nm == 2 else None)
+        packed = np.ascontiguousarray(blocks[:, ns * fmt.super_bytes:]).reshape(-1)
+    mb = meta_bytes(fmt)
+    dt, w = (np.int8, 16) if fmt.ks else (np.float16, 32)
     s = packed.reshape(nb, ng, group_bytes(fmt, g))
-    meta = [np.ascontiguousarray(s[:, :, 32 * i:32 * i + 32]).view(np.float16)   # [Nb, ng, 16]
+    meta = [np.ascontiguousarray(s[:, :, w * i:w * i + w]).view(dt)   # [Nb, ng, 16]
             .transpose(0, 2, 1).reshape(nb * NB, ng)[:n] for i in range(nm)]
     if fmt.bits in UNIT_K_HB:
-        q = _hb_codes(s[:, :, 32 * nm:], fmt.bits, n, g)
-        return QuantizedWeight(fmt, q, meta[0].copy(), meta[1].copy() if nm == 2 else None, k)
-    lanes = (np.ascontiguousarray(s[:, :, 32 * nm:]).view(np.uint32)
+        q = _hb_codes(s[:, :, mb:], fmt.bits, n, g)
+        return QuantizedWeight(fmt, q, meta[0].copy(), meta[1].copy() if nm == 2 else None, k, sup)
+    lanes = (np.ascontiguousarray(s[:, :, mb:]).view(np.uint32)
              .reshape(nb, ng, g // pk, NB).transpose(0, 3, 1, 2).reshape(nb * NB, kp // pk)[:n])
     if fmt.bits == 4:
         q = np.stack([(lanes >> np.uint32(4 * i)) & np.uint32(0xF) for i in range(pk)], axis=2)
         q = q.astype(np.uint8).reshape(n, kp)
     else:
         q = np.ascontiguousarray(lanes).view(np.int8).reshape(n, kp)
-    return QuantizedWeight(fmt, q, meta[0].copy(), meta[1].copy() if nm == 2 else None, k)
+    return QuantizedWeight(fmt, q, meta[0].copy(), meta[1].copy() if nm == 2 else None, k, sup)

@@ -69,9 +69,9 @@ class QLinear:
     """y = x @ W.T + b with W given as a packed quantized stream (see qgemm.QLinear)."""
 
     def __init__(self, packed: np.ndarray, bits: int, kind: str, group: int, in_features: int,
-                 out_features: int, bias: np.ndarray | None = None):
+                 out_features: int, bias: np.ndarray | None = None, ks: int = 0):
         # NOTE: a group that is not 32/64/128 is per-row int8 (group = padded K), but Q6_K's 16
-        fmt = QuantFormat(bits, group if group in GROUP_SIZES or bits != 8 else -1, kind)
+        fmt = QuantFormat(bits, group if group in GROUP_SIZES or bits != 8 else -1, kind, ks=ks)
         self.in_features, self.out_features, self.bits, self.kind = in_features, out_features, bits, kind
         self.group = group
         self.weight = dequantize(unpack(np.asarray(packed), fmt, out_features, in_features))  # [N, K]
