@@ -41,7 +41,7 @@ static int qg_amx_init(void) {
 }
 
 /* Every block a full QG_QB k: the group (which divides kp; per channel it is kp) a multiple. */
-static inline int qg_amx_fits(const qg_format* f) { return f->group % QG_QB == 0; }
+static inline int qg_amx_fits(const qg_format* f) { return f->group % QG_QB == 0 && !qg_is_hb(f); }
 
 /* Two sets, used alternately by even and odd blocks so that one block's multiply overlaps the
  * previous block's epilogue (tiles are not renamed: reusing one C tile would wait for its

@@ -2,10 +2,10 @@
  *
  * A unit of U = 32 (int5) or 16 (int6) k of a 16-column block is a plane row of high bits and
  * U / 8 int4 rows of low nibbles (qgemm_kernels.h, numa_runtime/quant/packing.py). The decode
- * kernels (qgemm_q8.h) merge the high bits into the int4 path's nibble bytes; the f32 tile path,
- * the bf16 panels and the AMX-BF16 tiles dequantize through the per-k code below. Row tiles and
- * AMX-INT8 tiles do not read this layout (qg_tileable): decode batches of int5/int6 run 8 rows
- * per pass over each block.
+ * kernels (qgemm_q8.h) and the VNNI row tiles (qgemm_q8tile.h) merge the high bits into the int4
+ * path's nibble bytes; the f32 tile path, the bf16 panels and the AMX-BF16 tiles dequantize
+ * through the per-k code below. AMX-INT8 tiles do not read this layout (qg_amx_fits): decode
+ * batches of int5/int6 take the row tiles where AMX is present too.
  */
 #ifndef NUMA_RUNTIME_QGEMM_HB_H
 #define NUMA_RUNTIME_QGEMM_HB_H

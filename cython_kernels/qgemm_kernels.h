@@ -51,8 +51,9 @@ static inline int qg_is_hb(const qg_format* f) { return f->bits == 5 || f->bits 
 static inline long qg_unit_bytes(const qg_format* f) {
     return qg_is_hb(f) ? 64 + qg_pack_k(f) / 8 * 64 : 64;
 }
-/* The row-tile kernels (qgemm_q8tile.h, qgemm_amx.h) read int4/int8 rows only. */
-static inline int qg_tileable(const qg_format* f) { return !qg_is_hb(f); }
+/* The row-tile kernels (qgemm_q8tile.h) read every layout; AMX-INT8 (qgemm_amx.h, qg_amx_fits)
+ * int4/int8 rows only. */
+static inline int qg_tileable(const qg_format* f) { (void)f; return 1; }
 /* A group's meta for 16 columns: f16 scales [+ f16 offsets], or with ks int8 sub-scales
  * [+ int8 mins]; with ks each block's stream starts with its super-blocks' f16 d [+ f16 dmin]. */
 static inline long qg_meta_bytes(const qg_format* f) {

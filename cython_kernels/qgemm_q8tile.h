@@ -73,11 +73,13 @@ static void qg_tile_fill(const qg_xq* q, const qg_format* f, long Q, long i, int
 QG_INLINE QG_T512VNNI void qg_q8t_vnni_mr(const uint8_t* blk, const qg_format* f, const qg_xt* t,
                                           long g0, long g1, float* acc, const int bits,
                                           const int mr) {
-    const long pk = bits == 4 ? 8 : 4, gb = qg_group_bytes(f), mb = qg_meta_bytes(f);
+    const long pk = bits == 4 ? 8 : bits == 8 ? 4 : bits == 5 ? 32 : 16;  /* k per row or unit */
+    const long ub = bits == 4 || bits == 8 ? 64 : 64 + pk / 8 * 64, mb = qg_meta_bytes(f);
     const long G = f->group, nbg = qg_blocks_per_group(f);
-    const int has_c = bits == 4 && f->kind != QG_SYM;
+    const int has_c = bits != 8 && f->kind != QG_SYM;
     const int has_off = qg_q8_off_vnni(f) != 0;
     const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F), flip = _mm512_set1_epi32((int)0x80808080);
+    const __m512i hm = _mm512_set1_epi32(bits == 5 ? 0x10101010 : 0x30303030);
     __m512 a[QG_MR_T];
     for (int r = 0; r < mr; r++) a[r] = _mm512_setzero_ps();
     for (long g = g0; g < g1; g++) {
@@ -95,9 +97,24 @@ QG_INLINE QG_T512VNNI void qg_q8t_vnni_mr(const uint8_t* blk, const qg_format* f
             const int32_t* xb = (const int32_t*)t->xt + (k0 / 4) * QG_MR_T;
 #define QG_T_STEP                                                                                 \
             {                                                                                     \
-                if (qg_pf_bytes) _mm_prefetch((const char*)row + qg_pf_bytes, _MM_HINT_T0);     \
+                if (qg_pf_bytes)                                                                  \
+                    for (long l_ = 0; l_ < ub; l_ += 64)                                          \
+                        _mm_prefetch((const char*)row + l_ + qg_pf_bytes, _MM_HINT_T0);           \
                 const __m512i v = _mm512_loadu_si512((const void*)row);                          \
-                if (bits == 4) {                                                                  \
+                if (bits == 5 || bits == 6) {  /* v: the plane (qgemm_q8.h's decode kernel) */  \
+                    for (int rr = 0; rr < pk / 8; rr++) {                                         \
+                        const __m512i n = _mm512_loadu_si512((const void*)(row + 64 + 64 * rr)); \
+                        const int se = bits == 5 ? 4 - 2 * rr : 4 - 4 * rr, so = se - (bits - 4); \
+                        const __m512i lo = _mm512_ternarylogic_epi32(_mm512_and_si512(n, m4),     \
+                                                                     QG_SHV512(v, se), hm, 0xF8); \
+                        const __m512i hi = _mm512_ternarylogic_epi32(                             \
+                            _mm512_and_si512(_mm512_srli_epi32(n, 4), m4), QG_SHV512(v, so), hm, 0xF8); \
+                        for (int r = 0; r < mr; r++) {                                            \
+                            ia[r] = qg_dpbusd_bcast(ia[r], lo, xb + 2 * rr * QG_MR_T + r);        \
+                            ia[r] = qg_dpbusd_bcast(ia[r], hi, xb + (2 * rr + 1) * QG_MR_T + r);  \
+                        }                                                                         \
+                    }                                                                             \
+                } else if (bits == 4) {                                                           \
                     const __m512i lo = _mm512_and_si512(v, m4);                                   \
                     const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), m4);             \
                     for (int r = 0; r < mr; r++) {                                                \
@@ -109,7 +126,7 @@ QG_INLINE QG_T512VNNI void qg_q8t_vnni_mr(const uint8_t* blk, const qg_format* f
                     for (int r = 0; r < mr; r++)                                                  \
                         ia[r] = qg_dpbusd_bcast(ia[r], u, xb + r);                                \
                 }                                                                                 \
-                row += 64;                                                                        \
+                row += ub;                                                                        \
                 xb += (pk / 4) * QG_MR_T;                                                         \
             }
             if (k1 - k0 == QG_QB) {  /* NOTE: a constant trip count: unrolled, no moves between steps */
@@ -134,7 +151,12 @@ QG_INLINE QG_T512VNNI void qg_q8t_vnni_mr(const uint8_t* blk, const qg_format* f
 
 static QG_T512VNNI void qg_q8t_vnni(const uint8_t* blk, const qg_format* f, const qg_xt* q,
                                     long g0, long g1, int m, float* acc) {
-    if (f->bits == 4) { QG_Q8_CASES(qg_q8t_vnni_mr, 4) } else { QG_Q8_CASES(qg_q8t_vnni_mr, 8) }
+    switch (f->bits) {
+        case 4: { QG_Q8_CASES(qg_q8t_vnni_mr, 4) } break;
+        case 5: { QG_Q8_CASES(qg_q8t_vnni_mr, 5) } break;
+        case 6: { QG_Q8_CASES(qg_q8t_vnni_mr, 6) } break;
+        default: { QG_Q8_CASES(qg_q8t_vnni_mr, 8) } break;
+    }
 }
 
 /* Buffers of the tiles of Q rows: [nt][...] each, 64-byte aligned parts. */
