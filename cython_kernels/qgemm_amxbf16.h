@@ -74,7 +74,7 @@ static size_t qg_amxbf16_bytes(const qg_format* f, long M, int nt) {
  * 32-k step, stride 1024; bt's first step is k0's): zero past kp. */
 QG_INLINE QG_TAB16 void qg_ab_dequant(const uint8_t* blk, const qg_format* f, long k0, long k1,
                                        uint16_t* bt, const int bits) {
-    const long pk = bits == 4 ? 8 : 4, gb = qg_group_bytes(f), mb = qg_meta_bytes(f);
+    const long pk = bits == 4 ? 8 : 4, mb = qg_meta_bytes(f);
     uint16_t ix[32];
     for (int j = 0; j < 16; j++) {
         ix[2 * j] = (uint16_t)j;
@@ -107,7 +107,7 @@ QG_INLINE QG_TAB16 void qg_ab_dequant(const uint8_t* blk, const qg_format* f, lo
 /* qg_ab_dequant for int5/int6 units (qgemm_hb.h): k0 a multiple of 32, so of the unit. */
 static QG_TAB16 void qg_ab_dequant_hb(const uint8_t* blk, const qg_format* f, long k0, long k1,
                                       uint16_t* bt) {
-    const long uk = qg_pack_k(f), ub = qg_unit_bytes(f), gb = qg_group_bytes(f), mb = qg_meta_bytes(f);
+    const long uk = qg_pack_k(f), ub = qg_unit_bytes(f), mb = qg_meta_bytes(f);
     uint16_t ix[32];
     for (int j = 0; j < 16; j++) {
         ix[2 * j] = (uint16_t)j;
@@ -117,24 +117,21 @@ static QG_TAB16 void qg_ab_dequant_hb(const uint8_t* blk, const qg_format* f, lo
     __m512 s = _mm512_setzero_ps(), c = _mm512_setzero_ps();
     long g_last = -1;
     const long kend = k1 < f->kp ? k1 : f->kp;
-    for (long k = k0; k < kend; k += 2) {
+    for (long k = k0; k < kend; k += 8) {  /* a nibble row (qg_hb_rows512) at a time */
         const long g = k / f->group, kl = k - g * f->group;
         const uint8_t* meta = qg_gmeta(blk, f, g);
         if (g != g_last) {
             qg_sc_avx512(blk, f, meta, g, f->bits, &s, &c);
             g_last = g;
         }
-        const uint8_t* unit = meta + mb + kl / uk * ub;
-        const int i = (int)(kl % uk);
-        __m512 w[2];
-        for (int e = 0; e < 2; e++) {
-            const __m512i q = _mm512_inserti64x4(
-                _mm512_castsi256_si512(qg_hb_code_avx2(unit, f->bits, i + e, 0)),
-                qg_hb_code_avx2(unit, f->bits, i + e, 1), 1);
-            w[e] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), s, c);
+        __m512i lo, hi;
+        qg_hb_rows512(meta + mb + kl / uk * ub, f->bits, (int)(kl % uk) / 8, &lo, &hi);
+        for (int j = 0; j < 8; j += 2) {
+            const __m512 w0 = _mm512_fmadd_ps(qg_hb_code512(lo, hi, j), s, c);
+            const __m512 w1 = _mm512_fmadd_ps(qg_hb_code512(lo, hi, j + 1), s, c);
+            _mm512_store_si512((void*)(bt + ((k + j - k0) / 32) * 1024 + ((k + j) % 32) / 2 * 32),
+                               _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(w1, w0)));
         }
-        _mm512_store_si512((void*)(bt + ((k - k0) / 32) * 1024 + (k % 32) / 2 * 32),
-                           _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0])));
     }
     for (long k = kend > k0 ? kend : k0; k < k1; k += 2)
         _mm512_store_si512((void*)(bt + ((k - k0) / 32) * 1024 + (k % 32) / 2 * 32), _mm512_setzero_si512());

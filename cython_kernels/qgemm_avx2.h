@@ -33,7 +33,7 @@ QG_INLINE __m256 qg_q_avx2(__m256i v, int bits, int i) {
 /* tile[(k - k0) * 16 + j] = w[j, k], k0 <= k < k1. */
 QG_INLINE void qg_dequant_avx2_b(const uint8_t* blk, const qg_format* f, long k0, long k1,
                                  float* tile, const int bits) {
-    const long pk = bits == 4 ? 8 : 4, gb = qg_group_bytes(f), mb = qg_meta_bytes(f);
+    const long pk = bits == 4 ? 8 : 4, mb = qg_meta_bytes(f);
     __m256 s[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, c[2] = {s[0], s[1]};
     long g_last = -1;
     for (long k = k0; k < k1; k += pk) {
@@ -64,7 +64,7 @@ static void qg_dequant_avx2(const uint8_t* blk, const qg_format* f, long k0, lon
 /* acc[r * 16 + j] = sum_k x[r, k] w[j, k] for r < mr, streaming the block once. */
 QG_INLINE void qg_gemv_avx2_mr(const uint8_t* blk, const qg_format* f, const float* x, long ldx,
                                float* acc, const int bits, const int mr) {
-    const long pk = bits == 4 ? 8 : 4, gb = qg_group_bytes(f), mb = qg_meta_bytes(f);
+    const long pk = bits == 4 ? 8 : 4, mb = qg_meta_bytes(f);
     const long ng = f->kp / f->group, rows = f->group / pk;
     __m256 a[QG_MR_REG_AVX2][2];
     for (int r = 0; r < mr; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();

@@ -7,6 +7,12 @@
 #define QG_MR_REG_AVX512 8   /* rows in registers while streaming */
 #define QG_MR_TILE_AVX512 12 /* rows per FMA tile on the L1 path */
 
+/* P's 32-bit lanes shifted left by s (right by -s), s a constant after unrolling. */
+#define QG_SHV512(P, s) ((s) >= 0 ? _mm512_sll_epi32(P, _mm_cvtsi32_si128(s)) \
+                                  : _mm512_srl_epi32(P, _mm_cvtsi32_si128(-(s))))
+#define QG_SHV256(P, s) ((s) >= 0 ? _mm256_sll_epi32(P, _mm_cvtsi32_si128(s)) \
+                                  : _mm256_srl_epi32(P, _mm_cvtsi32_si128(-(s))))
+
 /* Group g's scales s (meta: its meta) and, for the asymmetric kinds, the c of w = q s + c:
  * f16 values, or with ks d * sc and -dmin * m (exact in f32). */
 QG_INLINE QG_T512 __m512 qg_s512(const uint8_t* blk, const qg_format* f, const uint8_t* meta, long g) {
@@ -47,7 +53,7 @@ QG_INLINE QG_T512 __m512 qg_q_avx512(__m512i v, int bits, int i) {
 
 QG_INLINE QG_T512 void qg_dequant_avx512_b(const uint8_t* blk, const qg_format* f, long k0,
                                            long k1, float* tile, const int bits) {
-    const long pk = bits == 4 ? 8 : 4, gb = qg_group_bytes(f), mb = qg_meta_bytes(f);
+    const long pk = bits == 4 ? 8 : 4, mb = qg_meta_bytes(f);
     __m512 s = _mm512_setzero_ps(), c = _mm512_setzero_ps();
     long g_last = -1;
     for (long k = k0; k < k1; k += pk) {
@@ -65,16 +71,56 @@ QG_INLINE QG_T512 void qg_dequant_avx512_b(const uint8_t* blk, const qg_format* 
     }
 }
 
+/* int5/int6: nibble row rr of a unit as the int4 path's two byte vectors with the high bits
+ * merged in (qgemm_q8.h's decode kernel): byte b of lane j of lo / hi is column j's code at
+ * unit-local k = 8 rr + 2 b / 8 rr + 2 b + 1. */
+QG_INLINE QG_T512 void qg_hb_rows512(const uint8_t* unit, int bits, int rr, __m512i* lo, __m512i* hi) {
+    const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F);
+    const __m512i hm = _mm512_set1_epi32(bits == 5 ? 0x10101010 : 0x30303030);
+    const __m512i p = _mm512_loadu_si512((const void*)unit);
+    const __m512i n = _mm512_loadu_si512((const void*)(unit + 64 + 64 * rr));
+    const int se = bits == 5 ? 4 - 2 * rr : 4 - 4 * rr, so = se - (bits - 4);
+    *lo = _mm512_ternarylogic_epi32(_mm512_and_si512(n, m4), QG_SHV512(p, se), hm, 0xF8);
+    *hi = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi32(n, 4), m4), QG_SHV512(p, so), hm, 0xF8);
+}
+
+/* The code at unit-local k = 8 rr + j from qg_hb_rows512's vectors, as f32. */
+QG_INLINE QG_T512 __m512 qg_hb_code512(__m512i lo, __m512i hi, int j) {
+    const __m512i e = (j & 1) ? hi : lo;
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(e, _mm_cvtsi32_si128(8 * (j >> 1))),
+                                               _mm512_set1_epi32(0xFF)));
+}
+
+/* qg_dequant_hb on AVX-512: a nibble row (8 k) at a time. k0, k1: multiples of 8. */
+static QG_T512 void qg_dequant_hb512(const uint8_t* blk, const qg_format* f, long k0, long k1,
+                                     float* tile) {
+    const long uk = qg_pack_k(f), ub = qg_unit_bytes(f), mb = qg_meta_bytes(f);
+    __m512 s = _mm512_setzero_ps(), c = _mm512_setzero_ps();
+    long g_last = -1;
+    for (long k = k0; k < k1; k += 8) {
+        const long g = k / f->group, kl = k - g * f->group;
+        const uint8_t* meta = qg_gmeta(blk, f, g);
+        if (g != g_last) {
+            qg_sc_avx512(blk, f, meta, g, f->bits, &s, &c);
+            g_last = g;
+        }
+        __m512i lo, hi;
+        qg_hb_rows512(meta + mb + kl / uk * ub, f->bits, (int)(kl % uk) / 8, &lo, &hi);
+        for (int j = 0; j < 8; j++)
+            _mm512_store_ps(tile + (k - k0 + j) * QG_NB, _mm512_fmadd_ps(qg_hb_code512(lo, hi, j), s, c));
+    }
+}
+
 static QG_T512 void qg_dequant_avx512(const uint8_t* blk, const qg_format* f, long k0, long k1,
                                       float* t) {
-    if (qg_is_hb(f)) qg_dequant_hb(blk, f, k0, k1, t);
+    if (qg_is_hb(f)) qg_dequant_hb512(blk, f, k0, k1, t);
     else if (f->bits == 4) qg_dequant_avx512_b(blk, f, k0, k1, t, 4);
     else qg_dequant_avx512_b(blk, f, k0, k1, t, 8);
 }
 
 QG_INLINE QG_T512 void qg_gemv_avx512_mr(const uint8_t* blk, const qg_format* f, const float* x,
                                          long ldx, float* acc, const int bits, const int mr) {
-    const long pk = bits == 4 ? 8 : 4, gb = qg_group_bytes(f), mb = qg_meta_bytes(f);
+    const long pk = bits == 4 ? 8 : 4, mb = qg_meta_bytes(f);
     const long ng = f->kp / f->group, rows = f->group / pk;
     __m512 a[QG_MR_REG_AVX512];
     for (int r = 0; r < mr; r++) a[r] = _mm512_setzero_ps();

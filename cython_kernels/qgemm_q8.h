@@ -227,19 +227,13 @@ static inline int32_t qg_ld32(const int8_t* p) {
     return v;
 }
 
-/* P's 32-bit lanes shifted left by s (right by -s), s a constant after unrolling. */
-#define QG_SHV512(P, s) ((s) >= 0 ? _mm512_sll_epi32(P, _mm_cvtsi32_si128(s)) \
-                                  : _mm512_srl_epi32(P, _mm_cvtsi32_si128(-(s))))
-#define QG_SHV256(P, s) ((s) >= 0 ? _mm256_sll_epi32(P, _mm_cvtsi32_si128(s)) \
-                                  : _mm256_srl_epi32(P, _mm_cvtsi32_si128(-(s))))
-
 /* ---- AVX-512: one 16-column block, mr rows; DOT(acc, u8, s8) adds 4-byte dot products.
  * The BW variant (no VNNI) reads int8 weights by the sign trick (|w| times x with w's sign),
  * since vpmaddubsw saturates above 255 * 127. */
 #define QG_Q8_AVX512_BODY(DOT, VNNI)                                                            \
     const long pk = bits == 4 ? 8 : bits == 8 ? 4 : bits == 5 ? 32 : 16;                        \
     const long ub = bits == 4 || bits == 8 ? 64 : 64 + pk / 8 * 64;                             \
-    const long gb = qg_group_bytes(f), mb = qg_meta_bytes(f);                                   \
+    const long mb = qg_meta_bytes(f);                                   \
     const long G = f->group, ng = f->kp / G, nbg = qg_blocks_per_group(f);                      \
     const int off = bits != 8 || VNNI ? qg_q8_off_vnni(f) : 0;                                  \
     const int has_c = bits != 8 && f->kind != QG_SYM;                                           \
@@ -368,7 +362,7 @@ QG_INLINE void qg_q8_avx2_mr(const uint8_t* blk, const qg_format* f, const qg_xq
                              long g1, float* acc, const int bits, const int mr) {
     const long pk = bits == 4 ? 8 : bits == 8 ? 4 : bits == 5 ? 32 : 16;
     const long ub = bits == 4 || bits == 8 ? 64 : 64 + pk / 8 * 64;
-    const long gb = qg_group_bytes(f), mb = qg_meta_bytes(f);
+    const long mb = qg_meta_bytes(f);
     const long G = f->group, ng = f->kp / G, nbg = qg_blocks_per_group(f);
     const int off = bits != 8 ? qg_q8_off_vnni(f) : 0;  /* int8: the sign trick, no offset */
     const int has_c = bits != 8 && f->kind != QG_SYM;
