@@ -171,7 +171,7 @@ QG_INLINE QG_TAMX void qg_amx_block(const uint8_t* blk, const qg_format* f, cons
     const uint8_t* metas[4];  /* block x: its group's meta, index and block in it, at x & 3 */
     long gs[4], bs[4];
     long g = 0, b = 0;  /* the next block to multiply is block b of group g */
-    const uint8_t* meta = blk + qg_super_bytes(f);
+    const uint8_t* meta = qg_groups(blk, f);
 #define QG_AMX_NEXT(x)                                                                            \
     {                                                                                             \
         metas[(x) & 3] = meta; gs[(x) & 3] = g; bs[(x) & 3] = b;                                  \

@@ -71,10 +71,12 @@ static size_t qg_amxbf16_bytes(const qg_format* f, long M, int nt) {
 }
 
 /* Block blk (16 columns), k0 <= k < k1 (k0 a multiple of 32), into bt (one block's 512 bf16 a
- * 32-k step, stride 1024; bt's first step is k0's): zero past kp. */
+ * 32-k step, stride 1024; bt's first step is k0's): zero past kp. Every width (qg_step512). */
 QG_INLINE QG_TAB16 void qg_ab_dequant(const uint8_t* blk, const qg_format* f, long k0, long k1,
                                        uint16_t* bt, const int bits) {
-    const long pk = bits == 4 ? 8 : 4, mb = qg_meta_bytes(f);
+    const long pk = bits == 8 ? 4 : 8, mb = qg_meta_bytes(f);
+    const uint8_t* gbase = qg_groups(blk, f);  /* group g: gbase + g gb */
+    const long gb = qg_group_bytes(f);
     uint16_t ix[32];
     for (int j = 0; j < 16; j++) {
         ix[2 * j] = (uint16_t)j;
@@ -86,50 +88,18 @@ QG_INLINE QG_TAB16 void qg_ab_dequant(const uint8_t* blk, const qg_format* f, lo
     const long kend = k1 < f->kp ? k1 : f->kp;
     for (long k = k0; k < kend; k += pk) {
         const long g = k / f->group;
-        const uint8_t* meta = qg_gmeta(blk, f, g);
+        const uint8_t* meta = gbase + g * gb;
         if (g != g_last) {
             qg_sc_avx512(blk, f, meta, g, bits, &s, &c);
             g_last = g;
         }
-        const __m512i v = _mm512_loadu_si512((const void*)(meta + mb + (k - g * f->group) / pk * 64));
+        __m512i v, hi;
+        qg_step512(meta + mb, f, k - g * f->group, bits, &v, &hi);
         uint16_t* dst = bt + ((k - k0) / 32) * 1024 + (k % 32) / 2 * 32;
         for (int i = 0; i < pk; i += 2) {
-            const __m512 lo = _mm512_fmadd_ps(qg_q_avx512(v, bits, i), s, c);
-            const __m512 hi = _mm512_fmadd_ps(qg_q_avx512(v, bits, i + 1), s, c);
+            const __m512 w0 = _mm512_fmadd_ps(qg_code512(v, hi, bits, i), s, c);
+            const __m512 w1 = _mm512_fmadd_ps(qg_code512(v, hi, bits, i + 1), s, c);
             _mm512_store_si512((void*)(dst + i / 2 * 32),
-                               _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(hi, lo)));
-        }
-    }
-    for (long k = kend > k0 ? kend : k0; k < k1; k += 2)
-        _mm512_store_si512((void*)(bt + ((k - k0) / 32) * 1024 + (k % 32) / 2 * 32), _mm512_setzero_si512());
-}
-
-/* qg_ab_dequant for int5/int6 units (qgemm_hb.h): k0 a multiple of 32, so of the unit. */
-static QG_TAB16 void qg_ab_dequant_hb(const uint8_t* blk, const qg_format* f, long k0, long k1,
-                                      uint16_t* bt) {
-    const long uk = qg_pack_k(f), ub = qg_unit_bytes(f), mb = qg_meta_bytes(f);
-    uint16_t ix[32];
-    for (int j = 0; j < 16; j++) {
-        ix[2 * j] = (uint16_t)j;
-        ix[2 * j + 1] = (uint16_t)(16 + j);
-    }
-    const __m512i idx = _mm512_loadu_si512((const void*)ix);
-    __m512 s = _mm512_setzero_ps(), c = _mm512_setzero_ps();
-    long g_last = -1;
-    const long kend = k1 < f->kp ? k1 : f->kp;
-    for (long k = k0; k < kend; k += 8) {  /* a nibble row (qg_hb_rows512) at a time */
-        const long g = k / f->group, kl = k - g * f->group;
-        const uint8_t* meta = qg_gmeta(blk, f, g);
-        if (g != g_last) {
-            qg_sc_avx512(blk, f, meta, g, f->bits, &s, &c);
-            g_last = g;
-        }
-        __m512i lo, hi;
-        qg_hb_rows512(meta + mb + kl / uk * ub, f->bits, (int)(kl % uk) / 8, &lo, &hi);
-        for (int j = 0; j < 8; j += 2) {
-            const __m512 w0 = _mm512_fmadd_ps(qg_hb_code512(lo, hi, j), s, c);
-            const __m512 w1 = _mm512_fmadd_ps(qg_hb_code512(lo, hi, j + 1), s, c);
-            _mm512_store_si512((void*)(bt + ((k + j - k0) / 32) * 1024 + ((k + j) % 32) / 2 * 32),
                                _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(w1, w0)));
         }
     }
@@ -302,10 +272,12 @@ static QG_TAB16 void qg_amxbf16_forward(const uint8_t* w, const qg_format* f, co
                         uint16_t* d = bt + (cb - ca) * tstride + j * 512;
                         if (b >= nblk)
                             for (long s = 0; s < steps; s++) memset(d + s * 1024, 0, 1024);
-                        else if (qg_is_hb(f))
-                            qg_ab_dequant_hb(w + b * bb, f, k0, k1, d);
                         else if (f->bits == 4)
                             qg_ab_dequant(w + b * bb, f, k0, k1, d, 4);
+                        else if (f->bits == 5)
+                            qg_ab_dequant(w + b * bb, f, k0, k1, d, 5);
+                        else if (f->bits == 6)
+                            qg_ab_dequant(w + b * bb, f, k0, k1, d, 6);
                         else
                             qg_ab_dequant(w + b * bb, f, k0, k1, d, 8);
                     }

@@ -34,11 +34,13 @@ QG_INLINE __m256 qg_q_avx2(__m256i v, int bits, int i) {
 QG_INLINE void qg_dequant_avx2_b(const uint8_t* blk, const qg_format* f, long k0, long k1,
                                  float* tile, const int bits) {
     const long pk = bits == 4 ? 8 : 4, mb = qg_meta_bytes(f);
+    const uint8_t* gbase = qg_groups(blk, f);  /* group g: gbase + g gb */
+    const long gb = qg_group_bytes(f);
     __m256 s[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, c[2] = {s[0], s[1]};
     long g_last = -1;
     for (long k = k0; k < k1; k += pk) {
         long g = k / f->group;
-        const uint8_t* meta = qg_gmeta(blk, f, g);
+        const uint8_t* meta = gbase + g * gb;
         if (g != g_last) {
             qg_sc_avx2(blk, f, meta, g, bits, s, c);
             g_last = g;
@@ -65,11 +67,13 @@ static void qg_dequant_avx2(const uint8_t* blk, const qg_format* f, long k0, lon
 QG_INLINE void qg_gemv_avx2_mr(const uint8_t* blk, const qg_format* f, const float* x, long ldx,
                                float* acc, const int bits, const int mr) {
     const long pk = bits == 4 ? 8 : 4, mb = qg_meta_bytes(f);
+    const uint8_t* gbase = qg_groups(blk, f);  /* group g: gbase + g gb */
+    const long gb = qg_group_bytes(f);
     const long ng = f->kp / f->group, rows = f->group / pk;
     __m256 a[QG_MR_REG_AVX2][2];
     for (int r = 0; r < mr; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
     for (long g = 0; g < ng; g++) {
-        const uint8_t* meta = qg_gmeta(blk, f, g);
+        const uint8_t* meta = gbase + g * gb;
         __m256 s[2], c[2];
         qg_sc_avx2(blk, f, meta, g, bits, s, c);
         const uint8_t* row = meta + mb;

@@ -51,81 +51,88 @@ QG_INLINE QG_T512 __m512 qg_q_avx512(__m512i v, int bits, int i) {
     return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * i), 24));
 }
 
-QG_INLINE QG_T512 void qg_dequant_avx512_b(const uint8_t* blk, const qg_format* f, long k0,
-                                           long k1, float* tile, const int bits) {
-    const long pk = bits == 4 ? 8 : 4, mb = qg_meta_bytes(f);
-    __m512 s = _mm512_setzero_ps(), c = _mm512_setzero_ps();
-    long g_last = -1;
-    for (long k = k0; k < k1; k += pk) {
-        long g = k / f->group;
-        const uint8_t* meta = qg_gmeta(blk, f, g);
-        if (g != g_last) {
-            qg_sc_avx512(blk, f, meta, g, bits, &s, &c);
-            g_last = g;
-        }
-        const uint8_t* row = meta + mb + (k - g * f->group) / pk * 64;
-        __m512i v = _mm512_loadu_si512((const void*)row);
-        for (int i = 0; i < pk; i++)
-            _mm512_store_ps(tile + (k - k0 + i) * QG_NB,
-                            _mm512_fmadd_ps(qg_q_avx512(v, bits, i), s, c));
-    }
-}
-
-/* int5/int6: nibble row rr of a unit as the int4 path's two byte vectors with the high bits
- * merged in (qgemm_q8.h's decode kernel): byte b of lane j of lo / hi is column j's code at
- * unit-local k = 8 rr + 2 b / 8 rr + 2 b + 1. */
-QG_INLINE QG_T512 void qg_hb_rows512(const uint8_t* unit, int bits, int rr, __m512i* lo, __m512i* hi) {
+/* int5/int6: nibble row n (rr-th of its unit) with the high bits of plane p merged in, as the
+ * int4 path's two byte vectors: byte b of lane j of lo / hi is column j's code at unit-local
+ * k = 8 rr + 2 b / 8 rr + 2 b + 1 (packing.py's plane layout). The decode kernels, the row tiles
+ * and the dequantization all merge here. */
+QG_INLINE QG_T512 void qg_hb_merge512(__m512i p, __m512i n, int bits, int rr, __m512i* lo, __m512i* hi) {
     const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F);
     const __m512i hm = _mm512_set1_epi32(bits == 5 ? 0x10101010 : 0x30303030);
-    const __m512i p = _mm512_loadu_si512((const void*)unit);
-    const __m512i n = _mm512_loadu_si512((const void*)(unit + 64 + 64 * rr));
     const int se = bits == 5 ? 4 - 2 * rr : 4 - 4 * rr, so = se - (bits - 4);
     *lo = _mm512_ternarylogic_epi32(_mm512_and_si512(n, m4), QG_SHV512(p, se), hm, 0xF8);
     *hi = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi32(n, 4), m4), QG_SHV512(p, so), hm, 0xF8);
 }
 
-/* The code at unit-local k = 8 rr + j from qg_hb_rows512's vectors, as f32. */
+/* The code at unit-local k = 8 rr + j from qg_hb_merge512's vectors, as f32. */
 QG_INLINE QG_T512 __m512 qg_hb_code512(__m512i lo, __m512i hi, int j) {
     const __m512i e = (j & 1) ? hi : lo;
     return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(e, _mm_cvtsi32_si128(8 * (j >> 1))),
                                                _mm512_set1_epi32(0xFF)));
 }
 
-/* qg_dequant_hb on AVX-512: a nibble row (8 k) at a time. k0, k1: multiples of 8. */
-static QG_T512 void qg_dequant_hb512(const uint8_t* blk, const qg_format* f, long k0, long k1,
-                                     float* tile) {
-    const long uk = qg_pack_k(f), ub = qg_unit_bytes(f), mb = qg_meta_bytes(f);
+/* One step of pk = 8 (int4/5/6) or 4 (int8) k at group-local k kl of a group's rows (after its
+ * meta): v holds the int4/int8 row, or lo and hi the merged int5/int6 codes (v = lo). */
+QG_INLINE QG_T512 void qg_step512(const uint8_t* rows, const qg_format* f, long kl, const int bits,
+                                  __m512i* v, __m512i* hi) {
+    if (bits == 5 || bits == 6) {
+        const long uk = qg_pack_k(f);
+        const uint8_t* unit = rows + kl / uk * qg_unit_bytes(f);
+        const int rr = (int)(kl % uk) / 8;
+        qg_hb_merge512(_mm512_loadu_si512((const void*)unit),
+                       _mm512_loadu_si512((const void*)(unit + 64 + 64 * rr)), bits, rr, v, hi);
+    } else {
+        *v = *hi = _mm512_loadu_si512((const void*)(rows + kl / (bits == 4 ? 8 : 4) * 64));
+    }
+}
+
+/* The code of step k's i-th k (qg_step512's vectors), as f32. */
+QG_INLINE QG_T512 __m512 qg_code512(__m512i v, __m512i hi, const int bits, int i) {
+    return bits == 5 || bits == 6 ? qg_hb_code512(v, hi, i) : qg_q_avx512(v, bits, i);
+}
+
+/* k0, k1: multiples of the step (8 k, 4 for int8). */
+QG_INLINE QG_T512 void qg_dequant_avx512_b(const uint8_t* blk, const qg_format* f, long k0,
+                                           long k1, float* tile, const int bits) {
+    const long pk = bits == 8 ? 4 : 8, mb = qg_meta_bytes(f);
+    const uint8_t* gbase = qg_groups(blk, f);  /* group g: gbase + g gb */
+    const long gb = qg_group_bytes(f);
     __m512 s = _mm512_setzero_ps(), c = _mm512_setzero_ps();
     long g_last = -1;
-    for (long k = k0; k < k1; k += 8) {
-        const long g = k / f->group, kl = k - g * f->group;
-        const uint8_t* meta = qg_gmeta(blk, f, g);
+    for (long k = k0; k < k1; k += pk) {
+        long g = k / f->group;
+        const uint8_t* meta = gbase + g * gb;
         if (g != g_last) {
-            qg_sc_avx512(blk, f, meta, g, f->bits, &s, &c);
+            qg_sc_avx512(blk, f, meta, g, bits, &s, &c);
             g_last = g;
         }
-        __m512i lo, hi;
-        qg_hb_rows512(meta + mb + kl / uk * ub, f->bits, (int)(kl % uk) / 8, &lo, &hi);
-        for (int j = 0; j < 8; j++)
-            _mm512_store_ps(tile + (k - k0 + j) * QG_NB, _mm512_fmadd_ps(qg_hb_code512(lo, hi, j), s, c));
+        __m512i v, hi;
+        qg_step512(meta + mb, f, k - g * f->group, bits, &v, &hi);
+        for (int i = 0; i < pk; i++)
+            _mm512_store_ps(tile + (k - k0 + i) * QG_NB,
+                            _mm512_fmadd_ps(qg_code512(v, hi, bits, i), s, c));
     }
 }
 
 static QG_T512 void qg_dequant_avx512(const uint8_t* blk, const qg_format* f, long k0, long k1,
                                       float* t) {
-    if (qg_is_hb(f)) qg_dequant_hb512(blk, f, k0, k1, t);
-    else if (f->bits == 4) qg_dequant_avx512_b(blk, f, k0, k1, t, 4);
-    else qg_dequant_avx512_b(blk, f, k0, k1, t, 8);
+    switch (f->bits) {
+        case 4: qg_dequant_avx512_b(blk, f, k0, k1, t, 4); break;
+        case 5: qg_dequant_avx512_b(blk, f, k0, k1, t, 5); break;
+        case 6: qg_dequant_avx512_b(blk, f, k0, k1, t, 6); break;
+        default: qg_dequant_avx512_b(blk, f, k0, k1, t, 8); break;
+    }
 }
 
 QG_INLINE QG_T512 void qg_gemv_avx512_mr(const uint8_t* blk, const qg_format* f, const float* x,
                                          long ldx, float* acc, const int bits, const int mr) {
     const long pk = bits == 4 ? 8 : 4, mb = qg_meta_bytes(f);
+    const uint8_t* gbase = qg_groups(blk, f);  /* group g: gbase + g gb */
+    const long gb = qg_group_bytes(f);
     const long ng = f->kp / f->group, rows = f->group / pk;
     __m512 a[QG_MR_REG_AVX512];
     for (int r = 0; r < mr; r++) a[r] = _mm512_setzero_ps();
     for (long g = 0; g < ng; g++) {
-        const uint8_t* meta = qg_gmeta(blk, f, g);
+        const uint8_t* meta = gbase + g * gb;
         __m512 s, c;
         qg_sc_avx512(blk, f, meta, g, bits, &s, &c);
         const uint8_t* row = meta + mb;

@@ -26,11 +26,13 @@ QG_INLINE __m256i qg_hb_code_avx2(const uint8_t* unit, int bits, int i, int h) {
 /* tile[(k - k0) * 16 + j] = w[j, k], k0 <= k < k1 (the qg_dequant_fn contract). */
 static void qg_dequant_hb(const uint8_t* blk, const qg_format* f, long k0, long k1, float* tile) {
     const long uk = qg_pack_k(f), ub = qg_unit_bytes(f), mb = qg_meta_bytes(f);
+    const uint8_t* gbase = qg_groups(blk, f);  /* group g: gbase + g gb */
+    const long gb = qg_group_bytes(f);
     __m256 s[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, c[2] = {s[0], s[1]};
     long g_last = -1;
     for (long k = k0; k < k1; k++) {
         const long g = k / f->group, kl = k - g * f->group;
-        const uint8_t* meta = qg_gmeta(blk, f, g);
+        const uint8_t* meta = gbase + g * gb;
         if (g != g_last) {
             qg_sc_avx2(blk, f, meta, g, f->bits, s, c);
             g_last = g;

@@ -69,13 +69,16 @@ static inline long qg_super_bytes(const qg_format* f) {
 static inline long qg_block_bytes(const qg_format* f) {
     return qg_super_bytes(f) + f->kp / f->group * qg_group_bytes(f);
 }
-/* Group g's meta in block blk (its rows follow the meta). */
-static inline const uint8_t* qg_gmeta(const uint8_t* blk, const qg_format* f, long g) {
-    return blk + qg_super_bytes(f) + g * qg_group_bytes(f);
+/* The first group's meta in block blk: group g's is qg_group_bytes(f) further each (the kernels
+ * take both once, outside their group loops), its rows follow its meta. */
+static inline const uint8_t* qg_groups(const uint8_t* blk, const qg_format* f) {
+    return blk + qg_super_bytes(f);
 }
-/* Group g's super-block scales (ks formats). */
+/* Group g's super-block scales (ks formats; ks is QG_KS, checked where a QLinear is made, so the
+ * division is a shift). */
+#define QG_KS 256
 static inline const uint8_t* qg_super_of(const uint8_t* blk, const qg_format* f, long g) {
-    return blk + g * f->group / f->ks * qg_super_each(f);
+    return blk + g * f->group / QG_KS * qg_super_each(f);
 }
 
 /* Half h (columns 8h..8h+7) of group g's scale s and, for the asymmetric kinds, the c of

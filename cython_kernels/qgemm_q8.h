@@ -51,14 +51,16 @@ static inline int qg_q8_off_vnni(const qg_format* f) {
     return f->bits == 8 ? 128 : (f->kind == QG_SYM ? 1 << (f->bits - 1) : 0);
 }
 
-/* One full block of QG_QB = 32 k: the scalar rule of qg_quantize_block in AVX2 (the build's
- * floor). cvtps rounds to nearest even, as nearbyintf does in the default rounding mode, and
+/* One full block of n = QG_QB = 32 k, or of 16 (int6 groups of 16, GGUF Q6_K: the last two
+ * vectors read as zeros): the scalar rule of qg_quantize_block in AVX2 (the build's floor).
+ * cvtps rounds to nearest even, as nearbyintf does in the default rounding mode, and
  * |x * inv| <= 127 up to one rounding, so both give the same bytes. */
-static inline void qg_quantize_block32(const float* xr, int perm4, int8_t* dst, float* sx,
+static inline void qg_quantize_block(const float* xr, int n, int perm4, int8_t* dst, float* sx,
                                        int32_t* xi, float* res) {
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256 v0 = _mm256_loadu_ps(xr), v1 = _mm256_loadu_ps(xr + 8);
-    const __m256 v2 = _mm256_loadu_ps(xr + 16), v3 = _mm256_loadu_ps(xr + 24);
+    const __m256 v2 = n == 32 ? _mm256_loadu_ps(xr + 16) : _mm256_setzero_ps();
+    const __m256 v3 = n == 32 ? _mm256_loadu_ps(xr + 24) : _mm256_setzero_ps();
     const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v0, absm), _mm256_and_ps(v1, absm)),
                                    _mm256_max_ps(_mm256_and_ps(v2, absm), _mm256_and_ps(v3, absm)));
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
@@ -78,11 +80,12 @@ static inline void qg_quantize_block32(const float* xr, int perm4, int8_t* dst, 
     /* packs interleave the 128-bit lanes: dword i of b holds q[i % 4][4 (i / 4) ..] */
     __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
     b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    if (perm4)  /* int4 weights: each 8 k as k 0 2 4 6 1 3 5 7 */
+    if (perm4)  /* int4/5/6 weights: each 8 k as k 0 2 4 6 1 3 5 7 */
         b = _mm256_shuffle_epi8(b, _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11,
                                                     13, 15, 0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14,
                                                     9, 11, 13, 15));
-    _mm256_storeu_si256((__m256i*)dst, b);
+    if (n == 32) _mm256_storeu_si256((__m256i*)dst, b);
+    else _mm_storeu_si128((__m128i*)dst, _mm256_castsi256_si128(b));
     const float scale = amax / 127.0f;
     *sx = scale;
     *xi = _mm_cvtsi128_si32(u);
@@ -90,42 +93,10 @@ static inline void qg_quantize_block32(const float* xr, int perm4, int8_t* dst, 
         const __m256 vs = _mm256_set1_ps(scale);
         _mm256_storeu_ps(res, _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q0), vs, v0));
         _mm256_storeu_ps(res + 8, _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q1), vs, v1));
-        _mm256_storeu_ps(res + 16, _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q2), vs, v2));
-        _mm256_storeu_ps(res + 24, _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q3), vs, v3));
-    }
-}
-
-/* A block of 16 k (int6 groups of 16, GGUF Q6_K): qg_quantize_block32's rule on two vectors. */
-static inline void qg_quantize_block16(const float* xr, int8_t* dst, float* sx, int32_t* xi,
-                                       float* res) {
-    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256 v0 = _mm256_loadu_ps(xr), v1 = _mm256_loadu_ps(xr + 8);
-    const __m256 m = _mm256_max_ps(_mm256_and_ps(v0, absm), _mm256_and_ps(v1, absm));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-    const float amax = _mm_cvtss_f32(h);
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    const __m256 vi = _mm256_set1_ps(inv);
-    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
-    const __m256i q0 = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v0, vi)), lo), hi);
-    const __m256i q1 = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v1, vi)), lo), hi);
-    __m256i t = _mm256_add_epi32(q0, q1);
-    __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-    u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
-    u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
-    /* bytes in k order (q0: k 0-7, q1: k 8-15), then each 8 k as k 0 2 4 6 1 3 5 7 */
-    __m128i w = _mm_packs_epi16(_mm_packs_epi32(_mm256_castsi256_si128(q0), _mm256_extracti128_si256(q0, 1)),
-                                _mm_packs_epi32(_mm256_castsi256_si128(q1), _mm256_extracti128_si256(q1, 1)));
-    w = _mm_shuffle_epi8(w, _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
-    _mm_storeu_si128((__m128i*)dst, w);
-    const float scale = amax / 127.0f;
-    *sx = scale;
-    *xi = _mm_cvtsi128_si32(u);
-    if (res) {
-        const __m256 vs = _mm256_set1_ps(scale);
-        _mm256_storeu_ps(res, _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q0), vs, v0));
-        _mm256_storeu_ps(res + 8, _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q1), vs, v1));
+        if (n == 32) {
+            _mm256_storeu_ps(res + 16, _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q2), vs, v2));
+            _mm256_storeu_ps(res + 24, _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q3), vs, v3));
+        }
     }
 }
 
@@ -139,10 +110,8 @@ static void qg_quantize_group(const float* xr, const qg_format* f, long g, int8_
         long k0 = g * G + b * QG_QB, k1 = k0 + QG_QB < (g + 1) * G ? k0 + QG_QB : (g + 1) * G;
         float* bs = sx + g * nbg + b;
         int32_t* bi = xi + g * nbg + b;
-        if (k1 - k0 == QG_QB) {
-            qg_quantize_block32(xr + k0, f->bits != 8, xq + k0, bs, bi, res ? res + k0 : NULL);
-        } else if (k1 - k0 == 16 && f->bits != 8) {
-            qg_quantize_block16(xr + k0, xq + k0, bs, bi, res ? res + k0 : NULL);
+        if (k1 - k0 == QG_QB || (k1 - k0 == 16 && f->bits != 8)) {
+            qg_quantize_block(xr + k0, (int)(k1 - k0), f->bits != 8, xq + k0, bs, bi, res ? res + k0 : NULL);
         } else {
             float amax = 0.0f;
             for (long k = k0; k < k1; k++) amax = fmaxf(amax, fabsf(xr[k]));
@@ -233,17 +202,18 @@ static inline int32_t qg_ld32(const int8_t* p) {
 #define QG_Q8_AVX512_BODY(DOT, VNNI)                                                            \
     const long pk = bits == 4 ? 8 : bits == 8 ? 4 : bits == 5 ? 32 : 16;                        \
     const long ub = bits == 4 || bits == 8 ? 64 : 64 + pk / 8 * 64;                             \
-    const long mb = qg_meta_bytes(f);                                   \
+    const long mb = qg_meta_bytes(f);                                                           \
+    const uint8_t* gbase = qg_groups(blk, f); /* group g: gbase + g gb */                       \
+    const long gb = qg_group_bytes(f);                                                          \
     const long G = f->group, ng = f->kp / G, nbg = qg_blocks_per_group(f);                      \
     const int off = bits != 8 || VNNI ? qg_q8_off_vnni(f) : 0;                                  \
     const int has_c = bits != 8 && f->kind != QG_SYM;                                           \
     const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F), flip = _mm512_set1_epi32((int)0x80808080); \
-    const __m512i hm = _mm512_set1_epi32(bits == 5 ? 0x10101010 : 0x30303030);                 \
     __m512 a[QG_MR_Q8];                                                                         \
     for (int r = 0; r < mr; r++) a[r] = _mm512_setzero_ps();                                   \
     (void)ng;                                                                                   \
     for (long g = g0; g < g1; g++) {                                                            \
-        const uint8_t* meta = qg_gmeta(blk, f, g);                                              \
+        const uint8_t* meta = gbase + g * gb;                                              \
         const __m512 s = qg_s512(blk, f, meta, g);                                              \
         const uint8_t* row = meta + mb;                                                         \
         for (long b = 0; b < nbg; b++) {                                                        \
@@ -259,12 +229,9 @@ static inline int32_t qg_ld32(const int8_t* p) {
                 if (bits == 5 || bits == 6) {                                                   \
                     /* v: the plane; each nibble row's bytes take their high bits from it */   \
                     for (int rr = 0; rr < pk / 8; rr++) {                                       \
-                        const __m512i n = _mm512_loadu_si512((const void*)(row + 64 + 64 * rr)); \
-                        const int se = bits == 5 ? 4 - 2 * rr : 4 - 4 * rr, so = se - (bits - 4); \
-                        const __m512i lo = _mm512_ternarylogic_epi32(_mm512_and_si512(n, m4),   \
-                                                                     QG_SHV512(v, se), hm, 0xF8); \
-                        const __m512i hi = _mm512_ternarylogic_epi32(                           \
-                            _mm512_and_si512(_mm512_srli_epi32(n, 4), m4), QG_SHV512(v, so), hm, 0xF8); \
+                        __m512i lo, hi;                                                         \
+                        qg_hb_merge512(v, _mm512_loadu_si512((const void*)(row + 64 + 64 * rr)), \
+                                       bits, rr, &lo, &hi);                                     \
                         for (int r = 0; r < mr; r++) {                                          \
                             const int8_t* xr = q->xq + r * q->kp + k + 8 * rr;                  \
                             ia[r] = DOT(ia[r], lo, _mm512_set1_epi32(qg_ld32(xr)));             \
@@ -363,6 +330,8 @@ QG_INLINE void qg_q8_avx2_mr(const uint8_t* blk, const qg_format* f, const qg_xq
     const long pk = bits == 4 ? 8 : bits == 8 ? 4 : bits == 5 ? 32 : 16;
     const long ub = bits == 4 || bits == 8 ? 64 : 64 + pk / 8 * 64;
     const long mb = qg_meta_bytes(f);
+    const uint8_t* gbase = qg_groups(blk, f);  /* group g: gbase + g gb */
+    const long gb = qg_group_bytes(f);
     const long G = f->group, ng = f->kp / G, nbg = qg_blocks_per_group(f);
     const int off = bits != 8 ? qg_q8_off_vnni(f) : 0;  /* int8: the sign trick, no offset */
     const int has_c = bits != 8 && f->kind != QG_SYM;
@@ -372,7 +341,7 @@ QG_INLINE void qg_q8_avx2_mr(const uint8_t* blk, const qg_format* f, const qg_xq
     for (int r = 0; r < mr; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
     (void)ng;
     for (long g = g0; g < g1; g++) {
-        const uint8_t* meta = qg_gmeta(blk, f, g);
+        const uint8_t* meta = gbase + g * gb;
         __m256 s[2];
         for (int h = 0; h < 2; h++) s[h] = qg_s256(blk, f, meta, g, h);
         const uint8_t* row = meta + mb;

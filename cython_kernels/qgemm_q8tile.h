@@ -75,15 +75,16 @@ QG_INLINE QG_T512VNNI void qg_q8t_vnni_mr(const uint8_t* blk, const qg_format* f
                                           const int mr) {
     const long pk = bits == 4 ? 8 : bits == 8 ? 4 : bits == 5 ? 32 : 16;  /* k per row or unit */
     const long ub = bits == 4 || bits == 8 ? 64 : 64 + pk / 8 * 64, mb = qg_meta_bytes(f);
+    const uint8_t* gbase = qg_groups(blk, f);  /* group g: gbase + g gb */
+    const long gb = qg_group_bytes(f);
     const long G = f->group, nbg = qg_blocks_per_group(f);
     const int has_c = bits != 8 && f->kind != QG_SYM;
     const int has_off = qg_q8_off_vnni(f) != 0;
     const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F), flip = _mm512_set1_epi32((int)0x80808080);
-    const __m512i hm = _mm512_set1_epi32(bits == 5 ? 0x10101010 : 0x30303030);
     __m512 a[QG_MR_T];
     for (int r = 0; r < mr; r++) a[r] = _mm512_setzero_ps();
     for (long g = g0; g < g1; g++) {
-        const uint8_t* meta = qg_gmeta(blk, f, g);
+        const uint8_t* meta = gbase + g * gb;
         const __m512 s = qg_s512(blk, f, meta, g);
         const uint8_t* row = meta + mb;
         for (long b = 0; b < nbg; b++) {
@@ -103,12 +104,9 @@ QG_INLINE QG_T512VNNI void qg_q8t_vnni_mr(const uint8_t* blk, const qg_format* f
                 const __m512i v = _mm512_loadu_si512((const void*)row);                          \
                 if (bits == 5 || bits == 6) {  /* v: the plane (qgemm_q8.h's decode kernel) */  \
                     for (int rr = 0; rr < pk / 8; rr++) {                                         \
-                        const __m512i n = _mm512_loadu_si512((const void*)(row + 64 + 64 * rr)); \
-                        const int se = bits == 5 ? 4 - 2 * rr : 4 - 4 * rr, so = se - (bits - 4); \
-                        const __m512i lo = _mm512_ternarylogic_epi32(_mm512_and_si512(n, m4),     \
-                                                                     QG_SHV512(v, se), hm, 0xF8); \
-                        const __m512i hi = _mm512_ternarylogic_epi32(                             \
-                            _mm512_and_si512(_mm512_srli_epi32(n, 4), m4), QG_SHV512(v, so), hm, 0xF8); \
+                        __m512i lo, hi;                                                           \
+                        qg_hb_merge512(v, _mm512_loadu_si512((const void*)(row + 64 + 64 * rr)),  \
+                                       bits, rr, &lo, &hi);                                       \
                         for (int r = 0; r < mr; r++) {                                            \
                             ia[r] = qg_dpbusd_bcast(ia[r], lo, xb + 2 * rr * QG_MR_T + r);        \
                             ia[r] = qg_dpbusd_bcast(ia[r], hi, xb + (2 * rr + 1) * QG_MR_T + r);  \

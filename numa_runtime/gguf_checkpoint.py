@@ -269,9 +269,10 @@ def decode_blocks(kind: str, blocks: np.ndarray, k: int) -> QuantizedWeight:
 
 
 def _f16_products(d: np.ndarray, sc: np.ndarray, n: int, ng: int) -> np.ndarray:
-    """f16(d * sc) per sub-block [n, ng] (d [n, ns] per super-block, sc [n, ns, ng / ns])."""
+    """f16(d * sc) per sub-block [n, ng] (d [n, ns] f16 per super-block, sc [n, ns, ng / ns]),
+    the product exact in f32 before the one rounding."""
     with np.errstate(over="ignore"):
-        return (d[..., None] * sc.astype(np.float32)).reshape(n, ng).astype(np.float16)
+        return (d.astype(np.float32)[..., None] * sc.astype(np.float32)).reshape(n, ng).astype(np.float16)
 
 
 def decode_q4k(blocks: np.ndarray) -> QuantizedWeight | None:
@@ -299,7 +300,7 @@ def decode_kquant(kind: str, blocks: np.ndarray, exact: bool = False) -> Quantiz
     if exact:
         fmt = QuantFormat(fmt.bits, fmt.group_size, fmt.kind, ks=256)
     n, ns, _ = blocks.shape
-    f16 = lambda a, b: blocks[:, :, a:b].copy().view(np.float16)[..., 0].astype(np.float32)  # noqa: E731
+    f16 = lambda a, b: blocks[:, :, a:b].copy().view(np.float16)[..., 0]  # noqa: E731  [n, ns]
     offsets = None
     if kind == "Q6_K":
         # NOTE: ql [128], qh [64], 16 int8 scales, f16 d. Each 128-element half h: element
@@ -312,8 +313,7 @@ def decode_kquant(kind: str, blocks: np.ndarray, exact: bool = False) -> Quantiz
         q = (lo | (hi << 4)).reshape(n, ns * 256).astype(np.uint8)
         sc = blocks[:, :, 192:208].copy().view(np.int8)                    # [n, ns, 16]
         if exact:
-            d16 = blocks[:, :, 208:210].copy().view(np.float16)[..., 0]
-            return QuantizedWeight(fmt, q, sc.reshape(n, ns * 16).copy(), None, ns * 256, (d16, None))
+            return QuantizedWeight(fmt, q, sc.reshape(n, ns * 16).copy(), None, ns * 256, (f16(208, 210), None))
         scales = _f16_products(f16(208, 210), sc, n, ns * 16)
     else:
         d, dmin = f16(0, 2), f16(2, 4)
@@ -329,9 +329,8 @@ def decode_kquant(kind: str, blocks: np.ndarray, exact: bool = False) -> Quantiz
             q = q | (((qh >> sub) & 1) << 4)
         q = q.reshape(n, ns * 256).astype(np.uint8)
         if exact:
-            raw = lambda a, b: blocks[:, :, a:b].copy().view(np.float16)[..., 0]  # noqa: E731
             return QuantizedWeight(fmt, q, sc.reshape(n, ns * 8).astype(np.int8), mn.reshape(n, ns * 8).astype(np.int8),
-                                   ns * 256, (raw(0, 2), raw(2, 4)))
+                                   ns * 256, (d, dmin))
         scales = _f16_products(d, sc, n, ns * 8)
         offsets = -_f16_products(dmin, mn, n, ns * 8)
     if not (np.isfinite(scales).all() and (offsets is None or np.isfinite(offsets).all())):
