@@ -7,12 +7,15 @@ ours. Each quantized type keeps its own bit width (quant/formats.py):
     Q5_1 -> int5 group 32 "min"
 without loss (blocks of 32 with f16 scales and offsets), and the K-quants' 256-element
 super-blocks without loss too, as formats with super-block scales (quant/formats.py, ks = 256):
-    Q4_K -> int4 group 32 "min";  Q5_K -> int5 group 32 "min";  Q6_K -> int6 group 16 "sym"
-(w = d sc q - dmin m, or d sc (q - 32)): the codes, the 6/8-bit sub-scales and mins and the f16
-d/dmin as stored. A rank whose columns start or end inside a super-block (a row-parallel split
-off 256-element boundaries) takes its groups with f16 scales instead: each sub-block's d * sc and
-dmin * m (up to 19 significant bits) rounded to f16, a relative change of at most 2^-11 of each;
-where such a product leaves f16's range the tensor is dequantized (logged). F32/F16/BF16 tensors are dense. Q2_K, Q3_K, IQ4_NL and IQ4_XS
+    Q4_K -> int4 group 32 "min";  Q5_K -> int5 group 32 "min";  Q6_K -> int6 group 16 "sym";
+    Q3_K -> int4 group 16 "sym" (code q3 + 4);  Q2_K -> int4 group 16 "min"
+(w = d sc q - dmin m, or d sc (q - 32)): the codes, the 4/6/8-bit sub-scales and mins and the
+f16 d/dmin as stored (Q3_K and Q2_K in 4-bit codes: 4.5625 and 5.125 bits a weight against the
+file's 3.4375 and 2.625, where int8 groups of 32 took 8.5). A rank whose columns start or end
+inside a super-block (a row-parallel split off 256-element boundaries) takes its groups with f16
+scales instead: each sub-block's d * sc and dmin * m (up to 19 significant bits) rounded to f16,
+a relative change of at most 2^-11 of each; where such a product leaves f16's range the tensor
+is dequantized (logged). F32/F16/BF16 tensors are dense. IQ4_NL and IQ4_XS (non-linear codes)
 have no format here: they are dequantized (a log line says so) and held dense by an f32
 engine, as int8 groups of 32 by a bf16 one (quant/loader.py). Any other type is an error
 naming it.
@@ -53,7 +56,9 @@ LOSSLESS = {"Q8_0": (QuantFormat(8, 32, "sym"), 34), "Q4_0": (QuantFormat(4, 32,
 # NOTE: K-quants in 256-element super-blocks: (format, bytes per super-block, 256); decode_kquant
 NEAR_LOSSLESS = {"Q4_K": (QuantFormat(4, 32, "min"), 144, 256),
                  "Q5_K": (QuantFormat(5, 32, "min"), 176, 256),
-                 "Q6_K": (QuantFormat(6, 16, "sym"), 210, 256)}
+                 "Q6_K": (QuantFormat(6, 16, "sym"), 210, 256),
+                 "Q3_K": (QuantFormat(4, 16, "sym"), 110, 256),
+                 "Q2_K": (QuantFormat(4, 16, "min"), 84, 256)}
 # NOTE: types without a format of their own load dense (f32 engine) or as int8 groups of 32 (bf16
 # engine), dequantized by the gguf package: more bytes than the file holds, logged once per type;
 # the K-quants of NEAR_LOSSLESS only where a scale leaves f16's range
@@ -129,7 +134,7 @@ class GGUFCheckpoint:
     @property
     def split_align(self) -> int:
         """32 where any tensor is kept in (32-element) groups, else 1."""
-        # NOTE: Q5_K/Q6_K tensors too: a bf16 engine holds them as int8 groups of 32 (quant/loader.py)
+        # NOTE: K-quant and IQ4 tensors too (a bf16 engine holds IQ4 as int8 groups of 32: quant/loader.py)
         return 32 if any(t.type not in DENSE for t in self._tensors.values()) else 1
 
     def __contains__(self, name: str) -> bool:
@@ -167,15 +172,15 @@ class GGUFCheckpoint:
         return (i // d) * d + 2 * (r % (d // 2)) + r // (d // 2)
 
     def dequantizes(self, name: str) -> bool:
-        """True when tensor `name` is stored in a type that loads as dense weights (Q2_K, Q3_K,
-        IQ4_NL, IQ4_XS)."""
+        """True when tensor `name` is stored in a type that loads as dense weights (IQ4_NL,
+        IQ4_XS)."""
         kind = self._t(name).type
         return kind in DEQUANTIZED and kind not in NEAR_LOSSLESS
 
     def quantized(self, name: str, rows: slice | None, cols: slice | None) -> QuantizedWeight | None:
         """Rows/cols of a Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 tensor as our format, bit for bit, or of a
-        Q4_K/Q5_K/Q6_K tensor with its scales rounded to f16 (decode_kquant); None otherwise
-        (dense)."""
+        K-quant tensor (Q2_K..Q6_K) with super-block scales (exact), or with its scales rounded
+        to f16 off super-block boundaries (decode_kquant); None otherwise (dense)."""
         t = self._t(name)
         kind = t.type
         if kind not in LOSSLESS and kind not in NEAR_LOSSLESS:
@@ -235,8 +240,8 @@ class GGUFCheckpoint:
     def _log_dequantized(self, name: str, kind: str) -> None:
         if kind in DEQUANTIZED and kind not in self._logged:
             self._logged.add(kind)
-            log.info("GGUF type %s has no format of its own here (2/3-bit or non-linear codes, "
-                     "or scales beyond f16's range): %s tensors are dequantized (dense in a float32 "
+            log.info("GGUF type %s has no format of its own here (non-linear codes, or scales "
+                     "beyond f16's range): %s tensors are dequantized (dense in a float32 "
                      "engine, int8 groups of 32 in a bfloat16 one), more bytes than the file holds",
                      kind, kind)
 
@@ -292,7 +297,7 @@ def _scale_min_k4(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def decode_kquant(kind: str, blocks: np.ndarray, exact: bool = False) -> QuantizedWeight | None:
-    """Q4_K/Q5_K/Q6_K super-blocks [n, ns, bytes] -> our format [n, 256 ns]: the codes as
+    """Q2_K/Q3_K/Q4_K/Q5_K/Q6_K super-blocks [n, ns, bytes] -> our format [n, 256 ns]: the codes as
     stored; `exact`: the sub-scales and mins as int8 under the super-blocks' f16 d/dmin (ks =
     256), else each sub-block's scale (and min) rounded once to f16 (NEAR_LOSSLESS; None when a
     product leaves f16's range: the caller keeps the tensor dense)."""
@@ -302,7 +307,40 @@ def decode_kquant(kind: str, blocks: np.ndarray, exact: bool = False) -> Quantiz
     n, ns, _ = blocks.shape
     f16 = lambda a, b: blocks[:, :, a:b].copy().view(np.float16)[..., 0]  # noqa: E731  [n, ns]
     offsets = None
-    if kind == "Q6_K":
+    if kind in ("Q3_K", "Q2_K"):
+        # NOTE: element 128 h + 32 j + l (h: half, j: 0..3, l: 0..31) has its low 2 bits at 2j
+        # of qs[32 h + l]; its sub-block of 16 is 8 h + 2 j + l // 16. Q3_K: 32 bytes of hmask
+        # first (bit 4 h + j of byte l: the third bit, q - 4 when clear), qs [64], 12 bytes of
+        # 6-bit scales (low nibbles in bytes 0-7, low then high; the top 2 bits in bytes 8-11,
+        # 2 bits per sub-block), f16 d; w = d (sc - 32) (q3 - 4) = d sc' (c - 8) with c = q3 + 4.
+        # Q2_K: 16 bytes of scale (low nibble) and min (high), qs [64], f16 d and dmin;
+        # w = d sc q2 - dmin m
+        q3 = kind == "Q3_K"
+        qs = blocks[:, :, 32:96] if q3 else blocks[:, :, 16:80]
+        qs = qs.reshape(n, ns, 2, 1, 32)                                         # [.., h, 1, l]
+        sh = (2 * np.arange(4, dtype=np.uint8))[:, None]                        # [j, 1]
+        q = (qs >> sh) & 3                                                       # [.., h, j, l]
+        if q3:
+            hm = blocks[:, :, 0:32].reshape(n, ns, 1, 1, 32)
+            hb = (np.arange(8, dtype=np.uint8).reshape(2, 4, 1))                # bit 4 h + j
+            q = q + (((hm >> hb) & 1) << 2) + 4
+            b = blocks[:, :, 96:108]
+            lo = np.concatenate([b[..., 0:8] & 15, b[..., 0:8] >> 4], axis=2)   # [n, ns, 16]
+            hi = (b[..., 8:12, None] >> (2 * np.arange(4, dtype=np.uint8))) & 3  # [n, ns, i, j // 4]
+            sc = ((lo | (hi.transpose(0, 1, 3, 2).reshape(n, ns, 16) << 4)).astype(np.int16) - 32).astype(np.int8)
+            d, mn, dmin = f16(108, 110), None, None
+        else:
+            sc = (blocks[:, :, 0:16] & 15).astype(np.int8)
+            mn = (blocks[:, :, 0:16] >> 4).astype(np.int8)
+            d, dmin = f16(80, 82), f16(82, 84)
+        q = q.reshape(n, ns * 256).astype(np.uint8)
+        if exact:
+            return QuantizedWeight(fmt, q, sc.reshape(n, ns * 16).copy(),
+                                   None if mn is None else mn.reshape(n, ns * 16).copy(), ns * 256, (d, dmin))
+        scales = _f16_products(d, sc, n, ns * 16)
+        if mn is not None:
+            offsets = -_f16_products(dmin, mn, n, ns * 16)
+    elif kind == "Q6_K":
         # NOTE: ql [128], qh [64], 16 int8 scales, f16 d. Each 128-element half h: element
         # 32 c + l (c: 0..3) has its low nibble in ql[64 h + l + 32 (c % 2)] (low for c < 2, high
         # after) and its two high bits at 2c of qh[32 h + l]; sub-block t of 16 takes scale t

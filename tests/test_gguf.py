@@ -53,7 +53,7 @@ def test_gguf_equals_dequantized_reference(hf_models, tmp_path, arch, qtype):
         assert np.abs(lg - lr).max() <= 1e-4 * np.abs(lr).max()
         assert g.generate([PROMPT], GREEDY)[0].token_ids == r.generate([PROMPT], GREEDY)[0].token_ids
         native = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4", "Q5_0": "int5", "Q5_1": "int5",
-                  "Q4_K": "int4", "Q5_K": "int5", "Q6_K": "int6"}.get(qtype)
+                  "Q4_K": "int4", "Q5_K": "int5", "Q6_K": "int6", "Q3_K": "int4", "Q2_K": "int4"}.get(qtype)
         lin = g.runner.model.layers[0].qkv_proj
         assert getattr(lin, "dtype", None) == (native or "float32")
     finally:
@@ -61,7 +61,7 @@ def test_gguf_equals_dequantized_reference(hf_models, tmp_path, arch, qtype):
         r.close()
 
 
-@pytest.mark.parametrize("qtype", ["Q3_K", "IQ4_XS"])
+@pytest.mark.parametrize("qtype", ["IQ4_NL", "IQ4_XS"])
 def test_dequantized_head_is_int8_by_default(hf_models, tmp_path, qtype):
     """A head stored in a type without a format here would be held dense: lm_head_quantization=
     "auto" makes it int8, like a dense head quantized at load; a Q8_0 head stays as stored (and
@@ -125,10 +125,12 @@ def test_q4_k_blocks_map_to_int4_with_f16_scales():
     assert np.abs(ours - ref).max() > 0  # the rounding is real: this is not the lossless path
 
 
-@pytest.mark.parametrize("qtype,bits,group,kind", [("Q4_K", 4, 32, "min"), ("Q5_K", 5, 32, "min"),
-                                                  ("Q6_K", 6, 16, "sym")])
-def test_k_quants_map_exactly_onto_super_block_scales(qtype, bits, group, kind):
-    """Q4_K/Q5_K as int4/int5 groups of 32 with mins, Q6_K as int6 groups of 16, each with its
+@pytest.mark.parametrize("qtype,bits,group,kind,width", [
+    ("Q4_K", 4, 32, "min", 4.625), ("Q5_K", 5, 32, "min", 5.625), ("Q6_K", 6, 16, "sym", 6.5625),
+    ("Q3_K", 4, 16, "sym", 4.5625), ("Q2_K", 4, 16, "min", 5.125)])
+def test_k_quants_map_exactly_onto_super_block_scales(qtype, bits, group, kind, width):
+    """Q4_K/Q5_K as int4/int5 groups of 32 with mins, Q6_K as int6 groups of 16, Q3_K and Q2_K
+    as int4 groups of 16 (Q3_K's 3-bit codes + 4, Q2_K's 2-bit ones with mins), each with its
     super-blocks' f16 d (and dmin) and its int8 sub-scales (and mins) as stored: the very
     weights of the gguf package's dequantization, and packed in fewer bytes than f16 group
     scales would take (Q4_K: 4.625 bits a weight; Q6_K: 6.5625, the file's own)."""
@@ -143,13 +145,15 @@ def test_k_quants_map_exactly_onto_super_block_scales(qtype, bits, group, kind):
     w = decode_kquant(qtype, data.reshape(16, 3, NEAR_LOSSLESS[qtype][1]), exact=True)
     assert (w.fmt.bits, w.fmt.group_size, w.fmt.kind, w.fmt.ks) == (bits, group, kind, 256)
     np.testing.assert_array_equal(dequantize(w), ref)
-    assert pack(w).nbytes * 8 / (16 * 768) == {4: 4.625, 5: 5.625, 6: 6.5625}[bits]
+    assert pack(w).nbytes * 8 / (16 * 768) == width
 
 
-@pytest.mark.parametrize("qtype,bits,group,kind", [("Q5_K", 5, 32, "min"), ("Q6_K", 6, 16, "sym")])
-def test_q5_k_and_q6_k_blocks_keep_their_codes(qtype, bits, group, kind):
+@pytest.mark.parametrize("qtype,bits,group,kind", [("Q5_K", 5, 32, "min"), ("Q6_K", 6, 16, "sym"),
+                                                  ("Q3_K", 4, 16, "sym"), ("Q2_K", 4, 16, "min")])
+def test_k_quant_blocks_keep_their_codes(qtype, bits, group, kind):
     """Off a super-block boundary (a rank's columns that start inside one): Q5_K as int5 groups
-    of 32 with "min" offsets, Q6_K as int6 groups of 16 (w = s (q - 32)): the codes as stored,
+    of 32 with "min" offsets, Q6_K as int6 groups of 16 (w = s (q - 32)), Q3_K/Q2_K as int4
+    groups of 16 (sym / with mins): the codes as stored,
     each sub-block's scale (and min) rounded once to f16, so every weight is within 2^-11 of
     (|s q| + |offset|) of the gguf package's dequantization."""
     import gguf
@@ -161,7 +165,9 @@ def test_q5_k_and_q6_k_blocks_keep_their_codes(qtype, bits, group, kind):
     ref = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[qtype]).reshape(7, 768)
     w = decode_kquant(qtype, data.reshape(7, 3, NEAR_LOSSLESS[qtype][1]))
     assert (w.fmt.bits, w.fmt.group_size, w.fmt.kind) == (bits, group, kind)
-    assert w.q.max() <= (1 << bits) - 1 and w.q.max() >= (1 << (bits - 1))  # the high bits are read
+    # every code of the type is read (random blocks use them all): the high bits, Q3_K's hmask
+    codes = {"Q5_K": (0, 31), "Q6_K": (0, 63), "Q3_K": (4, 11), "Q2_K": (0, 3)}[qtype]
+    assert (w.q.min(), w.q.max()) == codes
     ours = dequantize(w)
     s = np.abs(w.scales.astype(np.float32)).repeat(group, 1)
     off = (np.abs(w.offsets.astype(np.float32)).repeat(group, 1) if w.offsets is not None
@@ -209,9 +215,9 @@ def test_two_ranks_equal_reference(hf_models, tmp_path):
     assert out["world"] == 2 and out["tokens"] == [expected]
 
 
-@pytest.mark.parametrize("qtype,dtype", [("Q4_K", "int4"), ("Q6_K", "int6")])
+@pytest.mark.parametrize("qtype,dtype", [("Q4_K", "int4"), ("Q6_K", "int6"), ("Q3_K", "int4"), ("Q2_K", "int4")])
 def test_two_ranks_equal_one_on_k_quants(hf_models, tmp_path, qtype, dtype):
-    """A Q4_K or Q6_K file over 2 ranks: each rank decodes only its super-blocks and takes the
+    """A Q4_K, Q6_K, Q3_K or Q2_K file over 2 ranks: each rank decodes only its super-blocks and takes the
     32- or 16-element groups of its columns: down_proj's split falls on a super-block boundary
     (super-block scales, exact), o_proj's inside one (f16 group scales, within 2^-11): the
     tokens of one rank, where every tensor is exact."""
@@ -228,9 +234,9 @@ def test_two_ranks_equal_one_on_k_quants(hf_models, tmp_path, qtype, dtype):
     assert out["world"] == 2 and out["tokens"] == [expected]
 
 
-@pytest.mark.parametrize("qtype", ["Q3_K", "IQ4_XS"])
+@pytest.mark.parametrize("qtype", ["IQ4_NL", "IQ4_XS"])
 def test_bf16_engine_holds_dequantized_types_as_int8(hf_models, tmp_path, qtype):
-    """No format here holds Q3_K/IQ4_XS as stored: a bf16 engine (which would round them to
+    """No format here holds IQ4_NL/IQ4_XS as stored: a bf16 engine (which would round them to
     bf16) takes them as int8 groups of 32, the very weights `quantization="int8-g32"` makes of
     the dequantized model, so both engines give the same logits; an f32 engine keeps them dense
     (test_gguf_equals_dequantized_reference)."""

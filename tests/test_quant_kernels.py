@@ -21,7 +21,8 @@ FORMATS += [QuantFormat(5, 32, "sym"), QuantFormat(5, 32, "min"), QuantFormat(5,
             QuantFormat(6, 16, "sym"), QuantFormat(6, 64, "min")]
 # super-block scales (GGUF K-quants as stored: int8 sub-scales and mins under f16 d and dmin)
 FORMATS += [QuantFormat(4, 32, "min", ks=256), QuantFormat(4, 64, "sym", ks=256),
-            QuantFormat(5, 32, "min", ks=256), QuantFormat(6, 16, "sym", ks=256)]
+            QuantFormat(5, 32, "min", ks=256), QuantFormat(6, 16, "sym", ks=256),
+            QuantFormat(4, 16, "sym", ks=256), QuantFormat(4, 16, "min", ks=256), QuantFormat(4, 16, "min")]
 MS = [1, 2, 3, 7, 33, 100, 300]
 LEVELS = list(range(qgemm.cpu_level() + 1))
 

@@ -77,8 +77,8 @@ class QuantFormat:
             raise QuantError(f"Quantization kind must be one of {KINDS}, not {self.kind!r}.")
         if self.bits == 8 and self.kind != "sym":
             raise QuantError("int8 weights are symmetric only (kind='sym').")
-        if self.bits == 6 and self.group_size == 16:
-            pass  # Q6_K's 16-element sub-blocks
+        if self.bits in (4, 6) and self.group_size == 16:
+            pass  # the 16-element sub-blocks of GGUF's Q6_K, Q3_K and Q2_K
         elif self.group_size not in GROUP_SIZES + (-1,):
             raise QuantError(f"Group size must be one of {GROUP_SIZES} (or -1: per output row, "
                              f"int8), not {self.group_size}.")

@@ -38,7 +38,7 @@ def qlinear(ops, qw: QuantizedWeight, bias: np.ndarray | None = None, bf16: bool
     return lin
 
 
-# what a bf16 engine makes of GGUF tensors it would otherwise hold dense (Q2_K, Q3_K, IQ4_NL, IQ4_XS)
+# what a bf16 engine makes of GGUF tensors it would otherwise hold dense (IQ4_NL, IQ4_XS)
 GGUF_DENSE_QUANT = QuantFormat(8, 32, "sym")
 
 # NOTE: vocabulary rows of a dense lm_head quantized at a time (the f32 copy of one chunk is
@@ -112,7 +112,7 @@ class LinearFactory:
             qw = native(name, rows, cols)
             if qw is not None:
                 return qw
-            # NOTE: a GGUF tensor that has no format here (Q2_K, Q3_K, IQ4) would be held dense:
+            # NOTE: a GGUF tensor that has no format here (IQ4_NL, IQ4_XS) would be held dense:
             # a bf16 engine, which would round it to bf16 (8 significant bits) anyway, takes it as
             # int8 groups of 32 (error within half a step of 1/127 of each group's largest weight),
             # half the bytes; an f32 engine keeps it exact
@@ -179,8 +179,8 @@ def head_quantization(name: str | None, quantization: str | None, ckpt=None) -> 
     """EngineConfig.lm_head_quantization -> the format a dense lm_head is quantized to at load
     (None: as stored). "auto": the int8 default (HEAD_DEFAULT) when the decoder linears are
     quantized at load from a dense checkpoint (like llama.cpp, which keeps the output matrix at
-    >= 6 bits), or when a GGUF stores its head in a type we would hold dense (Q2_K, Q3_K, IQ4), else as
-    stored: a file that brings its own quantization (GGUF Q8_0/Q4_x/Q5_x/Q6_K, AWQ, GPTQ) keeps its
+    >= 6 bits), or when a GGUF stores its head in a type we would hold dense (IQ4), else as
+    stored: a file that brings its own quantization (GGUF Q8_0/Q4_x/Q5_x, K-quants, AWQ, GPTQ) keeps its
     lm_head. An explicit int8 format quantizes any dense lm_head."""
     if name in (None, "", "none"):
         return None
@@ -188,7 +188,7 @@ def head_quantization(name: str | None, quantization: str | None, ckpt=None) -> 
         dense = ckpt is None or getattr(ckpt, "quantized", None) is None
         if quantization not in (None, "", "none") and dense:
             return QuantFormat.parse(HEAD_DEFAULT)
-        # NOTE: a GGUF head in a type we hold dense (Q2_K, Q3_K, IQ4; Q6_K was, before int6: a
+        # NOTE: a GGUF head in a type we hold dense (IQ4; Q6_K was, before int6: a
         # Llama-3.2-1B Q4_0 decode step read 525 of its 1070 MB there): int8, as a dense head
         # quantized at load
         dequantizes = getattr(ckpt, "dequantizes", None)
