@@ -18,7 +18,7 @@ load from that bf16 directory, the lm_head as --lm-head-quantization says. With
 
 "gguf-f32" / "gguf-bf16" run the file --gguf (the same model in another GGUF type, e.g. made by
 llama-quantize from the bf16 directory) in that dtype, each tensor at its own bit width (Q5_x as
-int5, Q6_K as int6; Q2_K/Q3_K/IQ4 as int8 groups of 32 in a bf16 engine, dense in an f32 one).
+int5, Q6_K as int6, Q2_K/Q3_K as int4 groups of 16, IQ4 as int4 "nl" levels).
 
 --kv-cache-dtype runs every variant with each KV cache dtype given (auto: the variant's dtype)
 and reports, beside each perplexity, the drift of the scored tokens' log-probs from the first

@@ -83,7 +83,7 @@ cdef extern from "qgemm_kernels.h" nogil:
                             long ldx, const float* bias, float* out, long ldo, char* scratch,
                             int nthreads, int gated)
 
-_KINDS = {"sym": 0, "zero": 1, "min": 2}
+_KINDS = {"sym": 0, "zero": 1, "min": 2, "nl": 3}
 cdef int _level = qg_cpu_level()
 cdef int _amx_present = qg_amx_init()
 qg_amx = _amx_present
@@ -253,7 +253,7 @@ def _force_cpu_level(int level):
 cdef class QLinear:
     """y = x @ W.T + b, the contract of numa_runtime.backend.reference.Linear, for a quantized W.
 
-    packed: uint8 stream from numa_runtime.quant.packing.pack; bits 4|5|6|8; kind 'sym'|'zero'|'min';
+    packed: uint8 stream from numa_runtime.quant.packing.pack; bits 4|5|6|8; kind 'sym'|'zero'|'min'|'nl' (int4);
     group: k per group (the padded in_features for per-row int8); bias None or f32 [N]; ks: k per
     super-block of int8 sub-scales (GGUF K-quants: 256), 0 for f16 group scales.
     `nbytes` is the packed weight memory held (the only copy).
@@ -273,7 +273,7 @@ cdef class QLinear:
 
     def __init__(self, packed, int bits, str kind, int group, int in_features, int out_features,
                  bias=None, int ks=0):
-        if bits not in (4, 5, 6, 8) or kind not in _KINDS or (bits == 8 and kind != "sym"):
+        if bits not in (4, 5, 6, 8) or kind not in _KINDS or (bits == 8 and kind != "sym") or (kind == "nl" and bits != 4):
             raise ValueError("QLinear: unsupported format bits=%d kind=%r" % (bits, kind))
         if ks and (ks != 256 or bits == 8 or kind == "zero" or ks % group or in_features % ks):
             raise ValueError("QLinear: super-block scales (ks=%d) need int4/5/6 sym or min groups "

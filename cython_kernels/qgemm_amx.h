@@ -111,7 +111,10 @@ static void qg_amx_rows_fill(const qg_amx_rows* T, const qg_xq* q, long Q, int t
                 const __m512i v_ = _mm512_loadu_si512((const void*)(src_ + i_ * 64));             \
                 __m512i lo_ = _mm512_and_si512(v_, m4);                                           \
                 __m512i hi_ = _mm512_and_si512(_mm512_srli_epi32(v_, 4), m4);                     \
-                if (sym) {                                                                        \
+                if (nl) {  /* the NL levels, signed */                                           \
+                    lo_ = _mm512_shuffle_epi8(nls, lo_);                                          \
+                    hi_ = _mm512_shuffle_epi8(nls, hi_);                                          \
+                } else if (sym) {                                                                 \
                     lo_ = _mm512_sub_epi8(lo_, eight);                                            \
                     hi_ = _mm512_sub_epi8(hi_, eight);                                            \
                 }                                                                                 \
@@ -120,7 +123,7 @@ static void qg_amx_rows_fill(const qg_amx_rows* T, const qg_xq* q, long Q, int t
             }                                                                                     \
             QG_AMX_FENCE();                                                                       \
             _tile_loadd(TB, (bt), 64);                                                            \
-            if (sym) _tile_dpbssd(TC, TA, TB);                                                    \
+            if (sym || nl) _tile_dpbssd(TC, TA, TB);                                              \
             else _tile_dpbsud(TC, TA, TB);                                                        \
         } else {                                                                                  \
             if (qg_pf_bytes)                                                                      \
@@ -161,8 +164,9 @@ QG_INLINE QG_TAMX void qg_amx_block(const uint8_t* blk, const qg_format* f, cons
                                     int32_t* cb, const int bits) {
     const long gb = qg_group_bytes(f), mb = qg_meta_bytes(f), nbg = f->group / QG_QB;
     const long ng = q->ng, nb = q->nb, kp = q->kp, nbk = ng * nbg;
-    const int has_c = bits == 4 && f->kind != QG_SYM, sym = f->kind == QG_SYM;
+    const int has_c = bits == 4 && qg_has_c(f), sym = f->kind == QG_SYM, nl = f->kind == QG_NL;
     const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F), eight = _mm512_set1_epi8(8);
+    const __m512i nls = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)qg_nl_levels));
     const int8_t* xa = q->xq + i * QG_MR_AMX * kp;
     const float* st = T->st + i * nb * QG_MR_AMX;
     const float* xst = T->xst + i * ng * QG_MR_AMX;

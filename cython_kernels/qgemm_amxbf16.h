@@ -84,6 +84,7 @@ QG_INLINE QG_TAB16 void qg_ab_dequant(const uint8_t* blk, const qg_format* f, lo
     }
     const __m512i idx = _mm512_loadu_si512((const void*)ix);
     __m512 s = _mm512_setzero_ps(), c = _mm512_setzero_ps();
+    const __m512 lut = qg_lut512(f);
     long g_last = -1;
     const long kend = k1 < f->kp ? k1 : f->kp;
     for (long k = k0; k < kend; k += pk) {
@@ -97,8 +98,8 @@ QG_INLINE QG_TAB16 void qg_ab_dequant(const uint8_t* blk, const qg_format* f, lo
         qg_step512(meta + mb, f, k - g * f->group, bits, &v, &hi);
         uint16_t* dst = bt + ((k - k0) / 32) * 1024 + (k % 32) / 2 * 32;
         for (int i = 0; i < pk; i += 2) {
-            const __m512 w0 = _mm512_fmadd_ps(qg_code512(v, hi, bits, i), s, c);
-            const __m512 w1 = _mm512_fmadd_ps(qg_code512(v, hi, bits, i + 1), s, c);
+            const __m512 w0 = _mm512_fmadd_ps(qg_code512(v, hi, bits, i, lut), s, c);
+            const __m512 w1 = _mm512_fmadd_ps(qg_code512(v, hi, bits, i + 1, lut), s, c);
             _mm512_store_si512((void*)(dst + i / 2 * 32),
                                _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(w1, w0)));
         }

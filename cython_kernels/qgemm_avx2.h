@@ -12,7 +12,7 @@ QG_INLINE void qg_sc_avx2(const uint8_t* blk, const qg_format* f, const uint8_t*
                           int bits, __m256 s[2], __m256 c[2]) {
     for (int h = 0; h < 2; h++) {
         s[h] = qg_s256(blk, f, meta, g, h);
-        if (bits == 8) {
+        if (bits == 8 || f->kind == QG_NL) {
             c[h] = _mm256_setzero_ps();
         } else if (f->kind == QG_SYM) {
             c[h] = _mm256_mul_ps(s[h], _mm256_set1_ps(-(float)(1 << (bits - 1))));
@@ -22,11 +22,25 @@ QG_INLINE void qg_sc_avx2(const uint8_t* blk, const qg_format* f, const uint8_t*
     }
 }
 
-/* Column half h of the i-th k of packed row v (8 lanes), as f32 integers. */
-QG_INLINE __m256 qg_q_avx2(__m256i v, int bits, int i) {
-    if (bits == 4)
-        return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 4 * i),
-                                                   _mm256_set1_epi32(0xF)));
+/* The NL levels as f32, codes 0-7 and 8-15 (nl: the format's kind is QG_NL). */
+typedef struct { __m256 lo, hi; int nl; } qg_lut256;
+static inline qg_lut256 qg_lut_avx2(const qg_format* f) {
+    const __m128i l = _mm_loadu_si128((const __m128i*)qg_nl_levels);
+    qg_lut256 t = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(l)),
+                   _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(l, 8))), f->kind == QG_NL};
+    return t;
+}
+
+/* Column half h of the i-th k of packed row v (8 lanes), as f32 integers (int4 "nl": the
+ * code's level, bit 3 of the code choosing the table half). */
+QG_INLINE __m256 qg_q_avx2(__m256i v, int bits, int i, qg_lut256 t) {
+    if (bits == 4) {
+        const __m256i q = _mm256_and_si256(_mm256_srli_epi32(v, 4 * i), _mm256_set1_epi32(0xF));
+        if (t.nl)
+            return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t.lo, q), _mm256_permutevar8x32_ps(t.hi, q),
+                                    _mm256_castsi256_ps(_mm256_slli_epi32(q, 28)));
+        return _mm256_cvtepi32_ps(q);
+    }
     return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * i), 24));
 }
 
@@ -37,6 +51,7 @@ QG_INLINE void qg_dequant_avx2_b(const uint8_t* blk, const qg_format* f, long k0
     const uint8_t* gbase = qg_groups(blk, f);  /* group g: gbase + g gb */
     const long gb = qg_group_bytes(f);
     __m256 s[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, c[2] = {s[0], s[1]};
+    const qg_lut256 lut = qg_lut_avx2(f);
     long g_last = -1;
     for (long k = k0; k < k1; k += pk) {
         long g = k / f->group;
@@ -50,7 +65,7 @@ QG_INLINE void qg_dequant_avx2_b(const uint8_t* blk, const qg_format* f, long k0
             __m256i v = _mm256_loadu_si256((const __m256i*)(row + 32 * h));
             for (int i = 0; i < pk; i++)
                 _mm256_store_ps(tile + (k - k0 + i) * QG_NB + 8 * h,
-                                _mm256_fmadd_ps(qg_q_avx2(v, bits, i), s[h], c[h]));
+                                _mm256_fmadd_ps(qg_q_avx2(v, bits, i, lut), s[h], c[h]));
         }
     }
 }
@@ -70,6 +85,7 @@ QG_INLINE void qg_gemv_avx2_mr(const uint8_t* blk, const qg_format* f, const flo
     const uint8_t* gbase = qg_groups(blk, f);  /* group g: gbase + g gb */
     const long gb = qg_group_bytes(f);
     const long ng = f->kp / f->group, rows = f->group / pk;
+    const qg_lut256 lut = qg_lut_avx2(f);
     __m256 a[QG_MR_REG_AVX2][2];
     for (int r = 0; r < mr; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
     for (long g = 0; g < ng; g++) {
@@ -82,8 +98,8 @@ QG_INLINE void qg_gemv_avx2_mr(const uint8_t* blk, const qg_format* f, const flo
             __m256i v0 = _mm256_loadu_si256((const __m256i*)row);
             __m256i v1 = _mm256_loadu_si256((const __m256i*)(row + 32));
             for (int i = 0; i < pk; i++) {
-                __m256 w0 = _mm256_fmadd_ps(qg_q_avx2(v0, bits, i), s[0], c[0]);
-                __m256 w1 = _mm256_fmadd_ps(qg_q_avx2(v1, bits, i), s[1], c[1]);
+                __m256 w0 = _mm256_fmadd_ps(qg_q_avx2(v0, bits, i, lut), s[0], c[0]);
+                __m256 w1 = _mm256_fmadd_ps(qg_q_avx2(v1, bits, i, lut), s[1], c[1]);
                 for (int r = 0; r < mr; r++) {
                     __m256 xb = _mm256_broadcast_ss(xg + r * ldx + i);
                     a[r][0] = _mm256_fmadd_ps(w0, xb, a[r][0]);

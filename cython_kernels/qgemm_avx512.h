@@ -35,7 +35,7 @@ QG_INLINE QG_T512 __m512 qg_c512(const uint8_t* blk, const qg_format* f, const u
 QG_INLINE QG_T512 void qg_sc_avx512(const uint8_t* blk, const qg_format* f, const uint8_t* meta,
                                     long g, int bits, __m512* s, __m512* c) {
     *s = qg_s512(blk, f, meta, g);
-    if (bits == 8) {
+    if (bits == 8 || f->kind == QG_NL) {
         *c = _mm512_setzero_ps();
     } else if (f->kind == QG_SYM) {
         *c = _mm512_mul_ps(*s, _mm512_set1_ps(-(float)(1 << (bits - 1))));
@@ -44,10 +44,18 @@ QG_INLINE QG_T512 void qg_sc_avx512(const uint8_t* blk, const qg_format* f, cons
     }
 }
 
-QG_INLINE QG_T512 __m512 qg_q_avx512(__m512i v, int bits, int i) {
+/* What an int4 code stands for, as f32, indexed by the code: the NL levels for QG_NL, else the
+ * code itself (the permute takes the place of a conversion). */
+QG_INLINE QG_T512 __m512 qg_lut512(const qg_format* f) {
+    if (f->kind == QG_NL)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)qg_nl_levels)));
+    return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+/* The i-th k of packed row v as f32: int4 through lut (qg_lut512), int8 converted. */
+QG_INLINE QG_T512 __m512 qg_q_avx512(__m512i v, int bits, int i, __m512 lut) {
     if (bits == 4)
-        return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 4 * i),
-                                                   _mm512_set1_epi32(0xF)));
+        return _mm512_permutexvar_ps(_mm512_and_si512(_mm512_srli_epi32(v, 4 * i), _mm512_set1_epi32(0xF)), lut);
     return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * i), 24));
 }
 
@@ -85,9 +93,9 @@ QG_INLINE QG_T512 void qg_step512(const uint8_t* rows, const qg_format* f, long 
     }
 }
 
-/* The code of step k's i-th k (qg_step512's vectors), as f32. */
-QG_INLINE QG_T512 __m512 qg_code512(__m512i v, __m512i hi, const int bits, int i) {
-    return bits == 5 || bits == 6 ? qg_hb_code512(v, hi, i) : qg_q_avx512(v, bits, i);
+/* The code of step k's i-th k (qg_step512's vectors), as f32 (int4: through lut). */
+QG_INLINE QG_T512 __m512 qg_code512(__m512i v, __m512i hi, const int bits, int i, __m512 lut) {
+    return bits == 5 || bits == 6 ? qg_hb_code512(v, hi, i) : qg_q_avx512(v, bits, i, lut);
 }
 
 /* k0, k1: multiples of the step (8 k, 4 for int8). */
@@ -97,6 +105,7 @@ QG_INLINE QG_T512 void qg_dequant_avx512_b(const uint8_t* blk, const qg_format* 
     const uint8_t* gbase = qg_groups(blk, f);  /* group g: gbase + g gb */
     const long gb = qg_group_bytes(f);
     __m512 s = _mm512_setzero_ps(), c = _mm512_setzero_ps();
+    const __m512 lut = qg_lut512(f);
     long g_last = -1;
     for (long k = k0; k < k1; k += pk) {
         long g = k / f->group;
@@ -109,7 +118,7 @@ QG_INLINE QG_T512 void qg_dequant_avx512_b(const uint8_t* blk, const qg_format* 
         qg_step512(meta + mb, f, k - g * f->group, bits, &v, &hi);
         for (int i = 0; i < pk; i++)
             _mm512_store_ps(tile + (k - k0 + i) * QG_NB,
-                            _mm512_fmadd_ps(qg_code512(v, hi, bits, i), s, c));
+                            _mm512_fmadd_ps(qg_code512(v, hi, bits, i, lut), s, c));
     }
 }
 
@@ -129,6 +138,7 @@ QG_INLINE QG_T512 void qg_gemv_avx512_mr(const uint8_t* blk, const qg_format* f,
     const uint8_t* gbase = qg_groups(blk, f);  /* group g: gbase + g gb */
     const long gb = qg_group_bytes(f);
     const long ng = f->kp / f->group, rows = f->group / pk;
+    const __m512 lut = qg_lut512(f);
     __m512 a[QG_MR_REG_AVX512];
     for (int r = 0; r < mr; r++) a[r] = _mm512_setzero_ps();
     for (long g = 0; g < ng; g++) {
@@ -140,7 +150,7 @@ QG_INLINE QG_T512 void qg_gemv_avx512_mr(const uint8_t* blk, const qg_format* f,
         for (long q = 0; q < rows; q++, row += 64, xg += pk) {
             __m512i v = _mm512_loadu_si512((const void*)row);
             for (int i = 0; i < pk; i++) {
-                __m512 w = _mm512_fmadd_ps(qg_q_avx512(v, bits, i), s, c);
+                __m512 w = _mm512_fmadd_ps(qg_q_avx512(v, bits, i, lut), s, c);
                 for (int r = 0; r < mr; r++)
                     a[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(xg[r * ldx + i]), a[r]);
             }

@@ -12,7 +12,7 @@
  * Dequantized weight w = q * s + c, in f32 and exact (an f16 scale times a <= 8-bit integer
  * needs at most 19 significant bits):
  *   int8 symmetric: c = 0;  int4/5/6 symmetric: c = -8 s / -16 s / -32 s;  zero point z:
- *   c = -s z;  min m: c = m.
+ *   c = -s z;  min m: c = m;  int4 "nl": w = qg_nl_levels[q] s.
  * So the kernels see the very same f32 weights as the numpy reference; only the order of the
  * sums differs.
  *
@@ -32,11 +32,16 @@
 #define QG_KC 256       /* k per L1 tile of dequantized weights: 16 KiB of f32 */
 #define QG_MPASS 128    /* activation rows per pass over a block on the L1 path */
 
-enum { QG_SYM = 0, QG_ZERO = 1, QG_MIN = 2 };
+enum { QG_SYM = 0, QG_ZERO = 1, QG_MIN = 2, QG_NL = 3 };
+
+/* QG_NL: the int4 code indexes these levels (GGUF IQ4_NL/IQ4_XS), w = level * s; the kernels
+ * look them up in registers: a byte shuffle (int8 dot products) or a float permute. */
+static const int8_t qg_nl_levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                        1, 13, 25, 38, 53, 69, 89, 113};
 
 typedef struct {
     int bits;     /* 4, 5, 6 or 8 */
-    int kind;     /* QG_SYM, QG_ZERO, QG_MIN */
+    int kind;     /* QG_SYM, QG_ZERO, QG_MIN, QG_NL */
     long group;   /* k per group (divides kp) */
     long kp;      /* padded K (multiple of 8 for int4, 4 for int8) */
     long n;       /* output columns */
@@ -56,13 +61,15 @@ static inline long qg_unit_bytes(const qg_format* f) {
 static inline int qg_tileable(const qg_format* f) { (void)f; return 1; }
 /* A group's meta for 16 columns: f16 scales [+ f16 offsets], or with ks int8 sub-scales
  * [+ int8 mins]; with ks each block's stream starts with its super-blocks' f16 d [+ f16 dmin]. */
+/* Whether groups carry a zero point or min (w = q s + c with c their own). */
+static inline int qg_has_c(const qg_format* f) { return f->kind == QG_ZERO || f->kind == QG_MIN; }
 static inline long qg_meta_bytes(const qg_format* f) {
-    return (f->ks ? 16 : 32) * (f->kind == QG_SYM ? 1 : 2);
+    return (f->ks ? 16 : 32) * (qg_has_c(f) ? 2 : 1);
 }
 static inline long qg_group_bytes(const qg_format* f) {
     return qg_meta_bytes(f) + f->group / qg_pack_k(f) * qg_unit_bytes(f);
 }
-static inline long qg_super_each(const qg_format* f) { return f->kind == QG_SYM ? 32 : 64; }
+static inline long qg_super_each(const qg_format* f) { return qg_has_c(f) ? 64 : 32; }
 static inline long qg_super_bytes(const qg_format* f) {
     return f->ks ? f->kp / f->ks * qg_super_each(f) : 0;
 }

@@ -45,11 +45,16 @@ static long qg_pf_bytes = 4096;
 
 static inline long qg_blocks_per_group(const qg_format* f) { return (f->group + QG_QB - 1) / QG_QB; }
 
-/* The offset the unsigned weight codes of the VNNI kernels carry (int4 symmetric: q + 8; int8:
- * q + 128, its sign bit flipped); vpmaddubsw reads int8 weights by the sign trick instead. */
+/* The offset the unsigned weight codes of the VNNI kernels carry (int4 symmetric: q + 8; int8
+ * and the NL levels: the value + 128, its sign bit flipped); vpmaddubsw reads int8 weights and
+ * NL levels by the sign trick instead. */
 static inline int qg_q8_off_vnni(const qg_format* f) {
-    return f->bits == 8 ? 128 : (f->kind == QG_SYM ? 1 << (f->bits - 1) : 0);
+    return f->bits == 8 || f->kind == QG_NL ? 128 : (f->kind == QG_SYM ? 1 << (f->bits - 1) : 0);
 }
+
+/* The NL levels for byte shuffles, in each 128-bit lane: as int8, or + 128 (unsigned, VNNI). */
+#define QG_NL_S512() _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)qg_nl_levels))
+#define QG_NL_S256() _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)qg_nl_levels))
 
 /* One full block of n = QG_QB = 32 k, or of 16 (int6 groups of 16, GGUF Q6_K: the last two
  * vectors read as zeros): the scalar rule of qg_quantize_block in AVX2 (the build's floor).
@@ -206,9 +211,11 @@ static inline int32_t qg_ld32(const int8_t* p) {
     const uint8_t* gbase = qg_groups(blk, f); /* group g: gbase + g gb */                       \
     const long gb = qg_group_bytes(f);                                                          \
     const long G = f->group, ng = f->kp / G, nbg = qg_blocks_per_group(f);                      \
-    const int off = bits != 8 || VNNI ? qg_q8_off_vnni(f) : 0;                                  \
-    const int has_c = bits != 8 && f->kind != QG_SYM;                                           \
+    const int nl = bits == 4 && f->kind == QG_NL;                                                \
+    const int off = (bits != 8 && !nl) || VNNI ? qg_q8_off_vnni(f) : 0;                         \
+    const int has_c = bits != 8 && qg_has_c(f);                                                 \
     const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F), flip = _mm512_set1_epi32((int)0x80808080); \
+    const __m512i nls = QG_NL_S512(), nlu = _mm512_xor_si512(nls, flip);                       \
     __m512 a[QG_MR_Q8];                                                                         \
     for (int r = 0; r < mr; r++) a[r] = _mm512_setzero_ps();                                   \
     (void)ng;                                                                                   \
@@ -238,9 +245,26 @@ static inline int32_t qg_ld32(const int8_t* p) {
                             ib[r] = DOT(ib[r], hi, _mm512_set1_epi32(qg_ld32(xr + 4)));         \
                         }                                                                       \
                     }                                                                           \
+                } else if (bits == 4 && nl && !VNNI) {                                          \
+                    /* the levels by the sign trick, as int8 weights: |level| times signed x */ \
+                    const __m512i tl = _mm512_shuffle_epi8(nls, _mm512_and_si512(v, m4));       \
+                    const __m512i th = _mm512_shuffle_epi8(nls, _mm512_and_si512(_mm512_srli_epi32(v, 4), m4)); \
+                    const __m512i ul = _mm512_abs_epi8(tl), uh = _mm512_abs_epi8(th);           \
+                    const __mmask64 nl_ = _mm512_movepi8_mask(tl), nh_ = _mm512_movepi8_mask(th); \
+                    for (int r = 0; r < mr; r++) {                                              \
+                        const int8_t* xr = q->xq + r * q->kp + k;                               \
+                        const __m512i x0 = _mm512_set1_epi32(qg_ld32(xr));                      \
+                        const __m512i x1 = _mm512_set1_epi32(qg_ld32(xr + 4));                  \
+                        ia[r] = DOT(ia[r], ul, _mm512_mask_sub_epi8(x0, nl_, _mm512_setzero_si512(), x0)); \
+                        ib[r] = DOT(ib[r], uh, _mm512_mask_sub_epi8(x1, nh_, _mm512_setzero_si512(), x1)); \
+                    }                                                                           \
                 } else if (bits == 4) {                                                         \
-                    const __m512i lo = _mm512_and_si512(v, m4);                                 \
-                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), m4);           \
+                    __m512i lo = _mm512_and_si512(v, m4);                                       \
+                    __m512i hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), m4);                 \
+                    if (nl) { /* VNNI: the levels + 128, unsigned */                            \
+                        lo = _mm512_shuffle_epi8(nlu, lo);                                      \
+                        hi = _mm512_shuffle_epi8(nlu, hi);                                      \
+                    }                                                                           \
                     for (int r = 0; r < mr; r++) {                                              \
                         const int8_t* xr = q->xq + r * q->kp + k;                               \
                         ia[r] = DOT(ia[r], lo, _mm512_set1_epi32(qg_ld32(xr)));                 \
@@ -333,9 +357,12 @@ QG_INLINE void qg_q8_avx2_mr(const uint8_t* blk, const qg_format* f, const qg_xq
     const uint8_t* gbase = qg_groups(blk, f);  /* group g: gbase + g gb */
     const long gb = qg_group_bytes(f);
     const long G = f->group, ng = f->kp / G, nbg = qg_blocks_per_group(f);
-    const int off = bits != 8 ? qg_q8_off_vnni(f) : 0;  /* int8: the sign trick, no offset */
-    const int has_c = bits != 8 && f->kind != QG_SYM;
+    const int nl = bits == 4 && f->kind == QG_NL;
+    /* int8 and the NL levels: the sign trick, no offset */
+    const int off = bits != 8 && !nl ? qg_q8_off_vnni(f) : 0;
+    const int has_c = bits != 8 && qg_has_c(f);
     const __m256i m4 = _mm256_set1_epi32(0x0F0F0F0F), ones = _mm256_set1_epi16(1);
+    const __m256i nls = QG_NL_S256();
     const __m256i hm = _mm256_set1_epi32(bits == 5 ? 0x10101010 : 0x30303030);
     __m256 a[2][2];
     for (int r = 0; r < mr; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
@@ -374,6 +401,19 @@ QG_INLINE void qg_q8_avx2_mr(const uint8_t* blk, const qg_format* f, const qg_xq
                                     _mm256_maddubs_epi16(hi, _mm256_set1_epi32(qg_ld32(xr + 4))));
                                 ia[r][h] = _mm256_add_epi32(ia[r][h], _mm256_madd_epi16(p, ones));
                             }
+                        }
+                    } else if (bits == 4 && nl) {
+                        const __m256i tl = _mm256_shuffle_epi8(nls, _mm256_and_si256(v, m4));
+                        const __m256i th = _mm256_shuffle_epi8(nls, _mm256_and_si256(_mm256_srli_epi32(v, 4), m4));
+                        const __m256i ul = _mm256_abs_epi8(tl), uh = _mm256_abs_epi8(th);
+                        for (int r = 0; r < mr; r++) {
+                            const int8_t* xr = q->xq + r * q->kp + k;
+                            /* NOTE: |level| <= 127: each maddubs lane <= 2 * 127 * 127, so the
+                             * two halves widen apart (their sum would overflow 16 bits) */
+                            const __m256i pl = _mm256_maddubs_epi16(ul, _mm256_sign_epi8(_mm256_set1_epi32(qg_ld32(xr)), tl));
+                            const __m256i ph = _mm256_maddubs_epi16(uh, _mm256_sign_epi8(_mm256_set1_epi32(qg_ld32(xr + 4)), th));
+                            ia[r][h] = _mm256_add_epi32(ia[r][h], _mm256_add_epi32(_mm256_madd_epi16(pl, ones),
+                                                                                   _mm256_madd_epi16(ph, ones)));
                         }
                     } else if (bits == 4) {
                         const __m256i lo = _mm256_and_si256(v, m4);

@@ -78,9 +78,10 @@ QG_INLINE QG_T512VNNI void qg_q8t_vnni_mr(const uint8_t* blk, const qg_format* f
     const uint8_t* gbase = qg_groups(blk, f);  /* group g: gbase + g gb */
     const long gb = qg_group_bytes(f);
     const long G = f->group, nbg = qg_blocks_per_group(f);
-    const int has_c = bits != 8 && f->kind != QG_SYM;
+    const int has_c = bits != 8 && qg_has_c(f), nl = bits == 4 && f->kind == QG_NL;
     const int has_off = qg_q8_off_vnni(f) != 0;
     const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F), flip = _mm512_set1_epi32((int)0x80808080);
+    const __m512i nlu = _mm512_xor_si512(QG_NL_S512(), flip);  /* the NL levels + 128 */
     __m512 a[QG_MR_T];
     for (int r = 0; r < mr; r++) a[r] = _mm512_setzero_ps();
     for (long g = g0; g < g1; g++) {
@@ -113,8 +114,12 @@ QG_INLINE QG_T512VNNI void qg_q8t_vnni_mr(const uint8_t* blk, const qg_format* f
                         }                                                                         \
                     }                                                                             \
                 } else if (bits == 4) {                                                           \
-                    const __m512i lo = _mm512_and_si512(v, m4);                                   \
-                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), m4);             \
+                    __m512i lo = _mm512_and_si512(v, m4);                                         \
+                    __m512i hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), m4);                   \
+                    if (nl) {                                                                     \
+                        lo = _mm512_shuffle_epi8(nlu, lo);                                        \
+                        hi = _mm512_shuffle_epi8(nlu, hi);                                        \
+                    }                                                                             \
                     for (int r = 0; r < mr; r++) {                                                \
                         ia[r] = qg_dpbusd_bcast(ia[r], lo, xb + r);                               \
                         ia[r] = qg_dpbusd_bcast(ia[r], hi, xb + QG_MR_T + r);                  \

@@ -15,10 +15,10 @@ file's 3.4375 and 2.625, where int8 groups of 32 took 8.5). A rank whose columns
 inside a super-block (a row-parallel split off 256-element boundaries) takes its groups with f16
 scales instead: each sub-block's d * sc and dmin * m (up to 19 significant bits) rounded to f16,
 a relative change of at most 2^-11 of each; where such a product leaves f16's range the tensor
-is dequantized (logged). F32/F16/BF16 tensors are dense. IQ4_NL and IQ4_XS (non-linear codes)
-have no format here: they are dequantized (a log line says so) and held dense by an f32
-engine, as int8 groups of 32 by a bf16 one (quant/loader.py). Any other type is an error
-naming it.
+is dequantized (logged). IQ4_NL and IQ4_XS (4-bit codes of 16 non-linear levels) map without
+loss onto int4 "nl" (w = s NL[q]): IQ4_NL in blocks of 32 with f16 scales, IQ4_XS with
+super-block scales (6-bit sub-scales - 32 as int8 under f16 d): 4.5 and 4.3125 bits a weight
+against the file's 4.5 and 4.25. F32/F16/BF16 tensors are dense. Any other type is an error naming it.
 
 llama/mistral GGUFs store q/k rows in llama.cpp's interleaved rotary order; rows are mapped back
 to Hugging Face's rotate-half order (a permutation inside each head, so a rank's whole heads stay
@@ -52,17 +52,14 @@ TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weig
 DENSE = ("F32", "F16", "BF16")
 LOSSLESS = {"Q8_0": (QuantFormat(8, 32, "sym"), 34), "Q4_0": (QuantFormat(4, 32, "sym"), 18),
             "Q4_1": (QuantFormat(4, 32, "min"), 20), "Q5_0": (QuantFormat(5, 32, "sym"), 22),
-            "Q5_1": (QuantFormat(5, 32, "min"), 24)}
+            "Q5_1": (QuantFormat(5, 32, "min"), 24), "IQ4_NL": (QuantFormat(4, 32, "nl"), 18)}
 # NOTE: K-quants in 256-element super-blocks: (format, bytes per super-block, 256); decode_kquant
 NEAR_LOSSLESS = {"Q4_K": (QuantFormat(4, 32, "min"), 144, 256),
                  "Q5_K": (QuantFormat(5, 32, "min"), 176, 256),
                  "Q6_K": (QuantFormat(6, 16, "sym"), 210, 256),
                  "Q3_K": (QuantFormat(4, 16, "sym"), 110, 256),
-                 "Q2_K": (QuantFormat(4, 16, "min"), 84, 256)}
-# NOTE: types without a format of their own load dense (f32 engine) or as int8 groups of 32 (bf16
-# engine), dequantized by the gguf package: more bytes than the file holds, logged once per type;
-# the K-quants of NEAR_LOSSLESS only where a scale leaves f16's range
-DEQUANTIZED = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
+                 "Q2_K": (QuantFormat(4, 16, "min"), 84, 256),
+                 "IQ4_XS": (QuantFormat(4, 32, "nl"), 136, 256)}
 PERMUTED_ARCHS = ("llama", "mistral")
 # tensors gguf_model reads into config.json rather than loading: the rope frequency divisors
 ROPE_FREQS = "rope_freqs.weight"
@@ -121,10 +118,10 @@ class GGUFCheckpoint:
                 if t.name not in CONFIG_TENSORS:
                     ignored.append(t.name)
                 continue
-            if kind not in DENSE and kind not in LOSSLESS and kind not in DEQUANTIZED:
+            if kind not in DENSE and kind not in LOSSLESS and kind not in NEAR_LOSSLESS:
                 raise CheckpointError(f"{path}: tensor {t.name} has GGUF type {kind}, which "
                                       f"numa_runtime does not read (supported: "
-                                      f"{', '.join(DENSE + tuple(LOSSLESS) + DEQUANTIZED)}).")
+                                      f"{', '.join(DENSE + tuple(LOSSLESS) + tuple(NEAR_LOSSLESS))}).")
             self._tensors[name] = t
         if ignored:
             log.warning("%s: ignoring %d GGUF tensor(s) that numa_runtime does not use: %s", path, len(ignored),
@@ -134,7 +131,7 @@ class GGUFCheckpoint:
     @property
     def split_align(self) -> int:
         """32 where any tensor is kept in (32-element) groups, else 1."""
-        # NOTE: K-quant and IQ4 tensors too (a bf16 engine holds IQ4 as int8 groups of 32: quant/loader.py)
+        # NOTE: K-quant and IQ4 tensors too
         return 32 if any(t.type not in DENSE for t in self._tensors.values()) else 1
 
     def __contains__(self, name: str) -> bool:
@@ -171,21 +168,14 @@ class GGUFCheckpoint:
         r = i % d
         return (i // d) * d + 2 * (r % (d // 2)) + r // (d // 2)
 
-    def dequantizes(self, name: str) -> bool:
-        """True when tensor `name` is stored in a type that loads as dense weights (IQ4_NL,
-        IQ4_XS)."""
-        kind = self._t(name).type
-        return kind in DEQUANTIZED and kind not in NEAR_LOSSLESS
-
     def quantized(self, name: str, rows: slice | None, cols: slice | None) -> QuantizedWeight | None:
-        """Rows/cols of a Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 tensor as our format, bit for bit, or of a
-        K-quant tensor (Q2_K..Q6_K) with super-block scales (exact), or with its scales rounded
+        """Rows/cols of a Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL tensor as our format, bit for bit, or
+        of a K-quant or IQ4_XS tensor with super-block scales (exact), or with its scales rounded
         to f16 off super-block boundaries (decode_kquant); None otherwise (dense)."""
         t = self._t(name)
         kind = t.type
         if kind not in LOSSLESS and kind not in NEAR_LOSSLESS:
-            self._log_dequantized(name, kind)
-            return None
+            return None  # dense
         n, k = self.shape(name)
         c0, c1 = (0, k) if cols is None else (cols.start, cols.stop)
         if c0 % 32 or (c1 % 32 and c1 != k):
@@ -238,12 +228,11 @@ class GGUFCheckpoint:
         return f32_to_bf16(w) if dtype == "bfloat16" else w
 
     def _log_dequantized(self, name: str, kind: str) -> None:
-        if kind in DEQUANTIZED and kind not in self._logged:
+        if kind not in self._logged:
             self._logged.add(kind)
-            log.info("GGUF type %s has no format of its own here (non-linear codes, or scales "
-                     "beyond f16's range): %s tensors are dequantized (dense in a float32 "
-                     "engine, int8 groups of 32 in a bfloat16 one), more bytes than the file holds",
-                     kind, kind)
+            log.info("%s: %s columns off a super-block boundary whose scale products leave f16's "
+                     "range are held dense (%s and any other such tensor), more bytes than the "
+                     "file holds", self.path, kind, name)
 
 
 def decode_blocks(kind: str, blocks: np.ndarray, k: int) -> QuantizedWeight:
@@ -297,7 +286,7 @@ def _scale_min_k4(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def decode_kquant(kind: str, blocks: np.ndarray, exact: bool = False) -> QuantizedWeight | None:
-    """Q2_K/Q3_K/Q4_K/Q5_K/Q6_K super-blocks [n, ns, bytes] -> our format [n, 256 ns]: the codes as
+    """Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_XS super-blocks [n, ns, bytes] -> our format [n, 256 ns]: the codes as
     stored; `exact`: the sub-scales and mins as int8 under the super-blocks' f16 d/dmin (ks =
     256), else each sub-block's scale (and min) rounded once to f16 (NEAR_LOSSLESS; None when a
     product leaves f16's range: the caller keeps the tensor dense)."""
@@ -307,7 +296,22 @@ def decode_kquant(kind: str, blocks: np.ndarray, exact: bool = False) -> Quantiz
     n, ns, _ = blocks.shape
     f16 = lambda a, b: blocks[:, :, a:b].copy().view(np.float16)[..., 0]  # noqa: E731  [n, ns]
     offsets = None
-    if kind in ("Q3_K", "Q2_K"):
+    if kind == "IQ4_XS":
+        # NOTE: f16 d, 2 bytes of the sub-scales' high 2 bits (2 a sub-block), 4 bytes of their
+        # low nibbles (low then high), then 8 x 16 bytes of codes: sub-block b's 32 elements are
+        # the low nibbles of its 16 bytes, then the high ones; w = d (ls - 32) NL[q]
+        qs = blocks[:, :, 8:136].reshape(n, ns, 8, 16)
+        q = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(n, ns * 256).astype(np.uint8)
+        sh = blocks[:, :, 2:4].copy().view("<u2")                                 # [n, ns, 1]
+        sl = blocks[:, :, 4:8]
+        lo = np.stack([sl & 15, sl >> 4], axis=3).reshape(n, ns, 8)
+        hi = (sh >> (2 * np.arange(8, dtype=np.uint16))) & 3
+        sc = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.int8)             # [n, ns, 8]
+        d = f16(0, 2)
+        if exact:
+            return QuantizedWeight(fmt, q, sc.reshape(n, ns * 8).copy(), None, ns * 256, (d, None))
+        scales = _f16_products(d, sc, n, ns * 8)
+    elif kind in ("Q3_K", "Q2_K"):
         # NOTE: element 128 h + 32 j + l (h: half, j: 0..3, l: 0..31) has its low 2 bits at 2j
         # of qs[32 h + l]; its sub-block of 16 is 8 h + 2 j + l // 16. Q3_K: 32 bytes of hmask
         # first (bit 4 h + j of byte l: the third bit, q - 4 when clear), qs [64], 12 bytes of

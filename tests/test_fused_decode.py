@@ -221,7 +221,8 @@ def test_decode_batches_past_the_fused_bound_run_op_by_op(models, monkeypatch):
 
 @pytest.mark.parametrize("types", [{"v_proj": "Q8_0"}, {"k_proj": "Q4_1", "v_proj": "Q8_0", "up_proj": "Q8_0"},
                                    {"v_proj": "Q5_0", "up_proj": "Q5_1", "down_proj": "Q6_K"},
-                                   {"v_proj": "Q8_0", "down_proj": "Q3_K"}, {"v_proj": "Q8_0", "down_proj": "Q2_K"}])
+                                   {"v_proj": "Q8_0", "down_proj": "Q3_K"}, {"v_proj": "Q8_0", "down_proj": "Q2_K"},
+                                   {"v_proj": "IQ4_NL", "up_proj": "IQ4_NL", "down_proj": "IQ4_XS"}])
 def test_mixed_format_linears_are_fused_too(models, tmp_path, monkeypatch, types):
     """A GGUF whose q/k/v (or gate/up) differ in format loads them as a ConcatLinear of
     QLinears (each part its own int8 rounding of the input); the fused step runs its parts and

@@ -53,7 +53,8 @@ def test_gguf_equals_dequantized_reference(hf_models, tmp_path, arch, qtype):
         assert np.abs(lg - lr).max() <= 1e-4 * np.abs(lr).max()
         assert g.generate([PROMPT], GREEDY)[0].token_ids == r.generate([PROMPT], GREEDY)[0].token_ids
         native = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4", "Q5_0": "int5", "Q5_1": "int5",
-                  "Q4_K": "int4", "Q5_K": "int5", "Q6_K": "int6", "Q3_K": "int4", "Q2_K": "int4"}.get(qtype)
+                  "Q4_K": "int4", "Q5_K": "int5", "Q6_K": "int6", "Q3_K": "int4", "Q2_K": "int4",
+                  "IQ4_NL": "int4", "IQ4_XS": "int4"}.get(qtype)
         lin = g.runner.model.layers[0].qkv_proj
         assert getattr(lin, "dtype", None) == (native or "float32")
     finally:
@@ -61,40 +62,12 @@ def test_gguf_equals_dequantized_reference(hf_models, tmp_path, arch, qtype):
         r.close()
 
 
-@pytest.mark.parametrize("qtype", ["IQ4_NL", "IQ4_XS"])
-def test_dequantized_head_is_int8_by_default(hf_models, tmp_path, qtype):
-    """A head stored in a type without a format here would be held dense: lm_head_quantization=
-    "auto" makes it int8, like a dense head quantized at load; a Q8_0 head stays as stored (and
-    a Q6_K/Q5_K one, test_k_quant_head_keeps_its_width)."""
-    from numa_runtime.quant.formats import QuantFormat
-    from quant_helpers import write_dequantized_copy
-    path = str(tmp_path / f"m.{qtype}.gguf")
-    write_gguf(hf_models["llama"], path, qtype)
-    ref_dir, ref8_dir = str(tmp_path / "ref"), str(tmp_path / "ref8")
-    write_reference(hf_models["llama"], path, ref_dir)
-    write_dequantized_copy(ref_dir, ref8_dir, None, QuantFormat.parse("int8"))
-    g, r = engine(path), engine(ref8_dir)
-    try:
-        assert g.runner.model.lm_head.dtype == "int8"
-        lg, lr = prefill_logits(g, PROMPT), prefill_logits(r, PROMPT)
-        assert np.abs(lg - lr).max() <= 1e-4 * np.abs(lr).max()
-        assert g.generate([PROMPT], GREEDY)[0].token_ids == r.generate([PROMPT], GREEDY)[0].token_ids
-    finally:
-        g.close()
-        r.close()
-    path8 = str(tmp_path / "m.Q8_0.gguf")
-    write_gguf(hf_models["llama"], path8, "Q8_0")
-    g8 = engine(path8)
-    try:
-        assert g8.runner.model.lm_head.dtype == "int8" and g8.runner.model.lm_head.group == 32
-    finally:
-        g8.close()
-
-
-@pytest.mark.parametrize("qtype,dtype", [("Q6_K", "int6"), ("Q5_K", "int5"), ("Q5_0", "int5")])
+@pytest.mark.parametrize("qtype,dtype", [("Q6_K", "int6"), ("Q5_K", "int5"), ("Q5_0", "int5"), ("Q8_0", "int8"),
+                                         ("IQ4_NL", "int4"), ("Q3_K", "int4")])
 def test_k_quant_head_keeps_its_width(hf_models, tmp_path, qtype, dtype):
-    """llama-quantize's usual output type Q6_K (and Q5_K, Q5_0) keeps its bit width as the head
-    under the default lm_head_quantization="auto": 6.5-7 bits a weight where int8 took 8.5."""
+    """llama-quantize's usual output type Q6_K (and Q5_K, Q5_0, Q8_0, and the heads of IQ4 and
+    Q3_K files) keeps its bit width as the head under the default lm_head_quantization="auto":
+    6.5-7 bits a weight where int8 took 8.5."""
     path = str(tmp_path / f"m.{qtype}.gguf")
     write_gguf(hf_models["llama"], path, qtype)
     g = engine(path)
@@ -127,10 +100,11 @@ def test_q4_k_blocks_map_to_int4_with_f16_scales():
 
 @pytest.mark.parametrize("qtype,bits,group,kind,width", [
     ("Q4_K", 4, 32, "min", 4.625), ("Q5_K", 5, 32, "min", 5.625), ("Q6_K", 6, 16, "sym", 6.5625),
-    ("Q3_K", 4, 16, "sym", 4.5625), ("Q2_K", 4, 16, "min", 5.125)])
+    ("Q3_K", 4, 16, "sym", 4.5625), ("Q2_K", 4, 16, "min", 5.125), ("IQ4_XS", 4, 32, "nl", 4.3125)])
 def test_k_quants_map_exactly_onto_super_block_scales(qtype, bits, group, kind, width):
     """Q4_K/Q5_K as int4/int5 groups of 32 with mins, Q6_K as int6 groups of 16, Q3_K and Q2_K
-    as int4 groups of 16 (Q3_K's 3-bit codes + 4, Q2_K's 2-bit ones with mins), each with its
+    as int4 groups of 16 (Q3_K's 3-bit codes + 4, Q2_K's 2-bit ones with mins), IQ4_XS as int4
+    "nl" groups of 32 (codes of the 16 non-linear levels, sub-scales ls - 32), each with its
     super-blocks' f16 d (and dmin) and its int8 sub-scales (and mins) as stored: the very
     weights of the gguf package's dequantization, and packed in fewer bytes than f16 group
     scales would take (Q4_K: 4.625 bits a weight; Q6_K: 6.5625, the file's own)."""
@@ -149,16 +123,17 @@ def test_k_quants_map_exactly_onto_super_block_scales(qtype, bits, group, kind, 
 
 
 @pytest.mark.parametrize("qtype,bits,group,kind", [("Q5_K", 5, 32, "min"), ("Q6_K", 6, 16, "sym"),
-                                                  ("Q3_K", 4, 16, "sym"), ("Q2_K", 4, 16, "min")])
+                                                  ("Q3_K", 4, 16, "sym"), ("Q2_K", 4, 16, "min"),
+                                                  ("IQ4_XS", 4, 32, "nl")])
 def test_k_quant_blocks_keep_their_codes(qtype, bits, group, kind):
     """Off a super-block boundary (a rank's columns that start inside one): Q5_K as int5 groups
     of 32 with "min" offsets, Q6_K as int6 groups of 16 (w = s (q - 32)), Q3_K/Q2_K as int4
-    groups of 16 (sym / with mins): the codes as stored,
-    each sub-block's scale (and min) rounded once to f16, so every weight is within 2^-11 of
-    (|s q| + |offset|) of the gguf package's dequantization."""
+    groups of 16 (sym / with mins), IQ4_XS as int4 "nl": the codes as stored, each sub-block's
+    scale (and min) rounded once to f16, so every weight is within 2^-11 of (|s q| + |offset|),
+    or of |s NL[q]|, of the gguf package's dequantization."""
     import gguf
     from numa_runtime.gguf_checkpoint import NEAR_LOSSLESS, decode_kquant
-    from numa_runtime.quant.formats import dequantize
+    from numa_runtime.quant.formats import NL_VALUES, dequantize
     from gguf_helpers import encode
     rng = np.random.default_rng(5)
     data, _ = encode(np.zeros((7, 768), np.float32), qtype, rng)
@@ -166,13 +141,13 @@ def test_k_quant_blocks_keep_their_codes(qtype, bits, group, kind):
     w = decode_kquant(qtype, data.reshape(7, 3, NEAR_LOSSLESS[qtype][1]))
     assert (w.fmt.bits, w.fmt.group_size, w.fmt.kind) == (bits, group, kind)
     # every code of the type is read (random blocks use them all): the high bits, Q3_K's hmask
-    codes = {"Q5_K": (0, 31), "Q6_K": (0, 63), "Q3_K": (4, 11), "Q2_K": (0, 3)}[qtype]
+    codes = {"Q5_K": (0, 31), "Q6_K": (0, 63), "Q3_K": (4, 11), "Q2_K": (0, 3), "IQ4_XS": (0, 15)}[qtype]
     assert (w.q.min(), w.q.max()) == codes
     ours = dequantize(w)
     s = np.abs(w.scales.astype(np.float32)).repeat(group, 1)
     off = (np.abs(w.offsets.astype(np.float32)).repeat(group, 1) if w.offsets is not None
            else s * (1 << (bits - 1)))
-    bound = 2.0 ** -11 * (s * w.q + off)
+    bound = 2.0 ** -11 * (s * np.abs(NL_VALUES[w.q].astype(np.float32)) if kind == "nl" else s * w.q + off)
     assert (np.abs(ours - ref) <= bound * 1.001 + 1e-9).all()
     assert np.abs(ours - ref).max() > 0
 
@@ -215,9 +190,10 @@ def test_two_ranks_equal_reference(hf_models, tmp_path):
     assert out["world"] == 2 and out["tokens"] == [expected]
 
 
-@pytest.mark.parametrize("qtype,dtype", [("Q4_K", "int4"), ("Q6_K", "int6"), ("Q3_K", "int4"), ("Q2_K", "int4")])
+@pytest.mark.parametrize("qtype,dtype", [("Q4_K", "int4"), ("Q6_K", "int6"), ("Q3_K", "int4"), ("Q2_K", "int4"),
+                                         ("IQ4_XS", "int4")])
 def test_two_ranks_equal_one_on_k_quants(hf_models, tmp_path, qtype, dtype):
-    """A Q4_K, Q6_K, Q3_K or Q2_K file over 2 ranks: each rank decodes only its super-blocks and takes the
+    """A Q4_K, Q6_K, Q3_K, Q2_K or IQ4_XS file over 2 ranks: each rank decodes only its super-blocks and takes the
     32- or 16-element groups of its columns: down_proj's split falls on a super-block boundary
     (super-block scales, exact), o_proj's inside one (f16 group scales, within 2^-11): the
     tokens of one rank, where every tensor is exact."""
@@ -232,28 +208,6 @@ def test_two_ranks_equal_one_on_k_quants(hf_models, tmp_path, qtype, dtype):
         one.close()
     out = result(run_mpi(2, path, "none"))
     assert out["world"] == 2 and out["tokens"] == [expected]
-
-
-@pytest.mark.parametrize("qtype", ["IQ4_NL", "IQ4_XS"])
-def test_bf16_engine_holds_dequantized_types_as_int8(hf_models, tmp_path, qtype):
-    """No format here holds IQ4_NL/IQ4_XS as stored: a bf16 engine (which would round them to
-    bf16) takes them as int8 groups of 32, the very weights `quantization="int8-g32"` makes of
-    the dequantized model, so both engines give the same logits; an f32 engine keeps them dense
-    (test_gguf_equals_dequantized_reference)."""
-    path = str(tmp_path / f"m.{qtype}.gguf")
-    write_gguf(hf_models["llama"], path, qtype)
-    ref_dir = str(tmp_path / "ref")
-    write_reference(hf_models["llama"], path, ref_dir)
-    kw = dict(dtype="bfloat16", kv_cache_memory=1 << 23, max_model_len=128)
-    g, r = Engine(path, **kw), Engine(ref_dir, quantization="int8-g32", **kw)
-    try:
-        lin = g.runner.model.layers[0].qkv_proj
-        assert lin.dtype == "int8" and lin.group == 32
-        np.testing.assert_array_equal(prefill_logits(g, PROMPT), prefill_logits(r, PROMPT))
-        assert g.generate([PROMPT], GREEDY)[0].token_ids == r.generate([PROMPT], GREEDY)[0].token_ids
-    finally:
-        g.close()
-        r.close()
 
 
 def test_k_quant_columns_off_a_super_block_take_f16_group_scales(hf_models, tmp_path):

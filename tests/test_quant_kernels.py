@@ -23,6 +23,8 @@ FORMATS += [QuantFormat(5, 32, "sym"), QuantFormat(5, 32, "min"), QuantFormat(5,
 FORMATS += [QuantFormat(4, 32, "min", ks=256), QuantFormat(4, 64, "sym", ks=256),
             QuantFormat(5, 32, "min", ks=256), QuantFormat(6, 16, "sym", ks=256),
             QuantFormat(4, 16, "sym", ks=256), QuantFormat(4, 16, "min", ks=256), QuantFormat(4, 16, "min")]
+# IQ4_NL's non-linear levels (GGUF IQ4_NL, IQ4_XS): a byte shuffle or float permute per code
+FORMATS += [QuantFormat(4, 32, "nl"), QuantFormat(4, 128, "nl"), QuantFormat(4, 32, "nl", ks=256)]
 MS = [1, 2, 3, 7, 33, 100, 300]
 LEVELS = list(range(qgemm.cpu_level() + 1))
 
@@ -91,8 +93,10 @@ def test_pack_roundtrip_and_dequant_error(fmt):
     g = qw.group
     step = np.repeat(qw.scales.astype(np.float32), g, axis=1)[:, :k]   # [N, K] scale per weight
     err = np.abs(dequantize(qw) - w)
-    # half a step of rounding, plus the f16 rounding of the scale/min over <= 15 steps
-    assert np.all(err <= step * (0.5 + 2 ** -9 * 16) + 1e-6)
+    # half a step of rounding, plus the f16 rounding of the scale/min over <= 15 steps; "nl":
+    # half the widest gap between levels (24), or 127 - 113 at the top, over up to 127 steps
+    half, steps = (14, 127) if fmt.kind == "nl" else (0.5, 16)
+    assert np.all(err <= step * (half + 2 ** -9 * steps) + 1e-6)
 
 
 def test_nbytes_is_bits_plus_scales():

@@ -143,6 +143,9 @@ def test_logits_close_to_float_model(model_dir):
 def test_bad_quantization_name_is_a_clear_error(model_dir):
     with pytest.raises(ValueError, match="Unknown quantization 'int3'"):
         engine(model_dir, quantization="int3")
+    # GGUF IQ4's levels are read from files, not made at load
+    with pytest.raises(ValueError, match="not offered for quantizing at load"):
+        engine(model_dir, quantization="int4-nl")
 
 
 def run_mpi(n, model_dir, quantization, timeout=300, head="auto", prefill=None, prompt=PROMPT):

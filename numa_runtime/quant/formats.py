@@ -12,6 +12,11 @@ output row, with one f16 scale s per group and, for asymmetric formats, one f16 
 | "sym"  | 5    | 0..31     | q * s - 16 s              | GGUF Q5_0                        |
 | "min"  | 5    | 0..31     | q * s + m                 | GGUF Q5_1, Q5_K                  |
 | "sym"  | 6    | 0..63     | q * s - 32 s (groups 16)  | GGUF Q6_K                        |
+| "nl"   | 4    | 0..15     | NL[q] * s                 | GGUF IQ4_NL, IQ4_XS              |
+
+"nl": the 4-bit code indexes IQ4_NL's 16 non-linear int8 levels (NL_VALUES; llama.cpp's table,
+denser near zero), w = NL[q] s, exact in f32 like the others; the kernels look the level up
+from the nibble in a register (one byte shuffle per 64 codes).
 
 With `ks` (k per super-block, 256: GGUF's K-quants) a group's scale is an int8 multiple sc of an
 f16 scale d of its super-block, s = d sc, and a "min" group's offset is -dmin m (m int8): the
@@ -37,7 +42,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-KINDS = ("sym", "zero", "min")
+KINDS = ("sym", "zero", "min", "nl")
+# IQ4_NL's levels (GGUF IQ4_NL and IQ4_XS): code q stands for NL_VALUES[q] times the scale
+NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 GROUP_SIZES = (32, 64, 128)
 BITS = (4, 5, 6, 8)
 # k per packed unit (packing.py): one 64-byte row of lanes for int4/int8; for int5/int6 a plane
@@ -77,6 +84,8 @@ class QuantFormat:
             raise QuantError(f"Quantization kind must be one of {KINDS}, not {self.kind!r}.")
         if self.bits == 8 and self.kind != "sym":
             raise QuantError("int8 weights are symmetric only (kind='sym').")
+        if self.kind == "nl" and self.bits != 4:
+            raise QuantError("Non-linear levels (kind='nl', GGUF IQ4) are 4-bit codes only.")
         if self.bits in (4, 6) and self.group_size == 16:
             pass  # the 16-element sub-blocks of GGUF's Q6_K, Q3_K and Q2_K
         elif self.group_size not in GROUP_SIZES + (-1,):
@@ -84,11 +93,16 @@ class QuantFormat:
                              f"int8), not {self.group_size}.")
         if self.ks and (self.ks != 256 or self.bits == 8 or self.kind == "zero"
                         or self.group_size < 0 or self.ks % self.group_size):
-            raise QuantError(f"Super-block scales (ks={self.ks}) are for int4/5/6 'sym' or 'min' "
-                             f"groups that divide 256.")
+            raise QuantError(f"Super-block scales (ks={self.ks}) are for int4/5/6 'sym', 'min' or "
+                             f"'nl' groups that divide 256.")
         if self.group_size == -1 and self.bits != 8:
             raise QuantError(f"int{self.bits} weights need groups of 32, 64 or 128 (per-row is "
                              f"for int8 only).")
+
+    @property
+    def has_offsets(self) -> bool:
+        """Whether groups carry a second value besides the scale (zero point or min)."""
+        return self.kind in ("zero", "min")
 
     @property
     def pack_k(self) -> int:
@@ -103,7 +117,7 @@ class QuantFormat:
     @property
     def super_bytes(self) -> int:
         """Bytes of one super-block's f16 scales (d, and dmin for "min") for 16 columns."""
-        return 0 if not self.ks else (32 if self.kind == "sym" else 64)
+        return 0 if not self.ks else (64 if self.has_offsets else 32)
 
     def padded_k(self, k: int) -> int:
         """K as stored: per-row int8 pads K to 4 with zero weights; grouped formats need whole
@@ -137,6 +151,9 @@ class QuantFormat:
                 group, fit = int(p[1:]), False
             elif p == "channel":
                 group, fit = -1, False
+            elif p == "nl":
+                raise QuantError("Non-linear levels (nl) are GGUF IQ4's format, read from the file; "
+                                 "they are not offered for quantizing at load.")
             elif p in KINDS:
                 kind = p
             else:
@@ -182,11 +199,11 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     f, k = parts[0].fmt, parts[0].in_features
     if any(p.fmt != f or p.in_features != k for p in parts):
         raise QuantError("Cannot fuse quantized weights of different formats or input sizes.")
-    off = None if f.kind == "sym" else np.concatenate([p.offsets for p in parts])
+    off = np.concatenate([p.offsets for p in parts]) if f.has_offsets else None
     sup = None
     if f.ks:
         sup = (np.concatenate([p.supers[0] for p in parts]),
-               None if f.kind == "sym" else np.concatenate([p.supers[1] for p in parts]))
+               np.concatenate([p.supers[1] for p in parts]) if f.has_offsets else None)
     return QuantizedWeight(f, np.concatenate([p.q for p in parts]),
                            np.concatenate([p.scales for p in parts]), off, k, sup)
 
@@ -204,7 +221,7 @@ def to_f16_scales(s: np.ndarray) -> np.ndarray:
 def offset_term(fmt: QuantFormat, scales: np.ndarray, offsets: np.ndarray | None) -> np.ndarray:
     """c per group, in f32 (exact): w = q * s + c."""
     s = scales.astype(np.float32)
-    if fmt.bits == 8:
+    if fmt.bits == 8 or fmt.kind == "nl":
         return np.zeros_like(s)
     if fmt.kind == "sym":
         return s * np.float32(-(1 << (fmt.bits - 1)))
@@ -214,10 +231,12 @@ def offset_term(fmt: QuantFormat, scales: np.ndarray, offsets: np.ndarray | None
 
 def super_terms(qw: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
     """(s, c) per group [N, ng] f32 of a weight with super-block scales: s = d sc, c = -half s
-    ("sym") or -dmin m ("min"); each an f16 times an int8, exact in f32."""
+    ("sym"), 0 ("nl") or -dmin m ("min"); each an f16 times an int8, exact in f32."""
     gps = qw.fmt.ks // qw.group
     d = np.repeat(qw.supers[0].astype(np.float32), gps, axis=1)
     s = d * qw.scales.astype(np.float32)
+    if qw.fmt.kind == "nl":
+        return s, np.zeros_like(s)
     if qw.fmt.kind == "sym":
         return s, s * np.float32(-(1 << (qw.fmt.bits - 1)))
     dmin = np.repeat(qw.supers[1].astype(np.float32), gps, axis=1)
@@ -234,7 +253,8 @@ def dequantize(qw: QuantizedWeight) -> np.ndarray:
     else:
         s = qw.scales.astype(np.float32)[:, :, None]                    # [N, ng, 1]
         c = offset_term(qw.fmt, qw.scales, qw.offsets)[:, :, None]      # [N, ng, 1]
-    q = qw.q.reshape(n, kp // g, g).astype(np.float32)                  # [N, ng, G]
+    q = qw.q.reshape(n, kp // g, g)
+    q = (NL_VALUES[q] if qw.fmt.kind == "nl" else q).astype(np.float32)  # [N, ng, G]
     w = q * s + c
     return np.ascontiguousarray(w.reshape(n, kp)[:, :qw.in_features])
 
@@ -252,6 +272,9 @@ def quantize(w: np.ndarray, fmt: QuantFormat) -> QuantizedWeight:
     half = 1 << (fmt.bits - 1)
     if fmt.ks:
         return _quantize_super(wg, fmt, k)
+    if fmt.kind == "nl":
+        s = to_f16_scales(np.abs(wg).max(axis=2) / 127.0)
+        return QuantizedWeight(fmt, _nearest_level(wg * _inverse(s)).reshape(n, kp), s, None, k)
     if fmt.kind == "sym":
         qmax = 127.0 if fmt.bits == 8 else float(half - 1)
         s = to_f16_scales(np.abs(wg).max(axis=2) / qmax)
@@ -289,9 +312,9 @@ def _quantize_super(wg: np.ndarray, fmt: QuantFormat, k: int) -> QuantizedWeight
     of one f16 value per super-block, then the weights rounded against s = d sc."""
     n, ng, g = wg.shape
     gps, top = fmt.ks // g, float(fmt.qmax)
-    if fmt.kind == "sym":
+    if fmt.kind in ("sym", "nl"):
         half = 1 << (fmt.bits - 1)
-        d, sc = _int8_multiples(np.abs(wg).max(axis=2) / (half - 1), gps)
+        d, sc = _int8_multiples(np.abs(wg).max(axis=2) / (127.0 if fmt.kind == "nl" else half - 1), gps)
         qw = QuantizedWeight(fmt, np.zeros((n, ng * g), np.uint8), sc, None, k, (d, None))
     else:
         mn, mx = wg.min(axis=2), wg.max(axis=2)
@@ -301,8 +324,17 @@ def _quantize_super(wg: np.ndarray, fmt: QuantFormat, k: int) -> QuantizedWeight
     s, c = super_terms(qw)
     with np.errstate(divide="ignore"):
         inv = np.where(s > 0, 1.0 / np.where(s > 0, s, 1.0), 0.0).astype(np.float32)[..., None]
+    if fmt.kind == "nl":
+        qw.q = _nearest_level(wg * inv).reshape(n, ng * g)
+        return qw
     qw.q = np.clip(np.rint((wg - c[..., None]) * inv), 0, top).astype(np.uint8).reshape(n, ng * g)
     return qw
+
+
+def _nearest_level(v: np.ndarray) -> np.ndarray:
+    """The code of the NL level nearest each v (v in level units), uint8."""
+    mid = (NL_VALUES[1:].astype(np.float32) + NL_VALUES[:-1]) / 2
+    return np.searchsorted(mid, v).astype(np.uint8)
 
 
 def _inverse(s16: np.ndarray) -> np.ndarray:

@@ -38,9 +38,6 @@ def qlinear(ops, qw: QuantizedWeight, bias: np.ndarray | None = None, bf16: bool
     return lin
 
 
-# what a bf16 engine makes of GGUF tensors it would otherwise hold dense (IQ4_NL, IQ4_XS)
-GGUF_DENSE_QUANT = QuantFormat(8, 32, "sym")
-
 # NOTE: vocabulary rows of a dense lm_head quantized at a time (the f32 copy of one chunk is
 # what a rank holds unquantized: 16384 x 896 x 4 B = 59 MB for Qwen2.5-0.5B, not 545 MB)
 HEAD_CHUNK = 16384
@@ -112,12 +109,6 @@ class LinearFactory:
             qw = native(name, rows, cols)
             if qw is not None:
                 return qw
-            # NOTE: a GGUF tensor that has no format here (IQ4_NL, IQ4_XS) would be held dense:
-            # a bf16 engine, which would round it to bf16 (8 significant bits) anyway, takes it as
-            # int8 groups of 32 (error within half a step of 1/127 of each group's largest weight),
-            # half the bytes; an f32 engine keeps it exact
-            if self.bf16 and quant is None and getattr(self.ckpt, "dequantizes", lambda _: False)(name):
-                quant = GGUF_DENSE_QUANT
         if quant is None:
             return self.ckpt.load(name, self.dtype, rows=rows, cols=cols)
         w = self.ckpt.load(name, "float32", rows=rows, cols=cols)            # [n, k] this slice
@@ -179,23 +170,15 @@ def head_quantization(name: str | None, quantization: str | None, ckpt=None) -> 
     """EngineConfig.lm_head_quantization -> the format a dense lm_head is quantized to at load
     (None: as stored). "auto": the int8 default (HEAD_DEFAULT) when the decoder linears are
     quantized at load from a dense checkpoint (like llama.cpp, which keeps the output matrix at
-    >= 6 bits), or when a GGUF stores its head in a type we would hold dense (IQ4), else as
-    stored: a file that brings its own quantization (GGUF Q8_0/Q4_x/Q5_x, K-quants, AWQ, GPTQ) keeps its
-    lm_head. An explicit int8 format quantizes any dense lm_head."""
+    >= 6 bits), else as stored: a file that brings its own quantization (GGUF Q8_0/Q4_x/Q5_x,
+    K-quants, IQ4, AWQ, GPTQ) keeps its lm_head. An explicit int8 format quantizes any dense
+    lm_head."""
     if name in (None, "", "none"):
         return None
     if name == "auto":
         dense = ckpt is None or getattr(ckpt, "quantized", None) is None
         if quantization not in (None, "", "none") and dense:
             return QuantFormat.parse(HEAD_DEFAULT)
-        # NOTE: a GGUF head in a type we hold dense (IQ4; Q6_K was, before int6: a
-        # Llama-3.2-1B Q4_0 decode step read 525 of its 1070 MB there): int8, as a dense head
-        # quantized at load
-        dequantizes = getattr(ckpt, "dequantizes", None)
-        if dequantizes is not None:
-            head = "lm_head.weight" if "lm_head.weight" in ckpt else "model.embed_tokens.weight"
-            if head in ckpt and dequantizes(head):
-                return QuantFormat.parse(HEAD_DEFAULT)
         return None
     try:
         fmt = QuantFormat.parse(name) if isinstance(name, str) else None

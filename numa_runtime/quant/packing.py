@@ -4,7 +4,7 @@ back in numpy.
 W [N, Kp] is cut into blocks of NB = 16 output columns (N padded with zero rows). A block is one
 contiguous byte stream of its groups, each group:
     scales   f16 [16]
-    offsets  f16 [16]           (zero points or mins; absent for "sym")
+    offsets  f16 [16]           (zero points or mins; absent for "sym" and "nl")
     rows     [G / pack_k][16]   32-bit lanes: lane j = column j at pack_k consecutive k
              (int4: nibble i at bits 4i..4i+3, unsigned; int8: byte i, signed)
 Every 64-byte row is one cache line of 16 columns; the stream holds the scales next to the
@@ -27,7 +27,7 @@ import numpy as np
 from .formats import QuantFormat, QuantizedWeight
 
 NB = 16
-KINDS = {"sym": 0, "zero": 1, "min": 2}
+KINDS = {"sym": 0, "zero": 1, "min": 2, "nl": 3}
 
 
 def unit_bytes(fmt: QuantFormat) -> int:
@@ -37,7 +37,7 @@ def unit_bytes(fmt: QuantFormat) -> int:
 
 def meta_bytes(fmt: QuantFormat) -> int:
     """Bytes of a group's scales (and offsets) for 16 columns: f16, or int8 with fmt.ks."""
-    return (16 if fmt.ks else 32) * (1 if fmt.kind == "sym" else 2)
+    return (16 if fmt.ks else 32) * (2 if fmt.has_offsets else 1)
 
 
 def group_bytes(fmt: QuantFormat, group: int) -> int:
@@ -89,7 +89,7 @@ def pack(qw: QuantizedWeight) -> np.ndarray:
     q = np.pad(qw.q, ((0, pad), (0, 0)))
     gb, mb = group_bytes(fmt, g), meta_bytes(fmt)
     out = np.empty((nb, ng, gb), np.uint8)
-    meta = [qw.scales] + ([] if fmt.kind == "sym" else [qw.offsets])
+    meta = [qw.scales] + ([qw.offsets] if fmt.has_offsets else [])
     dt, w = (np.int8, 16) if fmt.ks else (np.float16, 32)
     for i, m in enumerate(meta):
         m16 = np.pad(np.asarray(m, dt), ((0, pad), (0, 0)))              # [Np, ng]
@@ -129,7 +129,7 @@ def unpack(packed: np.ndarray, fmt: QuantFormat, n: int, k: int) -> QuantizedWei
     """Inverse of `pack`: the reference reads the kernels' bytes back into logical form."""
     kp, g, pk = fmt.padded_k(k), fmt.group_of(k), fmt.pack_k
     nb, ng = -(-n // NB), kp // g
-    nm = 1 if fmt.kind == "sym" else 2
+    nm = 2 if fmt.has_offsets else 1
     sup = None
     if fmt.ks:
         ns = kp // fmt.ks
