@@ -43,7 +43,7 @@ from bench.common import CACHE, build_once, write_report  # noqa: E402
 from bench import common  # noqa: E402
 
 QUANT_TYPES = {"bf16": None, "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M",
-               "q6_k": "Q6_K", "q3_k_m": "Q3_K_M", "q2_k": "Q2_K", "iq4_xs": "IQ4_XS"}
+               "q6_k": "Q6_K", "q3_k_m": "Q3_K_M", "q2_k": "Q2_K", "iq4_xs": "IQ4_XS", "iq4_nl": "IQ4_NL"}
 AT_LOAD = {"int8": "q8_0", "int4": "q4_0"}  # ours quantized at load -> the llama.cpp row it faces
 LONG_CONTEXT = 32768
 # --op-by-op: our quantized rows again with decode steps run op by op (models/llama.py)
@@ -380,7 +380,7 @@ def main(argv=None) -> None:
                          "left out: our half only")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--types", nargs="+", default=["bf16", "q8_0", "q4_0"], choices=list(QUANT_TYPES),
-                    help="GGUF types to compare (q2_k, q3_k_m, q4_k_m, q5_k_m, q6_k, iq4_xs: llama-quantize's mixes)")
+                    help="GGUF types to compare (q2_k, q3_k_m, q4_k_m, q5_k_m, q6_k, iq4_xs, iq4_nl: llama-quantize's mixes)")
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
