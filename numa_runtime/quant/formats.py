@@ -143,7 +143,7 @@ class QuantFormat:
         base = {"int8": cls(8, 128, "sym"), "int4": cls(4, 32, "min")}.get(parts[0])
         if base is None:
             raise QuantError(f"Unknown quantization {name!r}; use 'int8' or 'int4' "
-                             f"(optionally -g32/-g64/-g128, -channel, -sym/-zero/-min).")
+                             f"(optionally -g32/-g64/-g128, -g16 for int4, -channel, -sym/-zero/-min).")
         bits, group, kind = base.bits, base.group_size, base.kind
         fit = True
         for p in parts[1:]:
