@@ -276,7 +276,7 @@ cdef class QLinear:
         if bits not in (4, 5, 6, 8) or kind not in _KINDS or (bits == 8 and kind != "sym") or (kind == "nl" and bits != 4):
             raise ValueError("QLinear: unsupported format bits=%d kind=%r" % (bits, kind))
         if ks and (ks != 256 or bits == 8 or kind == "zero" or ks % group or in_features % ks):
-            raise ValueError("QLinear: super-block scales (ks=%d) need int4/5/6 sym or min groups "
+            raise ValueError("QLinear: super-block scales (ks=%d) need int4/5/6 sym, min or nl groups "
                              "dividing 256 and in_features a multiple of 256" % ks)
         pk = {4: 8, 8: 4, 5: 32, 6: 16}[bits]  # k per packed unit (qg_pack_k)
         kp = (in_features + pk - 1) // pk * pk  # NOTE: C division (cdivision)

@@ -166,7 +166,7 @@ QG_INLINE QG_TAMX void qg_amx_block(const uint8_t* blk, const qg_format* f, cons
     const long ng = q->ng, nb = q->nb, kp = q->kp, nbk = ng * nbg;
     const int has_c = bits == 4 && qg_has_c(f), sym = f->kind == QG_SYM, nl = f->kind == QG_NL;
     const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F), eight = _mm512_set1_epi8(8);
-    const __m512i nls = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)qg_nl_levels));
+    const __m512i nls = QG_NL_S512();
     const int8_t* xa = q->xq + i * QG_MR_AMX * kp;
     const float* st = T->st + i * nb * QG_MR_AMX;
     const float* xst = T->xst + i * ng * QG_MR_AMX;

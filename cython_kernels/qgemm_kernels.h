@@ -38,6 +38,9 @@ enum { QG_SYM = 0, QG_ZERO = 1, QG_MIN = 2, QG_NL = 3 };
  * look them up in registers: a byte shuffle (int8 dot products) or a float permute. */
 static const int8_t qg_nl_levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                         1, 13, 25, 38, 53, 69, 89, 113};
+/* The levels as int8 in each 128-bit lane, for byte shuffles (inside AVX-512 / AVX2 code). */
+#define QG_NL_S512() _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)qg_nl_levels))
+#define QG_NL_S256() _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)qg_nl_levels))
 
 typedef struct {
     int bits;     /* 4, 5, 6 or 8 */
@@ -59,10 +62,10 @@ static inline long qg_unit_bytes(const qg_format* f) {
 /* The row-tile kernels (qgemm_q8tile.h) read every layout; AMX-INT8 (qgemm_amx.h, qg_amx_fits)
  * int4/int8 rows only. */
 static inline int qg_tileable(const qg_format* f) { (void)f; return 1; }
-/* A group's meta for 16 columns: f16 scales [+ f16 offsets], or with ks int8 sub-scales
- * [+ int8 mins]; with ks each block's stream starts with its super-blocks' f16 d [+ f16 dmin]. */
 /* Whether groups carry a zero point or min (w = q s + c with c their own). */
 static inline int qg_has_c(const qg_format* f) { return f->kind == QG_ZERO || f->kind == QG_MIN; }
+/* A group's meta for 16 columns: f16 scales [+ f16 offsets], or with ks int8 sub-scales
+ * [+ int8 mins]; with ks each block's stream starts with its super-blocks' f16 d [+ f16 dmin]. */
 static inline long qg_meta_bytes(const qg_format* f) {
     return (f->ks ? 16 : 32) * (qg_has_c(f) ? 2 : 1);
 }

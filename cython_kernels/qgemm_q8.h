@@ -52,10 +52,6 @@ static inline int qg_q8_off_vnni(const qg_format* f) {
     return f->bits == 8 || f->kind == QG_NL ? 128 : (f->kind == QG_SYM ? 1 << (f->bits - 1) : 0);
 }
 
-/* The NL levels for byte shuffles, in each 128-bit lane: as int8, or + 128 (unsigned, VNNI). */
-#define QG_NL_S512() _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)qg_nl_levels))
-#define QG_NL_S256() _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)qg_nl_levels))
-
 /* One full block of n = QG_QB = 32 k, or of 16 (int6 groups of 16, GGUF Q6_K: the last two
  * vectors read as zeros): the scalar rule of qg_quantize_block in AVX2 (the build's floor).
  * cvtps rounds to nearest even, as nearbyintf does in the default rounding mode, and

@@ -27,7 +27,6 @@ import numpy as np
 from .formats import QuantFormat, QuantizedWeight
 
 NB = 16
-KINDS = {"sym": 0, "zero": 1, "min": 2, "nl": 3}
 
 
 def unit_bytes(fmt: QuantFormat) -> int:
