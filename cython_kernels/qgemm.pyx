@@ -253,7 +253,7 @@ def _force_cpu_level(int level):
 cdef class QLinear:
     """y = x @ W.T + b, the contract of numa_runtime.backend.reference.Linear, for a quantized W.
 
-    packed: uint8 stream from numa_runtime.quant.packing.pack; bits 4|5|6|8; kind 'sym'|'zero'|'min'|'nl' (int4);
+    packed: uint8 stream from numa_runtime.quant.packing.pack; bits 2|3|4|5|6|8; kind 'sym'|'zero'|'min'|'nl' (int4);
     group: k per group (the padded in_features for per-row int8); bias None or f32 [N]; ks: k per
     super-block of int8 sub-scales (GGUF K-quants: 256), 0 for f16 group scales.
     `nbytes` is the packed weight memory held (the only copy).
@@ -273,12 +273,12 @@ cdef class QLinear:
 
     def __init__(self, packed, int bits, str kind, int group, int in_features, int out_features,
                  bias=None, int ks=0):
-        if bits not in (4, 5, 6, 8) or kind not in _KINDS or (bits == 8 and kind != "sym") or (kind == "nl" and bits != 4):
+        if bits not in (2, 3, 4, 5, 6, 8) or kind not in _KINDS or (bits == 8 and kind != "sym") or (kind == "nl" and bits != 4):
             raise ValueError("QLinear: unsupported format bits=%d kind=%r" % (bits, kind))
         if ks and (ks != 256 or bits == 8 or kind == "zero" or ks % group or in_features % ks):
-            raise ValueError("QLinear: super-block scales (ks=%d) need int4/5/6 sym, min or nl groups "
+            raise ValueError("QLinear: super-block scales (ks=%d) need int2-6 sym, min or nl groups "
                              "dividing 256 and in_features a multiple of 256" % ks)
-        pk = {4: 8, 8: 4, 5: 32, 6: 16}[bits]  # k per packed unit (qg_pack_k)
+        pk = {2: 16, 3: 16, 4: 8, 8: 4, 5: 32, 6: 16}[bits]  # k per packed unit (qg_pack_k)
         kp = (in_features + pk - 1) // pk * pk  # NOTE: C division (cdivision)
         if group < pk or group % pk or kp % group or out_features < 1:
             raise ValueError("QLinear: group %d does not tile in_features %d" % (group, in_features))

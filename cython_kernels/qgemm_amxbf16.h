@@ -273,6 +273,10 @@ static QG_TAB16 void qg_amxbf16_forward(const uint8_t* w, const qg_format* f, co
                         uint16_t* d = bt + (cb - ca) * tstride + j * 512;
                         if (b >= nblk)
                             for (long s = 0; s < steps; s++) memset(d + s * 1024, 0, 1024);
+                        else if (f->bits == 2)
+                            qg_ab_dequant(w + b * bb, f, k0, k1, d, 2);
+                        else if (f->bits == 3)
+                            qg_ab_dequant(w + b * bb, f, k0, k1, d, 3);
                         else if (f->bits == 4)
                             qg_ab_dequant(w + b * bb, f, k0, k1, d, 4);
                         else if (f->bits == 5)

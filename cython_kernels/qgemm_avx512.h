@@ -59,11 +59,28 @@ QG_INLINE QG_T512 __m512 qg_q_avx512(__m512i v, int bits, int i, __m512 lut) {
     return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * i), 24));
 }
 
-/* int5/int6: nibble row n (rr-th of its unit) with the high bits of plane p merged in, as the
+/* int2/3/5/6: nibble row rr of the unit at `unit` (p: its first 64 bytes, already loaded) as the
  * int4 path's two byte vectors: byte b of lane j of lo / hi is column j's code at unit-local
- * k = 8 rr + 2 b / 8 rr + 2 b + 1 (packing.py's plane layout). The decode kernels, the row tiles
+ * k = 8 rr + 2 b / 8 rr + 2 b + 1 (packing.py's layouts). int5/int6: the low nibbles of nibble
+ * row rr with the high bits of plane p merged in; int2: p's crumbs; int3: p's crumbs with the
+ * third bits of words 2 rr and 2 rr + 1 added as byte masks. The decode kernels, the row tiles
  * and the dequantization all merge here. */
-QG_INLINE QG_T512 void qg_hb_merge512(__m512i p, __m512i n, int bits, int rr, __m512i* lo, __m512i* hi) {
+QG_INLINE QG_T512 void qg_hb_merge512(const uint8_t* unit, __m512i p, int bits, int rr, __m512i* lo,
+                                      __m512i* hi) {
+    if (bits == 2 || bits == 3) {
+        const __m512i m2 = _mm512_set1_epi32(0x03030303);
+        *lo = _mm512_and_si512(QG_SHV512(p, -4 * rr), m2);
+        *hi = _mm512_and_si512(QG_SHV512(p, -4 * rr - 2), m2);
+        if (bits == 3) {
+            uint64_t w[2];
+            memcpy(w, unit + 64 + 16 * rr, 16);
+            const __m512i four = _mm512_set1_epi8(4);
+            *lo = _mm512_mask_add_epi8(*lo, _cvtu64_mask64(w[0]), *lo, four);
+            *hi = _mm512_mask_add_epi8(*hi, _cvtu64_mask64(w[1]), *hi, four);
+        }
+        return;
+    }
+    const __m512i n = _mm512_loadu_si512((const void*)(unit + 64 + 64 * rr));
     const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F);
     const __m512i hm = _mm512_set1_epi32(bits == 5 ? 0x10101010 : 0x30303030);
     const int se = bits == 5 ? 4 - 2 * rr : 4 - 4 * rr, so = se - (bits - 4);
@@ -78,16 +95,15 @@ QG_INLINE QG_T512 __m512 qg_hb_code512(__m512i lo, __m512i hi, int j) {
                                                _mm512_set1_epi32(0xFF)));
 }
 
-/* One step of pk = 8 (int4/5/6) or 4 (int8) k at group-local k kl of a group's rows (after its
- * meta): v holds the int4/int8 row, or lo and hi the merged int5/int6 codes (v = lo). */
+/* One step of pk = 8 (int2-6) or 4 (int8) k at group-local k kl of a group's rows (after its
+ * meta): v holds the int4/int8 row, or lo and hi the merged int2/3/5/6 codes (v = lo). */
 QG_INLINE QG_T512 void qg_step512(const uint8_t* rows, const qg_format* f, long kl, const int bits,
                                   __m512i* v, __m512i* hi) {
-    if (bits == 5 || bits == 6) {
-        const long uk = qg_pack_k(f);
-        const uint8_t* unit = rows + kl / uk * qg_unit_bytes(f);
+    if (bits != 4 && bits != 8) {
+        const long uk = qg_pk_of(bits);
+        const uint8_t* unit = rows + kl / uk * qg_ub_of(bits);
         const int rr = (int)(kl % uk) / 8;
-        qg_hb_merge512(_mm512_loadu_si512((const void*)unit),
-                       _mm512_loadu_si512((const void*)(unit + 64 + 64 * rr)), bits, rr, v, hi);
+        qg_hb_merge512(unit, _mm512_loadu_si512((const void*)unit), bits, rr, v, hi);
     } else {
         *v = *hi = _mm512_loadu_si512((const void*)(rows + kl / (bits == 4 ? 8 : 4) * 64));
     }
@@ -95,7 +111,7 @@ QG_INLINE QG_T512 void qg_step512(const uint8_t* rows, const qg_format* f, long 
 
 /* The code of step k's i-th k (qg_step512's vectors), as f32 (int4: through lut). */
 QG_INLINE QG_T512 __m512 qg_code512(__m512i v, __m512i hi, const int bits, int i, __m512 lut) {
-    return bits == 5 || bits == 6 ? qg_hb_code512(v, hi, i) : qg_q_avx512(v, bits, i, lut);
+    return bits != 4 && bits != 8 ? qg_hb_code512(v, hi, i) : qg_q_avx512(v, bits, i, lut);
 }
 
 /* k0, k1: multiples of the step (8 k, 4 for int8). */
@@ -125,6 +141,8 @@ QG_INLINE QG_T512 void qg_dequant_avx512_b(const uint8_t* blk, const qg_format* 
 static QG_T512 void qg_dequant_avx512(const uint8_t* blk, const qg_format* f, long k0, long k1,
                                       float* t) {
     switch (f->bits) {
+        case 2: qg_dequant_avx512_b(blk, f, k0, k1, t, 2); break;
+        case 3: qg_dequant_avx512_b(blk, f, k0, k1, t, 3); break;
         case 4: qg_dequant_avx512_b(blk, f, k0, k1, t, 4); break;
         case 5: qg_dequant_avx512_b(blk, f, k0, k1, t, 5); break;
         case 6: qg_dequant_avx512_b(blk, f, k0, k1, t, 6); break;

@@ -1,26 +1,64 @@
-/* int5/int6 weights (GGUF Q5_0, Q5_1, Q5_K, Q6_K kept at their own widths) on the f32 paths.
+/* int2/3/5/6 weights (GGUF Q2_K, Q3_K, Q5_0, Q5_1, Q5_K, Q6_K kept at their own widths) on the
+ * AVX2 paths.
  *
- * A unit of U = 32 (int5) or 16 (int6) k of a 16-column block is a plane row of high bits and
- * U / 8 int4 rows of low nibbles (qgemm_kernels.h, numa_runtime/quant/packing.py). The decode
- * kernels (qgemm_q8.h) and the VNNI row tiles (qgemm_q8tile.h) merge the high bits into the int4
- * path's nibble bytes; the f32 tile path, the bf16 panels and the AMX-BF16 tiles dequantize
- * through the per-k code below. AMX-INT8 tiles do not read this layout (qg_amx_fits): decode
- * batches of int5/int6 take the row tiles where AMX is present too.
+ * A unit of U = 32 (int5) or 16 (int2/3/6) k of a 16-column block is a plane row of high bits and
+ * U / 8 int4 rows of low nibbles (int5/int6), or a row of 2-bit crumbs and for int3 four 64-bit
+ * words of third bits (qgemm_kernels.h, numa_runtime/quant/packing.py). The kernels merge a unit
+ * into the int4 path's nibble bytes (qg_hb_merge256 here, qg_hb_merge512 on AVX-512): the decode
+ * kernels (qgemm_q8.h) and the VNNI row tiles (qgemm_q8tile.h) take those bytes into their
+ * integer dot products, the f32 tile path, the bf16 panels and the AMX-BF16 tiles dequantize
+ * them per k. AMX-INT8 tiles do not read these layouts (qg_amx_fits): decode batches of them take
+ * the row tiles where AMX is present too.
  */
 #ifndef NUMA_RUNTIME_QGEMM_HB_H
 #define NUMA_RUNTIME_QGEMM_HB_H
 
-/* Codes (0..31 or 0..63) of columns 8h..8h+7 at unit-local k = i, as int32 lanes. */
+#define QG_SHV256_(P, s) ((s) >= 0 ? _mm256_sll_epi32(P, _mm_cvtsi32_si128(s)) \
+                                   : _mm256_srl_epi32(P, _mm_cvtsi32_si128(-(s))))
+
+/* 32 bits m as 32 bytes: byte i is 0xFF where bit i of m is set, else 0. */
+QG_INLINE __m256i qg_bits_bytes256(uint32_t m) {
+    const __m256i sel = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)m), sel);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
+
+/* Column half h (lanes 8h..8h+7) of qg_hb_merge512: nibble row rr of the unit at `unit` as two
+ * byte vectors (lo: unit-local k = 8 rr + 2 b, hi: + 1); p: the unit's first 64 bytes' half h. */
+QG_INLINE void qg_hb_merge256(const uint8_t* unit, __m256i p, int bits, int rr, int h, __m256i* lo,
+                              __m256i* hi) {
+    if (bits == 2 || bits == 3) {
+        const __m256i m2 = _mm256_set1_epi32(0x03030303);
+        *lo = _mm256_and_si256(QG_SHV256_(p, -4 * rr), m2);
+        *hi = _mm256_and_si256(QG_SHV256_(p, -4 * rr - 2), m2);
+        if (bits == 3) {
+            uint32_t w0, w1;  /* words 2 rr and 2 rr + 1, the bits of lanes 8h..8h+7 */
+            memcpy(&w0, unit + 64 + 16 * rr + 4 * h, 4);
+            memcpy(&w1, unit + 64 + 16 * rr + 8 + 4 * h, 4);
+            const __m256i four = _mm256_set1_epi8(4);
+            *lo = _mm256_or_si256(*lo, _mm256_and_si256(qg_bits_bytes256(w0), four));
+            *hi = _mm256_or_si256(*hi, _mm256_and_si256(qg_bits_bytes256(w1), four));
+        }
+        return;
+    }
+    const __m256i n = _mm256_loadu_si256((const __m256i*)(unit + 64 + 64 * rr + 32 * h));
+    const __m256i m4 = _mm256_set1_epi32(0x0F0F0F0F);
+    const __m256i hm = _mm256_set1_epi32(bits == 5 ? 0x10101010 : 0x30303030);
+    const int se = bits == 5 ? 4 - 2 * rr : 4 - 4 * rr, so = se - (bits - 4);
+    *lo = _mm256_or_si256(_mm256_and_si256(n, m4), _mm256_and_si256(QG_SHV256_(p, se), hm));
+    *hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(n, 4), m4),
+                          _mm256_and_si256(QG_SHV256_(p, so), hm));
+}
+
+/* Codes of columns 8h..8h+7 at unit-local k = i, as int32 lanes. */
 QG_INLINE __m256i qg_hb_code_avx2(const uint8_t* unit, int bits, int i, int h) {
-    const int r = i >> 3, j = i & 7, b = j >> 1, e = j & 1;
-    const int sh = 8 * b + (bits - 4) * (2 * r + e);
-    const __m256i n = _mm256_loadu_si256((const __m256i*)(unit + 64 + 64 * r + 32 * h));
-    const __m256i p = _mm256_loadu_si256((const __m256i*)(unit + 32 * h));
-    const __m256i lo = _mm256_and_si256(_mm256_srl_epi32(n, _mm_cvtsi32_si128(4 * j)),
-                                        _mm256_set1_epi32(0xF));
-    const __m256i hb = _mm256_and_si256(_mm256_srl_epi32(p, _mm_cvtsi32_si128(sh)),
-                                        _mm256_set1_epi32((1 << (bits - 4)) - 1));
-    return _mm256_or_si256(lo, _mm256_slli_epi32(hb, 4));
+    const int j = i & 7;
+    __m256i lo, hi;
+    qg_hb_merge256(unit, _mm256_loadu_si256((const __m256i*)(unit + 32 * h)), bits, i >> 3, h, &lo, &hi);
+    return _mm256_and_si256(_mm256_srl_epi32((j & 1) ? hi : lo, _mm_cvtsi32_si128(8 * (j >> 1))),
+                            _mm256_set1_epi32(0xFF));
 }
 
 /* tile[(k - k0) * 16 + j] = w[j, k], k0 <= k < k1 (the qg_dequant_fn contract). */

@@ -8,7 +8,10 @@
  *   int8 row: 16 int32 lanes; lane j holds column j at k = 4r..4r+3, byte i = k 4r+i, signed;
  *   int5/int6 unit of U = 32/16 k (GGUF Q5_x/Q6_K): a plane row (lane j: the high bits of
  *             column j's U codes, unit-local k = 8r + 2b + e at bit 8b + (bits - 4)(2r + e))
- *             and U / 8 int4 rows of the low nibbles (packing.py).
+ *             and U / 8 int4 rows of the low nibbles (packing.py);
+ *   int2/int3 unit of U = 16 k (GGUF Q2_K/Q3_K): a crumb row (lane j: the low 2 bits of column
+ *             j's 16 codes, k = 8r + 2b + e at bit 8b + 2(2r + e)), and for int3 four 64-bit
+ *             words of third bits (word 2r + e: bit 4j + b), one per byte vector of the int4 path.
  * Dequantized weight w = q * s + c, in f32 and exact (an f16 scale times a <= 8-bit integer
  * needs at most 19 significant bits):
  *   int8 symmetric: c = 0;  int4/5/6 symmetric: c = -8 s / -16 s / -32 s;  zero point z:
@@ -43,7 +46,7 @@ static const int8_t qg_nl_levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10
 #define QG_NL_S256() _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)qg_nl_levels))
 
 typedef struct {
-    int bits;     /* 4, 5, 6 or 8 */
+    int bits;     /* 2, 3, 4, 5, 6 or 8 */
     int kind;     /* QG_SYM, QG_ZERO, QG_MIN, QG_NL */
     long group;   /* k per group (divides kp) */
     long kp;      /* padded K (multiple of 8 for int4, 4 for int8) */
@@ -51,14 +54,16 @@ typedef struct {
     long ks;      /* k per super-block of int8 sub-scales (GGUF K-quants: 256), 0: f16 scales */
 } qg_format;
 
-/* k per packed unit (a row for int4/int8) and the unit's bytes */
-static inline long qg_pack_k(const qg_format* f) {
-    return f->bits == 4 ? 8 : f->bits == 8 ? 4 : f->bits == 5 ? 32 : 16;
+/* k per packed unit (a row for int4/int8) and the unit's bytes, by bit width (a constant where
+ * the kernels are instantiated per width) */
+static inline long qg_pk_of(int bits) { return bits == 4 ? 8 : bits == 8 ? 4 : bits == 5 ? 32 : 16; }
+static inline long qg_ub_of(int bits) {
+    return bits == 4 || bits == 8 || bits == 2 ? 64 : bits == 3 ? 96 : 64 + qg_pk_of(bits) / 8 * 64;
 }
-static inline int qg_is_hb(const qg_format* f) { return f->bits == 5 || f->bits == 6; }
-static inline long qg_unit_bytes(const qg_format* f) {
-    return qg_is_hb(f) ? 64 + qg_pack_k(f) / 8 * 64 : 64;
-}
+static inline long qg_pack_k(const qg_format* f) { return qg_pk_of(f->bits); }
+/* Units that the kernels merge into the int4 path's nibble bytes (qg_hb_merge512): int2/3/5/6 */
+static inline int qg_is_hb(const qg_format* f) { return f->bits != 4 && f->bits != 8; }
+static inline long qg_unit_bytes(const qg_format* f) { return qg_ub_of(f->bits); }
 /* The row-tile kernels (qgemm_q8tile.h) read every layout; AMX-INT8 (qgemm_amx.h, qg_amx_fits)
  * int4/int8 rows only. */
 static inline int qg_tileable(const qg_format* f) { (void)f; return 1; }

@@ -201,8 +201,8 @@ static inline int32_t qg_ld32(const int8_t* p) {
  * The BW variant (no VNNI) reads int8 weights by the sign trick (|w| times x with w's sign),
  * since vpmaddubsw saturates above 255 * 127. */
 #define QG_Q8_AVX512_BODY(DOT, VNNI)                                                            \
-    const long pk = bits == 4 ? 8 : bits == 8 ? 4 : bits == 5 ? 32 : 16;                        \
-    const long ub = bits == 4 || bits == 8 ? 64 : 64 + pk / 8 * 64;                             \
+    const long pk = qg_pk_of(bits);                        \
+    const long ub = qg_ub_of(bits);                             \
     const long mb = qg_meta_bytes(f);                                                           \
     const uint8_t* gbase = qg_groups(blk, f); /* group g: gbase + g gb */                       \
     const long gb = qg_group_bytes(f);                                                          \
@@ -229,12 +229,12 @@ static inline int32_t qg_ld32(const int8_t* p) {
                     for (long l = 0; l < ub; l += 64)                                           \
                         _mm_prefetch((const char*)row + l + qg_pf_bytes, _MM_HINT_T0);          \
                 const __m512i v = _mm512_loadu_si512((const void*)row);                        \
-                if (bits == 5 || bits == 6) {                                                   \
-                    /* v: the plane; each nibble row's bytes take their high bits from it */   \
+                if (bits != 4 && bits != 8) {                                                   \
+                    /* int5/6: v is the plane, each nibble row's bytes take their high bits from \
+                     * it; int2/3: v is the crumb row (qg_hb_merge512) */                      \
                     for (int rr = 0; rr < pk / 8; rr++) {                                       \
                         __m512i lo, hi;                                                         \
-                        qg_hb_merge512(v, _mm512_loadu_si512((const void*)(row + 64 + 64 * rr)), \
-                                       bits, rr, &lo, &hi);                                     \
+                        qg_hb_merge512(row, v, bits, rr, &lo, &hi);                             \
                         for (int r = 0; r < mr; r++) {                                          \
                             const int8_t* xr = q->xq + r * q->kp + k + 8 * rr;                  \
                             ia[r] = DOT(ia[r], lo, _mm512_set1_epi32(qg_ld32(xr)));             \
@@ -327,6 +327,8 @@ QG_INLINE QG_T512 void qg_q8_bw_mr(const uint8_t* blk, const qg_format* f, const
 static QG_T512VNNI void qg_q8_vnni(const uint8_t* blk, const qg_format* f, const qg_xq* q,
                                    long g0, long g1, int m, float* acc) {
     switch (f->bits) {
+        case 2: { QG_Q8_CASES(qg_q8_vnni_mr, 2) } break;
+        case 3: { QG_Q8_CASES(qg_q8_vnni_mr, 3) } break;
         case 4: { QG_Q8_CASES(qg_q8_vnni_mr, 4) } break;
         case 5: { QG_Q8_CASES(qg_q8_vnni_mr, 5) } break;
         case 6: { QG_Q8_CASES(qg_q8_vnni_mr, 6) } break;
@@ -337,6 +339,8 @@ static QG_T512VNNI void qg_q8_vnni(const uint8_t* blk, const qg_format* f, const
 static QG_T512 void qg_q8_bw(const uint8_t* blk, const qg_format* f, const qg_xq* q, long g0,
                              long g1, int m, float* acc) {
     switch (f->bits) {
+        case 2: { QG_Q8_CASES(qg_q8_bw_mr, 2) } break;
+        case 3: { QG_Q8_CASES(qg_q8_bw_mr, 3) } break;
         case 4: { QG_Q8_CASES(qg_q8_bw_mr, 4) } break;
         case 5: { QG_Q8_CASES(qg_q8_bw_mr, 5) } break;
         case 6: { QG_Q8_CASES(qg_q8_bw_mr, 6) } break;
@@ -347,8 +351,8 @@ static QG_T512 void qg_q8_bw(const uint8_t* blk, const qg_format* f, const qg_xq
 /* ---- AVX2: the block as two 8-column halves, two rows at a time (16 ymm registers). */
 QG_INLINE void qg_q8_avx2_mr(const uint8_t* blk, const qg_format* f, const qg_xq* q, long g0,
                              long g1, float* acc, const int bits, const int mr) {
-    const long pk = bits == 4 ? 8 : bits == 8 ? 4 : bits == 5 ? 32 : 16;
-    const long ub = bits == 4 || bits == 8 ? 64 : 64 + pk / 8 * 64;
+    const long pk = qg_pk_of(bits);
+    const long ub = qg_ub_of(bits);
     const long mb = qg_meta_bytes(f);
     const uint8_t* gbase = qg_groups(blk, f);  /* group g: gbase + g gb */
     const long gb = qg_group_bytes(f);
@@ -359,7 +363,6 @@ QG_INLINE void qg_q8_avx2_mr(const uint8_t* blk, const qg_format* f, const qg_xq
     const int has_c = bits != 8 && qg_has_c(f);
     const __m256i m4 = _mm256_set1_epi32(0x0F0F0F0F), ones = _mm256_set1_epi16(1);
     const __m256i nls = QG_NL_S256();
-    const __m256i hm = _mm256_set1_epi32(bits == 5 ? 0x10101010 : 0x30303030);
     __m256 a[2][2];
     for (int r = 0; r < mr; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
     (void)ng;
@@ -379,17 +382,12 @@ QG_INLINE void qg_q8_avx2_mr(const uint8_t* blk, const qg_format* f, const qg_xq
                         _mm_prefetch((const char*)row + l + qg_pf_bytes, _MM_HINT_T0);
                 for (int h = 0; h < 2; h++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i*)(row + 32 * h));
-                    if (bits == 5 || bits == 6) {
-                        /* v: the plane (see the AVX-512 body); NOTE: two products of <= 63 * 127
-                         * per 16-bit lane twice: 32004, no saturation */
+                    if (bits != 4 && bits != 8) {
+                        /* v: the plane or crumb row (see the AVX-512 body); NOTE: two products
+                         * of <= 63 * 127 per 16-bit lane twice: 32004, no saturation */
                         for (int rr = 0; rr < pk / 8; rr++) {
-                            const __m256i n = _mm256_loadu_si256((const __m256i*)(row + 64 + 64 * rr + 32 * h));
-                            const int se = bits == 5 ? 4 - 2 * rr : 4 - 4 * rr, so = se - (bits - 4);
-                            const __m256i lo = _mm256_or_si256(_mm256_and_si256(n, m4),
-                                                               _mm256_and_si256(QG_SHV256(v, se), hm));
-                            const __m256i hi = _mm256_or_si256(
-                                _mm256_and_si256(_mm256_srli_epi32(n, 4), m4),
-                                _mm256_and_si256(QG_SHV256(v, so), hm));
+                            __m256i lo, hi;
+                            qg_hb_merge256(row, v, bits, rr, h, &lo, &hi);
                             for (int r = 0; r < mr; r++) {
                                 const int8_t* xr = q->xq + r * q->kp + k + 8 * rr;
                                 __m256i p = _mm256_add_epi16(
@@ -463,7 +461,13 @@ static void qg_q8_avx2(const uint8_t* blk, const qg_format* f, const qg_xq* q, l
         qr.xi += r0 * q->nb;
         qr.xs += r0 * q->ng;
         const int two = m - r0 >= 2;
-        if (f->bits == 4) {
+        if (f->bits == 2) {
+            if (two) qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 2, 2);
+            else qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 2, 1);
+        } else if (f->bits == 3) {
+            if (two) qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 3, 2);
+            else qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 3, 1);
+        } else if (f->bits == 4) {
             if (two) qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 4, 2);
             else qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 4, 1);
         } else if (f->bits == 5) {

@@ -73,8 +73,8 @@ static void qg_tile_fill(const qg_xq* q, const qg_format* f, long Q, long i, int
 QG_INLINE QG_T512VNNI void qg_q8t_vnni_mr(const uint8_t* blk, const qg_format* f, const qg_xt* t,
                                           long g0, long g1, float* acc, const int bits,
                                           const int mr) {
-    const long pk = bits == 4 ? 8 : bits == 8 ? 4 : bits == 5 ? 32 : 16;  /* k per row or unit */
-    const long ub = bits == 4 || bits == 8 ? 64 : 64 + pk / 8 * 64, mb = qg_meta_bytes(f);
+    const long pk = qg_pk_of(bits);  /* k per row or unit */
+    const long ub = qg_ub_of(bits), mb = qg_meta_bytes(f);
     const uint8_t* gbase = qg_groups(blk, f);  /* group g: gbase + g gb */
     const long gb = qg_group_bytes(f);
     const long G = f->group, nbg = qg_blocks_per_group(f);
@@ -103,11 +103,10 @@ QG_INLINE QG_T512VNNI void qg_q8t_vnni_mr(const uint8_t* blk, const qg_format* f
                     for (long l_ = 0; l_ < ub; l_ += 64)                                          \
                         _mm_prefetch((const char*)row + l_ + qg_pf_bytes, _MM_HINT_T0);           \
                 const __m512i v = _mm512_loadu_si512((const void*)row);                          \
-                if (bits == 5 || bits == 6) {  /* v: the plane (qgemm_q8.h's decode kernel) */  \
+                if (bits != 4 && bits != 8) {  /* v: plane or crumbs (qgemm_q8.h's decode) */  \
                     for (int rr = 0; rr < pk / 8; rr++) {                                         \
                         __m512i lo, hi;                                                           \
-                        qg_hb_merge512(v, _mm512_loadu_si512((const void*)(row + 64 + 64 * rr)),  \
-                                       bits, rr, &lo, &hi);                                       \
+                        qg_hb_merge512(row, v, bits, rr, &lo, &hi);                               \
                         for (int r = 0; r < mr; r++) {                                            \
                             ia[r] = qg_dpbusd_bcast(ia[r], lo, xb + 2 * rr * QG_MR_T + r);        \
                             ia[r] = qg_dpbusd_bcast(ia[r], hi, xb + (2 * rr + 1) * QG_MR_T + r);  \
@@ -155,6 +154,8 @@ QG_INLINE QG_T512VNNI void qg_q8t_vnni_mr(const uint8_t* blk, const qg_format* f
 static QG_T512VNNI void qg_q8t_vnni(const uint8_t* blk, const qg_format* f, const qg_xt* q,
                                     long g0, long g1, int m, float* acc) {
     switch (f->bits) {
+        case 2: { QG_Q8_CASES(qg_q8t_vnni_mr, 2) } break;
+        case 3: { QG_Q8_CASES(qg_q8t_vnni_mr, 3) } break;
         case 4: { QG_Q8_CASES(qg_q8t_vnni_mr, 4) } break;
         case 5: { QG_Q8_CASES(qg_q8t_vnni_mr, 5) } break;
         case 6: { QG_Q8_CASES(qg_q8t_vnni_mr, 6) } break;

@@ -8,10 +8,11 @@ ours. Each quantized type keeps its own bit width (quant/formats.py):
 without loss (blocks of 32 with f16 scales and offsets), and the K-quants' 256-element
 super-blocks without loss too, as formats with super-block scales (quant/formats.py, ks = 256):
     Q4_K -> int4 group 32 "min";  Q5_K -> int5 group 32 "min";  Q6_K -> int6 group 16 "sym";
-    Q3_K -> int4 group 16 "sym" (code q3 + 4);  Q2_K -> int4 group 16 "min"
+    Q3_K -> int3 group 16 "sym" (code q3 + 4);  Q2_K -> int2 group 16 "min"
 (w = d sc q - dmin m, or d sc (q - 32)): the codes, the 4/6/8-bit sub-scales and mins and the
-f16 d/dmin as stored (Q3_K and Q2_K in 4-bit codes: 4.5625 and 5.125 bits a weight against the
-file's 3.4375 and 2.625, where int8 groups of 32 took 8.5). A rank whose columns start or end
+f16 d/dmin as stored (Q3_K and Q2_K: 3.5625 and 3.125 bits a weight against the file's 3.4375
+and 2.625: our sub-scales and mins take a byte each where the file packs them in 6 or 4 bits).
+A rank whose columns start or end
 inside a super-block (a row-parallel split off 256-element boundaries) takes its groups with f16
 scales instead: each sub-block's d * sc and dmin * m (up to 19 significant bits) rounded to f16,
 a relative change of at most 2^-11 of each; where such a product leaves f16's range the tensor
@@ -57,8 +58,8 @@ LOSSLESS = {"Q8_0": (QuantFormat(8, 32, "sym"), 34), "Q4_0": (QuantFormat(4, 32,
 NEAR_LOSSLESS = {"Q4_K": (QuantFormat(4, 32, "min"), 144, 256),
                  "Q5_K": (QuantFormat(5, 32, "min"), 176, 256),
                  "Q6_K": (QuantFormat(6, 16, "sym"), 210, 256),
-                 "Q3_K": (QuantFormat(4, 16, "sym"), 110, 256),
-                 "Q2_K": (QuantFormat(4, 16, "min"), 84, 256),
+                 "Q3_K": (QuantFormat(3, 16, "sym"), 110, 256),
+                 "Q2_K": (QuantFormat(2, 16, "min"), 84, 256),
                  "IQ4_XS": (QuantFormat(4, 32, "nl"), 136, 256)}
 PERMUTED_ARCHS = ("llama", "mistral")
 # tensors gguf_model reads into config.json rather than loading: the rope frequency divisors
@@ -316,7 +317,7 @@ def decode_kquant(kind: str, blocks: np.ndarray, exact: bool = False) -> Quantiz
         # of qs[32 h + l]; its sub-block of 16 is 8 h + 2 j + l // 16. Q3_K: 32 bytes of hmask
         # first (bit 4 h + j of byte l: the third bit, q - 4 when clear), qs [64], 12 bytes of
         # 6-bit scales (low nibbles in bytes 0-7, low then high; the top 2 bits in bytes 8-11,
-        # 2 bits per sub-block), f16 d; w = d (sc - 32) (q3 - 4) = d sc' (c - 8) with c = q3 + 4.
+        # 2 bits per sub-block), f16 d; w = d (sc - 32) q3 = d sc' (c - 4) with c = q3 + 4.
         # Q2_K: 16 bytes of scale (low nibble) and min (high), qs [64], f16 d and dmin;
         # w = d sc q2 - dmin m
         q3 = kind == "Q3_K"
@@ -327,7 +328,7 @@ def decode_kquant(kind: str, blocks: np.ndarray, exact: bool = False) -> Quantiz
         if q3:
             hm = blocks[:, :, 0:32].reshape(n, ns, 1, 1, 32)
             hb = (np.arange(8, dtype=np.uint8).reshape(2, 4, 1))                # bit 4 h + j
-            q = q + (((hm >> hb) & 1) << 2) + 4
+            q = q + (((hm >> hb) & 1) << 2)
             b = blocks[:, :, 96:108]
             lo = np.concatenate([b[..., 0:8] & 15, b[..., 0:8] >> 4], axis=2)   # [n, ns, 16]
             hi = (b[..., 8:12, None] >> (2 * np.arange(4, dtype=np.uint8))) & 3  # [n, ns, i, j // 4]

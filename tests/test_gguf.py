@@ -53,7 +53,7 @@ def test_gguf_equals_dequantized_reference(hf_models, tmp_path, arch, qtype):
         assert np.abs(lg - lr).max() <= 1e-4 * np.abs(lr).max()
         assert g.generate([PROMPT], GREEDY)[0].token_ids == r.generate([PROMPT], GREEDY)[0].token_ids
         native = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4", "Q5_0": "int5", "Q5_1": "int5",
-                  "Q4_K": "int4", "Q5_K": "int5", "Q6_K": "int6", "Q3_K": "int4", "Q2_K": "int4",
+                  "Q4_K": "int4", "Q5_K": "int5", "Q6_K": "int6", "Q3_K": "int3", "Q2_K": "int2",
                   "IQ4_NL": "int4", "IQ4_XS": "int4"}.get(qtype)
         lin = g.runner.model.layers[0].qkv_proj
         assert getattr(lin, "dtype", None) == (native or "float32")
@@ -63,7 +63,7 @@ def test_gguf_equals_dequantized_reference(hf_models, tmp_path, arch, qtype):
 
 
 @pytest.mark.parametrize("qtype,dtype", [("Q6_K", "int6"), ("Q5_K", "int5"), ("Q5_0", "int5"), ("Q8_0", "int8"),
-                                         ("IQ4_NL", "int4"), ("Q3_K", "int4")])
+                                         ("IQ4_NL", "int4"), ("Q3_K", "int3")])
 def test_k_quant_head_keeps_its_width(hf_models, tmp_path, qtype, dtype):
     """llama-quantize's usual output type Q6_K (and Q5_K, Q5_0, Q8_0, and the heads of IQ4 and
     Q3_K files) keeps its bit width as the head under the default lm_head_quantization="auto":
@@ -100,14 +100,15 @@ def test_q4_k_blocks_map_to_int4_with_f16_scales():
 
 @pytest.mark.parametrize("qtype,bits,group,kind,width", [
     ("Q4_K", 4, 32, "min", 4.625), ("Q5_K", 5, 32, "min", 5.625), ("Q6_K", 6, 16, "sym", 6.5625),
-    ("Q3_K", 4, 16, "sym", 4.5625), ("Q2_K", 4, 16, "min", 5.125), ("IQ4_XS", 4, 32, "nl", 4.3125)])
+    ("Q3_K", 3, 16, "sym", 3.5625), ("Q2_K", 2, 16, "min", 3.125), ("IQ4_XS", 4, 32, "nl", 4.3125)])
 def test_k_quants_map_exactly_onto_super_block_scales(qtype, bits, group, kind, width):
     """Q4_K/Q5_K as int4/int5 groups of 32 with mins, Q6_K as int6 groups of 16, Q3_K and Q2_K
-    as int4 groups of 16 (Q3_K's 3-bit codes + 4, Q2_K's 2-bit ones with mins), IQ4_XS as int4
+    as int3/int2 groups of 16 (Q3_K's 3-bit codes + 4, Q2_K's 2-bit ones with mins), IQ4_XS as int4
     "nl" groups of 32 (codes of the 16 non-linear levels, sub-scales ls - 32), each with its
     super-blocks' f16 d (and dmin) and its int8 sub-scales (and mins) as stored: the very
     weights of the gguf package's dequantization, and packed in fewer bytes than f16 group
-    scales would take (Q4_K: 4.625 bits a weight; Q6_K: 6.5625, the file's own)."""
+    scales would take (Q4_K: 4.625 bits a weight; Q6_K: 6.5625, the file's own; Q3_K 3.5625
+    and Q2_K 3.125 against the file's 3.4375 and 2.625)."""
     import gguf
     from numa_runtime.gguf_checkpoint import NEAR_LOSSLESS, decode_kquant
     from numa_runtime.quant.formats import dequantize
@@ -123,11 +124,11 @@ def test_k_quants_map_exactly_onto_super_block_scales(qtype, bits, group, kind, 
 
 
 @pytest.mark.parametrize("qtype,bits,group,kind", [("Q5_K", 5, 32, "min"), ("Q6_K", 6, 16, "sym"),
-                                                  ("Q3_K", 4, 16, "sym"), ("Q2_K", 4, 16, "min"),
+                                                  ("Q3_K", 3, 16, "sym"), ("Q2_K", 2, 16, "min"),
                                                   ("IQ4_XS", 4, 32, "nl")])
 def test_k_quant_blocks_keep_their_codes(qtype, bits, group, kind):
     """Off a super-block boundary (a rank's columns that start inside one): Q5_K as int5 groups
-    of 32 with "min" offsets, Q6_K as int6 groups of 16 (w = s (q - 32)), Q3_K/Q2_K as int4
+    of 32 with "min" offsets, Q6_K as int6 groups of 16 (w = s (q - 32)), Q3_K/Q2_K as int3/int2
     groups of 16 (sym / with mins), IQ4_XS as int4 "nl": the codes as stored, each sub-block's
     scale (and min) rounded once to f16, so every weight is within 2^-11 of (|s q| + |offset|),
     or of |s NL[q]|, of the gguf package's dequantization."""
@@ -141,7 +142,7 @@ def test_k_quant_blocks_keep_their_codes(qtype, bits, group, kind):
     w = decode_kquant(qtype, data.reshape(7, 3, NEAR_LOSSLESS[qtype][1]))
     assert (w.fmt.bits, w.fmt.group_size, w.fmt.kind) == (bits, group, kind)
     # every code of the type is read (random blocks use them all): the high bits, Q3_K's hmask
-    codes = {"Q5_K": (0, 31), "Q6_K": (0, 63), "Q3_K": (4, 11), "Q2_K": (0, 3), "IQ4_XS": (0, 15)}[qtype]
+    codes = {"Q5_K": (0, 31), "Q6_K": (0, 63), "Q3_K": (0, 7), "Q2_K": (0, 3), "IQ4_XS": (0, 15)}[qtype]
     assert (w.q.min(), w.q.max()) == codes
     ours = dequantize(w)
     s = np.abs(w.scales.astype(np.float32)).repeat(group, 1)
@@ -190,7 +191,7 @@ def test_two_ranks_equal_reference(hf_models, tmp_path):
     assert out["world"] == 2 and out["tokens"] == [expected]
 
 
-@pytest.mark.parametrize("qtype,dtype", [("Q4_K", "int4"), ("Q6_K", "int6"), ("Q3_K", "int4"), ("Q2_K", "int4"),
+@pytest.mark.parametrize("qtype,dtype", [("Q4_K", "int4"), ("Q6_K", "int6"), ("Q3_K", "int3"), ("Q2_K", "int2"),
                                          ("IQ4_XS", "int4")])
 def test_two_ranks_equal_one_on_k_quants(hf_models, tmp_path, qtype, dtype):
     """A Q4_K, Q6_K, Q3_K, Q2_K or IQ4_XS file over 2 ranks: each rank decodes only its super-blocks and takes the

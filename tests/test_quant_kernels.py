@@ -23,6 +23,9 @@ FORMATS += [QuantFormat(5, 32, "sym"), QuantFormat(5, 32, "min"), QuantFormat(5,
 FORMATS += [QuantFormat(4, 32, "min", ks=256), QuantFormat(4, 64, "sym", ks=256),
             QuantFormat(5, 32, "min", ks=256), QuantFormat(6, 16, "sym", ks=256),
             QuantFormat(4, 16, "sym", ks=256), QuantFormat(4, 16, "min", ks=256), QuantFormat(4, 16, "min")]
+# int2/int3 (GGUF Q2_K, Q3_K at their own widths): 2-bit crumbs and, for int3, byte masks of third bits
+FORMATS += [QuantFormat(2, 16, "min", ks=256), QuantFormat(3, 16, "sym", ks=256), QuantFormat(2, 32, "min"),
+            QuantFormat(3, 64, "sym"), QuantFormat(2, 16, "sym"), QuantFormat(3, 128, "zero")]
 # IQ4_NL's non-linear levels (GGUF IQ4_NL, IQ4_XS): a byte shuffle or float permute per code
 FORMATS += [QuantFormat(4, 32, "nl"), QuantFormat(4, 128, "nl"), QuantFormat(4, 32, "nl", ks=256)]
 MS = [1, 2, 3, 7, 33, 100, 300]

@@ -12,6 +12,8 @@ output row, with one f16 scale s per group and, for asymmetric formats, one f16 
 | "sym"  | 5    | 0..31     | q * s - 16 s              | GGUF Q5_0                        |
 | "min"  | 5    | 0..31     | q * s + m                 | GGUF Q5_1, Q5_K                  |
 | "sym"  | 6    | 0..63     | q * s - 32 s (groups 16)  | GGUF Q6_K                        |
+| "sym"  | 3    | 0..7      | q * s - 4 s (groups 16)   | GGUF Q3_K                        |
+| "min"  | 2    | 0..3      | q * s + m (groups 16)     | GGUF Q2_K                        |
 | "nl"   | 4    | 0..15     | NL[q] * s                 | GGUF IQ4_NL, IQ4_XS              |
 
 "nl": the 4-bit code indexes IQ4_NL's 16 non-linear int8 levels (NL_VALUES; llama.cpp's table,
@@ -23,10 +25,12 @@ f16 scale d of its super-block, s = d sc, and a "min" group's offset is -dmin m 
 K-quants' own numbers, exact in f32 (an f16 times an int8), at 8 + 8 bits a group plus 32 a
 super-block instead of 16 + 16 a group (Q4_K: 4.625 bits a weight, not 5).
 
-5- and 6-bit weights exist so that GGUF files keep their own bit widths (llama-quantize's
-Q4_K_M/Q5_K_M mixes hold Q5_0, Q5_K and Q6_K tensors); they are not offered for quantizing at
-load. Their packed layout (packing.py) stores each code as a 4-bit nibble plus its high bits in a
-plane of their own, so the kernels reuse the int4 path's unpacking.
+2-, 3-, 5- and 6-bit weights exist so that GGUF files keep their own bit widths (llama-quantize's
+Q4_K_M/Q5_K_M mixes hold Q5_0, Q5_K and Q6_K tensors, its Q2_K/Q3_K_x files Q2_K and Q3_K ones);
+they are not offered for quantizing at load. Their packed layouts (packing.py) are merged in
+registers into the int4 path's nibble bytes, so the kernels reuse its integer dot products: int5/6
+as a 4-bit nibble plus its high bits in a plane of their own, int2/3 as 2-bit crumbs plus (int3)
+a plane of third bits.
 
 NOTE: scales and offsets are stored as f16: every real source (GGUF, AWQ, GPTQ) stores f16
 scales, so they map without loss, and at 4 bits in groups of 32 an f16 scale + offset costs 1
@@ -46,10 +50,11 @@ KINDS = ("sym", "zero", "min", "nl")
 # IQ4_NL's levels (GGUF IQ4_NL and IQ4_XS): code q stands for NL_VALUES[q] times the scale
 NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 GROUP_SIZES = (32, 64, 128)
-BITS = (4, 5, 6, 8)
+BITS = (2, 3, 4, 5, 6, 8)
 # k per packed unit (packing.py): one 64-byte row of lanes for int4/int8; for int5/int6 a plane
-# row of high bits and the nibble rows of the k it covers
-UNIT_K = {4: 8, 8: 4, 5: 32, 6: 16}
+# row of high bits and the nibble rows of the k it covers; for int2/int3 a row of crumbs (and
+# the third bits)
+UNIT_K = {4: 8, 8: 4, 5: 32, 6: 16, 2: 16, 3: 16}
 
 
 class QuantError(ValueError):
@@ -58,8 +63,8 @@ class QuantError(ValueError):
 
 @dataclass(frozen=True)
 class QuantFormat:
-    """bits 4 or 8; group_size 32/64/128, or -1 for one group per output row (int8 only);
-    kind "sym" | "zero" | "min" (asymmetric kinds are int4 only)."""
+    """bits 2, 3, 4, 5, 6 or 8; group_size 32/64/128 (16 for int2/3/4/6), or -1 for one group
+    per output row (int8 only); kind "sym" | "zero" | "min" | "nl" (not int8; "nl" int4 only)."""
 
     bits: int = 8
     group_size: int = 128
@@ -79,21 +84,21 @@ class QuantFormat:
 
     def __post_init__(self):
         if self.bits not in BITS:
-            raise QuantError(f"Quantized weights have 4, 5, 6 or 8 bits, not {self.bits}.")
+            raise QuantError(f"Quantized weights have 2, 3, 4, 5, 6 or 8 bits, not {self.bits}.")
         if self.kind not in KINDS:
             raise QuantError(f"Quantization kind must be one of {KINDS}, not {self.kind!r}.")
         if self.bits == 8 and self.kind != "sym":
             raise QuantError("int8 weights are symmetric only (kind='sym').")
         if self.kind == "nl" and self.bits != 4:
             raise QuantError("Non-linear levels (kind='nl', GGUF IQ4) are 4-bit codes only.")
-        if self.bits in (4, 6) and self.group_size == 16:
+        if self.bits in (2, 3, 4, 6) and self.group_size == 16:
             pass  # the 16-element sub-blocks of GGUF's Q6_K, Q3_K and Q2_K
         elif self.group_size not in GROUP_SIZES + (-1,):
             raise QuantError(f"Group size must be one of {GROUP_SIZES} (or -1: per output row, "
                              f"int8), not {self.group_size}.")
         if self.ks and (self.ks != 256 or self.bits == 8 or self.kind == "zero"
                         or self.group_size < 0 or self.ks % self.group_size):
-            raise QuantError(f"Super-block scales (ks={self.ks}) are for int4/5/6 'sym', 'min' or "
+            raise QuantError(f"Super-block scales (ks={self.ks}) are for int2-6 'sym', 'min' or "
                              f"'nl' groups that divide 256.")
         if self.group_size == -1 and self.bits != 8:
             raise QuantError(f"int{self.bits} weights need groups of 32, 64 or 128 (per-row is "

@@ -13,6 +13,13 @@ integers they scale, so decode reads one sequential stream per block.
 int5/int6 (GGUF Q5_x, Q6_K) come in units of U = 32 (int5) or 16 (int6) k instead of rows:
     plane    [16] uint32        lane j: the high bits (q >> 4) of column j's U codes
     rows     [U / 8][16]        the low nibbles (q & 15), laid out as int4 rows
+int2/int3 (GGUF Q2_K, Q3_K) come in units of U = 16 k:
+    crumbs   [16] uint32        lane j: the low 2 bits (q & 3) of column j's 16 codes
+    third    [4] uint64         int3 only: word 2 r + e holds the third bit (q >> 2) of column j
+                                at k = 8 r + 2 b + e in bit 4 j + b
+The crumb of unit-local k = 8 r + 2 b + e sits at bit 8 b + 2 (2 r + e) (the int6 plane's
+layout): shifted right by 2 (2 r + e), each lands on bits 0-1 of the byte the int4 path's masks
+take it into, and each third-bit word is the byte mask (one bit a byte) that adds 4 to it.
 Super-block formats (fmt.ks, GGUF K-quants) start each block's stream with the super-blocks'
     d        f16 [16]  per super-block, then dmin f16 [16] ("min")
 and their groups' meta is int8 [16] sub-scales (then int8 [16] mins) instead of the f16 ones.
@@ -31,7 +38,7 @@ NB = 16
 
 def unit_bytes(fmt: QuantFormat) -> int:
     """Bytes of one packed unit of fmt.pack_k k (16 columns)."""
-    return 64 if fmt.bits in (4, 8) else 64 + fmt.pack_k // 8 * 64
+    return {4: 64, 8: 64, 2: 64, 3: 96}.get(fmt.bits, 64 + fmt.pack_k // 8 * 64)
 
 
 def meta_bytes(fmt: QuantFormat) -> int:
@@ -43,40 +50,81 @@ def group_bytes(fmt: QuantFormat, group: int) -> int:
     return meta_bytes(fmt) + group // fmt.pack_k * unit_bytes(fmt)
 
 
-def _plane_shift(bits: int, u: int) -> np.ndarray:
-    """Bit position in the plane lane of each unit-local k (see the module docstring)."""
+def _plane_shift(width: int, u: int) -> np.ndarray:
+    """Bit position in the plane (or crumb) lane of each unit-local k, `width` bits each (see the
+    module docstring)."""
     i = np.arange(u)
     r, b, e = i // 8, (i % 8) // 2, i % 2
-    return (8 * b + (bits - 4) * (2 * r + e)).astype(np.uint32)
+    return (8 * b + width * (2 * r + e)).astype(np.uint32)
+
+
+def _lane_bytes(lanes: np.ndarray) -> np.ndarray:
+    """Per-column lanes [Nb, 16, ng, units, L] uint32 -> unit bytes [Nb, ng, units, 64 L]."""
+    nb, _, ng, nu, _ = lanes.shape
+    return lanes.transpose(0, 2, 3, 4, 1).copy().view(np.uint8).reshape(nb, ng, nu, -1)
+
+
+def _pack_plane(v: np.ndarray, width: int) -> np.ndarray:
+    """Codes [.., U] of `width` bits -> one plane lane [..] (the bits of unit-local k at
+    _plane_shift)."""
+    return (v << _plane_shift(width, v.shape[-1])).sum(axis=-1, dtype=np.uint64).astype(np.uint32)
 
 
 def _hb_units(q: np.ndarray, bits: int, nb: int, ng: int, g: int) -> np.ndarray:
-    """int5/int6 codes q [Np, Kp] -> the unit bytes [Nb, ng, G / U * unit_bytes]."""
+    """int2/3/5/6 codes q [Np, Kp] -> the unit bytes [Nb, ng, G / U * unit_bytes]."""
     u = UNIT_K_HB[bits]
     qq = q.astype(np.uint32).reshape(nb, NB, ng, g // u, u)             # [Nb, 16, ng, units, U]
-    plane = (((qq >> np.uint32(4)) << _plane_shift(bits, u)).sum(axis=4, dtype=np.uint64)
-             .astype(np.uint32))                                        # [Nb, 16, ng, units]
+    if bits in (2, 3):
+        parts = [_lane_bytes(_pack_plane(qq & np.uint32(3), 2)[..., None])]
+        if bits == 3:
+            i = np.arange(u)
+            t, b = 2 * (i // 8) + i % 2, (i % 8) // 2                   # word and byte of each k
+            third = ((qq >> np.uint32(2)) & np.uint32(1)).astype(np.uint64)
+            pos = (4 * np.arange(NB)[:, None] + b[None, :]).astype(np.uint64)   # [16, U]
+            words = np.zeros((nb, ng, g // u, 4), np.uint64)
+            for w in range(4):
+                sel = third[..., t == w] << pos[:, t == w][None, :, None, None, :]  # [Nb,16,ng,units,4]
+                words[..., w] = sel.sum(axis=(1, 4), dtype=np.uint64)
+            parts.append(words.view(np.uint8))
+        return np.concatenate(parts, axis=3).reshape(nb, ng, -1)
+    plane = _pack_plane(qq >> np.uint32(4), bits - 4)                  # [Nb, 16, ng, units]
     nib = (qq & np.uint32(0xF)).reshape(nb, NB, ng, g // u, u // 8, 8)
     lanes = np.zeros(nib.shape[:5], np.uint32)
     for i in range(8):
         lanes |= nib[..., i] << np.uint32(4 * i)                        # [Nb, 16, ng, units, U/8]
     unit = np.concatenate([plane[..., None], lanes], axis=4)            # [Nb, 16, ng, units, 1+U/8]
-    return unit.transpose(0, 2, 3, 4, 1).copy().view(np.uint8).reshape(nb, ng, -1)
+    return _lane_bytes(unit).reshape(nb, ng, -1)
 
 
 def _hb_codes(rows: np.ndarray, bits: int, n: int, g: int) -> np.ndarray:
     """Inverse of _hb_units: the unit bytes [Nb, ng, G / U * unit_bytes] -> codes [n, Kp]."""
     u = UNIT_K_HB[bits]
     nb, ng = rows.shape[:2]
-    unit = (np.ascontiguousarray(rows).view(np.uint32)
-            .reshape(nb, ng, g // u, 1 + u // 8, NB).transpose(0, 4, 1, 2, 3))  # [Nb,16,ng,units,.]
-    hb = (unit[..., :1] >> _plane_shift(bits, u)) & np.uint32((1 << (bits - 4)) - 1)  # [.., U]
+    units = np.ascontiguousarray(rows).reshape(nb, ng, g // u, -1)      # [Nb, ng, units, ub]
+
+    def lanes(a: np.ndarray) -> np.ndarray:  # unit bytes [.., 64 L] -> [Nb, 16, ng, units, L]
+        return np.ascontiguousarray(a).view(np.uint32).reshape(nb, ng, g // u, -1, NB).transpose(0, 4, 1, 2, 3)
+
+    if bits in (2, 3):
+        crumb = lanes(units[..., :64])[..., :1]                         # [Nb, 16, ng, units, 1]
+        q = (crumb >> _plane_shift(2, u)) & np.uint32(3)                # [.., U]
+        if bits == 3:
+            i = np.arange(u)
+            t, b = 2 * (i // 8) + i % 2, (i % 8) // 2
+            words = np.ascontiguousarray(units[..., 64:96]).view(np.uint64)    # [Nb, ng, units, 4]
+            pos = (4 * np.arange(NB)[:, None] + b[None, :]).astype(np.uint64)  # [16, U]
+            w = words[..., t].transpose(0, 1, 2, 3)                      # [Nb, ng, units, U]
+            third = (w[:, None] >> pos[None, :, None, None, :]) & np.uint64(1)  # [Nb,16,ng,units,U]
+            q = q | (third.astype(np.uint32) << np.uint32(2))
+        return q.astype(np.uint8).reshape(nb * NB, ng * g)[:n]
+    unit = lanes(units)                                                 # [Nb, 16, ng, units, 1+U/8]
+    hb = (unit[..., :1] >> _plane_shift(bits - 4, u)) & np.uint32((1 << (bits - 4)) - 1)  # [.., U]
     nib = np.stack([(unit[..., 1:] >> np.uint32(4 * i)) & np.uint32(0xF) for i in range(8)], axis=5)
     q = nib.reshape(hb.shape) | (hb << np.uint32(4))
     return q.astype(np.uint8).reshape(nb * NB, ng * g)[:n]
 
 
-UNIT_K_HB = {5: 32, 6: 16}
+UNIT_K_HB = {5: 32, 6: 16, 2: 16, 3: 16}
 
 
 def pack(qw: QuantizedWeight) -> np.ndarray:
