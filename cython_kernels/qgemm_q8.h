@@ -214,10 +214,25 @@ static inline int32_t qg_ld32(const int8_t* p) {
     const __m512i nls = QG_NL_S512(), nlu = _mm512_xor_si512(nls, flip);                       \
     __m512 a[QG_MR_Q8];                                                                         \
     for (int r = 0; r < mr; r++) a[r] = _mm512_setzero_ps();                                   \
+    /* ks: the super-block's f16 d (and dmin) converted once per super-block, not per group */ \
+    __m512 sd = _mm512_setzero_ps(), sdm = _mm512_setzero_ps();                                \
+    long sb_last = -1;                                                                          \
     (void)ng;                                                                                   \
     for (long g = g0; g < g1; g++) {                                                            \
         const uint8_t* meta = gbase + g * gb;                                              \
-        const __m512 s = qg_s512(blk, f, meta, g);                                              \
+        __m512 s;                                                                               \
+        if (f->ks) {                                                                            \
+            const long sb = g * G / QG_KS;                                                      \
+            if (sb != sb_last) {                                                                \
+                const uint8_t* sp = blk + sb * qg_super_each(f);                                \
+                sd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sp));                   \
+                if (has_c) sdm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 32))); \
+                sb_last = sb;                                                                   \
+            }                                                                                   \
+            s = _mm512_mul_ps(sd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)meta)))); \
+        } else {                                                                                \
+            s = qg_s512(blk, f, meta, g);                                                       \
+        }                                                                                       \
         const uint8_t* row = meta + mb;                                                         \
         for (long b = 0; b < nbg; b++) {                                                        \
             const long k0 = g * G + b * QG_QB;                                                  \
@@ -289,7 +304,10 @@ static inline int32_t qg_ld32(const int8_t* p) {
             }                                                                                   \
         }                                                                                       \
         if (has_c) {                                                                            \
-            const __m512 c = qg_c512(blk, f, meta, g, s);                                       \
+            /* ks: c = -dmin m, as qg_c512 (the row tiles compute the same, bit for bit) */    \
+            const __m512 c = f->ks ? _mm512_fnmadd_ps(sdm, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32( \
+                                         _mm_loadu_si128((const __m128i*)(meta + 16)))), _mm512_setzero_ps()) \
+                                   : qg_c512(blk, f, meta, g, s);                               \
             for (int r = 0; r < mr; r++)                                                        \
                 a[r] = _mm512_fmadd_ps(c, _mm512_set1_ps(q->xs[r * q->ng + g]), a[r]);          \
         }                                                                                       \
@@ -312,17 +330,37 @@ QG_INLINE QG_T512 void qg_q8_bw_mr(const uint8_t* blk, const qg_format* f, const
     QG_Q8_AVX512_BODY(QG_DOT_BW, 0)
 }
 
+/* One function per (kernel, bit width, rows): fn_b<bits>_m<rows>, each compiled on its own.
+ * NOTE: with all 48 instances inlined into one dispatching function, GCC kept more of the block
+ * loops' counters and pointers on the stack (a store-to-load round trip per block); on their
+ * own, the instances' register allocation is their own. */
+#define QG_Q8_INST(fn, T, QT, b, m)                                                              \
+    static T __attribute__((noinline)) void fn##_b##b##_m##m(const uint8_t* blk, const qg_format* f, \
+                                                          const QT* q, long g0, long g1, float* acc) { \
+        fn(blk, f, q, g0, g1, acc, b, m);                                                        \
+    }
+#define QG_Q8_INST_M(fn, T, QT, b)                                                               \
+    QG_Q8_INST(fn, T, QT, b, 1) QG_Q8_INST(fn, T, QT, b, 2) QG_Q8_INST(fn, T, QT, b, 3)        \
+    QG_Q8_INST(fn, T, QT, b, 4) QG_Q8_INST(fn, T, QT, b, 5) QG_Q8_INST(fn, T, QT, b, 6)        \
+    QG_Q8_INST(fn, T, QT, b, 7) QG_Q8_INST(fn, T, QT, b, 8)
+#define QG_Q8_INST_ALL(fn, T, QT)                                                                \
+    QG_Q8_INST_M(fn, T, QT, 2) QG_Q8_INST_M(fn, T, QT, 3) QG_Q8_INST_M(fn, T, QT, 4)           \
+    QG_Q8_INST_M(fn, T, QT, 5) QG_Q8_INST_M(fn, T, QT, 6) QG_Q8_INST_M(fn, T, QT, 8)
+
 #define QG_Q8_CASES(fn, b)                                        \
     switch (m) {                                                  \
-        case 1: fn(blk, f, q, g0, g1, acc, b, 1); break;          \
-        case 2: fn(blk, f, q, g0, g1, acc, b, 2); break;          \
-        case 3: fn(blk, f, q, g0, g1, acc, b, 3); break;          \
-        case 4: fn(blk, f, q, g0, g1, acc, b, 4); break;          \
-        case 5: fn(blk, f, q, g0, g1, acc, b, 5); break;          \
-        case 6: fn(blk, f, q, g0, g1, acc, b, 6); break;          \
-        case 7: fn(blk, f, q, g0, g1, acc, b, 7); break;          \
-        default: fn(blk, f, q, g0, g1, acc, b, 8); break;         \
+        case 1: fn##_b##b##_m1(blk, f, q, g0, g1, acc); break;    \
+        case 2: fn##_b##b##_m2(blk, f, q, g0, g1, acc); break;    \
+        case 3: fn##_b##b##_m3(blk, f, q, g0, g1, acc); break;    \
+        case 4: fn##_b##b##_m4(blk, f, q, g0, g1, acc); break;    \
+        case 5: fn##_b##b##_m5(blk, f, q, g0, g1, acc); break;    \
+        case 6: fn##_b##b##_m6(blk, f, q, g0, g1, acc); break;    \
+        case 7: fn##_b##b##_m7(blk, f, q, g0, g1, acc); break;    \
+        default: fn##_b##b##_m8(blk, f, q, g0, g1, acc); break;   \
     }
+
+QG_Q8_INST_ALL(qg_q8_vnni_mr, QG_T512VNNI, qg_xq)
+QG_Q8_INST_ALL(qg_q8_bw_mr, QG_T512, qg_xq)
 
 static QG_T512VNNI void qg_q8_vnni(const uint8_t* blk, const qg_format* f, const qg_xq* q,
                                    long g0, long g1, int m, float* acc) {

@@ -151,6 +151,8 @@ QG_INLINE QG_T512VNNI void qg_q8t_vnni_mr(const uint8_t* blk, const qg_format* f
     for (int r = 0; r < mr; r++) _mm512_store_ps(acc + r * QG_NB, a[r]);
 }
 
+QG_Q8_INST_ALL(qg_q8t_vnni_mr, QG_T512VNNI, qg_xt)
+
 static QG_T512VNNI void qg_q8t_vnni(const uint8_t* blk, const qg_format* f, const qg_xt* q,
                                     long g0, long g1, int m, float* acc) {
     switch (f->bits) {
