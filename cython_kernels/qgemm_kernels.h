@@ -14,7 +14,7 @@
  *             words of third bits (word 2r + e: bit 4j + b), one per byte vector of the int4 path.
  * Dequantized weight w = q * s + c, in f32 and exact (an f16 scale times a <= 8-bit integer
  * needs at most 19 significant bits):
- *   int8 symmetric: c = 0;  int4/5/6 symmetric: c = -8 s / -16 s / -32 s;  zero point z:
+ *   int8 symmetric: c = 0;  int2-6 symmetric: c = -2^(bits-1) s (int4: -8 s);  zero point z:
  *   c = -s z;  min m: c = m;  int4 "nl": w = qg_nl_levels[q] s.
  * So the kernels see the very same f32 weights as the numpy reference; only the order of the
  * sums differs.

@@ -24,7 +24,7 @@
 #define QG_MAX_SLICES 8  /* most k slices a column block of a decode GEMV is cut into */
 
 typedef struct {
-    const int8_t* xq;   /* [M][kp]; int4/5/6 weights: each 8 k stored as k 0 2 4 6 1 3 5 7 */
+    const int8_t* xq;   /* [M][kp]; int2-6 weights: each 8 k stored as k 0 2 4 6 1 3 5 7 */
     const float* sx;    /* [M][nb] scale of each block */
     const int32_t* xi;  /* [M][nb] sum of each block's int8 values */
     const float* xs;    /* [M][ng] sum over the group's blocks of sx * xi */
@@ -81,7 +81,7 @@ static inline void qg_quantize_block(const float* xr, int n, int perm4, int8_t* 
     /* packs interleave the 128-bit lanes: dword i of b holds q[i % 4][4 (i / 4) ..] */
     __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
     b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    if (perm4)  /* int4/5/6 weights: each 8 k as k 0 2 4 6 1 3 5 7 */
+    if (perm4)  /* int2-6 weights: each 8 k as k 0 2 4 6 1 3 5 7 */
         b = _mm256_shuffle_epi8(b, _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11,
                                                     13, 15, 0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14,
                                                     9, 11, 13, 15));

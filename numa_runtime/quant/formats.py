@@ -170,7 +170,7 @@ class QuantFormat:
 class QuantizedWeight:
     """Logical (unpacked) quantized weight of one Linear.
 
-    q: [N, Kp] uint8 (int4/5/6 codes) or int8; scales: [N, Kp / group] f16;
+    q: [N, Kp] uint8 (int2-6 codes) or int8; scales: [N, Kp / group] f16;
     offsets: [N, Kp / group] f16 zero points (kind "zero") or mins (kind "min"), else None.
     in_features: K (Kp - K trailing zero columns for per-row int8).
     With fmt.ks: scales and offsets are int8 sub-scales sc and m, and supers = (d, dmin or
