@@ -275,8 +275,9 @@ cdef class QLinear:
                  bias=None, int ks=0):
         if bits not in (2, 3, 4, 5, 6, 8) or kind not in _KINDS or (bits == 8 and kind != "sym") or (kind == "nl" and bits != 4):
             raise ValueError("QLinear: unsupported format bits=%d kind=%r" % (bits, kind))
-        if ks and (ks != 256 or bits == 8 or kind == "zero" or ks % group or in_features % ks):
-            raise ValueError("QLinear: super-block scales (ks=%d) need int2-6 sym, min or nl groups "
+        if ks and (ks != 256 or bits == 8 or kind == "zero" or ks % group or in_features % ks
+                   or (bits == 2 and kind != "min")):
+            raise ValueError("QLinear: super-block scales (ks=%d) need int2-6 sym, min or nl groups (int2: min) "
                              "dividing 256 and in_features a multiple of 256" % ks)
         pk = {2: 16, 3: 16, 4: 8, 8: 4, 5: 32, 6: 16}[bits]  # k per packed unit (qg_pack_k)
         kp = (in_features + pk - 1) // pk * pk  # NOTE: C division (cdivision)

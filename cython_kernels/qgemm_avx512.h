@@ -15,17 +15,26 @@
 
 /* Group g's scales s (meta: its meta) and, for the asymmetric kinds, the c of w = q s + c:
  * f16 values, or with ks d * sc and -dmin * m (exact in f32). */
+/* A ks group's int8 sub-scales (which 0) or mins (1) of the 16 columns, as int32 lanes. */
+QG_INLINE QG_T512 __m512i qg_sub512(const qg_format* f, const uint8_t* meta, int which) {
+    if (qg_nib_meta(f)) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)meta));
+        return which ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(15));
+    }
+    return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(meta + 16 * which)));
+}
+
 QG_INLINE QG_T512 __m512 qg_s512(const uint8_t* blk, const qg_format* f, const uint8_t* meta, long g) {
     if (!f->ks) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)meta));
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)qg_super_of(blk, f, g)));
-    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)meta))));
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(qg_sub512(f, meta, 0)));
 }
 
 QG_INLINE QG_T512 __m512 qg_c512(const uint8_t* blk, const qg_format* f, const uint8_t* meta, long g,
                                   __m512 s) {
     if (f->ks) {
         const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(qg_super_of(blk, f, g) + 32)));
-        const __m512 m = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(meta + 16))));
+        const __m512 m = _mm512_cvtepi32_ps(qg_sub512(f, meta, 1));
         return _mm512_fnmadd_ps(dm, m, _mm512_setzero_ps());
     }
     const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(meta + 32)));

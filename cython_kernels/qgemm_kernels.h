@@ -69,10 +69,13 @@ static inline long qg_unit_bytes(const qg_format* f) { return qg_ub_of(f->bits);
 static inline int qg_tileable(const qg_format* f) { (void)f; return 1; }
 /* Whether groups carry a zero point or min (w = q s + c with c their own). */
 static inline int qg_has_c(const qg_format* f) { return f->kind == QG_ZERO || f->kind == QG_MIN; }
+/* int2 with ks (GGUF Q2_K): each column's 4-bit sub-scale and min in one byte (sc | m << 4). */
+static inline int qg_nib_meta(const qg_format* f) { return f->ks && f->bits == 2; }
 /* A group's meta for 16 columns: f16 scales [+ f16 offsets], or with ks int8 sub-scales
- * [+ int8 mins]; with ks each block's stream starts with its super-blocks' f16 d [+ f16 dmin]. */
+ * [+ int8 mins] (int2: one byte each, qg_nib_meta); with ks each block's stream starts with its
+ * super-blocks' f16 d [+ f16 dmin]. */
 static inline long qg_meta_bytes(const qg_format* f) {
-    return (f->ks ? 16 : 32) * (qg_has_c(f) ? 2 : 1);
+    return qg_nib_meta(f) ? 16 : (f->ks ? 16 : 32) * (qg_has_c(f) ? 2 : 1);
 }
 static inline long qg_group_bytes(const qg_format* f) {
     return qg_meta_bytes(f) + f->group / qg_pack_k(f) * qg_unit_bytes(f);
@@ -98,15 +101,23 @@ static inline const uint8_t* qg_super_of(const uint8_t* blk, const qg_format* f,
 
 /* Half h (columns 8h..8h+7) of group g's scale s and, for the asymmetric kinds, the c of
  * w = q s + c: f16 values, or with ks d * sc and -dmin * m (exact in f32). */
+/* Columns 8h..8h+7 of a ks group's int8 sub-scales (which 0) or mins (1), as int32 lanes. */
+static inline __m256i qg_sub256(const qg_format* f, const uint8_t* meta, int which, int h) {
+    if (qg_nib_meta(f)) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(meta + 8 * h)));
+        return which ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15));
+    }
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(meta + 16 * which + 8 * h)));
+}
 static inline __m256 qg_s256(const uint8_t* blk, const qg_format* f, const uint8_t* meta, long g, int h) {
     if (!f->ks) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(meta + 16 * h)));
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(qg_super_of(blk, f, g) + 16 * h)));
-    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(meta + 8 * h)))));
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(qg_sub256(f, meta, 0, h)));
 }
 static inline __m256 qg_c256(const uint8_t* blk, const qg_format* f, const uint8_t* meta, long g, __m256 s, int h) {
     if (f->ks) {
         const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(qg_super_of(blk, f, g) + 32 + 16 * h)));
-        const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(meta + 16 + 8 * h))));
+        const __m256 m = _mm256_cvtepi32_ps(qg_sub256(f, meta, 1, h));
         return _mm256_fnmadd_ps(dm, m, _mm256_setzero_ps());
     }
     const __m256 o = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(meta + 32 + 16 * h)));

@@ -229,7 +229,7 @@ static inline int32_t qg_ld32(const int8_t* p) {
                 if (has_c) sdm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 32))); \
                 sb_last = sb;                                                                   \
             }                                                                                   \
-            s = _mm512_mul_ps(sd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)meta)))); \
+            s = _mm512_mul_ps(sd, _mm512_cvtepi32_ps(qg_sub512(f, meta, 0)));                    \
         } else {                                                                                \
             s = qg_s512(blk, f, meta, g);                                                       \
         }                                                                                       \
@@ -305,8 +305,8 @@ static inline int32_t qg_ld32(const int8_t* p) {
         }                                                                                       \
         if (has_c) {                                                                            \
             /* ks: c = -dmin m, as qg_c512 (the row tiles compute the same, bit for bit) */    \
-            const __m512 c = f->ks ? _mm512_fnmadd_ps(sdm, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32( \
-                                         _mm_loadu_si128((const __m128i*)(meta + 16)))), _mm512_setzero_ps()) \
+            const __m512 c = f->ks ? _mm512_fnmadd_ps(sdm, _mm512_cvtepi32_ps(qg_sub512(f, meta, 1)), \
+                                                      _mm512_setzero_ps())                      \
                                    : qg_c512(blk, f, meta, g, s);                               \
             for (int r = 0; r < mr; r++)                                                        \
                 a[r] = _mm512_fmadd_ps(c, _mm512_set1_ps(q->xs[r * q->ng + g]), a[r]);          \

@@ -100,7 +100,7 @@ def test_q4_k_blocks_map_to_int4_with_f16_scales():
 
 @pytest.mark.parametrize("qtype,bits,group,kind,width", [
     ("Q4_K", 4, 32, "min", 4.625), ("Q5_K", 5, 32, "min", 5.625), ("Q6_K", 6, 16, "sym", 6.5625),
-    ("Q3_K", 3, 16, "sym", 3.5625), ("Q2_K", 2, 16, "min", 3.125), ("IQ4_XS", 4, 32, "nl", 4.3125)])
+    ("Q3_K", 3, 16, "sym", 3.5625), ("Q2_K", 2, 16, "min", 2.625), ("IQ4_XS", 4, 32, "nl", 4.3125)])
 def test_k_quants_map_exactly_onto_super_block_scales(qtype, bits, group, kind, width):
     """Q4_K/Q5_K as int4/int5 groups of 32 with mins, Q6_K as int6 groups of 16, Q3_K and Q2_K
     as int3/int2 groups of 16 (Q3_K's 3-bit codes + 4, Q2_K's 2-bit ones with mins), IQ4_XS as int4
@@ -108,7 +108,7 @@ def test_k_quants_map_exactly_onto_super_block_scales(qtype, bits, group, kind, 
     super-blocks' f16 d (and dmin) and its int8 sub-scales (and mins) as stored: the very
     weights of the gguf package's dequantization, and packed in fewer bytes than f16 group
     scales would take (Q4_K: 4.625 bits a weight; Q6_K: 6.5625, the file's own; Q3_K 3.5625
-    and Q2_K 3.125 against the file's 3.4375 and 2.625)."""
+    and Q2_K 2.625 against the file's 3.4375 and 2.625)."""
     import gguf
     from numa_runtime.gguf_checkpoint import NEAR_LOSSLESS, decode_kquant
     from numa_runtime.quant.formats import dequantize

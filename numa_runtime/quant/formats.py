@@ -23,7 +23,9 @@ from the nibble in a register (one byte shuffle per 64 codes).
 With `ks` (k per super-block, 256: GGUF's K-quants) a group's scale is an int8 multiple sc of an
 f16 scale d of its super-block, s = d sc, and a "min" group's offset is -dmin m (m int8): the
 K-quants' own numbers, exact in f32 (an f16 times an int8), at 8 + 8 bits a group plus 32 a
-super-block instead of 16 + 16 a group (Q4_K: 4.625 bits a weight, not 5).
+super-block instead of 16 + 16 a group (Q4_K: 4.625 bits a weight, not 5). int2 super-block
+formats (GGUF Q2_K) keep the file's 4-bit sub-scale and min of a group in one byte (0..15 each):
+2.625 bits a weight, the file's own.
 
 2-, 3-, 5- and 6-bit weights exist so that GGUF files keep their own bit widths (llama-quantize's
 Q4_K_M/Q5_K_M mixes hold Q5_0, Q5_K and Q6_K tensors, its Q2_K/Q3_K_x files Q2_K and Q3_K ones);
@@ -100,6 +102,9 @@ class QuantFormat:
                         or self.group_size < 0 or self.ks % self.group_size):
             raise QuantError(f"Super-block scales (ks={self.ks}) are for int2-6 'sym', 'min' or "
                              f"'nl' groups that divide 256.")
+        if self.ks and self.bits == 2 and self.kind != "min":
+            raise QuantError("int2 super-block formats are 'min' (GGUF Q2_K: 4-bit sub-scales and "
+                             "mins, one byte a column).")
         if self.group_size == -1 and self.bits != 8:
             raise QuantError(f"int{self.bits} weights need groups of 32, 64 or 128 (per-row is "
                              f"for int8 only).")
@@ -312,11 +317,30 @@ def _int8_multiples(v: np.ndarray, gps: int) -> tuple[np.ndarray, np.ndarray]:
     return d, m.reshape(n, ng)
 
 
+def _nibble_multiples(v: np.ndarray, gps: int) -> tuple[np.ndarray, np.ndarray]:
+    """_int8_multiples for v >= 0 with m in 0..15 (int2 super-block formats)."""
+    n, ng = v.shape
+    vs = v.reshape(n, ng // gps, gps)
+    d = to_f16_scales(vs.max(axis=2) / 15.0)
+    m = np.clip(np.rint(vs * _inverse(d)), 0, 15).astype(np.int8)
+    return d, m.reshape(n, ng)
+
+
 def _quantize_super(wg: np.ndarray, fmt: QuantFormat, k: int) -> QuantizedWeight:
     """quantize() for super-block formats: the groups' f32 scales (and mins) as int8 multiples
     of one f16 value per super-block, then the weights rounded against s = d sc."""
     n, ng, g = wg.shape
     gps, top = fmt.ks // g, float(fmt.qmax)
+    if fmt.bits == 2:  # 4-bit sub-scales and mins >= 0: the range that includes 0
+        lo, hi = np.minimum(wg.min(axis=2), 0), np.maximum(wg.max(axis=2), 0)
+        d, sc = _nibble_multiples((hi - lo) / top, gps)
+        dmin, m = _nibble_multiples(-lo, gps)
+        qw = QuantizedWeight(fmt, np.zeros((n, ng * g), np.uint8), sc, m, k, (d, dmin))
+        s, c = super_terms(qw)
+        with np.errstate(divide="ignore"):
+            inv = np.where(s > 0, 1.0 / np.where(s > 0, s, 1.0), 0.0).astype(np.float32)[..., None]
+        qw.q = np.clip(np.rint((wg - c[..., None]) * inv), 0, top).astype(np.uint8).reshape(n, ng * g)
+        return qw
     if fmt.kind in ("sym", "nl"):
         half = 1 << (fmt.bits - 1)
         d, sc = _int8_multiples(np.abs(wg).max(axis=2) / (127.0 if fmt.kind == "nl" else half - 1), gps)

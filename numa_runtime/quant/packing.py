@@ -22,7 +22,8 @@ layout): shifted right by 2 (2 r + e), each lands on bits 0-1 of the byte the in
 take it into, and each third-bit word is the byte mask (one bit a byte) that adds 4 to it.
 Super-block formats (fmt.ks, GGUF K-quants) start each block's stream with the super-blocks'
     d        f16 [16]  per super-block, then dmin f16 [16] ("min")
-and their groups' meta is int8 [16] sub-scales (then int8 [16] mins) instead of the f16 ones.
+and their groups' meta is int8 [16] sub-scales (then int8 [16] mins) instead of the f16 ones
+(int2, GGUF Q2_K: one byte [16] a column, its 4-bit sub-scale | its 4-bit min << 4).
 The high bits of unit-local k = 8 r + 2 b + e (r: nibble row, b: byte of its lane, e: 0/1) sit
 at bit 8 b + (bits - 4) (2 r + e) of the plane lane: shifted by a constant per nibble row, they
 land on bit 4 (and 5) of the very bytes the int4 path's two masks take each nibble into.
@@ -41,9 +42,14 @@ def unit_bytes(fmt: QuantFormat) -> int:
     return {4: 64, 8: 64, 2: 64, 3: 96}.get(fmt.bits, 64 + fmt.pack_k // 8 * 64)
 
 
+def nib_meta(fmt: QuantFormat) -> bool:
+    """int2 super-block formats (GGUF Q2_K): a column's sub-scale and min in one byte, sc | m << 4."""
+    return bool(fmt.ks) and fmt.bits == 2
+
+
 def meta_bytes(fmt: QuantFormat) -> int:
     """Bytes of a group's scales (and offsets) for 16 columns: f16, or int8 with fmt.ks."""
-    return (16 if fmt.ks else 32) * (2 if fmt.has_offsets else 1)
+    return 16 if nib_meta(fmt) else (16 if fmt.ks else 32) * (2 if fmt.has_offsets else 1)
 
 
 def group_bytes(fmt: QuantFormat, group: int) -> int:
@@ -138,6 +144,11 @@ def pack(qw: QuantizedWeight) -> np.ndarray:
     out = np.empty((nb, ng, gb), np.uint8)
     meta = [qw.scales] + ([qw.offsets] if fmt.has_offsets else [])
     dt, w = (np.int8, 16) if fmt.ks else (np.float16, 32)
+    if nib_meta(fmt):
+        sc, mn = np.asarray(qw.scales, np.int16), np.asarray(qw.offsets, np.int16)
+        if sc.min(initial=0) < 0 or sc.max(initial=0) > 15 or mn.min(initial=0) < 0 or mn.max(initial=0) > 15:
+            raise ValueError("int2 super-block sub-scales and mins must be 0..15")
+        meta = [(sc | (mn << 4)).astype(np.uint8).view(np.int8)]
     for i, m in enumerate(meta):
         m16 = np.pad(np.asarray(m, dt), ((0, pad), (0, 0)))              # [Np, ng]
         out[:, :, w * i:w * i + w] = (m16.reshape(nb, NB, ng).transpose(0, 2, 1)
@@ -190,7 +201,10 @@ def unpack(packed: np.ndarray, fmt: QuantFormat, n: int, k: int) -> QuantizedWei
     dt, w = (np.int8, 16) if fmt.ks else (np.float16, 32)
     s = packed.reshape(nb, ng, group_bytes(fmt, g))
     meta = [np.ascontiguousarray(s[:, :, w * i:w * i + w]).view(dt)   # [Nb, ng, 16]
-            .transpose(0, 2, 1).reshape(nb * NB, ng)[:n] for i in range(nm)]
+            .transpose(0, 2, 1).reshape(nb * NB, ng)[:n] for i in range(1 if nib_meta(fmt) else nm)]
+    if nib_meta(fmt):
+        b = meta[0].view(np.uint8)
+        meta = [(b & 15).astype(np.int8), (b >> 4).astype(np.int8)]
     if fmt.bits in UNIT_K_HB:
         q = _hb_codes(s[:, :, mb:], fmt.bits, n, g)
         return QuantizedWeight(fmt, q, meta[0].copy(), meta[1].copy() if nm == 2 else None, k, sup)
