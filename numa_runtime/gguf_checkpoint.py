@@ -10,8 +10,8 @@ super-blocks without loss too, as formats with super-block scales (quant/formats
     Q4_K -> int4 group 32 "min";  Q5_K -> int5 group 32 "min";  Q6_K -> int6 group 16 "sym";
     Q3_K -> int3 group 16 "sym" (code q3 + 4);  Q2_K -> int2 group 16 "min"
 (w = d sc q - dmin m, or d sc (q - 32)): the codes, the 4/6/8-bit sub-scales and mins and the
-f16 d/dmin as stored (Q3_K and Q2_K: 3.5625 and 3.125 bits a weight against the file's 3.4375
-and 2.625: our sub-scales and mins take a byte each where the file packs them in 6 or 4 bits).
+f16 d/dmin as stored (Q3_K and Q2_K: 3.5625 and 2.625 bits a weight against the file's 3.4375
+and 2.625: Q3_K's 6-bit sub-scales take a byte each, Q2_K's 4-bit sub-scale and min share one).
 A rank whose columns start or end
 inside a super-block (a row-parallel split off 256-element boundaries) takes its groups with f16
 scales instead: each sub-block's d * sc and dmin * m (up to 19 significant bits) rounded to f16,
