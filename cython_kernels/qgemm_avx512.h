@@ -10,11 +10,7 @@
 /* P's 32-bit lanes shifted left by s (right by -s), s a constant after unrolling. */
 #define QG_SHV512(P, s) ((s) >= 0 ? _mm512_sll_epi32(P, _mm_cvtsi32_si128(s)) \
                                   : _mm512_srl_epi32(P, _mm_cvtsi32_si128(-(s))))
-#define QG_SHV256(P, s) ((s) >= 0 ? _mm256_sll_epi32(P, _mm_cvtsi32_si128(s)) \
-                                  : _mm256_srl_epi32(P, _mm_cvtsi32_si128(-(s))))
 
-/* Group g's scales s (meta: its meta) and, for the asymmetric kinds, the c of w = q s + c:
- * f16 values, or with ks d * sc and -dmin * m (exact in f32). */
 /* A ks group's int8 sub-scales (which 0) or mins (1) of the 16 columns, as int32 lanes. */
 QG_INLINE QG_T512 __m512i qg_sub512(const qg_format* f, const uint8_t* meta, int which) {
     if (qg_nib_meta(f)) {
@@ -24,19 +20,28 @@ QG_INLINE QG_T512 __m512i qg_sub512(const qg_format* f, const uint8_t* meta, int
     return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(meta + 16 * which)));
 }
 
+/* A super-block's f16 d (which 0) or dmin (1) of the 16 columns (sp: qg_super_of), as f32. */
+QG_INLINE QG_T512 __m512 qg_super512(const uint8_t* sp, int which) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 32 * which)));
+}
+/* A ks group's s = d sc and c = -dmin m, given its super-block's d / dmin as f32. */
+QG_INLINE QG_T512 __m512 qg_ks_s512(const qg_format* f, const uint8_t* meta, __m512 d) {
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(qg_sub512(f, meta, 0)));
+}
+QG_INLINE QG_T512 __m512 qg_ks_c512(const qg_format* f, const uint8_t* meta, __m512 dm) {
+    return _mm512_fnmadd_ps(dm, _mm512_cvtepi32_ps(qg_sub512(f, meta, 1)), _mm512_setzero_ps());
+}
+
+/* Group g's scales s (meta: its meta) and, for the asymmetric kinds, the c of w = q s + c:
+ * f16 values, or with ks d * sc and -dmin * m (exact in f32). */
 QG_INLINE QG_T512 __m512 qg_s512(const uint8_t* blk, const qg_format* f, const uint8_t* meta, long g) {
     if (!f->ks) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)meta));
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)qg_super_of(blk, f, g)));
-    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(qg_sub512(f, meta, 0)));
+    return qg_ks_s512(f, meta, qg_super512(qg_super_of(blk, f, g), 0));
 }
 
 QG_INLINE QG_T512 __m512 qg_c512(const uint8_t* blk, const qg_format* f, const uint8_t* meta, long g,
                                   __m512 s) {
-    if (f->ks) {
-        const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(qg_super_of(blk, f, g) + 32)));
-        const __m512 m = _mm512_cvtepi32_ps(qg_sub512(f, meta, 1));
-        return _mm512_fnmadd_ps(dm, m, _mm512_setzero_ps());
-    }
+    if (f->ks) return qg_ks_c512(f, meta, qg_super512(qg_super_of(blk, f, g), 1));
     const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(meta + 32)));
     return f->kind == QG_ZERO ? _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(s, o)) : o;
 }

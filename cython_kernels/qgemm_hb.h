@@ -13,8 +13,10 @@
 #ifndef NUMA_RUNTIME_QGEMM_HB_H
 #define NUMA_RUNTIME_QGEMM_HB_H
 
-#define QG_SHV256_(P, s) ((s) >= 0 ? _mm256_sll_epi32(P, _mm_cvtsi32_si128(s)) \
-                                   : _mm256_srl_epi32(P, _mm_cvtsi32_si128(-(s))))
+/* P's 32-bit lanes shifted left by s (right by -s), s a constant after unrolling (QG_SHV512's
+ * AVX2 twin). */
+#define QG_SHV256(P, s) ((s) >= 0 ? _mm256_sll_epi32(P, _mm_cvtsi32_si128(s)) \
+                                  : _mm256_srl_epi32(P, _mm_cvtsi32_si128(-(s))))
 
 /* 32 bits m as 32 bytes: byte i is 0xFF where bit i of m is set, else 0. */
 QG_INLINE __m256i qg_bits_bytes256(uint32_t m) {
@@ -31,8 +33,8 @@ QG_INLINE void qg_hb_merge256(const uint8_t* unit, __m256i p, int bits, int rr, 
                               __m256i* hi) {
     if (bits == 2 || bits == 3) {
         const __m256i m2 = _mm256_set1_epi32(0x03030303);
-        *lo = _mm256_and_si256(QG_SHV256_(p, -4 * rr), m2);
-        *hi = _mm256_and_si256(QG_SHV256_(p, -4 * rr - 2), m2);
+        *lo = _mm256_and_si256(QG_SHV256(p, -4 * rr), m2);
+        *hi = _mm256_and_si256(QG_SHV256(p, -4 * rr - 2), m2);
         if (bits == 3) {
             uint32_t w0, w1;  /* words 2 rr and 2 rr + 1, the bits of lanes 8h..8h+7 */
             memcpy(&w0, unit + 64 + 16 * rr + 4 * h, 4);
@@ -47,9 +49,9 @@ QG_INLINE void qg_hb_merge256(const uint8_t* unit, __m256i p, int bits, int rr, 
     const __m256i m4 = _mm256_set1_epi32(0x0F0F0F0F);
     const __m256i hm = _mm256_set1_epi32(bits == 5 ? 0x10101010 : 0x30303030);
     const int se = bits == 5 ? 4 - 2 * rr : 4 - 4 * rr, so = se - (bits - 4);
-    *lo = _mm256_or_si256(_mm256_and_si256(n, m4), _mm256_and_si256(QG_SHV256_(p, se), hm));
+    *lo = _mm256_or_si256(_mm256_and_si256(n, m4), _mm256_and_si256(QG_SHV256(p, se), hm));
     *hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(n, 4), m4),
-                          _mm256_and_si256(QG_SHV256_(p, so), hm));
+                          _mm256_and_si256(QG_SHV256(p, so), hm));
 }
 
 /* Codes of columns 8h..8h+7 at unit-local k = i, as int32 lanes. */

@@ -216,23 +216,17 @@ static inline int32_t qg_ld32(const int8_t* p) {
     for (int r = 0; r < mr; r++) a[r] = _mm512_setzero_ps();                                   \
     /* ks: the super-block's f16 d (and dmin) converted once per super-block, not per group */ \
     __m512 sd = _mm512_setzero_ps(), sdm = _mm512_setzero_ps();                                \
-    long sb_last = -1;                                                                          \
+    const uint8_t* sp_last = NULL;                                                              \
     (void)ng;                                                                                   \
     for (long g = g0; g < g1; g++) {                                                            \
         const uint8_t* meta = gbase + g * gb;                                              \
-        __m512 s;                                                                               \
-        if (f->ks) {                                                                            \
-            const long sb = g * G / QG_KS;                                                      \
-            if (sb != sb_last) {                                                                \
-                const uint8_t* sp = blk + sb * qg_super_each(f);                                \
-                sd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sp));                   \
-                if (has_c) sdm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 32))); \
-                sb_last = sb;                                                                   \
-            }                                                                                   \
-            s = _mm512_mul_ps(sd, _mm512_cvtepi32_ps(qg_sub512(f, meta, 0)));                    \
-        } else {                                                                                \
-            s = qg_s512(blk, f, meta, g);                                                       \
+        const uint8_t* sp = f->ks ? qg_super_of(blk, f, g) : NULL;                              \
+        if (sp != sp_last) {                                                                    \
+            sp_last = sp;                                                                       \
+            sd = qg_super512(sp_last, 0);                                                       \
+            if (has_c) sdm = qg_super512(sp_last, 1);                                           \
         }                                                                                       \
+        const __m512 s = f->ks ? qg_ks_s512(f, meta, sd) : qg_s512(blk, f, meta, g);            \
         const uint8_t* row = meta + mb;                                                         \
         for (long b = 0; b < nbg; b++) {                                                        \
             const long k0 = g * G + b * QG_QB;                                                  \
@@ -304,10 +298,7 @@ static inline int32_t qg_ld32(const int8_t* p) {
             }                                                                                   \
         }                                                                                       \
         if (has_c) {                                                                            \
-            /* ks: c = -dmin m, as qg_c512 (the row tiles compute the same, bit for bit) */    \
-            const __m512 c = f->ks ? _mm512_fnmadd_ps(sdm, _mm512_cvtepi32_ps(qg_sub512(f, meta, 1)), \
-                                                      _mm512_setzero_ps())                      \
-                                   : qg_c512(blk, f, meta, g, s);                               \
+            const __m512 c = f->ks ? qg_ks_c512(f, meta, sdm) : qg_c512(blk, f, meta, g, s);    \
             for (int r = 0; r < mr; r++)                                                        \
                 a[r] = _mm512_fmadd_ps(c, _mm512_set1_ps(q->xs[r * q->ng + g]), a[r]);          \
         }                                                                                       \
@@ -499,25 +490,16 @@ static void qg_q8_avx2(const uint8_t* blk, const qg_format* f, const qg_xq* q, l
         qr.xi += r0 * q->nb;
         qr.xs += r0 * q->ng;
         const int two = m - r0 >= 2;
-        if (f->bits == 2) {
-            if (two) qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 2, 2);
-            else qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 2, 1);
-        } else if (f->bits == 3) {
-            if (two) qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 3, 2);
-            else qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 3, 1);
-        } else if (f->bits == 4) {
-            if (two) qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 4, 2);
-            else qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 4, 1);
-        } else if (f->bits == 5) {
-            if (two) qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 5, 2);
-            else qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 5, 1);
-        } else if (f->bits == 6) {
-            if (two) qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 6, 2);
-            else qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 6, 1);
-        } else {
-            if (two) qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 8, 2);
-            else qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, 8, 1);
+#define QG_AVX2_CASE(b)                                                                 \
+    case b:                                                                             \
+        if (two) qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, b, 2);            \
+        else qg_q8_avx2_mr(blk, f, &qr, g0, g1, acc + r0 * QG_NB, b, 1);                \
+        break;
+        switch (f->bits) {
+            QG_AVX2_CASE(2) QG_AVX2_CASE(3) QG_AVX2_CASE(4) QG_AVX2_CASE(5) QG_AVX2_CASE(6)
+            default: QG_AVX2_CASE(8)
         }
+#undef QG_AVX2_CASE
     }
 }
 

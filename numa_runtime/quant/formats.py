@@ -307,22 +307,14 @@ def quantize(w: np.ndarray, fmt: QuantFormat) -> QuantizedWeight:
     return QuantizedWeight(fmt, q.astype(np.uint8).reshape(n, kp), s, z.astype(np.float16), k)
 
 
-def _int8_multiples(v: np.ndarray, gps: int) -> tuple[np.ndarray, np.ndarray]:
+def _int8_multiples(v: np.ndarray, gps: int, top: int = 127) -> tuple[np.ndarray, np.ndarray]:
     """v [N, ng] f32 -> (d f16 [N, ng / gps], m int8 [N, ng]) with d m close to v: d the
-    super-block's largest |v| / 127 (rounded to f16), m = rint(v / d)."""
+    super-block's largest |v| / top (rounded to f16), m = rint(v / d) in -top..top (top 15 for
+    the 4-bit sub-scales and mins of int2 super-block formats, v >= 0 there: m in 0..15)."""
     n, ng = v.shape
     vs = v.reshape(n, ng // gps, gps)
-    d = to_f16_scales(np.abs(vs).max(axis=2) / 127.0)
-    m = np.clip(np.rint(vs * _inverse(d)), -127, 127).astype(np.int8)
-    return d, m.reshape(n, ng)
-
-
-def _nibble_multiples(v: np.ndarray, gps: int) -> tuple[np.ndarray, np.ndarray]:
-    """_int8_multiples for v >= 0 with m in 0..15 (int2 super-block formats)."""
-    n, ng = v.shape
-    vs = v.reshape(n, ng // gps, gps)
-    d = to_f16_scales(vs.max(axis=2) / 15.0)
-    m = np.clip(np.rint(vs * _inverse(d)), 0, 15).astype(np.int8)
+    d = to_f16_scales(np.abs(vs).max(axis=2) / float(top))
+    m = np.clip(np.rint(vs * _inverse(d)), -top, top).astype(np.int8)
     return d, m.reshape(n, ng)
 
 
@@ -333,15 +325,10 @@ def _quantize_super(wg: np.ndarray, fmt: QuantFormat, k: int) -> QuantizedWeight
     gps, top = fmt.ks // g, float(fmt.qmax)
     if fmt.bits == 2:  # 4-bit sub-scales and mins >= 0: the range that includes 0
         lo, hi = np.minimum(wg.min(axis=2), 0), np.maximum(wg.max(axis=2), 0)
-        d, sc = _nibble_multiples((hi - lo) / top, gps)
-        dmin, m = _nibble_multiples(-lo, gps)
+        d, sc = _int8_multiples((hi - lo) / top, gps, 15)
+        dmin, m = _int8_multiples(-lo, gps, 15)
         qw = QuantizedWeight(fmt, np.zeros((n, ng * g), np.uint8), sc, m, k, (d, dmin))
-        s, c = super_terms(qw)
-        with np.errstate(divide="ignore"):
-            inv = np.where(s > 0, 1.0 / np.where(s > 0, s, 1.0), 0.0).astype(np.float32)[..., None]
-        qw.q = np.clip(np.rint((wg - c[..., None]) * inv), 0, top).astype(np.uint8).reshape(n, ng * g)
-        return qw
-    if fmt.kind in ("sym", "nl"):
+    elif fmt.kind in ("sym", "nl"):
         half = 1 << (fmt.bits - 1)
         d, sc = _int8_multiples(np.abs(wg).max(axis=2) / (127.0 if fmt.kind == "nl" else half - 1), gps)
         qw = QuantizedWeight(fmt, np.zeros((n, ng * g), np.uint8), sc, None, k, (d, None))
