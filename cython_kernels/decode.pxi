@@ -9,6 +9,7 @@ from numa_runtime._kernels import attention as _attention
 cdef extern from "decode_layers.h" nogil:
     enum: ND_MAX_PARTS
     int nr_amx  # this module's copy of attention_amx.h's switch (set from attention's each step)
+    long nd_amx_gemvs
     ctypedef struct nd_linear:
         int nparts
         const uint8_t* w[ND_MAX_PARTS]
@@ -157,6 +158,12 @@ def fused_decoder(layers, *args):
     return FusedDecoder(layers, *args)
 
 
+
+def _fused_amx_gemvs():
+    """How many GEMV parts decode regions have run on AMX-INT8 tiles in this process (tests:
+    decode batches past QG_MR_Q8 rows take them where present, as QLinear.forward does)."""
+    return nd_amx_gemvs
+
 cdef class FusedDecoder:
     """Decode steps (one new token per sequence, up to MAX_ROWS rows) of a quantized decoder in
     one OpenMP region: decode_layers.h. Same values as the op-by-op path (the same kernel
@@ -289,11 +296,13 @@ cdef class FusedDecoder:
             if len(self.scratch) >= 4:
                 del self.scratch[next(iter(self.scratch))]
             ns = QG_MAX_SLICES if M <= QG_MR_Q8 else 1  # the most k slices qg_q8_slices cuts
-            tb = 1  # the row tiles of one part at a time (decode_layers.h nd_gemv)
+            tb = 1  # the row tiles or AMX row scalars of one part at a time (decode_layers.h nd_gemv)
+            pad = 0
             if M > QG_MR_Q8:
                 for q in self.parts:
-                    tb = max(tb, qg_tiles_bytes(&(<QLinear>q).fmt, M))
-            s = self.scratch[M] = (np.empty(M * self.kmax, np.int8), np.empty(M * self.nbmax, np.float32),
+                    tb = max(tb, qg_tiles_bytes(&(<QLinear>q).fmt, M), qg_amx_rows_bytes_f(&(<QLinear>q).fmt, M))
+                pad = (QG_MR_AMX - 1) * self.kmax  # AMX loads whole 16-row tiles of the int8 rows
+            s = self.scratch[M] = (np.empty(M * self.kmax + pad, np.int8), np.empty(M * self.nbmax, np.float32),
                                    np.empty(M * self.nbmax, np.int32), np.empty(M * self.ngmax, np.float32),
                                    np.empty(ns * M * self.nmax, np.float32), np.empty(tb, np.uint8),
                                    np.empty(ns * M * self.nmax, np.float32))

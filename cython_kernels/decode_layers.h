@@ -296,6 +296,9 @@ static void nd_norm_quant(const nd_model* m, const nd_step* st, const float* x, 
     else if (add) t->cur ^= 1;
 }
 
+/* GEMV parts the decode region ran on AMX-INT8 tiles (qgemm._fused_amx_gemvs: tests) */
+static long nd_amx_gemvs = 0;
+
 /* out[M, n] = int8 activations b @ W^T + bias, part by part as qg_forward_q8 computes each (and
  * loader.ConcatLinear adds its bias after them); ends with a barrier. `part`: the k-slice
  * scratch. With `fold`, k-slice partial sums of a one-part linear are left in t->pend for the
@@ -309,7 +312,18 @@ static void nd_gemv(const nd_step* st, const nd_linear* L, const nd_xqbuf* b, fl
         const long ns = qg_q8_slices(f, M, t->nt), Np = f->n;
         const qg_xq q = nd_part_xq(b, M, L, p);
         const float* bias = L->bias_after || !L->bias ? NULL : L->bias + col;
-        if (st->tiles && M > QG_MR_Q8 && st->qg_level >= 2 && qg_q8_tiles && qg_tileable(f)) {  /* as qg_forward_q8 without AMX */
+        if (st->tiles && M > QG_MR_Q8 && st->qg_level >= 2 && qg_q8_tiles && qg_tileable(f)) {  /* as qg_forward_q8 */
+            if (qg_amx && qg_amx_fits(f) && b->xq == st->xq) {
+                /* AMX-INT8 matrix tiles (qgemm_amx.h): they read whole 16-row tiles of the shared
+                 * int8 rows, whose buffer is padded for the last one (decode.pxi _scratch) */
+                const qg_amx_rows A = qg_amx_rows_at(st->tiles, &q, M);
+                qg_amx_rows_fill(&A, &q, M, t->tid, t->nt);
+                nd_barrier(t);
+                qg_amx_share(L->w[p], f, &q, &A, M, bias, out + col, N, 0, t->tid, t->nt);
+                if (t->tid == 0) nd_amx_gemvs++;
+                nd_barrier(t);
+                continue;
+            }
             const qg_tiles T = qg_tiles_at(st->tiles, f, M);
             qg_tiles_fill(&T, &q, f, M, t->tid, t->nt);
             nd_barrier(t);
@@ -525,7 +539,7 @@ static void nd_head_phase(const nd_model* m, const nd_step* st, const nd_head_bu
  * on every thread cost less than the barriers they save. NOTE: batch 1 only: on SPR-16 at 16
  * threads (Qwen2.5-0.5B int4, a one-off probe) redundant steps of 4 and 8 rows decoded clearly
  * slower than with barriers (16 threads reading every row that other threads wrote), one row
- * about as fast or a little faster; past QG_MR_Q8 rows the GEMVs run in row tiles, with
+ * about as fast or a little faster; past QG_MR_Q8 rows the GEMVs run in row tiles or AMX tiles, with
  * barriers of their own. */
 static inline int nd_red_ok(const nd_step* st, int nt) {
     if (st->redundant == 2 || nt < 2 || st->M > QG_MR_Q8) return 0;

@@ -68,11 +68,13 @@ cdef extern from "qgemm_kernels.h" nogil:
     int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, long M, long ldx,
                       const float* bias, float* out, int level, int resid)
     enum: QG_MR_Q8
+    enum: QG_MR_AMX
     int qg_q8_tiles
     long qg_pf_bytes
     int qg_amx
     int qg_amx_init()
     size_t qg_tiles_bytes(const qg_format* f, long Q)
+    size_t qg_amx_rows_bytes_f(const qg_format* f, long Q)
     int qg_decode_step
     int qg_dequant_panel_bf16(const uint8_t* w, const qg_format* f, long K, long n0, long n1,
                               long kpp, uint16_t* panel)

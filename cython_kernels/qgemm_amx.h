@@ -2,22 +2,25 @@
  *
  * The row tiles of qgemm_q8tile.h spend one vpdpbusd per 64 multiply-adds; an AMX tile
  * multiply (tdpbssd / tdpbsud) does 16 x 16 x 32 = 8192 of them. Operands, per 32-k activation
- * block (QG_QB):
- *   A  16 activation rows x 32 int8 k, loaded straight from xq (rows kp apart; int4 formats
+ * block (bk = QG_QB):
+ *   A  16 activation rows x 32 int8 k, loaded straight from xq (rows kp apart; int2-6 formats
  *      keep xq's k order 0 2 4 6 1 3 5 7, which the B rows below follow);
  *   B  8 rows of 16 columns x 4 k: int8 weights are the packed rows themselves (signed, so
  *      tdpbssd); int4 rows are split into their low and high nibbles (k 0 2 4 6 and 1 3 5 7 of
- *      each 8): symmetric ones less their offset 8 (signed, tdpbssd), the others as they are
- *      (unsigned 0..15 with no offset, tdpbsud). So no offset correction -off * xi is needed.
+ *      each 8) and int2/3/5/6 units merged into the same two byte vectors (qg_hb_merge512):
+ *      symmetric codes less their offset 2^(bits-1) (signed, tdpbssd), the NL levels looked up
+ *      (signed), the others as they are (unsigned, tdpbsud). So no offset correction -off * xi
+ *      is needed.
  *   C  16 x 16 int32: the block's exact integer sums, the very integers the VNNI kernels form.
  * After each block C goes to memory and the float epilogue runs in AVX-512 as in the VNNI
  * kernels (convert, scale product, fused multiply-add per block; the group's c term), in the
  * same order: results are bitwise equal to qg_q8_vnni's and the row tiles', whichever kernel a
- * row ran in. The epilogue (per 32 k, because the activation scales are per 32 k) is most of
+ * row ran in. The epilogue (per block, because the activation scales are per block) is most of
  * the instructions; the tile multiply is a few cycles.
  *
  * Formats: every block a full 32 k (group a multiple of 32, or per channel with K a multiple
- * of 32: every real model's K). Others keep the row tiles (qg_amx_fits).
+ * of 32: every real model's K), of whole packed units. Others (groups of 16) keep the row tiles
+ * (qg_amx_fits).
  * Linux hands out the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, once
  * per process; oneDNN asks the same); each OpenMP thread loads its tile configuration at the
  * start of its share and releases it at the end.
@@ -40,8 +43,20 @@ static int qg_amx_init(void) {
     return nr_amx_grant();
 }
 
-/* Every block a full QG_QB k: the group (which divides kp; per channel it is kp) a multiple. */
-static inline int qg_amx_fits(const qg_format* f) { return f->group % QG_QB == 0 && !qg_is_hb(f); }
+/* Every block a full QG_QB k (the group, which divides kp, a multiple: per channel it is kp),
+ * made of whole packed units. NOTE: groups of 16 (GGUF Q6_K, Q3_K, Q2_K, their activation
+ * blocks 16 k too) ran 0.83-0.87x as fast on 16-k tiles as on the row tiles (16 and 64 rows,
+ * 2048 x 8192, 2-core Sapphire Rapids-class VM): the per-block epilogue of 16 rows is the cost
+ * there, twice as often as in groups of 32, so they keep the row tiles. */
+static inline int qg_amx_fits(const qg_format* f) {
+    return f->group % QG_QB == 0 && QG_QB % qg_pack_k(f) == 0;
+}
+
+/* Bytes of qg_amx_rows for Q rows of format f (the fused decoder sizes its scratch by it). */
+static inline size_t qg_amx_rows_bytes_f(const qg_format* f, long Q) {
+    const long ng = f->kp / f->group, nb = ng * qg_blocks_per_group(f), nt = (Q + QG_MR_AMX - 1) / QG_MR_AMX;
+    return (size_t)nt * QG_MR_AMX * sizeof(float) * (size_t)(nb + ng) + 2 * 64;
+}
 
 /* Two sets, used alternately by even and odd blocks so that one block's multiply overlaps the
  * previous block's epilogue (tiles are not renamed: reusing one C tile would wait for its
@@ -97,26 +112,37 @@ static void qg_amx_rows_fill(const qg_amx_rows* T, const qg_xq* q, long Q, int t
 #define QG_AMX_FENCE() __asm__ volatile("" ::: "memory")
 
 /* Block bi's 32 k (block b_ of the group whose rows start at rows_): A from xq, B from the
- * packed rows, C = A . B stored to cb. int4 rows are split into their low and high nibbles
- * into bt, symmetric ones less their offset 8 (so signed: the integer the VNNI kernels form
- * with their offset correction). TC, TA, TB: the tile set. */
+ * packed rows, C = A . B stored to cb. int8 rows are B as they are; int4 rows are split into
+ * their low and high nibbles into bt, and int2/3/5/6 units merged into the same two byte vectors
+ * (qg_hb_merge512); symmetric codes less their offset 2^(bits-1) (so signed: the integer the
+ * VNNI kernels form with their offset correction), the NL levels looked up (signed), the others
+ * unsigned. TC, TA, TB: the tile set. */
 #define QG_AMX_MUL(TC, TA, TB, bi, rows_, b_, bt, cb)                                             \
     {                                                                                             \
-        _tile_loadd(TA, xa + (bi) * QG_QB, kp);                                                   \
+        _tile_loadd(TA, xa + (bi) * bk, kp);                                                      \
         _tile_zero(TC);                                                                           \
-        if (bits == 4) {                                                                          \
-            const uint8_t* src_ = (rows_) + (b_) * (QG_QB / 8) * 64;                              \
-            for (int i_ = 0; i_ < QG_QB / 8; i_++) {                                              \
-                if (qg_pf_bytes) _mm_prefetch((const char*)src_ + i_ * 64 + qg_pf_bytes, _MM_HINT_T0); \
-                const __m512i v_ = _mm512_loadu_si512((const void*)(src_ + i_ * 64));             \
-                __m512i lo_ = _mm512_and_si512(v_, m4);                                           \
-                __m512i hi_ = _mm512_and_si512(_mm512_srli_epi32(v_, 4), m4);                     \
+        if (bits != 8) {                                                                          \
+            const uint8_t* src_ = (rows_) + (b_) * (bk / pk) * ub;                               \
+            if (qg_pf_bytes)                                                                      \
+                for (long l_ = 0; l_ < (bk / pk) * ub; l_ += 64)                                  \
+                    _mm_prefetch((const char*)src_ + l_ + qg_pf_bytes, _MM_HINT_T0);              \
+            for (int i_ = 0; i_ < bk / 8; i_++) {                                                 \
+                __m512i lo_, hi_;                                                                 \
+                if (bits == 4) {                                                                  \
+                    const __m512i v_ = _mm512_loadu_si512((const void*)(src_ + i_ * 64));         \
+                    lo_ = _mm512_and_si512(v_, m4);                                               \
+                    hi_ = _mm512_and_si512(_mm512_srli_epi32(v_, 4), m4);                         \
+                } else {                                                                          \
+                    const uint8_t* u_ = src_ + (8 * i_ / pk) * ub;                                \
+                    qg_hb_merge512(u_, _mm512_loadu_si512((const void*)u_), bits,                 \
+                                   (int)((8 * i_ % pk) / 8), &lo_, &hi_);                         \
+                }                                                                                 \
                 if (nl) {  /* the NL levels, signed */                                           \
                     lo_ = _mm512_shuffle_epi8(nls, lo_);                                          \
                     hi_ = _mm512_shuffle_epi8(nls, hi_);                                          \
                 } else if (sym) {                                                                 \
-                    lo_ = _mm512_sub_epi8(lo_, eight);                                            \
-                    hi_ = _mm512_sub_epi8(hi_, eight);                                            \
+                    lo_ = _mm512_sub_epi8(lo_, soff);                                             \
+                    hi_ = _mm512_sub_epi8(hi_, soff);                                             \
                 }                                                                                 \
                 _mm512_store_si512((void*)((bt) + (2 * i_) * 64), lo_);                           \
                 _mm512_store_si512((void*)((bt) + (2 * i_ + 1) * 64), hi_);                       \
@@ -127,9 +153,9 @@ static void qg_amx_rows_fill(const qg_amx_rows* T, const qg_xq* q, long Q, int t
             else _tile_dpbsud(TC, TA, TB);                                                        \
         } else {                                                                                  \
             if (qg_pf_bytes)                                                                      \
-                for (int i_ = 0; i_ < QG_QB / 4; i_++)                                            \
-                    _mm_prefetch((const char*)(rows_) + ((b_) * (QG_QB / 4) + i_) * 64 + qg_pf_bytes, _MM_HINT_T0); \
-            _tile_loadd(TB, (rows_) + (b_) * (QG_QB / 4) * 64, 64);                               \
+                for (int i_ = 0; i_ < bk / 4; i_++)                                               \
+                    _mm_prefetch((const char*)(rows_) + ((b_) * (bk / 4) + i_) * 64 + qg_pf_bytes, _MM_HINT_T0); \
+            _tile_loadd(TB, (rows_) + (b_) * (bk / 4) * 64, 64);                                  \
             _tile_dpbssd(TC, TA, TB);                                                             \
         }                                                                                         \
         _tile_stored(TC, (cb), 64);                                                               \
@@ -155,17 +181,20 @@ static void qg_amx_rows_fill(const qg_amx_rows* T, const qg_xq* q, long Q, int t
     }
 
 /* acc[r * 16 + j] for the 16 rows of tile i and the 16 columns of block blk, all groups.
- * bt: 64-byte aligned 2 x 512-byte scratch (int4 B rows); cb: 4 x 1 KiB (C). Software
+ * bt: 64-byte aligned 2 x 512-byte scratch (int2-6 B rows); cb: 4 x 1 KiB (C). Software
  * pipelined: blocks 2p and 2p + 1 multiply on the two tile sets while the epilogue of blocks
  * 2p - 2 and 2p - 1 runs, on sums stored an iteration earlier (a load waits for a tile store
  * until it is written to the cache). */
 QG_INLINE QG_TAMX void qg_amx_block(const uint8_t* blk, const qg_format* f, const qg_xq* q,
                                     const qg_amx_rows* T, long i, float* acc, uint8_t* bt,
                                     int32_t* cb, const int bits) {
-    const long gb = qg_group_bytes(f), mb = qg_meta_bytes(f), nbg = f->group / QG_QB;
+    const long bk = QG_QB, pk = qg_pk_of(bits), ub = qg_ub_of(bits);
+    const long gb = qg_group_bytes(f), mb = qg_meta_bytes(f), nbg = f->group / bk;
     const long ng = q->ng, nb = q->nb, kp = q->kp, nbk = ng * nbg;
-    const int has_c = bits == 4 && qg_has_c(f), sym = f->kind == QG_SYM, nl = f->kind == QG_NL;
-    const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F), eight = _mm512_set1_epi8(8);
+    const int has_c = bits != 8 && qg_has_c(f), sym = bits != 8 && f->kind == QG_SYM;
+    const int nl = bits == 4 && f->kind == QG_NL;
+    const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F);
+    const __m512i soff = _mm512_set1_epi8((char)(bits != 8 ? 1 << (bits - 1) : 0));
     const __m512i nls = QG_NL_S512();
     const int8_t* xa = q->xq + i * QG_MR_AMX * kp;
     const float* st = T->st + i * nb * QG_MR_AMX;
@@ -204,6 +233,21 @@ QG_INLINE QG_TAMX void qg_amx_block(const uint8_t* blk, const qg_format* f, cons
 #undef QG_AMX_MUL
 #undef QG_AMX_EPI
 
+/* One function per bit width (qg_amx_block_b<bits>), each compiled on its own (as QG_Q8_INST). */
+#define QG_AMX_INST(b)                                                                            \
+    static QG_TAMX __attribute__((noinline)) void qg_amx_block_b##b(                              \
+        const uint8_t* blk, const qg_format* f, const qg_xq* q, const qg_amx_rows* T, long i,      \
+        float* acc, uint8_t* bt, int32_t* cb) {                                                   \
+        qg_amx_block(blk, f, q, T, i, acc, bt, cb, b);                                            \
+    }
+QG_AMX_INST(2)
+QG_AMX_INST(3)
+QG_AMX_INST(4)
+QG_AMX_INST(5)
+QG_AMX_INST(6)
+QG_AMX_INST(8)
+#undef QG_AMX_INST
+
 /* Thread tid of nt: its share of the (column block, 16-row tile) tasks of out[M, N] (rows ldo
  * apart), block-major; `resid`: int8 rows 2i and 2i + 1 are output row i. xq must be readable
  * for 16 rows past any tile's first row (qg_forward_q8 pads it). */
@@ -221,8 +265,14 @@ static QG_TAMX void qg_amx_share(const uint8_t* w, const qg_format* f, const qg_
     for (long t = t0; t < t1; t++) {
         const long b = t / T->ntiles, i = t % T->ntiles, r0 = i * QG_MR_AMX;
         int m = (int)(Q - r0 < QG_MR_AMX ? Q - r0 : QG_MR_AMX);
-        if (f->bits == 4) qg_amx_block(w + b * bb, f, q, T, i, acc, bt, cb, 4);
-        else qg_amx_block(w + b * bb, f, q, T, i, acc, bt, cb, 8);
+        switch (f->bits) {
+            case 2: qg_amx_block_b2(w + b * bb, f, q, T, i, acc, bt, cb); break;
+            case 3: qg_amx_block_b3(w + b * bb, f, q, T, i, acc, bt, cb); break;
+            case 4: qg_amx_block_b4(w + b * bb, f, q, T, i, acc, bt, cb); break;
+            case 5: qg_amx_block_b5(w + b * bb, f, q, T, i, acc, bt, cb); break;
+            case 6: qg_amx_block_b6(w + b * bb, f, q, T, i, acc, bt, cb); break;
+            default: qg_amx_block_b8(w + b * bb, f, q, T, i, acc, bt, cb); break;
+        }
         m = qg_fold_resid(acc, m, resid);  /* m is even with resid: Q and QG_MR_AMX are */
         qg_store(acc, m, b * QG_NB, f->n, ldo, bias, out + (resid ? r0 / 2 : r0) * ldo);
     }

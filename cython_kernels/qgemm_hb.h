@@ -7,8 +7,7 @@
  * into the int4 path's nibble bytes (qg_hb_merge256 here, qg_hb_merge512 on AVX-512): the decode
  * kernels (qgemm_q8.h) and the VNNI row tiles (qgemm_q8tile.h) take those bytes into their
  * integer dot products, the f32 tile path, the bf16 panels and the AMX-BF16 tiles dequantize
- * them per k. AMX-INT8 tiles do not read these layouts (qg_amx_fits): decode batches of them take
- * the row tiles where AMX is present too.
+ * them per k, and the AMX-INT8 tiles (qgemm_amx.h) store the merged bytes as their B rows.
  */
 #ifndef NUMA_RUNTIME_QGEMM_HB_H
 #define NUMA_RUNTIME_QGEMM_HB_H

@@ -65,7 +65,7 @@ static inline long qg_pack_k(const qg_format* f) { return qg_pk_of(f->bits); }
 static inline int qg_is_hb(const qg_format* f) { return f->bits != 4 && f->bits != 8; }
 static inline long qg_unit_bytes(const qg_format* f) { return qg_ub_of(f->bits); }
 /* The row-tile kernels (qgemm_q8tile.h) read every layout; AMX-INT8 (qgemm_amx.h, qg_amx_fits)
- * int4/int8 rows only. */
+ * those whose blocks are whole. */
 static inline int qg_tileable(const qg_format* f) { (void)f; return 1; }
 /* Whether groups carry a zero point or min (w = q s + c with c their own). */
 static inline int qg_has_c(const qg_format* f) { return f->kind == QG_ZERO || f->kind == QG_MIN; }

@@ -103,6 +103,33 @@ def test_decode_batches_in_row_tiles(models, monkeypatch, quantization):
         o.close()
 
 
+@pytest.mark.skipif(not qgemm.has_amx(), reason="AMX-INT8 tiles need a CPU with AMX-INT8")
+@pytest.mark.parametrize("quantization", ["int4", "int8", "int4-g64-min"])
+def test_decode_batches_take_amx_tiles_in_the_region(models, monkeypatch, quantization):
+    """Where AMX-INT8 is present, the region runs the GEMVs of a decode batch past 8 rows on its
+    matrix tiles (qgemm_amx.h), as QLinear.forward does: the region's AMX count rises with AMX
+    on and stays with it off, and the greedy tokens equal op by op with the VNNI row tiles (the
+    same integers and float operations, so the same bits)."""
+    f, o = both(models["llama"], monkeypatch, quantization=quantization)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = batch_prompts(20)
+    try:
+        before = qgemm._fused_amx_gemvs()
+        want = [x.token_ids for x in f.generate(prompts, params)]
+        assert qgemm._fused_amx_gemvs() > before
+        old = qgemm._set_amx(False)
+        try:
+            before = qgemm._fused_amx_gemvs()
+            assert [x.token_ids for x in f.generate(prompts, params)] == want
+            assert qgemm._fused_amx_gemvs() == before
+            assert [x.token_ids for x in o.generate(prompts, params)] == want
+        finally:
+            qgemm._set_amx(old)
+    finally:
+        f.close()
+        o.close()
+
+
 @pytest.mark.parametrize("threads,barrier,redundant", [
     (1, "auto", "auto"), (2, "auto", "auto"), (2, "auto", "off"), (3, "own", "auto"), (5, "own", "auto"),
     (5, "own", "on"), (7, "own", "on"), (7, "own", "off"), (8, "own", "auto"), (5, "omp", "auto"),
