@@ -111,21 +111,18 @@ static void qg_amx_rows_fill(const qg_amx_rows* T, const qg_xq* q, long Q, int t
  * them, and the loads of the sums after the tile store that writes them. */
 #define QG_AMX_FENCE() __asm__ volatile("" ::: "memory")
 
-/* Block bi's 32 k (block b_ of the group whose rows start at rows_): A from xq, B from the
- * packed rows, C = A . B stored to cb. int8 rows are B as they are; int4 rows are split into
- * their low and high nibbles into bt, and int2/3/5/6 units merged into the same two byte vectors
- * (qg_hb_merge512); symmetric codes less their offset 2^(bits-1) (so signed: the integer the
- * VNNI kernels form with their offset correction), the NL levels looked up (signed), the others
- * unsigned. TC, TA, TB: the tile set. */
-#define QG_AMX_MUL(TC, TA, TB, bi, rows_, b_, bt, cb)                                             \
+/* The B rows of a block (block b_ of the group whose rows start at rows_) into bt, for int2-6
+ * (int8 rows are B as they are: only their prefetch): int4 rows split into their low and high
+ * nibbles, int2/3/5/6 units merged into the same two byte vectors (qg_hb_merge512); symmetric
+ * codes less their offset 2^(bits-1) (so signed: the integer the VNNI kernels form with their
+ * offset correction), the NL levels looked up (signed), the others unsigned. */
+#define QG_AMX_UNPACK(rows_, b_, bt)                                                              \
     {                                                                                             \
-        _tile_loadd(TA, xa + (bi) * bk, kp);                                                      \
-        _tile_zero(TC);                                                                           \
+        const uint8_t* src_ = (rows_) + (b_) * (bk / pk) * ub;                                   \
+        if (qg_pf_bytes)                                                                          \
+            for (long l_ = 0; l_ < (bk / pk) * ub; l_ += 64)                                      \
+                _mm_prefetch((const char*)src_ + l_ + qg_pf_bytes, _MM_HINT_T0);                  \
         if (bits != 8) {                                                                          \
-            const uint8_t* src_ = (rows_) + (b_) * (bk / pk) * ub;                               \
-            if (qg_pf_bytes)                                                                      \
-                for (long l_ = 0; l_ < (bk / pk) * ub; l_ += 64)                                  \
-                    _mm_prefetch((const char*)src_ + l_ + qg_pf_bytes, _MM_HINT_T0);              \
             for (int i_ = 0; i_ < bk / 8; i_++) {                                                 \
                 __m512i lo_, hi_;                                                                 \
                 if (bits == 4) {                                                                  \
@@ -137,7 +134,7 @@ static void qg_amx_rows_fill(const qg_amx_rows* T, const qg_xq* q, long Q, int t
                     qg_hb_merge512(u_, _mm512_loadu_si512((const void*)u_), bits,                 \
                                    (int)((8 * i_ % pk) / 8), &lo_, &hi_);                         \
                 }                                                                                 \
-                if (nl) {  /* the NL levels, signed */                                           \
+                if (nl) {                                                                         \
                     lo_ = _mm512_shuffle_epi8(nls, lo_);                                          \
                     hi_ = _mm512_shuffle_epi8(nls, hi_);                                          \
                 } else if (sym) {                                                                 \
@@ -147,14 +144,21 @@ static void qg_amx_rows_fill(const qg_amx_rows* T, const qg_xq* q, long Q, int t
                 _mm512_store_si512((void*)((bt) + (2 * i_) * 64), lo_);                           \
                 _mm512_store_si512((void*)((bt) + (2 * i_ + 1) * 64), hi_);                       \
             }                                                                                     \
-            QG_AMX_FENCE();                                                                       \
+        }                                                                                         \
+    }
+
+/* Block bi's 32 k: A from xq, B from bt (int2-6, unpacked an iteration earlier: a tile load
+ * waits for the stores it reads until they are written to the cache) or the packed int8 rows
+ * (rows_, block b_ of the group), C = A . B stored to cb. TC, TA, TB: the tile set. */
+#define QG_AMX_MUL(TC, TA, TB, bi, rows_, b_, bt, cb)                                             \
+    {                                                                                             \
+        _tile_loadd(TA, xa + (bi) * bk, kp);                                                      \
+        _tile_zero(TC);                                                                           \
+        if (bits != 8) {                                                                          \
             _tile_loadd(TB, (bt), 64);                                                            \
             if (sym || nl) _tile_dpbssd(TC, TA, TB);                                              \
             else _tile_dpbsud(TC, TA, TB);                                                        \
         } else {                                                                                  \
-            if (qg_pf_bytes)                                                                      \
-                for (int i_ = 0; i_ < bk / 4; i_++)                                               \
-                    _mm_prefetch((const char*)(rows_) + ((b_) * (bk / 4) + i_) * 64 + qg_pf_bytes, _MM_HINT_T0); \
             _tile_loadd(TB, (rows_) + (b_) * (bk / 4) * 64, 64);                                  \
             _tile_dpbssd(TC, TA, TB);                                                             \
         }                                                                                         \
@@ -181,10 +185,12 @@ static void qg_amx_rows_fill(const qg_amx_rows* T, const qg_xq* q, long Q, int t
     }
 
 /* acc[r * 16 + j] for the 16 rows of tile i and the 16 columns of block blk, all groups.
- * bt: 64-byte aligned 2 x 512-byte scratch (int2-6 B rows); cb: 4 x 1 KiB (C). Software
- * pipelined: blocks 2p and 2p + 1 multiply on the two tile sets while the epilogue of blocks
- * 2p - 2 and 2p - 1 runs, on sums stored an iteration earlier (a load waits for a tile store
- * until it is written to the cache). */
+ * bt: 64-byte aligned 4 x 512-byte scratch (int2-6 B rows); cb: 4 x 1 KiB (C). Software
+ * pipelined: each iteration unpacks the B rows of blocks 2p + 2 and 2p + 3, multiplies blocks
+ * 2p and 2p + 1 (unpacked the iteration before) on the two tile sets, and runs the epilogue of
+ * blocks 2p - 2 and 2p - 1 on sums stored an iteration earlier (a load waits for a tile store
+ * until it is written to the cache, and a tile load for vector stores). NOTE: unpacking right
+ * before the tile load that reads it ran int4 at 16 rows about as fast as the VNNI row tiles. */
 QG_INLINE QG_TAMX void qg_amx_block(const uint8_t* blk, const qg_format* f, const qg_xq* q,
                                     const qg_amx_rows* T, long i, float* acc, uint8_t* bt,
                                     int32_t* cb, const int bits) {
@@ -201,35 +207,38 @@ QG_INLINE QG_TAMX void qg_amx_block(const uint8_t* blk, const qg_format* f, cons
     const float* xst = T->xst + i * ng * QG_MR_AMX;
     __m512 a[QG_MR_AMX];
     for (int r = 0; r < QG_MR_AMX; r++) a[r] = _mm512_setzero_ps();
-    const uint8_t* metas[4];  /* block x: its group's meta, index and block in it, at x & 3 */
-    long gs[4], bs[4];
-    long g = 0, b = 0;  /* the next block to multiply is block b of group g */
+    const uint8_t* metas[8];  /* block x: its group's meta, index and block in it, at x & 7 */
+    long gs[8], bs[8];
+    long g = 0, b = 0;  /* the next block to unpack is block b of group g */
     const uint8_t* meta = qg_groups(blk, f);
 #define QG_AMX_NEXT(x)                                                                            \
     {                                                                                             \
-        metas[(x) & 3] = meta; gs[(x) & 3] = g; bs[(x) & 3] = b;                                  \
+        metas[(x) & 7] = meta; gs[(x) & 7] = g; bs[(x) & 7] = b;                                  \
         if (++b == nbg) { b = 0; g++; meta += gb; }                                               \
+        QG_AMX_UNPACK(metas[(x) & 7] + mb, bs[(x) & 7], bt + ((x) & 3) * 512)                     \
     }
-#define QG_AMX_EPI_AT(x) QG_AMX_EPI(x, cb + ((x) & 3) * 256, metas[(x) & 3], gs[(x) & 3], bs[(x) & 3] == nbg - 1)
+#define QG_AMX_MUL_AT(x, TC, TA, TB) \
+    QG_AMX_MUL(TC, TA, TB, x, metas[(x) & 7] + mb, bs[(x) & 7], bt + ((x) & 3) * 512, cb + ((x) & 3) * 256)
+#define QG_AMX_EPI_AT(x) QG_AMX_EPI(x, cb + ((x) & 3) * 256, metas[(x) & 7], gs[(x) & 7], bs[(x) & 7] == nbg - 1)
+    if (0 < nbk) QG_AMX_NEXT(0)
+    if (1 < nbk) QG_AMX_NEXT(1)
     for (long bi = 0; bi < nbk + 2; bi += 2) {
-        if (bi < nbk) {
-            QG_AMX_NEXT(bi)
-            QG_AMX_MUL(0, 2, 4, bi, metas[bi & 3] + mb, bs[bi & 3], bt, cb + (bi & 3) * 256)
-        }
-        if (bi + 1 < nbk) {
-            QG_AMX_NEXT(bi + 1)
-            QG_AMX_MUL(1, 3, 5, bi + 1, metas[(bi + 1) & 3] + mb, bs[(bi + 1) & 3], bt + 512,
-                       cb + ((bi + 1) & 3) * 256)
-        }
+        if (bi + 2 < nbk) QG_AMX_NEXT(bi + 2)
+        if (bi + 3 < nbk) QG_AMX_NEXT(bi + 3)
+        QG_AMX_FENCE();
+        if (bi < nbk) QG_AMX_MUL_AT(bi, 0, 2, 4)
+        if (bi + 1 < nbk) QG_AMX_MUL_AT(bi + 1, 1, 3, 5)
         if (bi >= 2) {
             QG_AMX_EPI_AT(bi - 2)
             if (bi - 1 < nbk) QG_AMX_EPI_AT(bi - 1)
         }
     }
 #undef QG_AMX_NEXT
+#undef QG_AMX_MUL_AT
 #undef QG_AMX_EPI_AT
     for (int r = 0; r < QG_MR_AMX; r++) _mm512_store_ps(acc + r * QG_NB, a[r]);
 }
+#undef QG_AMX_UNPACK
 #undef QG_AMX_MUL
 #undef QG_AMX_EPI
 
@@ -257,7 +266,7 @@ static QG_TAMX void qg_amx_share(const uint8_t* w, const qg_format* f, const qg_
     const long nblocks = (f->n + QG_NB - 1) / QG_NB, bb = qg_block_bytes(f);
     float acc[QG_MR_AMX * QG_NB] __attribute__((aligned(64)));
     int32_t cb[4 * QG_MR_AMX * 16] __attribute__((aligned(64)));
-    uint8_t bt[2 * QG_QB / 4 * 64] __attribute__((aligned(64)));
+    uint8_t bt[4 * QG_QB / 4 * 64] __attribute__((aligned(64)));
     long t0, t1;
     nr_share(nblocks * T->ntiles, tid, nt, &t0, &t1);
     if (t0 >= t1) return;
