@@ -2,6 +2,7 @@
 
     python bench/bench_quant.py [--quick] [--threads N] [--level L] [--model NAME] [--formats F..] [--bf16-prefill] [--out PATH]
     python bench/bench_quant.py --decode-batch [--threads N] [--rows 16 32 64 512]   # each path at these row counts
+    python bench/bench_quant.py --decode-batch --model Llama-3.2-1B --formats Q4_0 Q8_0 Q4_K Q5_K Q6_K Q3_K Q2_K
     python bench/bench_quant.py --bf16-prefill --m 512 --panel-mib 2 8 32 --formats int4-g32-sym bf16
 
 For M = 1 it reports GB/s of packed weight bytes actually read (QLinear.nbytes / time: integers,
@@ -33,6 +34,21 @@ from numa_runtime.quant.loader import qlinear  # noqa: E402
 from numa_runtime.backend import cpu  # noqa: E402
 
 FORMATS = ["int8-g128", "int8-g32", "int8-channel", "int4-g32-sym", "int4-g32-min", "int4-g128-zero"]
+# Llama-3.2-1B's K (2048, 8192) are multiples of the K-quants' 256-element super-blocks
+SHAPES = dict(SHAPES, **{"Llama-3.2-1B": [("qkv", 2048, 3072), ("o_proj", 2048, 2048), ("gate_up", 2048, 16384),
+                                          ("down", 8192, 2048), ("lm_head", 2048, 128256)]})
+
+
+def parse_format(name: str) -> QuantFormat:
+    """A quantize-at-load name (int4-g32-sym, int8-channel, ...) or a GGUF block type as the
+    engine runs it (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; Q2_K-Q6_K, IQ4_XS with their
+    super-block scales)."""
+    from numa_runtime.gguf_checkpoint import LOSSLESS, NEAR_LOSSLESS
+    if name.upper() in LOSSLESS:
+        return LOSSLESS[name.upper()][0]
+    if name.upper() in NEAR_LOSSLESS:
+        return replace(NEAR_LOSSLESS[name.upper()][0], ks=256)
+    return QuantFormat.parse(name)
 COLD_BYTES = 256 << 20
 
 
@@ -76,7 +92,11 @@ def bench(model: str, formats: list[str], ms: list[int], min_time: float, bf16: 
     return rows
 
 
-def decode_batch(model: str, rows=(16, 32, 64)) -> list[dict]:
+PATHS = ("f32", "int8", "int8_no_amx", "int8_no_tiles", "bf16_tiles", "panels")
+
+
+def decode_batch(model: str, rows=(16, 32, 64), formats=("int4-g32-sym", "int8-channel"),
+                 rounds: int = 3) -> list[dict]:
     """One linear per shape of `model` (gate_up, down) at several row counts: us on the f32
     tile path, on int8 activations as the engine runs them (AMX-INT8 matrix tiles where present,
     qgemm_amx.h, else VNNI row tiles, qgemm_q8tile.h), on the VNNI row tiles with AMX off ("-"
@@ -88,13 +108,15 @@ def decode_batch(model: str, rows=(16, 32, 64)) -> list[dict]:
     tiled = qgemm.cpu_level() >= 2
     for layer, k, n in shapes:
         w = np.random.default_rng(0).standard_normal((n, k), dtype=np.float32) * 0.05
-        for name in ("int4-g32-sym", "int8-channel"):
-            fmt = QuantFormat.parse(name)
+        for name in formats:
+            fmt = parse_format(name)
             lin = qlinear(cpu, quantize(w, fmt.for_k(k)), bf16=True)
             for m in rows:
                 x = np.random.default_rng(1).standard_normal((m, k), dtype=np.float32)
                 r = {"layer": layer, "K": k, "N": n, "format": name, "M": m}
-                for path in ("f32", "int8", "int8_no_amx", "int8_no_tiles", "bf16_tiles", "panels"):
+                # NOTE: the paths alternate over `rounds` rounds and each keeps its best: a shared
+                # host's load moves one timing of a path by more than the gaps between paths
+                for path in [p for _ in range(rounds) for p in PATHS]:
                     if (path in ("panels", "bf16_tiles") and m < qgemm.PANEL_M_MIN) or \
                             (path == "bf16_tiles" and not qgemm.has_amx_bf16()) or \
                             (path == "int8_no_amx" and (m <= qgemm.ACT8_M_MAX or not qgemm.has_amx())) or \
@@ -108,7 +130,8 @@ def decode_batch(model: str, rows=(16, 32, 64)) -> list[dict]:
                     old_t = qgemm._set_q8_tiles(path != "int8_no_tiles")
                     old_a = qgemm._set_amx(path != "int8_no_amx")
                     try:
-                        r[path] = timeit(lambda: lin.forward(x), 0.3) * 1e6
+                        t = timeit(lambda: lin.forward(x), 0.3 / rounds) * 1e6
+                        r[path] = t if r.get(path) is None else min(r[path], t)
                     finally:
                         qgemm.set_decode_step(old)
                         qgemm._set_act8_m_max(old_m)
@@ -134,7 +157,9 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="Qwen2.5-0.5B", choices=sorted(SHAPES))
     ap.add_argument("--bf16-prefill", action="store_true",
                     help="quantized linears as a bf16 engine builds them: large M on bf16 panels")
-    ap.add_argument("--formats", nargs="+", default=None, help="formats to run (default: all)")
+    ap.add_argument("--formats", nargs="+", default=None,
+                    help="formats to run (default: all; with --decode-batch int4-g32-sym int8-channel); "
+                         "GGUF types (Q4_K, Q6_K, ...) as the engine runs them")
     ap.add_argument("--decode-batch", action="store_true",
                     help="row counts of --rows: f32 path / int8 activations (row tiles, and without) / bf16 panels (us)")
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64],
@@ -153,7 +178,7 @@ def main(argv=None) -> None:
               "int8 on VNNI row tiles, AMX off, us (GMAC/s) | int8 without row tiles us (GMAC/s) | "
               "bf16 on AMX-BF16 tiles us (GMAC/s) | bf16 panels us (GMAC/s) |\n"
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-        decode_batch(args.model, tuple(args.rows))
+        decode_batch(args.model, tuple(args.rows), tuple(args.formats or ("int4-g32-sym", "int8-channel")))
         return
     formats = args.formats or (["int8-g128", "int4-g32-min"] if args.quick else FORMATS + ["bf16"])
     ms = args.m

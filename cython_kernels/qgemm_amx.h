@@ -1,11 +1,11 @@
 /* Int8-activation GEMM for many rows on AMX-INT8 (Sapphire Rapids and later): matrix tiles.
  *
  * The row tiles of qgemm_q8tile.h spend one vpdpbusd per 64 multiply-adds; an AMX tile
- * multiply (tdpbssd / tdpbsud) does 16 x 16 x 32 = 8192 of them. Operands, per 32-k activation
- * block (bk = QG_QB):
- *   A  16 activation rows x 32 int8 k, loaded straight from xq (rows kp apart; int2-6 formats
+ * multiply (tdpbssd / tdpbsud) does 16 x 16 x 32 = 8192 of them. Operands, per activation
+ * block of bk = 32 k (QG_QB), or 16 k in formats of groups of 16 (qg_amx_bk):
+ *   A  16 activation rows x bk int8 k, loaded straight from xq (rows kp apart; int2-6 formats
  *      keep xq's k order 0 2 4 6 1 3 5 7, which the B rows below follow);
- *   B  8 rows of 16 columns x 4 k: int8 weights are the packed rows themselves (signed, so
+ *   B  bk / 4 rows of 16 columns x 4 k: int8 weights are the packed rows themselves (signed, so
  *      tdpbssd); int4 rows are split into their low and high nibbles (k 0 2 4 6 and 1 3 5 7 of
  *      each 8) and int2/3/5/6 units merged into the same two byte vectors (qg_hb_merge512):
  *      symmetric codes less their offset 2^(bits-1) (signed, tdpbssd), the NL levels looked up
@@ -18,9 +18,11 @@
  * row ran in. The epilogue (per block, because the activation scales are per block) is most of
  * the instructions; the tile multiply is a few cycles.
  *
- * Formats: every block a full 32 k (group a multiple of 32, or per channel with K a multiple
- * of 32: every real model's K), of whole packed units. Others (groups of 16) keep the row tiles
- * (qg_amx_fits).
+ * Formats: every block a full bk k (group a multiple of 32, per channel with K a multiple of
+ * 32: every real model's K, or 16), of whole packed units. Others keep the row tiles
+ * (qg_amx_fits). At 16 and 64 rows (2048 x 8192, weights in cache, 2-core Sapphire Rapids-class
+ * VM) the tiles ran int8 1.6-1.7x, int4 and int5 in groups of 32 1.5-1.6x and int2/3/6 in
+ * groups of 16 1.1-1.2x as fast as the VNNI row tiles (bench/RESULTS.md).
  * Linux hands out the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, once
  * per process; oneDNN asks the same); each OpenMP thread loads its tile configuration at the
  * start of its share and releases it at the end.
@@ -43,13 +45,15 @@ static int qg_amx_init(void) {
     return nr_amx_grant();
 }
 
-/* Every block a full QG_QB k (the group, which divides kp, a multiple: per channel it is kp),
- * made of whole packed units. NOTE: groups of 16 (GGUF Q6_K, Q3_K, Q2_K, their activation
- * blocks 16 k too) ran 0.83-0.87x as fast on 16-k tiles as on the row tiles (16 and 64 rows,
- * 2048 x 8192, 2-core Sapphire Rapids-class VM): the per-block epilogue of 16 rows is the cost
- * there, twice as often as in groups of 32, so they keep the row tiles. */
+/* k per tile multiply: QG_QB, or 16 for groups of 16 (GGUF Q6_K, Q3_K, Q2_K: their activation
+ * blocks are 16 k too, qg_quantize_group). */
+static inline long qg_amx_bk(const qg_format* f) { return f->group % QG_QB == 0 ? QG_QB : f->group; }
+
+/* Every block a full qg_amx_bk k (the group, which divides kp, a multiple of 32 (per channel it
+ * is kp), or 16), made of whole packed units. */
 static inline int qg_amx_fits(const qg_format* f) {
-    return f->group % QG_QB == 0 && QG_QB % qg_pack_k(f) == 0;
+    const long bk = qg_amx_bk(f);
+    return (bk == QG_QB || bk == 16) && bk % qg_pack_k(f) == 0;
 }
 
 /* Bytes of qg_amx_rows for Q rows of format f (the fused decoder sizes its scratch by it). */
@@ -60,15 +64,15 @@ static inline size_t qg_amx_rows_bytes_f(const qg_format* f, long Q) {
 
 /* Two sets, used alternately by even and odd blocks so that one block's multiply overlaps the
  * previous block's epilogue (tiles are not renamed: reusing one C tile would wait for its
- * store): tmm0/tmm1 C 16 x 16 int32; tmm2/tmm3 A 16 rows x 32 bytes; tmm4/tmm5 B 8 rows x 64. */
-static QG_TAMX void qg_amx_config(void) {
+ * store): tmm0/tmm1 C 16 x 16 int32; tmm2/tmm3 A 16 rows x bk bytes; tmm4/tmm5 B bk / 4 rows x 64 (bk: qg_amx_bk). */
+static QG_TAMX void qg_amx_config(long bk) {
     nr_tilecfg c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int i = 0; i < 2; i++) {
         c.rows[i] = 16; c.colsb[i] = 64;
-        c.rows[2 + i] = 16; c.colsb[2 + i] = QG_QB;
-        c.rows[4 + i] = QG_QB / 4; c.colsb[4 + i] = 64;
+        c.rows[2 + i] = 16; c.colsb[2 + i] = (uint16_t)bk;
+        c.rows[4 + i] = (uint8_t)(bk / 4); c.colsb[4 + i] = 64;
     }
     nr_tile_loadconfig(&c);
 }
@@ -147,7 +151,7 @@ static void qg_amx_rows_fill(const qg_amx_rows* T, const qg_xq* q, long Q, int t
         }                                                                                         \
     }
 
-/* Block bi's 32 k: A from xq, B from bt (int2-6, unpacked an iteration earlier: a tile load
+/* Block bi's bk k: A from xq, B from bt (int2-6, unpacked an iteration earlier: a tile load
  * waits for the stores it reads until they are written to the cache) or the packed int8 rows
  * (rows_, block b_ of the group), C = A . B stored to cb. TC, TA, TB: the tile set. */
 #define QG_AMX_MUL(TC, TA, TB, bi, rows_, b_, bt, cb)                                             \
@@ -194,7 +198,7 @@ static void qg_amx_rows_fill(const qg_amx_rows* T, const qg_xq* q, long Q, int t
 QG_INLINE QG_TAMX void qg_amx_block(const uint8_t* blk, const qg_format* f, const qg_xq* q,
                                     const qg_amx_rows* T, long i, float* acc, uint8_t* bt,
                                     int32_t* cb, const int bits) {
-    const long bk = QG_QB, pk = qg_pk_of(bits), ub = qg_ub_of(bits);
+    const long bk = qg_amx_bk(f), pk = qg_pk_of(bits), ub = qg_ub_of(bits);
     const long gb = qg_group_bytes(f), mb = qg_meta_bytes(f), nbg = f->group / bk;
     const long ng = q->ng, nb = q->nb, kp = q->kp, nbk = ng * nbg;
     const int has_c = bits != 8 && qg_has_c(f), sym = bits != 8 && f->kind == QG_SYM;
@@ -270,7 +274,7 @@ static QG_TAMX void qg_amx_share(const uint8_t* w, const qg_format* f, const qg_
     long t0, t1;
     nr_share(nblocks * T->ntiles, tid, nt, &t0, &t1);
     if (t0 >= t1) return;
-    qg_amx_config();
+    qg_amx_config(qg_amx_bk(f));
     for (long t = t0; t < t1; t++) {
         const long b = t / T->ntiles, i = t % T->ntiles, r0 = i * QG_MR_AMX;
         int m = (int)(Q - r0 < QG_MR_AMX ? Q - r0 : QG_MR_AMX);
