@@ -197,10 +197,27 @@ static inline int32_t qg_ld32(const int8_t* p) {
     return v;
 }
 
-/* The group loop of QG_Q8_AVX512_BODY for a group of GC_ k in NBG_ activation blocks: a constant
- * where the body calls it for groups of 16 and 32 (GGUF's block types), so that the block and
- * step loops unroll and their counters leave the loop. */
-#define QG_Q8_GLOOP(DOT, VNNI, GC_, NBG_)                                                        \
+/* ---- AVX-512: one 16-column block, mr rows; DOT(acc, u8, s8) adds 4-byte dot products.
+ * The BW variant (no VNNI) reads int8 weights by the sign trick (|w| times x with w's sign),
+ * since vpmaddubsw saturates above 255 * 127. */
+#define QG_Q8_AVX512_BODY(DOT, VNNI)                                                            \
+    const long pk = qg_pk_of(bits);                        \
+    const long ub = qg_ub_of(bits);                             \
+    const long mb = qg_meta_bytes(f);                                                           \
+    const uint8_t* gbase = qg_groups(blk, f); /* group g: gbase + g gb */                       \
+    const long gb = qg_group_bytes(f);                                                          \
+    const long G = f->group, ng = f->kp / G, nbg = qg_blocks_per_group(f);                      \
+    const int nl = bits == 4 && f->kind == QG_NL;                                                \
+    const int off = (bits != 8 && !nl) || VNNI ? qg_q8_off_vnni(f) : 0;                         \
+    const int has_c = bits != 8 && qg_has_c(f);                                                 \
+    const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F), flip = _mm512_set1_epi32((int)0x80808080); \
+    const __m512i nls = QG_NL_S512(), nlu = _mm512_xor_si512(nls, flip);                       \
+    __m512 a[QG_MR_Q8];                                                                         \
+    for (int r = 0; r < mr; r++) a[r] = _mm512_setzero_ps();                                   \
+    /* ks: the super-block's f16 d (and dmin) converted once per super-block, not per group */ \
+    __m512 sd = _mm512_setzero_ps(), sdm = _mm512_setzero_ps();                                \
+    const uint8_t* sp_last = NULL;                                                              \
+    (void)ng;                                                                                   \
     for (long g = g0; g < g1; g++) {                                                            \
         const uint8_t* meta = gbase + g * gb;                                              \
         const uint8_t* sp = f->ks ? qg_super_of(blk, f, g) : NULL;                              \
@@ -211,9 +228,9 @@ static inline int32_t qg_ld32(const int8_t* p) {
         }                                                                                       \
         const __m512 s = f->ks ? qg_ks_s512(f, meta, sd) : qg_s512(blk, f, meta, g);            \
         const uint8_t* row = meta + mb;                                                         \
-        for (long b = 0; b < NBG_; b++) {                                                        \
-            const long k0 = g * GC_ + b * QG_QB;                                                  \
-            const long k1 = GC_ <= QG_QB ? k0 + GC_ : k0 + QG_QB < (g + 1) * GC_ ? k0 + QG_QB : (g + 1) * GC_;               \
+        for (long b = 0; b < nbg; b++) {                                                        \
+            const long k0 = g * G + b * QG_QB;                                                  \
+            const long k1 = k0 + QG_QB < (g + 1) * G ? k0 + QG_QB : (g + 1) * G;               \
             __m512i ia[QG_MR_Q8], ib[QG_MR_Q8];                                                 \
             for (int r = 0; r < mr; r++) ia[r] = ib[r] = _mm512_setzero_si512();               \
             for (long k = k0; k < k1; k += pk, row += ub) {                                     \
@@ -272,7 +289,7 @@ static inline int32_t qg_ld32(const int8_t* p) {
                     }                                                                           \
                 }                                                                               \
             }                                                                                   \
-            const long bi = g * NBG_ + b;                                                        \
+            const long bi = g * nbg + b;                                                        \
             for (int r = 0; r < mr; r++) {                                                      \
                 __m512i t = _mm512_add_epi32(ia[r], ib[r]);                                     \
                 if (off) t = _mm512_sub_epi32(t, _mm512_set1_epi32(off * q->xi[r * q->nb + bi])); \
@@ -285,32 +302,7 @@ static inline int32_t qg_ld32(const int8_t* p) {
             for (int r = 0; r < mr; r++)                                                        \
                 a[r] = _mm512_fmadd_ps(c, _mm512_set1_ps(q->xs[r * q->ng + g]), a[r]);          \
         }                                                                                       \
-    }
-
-/* ---- AVX-512: one 16-column block, mr rows; DOT(acc, u8, s8) adds 4-byte dot products.
- * The BW variant (no VNNI) reads int8 weights by the sign trick (|w| times x with w's sign),
- * since vpmaddubsw saturates above 255 * 127. */
-#define QG_Q8_AVX512_BODY(DOT, VNNI)                                                            \
-    const long pk = qg_pk_of(bits);                        \
-    const long ub = qg_ub_of(bits);                             \
-    const long mb = qg_meta_bytes(f);                                                           \
-    const uint8_t* gbase = qg_groups(blk, f); /* group g: gbase + g gb */                       \
-    const long gb = qg_group_bytes(f);                                                          \
-    const long G = f->group, ng = f->kp / G, nbg = qg_blocks_per_group(f);                      \
-    const int nl = bits == 4 && f->kind == QG_NL;                                                \
-    const int off = (bits != 8 && !nl) || VNNI ? qg_q8_off_vnni(f) : 0;                         \
-    const int has_c = bits != 8 && qg_has_c(f);                                                 \
-    const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F), flip = _mm512_set1_epi32((int)0x80808080); \
-    const __m512i nls = QG_NL_S512(), nlu = _mm512_xor_si512(nls, flip);                       \
-    __m512 a[QG_MR_Q8];                                                                         \
-    for (int r = 0; r < mr; r++) a[r] = _mm512_setzero_ps();                                   \
-    /* ks: the super-block's f16 d (and dmin) converted once per super-block, not per group */ \
-    __m512 sd = _mm512_setzero_ps(), sdm = _mm512_setzero_ps();                                \
-    const uint8_t* sp_last = NULL;                                                              \
-    (void)ng;                                                                                   \
-    if (G == 16) QG_Q8_GLOOP(DOT, VNNI, 16, 1)                                                 \
-    else if (G == 32) QG_Q8_GLOOP(DOT, VNNI, 32, 1)                                            \
-    else QG_Q8_GLOOP(DOT, VNNI, G, nbg)                                                        \
+    }                                                                                           \
     for (int r = 0; r < mr; r++) _mm512_store_ps(acc + r * QG_NB, a[r]);
 
 #define QG_T512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
