@@ -20,9 +20,10 @@
  *
  * Formats: every block a full bk k (group a multiple of 32, per channel with K a multiple of
  * 32: every real model's K, or 16), of whole packed units. Others keep the row tiles
- * (qg_amx_fits). At 16 and 64 rows (2048 x 8192, weights in cache, 2-core Sapphire Rapids-class
- * VM) the tiles ran int8 1.6-1.7x, int4 and int5 in groups of 32 1.5-1.6x and int2/3/6 in
- * groups of 16 1.1-1.2x as fast as the VNNI row tiles (bench/RESULTS.md).
+ * (qg_amx_fits). `bench/bench_quant.py --decode-batch --model Llama-3.2-1B --formats Q4_0 ...`
+ * on a 2-core Sapphire Rapids-class VM: at 16 rows the tiles ran 1.1-2.0x the VNNI row tiles on
+ * Q4_0, Q8_0, Q4_K and Q5_K and 1.1-1.5x on the groups of 16 (Q6_K, Q3_K, Q2_K); at 64 rows
+ * 1.2-1.7x and 1.0-1.25x (bench/RESULTS.md).
  * Linux hands out the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, once
  * per process; oneDNN asks the same); each OpenMP thread loads its tile configuration at the
  * start of its share and releases it at the end.
@@ -193,8 +194,9 @@ static void qg_amx_rows_fill(const qg_amx_rows* T, const qg_xq* q, long Q, int t
  * pipelined: each iteration unpacks the B rows of blocks 2p + 2 and 2p + 3, multiplies blocks
  * 2p and 2p + 1 (unpacked the iteration before) on the two tile sets, and runs the epilogue of
  * blocks 2p - 2 and 2p - 1 on sums stored an iteration earlier (a load waits for a tile store
- * until it is written to the cache, and a tile load for vector stores). NOTE: unpacking right
- * before the tile load that reads it ran int4 at 16 rows about as fast as the VNNI row tiles. */
+ * until it is written to the cache, and a tile load for vector stores). NOTE: unpacked right
+ * before the tile load that read it, int4 at 16 and 64 rows ran about as fast as on the VNNI row
+ * tiles (a one-off timing, 2048 x 8192, 2-core Sapphire Rapids-class VM). */
 QG_INLINE QG_TAMX void qg_amx_block(const uint8_t* blk, const qg_format* f, const qg_xq* q,
                                     const qg_amx_rows* T, long i, float* acc, uint8_t* bt,
                                     int32_t* cb, const int bits) {
