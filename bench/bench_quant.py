@@ -49,6 +49,8 @@ def parse_format(name: str) -> QuantFormat:
     if name.upper() in NEAR_LOSSLESS:
         return replace(NEAR_LOSSLESS[name.upper()][0], ks=256)
     return QuantFormat.parse(name)
+
+
 COLD_BYTES = 256 << 20
 
 
@@ -93,9 +95,10 @@ def bench(model: str, formats: list[str], ms: list[int], min_time: float, bf16: 
 
 
 PATHS = ("f32", "int8", "int8_no_amx", "int8_no_tiles", "bf16_tiles", "panels")
+DECODE_BATCH_FORMATS = ("int4-g32-sym", "int8-channel")
 
 
-def decode_batch(model: str, rows=(16, 32, 64), formats=("int4-g32-sym", "int8-channel"),
+def decode_batch(model: str, rows=(16, 32, 64), formats=DECODE_BATCH_FORMATS,
                  rounds: int = 3) -> list[dict]:
     """One linear per shape of `model` (gate_up, down) at several row counts: us on the f32
     tile path, on int8 activations as the engine runs them (AMX-INT8 matrix tiles where present,
@@ -178,7 +181,7 @@ def main(argv=None) -> None:
               "int8 on VNNI row tiles, AMX off, us (GMAC/s) | int8 without row tiles us (GMAC/s) | "
               "bf16 on AMX-BF16 tiles us (GMAC/s) | bf16 panels us (GMAC/s) |\n"
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-        decode_batch(args.model, tuple(args.rows), tuple(args.formats or ("int4-g32-sym", "int8-channel")))
+        decode_batch(args.model, tuple(args.rows), tuple(args.formats or DECODE_BATCH_FORMATS))
         return
     formats = args.formats or (["int8-g128", "int4-g32-min"] if args.quick else FORMATS + ["bf16"])
     ms = args.m

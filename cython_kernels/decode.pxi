@@ -158,11 +158,11 @@ def fused_decoder(layers, *args):
     return FusedDecoder(layers, *args)
 
 
-
 def _fused_amx_gemvs():
     """How many GEMV parts decode regions have run on AMX-INT8 tiles in this process (tests:
     decode batches past QG_MR_Q8 rows take them where present, as QLinear.forward does)."""
     return nd_amx_gemvs
+
 
 cdef class FusedDecoder:
     """Decode steps (one new token per sequence, up to MAX_ROWS rows) of a quantized decoder in
@@ -300,7 +300,7 @@ cdef class FusedDecoder:
             pad = 0
             if M > QG_MR_Q8:
                 for q in self.parts:
-                    tb = max(tb, qg_tiles_bytes(&(<QLinear>q).fmt, M), qg_amx_rows_bytes_f(&(<QLinear>q).fmt, M))
+                    tb = max(tb, qg_tiles_bytes(&(<QLinear>q).fmt, M), qg_amx_rows_bytes(&(<QLinear>q).fmt, M))
                 pad = (QG_MR_AMX - 1) * self.kmax  # AMX loads whole 16-row tiles of the int8 rows
             s = self.scratch[M] = (np.empty(M * self.kmax + pad, np.int8), np.empty(M * self.nbmax, np.float32),
                                    np.empty(M * self.nbmax, np.int32), np.empty(M * self.ngmax, np.float32),

@@ -74,7 +74,7 @@ cdef extern from "qgemm_kernels.h" nogil:
     int qg_amx
     int qg_amx_init()
     size_t qg_tiles_bytes(const qg_format* f, long Q)
-    size_t qg_amx_rows_bytes_f(const qg_format* f, long Q)
+    size_t qg_amx_rows_bytes(const qg_format* f, long Q)
     int qg_decode_step
     int qg_dequant_panel_bf16(const uint8_t* w, const qg_format* f, long K, long n0, long n1,
                               long kpp, uint16_t* panel)

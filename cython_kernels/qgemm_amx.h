@@ -57,12 +57,6 @@ static inline int qg_amx_fits(const qg_format* f) {
     return (bk == QG_QB || bk == 16) && bk % qg_pack_k(f) == 0;
 }
 
-/* Bytes of qg_amx_rows for Q rows of format f (the fused decoder sizes its scratch by it). */
-static inline size_t qg_amx_rows_bytes_f(const qg_format* f, long Q) {
-    const long ng = f->kp / f->group, nb = ng * qg_blocks_per_group(f), nt = (Q + QG_MR_AMX - 1) / QG_MR_AMX;
-    return (size_t)nt * QG_MR_AMX * sizeof(float) * (size_t)(nb + ng) + 2 * 64;
-}
-
 /* Two sets, used alternately by even and odd blocks so that one block's multiply overlaps the
  * previous block's epilogue (tiles are not renamed: reusing one C tile would wait for its
  * store): tmm0/tmm1 C 16 x 16 int32; tmm2/tmm3 A 16 rows x bk bytes; tmm4/tmm5 B bk / 4 rows x 64 (bk: qg_amx_bk). */
@@ -87,9 +81,11 @@ typedef struct {
     long ntiles;
 } qg_amx_rows;
 
-static size_t qg_amx_rows_bytes(const qg_xq* q, long Q) {
-    const long nt = (Q + QG_MR_AMX - 1) / QG_MR_AMX;
-    return (size_t)nt * QG_MR_AMX * sizeof(float) * (size_t)(q->nb + q->ng) + 2 * 64;
+/* Bytes of qg_amx_rows for Q int8 rows of format f (qg_forward_q8 and the fused decoder's
+ * scratch). */
+static size_t qg_amx_rows_bytes(const qg_format* f, long Q) {
+    const long ng = f->kp / f->group, nb = ng * qg_blocks_per_group(f), nt = (Q + QG_MR_AMX - 1) / QG_MR_AMX;
+    return (size_t)nt * QG_MR_AMX * sizeof(float) * (size_t)(nb + ng) + 2 * 64;
 }
 
 static qg_amx_rows qg_amx_rows_at(char* buf, const qg_xq* q, long Q) {

@@ -595,7 +595,7 @@ static int qg_forward_q8(const uint8_t* w, const qg_format* f, const float* x, l
     if (tiles) {
         /* many rows: AMX-INT8 matrix tiles (qgemm_amx.h) where present, else VNNI row tiles
          * (qgemm_q8tile.h); both first lay out the rows' scalars (and the row tiles the rows) */
-        char* tb = (char*)malloc(amx ? qg_amx_rows_bytes(&q, Q) : qg_tiles_bytes(f, Q));
+        char* tb = (char*)malloc(amx ? qg_amx_rows_bytes(f, Q) : qg_tiles_bytes(f, Q));
         if (tb == NULL) {
             qg_scratch_put(scratch);
             return -1;
