@@ -61,7 +61,7 @@ class Engine:
         ops = backend.get_backend(self.config.backend)
         placement = self._bind_and_set_threads(ops)
         model_dir = model if model is not None else default_model_path()
-        if str(model_dir).endswith(".gguf"):  # NOTE: weights stay in the file, blocks as they are
+        if str(model_dir).lower().endswith(".gguf"):  # NOTE: weights stay in the file, blocks as they are
             from .gguf_model import gguf_model_dir
             model_dir = gguf_model_dir(str(model_dir))
         self.model_config = mcfg = ModelConfig.from_dir(os.path.expanduser(str(model_dir)))

@@ -21,7 +21,7 @@ loss onto int4 "nl" (w = s NL[q]): IQ4_NL in blocks of 32 with f16 scales, IQ4_X
 super-block scales (6-bit sub-scales - 32 as int8 under f16 d): 4.5 and 4.3125 bits a weight
 against the file's 4.5 and 4.25. F32/F16/BF16 tensors are dense. Any other type is an error naming it.
 
-llama/mistral GGUFs store q/k rows in llama.cpp's interleaved rotary order; rows are mapped back
+llama/mistral GGUFs store q/k rows (and q/k biases) in llama.cpp's interleaved rotary order; rows are mapped back
 to Hugging Face's rotate-half order (a permutation inside each head, so a rank's whole heads stay
 its own).
 """
@@ -43,7 +43,7 @@ BLOCK_NAMES = {
     "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
     "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias", "attn_output.bias": "self_attn.o_proj.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -107,7 +107,9 @@ class GGUFCheckpoint:
         self.path, self.arch = path, index["architecture"]
         files = files or [path]
         maps = [np.memmap(f, dtype=np.uint8, mode="r") for f in files]
-        self.heads = {"self_attn.q_proj.weight": n_head, "self_attn.k_proj.weight": n_kv_head}
+        # NOTE: llama.cpp's converter permutes q/k biases (attention_bias) as it does the weights
+        self.heads = {"self_attn.q_proj.weight": n_head, "self_attn.k_proj.weight": n_kv_head,
+                      "self_attn.q_proj.bias": n_head, "self_attn.k_proj.bias": n_kv_head}
         self._tensors = {}
         ignored = []
         for entry in index["tensors"]:
@@ -180,7 +182,7 @@ class GGUFCheckpoint:
         n, k = self.shape(name)
         c0, c1 = (0, k) if cols is None else (cols.start, cols.stop)
         if c0 % 32 or (c1 % 32 and c1 != k):
-            raise QuantError(f"{self.path}: {name} ({kind}) would be split at input column {c0 if c0 % 32 else c1}, "
+            raise QuantError(f"{name} ({kind}) would be split at input column {c0 if c0 % 32 else c1}, "
                              f"inside a 32-element block; use a rank count whose split falls on block boundaries.")
         idx = self._row_index(name, rows, n)
         if kind in NEAR_LOSSLESS:
@@ -210,7 +212,7 @@ class GGUFCheckpoint:
         if len(shape) == 1:
             w = self.raw(name)
             w = bf16_to_f32(w) if kind == "BF16" else w
-            w = np.asarray(w, np.float32)[rows if rows is not None else slice(None)]
+            w = np.asarray(w, np.float32)[self._row_index(name, rows, shape[0])]
         elif kind in LOSSLESS:
             from .quant.formats import dequantize
             w = dequantize(self.quantized(name, rows, cols))

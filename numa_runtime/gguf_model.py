@@ -39,6 +39,8 @@ def gguf_model_dir(path: str, name: str | None = None) -> str:
     model name, is `name` or the file's stem. A model split by llama.cpp's gguf-split
     (STEM-00001-of-0000N.gguf ...) is given by any of its files and described as one."""
     path = os.path.abspath(os.path.expanduser(path))
+    if os.path.isdir(path):
+        raise FileNotFoundError(f"{path!r} is a directory, not a GGUF file.")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file {path!r} does not exist.")
     files = gguf_shards(path)

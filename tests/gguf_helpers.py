@@ -109,7 +109,7 @@ def write_gguf(hf_dir: str, path: str, qtype: str, arch: str = "llama", seed: in
     for name, t in sorted(load_file(os.path.join(hf_dir, "model.safetensors")).items()):
         t = t.astype(np.float32)
         proj = name.split(".")[-2]
-        if arch in ("llama", "mistral") and proj in heads and name.endswith("weight"):
+        if arch in ("llama", "mistral") and proj in heads:  # NOTE: weights and biases, as llama.cpp's converter
             t = permute(t, heads[proj])
         data, raw = encode(t, (types or {}).get(proj, qtype) if t.ndim == 2 else norm_type, rng)
         w.add_tensor(gguf_name(name), data, raw_dtype=raw)
@@ -131,7 +131,8 @@ def write_reference(hf_dir: str, gguf_path: str, out_dir: str) -> None:
         cfg = json.load(f)
     reader = gguf.GGUFReader(gguf_path)
     arch = reader.fields["general.architecture"].contents()
-    heads = {"attn_q.weight": cfg["num_attention_heads"], "attn_k.weight": cfg["num_key_value_heads"]}
+    heads = {f"attn_{p}.{kind}": cfg[n] for p, n in (("q", "num_attention_heads"), ("k", "num_key_value_heads"))
+             for kind in ("weight", "bias")}
     tensors = {}
     names = {gguf_name(n): n for n in _hf_names(hf_dir)}
     for t in reader.tensors:
@@ -169,13 +170,14 @@ def write_reference_from_gguf(gguf_path: str, out_dir: str) -> None:
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f)
     reader = gguf.GGUFReader(gguf_path)
-    heads = {"attn_q.weight": cfg["num_attention_heads"], "attn_k.weight": cfg["num_key_value_heads"]}
+    heads = {f"attn_{p}.{kind}": cfg[n] for p, n in (("q", "num_attention_heads"), ("k", "num_key_value_heads"))
+             for kind in ("weight", "bias")}
     tensors = {}
     for t in reader.tensors:
         shape = [int(d) for d in reversed(t.shape)]
         x = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32).reshape(shape)
         suffix = t.name.split(".", 2)[-1]
-        if suffix in heads:
+        if arch in ("llama", "mistral") and suffix in heads:
             n = heads[suffix]
             x = x.reshape(n, shape[0] // n // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
         tensors[hf_name(t.name)] = np.ascontiguousarray(x)

@@ -23,14 +23,17 @@ def write_dequantized_copy(src: str, dst: str, fmt: QuantFormat | None, head: Qu
     shutil.copytree(src, dst)
     path = os.path.join(dst, "model.safetensors")
     tensors = load_file(path)
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     for name, w in tensors.items():
         if fmt is not None and name.endswith(".weight") and name.split(".")[-2] in LINEARS:
-            tensors[name] = dequantize(quantize(w.astype(np.float32), fmt.for_k(w.shape[1])))
+            # NOTE: o_proj's ranks split it on whole heads (LinearFactory._weight's unit)
+            unit = head_dim if name.split(".")[-2] == "o_proj" else None
+            tensors[name] = dequantize(quantize(w.astype(np.float32), fmt.for_split(w.shape[1], unit)))
     if head is not None:
         w = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"]).astype(np.float32)
         tensors["lm_head.weight"] = dequantize(quantize(w, head.for_k(w.shape[1])))
-        with open(os.path.join(dst, "config.json")) as f:
-            cfg = json.load(f)
         cfg["tie_word_embeddings"] = False
         with open(os.path.join(dst, "config.json"), "w") as f:
             json.dump(cfg, f)

@@ -191,6 +191,27 @@ def test_two_ranks_equal_reference(hf_models, tmp_path):
     assert out["world"] == 2 and out["tokens"] == [expected]
 
 
+def test_llama_attention_biases_equal_transformers(tmp_path):
+    """A Llama with attention_bias (q/k/v/o biases) as llama.cpp's converter writes it: the q/k
+    biases permuted like their weights, o's as attn_output.bias. F32 on 1 and 2 ranks gives the
+    greedy tokens of transformers."""
+    from models import hf_greedy
+    from test_quant_model import result, run_mpi
+    hf_dir = str(tmp_path / "hf")
+    model = build_model(hf_dir, arch="llama", attention_bias=True, **SHAPE)
+    expected = hf_greedy(model, PROMPT, 16)
+    path = str(tmp_path / "m.F32.gguf")
+    write_gguf(hf_dir, path, "F32")
+    g = engine(path, lm_head_quantization=None)
+    try:
+        assert g.runner.model.cfg.o_bias and g.runner.model.cfg.qkv_bias
+        assert list(g.generate([PROMPT], GREEDY)[0].token_ids) == expected
+    finally:
+        g.close()
+    out = result(run_mpi(2, path, "none", head="none"))
+    assert out["world"] == 2 and out["tokens"][0][:16] == expected
+
+
 @pytest.mark.parametrize("qtype,dtype", [("Q4_K", "int4"), ("Q6_K", "int6"), ("Q3_K", "int3"), ("Q2_K", "int2"),
                                          ("IQ4_XS", "int4")])
 def test_two_ranks_equal_one_on_k_quants(hf_models, tmp_path, qtype, dtype):

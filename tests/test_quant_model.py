@@ -175,25 +175,41 @@ def test_two_ranks_equal_one_and_dequantized(model_dir, tmp_path):
     assert result(run_mpi(2, model_dir, name))["tokens"] == [expected]
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_tied_int8_lm_head_over_ranks(tied_dir, tmp_path, ranks):
+@pytest.mark.parametrize("ranks,name", [(2, "int8"), (4, "int8-g32")])
+def test_tied_int8_lm_head_over_ranks(tied_dir, tmp_path, ranks, name):
     """Vocabulary 384 over 4 ranks: 96 rows each; the tied embedding stays a masked lookup.
-    NOTE: an explicit decoder group: plain "int8" fits its group to each rank's slice (o_proj's
-    32 columns on 4 ranks take groups of 32), so it is not the whole-tensor g128 reference."""
+    Plain "int8" picks its groups from the whole tensors (o_proj: groups that divide head_dim,
+    32 here, where 128 would fit its 128 columns on one rank but not its 64 on each of 2), so
+    N ranks run the model of 1 rank: the whole-tensor reference."""
     ref_dir = str(tmp_path / "deq")
-    deq_copy(tied_dir, ref_dir, "int8-g32", "int8-channel")
+    deq_copy(tied_dir, ref_dir, name, "int8-channel")
     r = engine(ref_dir)
     expected = list(r.generate([PROMPT], GREEDY)[0].token_ids)
     r.close()
-    got = result(run_mpi(ranks, tied_dir, "int8-g32", head="int8-channel"))
+    got = result(run_mpi(ranks, tied_dir, name, head="int8-channel"))
     assert got["world"] == ranks and got["tokens"] == [expected]
+
+
+def test_plain_int8_groups_do_not_depend_on_the_rank_count(model_dir):
+    """o_proj takes groups that divide head_dim and down_proj's split follows its group, on
+    every rank count; an MLP too narrow for that many groups is refused, not regrouped."""
+    e = engine(model_dir, quantization="int8")
+    try:
+        layer = e.runner.model.layers[0]
+        assert (layer.o_proj.group, layer.down_proj.group) == (32, 128)
+    finally:
+        e.close()
+    p = run_mpi(4, model_dir, "int8")
+    assert p.returncode != 0
+    assert "Cannot split 256 MLP columns over 4 ranks in groups of 128; use at most 2 ranks" in p.stdout + p.stderr
 
 
 def test_split_that_cuts_a_group_is_a_clear_error(model_dir):
     # o_proj has 128 input features: 64 per rank, not a multiple of 128
     p = run_mpi(2, model_dir, "int8-g128")
     assert p.returncode != 0
-    assert "not a multiple of the group size 128" in p.stdout + p.stderr
+    assert (f"{model_dir} on 2 ranks: model.layers.0.self_attn.o_proj.weight: this rank's slice of its 128 input features has 64, not a "
+            "multiple of the quantization group of 128; use fewer ranks") in p.stdout + p.stderr
 
 
 def test_profiler_times_quantized_linears(model_dir, monkeypatch):

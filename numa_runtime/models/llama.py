@@ -7,6 +7,7 @@ all-gather of logits).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import numpy as np
@@ -15,6 +16,7 @@ from .. import env
 from ..backend.reference import KV_CACHE_DTYPES, kv_row_width
 from ..config import ModelConfig, UnsupportedModelError, rope_inv_freq
 from ..gguf_model import open_checkpoint
+from ..quant.formats import QuantError
 from ..quant.loader import LinearFactory, head_quantization, parse_quantization
 from ..plan import EMBED
 from ..sharding import ShardLayout, shard_layouts
@@ -41,7 +43,9 @@ class DecoderLayer:
                                 (p + "self_attn.v_proj.weight", kr, None)], qkv_b)
         # NOTE: a row-parallel bias is added by rank 0 only, so the all-reduce sums it once.
         o_b = f("self_attn.o_proj.bias") if cfg.o_bias and lay.rank == 0 else None
-        self.o_proj = linear([(p + "self_attn.o_proj.weight", None, qr)], o_b)
+        # NOTE: o_proj's input columns split on whole heads (unit: head_dim), so its group is
+        # one that divides head_dim wherever one does
+        self.o_proj = linear([(p + "self_attn.o_proj.weight", None, qr, cfg.head_dim)], o_b)
         gu_b = None
         if cfg.mlp_bias:
             gu_b = np.concatenate([f("mlp.gate_proj.bias", rows=lay.inter), f("mlp.up_proj.bias", rows=lay.inter)])
@@ -70,25 +74,28 @@ class LlamaModel:
         ckpt = open_checkpoint(cfg)  # safetensors, or the GGUF file the directory points at
         linear = LinearFactory(ops, ckpt, dtype, parse_quantization(quantization),
                                head_quantization(lm_head_quantization, quantization, ckpt))
-        # NOTE: quantized weights split the MLP on group boundaries
-        self.lay = lay = ShardLayout.build(cfg, comm.rank, comm.world_size, linear.split_align)
-        if comm.rank == 0 and comm.world_size > 1:
-            for other in shard_layouts(cfg, comm.world_size, linear.split_align):
-                log.info("tensor parallel: %s", other.describe())
-        _check_tensors(cfg, ckpt)
-        self.embed = _embedding_table(ckpt, dtype, lay.vocab)
-        self.layers = []
-        for i in range(cfg.num_layers):
-            self.layers.append(DecoderLayer(linear, cfg, lay, ckpt, i))
-            if progress:
-                progress(i + 1, cfg.num_layers)
-        self.norm = ckpt.load("model.norm.weight", "float32")
-        # NOTE: a dense lm_head is quantized at load only to lm_head_quantization (int8 when the
-        # decoder is quantized, by default); the embedding table stays as stored. An embedding
-        # model has no lm_head
-        tied = cfg.tie_word_embeddings or "lm_head.weight" not in ckpt
-        self.lm_head = None if cfg.is_embedding_model else linear.head(
-            "model.embed_tokens.weight" if tied else "lm_head.weight", lay.vocab, lay.vocab_chunk)
+        # NOTE: a split or format this rank cannot take names the model and the rank count
+        with _named_errors(getattr(ckpt, "path", cfg.model_dir), comm.world_size):
+            # NOTE: quantized weights split the MLP on group boundaries
+            align = linear.split_align(cfg.intermediate_size)
+            self.lay = lay = ShardLayout.build(cfg, comm.rank, comm.world_size, align)
+            if comm.rank == 0 and comm.world_size > 1:
+                for other in shard_layouts(cfg, comm.world_size, align):
+                    log.info("tensor parallel: %s", other.describe())
+            _check_tensors(cfg, ckpt)
+            self.embed = _embedding_table(ckpt, dtype, lay.vocab)
+            self.layers = []
+            for i in range(cfg.num_layers):
+                self.layers.append(DecoderLayer(linear, cfg, lay, ckpt, i))
+                if progress:
+                    progress(i + 1, cfg.num_layers)
+            self.norm = ckpt.load("model.norm.weight", "float32")
+            # NOTE: a dense lm_head is quantized at load only to lm_head_quantization (int8 when the
+            # decoder is quantized, by default); the embedding table stays as stored. An embedding
+            # model has no lm_head
+            tied = cfg.tie_word_embeddings or "lm_head.weight" not in ckpt
+            self.lm_head = None if cfg.is_embedding_model else linear.head(
+                "model.embed_tokens.weight" if tied else "lm_head.weight", lay.vocab, lay.vocab_chunk)
         inv_freq, attn_scale = rope_inv_freq(cfg)
         pos = np.arange(max_model_len, dtype=np.float64)[:, None] * inv_freq[None, :]
         # cos_sin: [max_model_len, rot_dim] = [cos | sin]
@@ -382,6 +389,16 @@ def _embedding_table(ckpt: Checkpoint, dtype: str, rows: slice) -> np.ndarray:
     return ckpt.load(name, dtype, rows=rows)
 
 
+@contextlib.contextmanager
+def _named_errors(source: str, world: int):
+    """Errors of loading a shard (a split that cuts a group or block, a tensor the model lacks)
+    prefixed with the model and, on several ranks, their count."""
+    try:
+        yield
+    except (QuantError, UnsupportedModelError) as e:
+        raise type(e)(f"{source}{'' if world == 1 else f' on {world} ranks'}: {e}") from None
+
+
 def _check_tensors(cfg: ModelConfig, ckpt: Checkpoint) -> None:
     """Fail before reading weights if the checkpoint lacks what the config promises."""
     need = ["model.embed_tokens.weight", "model.norm.weight"]
@@ -392,8 +409,8 @@ def _check_tensors(cfg: ModelConfig, ckpt: Checkpoint) -> None:
             need.append(f"model.layers.{i}.{n}")
     missing = [n for n in need if n not in ckpt]
     if missing:
-        raise UnsupportedModelError(f"The checkpoint in {cfg.model_dir!r} lacks {missing[0]} "
-                                    f"({len(missing)} expected tensors missing).")
+        raise UnsupportedModelError(f"the checkpoint lacks {missing[0]} ({len(missing)} expected "
+                                    f"tensors missing).")
     shape = ckpt.raw("model.layers.0.self_attn.q_proj.weight").shape
     if tuple(shape) != (cfg.q_size, cfg.hidden_size):
         raise UnsupportedModelError(f"q_proj has shape {tuple(shape)}, but config.json implies "

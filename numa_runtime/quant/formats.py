@@ -44,6 +44,8 @@ in-register dequantization produce the very same f32 weights.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,6 +85,18 @@ class QuantFormat:
             if g < self.group_size and k % g == 0:
                 return QuantFormat(self.bits, g, self.kind)
         return self
+
+    def for_split(self, k: int, unit: int | None = None) -> "QuantFormat":
+        """The format of a weight with k input features whose rank slices start and end on
+        multiples of `unit` (None: only the whole k, or a split aligned to for_k(k)'s group):
+        for_k of their common divisor where a group fits it, so that every rank count
+        quantizes the same groups (o_proj: unit = head_dim); otherwise for_k(k)."""
+        if unit:
+            common = math.gcd(k, unit)
+            f = self.for_k(common)
+            if f.group_size < 0 or common % f.group_size == 0:
+                return f
+        return self.for_k(k)
 
     def __post_init__(self):
         if self.bits not in BITS:

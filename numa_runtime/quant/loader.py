@@ -50,13 +50,12 @@ class LinearFactory:
         self.head_quant = head_quant
         self.bf16 = dtype == "bfloat16"
 
-    @property
-    def split_align(self) -> int:
-        """Input columns a rank's slice of a row-parallel weight must come in multiples of:
-        the file's quantization blocks, or the group we quantize in (1 for dense weights)."""
+    def split_align(self, k: int) -> int:
+        """Input columns a rank's slice of a row-parallel weight with k input features (the
+        MLP's down_proj) must come in multiples of: the file's quantization blocks, or the group
+        we quantize it in (1 for dense weights), the same group on every rank count."""
         q = self.quant
-        # NOTE: a format that fits its group to K (plain "int8"/"int4") needs only 32
-        own = 1 if q is None or q.group_size < 0 else (32 if q.fit_group else q.group_size)
+        own = 1 if q is None or q.group_size < 0 else q.for_split(k).group_size
         return max(own, getattr(self.ckpt, "split_align", 1))
 
     def __call__(self, parts: list[Part], bias: np.ndarray | None = None):
@@ -102,7 +101,7 @@ class LinearFactory:
             parts.append(quantize(w, self.head_quant.for_k(w.shape[1])))
         return parts[0] if len(parts) == 1 else concat_rows(parts)
 
-    def _weight(self, name: str, rows: slice | None, cols: slice | None):
+    def _weight(self, name: str, rows: slice | None, cols: slice | None, unit: int | None = None):
         native = getattr(self.ckpt, "quantized", None)
         quant = self.quant
         if native is not None:
@@ -112,11 +111,20 @@ class LinearFactory:
         if quant is None:
             return self.ckpt.load(name, self.dtype, rows=rows, cols=cols)
         w = self.ckpt.load(name, "float32", rows=rows, cols=cols)            # [n, k] this slice
-        fmt = quant.for_k(w.shape[1])
-        if fmt.group_size > 0 and w.shape[1] % fmt.group_size:
-            raise QuantError(f"{name}: this rank's slice has {w.shape[1]} input features, not a "
-                             f"multiple of the group size {fmt.group_size}; use fewer ranks or a "
-                             f"smaller group size.")
+        # NOTE: the group follows from the whole tensor's k (and the split's unit), never from
+        # this rank's slice, so 1 and N ranks quantize the same groups
+        shape = getattr(self.ckpt, "shape", None)
+        k = shape(name)[1] if shape is not None else self.ckpt.raw(name).shape[1]
+        fmt = quant.for_split(k, unit)
+        n, g = w.shape[1], fmt.group_size
+        if g > 0 and n % g and n == k:
+            raise QuantError(f"{name}: its {k} input features are not a multiple of the quantization "
+                             f"group of {g}; choose a quantization whose group divides them, or "
+                             f"'int8-channel'.")
+        if g > 0 and n % g:
+            raise QuantError(f"{name}: this rank's slice of its {k} input features has {n}, not a "
+                             f"multiple of the quantization group of {g}; use fewer ranks, or a "
+                             f"quantization whose group divides it.")
         return quantize(w, fmt)
 
     def _single(self, w):
