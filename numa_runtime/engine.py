@@ -16,11 +16,14 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
+import numbers
 import os
 import sys
 import time
 from collections import deque
 from typing import Iterable, Iterator
+
+import numpy as np
 
 from .config import EngineConfig, ModelConfig
 from .outputs import RequestOutput, TextState
@@ -278,8 +281,8 @@ class Engine:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode_within(prompt, self.max_model_len)
             text = prompt
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids, text = list(prompt), None
+        elif _is_token_ids(prompt):
+            ids, text = [int(t) for t in prompt], None
         else:
             raise TypeError("A prompt must be a string or a list of token ids.")
         if not ids:
@@ -417,7 +420,7 @@ class Engine:
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run prompts (strings or token-id lists) to completion; outputs in input order."""
         self._driver_only("generate")
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        single = isinstance(prompts, str) or (_is_token_ids(prompts) and len(prompts) > 0)
         plist = [prompts] if single else list(prompts)
         if isinstance(params, list):
             if len(params) != len(plist):
@@ -445,6 +448,9 @@ class Engine:
         """Yield text deltas of one request; they join to the final text. Other streams,
         generate() and step() may run between reads: each gets only its own outputs."""
         self._driver_only("stream")
+        if params is not None and params.n != 1:
+            raise ValueError(f"stream() yields the text of one completion, not n={params.n}; use "
+                             f"generate() or add_request() for several.")
         outbox: deque[RequestOutput] = deque()
         rid = self._add(prompt, params, None, outbox)
         done = False
@@ -667,3 +673,9 @@ class _Progress:
         self.bar.update(done - self.bar.n)
         if done == total:
             self.bar.close()
+
+
+def _is_token_ids(prompt) -> bool:
+    """A list, tuple or 1-D array of integer token ids (numpy integers too, not bools)."""
+    return ((isinstance(prompt, (list, tuple)) or (isinstance(prompt, np.ndarray) and prompt.ndim == 1))
+            and all(isinstance(t, numbers.Integral) and not isinstance(t, (bool, np.bool_)) for t in prompt))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -9,8 +10,10 @@ from dataclasses import dataclass, field
 class SamplingParams:
     """Per-request sampling settings, validated once at construction.
 
-    temperature 0 means greedy. `seed` makes one request reproducible whatever else runs
-    beside it. `stop` strings are cut from the returned text; `stop_token_ids` end the
+    temperature 0 means greedy. `seed` gives a request its own random stream, so that the same
+    logits sample the same tokens whatever else runs beside it; the logits themselves can move
+    in their last bits with the batch a step runs in (as in vLLM), and so a near tie can
+    flip. `stop` strings are cut from the returned text; `stop_token_ids` end the
     request and are not returned (like EOS) unless `include_stop_str_in_output`.
     `logit_bias` maps token ids to a value added to their logits before sampling.
     `json_schema` (a JSON schema as a dict; {"type": "object"} for any object) constrains the
@@ -48,9 +51,18 @@ class SamplingParams:
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}.")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None and not isinstance(self.logit_bias, Mapping):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}.")
         self.logit_bias = dict(self.logit_bias or {})
         self._check()
         self._check_lists()
+        # NOTE: numpy scalars pass the checks; keep plain Python numbers from here on
+        for name in _FLOATS:
+            setattr(self, name, float(getattr(self, name)))
+        for name in _INTS:
+            if getattr(self, name) is not None:
+                setattr(self, name, int(getattr(self, name)))
+        self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()}
 
     def _check(self):
         def bad(msg):
@@ -61,6 +73,8 @@ class SamplingParams:
             bad(f"max_tokens must be a positive integer or None, got {self.max_tokens!r}.")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             bad(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}).")
         if not _is_num(self.temperature) or self.temperature < 0 or self.temperature > 100:
             bad(f"temperature must be a number in [0, 100], got {self.temperature!r}.")
         if not _is_int(self.top_k) or self.top_k < -1:
@@ -111,5 +125,10 @@ def _is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_INTS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs")
+
+
 def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+    # NOTE: numpy floats and integers are numbers too; NaN is not
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and v == v

@@ -7,6 +7,7 @@ the chat template with the helpers HF templates expect.
 import functools
 import json
 import os
+import re
 from datetime import datetime
 
 import jinja2
@@ -20,6 +21,23 @@ _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token"
                  "mask_token")
 _LLAMA_STYLE = {"LlamaTokenizer", "CodeLlamaTokenizer", "GemmaTokenizer"}
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # the first is what templates read
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character each byte is written as -> the byte."""
+    kept = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in kept:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 class ChatTemplateError(ValueError):
@@ -123,6 +141,34 @@ class Tokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes token `token_id` stands for in a text, also where it holds only part
+        of a character (a byte-level BPE piece, or a SentencePiece <0xNN> byte: decode() shows
+        those as U+FFFD); a SentencePiece word piece with its leading space; an added or special
+        token: its text. The bytes of a text's tokens join to the text."""
+        piece = self._backend.id_to_token(token_id)
+        if piece is None or token_id in self._added_ids:
+            return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+        if self._pieces == "byte_level" and all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+        byte = _BYTE_PIECE.fullmatch(piece)
+        if byte:
+            return bytes([int(byte.group(1), 16)])
+        if self._pieces == "metaspace":
+            return piece.replace("\u2581", " ").encode("utf-8")
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    @functools.cached_property
+    def _added_ids(self) -> set[int]:
+        return set(self._backend.get_added_tokens_decoder())
+
+    @functools.cached_property
+    def _pieces(self) -> str:
+        """How the vocabulary writes text: "byte_level" (GPT-2's byte alphabet), "metaspace"
+        (SentencePiece's U+2581 for a space), or "" (decode each token)."""
+        decoder = json.dumps(json.loads(self._backend.to_str()).get("decoder"))
+        return "byte_level" if '"ByteLevel"' in decoder else "metaspace" if "\\u2581" in decoder else ""
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, documents: list[dict] | None = None,

@@ -96,12 +96,37 @@ def test_penalties_change_the_output(eng):
                                 dict(stop=[5]), dict(stop_token_ids=3), dict(stop_token_ids=[True]),
                                 dict(stop_token_ids=["7"]), dict(ignore_eos=1), dict(logit_bias={"5": 1.0}),
                                 dict(logit_bias={5: 101}), dict(logit_bias={-1: 0.5}),
-                                dict(logit_bias={5: float("nan")}), dict(temperature=True)])
+                                dict(logit_bias={5: float("nan")}), dict(temperature=True),
+                                dict(logit_bias=[1, 2]), dict(min_tokens=50, max_tokens=5),
+                                dict(temperature=np.float32("nan"))])
 def test_invalid_sampling_params_raise_one_sentence(kw):
     with pytest.raises(ValueError) as e:
         SamplingParams(**kw)
     assert str(e.value).endswith(".") and "\n" not in str(e.value)
     assert str(e.value).split()[0] == next(iter(kw))  # names the field
+
+
+def test_numpy_numbers_are_numbers():
+    """Values from numpy (a sweep's np.linspace, an array of ids) are taken as plain numbers."""
+    sp = SamplingParams(temperature=np.float32(0.5), top_p=np.float64(0.9), presence_penalty=np.float16(1),
+                        max_tokens=np.int64(5), seed=np.uint64(7), logit_bias={np.int32(3): np.float32(2.5)})
+    assert (sp.temperature, sp.top_p, sp.presence_penalty, sp.max_tokens, sp.seed) == (0.5, 0.9, 1.0, 5, 7)
+    assert type(sp.temperature) is float and type(sp.max_tokens) is int
+    assert sp.logit_bias == {3: 2.5} and all(type(k) is int and type(v) is float for k, v in sp.logit_bias.items())
+
+
+def test_prompt_forms_and_stream_of_one_completion(eng):
+    """Token ids as a list, a tuple or a numpy array are the same prompt; stream() of n > 1
+    completions is refused, not cut to the first."""
+    ids = eng.tokenizer.encode("Hello world")
+    want = eng.generate(ids, GREEDY)[0].token_ids
+    assert eng.generate(tuple(ids), GREEDY)[0].token_ids == want
+    assert eng.generate(np.array(ids, np.int64), GREEDY)[0].token_ids == want
+    assert [o.token_ids for o in eng.generate([np.array(ids), tuple(ids)], GREEDY)] == [want, want]
+    with pytest.raises(ValueError, match=r"^stream\(\) yields the text of one completion, not n=2"):
+        next(eng.stream("Hello", SamplingParams(n=2, max_tokens=4)))
+    with pytest.raises(TypeError, match="A prompt must be a string or a list of token ids"):
+        eng.generate([np.array([1.5, 2.0])], GREEDY)
 
 
 def test_logit_bias_steers_greedy_choice(eng):

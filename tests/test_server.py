@@ -227,6 +227,32 @@ def test_logprobs(client):
 
 
 # ------------------------------------------------------------------------------ disconnects
+def test_logprobs_of_streams_and_partial_characters(client, model_dir):
+    """text_offset runs on over a stream's chunks as in one body. A token that holds part of a
+    character (the byte 0xC3 of the byte-level alphabet, forced by logit_bias) shows as
+    "bytes:\\xc3" with its byte; legacy top_logprobs keep one key per token."""
+    from numa_runtime.tokenizer import Tokenizer
+    kw = dict(model="tiny", prompt="Hello world", max_tokens=12, logprobs=2, **FLOAT)
+    full = client.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    offsets = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+    assert offsets == full.logprobs.text_offset and len(offsets) == 12
+    assert offsets == sorted(offsets) and offsets[-1] < len(full.text) and offsets[1] > 0
+    assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == full.logprobs.tokens
+    c3 = Tokenizer.from_dir(model_dir)._backend.token_to_id("\u00c3")
+    bias = {str(c3): 100}
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                          logprobs=True, top_logprobs=3, logit_bias=bias, **FLOAT)
+    content = chat.choices[0].logprobs.content
+    assert [(t.token, t.bytes) for t in content] == [("bytes:\\xc3", [0xC3])] * 3
+    for t in content:
+        assert len({e.token for e in t.top_logprobs}) == 3
+        assert all(e.bytes == list(e.token.encode()) or e.token.startswith("bytes:") for e in t.top_logprobs)
+    legacy = client.completions.create(model="tiny", prompt="x", max_tokens=3, logprobs=5, logit_bias=bias, **FLOAT)
+    lp = legacy.choices[0].logprobs
+    assert lp.tokens == ["bytes:\\xc3"] * 3 and [len(t) for t in lp.top_logprobs] == [5] * 3
+
+
 def test_disconnect_mid_stream_aborts(server, client):
     aborted = metric(server.base, 'numa_runtime_requests_total{status="abort"}')
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": 240, "ignore_eos": True, "stream": True}

@@ -338,3 +338,24 @@ def test_llama_style_add_bos_token_never_doubles(tmp_path, config, bos_in_post_p
     assert ids[num_bos:len(ids) - eos_last] == ours.encode("hello world", add_special_tokens=False)
     if bos_in_post_processor and num_bos == 1 and not eos_last:
         assert ids == transformers.AutoTokenizer.from_pretrained(str(d)).encode("hello world")
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "metaspace"])
+def test_token_bytes_join_to_the_text(smol, tmp_path, kind):
+    """Logprobs show each token's bytes: a token holding part of a character (an emoji split
+    over byte-level pieces, or SentencePiece <0xNN> bytes) has its own bytes, not U+FFFD's, and
+    a text's tokens join to the text (SentencePiece: after the space it prepends)."""
+    tok = smol if kind == "byte_level" else Tokenizer.from_dir(str(_train_metaspace(tmp_path)))
+    partial = 0
+    for text in TEXTS + ["😀 the lazy dog"]:
+        ids = tok.encode(text, add_special_tokens=False)
+        raw = [tok.token_bytes(i) for i in ids]
+        joined = b"".join(raw).decode("utf-8")
+        assert joined == text or (kind == "metaspace" and joined == " " + text), (joined, text)
+        for b in raw:
+            try:
+                b.decode("utf-8")
+            except UnicodeDecodeError:
+                partial += 1
+                assert b"\xef\xbf\xbd" not in b  # U+FFFD
+    assert partial >= 4

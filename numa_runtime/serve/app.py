@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import re
@@ -86,8 +87,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
     created = int(time.time())
     _ = engine.tokenizer.max_token_chars  # NOTE: computed once here, not by the first request
 
-    def decode_token(tid: int) -> str:
-        return engine.tokenizer.decode([tid], skip_special_tokens=False)
+    decode_token = functools.lru_cache(maxsize=1 << 16)(engine.tokenizer.token_bytes)
 
     def check_model(model: str | None) -> None:
         if model is not None and model != config.served_model_name:
@@ -285,7 +285,7 @@ async def _until_disconnect(request: Request, work) -> bool:
 async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode):
     """SSE events of one request. Cancelled (client gone) -> finally aborts the request."""
     created, chat = int(time.time()), kind == "chatcmpl"
-    status = "abort"
+    status, offsets = "abort", {}
     try:
         if chat:
             for i in range(len(gen.index) * tracker.n):
@@ -295,7 +295,7 @@ async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode)
             report.saw(pieces)
             for p in pieces:
                 chunk = (R.chat_chunk(rid, model, created, p, p.index, decode, include_usage) if chat
-                         else R.completion_chunk(rid, model, created, p, decode, include_usage))
+                         else R.completion_chunk(rid, model, created, p, decode, include_usage, offsets))
                 yield R.sse(chunk)
         status = tracker.choices()[0][1].finish_reason or "stop"
         if include_usage:

@@ -91,7 +91,8 @@ class _SamplingRequest(_Body):
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
             return None
-        bad = next((k for k in self.logit_bias if not k.isascii() or not k.isdigit()), None)
+        # NOTE: a token id has at most 10 digits (int() of thousands would be refused by CPython)
+        bad = next((k for k in self.logit_bias if not k.isascii() or not k.isdigit() or len(k) > 10), None)
         if bad is not None:
             raise ValueError(f"logit_bias keys must be token ids written as decimal strings, got {bad!r}.")
         return {int(k): v for k, v in self.logit_bias.items()}

@@ -1,6 +1,7 @@
 """OpenAI response and stream-chunk bodies built from RequestOutputs (plain dicts, no I/O)."""
 from __future__ import annotations
 
+import codecs
 import json
 import time
 from dataclasses import dataclass, field
@@ -8,7 +9,16 @@ from typing import Callable
 
 from ..outputs import RequestOutput
 
-DecodeToken = Callable[[int], str]
+TokenBytes = Callable[[int], bytes]  # Tokenizer.token_bytes: a token's UTF-8 bytes, whole or partial
+
+
+def token_text(raw: bytes) -> str:
+    """A token as logprobs show it: its text, or where its bytes are part of a character,
+    OpenAI's "bytes:\\xNN..." (so that distinct partial tokens stay distinct)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -74,28 +84,46 @@ class ChoiceTracker:
 
 
 # ---------------------------------------------------------------------------- logprobs
-def completion_logprobs(token_ids: list[int], logprobs: list | None, decode: DecodeToken,
-                        offset: int = 0) -> dict | None:
-    """The legacy completions format: tokens, token_logprobs, top_logprobs, text_offset."""
+def completion_logprobs(token_ids: list[int], logprobs: list | None, decode: TokenBytes,
+                        offset: "TextOffset | None" = None) -> dict | None:
+    """The legacy completions format: tokens, token_logprobs, top_logprobs, text_offset (the
+    character of the completion's text where each token starts; `offset` carries it over the
+    chunks of a stream)."""
     if logprobs is None:
         return None
+    offset = offset if offset is not None else TextOffset()
     tokens, offsets = [], []
     for tid in token_ids[:len(logprobs)]:
-        tokens.append(decode(tid))
-        offsets.append(offset)
-        offset += len(tokens[-1])
+        raw = decode(tid)
+        tokens.append(token_text(raw))
+        offsets.append(offset.add(raw))
     return {"tokens": tokens, "token_logprobs": [lp for lp, _ in logprobs],
-            "top_logprobs": [{decode(t): v for t, v in top.items()} for _, top in logprobs],
+            "top_logprobs": [{token_text(decode(t)): v for t, v in top.items()} for _, top in logprobs],
             "text_offset": offsets}
 
 
-def chat_logprobs(token_ids: list[int], logprobs: list | None, decode: DecodeToken) -> dict | None:
+class TextOffset:
+    """Characters of text so far, counted from token bytes (a character split over tokens
+    counts once, where it completes)."""
+
+    def __init__(self):
+        self.chars = 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def add(self, raw: bytes) -> int:
+        """The offset where a token of these bytes starts; moves past it."""
+        start = self.chars
+        self.chars += len(self._utf8.decode(raw))
+        return start
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list | None, decode: TokenBytes) -> dict | None:
     if logprobs is None:
         return None
 
     def entry(tid, lp):
-        tok = decode(tid)
-        return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
+        raw = decode(tid)
+        return {"token": token_text(raw), "logprob": lp, "bytes": list(raw)}
     content = []
     for tid, (lp, top) in zip(token_ids, logprobs):
         content.append({**entry(tid, lp), "top_logprobs": [entry(t, v) for t, v in top.items()]})
@@ -103,7 +131,7 @@ def chat_logprobs(token_ids: list[int], logprobs: list | None, decode: DecodeTok
 
 
 # ---------------------------------------------------------------------------- bodies
-def completion_body(rid: str, model: str, tracker: ChoiceTracker, decode: DecodeToken) -> dict:
+def completion_body(rid: str, model: str, tracker: ChoiceTracker, decode: TokenBytes) -> dict:
     choices = [{"index": i, "text": c.text, "finish_reason": _reason(c.finish_reason),
                 "logprobs": completion_logprobs(c.token_ids, c.logprobs, decode)}
                for i, c in tracker.choices()]
@@ -111,7 +139,7 @@ def completion_body(rid: str, model: str, tracker: ChoiceTracker, decode: Decode
             "choices": choices, "usage": tracker.usage()}
 
 
-def chat_body(rid: str, model: str, tracker: ChoiceTracker, decode: DecodeToken) -> dict:
+def chat_body(rid: str, model: str, tracker: ChoiceTracker, decode: TokenBytes) -> dict:
     choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
                 "finish_reason": _reason(c.finish_reason),
                 "logprobs": chat_logprobs(c.token_ids, c.logprobs, decode)}
@@ -120,14 +148,16 @@ def chat_body(rid: str, model: str, tracker: ChoiceTracker, decode: DecodeToken)
             "choices": choices, "usage": tracker.usage()}
 
 
-def completion_chunk(rid: str, model: str, created: int, piece: Piece, decode: DecodeToken,
-                     include_usage: bool) -> dict:
+def completion_chunk(rid: str, model: str, created: int, piece: Piece, decode: TokenBytes,
+                     include_usage: bool, offsets: dict[int, TextOffset]) -> dict:
+    """`offsets`: the text offset of each choice of the stream so far (updated)."""
+    offset = offsets.setdefault(piece.index, TextOffset())
     choice = {"index": piece.index, "text": piece.text, "finish_reason": piece.finish_reason,
-              "logprobs": completion_logprobs(piece.token_ids, piece.logprobs, decode)}
+              "logprobs": completion_logprobs(piece.token_ids, piece.logprobs, decode, offset)}
     return _chunk(rid, "text_completion", model, created, [choice], include_usage)
 
 
-def chat_chunk(rid: str, model: str, created: int, piece: Piece | None, index: int, decode: DecodeToken,
+def chat_chunk(rid: str, model: str, created: int, piece: Piece | None, index: int, decode: TokenBytes,
                include_usage: bool) -> dict:
     """A content chunk for `piece`, or (piece None) the opening chunk of choice `index`."""
     if piece is None:
