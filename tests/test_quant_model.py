@@ -175,12 +175,13 @@ def test_two_ranks_equal_one_and_dequantized(model_dir, tmp_path):
     assert result(run_mpi(2, model_dir, name))["tokens"] == [expected]
 
 
-@pytest.mark.parametrize("ranks,name", [(2, "int8"), (4, "int8-g32")])
+@pytest.mark.parametrize("ranks,name", [(2, "int8"), (4, "int8-g32"), (4, "int8-channel")])
 def test_tied_int8_lm_head_over_ranks(tied_dir, tmp_path, ranks, name):
     """Vocabulary 384 over 4 ranks: 96 rows each; the tied embedding stays a masked lookup.
     Plain "int8" picks its groups from the whole tensors (o_proj: groups that divide head_dim,
-    32 here, where 128 would fit its 128 columns on one rank but not its 64 on each of 2), so
-    N ranks run the model of 1 rank: the whole-tensor reference."""
+    32 here, where 128 would fit its 128 columns on one rank but not its 64 on each of 2), and
+    per-row scales of a column slice are its whole row's, so N ranks run the model of 1 rank:
+    the whole-tensor reference."""
     ref_dir = str(tmp_path / "deq")
     deq_copy(tied_dir, ref_dir, name, "int8-channel")
     r = engine(ref_dir)

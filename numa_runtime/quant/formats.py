@@ -283,10 +283,14 @@ def dequantize(qw: QuantizedWeight) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(n, kp)[:, :qw.in_features])
 
 
-def quantize(w: np.ndarray, fmt: QuantFormat) -> QuantizedWeight:
+def quantize(w: np.ndarray, fmt: QuantFormat, row_absmax: np.ndarray | None = None) -> QuantizedWeight:
     """Round-to-nearest quantization of f32 weights [N, K] (scales chosen per group from the
-    group's range, rounded to f16 before the weights are rounded against them)."""
+    group's range, rounded to f16 before the weights are rounded against them). row_absmax
+    [N] (per-row int8 only): the largest |w| of each whole row, where w is a column slice of
+    it, so that the slice takes the whole row's scale."""
     w = np.asarray(w, dtype=np.float32)
+    if row_absmax is not None and (fmt.group_size != -1 or fmt.kind != "sym"):
+        raise QuantError("row_absmax is for per-row int8 weights only.")
     n, k = w.shape
     kp = fmt.padded_k(k)
     g = fmt.group_of(k)
@@ -301,7 +305,8 @@ def quantize(w: np.ndarray, fmt: QuantFormat) -> QuantizedWeight:
         return QuantizedWeight(fmt, _nearest_level(wg * _inverse(s)).reshape(n, kp), s, None, k)
     if fmt.kind == "sym":
         qmax = 127.0 if fmt.bits == 8 else float(half - 1)
-        s = to_f16_scales(np.abs(wg).max(axis=2) / qmax)
+        amax = np.abs(wg).max(axis=2) if row_absmax is None else np.asarray(row_absmax, np.float32)[:, None]
+        s = to_f16_scales(amax / qmax)
         inv = _inverse(s)
         lo = -127 if fmt.bits == 8 else -half
         q = np.clip(np.rint(wg * inv), lo, qmax)

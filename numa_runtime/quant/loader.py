@@ -114,7 +114,8 @@ class LinearFactory:
         # NOTE: the group follows from the whole tensor's k (and the split's unit), never from
         # this rank's slice, so 1 and N ranks quantize the same groups
         shape = getattr(self.ckpt, "shape", None)
-        k = shape(name)[1] if shape is not None else self.ckpt.raw(name).shape[1]
+        full = shape(name) if shape is not None else self.ckpt.raw(name).shape   # [N, K] whole
+        k = full[1]
         fmt = quant.for_split(k, unit)
         n, g = w.shape[1], fmt.group_size
         if g > 0 and n % g and n == k:
@@ -125,7 +126,17 @@ class LinearFactory:
             raise QuantError(f"{name}: this rank's slice of its {k} input features has {n}, not a "
                              f"multiple of the quantization group of {g}; use fewer ranks, or a "
                              f"quantization whose group divides it.")
+        if g < 0 and n != k:  # NOTE: per-row scales of a column slice: the whole row's scale
+            return quantize(w, fmt, self._row_absmax(name, rows, full[0]))
         return quantize(w, fmt)
+
+    def _row_absmax(self, name: str, rows: slice | None, n: int) -> np.ndarray:
+        """The largest |w| of each of the rows `rows` over all input columns, read a chunk of
+        rows at a time (a rank never holds the whole tensor unquantized)."""
+        rows = rows if rows is not None else slice(0, n)
+        out = [np.abs(self.ckpt.load(name, "float32", rows=slice(r0, min(r0 + 1024, rows.stop)))).max(axis=1)
+               for r0 in range(rows.start, rows.stop, 1024)]
+        return np.concatenate(out) if out else np.zeros(0, np.float32)
 
     def _single(self, w):
         return qlinear(self.ops, w, bf16=self.bf16) if isinstance(w, QuantizedWeight) else self.ops.Linear(w)
