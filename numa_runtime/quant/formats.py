@@ -161,8 +161,9 @@ class QuantFormat:
 
     @classmethod
     def parse(cls, name: str) -> "QuantFormat":
-        """'int8' (groups of 128, or 64/32 where 128 does not divide K), 'int4' (groups of 32
-        with a min), or e.g. 'int4-g128-sym', 'int8-channel' (an explicit group is kept)."""
+        """'int8' (groups of 128, or 64/32 where 128 does not divide K, or for o_proj head_dim:
+        for_split), 'int4' (groups of 32 with a min), or e.g. 'int4-g128-sym', 'int8-channel'
+        (an explicit group is kept). Every rank count quantizes the same groups."""
         parts = str(name).lower().split("-")
         base = {"int8": cls(8, 128, "sym"), "int4": cls(4, 32, "min")}.get(parts[0])
         if base is None:
