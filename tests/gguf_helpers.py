@@ -49,8 +49,37 @@ def encode(w: np.ndarray, qtype: str, rng) -> tuple[np.ndarray, object]:
         for at in d_at:
             d = (rng.uniform(0.0005, 0.002, blocks.shape[:2])).astype(np.float16)
             blocks[:, :, at:at + 2] = d.view(np.uint8).reshape(*blocks.shape[:2], 2)
+        if qtype in ("Q4_K", "Q5_K", "Q2_K"):
+            _center_min_blocks(blocks, qtype, rng)
         return blocks.reshape(w.shape[0], -1), T[qtype]
     return gguf.quants.quantize(w, T[qtype]), T[qtype]
+
+
+def _center_min_blocks(blocks: np.ndarray, qtype: str, rng) -> None:
+    """Random codes of a "min" K-quant (w = d sc q - dmin m) average (2^bits - 1) / 2: set
+    dmin and each sub-block's m so that dmin m is about d sc times that average, so that the
+    weights centre on 0 and a random model's greedy tokens do not repeat one token."""
+    f16 = lambda a: a.astype(np.float16).view(np.uint8).reshape(*a.shape, 2)
+    shape = blocks.shape[:2]
+    # NOTE: scales within a factor of 1.5 of each other: rows of like norms (a random lm_head
+    # with rows far apart in norm repeats its largest rows' tokens)
+    d = rng.uniform(0.8, 1.2, shape).astype(np.float32)
+    if qtype == "Q2_K":  # 16 bytes of (sc | m << 4), 4-bit each; d, dmin at 80, 82
+        sc = 2 * rng.integers(5, 8, shape + (16,)).astype(np.uint8)  # even: m = sc / 2 exactly
+        d *= 0.0012
+        blocks[:, :, 80:82] = f16(d)
+        blocks[:, :, 82:84] = f16(d * 1.5 * 2)           # dmin = 3 d: m = sc / 2
+        blocks[:, :, 0:16] = sc | ((sc // 2) << 4)
+        return
+    mean = 7.5 if qtype == "Q4_K" else 15.5                # Q5_K: 5-bit codes
+    d *= 0.0045 / mean / 48
+    blocks[:, :, 0:2] = f16(d)
+    blocks[:, :, 2:4] = f16(d * mean)                      # dmin = d mean: m = sc
+    sc = rng.integers(40, 64, shape + (8,)).astype(np.uint8)  # 6-bit sub-scales and mins, packed
+    m = sc
+    blocks[:, :, 4:8] = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
+    blocks[:, :, 8:12] = (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6)
+    blocks[:, :, 12:16] = (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)
 
 
 def add_metadata(w, keys: dict, prefix: str = "") -> None:
@@ -170,6 +199,7 @@ def write_reference_from_gguf(gguf_path: str, out_dir: str) -> None:
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f)
     reader = gguf.GGUFReader(gguf_path)
+    arch = reader.fields["general.architecture"].contents()
     heads = {f"attn_{p}.{kind}": cfg[n] for p, n in (("q", "num_attention_heads"), ("k", "num_key_value_heads"))
              for kind in ("weight", "bias")}
     tensors = {}
