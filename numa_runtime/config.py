@@ -104,6 +104,9 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str) -> "ModelConfig":
+        if os.path.isfile(model_dir):
+            raise FileNotFoundError(f"{model_dir!r} is a file, not a model directory; pass a Hugging Face "
+                                    "model directory (config.json + *.safetensors) or a .gguf file.")
         if not os.path.isdir(model_dir):
             raise FileNotFoundError(f"Model directory {model_dir!r} does not exist; pass a Hugging Face "
                                     "model directory (config.json + *.safetensors) or omit it for the default model.")

@@ -47,6 +47,8 @@ class ModelRunner:
         kind = f"{self.engine_cfg.dtype}/{self.engine_cfg.quantization}"
         if self.kv_dtype != self.engine_cfg.dtype:
             kind += f"/kv-{self.kv_dtype}"
+        if self.engine_cfg.prefill_activations != "bf16":  # NOTE: int8 prefill rows: other KV values
+            kind += f"/prefill-{self.engine_cfg.prefill_activations}"
         fp = model_fingerprint(model_cfg.model_dir, kind, self.block_size, self.comm.world_size)
         return DiskStore(self.engine_cfg.kv_cache_dir, fp, self.comm.rank, self.bytes_per_block)
 

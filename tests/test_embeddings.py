@@ -108,5 +108,8 @@ def test_openai_client_embeddings(decoder):
             client.embeddings.create(model="emb", input="x", dimensions=8)
         with pytest.raises(openai.NotFoundError):
             client.embeddings.create(model="other", input="x")
+        for bad in ([True, 2], [[True, False]]):  # NOTE: strict types: true is not a token id
+            with pytest.raises(openai.BadRequestError):
+                client.embeddings.create(model="emb", input=bad, encoding_format="float")
     finally:
         srv.stop()

@@ -165,6 +165,9 @@ def test_server_serves_each_model_by_name(models, ranks):
             client.completions.create(model="delta", prompt="x", max_tokens=2)
         r = httpx.post(srv.base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
         assert r.status_code == 400 and "Name the model" in r.json()["error"]["message"]
+        for bad in (["alpha"], {"a": 1}, 7):
+            r = httpx.post(srv.base + "/v1/completions", json={"model": bad, "prompt": "x"}, timeout=30)
+            assert r.status_code == 400 and "'model' must be a string" in r.json()["error"]["message"]
     finally:
         assert srv.stop() == 0, srv.output()
 

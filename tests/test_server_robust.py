@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -15,7 +17,7 @@ import openai
 import psutil
 import pytest
 
-from test_server import ServerProcess, metric, tiny_model_dir
+from test_server import ROOT, ServerProcess, metric, tiny_model_dir
 
 TINY = ["--dtype", "float32", "--max-model-len", "256", "--num-threads", "1"]
 
@@ -374,3 +376,55 @@ def test_choice_tracker_reads_only_what_an_output_adds():
     assert [p.token_ids for p in pieces] == [[i] for i in range(2000)]
     assert "".join(p.text for p in pieces) == "".join(f"t{i} " for i in range(2000))
     assert pieces[-1].finish_reason == "length" and tracker.finished == {0: "length"}
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--port", "70000"], "--port must be in 0..65535 (0: any free port), got 70000."),
+    (["--max-queue", "0"], "max_queue must be >= 1 (requests are refused once that many wait), got 0."),
+    (["--load-timeout", "-1", "--model", "a", "--model", "b"],
+     "--load-timeout must be a positive number of seconds, got -1.0."),
+    (["--served-model-name", "x", "--model", "a", "--model", "b"], "--served-model-name names a single model;"),
+    (["--model", __file__], "is a file, not a model directory;"),
+    (["--port", "BUSY"], "cannot listen on 127.0.0.1:BUSY: Address already in use."),
+])
+def test_bad_flags_fail_in_one_sentence_before_the_model_loads(flags, message):
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        flags, message = [port if f == "BUSY" else f for f in flags], message.replace("BUSY", port)
+        p = subprocess.run([sys.executable, "-m", "numa_runtime.serve", *flags], capture_output=True, text=True,
+                           timeout=120, cwd=ROOT)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.startswith("numa-serve: error: ") and message in p.stderr, p.stderr
+    assert "KV cache" not in p.stderr + p.stdout  # the model never loaded
+
+
+def test_port_0_prints_the_port_it_listens_on(model_dir):
+    """--port 0 takes any free port; the address printed is the one bound, and it serves."""
+    p = subprocess.Popen([sys.executable, "-m", "numa_runtime.serve", "--model", model_dir, *TINY, "--port", "0",
+                          "--served-model-name", "tiny"],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = None
+        for line in p.stdout:  # NOTE: ends if the server exits
+            m = re.search(r"serving at (http://127\.0\.0\.1:(\d+)/v1)", line)
+            if m:
+                url = m.group(1)
+                break
+        assert url is not None and int(m.group(2)) > 0
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
+        deadline = time.monotonic() + 60
+        while True:  # NOTE: the address prints as the HTTP thread starts; wait until it answers
+            try:
+                r = client.completions.create(model="tiny", prompt="Hello", max_tokens=2)
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        assert r.usage.completion_tokens == 2
+    finally:
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=60) == 0

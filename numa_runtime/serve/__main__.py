@@ -143,13 +143,62 @@ def summary_text(engine, url: str) -> str:
             f"  serving at {url}")
 
 
+def check_args(args) -> str | None:
+    """The first flag that cannot work, as a sentence; None if all can."""
+    if args.shutdown_grace < 0:
+        return f"--shutdown-grace must be >= 0, got {args.shutdown_grace}."
+    if not 0 <= args.port <= 65535:
+        return f"--port must be in 0..65535 (0: any free port), got {args.port}."
+    if not args.load_timeout > 0:
+        return f"--load-timeout must be a positive number of seconds, got {args.load_timeout}."
+    if args.served_model_name is not None and is_multi_model(args):
+        return ("--served-model-name names a single model; with several models each is named by the last "
+                "part of its directory or file (a symlink chooses another name).")
+    try:
+        serve_config(args, "-")  # NOTE: its checks, before the model loads
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def serve_config(args, name: str):
+    from .app import ServeConfig
+    return ServeConfig(served_model_name=name, api_key=args.api_key, max_queue=args.max_queue,
+                       max_tokens_cap=args.max_tokens_cap, stall_timeout_s=args.stall_timeout,
+                       embedding_pooling=args.embedding_pooling)
+
+
+def listen(host: str, port: int):
+    """A socket bound to host:port (port 0: any free one), before the model loads, so that a
+    busy port fails at once and the printed address is the real one."""
+    import socket
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}.") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.shutdown_grace < 0:
-        print(f"numa-serve: error: --shutdown-grace must be >= 0, got {args.shutdown_grace}.", file=sys.stderr)
+    bad = check_args(args)
+    if bad:
+        print(f"numa-serve: error: {bad}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     world = env.mpi_world()
+    sock = None
+    if world is None or world[0] == 0:
+        try:
+            sock = listen(args.host, args.port)
+        except OSError as e:
+            print(f"numa-serve: error: {e}", file=sys.stderr)
+            return 2
     if world is not None and world[0] != 0:
         # NOTE: mpirun forwards SIGINT/SIGTERM to every rank; a worker must outlive rank 0's
         # graceful shutdown, which ends it through engine.close().
@@ -167,21 +216,16 @@ def main(argv=None) -> int:
     if not multi and not engine.is_driver:
         engine.serve_workers()  # returns when rank 0 shuts down
         return 0
+    if sock is None:  # NOTE: the driver of data-parallel replicas is rank 0 all the same
+        sock = listen(args.host, args.port)
 
     import uvicorn
-    from .app import ServeConfig, build_app
+    from .app import build_app
     from .async_engine import AsyncEngine
 
     name = (next(iter(engine.specs)) if multi else
             args.served_model_name or os.path.basename(os.path.normpath(engine.model_config.model_dir)))
-    try:
-        config = ServeConfig(served_model_name=name, api_key=args.api_key, max_queue=args.max_queue,
-                             max_tokens_cap=args.max_tokens_cap, stall_timeout_s=args.stall_timeout,
-                             embedding_pooling=args.embedding_pooling)
-    except ValueError as e:
-        print(f"numa-serve: error: {e}", file=sys.stderr)
-        engine.close()
-        return 2
+    config = serve_config(args, name)
     if args.api_key is None and not _is_loopback(args.host):
         print(f"numa-serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
               "address can use the server; pass --api-key KEY or bind 127.0.0.1.", file=sys.stderr, flush=True)
@@ -197,7 +241,7 @@ def main(argv=None) -> int:
     server = uvicorn.Server(uvicorn.Config(asgi, host=args.host, port=args.port, log_level=args.log_level,
                                            lifespan="off",
                                            timeout_graceful_shutdown=args.shutdown_grace + 10))
-    http = threading.Thread(target=server.run, name="numa-http", daemon=True)
+    http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="numa-http", daemon=True)
 
     def on_signal(signum, _frame):
         # NOTE: stop accepting first; requests in flight run for the grace period, then the
@@ -212,7 +256,8 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     http.start()
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print((router_summary if multi else summary_text)(engine, f"http://{host}:{args.port}/v1"), flush=True)
+    port = sock.getsockname()[1]
+    print((router_summary if multi else summary_text)(engine, f"http://{host}:{port}/v1"), flush=True)
     try:
         aengine.run_forever(should_stop=lambda: not http.is_alive())
     finally:

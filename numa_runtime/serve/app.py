@@ -42,8 +42,9 @@ class ServeConfig:
     def __post_init__(self):
         if not self.stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s must be positive, got {self.stall_timeout_s}.")
-        if self.max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}.")
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1 (requests are refused once that many wait), got "
+                             f"{self.max_queue}.")
         if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
             raise ValueError(f"max_tokens_cap must be a positive integer, got {self.max_tokens_cap}.")
 

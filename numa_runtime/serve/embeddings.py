@@ -15,7 +15,7 @@ MAX_INPUTS = 2048
 
 
 class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # NOTE: true is not a token id
     model: Optional[str] = Field(None, description="The served model name; omit for the only model served.")
     input: Union[str, list[str], list[int], list[list[int]]] = Field(
         ..., description="A string, a list of strings, a list of token ids, or a list of token id lists.")

@@ -118,6 +118,10 @@ class ModelDispatcher:
             name = json.loads(body).get("model") if body else None
         except (ValueError, AttributeError):
             name = None  # the app explains what is wrong with the body
+        if name is not None and not isinstance(name, str):
+            return await self._error(scope, receive, send, 400, f"The request's 'model' must be a string "
+                                     f"naming one model, not {json.dumps(name)[:80]}; this server serves "
+                                     f"{self._names()}.", "invalid_model")
         if name is None and len(self.apps) > 1:
             return await self._error(scope, receive, send, 400, "Name the model in the request's 'model' "
                                      f"field; this server serves {self._names()}.", "model_required")

@@ -61,7 +61,8 @@ class RouterConfig:
         names = [m.name for m in self.models]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
-            raise ValueError(f"Two models are named {sorted(dup)[0]!r}; give distinct directories.")
+            raise ValueError(f"Two models are named {sorted(dup)[0]!r}: a model is named by the last part of "
+                             f"its directory or file, so give them distinct names (a symlink will do).")
         if not isinstance(self.memory_budget, int) or self.memory_budget <= 0:
             raise ValueError(f"memory_budget must be a positive number of bytes, got {self.memory_budget!r}.")
 
@@ -83,7 +84,7 @@ def parse_bytes(text: str) -> int:
     t = str(text).strip().upper().removesuffix("IB").removesuffix("B")
     try:
         return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
-    except (ValueError, KeyError):
+    except (ValueError, KeyError, OverflowError):
         raise ValueError(f"Cannot read {text!r} as a size; write e.g. 16G, 512M or a number of bytes.") from None
 
 
