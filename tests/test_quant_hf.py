@@ -58,9 +58,10 @@ def write_checkpoints(src, qdir, ref_dir, method, fmt="gptq", seed=0):
             continue
         n, k = w.shape
         q = rng.integers(0, 16, (k, n))
-        z = rng.integers(1, 16, (k // G, n))
-        s = rng.uniform(0.002, 0.01, (k // G, n)).astype(np.float16)
-        zk, sk = np.repeat(z, G, axis=0), np.repeat(s.astype(np.float32), G, axis=0)
+        ng = -(-k // G)  # NOTE: a partial last group where G does not divide K, as GPTQ stores it
+        z = rng.integers(1, 16, (ng, n))
+        s = rng.uniform(0.002, 0.01, (ng, n)).astype(np.float16)
+        zk, sk = np.repeat(z, G, axis=0)[:k], np.repeat(s.astype(np.float32), G, axis=0)[:k]
         dense[name] = np.ascontiguousarray((sk * (q - zk).astype(np.float32)).T)    # [N, K]
         for key, val in pack(method, q, z, s, fmt).items():
             qt[base + key] = val
@@ -124,3 +125,17 @@ def test_other_quant_methods_are_refused(src, tmp_path):
         json.dump(cfg, f)
     with pytest.raises(UnsupportedModelError, match="quant_method 'bitsandbytes' are not supported"):
         engine(d)
+
+
+def test_partial_last_group_is_refused_on_one_rank(tmp_path):
+    """K not a multiple of group_size (GPTQ stores a partial last group): a sentence saying so,
+    not a hint at rank counts (there is one rank)."""
+    from numa_runtime.quant.formats import QuantError
+    src = str(tmp_path / "src")
+    build_model(src, arch="qwen2", **{**SHAPE, "intermediate_size": 480})
+    qdir, ref_dir = str(tmp_path / "q"), str(tmp_path / "ref")
+    write_checkpoints(src, qdir, ref_dir, "gptq")
+    with pytest.raises(QuantError, match=r": model\.layers\.0\.mlp\.down_proj\.weight has 480 input features, not "
+                                         r"a multiple of its group_size 64 \(a partial last group\); such "
+                                         r"checkpoints are not supported\.$"):
+        engine(qdir)

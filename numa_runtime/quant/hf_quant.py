@@ -81,8 +81,9 @@ class HFQuantCheckpoint:
         base = self._base(name)
         if base is None:
             return self.ckpt.raw(name)
-        s = self.ckpt.raw(base + "scales").shape                      # [K / G, N]
-        return _QuantView((s[1], s[0] * self.group))
+        s = self.ckpt.raw(base + "scales").shape                      # [ceil(K / G), N]
+        qw = self.ckpt.raw(base + "qweight").shape                    # GPTQ [K / 8, N]; AWQ [K, N / 8]
+        return _QuantView((s[1], qw[0] * 8 if self.method == "gptq" else qw[0]))
 
     def load(self, name: str, dtype: str, rows=None, cols=None) -> np.ndarray:
         if self._base(name) is None:
@@ -99,6 +100,10 @@ class HFQuantCheckpoint:
         r0, r1 = (0, n) if rows is None else (rows.start, rows.stop)
         c0, c1 = (0, k) if cols is None else (cols.start, cols.stop)
         g = self.group
+        if k % g:
+            from .formats import QuantError
+            raise QuantError(f"{base}weight has {k} input features, not a multiple of its group_size {g} "
+                             f"(a partial last group); such checkpoints are not supported.")
         if c0 % g or c1 % g:
             from .formats import QuantError
             raise QuantError(f"{base}weight would be split at input column {c0 if c0 % g else c1}, inside a "
