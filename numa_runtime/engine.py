@@ -244,6 +244,8 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams.")
         rid = str(next(self._ids)) if request_id is None else str(request_id)
+        while request_id is None and rid in self._groups:  # NOTE: a caller's own id took it
+            rid = str(next(self._ids))
         if rid in self._groups:
             raise ValueError(f"Request id {rid!r} is already in use.")
         bad = [t for t in params.logit_bias if t >= self.model_config.vocab_size]
@@ -590,6 +592,8 @@ class Engine:
     def _driver_only(self, call: str) -> None:
         """`call` drives the engine: on a worker rank, serve rank 0 and end this process."""
         if self.comm.is_driver:
+            if self._closed:  # NOTE: its worker ranks have stopped listening
+                raise RuntimeError(f"{call}(): the engine is closed; make a new Engine to run more.")
             return
         log.info("rank %d is a worker rank: at its first driving call (%s) it serves rank 0's steps until "
                  "rank 0 closes the engine, then this process exits, so the rest of the script runs on "

@@ -312,3 +312,22 @@ def test_server_engine_leaves_a_cpu_to_the_http_thread(model_dir, monkeypatch, c
     finally:
         plain.close()
         plain.ops.set_num_threads(mine)
+
+
+def test_automatic_ids_step_around_the_callers_own(tmp_path_factory):
+    """generate()'s automatic request ids skip an id a caller gave add_request(); a closed
+    engine refuses to run more (its worker ranks no longer listen)."""
+    from models import build_model
+    d = str(tmp_path_factory.mktemp("ids"))
+    build_model(d, arch="llama")
+    e = Engine(d, dtype="float32", kv_cache_memory=1 << 22, max_model_len=64, num_threads=1)
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    e.add_request([5, 6, 7], sp, request_id="0")
+    out = e.generate([[8, 9]], sp)
+    assert out[0].request_id != "0" and len(out[0].outputs[0].token_ids) == 3
+    while e.has_unfinished_requests():
+        e.step()
+    e.close()
+    for call in (lambda: e.generate([[8, 9]], sp), lambda: e.add_request([1], sp), e.step):
+        with pytest.raises(RuntimeError, match=r"\(\): the engine is closed; make a new Engine"):
+            call()
