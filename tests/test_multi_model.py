@@ -121,7 +121,7 @@ def test_bad_configurations_are_clear(models, tmp_path):
         ModelRouter(RouterConfig((spec,), 1 << 10, KW))
     with pytest.raises(ValueError, match="Two models are named 'alpha'"):
         RouterConfig((spec, spec), 1 << 30, KW)
-    with pytest.raises(FileNotFoundError, match="holds no model directory"):
+    with pytest.raises(FileNotFoundError, match="holds no model \\(a subdirectory with config.json, or a .gguf file\\)"):
         models_in_dir(str(tmp_path))
     assert [m.name for m in models_in_dir(root)] == ["alpha", "beta", "gamma"]
     assert parse_bytes("16G") == 16 << 30 and parse_bytes("512MiB") == 512 << 20 and parse_bytes("1000") == 1000
@@ -198,5 +198,28 @@ def test_loading_model_gets_503_with_retry_after_then_serves(models):
         ref = Engine(os.path.join(root, "beta"), **KW)
         assert text == ref.tokenizer.decode(expected["beta"])
         ref.close()
+    finally:
+        assert srv.stop() == 0, srv.output()
+
+
+def test_gguf_files_among_several_models(models, tmp_path):
+    """--model x.gguf beside a directory, and a .gguf file in --models-dir: each named by the
+    file's stem, each answering as Engine(x.gguf) does."""
+    from gguf_helpers import write_gguf
+    root, _ = models
+    path = str(tmp_path / "alpha-q8.gguf")
+    write_gguf(os.path.join(root, "alpha"), path, "Q8_0")
+    ref = Engine(path, **KW)
+    want = ref.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].text
+    ref.close()
+    os.symlink(os.path.join(root, "beta"), str(tmp_path / "beta"))
+    assert [m.name for m in models_in_dir(str(tmp_path))] == ["alpha-q8", "beta"]
+    srv = serve(root, ["beta"], budget_for(root, ["alpha", "beta"], 2.5), extra=("--model", path))
+    try:
+        client = srv.client()
+        assert [m.id for m in client.models.list().data] == ["beta", "alpha-q8"]
+        text = client.completions.create(model="alpha-q8", prompt=PROMPT, max_tokens=8, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+        assert text == want
     finally:
         assert srv.stop() == 0, srv.output()

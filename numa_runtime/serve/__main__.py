@@ -112,7 +112,7 @@ def build_router(args):
     import psutil
     from .router import ModelRouter, ModelSpec, RouterConfig, models_in_dir, parse_bytes
     specs = models_in_dir(args.models_dir) if args.models_dir else []
-    specs += [ModelSpec(os.path.basename(os.path.normpath(d)), d) for d in args.model or []]
+    specs += [model_spec(d) for d in args.model or []]
     world, local = env.mpi_world() or (0, 1), env.mpi_local() or (0, 1)
     budget = (parse_bytes(args.memory_budget) if args.memory_budget
               else int(psutil.virtual_memory().total * 0.6 / local[1]))
@@ -122,6 +122,16 @@ def build_router(args):
         return None
     router.get(specs[0].name)  # NOTE: the first model at start-up: its errors surface now
     return router
+
+
+def model_spec(path: str):
+    """A model directory, named by its last part, or a GGUF file, named by its stem (its
+    described directory, made on first use, is what the engines load)."""
+    from .router import ModelSpec
+    if path.lower().endswith(".gguf"):
+        from numa_runtime.gguf_model import gguf_model_dir
+        return ModelSpec(os.path.splitext(os.path.basename(path))[0], gguf_model_dir(path))
+    return ModelSpec(os.path.basename(os.path.normpath(path)), path)
 
 
 def router_summary(router, url: str) -> str:

@@ -26,6 +26,7 @@ import ctypes.util
 import gc
 import logging
 import os
+import re
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -68,13 +69,23 @@ class RouterConfig:
 
 
 def models_in_dir(path: str) -> list[ModelSpec]:
-    """Every subdirectory of `path` holding a config.json, named by the subdirectory."""
+    """Every subdirectory of `path` holding a config.json, named by the subdirectory, and every
+    .gguf file in it, named by its stem (a split GGUF by its first file)."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--models-dir {path!r} is not a directory.")
-    specs = [ModelSpec(n, os.path.join(path, n)) for n in sorted(os.listdir(path))
-             if os.path.isfile(os.path.join(path, n, "config.json"))]
+    from ..gguf_model import gguf_model_dir
+    specs = []
+    for n in sorted(os.listdir(path)):
+        p = os.path.join(path, n)
+        if os.path.isfile(os.path.join(p, "config.json")):
+            specs.append(ModelSpec(n, p))
+        elif os.path.isfile(p) and n.lower().endswith(".gguf"):
+            split = re.search(r"-(\d{5})-of-\d{5}\.gguf$", n, re.I)  # NOTE: llama.cpp's gguf-split files
+            if split is None or split.group(1) == "00001":
+                specs.append(ModelSpec(n[:split.start()] if split else os.path.splitext(n)[0], gguf_model_dir(p)))
     if not specs:
-        raise FileNotFoundError(f"--models-dir {path!r} holds no model directory (a subdirectory with config.json).")
+        raise FileNotFoundError(f"--models-dir {path!r} holds no model (a subdirectory with config.json, or a "
+                                f".gguf file).")
     return specs
 
 
