@@ -8,7 +8,8 @@ import sys
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m numa_runtime", description=__doc__)
     ap.add_argument("prompt", nargs="?", default="What is the capital of France?")
-    ap.add_argument("--model", default=None, help="Hugging Face model directory or a .gguf file (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", default=None,
+                    help="Hugging Face model directory or a .gguf file (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)

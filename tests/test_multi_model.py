@@ -121,7 +121,8 @@ def test_bad_configurations_are_clear(models, tmp_path):
         ModelRouter(RouterConfig((spec,), 1 << 10, KW))
     with pytest.raises(ValueError, match="Two models are named 'alpha'"):
         RouterConfig((spec, spec), 1 << 30, KW)
-    with pytest.raises(FileNotFoundError, match="holds no model \\(a subdirectory with config.json, or a .gguf file\\)"):
+    with pytest.raises(FileNotFoundError,
+                       match="holds no model \\(a subdirectory with config.json, or a .gguf file\\)"):
         models_in_dir(str(tmp_path))
     assert [m.name for m in models_in_dir(root)] == ["alpha", "beta", "gamma"]
     assert parse_bytes("16G") == 16 << 30 and parse_bytes("512MiB") == 512 << 20 and parse_bytes("1000") == 1000

@@ -209,8 +209,9 @@ def test_split_that_cuts_a_group_is_a_clear_error(model_dir):
     # o_proj has 128 input features: 64 per rank, not a multiple of 128
     p = run_mpi(2, model_dir, "int8-g128")
     assert p.returncode != 0
-    assert (f"{model_dir} on 2 ranks: model.layers.0.self_attn.o_proj.weight: this rank's slice of its 128 input features has 64, not a "
-            "multiple of the quantization group of 128; use fewer ranks") in p.stdout + p.stderr
+    assert (f"{model_dir} on 2 ranks: model.layers.0.self_attn.o_proj.weight: this rank's slice of its "
+            "128 input features has 64, not a multiple of the quantization group of 128; use fewer ranks"
+            ) in p.stdout + p.stderr
 
 
 def test_profiler_times_quantized_linears(model_dir, monkeypatch):
