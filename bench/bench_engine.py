@@ -53,7 +53,8 @@ def make_engine(a):
     from numa_runtime import Engine
     return Engine(a.model, dtype=a.dtype, num_threads=a.threads, quantization=a.quantization,
                   # NOTE: prefetch_ab's rounds: 32-token prompts, 48 tokens out
-                  max_model_len=max(a.prompt_max + max(a.output_len, a.overhead_tokens), 80 if a.prefetch else 0) + 16,
+                  max_model_len=max(a.prompt_max + max(a.output_len, a.overhead_tokens),
+                                    32 + 48 if a.prefetch else 0) + 16,
                   max_num_seqs=max([*a.concurrency, a.overhead_batch]),
                   max_num_batched_tokens=a.max_batched_tokens,
                   # NOTE: the overhead split and the prefetch rounds time single decode steps (a

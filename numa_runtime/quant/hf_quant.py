@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .formats import QuantFormat, QuantizedWeight, dequantize
+from .formats import QuantError, QuantFormat, QuantizedWeight, dequantize
 from ..gguf_checkpoint import _QuantView
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -101,11 +101,9 @@ class HFQuantCheckpoint:
         c0, c1 = (0, k) if cols is None else (cols.start, cols.stop)
         g = self.group
         if k % g:
-            from .formats import QuantError
             raise QuantError(f"{base}weight has {k} input features, not a multiple of its group_size {g} "
                              f"(a partial last group); such checkpoints are not supported.")
         if c0 % g or c1 % g:
-            from .formats import QuantError
             raise QuantError(f"{base}weight would be split at input column {c0 if c0 % g else c1}, inside a "
                              f"group of {g}; use a rank count whose split falls on group boundaries.")
         if self.method == "gptq":

@@ -118,11 +118,11 @@ class LinearFactory:
         k = full[1]
         fmt = quant.for_split(k, unit)
         n, g = w.shape[1], fmt.group_size
-        if g > 0 and n % g and n == k:
-            raise QuantError(f"{name}: its {k} input features are not a multiple of the quantization "
-                             f"group of {g}; choose a quantization whose group divides them, or "
-                             f"'int8-channel'.")
         if g > 0 and n % g:
+            if n == k:
+                raise QuantError(f"{name}: its {k} input features are not a multiple of the quantization "
+                                 f"group of {g}; choose a quantization whose group divides them, or "
+                                 f"'int8-channel'.")
             raise QuantError(f"{name}: this rank's slice of its {k} input features has {n}, not a "
                              f"multiple of the quantization group of {g}; use fewer ranks, or a "
                              f"quantization whose group divides it.")

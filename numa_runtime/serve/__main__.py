@@ -110,7 +110,7 @@ def build_router(args):
     """Several models (every rank): rank 0 gets the ModelRouter with its first model loaded;
     workers serve it until rank 0 exits, then get None."""
     import psutil
-    from .router import ModelRouter, ModelSpec, RouterConfig, models_in_dir, parse_bytes
+    from .router import ModelRouter, RouterConfig, model_spec, models_in_dir, parse_bytes
     specs = models_in_dir(args.models_dir) if args.models_dir else []
     specs += [model_spec(d) for d in args.model or []]
     world, local = env.mpi_world() or (0, 1), env.mpi_local() or (0, 1)
@@ -122,16 +122,6 @@ def build_router(args):
         return None
     router.get(specs[0].name)  # NOTE: the first model at start-up: its errors surface now
     return router
-
-
-def model_spec(path: str):
-    """A model directory, named by its last part, or a GGUF file, named by its stem (its
-    described directory, made on first use, is what the engines load)."""
-    from .router import ModelSpec
-    if path.lower().endswith(".gguf"):
-        from numa_runtime.gguf_model import gguf_model_dir
-        return ModelSpec(os.path.splitext(os.path.basename(path))[0], gguf_model_dir(path))
-    return ModelSpec(os.path.basename(os.path.normpath(path)), path)
 
 
 def router_summary(router, url: str) -> str:
@@ -226,8 +216,6 @@ def main(argv=None) -> int:
     if not multi and not engine.is_driver:
         engine.serve_workers()  # returns when rank 0 shuts down
         return 0
-    if sock is None:  # NOTE: the driver of data-parallel replicas is rank 0 all the same
-        sock = listen(args.host, args.port)
 
     import uvicorn
     from .app import build_app

@@ -26,7 +26,6 @@ import ctypes.util
 import gc
 import logging
 import os
-import re
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -73,20 +72,28 @@ def models_in_dir(path: str) -> list[ModelSpec]:
     .gguf file in it, named by its stem (a split GGUF by its first file)."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--models-dir {path!r} is not a directory.")
-    from ..gguf_model import gguf_model_dir
+    from ..gguf_model import _SHARD
     specs = []
     for n in sorted(os.listdir(path)):
         p = os.path.join(path, n)
-        if os.path.isfile(os.path.join(p, "config.json")):
-            specs.append(ModelSpec(n, p))
-        elif os.path.isfile(p) and n.lower().endswith(".gguf"):
-            split = re.search(r"-(\d{5})-of-\d{5}\.gguf$", n, re.I)  # NOTE: llama.cpp's gguf-split files
-            if split is None or split.group(1) == "00001":
-                specs.append(ModelSpec(n[:split.start()] if split else os.path.splitext(n)[0], gguf_model_dir(p)))
+        shard = _SHARD.match(n)  # NOTE: a model split by gguf-split counts once, by its first file
+        if os.path.isfile(os.path.join(p, "config.json")) or (
+                os.path.isfile(p) and n.lower().endswith(".gguf") and (shard is None or shard["no"] == "00001")):
+            specs.append(model_spec(p))
     if not specs:
         raise FileNotFoundError(f"--models-dir {path!r} holds no model (a subdirectory with config.json, or a "
                                 f".gguf file).")
     return specs
+
+
+def model_spec(path: str) -> ModelSpec:
+    """A model directory, or a GGUF file as the directory describing it (gguf_model_dir, made
+    on first use), named by that directory's last part: a GGUF by its stem (a split model's
+    without its shard suffix)."""
+    if path.lower().endswith(".gguf"):
+        from ..gguf_model import gguf_model_dir
+        path = gguf_model_dir(path)
+    return ModelSpec(os.path.basename(os.path.normpath(path)), path)
 
 
 def parse_bytes(text: str) -> int:
