@@ -401,10 +401,12 @@ def test_bad_flags_fail_in_one_sentence_before_the_model_loads(flags, message):
     assert "KV cache" not in p.stderr + p.stdout  # the model never loaded
 
 
-def test_port_0_prints_the_port_it_listens_on(model_dir):
-    """--port 0 takes any free port; the address printed is the one bound, and it serves."""
+@pytest.mark.parametrize("front", [[], ["--no-http-front"]])
+def test_port_0_prints_the_port_it_listens_on(model_dir, front):
+    """--port 0 takes any free port; the address printed is the one bound, and it serves (through
+    the HTTP front, or from rank 0 itself)."""
     p = subprocess.Popen([sys.executable, "-m", "numa_runtime.serve", "--model", model_dir, *TINY, "--port", "0",
-                          "--served-model-name", "tiny"],
+                          "--served-model-name", "tiny", *front],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -428,3 +430,70 @@ def test_port_0_prints_the_port_it_listens_on(model_dir):
     finally:
         p.send_signal(signal.SIGINT)
         assert p.wait(timeout=60) == 0
+
+
+# ------------------------------------------------------------------------------ a killed rank
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_killed_rank_ends_what_is_in_flight_with_one_sentence(model_dir, ranks):
+    """SIGKILL (the out-of-memory killer's signal) of the server's process, or of rank 1, which makes
+    mpirun kill rank 0 too: the HTTP front, outside the MPI job, ends the stream under way with an
+    error event the openai client raises, answers the request that was waiting with a 503 that the
+    client is told not to retry, then frees the port and exits."""
+    import socket
+    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    launcher = [mpirun if os.path.exists(mpirun) else "mpirun", "-np", "2"] if ranks == 2 else []
+    srv = ServerProcess(["--model", model_dir, *TINY, "--served-model-name", "tiny"], launcher=launcher,
+                        env={"MPI4PY_RC_THREAD_LEVEL": "funneled"})
+    raw = None
+    try:
+        rank0 = _rank_process(srv.proc.pid, 0) if ranks == 2 else psutil.Process(srv.proc.pid)
+        victim = _rank_process(srv.proc.pid, 1) if ranks == 2 else rank0
+        front = wait_for(lambda: [c for c in rank0.children() if "front.py" in " ".join(c.cmdline())],
+                         what="the HTTP front process")[0]
+        cmd = front.cmdline()
+        backend = cmd[cmd.index("--backend") + 1]
+        assert os.path.exists(backend)
+        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="none", max_retries=2, timeout=60)
+        stream = iter(client.completions.create(model="tiny", prompt="Hello", max_tokens=240, stream=True,
+                                                extra_body={"ignore_eos": True}))
+        first = [next(stream) for _ in range(3)]
+        victim.suspend()  # NOTE: no token more; the next request waits for the engine
+        raw = socket.create_connection(("127.0.0.1", srv.port), timeout=60)
+        body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 5}).encode()
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        victim.kill()
+        with pytest.raises(openai.APIError, match=r"^The engine stopped before this request finished"):
+            for chunk in stream:
+                first.append(chunk)
+        assert 3 <= len(first) < 240
+        answer = b""
+        while chunk := raw.recv(65536):
+            answer += chunk
+        head, _, payload = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503") and b"x-should-retry: false" in head.lower(), answer
+        error = json.loads(payload)["error"]
+        assert error["code"] == "engine_stopped" and error["message"].startswith("The engine stopped"), error
+        gone, alive = psutil.wait_procs([front], timeout=30)
+        assert not alive, "the front outlived the engine"
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+        assert not os.path.exists(os.path.dirname(backend)), "the front left its socket's folder behind"
+    finally:
+        if raw is not None:
+            raw.close()
+        srv.stop()
+
+
+def test_a_dead_front_shuts_the_server_down_in_one_sentence(model_dir):
+    """Nothing reaches the server once the front process has gone: it says so and exits."""
+    srv = ServerProcess(["--model", model_dir, *TINY])
+    try:
+        front = wait_for(lambda: [c for c in psutil.Process(srv.proc.pid).children()
+                                  if "front.py" in " ".join(c.cmdline())], what="the HTTP front process")[0]
+        front.kill()
+        code = srv.proc.wait(timeout=60)
+    finally:
+        srv.stop()
+    assert code == 1, srv.output()
+    assert "numa-serve: error: the HTTP front process exited (code -9)" in srv.output(), srv.output()

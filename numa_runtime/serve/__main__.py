@@ -76,6 +76,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--shutdown-grace", type=float, default=2.0,
                     help="on SIGINT/SIGTERM, seconds in-flight requests may still run before they are cut "
                          "(a stream then ends with an error event and [DONE])")
+    ap.add_argument("--http-front", action=argparse.BooleanOptionalAction, default=True,
+                    help="relay HTTP through a small process outside the MPI job, which answers the "
+                         "requests in flight with an error if a rank is killed (default); "
+                         "--no-http-front serves from rank 0 directly (one hop less)")
     ap.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return ap.parse_args(argv)
 
@@ -184,6 +188,53 @@ def listen(host: str, port: int):
     return sock
 
 
+class HttpFront:
+    """The front process (front.py) and the Unix socket it relays to, from rank 0's side."""
+
+    def __init__(self, public):
+        import socket
+        import subprocess
+        import tempfile
+        base = tempfile.gettempdir()
+        self.dir = tempfile.mkdtemp(prefix="numa-serve-", dir=base if len(base) < 80 else "/tmp")
+        self.path = os.path.join(self.dir, "http.sock")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(self.path)
+        self.sock.listen(2048)  # NOTE: the front may connect before uvicorn accepts
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "front.py")
+        isolate = "-P" if sys.version_info >= (3, 11) else "-I"  # NOTE: not this package's dir on sys.path
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("PMI_", "OMPI_", "PMIX_", "HYDRA_", "MPIR_", "I_MPI_"))}
+        self.proc = subprocess.Popen([sys.executable, isolate, script, "--fd", str(public.fileno()),
+                                      "--backend", self.path], stdin=subprocess.PIPE, env=env,
+                                     pass_fds=(public.fileno(),), start_new_session=True)
+        self._fd = self.proc.stdin.fileno()
+
+    def tell(self, word: str) -> None:
+        """Signal-safe: one write to the front's stdin."""
+        try:
+            os.write(self._fd, word.encode() + b"\n")
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        """Rank 0 is done: the front relays what is left and exits."""
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=15)
+        except Exception:  # noqa: BLE001 - it exits by itself within 10 s of end of file
+            pass
+        self.sock.close()
+        for remove, path in ((os.unlink, self.path), (os.rmdir, self.dir)):
+            try:
+                remove(path)
+            except OSError:
+                pass
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     bad = check_args(args)
@@ -199,6 +250,18 @@ def main(argv=None) -> int:
         except OSError as e:
             print(f"numa-serve: error: {e}", file=sys.stderr)
             return 2
+    front = None
+    if sock is not None and args.http_front:
+        # NOTE: before the model loads (and before MPI starts): the front runs outside mpirun's reach
+        front = HttpFront(sock)
+    try:
+        return _serve(args, world, sock, front)
+    finally:
+        if front is not None:
+            front.close()
+
+
+def _serve(args, world, sock, front) -> int:
     if world is not None and world[0] != 0:
         # NOTE: mpirun forwards SIGINT/SIGTERM to every rank; a worker must outlive rank 0's
         # graceful shutdown, which ends it through engine.close().
@@ -239,6 +302,10 @@ def main(argv=None) -> int:
     server = uvicorn.Server(uvicorn.Config(asgi, host=args.host, port=args.port, log_level=args.log_level,
                                            lifespan="off",
                                            timeout_graceful_shutdown=args.shutdown_grace + 10))
+    port = sock.getsockname()[1]
+    if front is not None:
+        sock.close()  # NOTE: the front holds the public socket; uvicorn serves the front
+        sock = front.sock
     http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="numa-http", daemon=True)
 
     def on_signal(signum, _frame):
@@ -249,19 +316,27 @@ def main(argv=None) -> int:
             server.force_exit = True
         server.should_exit = True
         aengine.shutdown(args.shutdown_grace)
+        if front is not None:
+            front.tell("stopping")
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     http.start()
+    if front is not None:
+        front.tell("ready")
     host = f"[{args.host}]" if ":" in args.host else args.host
-    port = sock.getsockname()[1]
     print((router_summary if multi else summary_text)(engine, f"http://{host}:{port}/v1"), flush=True)
+    front_died = (lambda: front.proc.poll() is not None) if front is not None else (lambda: False)
     try:
-        aengine.run_forever(should_stop=lambda: not http.is_alive())
+        aengine.run_forever(should_stop=lambda: not http.is_alive() or front_died())
     finally:
         server.should_exit = True
         http.join(timeout=10)
         engine.close()
+    if front_died():
+        print(f"numa-serve: error: the HTTP front process exited (code {front.proc.returncode}), so nothing "
+              "reaches the server any more; it has shut down.", file=sys.stderr, flush=True)
+        return 1
     return 0 if server.started else 1
 
 

@@ -1,0 +1,279 @@
+"""The HTTP front: a small process that holds the server's public socket and relays every
+connection, byte for byte, to rank 0's HTTP server on a Unix socket.
+
+Why a second process: when an MPI rank is killed by a signal (the out-of-memory killer's
+SIGKILL), mpirun kills every other rank at once, rank 0 and its HTTP server with it, and no
+handler of ours can run. Rank 0 starts the front in a session of its own, out of mpirun's
+reach. When rank 0's side of a connection ends in the middle of a request, the front answers
+that request itself: a 503 with one sentence, or, in an event stream already under way, an
+error event and [DONE]. Then it closes the port and exits, so a supervisor can restart the
+job on the same port.
+
+Both directions are parsed with h11 only to know where each request and response stands; the
+bytes go through unchanged. Rank 0 talks to the front on its stdin: "ready" (accept now),
+"stopping" (graceful shutdown: accept no more), end of file (rank 0 has exited).
+
+This file is run as a script (`python -P front.py`) and imports nothing from numa_runtime,
+so that it starts in a tenth of a second while the model loads.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import sys
+
+import h11
+
+SHUTTING_DOWN = "The server is shutting down; send the request again to another server."
+STOPPED = ("The engine stopped before this request finished (one of its processes died or was killed; see the "
+           "server's log); restart the server and send the request again.")
+_READ = 1 << 16
+_EXIT_AFTER_S = 10.0  # once rank 0 has gone, the longest the front waits for connections to end
+
+
+def error_json(message: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": "server_error", "param": None,
+                                 "code": "engine_stopped"}}).encode()
+
+
+def refusal(message: str) -> bytes:
+    """A whole 503 response that ends the connection. `x-should-retry: false` tells the openai
+    client not to retry (its retries would only meet a closed port)."""
+    body = error_json(message)
+    return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\nx-should-retry: false\r\n\r\n" % len(body)) + body
+
+
+def stream_end(message: str) -> bytes:
+    """The last chunks of a chunked event stream: an error event, [DONE], the terminating chunk."""
+    payload = b"data: " + error_json(message) + b"\n\ndata: [DONE]\n\n"
+    return b"%x\r\n%s\r\n0\r\n\r\n" % (len(payload), payload)
+
+
+class Relay:
+    """One client connection and its connection to rank 0."""
+
+    def __init__(self, front: "Front", reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.front, self.creader, self.cwriter = front, reader, writer
+        self.up = h11.Connection(h11.SERVER)    # what the client sent
+        self.down = h11.Connection(h11.CLIENT)  # what rank 0 sent back
+        self.tracked = True                     # h11 follows both sides (else: relay only)
+        self.event_stream = False               # the response under way is a chunked event stream
+        self.at_chunk_end = True                # ... and what went out so far ends on a chunk boundary
+        self.client_gone = False
+        self.tail = b""                         # the last bytes rank 0 sent
+        self.upstream: asyncio.Future | None = None
+
+    async def run(self) -> None:
+        try:
+            breader, bwriter = await asyncio.open_unix_connection(self.front.backend)
+        except OSError:
+            try:
+                await self.refuse(wait_s=10.0)
+            finally:
+                self.cwriter.close()
+            return
+        self.upstream = asyncio.ensure_future(self.client_to_backend(bwriter))
+        try:
+            await self.backend_to_client(breader)
+        finally:
+            self.upstream.cancel()
+            bwriter.close()
+            self.cwriter.close()
+
+    async def client_to_backend(self, bwriter: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                data = await self.creader.read(_READ)
+            except OSError:
+                data = b""
+            if not data:
+                self.client_gone = True
+                bwriter.close()  # NOTE: rank 0 sees the disconnect and aborts what the client asked for
+                return
+            self.watch(self.up, data)
+            try:
+                bwriter.write(data)
+                await bwriter.drain()
+            except OSError:
+                return  # NOTE: rank 0's side has gone; backend_to_client answers the client
+
+    async def backend_to_client(self, breader: asyncio.StreamReader) -> None:
+        while True:
+            try:
+                data = await breader.read(_READ)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            self.cwriter.write(data)
+            self.tail = (self.tail + data)[-2:]
+            self.watch(self.down, data)
+            try:
+                await self.cwriter.drain()
+            except OSError:
+                return
+        if self.client_gone:
+            return
+        ending = self.ending()
+        if ending is None:
+            await self.refuse(wait_s=0.5)  # NOTE: a request may be on its way in
+        elif ending:
+            self.cwriter.write(ending)
+            try:
+                await self.cwriter.drain()
+            except OSError:
+                pass
+
+    def ending(self) -> bytes | None:
+        """What the client still needs when rank 0's side closes: None between requests, a 503
+        for a request not yet answered, the end of an event stream under way, else nothing."""
+        if not self.tracked:
+            return b""
+        d = self.down
+        if d.our_state is h11.IDLE:
+            return None
+        if d.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED):
+            return b""
+        if d.their_state is h11.SEND_RESPONSE:
+            return refusal(self.front.message())
+        # NOTE: h11 reports a chunk's end before its CRLF arrives; an event ends in "\n\n", so
+        # a tail of CRLF means the whole chunk went out
+        if (d.their_state is h11.SEND_BODY and self.event_stream and self.at_chunk_end
+                and self.tail == b"\r\n" and not d.trailing_data[0]):
+            return stream_end(self.front.message())
+        return b""  # NOTE: a body cut mid-way cannot be ended well; closing says it is incomplete
+
+    def watch(self, conn: h11.Connection, data: bytes) -> None:
+        """Feed what went through to one side's parser and mirror its events into the other."""
+        if not self.tracked:
+            return
+        try:
+            conn.receive_data(data)
+            self.pump(conn)
+        except h11.ProtocolError:
+            self.tracked = False  # NOTE: rank 0 answers a malformed request itself; just relay
+
+    def pump(self, conn: h11.Connection) -> None:
+        other = self.down if conn is self.up else self.up
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA or event is h11.PAUSED or isinstance(event, h11.ConnectionClosed):
+                return
+            if isinstance(event, h11.Response):
+                headers = dict(event.headers)
+                self.event_stream = (headers.get(b"transfer-encoding", b"").lower() == b"chunked"
+                                     and headers.get(b"content-type", b"").startswith(b"text/event-stream"))
+                self.at_chunk_end = True
+            elif isinstance(event, h11.Data):
+                self.at_chunk_end = event.chunk_end
+            other.send(event)
+            if isinstance(event, h11.EndOfMessage) and conn is self.down:
+                self.next_cycle()
+                return
+
+    def next_cycle(self) -> None:
+        """A response is complete: both parsers start on the next request (which may already be
+        buffered in `up`)."""
+        if self.up.states == {h11.CLIENT: h11.DONE, h11.SERVER: h11.DONE}:
+            self.up.start_next_cycle()
+            self.down.start_next_cycle()
+            self.event_stream = False
+            self.pump(self.up)
+
+    async def refuse(self, wait_s: float) -> None:
+        """Rank 0 cannot be reached: read a request (waiting at most wait_s for it), answer 503."""
+        if self.upstream is not None:
+            self.upstream.cancel()  # NOTE: what it has not read stays in the reader
+            await asyncio.gather(self.upstream, return_exceptions=True)
+        if not self.tracked or self.client_gone:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        asked = self.up.their_state is not h11.IDLE
+        try:
+            while True:
+                event = self.up.next_event()
+                if event is h11.NEED_DATA:
+                    timeout = deadline - loop.time() if not asked else 10.0
+                    data = await asyncio.wait_for(self.creader.read(_READ), max(0.0, timeout))
+                    self.up.receive_data(data)
+                    continue
+                asked = asked or isinstance(event, h11.Request)
+                if isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)) or event is h11.PAUSED:
+                    break
+            if asked:
+                self.cwriter.write(refusal(self.front.message()))
+                await self.cwriter.drain()
+        except (OSError, asyncio.TimeoutError, h11.ProtocolError):
+            pass
+
+
+class Front:
+    def __init__(self, sock: socket.socket, backend: str):
+        self.sock, self.backend = sock, backend
+        self.server: asyncio.AbstractServer | None = None
+        self.relays: set[asyncio.Task] = set()
+        self.stopping = False  # rank 0 announced a graceful shutdown
+
+    def message(self) -> str:
+        """Why a request cut short by rank 0's side closing was not answered."""
+        return SHUTTING_DOWN if self.stopping else STOPPED
+
+    async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self.relays.add(task)
+        try:
+            await Relay(self, reader, writer).run()
+        except Exception as e:  # noqa: BLE001 - one connection's failure must not end the others
+            print(f"numa-serve front: connection failed: {e!r}", file=sys.stderr, flush=True)
+        finally:
+            self.relays.discard(task)
+
+    async def main(self) -> int:
+        loop = asyncio.get_running_loop()
+        control = asyncio.StreamReader()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(control), sys.stdin)
+        while line := await control.readline():
+            word = line.strip()
+            if word == b"ready" and self.server is None:
+                self.server = await asyncio.start_server(self.accept, sock=self.sock, backlog=2048)
+            elif word == b"stopping":
+                self.stopping = True
+                self.close()
+        # NOTE: rank 0 has exited (normally, or killed): accept no more; each relay ends as
+        # rank 0's side of its connection closes, after answering what was cut short.
+        self.close()
+        if self.relays:
+            await asyncio.wait(set(self.relays), timeout=_EXIT_AFTER_S)
+        return 0
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        else:
+            self.sock.close()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="numa-serve's HTTP front (started by rank 0).")
+    ap.add_argument("--fd", type=int, required=True, help="the bound public socket, inherited")
+    ap.add_argument("--backend", required=True, help="rank 0's Unix socket")
+    args = ap.parse_args(argv)
+    sock = socket.socket(fileno=args.fd)
+    try:
+        return asyncio.run(Front(sock, args.backend).main())
+    finally:
+        # NOTE: rank 0 removes these when it exits normally, but not when it was killed
+        for remove, path in ((os.unlink, args.backend), (os.rmdir, os.path.dirname(args.backend))):
+            try:
+                remove(path)
+            except OSError:
+                pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())
