@@ -31,6 +31,7 @@ SHUTTING_DOWN = "The server is shutting down; send the request again to another 
 STOPPED = ("The engine stopped before this request finished (one of its processes died or was killed; see the "
            "server's log); restart the server and send the request again.")
 _READ = 1 << 16
+_MAX_PENDING = 1 << 22  # bytes h11 may hold unparsed before the front stops following a connection
 _EXIT_AFTER_S = 10.0  # once rank 0 has gone, the longest the front waits for connections to end
 
 
@@ -122,6 +123,7 @@ class Relay:
         if ending is None:
             await self.refuse(wait_s=0.5)  # NOTE: a request may be on its way in
         elif ending:
+            self.front.answered += 1
             self.cwriter.write(ending)
             try:
                 await self.cwriter.drain()
@@ -156,6 +158,10 @@ class Relay:
             self.pump(conn)
         except h11.ProtocolError:
             self.tracked = False  # NOTE: rank 0 answers a malformed request itself; just relay
+            return
+        if len(conn.trailing_data[0]) > _MAX_PENDING:  # e.g. requests pipelined behind a long stream
+            self.tracked = False
+            self.up = self.down = None
 
     def pump(self, conn: h11.Connection) -> None:
         other = self.down if conn is self.up else self.up
@@ -206,6 +212,7 @@ class Relay:
                 if isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)) or event is h11.PAUSED:
                     break
             if asked:
+                self.front.answered += 1
                 self.cwriter.write(refusal(self.front.message()))
                 await self.cwriter.drain()
         except (OSError, asyncio.TimeoutError, h11.ProtocolError):
@@ -218,6 +225,7 @@ class Front:
         self.server: asyncio.AbstractServer | None = None
         self.relays: set[asyncio.Task] = set()
         self.stopping = False  # rank 0 announced a graceful shutdown
+        self.answered = 0      # requests the front answered because rank 0 could not
 
     def message(self) -> str:
         """Why a request cut short by rank 0's side closing was not answered."""
@@ -249,6 +257,9 @@ class Front:
         self.close()
         if self.relays:
             await asyncio.wait(set(self.relays), timeout=_EXIT_AFTER_S)
+        if self.answered:
+            print(f"numa-serve front: the engine stopped with {self.answered} request(s) in flight; each was "
+                  "answered with an error.", file=sys.stderr, flush=True)
         return 0
 
     def close(self) -> None:

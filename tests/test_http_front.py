@@ -1,0 +1,151 @@
+"""The HTTP front (numa_runtime/serve/front.py) against a scripted rank 0: bytes pass unchanged,
+keep-alive connections carry one request after another, and when rank 0's side closes, what the
+client gets depends on where its request stood."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+
+import httpx
+import pytest
+
+FRONT = os.path.join(os.path.dirname(__file__), "..", "numa_runtime", "serve", "front.py")
+EVENT = b'data: {"choices": [{"text": "hi"}]}\n\n'
+STREAM_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+               b"transfer-encoding: chunked\r\n\r\n")
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+class ScriptedRank0:
+    """A Unix-socket server that answers each request on a connection with the next of `script`'s
+    byte strings, closing the connection after one that is None-terminated."""
+
+    def __init__(self, script):
+        self.script = list(script)
+        self.dir = tempfile.mkdtemp(prefix="numa-front-test-")
+        self.path = os.path.join(self.dir, "http.sock")
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        self.ready.wait(10)
+
+    def _run(self):
+        asyncio.set_event_loop(self.loop)
+        self.server = self.loop.run_until_complete(asyncio.start_unix_server(self._serve, self.path))
+        self.ready.set()
+        self.loop.run_forever()
+
+    async def _serve(self, reader, writer):
+        try:
+            while self.script:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = [int(line.split(b":")[1]) for line in head.lower().split(b"\r\n")
+                          if line.startswith(b"content-length:")]
+                if length:
+                    await reader.readexactly(length[0])
+                answer, close = self.script.pop(0)
+                writer.write(answer)
+                await writer.drain()
+                if close:
+                    break
+        finally:
+            writer.close()
+
+
+@pytest.fixture
+def front():
+    procs = []
+
+    def start(script):
+        rank0 = ScriptedRank0(script)
+        public = socket.socket()
+        public.bind(("127.0.0.1", 0))
+        proc = subprocess.Popen([sys.executable, "-P", FRONT, "--fd", str(public.fileno()), "--backend", rank0.path],
+                                stdin=subprocess.PIPE, pass_fds=(public.fileno(),), stderr=subprocess.PIPE)
+        port = public.getsockname()[1]
+        public.close()
+        proc.stdin.write(b"ready\n")
+        proc.stdin.flush()
+        procs.append(proc)
+        for _ in range(400):  # NOTE: the front listens once it has read "ready"
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=10).close()
+                break
+            except ConnectionRefusedError:
+                threading.Event().wait(0.025)
+        else:
+            raise AssertionError("the front never listened")
+        return f"http://127.0.0.1:{port}", proc
+
+    yield start
+    for proc in procs:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+
+
+def post(client: httpx.Client, base: str):
+    return client.post(base + "/v1/completions", json={"prompt": "x"})
+
+
+def test_keep_alive_requests_pass_unchanged(front):
+    body = b'{"ok": 1}'
+    ok = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    stream = STREAM_HEAD + chunk(EVENT) + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+    base, _ = front([(ok, False), (stream, False), (ok, False)])
+    with httpx.Client(timeout=30) as client:
+        assert post(client, base).json() == {"ok": 1}
+        with client.stream("POST", base + "/v1/completions", json={"prompt": "x"}) as r:
+            assert list(r.iter_lines()) == [EVENT.decode().strip(), "", "data: [DONE]", ""]
+        assert post(client, base).json() == {"ok": 1}
+
+
+def test_a_request_rank_0_never_answered_gets_a_503(front):
+    base, proc = front([(b"", True)])
+    with httpx.Client(timeout=30) as client:
+        r = post(client, base)
+    assert r.status_code == 503 and r.headers["x-should-retry"] == "false"
+    assert r.json()["error"]["code"] == "engine_stopped"
+
+
+def test_a_stream_cut_between_events_ends_with_an_error_event(front):
+    base, _ = front([(STREAM_HEAD + chunk(EVENT) + chunk(EVENT), True)])
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", base + "/v1/completions", json={"prompt": "x"}) as r:
+            lines = [line for line in r.iter_lines() if line]
+    assert lines[:2] == [EVENT.decode().strip()] * 2 and lines[-1] == "data: [DONE]", lines
+    assert json.loads(lines[2][len("data: "):])["error"]["message"].startswith("The engine stopped")
+
+
+@pytest.mark.parametrize("cut", [20, -2], ids=["mid-data", "before-crlf"])
+def test_a_stream_cut_inside_an_event_is_left_incomplete(front, cut):
+    """Nothing can follow half a chunk: the client gets rank 0's bytes as they were, then the close."""
+    sent = STREAM_HEAD + chunk(EVENT) + chunk(EVENT)[:cut]
+    base, _ = front([(sent, True)])
+    port = int(base.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+        got = b""
+        while data := sock.recv(65536):
+            got += data
+    assert got == sent
+
+
+def test_an_idle_connection_closed_by_rank_0_is_just_closed(front):
+    body = b'{"ok": 1}'
+    ok = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    base, proc = front([(ok, True)])
+    with httpx.Client(timeout=30) as client:
+        assert post(client, base).json() == {"ok": 1}
+    proc.stdin.close()
+    assert proc.wait(timeout=30) == 0
+    assert b"request(s) in flight" not in proc.stderr.read()  # it answered nothing itself
