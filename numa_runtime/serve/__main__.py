@@ -1,8 +1,10 @@
 """`python -m numa_runtime.serve` / `numa-serve`: the OpenAI-compatible server.
 
 Under mpirun every rank builds the Engine; worker ranks then execute rank 0's steps in
-engine.serve_workers() until it shuts down, and rank 0 goes on to serve. The engine loop runs on the main thread (the one that initialised
-MPI, as thread level "funneled" requires) and the HTTP server on a second thread.
+engine.serve_workers() until it shuts down, and rank 0 goes on to serve. The engine loop runs on
+the main thread (the one that initialised MPI, as thread level "funneled" requires) and the HTTP
+server on a second thread, behind the HTTP front (front.py): a process outside the MPI job that
+holds the public socket, so that requests in flight get an answer even when mpirun kills rank 0.
 """
 from __future__ import annotations
 
