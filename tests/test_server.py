@@ -226,6 +226,82 @@ def test_logprobs(client):
     assert all(abs(t.logprob - t.top_logprobs[0].logprob) < 1e-5 for t in content)
 
 
+def test_vllm_extras_are_applied(client, model_dir):
+    """stop_token_ids, include_stop_str_in_output, skip_special_tokens and continue_final_message do
+    what they do in vLLM (they used to be dropped without a word)."""
+    from numa_runtime.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(model_dir)
+    kw = dict(model="tiny", prompt="The quick brown fox", max_tokens=12, logprobs=0, **FLOAT)
+    base = client.completions.create(extra_body={"ignore_eos": True}, **kw).choices[0]
+    by_text: dict[str, list[int]] = {}
+    for i in range(tok.vocab_size):
+        by_text.setdefault(tok.decode([i], skip_special_tokens=False), []).append(i)
+    ids = [by_text[t][0] if len(by_text.get(t, ())) == 1 else None for t in base.logprobs.tokens]
+    # NOTE: a token whose text names it, at its first occurrence
+    k = next(i for i in range(2, 12) if ids[i] is not None and base.logprobs.tokens[i] not in base.logprobs.tokens[:i])
+    r = client.completions.create(extra_body={"ignore_eos": True, "stop_token_ids": [ids[k]]}, **kw).choices[0]
+    assert (r.text, r.finish_reason) == ("".join(base.logprobs.tokens[:k]), "stop")
+    r = client.completions.create(extra_body={"ignore_eos": True, "stop_token_ids": [ids[k]],
+                                              "include_stop_str_in_output": True}, **kw).choices[0]
+    assert r.text == "".join(base.logprobs.tokens[:k + 1])
+    stop = base.text[base.text.index(base.logprobs.tokens[k]):][:2]
+    r = client.completions.create(stop=stop, extra_body={"ignore_eos": True, "include_stop_str_in_output": True},
+                                  **kw).choices[0]
+    assert r.text.endswith(stop) and base.text.startswith(r.text) and r.finish_reason == "stop"
+    # a special token forced by logit_bias: dropped from the text by default, kept on request
+    pad = {"0": 100}
+    kept = client.completions.create(model="tiny", prompt="x", max_tokens=3, logit_bias=pad,
+                                     extra_body={"skip_special_tokens": False}, **FLOAT).choices[0].text
+    dropped = client.completions.create(model="tiny", prompt="x", max_tokens=3, logit_bias=pad, **FLOAT)
+    assert kept == "<pad>" * 3 and dropped.choices[0].text == "" and dropped.usage.completion_tokens == 3
+    # continue_final_message: the prompt ends with the assistant's text, not with a new turn
+    messages = [{"role": "user", "content": "Tell me"}, {"role": "assistant", "content": "Once upon a"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, **FLOAT,
+                                          extra_body={"continue_final_message": True, "ignore_eos": True,
+                                                      "add_generation_prompt": False})
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=False)
+    prompt = tok.encode(rendered[:rendered.rindex("Once upon a") + len("Once upon a")], add_special_tokens=False)
+    same = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, extra_body={"ignore_eos": True},
+                                     **FLOAT)
+    assert chat.usage.prompt_tokens == len(prompt) and chat.choices[0].message.content == same.choices[0].text
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"use_beam_search": True}, "use_beam_search"), ({"guided_choice": ["a", "b"]}, "guided_choice"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs"), ({"spaces_between_special_tokens": False},
+                                                  "spaces_between_special_tokens"),
+])
+def test_vllm_extras_not_implemented_are_refused_by_name(server, body, param):
+    r = httpx.post(server.base + "/v1/completions", json={"prompt": "x", "max_tokens": 2, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == f"{param} is not supported by this server; remove it from the request."
+
+
+def test_null_means_the_default(client):
+    """OpenAI marks n, stream, logprobs, echo... "or null"; the client sends None as null."""
+    r = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, n=None, stream=None, echo=None,
+                                  logprobs=None, stream_options=None, **FLOAT,
+                                  extra_body={"min_tokens": None, "ignore_eos": None})
+    assert r.usage.completion_tokens == 3 and r.choices[0].logprobs is None
+    c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                       n=None, stream=None, logprobs=None, **FLOAT)
+    assert len(c.choices) == 1 and c.choices[0].logprobs is None
+    streamed = list(client.completions.create(model="tiny", prompt="Hello", max_tokens=3, stream=True, **FLOAT,
+                                              stream_options={"include_usage": None}))
+    assert all(chunk.usage is None for chunk in streamed)
+
+
+def test_max_completion_tokens_errors_name_it(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                       max_completion_tokens=0)
+    assert e.value.body["param"] == "max_completion_tokens" and "max_tokens" not in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                       max_completion_tokens=100000)
+    assert "max_completion_tokens" in e.value.body["message"] and "max_tokens" not in e.value.body["message"]
+
+
 # ------------------------------------------------------------------------------ disconnects
 def test_logprobs_of_streams_and_partial_characters(client, model_dir):
     """text_offset runs on over a stream's chunks as in one body. A token that holds part of a

@@ -60,13 +60,17 @@ class ApiError(Exception):
 
 
 @contextmanager
-def _client_errors():
-    """ValueError/TypeError raised while reading the request: the client's 400."""
+def _client_errors(renames: dict[str, str] | None = None):
+    """ValueError/TypeError raised while reading the request: the client's 400. `renames`: fields
+    the request spelled otherwise (max_completion_tokens arrives as max_tokens)."""
     try:
         yield
     except (ValueError, TypeError) as e:
-        field = _LEADING_FIELD.match(str(e))  # "top_p must be ...": keep the field's spelling
-        message = _sentence(str(e), capitalize=field is None)
+        text = str(e)
+        for old, new in (renames or {}).items():
+            text = re.sub(rf"\b{old}\b", new, text)
+        field = _LEADING_FIELD.match(text)  # "top_p must be ...": keep the field's spelling
+        message = _sentence(text, capitalize=field is None)
         code = "context_length_exceeded" if re.search("max_model_len|context", message) else "invalid_value"
         param = field and _API_NAME.get(field.group(1), field.group(1))
         raise ApiError(400, message, param=param, code=code) from None
@@ -131,14 +135,22 @@ def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
                            code="profiling_off")
         return PlainTextResponse(str(await aengine.call(lambda e: e.get_op_profiling_info())))
 
-    def tokenize_prompts(prompts: list) -> list[list[int]]:
+    def tokenize_prompts(prompts: list, add_special_tokens: bool) -> list[list[int]]:
         # NOTE: runs in a worker thread; the tokenizer releases the GIL while it encodes.
-        return [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        return [engine.tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else p
+                for p in prompts]
 
-    def tokenize_chat(messages: list[dict], template_kwargs: dict) -> list[int]:
+    def tokenize_chat(messages: list[dict], template_kwargs: dict, final_text: str | None,
+                      add_special_tokens: bool) -> list[int]:
         text = engine.tokenizer.apply_chat_template(messages, **template_kwargs)
+        if final_text:  # NOTE: continue_final_message: cut what the template wrote after it (as vLLM)
+            for needle in (final_text, final_text.strip()):
+                i = text.rfind(needle) if needle else -1
+                if i >= 0:
+                    text = text[:i + len(needle)]
+                    break
         engine.tokenizer.check_length(text, engine.max_model_len)
-        return engine.tokenizer.encode(text, add_special_tokens=False)
+        return engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -150,14 +162,17 @@ def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
                 if isinstance(p, str):
                     engine.tokenizer.check_length(p, engine.max_model_len)
             params = body.sampling_params(cap(16 if body.max_tokens is None else body.max_tokens), body.logprobs)
-            prompts = await asyncio.to_thread(tokenize_prompts, prompts)
+            if params.json_schema is not None:  # NOTE: guided_json; built once, off the loop
+                await asyncio.to_thread(engine.grammars.prepare)
+            prompts = await asyncio.to_thread(tokenize_prompts, prompts, body.add_special_tokens)
         return await _serve(request, body, "cmpl", prompts, params, arrival)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         arrival = time.monotonic()
         check_model(body.model)
-        with _client_errors():
+        renames = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else None
+        with _client_errors(renames):
             body.refuse_unsupported()
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             params = body.sampling_params(cap(max_tokens), body.num_logprobs(), body.json_schema())
@@ -167,8 +182,9 @@ def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
             if params.json_schema is not None:  # NOTE: built once, off the loop and the engine thread
                 await asyncio.to_thread(engine.grammars.prepare)
             messages = [m.as_template_dict() for m in body.messages]
-            ids = await asyncio.to_thread(tokenize_chat, messages, body.template_kwargs())
-        return await _serve(request, body, "chatcmpl", [ids], params, arrival)
+            ids = await asyncio.to_thread(tokenize_chat, messages, body.template_kwargs(), body.final_text(),
+                                          body.add_special_tokens)
+        return await _serve(request, body, "chatcmpl", [ids], params, arrival, renames)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest):
@@ -176,11 +192,11 @@ def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
         with _client_errors():
             return await create_embeddings(aengine, body, config.served_model_name, config.embedding_pooling)
 
-    async def _serve(request: Request, body, kind: str, prompts: list, params, arrival: float):
+    async def _serve(request: Request, body, kind: str, prompts: list, params, arrival: float, renames=None):
         check_queue()
         rid = f"{kind}-{uuid.uuid4().hex}"
         gen = _Generation(aengine, rid, len(prompts))
-        with _client_errors():
+        with _client_errors(renames):
             await gen.start(prompts, params)
         tracker = R.ChoiceTracker(params.n)
         report = _Report(metrics, tracker, arrival, len(prompts) * params.n)

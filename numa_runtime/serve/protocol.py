@@ -12,7 +12,7 @@ import logging
 import re
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..sampling_params import SamplingParams
 
@@ -23,6 +23,17 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data):
+        """`null` for a field with a default means that default (OpenAI marks `n`, `stream`,
+        `logprobs`, `echo`... "or null"; the openai client sends None as null)."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            data = {k: v for k, v in data.items()
+                    if not (v is None and k in fields and not fields[k].is_required())}
+        return data
 
 
 def check_text(field: str, text: str) -> None:
@@ -66,6 +77,25 @@ class _SamplingRequest(_Body):
     min_tokens: int = 0
     logit_bias: Optional[dict[str, float]] = Field(None, description="Token id (as a string) -> bias in "
                                                                       "[-100, 100] added to its logit.")
+    stop_token_ids: Optional[list[int]] = Field(None, description="Token ids that end a choice, as EOS does.")
+    include_stop_str_in_output: bool = Field(False, description="Keep the stop string or stop token in the text.")
+    skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
+    guided_json: Union[dict[str, Any], str, None] = Field(
+        None, description="vLLM's older name for a JSON schema the output follows (response_format on chat).")
+    # vLLM extensions this server does not implement: refused by name when set (see _VLLM_REFUSED)
+    use_beam_search: Optional[bool] = None
+    length_penalty: Optional[float] = None
+    prompt_logprobs: Optional[int] = None
+    truncate_prompt_tokens: Optional[int] = None
+    allowed_token_ids: Optional[list[Any]] = None
+    bad_words: Optional[list[Any]] = None
+    guided_regex: Optional[Any] = None
+    guided_choice: Optional[Any] = None
+    guided_grammar: Optional[Any] = None
+    structured_outputs: Optional[Any] = None
+    spaces_between_special_tokens: Optional[bool] = None
+    return_tokens_as_token_ids: Optional[bool] = None
+    priority: Optional[int] = None
 
     @property
     def include_usage(self) -> bool:
@@ -83,10 +113,29 @@ class _SamplingRequest(_Body):
         seed = None if self.seed is None else self.seed % (1 << 64)
         for s in [self.stop] if isinstance(self.stop, str) else self.stop or []:
             check_text("stop", s)
+        _refuse(self, _VLLM_REFUSED)
+        if self.guided_json is not None:
+            if json_schema is not None:
+                raise ValueError("Give the JSON schema once: response_format or guided_json, not both.")
+            json_schema = self._guided_json()
         return SamplingParams(n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, seed=seed,
                               stop=self.stop, ignore_eos=self.ignore_eos, logprobs=logprobs,
                               logit_bias=self._logit_bias(), json_schema=json_schema,
+                              stop_token_ids=self.stop_token_ids,
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              skip_special_tokens=self.skip_special_tokens,
                               **{k: v for k, v in given.items() if v is not None})
+
+    def _guided_json(self) -> dict:
+        schema = self.guided_json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError:
+                schema = None
+        if not isinstance(schema, dict):
+            raise ValueError("guided_json must be a JSON schema: an object, or a string holding one.")
+        return schema
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -98,6 +147,14 @@ class _SamplingRequest(_Body):
         return {int(k): v for k, v in self.logit_bias.items()}
 
 
+# vLLM request fields with no counterpart here, and the values that change nothing
+_VLLM_REFUSED = {"use_beam_search": (False,), "length_penalty": (1.0,), "prompt_logprobs": (),
+                 "truncate_prompt_tokens": (), "allowed_token_ids": (), "bad_words": ([],), "guided_regex": (),
+                 "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+                 "spaces_between_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
+                 "priority": (0,)}
+
+
 class CompletionRequest(_SamplingRequest):
     prompt: Union[str, list[str], list[int], list[list[int]]] = Field(
         ..., description="A string, a list of strings, a list of token ids, or a list of token id lists.")
@@ -106,6 +163,8 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = Field(False, description="Not supported; must be false.")
     suffix: Optional[str] = Field(None, description="Not supported; must be absent or empty.")
     best_of: Optional[int] = Field(None, description="Not supported beyond best_of = n.")
+    add_special_tokens: bool = Field(True, description="Add the tokenizer's special tokens (BOS) to text "
+                                                       "prompts (vLLM's name).")
 
     def refuse_unsupported(self) -> None:
         _refuse(self, {"suffix": ("",), "best_of": (self.n,), "echo": (False,)})
@@ -214,13 +273,28 @@ class ChatCompletionRequest(_SamplingRequest):
     audio: Optional[Any] = None
     prediction: Optional[Any] = None
     web_search_options: Optional[Any] = None
-    # extension (vLLM name)
+    # extensions (vLLM names)
     chat_template_kwargs: Optional[dict[str, Any]] = Field(
         None, description="Extra variables for the chat template, e.g. {'enable_thinking': false}.")
+    add_generation_prompt: bool = Field(True, description="End the prompt with the assistant's turn opening.")
+    continue_final_message: bool = Field(False, description="Continue the last (assistant) message instead "
+                                                            "of starting a new turn.")
+    add_special_tokens: bool = Field(False, description="Add the tokenizer's special tokens (BOS) to the "
+                                                        "rendered template (it usually writes them itself).")
+    echo: bool = Field(False, description="Not supported; must be false.")
+    chat_template: Optional[str] = Field(None, description="Not supported; must be absent.")
+    documents: Optional[list[Any]] = Field(None, description="Not supported; must be absent.")
 
     def refuse_unsupported(self) -> None:
         _refuse(self, {"tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-                       "audio": (), "prediction": (), "web_search_options": ()})
+                       "audio": (), "prediction": (), "web_search_options": (), "echo": (False,),
+                       "chat_template": (), "documents": ([],)})
+        if self.continue_final_message:
+            if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+                raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
+            if self.messages[-1].role != "assistant":
+                raise ValueError("continue_final_message needs the last message to be the assistant's, "
+                                 f"not the {self.messages[-1].role}'s.")
 
     def json_schema(self) -> dict | None:
         """The JSON schema that response_format asks the output to follow, or None."""
@@ -261,4 +335,11 @@ class ChatCompletionRequest(_SamplingRequest):
         extra = self.chat_template_kwargs or {}
         if "messages" in extra:
             raise ValueError("chat_template_kwargs cannot set 'messages'; send them as messages.")
-        return {"add_generation_prompt": True, **extra}
+        add = self.add_generation_prompt and not self.continue_final_message
+        return {"add_generation_prompt": add, **extra}
+
+    def final_text(self) -> str | None:
+        """With continue_final_message: the last message's text, where the prompt must end."""
+        if not self.continue_final_message:
+            return None
+        return self.messages[-1].as_template_dict()["content"]
