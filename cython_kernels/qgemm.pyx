@@ -109,18 +109,24 @@ ACT8_DECODE_M_MAX = 64
 
 cdef inline bint _decode_rows(long M):
     """Rows the decode rule gives int8 activations (linears flagged act8): a few rows, or a
-    decode batch in a step of decode rows only."""
+    decode batch in a step of decode rows only; none in a step with prompt rows."""
+    if qg_decode_step == 2:
+        return False
     return M <= _act8_m_max or (qg_decode_step != 0 and M <= ACT8_DECODE_M_MAX)
 
 
-def set_decode_step(bint on):
-    """The model, before each step on its compute thread: True when every row of the step is a
-    decode row (one token of a running sequence), so a decode batch of up to
-    ACT8_DECODE_M_MAX rows takes int8 activations; prefill rows keep exact ones (the NOTE at
-    ACT8_M_MAX). Per thread: engines on other threads keep their own. Returns the old value."""
+def set_decode_step(int mode):
+    """The model, before each step on its compute thread: 1 (True) when every row of the step
+    is a decode row (one token of a running sequence), so a decode batch of up to
+    ACT8_DECODE_M_MAX rows takes int8 activations; 2 when the step has prompt rows, which keep
+    exact activations however few the rows (the NOTE at ACT8_M_MAX: a prompt's logits then do
+    not depend on how much of it the prefix cache held); 0 (False): not said, and a few rows
+    take int8. Per thread: engines on other threads keep their own. Returns the old mode."""
     global qg_decode_step
-    old = qg_decode_step != 0
-    qg_decode_step = 1 if on else 0
+    if mode not in (0, 1, 2):
+        raise ValueError("set_decode_step takes 0, 1 or 2, got %d" % mode)
+    old = qg_decode_step
+    qg_decode_step = mode
     return old
 
 
@@ -333,8 +339,11 @@ cdef class QLinear:
         """0: the f32 paths (exact), 1: int8 activations, 2: AMX-BF16 tiles, 3: bf16 panels."""
         cdef bint decode_rows = _decode_rows(M)
         cdef bint q8 = self.act8 and decode_rows
-        cdef bint tiles = self.prefill_bf16 and M >= PANEL_M_MIN and qg_amxbf16 != 0
-        cdef bint panels = tiles or (self.prefill_bf16 and M >= PANEL_M_MIN and _panel_usable())
+        # NOTE: the rows of a step with prompt rows take the bf16 path however few they are: a
+        # prompt's logits must not depend on how much of it the prefix cache held
+        cdef bint wide = M >= PANEL_M_MIN or qg_decode_step == 2
+        cdef bint tiles = self.prefill_bf16 and wide and qg_amxbf16 != 0
+        cdef bint panels = tiles or (self.prefill_bf16 and wide and _panel_usable())
         if not decode_rows and self.prefill_act8 and not (self.prefill_act8 == 2 and panels):
             q8 = True
         if q8:

@@ -39,6 +39,12 @@ class RopeConfig:
     attention_factor: float | None = None
     partial_rotary_factor: float = 1.0
     freq_factors: tuple = ()  # [rot_dim/2] divisors of the inverse frequencies; () = none
+    # yarn: the attention factor's mscale terms (DeepSeek style) and whether the correction
+    # range is rounded to whole dimensions (transformers' `truncate`, default true)
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    factor_given: bool = True  # yarn without `factor`: max_position_embeddings / original
 
 
 @dataclass(frozen=True)
@@ -215,8 +221,14 @@ def _rope_config(cfg: dict, head_dim: int) -> RopeConfig:
     if factors and (len(factors) != int(head_dim * partial) // 2 or not all(0 < f < math.inf for f in factors)):
         raise UnsupportedModelError(f"rope_freq_factors must hold {int(head_dim * partial) // 2} positive "
                                     f"numbers (one per rotary frequency), got {len(factors)}.")
+    num = (int, float)
+    for key in ("mscale", "mscale_all_dim"):
+        if merged.get(key) is not None and (isinstance(merged[key], bool) or not isinstance(merged[key], num)):
+            raise UnsupportedModelError(f"rope scaling's {key} must be a number, got {merged[key]!r}.")
     return RopeConfig(
-        theta=theta, rope_type=rope_type, factor=float(merged.get("factor", 1.0)),
+        mscale=merged.get("mscale"), mscale_all_dim=merged.get("mscale_all_dim"),
+        truncate=bool(merged.get("truncate", True)), factor_given=merged.get("factor") is not None,
+        theta=theta, rope_type=rope_type, factor=float(merged.get("factor") or 1.0),
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=merged.get("original_max_position_embeddings"),
@@ -410,7 +422,7 @@ def rope_inv_freq(model: ModelConfig):
     if r.rope_type == "linear":
         inv = inv / r.factor
     elif r.rope_type == "llama3":
-        old = r.original_max_position_embeddings or 8192
+        old = r.original_max_position_embeddings or model.max_position_embeddings  # NOTE: as transformers
         low_wl, high_wl = old / r.low_freq_factor, old / r.high_freq_factor
         wl = 2 * math.pi / inv
         smooth = (old / wl - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor)
@@ -419,17 +431,28 @@ def rope_inv_freq(model: ModelConfig):
         inv = np.where(mid, (1 - smooth) * inv / r.factor + smooth * inv, scaled)
     elif r.rope_type == "yarn":
         old = r.original_max_position_embeddings or model.max_position_embeddings
+        factor = r.factor if r.factor_given else model.max_position_embeddings / old
+
         def corr_dim(n_rot):
             return (rot_dim * math.log(old / (n_rot * 2 * math.pi))) / (2 * math.log(base))
-        low = max(math.floor(corr_dim(r.beta_fast)), 0)
-        high = min(math.ceil(corr_dim(r.beta_slow)), rot_dim - 1)
+        low, high = corr_dim(r.beta_fast), corr_dim(r.beta_slow)
+        if r.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, rot_dim - 1)
         if low == high:
             high += 0.001
         ramp = np.clip((np.arange(rot_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
         extrap = 1 - ramp
-        inv = (inv / r.factor) * (1 - extrap) + inv * extrap
-        scale = r.attention_factor if r.attention_factor is not None else (
-            0.1 * math.log(r.factor) + 1.0 if r.factor > 1 else 1.0)
+        inv = (inv / factor) * (1 - extrap) + inv * extrap
+
+        def get_mscale(m: float = 1.0) -> float:  # YaRN's Eq. 21, as transformers' yarn_get_mscale
+            return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+        if r.attention_factor is not None:
+            scale = r.attention_factor
+        elif r.mscale and r.mscale_all_dim:
+            scale = get_mscale(r.mscale) / get_mscale(r.mscale_all_dim)
+        else:
+            scale = get_mscale()
     # NOTE: "dynamic" NTK only changes frequencies past the trained length; within
     # max_position_embeddings it equals "default", and max_model_len is capped there.
     if r.freq_factors:  # llama.cpp: theta_i = pos * inv_i / factors_i, with any scaling type

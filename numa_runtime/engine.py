@@ -334,7 +334,7 @@ class Engine:
         if logits is None:  # a block read back from disk failed its check: redo without it
             self.scheduler.redo_without(out, self.runner.failed_loads)
             return
-        if self._burst_rows and out.plan.num_tokens == out.plan.num_seqs:  # decode rows: a burst's step
+        if self._burst_rows and out.plan.decode_only:  # decode rows: a burst's step
             self._decode_step_s = time.perf_counter() - t0
         with rec.span(FORWARD, "update"):
             self._update(out, logits)
@@ -353,8 +353,8 @@ class Engine:
         cap = min(self.config.num_scheduler_steps, int(BURST_SECONDS / max(self._decode_step_s, 1e-6)))
         reqs, plan = out.sampling, out.plan
         if (cap < 2 or not reqs or len(reqs) > self._burst_rows or plan.num_tokens != len(reqs)
-                or len(out.scheduled) != len(reqs) or out.preempted or self.scheduler.num_waiting
-                or len(plan.tier_ops)):
+                or not plan.decode_only or len(out.scheduled) != len(reqs) or out.preempted
+                or self.scheduler.num_waiting or len(plan.tier_ops)):
             return 1
         for r in reqs:
             sp = r.sampling_params
@@ -547,7 +547,7 @@ class Engine:
             plan = StepPlan(np.asarray(ids, np.int64), pos, table[pos // bs] * bs + pos % bs,
                             np.array([0, n], np.int32), np.array([n], np.int32),
                             table[None, :].astype(np.int32), np.asarray(rows, np.int64), kind=kind,
-                            tier_ops=bm.tier.take_ops() if bm.tier is not None else None)
+                            tier_ops=bm.tier.take_ops() if bm.tier is not None else None, num_prompt_rows=n)
             return getattr(self.runner, "local", self.runner).execute(plan)  # NOTE: DP: replica 0's runner
         finally:
             bm.return_blocks(blocks)

@@ -11,7 +11,7 @@ EXECUTE, SHUTDOWN, PROFILE, EMBED = 1, 2, 3, 4  # EMBED: final hidden states, no
 PROFILE_GATHER, PROFILE_RESET, PROFILE_TRACE = 1, 2, 3
 _FIELDS = ("token_ids", "positions", "slot_mapping", "query_start", "context_lens",
            "block_tables", "logits_indices", "tier_ops")
-_HEADER = 4  # kind, step_id, num_seqs, max_blocks
+_HEADER = 5  # kind, step_id, num_seqs, max_blocks, num_prompt_rows
 
 
 @dataclass
@@ -28,6 +28,17 @@ class StepPlan:
     # [K, 4] int64 rows (op, block_id, hash_lo, hash_hi): KV blocks every rank saves to, loads
     # from or deletes in a cache tier before the step runs (kv_cache/disk_tier.py)
     tier_ops: np.ndarray | None = None
+    # rows that compute prompt tokens (or recompute a preempted sequence's), as opposed to decode
+    # rows (one generated token of a running sequence); -1: not said (plans built by hand), and
+    # then a step of one row per sequence counts as decode rows
+    num_prompt_rows: int = -1
+
+    @property
+    def decode_only(self) -> bool:
+        """Every row is a decode row: the kernels may take int8 activations for the whole batch."""
+        if self.num_prompt_rows >= 0:
+            return self.num_prompt_rows == 0 and self.num_tokens > 0
+        return self.num_tokens == self.num_seqs
 
     def __post_init__(self):
         if self.tier_ops is None:
@@ -65,13 +76,13 @@ class StepPlan:
         """Pack into one int64 array: header, field lengths, then the fields."""
         parts = [np.asarray(getattr(self, f)).reshape(-1).astype(np.int64) for f in _FIELDS]
         header = np.array([self.kind, self.step_id, self.num_seqs,
-                           self.block_tables.shape[1] if self.block_tables.ndim == 2 else 0]
+                           self.block_tables.shape[1] if self.block_tables.ndim == 2 else 0, self.num_prompt_rows]
                           + [len(p) for p in parts], dtype=np.int64)
         return np.concatenate([header] + parts)
 
     @classmethod
     def from_buffer(cls, buf: np.ndarray) -> "StepPlan":
-        kind, step_id, num_seqs, max_blocks = (int(x) for x in buf[:_HEADER])
+        kind, step_id, num_seqs, max_blocks, num_prompt_rows = (int(x) for x in buf[:_HEADER])
         lens = buf[_HEADER:_HEADER + len(_FIELDS)]
         off = _HEADER + len(_FIELDS)
         arrays = {}
@@ -82,4 +93,5 @@ class StepPlan:
             arrays[name] = arrays[name].astype(np.int32)
         arrays["block_tables"] = arrays["block_tables"].reshape(num_seqs, max_blocks)
         arrays["tier_ops"] = arrays["tier_ops"].reshape(-1, 4)
-        return cls(kind=kind, step_id=step_id, **{k: np.ascontiguousarray(v) for k, v in arrays.items()})
+        return cls(kind=kind, step_id=step_id, num_prompt_rows=num_prompt_rows,
+                   **{k: np.ascontiguousarray(v) for k, v in arrays.items()})

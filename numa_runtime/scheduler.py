@@ -198,9 +198,13 @@ class Scheduler:
         context_lens = np.empty(num_seqs, np.int32)          # [S]
         block_tables = np.zeros((num_seqs, max_blocks), np.int32)  # [S, max_blocks]
         logits_indices, sampling = [], []
-        t = 0
+        t = prompt_rows = 0
         for s, (req, n) in enumerate(scheduled):
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            # NOTE: a decode row is one generated token; a prefill (or recompute) row is not, and
+            # its activations stay exact whatever the step holds, so a prompt's KV and logits do
+            # not depend on how much of it the prefix cache held (qgemm's _decode_rows)
+            prompt_rows += n if n > 1 or start < req.num_prompt_tokens else 0
             row = block_tables[s, :len(req.block_ids)]
             row[:] = req.block_ids
             if n == 1:  # NOTE: a decode row, without the numpy temporaries of a chunk
@@ -223,7 +227,7 @@ class Scheduler:
         tier = self.block_manager.tier
         plan = StepPlan(token_ids, positions, slot_mapping, query_start, context_lens, block_tables,
                         np.asarray(logits_indices, dtype=np.int64), step_id=self.num_steps,
-                        tier_ops=tier.take_ops() if tier is not None else None)
+                        tier_ops=tier.take_ops() if tier is not None else None, num_prompt_rows=prompt_rows)
         return SchedulerOutput(plan, [r for r, _ in scheduled], [n for _, n in scheduled], sampling, preempted)
 
     def extend_decode(self, out: SchedulerOutput, steps: int) -> bool:

@@ -2,6 +2,7 @@
 import json
 import os
 import random
+import re
 
 import numpy as np
 import pytest
@@ -331,3 +332,23 @@ def test_automatic_ids_step_around_the_callers_own(tmp_path_factory):
     for call in (lambda: e.generate([[8, 9]], sp), lambda: e.add_request([1], sp), e.step):
         with pytest.raises(RuntimeError, match=r"\(\): the engine is closed; make a new Engine"):
             call()
+
+
+@pytest.mark.parametrize("key,value,tensor", [
+    ("num_key_value_heads", 1, "model.layers.0.self_attn.k_proj.weight"),  # loads, then nonsense
+    ("num_key_value_heads", 4, "model.layers.0.self_attn.k_proj.weight"),  # failed in the first step
+    ("intermediate_size", 60, "model.layers.0.mlp.gate_proj.weight"),
+    ("vocab_size", 300, "model.embed_tokens.weight"),
+])
+def test_a_config_that_does_not_describe_the_weights_is_refused(tmp_path, model_dir, key, value, tensor):
+    """Every tensor's shape is checked against config.json before any is read (a slice past a
+    tensor's end was cut short without a word)."""
+    import shutil
+    for f in os.listdir(model_dir):
+        shutil.copy(os.path.join(model_dir, f), tmp_path / f)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match=rf": {re.escape(tensor)} has shape .* but config.json implies "
+                                                     r".*: the config does not describe these weights\.$"):
+        Engine(str(tmp_path), dtype="float32", kv_cache_memory=1 << 22, max_model_len=64)

@@ -160,3 +160,28 @@ def test_unused_tensors_are_named_in_a_warning(llama_dir, tmp_path, caplog):
     warnings = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
     assert len(warnings) == 1
     assert "blk.0.attn_post_norm.weight" in warnings[0] and "rope_freqs" not in warnings[0]
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "mscale": 1.0,
+     "mscale_all_dim": 0.5},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "mscale": 0.7,
+     "mscale_all_dim": 0.7},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "truncate": False},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},  # no original
+], ids=["mscale", "mscale-equal", "no-truncate", "llama3-no-original"])
+def test_rope_tables_equal_transformers(rope):
+    """rope_inv_freq against transformers' own rope functions: the inverse frequencies and the
+    attention factor, for the keys that change them (yarn's mscale, mscale_all_dim and truncate;
+    llama3 without original_max_position_embeddings)."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from numa_runtime.config import ModelConfig, rope_inv_freq
+    base = dict(vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=1, num_attention_heads=4,
+                max_position_embeddings=512)
+    hf_config = LlamaConfig(**base, rope_parameters={"rope_theta": 10000.0, **rope})
+    want, want_scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_config, "cpu")
+    ours, scale = rope_inv_freq(ModelConfig.from_dict({**base, "architectures": ["LlamaForCausalLM"],
+                                                       "rope_parameters": {"rope_theta": 10000.0, **rope}}))
+    np.testing.assert_allclose(ours, want.double().numpy(), rtol=1e-6)
+    assert scale == pytest.approx(float(want_scale), rel=1e-9)

@@ -138,7 +138,7 @@ def test_bf16_prefill_paths_match_bf16_reference(fmt, path, monkeypatch):
     dequantized per task where the CPU has them, else oneDNN over bf16 panels. The result is the
     product of the bf16-rounded dequantized weights and bf16-rounded x (exact products, f32
     sums): over several panels and a ragged last one, column and row tails, K past a 32-k step;
-    fewer rows keep the exact f32 path."""
+    fewer rows keep the exact f32 path, but in a step with prompt rows."""
     from numa_runtime.backend.reference import bf16_to_f32, f32_to_bf16
     monkeypatch.setattr(qgemm, "_PANEL_BYTES", 1 << 14)  # 64-column panels: 100 columns are 2
     old = qgemm._set_amx_bf16(path == "amx")
@@ -165,6 +165,20 @@ def test_bf16_prefill_paths_match_bf16_reference(fmt, path, monkeypatch):
                 assert not np.array_equal(y, ref.forward(x)), "the bf16 path was not taken"
             x = rng.standard_normal((qgemm.PANEL_M_MIN - 1, k), dtype=np.float32)
             check(lin.forward(x), ref.forward(x).astype(np.float64), x, ref.weight)
+            # a step with prompt rows (set_decode_step(2)): the bf16 path however few the rows,
+            # so a prompt row's result does not depend on how many rows share its step
+            mode = qgemm.set_decode_step(2)
+            try:
+                for m in (1, 5, qgemm.PANEL_M_MIN - 1):
+                    x = rng.standard_normal((m, k), dtype=np.float32)
+                    y = lin.forward(x)
+                    want = bf16_to_f32(f32_to_bf16(x)).astype(np.float64) @ w16.T
+                    if ref.bias is not None:
+                        want += ref.bias
+                    check(y, want, x, ref.weight)
+                    assert not np.array_equal(y, ref.forward(x)), "the bf16 path was not taken"
+            finally:
+                qgemm.set_decode_step(mode)
     finally:
         qgemm._set_amx_bf16(old)
 

@@ -214,6 +214,18 @@ def test_split_that_cuts_a_group_is_a_clear_error(model_dir):
             ) in p.stdout + p.stderr
 
 
+def test_an_mlp_no_group_divides_is_refused_as_such_on_any_rank_count(tmp_path):
+    """down_proj's 80 input features are not a multiple of int8's group of 128: on 2 ranks too the
+    error says so, rather than suggesting a rank count that cannot help."""
+    d = str(tmp_path / "m")
+    build_model(d, arch="qwen2", **{**SHAPE, "intermediate_size": 80})
+    p = run_mpi(2, d, "int8")
+    assert p.returncode != 0
+    assert (f"{d} on 2 ranks: model.layers.*.mlp.down_proj.weight: its 80 input features are not a multiple of "
+            "the quantization group of 128; choose a quantization whose group divides them, or 'int8-channel'."
+            ) in p.stdout + p.stderr
+
+
 def test_profiler_times_quantized_linears(model_dir, monkeypatch):
     """AS_PROFILE=ON counts every quantized linear like a dense one: 4 per layer + lm_head."""
     monkeypatch.setenv("AS_PROFILE", "ON")
@@ -240,18 +252,36 @@ def test_decode_steps_flag_their_rows_for_int8_activations(model_dir):
             def __getattr__(self, name):
                 return getattr(ops, name)
 
-            def set_decode_step(self, on):
-                seen.append(bool(on))
-                return real(on)
+            def set_decode_step(self, mode):
+                seen.append(int(mode))
+                return real(mode)
 
         e.runner.model.ops = Spy()
         outs = e.generate([[3 + i, 5, 7 + i] for i in range(12)],
                           SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         assert all(len(o.token_ids) == 4 for o in outs)
         steps = list(zip(seen[::2], seen[1::2]))
-        assert steps and all(after is False for _, after in steps)
-        assert steps[0][0] is False and any(on for on, _ in steps[1:])
+        assert steps and all(after == 0 for _, after in steps)
+        assert steps[0][0] == 2 and all(on == 1 for on, _ in steps[1:])  # 2: a step with prompt rows
         assert not qgemm.set_decode_step(False)
+    finally:
+        e.close()
+
+
+def test_a_prompt_gives_the_same_logits_whatever_the_prefix_cache_held(model_dir):
+    """A bf16 engine with int4 weights: the second run of a prompt finds all but its last 2
+    tokens in the prefix cache and computes those 2 rows alone; prompt rows keep bf16 activations
+    however few they are (int8 activations are for decode rows), so the logits of what follows
+    match the first run's to the last bits, and greedy repeats itself."""
+    e = Engine(model_dir, dtype="bfloat16", quantization="int4", kv_cache_memory=1 << 23, max_model_len=128)
+    try:
+        prompt = [(7 * i) % 200 + 3 for i in range(50)]  # 3 blocks of 16 cached, 2 tokens left
+        sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
+        first, second = (e.generate([prompt], sp)[0].outputs[0] for _ in range(2))
+        assert e.block_manager.hit_rate > 0
+        assert first.token_ids == second.token_ids
+        for (_, a), (_, b) in zip(first.logprobs, second.logprobs):  # (chosen, {token: logprob} top 5)
+            assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-4, (a, b)
     finally:
         e.close()
 

@@ -33,11 +33,12 @@ __all__ = ["Linear", "QLinear", "embedding", "rms_norm", "add_rms_norm", "silu_a
            "fused_decoder", "prefill_int8_wins"]
 
 
-def set_decode_step(on: bool) -> bool:
-    """Before a step, on the thread that runs it: True when every row is a decode row, so a
-    decode batch of quantized linears takes int8 activations (qgemm.set_decode_step)."""
+def set_decode_step(mode: int) -> int:
+    """Before a step, on the thread that runs it: 1 when every row is a decode row, so a decode
+    batch of quantized linears takes int8 activations; 2 when the step has prompt rows, which
+    keep exact activations; 0 after the step (qgemm.set_decode_step)."""
     from numa_runtime._kernels import qgemm
-    return qgemm.set_decode_step(on)
+    return qgemm.set_decode_step(int(mode))
 
 
 def prefill_int8_wins() -> bool:

@@ -215,8 +215,9 @@ class LlamaModel:
         """Run one step; returns logits [S', vocab] for plan.logits_indices (every rank), or
         for an EMBED plan the final normed hidden states [S', hidden] of those rows."""
         # NOTE: a step of decode rows only lets a decode batch take int8 activations (qgemm);
-        # the flag is this thread's, and is cleared after the step
-        self.ops.set_decode_step(plan.num_tokens == plan.num_seqs)
+        # a step with prompt rows keeps exact activations on every row, however few (2); the
+        # flag is this thread's, and is cleared after the step
+        self.ops.set_decode_step(1 if plan.decode_only else 2 if plan.num_prompt_rows > 0 else 0)
         self.greedy_ids = None
         try:
             return self._forward(plan)
@@ -234,7 +235,7 @@ class LlamaModel:
                       for a in (plan.block_tables, plan.query_start, plan.context_lens))
         b = self._buffers(plan.num_tokens)
         residual = self.embed_tokens(plan.token_ids, b.residual)  # [T, H]
-        if self.fused is not None and plan.num_tokens == plan.num_seqs <= self.fused.MAX_ROWS:
+        if self.fused is not None and plan.decode_only and plan.num_tokens <= self.fused.MAX_ROWS:
             return self._fused_forward(plan, b, bt, qs, cl)
         h, v, attn, o, gu, act, delta = b.h, b.v, b.attn, b.o, b.gu, b.act, b.delta
         qk_norm = self.cfg.qk_norm
@@ -411,7 +412,24 @@ def _check_tensors(cfg: ModelConfig, ckpt: Checkpoint) -> None:
     if missing:
         raise UnsupportedModelError(f"the checkpoint lacks {missing[0]} ({len(missing)} expected "
                                     f"tensors missing).")
-    shape = ckpt.raw("model.layers.0.self_attn.q_proj.weight").shape
-    if tuple(shape) != (cfg.q_size, cfg.hidden_size):
-        raise UnsupportedModelError(f"q_proj has shape {tuple(shape)}, but config.json implies "
-                                    f"{(cfg.q_size, cfg.hidden_size)}.")
+    # NOTE: every tensor's shape, as transformers checks them: a slice past a tensor's end would
+    # be cut short without a word (a wrong num_key_value_heads, intermediate_size or vocab_size)
+    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    want = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,),
+            "lm_head.weight": (cfg.vocab_size, h)}
+    per_layer = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+                 "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+                 "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+                 "self_attn.o_proj.bias": (h,), "self_attn.q_norm.weight": (cfg.head_dim,),
+                 "self_attn.k_norm.weight": (cfg.head_dim,), "mlp.gate_proj.weight": (i, h),
+                 "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i),
+                 "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+    for layer in range(cfg.num_layers):
+        want.update({f"model.layers.{layer}.{n}": shape for n, shape in per_layer.items()})
+    for name, shape in want.items():
+        if name in ckpt and tuple(ckpt.raw(name).shape) != shape:
+            raise UnsupportedModelError(
+                f"{name} has shape {tuple(ckpt.raw(name).shape)}, but config.json implies {shape} "
+                f"(hidden_size {h}, intermediate_size {i}, {cfg.num_heads} attention and {cfg.num_kv_heads} "
+                f"key/value heads of {cfg.head_dim}, vocab_size {cfg.vocab_size}): the config does not describe "
+                "these weights.")

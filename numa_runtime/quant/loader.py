@@ -56,6 +56,10 @@ class LinearFactory:
         we quantize it in (1 for dense weights), the same group on every rank count."""
         q = self.quant
         own = 1 if q is None or q.group_size < 0 else q.for_split(k).group_size
+        if k % own:  # NOTE: no rank count can help; say so before the split names one
+            raise QuantError(f"model.layers.*.mlp.down_proj.weight: its {k} input features are not a multiple of "
+                             f"the quantization group of {own}; choose a quantization whose group divides them, "
+                             "or 'int8-channel'.")
         return max(own, getattr(self.ckpt, "split_align", 1))
 
     def __call__(self, parts: list[Part], bias: np.ndarray | None = None):

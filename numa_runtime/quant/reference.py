@@ -19,16 +19,20 @@ ACT8_DECODE_M_MAX = 64  # qgemm.pyx: rows of a decode-only step
 _step = threading.local()
 
 
-def set_decode_step(on: bool) -> bool:
-    """qgemm.set_decode_step: every row of this thread's next steps is a decode row."""
-    old = getattr(_step, "decode", False)
-    _step.decode = bool(on)
+def set_decode_step(mode: int) -> int:
+    """qgemm.set_decode_step: 1, every row of this thread's next steps is a decode row; 2, the
+    steps have prompt rows (no int8 activations by the decode rule); 0, not said."""
+    if int(mode) not in (0, 1, 2):
+        raise ValueError(f"set_decode_step takes 0, 1 or 2, got {mode}")
+    old = getattr(_step, "decode", 0)
+    _step.decode = int(mode)
     return old
 
 
 def act8_rows(m: int) -> bool:
     """Whether m rows take int8 activations on a linear flagged act8."""
-    return m <= ACT8_M_MAX or (getattr(_step, "decode", False) and m <= ACT8_DECODE_M_MAX)
+    mode = getattr(_step, "decode", 0)
+    return mode != 2 and (m <= ACT8_M_MAX or (mode == 1 and m <= ACT8_DECODE_M_MAX))
 
 
 def _int8_blocks(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
