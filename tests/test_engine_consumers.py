@@ -295,3 +295,62 @@ def test_stop_strings_of_every_length_cut_streams_and_outputs_alike(eng, alone):
         assert "".join(o.outputs[0].delta for o in outs) == outs[-1].text == want, stop
         assert outs[-1].outputs[0].stop_reason == stop
     assert_idle(eng)
+
+
+def test_async_engine_counts_each_waiting_request_once():
+    """A request is counted in the inbox until the scheduler's count includes it, never in both
+    (the 429 message said "4 requests waiting" under --max-queue 2) and never in neither. The
+    count is read on the event loop right after every stats update of the engine thread."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+    from numa_runtime.serve.async_engine import AsyncEngine
+
+    class Scheduler:
+        def __init__(self):
+            self.waiting = []
+
+        @property
+        def num_waiting(self):
+            return len(self.waiting)
+
+    class FakeEngine:  # requests wait forever: nothing steps
+        num_threads = 1
+        ops = SimpleNamespace(set_num_threads=lambda n: None)
+
+        def __init__(self):
+            self.scheduler = Scheduler()
+
+        def add_request(self, prompt, params, request_id):
+            self.scheduler.waiting.append(request_id)
+
+        def abort_request(self, rid):
+            if rid in self.scheduler.waiting:
+                self.scheduler.waiting.remove(rid)
+
+        def has_unfinished_requests(self):
+            return False
+
+    seen = []
+
+    class Observed(AsyncEngine):
+        def _update_stats(self):
+            super()._update_stats()
+            if self.loop is not None and threading.current_thread() is not threading.main_thread():
+                self.loop.call_soon_threadsafe(lambda: seen.append(self.num_waiting))
+
+    async def main():
+        aengine.loop = asyncio.get_running_loop()
+        sinks = [asyncio.Queue() for _ in range(6)]
+        await asyncio.gather(*(aengine.add(f"r{i}", [1, 2], None, q) for i, q in enumerate(sinks)))
+        await asyncio.sleep(0)  # NOTE: lets the last observations run
+        return aengine.num_waiting
+
+    aengine = Observed(FakeEngine())
+    aengine.loop = None
+    aengine.start()
+    try:
+        assert asyncio.run(main()) == 6
+    finally:
+        aengine.stop()
+    assert seen and max(seen) == 6 and all(n <= 6 for n in seen), seen

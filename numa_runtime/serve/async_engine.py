@@ -44,7 +44,12 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # NOTE: put() is reentrant (signal-safe)
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
-        self._num_adding = 0  # add() calls not yet answered (event-loop side only)
+        # add() commands put in the inbox (written by the event loop only) and taken out of it
+        # (by the engine thread only, once the scheduler's count includes the request): their
+        # difference is the requests on their way in, counted once
+        self._adds_sent = 0
+        self._adds_taken = 0
+        self._count_lock = threading.Lock()  # the scheduler's count and _adds_taken change together
         self._stopped = threading.Event()
         # NOTE: written by the engine thread, read by others (a float store is atomic)
         self._busy_since: float | None = None  # when the engine thread began its current step or command
@@ -71,7 +76,8 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Requests not yet running: still in the inbox or waiting in the scheduler."""
-        return self._num_adding + self.stats.num_waiting
+        with self._count_lock:
+            return self._adds_sent - self._adds_taken + self.stats.num_waiting
 
     async def add(self, request_id: str, prompt: str | list[int], params, sink: asyncio.Queue) -> None:
         """Queue a request; its RequestOutputs (or an exception) will arrive in `sink`.
@@ -81,15 +87,15 @@ class AsyncEngine:
         """
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._num_adding += 1
+        if not self.is_alive:
+            raise EngineDeadError("The engine loop has stopped; restart the server.")
+        self._adds_sent += 1  # NOTE: before the engine thread can take it
         try:
-            self._put(("add", request_id, prompt, params, (loop, sink), done))
+            self._inbox.put(("add", request_id, prompt, params, (loop, sink), done))
             await done
         except BaseException:
             self.abort(request_id)
             raise
-        finally:
-            self._num_adding -= 1
 
     def abort(self, request_id: str) -> None:
         """Abort a request (idempotent); its KV blocks are freed by the engine thread."""
@@ -184,16 +190,26 @@ class AsyncEngine:
 
     def _add(self, request_id, prompt, params, sink, fut) -> None:
         if self._cancel_at is not None:
+            self._took_add()
             _resolve(fut, error=EngineDeadError("The server is shutting down; retry on another server."))
             return
         try:
             self.engine.add_request(prompt, params, request_id=request_id)
         except Exception as e:  # noqa: BLE001 - ValueError/TypeError are the caller's 400s
+            self._took_add()
             _resolve(fut, error=e)
             return
         self._sinks[request_id] = sink
-        self._update_stats()  # NOTE: before answering, so the queue limit sees this request at once
+        # NOTE: the scheduler's count takes the request as the inbox count lets it go, at once
+        # (the queue limit neither misses it nor counts it twice)
+        with self._count_lock:
+            self._update_stats()
+            self._adds_taken += 1
         _resolve(fut, result=None)
+
+    def _took_add(self) -> None:
+        with self._count_lock:
+            self._adds_taken += 1
 
     def _step(self) -> None:
         try:
@@ -226,6 +242,8 @@ class AsyncEngine:
                 break
             if cmd[0] in ("add", "call"):
                 _resolve(cmd[-1], error=error)
+            if cmd[0] == "add":
+                self._took_add()
 
     def _update_stats(self) -> None:
         sched = getattr(self.engine, "scheduler", None)
