@@ -106,7 +106,7 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> None:
     """Write a LlamaForCausalLM HF directory (bf16 safetensors + tokenizer) from a llama GGUF."""
     import gguf  # NOTE: only needed for the one-off conversion
 
-    from .gguf_tokenizer import write_tokenizer
+    from .gguf_tokenizer import stop_token_ids, write_tokenizer
     t0 = time.perf_counter()
     _log(f"converting {os.path.basename(gguf_path)} into {out_dir}")
     reader = gguf.GGUFReader(gguf_path)
@@ -117,7 +117,7 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> None:
     config = _hf_config(meta, {t.name for t in reader.tensors})
     _write_json(os.path.join(out_dir, "config.json"), config)
     _write_json(os.path.join(out_dir, "generation_config.json"), {
-        "bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
+        "bos_token_id": config["bos_token_id"], "eos_token_id": stop_token_ids(meta),
         "pad_token_id": config["pad_token_id"]})
     _log("  [1/3] config.json, generation_config.json")
     write_tokenizer(meta, out_dir, "llama.", source=gguf_path)

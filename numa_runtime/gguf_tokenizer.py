@@ -14,11 +14,13 @@ Two GGUF tokenizer models:
     between special tokens gets one in front (`tokenizer.ggml.add_space_prefix`, as llama.cpp and
     transformers' legacy Llama tokenizer), and characters outside the vocabulary fall back to
     byte tokens <0xXX>.
-Control tokens (type 3) are special tokens (matched in text, dropped by skip_special_tokens);
+Control tokens (type 3) and the unknown token (type 2) are special tokens (matched in text,
+dropped by skip_special_tokens);
 user-defined ones (type 4) are matched in text and kept. BOS/EOS are added around a text as
 `tokenizer.ggml.add_bos_token` / `add_eos_token` say (llama.cpp's per-model defaults otherwise).
 The stop tokens are EOS plus the file's end-of-turn / end-of-message tokens (`eot_token_id`,
-`eom_token_id`): `stop_token_ids(meta)`.
+`eom_token_id`) and the tokens whose text ends a turn (`<|im_end|>`, `<|eot_id|>`, ...):
+`stop_token_ids(meta)`.
 """
 from __future__ import annotations
 
@@ -106,12 +108,25 @@ def write_tokenizer(meta: dict, out_dir: str, prefix: str, source: str = "") -> 
         json.dump(cfg, f, indent=2)
 
 
+# Tokens that end a turn by their text, whatever the file names (llama.cpp's vocabulary loader
+# treats these as end of generation too): a chat GGUF whose EOS is the base model's end token
+# still stops where its template closes a turn.
+END_OF_TURN_TEXTS = frozenset((
+    "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+    "<|end_of_text|>", "<EOT>", "_<EOT>", "<|END_OF_TURN_TOKEN|>", "<\uff5cend\u2581of\u2581sentence\uff5c>",
+    "<|return|>", "<|call|>", "<|end_of_turn|>"))
+
+
 def stop_token_ids(meta: dict) -> list[int]:
-    """EOS, then the end-of-turn and end-of-message tokens the file names (each once)."""
+    """EOS, the end-of-turn and end-of-message tokens the file names, then the tokens whose text
+    ends a turn (END_OF_TURN_TEXTS), each once."""
     ids = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         if key in meta and int(meta[key]) >= 0 and int(meta[key]) not in ids:
             ids.append(int(meta[key]))
+    for i, text in enumerate(meta.get("tokenizer.ggml.tokens") or ()):
+        if text in END_OF_TURN_TEXTS and i not in ids:
+            ids.append(i)
     return ids
 
 
@@ -190,7 +205,9 @@ def _spm(meta: dict, where: str):
 def _add_special(tok, tokens: list, types: list) -> None:
     from tokenizers import AddedToken
 
-    control = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types) if k == CONTROL]
+    # NOTE: UNKNOWN (<unk>) is special too, as llama.cpp and transformers take it
+    control = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types)
+               if k in (CONTROL, UNKNOWN)]
     user = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
     if control:
         tok.add_special_tokens(control)

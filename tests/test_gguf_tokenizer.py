@@ -182,6 +182,17 @@ def test_bos_eos_follow_the_metadata(tmp_path):
 def test_stop_tokens_include_end_of_turn():
     meta = {"tokenizer.ggml.eos_token_id": 5, "tokenizer.ggml.eot_token_id": 9, "tokenizer.ggml.eom_token_id": 9}
     assert stop_token_ids(meta) == [5, 9]
+    # a chat model whose EOS is the base model's end token: its template's end of turn stops too
+    tokens = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "hello", "<|eot_id|>"]
+    assert stop_token_ids({"tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.tokens": tokens}) == [1, 3, 5]
+
+
+def test_the_unknown_token_is_special(sp_model, tmp_path):
+    """<unk> (type 2) is matched in text and left out of decoded text, as llama.cpp and transformers do."""
+    tok = ours(sp_meta(sp_model), tmp_path)
+    unk, a = sp_model.unk_id(), sp_model.encode("a")
+    assert tok.encode("a<unk>a", add_special_tokens=False) == a + [unk] + a
+    assert tok.decode(a + [unk] + a) == tok.decode(a + a)
 
 
 @pytest.mark.parametrize("meta,words", [

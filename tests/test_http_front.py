@@ -29,8 +29,9 @@ class ScriptedRank0:
     """A Unix-socket server that answers each request on a connection with the next of `script`'s
     byte strings, closing the connection after one that is None-terminated."""
 
-    def __init__(self, script):
+    def __init__(self, script, handler=None):
         self.script = list(script)
+        self.handler = handler
         self.dir = tempfile.mkdtemp(prefix="numa-front-test-")
         self.path = os.path.join(self.dir, "http.sock")
         self.loop = asyncio.new_event_loop()
@@ -41,7 +42,7 @@ class ScriptedRank0:
 
     def _run(self):
         asyncio.set_event_loop(self.loop)
-        self.server = self.loop.run_until_complete(asyncio.start_unix_server(self._serve, self.path))
+        self.server = self.loop.run_until_complete(asyncio.start_unix_server(self.handler or self._serve, self.path))
         self.ready.set()
         self.loop.run_forever()
 
@@ -66,12 +67,13 @@ class ScriptedRank0:
 def front():
     procs = []
 
-    def start(script):
-        rank0 = ScriptedRank0(script)
+    def start(script, handler=None, args=(), preexec_fn=None):
+        rank0 = ScriptedRank0(script, handler)
         public = socket.socket()
         public.bind(("127.0.0.1", 0))
-        proc = subprocess.Popen([sys.executable, "-P", FRONT, "--fd", str(public.fileno()), "--backend", rank0.path],
-                                stdin=subprocess.PIPE, pass_fds=(public.fileno(),), stderr=subprocess.PIPE)
+        proc = subprocess.Popen([sys.executable, "-P", FRONT, "--fd", str(public.fileno()), "--backend", rank0.path,
+                                 *args], stdin=subprocess.PIPE, pass_fds=(public.fileno(),), stderr=subprocess.PIPE,
+                                preexec_fn=preexec_fn)
         port = public.getsockname()[1]
         public.close()
         proc.stdin.write(b"ready\n")
@@ -149,3 +151,87 @@ def test_an_idle_connection_closed_by_rank_0_is_just_closed(front):
     proc.stdin.close()
     assert proc.wait(timeout=30) == 0
     assert b"request(s) in flight" not in proc.stderr.read()  # it answered nothing itself
+
+
+def raw_exchange(base: str, request: bytes) -> bytes:
+    """Send request bytes on a fresh connection; everything received until the front closes it."""
+    port = int(base.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(request)
+        got = b""
+        while data := sock.recv(65536):
+            got += data
+    return got
+
+
+GET = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+def ok(text: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s" % (len(text), text)
+
+
+def test_pipelined_responses_read_together_are_not_followed_by_a_made_up_503(front):
+    """Two answers to two pipelined requests in one read, then rank 0 closes: the client gets the
+    two answers and nothing else (the second used to wait unparsed and be taken for unanswered)."""
+    base, proc = front([(ok(b"one") + ok(b"two"), True)])
+    assert raw_exchange(base, GET + GET) == ok(b"one") + ok(b"two")
+    proc.stdin.close()
+    assert proc.wait(timeout=30) == 0 and b"in flight" not in proc.stderr.read()
+
+
+def test_an_answer_before_the_body_keeps_the_connection_followed(front):
+    """Rank 0 answers (401) before the request's body has arrived; the connection goes on, and a
+    stream on it cut by rank 0's death still ends with the error event and [DONE]."""
+    denied = b"HTTP/1.1 401 Unauthorized\r\ncontent-length: 0\r\n\r\n"
+
+    async def rank0(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(denied)  # NOTE: before the body
+        await writer.drain()
+        await reader.readexactly(50000)
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(STREAM_HEAD + chunk(EVENT))
+        await writer.drain()
+        writer.close()  # NOTE: as rank 0's death closes it
+
+    base, _ = front([], handler=rank0)
+    port = int(base.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50000\r\n\r\n")
+        got = b""
+        while not got.endswith(denied):
+            got += sock.recv(65536)
+        sock.sendall(b"x" * 50000 + b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+        rest = b""
+        while data := sock.recv(65536):
+            rest += data
+    assert rest.startswith(STREAM_HEAD + chunk(EVENT)), rest
+    assert b'"code": "engine_stopped"' in rest and rest.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), rest
+
+
+def test_idle_clients_are_closed_by_the_front(front):
+    """Rank 0 keeps connections open (its idle close could not be told from a dead rank's); the
+    front closes a client idle for --keep-alive seconds, with no answer made up."""
+    base, proc = front([(ok(b"one"), False)], args=("--keep-alive", "0.3"))
+    assert raw_exchange(base, GET) == ok(b"one")  # NOTE: returns once the front closes it
+    proc.stdin.close()
+    assert proc.wait(timeout=30) == 0 and b"in flight" not in proc.stderr.read()
+
+
+def test_the_front_ignores_stop_signals_and_lifts_its_file_limit(front):
+    """It ends with rank 0 (end of file on stdin), not on the SIGTERM that `systemctl stop` or
+    `pkill -f numa_runtime.serve` also send it; and a soft limit of 1024 open files (two per
+    connection) is raised to the hard one."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard <= 256:
+        pytest.skip(f"the hard limit of open files is {hard}")
+    base, proc = front([(ok(b"one"), False)], preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
+                                                                                    (256, hard)))
+    with open(f"/proc/{proc.pid}/status") as f:
+        ignored = int(next(line for line in f if line.startswith("SigIgn:")).split()[1], 16)
+    assert all(ignored >> (sig - 1) & 1 for sig in (1, 2, 15)), hex(ignored)
+    with open(f"/proc/{proc.pid}/limits") as f:
+        line = next(line for line in f if line.startswith("Max open files"))
+    assert line.split()[3:5] == [str(hard)] * 2, line

@@ -190,6 +190,10 @@ def listen(host: str, port: int):
     return sock
 
 
+_KEEP_ALIVE_S = 5.0  # an idle client connection's life (uvicorn's default)
+_BACKEND_KEEP_ALIVE_S = 7 * 24 * 3600
+
+
 class HttpFront:
     """The front process (front.py) and the Unix socket it relays to, from rank 0's side."""
 
@@ -208,7 +212,8 @@ class HttpFront:
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("PMI_", "OMPI_", "PMIX_", "HYDRA_", "MPIR_", "I_MPI_"))}
         self.proc = subprocess.Popen([sys.executable, isolate, script, "--fd", str(public.fileno()),
-                                      "--backend", self.path], stdin=subprocess.PIPE, env=env,
+                                      "--backend", self.path, "--keep-alive", str(_KEEP_ALIVE_S)],
+                                     stdin=subprocess.PIPE, env=env,
                                      pass_fds=(public.fileno(),), start_new_session=True)
         self._fd = self.proc.stdin.fileno()
 
@@ -301,9 +306,11 @@ def _serve(args, world, sock, front) -> int:
     # NOTE: uvicorn cancels what still runs after its own grace (a CancelledError traceback);
     # the engine ends every request before that. The app has no lifespan events: with them on,
     # a second signal (exit now) cancels the lifespan task and Starlette logs a traceback.
+    # NOTE: behind the front, rank 0 never closes an idle connection (its close could not be told
+    # from a dead rank's); the front closes idle clients after uvicorn's usual 5 s instead
     server = uvicorn.Server(uvicorn.Config(asgi, host=args.host, port=args.port, log_level=args.log_level,
-                                           lifespan="off",
-                                           timeout_graceful_shutdown=args.shutdown_grace + 10))
+                                           lifespan="off", timeout_graceful_shutdown=args.shutdown_grace + 10,
+                                           timeout_keep_alive=_BACKEND_KEEP_ALIVE_S if front else 5))
     port = sock.getsockname()[1]
     if front is not None:
         sock.close()  # NOTE: the front holds the public socket; uvicorn serves the front

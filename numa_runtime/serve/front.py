@@ -22,6 +22,8 @@ import argparse
 import asyncio
 import json
 import os
+import resource
+import signal
 import socket
 import sys
 
@@ -48,6 +50,15 @@ def refusal(message: str) -> bytes:
             b"content-length: %d\r\nconnection: close\r\nx-should-retry: false\r\n\r\n" % len(body)) + body
 
 
+def busy(error: OSError) -> bytes:
+    """A 503 the client may retry: this process could not open a connection to rank 0."""
+    body = json.dumps({"error": {"message": f"The server cannot take another connection now "
+                                            f"({error.strerror or error}); retry shortly.",
+                                 "type": "server_error", "param": None, "code": "overloaded"}}).encode()
+    return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\nretry-after: 1\r\n\r\n" % len(body)) + body
+
+
 def stream_end(message: str) -> bytes:
     """The last chunks of a chunked event stream: an error event, [DONE], the terminating chunk."""
     payload = b"data: " + error_json(message) + b"\n\ndata: [DONE]\n\n"
@@ -71,9 +82,12 @@ class Relay:
     async def run(self) -> None:
         try:
             breader, bwriter = await asyncio.open_unix_connection(self.front.backend)
-        except OSError:
+        except OSError as e:
+            # NOTE: refused or gone: rank 0 has stopped; anything else (too many open files) is
+            # this process's limit, and the client may retry
+            gone = isinstance(e, (ConnectionRefusedError, FileNotFoundError))
             try:
-                await self.refuse(wait_s=10.0)
+                await self.refuse(wait_s=10.0, answer=refusal(self.front.message()) if gone else busy(e))
             finally:
                 self.cwriter.close()
             return
@@ -88,8 +102,11 @@ class Relay:
     async def client_to_backend(self, bwriter: asyncio.StreamWriter) -> None:
         while True:
             try:
-                data = await self.creader.read(_READ)
-            except OSError:
+                if self.idle():  # NOTE: rank 0 keeps connections open; the front closes idle ones
+                    data = await asyncio.wait_for(self.creader.read(_READ), self.front.keep_alive_s)
+                else:
+                    data = await self.creader.read(_READ)
+            except (OSError, asyncio.TimeoutError):
                 data = b""
             if not data:
                 self.client_gone = True
@@ -120,9 +137,7 @@ class Relay:
         if self.client_gone:
             return
         ending = self.ending()
-        if ending is None:
-            await self.refuse(wait_s=0.5)  # NOTE: a request may be on its way in
-        elif ending:
+        if ending:
             self.front.answered += 1
             self.cwriter.write(ending)
             try:
@@ -130,14 +145,20 @@ class Relay:
             except OSError:
                 pass
 
-    def ending(self) -> bytes | None:
-        """What the client still needs when rank 0's side closes: None between requests, a 503
-        for a request not yet answered, the end of an event stream under way, else nothing."""
+    def idle(self) -> bool:
+        """Between requests: nothing asked, nothing owed, nothing half-received."""
+        return (self.tracked and self.up.their_state is h11.IDLE and self.down.our_state is h11.IDLE
+                and not self.up.trailing_data[0])
+
+    def ending(self) -> bytes:
+        """What the client still needs when rank 0's side closes: a 503 for a request not yet
+        answered, the end of an event stream under way; nothing between requests (the close says
+        all) or after a body cut mid-way."""
         if not self.tracked:
             return b""
         d = self.down
         if d.our_state is h11.IDLE:
-            return None
+            return b""
         if d.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED):
             return b""
         if d.their_state is h11.SEND_RESPONSE:
@@ -150,12 +171,12 @@ class Relay:
         return b""  # NOTE: a body cut mid-way cannot be ended well; closing says it is incomplete
 
     def watch(self, conn: h11.Connection, data: bytes) -> None:
-        """Feed what went through to one side's parser and mirror its events into the other."""
+        """Feed what went through to one side's parser; mirror every event into the other."""
         if not self.tracked:
             return
         try:
             conn.receive_data(data)
-            self.pump(conn)
+            self.pump()
         except h11.ProtocolError:
             self.tracked = False  # NOTE: rank 0 answers a malformed request itself; just relay
             return
@@ -163,35 +184,38 @@ class Relay:
             self.tracked = False
             self.up = self.down = None
 
-    def pump(self, conn: h11.Connection) -> None:
-        other = self.down if conn is self.up else self.up
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA or event is h11.PAUSED or isinstance(event, h11.ConnectionClosed):
-                return
-            if isinstance(event, h11.Response):
-                headers = dict(event.headers)
-                self.event_stream = (headers.get(b"transfer-encoding", b"").lower() == b"chunked"
-                                     and headers.get(b"content-type", b"").startswith(b"text/event-stream"))
-                self.at_chunk_end = True
-            elif isinstance(event, h11.Data):
-                self.at_chunk_end = event.chunk_end
-            other.send(event)
-            if isinstance(event, h11.EndOfMessage) and conn is self.down:
-                self.next_cycle()
-                return
+    def pump(self) -> None:
+        """Take every event both parsers can give, in turn, until neither can: a response may
+        wait in `down` for its request, pipelined, to come out of `up` (and so may a request's
+        end arrive after its early answer)."""
+        moved = True
+        while moved:
+            moved = False
+            for conn, other in ((self.up, self.down), (self.down, self.up)):
+                while True:
+                    event = conn.next_event()
+                    if event is h11.NEED_DATA or event is h11.PAUSED or isinstance(event, h11.ConnectionClosed):
+                        break
+                    moved = True
+                    if isinstance(event, h11.Response):
+                        headers = dict(event.headers)
+                        self.event_stream = (headers.get(b"transfer-encoding", b"").lower() == b"chunked" and
+                                             headers.get(b"content-type", b"").startswith(b"text/event-stream"))
+                        self.at_chunk_end = True
+                    elif isinstance(event, h11.Data) and conn is self.down:
+                        self.at_chunk_end = event.chunk_end
+                    other.send(event)
+                    if isinstance(event, h11.EndOfMessage) and self.cycle_done():
+                        self.up.start_next_cycle()
+                        self.down.start_next_cycle()
+                        self.event_stream = False
 
-    def next_cycle(self) -> None:
-        """A response is complete: both parsers start on the next request (which may already be
-        buffered in `up`)."""
-        if self.up.states == {h11.CLIENT: h11.DONE, h11.SERVER: h11.DONE}:
-            self.up.start_next_cycle()
-            self.down.start_next_cycle()
-            self.event_stream = False
-            self.pump(self.up)
+    def cycle_done(self) -> bool:
+        done = {h11.CLIENT: h11.DONE, h11.SERVER: h11.DONE}
+        return self.up.states == done and self.down.states == done
 
-    async def refuse(self, wait_s: float) -> None:
-        """Rank 0 cannot be reached: read a request (waiting at most wait_s for it), answer 503."""
+    async def refuse(self, wait_s: float, answer: bytes) -> None:
+        """Rank 0 cannot be reached: read a request (waiting at most wait_s for it), answer it."""
         if self.upstream is not None:
             self.upstream.cancel()  # NOTE: what it has not read stays in the reader
             await asyncio.gather(self.upstream, return_exceptions=True)
@@ -213,15 +237,15 @@ class Relay:
                     break
             if asked:
                 self.front.answered += 1
-                self.cwriter.write(refusal(self.front.message()))
+                self.cwriter.write(answer)
                 await self.cwriter.drain()
         except (OSError, asyncio.TimeoutError, h11.ProtocolError):
             pass
 
 
 class Front:
-    def __init__(self, sock: socket.socket, backend: str):
-        self.sock, self.backend = sock, backend
+    def __init__(self, sock: socket.socket, backend: str, keep_alive_s: float = 5.0):
+        self.sock, self.backend, self.keep_alive_s = sock, backend, keep_alive_s
         self.server: asyncio.AbstractServer | None = None
         self.relays: set[asyncio.Task] = set()
         self.stopping = False  # rank 0 announced a graceful shutdown
@@ -273,10 +297,22 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="numa-serve's HTTP front (started by rank 0).")
     ap.add_argument("--fd", type=int, required=True, help="the bound public socket, inherited")
     ap.add_argument("--backend", required=True, help="rank 0's Unix socket")
+    ap.add_argument("--keep-alive", type=float, default=5.0, help="seconds an idle client connection stays open")
     args = ap.parse_args(argv)
+    # NOTE: the front ends with rank 0 (end of file on stdin), never on a signal: `systemctl stop`
+    # and `pkill -f numa_runtime.serve` signal it beside rank 0, which then shuts down gracefully
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    # NOTE: two descriptors per connection; the usual soft limit of 1024 would refuse at ~500
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
     sock = socket.socket(fileno=args.fd)
     try:
-        return asyncio.run(Front(sock, args.backend).main())
+        return asyncio.run(Front(sock, args.backend, args.keep_alive).main())
     finally:
         # NOTE: rank 0 removes these when it exits normally, but not when it was killed
         for remove, path in ((os.unlink, args.backend), (os.rmdir, os.path.dirname(args.backend))):
