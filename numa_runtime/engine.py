@@ -476,9 +476,15 @@ class Engine:
                                    "this is a bug in numa_runtime, please report it.")
             self._step()
 
-    def chat(self, messages: list[dict], params: SamplingParams | None = None, **template_kwargs) -> RequestOutput:
-        """Render messages with the model's chat template and generate the reply."""
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+    def chat(self, messages: list[dict], params: SamplingParams | None = None, *,
+             add_generation_prompt: bool | None = None, continue_final_message: bool = False,
+             **template_kwargs) -> RequestOutput:
+        """Render messages with the model's chat template and generate the reply (as vLLM's
+        LLM.chat): `continue_final_message=True` goes on with the last (assistant) message
+        instead of opening a new turn; other keyword arguments reach the template."""
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                    continue_final_message=continue_final_message,
+                                                    **template_kwargs)
         ids = self.tokenizer.encode_within(prompt, self.max_model_len, add_special_tokens=False)
         return self.generate([ids], params)[0]
 

@@ -170,28 +170,48 @@ class Tokenizer:
         decoder = json.dumps(json.loads(self._backend.to_str()).get("decoder"))
         return "byte_level" if '"ByteLevel"' in decoder else "metaspace" if "\\u2581" in decoder else ""
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool | None = None,
                             tools: list[dict] | None = None, documents: list[dict] | None = None,
-                            **kwargs) -> str:
+                            continue_final_message: bool = False, **kwargs) -> str:
         """Render the conversation to the prompt string. Extra kwargs reach the template
         (e.g. `enable_thinking=False`) and override the special tokens of the same name.
 
         As HF does: keys whose value is None are dropped from each message, and a message's
         reasoning (`reasoning_content`, `thinking` or `reasoning`) is given under the first two
-        names too. ChatTemplateError if the template raises, whatever it raises."""
+        names too. A message's content may be a string or a list of text parts ({"type": "text",
+        "text": ...}): a template that loops over a message's content gets the parts, any other
+        gets their texts joined by newlines (as vLLM picks its content format).
+        `continue_final_message`: the prompt ends with the last (assistant) message's text, for
+        the model to go on with it (no generation prompt; what the template writes after that
+        text is cut). `add_generation_prompt` defaults to true, but with continue_final_message.
+        ChatTemplateError if the template raises, whatever it raises; ValueError for a request
+        that cannot be rendered."""
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
+            if not messages or messages[-1].get("role") != "assistant":
+                raise ValueError("continue_final_message needs the last message to be the assistant's.")
+        add = (not continue_final_message) if add_generation_prompt is None else bool(add_generation_prompt)
         source = self._pick_template(tools)
         context = {k: v for k, v in self._special.items() if v is not None}
         context.update(kwargs)
+        msgs = _template_messages(messages, _iterates_content(source))
         try:
-            return _compile(source).render(messages=_template_messages(messages), tools=tools,
-                                           documents=documents,
-                                           add_generation_prompt=add_generation_prompt, **context)
+            text = _compile(source).render(messages=msgs, tools=tools,
+                                           documents=documents, add_generation_prompt=add, **context)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"the model's chat template rejected the conversation: {e}") \
                 from e
         except Exception as e:  # NOTE: templates are code; a TypeError is as much a refusal
             raise ChatTemplateError(f"the model's chat template failed on this conversation "
                                     f"({type(e).__name__}: {e}).") from e
+        if continue_final_message:  # NOTE: as vLLM: cut after the last occurrence of its text
+            final = _text_parts(messages[-1].get("content"))
+            for needle in (final[-1] if final else "", (final[-1] if final else "").strip()):
+                i = text.rfind(needle) if needle else -1
+                if i >= 0:
+                    return text[:i + len(needle)]
+        return text
 
     def _pick_template(self, tools) -> str:
         if not self._chat_templates:
@@ -268,17 +288,69 @@ def _compile(source: str) -> jinja2.Template:
     return _jinja_env().from_string(source)
 
 
-def _template_messages(messages: list[dict]) -> list[dict]:
+def _template_messages(messages: list[dict], parts: bool = False) -> list[dict]:
     """Messages as HF hands them to templates: None-valued keys dropped (OpenAI clients send
-    `content: None` beside tool calls), reasoning aliased as `reasoning_content` and `thinking`."""
+    `content: None` beside tool calls), reasoning aliased as `reasoning_content` and `thinking`;
+    a list of text parts as it is where the template loops over content (`parts`), else joined
+    by newlines (vLLM's "string" content format); a string as it is (as HF hands it)."""
     out = []
     for m in messages:
         m = {k: v for k, v in m.items() if v is not None}
+        if "content" in m and not isinstance(m["content"], str):
+            texts = _text_parts(m["content"])
+            m["content"] = [{"type": "text", "text": t} for t in texts] if parts else "\n".join(texts)
         reasoning = next((m[k] for k in _REASONING_KEYS if k in m), None)
         if reasoning is not None:
             m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
         out.append(m)
     return out
+
+
+def _text_parts(content) -> list[str]:
+    """The texts of a message's content: a string, or a list of {"type": "text", "text": ...}
+    parts (or of strings); ValueError for any other part."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content]
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"Only text content parts ({{'type': 'text', 'text': ...}}) are supported, "
+                             f"got type {kind!r}.")
+    return texts
+
+
+@functools.lru_cache(maxsize=64)
+def _iterates_content(source: str) -> bool:
+    """Whether a template loops over a message's content (vLLM's "openai" content format: it
+    wants lists of parts), directly or through a variable set from it."""
+    from jinja2 import nodes
+    try:
+        tree = _jinja_env().parse(source)
+    except jinja2.TemplateError:
+        return False
+
+    def is_content(node) -> bool:
+        while isinstance(node, (nodes.Filter, nodes.Test)):
+            node = node.node
+        if isinstance(node, nodes.Getitem):
+            return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
+        return isinstance(node, nodes.Getattr) and node.attr == "content"
+    names = {a.target.name for a in tree.find_all(nodes.Assign)
+             if isinstance(a.target, nodes.Name) and is_content(a.node)}
+    for loop in tree.find_all(nodes.For):
+        it = loop.iter
+        while isinstance(it, nodes.Filter):
+            it = it.node
+        if is_content(it) or (isinstance(it, nodes.Name) and it.name in names):
+            return True
+    return False
 
 
 def _raise_exception(message):

@@ -352,3 +352,24 @@ def test_a_config_that_does_not_describe_the_weights_is_refused(tmp_path, model_
     with pytest.raises(UnsupportedModelError, match=rf": {re.escape(tensor)} has shape .* but config.json implies "
                                                      r".*: the config does not describe these weights\.$"):
         Engine(str(tmp_path), dtype="float32", kv_cache_memory=1 << 22, max_model_len=64)
+
+
+def test_chat_continues_the_final_message_or_opens_no_turn(model_dir):
+    """Engine.chat takes vLLM's LLM.chat switches: continue_final_message goes on with the last
+    (assistant) message; add_generation_prompt=False renders no opening of a new turn."""
+    eng = Engine(model_dir, dtype="float32", kv_cache_memory=1 << 22, max_model_len=128)
+    try:
+        tok = eng.tokenizer
+        messages = [{"role": "user", "content": "Tell me"}, {"role": "assistant", "content": "Once upon a"}]
+        sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        cont = eng.chat(messages, sp, continue_final_message=True)
+        rendered = tok.apply_chat_template(messages, add_generation_prompt=False)
+        want = tok.encode(rendered[:rendered.rindex("Once upon a") + len("Once upon a")], add_special_tokens=False)
+        assert list(cont.prompt_token_ids) == want
+        plain = eng.chat(messages[:1], sp, add_generation_prompt=False)
+        assert list(plain.prompt_token_ids) == tok.encode(tok.apply_chat_template(messages[:1],
+                                                                                  add_generation_prompt=False),
+                                                          add_special_tokens=False)
+        assert list(plain.prompt_token_ids) != list(eng.chat(messages[:1], sp).prompt_token_ids)
+    finally:
+        eng.close()

@@ -359,3 +359,38 @@ def test_token_bytes_join_to_the_text(smol, tmp_path, kind):
                 partial += 1
                 assert b"\xef\xbf\xbd" not in b  # U+FFFD
     assert partial >= 4
+
+
+PARTS_TEMPLATE = ("{% for m in messages %}[{{ m.role }}]{% if m.content is string %}{{ m.content }}"
+                  "{% else %}{% for p in m.content %}<{{ p.text }}>{% endfor %}{% endif %}{% endfor %}")
+STRING_TEMPLATE = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+SET_TEMPLATE = ("{% for m in messages %}{% set c = m['content'] %}{% if c is string %}{{ c }}{% else %}"
+                "{% for p in c %}<{{ p['text'] }}>{% endfor %}{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("source,want", [
+    (PARTS_TEMPLATE, "[user]<Hello><World>[assistant]Hi"),  # loops over content: the parts as they are
+    (SET_TEMPLATE, "<Hello><World>Hi"),                      # ... through a variable set from it
+    (STRING_TEMPLATE, "[user]Hello\nWorld[assistant]Hi"),    # does not: texts joined by newlines (vLLM)
+])
+def test_content_parts_reach_a_template_as_it_reads_them(tmp_path, source, want):
+    d = _train_byte_level(tmp_path, {"chat_template": source})
+    tok = Tokenizer.from_dir(str(d))
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "World"}]},
+                {"role": "assistant", "content": "Hi"}]
+    assert tok.apply_chat_template(messages, add_generation_prompt=False) == want
+    with pytest.raises(ValueError, match="Only text content parts"):
+        tok.apply_chat_template([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}])
+
+
+def test_continue_final_message_ends_the_prompt_with_its_text(tmp_path):
+    d = _template_dir(tmp_path, "string")
+    ours, theirs = Tokenizer.from_dir(str(d)), transformers.AutoTokenizer.from_pretrained(str(d))
+    messages = [{"role": "user", "content": "Tell me"}, {"role": "assistant", "content": "Once upon a"}]
+    text = ours.apply_chat_template(messages, continue_final_message=True)
+    assert text == theirs.apply_chat_template(messages, continue_final_message=True, tokenize=False)
+    assert text.endswith("Once upon a")
+    with pytest.raises(ValueError, match="cannot both be true"):
+        ours.apply_chat_template(messages, continue_final_message=True, add_generation_prompt=True)
+    with pytest.raises(ValueError, match="last message to be the assistant's"):
+        ours.apply_chat_template(messages[:1], continue_final_message=True)

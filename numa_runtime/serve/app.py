@@ -140,15 +140,8 @@ def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
         return [engine.tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else p
                 for p in prompts]
 
-    def tokenize_chat(messages: list[dict], template_kwargs: dict, final_text: str | None,
-                      add_special_tokens: bool) -> list[int]:
+    def tokenize_chat(messages: list[dict], template_kwargs: dict, add_special_tokens: bool) -> list[int]:
         text = engine.tokenizer.apply_chat_template(messages, **template_kwargs)
-        if final_text:  # NOTE: continue_final_message: cut what the template wrote after it (as vLLM)
-            for needle in (final_text, final_text.strip()):
-                i = text.rfind(needle) if needle else -1
-                if i >= 0:
-                    text = text[:i + len(needle)]
-                    break
         engine.tokenizer.check_length(text, engine.max_model_len)
         return engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
@@ -182,8 +175,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
             if params.json_schema is not None:  # NOTE: built once, off the loop and the engine thread
                 await asyncio.to_thread(engine.grammars.prepare)
             messages = [m.as_template_dict() for m in body.messages]
-            ids = await asyncio.to_thread(tokenize_chat, messages, body.template_kwargs(), body.final_text(),
-                                          body.add_special_tokens)
+            ids = await asyncio.to_thread(tokenize_chat, messages, body.template_kwargs(), body.add_special_tokens)
         return await _serve(request, body, "chatcmpl", [ids], params, arrival, renames)
 
     @app.post("/v1/embeddings")

@@ -238,12 +238,12 @@ class ChatMessage(_Body):
         """The message as vLLM hands it to the chat template: content a string (text parts joined
         by newlines; None is ""), tool calls with parsed arguments, reasoning under both names."""
         content = self.content
-        if isinstance(content, list):
+        if isinstance(content, list):  # NOTE: the tokenizer joins them, or not, as the template wants
             for part in content:
                 if part.type != "text" or part.text is None:
                     raise ValueError(f"Only text content parts ({{'type': 'text', 'text': ...}}) are supported, "
                                      f"got type {part.type!r}.")
-            content = "\n".join(part.text for part in content)
+            content = [{"type": "text", "text": part.text} for part in content]
         msg = {"role": self.role, "content": content if content is not None else ""}
         reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
         if self.role == "assistant" and self.tool_calls:
@@ -254,8 +254,10 @@ class ChatMessage(_Body):
             msg["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             msg["name"] = self.name
-        for key in ("content", "name", "reasoning", "tool_call_id"):
+        for key in ("name", "reasoning", "tool_call_id"):
             check_text("messages", msg.get(key) or "")
+        for part in [msg["content"]] if isinstance(msg["content"], str) else msg["content"]:
+            check_text("messages", part if isinstance(part, str) else part["text"])
         return msg
 
 
@@ -336,10 +338,4 @@ class ChatCompletionRequest(_SamplingRequest):
         if "messages" in extra:
             raise ValueError("chat_template_kwargs cannot set 'messages'; send them as messages.")
         add = self.add_generation_prompt and not self.continue_final_message
-        return {"add_generation_prompt": add, **extra}
-
-    def final_text(self) -> str | None:
-        """With continue_final_message: the last message's text, where the prompt must end."""
-        if not self.continue_final_message:
-            return None
-        return self.messages[-1].as_template_dict()["content"]
+        return {"add_generation_prompt": add, "continue_final_message": self.continue_final_message, **extra}
