@@ -325,6 +325,14 @@ class Engine:
         steps = self._burst_len(out)
         t0 = time.perf_counter()
         if steps > 1 and self.scheduler.extend_decode(out, steps):
+            # NOTE: the burst's blocks may have evicted cached ones: their saves to a KV tier
+            # must run before the burst writes into them (else a file holds the burst's KV
+            # under the evicted block's hash, with a valid checksum)
+            tier = getattr(getattr(self.scheduler, "block_manager", None), "tier", None)
+            ops = tier.take_ops() if tier is not None else ()
+            if len(ops):
+                from .plan import StepPlan
+                self.runner.execute(StepPlan.empty(ops))
             tokens = self.runner.execute_burst(out.plan, steps)
             self._decode_step_s = (time.perf_counter() - t0) / steps
             with rec.span(FORWARD, "update"):

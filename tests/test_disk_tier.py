@@ -305,3 +305,35 @@ def test_bench_prefix_cache_disk_tier_and_restart_smoke(model_dir, tmp_path):
     # this seeded workload, 3 clients x 3 turns, some conversation spans the restart)
     assert on["conv_hit_after_restart"] > off["conv_hit_after_restart"]
     assert "| conv hit after restart (same turns, no restart; kept) |" in open(out + ".md").read()
+
+
+def test_blocks_a_decode_burst_evicts_are_saved_before_it_writes_them(tmp_path):
+    """A burst of decode steps (a quantized bf16 engine) takes blocks that evict cached ones; their
+    saves to the disk tier run before the burst writes into them. They used to run in the next
+    plan, after it: the file held the burst's KV under the evicted block's hash, with a valid
+    checksum, and a rerun of the first prompt (in the same engine, or after a restart) changed."""
+    import random
+    d = str(tmp_path / "m")
+    build_model(d, arch="llama", max_position_embeddings=4096)
+    kw = dict(dtype="bfloat16", quantization="int8", max_model_len=192, num_threads=2, block_size=16,
+              kv_cache_memory=12 * 4096, kv_cache_dir=str(tmp_path / "kv"), kv_cache_disk_load="always")
+    rng = random.Random(1)
+    a, b = [rng.randrange(3, 383) for _ in range(65)], [rng.randrange(3, 383) for _ in range(32)]
+
+    def sp(n):
+        return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    e = Engine(d, **kw)
+    try:
+        assert e._burst_rows > 0
+        first = e.generate([a], sp(8))[0].token_ids
+        e.generate([b], sp(140))  # NOTE: its bursts evict a's blocks
+        assert e.block_manager.num_evictions > 0 and e.block_manager.tier.num_saved > 0
+        assert e.generate([a], sp(8))[0].token_ids == first
+    finally:
+        e.close()
+    e = Engine(d, **kw)
+    try:
+        again = e.generate([a], sp(8))[0].token_ids
+        assert e.block_manager.tier_hit_blocks > 0 and again == first
+    finally:
+        e.close()
