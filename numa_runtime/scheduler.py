@@ -160,7 +160,15 @@ class Scheduler:
             blocks, num_cached = self.block_manager.get_computed_blocks(req)
             n = self._chunk(req.num_tokens - num_cached, budget)
             if not self.block_manager.can_allocate(req, n, blocks):
-                break
+                if self.running or scheduled or not blocks:
+                    break
+                # NOTE: nothing runs that could free blocks, so the prefix-cache hits are what
+                # does not fit (a sliding-window model's prefix longer than the pool): recompute
+                # the prefix rather than wait for ever
+                blocks, num_cached = [], 0
+                n = self._chunk(req.num_tokens, budget)
+                if not self.block_manager.can_allocate(req, n, blocks):
+                    break
             self.block_manager.allocate(req, n, blocks)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING

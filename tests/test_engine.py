@@ -373,3 +373,25 @@ def test_chat_continues_the_final_message_or_opens_no_turn(model_dir):
         assert list(plain.prompt_token_ids) != list(eng.chat(messages[:1], sp).prompt_token_ids)
     finally:
         eng.close()
+
+
+def test_a_window_models_cached_prefix_longer_than_the_pool_is_recomputed(tmp_path):
+    """Sliding window 64, a pool of 40 blocks of 16: a 600-token prompt leaves 37 cached blocks;
+    a prompt sharing 592 of its tokens found them all as prefix hits, which with its first chunk
+    never fit, and with nothing running to free blocks generate() spun for ever. Nothing runs:
+    the prefix is recomputed, and the tokens are transformers'."""
+    from models import hf_greedy
+    d = str(tmp_path / "m")
+    ref = build_model(d, arch="mistral", sliding_window=64, max_position_embeddings=2048)
+    eng = Engine(d, dtype="float32", kv_cache_memory=40 * 8192, max_model_len=2048, num_threads=2, block_size=16,
+                 max_num_batched_tokens=256)
+    try:
+        assert eng.block_manager.num_blocks == 40
+        rng = random.Random(1)
+        a = [rng.randrange(3, 383) for _ in range(600)]
+        b = a[:592] + [rng.randrange(3, 383) for _ in range(300)]
+        sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        eng.generate([a], sp)
+        assert eng.generate([b], sp)[0].token_ids == hf_greedy(ref, b, 4)
+    finally:
+        eng.close()
