@@ -224,3 +224,46 @@ def test_gguf_files_among_several_models(models, tmp_path):
         assert text == want
     finally:
         assert srv.stop() == 0, srv.output()
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_model_that_fails_to_load_leaves_the_others_serving(models, tmp_path, ranks):
+    """A model whose weights are missing fails on every rank alike: its request gets a 500 that
+    says why, and the other models still load and serve (under mpirun the worker used to exit
+    and rank 0 hung on the next load)."""
+    import shutil
+    root, expected = models
+    bad = tmp_path / "broken"
+    bad.mkdir()
+    for f in os.listdir(os.path.join(root, "alpha")):
+        if not f.endswith(".safetensors"):
+            shutil.copy(os.path.join(root, "alpha", f), bad / f)
+    launcher = ["mpirun", "-np", "2"] if ranks == 2 else []
+    srv = serve(root, ["alpha", "beta"], budget_for(root, ["alpha", "beta"], 1.5), launcher,
+                extra=["--model", str(bad)])
+    try:
+        client = srv.client()
+        kw = dict(prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        assert client.completions.create(model="alpha", **kw).choices[0].text
+        with pytest.raises(openai.InternalServerError, match="The model 'broken' failed to load: "):
+            client.completions.create(model="broken", **kw)
+        ref = Engine(os.path.join(root, "beta"), **KW)
+        want = ref.tokenizer.decode(expected["beta"])
+        ref.close()
+        assert client.completions.create(model="beta", **kw).choices[0].text == want
+    finally:
+        assert srv.stop() == 0, srv.output()
+
+
+def test_each_model_gets_the_kv_pool_of_the_budget_rule(models):
+    """Without --kv-cache-memory each model's KV pool is the budget rule's share, not a pool the
+    engine sizes from the host's memory (which loaded several models far past the budget)."""
+    root, _ = models
+    specs = tuple(ModelSpec(n, os.path.join(root, n)) for n in ("alpha", "beta"))
+    kw = {k: v for k, v in KW.items() if k != "kv_cache_memory"}
+    r = ModelRouter(RouterConfig(specs, 64 << 20, kw))
+    try:
+        eng = r.get("alpha")
+        assert eng.runner.kv_cache_bytes <= r._kv_bytes() == int((64 << 20) * 0.25 / 2)
+    finally:
+        r.close()

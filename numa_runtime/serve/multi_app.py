@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from . import responses as R
 from .app import ApiError, ServeConfig, build_app
 from .async_engine import AsyncEngine
-from .router import ModelRouter, ModelUnavailableError
+from .router import ModelLoadError, ModelRouter, ModelUnavailableError
 
 
 class _ModelInfo:
@@ -80,6 +80,8 @@ class ModelView:
         except asyncio.TimeoutError:
             raise ApiError(503, f"The model {self.name!r} is still loading; retry shortly.", "server_error",
                            code="model_loading", headers=retry) from None
+        except ModelLoadError as e:
+            raise ApiError(500, str(e), "server_error", code="model_load_failed") from None
         except ModelUnavailableError as e:
             raise ApiError(503, str(e), "server_error", code="model_unavailable", headers=retry) from None
 

@@ -43,6 +43,10 @@ class ModelUnavailableError(RuntimeError):
     """The model cannot be loaded now: the others fill the budget and are busy."""
 
 
+class ModelLoadError(RuntimeError):
+    """The model failed to load (on every rank; the others keep serving)."""
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
@@ -121,8 +125,9 @@ class ModelRouter:
         self.route: dict[str, str] = {}   # request id -> model name (set by the HTTP side)
         self.owner: dict[str, str] = {}   # request id -> model name, while it runs
         self._active: str | None = None   # the model whose plan loop the workers are in
-        # NOTE: every model spans all ranks as one tensor-parallel model (no replicas)
-        self._engine_kwargs = {**config.engine_kwargs, "data_parallel": 1}
+        # NOTE: every model spans all ranks as one tensor-parallel model (no replicas), with the
+        # KV pool the budget's rule gives it (else each engine would size its own from the host)
+        self._engine_kwargs = {**config.engine_kwargs, "data_parallel": 1, "kv_cache_memory": self._kv_bytes()}
         self.load_seconds: dict[str, float] = {}
         self.unload_seconds: dict[str, float] = {}
         if comm_world > 1:  # NOTE: collective: every rank builds its router at start-up
@@ -182,7 +187,12 @@ class ModelRouter:
         from ..engine import Engine
         t0 = time.perf_counter()
         self._send(LOAD, name)
-        eng = Engine(self.specs[name].model_dir, **self._engine_kwargs)
+        try:
+            eng = Engine(self.specs[name].model_dir, **self._engine_kwargs)
+        except Exception as e:  # noqa: BLE001 - every rank failed alike; the other models go on
+            self._active = None
+            log.error("model %s failed to load: %s", name, e)
+            raise ModelLoadError(f"The model {name!r} failed to load: {e}") from None
         self._active = None  # the workers are back in worker_main
         self.engines[name] = eng
         r = eng.runner
@@ -283,7 +293,10 @@ class ModelRouter:
             plan = comm.broadcast_plan(None)
             name = names[plan.step_id] if plan.step_id >= 0 else None
             if plan.kind == LOAD:
-                engines[name] = Engine(self.specs[name].model_dir, **self._engine_kwargs)
+                try:
+                    engines[name] = Engine(self.specs[name].model_dir, **self._engine_kwargs)
+                except Exception:  # noqa: BLE001 - rank 0 failed alike and reports it; serve on
+                    pass
             elif plan.kind == ENTER:
                 engines[name].runner.worker_loop()
             elif plan.kind == UNLOAD:
