@@ -147,3 +147,11 @@ def test_logits_match_transformers_reading_the_gguf(model_dir, hf_model):
     assert err < 1e-4  # measured 0: the very same weights
     assert err_q < 0.5
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_quantization_of_a_quantized_file_is_refused():
+    """--quantization quantizes dense checkpoints while loading; on the default model's Q4_1 GGUF
+    it used to be accepted and do nothing."""
+    from numa_runtime import Engine
+    with pytest.raises(ValueError, match=r"holds quantized weights already; quantization='int8' "):
+        Engine(quantization="int8", max_model_len=256)

@@ -386,6 +386,15 @@ def test_choice_tracker_reads_only_what_an_output_adds():
     (["--served-model-name", "x", "--model", "a", "--model", "b"], "--served-model-name names a single model;"),
     (["--model", __file__], "is a file, not a model directory;"),
     (["--port", "BUSY"], "cannot listen on 127.0.0.1:BUSY: Address already in use."),
+    # flags that would be accepted and then do nothing
+    (["--memory-budget", "8G"], "--memory-budget applies to several models"),
+    (["--load-timeout", "5"], "--load-timeout applies to several models"),
+    (["--memory-budget", "abc", "--model", "a", "--model", "b"], "--memory-budget: Cannot read 'abc' as a size"),
+    (["--data-parallel", "2", "--model", "a", "--model", "b"], "--data-parallel applies to one model"),
+    (["--kv-cache-disk-bytes", "1000"], "--kv-cache-disk-bytes applies to the disk tier; give --kv-cache-dir"),
+    (["--kv-cache-disk-load", "always"], "--kv-cache-disk-load applies to the disk tier"),
+    (["--kv-cache-memory", "-5"], "--kv-cache-memory must be a positive number of bytes, got -5."),
+    (["--api-key", ""], "--api-key is empty (an unset variable?)"),
 ])
 def test_bad_flags_fail_in_one_sentence_before_the_model_loads(flags, message):
     import socket
@@ -497,3 +506,14 @@ def test_a_dead_front_shuts_the_server_down_in_one_sentence(model_dir):
         srv.stop()
     assert code == 1, srv.output()
     assert "numa-serve: error: the HTTP front process exited (code -9)" in srv.output(), srv.output()
+
+
+def test_log_level_quiets_the_runtime_too(model_dir):
+    """--log-level warning leaves out the runtime's start-up INFO lines (it used to govern only
+    the HTTP server's log); the default shows them."""
+    quiet = ServerProcess(["--model", model_dir, *TINY, "--log-level", "warning"])
+    quiet.stop(signal.SIGINT)
+    loud = ServerProcess(["--model", model_dir, *TINY])
+    loud.stop(signal.SIGINT)
+    assert "numa_runtime INFO" in loud.output() and "numa_runtime INFO" not in quiet.output(), quiet.output()
+    assert "serving at http://" in quiet.output()

@@ -72,6 +72,11 @@ class LlamaModel:
                  prefill_activations: str = "bf16"):
         self.cfg, self.ops, self.comm, self.dtype = cfg, ops, comm, dtype
         ckpt = open_checkpoint(cfg)  # safetensors, or the GGUF file the directory points at
+        q_proj = "model.layers.0.self_attn.q_proj.weight"
+        if quantization is not None and q_proj in ckpt and not isinstance(ckpt.raw(q_proj), np.ndarray):
+            raise ValueError(f"{getattr(ckpt, 'path', cfg.model_dir)} holds quantized weights already; "
+                             f"quantization={quantization!r} (--quantization) quantizes dense bf16/f16/f32 "
+                             "checkpoints while loading: drop it.")
         linear = LinearFactory(ops, ckpt, dtype, parse_quantization(quantization),
                                head_quantization(lm_head_quantization, quantization, ckpt))
         # NOTE: a split or format this rank cannot take names the model and the rank count

@@ -26,8 +26,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--models-dir", default=None, help="serve every model directory inside this directory")
     ap.add_argument("--memory-budget", default=None, help="several models: bytes per rank for all weights and "
                                                           "KV pools (e.g. 16G; default: 60%% of this host's memory / ranks)")
-    ap.add_argument("--load-timeout", type=float, default=60.0,
-                    help="several models: seconds a request waits for its model to load before a 503")
+    ap.add_argument("--load-timeout", type=float, default=None,
+                    help="several models: seconds a request waits for its model to load before a 503 "
+                         "(default 60)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint "
@@ -57,9 +58,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "about half the bytes of bf16, so about twice the tokens in the same memory)")
     ap.add_argument("--kv-cache-dir", default=None, help="keep evicted prefix-cache blocks in files here "
                                                          "(survives restarts)")
-    ap.add_argument("--kv-cache-disk-bytes", type=int, default=8 << 30, help="size cap of --kv-cache-dir per rank")
-    ap.add_argument("--kv-cache-disk-load", default="auto", choices=["auto", "always"],
-                    help="auto: read blocks back only when that beats recomputing them")
+    ap.add_argument("--kv-cache-disk-bytes", type=int, default=None,
+                    help="size cap of --kv-cache-dir per rank (default 8 GiB)")
+    ap.add_argument("--kv-cache-disk-load", default=None, choices=["auto", "always"],
+                    help="with --kv-cache-dir; auto (default): read blocks back only when that beats "
+                         "recomputing them")
     ap.add_argument("--embedding-pooling", default=None, choices=["mean", "last"],
                     help="/v1/embeddings pooling (default: last for embedding checkpoints, else mean)")
     ap.add_argument("--num-threads", type=int, default=None,
@@ -82,7 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="relay HTTP through a small process outside the MPI job, which answers the "
                          "requests in flight with an error if a rank is killed (default); "
                          "--no-http-front serves from rank 0 directly (one hop less)")
-    ap.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                    help="the runtime's log (info: start-up facts; warning: problems only); the HTTP "
+                         "server logs warnings and errors, and every request at debug")
     return ap.parse_args(argv)
 
 
@@ -100,8 +105,9 @@ def engine_kwargs(args) -> dict:
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = args.kv_cache_memory
     if args.kv_cache_dir is not None:
-        kwargs.update(kv_cache_dir=args.kv_cache_dir, kv_cache_disk_bytes=args.kv_cache_disk_bytes,
-                      kv_cache_disk_load=args.kv_cache_disk_load)
+        kwargs.update(kv_cache_dir=args.kv_cache_dir,
+                      kv_cache_disk_bytes=8 << 30 if args.kv_cache_disk_bytes is None else args.kv_cache_disk_bytes,
+                      kv_cache_disk_load=args.kv_cache_disk_load or "auto")
     if args.data_parallel is not None:
         kwargs["data_parallel"] = args.data_parallel
     return kwargs
@@ -155,9 +161,33 @@ def check_args(args) -> str | None:
         return f"--shutdown-grace must be >= 0, got {args.shutdown_grace}."
     if not 0 <= args.port <= 65535:
         return f"--port must be in 0..65535 (0: any free port), got {args.port}."
-    if not args.load_timeout > 0:
+    if args.load_timeout is not None and not args.load_timeout > 0:
         return f"--load-timeout must be a positive number of seconds, got {args.load_timeout}."
-    if args.served_model_name is not None and is_multi_model(args):
+    multi = is_multi_model(args)
+    for flag, value in (("--memory-budget", args.memory_budget), ("--load-timeout", args.load_timeout)):
+        if value is not None and not multi:
+            return f"{flag} applies to several models (--model given twice or more, or --models-dir); drop it."
+    if args.memory_budget is not None:
+        from .router import parse_bytes
+        try:
+            if parse_bytes(args.memory_budget) <= 0:
+                return f"--memory-budget must be a positive size, got {args.memory_budget!r}."
+        except ValueError as e:
+            return f"--memory-budget: {e}"
+    if args.data_parallel is not None and multi:
+        return ("--data-parallel applies to one model; with several models each spans all ranks as one "
+                "tensor-parallel model.")
+    for flag, value in (("--kv-cache-disk-bytes", args.kv_cache_disk_bytes),
+                        ("--kv-cache-disk-load", args.kv_cache_disk_load)):
+        if value is not None and args.kv_cache_dir is None:
+            return f"{flag} applies to the disk tier; give --kv-cache-dir too, or drop it."
+    if args.kv_cache_disk_bytes is not None and args.kv_cache_disk_bytes < 0:
+        return f"--kv-cache-disk-bytes must be >= 0, got {args.kv_cache_disk_bytes}."
+    if args.kv_cache_memory is not None and args.kv_cache_memory <= 0:
+        return f"--kv-cache-memory must be a positive number of bytes, got {args.kv_cache_memory}."
+    if args.api_key is not None and not args.api_key.strip():
+        return "--api-key is empty (an unset variable?); give a key, or leave the flag out to serve without one."
+    if args.served_model_name is not None and multi:
         return ("--served-model-name names a single model; with several models each is named by the last "
                 "part of its directory or file (a symlink chooses another name).")
     try:
@@ -249,6 +279,10 @@ def main(argv=None) -> int:
         print(f"numa-serve: error: {bad}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # NOTE: the runtime's logger follows --log-level (its own default would be INFO); set for
+    # every logger made later too (env.log_level)
+    os.environ["NUMA_RUNTIME_LOG_LEVEL"] = args.log_level.upper()
+    logging.getLogger("numa_runtime").setLevel(args.log_level.upper())
     world = env.mpi_world()
     sock = None
     if world is None or world[0] == 0:
@@ -300,7 +334,7 @@ def _serve(args, world, sock, front) -> int:
     aengine = AsyncEngine(engine)
     if multi:
         from .multi_app import build_multi_app
-        asgi = build_multi_app(aengine, engine, config, args.load_timeout)
+        asgi = build_multi_app(aengine, engine, config, 60.0 if args.load_timeout is None else args.load_timeout)
     else:
         asgi = build_app(aengine, config)
     # NOTE: uvicorn cancels what still runs after its own grace (a CancelledError traceback);
@@ -308,7 +342,9 @@ def _serve(args, world, sock, front) -> int:
     # a second signal (exit now) cancels the lifespan task and Starlette logs a traceback.
     # NOTE: behind the front, rank 0 never closes an idle connection (its close could not be told
     # from a dead rank's); the front closes idle clients after uvicorn's usual 5 s instead
-    server = uvicorn.Server(uvicorn.Config(asgi, host=args.host, port=args.port, log_level=args.log_level,
+    http_log = args.log_level if args.log_level in ("debug", "error") else "warning"
+    server = uvicorn.Server(uvicorn.Config(asgi, host=args.host, port=args.port, log_level=http_log,
+                                           access_log=args.log_level == "debug",
                                            lifespan="off", timeout_graceful_shutdown=args.shutdown_grace + 10,
                                            timeout_keep_alive=_BACKEND_KEEP_ALIVE_S if front else 5))
     port = sock.getsockname()[1]
