@@ -17,23 +17,29 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from numa_runtime import Engine, SamplingParams
     try:
-        eng = Engine(args.model, dtype=args.dtype)
+        # NOTE: the sampling values first: a bad one is one sentence before the model loads
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    except (ValueError, FileNotFoundError) as e:
+        eng = Engine(args.model, dtype=args.dtype)
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not eng.is_driver:  # under mpirun: a worker rank executes rank 0's steps
         eng.serve_workers()
         return 0
-    if args.raw:
-        prompt = args.prompt
-    else:
-        prompt = eng.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
-    print(f">>> {args.prompt}", flush=True)
-    for delta in eng.stream(eng.tokenizer.encode(prompt, add_special_tokens=args.raw), params):
-        print(delta, end="", flush=True)
-    print()
-    eng.close()
+    try:
+        if args.raw:
+            prompt = args.prompt
+        else:
+            prompt = eng.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+        print(f">>> {args.prompt}", flush=True)
+        for delta in eng.stream(eng.tokenizer.encode(prompt, add_special_tokens=args.raw), params):
+            print(delta, end="", flush=True)
+        print()
+    except ValueError as e:  # NOTE: e.g. --max-tokens past the context
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 2
+    finally:
+        eng.close()
     return 0
 
 

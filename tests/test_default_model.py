@@ -155,3 +155,16 @@ def test_quantization_of_a_quantized_file_is_refused():
     from numa_runtime import Engine
     with pytest.raises(ValueError, match=r"holds quantized weights already; quantization='int8' "):
         Engine(quantization="int8", max_model_len=256)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--max-tokens", "0"], "error: max_tokens must be a positive integer or None, got 0."),
+    (["--temperature", "-1"], "error: temperature must be a number in [0, 100], got -1.0."),
+])
+def test_chat_cli_refuses_bad_values_before_loading(flags, message):
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-m", "numa_runtime", "hi", *flags], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2 and message in p.stderr, p.stderr
+    assert "KV cache" not in p.stderr  # the model never loaded

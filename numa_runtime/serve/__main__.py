@@ -312,7 +312,7 @@ def _serve(args, world, sock, front) -> int:
     try:
         # NOTE: first, and on every rank
         engine = build_router(args) if multi else build_engine(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # NOTE: OSError: e.g. NUMA_RUNTIME_CACHE names a file
         print(f"numa-serve: error: {e}", file=sys.stderr)
         return 2
     if engine is None:  # a worker rank of several models: rank 0 has shut down
