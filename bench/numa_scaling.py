@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import (ROOT, add_model_args, find_mpirun, resolve_model,  # noqa: E402
                           weights_bytes_per_token, write_report)
 from numa_runtime.launch.cli import RANK_ENV, build_command, plan_ranks  # noqa: E402
-from numa_runtime.launch.topology import format_cpulist, read_topology  # noqa: E402
+from numa_runtime.launch.topology import format_cpulist, read_topology, split_cpus  # noqa: E402
 
 CHILD = os.path.join(ROOT, "bench", "_scaling_child.py")
 
@@ -58,13 +58,19 @@ def launch_argv(ranks: int, cmd: list[str], mpirun: str, topo) -> tuple[list[str
         env = [x for k, v in RANK_ENV if k != "NUMA_RUNTIME_BOUND" for x in ("-env", k, v)]
         return [mpirun, "-np", str(ranks)] + env + cmd, "self-bound (numactl not installed)"
     if ranks < topo.num_nodes:
-        cpus = sorted(c for n in topo.nodes for c in n.cpus)
-        argv = [mpirun, "-np", "1", "-env", "OMP_NUM_THREADS", str(len(cpus))]
-        for key, value in RANK_ENV:
-            argv += ["-env", key, value]
-        mem = ["--interleave=all"] if topo.from_sysfs else []
-        argv += [numactl, "--physcpubind=" + format_cpulist(cpus)] + mem + cmd
-        return argv, f"1 rank over {topo.num_nodes} nodes, memory interleaved"
+        # NOTE: fewer ranks than nodes: each rank spans a group of whole nodes (1 rank: all of
+        # them), its memory interleaved over its nodes
+        argv, how = [mpirun], []
+        for r, group in enumerate(split_cpus(topo.nodes, ranks)):
+            cpus = sorted(c for n in group for c in n.cpus)
+            nodes = ",".join(str(n.node_id) for n in group)
+            argv += ([":"] if r else []) + ["-np", "1", "-env", "OMP_NUM_THREADS", str(len(cpus))]
+            for key, value in RANK_ENV:
+                argv += ["-env", key, value]
+            mem = [f"--interleave={nodes}"] if topo.from_sysfs else []
+            argv += [numactl, "--physcpubind=" + format_cpulist(cpus)] + mem + cmd
+            how.append(f"rank {r}: nodes {nodes}")
+        return argv, "; ".join(how) + ", memory interleaved over each rank's nodes"
     placements = plan_ranks(topo, ranks)
     how = "; ".join(f"rank {p.rank}: node {p.node} cpus {format_cpulist(p.cpus)}" for p in placements)
     return build_command(placements, cmd, mpirun, numactl, with_membind=topo.from_sysfs), how

@@ -57,8 +57,7 @@ def plan_ranks(topo: Topology, ranks: int | None = None,
     if ranks <= topo.num_nodes:
         per_node = [(node, [list(node.cpus)]) for node in topo.nodes[:ranks]]
     else:
-        counts = [len(g) for g in split_cpus(range(ranks), topo.num_nodes)]
-        per_node = [(node, split_cpus(node.cpus, n)) for node, n in zip(topo.nodes, counts)]
+        per_node = [(node, split_cpus(node.cpus, n)) for node, n in zip(topo.nodes, _ranks_per_node(topo, ranks))]
     placements = []
     for node, groups in per_node:
         for cpus in groups:
@@ -70,6 +69,26 @@ def plan_ranks(topo: Topology, ranks: int | None = None,
         placements[0] = RankPlacement(0, p0.node, p0.cpus, p0.whole_node,
                                       max(1, p0.num_threads - 1))
     return placements
+
+
+def _ranks_per_node(topo: Topology, ranks: int) -> list[int]:
+    """More ranks than nodes: as even a count per node as the nodes' cpus allow (each rank
+    needs a cpu), the first nodes taking the extra ones."""
+    total = sum(len(n.cpus) for n in topo.nodes)
+    if ranks > total:
+        raise ValueError("cannot place %d ranks on %d cpus: use at most %d ranks" % (ranks, total, total))
+    counts = [len(g) for g in split_cpus(range(ranks), topo.num_nodes)]
+    spare = 0
+    for i, node in enumerate(topo.nodes):  # NOTE: a node with fewer cpus hands its excess on
+        over = counts[i] - len(node.cpus)
+        if over > 0:
+            counts[i] -= over
+            spare += over
+    for i, node in enumerate(topo.nodes):
+        room = min(spare, len(node.cpus) - counts[i])
+        counts[i] += room
+        spare -= room
+    return counts
 
 
 def replica_shape(ranks: int | None, tp: int | None, dp: int | None, num_nodes: int
@@ -148,7 +167,10 @@ def _find_tools(mpirun_opt: str | None) -> tuple[str, str]:
     if numactl is None:
         raise SystemExit("numa-launch: numactl is not installed: install it with "
                          "`apt-get install -y numactl`.")
-    mpirun = shutil.which(mpirun_opt or "mpirun")
+    # NOTE: the mpich wheel's mpirun sits beside this Python, which need not be on PATH
+    beside = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    mpirun = shutil.which(mpirun_opt or "mpirun") or (beside if mpirun_opt is None and os.access(beside, os.X_OK)
+                                                      else None)
     if mpirun is None:
         raise SystemExit("numa-launch: %s not found: install MPICH and mpi4py with "
                          "`pip install mpich mpi4py`." % (mpirun_opt or "mpirun"))

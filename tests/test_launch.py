@@ -123,7 +123,7 @@ def test_usage_errors(fake_sysfs):
     out = launch("--dry-run")
     assert out.returncode != 0 and "no command given" in out.stderr
     out = launch("--sysfs", fake_sysfs, "--ranks", "17", "--dry-run", "--", "x")
-    assert out.returncode != 0 and "cannot split 8 cpus among 9 ranks" in out.stderr
+    assert out.returncode != 0 and "cannot place 17 ranks on 16 cpus: use at most 16 ranks" in out.stderr
 
 
 def test_missing_tools_say_how_to_install(tmp_path):
@@ -133,8 +133,34 @@ def test_missing_tools_say_how_to_install(tmp_path):
     if numactl is None:
         pytest.skip("SKIPPED: numactl is not installed, so its binding is not checked (apt-get install numactl)")
     os.symlink(numactl, tmp_path / "numactl")
-    out = launch("--", "true", env={"PATH": str(tmp_path)})
+    out = launch("--mpirun", "no-such-mpirun", "--", "true", env={"PATH": str(tmp_path)})
     assert out.returncode != 0 and "pip install mpich mpi4py" in out.stderr
+
+
+def test_mpirun_beside_python_is_found_off_path(fake_sysfs):
+    """The mpich wheel's mpirun sits beside the venv's python, which need not be on PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    if shutil.which("numactl") is None or not os.access(beside, os.X_OK):
+        pytest.skip("SKIPPED: needs numactl and the mpich wheel's mpirun beside this python")
+    from numa_runtime.launch.cli import _find_tools
+    old = os.environ["PATH"]
+    os.environ["PATH"] = os.path.dirname(shutil.which("numactl"))
+    try:
+        assert _find_tools(None)[0] == beside
+    finally:
+        os.environ["PATH"] = old
+
+
+def test_ranks_follow_each_nodes_cpus():
+    """More ranks than nodes: as even as the nodes' cpus allow (3 + 4 cpus take 7 ranks), and
+    past every cpu one sentence with the real bound."""
+    from numa_runtime.launch.topology import NumaNode, Topology
+    topo = Topology((NumaNode(0, (0, 1, 2), 0, 0), NumaNode(1, (3, 4, 5, 6), 0, 0)), True)
+    assert [p.cpus for p in plan_ranks(topo, 7)] == [(c,) for c in range(7)]
+    four = Topology(tuple(NumaNode(i, tuple(range(4 * i, 4 * i + 4)), 0, 0) for i in range(4)), True)
+    assert len(plan_ranks(four, 16)) == 16
+    with pytest.raises(ValueError, match="cannot place 20 ranks on 16 cpus: use at most 16 ranks"):
+        plan_ranks(four, 20)
 
 
 # ----------------------------------------------------------------------------- real launches
@@ -236,3 +262,18 @@ def test_launch_with_data_parallel_replicas(tmp_path):
     replicas, single = results
     assert replicas["data_parallel"] == 2 and replicas["routed"] == [1, 1]
     assert replicas["tokens"] == single["tokens"]
+
+
+def test_scaling_bench_gives_fewer_ranks_than_nodes_their_share_of_nodes():
+    """bench/numa_scaling.py --ranks 2 on 4 nodes: two ranks of two nodes each (it launched one)."""
+    if shutil.which("numactl") is None:
+        pytest.skip("SKIPPED: numactl is not installed (the bench then lets ranks bind themselves)")
+    sys.path.insert(0, ROOT)
+    from bench.numa_scaling import launch_argv
+    from numa_runtime.launch.topology import NumaNode, Topology
+    four = Topology(tuple(NumaNode(i, tuple(range(4 * i, 4 * i + 4)), 0, 0) for i in range(4)), True)
+    argv, how = launch_argv(2, ["python", "x.py"], "mpirun", four)
+    assert argv.count("-np") == 2 and "--physcpubind=0-7" in argv and "--physcpubind=8-15" in argv
+    assert "--interleave=0,1" in argv and "--interleave=2,3" in argv and "rank 1: nodes 2,3" in how
+    argv, _ = launch_argv(1, ["python", "x.py"], "mpirun", four)
+    assert argv.count("-np") == 1 and "--physcpubind=0-15" in argv
