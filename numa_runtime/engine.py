@@ -551,6 +551,9 @@ class Engine:
         from .plan import StepPlan
         # NOTE: with data-parallel replicas the scheduler is a ReplicaRouter: replica 0's pool
         bm, n = getattr(self.scheduler, "replicas", [self.scheduler])[0].block_manager, len(ids)
+        if bm.num_blocks_for(n) > bm.num_blocks:  # NOTE: never fits, however long one waits
+            raise ValueError(f"{n} tokens need {bm.num_blocks_for(n)} KV blocks, but the cache has "
+                             f"{bm.num_blocks}; shorten the input or enlarge the KV cache (kv_cache_memory).")
         blocks = bm.take_blocks(bm.num_blocks_for(n))
         if blocks is None:
             raise RuntimeError(f"The KV cache has no room for {n} tokens now; retry when requests finish.")

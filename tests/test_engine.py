@@ -395,3 +395,21 @@ def test_a_window_models_cached_prefix_longer_than_the_pool_is_recomputed(tmp_pa
         assert eng.generate([b], sp)[0].token_ids == hf_greedy(ref, b, 4)
     finally:
         eng.close()
+
+
+def test_scoring_input_the_cache_can_never_hold_is_one_sentence(tmp_path):
+    """A sliding-window model's context outgrows its KV pool; prompt_logprobs and embed over more
+    tokens than the whole pool: a ValueError that says so (it said "no room now; retry when
+    requests finish", which could never succeed)."""
+    d = str(tmp_path / "m")
+    build_model(d, arch="mistral", sliding_window=32, max_position_embeddings=2048)
+    eng = Engine(d, dtype="float32", kv_cache_memory=40 * 8192, max_model_len=2048, block_size=16)
+    try:
+        n = eng.block_manager.num_blocks * 16 + 1
+        assert n < eng.max_model_len
+        ids = [5 + i % 300 for i in range(n)]
+        for call in (eng.prompt_logprobs, eng.embed):
+            with pytest.raises(ValueError, match=rf"^{n} tokens need \d+ KV blocks, but the cache has "):
+                call(ids)
+    finally:
+        eng.close()
