@@ -34,7 +34,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args()
     shm = init_distributed()
-    assert isinstance(shm, MPIComm) and shm.uses_shared_memory, "run under mpirun -np 2 (one host)"
+    if not (isinstance(shm, MPIComm) and shm.uses_shared_memory):
+        raise SystemExit("bench_allreduce.py: run it under mpirun with 2 or more ranks on one host, e.g. "
+                         "mpirun -np 2 python bench/bench_allreduce.py")
     mpi = MPIComm(shm.MPI, shm.comm.Dup(), shared_memory=False)
     rows = []
     for nbytes in SIZES:

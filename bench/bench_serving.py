@@ -115,7 +115,11 @@ async def first_model(base_url: str, api_key: str) -> str:
 
 def run_all(base_url: str, levels: list[int], requests_per_level, max_tokens: int, api_key: str,
             extra: dict) -> list[Result]:
-    model = asyncio.run(first_model(base_url, api_key))
+    import openai
+    try:
+        model = asyncio.run(first_model(base_url, api_key))
+    except openai.APIConnectionError:
+        raise SystemExit(f"bench_serving.py: no server answers at {base_url}; start one first.") from None
     asyncio.run(run_level(base_url, model, 1, 1, 4, api_key, extra))  # warm-up
     results = []
     for c in levels:

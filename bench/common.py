@@ -79,7 +79,12 @@ def add_model_args(ap) -> None:
 
 def resolve_model(model: str | None, shape: str) -> str:
     """--model DIR if given, else the built-in random model of --shape (built on first use)."""
-    return os.path.abspath(os.path.expanduser(model)) if model else SHAPES[shape]()
+    if not model:
+        return SHAPES[shape]()
+    path = os.path.abspath(os.path.expanduser(model))
+    if not os.path.exists(path):
+        raise SystemExit(f"{os.path.basename(sys.argv[0])}: --model {model}: no such directory or file.")
+    return path
 
 
 def build_once(out_dir: str, shape_name: str, shape: dict) -> str:

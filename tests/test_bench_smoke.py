@@ -196,3 +196,18 @@ def test_quant_decode_batch_quick():
     """bench_quant.py --decode-batch over the small model's shapes, 9 rows: every path runs
     (row tiles on and off included where the CPU has VNNI)."""
     _run("bench_quant.py", "--decode-batch", "--model", "SmolLM2-135M", "--rows", "9", "--threads", "1")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("args,message", [
+    (["bench_serving.py", "--base-url", "http://127.0.0.1:1/v1"], "no server answers at http://127.0.0.1:1/v1"),
+    (["bench_engine.py", "--model", "/nonexistent"], "--model /nonexistent: no such directory or file."),
+    (["bench_allreduce.py"], "run it under mpirun with 2 or more ranks on one host"),
+])
+def test_benchmarks_refuse_what_they_cannot_run_in_one_sentence(args, message):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", args[0]), *args[1:]], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode != 0 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
