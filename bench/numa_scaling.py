@@ -223,6 +223,8 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/numa_scaling", help="writes OUT.json, OUT.md, OUT.png")
     a = ap.parse_args()
     a.concurrency = sorted(set(a.concurrency))
+    if min(a.ranks) < 1 or min(a.concurrency, default=1) < 1:
+        ap.error("--ranks and --concurrency take positive numbers")
     a.decode_tokens, a.repeats = (16, 2) if a.quick else (128, 3)
     a.conc_prompt, a.conc_tokens = (16, 8) if a.quick else (128, 64)
     a.max_model_len = max(a.conc_prompt, 16) + max(a.conc_tokens, a.decode_tokens) + 16

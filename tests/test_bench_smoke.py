@@ -205,6 +205,8 @@ import pytest  # noqa: E402
     (["bench_serving.py", "--base-url", "http://127.0.0.1:1/v1"], "no server answers at http://127.0.0.1:1/v1"),
     (["bench_engine.py", "--model", "/nonexistent"], "--model /nonexistent: no such directory or file."),
     (["bench_allreduce.py"], "run it under mpirun with 2 or more ranks on one host"),
+    (["numa_scaling.py", "--ranks", "0"], "--ranks and --concurrency take positive numbers"),
+    (["numa_scaling.py", "--model", "/nonexistent"], "--model /nonexistent: no such directory or file."),
 ])
 def test_benchmarks_refuse_what_they_cannot_run_in_one_sentence(args, message):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
