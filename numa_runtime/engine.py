@@ -244,7 +244,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams.")
         rid = str(next(self._ids)) if request_id is None else str(request_id)
-        while request_id is None and rid in self._groups:  # NOTE: a caller's own id took it
+        while request_id is None and self._id_taken(rid, params.n):  # NOTE: a caller's own id took it
             rid = str(next(self._ids))
         if rid in self._groups:
             raise ValueError(f"Request id {rid!r} is already in use.")
@@ -454,6 +454,12 @@ class Engine:
             raise
         return [final[r] for r in rids]
 
+    def _id_taken(self, rid: str, n: int) -> bool:
+        """Whether an automatic id (or one of its n children's) is a request's already."""
+        live = getattr(self.scheduler, "requests", None)
+        names = [rid] if n == 1 else [f"{rid}#{i}" for i in range(n)]
+        return rid in self._groups or (live is not None and any(x in live for x in names))
+
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas of one request; they join to the final text. Other streams,
         generate() and step() may run between reads: each gets only its own outputs."""
@@ -479,6 +485,8 @@ class Engine:
     def _wait(self, outbox: deque) -> None:
         """Step until `outbox` (of unfinished requests) holds an output."""
         while not outbox:
+            if self._closed:  # NOTE: a stream read after close(): its workers stopped listening
+                raise RuntimeError("The engine was closed while this request ran; make a new Engine to run more.")
             if not self.scheduler.has_unfinished():  # NOTE: an unfinished request is always scheduled
                 raise RuntimeError("The engine has no request left to run but an output is missing; "
                                    "this is a bug in numa_runtime, please report it.")
@@ -506,7 +514,7 @@ class Engine:
         pooling = pooling or ("last" if self.model_config.is_embedding_model else "mean")
         if pooling not in ("mean", "last"):
             raise ValueError(f"pooling must be 'mean' or 'last', got {pooling!r}.")
-        items = [inputs] if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)) else list(inputs)
+        items = [inputs] if isinstance(inputs, str) or (len(inputs) and _is_token_ids(inputs)) else list(inputs)
         if not items:
             raise ValueError("Give at least one input to embed.")
         out = np.empty((len(items), self.model_config.hidden_size), np.float32)  # [N, hidden]

@@ -413,3 +413,30 @@ def test_scoring_input_the_cache_can_never_hold_is_one_sentence(tmp_path):
                 call(ids)
     finally:
         eng.close()
+
+
+def test_a_stream_read_after_close_is_refused(model_dir):
+    """A stream left open across close() used to go on driving the engine (under data parallel
+    rank 0 then hung on workers that had stopped listening)."""
+    eng = Engine(model_dir, dtype="float32", kv_cache_memory=1 << 22, max_model_len=128)
+    stream = eng.stream("Hello", SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    next(stream)
+    eng.close()
+    with pytest.raises(RuntimeError, match="The engine was closed while this request ran"):
+        list(stream)
+
+
+def test_embed_and_automatic_ids_take_what_generate_takes(model_dir):
+    """embed() takes numpy token ids as generate() does; generate(n=2)'s automatic children step
+    around a caller's own id of the form "N#i"."""
+    eng = Engine(model_dir, dtype="float32", kv_cache_memory=1 << 22, max_model_len=128)
+    try:
+        ids = [5, 6, 7, 8]
+        want = eng.embed([ids])
+        np.testing.assert_array_equal(eng.embed(np.array(ids)), want)
+        np.testing.assert_array_equal(eng.embed([np.int64(t) for t in ids]), want)
+        eng.add_request("Hi", SamplingParams(max_tokens=2), request_id="0#1")
+        outs = eng.generate(["Hello"], SamplingParams(n=2, temperature=0, max_tokens=3, ignore_eos=True))
+        assert len(outs[0].outputs) == 2
+    finally:
+        eng.close()
