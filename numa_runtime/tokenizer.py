@@ -181,16 +181,16 @@ class Tokenizer:
         names too. A message's content may be a string or a list of text parts ({"type": "text",
         "text": ...}): a template that loops over a message's content gets the parts, any other
         gets their texts joined by newlines (as vLLM picks its content format).
-        `continue_final_message`: the prompt ends with the last (assistant) message's text, for
+        `continue_final_message`: the prompt ends with the last message's text, for
         the model to go on with it (no generation prompt; what the template writes after that
         text is cut). `add_generation_prompt` defaults to true, but with continue_final_message.
         ChatTemplateError if the template raises, whatever it raises; ValueError for a request
         that cannot be rendered."""
         if continue_final_message:
             if add_generation_prompt:
-                raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
-            if not messages or messages[-1].get("role") != "assistant":
-                raise ValueError("continue_final_message needs the last message to be the assistant's.")
+                raise ValueError("continue_final_message cannot be true together with add_generation_prompt=true.")
+            if not messages:
+                raise ValueError("continue_final_message needs a message to continue.")
         add = (not continue_final_message) if add_generation_prompt is None else bool(add_generation_prompt)
         source = self._pick_template(tools)
         context = {k: v for k, v in self._special.items() if v is not None}

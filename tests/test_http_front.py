@@ -213,8 +213,11 @@ def test_an_answer_before_the_body_keeps_the_connection_followed(front):
 def test_idle_clients_are_closed_by_the_front(front):
     """Rank 0 keeps connections open (its idle close could not be told from a dead rank's); the
     front closes a client idle for --keep-alive seconds, with no answer made up."""
-    base, proc = front([(ok(b"one"), False)], args=("--keep-alive", "0.3"))
+    base, proc = front([(ok(b"one"), False), (ok(b"two"), False)], args=("--keep-alive", "0.3"))
     assert raw_exchange(base, GET) == ok(b"one")  # NOTE: returns once the front closes it
+    port = int(base.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # NOTE: idle at once
+        assert sock.recv(65536) == b""
     proc.stdin.close()
     assert proc.wait(timeout=30) == 0 and b"in flight" not in proc.stderr.read()
 

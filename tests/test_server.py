@@ -270,11 +270,29 @@ def test_vllm_extras_are_applied(client, model_dir):
     ({"use_beam_search": True}, "use_beam_search"), ({"guided_choice": ["a", "b"]}, "guided_choice"),
     ({"prompt_logprobs": 1}, "prompt_logprobs"), ({"spaces_between_special_tokens": False},
                                                   "spaces_between_special_tokens"),
+    ({"logits_processors": ["x"]}, "logits_processors"), ({"cache_salt": "a"}, "cache_salt"),
+    ({"detokenize": False}, "detokenize"), ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
 ])
 def test_vllm_extras_not_implemented_are_refused_by_name(server, body, param):
     r = httpx.post(server.base + "/v1/completions", json={"prompt": "x", "max_tokens": 2, **body}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"] == f"{param} is not supported by this server; remove it from the request."
+
+
+def test_response_format_on_completions_constrains_them(client):
+    """vLLM applies response_format on /v1/completions too (it was accepted and ignored)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    r = client.completions.create(model="tiny", prompt="JSON:", max_tokens=60, temperature=0,
+                                  extra_body={"response_format": {"type": "json_schema",
+                                                                  "json_schema": {"name": "x", "schema": schema}}})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].text)["a"], int), r.choices[0].text
+    else:
+        assert r.choices[0].text.lstrip().startswith("{"), r.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="best_of is not supported"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                       extra_body={"best_of": 3})
 
 
 def test_null_means_the_default(client):

@@ -390,7 +390,7 @@ def test_continue_final_message_ends_the_prompt_with_its_text(tmp_path):
     text = ours.apply_chat_template(messages, continue_final_message=True)
     assert text == theirs.apply_chat_template(messages, continue_final_message=True, tokenize=False)
     assert text.endswith("Once upon a")
-    with pytest.raises(ValueError, match="cannot both be true"):
+    with pytest.raises(ValueError, match="cannot be true together with add_generation_prompt=true"):
         ours.apply_chat_template(messages, continue_final_message=True, add_generation_prompt=True)
-    with pytest.raises(ValueError, match="last message to be the assistant's"):
-        ours.apply_chat_template(messages[:1], continue_final_message=True)
+    # NOTE: as HF and vLLM, any last message may be continued
+    assert ours.apply_chat_template(messages[:1], continue_final_message=True).endswith("Tell me")

@@ -187,6 +187,8 @@ def check_args(args) -> str | None:
         return f"--kv-cache-memory must be a positive number of bytes, got {args.kv_cache_memory}."
     if args.api_key is not None and not args.api_key.strip():
         return "--api-key is empty (an unset variable?); give a key, or leave the flag out to serve without one."
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        return "--served-model-name is empty; give a name, or leave the flag out to use the model's."
     if args.served_model_name is not None and multi:
         return ("--served-model-name names a single model; with several models each is named by the last "
                 "part of its directory or file (a symlink chooses another name).")

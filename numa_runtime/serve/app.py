@@ -154,7 +154,8 @@ def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
             for p in prompts:
                 if isinstance(p, str):
                     engine.tokenizer.check_length(p, engine.max_model_len)
-            params = body.sampling_params(cap(16 if body.max_tokens is None else body.max_tokens), body.logprobs)
+            params = body.sampling_params(cap(16 if body.max_tokens is None else body.max_tokens), body.logprobs,
+                                          body.json_schema())
             if params.json_schema is not None:  # NOTE: guided_json; built once, off the loop
                 await asyncio.to_thread(engine.grammars.prepare)
             prompts = await asyncio.to_thread(tokenize_prompts, prompts, body.add_special_tokens)

@@ -102,11 +102,14 @@ class Relay:
     async def client_to_backend(self, bwriter: asyncio.StreamWriter) -> None:
         while True:
             try:
-                if self.idle():  # NOTE: rank 0 keeps connections open; the front closes idle ones
-                    data = await asyncio.wait_for(self.creader.read(_READ), self.front.keep_alive_s)
-                else:
-                    data = await self.creader.read(_READ)
-            except (OSError, asyncio.TimeoutError):
+                # NOTE: rank 0 keeps connections open; the front closes those idle for keep_alive_s
+                # (checked again every keep_alive_s: a read begun during a request outlives it)
+                data = await asyncio.wait_for(self.creader.read(_READ), self.front.keep_alive_s)
+            except asyncio.TimeoutError:
+                if not self.idle():
+                    continue
+                data = b""
+            except OSError:
                 data = b""
             if not data:
                 self.client_gone = True

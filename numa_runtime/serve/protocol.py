@@ -80,6 +80,8 @@ class _SamplingRequest(_Body):
     stop_token_ids: Optional[list[int]] = Field(None, description="Token ids that end a choice, as EOS does.")
     include_stop_str_in_output: bool = Field(False, description="Keep the stop string or stop token in the text.")
     skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
+    response_format: Optional[dict[str, Any]] = Field(None, description="text, json_object or json_schema "
+                                                                        "(constrains sampling)")
     guided_json: Union[dict[str, Any], str, None] = Field(
         None, description="vLLM's older name for a JSON schema the output follows (response_format on chat).")
     # vLLM extensions this server does not implement: refused by name when set (see _VLLM_REFUSED)
@@ -96,6 +98,13 @@ class _SamplingRequest(_Body):
     spaces_between_special_tokens: Optional[bool] = None
     return_tokens_as_token_ids: Optional[bool] = None
     priority: Optional[int] = None
+    guided_whitespace_pattern: Optional[Any] = None
+    guided_decoding_backend: Optional[Any] = None
+    logits_processors: Optional[Any] = None
+    return_token_ids: Optional[bool] = None
+    detokenize: Optional[bool] = None
+    cache_salt: Optional[Any] = None
+    vllm_xargs: Optional[Any] = None
 
     @property
     def include_usage(self) -> bool:
@@ -126,6 +135,22 @@ class _SamplingRequest(_Body):
                               skip_special_tokens=self.skip_special_tokens,
                               **{k: v for k, v in given.items() if v is not None})
 
+    def json_schema(self) -> dict | None:
+        """The JSON schema that response_format asks the output to follow, or None."""
+        fmt = self.response_format
+        kind = None if fmt is None else fmt.get("type")
+        if kind in (None, "text"):
+            return None
+        if kind == "json_object":
+            return {"type": "object"}
+        spec = fmt.get("json_schema")
+        if kind == "json_schema" and isinstance(spec, dict) and isinstance(spec.get("schema", {}), dict):
+            return spec.get("schema", {})
+        if kind == "json_schema":
+            raise ValueError("response_format must hold 'json_schema': {'name': ..., 'schema': {...}}.")
+        raise ValueError(f"response_format of type {kind!r} is not supported; use 'text', 'json_object' "
+                         "or 'json_schema'.")
+
     def _guided_json(self) -> dict:
         schema = self.guided_json
         if isinstance(schema, str):
@@ -152,7 +177,9 @@ _VLLM_REFUSED = {"use_beam_search": (False,), "length_penalty": (1.0,), "prompt_
                  "truncate_prompt_tokens": (), "allowed_token_ids": (), "bad_words": ([],), "guided_regex": (),
                  "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
                  "spaces_between_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
-                 "priority": (0,)}
+                 "priority": (0,), "guided_whitespace_pattern": (), "guided_decoding_backend": (),
+                 "logits_processors": ([],), "return_token_ids": (False,), "detokenize": (True,),
+                 "cache_salt": (), "vllm_xargs": ()}
 
 
 class CompletionRequest(_SamplingRequest):
@@ -271,7 +298,6 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Optional[Any] = None
     functions: Optional[list[Any]] = None
     function_call: Optional[Any] = None
-    response_format: Optional[dict[str, Any]] = None
     audio: Optional[Any] = None
     prediction: Optional[Any] = None
     web_search_options: Optional[Any] = None
@@ -284,35 +310,17 @@ class ChatCompletionRequest(_SamplingRequest):
     add_special_tokens: bool = Field(False, description="Add the tokenizer's special tokens (BOS) to the "
                                                         "rendered template (it usually writes them itself).")
     echo: bool = Field(False, description="Not supported; must be false.")
+    best_of: Optional[int] = Field(None, description="Not supported beyond best_of = n.")
     chat_template: Optional[str] = Field(None, description="Not supported; must be absent.")
     documents: Optional[list[Any]] = Field(None, description="Not supported; must be absent.")
 
     def refuse_unsupported(self) -> None:
         _refuse(self, {"tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
                        "audio": (), "prediction": (), "web_search_options": (), "echo": (False,),
-                       "chat_template": (), "documents": ([],)})
-        if self.continue_final_message:
-            if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
-                raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
-            if self.messages[-1].role != "assistant":
-                raise ValueError("continue_final_message needs the last message to be the assistant's, "
-                                 f"not the {self.messages[-1].role}'s.")
-
-    def json_schema(self) -> dict | None:
-        """The JSON schema that response_format asks the output to follow, or None."""
-        fmt = self.response_format
-        kind = None if fmt is None else fmt.get("type")
-        if kind in (None, "text"):
-            return None
-        if kind == "json_object":
-            return {"type": "object"}
-        spec = fmt.get("json_schema")
-        if kind == "json_schema" and isinstance(spec, dict) and isinstance(spec.get("schema", {}), dict):
-            return spec.get("schema", {})
-        if kind == "json_schema":
-            raise ValueError("response_format must hold 'json_schema': {'name': ..., 'schema': {...}}.")
-        raise ValueError(f"response_format of type {kind!r} is not supported; use 'text', 'json_object' "
-                         "or 'json_schema'.")
+                       "chat_template": (), "documents": ([],), "best_of": (self.n,)})
+        if self.continue_final_message and self.add_generation_prompt and \
+                "add_generation_prompt" in self.model_fields_set:
+            raise ValueError("continue_final_message cannot be true together with add_generation_prompt=true.")
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
