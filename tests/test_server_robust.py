@@ -395,6 +395,8 @@ def test_choice_tracker_reads_only_what_an_output_adds():
     (["--kv-cache-disk-load", "always"], "--kv-cache-disk-load applies to the disk tier"),
     (["--kv-cache-memory", "-5"], "--kv-cache-memory must be a positive number of bytes, got -5."),
     (["--api-key", ""], "--api-key is empty (an unset variable?)"),
+    (["--kv-cache-dir", "/proc/nope"], "--kv-cache-dir '/proc/nope' cannot be created"),
+    (["--served-model-name", " "], "--served-model-name is empty"),
 ])
 def test_bad_flags_fail_in_one_sentence_before_the_model_loads(flags, message):
     import socket

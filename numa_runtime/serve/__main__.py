@@ -24,8 +24,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="Hugging Face model directory or a .gguf file (default: SmolLM2-135M-Instruct); "
                          "repeat it to serve several models, each named by its directory or file")
     ap.add_argument("--models-dir", default=None, help="serve every model directory inside this directory")
-    ap.add_argument("--memory-budget", default=None, help="several models: bytes per rank for all weights and "
-                                                          "KV pools (e.g. 16G; default: 60%% of this host's memory / ranks)")
+    ap.add_argument("--memory-budget", default=None,
+                    help="several models: bytes per rank for all weights and KV pools (e.g. 16G; default: 60%% "
+                         "of this host's memory / ranks)")
     ap.add_argument("--load-timeout", type=float, default=None,
                     help="several models: seconds a request waits for its model to load before a 503 "
                          "(default 60)")
@@ -181,6 +182,15 @@ def check_args(args) -> str | None:
                         ("--kv-cache-disk-load", args.kv_cache_disk_load)):
         if value is not None and args.kv_cache_dir is None:
             return f"{flag} applies to the disk tier; give --kv-cache-dir too, or drop it."
+    if args.kv_cache_dir is not None:  # NOTE: before the weights load, not after
+        where = os.path.abspath(os.path.expanduser(args.kv_cache_dir))
+        try:
+            os.makedirs(where, exist_ok=True)
+        except OSError as e:
+            return (f"--kv-cache-dir {args.kv_cache_dir!r} cannot be created ({e.strerror or e}); "
+                    "pass a writable folder.")
+        if not os.access(where, os.W_OK | os.X_OK):
+            return f"--kv-cache-dir {args.kv_cache_dir!r} is not writable; pass a writable folder."
     if args.kv_cache_disk_bytes is not None and args.kv_cache_disk_bytes < 0:
         return f"--kv-cache-disk-bytes must be >= 0, got {args.kv_cache_disk_bytes}."
     if args.kv_cache_memory is not None and args.kv_cache_memory <= 0:
