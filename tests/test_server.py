@@ -241,6 +241,10 @@ def test_vllm_extras_are_applied(client, model_dir):
     k = next(i for i in range(2, 12) if ids[i] is not None and base.logprobs.tokens[i] not in base.logprobs.tokens[:i])
     r = client.completions.create(extra_body={"ignore_eos": True, "stop_token_ids": [ids[k]]}, **kw).choices[0]
     assert (r.text, r.finish_reason) == ("".join(base.logprobs.tokens[:k]), "stop")
+    assert r.model_extra["stop_reason"] == ids[k] and base.model_extra["stop_reason"] is None  # vLLM's field
+    last = [c.choices[0] for c in client.completions.create(
+        stream=True, extra_body={"ignore_eos": True, "stop_token_ids": [ids[k]]}, **kw) if c.choices][-1]
+    assert (last.finish_reason, last.model_extra["stop_reason"]) == ("stop", ids[k])
     r = client.completions.create(extra_body={"ignore_eos": True, "stop_token_ids": [ids[k]],
                                               "include_stop_str_in_output": True}, **kw).choices[0]
     assert r.text == "".join(base.logprobs.tokens[:k + 1])
@@ -248,6 +252,7 @@ def test_vllm_extras_are_applied(client, model_dir):
     r = client.completions.create(stop=stop, extra_body={"ignore_eos": True, "include_stop_str_in_output": True},
                                   **kw).choices[0]
     assert r.text.endswith(stop) and base.text.startswith(r.text) and r.finish_reason == "stop"
+    assert r.model_extra["stop_reason"] == stop
     # a special token forced by logit_bias: dropped from the text by default, kept on request
     pad = {"0": 100}
     kept = client.completions.create(model="tiny", prompt="x", max_tokens=3, logit_bias=pad,

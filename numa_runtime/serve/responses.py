@@ -46,6 +46,7 @@ class Piece:
     token_ids: list[int]
     logprobs: list | None            # per new token: (logprob, {token_id: logprob})
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (vLLM's field)
 
 
 @dataclass
@@ -69,7 +70,8 @@ class ChoiceTracker:
             if reason:
                 self.finished[index] = reason
             if c.delta or c.new_token_ids or reason:
-                pieces.append(Piece(index, c.delta, c.new_token_ids, c.new_logprobs, reason))
+                stop = getattr(c, "stop_reason", None) if reason == "stop" else None
+                pieces.append(Piece(index, c.delta, c.new_token_ids, c.new_logprobs, reason, stop))
         return pieces
 
     def usage(self) -> dict:
@@ -133,7 +135,7 @@ def chat_logprobs(token_ids: list[int], logprobs: list | None, decode: TokenByte
 # ---------------------------------------------------------------------------- bodies
 def completion_body(rid: str, model: str, tracker: ChoiceTracker, decode: TokenBytes) -> dict:
     choices = [{"index": i, "text": c.text, "finish_reason": _reason(c.finish_reason),
-                "logprobs": completion_logprobs(c.token_ids, c.logprobs, decode)}
+                "stop_reason": _stop(c), "logprobs": completion_logprobs(c.token_ids, c.logprobs, decode)}
                for i, c in tracker.choices()]
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": tracker.usage()}
@@ -141,7 +143,7 @@ def completion_body(rid: str, model: str, tracker: ChoiceTracker, decode: TokenB
 
 def chat_body(rid: str, model: str, tracker: ChoiceTracker, decode: TokenBytes) -> dict:
     choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
-                "finish_reason": _reason(c.finish_reason),
+                "finish_reason": _reason(c.finish_reason), "stop_reason": _stop(c),
                 "logprobs": chat_logprobs(c.token_ids, c.logprobs, decode)}
                for i, c in tracker.choices()]
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
@@ -153,6 +155,7 @@ def completion_chunk(rid: str, model: str, created: int, piece: Piece, decode: T
     """`offsets`: the text offset of each choice of the stream so far (updated)."""
     offset = offsets.setdefault(piece.index, TextOffset())
     choice = {"index": piece.index, "text": piece.text, "finish_reason": piece.finish_reason,
+              "stop_reason": piece.stop_reason,
               "logprobs": completion_logprobs(piece.token_ids, piece.logprobs, decode, offset)}
     return _chunk(rid, "text_completion", model, created, [choice], include_usage)
 
@@ -166,7 +169,7 @@ def chat_chunk(rid: str, model: str, created: int, piece: Piece | None, index: i
     else:
         choice = {"index": piece.index, "delta": {"content": piece.text} if piece.text else {},
                   "logprobs": chat_logprobs(piece.token_ids, piece.logprobs, decode),
-                  "finish_reason": piece.finish_reason}
+                  "finish_reason": piece.finish_reason, "stop_reason": piece.stop_reason}
     return _chunk(rid, "chat.completion.chunk", model, created, [choice], include_usage)
 
 
@@ -183,3 +186,9 @@ def _chunk(rid, object_, model, created, choices, include_usage) -> dict:
 
 def _reason(reason: str | None) -> str | None:
     return reason if reason in ("stop", "length") else None
+
+
+def _stop(c) -> str | int | None:
+    """vLLM's stop_reason: the stop string or stop token id that ended the choice (None for EOS,
+    a length limit, or a choice still running)."""
+    return getattr(c, "stop_reason", None) if c.finish_reason == "stop" else None
