@@ -220,9 +220,12 @@ class LlamaModel:
         """Run one step; returns logits [S', vocab] for plan.logits_indices (every rank), or
         for an EMBED plan the final normed hidden states [S', hidden] of those rows."""
         # NOTE: a step of decode rows only lets a decode batch take int8 activations (qgemm);
-        # a step with prompt rows keeps exact activations on every row, however few (2); the
-        # flag is this thread's, and is cleared after the step
-        self.ops.set_decode_step(1 if plan.decode_only else 2 if plan.num_prompt_rows > 0 else 0)
+        # a step of prompt rows only keeps bf16 activations however few its rows (2: a prompt's
+        # cached-prefix tail computes as in a whole prefill); a mixed step keeps the rule of its
+        # row count (0), since bf16 panels for a few rows would slow every decode row riding in
+        # it; the flag is this thread's, and is cleared after the step
+        only_prompt = 0 < plan.num_prompt_rows == plan.num_tokens
+        self.ops.set_decode_step(1 if plan.decode_only else 2 if only_prompt else 0)
         self.greedy_ids = None
         try:
             return self._forward(plan)
