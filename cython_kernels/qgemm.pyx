@@ -109,7 +109,7 @@ ACT8_DECODE_M_MAX = 64
 
 cdef inline bint _decode_rows(long M):
     """Rows the decode rule gives int8 activations (linears flagged act8): a few rows, or a
-    decode batch in a step of decode rows only; none in a step with prompt rows."""
+    decode batch in a step of decode rows only; none in a step of prompt rows only."""
     if qg_decode_step == 2:
         return False
     return M <= _act8_m_max or (qg_decode_step != 0 and M <= ACT8_DECODE_M_MAX)
@@ -118,10 +118,11 @@ cdef inline bint _decode_rows(long M):
 def set_decode_step(int mode):
     """The model, before each step on its compute thread: 1 (True) when every row of the step
     is a decode row (one token of a running sequence), so a decode batch of up to
-    ACT8_DECODE_M_MAX rows takes int8 activations; 2 when the step has prompt rows, which keep
-    exact activations however few the rows (the NOTE at ACT8_M_MAX: a prompt's logits then do
-    not depend on how much of it the prefix cache held); 0 (False): not said, and a few rows
-    take int8. Per thread: engines on other threads keep their own. Returns the old mode."""
+    ACT8_DECODE_M_MAX rows takes int8 activations; 2 when every row is a prompt row, and they
+    keep exact activations however few they are (the NOTE at ACT8_M_MAX: a prompt's logits then
+    do not switch path when the prefix cache held most of it); 0 (False): a mixed step, or not
+    said, and a few rows take int8. Per thread: engines on other threads keep their own.
+    Returns the old mode."""
     global qg_decode_step
     if mode not in (0, 1, 2):
         raise ValueError("set_decode_step takes 0, 1 or 2, got %d" % mode)
@@ -339,8 +340,8 @@ cdef class QLinear:
         """0: the f32 paths (exact), 1: int8 activations, 2: AMX-BF16 tiles, 3: bf16 panels."""
         cdef bint decode_rows = _decode_rows(M)
         cdef bint q8 = self.act8 and decode_rows
-        # NOTE: the rows of a step with prompt rows take the bf16 path however few they are: a
-        # prompt's logits must not depend on how much of it the prefix cache held
+        # NOTE: the rows of a step of prompt rows only take the bf16 path however few they are:
+        # a prompt's logits must not switch path when the prefix cache held most of it
         cdef bint wide = M >= PANEL_M_MIN or qg_decode_step == 2
         cdef bint tiles = self.prefill_bf16 and wide and qg_amxbf16 != 0
         cdef bint panels = tiles or (self.prefill_bf16 and wide and _panel_usable())

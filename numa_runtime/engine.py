@@ -328,11 +328,7 @@ class Engine:
             # NOTE: the burst's blocks may have evicted cached ones: their saves to a KV tier
             # must run before the burst writes into them (else a file holds the burst's KV
             # under the evicted block's hash, with a valid checksum)
-            tier = getattr(getattr(self.scheduler, "block_manager", None), "tier", None)
-            ops = tier.take_ops() if tier is not None else ()
-            if len(ops):
-                from .plan import StepPlan
-                self.runner.execute(StepPlan.empty(ops))
+            self._run_tier_ops()
             tokens = self.runner.execute_burst(out.plan, steps)
             self._decode_step_s = (time.perf_counter() - t0) / steps
             with rec.span(FORWARD, "update"):
@@ -643,11 +639,17 @@ class Engine:
 
     def _flush_disk_tier(self) -> None:
         """Write every cached block to the disk tier, so that a restart finds them."""
-        tier = getattr(self.block_manager, "tier", None)  # NOTE: none under data-parallel replicas
-        if tier is not None:
-            from .plan import StepPlan
+        if getattr(self.block_manager, "tier", None) is not None:
             self.block_manager.offload_all()
-            self.runner.execute(StepPlan.empty(tier.take_ops()))
+            self._run_tier_ops()
+
+    def _run_tier_ops(self) -> None:
+        """Carry out the KV tier's queued ops now, in a step of no tokens."""
+        tier = getattr(self.block_manager, "tier", None)  # NOTE: none under data-parallel replicas
+        ops = tier.take_ops() if tier is not None else ()
+        if len(ops):
+            from .plan import StepPlan
+            self.runner.execute(StepPlan.empty(ops))
 
     def __enter__(self):
         return self

@@ -209,9 +209,10 @@ class Scheduler:
         t = prompt_rows = 0
         for s, (req, n) in enumerate(scheduled):
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
-            # NOTE: a decode row is one generated token; a prefill (or recompute) row is not, and
-            # its activations stay exact whatever the step holds, so a prompt's KV and logits do
-            # not depend on how much of it the prefix cache held (qgemm's _decode_rows)
+            # NOTE: a decode row is one generated token; a prefill (or recompute) row is not. A
+            # step of prompt rows only keeps their activations exact however few they are, so a
+            # prompt's KV and logits do not switch path when the prefix cache held most of it
+            # (LlamaModel.forward, qgemm's _decode_rows)
             prompt_rows += n if n > 1 or start < req.num_prompt_tokens else 0
             row = block_tables[s, :len(req.block_ids)]
             row[:] = req.block_ids

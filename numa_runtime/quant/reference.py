@@ -20,8 +20,8 @@ _step = threading.local()
 
 
 def set_decode_step(mode: int) -> int:
-    """qgemm.set_decode_step: 1, every row of this thread's next steps is a decode row; 2, the
-    steps have prompt rows (no int8 activations by the decode rule); 0, not said."""
+    """qgemm.set_decode_step: 1, every row of this thread's next steps is a decode row; 2, every
+    row is a prompt row (no int8 activations by the decode rule); 0, mixed or not said."""
     if int(mode) not in (0, 1, 2):
         raise ValueError(f"set_decode_step takes 0, 1 or 2, got {mode}")
     old = getattr(_step, "decode", 0)

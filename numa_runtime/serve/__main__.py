@@ -29,7 +29,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "of this host's memory / ranks)")
     ap.add_argument("--load-timeout", type=float, default=None,
                     help="several models: seconds a request waits for its model to load before a 503 "
-                         "(default 60)")
+                         f"(default {_LOAD_TIMEOUT_S:g})")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint "
@@ -105,10 +105,11 @@ def engine_kwargs(args) -> dict:
               "reserve_server_core": True, "num_scheduler_steps": args.num_scheduler_steps}
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = args.kv_cache_memory
-    if args.kv_cache_dir is not None:
-        kwargs.update(kv_cache_dir=args.kv_cache_dir,
-                      kv_cache_disk_bytes=8 << 30 if args.kv_cache_disk_bytes is None else args.kv_cache_disk_bytes,
-                      kv_cache_disk_load=args.kv_cache_disk_load or "auto")
+    if args.kv_cache_dir is not None:  # NOTE: check_args refuses the disk flags without it
+        kwargs["kv_cache_dir"] = args.kv_cache_dir
+        for key in ("kv_cache_disk_bytes", "kv_cache_disk_load"):
+            if getattr(args, key) is not None:
+                kwargs[key] = getattr(args, key)
     if args.data_parallel is not None:
         kwargs["data_parallel"] = args.data_parallel
     return kwargs
@@ -232,6 +233,7 @@ def listen(host: str, port: int):
     return sock
 
 
+_LOAD_TIMEOUT_S = 60.0  # several models: --load-timeout's default
 _KEEP_ALIVE_S = 5.0  # an idle client connection's life (uvicorn's default)
 _BACKEND_KEEP_ALIVE_S = 7 * 24 * 3600
 
@@ -346,7 +348,8 @@ def _serve(args, world, sock, front) -> int:
     aengine = AsyncEngine(engine)
     if multi:
         from .multi_app import build_multi_app
-        asgi = build_multi_app(aengine, engine, config, 60.0 if args.load_timeout is None else args.load_timeout)
+        asgi = build_multi_app(aengine, engine, config,
+                               _LOAD_TIMEOUT_S if args.load_timeout is None else args.load_timeout)
     else:
         asgi = build_app(aengine, config)
     # NOTE: uvicorn cancels what still runs after its own grace (a CancelledError traceback);

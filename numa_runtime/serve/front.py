@@ -37,26 +37,28 @@ _MAX_PENDING = 1 << 22  # bytes h11 may hold unparsed before the front stops fol
 _EXIT_AFTER_S = 10.0  # once rank 0 has gone, the longest the front waits for connections to end
 
 
-def error_json(message: str) -> bytes:
+def error_json(message: str, code: str = "engine_stopped") -> bytes:
     return json.dumps({"error": {"message": message, "type": "server_error", "param": None,
-                                 "code": "engine_stopped"}}).encode()
+                                 "code": code}}).encode()
+
+
+def unavailable(message: str, code: str, header: bytes) -> bytes:
+    """A whole 503 response with one more header line, ending the connection."""
+    body = error_json(message, code)
+    return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n%s\r\n\r\n" % (len(body), header)) + body
 
 
 def refusal(message: str) -> bytes:
-    """A whole 503 response that ends the connection. `x-should-retry: false` tells the openai
-    client not to retry (its retries would only meet a closed port)."""
-    body = error_json(message)
-    return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\nconnection: close\r\nx-should-retry: false\r\n\r\n" % len(body)) + body
+    """Rank 0 has gone. `x-should-retry: false` tells the openai client not to retry (its
+    retries would only meet a closed port)."""
+    return unavailable(message, "engine_stopped", b"x-should-retry: false")
 
 
 def busy(error: OSError) -> bytes:
     """A 503 the client may retry: this process could not open a connection to rank 0."""
-    body = json.dumps({"error": {"message": f"The server cannot take another connection now "
-                                            f"({error.strerror or error}); retry shortly.",
-                                 "type": "server_error", "param": None, "code": "overloaded"}}).encode()
-    return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\nconnection: close\r\nretry-after: 1\r\n\r\n" % len(body)) + body
+    return unavailable(f"The server cannot take another connection now ({error.strerror or error}); "
+                       "retry shortly.", "overloaded", b"retry-after: 1")
 
 
 def stream_end(message: str) -> bytes:

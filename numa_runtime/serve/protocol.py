@@ -262,15 +262,13 @@ class ChatMessage(_Body):
     reasoning_content: Optional[str] = Field(None, description="The same, under its older name.")
 
     def as_template_dict(self) -> dict:
-        """The message as vLLM hands it to the chat template: content a string (text parts joined
-        by newlines; None is ""), tool calls with parsed arguments, reasoning under both names."""
+        """The message as vLLM hands it to the chat template: content a string (None is "") or
+        its parts (Tokenizer.apply_chat_template refuses all but text parts, and joins them or
+        not, as the template reads content), tool calls with parsed arguments, reasoning under
+        both names."""
         content = self.content
-        if isinstance(content, list):  # NOTE: the tokenizer joins them, or not, as the template wants
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise ValueError(f"Only text content parts ({{'type': 'text', 'text': ...}}) are supported, "
-                                     f"got type {part.type!r}.")
-            content = [{"type": "text", "text": part.text} for part in content]
+        if isinstance(content, list):
+            content = [{"type": part.type, "text": part.text} for part in content]
         msg = {"role": self.role, "content": content if content is not None else ""}
         reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
         if self.role == "assistant" and self.tool_calls:
@@ -284,7 +282,7 @@ class ChatMessage(_Body):
         for key in ("name", "reasoning", "tool_call_id"):
             check_text("messages", msg.get(key) or "")
         for part in [msg["content"]] if isinstance(msg["content"], str) else msg["content"]:
-            check_text("messages", part if isinstance(part, str) else part["text"])
+            check_text("messages", part if isinstance(part, str) else part["text"] or "")
         return msg
 
 

@@ -190,7 +190,6 @@ class ModelRouter:
         try:
             eng = Engine(self.specs[name].model_dir, **self._engine_kwargs)
         except Exception as e:  # noqa: BLE001 - every rank failed alike; the other models go on
-            self._active = None
             log.error("model %s failed to load: %s", name, e)
             raise ModelLoadError(f"The model {name!r} failed to load: {e}") from None
         self._active = None  # the workers are back in worker_main
