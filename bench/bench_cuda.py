@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np
 
-from bench.common import SHAPES, percentiles, random_prompts, weights_bytes_per_token, write_report
+from bench.common import SHAPES, percentiles, resolve_model, random_prompts, weights_bytes_per_token, write_report
 
 
 def decode(model: str, dtype: str, batch: int, new_tokens: int = 256) -> dict:
@@ -165,7 +165,13 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="print CUDA time per kernel of eager batch-1 decode")
     ap.add_argument("--out", default="/tmp/bench_cuda")
     args = ap.parse_args(argv)
-    model = os.path.abspath(args.model) if args.model else SHAPES[args.shape]()
+    model = resolve_model(args.model, args.shape) if args.model else None
+    from numa_runtime.cuda_backend import CudaUnavailableError, check_available
+    try:
+        check_available()
+    except CudaUnavailableError as e:
+        raise SystemExit(f"bench_cuda.py: {e}") from None
+    model = model or resolve_model(None, args.shape)
     report = {"model": model, "dtype": args.dtype, "decode": [decode(model, args.dtype, b) for b in args.batch]}
     lines = [f"# CUDA backend, {os.path.basename(model)} ({args.dtype})", "",
              "| batch | tok/s | step ms | weights GB/s | % of HBM | GPU-only step ms | GPU-only % of HBM |",

@@ -212,6 +212,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="/tmp/bench_multimodel", help="writes OUT.json and OUT.md")
     a = ap.parse_args(argv)
     if a.quick:
+        given = [k for k in ("big", "small", "kv_bytes", "max_model_len", "prompt_tokens", "warm_requests")
+                 if getattr(a, k) != ap.get_default(k)]
+        if given:
+            ap.error(f"--quick picks its own models and sizes; drop --{given[0].replace('_', '-')} (or --quick).")
         a.big, a.small = "tiny", os.path.join(CACHE, "tiny-b")
         build_once(a.small, "tiny-b", TINY)
         a.kv_bytes, a.max_model_len, a.prompt_tokens, a.warm_requests = 4 * MIB, 256, 32, 3

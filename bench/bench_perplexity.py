@@ -67,6 +67,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--tokens ({args.tokens}) must hold at least one chunk of --n-ctx ({args.n_ctx}) tokens.")
     if not os.path.isfile(args.text):
         ap.error(f"--text {args.text} is not a file.")
+    gguf_variants = [v for v in args.variants if v in ("gguf-f32", "gguf-bf16")]
+    if gguf_variants and not args.gguf:
+        ap.error(f"the variant {gguf_variants[0]} needs --gguf FILE.")
+    if args.gguf is not None and not gguf_variants:
+        ap.error("--gguf is the file of the gguf-f32 / gguf-bf16 variants; name one in --variants.")
+    if args.gguf is not None and not os.path.isfile(args.gguf):
+        ap.error(f"--gguf {args.gguf} is not a file.")
     if args.llama_perplexity is not None and not os.access(args.llama_perplexity, os.X_OK):
         ap.error(f"--llama-perplexity {args.llama_perplexity} is not an executable file.")
     return args
@@ -129,8 +136,6 @@ def engine_for(variant: str, kv_cache_dtype: str, args, prefill: str = "bf16"):
     if variant == "int4":
         return Engine(find_default_gguf(), **kw)
     if variant in ("gguf-f32", "gguf-bf16"):
-        if not args.gguf:
-            raise SystemExit(f"variant {variant} needs --gguf FILE.")
         return Engine(args.gguf, dtype="float32" if variant == "gguf-f32" else "bfloat16", **kw)
     head = None if args.lm_head_quantization == "none" else args.lm_head_quantization
     return Engine(default_model_dir(), quantization=variant, lm_head_quantization=head, **kw)

@@ -41,6 +41,7 @@ class Communicator(Protocol):
     def broadcast_plan(self, plan: StepPlan | None) -> StepPlan: ...
     def barrier(self) -> None: ...
     def gather_object(self, obj: Any) -> list | None: ...
+    def all_gather_object(self, obj: Any) -> list: ...
     def abort(self, msg: str, code: int = 1) -> None: ...
 
 
@@ -64,6 +65,9 @@ class SingleProcessComm:
         pass
 
     def gather_object(self, obj: Any) -> list:
+        return [obj]
+
+    def all_gather_object(self, obj: Any) -> list:
         return [obj]
 
     def abort(self, msg: str, code: int = 1) -> None:
@@ -248,6 +252,10 @@ class MPIComm:
     def gather_object(self, obj: Any) -> list | None:
         """Small picklable reports (stats, timings) to rank 0; None on other ranks."""
         return self.comm.gather(obj, root=0)
+
+    def all_gather_object(self, obj: Any) -> list:
+        """Small picklable reports, every rank's to every rank (rank order)."""
+        return self.comm.allgather(obj)
 
     def abort(self, msg: str, code: int = 1) -> None:
         """Print why ("rank R: msg"; nothing when msg is empty) and stop every rank of the

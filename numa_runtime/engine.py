@@ -14,6 +14,7 @@ executes the step plans rank 0 broadcasts, which it does in exactly these places
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import logging
 import numbers
@@ -63,15 +64,18 @@ class Engine:
         self.comm = distributed.init_distributed()
         ops = backend.get_backend(self.config.backend)
         placement = self._bind_and_set_threads(ops)
-        model_dir = model if model is not None else default_model_path()
-        if str(model_dir).lower().endswith(".gguf"):  # NOTE: weights stay in the file, blocks as they are
-            from .gguf_model import gguf_model_dir
-            model_dir = gguf_model_dir(str(model_dir))
-        self.model_config = mcfg = ModelConfig.from_dir(os.path.expanduser(str(model_dir)))
-        self.max_model_len = self._resolve_max_len(mcfg, self.config.max_model_len)
-        # NOTE: fail on a missing tokenizer before reading any weight; every rank has one, so
-        # that a script's tokenizer calls run unchanged on worker ranks too
-        self.tokenizer = Tokenizer.from_dir(mcfg.model_dir)
+        # NOTE: what can fail on one rank alone (a file, this node's memory) runs between
+        # collectives and ends in _agree, so every rank fails alike instead of some waiting for ever
+        with _agree(self.comm):
+            model_dir = model if model is not None else default_model_path()
+            if str(model_dir).lower().endswith(".gguf"):  # NOTE: weights stay in the file, blocks as they are
+                from .gguf_model import gguf_model_dir
+                model_dir = gguf_model_dir(str(model_dir))
+            self.model_config = mcfg = ModelConfig.from_dir(os.path.expanduser(str(model_dir)))
+            self.max_model_len = self._resolve_max_len(mcfg, self.config.max_model_len)
+            # NOTE: fail on a missing tokenizer before reading any weight; every rank has one, so
+            # that a script's tokenizer calls run unchanged on worker ranks too
+            self.tokenizer = Tokenizer.from_dir(mcfg.model_dir)
         self.parallel, tp_comm, self._link = data_parallel.setup(self.comm, self.config, mcfg)
         if self.config.kv_cache_dir is not None and self.parallel.data_parallel > 1:
             raise ValueError("The KV disk tier (kv_cache_dir) works with one tensor-parallel model; run it "
@@ -81,9 +85,10 @@ class Engine:
                              "host_kv_cache_memory.")
         self.recorder = profiler.make_recorder(self.comm.rank)  # a no-op unless AS_PROFILE=ON
         self.ops = profiler.timed_ops(ops, self.recorder)
-        self.runner = _make_runner(mcfg, self.config, profiler.timed_comm(tp_comm, self.recorder), self.ops,
-                                   self.max_model_len, _Progress() if self.comm.is_driver else None,
-                                   self.recorder, gpu_index=self.comm.local_rank)
+        with _agree(self.comm):
+            self.runner = _make_runner(mcfg, self.config, profiler.timed_comm(tp_comm, self.recorder), self.ops,
+                                       self.max_model_len, _Progress() if self.comm.is_driver else None,
+                                       self.recorder, gpu_index=self.comm.local_rank)
         self.ranks = self.comm.gather_object(self._rank_info(placement))  # rank 0: one dict per rank
         disk_hashes = self.comm.gather_object(getattr(self.runner, "disk_hashes", []))  # rank 0: per rank
         self.placement = placement
@@ -656,6 +661,34 @@ class Engine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class RankLoadError(RuntimeError):
+    """Another rank failed to load the model (this one raises too, so that none waits)."""
+
+
+@contextlib.contextmanager
+def _agree(comm):
+    """Every rank: run the block, then learn whether it failed on any rank (one collective).
+    A rank where it failed raises its own error; the others raise RankLoadError naming the
+    first rank that failed and why."""
+    err = None
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - re-raised below, after the ranks agree
+        err = e
+    if comm.world_size > 1:
+        reports = comm.all_gather_object(None if err is None else f"{type(err).__name__}: {err}")
+        failed = [(r, m) for r, m in enumerate(reports) if m is not None]
+        if failed:
+            close = getattr(comm, "close", None)
+            if close is not None:
+                close()  # NOTE: collective, as the gather: every rank frees its share of the window
+        if failed and err is None:
+            r, why = failed[0]
+            raise RankLoadError(f"Rank {r} failed to load the model ({why}).")
+    if err is not None:
+        raise err
 
 
 def _make_runner(mcfg, cfg: EngineConfig, comm, ops, max_model_len: int, progress, recorder, gpu_index: int):

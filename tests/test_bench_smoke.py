@@ -207,9 +207,25 @@ import pytest  # noqa: E402
     (["bench_allreduce.py"], "run it under mpirun with 2 or more ranks on one host"),
     (["numa_scaling.py", "--ranks", "0"], "--ranks and --concurrency take positive numbers"),
     (["numa_scaling.py", "--model", "/nonexistent"], "--model /nonexistent: no such directory or file."),
+    (["bench_cuda.py", "--model", "/nonexistent"], "--model /nonexistent: no such directory or file."),
+    (["bench_perplexity.py", "--gguf", "/x.gguf"], "name one in --variants"),
+    (["bench_perplexity.py", "--variants", "gguf-f32"], "the variant gguf-f32 needs --gguf FILE."),
+    (["bench_perplexity.py", "--variants", "gguf-f32", "--gguf", "/nonexistent.gguf"], "is not a file."),
+    (["bench_multimodel.py", "--quick", "--big", "qwen1.5b"], "--quick picks its own models and sizes; drop --big"),
 ])
 def test_benchmarks_refuse_what_they_cannot_run_in_one_sentence(args, message):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", args[0]), *args[1:]], cwd=ROOT,
                        capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode != 0 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+def test_bench_cuda_without_a_gpu_says_so_in_one_sentence():
+    import pytest
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_cuda.py")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode != 0 and "finds no CUDA GPU" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]

@@ -267,3 +267,36 @@ def test_each_model_gets_the_kv_pool_of_the_budget_rule(models):
         assert eng.runner.kv_cache_bytes <= r._kv_bytes() == int((64 << 20) * 0.25 / 2)
     finally:
         r.close()
+
+
+def test_a_model_that_fails_to_load_on_one_rank_fails_on_every_rank(models, tmp_path):
+    """A load that fails on one rank alone (its node is out of memory) fails on every rank: the
+    request gets a 500 naming the rank and its error, and the loaded model keeps serving on both
+    ranks (rank 0 used to wait for ever in a collective the failed worker never reached)."""
+    import resource
+    from test_server_robust import _rank_process
+    root, expected = models
+    big = str(tmp_path / "big")  # 48 MB of f32 weights, 24 MB a rank
+    build_model(big, arch="llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                num_attention_heads=8, num_key_value_heads=2)
+    srv = serve(root, ["alpha"], 1 << 30, ["mpirun", "-np", "2"], extra=["--model", big])
+    worker = None
+    try:
+        client = srv.client()
+        kw = dict(prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        want = client.completions.create(model="alpha", **kw).choices[0].text
+        worker = _rank_process(srv.proc.pid, 1)
+        soft, hard = resource.prlimit(worker.pid, resource.RLIMIT_DATA)
+        with open(f"/proc/{worker.pid}/status") as f:  # VmData: what RLIMIT_DATA limits
+            data = int(next(ln for ln in f if ln.startswith("VmData:")).split()[1]) << 10
+        # room for serving alpha, not for big's 24 MB of weights
+        resource.prlimit(worker.pid, resource.RLIMIT_DATA, (data + (8 << 20), hard))
+        with pytest.raises(openai.InternalServerError,
+                           match="The model 'big' failed to load: Rank 1 failed to load the model \\(MemoryError"):
+            client.completions.create(model="big", **kw)
+        assert client.completions.create(model="alpha", **kw).choices[0].text == want
+        resource.prlimit(worker.pid, resource.RLIMIT_DATA, (soft, hard))
+        assert client.completions.create(model="big", **kw).choices[0].text  # loads now
+        assert client.completions.create(model="alpha", **kw).choices[0].text == want
+    finally:
+        assert srv.stop() == 0, srv.output()
