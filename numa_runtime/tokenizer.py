@@ -195,7 +195,7 @@ class Tokenizer:
         source = self._pick_template(tools)
         context = {k: v for k, v in self._special.items() if v is not None}
         context.update(kwargs)
-        msgs = _template_messages(messages, _iterates_content(source))
+        msgs = _template_messages(messages, *_content_format(source))
         try:
             text = _compile(source).render(messages=msgs, tools=tools,
                                            documents=documents, add_generation_prompt=add, **context)
@@ -288,15 +288,16 @@ def _compile(source: str) -> jinja2.Template:
     return _jinja_env().from_string(source)
 
 
-def _template_messages(messages: list[dict], parts: bool = False) -> list[dict]:
+def _template_messages(messages: list[dict], parts: bool = False, wrap_strings: bool = False) -> list[dict]:
     """Messages as HF hands them to templates: None-valued keys dropped (OpenAI clients send
     `content: None` beside tool calls), reasoning aliased as `reasoning_content` and `thinking`;
     a list of text parts as it is where the template loops over content (`parts`), else joined
-    by newlines (vLLM's "string" content format); a string as it is (as HF hands it)."""
+    by newlines (vLLM's "string" content format); a string as it is (as HF hands it), or as one
+    text part where the template only takes parts (`wrap_strings`, as vLLM)."""
     out = []
     for m in messages:
         m = {k: v for k, v in m.items() if v is not None}
-        if "content" in m and not isinstance(m["content"], str):
+        if "content" in m and (wrap_strings or not isinstance(m["content"], str)):
             texts = _text_parts(m["content"])
             m["content"] = [{"type": "text", "text": t} for t in texts] if parts else "\n".join(texts)
         reasoning = next((m[k] for k in _REASONING_KEYS if k in m), None)
@@ -324,6 +325,19 @@ def _text_parts(content) -> list[str]:
             raise ValueError(f"Only text content parts ({{'type': 'text', 'text': ...}}) are supported, "
                              f"got type {kind!r}.")
     return texts
+
+
+@functools.lru_cache(maxsize=64)
+def _content_format(source: str) -> tuple[bool, bool]:
+    """(parts, wrap_strings): whether the template loops over a message's content, and whether
+    it then has no branch for a string (no `is string`/`mapping`/... test anywhere), so that a
+    string content must reach it as one text part (vLLM's "openai" format) and not as letters."""
+    from jinja2 import nodes
+    if not _iterates_content(source):
+        return False, False
+    tree = _jinja_env().parse(source)
+    kinds = {"string", "mapping", "iterable", "sequence"}
+    return True, not any(t.name in kinds for t in tree.find_all(nodes.Test))
 
 
 @functools.lru_cache(maxsize=64)

@@ -366,12 +366,15 @@ PARTS_TEMPLATE = ("{% for m in messages %}[{{ m.role }}]{% if m.content is strin
 STRING_TEMPLATE = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
 SET_TEMPLATE = ("{% for m in messages %}{% set c = m['content'] %}{% if c is string %}{{ c }}{% else %}"
                 "{% for p in c %}<{{ p['text'] }}>{% endfor %}{% endif %}{% endfor %}")
+ONLY_PARTS_TEMPLATE = "{% for m in messages %}[{{ m.role }}]{% for p in m.content %}<{{ p.text }}>{% endfor %}{% endfor %}"
 
 
 @pytest.mark.parametrize("source,want", [
     (PARTS_TEMPLATE, "[user]<Hello><World>[assistant]Hi"),  # loops over content: the parts as they are
     (SET_TEMPLATE, "<Hello><World>Hi"),                      # ... through a variable set from it
     (STRING_TEMPLATE, "[user]Hello\nWorld[assistant]Hi"),    # does not: texts joined by newlines (vLLM)
+    # no branch for a string: a string reaches it as one text part (as vLLM), not as its letters
+    (ONLY_PARTS_TEMPLATE, "[user]<Hello><World>[assistant]<Hi>"),
 ])
 def test_content_parts_reach_a_template_as_it_reads_them(tmp_path, source, want):
     d = _train_byte_level(tmp_path, {"chat_template": source})
