@@ -37,20 +37,38 @@ class _SafetensorsFile:
                 self.header = json.loads(f.read(n))
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise CheckpointError(f"{path} has a corrupt safetensors header.") from None
+        if not isinstance(self.header, dict):
+            raise CheckpointError(f"{path} has a corrupt safetensors header.")
         self.header.pop("__metadata__", None)
         self.data_offset = 8 + n
+        self._size = size
         self._mm = np.memmap(path, dtype=np.uint8, mode="r") if size > self.data_offset else None
 
     def tensor(self, name: str) -> np.ndarray:
-        info = self.header[name]
-        dt = info["dtype"]
+        info = self.header.get(name)
+        if info is None:
+            raise CheckpointError(f"Tensor {name!r} is not in {self.path}, where the checkpoint's index puts it.")
+        dt = info.get("dtype") if isinstance(info, dict) else None
         if dt not in _ST_DTYPES:
             raise CheckpointError(f"Tensor {name} in {self.path} has unsupported dtype {dt}.")
-        start, end = info["data_offsets"]
+        try:
+            start, end = (int(x) for x in info["data_offsets"])
+            shape = [int(d) for d in info["shape"]]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"Tensor {name} in {self.path} has a corrupt header entry.") from None
+        if end - start != int(np.prod(shape, dtype=np.int64)) * np.dtype(_ST_DTYPES[dt]).itemsize or start < 0:
+            raise CheckpointError(f"Tensor {name} in {self.path} has a corrupt header entry: its bytes "
+                                  f"({start}..{end}) do not hold a {dt} tensor of shape {shape}.")
+        if self.data_offset + end > self._size:
+            raise CheckpointError(f"{self.path} is truncated: it ends at byte {self._size}, but tensor {name} "
+                                  f"ends at byte {self.data_offset + end}; download it again.")
+        if end == start:
+            return np.zeros(shape, _ST_DTYPES[dt])
         raw = self._mm[self.data_offset + start:self.data_offset + end]
-        return raw.view(_ST_DTYPES[dt]).reshape(info["shape"])
+        return raw.view(_ST_DTYPES[dt]).reshape(shape)
 
     def dtype_of(self, name: str) -> str:
+        self.tensor(name)  # NOTE: checks that it is there and whole
         return self.header[name]["dtype"]
 
 

@@ -264,6 +264,44 @@ def test_corrupt_checkpoint_is_clear(tmp_path, model_dir):
         Engine(str(tmp_path))
 
 
+def test_truncated_or_misindexed_checkpoint_is_one_sentence(tmp_path, model_dir):
+    """A safetensors file cut short (at any point past its header) and an index that puts a tensor
+    in the wrong shard each name the file; they gave numpy reshape errors and KeyErrors."""
+    import json
+    import shutil
+    from numa_runtime.weights import CheckpointError
+    size = os.path.getsize(os.path.join(model_dir, "model.safetensors"))
+    with open(os.path.join(model_dir, "model.safetensors"), "rb") as f:
+        head = 8 + int.from_bytes(f.read(8), "little")
+    for cut in (head, head + 1, size // 2, size - 1):
+        d = tmp_path / f"cut{cut}"
+        shutil.copytree(model_dir, d)
+        with open(d / "model.safetensors", "r+b") as f:
+            f.truncate(cut)
+        with pytest.raises(CheckpointError, match="model.safetensors is truncated: it ends at byte"):
+            Engine(str(d), dtype="float32", kv_cache_memory=1 << 20)
+    d = tmp_path / "indexed"
+    shutil.copytree(model_dir, d)
+    os.rename(d / "model.safetensors", d / "part-1.safetensors")
+    (d / "part-2.safetensors").write_bytes((d / "part-1.safetensors").read_bytes())
+    with open(d / "part-1.safetensors", "rb") as f:
+        names = [n for n in json.loads(f.read(head)[8:]) if n != "__metadata__"]
+    wrong = "model.layers.0.self_attn.q_proj.weight"
+    weight_map = {n: "part-1.safetensors" for n in names}
+    weight_map[wrong] = "part-3.safetensors"
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match="part-3.safetensors' is missing"):
+        Engine(str(d), dtype="float32", kv_cache_memory=1 << 20)
+    from safetensors.numpy import load_file, save_file
+    t = load_file(str(d / "part-1.safetensors"))
+    save_file({n: v for n, v in t.items() if n != wrong}, str(d / "part-1.safetensors"))
+    weight_map[wrong] = "part-1.safetensors"
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=f"Tensor '{wrong}' is not in .*part-1.safetensors, where the "
+                                              "checkpoint's index puts it"):
+        Engine(str(d), dtype="float32", kv_cache_memory=1 << 20)
+
+
 def test_user_request_ids_may_contain_any_character(eng):
     rid = eng.add_request("Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), request_id="a#0")
     outs = []

@@ -46,7 +46,8 @@ def pack(method, q, z, s, fmt):
     return out
 
 
-def write_checkpoints(src, qdir, ref_dir, method, fmt="gptq", seed=0):
+def write_checkpoints(src, qdir, ref_dir, method, fmt="gptq", seed=0, scales="float16"):
+    """scales: the dtype the quantized checkpoint stores them in (float16, bfloat16, float32)."""
     from safetensors.numpy import load_file, save_file
     rng = np.random.default_rng(seed)
     tensors = load_file(os.path.join(src, "model.safetensors"))
@@ -61,6 +62,8 @@ def write_checkpoints(src, qdir, ref_dir, method, fmt="gptq", seed=0):
         ng = -(-k // G)  # NOTE: a partial last group where G does not divide K, as GPTQ stores it
         z = rng.integers(1, 16, (ng, n))
         s = rng.uniform(0.002, 0.01, (ng, n)).astype(np.float16)
+        if scales == "bfloat16":  # NOTE: values bf16 holds exactly (and f16 too)
+            s = (s.astype(np.float32).view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32).astype(np.float16)
         zk, sk = np.repeat(z, G, axis=0)[:k], np.repeat(s.astype(np.float32), G, axis=0)[:k]
         dense[name] = np.ascontiguousarray((sk * (q - zk).astype(np.float32)).T)    # [N, K]
         for key, val in pack(method, q, z, s, fmt).items():
@@ -68,6 +71,12 @@ def write_checkpoints(src, qdir, ref_dir, method, fmt="gptq", seed=0):
     for d, t in ((qdir, qt), (ref_dir, dense)):
         shutil.copytree(src, d)
         save_file(t, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    if scales != "float16":
+        import torch
+        from safetensors.torch import save_file as save_torch
+        save_torch({k: (torch.from_numpy(v.astype(np.float32)).to(getattr(torch, scales)) if k.endswith(".scales")
+                        else torch.from_numpy(v)) for k, v in qt.items()},
+                   os.path.join(qdir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(qdir, "config.json")) as f:
         cfg = json.load(f)
     cfg["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": G, "desc_act": False,
@@ -87,10 +96,13 @@ def src(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("method,fmt", [("gptq", "gptq"), ("gptq", "gptq_v2"), ("awq", "gemm")])
-def test_checkpoint_equals_dense_model(src, tmp_path, method, fmt):
+@pytest.mark.parametrize("method,fmt,scales", [("gptq", "gptq", "float16"), ("gptq", "gptq_v2", "float16"),
+                                               ("awq", "gemm", "float16"), ("gptq", "gptq", "bfloat16"),
+                                               ("awq", "gemm", "bfloat16"), ("awq", "gemm", "float32")])
+def test_checkpoint_equals_dense_model(src, tmp_path, method, fmt, scales):
+    """bf16 scales (a checkpoint saved in bf16) used to be read as the integers of their bits."""
     qdir, ref_dir = str(tmp_path / "q"), str(tmp_path / "ref")
-    write_checkpoints(src, qdir, ref_dir, method, fmt)
+    write_checkpoints(src, qdir, ref_dir, method, fmt, scales=scales)
     q, r = engine(qdir), engine(ref_dir)
     try:
         assert q.runner.model.layers[0].gate_up_proj.dtype == "int4"
@@ -103,16 +115,62 @@ def test_checkpoint_equals_dense_model(src, tmp_path, method, fmt):
         r.close()
 
 
+def _edit_config(d, **quant):
+    with open(os.path.join(d, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"].update(quant)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
+def _edit_tensors(d, edit):
+    from safetensors.numpy import load_file, save_file
+    t = load_file(os.path.join(d, "model.safetensors"))
+    edit(t)
+    save_file(t, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+
+
 def test_act_order_is_refused(src, tmp_path):
+    """desc_act with a g_idx that permutes the groups is refused; with g_idx = k // group_size
+    (static groups) the file runs as any other."""
     qdir, ref_dir = str(tmp_path / "q"), str(tmp_path / "ref")
     write_checkpoints(src, qdir, ref_dir, "gptq")
-    with open(os.path.join(qdir, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"]["desc_act"] = True
-    with open(os.path.join(qdir, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    _edit_config(qdir, desc_act=True)
+    q, r = engine(qdir), engine(ref_dir)
+    try:
+        assert np.abs(prefill_logits(q, PROMPT) - prefill_logits(r, PROMPT)).max() <= 1e-4
+    finally:
+        q.close()
+        r.close()
+
+    def shuffle(t):
+        name = next(n for n in t if n.endswith("g_idx"))
+        t[name] = np.random.default_rng(0).permutation(t[name])
+    _edit_tensors(qdir, shuffle)
     with pytest.raises(UnsupportedModelError, match="act-order"):
         engine(qdir)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_config_whose_groups_do_not_match_the_tensors_is_refused(src, tmp_path, method):
+    """A group_size that does not describe the file (AWQ used to run it on the wrong scales), and
+    scales or zeros one row short, each give one sentence naming the tensor."""
+    from numa_runtime.quant.formats import QuantError
+    qdir, ref_dir = str(tmp_path / "q"), str(tmp_path / "ref")
+    write_checkpoints(src, qdir, ref_dir, method)
+    _edit_config(qdir, group_size=128)
+    with pytest.raises(QuantError, match="(qzeros|scales) has shape .* the quantization_config does not describe"):
+        engine(qdir)
+    _edit_config(qdir, group_size=G)
+    for part in ("scales", "qzeros"):
+        def short(t, part=part):
+            name = next(n for n in t if n.endswith(part))
+            t[name] = np.ascontiguousarray(t[name][:-1])
+        shutil.rmtree(qdir)
+        write_checkpoints(src, qdir, str(tmp_path / f"ref-{part}"), method)
+        _edit_tensors(qdir, short)
+        with pytest.raises(QuantError, match=f"{part} has shape"):
+            engine(qdir)
 
 
 def test_other_quant_methods_are_refused(src, tmp_path):

@@ -29,16 +29,14 @@ def check_quantization_config(q: dict) -> None:
         raise UnsupportedModelError(f"Quantized checkpoints with quant_method {method!r} are not supported; "
                                     "numa_runtime reads AWQ and GPTQ int4, GGUF files, or dense checkpoints.")
     bits = q.get("bits", q.get("w_bit"))
-    if bits != 4:
-        raise UnsupportedModelError(f"{method.upper()} checkpoints with {bits} bits are not supported; only 4-bit.")
+    if bits != 4 or isinstance(bits, bool):
+        raise UnsupportedModelError(f"{method.upper()} checkpoints with bits {bits!r} are not supported; only "
+                                    "4-bit ones (bits: 4).")
     group = q.get("group_size", q.get("q_group_size"))
     if group not in (32, 64, 128):
         raise UnsupportedModelError(f"{method.upper()} group_size {group} is not supported; use 32, 64 or 128.")
     if method == "awq" and str(q.get("version", "gemm")).lower() != "gemm":
         raise UnsupportedModelError(f"AWQ version {q.get('version')!r} is not supported; only 'gemm'.")
-    if method == "gptq" and q.get("desc_act"):
-        raise UnsupportedModelError("GPTQ act-order (desc_act: true) checkpoints are not supported; "
-                                    "use one quantized with desc_act=false.")
     if method == "gptq" and q.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
         raise UnsupportedModelError(f"GPTQ checkpoint_format {q.get('checkpoint_format')!r} is not supported.")
 
@@ -60,6 +58,9 @@ class HFQuantCheckpoint:
         self.ckpt, self.method = ckpt, qcfg["quant_method"]
         self.group = int(qcfg.get("group_size", qcfg.get("q_group_size")))
         self.zero_offset = 1 if self.method == "gptq" and qcfg.get("checkpoint_format", "gptq") == "gptq" else 0
+        # NOTE: act-order GPTQ is refused per layer, from its g_idx (a desc_act file whose g_idx is
+        # k // group_size, as static groups give, runs as any other)
+        self.desc_act = self.method == "gptq" and bool(qcfg.get("desc_act"))
         self.fmt = QuantFormat(4, self.group, "zero")
 
     @property
@@ -106,12 +107,15 @@ class HFQuantCheckpoint:
         if c0 % g or c1 % g:
             raise QuantError(f"{base}weight would be split at input column {c0 if c0 % g else c1}, inside a "
                              f"group of {g}; use a rank count whose split falls on group boundaries.")
+        self._check_shapes(base, n, k)
         if self.method == "gptq":
             gidx = self.ckpt.raw(base + "g_idx") if base + "g_idx" in self.ckpt else None
-            if gidx is not None and not np.array_equal(np.asarray(gidx), np.arange(k) // g):
+            if (gidx is None and self.desc_act) or (
+                    gidx is not None and not np.array_equal(np.asarray(gidx), np.arange(k) // g)):
                 from ..config import UnsupportedModelError
-                raise UnsupportedModelError(f"{base}g_idx is not k // group_size (act-order GPTQ); "
-                                            "such checkpoints are not supported.")
+                raise UnsupportedModelError(f"{base}g_idx is not k // group_size (act-order GPTQ, desc_act: true); "
+                                            "such checkpoints are not supported: use one quantized with "
+                                            "desc_act=false.")
             qw = self.ckpt.raw(base + "qweight")[c0 // 8:c1 // 8, r0:r1]            # [k'/8, n']
             q = _nibbles(qw, 0)                                                     # [k', n']
         else:
@@ -120,9 +124,26 @@ class HFQuantCheckpoint:
         zw = self.ckpt.raw(base + "qzeros")[c0 // g:c1 // g, r0 // 8:-(-r1 // 8)]  # [k'/G, n'/8]
         z = self._awq_columns(zw, r0, r1) if self.method == "awq" else _nibbles(zw, 1)[:, r0 % 8:r0 % 8 + r1 - r0]
         z = z.astype(np.float16) + np.float16(self.zero_offset)
-        s = np.asarray(self.ckpt.raw(base + "scales")[c0 // g:c1 // g, r0:r1], np.float16)
+        # NOTE: through load(): bf16 scales are stored as their bits (f16 and f32 ones convert as numbers)
+        s = self.ckpt.load(base + "scales", "float32", rows=slice(c0 // g, c1 // g), cols=slice(r0, r1))
+        s = s.astype(np.float16)
         return QuantizedWeight(self.fmt, np.ascontiguousarray(q.T), np.ascontiguousarray(s.T),
                                np.ascontiguousarray(z.T), c1 - c0)
+
+    def _check_shapes(self, base: str, n: int, k: int) -> None:
+        """qweight, qzeros and scales as group_size and the method store an [n, k] weight."""
+        g, n8 = self.group, -(-n // 8)
+        want = {"qweight": (k // 8, n) if self.method == "gptq" else (k, n8), "qzeros": (k // g, n8),
+                "scales": (k // g, n)}
+        for part, shape in want.items():
+            got = tuple(self.ckpt.raw(base + part).shape)
+            if got != shape:
+                raise QuantError(f"{base}{part} has shape {list(got)}, where {self.method.upper()} in groups of "
+                                 f"{g} stores {list(shape)} for {n} outputs and {k} inputs: the "
+                                 f"quantization_config does not describe this checkpoint.")
+            if part != "scales" and self.ckpt.raw(base + part).dtype != np.int32:
+                raise QuantError(f"{base}{part} is {self.ckpt.raw(base + part).dtype}, not the int32 words "
+                                 f"{self.method.upper()} packs its 4-bit values in.")
 
     @staticmethod
     def _awq_columns(words: np.ndarray, r0: int, r1: int) -> np.ndarray:
