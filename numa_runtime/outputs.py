@@ -65,6 +65,10 @@ class CompletionOutput:
             self._text = self._text()
         return self._text
 
+    def __getstate__(self) -> dict:
+        """Pickled with its text built (the builder is a closure)."""
+        return {**self.__dict__, "_text": self.text}
+
     def __repr__(self) -> str:
         return (f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={self.token_ids!r}, "
                 f"finish_reason={self.finish_reason!r})")
@@ -120,29 +124,45 @@ class TextState:
     def add_token(self, token_id: int, max_model_len: int) -> RequestStatus | None:
         """Account for the token just appended to req; return a finished status or None."""
         req, sp = self.req, self.req.sampling_params
-        if token_id in self.stop_ids and req.num_output_tokens >= sp.min_tokens:
+        checks = req.num_output_tokens >= sp.min_tokens  # NOTE: as vLLM, no stop before min_tokens
+        if token_id in self.stop_ids and checks:
             req.stop_reason = token_id if token_id in sp.stop_token_ids else None
+            prev_len = len(self.unsent)
             self.unsent += self.detok.add(token_id) if sp.include_stop_str_in_output else ""
             self.unsent += self.detok.flush()
+            self._cut_at_stop(prev_len)  # NOTE: released text is checked too (a stop string never shows)
             return RequestStatus.FINISHED_STOPPED
         prev_len = len(self.unsent)  # NOTE: unsent holds at least the last `hold` characters
         self.unsent += self.detok.add(token_id)
-        if self.stop and req.num_output_tokens >= sp.min_tokens:
-            start = max(0, prev_len - self.hold)
-            for s in self.stop:
-                j = self.unsent.find(s, start)
-                if j >= 0:
-                    self.unsent = self.unsent[:j + (len(s) if sp.include_stop_str_in_output else 0)]
-                    req.stop_reason = s
-                    return RequestStatus.FINISHED_STOPPED
+        if checks and self._cut_at_stop(prev_len):
+            return RequestStatus.FINISHED_STOPPED
         if (sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens) or req.num_tokens >= max_model_len:
+            prev_len = len(self.unsent)
             self.unsent += self.detok.flush()
-            return RequestStatus.FINISHED_LENGTH
+            return RequestStatus.FINISHED_STOPPED if checks and self._cut_at_stop(prev_len) \
+                else RequestStatus.FINISHED_LENGTH
         return None
 
+    def _cut_at_stop(self, prev_len: int) -> bool:
+        """Cut the text at the first stop string (in the list's order, as vLLM) that ends in what
+        came after unsent[:prev_len]; True if one did. A stop whole in older text (shown before
+        min_tokens) does not count."""
+        sp = self.req.sampling_params
+        for s in self.stop:
+            j = self.unsent.find(s, max(0, prev_len - len(s) + 1))
+            if j >= 0:
+                self.unsent = self.unsent[:j + (len(s) if sp.include_stop_str_in_output else 0)]
+                self.req.stop_reason = s
+                return True
+        return False
+
     def finish(self, status: RequestStatus) -> RequestStatus:
-        """The engine ends the sequence for its own reason: release the held-back text."""
+        """The engine ends the sequence for its own reason: release the held-back text (cut at a
+        stop string it completes)."""
+        prev_len = len(self.unsent)
         self.unsent += self.detok.flush()
+        if self.req.num_output_tokens >= self.req.sampling_params.min_tokens:
+            self._cut_at_stop(prev_len)
         return status
 
     def take_delta(self, finished: bool) -> str:

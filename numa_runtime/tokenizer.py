@@ -246,12 +246,22 @@ class IncrementalDetokenizer:
     decode(prompt + output) minus decode(prompt).
     """
 
-    _CONTEXT = 5  # prompt tokens of left context, as vLLM
+    _CONTEXT = (5, 24)  # prompt tokens of left context: the fewest that decode whole, as vLLM
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids=(), skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
-        self._ids: list[int] = list(prompt_ids)[-self._CONTEXT:]
+        prompt = list(prompt_ids)
+        lo, hi = self._CONTEXT
+        # NOTE: the last 5 tokens can start inside a character (byte-fallback pieces): a byte run
+        # that decodes to U+FFFD, left context that would cost a sentencepiece first token its
+        # space; longer ones may start on a character boundary
+        self._ids = prompt[-lo:]
+        if "\ufffd" in self._decode(self._ids):
+            for n in range(lo + 1, min(len(prompt), hi) + 1):
+                if "\ufffd" not in self._decode(prompt[-n:]):
+                    self._ids = prompt[-n:]
+                    break
         self._prefix_text = self._decode(self._ids)
         # NOTE: a prompt ending inside a character gives no usable left context.
         while self._prefix_text.endswith("\ufffd"):

@@ -255,3 +255,18 @@ def test_engine_on_sentencepiece_and_qwen2_ggufs(sp_model, tmp_path):
             assert len(out.token_ids) == 4
         finally:
             eng.close()
+
+
+def test_first_token_keeps_its_space_after_a_prompt_ending_in_byte_pieces(sp_model, tmp_path):
+    """A prompt whose last 5 tokens start inside a character (byte-fallback pieces of 日本語):
+    the left context grows until it decodes whole (as vLLM), so the first generated word keeps
+    its space: decode(prompt + out) minus decode(prompt). It came out glued ("日本語the")."""
+    from numa_runtime.tokenizer import IncrementalDetokenizer
+    tok = ours(sp_meta(sp_model), tmp_path)
+    the = tok.encode("the the", add_special_tokens=False)[-1]
+    for text in ("Translate to English: 日本語", "Smile 😀", "日本語"):
+        prompt = tok.encode(text)
+        det = IncrementalDetokenizer(tok, prompt)
+        got = "".join(det.add(t) for t in [the] * 3) + det.flush()
+        want = tok.decode(prompt + [the] * 3)[len(tok.decode(prompt)):]
+        assert got == want and want.startswith(" "), (text, got, want)

@@ -162,6 +162,11 @@ def test_server_serves_each_model_by_name(models, ranks):
             emb = client.embeddings.create(model=name, input=[PROMPT]).data[0].embedding
             np.testing.assert_allclose(emb, ref.embed([PROMPT])[0], atol=2e-5)
             ref.close()
+        for name in names:  # structured output (it was a 500 on a server of several models)
+            fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"enum": ["yes", "no"]}}}
+            out = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "?"}],
+                                                 max_tokens=8, response_format=fmt).choices[0]
+            assert out.finish_reason == "stop" and out.message.content in ('"yes"', '"no"')
         with pytest.raises(openai.NotFoundError, match="does not exist; this server serves 'alpha', 'beta'"):
             client.completions.create(model="delta", prompt="x", max_tokens=2)
         r = httpx.post(srv.base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)

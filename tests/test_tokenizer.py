@@ -397,3 +397,64 @@ def test_continue_final_message_ends_the_prompt_with_its_text(tmp_path):
         ours.apply_chat_template(messages, continue_final_message=True, add_generation_prompt=True)
     # NOTE: as HF and vLLM, any last message may be continued
     assert ours.apply_chat_template(messages[:1], continue_final_message=True).endswith("Tell me")
+
+
+def _text_state(tokenizer, prompt_ids, out_ids, read_text=True, **params):
+    """Feed out_ids through a TextState as the engine does: its last output (its text checked
+    against the deltas unless not `read_text`)."""
+    from numa_runtime.outputs import TextState
+    from numa_runtime.request import Request, RequestStatus
+    from numa_runtime.sampling_params import SamplingParams
+
+    class Group:
+        request_id = "g"
+    sp = SamplingParams(**params)
+    req = Request("r", list(prompt_ids), sp)
+    req.status = RequestStatus.RUNNING
+    ts = TextState(req, IncrementalDetokenizer(tokenizer, prompt_ids, sp.skip_special_tokens), Group(),
+                   set(tokenizer.eos_token_ids))
+    deltas, out = [], None
+    for t in out_ids:
+        req.append_output_token(t)
+        status = ts.add_token(t, 1 << 20)
+        if status is not None:
+            req.status = status
+        out = ts.output(0)
+        deltas.append(out.delta)
+        if status is not None:
+            break
+    assert not read_text or "".join(deltas) == out.text
+    return out
+
+
+def test_a_stop_string_shown_before_min_tokens_does_not_end_the_request_later(smol):
+    """As vLLM: stops are not checked before min_tokens, and then only text that ends after the
+    last check can match. A longer stop string beside it used to widen the search back over
+    "What" of token 1, ending the request at min_tokens with its text cut to ''."""
+    prompt = smol.encode("Q:")
+    ids = smol.encode("What is it? It is a cat, a cat, a cat.", add_special_tokens=False)
+    for stop in (["What"], ["What", "zzzzzzzzzz"]):
+        out = _text_state(smol, prompt, ids, max_tokens=8, min_tokens=3, stop=stop)
+        assert out.finish_reason == "length" and out.text == smol.decode(ids[:8]), (stop, out.text)
+    out = _text_state(smol, prompt, ids, max_tokens=20, min_tokens=3, stop=["zzzzzzzzzz", "cat"])
+    assert out.finish_reason == "stop" and out.stop_reason == "cat" and out.text == "What is it? It is a "
+
+
+def test_text_released_at_the_end_is_checked_for_stop_strings(smol):
+    """The last token holds the start of a character (released as U+FFFD at the end): that text
+    is checked against the stop strings too, at max_tokens and at EOS."""
+    prompt = smol.encode("Say:")
+    ids = smol.encode("Hi 😀 there", add_special_tokens=False)[:2]  # "Hi", " " + part of 😀
+    assert smol.decode(ids) == "Hi \ufffd"
+    out = _text_state(smol, prompt, ids, max_tokens=2, stop=[" "])
+    assert (out.text, out.finish_reason, out.stop_reason) == ("Hi", "stop", " ")
+    out = _text_state(smol, prompt, ids + [min(smol.eos_token_ids)], max_tokens=10, stop=["i "])
+    assert (out.text, out.finish_reason, out.stop_reason) == ("H", "stop", "i ")
+
+
+def test_outputs_pickle_with_their_text(smol):
+    import pickle
+    prompt = smol.encode("Q:")
+    out = _text_state(smol, prompt, smol.encode("a cat", add_special_tokens=False), read_text=False, max_tokens=2)
+    back = pickle.loads(pickle.dumps(out))  # NOTE: its text not read yet: built when pickled
+    assert back.text == "a cat" and list(back.token_ids) == list(out.token_ids)

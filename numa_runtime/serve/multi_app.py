@@ -27,12 +27,24 @@ class _ModelInfo:
         self.profiler = None
 
     @property
+    def grammars(self):
+        """The loaded engine's Grammars; before the load, one whose prepare() waits for it (the
+        engine thread builds llguidance's tokenizer view when it adds the first such request)."""
+        eng = self.router.engines.get(self.name)
+        return eng.grammars if eng is not None else _Unprepared()
+
+    @property
     def max_model_len(self) -> int:
         eng = self.router.engines.get(self.name)
         if eng is not None:
             return eng.max_model_len
         asked = self.router.config.engine_kwargs.get("max_model_len")
         return asked or min(self.router.model_configs[self.name].max_position_embeddings, 32768)
+
+
+class _Unprepared:
+    def prepare(self) -> None:
+        pass
 
 
 class ModelView:
