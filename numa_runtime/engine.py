@@ -400,7 +400,13 @@ class Engine:
                 req.logprobs.append(lp)
             text = self._texts[req.request_id]
             token = req.output_token_ids[-1]
-            status = text.add_token(token, self.max_model_len)
+            failed = self.grammars.error(req.request_id)  # NOTE: before the token (EOS, all it allowed)
+            if failed is not None:
+                log.warning("request %s: %s", req.request_id, failed)
+                req.stop_reason = failed
+                status = text.finish(RequestStatus.FINISHED_ERROR)
+            else:
+                status = text.add_token(token, self.max_model_len)
             if status is None and self.grammars.advance(req.request_id, token):
                 status = text.finish(RequestStatus.FINISHED_STOPPED)
             if status is not None:

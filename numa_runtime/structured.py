@@ -45,16 +45,40 @@ class Grammars:
         return self._ll_tokenizer
 
     def add(self, request_id: str, schema: dict) -> None:
-        """Start a matcher for the request; ValueError if the schema cannot be used."""
+        """Start a matcher for the request; ValueError if the schema cannot be used (one that
+        nests too deep, or that no finite JSON value completes from its start)."""
         llg = _llguidance()
+        depth = nesting_depth(schema, MAX_DEPTH)
+        if depth > MAX_DEPTH:
+            raise ValueError(f"json_schema cannot be used: it nests more than {MAX_DEPTH} levels deep "
+                             f"(through its $refs).")
         try:
             grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=_LAYOUT)
         except (ValueError, TypeError) as e:
             raise ValueError(f"json_schema cannot be used: {e}.") from None
-        matcher = llg.LLMatcher(self.prepare(), grammar, log_level=0)
+        tokenizer = self.prepare()
+        # NOTE: llguidance's compiler recurses natively as deep as the schema's $ref chains: on a
+        # thread of its own with a large stack, so that no schema within MAX_DEPTH can overflow
+        # the engine thread's stack (a chain of 3000 $refs was a segmentation fault)
+        matcher = _on_big_stack(lambda: self._first_mask(llg.LLMatcher(tokenizer, grammar, log_level=0)))
         if matcher.is_error():
             raise ValueError(f"json_schema cannot be used: {matcher.get_error().rstrip('.')}.")
         self._matchers[request_id] = matcher
+
+    def _first_mask(self, matcher):
+        """Compute the matcher's first mask (the grammar's errors that only show there, such as a
+        $ref to itself, show now) and return the matcher."""
+        if not matcher.is_error():
+            from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+            fill_next_token_bitmask(matcher, allocate_token_bitmask(1, self._vocab))
+        return matcher
+
+    def error(self, request_id: str) -> str | None:
+        """Why the request's grammar failed (it can allow no next token), or None."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None or not matcher.is_error():
+            return None
+        return f"the JSON schema could not be followed: {matcher.get_error().rstrip('.')}."
 
     def mask(self, request_id: str, row: np.ndarray) -> None:
         """Set the logits of tokens the schema forbids next to -inf. row: [V] f32, in place."""
@@ -76,3 +100,78 @@ class Grammars:
 
     def forget(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+
+
+MAX_DEPTH = 1000  # levels of a schema, its $refs followed (real schemas nest a few dozen)
+_STACK_BYTES = 256 << 20  # virtual: only the pages a deep schema touches are ever committed
+
+
+def _on_big_stack(fn):
+    """fn() on a thread with a _STACK_BYTES stack; its result, or its exception raised here."""
+    box = {}
+
+    def run():
+        try:
+            box["out"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["err"] = e
+    old = threading.stack_size()
+    try:
+        threading.stack_size(_STACK_BYTES)
+        t = threading.Thread(target=run, name="grammar-compile")
+    finally:
+        threading.stack_size(old)
+    t.start()
+    t.join()
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
+
+
+def nesting_depth(schema, cap: int) -> int:
+    """The deepest nesting of a schema's objects and lists, following its local $refs ("#",
+    "#/$defs/x", any JSON pointer into it); a $ref back into its own chain (a recursive schema)
+    adds nothing. Iterative, and stops once past `cap`."""
+    def target(ref):
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            return None
+        node = schema
+        for part in [p for p in ref[1:].split("/") if p != ""]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node
+
+    def children(node):
+        items = list(node.values()) if isinstance(node, dict) else list(node)
+        if isinstance(node, dict) and "$ref" in node:
+            items.append(target(node["$ref"]))
+        return iter([c for c in items if isinstance(c, (dict, list))])
+
+    if not isinstance(schema, (dict, list)):
+        return 0
+    depth: dict[int, int] = {}   # id(node) -> its depth, once known
+    deepest: dict[int, int] = {}  # id(node) -> deepest child so far
+    stack, on_stack = [(schema, children(schema))], {id(schema)}
+    while stack:
+        node, it = stack[-1]
+        child = next(it, None)
+        if child is None:
+            stack.pop()
+            on_stack.discard(id(node))
+            d = depth[id(node)] = 1 + deepest.pop(id(node), 0)
+            if d > cap:
+                return d
+            if stack:
+                p = id(stack[-1][0])
+                deepest[p] = max(deepest.get(p, 0), d)
+        elif id(child) in depth:
+            deepest[id(node)] = max(deepest.get(id(node), 0), depth[id(child)])
+        elif id(child) not in on_stack:  # NOTE: else a back edge (recursion): adds nothing
+            on_stack.add(id(child))
+            stack.append((child, children(child)))
+    return depth[id(schema)]

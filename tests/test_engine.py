@@ -160,6 +160,29 @@ def test_json_schema_constrains_the_output(eng):
     assert not eng.has_unfinished_requests()
 
 
+def test_json_schemas_that_cannot_work_are_refused_or_end_in_error(eng):
+    """A $ref chain deeper than the limit is refused (3000 links crashed the process in the
+    grammar compiler); a schema no finite value completes is refused when its first step shows it,
+    else ends with finish_reason "error" and why: never "stop" with JSON that does not match."""
+    from numa_runtime.structured import MAX_DEPTH
+    n = 3 * MAX_DEPTH
+    chain = {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} if i < n - 1 else {"type": "integer"}
+                       for i in range(n)}, "$ref": "#/$defs/d0"}
+    with pytest.raises(ValueError, match=f"nests more than {MAX_DEPTH} levels deep"):
+        eng.generate("Hello", SamplingParams(json_schema=chain))
+    short = {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} if i < 99 else {"type": "integer"}
+                       for i in range(100)}, "$ref": "#/$defs/d0"}
+    out = eng.generate("Hello", SamplingParams(temperature=0, max_tokens=8, json_schema=short))[0]
+    assert out.finish_reason == "length" or out.text.lstrip("-").isdigit(), out.text
+    for endless in ({"$ref": "#"}, {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}):
+        with pytest.raises(ValueError, match="json_schema cannot be used"):
+            eng.generate("Hello", SamplingParams(json_schema=endless))
+    late = {"type": "object", "properties": {"x": {"$ref": "#/properties/x"}}, "required": ["x"]}
+    out = eng.generate("Hello", SamplingParams(temperature=0, max_tokens=20, json_schema=late))[0]
+    assert out.finish_reason == "error" and "the JSON schema could not be followed" in out.outputs[0].stop_reason
+    assert not eng.has_unfinished_requests()
+
+
 def test_oversize_text_prompt_is_refused_by_its_length(eng):
     huge = "a" * (256 * eng.tokenizer.max_token_chars + 1)
     with pytest.raises(ValueError, match="characters, more than a context of 256 tokens"):

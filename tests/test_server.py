@@ -284,6 +284,27 @@ def test_vllm_extras_not_implemented_are_refused_by_name(server, body, param):
     assert r.json()["error"]["message"] == f"{param} is not supported by this server; remove it from the request."
 
 
+def test_a_json_schema_no_value_completes_is_an_error_not_a_stop(client):
+    """The schema's grammar fails mid-way (an object that must hold itself): a 400 that says so,
+    or an error event in a stream; it used to end as "stop" with '{"x": '."""
+    schema = {"type": "object", "properties": {"x": {"$ref": "#/properties/x"}}, "required": ["x"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    msgs = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(openai.BadRequestError, match="The JSON schema could not be followed"):
+        client.chat.completions.create(model="tiny", messages=msgs, max_tokens=20, temperature=0,
+                                       response_format=fmt)
+    with pytest.raises(openai.APIError, match="The JSON schema could not be followed"):
+        for _ in client.chat.completions.create(model="tiny", messages=msgs, max_tokens=20, temperature=0,
+                                                response_format=fmt, stream=True):
+            pass
+    with pytest.raises(openai.BadRequestError, match="nests more than"):
+        deep = {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} if i < 2999 else {"type": "integer"}
+                          for i in range(3000)}, "$ref": "#/$defs/d0"}
+        client.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": deep}})
+    assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices[0].text is not None
+
+
 def test_response_format_on_completions_constrains_them(client):
     """vLLM applies response_format on /v1/completions too (it was accepted and ignored)."""
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],

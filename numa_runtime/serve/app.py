@@ -271,7 +271,16 @@ class _Report:
 
 async def _collect(gen: _Generation, tracker: R.ChoiceTracker, report: _Report) -> None:
     async for index, out in gen.outputs():
+        _check_failed(out)
         report.saw(tracker.update(index, out))
+
+
+def _check_failed(out) -> None:
+    """A choice the engine ended with an error (its JSON schema allowed no next token: no finite
+    value completes it) fails the request, in one sentence; it never passes for a stop."""
+    for c in out.outputs:
+        if c.finish_reason == "error":
+            raise ApiError(400, _sentence(str(c.stop_reason)), param="response_format", code="invalid_json_schema")
 
 
 async def _until_disconnect(request: Request, work) -> bool:
@@ -301,6 +310,7 @@ async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode)
             for i in range(len(gen.index) * tracker.n):
                 yield R.sse(R.chat_chunk(rid, model, created, None, i, decode, include_usage))
         async for index, out in gen.outputs():
+            _check_failed(out)
             pieces = tracker.update(index, out)
             report.saw(pieces)
             for p in pieces:
@@ -315,6 +325,10 @@ async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode)
     except (EngineDeadError, RuntimeError) as e:
         status = "error"
         yield R.sse(R.error_body(str(e), "server_error", code="engine_error"))
+        yield R.sse("[DONE]")
+    except ApiError as e:
+        status = "error"
+        yield R.sse(R.error_body(e.message, e.type, e.param, e.code))
         yield R.sse("[DONE]")
     finally:
         gen.abort()
