@@ -571,7 +571,7 @@ class Engine:
                              f"{bm.num_blocks}; shorten the input or enlarge the KV cache (kv_cache_memory).")
         blocks = bm.take_blocks(bm.num_blocks_for(n))
         if blocks is None:
-            raise RuntimeError(f"The KV cache has no room for {n} tokens now; retry when requests finish.")
+            raise KVCacheBusyError(f"The KV cache has no room for {n} tokens now; retry when requests finish.")
         try:
             bs = bm.block_size
             pos = np.arange(n, dtype=np.int64)                               # [n]
@@ -667,6 +667,11 @@ class Engine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class KVCacheBusyError(RuntimeError):
+    """embed / prompt_logprobs: running requests hold the blocks the input needs (it fits the
+    pool: it can run once some finish; the server's engine loop retries it after each step)."""
 
 
 class RankLoadError(RuntimeError):

@@ -113,3 +113,37 @@ def test_openai_client_embeddings(decoder):
                 client.embeddings.create(model="emb", input=bad, encoding_format="float")
     finally:
         srv.stop()
+
+
+
+def test_an_embedding_waits_for_kv_room_held_by_running_requests(decoder):
+    """Running requests hold most of a small KV pool: an embedding (the server's engine thread runs
+    it between steps) that needs more than is free waits for them, as a vLLM request waits for
+    blocks, and then answers; it failed with "no room ... now" (a bare 500 from the server). The
+    call is queued before the engine loop starts, so it always meets the busy pool first."""
+    import asyncio
+    from numa_runtime.serve.async_engine import AsyncEngine
+    d, hf = decoder
+    probe = Engine(d, dtype="float32", kv_cache_memory=1 << 22, max_model_len=256)
+    block_bytes, bs = probe.runner.bytes_per_block, probe.config.block_size
+    probe.close()
+    eng = Engine(d, dtype="float32", kv_cache_memory=12 * block_bytes, max_model_len=10 * bs, num_threads=1)
+    for _ in range(2):
+        eng.add_request(list(range(3, 3 + 3 * bs - 8)), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    eng.step()  # both prefilled: 6 of the 12 blocks held
+    ids = list(range(5, 5 + 10 * bs - 10))  # 10 blocks: more than the 6 left free
+    assert eng.block_manager.num_free_blocks < eng.block_manager.num_blocks_for(len(ids))
+    aengine = AsyncEngine(eng)
+
+    async def main():
+        call = asyncio.ensure_future(aengine.call(lambda e: e.embed([ids])))
+        await asyncio.sleep(0)  # NOTE: the call is in the engine's inbox before its loop runs
+        aengine.start()
+        return await asyncio.wait_for(call, timeout=120)
+    try:
+        vec = asyncio.run(main())
+    finally:
+        aengine.stop()
+    np.testing.assert_allclose(vec[0], hf_embed(hf, ids, "mean"), atol=2e-5)
+    assert not eng.has_unfinished_requests()
+    eng.close()

@@ -183,7 +183,12 @@ def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
     async def embeddings(body: EmbeddingRequest):
         check_model(body.model)
         with _client_errors():
-            return await create_embeddings(aengine, body, config.served_model_name, config.embedding_pooling)
+            try:
+                return await create_embeddings(aengine, body, config.served_model_name, config.embedding_pooling)
+            except EngineDeadError as e:
+                raise ApiError(503, str(e), type_="server_error", code="engine_stopped") from None
+            except RuntimeError as e:  # NOTE: an OpenAI error body, not a bare 500
+                raise ApiError(500, str(e), type_="server_error", code="engine_error") from None
 
     async def _serve(request: Request, body, kind: str, prompts: list, params, arrival: float, renames=None):
         check_queue()

@@ -43,6 +43,7 @@ class AsyncEngine:
         self.stats = EngineStats()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # NOTE: put() is reentrant (signal-safe)
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._waiting_calls: list[tuple] = []  # "call"s waiting for KV room (retried after each step)
         self._thread: threading.Thread | None = None
         # add() commands put in the inbox (written by the event loop only) and taken out of it
         # (by the engine thread only, once the scheduler's count includes the request): their
@@ -149,6 +150,8 @@ class AsyncEngine:
                     self._step()
                     self._last_step = time.monotonic()
                     self._busy_since = None
+                if self._waiting_calls:
+                    self._retry_calls()
                 self._update_stats()
         finally:
             self._busy_since = None
@@ -182,11 +185,34 @@ class AsyncEngine:
         elif kind == "shutdown":
             self._cancel_at = cmd[1] if self._cancel_at is None else min(self._cancel_at, cmd[1])
         elif kind == "call":
-            _, fn, fut = cmd
-            try:
-                _resolve(fut, result=fn(self.engine))
-            except Exception as e:  # noqa: BLE001 - handed to the caller
+            self._call(cmd)
+
+    def _call(self, cmd: tuple) -> bool:
+        """Run a call; False if it waits for KV room (retried after the next step)."""
+        from ..engine import KVCacheBusyError
+        _, fn, fut = cmd
+        try:
+            _resolve(fut, result=fn(self.engine))
+        except KVCacheBusyError as e:
+            if not self.engine.has_unfinished_requests():  # NOTE: nothing will free a block
                 _resolve(fut, error=e)
+                return True
+            self._waiting_calls.append(cmd)
+            return False
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            _resolve(fut, error=e)
+        return True
+
+    def _retry_calls(self) -> None:
+        """Calls that waited for KV room (embeddings, scoring), oldest first, after a step freed
+        blocks and before the next step admits new requests into them."""
+        waiting, self._waiting_calls = self._waiting_calls, []
+        for i, cmd in enumerate(waiting):
+            if cmd[2].done():  # NOTE: the caller gave up (its client went away)
+                continue
+            if not self._call(cmd):
+                self._waiting_calls.extend(waiting[i + 1:])  # NOTE: in order: the oldest waits first
+                return
 
     def _add(self, request_id, prompt, params, sink, fut) -> None:
         if self._cancel_at is not None:
@@ -228,6 +254,9 @@ class AsyncEngine:
             _deliver(loop, q, out)
 
     def _fail_all(self, error: BaseException) -> None:
+        waiting, self._waiting_calls = self._waiting_calls, []
+        for cmd in waiting:
+            _resolve(cmd[-1], error=error)
         for rid, (loop, q) in list(self._sinks.items()):
             try:
                 self.engine.abort_request(rid)
