@@ -91,7 +91,11 @@ class Scheduler:
         longest = cfg.max_model_len if max_tokens is None else num_prompt + max_tokens
         need = bm.num_blocks_for(longest)
         if cfg.sliding_window:  # blocks older than the window are released as it moves on
-            need = min(need, bm.num_blocks_for(cfg.sliding_window - 1 + cfg.max_num_batched_tokens) + 1)
+            # NOTE: a step holds a chunk of the prompt (at most all of it) and the window before it,
+            # or one new token and the window; +1: the window need not start on a block boundary
+            chunk = min(cfg.max_num_batched_tokens, num_prompt)
+            need = min(need, max(bm.num_blocks_for(min(num_prompt, cfg.sliding_window - 1 + chunk)),
+                                 bm.num_blocks_for(cfg.sliding_window)) + 1)
         if need > bm.num_blocks:
             raise ValueError(f"A request of up to {longest} tokens needs {need} KV blocks "
                              f"but the cache has only {bm.num_blocks}; lower max_tokens or enlarge the KV cache.")

@@ -458,6 +458,41 @@ def test_a_window_models_cached_prefix_longer_than_the_pool_is_recomputed(tmp_pa
         eng.close()
 
 
+def test_a_window_model_fits_by_its_prompt_not_by_the_step_budget(tmp_path):
+    """Window 20, 8 blocks of 16: a 100-token prompt plus 30 tokens runs with the default
+    max_num_batched_tokens (a step adds at most its prompt), as with a small budget; it was refused
+    as needing 9 blocks. The tokens are transformers'."""
+    from models import hf_greedy
+    d = str(tmp_path / "m")
+    ref = build_model(d, arch="mistral", sliding_window=20, max_position_embeddings=2048)
+    prompt = list(range(3, 103))
+    for budget in (16, 2048):
+        eng = Engine(d, dtype="float32", kv_cache_memory=8 * 8192, max_model_len=512, block_size=16,
+                     max_num_batched_tokens=budget)
+        try:
+            assert eng.block_manager.num_blocks == 8
+            out = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+            assert out.token_ids == hf_greedy(ref, prompt, 30), budget
+        finally:
+            eng.close()
+
+
+def test_a_preempted_request_is_not_a_prefix_cache_hit(model_dir):
+    """Three prompts sharing no token, in a pool that forces preemptions: recomputing a preempted
+    request's own blocks counts neither as prefix-cache hits nor in its num_cached_tokens (a
+    5-token prompt reported 32 cached tokens and the hit rate 33%)."""
+    eng = Engine(model_dir, dtype="float32", kv_cache_memory=6 * 8192, max_model_len=96, block_size=16)
+    try:
+        assert eng.block_manager.num_blocks == 6
+        prompts = [[3 + i, 50 + i, 100 + i, 150 + i, 200 + i] for i in range(3)]
+        outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+        assert eng.scheduler.num_preemptions > 0
+        assert [o.num_cached_tokens for o in outs] == [0, 0, 0]
+        assert eng.block_manager.hit_tokens == 0 and eng.block_manager.hit_rate == 0.0
+    finally:
+        eng.close()
+
+
 def test_scoring_input_the_cache_can_never_hold_is_one_sentence(tmp_path):
     """A sliding-window model's context outgrows its KV pool; prompt_logprobs and embed over more
     tokens than the whole pool: a ValueError that says so (it said "no room now; retry when

@@ -183,13 +183,17 @@ class BlockManager:
             if not req.block_ids:  # admission: count the prefix-cache query once
                 assert not computed_blocks or req.num_computed_tokens == 0
                 num_cached = len(computed_blocks) * self.block_size
-                self.query_tokens += req.num_tokens
-                self.hit_tokens += num_cached
-                self.query_blocks += (req.num_tokens - 1) // self.block_size if self.enable_prefix_caching else 0
-                self.hit_blocks += len(computed_blocks)
+                # NOTE: as vLLM, a preempted request's re-admission (finding its own blocks again) is
+                # neither a prefix-cache query nor a change of its num_cached_tokens (prompt tokens
+                # the cache served when it first ran)
+                if req.num_preemptions == 0:
+                    self.query_tokens += req.num_tokens
+                    self.hit_tokens += num_cached
+                    self.query_blocks += (req.num_tokens - 1) // self.block_size if self.enable_prefix_caching else 0
+                    self.hit_blocks += len(computed_blocks)
+                    req.num_cached_tokens = num_cached
                 self._attach_hits(req, computed_blocks)
                 self._num_hashed[req.request_id] = len(computed_blocks)
-                req.num_cached_tokens = num_cached
                 if computed_blocks:
                     req.num_computed_tokens = num_cached
             for _ in range(num_new):
