@@ -276,6 +276,10 @@ class EngineConfig:
     kv_cache_dir: str | None = None     # a disk tier under the prefix cache (kv_cache/disk_tier.py)
     kv_cache_disk_bytes: int = 8 << 30  # its size cap per rank
     kv_cache_disk_load: str = "auto"    # "auto": load hits when reading beats recomputing; "always"
+    # "auto": the model's generation_config.json sampling values (temperature, top_p, top_k, min_p,
+    # repetition_penalty) are the defaults of requests that leave them unset, as vLLM's
+    # --generation-config auto; "vllm": SamplingParams' own defaults
+    generation_config: str = "auto"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -294,6 +298,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be 'auto', 'bfloat16', 'float32' or 'int8', got {kv!r}.")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive.")
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be 'auto' (the model's sampling defaults) or 'vllm' "
+                             f"(none), got {self.generation_config!r}.")
         if not isinstance(self.num_scheduler_steps, int) or self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be a positive integer, got {self.num_scheduler_steps!r}.")
         if self.quantization is not None:
@@ -458,3 +465,27 @@ def rope_inv_freq(model: ModelConfig):
     if r.freq_factors:  # llama.cpp: theta_i = pos * inv_i / factors_i, with any scaling type
         inv = inv / np.asarray(r.freq_factors, dtype=np.float64)
     return inv, float(scale)
+
+
+# NOTE: transformers' GenerationConfig defaults: a value equal to its default is no choice of the
+# model's (vLLM reads the file's difference from them)
+_HF_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
+
+
+def generation_defaults(model_dir: str) -> dict:
+    """The sampling values a model's generation_config.json chooses (those transformers would not
+    use anyway): temperature, top_p, top_k, min_p, repetition_penalty; {} without the file."""
+    path = os.path.join(model_dir, "generation_config.json")
+    try:
+        with open(path) as f:
+            gen = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(gen, dict):
+        return {}
+    out = {}
+    for key, default in _HF_SAMPLING_DEFAULTS.items():
+        v = gen.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v != default:
+            out[key] = int(v) if key == "top_k" else float(v)
+    return out

@@ -26,7 +26,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from .config import EngineConfig, ModelConfig
+from .config import EngineConfig, ModelConfig, generation_defaults
 from .outputs import RequestOutput, TextState
 from .recorder import FORWARD, RESHAPE
 from .request import Request, RequestStatus
@@ -97,6 +97,7 @@ class Engine:
             atexit.register(self.close)
             return
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
+        self.default_sampling = generation_defaults(mcfg.model_dir) if self.config.generation_config == "auto" else {}
         replica_blocks = data_parallel.replica_blocks(self.parallel, self.ranks)
         self.max_model_len = self._fit_max_len_to_cache(mcfg, min(replica_blocks))
         schedulers = [Scheduler(SchedulerConfig(max_num_seqs=self.config.max_num_seqs,
@@ -215,11 +216,20 @@ class Engine:
         log.info("KV cache (%s): %d blocks of %d tokens, %.0f MiB per rank, %d tokens at once",
                  s["kv_cache_dtype"], s["kv_blocks"], s["block_size"], s["kv_cache_bytes"] / mib,
                  s["max_concurrent_tokens"])
+        if self.default_sampling:
+            log.info("default sampling from the model's generation_config.json: %s (a request's own values "
+                     "win; generation_config='vllm' ignores the file)", self.default_sampling)
         for r in s["per_rank"] or []:
             m = r["memory"]
             log.info("rank %d: node %s, %d cpus, weights %.0f MiB, RSS %.0f MiB; memory policy %s %s, "
                      "sampled weight pages by node %s", r["rank"], r["node"], r["cpus"], r["weight_bytes"] / mib,
                      r["rss_bytes"] / mib, m["policy"], m["policy_nodes"], m["page_nodes"])
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request without SamplingParams samples with (vLLM's name): SamplingParams'
+        defaults, with the model's generation_config.json values (`default_sampling`) unless the
+        engine was made with generation_config="vllm"."""
+        return SamplingParams(**self.default_sampling)
 
     def summary(self) -> dict:
         c = self.model_config
@@ -245,7 +255,7 @@ class Engine:
         if self.model_config.is_embedding_model:
             raise ValueError(f"{self.model_config.architecture} is an embedding model without an LM head: it "
                              "cannot generate text; use Engine.embed (or /v1/embeddings).")
-        params = params or SamplingParams()
+        params = params or self.get_default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams.")
         rid = str(next(self._ids)) if request_id is None else str(request_id)
@@ -443,7 +453,7 @@ class Engine:
             if len(params) != len(plist):
                 raise ValueError(f"Got {len(params)} SamplingParams for {len(plist)} prompts.")
         else:
-            params = [params or SamplingParams()] * len(plist)
+            params = [params or self.get_default_sampling_params()] * len(plist)
         outbox: deque[RequestOutput] = deque()
         rids: list[str] = []
         final: dict[str, RequestOutput] = {}

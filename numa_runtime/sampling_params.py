@@ -6,14 +6,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
+_GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (vLLM's _SAMPLING_EPS)
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling settings, validated once at construction.
 
-    temperature 0 means greedy. `seed` gives a request its own random stream, so that the same
-    logits sample the same tokens whatever else runs beside it; the logits themselves can move
-    in their last bits with the batch a step runs in (as in vLLM), and so a near tie can
-    flip. `stop` strings are cut from the returned text; `stop_token_ids` end the
+    temperature 0 (or under 1e-5, as vLLM) means greedy. `seed` gives a request its own random
+    stream, so that the same logits sample the same tokens whatever else runs beside it; the
+    logits themselves can move in their last bits with the batch a step runs in (as in vLLM), and
+    so a near tie can flip. `stop` strings are cut from the returned text; `stop_token_ids` end the
     request and are not returned (like EOS) unless `include_stop_str_in_output`.
     `logit_bias` maps token ids to a value added to their logits before sampling.
     `json_schema` (a JSON schema as a dict; {"type": "object"} for any object) constrains the
@@ -59,6 +62,8 @@ class SamplingParams:
         # NOTE: numpy scalars pass the checks; keep plain Python numbers from here on
         for name in _FLOATS:
             setattr(self, name, float(getattr(self, name)))
+        if self.temperature < _GREEDY_BELOW:  # NOTE: as vLLM: so small a temperature is greedy
+            self.temperature = 0.0
         for name in _INTS:
             if getattr(self, name) is not None:
                 setattr(self, name, int(getattr(self, name)))

@@ -183,6 +183,32 @@ def test_json_schemas_that_cannot_work_are_refused_or_end_in_error(eng):
     assert not eng.has_unfinished_requests()
 
 
+def test_generation_config_sampling_values_are_the_defaults(model_dir, tmp_path):
+    """Engine.get_default_sampling_params (vLLM's): the model's generation_config.json values that
+    differ from transformers' defaults; generation_config="vllm" ignores them. A temperature under
+    1e-5 is greedy (vLLM's rule)."""
+    import json
+    import shutil
+    d = str(tmp_path / "m")
+    shutil.copytree(model_dir, d)
+    with open(os.path.join(d, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": 2, "temperature": 0.7, "top_p": 0.8, "top_k": 50, "repetition_penalty": 1.05}, f)
+    eng = Engine(d, dtype="float32", kv_cache_memory=1 << 20, max_model_len=128)
+    try:
+        p = eng.get_default_sampling_params()
+        assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (0.7, 0.8, 0, 1.05)
+    finally:
+        eng.close()
+    eng = Engine(d, dtype="float32", kv_cache_memory=1 << 20, max_model_len=128, generation_config="vllm")
+    try:
+        assert eng.get_default_sampling_params() == SamplingParams()
+    finally:
+        eng.close()
+    with pytest.raises(ValueError, match="generation_config must be 'auto'"):
+        Engine(d, generation_config="hf")
+    assert SamplingParams(temperature=1e-6).temperature == 0.0 and SamplingParams(temperature=1e-4).temperature
+
+
 def test_oversize_text_prompt_is_refused_by_its_length(eng):
     huge = "a" * (256 * eng.tokenizer.max_token_chars + 1)
     with pytest.raises(ValueError, match="characters, more than a context of 256 tokens"):

@@ -370,7 +370,22 @@ def test_logprobs_of_streams_and_partial_characters(client, model_dir):
         assert all(e.bytes == list(e.token.encode()) or e.token.startswith("bytes:") for e in t.top_logprobs)
     legacy = client.completions.create(model="tiny", prompt="x", max_tokens=3, logprobs=5, logit_bias=bias, **FLOAT)
     lp = legacy.choices[0].logprobs
-    assert lp.tokens == ["bytes:\\xc3"] * 3 and [len(t) for t in lp.top_logprobs] == [5] * 3
+    # NOTE: the sampled token (forced: its raw logprob need not be among the 5 best) is always one
+    assert lp.tokens == ["bytes:\\xc3"] * 3
+    assert all(len(t) in (5, 6) and "bytes:\\xc3" in t for t in lp.top_logprobs), lp.top_logprobs
+
+
+def test_legacy_top_logprobs_always_hold_the_sampled_token(client):
+    """OpenAI's legacy completions and vLLM: top_logprobs holds the `logprobs` most likely tokens
+    and the sampled one (logprobs + 1 entries when it is not among them; logprobs=0: only it)."""
+    kw = dict(model="tiny", prompt="Hello world", max_tokens=16, temperature=1.5, seed=7,
+              extra_body={"ignore_eos": True})
+    for k in (0, 1, 3):
+        lp = client.completions.create(logprobs=k, **kw).choices[0].logprobs
+        for tok, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            assert top[tok] == chosen and len(top) in (k, k + 1) and len(top) >= 1, (k, tok, top)
+        if k == 0:
+            assert all(len(t) == 1 for t in lp.top_logprobs)
 
 
 def test_disconnect_mid_stream_aborts(server, client):
@@ -559,3 +574,34 @@ def test_default_model_answers_a_chat_question():
     assert structured.choices[0].finish_reason == "stop"
     assert "Paris" in json.loads(free_form.choices[0].message.content)["capital"]
     assert free_form.choices[0].finish_reason == "stop"
+
+
+def test_the_models_generation_config_gives_the_sampling_defaults(model_dir, tmp_path):
+    """As vLLM's --generation-config auto: generation_config.json's sampling values are the
+    defaults of requests that leave them unset (here top_k 1: greedy whatever the temperature);
+    a request's own value wins, and --generation-config vllm ignores the file. They were ignored."""
+    import json
+    import shutil
+    d = str(tmp_path / "m")
+    shutil.copytree(model_dir, d)
+    with open(os.path.join(d, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "top_k": 1, "temperature": 0.9}, f)
+    kw = dict(model="m", prompt="Hello", max_tokens=12, extra_body={"ignore_eos": True})
+    srv = ServerProcess(["--model", d, "--dtype", "float32", "--served-model-name", "m", "--num-threads", "1"])
+    try:
+        c = srv.client()
+        greedy = c.completions.create(temperature=0, **kw).choices[0].text
+        assert all(c.completions.create(seed=s, **kw).choices[0].text == greedy for s in (1, 2, 3))
+        own = {c.completions.create(seed=s, extra_body={"ignore_eos": True, "top_k": -1},
+                                    **{k: v for k, v in kw.items() if k != "extra_body"}).choices[0].text
+               for s in (1, 2, 3)}
+        assert len(own) > 1  # the request's top_k (-1: all) replaced the model's
+    finally:
+        assert srv.stop() == 0, srv.output()
+    srv = ServerProcess(["--model", d, "--dtype", "float32", "--served-model-name", "m", "--num-threads", "1",
+                         "--generation-config", "vllm"])
+    try:
+        c = srv.client()
+        assert len({c.completions.create(seed=s, **kw).choices[0].text for s in (1, 2, 3)}) > 1
+    finally:
+        assert srv.stop() == 0, srv.output()

@@ -64,6 +64,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--kv-cache-disk-load", default=None, choices=["auto", "always"],
                     help="with --kv-cache-dir; auto (default): read blocks back only when that beats "
                          "recomputing them")
+    ap.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
+                    help="auto (default): the model's generation_config.json sampling values (temperature, "
+                         "top_p, top_k, min_p, repetition_penalty) are the defaults of requests that leave them "
+                         "unset, as in vLLM; vllm: the OpenAI defaults")
     ap.add_argument("--embedding-pooling", default=None, choices=["mean", "last"],
                     help="/v1/embeddings pooling (default: last for embedding checkpoints, else mean)")
     ap.add_argument("--num-threads", type=int, default=None,
@@ -102,7 +106,8 @@ def engine_kwargs(args) -> dict:
               "lm_head_quantization": args.lm_head_quantization, "device": args.device,
               "prefill_activations": args.prefill_activations,
               "host_kv_cache_memory": args.host_kv_cache_memory, "kv_cache_dtype": args.kv_cache_dtype,
-              "reserve_server_core": True, "num_scheduler_steps": args.num_scheduler_steps}
+              "reserve_server_core": True, "num_scheduler_steps": args.num_scheduler_steps,
+              "generation_config": args.generation_config}
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = args.kv_cache_memory
     if args.kv_cache_dir is not None:  # NOTE: check_args refuses the disk flags without it

@@ -155,7 +155,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
                 if isinstance(p, str):
                     engine.tokenizer.check_length(p, engine.max_model_len)
             params = body.sampling_params(cap(16 if body.max_tokens is None else body.max_tokens), body.logprobs,
-                                          body.json_schema())
+                                          body.json_schema(), engine.default_sampling)
             if params.json_schema is not None:  # NOTE: guided_json; built once, off the loop
                 await asyncio.to_thread(engine.grammars.prepare)
             prompts = await asyncio.to_thread(tokenize_prompts, prompts, body.add_special_tokens)
@@ -169,7 +169,8 @@ def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
         with _client_errors(renames):
             body.refuse_unsupported()
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-            params = body.sampling_params(cap(max_tokens), body.num_logprobs(), body.json_schema())
+            params = body.sampling_params(cap(max_tokens), body.num_logprobs(), body.json_schema(),
+                                          engine.default_sampling)
             if body.content_chars() > engine.max_model_len * engine.tokenizer.max_token_chars:
                 raise ValueError(f"The messages hold {body.content_chars()} characters, more than a context of "
                                  f"{engine.max_model_len} tokens can hold; shorten them.")

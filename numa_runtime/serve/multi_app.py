@@ -27,6 +27,17 @@ class _ModelInfo:
         self.profiler = None
 
     @property
+    def default_sampling(self) -> dict:
+        """The model's generation_config.json sampling values (as its Engine reads them)."""
+        eng = self.router.engines.get(self.name)
+        if eng is not None:
+            return eng.default_sampling
+        from ..config import generation_defaults
+        if self.router.config.engine_kwargs.get("generation_config", "auto") != "auto":
+            return {}
+        return generation_defaults(self.router.model_configs[self.name].model_dir)
+
+    @property
     def grammars(self):
         """The loaded engine's Grammars; before the load, one whose prepare() waits for it (the
         engine thread builds llguidance's tokenizer view when it adds the first such request)."""

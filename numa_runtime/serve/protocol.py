@@ -111,13 +111,16 @@ class _SamplingRequest(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        json_schema: dict | None = None) -> SamplingParams:
-        """SamplingParams for this request; ValueError (one sentence) if a value is out of range."""
-        given = {
+                        json_schema: dict | None = None, defaults: dict | None = None) -> SamplingParams:
+        """SamplingParams for this request; ValueError (one sentence) if a value is out of range.
+        `defaults` (the model's generation_config.json values) fill the sampling fields it leaves
+        unset or null, as vLLM's --generation-config auto."""
+        given = {**(defaults or {})}
+        given |= {k: v for k, v in {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-        }
+        }.items() if v is not None}
         # NOTE: any integer is a valid OpenAI seed; the sampler's generator wants a non-negative one.
         seed = None if self.seed is None else self.seed % (1 << 64)
         for s in [self.stop] if isinstance(self.stop, str) else self.stop or []:

@@ -99,8 +99,14 @@ def completion_logprobs(token_ids: list[int], logprobs: list | None, decode: Tok
         raw = decode(tid)
         tokens.append(token_text(raw))
         offsets.append(offset.add(raw))
-    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in logprobs],
-            "top_logprobs": [{token_text(decode(t)): v for t, v in top.items()} for _, top in logprobs],
+    # NOTE: as OpenAI's legacy format and vLLM: the sampled token is always among the top
+    # logprobs (logprobs + 1 entries when it is not one of the most likely)
+    tops = []
+    for tid, (lp, top) in zip(token_ids, logprobs):
+        entry = {token_text(decode(t)): v for t, v in top.items()}
+        entry.setdefault(token_text(decode(tid)), lp)
+        tops.append(entry)
+    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in logprobs], "top_logprobs": tops,
             "text_offset": offsets}
 
 
