@@ -42,6 +42,7 @@ class Request:
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of this request's full blocks
         self.num_preemptions = 0
+        self.prefix_counted = False  # its prefix-cache lookup is in the block manager's counters
         self.first_token_time: float | None = None
         self.stop_reason: str | int | None = None
         self.logprobs: list = []  # per output token: (logprob, {token_id: logprob})

@@ -284,6 +284,8 @@ class Scheduler:
             if not req.is_finished and bad_hashes.intersection(req.block_hashes[:len(req.block_ids)]):
                 self.running.remove(req)
                 self._preempt(req)
+                if req.num_output_tokens == 0:  # NOTE: it never ran: its next admission is its first
+                    bm.uncount(req)
         for h in bad_hashes:
             bm.uncache(h)
 

@@ -186,12 +186,9 @@ class BlockManager:
                 # NOTE: as vLLM, a preempted request's re-admission (finding its own blocks again) is
                 # neither a prefix-cache query nor a change of its num_cached_tokens (prompt tokens
                 # the cache served when it first ran)
-                if req.num_preemptions == 0:
-                    self.query_tokens += req.num_tokens
-                    self.hit_tokens += num_cached
-                    self.query_blocks += (req.num_tokens - 1) // self.block_size if self.enable_prefix_caching else 0
-                    self.hit_blocks += len(computed_blocks)
-                    req.num_cached_tokens = num_cached
+                if not req.prefix_counted:
+                    self._count_lookup(req, num_cached, len(computed_blocks), 1)
+                    req.num_cached_tokens, req.prefix_counted = num_cached, True
                 self._attach_hits(req, computed_blocks)
                 self._num_hashed[req.request_id] = len(computed_blocks)
                 if computed_blocks:
@@ -200,6 +197,18 @@ class BlockManager:
                 block_id = self._take_block()
                 self.ref_cnt[block_id] = 1
                 req.block_ids.append(block_id)
+
+    def _count_lookup(self, req: Request, num_cached: int, num_hit_blocks: int, sign: int) -> None:
+        self.query_tokens += sign * req.num_tokens
+        self.hit_tokens += sign * num_cached
+        self.query_blocks += sign * ((req.num_tokens - 1) // self.block_size if self.enable_prefix_caching else 0)
+        self.hit_blocks += sign * num_hit_blocks
+
+    def uncount(self, req: Request) -> None:
+        """Take back `req`'s prefix-cache lookup (its step never ran: it is admitted anew)."""
+        if req.prefix_counted:
+            self._count_lookup(req, req.num_cached_tokens, req.num_cached_tokens // self.block_size, -1)
+            req.num_cached_tokens, req.prefix_counted = 0, False
 
     def _attach_hits(self, req: Request, computed_blocks: Sequence) -> None:
         """Append the hits to req.block_ids in order; host hits are copied back into fresh blocks."""
