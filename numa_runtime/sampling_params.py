@@ -100,6 +100,8 @@ class SamplingParams:
             bad(f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}.")
         if self.json_schema is not None and not isinstance(self.json_schema, dict):
             bad(f"json_schema must be a dict (a JSON schema) or None, got {self.json_schema!r}.")
+        if self.json_schema is not None and self.min_tokens:
+            bad("min_tokens cannot be combined with a JSON schema: the schema decides where the output ends.")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(f"{name} must be True or False, got {getattr(self, name)!r}.")

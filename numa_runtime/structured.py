@@ -40,8 +40,12 @@ class Grammars:
         with self._lock:
             if self._ll_tokenizer is None:
                 llg = _llguidance()
-                self._ll_tokenizer = llg.LLTokenizer(self._tokenizer.to_json(), n_vocab=self._vocab,
-                                                     eos_token=self._eos)
+                try:
+                    self._ll_tokenizer = llg.LLTokenizer(self._tokenizer.to_json(), n_vocab=self._vocab,
+                                                         eos_token=self._eos)
+                except ValueError as e:  # NOTE: the model's files disagree: the server's fault, not the request's
+                    raise RuntimeError(f"Structured output cannot run on this model: its tokenizer does not fit "
+                                       f"its {self._vocab}-token vocabulary ({e}).") from None
         return self._ll_tokenizer
 
     def add(self, request_id: str, schema: dict) -> None:

@@ -157,6 +157,8 @@ def test_json_schema_constrains_the_output(eng):
         assert o.finish_reason == "stop"
     with pytest.raises(ValueError, match="json_schema cannot be used"):
         eng.generate("Hello", SamplingParams(json_schema={"type": "bogus"}))
+    with pytest.raises(ValueError, match="min_tokens cannot be combined with a JSON schema"):
+        SamplingParams(min_tokens=3, json_schema=ANSWER)  # NOTE: it was accepted and not honoured
     assert not eng.has_unfinished_requests()
 
 
@@ -349,6 +351,25 @@ def test_truncated_or_misindexed_checkpoint_is_one_sentence(tmp_path, model_dir)
     with pytest.raises(CheckpointError, match=f"Tensor '{wrong}' is not in .*part-1.safetensors, where the "
                                               "checkpoint's index puts it"):
         Engine(str(d), dtype="float32", kv_cache_memory=1 << 20)
+
+
+def test_a_missing_lm_head_is_tied_with_a_warning(tmp_path, model_dir, caplog):
+    """config.json says the head is its own, the file has none: the embedding serves, and the log
+    says so (as transformers warns); it was silent."""
+    import json
+    import logging
+    import shutil
+    from safetensors.numpy import load_file, save_file
+    d = tmp_path / "m"
+    shutil.copytree(model_dir, d)
+    with open(d / "config.json") as f:
+        cfg = json.load(f)
+    assert cfg.get("tie_word_embeddings") is False
+    t = load_file(str(d / "model.safetensors"))
+    save_file({k: v for k, v in t.items() if k != "lm_head.weight"}, str(d / "model.safetensors"))
+    with caplog.at_level(logging.WARNING, logger="numa_runtime"):
+        Engine(str(d), dtype="float32", kv_cache_memory=1 << 20).close()
+    assert "has no lm_head.weight though config.json says tie_word_embeddings: false" in caplog.text
 
 
 def test_user_request_ids_may_contain_any_character(eng):

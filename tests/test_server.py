@@ -605,3 +605,30 @@ def test_the_models_generation_config_gives_the_sampling_defaults(model_dir, tmp
         assert len({c.completions.create(seed=s, **kw).choices[0].text for s in (1, 2, 3)}) > 1
     finally:
         assert srv.stop() == 0, srv.output()
+
+
+def test_a_server_side_failure_is_a_json_500(model_dir, tmp_path):
+    """A model whose tokenizer holds more tokens than its vocabulary: structured output cannot run
+    on it. That is the server's fault: a 500 with an OpenAI error body that says why (it was a
+    400 blaming the request); any unexpected failure is a JSON 500, never a bare text one."""
+    import json
+    import shutil
+    d = tmp_path / "m"
+    shutil.copytree(model_dir, d)
+    with open(d / "tokenizer.json") as f:
+        tj = json.load(f)
+    n = len(tj["model"]["vocab"])
+    tj["added_tokens"] += [{"id": n + i, "content": f"<extra_{i}>", "single_word": False, "lstrip": False,
+                            "rstrip": False, "normalized": False, "special": True} for i in range(8)]
+    with open(d / "tokenizer.json", "w") as f:
+        json.dump(tj, f)
+    srv = ServerProcess(["--model", str(d), "--dtype", "float32", "--served-model-name", "m", "--num-threads", "1"])
+    try:
+        r = httpx.post(srv.base + "/v1/completions", timeout=60, json={
+            "model": "m", "prompt": "Hi", "max_tokens": 4, "response_format": {"type": "json_object"}})
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        assert err["type"] == "server_error" and "Structured output cannot run on this model" in err["message"]
+        assert srv.client().completions.create(model="m", prompt="Hi", max_tokens=2).choices[0].text is not None
+    finally:
+        srv.stop()

@@ -99,6 +99,10 @@ class LlamaModel:
             # decoder is quantized, by default); the embedding table stays as stored. An embedding
             # model has no lm_head
             tied = cfg.tie_word_embeddings or "lm_head.weight" not in ckpt
+            if tied and not cfg.tie_word_embeddings and not cfg.is_embedding_model and comm.rank == 0:
+                # NOTE: as transformers (which warns and starts a random head), not silently
+                log.warning("%s has no lm_head.weight though config.json says tie_word_embeddings: false; "
+                            "the input embedding serves as the output head", cfg.model_dir)
             self.lm_head = None if cfg.is_embedding_model else linear.head(
                 "model.embed_tokens.weight" if tied else "lm_head.weight", lay.vocab, lay.vocab_chunk)
         inv_freq, attn_scale = rope_inv_freq(cfg)

@@ -394,6 +394,13 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def dead(_, exc: EngineDeadError):
         return render(503, str(exc), "server_error", code="engine_stopped")
 
+    @app.exception_handler(Exception)
+    async def failed(_, exc: Exception):
+        # NOTE: anything else is the server's fault: an OpenAI error body, never a bare text 500
+        # (Starlette still hands the exception on, so the log keeps its traceback)
+        return render(500, _sentence(f"The server failed on this request ({type(exc).__name__}: {exc})"),
+                      "server_error", code="internal_error")
+
 
 # ------------------------------------------------------------------------------ middleware
 class _Guard:
