@@ -632,3 +632,29 @@ def test_a_server_side_failure_is_a_json_500(model_dir, tmp_path):
         assert srv.client().completions.create(model="m", prompt="Hi", max_tokens=2).choices[0].text is not None
     finally:
         srv.stop()
+
+
+def test_tokenize_detokenize_and_version(server, model_dir):
+    """vLLM's /tokenize (a prompt, or messages through the chat template), /detokenize and /version."""
+    from numa_runtime.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(model_dir)
+    r = httpx.post(server.base + "/tokenize", json={"model": "tiny", "prompt": "Hello world",
+                                                    "return_token_strs": True}, timeout=30).json()
+    assert r["tokens"] == tok.encode("Hello world") and r["count"] == len(r["tokens"]) and r["max_model_len"] == 256
+    from numa_runtime.serve.responses import token_text
+    assert r["token_strs"] == [token_text(tok.token_bytes(t)) for t in r["tokens"]]
+    assert "".join(r["token_strs"]).endswith("Hello world")
+    msgs = [{"role": "user", "content": "Hi"}]
+    r = httpx.post(server.base + "/tokenize", json={"messages": msgs}, timeout=30).json()
+    assert r["tokens"] == tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False)
+    assert r["token_strs"] is None
+    r = httpx.post(server.base + "/detokenize", json={"tokens": tok.encode("Hello world", add_special_tokens=False)},
+                   timeout=30)
+    assert r.json() == {"prompt": "Hello world"}
+    for path, body, msg in (("/tokenize", {}, "Give either prompt or messages"),
+                            ("/tokenize", {"prompt": "x", "messages": msgs}, "Give either prompt or messages"),
+                            ("/detokenize", {"tokens": [10 ** 9]}, "is not a token id"),
+                            ("/tokenize", {"model": "other", "prompt": "x"}, "does not exist")):
+        r = httpx.post(server.base + path, json=body, timeout=30)
+        assert r.status_code in (400, 404) and msg in r.json()["error"]["message"], r.text
+    assert httpx.get(server.base + "/version", timeout=30).json()["version"]

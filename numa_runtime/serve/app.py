@@ -24,7 +24,7 @@ from . import responses as R
 from .async_engine import AsyncEngine, EngineDeadError
 from .embeddings import EmbeddingRequest, create_embeddings
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 log = logging.getLogger("numa_runtime.serve")
 
@@ -127,6 +127,37 @@ def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
         card = {"id": config.served_model_name, "object": "model", "created": created, "owned_by": "numa_runtime",
                 "max_model_len": engine.max_model_len}
         return {"object": "list", "data": [card]}
+
+    @app.get("/version")
+    async def version():
+        from .. import __version__
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        """vLLM's: the tokens of a prompt or of chat messages as the model's template renders them."""
+        check_model(body.model)
+        with _client_errors():
+            body.checked()
+            tok = engine.tokenizer
+            if body.messages is not None:
+                text = tok.apply_chat_template([m.as_template_dict() for m in body.messages], **body.template_kwargs())
+                add = bool(body.add_special_tokens)
+            else:
+                text, add = body.prompt, body.add_special_tokens is not False
+            ids = await asyncio.to_thread(tok.encode, text, add_special_tokens=add)
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
+                "token_strs": [R.token_text(decode_token(t)) for t in ids] if body.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        with _client_errors():
+            vocab = engine.tokenizer.vocab_size
+            bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"tokens holds {bad}, which is not a token id (0 to {vocab - 1}).")
+            return {"prompt": engine.tokenizer.decode(body.tokens)}
 
     @app.get("/debug/profile", response_class=PlainTextResponse)
     async def profile():

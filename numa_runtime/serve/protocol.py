@@ -341,10 +341,43 @@ class ChatCompletionRequest(_SamplingRequest):
         return total
 
     def template_kwargs(self) -> dict:
-        """Keyword arguments of Tokenizer.apply_chat_template: chat_template_kwargs may set any
-        template variable (add_generation_prompt too, as in vLLM), but not the messages."""
-        extra = self.chat_template_kwargs or {}
-        if "messages" in extra:
-            raise ValueError("chat_template_kwargs cannot set 'messages'; send them as messages.")
-        add = self.add_generation_prompt and not self.continue_final_message
-        return {"add_generation_prompt": add, "continue_final_message": self.continue_final_message, **extra}
+        return _template_kwargs(self)
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the model's template."""
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: Optional[bool] = Field(None, description="Default: true for a prompt, false for messages.")
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    return_token_strs: bool = Field(False, description="Also each token's text.")
+
+    def checked(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("Give either prompt or messages to tokenize.")
+        if self.prompt is not None:
+            check_text("prompt", self.prompt)
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must hold at least one message.")
+        return self
+
+    def template_kwargs(self) -> dict:
+        return _template_kwargs(self)
+
+
+class DetokenizeRequest(_Body):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+def _template_kwargs(body) -> dict:
+    """Keyword arguments of Tokenizer.apply_chat_template: chat_template_kwargs may set any
+    template variable (add_generation_prompt too, as in vLLM), but not the messages."""
+    extra = body.chat_template_kwargs or {}
+    if "messages" in extra:
+        raise ValueError("chat_template_kwargs cannot set 'messages'; send them as messages.")
+    add = body.add_generation_prompt and not body.continue_final_message
+    return {"add_generation_prompt": add, "continue_final_message": body.continue_final_message, **extra}
