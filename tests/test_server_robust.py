@@ -61,8 +61,11 @@ REFUSED = {
                         "top_logprobs"),
     "suffix": ("/v1/completions", {"prompt": "x", "suffix": "end"}, "suffix"),
     "best_of": ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
-    "tools": ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {
-        "name": "f", "parameters": {}}}]}, "tools"),
+    # NOTE: tool_choice "auto" (the default with tools) needs --enable-auto-tool-choice (tests/test_tools.py)
+    "tools auto": ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {}}}]}, "tool_choice"),
+    "tools malformed": ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}],
+                                                 "tool_choice": "none"}, "tools"),
     "tool_choice": ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "auto"}, "tool_choice"),
     "functions": ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),
     "function_call": ("/v1/chat/completions", {"messages": CHAT, "function_call": "auto"}, "function_call"),

@@ -366,7 +366,8 @@ PARTS_TEMPLATE = ("{% for m in messages %}[{{ m.role }}]{% if m.content is strin
 STRING_TEMPLATE = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
 SET_TEMPLATE = ("{% for m in messages %}{% set c = m['content'] %}{% if c is string %}{{ c }}{% else %}"
                 "{% for p in c %}<{{ p['text'] }}>{% endfor %}{% endif %}{% endfor %}")
-ONLY_PARTS_TEMPLATE = "{% for m in messages %}[{{ m.role }}]{% for p in m.content %}<{{ p.text }}>{% endfor %}{% endfor %}"
+ONLY_PARTS_TEMPLATE = ("{% for m in messages %}[{{ m.role }}]{% for p in m.content %}<{{ p.text }}>{% endfor %}"
+                       "{% endfor %}")
 
 
 @pytest.mark.parametrize("source,want", [

@@ -16,6 +16,7 @@ import sys
 import threading
 
 from numa_runtime import env
+from numa_runtime.serve.tools import PARSERS
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -68,6 +69,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="auto (default): the model's generation_config.json sampling values (temperature, "
                          "top_p, top_k, min_p, repetition_penalty) are the defaults of requests that leave them "
                          "unset, as in vLLM; vllm: the OpenAI defaults")
+    ap.add_argument("--enable-auto-tool-choice", action="store_true",
+                    help="let tool_choice 'auto' (the default with tools) parse the model's calls from its text; "
+                         "needs --tool-call-parser")
+    ap.add_argument("--tool-call-parser", default=None, choices=list(PARSERS),
+                    help="how the model writes tool calls: hermes (Qwen2.5/3, Hermes) or llama3_json (Llama 3.x)")
     ap.add_argument("--embedding-pooling", default=None, choices=["mean", "last"],
                     help="/v1/embeddings pooling (default: last for embedding checkpoints, else mean)")
     ap.add_argument("--num-threads", type=int, default=None,
@@ -170,6 +176,10 @@ def check_args(args) -> str | None:
         return f"--port must be in 0..65535 (0: any free port), got {args.port}."
     if args.load_timeout is not None and not args.load_timeout > 0:
         return f"--load-timeout must be a positive number of seconds, got {args.load_timeout}."
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        return "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json, as the model writes calls)."
+    if args.tool_call_parser is not None and not args.enable_auto_tool_choice:
+        return "--tool-call-parser is used by tool_choice 'auto', which needs --enable-auto-tool-choice too."
     multi = is_multi_model(args)
     for flag, value in (("--memory-budget", args.memory_budget), ("--load-timeout", args.load_timeout)):
         if value is not None and not multi:
@@ -219,7 +229,8 @@ def serve_config(args, name: str):
     from .app import ServeConfig
     return ServeConfig(served_model_name=name, api_key=args.api_key, max_queue=args.max_queue,
                        max_tokens_cap=args.max_tokens_cap, stall_timeout_s=args.stall_timeout,
-                       embedding_pooling=args.embedding_pooling)
+                       embedding_pooling=args.embedding_pooling,
+                       tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
 
 
 def listen(host: str, port: int):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import hmac
 import logging
@@ -38,6 +39,7 @@ class ServeConfig:
     max_body_bytes: int = 4 << 20
     stall_timeout_s: float = 60.0      # /health is 503 once one engine step or command runs this long
     embedding_pooling: str | None = None  # "mean" | "last"; None: the model's default
+    tool_call_parser: str | None = None   # tool_choice "auto": the models' call format (tools.py); None: refused
 
     def __post_init__(self):
         if not self.stall_timeout_s > 0:
@@ -72,7 +74,7 @@ def _client_errors(renames: dict[str, str] | None = None):
         field = _LEADING_FIELD.match(text)  # "top_p must be ...": keep the field's spelling
         message = _sentence(text, capitalize=field is None)
         code = "context_length_exceeded" if re.search("max_model_len|context", message) else "invalid_value"
-        param = field and _API_NAME.get(field.group(1), field.group(1))
+        param = getattr(e, "param", None) or (field and _API_NAME.get(field.group(1), field.group(1)))
         raise ApiError(400, message, param=param, code=code) from None
 
 
@@ -200,16 +202,23 @@ def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
         with _client_errors(renames):
             body.refuse_unsupported()
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-            params = body.sampling_params(cap(max_tokens), body.num_logprobs(), body.json_schema(),
-                                          engine.default_sampling)
+            tool_plan = body.tool_plan(config.tool_call_parser)
+            schema = body.json_schema()
+            if tool_plan.schema is not None:
+                if schema is not None:
+                    raise ValueError("response_format cannot be combined with a tool_choice that calls a "
+                                     "function; drop one.")
+                schema = tool_plan.schema
+            params = body.sampling_params(cap(max_tokens), body.num_logprobs(), schema, engine.default_sampling)
             if body.content_chars() > engine.max_model_len * engine.tokenizer.max_token_chars:
                 raise ValueError(f"The messages hold {body.content_chars()} characters, more than a context of "
                                  f"{engine.max_model_len} tokens can hold; shorten them.")
             if params.json_schema is not None:  # NOTE: built once, off the loop and the engine thread
                 await asyncio.to_thread(engine.grammars.prepare)
             messages = [m.as_template_dict() for m in body.messages]
-            ids = await asyncio.to_thread(tokenize_chat, messages, body.template_kwargs(), body.add_special_tokens)
-        return await _serve(request, body, "chatcmpl", [ids], params, arrival, renames)
+            kwargs = body.template_kwargs() | ({"tools": tool_plan.tools} if tool_plan.tools else {})
+            ids = await asyncio.to_thread(tokenize_chat, messages, kwargs, body.add_special_tokens)
+        return await _serve(request, body, "chatcmpl", [ids], params, arrival, renames, tool_plan)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest):
@@ -222,7 +231,8 @@ def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
             except RuntimeError as e:  # NOTE: an OpenAI error body, not a bare 500
                 raise ApiError(500, str(e), type_="server_error", code="engine_error") from None
 
-    async def _serve(request: Request, body, kind: str, prompts: list, params, arrival: float, renames=None):
+    async def _serve(request: Request, body, kind: str, prompts: list, params, arrival: float, renames=None,
+                     tool_plan=None):
         check_queue()
         rid = f"{kind}-{uuid.uuid4().hex}"
         gen = _Generation(aengine, rid, len(prompts))
@@ -232,7 +242,8 @@ def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
         report = _Report(metrics, tracker, arrival, len(prompts) * params.n)
         name = config.served_model_name
         if body.stream:
-            return StreamingResponse(_stream(gen, tracker, report, rid, name, kind, body.include_usage, decode_token),
+            return StreamingResponse(_stream(gen, tracker, report, rid, name, kind, body.include_usage, decode_token,
+                                             tool_plan),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         status = "abort"
         try:
@@ -249,8 +260,9 @@ def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
         finally:
             gen.abort()
             report.finish(status)
-        build = R.chat_body if kind == "chatcmpl" else R.completion_body
-        return JSONResponse(build(rid, name, tracker, decode_token))
+        if kind == "chatcmpl":
+            return JSONResponse(R.chat_body(rid, name, tracker, decode_token, tool_plan))
+        return JSONResponse(R.completion_body(rid, name, tracker, decode_token))
 
     return app
 
@@ -338,10 +350,11 @@ async def _until_disconnect(request: Request, work) -> bool:
     return False
 
 
-async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode):
+async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode, tool_plan=None):
     """SSE events of one request. Cancelled (client gone) -> finally aborts the request."""
     created, chat = int(time.time()), kind == "chatcmpl"
     status, offsets = "abort", {}
+    calls = {} if tool_plan is not None and tool_plan.parses else None  # choice index -> ToolStream
     try:
         if chat:
             for i in range(len(gen.index) * tracker.n):
@@ -351,6 +364,10 @@ async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode)
             pieces = tracker.update(index, out)
             report.saw(pieces)
             for p in pieces:
+                if calls is not None:
+                    for chunk in _tool_chunks(calls, tool_plan, p, rid, model, created, decode, include_usage):
+                        yield R.sse(chunk)
+                    continue
                 chunk = (R.chat_chunk(rid, model, created, p, p.index, decode, include_usage) if chat
                          else R.completion_chunk(rid, model, created, p, decode, include_usage, offsets))
                 yield R.sse(chunk)
@@ -370,6 +387,28 @@ async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode)
     finally:
         gen.abort()
         report.finish(status)
+
+
+def _tool_chunks(streams: dict, tool_plan, p, rid, model, created, decode, include_usage) -> list[dict]:
+    """The chunks of piece `p` of a chat with tools: its text less what may open a call; at the
+    end, the rest of the text, then the calls whole, with the finish reason."""
+    from .tools import ToolStream
+    ts = streams.setdefault(p.index, ToolStream(tool_plan))
+    text = ts.feed(p.text)
+    if p.finish_reason is None:
+        return [R.chat_chunk(rid, model, created, dataclasses.replace(p, text=text), p.index, decode, include_usage)]
+    rest, calls = ts.finish(p.finish_reason == "stop")
+    out = [R.chat_chunk(rid, model, created, dataclasses.replace(p, text=text + rest, finish_reason=None,
+                                                                 stop_reason=None), p.index, decode, include_usage)]
+    if calls:
+        out.append(R.tool_calls_chunk(rid, model, created, p.index, calls, include_usage))
+        reason = "stop" if tool_plan.mode == "named" else "tool_calls"
+        p = dataclasses.replace(p, text="", token_ids=[], logprobs=None, finish_reason=reason,
+                                stop_reason=None if calls else p.stop_reason)
+    else:
+        p = dataclasses.replace(p, text="", token_ids=[], logprobs=None)
+    out.append(R.chat_chunk(rid, model, created, p, p.index, decode, include_usage))
+    return out
 
 
 # ------------------------------------------------------------------------------ errors

@@ -297,6 +297,7 @@ class ChatCompletionRequest(_SamplingRequest):
     # refused unless absent or a no-op (see refuse_unsupported)
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[bool] = None
     functions: Optional[list[Any]] = None
     function_call: Optional[Any] = None
     audio: Optional[Any] = None
@@ -315,8 +316,17 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: Optional[str] = Field(None, description="Not supported; must be absent.")
     documents: Optional[list[Any]] = Field(None, description="Not supported; must be absent.")
 
+    def tool_plan(self, parser: str | None):
+        """How tools shape this request (tools.py); ValueError for tools it cannot run."""
+        from .tools import plan
+        p = plan(self.tools, self.tool_choice, parser)
+        if self.parallel_tool_calls is False and p.mode == "required":
+            import dataclasses
+            p = dataclasses.replace(p, schema={**p.schema, "maxItems": 1})
+        return p
+
     def refuse_unsupported(self) -> None:
-        _refuse(self, {"tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+        _refuse(self, {"functions": ([],), "function_call": ("none",),
                        "audio": (), "prediction": (), "web_search_options": (), "echo": (False,),
                        "chat_template": (), "documents": ([],), "best_of": (self.n,)})
         if self.continue_final_message and self.add_generation_prompt and \

@@ -147,13 +147,27 @@ def completion_body(rid: str, model: str, tracker: ChoiceTracker, decode: TokenB
             "choices": choices, "usage": tracker.usage()}
 
 
-def chat_body(rid: str, model: str, tracker: ChoiceTracker, decode: TokenBytes) -> dict:
-    choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
-                "finish_reason": _reason(c.finish_reason), "stop_reason": _stop(c),
-                "logprobs": chat_logprobs(c.token_ids, c.logprobs, decode)}
-               for i, c in tracker.choices()]
+def chat_body(rid: str, model: str, tracker: ChoiceTracker, decode: TokenBytes, tool_plan=None) -> dict:
+    choices = []
+    for i, c in tracker.choices():
+        message, reason, stop = {"role": "assistant", "content": c.text}, _reason(c.finish_reason), _stop(c)
+        if tool_plan is not None and tool_plan.parses:
+            from .tools import parse
+            content, calls = parse(tool_plan, c.text, c.finish_reason == "stop")
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                reason, stop = ("stop" if tool_plan.mode == "named" else "tool_calls"), None
+        choices.append({"index": i, "message": message, "finish_reason": reason, "stop_reason": stop,
+                        "logprobs": chat_logprobs(c.token_ids, c.logprobs, decode)})
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": tracker.usage()}
+
+
+def tool_calls_chunk(rid: str, model: str, created: int, index: int, calls: list[dict], include_usage: bool) -> dict:
+    """The calls of choice `index`, whole, in one chunk (each with its index among the calls)."""
+    delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
+    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+    return _chunk(rid, "chat.completion.chunk", model, created, [choice], include_usage)
 
 
 def completion_chunk(rid: str, model: str, created: int, piece: Piece, decode: TokenBytes,
@@ -191,7 +205,7 @@ def _chunk(rid, object_, model, created, choices, include_usage) -> dict:
 
 
 def _reason(reason: str | None) -> str | None:
-    return reason if reason in ("stop", "length") else None
+    return reason if reason in ("stop", "length", "tool_calls") else None
 
 
 def _stop(c) -> str | int | None:

@@ -1,0 +1,193 @@
+"""Tool calling on /v1/chat/completions, as vLLM's OpenAI server does it.
+
+- `tools` reach the chat template (the model's own tool prompt); `tool_choice` says what to do:
+  - "none": the model answers in text;
+  - a named function (`{"type": "function", "function": {"name": ...}}`): the output is
+    constrained to that function's `parameters` schema and returned as its one call;
+  - "required": the output is constrained to a JSON list of one or more {"name", "parameters"}
+    calls of the given tools, returned as calls;
+  - "auto" (the default with tools): the model decides; its text is parsed for calls in the
+    model family's format, which the server names with `--tool-call-parser` (with
+    `--enable-auto-tool-choice`, vLLM's flags): `hermes` (`<tool_call>{"name": ..., "arguments":
+    ...}</tool_call>`: Qwen2.5/3, Hermes) or `llama3_json` (a JSON object {"name", "parameters"},
+    optionally after `<|python_tag|>`, several separated by ";": Llama 3.1-3.3).
+- Calls come back as `message.tool_calls` (`finish_reason` "tool_calls", but "stop" for a named
+  function, as vLLM); text the model wrote before its calls is the `content`. A stream sends the
+  text as it comes, holds back what may open a call, and sends the calls whole at the end.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+PARSERS = ("hermes", "llama3_json")
+
+
+class ToolError(ValueError):
+    """A request's tools or tool_choice cannot run (the client's 400, naming `param`)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    mode: str                       # "none" | "auto" | "required" | "named"
+    tools: list | None              # for the chat template
+    schema: dict | None = None      # the output's JSON schema (required, named)
+    name: str | None = None         # named: the function
+    parser: str | None = None       # auto: the call format
+
+    @property
+    def parses(self) -> bool:
+        return self.mode in ("auto", "required", "named")
+
+
+def plan(tools, tool_choice, parser: str | None) -> ToolPlan:
+    """The plan of one request; ValueError (one sentence) for tools or a tool_choice it cannot run.
+    `parser`: the server's --tool-call-parser when --enable-auto-tool-choice is on, else None."""
+    if tools is not None and not isinstance(tools, list):
+        raise ToolError("tools must be a list of {'type': 'function', 'function': {...}} objects.", "tools")
+    tools = tools or None
+    functions = {}
+    for i, t in enumerate(tools or []):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise ToolError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
+                            f"'parameters': {{...}}}}}}.", "tools")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise ToolError(f"tools[{i}].function.name must be a non-empty string.", "tools")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise ToolError(f"tools[{i}].function.parameters must be a JSON schema object.", "tools")
+        functions[name] = params
+    choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if not isinstance(name, str):
+            raise ToolError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', "
+                            "'function': {'name': ...}}.", "tool_choice")
+        if name not in functions:
+            raise ToolError(f"tool_choice names the function {name!r}, which is not among the tools.",
+                            "tool_choice")
+        return ToolPlan("named", tools, functions[name], name)
+    if choice not in ("none", "auto", "required"):
+        raise ToolError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', "
+                        "'function': {'name': ...}}.", "tool_choice")
+    if choice != "none" and not tools:
+        raise ToolError(f"tool_choice {choice!r} needs tools.", "tool_choice")
+    if choice == "required":
+        calls = [{"type": "object", "properties": {"name": {"const": n}, "parameters": p},
+                  "required": ["name", "parameters"], "additionalProperties": False} for n, p in functions.items()]
+        return ToolPlan("required", tools, {"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+    if choice == "auto":
+        if parser is None:
+            raise ToolError('tool_choice "auto" needs a server started with --enable-auto-tool-choice and '
+                            '--tool-call-parser (hermes or llama3_json, as the model writes its calls); '
+                            'name a function in tool_choice, or use "required" or "none".', "tool_choice")
+        return ToolPlan("auto", tools, parser=parser)
+    return ToolPlan("none", tools)
+
+
+def _call(name: str, arguments) -> dict:
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+            "function": {"name": name, "arguments": args}}
+
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+
+
+def parse(p: ToolPlan, text: str, finished_whole: bool = True) -> tuple[str | None, list[dict]]:
+    """(content, calls) of a finished choice's text. Text that does not hold well-formed calls is
+    all content, as vLLM returns it. `finished_whole`: the output ended by itself (not cut by
+    max_tokens): a named or required call cut short stays text."""
+    if p.mode == "named":
+        return (None, [_call(p.name, text)]) if finished_whole else (text, [])
+    if p.mode == "required":
+        try:
+            items = json.loads(text)
+            calls = [_call(c["name"], c["parameters"]) for c in items]
+        except (ValueError, TypeError, KeyError):
+            return text, []
+        return None, calls
+    if p.mode != "auto":
+        return text, []
+    try:
+        if p.parser == "hermes":
+            start = text.find("<tool_call>")
+            if start < 0:
+                return text, []
+            calls = []
+            for body in _HERMES.findall(text[start:]):
+                obj = json.loads(body)
+                calls.append(_call(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
+            return text[:start] or None, calls  # NOTE: as vLLM's hermes parser: the text before, as it is
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        if not body.startswith("{"):
+            return text, []
+        calls = []
+        for part in _split_json_objects(body):
+            obj = json.loads(part)
+            calls.append(_call(obj["name"], obj.get("parameters", obj.get("arguments", {}))))
+        return None, calls
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return text, []
+
+
+def _split_json_objects(text: str) -> list[str]:
+    """'{...}; {...}' -> the objects' texts (";" or whitespace between them)."""
+    dec, out, i = json.JSONDecoder(), [], 0
+    while i < len(text):
+        _, end = dec.raw_decode(text, i)
+        out.append(text[i:end])
+        i = end
+        while i < len(text) and text[i] in "; \n\t":
+            i += 1
+    return out
+
+
+class ToolStream:
+    """One choice of a stream: passes text on, holding back from where a call may begin; at the
+    end, (text still to send, calls)."""
+
+    def __init__(self, p: ToolPlan):
+        self.plan, self.text, self.sent = p, "", 0
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        if self.plan.mode in ("named", "required"):
+            return ""
+        if self.plan.mode != "auto":
+            out, self.sent = self.text[self.sent:], len(self.text)
+            return out
+        hold = self._hold_from()
+        out, self.sent = self.text[self.sent:hold], max(self.sent, hold)
+        return out
+
+    def _hold_from(self) -> int:
+        t = self.text
+        if self.plan.parser == "llama3_json":
+            s = t.lstrip()
+            if not s or s.startswith("{") or "<|python_tag|>".startswith(s[:14]) or s.startswith("<|python_tag|>"):
+                return 0  # NOTE: a call from the first character on: nothing is sent until the end
+            return len(t)
+        marker = "<tool_call>"
+        i = t.find(marker)
+        if i >= 0:
+            return i
+        for k in range(min(len(marker) - 1, len(t)), 0, -1):  # a marker's beginning at the end
+            if t.endswith(marker[:k]):
+                return len(t) - k
+        return len(t)
+
+    def finish(self, finished_whole: bool) -> tuple[str, list[dict]]:
+        content, calls = parse(self.plan, self.text, finished_whole)
+        if not calls:
+            return self.text[self.sent:], []
+        # NOTE: what was sent is a beginning of the content (the text before the calls)
+        return (content or "")[self.sent:], calls

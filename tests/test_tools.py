@@ -1,0 +1,176 @@
+"""Tool calling on /v1/chat/completions (serve/tools.py): the plan a request's tools and
+tool_choice make, the parsers of the models' call formats, the stream's hold-back, and the
+server through the official openai client."""
+import json
+import os
+import random
+
+import openai
+import pytest
+
+from models import build_model
+from numa_runtime.serve.tools import ToolStream, parse, plan
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"unit": {"enum": ["C", "F"]}}, "required": ["unit"],
+                   "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+
+
+def test_the_plan_of_tools_and_tool_choice():
+    assert plan(None, None, None).mode == "none"
+    assert plan([WEATHER], None, "hermes").mode == "auto"  # OpenAI's default with tools
+    named = plan([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}, None)
+    assert named.mode == "named" and named.schema == TIME["function"]["parameters"]
+    req = plan([WEATHER, TIME], "required", None)
+    assert req.schema["type"] == "array" and len(req.schema["items"]["anyOf"]) == 2
+    for tools, choice, parser, msg in (
+            ([WEATHER], None, None, 'tool_choice "auto" needs a server started with --enable-auto-tool-choice'),
+            ([WEATHER], {"type": "function", "function": {"name": "nope"}}, None, "not among the tools"),
+            (None, "required", None, "tool_choice 'required' needs tools"),
+            ([{"type": "function", "function": {}}], "none", None, r"tools\[0\].function.name"),
+            ([{"type": "retrieval"}], "none", None, r"tools\[0\] must be"),
+            ([WEATHER], "sometimes", None, "tool_choice must be")):
+        with pytest.raises(ValueError, match=msg):
+            plan(tools, choice, parser)
+
+
+def test_parsers_read_the_models_call_formats():
+    hermes = plan([WEATHER, TIME], "auto", "hermes")
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"unit": "C"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>')
+    content, calls = parse(hermes, text)
+    assert content == "Let me check.\n"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"unit": "C"}), ("get_time", {"zone": "UTC"})]
+    assert all(c["type"] == "function" and c["id"].startswith("chatcmpl-tool-") for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+    assert parse(hermes, "No tools needed.") == ("No tools needed.", [])
+    assert parse(hermes, "<tool_call>{not json}</tool_call>") == ("<tool_call>{not json}</tool_call>", [])
+    llama = plan([WEATHER, TIME], "auto", "llama3_json")
+    content, calls = parse(llama, '<|python_tag|>{"name": "get_weather", "parameters": {"unit": "F"}}; '
+                                  '{"name": "get_time", "parameters": {"zone": "CET"}}')
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert parse(llama, "Hello {there}") == ("Hello {there}", [])
+    req = plan([WEATHER], "required", None)
+    content, calls = parse(req, '[{"name": "get_weather", "parameters": {"unit": "C"}}]')
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"unit": "C"}
+    named = plan([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None)
+    assert parse(named, '{"unit": "C"}')[1][0]["function"]["arguments"] == '{"unit": "C"}'
+    assert parse(named, '{"unit": ', finished_whole=False) == ('{"unit": ', [])  # cut by max_tokens
+
+
+@pytest.mark.parametrize("parser,text", [
+    ("hermes", 'Sure, <tool_ca> is not a call. <tool_call>{"name": "get_weather", "arguments": {"unit": "C"}}'
+               '</tool_call>'),
+    ("hermes", "Just text, ending in <tool_"),
+    ("llama3_json", '{"name": "get_time", "parameters": {"zone": "UTC"}}'),
+    ("llama3_json", "Plain words {with braces}"),
+])
+def test_a_stream_sends_what_the_body_holds(parser, text):
+    """However the text is cut into deltas, the stream's content is the body's content (nothing of
+    a call leaks out as text) and its calls are the body's."""
+    p = plan([WEATHER, TIME], "auto", parser)
+    want_content, want_calls = parse(p, text)
+    rng = random.Random(0)
+    for _ in range(50):
+        ts, sent, i = ToolStream(p), "", 0
+        while i < len(text):
+            j = min(len(text), i + rng.randint(1, 6))
+            sent += ts.feed(text[i:j])
+            i = j
+        rest, calls = ts.finish(True)
+        assert sent + rest == (want_content or ""), (sent, rest)
+        strip = lambda cs: [(c["function"]["name"], c["function"]["arguments"]) for c in cs]  # noqa: E731
+        assert strip(calls) == strip(want_calls)
+
+
+# ------------------------------------------------------------------ the server
+TEMPLATE = ("{% if tools %}Tools:{% for t in tools %} {{ t.function.name }}{% endfor %}\n{% endif %}"
+            "{% for m in messages %}<{{ m.role }}> {{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("tools"))
+    build_model(d, arch="qwen2")
+    with open(os.path.join(d, "tokenizer_config.json")) as f:
+        cfg = json.load(f)
+    cfg["chat_template"] = TEMPLATE
+    with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f)
+    return d
+
+
+def _server(model_dir, *extra):
+    from test_server import ServerProcess
+    return ServerProcess(["--model", model_dir, "--dtype", "float32", "--served-model-name", "m",
+                          "--num-threads", "1", *extra])
+
+
+MSGS = [{"role": "user", "content": "Weather?"}]
+KW = dict(model="m", messages=MSGS, max_tokens=120, temperature=0)
+
+
+def test_named_and_required_tool_choice_return_calls(model_dir):
+    srv = _server(model_dir)
+    try:
+        c = srv.client()
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        r = c.chat.completions.create(tools=[WEATHER, TIME], tool_choice=named, **KW).choices[0]
+        assert r.finish_reason == "stop" and r.message.content is None
+        call = r.message.tool_calls[0]
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments)["unit"] in ("C", "F")
+        # the stream sends the same call, whole
+        chunks = list(c.chat.completions.create(tools=[WEATHER, TIME], tool_choice=named, stream=True, **KW))
+        deltas = [d.choices[0].delta for d in chunks if d.choices and d.choices[0].delta.tool_calls]
+        assert len(deltas) == 1 and deltas[0].tool_calls[0].function.arguments == call.function.arguments
+        assert [d.choices[0].finish_reason for d in chunks if d.choices][-1] == "stop"
+        assert not "".join(d.choices[0].delta.content or "" for d in chunks if d.choices)
+        r = c.chat.completions.create(tools=[WEATHER, TIME], tool_choice="required", **KW).choices[0]
+        assert r.finish_reason == "tool_calls" and r.message.tool_calls
+        assert {t.function.name for t in r.message.tool_calls} <= {"get_weather", "get_time"}
+        r = c.chat.completions.create(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+                                      **KW).choices[0]
+        assert len(r.message.tool_calls) == 1
+        # the template saw the tools
+        plain = c.chat.completions.create(**{**KW, "max_tokens": 1})
+        with_tools = c.chat.completions.create(tools=[WEATHER, TIME], tool_choice="none", **{**KW, "max_tokens": 1})
+        assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens
+        with pytest.raises(openai.BadRequestError, match="needs a server started with --enable-auto-tool-choice"):
+            c.chat.completions.create(tools=[WEATHER], **KW)
+        with pytest.raises(openai.BadRequestError, match="not among the tools"):
+            c.chat.completions.create(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "x"}},
+                                      **KW)
+    finally:
+        assert srv.stop() == 0, srv.output()
+
+
+def test_auto_tool_choice_with_a_parser(model_dir):
+    """With --enable-auto-tool-choice the model may answer in text (a random model does): the text
+    is the content, streamed as in the body."""
+    srv = _server(model_dir, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    try:
+        c = srv.client()
+        kw = dict(tools=[WEATHER], **{**KW, "max_tokens": 24}, extra_body={"ignore_eos": True})
+        body = c.chat.completions.create(**kw).choices[0]
+        assert body.finish_reason == "length" and body.message.tool_calls is None and body.message.content
+        streamed = "".join(d.choices[0].delta.content or "" for d in c.chat.completions.create(stream=True, **kw)
+                           if d.choices)
+        assert streamed == body.message.content
+    finally:
+        assert srv.stop() == 0, srv.output()
+
+
+def test_tool_flags_are_checked_before_loading():
+    import subprocess
+    import sys
+    for flags, msg in ((["--enable-auto-tool-choice"], "needs --tool-call-parser"),
+                       (["--tool-call-parser", "hermes"], "needs --enable-auto-tool-choice")):
+        p = subprocess.run([sys.executable, "-m", "numa_runtime.serve", "--model", "/nonexistent", *flags],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and msg in p.stderr, p.stderr[-2000:]
