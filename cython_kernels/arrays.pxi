@@ -32,7 +32,10 @@ cdef inline bint _is_thd(object a, bint writable):
     if not _is_array(a, cnp.NPY_FLOAT32):
         return False
     cdef cnp.ndarray x = <cnp.ndarray>a
-    if x.ndim != 3 or (x.shape[2] > 1 and x.strides[2] != 4) or x.strides[0] % 4 or x.strides[1] % 4:
+    if x.ndim != 3:
+        return False
+    # NOTE: an empty array's strides may be 0 (numpy 2.4): nothing is read from it
+    if cnp.PyArray_SIZE(x) and ((x.shape[2] > 1 and x.strides[2] != 4) or x.strides[0] % 4 or x.strides[1] % 4):
         return False
     return not writable or cnp.PyArray_ISWRITEABLE(x)
 

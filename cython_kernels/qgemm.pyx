@@ -343,7 +343,8 @@ cdef class QLinear:
         # NOTE: the rows of a step of prompt rows only take the bf16 path however few they are:
         # a prompt's logits must not switch path when the prefix cache held most of it
         cdef bint wide = M >= PANEL_M_MIN or qg_decode_step == 2
-        cdef bint tiles = self.prefill_bf16 and wide and qg_amxbf16 != 0
+        # NOTE: AMX comes with VNNI: a level forced below it (tests, bench_isa_context) runs no tiles
+        cdef bint tiles = self.prefill_bf16 and wide and qg_amxbf16 != 0 and _level >= 2
         cdef bint panels = tiles or (self.prefill_bf16 and wide and _panel_usable())
         if not decode_rows and self.prefill_act8 and not (self.prefill_act8 == 2 and panels):
             q8 = True

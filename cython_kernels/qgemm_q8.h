@@ -67,7 +67,12 @@ static inline void qg_quantize_block(const float* xr, int n, int perm4, int8_t* 
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-    const float amax = _mm_cvtss_f32(h);
+    /* NOTE: max_ps drops a NaN: a block holding one gets a NaN scale, so that it reaches the
+     * output as on the exact path (it came out as -absmax of its block) */
+#define QG_UN(v) _mm256_cmp_ps(v, v, _CMP_UNORD_Q)
+    const __m256 un = _mm256_or_ps(_mm256_or_ps(QG_UN(v0), QG_UN(v1)), _mm256_or_ps(QG_UN(v2), QG_UN(v3)));
+#undef QG_UN
+    const float amax = _mm256_testz_ps(un, un) ? _mm_cvtss_f32(h) : NAN;
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     const __m256 vi = _mm256_set1_ps(inv);
     const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
@@ -115,11 +120,17 @@ static void qg_quantize_group(const float* xr, const qg_format* f, long g, int8_
             qg_quantize_block(xr + k0, (int)(k1 - k0), f->bits != 8, xq + k0, bs, bi, res ? res + k0 : NULL);
         } else {
             float amax = 0.0f;
-            for (long k = k0; k < k1; k++) amax = fmaxf(amax, fabsf(xr[k]));
+            int nan = 0;
+            for (long k = k0; k < k1; k++) {
+                amax = fmaxf(amax, fabsf(xr[k]));
+                nan |= isnan(xr[k]);
+            }
+            if (nan) amax = NAN;  /* NOTE: as qg_quantize_block: the NaN reaches the output */
             const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, scale = amax / 127.0f;
             int32_t sum = 0;
             for (long k = k0; k < k1; k++) {
-                int32_t q = (int32_t)nearbyintf(xr[k] * inv);
+                const float v = xr[k] * inv;
+                int32_t q = v == v ? (int32_t)nearbyintf(v) : 0;
                 q = q > 127 ? 127 : q < -127 ? -127 : q;
                 sum += q;
                 long d = k;

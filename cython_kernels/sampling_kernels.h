@@ -74,12 +74,14 @@ static int64_t nr_pick(const nr_pi *c, int64_t n, int complete, double t, double
         }
         if (cut > 0) L = cut;
     }
-    if (rp->min_p > 0.0) {
+    if (rp->min_p > 0.0 && n > 0) {
         double thr = rp->min_p * c[0].p;
         int64_t m = L < 0 ? n : L, f = m;
         for (int64_t i = 0; i < m; i++)
             if (!(c[i].p >= thr)) { f = i; break; }
-        if (f < m) L = f;
+        /* NOTE: the most likely token is always kept (f = 0 only when its p is NaN: a NaN or
+         * +inf logit; L = 0 read c[-1], an id outside the vocabulary) */
+        if (f < m) L = f > 0 ? f : 1;
         else if (L < 0 && t <= thr) L = n;  /* everything past c is below thr */
     }
     double total;

@@ -151,3 +151,17 @@ def test_bf16_engine_prompt_logprobs_close_to_f32_tiles(tmp_path):
     assert path.mean() < 0.75 * engine.mean(), (path.mean(), engine.mean())
     assert path.max() < engine.max(), (path.max(), engine.max())
     assert path.max() > 0  # the bf16 engine did take the bf16 path
+
+
+def test_empty_inputs_are_no_work():
+    """T = 0 (numpy 2.4 gives an empty array strides of 0): nothing written, nothing read; it was
+    refused as "not contiguous in its last axis"."""
+    from numa_runtime._kernels import attention
+    kc = np.zeros((4, 16, 2, 64), np.float32)
+    vc = kc.copy()
+    empty = np.zeros((0, 2, 64), np.float32)
+    attention.reshape_and_cache(empty, empty, kc, vc, np.zeros(0, np.int64))
+    out = np.zeros((0, 4, 64), np.float32)
+    got = attention.paged_attention(np.zeros((0, 4, 64), np.float32), kc, vc, np.zeros((0, 1), np.int32),
+                                    np.zeros(1, np.int32), np.zeros(0, np.int32), 0.1, out)
+    assert got.shape == (0, 4, 64) and not kc.any()

@@ -335,6 +335,19 @@ def test_paged_attention_rejects_short_block_table():
 
 
 # ----------------------------------------------------------------------------- sampling
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_sample_stays_in_the_vocabulary_on_a_nan_or_inf_logit(bad):
+    """min_p over a row with a NaN or +inf logit (a diverged model): the token is still an id of
+    the vocabulary (it read the word before its own buffer, e.g. 2433026 of 151936)."""
+    from numa_runtime._kernels import sampling
+    for v in (16, 1000, 151936):
+        x = np.random.default_rng(0).standard_normal((2, v)).astype(np.float32)
+        x[:, 5] = bad
+        ids = sampling.sample(x, np.ones(2, np.float32), np.array([0, 3], np.int32), np.ones(2, np.float32),
+                              np.array([0.1, 0.1], np.float32), np.array([0.5, 0.9]))
+        assert ((0 <= ids) & (ids < v)).all(), (v, ids)
+
+
 def test_sample_greedy_lowest_index_on_ties():
     logits = randn(33, 4095)
     logits[5, [9, 100, 4000]] = 50.0

@@ -214,6 +214,43 @@ def test_forward_silu_is_silu_and_mul_then_forward(fmt, path):
 
 
 @pytest.mark.parametrize("level", LEVELS)
+def test_a_nan_activation_reaches_the_output_on_the_int8_path(level):
+    """A NaN in a decode row gives that row NaN outputs on int8 activation blocks, as on the exact
+    path and in the numpy spec (it came out finite: as -absmax of its block); other rows stay
+    finite. Full blocks of 32 and 16 and a ragged per-row int8 block (K = 1001) alike."""
+    old = qgemm._force_cpu_level(level)
+    try:
+        for fmt, k in ((QuantFormat(4, 32, "min"), 256), (QuantFormat(6, 16, "sym"), 64),
+                       (QuantFormat(8, -1, "sym"), 1001)):
+            lin, _, _ = make(fmt, k, 37, with_bias=True)
+            for resid in (False, True):
+                lin.act8, lin.act8_residual = True, resid
+                x = np.random.default_rng(1).standard_normal((3, k), dtype=np.float32)
+                x[1, k - 2] = np.nan
+                y = lin.forward(x)
+                assert np.isnan(y[1]).all() and np.isfinite(y[[0, 2]]).all(), (fmt, resid)
+    finally:
+        qgemm._force_cpu_level(old)
+
+
+def test_a_forced_level_below_vnni_runs_no_amx_tiles():
+    """AMX comes with VNNI: at a forced level 1 or 0 a bf16-prefill linear takes the panels or
+    the exact path, as such a CPU would (bench_isa_context's prefill rows measured AMX tiles)."""
+    if not qgemm.has_amx_bf16():
+        pytest.skip("no AMX-BF16 here")
+    lin, _, _ = make(QuantFormat(4, 32, "min"), 256, 64, with_bias=False)
+    lin.prefill_bf16 = True
+    old = qgemm._force_cpu_level(qgemm.cpu_level())
+    try:
+        assert lin.fuses_silu(64)  # the AMX-BF16 tile path
+        for level in (1, 0):
+            qgemm._force_cpu_level(level)
+            assert not lin.fuses_silu(64), level
+    finally:
+        qgemm._force_cpu_level(old)
+
+
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 def test_act8_decode_path_matches_reference(fmt, level):
     """With act8 the decode rows (M <= ACT8_M_MAX) are rounded to int8 blocks and run on integer
