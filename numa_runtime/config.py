@@ -162,7 +162,7 @@ class ModelConfig:
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").replace("torch.", "")
         if dtype not in _DTYPES:
             raise UnsupportedModelError(f"Unsupported checkpoint dtype {dtype!r}; use bf16, f16 or f32.")
-        sliding, layer_types = _sliding_window(cfg, family)
+        sliding, layer_types = _sliding_window(cfg, family, arch)
         eos = cfg.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -179,13 +179,17 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos)
 
 
-def _sliding_window(cfg: dict, family: str) -> tuple[int | None, tuple]:
+def _sliding_window(cfg: dict, family: str, arch: str = "") -> tuple[int | None, tuple]:
     """(window, per-layer types) as transformers reads them: an explicit `layer_types` wins;
     Mistral slides on every layer; Qwen2/Qwen3 only with use_sliding_window, on the layers
-    from max_window_layers on."""
+    from max_window_layers on (28 when not given, transformers' default); Llama only where
+    layer_types say so (as vLLM: a Llama config's bare sliding_window, left by a conversion
+    from Mistral, is no window for transformers' Llama attention)."""
     n = int(cfg["num_hidden_layers"])
     window = cfg.get("sliding_window")
     if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        window = None
+    if arch == "LlamaForCausalLM" and not cfg.get("layer_types"):
         window = None
     if not window:
         return None, ()
@@ -198,7 +202,7 @@ def _sliding_window(cfg: dict, family: str) -> tuple[int | None, tuple]:
             raise UnsupportedModelError(f"layer_types {types!r} must list 'full_attention' or "
                                         f"'sliding_attention' for each of the {n} layers.")
         return window, tuple(types)
-    first = int(cfg.get("max_window_layers", 0)) if family in ("qwen2", "qwen3") else 0
+    first = int(cfg.get("max_window_layers", 28)) if family in ("qwen2", "qwen3") else 0
     return window, tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
 
 
@@ -210,13 +214,22 @@ def _rope_config(cfg: dict, head_dim: int) -> RopeConfig:
     # (rope_inv_freq); gguf_model writes it from the GGUF.
     params = dict(cfg.get("rope_parameters") or {})
     scaling = dict(cfg.get("rope_scaling") or {})
-    merged = {**scaling, **params}
-    theta = float(merged.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    # NOTE: as transformers, rope_scaling (the key users edit, e.g. to turn on yarn) wins over
+    # rope_parameters; theta stays where it was given; null means a key's default
+    merged = {k: v for k, v in {**params, **scaling}.items() if v is not None}
+    theta = float(merged.get("rope_theta", cfg.get("rope_theta") or 10000.0))
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(f"Unsupported rope scaling type {rope_type!r}; supported: "
                                     f"{', '.join(SUPPORTED_ROPE_TYPES)}.")
-    partial = float(merged.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    if rope_type in ("linear", "dynamic") and merged.get("factor") is None:
+        raise UnsupportedModelError(f"rope scaling {rope_type!r} needs its 'factor'.")
+    if cfg.get("original_max_position_embeddings") is not None:  # NOTE: transformers reads the top level first
+        merged["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    partial = float(merged.get("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0))
+    if int(head_dim * partial) % 2:
+        raise UnsupportedModelError(f"The rotary dimension ({head_dim} x partial_rotary_factor {partial}) must be "
+                                    "even: rope rotates pairs of values.")
     factors = tuple(float(f) for f in cfg.get("rope_freq_factors") or ())
     if factors and (len(factors) != int(head_dim * partial) // 2 or not all(0 < f < math.inf for f in factors)):
         raise UnsupportedModelError(f"rope_freq_factors must hold {int(head_dim * partial) // 2} positive "

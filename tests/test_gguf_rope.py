@@ -185,3 +185,54 @@ def test_rope_tables_equal_transformers(rope):
                                                        "rope_parameters": {"rope_theta": 10000.0, **rope}}))
     np.testing.assert_allclose(ours, want.double().numpy(), rtol=1e-6)
     assert scale == pytest.approx(float(want_scale), rel=1e-9)
+
+
+@pytest.mark.parametrize("arch,edit", [
+    # a Llama config's bare sliding_window (left by a conversion from Mistral): no window in transformers
+    ("llama", lambda c: c.update(sliding_window=7)),
+    # rope_scaling added to a transformers-5 config (rope_parameters default): rope_scaling wins
+    ("llama", lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                               "original_max_position_embeddings": 128})),
+    # use_sliding_window without max_window_layers: transformers' default of 28 (no layer slides here)
+    ("qwen2", lambda c: (c.update(use_sliding_window=True, sliding_window=5), c.pop("max_window_layers", None),
+                         c.pop("layer_types", None))),
+    # a top-level original_max_position_embeddings (Phi-3 style) comes first for yarn
+    ("llama", lambda c: c.update(original_max_position_embeddings=64, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "beta_fast": None})),
+], ids=["llama-bare-window", "rope-scaling-wins", "qwen2-default-window-layers", "top-level-original"])
+def test_config_readings_equal_transformers(tmp_path, arch, edit):
+    """Config fields transformers reads in its own way: the engine's f32 logits equal its own
+    (each of these ran silently with other attention or rope before)."""
+    import json
+    import torch
+    from transformers import AutoModelForCausalLM
+    from models import build_model
+    from numa_runtime import Engine
+    from numa_runtime.plan import EXECUTE
+    d = str(tmp_path / "m")
+    build_model(d, arch=arch)
+    with open(os.path.join(d, "config.json")) as f:
+        cfg = json.load(f)
+    edit(cfg)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    ids = list(range(3, 60))
+    ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0].numpy()
+    eng = Engine(d, dtype="float32", kv_cache_memory=1 << 22)
+    try:
+        got = eng._forward_once(ids, np.arange(len(ids)), EXECUTE)
+    finally:
+        eng.close()
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_configs_rope_cannot_run_are_refused(tmp_path):
+    from numa_runtime.config import ModelConfig, UnsupportedModelError
+    base = dict(vocab_size=8, hidden_size=28, intermediate_size=8, num_hidden_layers=1, num_attention_heads=4,
+                architectures=["LlamaForCausalLM"])
+    with pytest.raises(UnsupportedModelError, match="rotary dimension .* must be even"):
+        ModelConfig.from_dict(base)  # head_dim 7
+    with pytest.raises(UnsupportedModelError, match="rope scaling 'linear' needs its 'factor'"):
+        ModelConfig.from_dict({**base, "hidden_size": 32, "rope_scaling": {"rope_type": None, "type": "linear"}})

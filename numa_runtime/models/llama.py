@@ -99,6 +99,11 @@ class LlamaModel:
             # decoder is quantized, by default); the embedding table stays as stored. An embedding
             # model has no lm_head
             tied = cfg.tie_word_embeddings or "lm_head.weight" not in ckpt
+            if cfg.tie_word_embeddings and "lm_head.weight" in ckpt and comm.rank == 0 and not _same_first_row(
+                    ckpt, "lm_head.weight", "model.embed_tokens.weight"):
+                # NOTE: as vLLM, the tie wins (transformers would warn and keep the stored head)
+                log.warning("%s stores an lm_head.weight though config.json says tie_word_embeddings: true; "
+                            "it is not read: the input embedding serves as the output head", cfg.model_dir)
             if tied and not cfg.tie_word_embeddings and not cfg.is_embedding_model and comm.rank == 0:
                 # NOTE: as transformers (which warns and starts a random head), not silently
                 log.warning("%s has no lm_head.weight though config.json says tie_word_embeddings: false; "
@@ -445,3 +450,12 @@ def _check_tensors(cfg: ModelConfig, ckpt: Checkpoint) -> None:
                 f"(hidden_size {h}, intermediate_size {i}, {cfg.num_heads} attention and {cfg.num_kv_heads} "
                 f"key/value heads of {cfg.head_dim}, vocab_size {cfg.vocab_size}): the config does not describe "
                 "these weights.")
+
+
+def _same_first_row(ckpt, a: str, b: str) -> bool:
+    """Whether two stored matrices begin alike (a tied head some checkpoints also store)."""
+    try:
+        first = slice(0, 1)
+        return bool(np.array_equal(ckpt.load(a, "float32", rows=first), ckpt.load(b, "float32", rows=first)))
+    except Exception:  # noqa: BLE001 - a check for a warning only
+        return False
