@@ -238,3 +238,84 @@ def test_the_front_ignores_stop_signals_and_lifts_its_file_limit(front):
     with open(f"/proc/{proc.pid}/limits") as f:
         line = next(line for line in f if line.startswith("Max open files"))
     assert line.split()[3:5] == [str(hard)] * 2, line
+
+
+def test_three_pipelined_requests_get_three_answers(front):
+    """Every pipelined request is answered (the relay parsed the second answer before the second
+    request and died, dropping the third request's answer)."""
+    base, proc = front([(ok(b"one") + ok(b"two") + ok(b"three"), True)])
+    assert raw_exchange(base, GET + GET + GET) == ok(b"one") + ok(b"two") + ok(b"three")
+    proc.stdin.close()
+    assert proc.wait(timeout=30) == 0
+    err = proc.stderr.read()
+    assert b"connection failed" not in err and b"in flight" not in err, err
+
+
+def test_an_early_answer_and_close_reach_the_client_whole(front):
+    """Rank 0 refuses a large body at once (413) and closes without reading it: the client gets
+    that 413, not a 503 saying the engine stopped (the front's failed write dropped the answer)."""
+    too_big = b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}"
+
+    async def rank0(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(1 << 16)  # NOTE: the body is flowing: the front is writing it
+        writer.write(too_big)
+        await writer.drain()
+        writer.close()
+
+    base, proc = front([], handler=rank0)
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n"
+    for _ in range(10):
+        port = int(base.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(head % (6 << 20))
+            got = b""
+            try:
+                for _ in range(96):
+                    sock.sendall(b"x" * (1 << 16))
+            except OSError:
+                pass  # NOTE: the front may close before the client has sent it all
+            try:
+                while data := sock.recv(65536):
+                    got += data
+            except OSError:
+                pass
+        assert got == too_big, got
+    proc.stdin.close()
+    assert proc.wait(timeout=30) == 0 and b"in flight" not in proc.stderr.read()
+
+
+def test_a_client_that_half_closes_after_its_request_gets_the_answer(front):
+    base, _ = front([(ok(b"one"), False)])
+    port = int(base.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+        sock.shutdown(socket.SHUT_WR)
+        got = b""
+        while data := sock.recv(65536):
+            got += data
+    assert got == ok(b"one")
+
+
+def test_keep_alive_counts_from_the_end_of_the_last_answer(front):
+    """A connection stays open --keep-alive seconds after its answer ended, however long the answer
+    took (a read begun with the request used to close it right after a slow answer)."""
+    import time
+
+    async def slow(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        await asyncio.sleep(1.0)  # NOTE: the answer takes a second (the scenario, not a wait)
+        writer.write(ok(b"late"))
+        await writer.drain()
+        await reader.read()  # until the front closes
+
+    base, _ = front([], handler=slow, args=("--keep-alive", "0.6"))
+    port = int(base.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(GET)
+        got = b""
+        while not got.endswith(b"late"):
+            got += sock.recv(65536)
+        answered = time.monotonic()
+        assert sock.recv(65536) == b""
+        assert time.monotonic() - answered >= 0.5

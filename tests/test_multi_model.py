@@ -171,6 +171,14 @@ def test_server_serves_each_model_by_name(models, ranks):
             client.completions.create(model="delta", prompt="x", max_tokens=2)
         r = httpx.post(srv.base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
         assert r.status_code == 400 and "Name the model" in r.json()["error"]["message"]
+        # one registry for every model (it counted the first model's requests only), labelled by model
+        from test_server import metric
+        for name in names:
+            assert metric(srv.base, f'numa_runtime_requests_total{{model_name="{name}"}}') == 2
+            assert metric(srv.base, f'numa_runtime_generation_tokens_total{{model_name="{name}"}}') >= 8
+        assert metric(srv.base, 'numa_runtime_http_responses_total{code="404"}') == 1
+        assert metric(srv.base, 'numa_runtime_http_responses_total{code="400"}') >= 1
+        assert all(m["max_model_len"] == 128 for m in httpx.get(srv.base + "/v1/models").json()["data"])
         for bad in (["alpha"], {"a": 1}, 7):
             r = httpx.post(srv.base + "/v1/completions", json={"model": bad, "prompt": "x"}, timeout=30)
             assert r.status_code == 400 and "'model' must be a string" in r.json()["error"]["message"]

@@ -79,9 +79,14 @@ class ServerProcess:
 
 
 def metric(base: str, name: str, headers=None) -> float:
+    """The sum of the series of `name` ('family_total' or 'family_total{label="v"}') whose labels
+    include those given (a series may carry more, such as model_name)."""
+    from prometheus_client.parser import text_string_to_metric_families
     text = httpx.get(base + "/metrics", headers=headers).text
-    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
+    m = re.fullmatch(r"([^{]+)(?:\{(.*)\})?", name)
+    want = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == m.group(1) and want.items() <= s.labels.items())
 
 
 # ------------------------------------------------------------------------------ fixtures

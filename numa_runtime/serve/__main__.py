@@ -371,12 +371,14 @@ def _serve(args, world, sock, front) -> int:
     # NOTE: uvicorn cancels what still runs after its own grace (a CancelledError traceback);
     # the engine ends every request before that. The app has no lifespan events: with them on,
     # a second signal (exit now) cancels the lifespan task and Starlette logs a traceback.
+    # NOTE: requests cut at the grace end their streams within a moment; 2 s more, then uvicorn
+    # cancels what is left (a client stalled mid-upload held the exit 10 s)
     # NOTE: behind the front, rank 0 never closes an idle connection (its close could not be told
     # from a dead rank's); the front closes idle clients after uvicorn's usual 5 s instead
     http_log = args.log_level if args.log_level in ("debug", "error") else "warning"
     server = uvicorn.Server(uvicorn.Config(asgi, host=args.host, port=args.port, log_level=http_log,
                                            access_log=args.log_level == "debug",
-                                           lifespan="off", timeout_graceful_shutdown=args.shutdown_grace + 10,
+                                           lifespan="off", timeout_graceful_shutdown=args.shutdown_grace + 2,
                                            timeout_keep_alive=_BACKEND_KEEP_ALIVE_S if front else 5))
     port = sock.getsockname()[1]
     if front is not None:

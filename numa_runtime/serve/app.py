@@ -82,11 +82,16 @@ _LEADING_FIELD = re.compile(r"^([a-z_]+)(?: keys| values| of type \S+)? (?:must|
 _API_NAME = {"json_schema": "response_format"}  # SamplingParams field -> the OpenAI field it came from
 
 
-def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
-    engine = aengine.engine
-    metrics = ServerMetrics(lambda: aengine.stats, lambda name: {
+def server_metrics(aengine) -> ServerMetrics:
+    return ServerMetrics(lambda: aengine.stats, lambda name: {
         "seconds_since_last_step": aengine.seconds_since_last_step,
         "engine_busy_seconds": aengine.busy_seconds}[name])
+
+
+def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics | None = None) -> FastAPI:
+    """The app of one model; `metrics`: a registry shared with the other models' apps."""
+    engine = aengine.engine
+    metrics = metrics if metrics is not None else server_metrics(aengine)
     app = FastAPI(title="numa_runtime", version="0.1.0", docs_url=None, redoc_url=None,
                   description="OpenAI-compatible completions and chat over numa_runtime.")
     app.add_middleware(_Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes, metrics=metrics)
@@ -239,7 +244,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
         with _client_errors(renames):
             await gen.start(prompts, params)
         tracker = R.ChoiceTracker(params.n)
-        report = _Report(metrics, tracker, arrival, len(prompts) * params.n)
+        report = _Report(metrics, tracker, arrival, len(prompts) * params.n, config.served_model_name)
         name = config.served_model_name
         if body.stream:
             return StreamingResponse(_stream(gen, tracker, report, rid, name, kind, body.include_usage, decode_token,
@@ -257,6 +262,9 @@ def build_app(aengine: AsyncEngine, config: ServeConfig) -> FastAPI:
         except RuntimeError as e:
             status = "error"
             raise ApiError(500, str(e), type_="server_error", code="engine_error") from None
+        except ApiError:
+            status = "error"
+            raise
         finally:
             gen.abort()
             report.finish(status)
@@ -304,8 +312,9 @@ class _Generation:
 class _Report:
     """Feeds ServerMetrics for one API request."""
 
-    def __init__(self, metrics: ServerMetrics, tracker: R.ChoiceTracker, arrival: float, num_seqs: int):
+    def __init__(self, metrics: ServerMetrics, tracker: R.ChoiceTracker, arrival: float, num_seqs: int, model: str):
         self.metrics, self.tracker, self.arrival, self.num_seqs = metrics, tracker, arrival, num_seqs
+        self.model = model
         self.first_token: float | None = None
 
     def saw(self, pieces: list[R.Piece]) -> None:
@@ -314,7 +323,7 @@ class _Report:
 
     def finish(self, status: str) -> None:
         u = self.tracker.usage()
-        self.metrics.observe_request(status, u["prompt_tokens"], u["completion_tokens"], self.arrival,
+        self.metrics.observe_request(self.model, status, u["prompt_tokens"], u["completion_tokens"], self.arrival,
                                      self.first_token, time.monotonic(), self.num_seqs)
 
 
@@ -377,8 +386,9 @@ async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode,
             yield R.sse(R.usage_chunk(rid, obj, model, created, tracker.usage()))
         yield R.sse("[DONE]")
     except (EngineDeadError, RuntimeError) as e:
-        status = "error"
-        yield R.sse(R.error_body(str(e), "server_error", code="engine_error"))
+        status = "error"  # NOTE: the codes of a body's 503 / 500
+        code = "engine_stopped" if isinstance(e, EngineDeadError) else "engine_error"
+        yield R.sse(R.error_body(str(e), "server_error", code=code))
         yield R.sse("[DONE]")
     except ApiError as e:
         status = "error"

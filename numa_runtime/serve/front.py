@@ -35,6 +35,7 @@ STOPPED = ("The engine stopped before this request finished (one of its processe
 _READ = 1 << 16
 _MAX_PENDING = 1 << 22  # bytes h11 may hold unparsed before the front stops following a connection
 _EXIT_AFTER_S = 10.0  # once rank 0 has gone, the longest the front waits for connections to end
+_UNTRACKED_IDLE_S = 3600.0  # a connection h11 cannot follow closes after this long without a byte
 
 
 def error_json(message: str, code: str = "engine_stopped") -> bytes:
@@ -80,10 +81,14 @@ class Relay:
         self.client_gone = False
         self.tail = b""                         # the last bytes rank 0 sent
         self.upstream: asyncio.Future | None = None
+        self.bread_side: asyncio.StreamWriter | None = None  # the backend socket's reading transport
+        loop = asyncio.get_running_loop()
+        self.idle_since = loop.time()           # when the last response ended (or the connection began)
+        self.last_byte = loop.time()            # when a byte last went either way
 
     async def run(self) -> None:
         try:
-            breader, bwriter = await asyncio.open_unix_connection(self.front.backend)
+            breader, bwriter, self.bread_side = await _open_backend(self.front.backend)
         except OSError as e:
             # NOTE: refused or gone: rank 0 has stopped; anything else (too many open files) is
             # this process's limit, and the client may retry
@@ -99,30 +104,54 @@ class Relay:
         finally:
             self.upstream.cancel()
             bwriter.close()
+            self.bread_side.close()
             self.cwriter.close()
 
     async def client_to_backend(self, bwriter: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                # NOTE: rank 0 keeps connections open; the front closes those idle for keep_alive_s
-                # (checked again every keep_alive_s: a read begun during a request outlives it)
-                data = await asyncio.wait_for(self.creader.read(_READ), self.front.keep_alive_s)
-            except asyncio.TimeoutError:
-                if not self.idle():
+        loop = asyncio.get_running_loop()
+        read = asyncio.ensure_future(self.creader.read(_READ))
+        try:
+            while True:
+                # NOTE: rank 0 keeps connections open; the front closes those idle keep_alive_s
+                # after their last response ended (as uvicorn times keep-alive), and those it cannot
+                # follow after _UNTRACKED_IDLE_S without a byte either way
+                if self.tracked:
+                    left = (self.idle_since + self.front.keep_alive_s - loop.time() if self.idle()
+                            else self.front.keep_alive_s)
+                else:
+                    left = self.last_byte + _UNTRACKED_IDLE_S - loop.time()
+                if left <= 0:  # NOTE: nothing in flight: close both sides; the relay then ends
+                    self.client_gone = True
+                    bwriter.close()
+                    self.bread_side.close()
+                    return
+                done, _ = await asyncio.wait({read}, timeout=left)
+                if not done:
                     continue
-                data = b""
-            except OSError:
-                data = b""
-            if not data:
-                self.client_gone = True
-                bwriter.close()  # NOTE: rank 0 sees the disconnect and aborts what the client asked for
-                return
-            self.watch(self.up, data)
-            try:
-                bwriter.write(data)
-                await bwriter.drain()
-            except OSError:
-                return  # NOTE: rank 0's side has gone; backend_to_client answers the client
+                try:
+                    data = read.result()
+                except OSError:
+                    data = b""
+                if not data:
+                    # NOTE: the client's end of file, passed on as one: a client that half-closes
+                    # after its request still gets the answer; one that has gone makes rank 0 see
+                    # the disconnect and abort what it asked for
+                    self.client_gone = True
+                    try:
+                        bwriter.write_eof()
+                    except OSError:
+                        pass
+                    return
+                read = asyncio.ensure_future(self.creader.read(_READ))
+                self.last_byte = loop.time()
+                self.watch(self.up, data)
+                try:
+                    bwriter.write(data)
+                    await bwriter.drain()
+                except OSError:
+                    return  # NOTE: rank 0's side has gone; backend_to_client answers the client
+        finally:
+            read.cancel()
 
     async def backend_to_client(self, breader: asyncio.StreamReader) -> None:
         while True:
@@ -132,6 +161,7 @@ class Relay:
                 data = b""
             if not data:
                 break
+            self.last_byte = asyncio.get_running_loop().time()
             self.cwriter.write(data)
             self.tail = (self.tail + data)[-2:]
             self.watch(self.down, data)
@@ -182,8 +212,10 @@ class Relay:
         try:
             conn.receive_data(data)
             self.pump()
-        except h11.ProtocolError:
-            self.tracked = False  # NOTE: rank 0 answers a malformed request itself; just relay
+        except (h11.ProtocolError, AttributeError):
+            # NOTE: rank 0 answers a malformed request itself; just relay (h11 may fail
+            # formatting its own error: an AttributeError)
+            self.tracked = False
             return
         if len(conn.trailing_data[0]) > _MAX_PENDING:  # e.g. requests pipelined behind a long stream
             self.tracked = False
@@ -197,7 +229,8 @@ class Relay:
         while moved:
             moved = False
             for conn, other in ((self.up, self.down), (self.down, self.up)):
-                while True:
+                # NOTE: a response (pipelined) waits until its request has come out of `up`
+                while conn is self.up or self.down.our_state is not h11.IDLE:
                     event = conn.next_event()
                     if event is h11.NEED_DATA or event is h11.PAUSED or isinstance(event, h11.ConnectionClosed):
                         break
@@ -214,6 +247,8 @@ class Relay:
                         self.up.start_next_cycle()
                         self.down.start_next_cycle()
                         self.event_stream = False
+                        self.idle_since = asyncio.get_running_loop().time()
+                        break  # NOTE: `up` first: the next request before the next response
 
     def cycle_done(self) -> bool:
         done = {h11.CLIENT: h11.DONE, h11.SERVER: h11.DONE}
@@ -246,6 +281,35 @@ class Relay:
                 await self.cwriter.drain()
         except (OSError, asyncio.TimeoutError, h11.ProtocolError):
             pass
+
+
+class _WriteOnly(asyncio.StreamReaderProtocol):
+    """A stream protocol that never reads (another transport reads the same socket)."""
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        transport.pause_reading()
+
+
+async def _open_backend(path: str):
+    """A connection to rank 0 whose reading and writing are two descriptors of one socket: a
+    failed write (rank 0 answered early, 413 or 401, and closed) closes only the writing one, so
+    the answer already in the socket is still read and relayed (one descriptor lost it).
+    Returns (reader, writer, the reading side's writer: close both to close the socket); the
+    writer's write_eof() tells rank 0 the client has gone."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, path)
+        wsock = sock.dup()
+    except OSError:
+        sock.close()
+        raise
+    reader, rwriter = await asyncio.open_unix_connection(sock=sock)
+    transport, protocol = await loop.create_unix_connection(lambda: _WriteOnly(asyncio.StreamReader()),
+                                                            sock=wsock)
+    return reader, asyncio.StreamWriter(transport, protocol, None, loop), rwriter
 
 
 class Front:

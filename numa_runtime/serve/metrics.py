@@ -6,6 +6,7 @@ from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported fo
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300, 600)
 
 
 class ServerMetrics:
@@ -17,14 +18,18 @@ class ServerMetrics:
         p = "numa_runtime_"
         self.http_responses = Counter(p + "http_responses", "HTTP responses by status code",
                                       ["code"], registry=r)
+        # NOTE: per model (vLLM's model_name label): a server of several models shares one registry
+        m = ["model_name"]
         self.requests = Counter(p + "requests", "Finished generation requests by status "
-                                "(stop, length, abort, error)", ["status"], registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed", registry=r)
-        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
+                                "(stop, length, tool_calls, abort, error)", m + ["status"], registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed", m, registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", m, registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time from arrival to the first token",
-                              buckets=_TTFT_BUCKETS, registry=r)
+                              m, buckets=_TTFT_BUCKETS, registry=r)
         self.tpot = Histogram(p + "time_per_output_token_seconds", "Mean time between output tokens "
-                              "of one request", buckets=_TPOT_BUCKETS, registry=r)
+                              "of one request", m, buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Time from arrival to the last token",
+                             m, buckets=_E2E_BUCKETS, registry=r)
         gauges = {
             "num_requests_running": ("Sequences in the running batch", "num_running"),
             "num_requests_waiting": ("Sequences waiting to be scheduled", "num_waiting"),
@@ -45,17 +50,19 @@ class ServerMetrics:
                 g = Gauge(p + name, doc, registry=r)
                 g.set_function(lambda name=name: float(liveness_source(name)))
 
-    def observe_request(self, status: str, prompt_tokens: int, completion_tokens: int,
+    def observe_request(self, model: str, status: str, prompt_tokens: int, completion_tokens: int,
                         arrival: float, first_token: float | None, end: float, num_seqs: int = 1) -> None:
-        """One API request finished (num_seqs sequences, all decoded side by side)."""
-        self.requests.labels(status).inc()
-        self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(completion_tokens)
+        """One API request to `model` finished (num_seqs sequences, all decoded side by side)."""
+        self.requests.labels(model, status).inc()
+        self.prompt_tokens.labels(model).inc(prompt_tokens)
+        self.generation_tokens.labels(model).inc(completion_tokens)
+        if status in ("stop", "length", "tool_calls"):
+            self.e2e.labels(model).observe(end - arrival)
         if first_token is not None:
-            self.ttft.observe(first_token - arrival)
+            self.ttft.labels(model).observe(first_token - arrival)
             per_seq = completion_tokens / max(1, num_seqs)
             if per_seq > 1:
-                self.tpot.observe((end - first_token) / (per_seq - 1))
+                self.tpot.labels(model).observe((end - first_token) / (per_seq - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -13,7 +13,7 @@ import time
 from fastapi.responses import JSONResponse
 
 from . import responses as R
-from .app import ApiError, ServeConfig, build_app
+from .app import ApiError, ServeConfig, build_app, server_metrics
 from .async_engine import AsyncEngine
 from .router import ModelLoadError, ModelRouter, ModelUnavailableError
 
@@ -111,19 +111,19 @@ class ModelView:
 
 def build_multi_app(aengine: AsyncEngine, router: ModelRouter, base: ServeConfig, load_timeout: float):
     """The dispatcher over one app per model; `base` gives every app's limits and API key."""
-    apps = {}
+    apps, metrics = {}, server_metrics(aengine)  # NOTE: one registry: /metrics counts every model
     for name in router.specs:
         cfg = dataclasses.replace(base, served_model_name=name)
-        apps[name] = build_app(ModelView(aengine, router, name, load_timeout), cfg)
-    return ModelDispatcher(apps, router, base.api_key, base.max_body_bytes)
+        apps[name] = build_app(ModelView(aengine, router, name, load_timeout), cfg, metrics)
+    return ModelDispatcher(apps, router, base.api_key, base.max_body_bytes, metrics)
 
 
 class ModelDispatcher:
     """ASGI: POST bodies go to the app of their `model`; GET /v1/models lists every model;
     everything else (health, metrics, errors it cannot place) goes to the first app."""
 
-    def __init__(self, apps: dict, router: ModelRouter, api_key: str | None, max_body: int):
-        self.apps, self.router, self.max_body = apps, router, max_body
+    def __init__(self, apps: dict, router: ModelRouter, api_key: str | None, max_body: int, metrics=None):
+        self.apps, self.router, self.max_body, self.metrics = apps, router, max_body, metrics
         self.first = next(iter(apps.values()))
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.created = int(time.time())
@@ -132,6 +132,7 @@ class ModelDispatcher:
         if scope["type"] != "http" or not self._authorized(scope):
             return await self.first(scope, receive, send)  # its guard answers 401
         if scope["path"] == "/v1/models" and scope["method"] == "GET":
+            self._count(200)
             return await JSONResponse(self._models())(scope, receive, send)
         if scope["method"] != "POST":
             return await self.first(scope, receive, send)
@@ -167,11 +168,18 @@ class ModelDispatcher:
     def _models(self) -> dict:
         r = self.router  # NOTE: the last load's and unload's seconds (None before the first)
         data = [{"id": n, "object": "model", "created": self.created, "owned_by": "numa_runtime",
+                 "max_model_len": _ModelInfo(r, n).max_model_len,
                  "loaded": n in r.engines, "load_seconds": r.load_seconds.get(n),
                  "unload_seconds": r.unload_seconds.get(n)} for n in self.apps]
         return {"object": "list", "data": data}
 
+    def _count(self, status: int) -> None:
+        """A response the dispatcher gives itself (the apps' guards count theirs)."""
+        if self.metrics is not None:
+            self.metrics.http_responses.labels(str(status)).inc()
+
     async def _error(self, scope, receive, send, status, message, code):
+        self._count(status)
         resp = JSONResponse(R.error_body(message, "invalid_request_error", "model", code), status_code=status)
         await resp(scope, receive, send)
 
