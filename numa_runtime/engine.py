@@ -344,12 +344,12 @@ class Engine:
             # must run before the burst writes into them (else a file holds the burst's KV
             # under the evicted block's hash, with a valid checksum)
             self._run_tier_ops()
-            tokens = self.runner.execute_burst(out.plan, steps)
+            tokens = self._execute(self.runner.execute_burst, out.plan, steps)
             self._decode_step_s = (time.perf_counter() - t0) / steps
             with rec.span(FORWARD, "update"):
                 self._update_burst(out, tokens)
             return
-        logits = self.runner.execute(out.plan)
+        logits = self._execute(self.runner.execute, out.plan)
         if logits is None:  # a block read back from disk failed its check: redo without it
             self.scheduler.redo_without(out, self.runner.failed_loads)
             return
@@ -631,11 +631,26 @@ class Engine:
         from . import data_parallel
         data_parallel.worker_loop(self.runner, self._link)
 
+    def _execute(self, run, *args):
+        """A step on every rank. On several ranks a step that fails on rank 0 once the workers
+        have its plan leaves them at another point of the step than rank 0 (their next
+        collectives would pair with the wrong ones: wrong output, or a hang): the engine is
+        then broken for good (every later call says so; close() ends the MPI job)."""
+        try:
+            return run(*args)
+        except BaseException as e:
+            if self.comm.world_size > 1:
+                self._broken = (f"a step failed on rank 0 ({type(e).__name__}: {e}) after the other ranks had "
+                                "started it, so the ranks are out of step; restart the job")
+            raise
+
     def _driver_only(self, call: str) -> None:
         """`call` drives the engine: on a worker rank, serve rank 0 and end this process."""
         if self.comm.is_driver:
             if self._closed:  # NOTE: its worker ranks have stopped listening
                 raise RuntimeError(f"{call}(): the engine is closed; make a new Engine to run more.")
+            if getattr(self, "_broken", None):
+                raise RuntimeError(f"{call}(): {self._broken}.")
             return
         log.info("rank %d is a worker rank: at its first driving call (%s) it serves rank 0's steps until "
                  "rank 0 closes the engine, then this process exits, so the rest of the script runs on "
@@ -652,6 +667,10 @@ class Engine:
             return
         self._closed = True
         atexit.unregister(self.close)  # NOTE: else atexit keeps an unloaded model's weights alive
+        if getattr(self, "_broken", None):  # NOTE: no shutdown plan can reach workers out of step
+            log.error("numa_runtime: %s; ending the MPI job", self._broken)
+            self.comm.abort(f"the engine stopped: {self._broken}.", 1)
+            return
         try:
             self._flush_disk_tier()
             self.runner.shutdown_workers()

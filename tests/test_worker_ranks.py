@@ -48,3 +48,44 @@ def test_explicit_with_block_continues_on_every_rank(model_dir):
     assert marks == ["MARK after-with rank 0", "MARK after-with rank 1", "MARK driving rank 0",
                      "MARK in-with rank 0", "MARK in-with rank 1"]
     assert "is a worker" not in p.stderr  # nothing ended a rank early
+
+
+BROKEN_STEP = """
+import sys
+from numa_runtime import Engine, SamplingParams
+eng = Engine(sys.argv[1], dtype="float32", kv_cache_memory=1 << 20, max_model_len=64)
+sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+if eng.comm.is_driver:
+    forward, calls = eng.runner.model.forward, []
+
+    def failing(plan):
+        calls.append(1)
+        if len(calls) == 2:  # NOTE: the worker has this step's plan: it runs it, rank 0 does not
+            raise MemoryError("no memory for this step")
+        return forward(plan)
+    eng.runner.model.forward = failing
+    try:
+        eng.generate([[5, 6, 7]], sp)
+    except MemoryError as e:
+        print("FIRST", e, flush=True)
+    try:
+        eng.generate([[5, 6, 7]], sp)
+        print("SECOND RAN", flush=True)
+    except RuntimeError as e:
+        print("SECOND", e, flush=True)
+eng.close()
+"""
+
+
+def test_a_step_that_fails_on_rank_0_mid_way_ends_the_job(model_dir):
+    """Rank 0 fails a step the worker has started: the engine refuses every later call (it went on
+    with the ranks out of step: other tokens, then a hang in close()), and close() ends the MPI job
+    with the reason."""
+    env = dict(os.environ, MPI4PY_RC_THREAD_LEVEL="funneled", OMP_NUM_THREADS="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run(["mpirun", "-np", "2", sys.executable, "-c", BROKEN_STEP, model_dir], capture_output=True,
+                       text=True, timeout=120, env=env, cwd=ROOT)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and "FIRST no memory for this step" in p.stdout, out[-3000:]
+    assert "SECOND generate(): a step failed on rank 0 (MemoryError: no memory for this step)" in p.stdout, out[-3000:]
+    assert "SECOND RAN" not in p.stdout and "the ranks are out of step; restart the job" in p.stderr, out[-3000:]

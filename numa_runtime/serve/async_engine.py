@@ -243,6 +243,8 @@ class AsyncEngine:
         except Exception as e:  # noqa: BLE001 - keep serving: fail what was in flight
             log.exception("engine step failed; aborting %d in-flight requests", len(self._sinks))
             self._fail_all(RuntimeError(f"The engine failed while running this request ({e})."))
+            if getattr(self.engine, "_broken", None):  # NOTE: ranks out of step: serving on would
+                raise  # give wrong answers; the loop ends, and the server with it (Engine.close)
             return
         for out in outputs:
             sink = self._sinks.get(out.request_id)
