@@ -522,3 +522,24 @@ def test_log_level_quiets_the_runtime_too(model_dir):
     loud.stop(signal.SIGINT)
     assert "numa_runtime INFO" in loud.output() and "numa_runtime INFO" not in quiet.output(), quiet.output()
     assert "serving at http://" in quiet.output()
+
+
+def test_start_up_errors_under_mpirun_end_the_job_in_one_sentence():
+    """A busy --port on rank 0 ends every rank (the worker spun for ever, deaf to SIGTERM); a bad
+    flag or model is said once, by rank 0, not once per rank."""
+    import socket
+    import subprocess
+    env = dict(os.environ, MPI4PY_RC_THREAD_LEVEL="funneled", OMP_NUM_THREADS="1")
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    try:
+        for args, msg in ((["--port", str(busy.getsockname()[1])], "Address already in use"),
+                          (["--model", "/nonexistent", "--port", "0"], "does not exist"),
+                          (["--port", "0", "--tool-call-parser", "hermes"], "needs --enable-auto-tool-choice")):
+            p = subprocess.run(["mpirun", "-np", "2", sys.executable, "-m", "numa_runtime.serve", *args],
+                               capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+            assert p.returncode == 2 and p.stderr.count("numa-serve: error:") == 1, p.stderr[-2000:]
+            assert msg in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    finally:
+        busy.close()

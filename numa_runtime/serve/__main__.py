@@ -304,22 +304,26 @@ class HttpFront:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    world = env.mpi_world()
+    lead = world is None or world[0] == 0  # NOTE: one rank says what is wrong, not every rank
     bad = check_args(args)
     if bad:
-        print(f"numa-serve: error: {bad}", file=sys.stderr)
-        return 2
+        if lead:
+            print(f"numa-serve: error: {bad}", file=sys.stderr)
+        return 2  # NOTE: every rank reads the same flags: all stop here
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # NOTE: the runtime's logger follows --log-level (its own default would be INFO); set for
     # every logger made later too (env.log_level)
     os.environ["NUMA_RUNTIME_LOG_LEVEL"] = args.log_level.upper()
     logging.getLogger("numa_runtime").setLevel(args.log_level.upper())
-    world = env.mpi_world()
     sock = None
-    if world is None or world[0] == 0:
+    if lead:
         try:
             sock = listen(args.host, args.port)
         except OSError as e:
-            print(f"numa-serve: error: {e}", file=sys.stderr)
+            print(f"numa-serve: error: {e}", file=sys.stderr, flush=True)
+            if world is not None and world[1] > 1:
+                _abort_job(2)  # NOTE: the other ranks would wait for rank 0 for ever
             return 2
     front = None
     if sock is not None and args.http_front:
@@ -339,11 +343,14 @@ def _serve(args, world, sock, front) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     multi = is_multi_model(args)
+    from numa_runtime.engine import RankLoadError
     try:
         # NOTE: first, and on every rank
         engine = build_router(args) if multi else build_engine(args)
-    except (ValueError, OSError) as e:  # NOTE: OSError: e.g. NUMA_RUNTIME_CACHE names a file
-        print(f"numa-serve: error: {e}", file=sys.stderr)
+    except (ValueError, OSError, RankLoadError) as e:  # NOTE: OSError: e.g. NUMA_RUNTIME_CACHE names a file
+        # NOTE: a load fails on every rank alike (Engine's _agree); rank 0 says why, for all
+        if world is None or world[0] == 0:
+            print(f"numa-serve: error: {e}", file=sys.stderr)
         return 2
     if engine is None:  # a worker rank of several models: rank 0 has shut down
         return 0
@@ -416,6 +423,15 @@ def _serve(args, world, sock, front) -> int:
               "reaches the server any more; it has shut down.", file=sys.stderr, flush=True)
         return 1
     return 0 if server.started else 1
+
+
+def _abort_job(code: int) -> None:
+    """Rank 0 cannot serve before MPI has started: end every rank of the job."""
+    os.environ.setdefault("MPI4PY_RC_THREAD_LEVEL", "funneled")
+    import mpi4py
+    mpi4py.rc.thread_level = env.mpi_thread_level()
+    from mpi4py import MPI
+    MPI.COMM_WORLD.Abort(code)
 
 
 def _is_loopback(host: str) -> bool:
