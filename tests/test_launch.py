@@ -277,3 +277,12 @@ def test_scaling_bench_gives_fewer_ranks_than_nodes_their_share_of_nodes():
     assert "--interleave=0,1" in argv and "--interleave=2,3" in argv and "rank 1: nodes 2,3" in how
     argv, _ = launch_argv(1, ["python", "x.py"], "mpirun", four)
     assert argv.count("-np") == 1 and "--physcpubind=0-15" in argv
+
+
+def test_python_dash_m_runs_the_launcher():
+    """`python -m numa_runtime.launch` is numa-launch, as `python -m numa_runtime.serve` is numa-serve."""
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-m", "numa_runtime.launch", "--help"], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0 and p.stdout.startswith("usage: numa-launch"), p.stderr[-1000:]

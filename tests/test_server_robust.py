@@ -309,6 +309,40 @@ def test_a_second_sigint_exits_now_without_a_traceback(model_dir):
 
 
 # ------------------------------------------------------------------------------ a stuck rank
+def test_sigterm_ends_the_job_while_a_worker_rank_is_stopped(model_dir):
+    """Rank 1 is stopped (SIGSTOP) in the middle of a request and the server is told to stop:
+    rank 0's main thread waits in MPI for rank 1, so no Python signal handler can run there; a
+    thread that watches the signals ends the job once the grace and 15 s have passed, and the
+    front answers the request in flight. The job ignored SIGTERM and SIGINT for ever before."""
+    import time
+    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    srv = ServerProcess(["--model", model_dir, *TINY, "--kv-cache-memory", str(1 << 24), "--shutdown-grace", "1"],
+                        launcher=[mpirun if os.path.exists(mpirun) else "mpirun", "-np", "2"],
+                        env={"MPI4PY_RC_THREAD_LEVEL": "funneled"})
+    worker = None
+    try:
+        worker = _rank_process(srv.proc.pid, 1)
+        done = {}
+        body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True}
+        t = threading.Thread(target=lambda: done.update(r=httpx.post(srv.base + "/v1/completions", json=body,
+                                                                      timeout=300)))
+        worker.suspend()
+        t.start()
+        wait_for(lambda: metric(srv.base, "numa_runtime_engine_busy_seconds") > 1, timeout=120,
+                 what="the request's step stalling on the stopped rank")
+        start = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.proc.wait(timeout=120)
+        t.join(timeout=60)
+        assert time.monotonic() - start < 60, srv.output()
+        assert done["r"].status_code == 503 and "shutting down" in done["r"].json()["error"]["message"], done
+        assert "an engine step has not ended 16 s after the shutdown began" in srv.output()
+    finally:
+        if worker is not None and worker.is_running():
+            worker.kill()
+        srv.stop()
+
+
 def test_health_reports_a_stopped_worker_rank(model_dir):
     """Under mpirun -np 2: SIGSTOP rank 1, then a request arrives; /health turns 503 (its step
     never ends), then 200 again after SIGCONT, and the request completes."""

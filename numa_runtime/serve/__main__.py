@@ -406,6 +406,8 @@ def _serve(args, world, sock, front) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    if world is not None and world[1] > 1:
+        _watch_signals(engine, aengine, server, front, args.shutdown_grace)
     http.start()
     if front is not None:
         front.tell("ready")
@@ -423,6 +425,37 @@ def _serve(args, world, sock, front) -> int:
               "reaches the server any more; it has shut down.", file=sys.stderr, flush=True)
         return 1
     return 0 if server.started else 1
+
+
+_STUCK_EXIT_S = 15.0  # past the grace: how long a shutdown may wait for an engine step to end
+
+
+def _watch_signals(engine, aengine, server, front, grace: float) -> None:
+    """Rank 0 of several: a thread that sees SIGINT/SIGTERM even while the main thread waits in an
+    MPI call for a rank that is stopped or stuck (Python runs signal handlers on the main thread
+    only, between calls). It starts the graceful shutdown itself if the handler could not, and
+    if the engine loop has still not ended _STUCK_EXIT_S after the grace, it ends the MPI job (the
+    HTTP front then answers what was in flight). The job ignored every signal before."""
+    import time
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+
+    def watch():
+        while not set(os.read(r, 64)) & {signal.SIGINT, signal.SIGTERM}:
+            pass
+        if not aengine.is_alive:
+            return
+        server.should_exit = True
+        aengine.shutdown(grace)  # NOTE: both idempotent: the handler may have done it too
+        if front is not None:
+            front.tell("stopping")
+        deadline = time.monotonic() + grace + _STUCK_EXIT_S
+        if not aengine.wait_stopped(max(0.0, deadline - time.monotonic())):
+            print(f"numa-serve: error: an engine step has not ended {grace + _STUCK_EXIT_S:.0f} s after the "
+                  "shutdown began (a rank is stopped or stuck); ending the MPI job.", file=sys.stderr, flush=True)
+            _abort_job(1)
+    threading.Thread(target=watch, name="numa-signals", daemon=True).start()
 
 
 def _abort_job(code: int) -> None:

@@ -63,6 +63,10 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return not self._stopped.is_set()
 
+    def wait_stopped(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the engine loop to end; whether it has."""
+        return self._stopped.wait(timeout)
+
     @property
     def busy_seconds(self) -> float:
         """How long the engine thread has been inside its current step or command (0 when it
