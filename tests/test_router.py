@@ -38,6 +38,18 @@ def test_new_requests_go_to_the_least_loaded_replica():
     assert rt.num_waiting == 7 and rt.routed == [3, 2, 2]
 
 
+def test_long_prompts_spread_over_the_replicas():
+    """Long and short prompts alternating: with equal sequence counts the replica holding fewer
+    tokens takes the next one (every long prompt went to replica 0, whose pool filled while
+    replica 1's stayed a third used)."""
+    rt = router(2, num_blocks=64)
+    for i in range(8):
+        rt.add_request(req(str(i), range(1000 * i, 1000 * i + (60 if i % 2 == 0 else 3))))
+    longs = [rt.where[str(i)] for i in range(0, 8, 2)]
+    assert sorted(longs) == [0, 0, 1, 1], rt.where
+    assert abs(rt.tokens(0) - rt.tokens(1)) <= 60
+
+
 def test_a_conversation_sticks_to_the_replica_caching_its_prefix():
     rt = router(2)
     turn1 = req("a1", range(1, 14))  # 13 tokens: 3 full blocks once computed
