@@ -78,8 +78,10 @@ class Engine:
             self.tokenizer = Tokenizer.from_dir(mcfg.model_dir)
         self.parallel, tp_comm, self._link = data_parallel.setup(self.comm, self.config, mcfg)
         if self.config.kv_cache_dir is not None and self.parallel.data_parallel > 1:
-            raise ValueError("The KV disk tier (kv_cache_dir) works with one tensor-parallel model; run it "
-                             "without data-parallel replicas.")
+            why = "" if self.parallel.reason == "asked for" else (
+                f" (the ranks run {self.parallel.data_parallel} replicas because {self.parallel.reason})")
+            raise ValueError(f"The KV disk tier (kv_cache_dir) works with one tensor-parallel model{why}; run it "
+                             "on a rank count that one model splits over, without data-parallel replicas.")
         if self.config.kv_cache_dir is not None and self.config.device != "cpu":
             raise ValueError("The KV disk tier (kv_cache_dir) runs on the CPU backend only; on a GPU use "
                              "host_kv_cache_memory.")
