@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -496,9 +497,16 @@ def generation_defaults(model_dir: str) -> dict:
         return {}
     if not isinstance(gen, dict):
         return {}
+    from .sampling_params import SamplingParams
     out = {}
     for key, default in _HF_SAMPLING_DEFAULTS.items():
         v = gen.get(key)
         if isinstance(v, (int, float)) and not isinstance(v, bool) and v != default:
-            out[key] = int(v) if key == "top_k" else float(v)
+            v = int(v) if key == "top_k" else float(v)
+            try:  # NOTE: a value no request could use is the file's fault: left out, and said so
+                SamplingParams(**{key: v})
+            except ValueError as e:
+                logging.getLogger("numa_runtime").warning("%s: %s is ignored (%s)", path, key, e)
+                continue
+            out[key] = v
     return out

@@ -412,15 +412,19 @@ class Engine:
                 req.logprobs.append(lp)
             text = self._texts[req.request_id]
             token = req.output_token_ids[-1]
-            failed = self.grammars.error(req.request_id)  # NOTE: before the token (EOS, all it allowed)
+            # NOTE: a grammar fails computing a mask (then EOS was all it allowed) or consuming a token
+            failed = self.grammars.error(req.request_id)
+            status = None
+            if failed is None:
+                status = text.add_token(token, self.max_model_len)
+                if status is None and self.grammars.advance(req.request_id, token):
+                    failed = self.grammars.error(req.request_id)
+                    if failed is None:
+                        status = text.finish(RequestStatus.FINISHED_STOPPED)
             if failed is not None:
                 log.warning("request %s: %s", req.request_id, failed)
+                status = text.finish(RequestStatus.FINISHED_ERROR, cut_at_stop=False)
                 req.stop_reason = failed
-                status = text.finish(RequestStatus.FINISHED_ERROR)
-            else:
-                status = text.add_token(token, self.max_model_len)
-            if status is None and self.grammars.advance(req.request_id, token):
-                status = text.finish(RequestStatus.FINISHED_STOPPED)
             if status is not None:
                 self.scheduler.finish_request(req, status)
             changed[text.group.request_id] = text.group
@@ -537,11 +541,20 @@ class Engine:
         if not items:
             raise ValueError("Give at least one input to embed.")
         out = np.empty((len(items), self.model_config.hidden_size), np.float32)  # [N, hidden]
+        all_ids = []
         for i, item in enumerate(items):
             _, ids = self._tokenize(item)
             if len(ids) > self.max_model_len:
                 raise ValueError(f"Input {i} has {len(ids)} tokens, but the context holds {self.max_model_len}; "
                                  "shorten it or raise max_model_len.")
+            all_ids.append(ids)
+        # NOTE: the inputs run one after another in scratch blocks: check room for the longest
+        # first, so that a call waiting for room (AsyncEngine retries it) computes nothing
+        bm = getattr(self.scheduler, "replicas", [self.scheduler])[0].block_manager
+        longest = max(map(len, all_ids))
+        if bm.num_blocks_for(longest) <= bm.num_blocks and bm.num_blocks_for(longest) > bm.num_free_blocks:
+            raise KVCacheBusyError(f"The KV cache has no room for {longest} tokens now; retry when requests finish.")
+        for i, ids in enumerate(all_ids):
             h = self._final_hidden(ids, every_row=pooling == "mean")  # [n or 1, hidden]
             v = h.mean(axis=0) if pooling == "mean" else h[-1]
             out[i] = v / max(float(np.linalg.norm(v)), 1e-12)
@@ -592,7 +605,7 @@ class Engine:
                             np.array([0, n], np.int32), np.array([n], np.int32),
                             table[None, :].astype(np.int32), np.asarray(rows, np.int64), kind=kind,
                             tier_ops=bm.tier.take_ops() if bm.tier is not None else None, num_prompt_rows=n)
-            return getattr(self.runner, "local", self.runner).execute(plan)  # NOTE: DP: replica 0's runner
+            return self._execute(getattr(self.runner, "local", self.runner).execute, plan)  # NOTE: DP: replica 0's
         finally:
             bm.return_blocks(blocks)
 
@@ -691,7 +704,7 @@ class Engine:
         ops = tier.take_ops() if tier is not None else ()
         if len(ops):
             from .plan import StepPlan
-            self.runner.execute(StepPlan.empty(ops))
+            self._execute(self.runner.execute, StepPlan.empty(ops))
 
     def __enter__(self):
         return self

@@ -156,12 +156,12 @@ class TextState:
                 return True
         return False
 
-    def finish(self, status: RequestStatus) -> RequestStatus:
+    def finish(self, status: RequestStatus, cut_at_stop: bool = True) -> RequestStatus:
         """The engine ends the sequence for its own reason: release the held-back text (cut at a
-        stop string it completes)."""
+        stop string it completes, unless not `cut_at_stop`)."""
         prev_len = len(self.unsent)
         self.unsent += self.detok.flush()
-        if self.req.num_output_tokens >= self.req.sampling_params.min_tokens:
+        if cut_at_stop and self.req.num_output_tokens >= self.req.sampling_params.min_tokens:
             self._cut_at_stop(prev_len)
         return status
 

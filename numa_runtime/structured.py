@@ -66,7 +66,7 @@ class Grammars:
         # the engine thread's stack (a chain of 3000 $refs was a segmentation fault)
         matcher = _on_big_stack(lambda: self._first_mask(llg.LLMatcher(tokenizer, grammar, log_level=0)))
         if matcher.is_error():
-            raise ValueError(f"json_schema cannot be used: {matcher.get_error().rstrip('.')}.")
+            raise ValueError(f"json_schema cannot be used: {_first_line(matcher.get_error())}.")
         self._matchers[request_id] = matcher
 
     def _first_mask(self, matcher):
@@ -82,7 +82,7 @@ class Grammars:
         matcher = self._matchers.get(request_id)
         if matcher is None or not matcher.is_error():
             return None
-        return f"the JSON schema could not be followed: {matcher.get_error().rstrip('.')}."
+        return f"the JSON schema could not be followed: {_first_line(matcher.get_error())}."
 
     def mask(self, request_id: str, row: np.ndarray) -> None:
         """Set the logits of tokens the schema forbids next to -inf. row: [V] f32, in place."""
@@ -110,23 +110,42 @@ MAX_DEPTH = 1000  # levels of a schema, its $refs followed (real schemas nest a 
 _STACK_BYTES = 256 << 20  # virtual: only the pages a deep schema touches are ever committed
 
 
-def _on_big_stack(fn):
-    """fn() on a thread with a _STACK_BYTES stack; its result, or its exception raised here."""
-    box = {}
+def _first_line(error: str) -> str:
+    """llguidance's error without its dump of parser state (the lines after the first)."""
+    return (error.strip().splitlines() or ["unknown error"])[0].rstrip(".")
 
-    def run():
-        try:
-            box["out"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            box["err"] = e
-    old = threading.stack_size()
-    try:
-        threading.stack_size(_STACK_BYTES)
-        t = threading.Thread(target=run, name="grammar-compile")
-    finally:
-        threading.stack_size(old)
-    t.start()
-    t.join()
+
+_COMPILER: dict = {}  # the one thread with a large stack that builds matchers, and its queue
+_COMPILER_LOCK = threading.Lock()
+
+
+def _on_big_stack(fn):
+    """fn() on the process's grammar thread (a _STACK_BYTES stack, started once: the stack size
+    is a process-wide setting, changed only while that thread starts); its result, or its
+    exception raised here."""
+    import queue
+    with _COMPILER_LOCK:
+        if "queue" not in _COMPILER:
+            jobs = queue.SimpleQueue()
+
+            def serve():
+                while True:
+                    job, box, done = jobs.get()
+                    try:
+                        box["out"] = job()
+                    except BaseException as e:  # noqa: BLE001 - handed to the caller
+                        box["err"] = e
+                    done.set()
+            old = threading.stack_size()
+            try:
+                threading.stack_size(_STACK_BYTES)
+                threading.Thread(target=serve, name="grammar-compile", daemon=True).start()
+            finally:
+                threading.stack_size(old)
+            _COMPILER["queue"] = jobs
+    box, done = {}, threading.Event()
+    _COMPILER["queue"].put((fn, box, done))
+    done.wait()
     if "err" in box:
         raise box["err"]
     return box["out"]

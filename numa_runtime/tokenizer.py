@@ -347,7 +347,12 @@ def _content_format(source: str) -> tuple[bool, bool]:
         return False, False
     tree = _jinja_env().parse(source)
     kinds = {"string", "mapping", "iterable", "sequence"}
-    return True, not any(t.name in kinds for t in tree.find_all(nodes.Test))
+    names = {a.target.name for a in tree.find_all(nodes.Assign)
+             if isinstance(a.target, nodes.Name) and _is_content(a.node)}
+    # NOTE: a test of content itself (or of a variable set from it), not of anything else
+    return True, not any(t.name in kinds and (_is_content(t.node) or (isinstance(t.node, nodes.Name)
+                                                                     and t.node.name in names))
+                         for t in tree.find_all(nodes.Test))
 
 
 @functools.lru_cache(maxsize=64)
@@ -359,13 +364,7 @@ def _iterates_content(source: str) -> bool:
         tree = _jinja_env().parse(source)
     except jinja2.TemplateError:
         return False
-
-    def is_content(node) -> bool:
-        while isinstance(node, (nodes.Filter, nodes.Test)):
-            node = node.node
-        if isinstance(node, nodes.Getitem):
-            return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
-        return isinstance(node, nodes.Getattr) and node.attr == "content"
+    is_content = _is_content
     names = {a.target.name for a in tree.find_all(nodes.Assign)
              if isinstance(a.target, nodes.Name) and is_content(a.node)}
     for loop in tree.find_all(nodes.For):
@@ -375,6 +374,16 @@ def _iterates_content(source: str) -> bool:
         if is_content(it) or (isinstance(it, nodes.Name) and it.name in names):
             return True
     return False
+
+
+def _is_content(node) -> bool:
+    """A template expression that reads a message's content (m.content, m['content'], filtered)."""
+    from jinja2 import nodes
+    while isinstance(node, (nodes.Filter, nodes.Test)):
+        node = node.node
+    if isinstance(node, nodes.Getitem):
+        return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
+    return isinstance(node, nodes.Getattr) and node.attr == "content"
 
 
 def _raise_exception(message):

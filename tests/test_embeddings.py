@@ -135,8 +135,13 @@ def test_an_embedding_waits_for_kv_room_held_by_running_requests(decoder):
     assert eng.block_manager.num_free_blocks < eng.block_manager.num_blocks_for(len(ids))
     aengine = AsyncEngine(eng)
 
+    forwards = []
+    final_hidden = eng._final_hidden
+    eng._final_hidden = lambda *a, **k: forwards.append(1) or final_hidden(*a, **k)
+    small = list(range(5, 15))
+
     async def main():
-        call = asyncio.ensure_future(aengine.call(lambda e: e.embed([ids])))
+        call = asyncio.ensure_future(aengine.call(lambda e: e.embed([small, small, ids])))
         await asyncio.sleep(0)  # NOTE: the call is in the engine's inbox before its loop runs
         aengine.start()
         return await asyncio.wait_for(call, timeout=120)
@@ -144,6 +149,7 @@ def test_an_embedding_waits_for_kv_room_held_by_running_requests(decoder):
         vec = asyncio.run(main())
     finally:
         aengine.stop()
-    np.testing.assert_allclose(vec[0], hf_embed(hf, ids, "mean"), atol=2e-5)
+    np.testing.assert_allclose(vec[2], hf_embed(hf, ids, "mean"), atol=2e-5)
+    assert len(forwards) == 3  # NOTE: while it waited, nothing was computed (it redid its inputs every step)
     assert not eng.has_unfinished_requests()
     eng.close()

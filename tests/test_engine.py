@@ -179,9 +179,17 @@ def test_json_schemas_that_cannot_work_are_refused_or_end_in_error(eng):
     for endless in ({"$ref": "#"}, {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}):
         with pytest.raises(ValueError, match="json_schema cannot be used"):
             eng.generate("Hello", SamplingParams(json_schema=endless))
-    late = {"type": "object", "properties": {"x": {"$ref": "#/properties/x"}}, "required": ["x"]}
-    out = eng.generate("Hello", SamplingParams(temperature=0, max_tokens=20, json_schema=late))[0]
-    assert out.finish_reason == "error" and "the JSON schema could not be followed" in out.outputs[0].stop_reason
+    # a grammar that fails computing a mask (then EOS is all it allows), and one that fails
+    # consuming a token ('{' of an object that must hold itself): both "error", never "stop"
+    for late in ({"type": "object", "properties": {"x": {"$ref": "#/properties/x"}}, "required": ["x"]},
+                 {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}):
+        out = eng.generate("Hello", SamplingParams(temperature=0, max_tokens=40, json_schema=late))[0]
+        assert out.finish_reason == "error", (late, out.text)
+        assert out.outputs[0].stop_reason.startswith("the JSON schema could not be followed")
+    loop = {"$defs": {"x": {"$ref": "#/$defs/y"}, "y": {"$ref": "#/$defs/x"}}, "$ref": "#/$defs/x"}
+    with pytest.raises(ValueError, match="json_schema cannot be used") as e:
+        eng.generate("Hello", SamplingParams(json_schema=loop))
+    assert "\n" not in str(e.value) and len(str(e.value)) < 300  # not llguidance's dump of its state
     assert not eng.has_unfinished_requests()
 
 
@@ -208,6 +216,14 @@ def test_generation_config_sampling_values_are_the_defaults(model_dir, tmp_path)
         eng.close()
     with pytest.raises(ValueError, match="generation_config must be 'auto'"):
         Engine(d, generation_config="hf")
+    with open(os.path.join(d, "generation_config.json"), "w") as f:  # a value no request could use
+        json.dump({"top_p": 0, "temperature": 0.5}, f)
+    eng = Engine(d, dtype="float32", kv_cache_memory=1 << 20, max_model_len=128)
+    try:
+        assert eng.default_sampling == {"temperature": 0.5}
+        assert eng.generate("Hi", SamplingParams(max_tokens=2))[0].outputs
+    finally:
+        eng.close()
     assert SamplingParams(temperature=1e-6).temperature == 0.0 and SamplingParams(temperature=1e-4).temperature
 
 

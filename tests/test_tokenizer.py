@@ -376,6 +376,8 @@ ONLY_PARTS_TEMPLATE = ("{% for m in messages %}[{{ m.role }}]{% for p in m.conte
     (STRING_TEMPLATE, "[user]Hello\nWorld[assistant]Hi"),    # does not: texts joined by newlines (vLLM)
     # no branch for a string: a string reaches it as one text part (as vLLM), not as its letters
     (ONLY_PARTS_TEMPLATE, "[user]<Hello><World>[assistant]<Hi>"),
+    # ... even when it tests something else for being a string
+    ("{% if tools is string %}T{% endif %}" + ONLY_PARTS_TEMPLATE, "[user]<Hello><World>[assistant]<Hi>"),
 ])
 def test_content_parts_reach_a_template_as_it_reads_them(tmp_path, source, want):
     d = _train_byte_level(tmp_path, {"chat_template": source})

@@ -33,9 +33,21 @@ def test_the_plan_of_tools_and_tool_choice():
             (None, "required", None, "tool_choice 'required' needs tools"),
             ([{"type": "function", "function": {}}], "none", None, r"tools\[0\].function.name"),
             ([{"type": "retrieval"}], "none", None, r"tools\[0\] must be"),
-            ([WEATHER], "sometimes", None, "tool_choice must be")):
-        with pytest.raises(ValueError, match=msg):
+            ([WEATHER], "sometimes", None, "tool_choice must be"),
+            ([WEATHER], {"type": "function", "function": "get_weather"}, None, "tool_choice must be"),
+            ([{"type": "function", "function": {"name": "a\ud800"}}], "none", None, "lone surrogate")):
+        with pytest.raises(ValueError, match=msg) as e:
             plan(tools, choice, parser)
+        assert e.value.param == ("tools" if msg.startswith(("tools", "lone")) else "tool_choice")
+    # "parameters": null is a function without arguments (OpenAI and vLLM take it)
+    assert plan([{"type": "function", "function": {"name": "now", "parameters": None}}], "required", None).schema
+    # a tool's $defs (pydantic's nested models) move to the root of the "required" schema
+    nested = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"],
+        "$defs": {"Loc": {"type": "object", "properties": {"city": {"enum": ["Paris"]}}}}}}}
+    req = plan([nested, WEATHER], "required", None)
+    assert req.schema["$defs"] == {"Loc": nested["function"]["parameters"]["$defs"]["Loc"]}
+    assert "$defs" not in req.schema["items"]["anyOf"][0]["properties"]["parameters"]
 
 
 def test_parsers_read_the_models_call_formats():
@@ -55,12 +67,25 @@ def test_parsers_read_the_models_call_formats():
                                   '{"name": "get_time", "parameters": {"zone": "CET"}}')
     assert content is None and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
     assert parse(llama, "Hello {there}") == ("Hello {there}", [])
+    # an answer that happens to hold a "name" is no call (vLLM: a call names its arguments)
+    assert parse(llama, '{"name": "Bob", "age": 3}') == ('{"name": "Bob", "age": 3}', [])
+    # as vLLM: any arguments value is dumped as JSON; a call without a name string is text
+    odd = '<tool_call>{"name": "get_weather", "arguments": "Paris"}</tool_call>'
+    assert parse(hermes, odd)[1][0]["function"]["arguments"] == '"Paris"'
+    nameless = '<tool_call>{"name": null, "arguments": {}}</tool_call>'
+    assert parse(hermes, nameless) == (nameless, [])
+    # parallel_tool_calls false: the first call only
+    import dataclasses
+    assert len(parse(dataclasses.replace(hermes, single=True), text)[1]) == 1
     req = plan([WEATHER], "required", None)
     content, calls = parse(req, '[{"name": "get_weather", "parameters": {"unit": "C"}}]')
     assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"unit": "C"}
     named = plan([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None)
     assert parse(named, '{"unit": "C"}')[1][0]["function"]["arguments"] == '{"unit": "C"}'
     assert parse(named, '{"unit": ', finished_whole=False) == ('{"unit": ', [])  # cut by max_tokens
+    from numa_runtime.serve.responses import ended_whole
+    assert ended_whole("stop", None) and ended_whole("stop", 2)  # EOS, a stop token
+    assert not ended_whole("stop", "UTC") and not ended_whole("length", None)  # a stop string, max_tokens
 
 
 @pytest.mark.parametrize("parser,text", [
@@ -137,6 +162,19 @@ def test_named_and_required_tool_choice_return_calls(model_dir):
         r = c.chat.completions.create(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
                                       **KW).choices[0]
         assert len(r.message.tool_calls) == 1
+        # a tool made by openai.pydantic_function_tool with a nested model ($defs) works with "required"
+        nested = {"type": "function", "function": {"name": "where", "parameters": {
+            "type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"],
+            "additionalProperties": False, "$defs": {"Loc": {"type": "object", "properties": {
+                "city": {"enum": ["Paris", "Rome"]}}, "required": ["city"], "additionalProperties": False}}}}}
+        r = c.chat.completions.create(tools=[nested], tool_choice="required", parallel_tool_calls=False,
+                                      **KW).choices[0]
+        assert r.message.tool_calls, (r.finish_reason, r.message.content)
+        assert json.loads(r.message.tool_calls[0].function.arguments)["loc"]["city"] in ("Paris", "Rome")
+        import httpx
+        count = [httpx.post(srv.base + "/tokenize", json={"messages": MSGS, **extra}, timeout=30).json()["count"]
+                 for extra in ({}, {"tools": [WEATHER, TIME]})]
+        assert count[1] > count[0]  # /tokenize renders the tools too
         # the template saw the tools
         plain = c.chat.completions.create(**{**KW, "max_tokens": 1})
         with_tools = c.chat.completions.create(tools=[WEATHER, TIME], tool_choice="none", **{**KW, "max_tokens": 1})

@@ -62,9 +62,10 @@ class ApiError(Exception):
 
 
 @contextmanager
-def _client_errors(renames: dict[str, str] | None = None):
+def _client_errors(renames: dict[str, str] | None = None, api_names: dict[str, str] | None = None):
     """ValueError/TypeError raised while reading the request: the client's 400. `renames`: fields
-    the request spelled otherwise (max_completion_tokens arrives as max_tokens)."""
+    the request spelled otherwise (max_completion_tokens arrives as max_tokens); `api_names`:
+    the request field an internal one came from, beyond _API_NAME's."""
     try:
         yield
     except (ValueError, TypeError) as e:
@@ -72,9 +73,11 @@ def _client_errors(renames: dict[str, str] | None = None):
         for old, new in (renames or {}).items():
             text = re.sub(rf"\b{old}\b", new, text)
         field = _LEADING_FIELD.match(text)  # "top_p must be ...": keep the field's spelling
-        message = _sentence(text, capitalize=field is None)
+        named = getattr(e, "param", None)  # NOTE: an error that names its field starts with it
+        message = _sentence(text, capitalize=field is None and named is None)
         code = "context_length_exceeded" if re.search("max_model_len|context", message) else "invalid_value"
-        param = getattr(e, "param", None) or (field and _API_NAME.get(field.group(1), field.group(1)))
+        names = {**_API_NAME, **(api_names or {})}
+        param = named or (field and names.get(field.group(1), field.group(1)))
         raise ApiError(400, message, param=param, code=code) from None
 
 
@@ -148,7 +151,8 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             body.checked()
             tok = engine.tokenizer
             if body.messages is not None:
-                text = tok.apply_chat_template([m.as_template_dict() for m in body.messages], **body.template_kwargs())
+                kwargs = body.template_kwargs() | ({"tools": body.tools} if body.tools else {})
+                text = tok.apply_chat_template([m.as_template_dict() for m in body.messages], **kwargs)
                 add = bool(body.add_special_tokens)
             else:
                 text, add = body.prompt, body.add_special_tokens is not False
@@ -215,6 +219,8 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
                                      "function; drop one.")
                 schema = tool_plan.schema
             params = body.sampling_params(cap(max_tokens), body.num_logprobs(), schema, engine.default_sampling)
+            if tool_plan.mode == "auto" and tool_plan.parser == "hermes":
+                params.skip_special_tokens = False  # NOTE: as vLLM: <tool_call> is a special token of some models
             if body.content_chars() > engine.max_model_len * engine.tokenizer.max_token_chars:
                 raise ValueError(f"The messages hold {body.content_chars()} characters, more than a context of "
                                  f"{engine.max_model_len} tokens can hold; shorten them.")
@@ -241,7 +247,8 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
         check_queue()
         rid = f"{kind}-{uuid.uuid4().hex}"
         gen = _Generation(aengine, rid, len(prompts))
-        with _client_errors(renames):
+        # NOTE: a schema a tool_choice made is the tools' (an unusable one names them)
+        with _client_errors(renames, {"json_schema": "tools"} if tool_plan is not None and tool_plan.schema else None):
             await gen.start(prompts, params)
         tracker = R.ChoiceTracker(params.n)
         report = _Report(metrics, tracker, arrival, len(prompts) * params.n, config.served_model_name)
@@ -407,7 +414,7 @@ def _tool_chunks(streams: dict, tool_plan, p, rid, model, created, decode, inclu
     text = ts.feed(p.text)
     if p.finish_reason is None:
         return [R.chat_chunk(rid, model, created, dataclasses.replace(p, text=text), p.index, decode, include_usage)]
-    rest, calls = ts.finish(p.finish_reason == "stop")
+    rest, calls = ts.finish(R.ended_whole(p.finish_reason, p.stop_reason))
     out = [R.chat_chunk(rid, model, created, dataclasses.replace(p, text=text + rest, finish_reason=None,
                                                                  stop_reason=None), p.index, decode, include_usage)]
     if calls:

@@ -320,9 +320,10 @@ class ChatCompletionRequest(_SamplingRequest):
         """How tools shape this request (tools.py); ValueError for tools it cannot run."""
         from .tools import plan
         p = plan(self.tools, self.tool_choice, parser)
-        if self.parallel_tool_calls is False and p.mode == "required":
+        if self.parallel_tool_calls is False:  # NOTE: as vLLM: the first call only
             import dataclasses
-            p = dataclasses.replace(p, schema={**p.schema, "maxItems": 1})
+            p = dataclasses.replace(p, single=True, schema={**p.schema, "maxItems": 1} if p.mode == "required"
+                                    else p.schema)
         return p
 
     def refuse_unsupported(self) -> None:
@@ -359,6 +360,7 @@ class TokenizeRequest(_Body):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
+    tools: Optional[list[Any]] = Field(None, description="Tools the chat template renders (with messages).")
     add_special_tokens: Optional[bool] = Field(None, description="Default: true for a prompt, false for messages.")
     add_generation_prompt: bool = True
     continue_final_message: bool = False

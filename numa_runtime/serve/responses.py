@@ -153,7 +153,7 @@ def chat_body(rid: str, model: str, tracker: ChoiceTracker, decode: TokenBytes, 
         message, reason, stop = {"role": "assistant", "content": c.text}, _reason(c.finish_reason), _stop(c)
         if tool_plan is not None and tool_plan.parses:
             from .tools import parse
-            content, calls = parse(tool_plan, c.text, c.finish_reason == "stop")
+            content, calls = parse(tool_plan, c.text, ended_whole(c.finish_reason, getattr(c, "stop_reason", None)))
             if calls:
                 message = {"role": "assistant", "content": content, "tool_calls": calls}
                 reason, stop = ("stop" if tool_plan.mode == "named" else "tool_calls"), None
@@ -161,6 +161,11 @@ def chat_body(rid: str, model: str, tracker: ChoiceTracker, decode: TokenBytes, 
                         "logprobs": chat_logprobs(c.token_ids, c.logprobs, decode)})
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": tracker.usage()}
+
+
+def ended_whole(finish_reason, stop_reason) -> bool:
+    """The output ended by itself (EOS or a stop token), not cut by max_tokens or a stop string."""
+    return finish_reason == "stop" and not isinstance(stop_reason, str)
 
 
 def tool_calls_chunk(rid: str, model: str, created: int, index: int, calls: list[dict], include_usage: bool) -> dict:

@@ -23,6 +23,7 @@ import uuid
 from dataclasses import dataclass
 
 PARSERS = ("hermes", "llama3_json")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ToolError(ValueError):
@@ -40,6 +41,7 @@ class ToolPlan:
     schema: dict | None = None      # the output's JSON schema (required, named)
     name: str | None = None         # named: the function
     parser: str | None = None       # auto: the call format
+    single: bool = False            # parallel_tool_calls false: only the first call
 
     @property
     def parses(self) -> bool:
@@ -51,6 +53,8 @@ def plan(tools, tool_choice, parser: str | None) -> ToolPlan:
     `parser`: the server's --tool-call-parser when --enable-auto-tool-choice is on, else None."""
     if tools is not None and not isinstance(tools, list):
         raise ToolError("tools must be a list of {'type': 'function', 'function': {...}} objects.", "tools")
+    if tools and _SURROGATE.search(json.dumps(tools, ensure_ascii=False)):
+        raise ToolError("tools must be valid Unicode text, but they hold a lone surrogate.", "tools")
     tools = tools or None
     functions = {}
     for i, t in enumerate(tools or []):
@@ -61,13 +65,16 @@ def plan(tools, tool_choice, parser: str | None) -> ToolPlan:
         name = fn.get("name")
         if not isinstance(name, str) or not name:
             raise ToolError(f"tools[{i}].function.name must be a non-empty string.", "tools")
-        params = fn.get("parameters", {"type": "object", "properties": {}})
+        params = fn.get("parameters")
+        if params is None:  # NOTE: absent or null (OpenAI and vLLM allow both): no arguments
+            params = {"type": "object", "properties": {}}
         if not isinstance(params, dict):
             raise ToolError(f"tools[{i}].function.parameters must be a JSON schema object.", "tools")
         functions[name] = params
     choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        fn = choice.get("function") if choice.get("type") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(name, str):
             raise ToolError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', "
                             "'function': {'name': ...}}.", "tool_choice")
@@ -81,9 +88,20 @@ def plan(tools, tool_choice, parser: str | None) -> ToolPlan:
     if choice != "none" and not tools:
         raise ToolError(f"tool_choice {choice!r} needs tools.", "tool_choice")
     if choice == "required":
-        calls = [{"type": "object", "properties": {"name": {"const": n}, "parameters": p},
-                  "required": ["name", "parameters"], "additionalProperties": False} for n, p in functions.items()]
-        return ToolPlan("required", tools, {"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+        # NOTE: as vLLM, each tool's $defs move to the root, where its "#/$defs/..." refs point
+        # (pydantic writes nested models so: openai.pydantic_function_tool)
+        defs, calls = {}, []
+        for n, p in functions.items():
+            p = dict(p)
+            for key, value in (p.pop("$defs", None) or {}).items():
+                if key in defs and defs[key] != value:
+                    raise ToolError(f"Two tools define '$defs/{key}' differently; the calls of tool_choice "
+                                    "'required' share one schema: rename one.", "tools")
+                defs[key] = value
+            calls.append({"type": "object", "properties": {"name": {"const": n}, "parameters": p},
+                          "required": ["name", "parameters"], "additionalProperties": False})
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        return ToolPlan("required", tools, {**schema, "$defs": defs} if defs else schema)
     if choice == "auto":
         if parser is None:
             raise ToolError('tool_choice "auto" needs a server started with --enable-auto-tool-choice and '
@@ -93,8 +111,12 @@ def plan(tools, tool_choice, parser: str | None) -> ToolPlan:
     return ToolPlan("none", tools)
 
 
-def _call(name: str, arguments) -> dict:
-    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+def _call(name, arguments, raw: bool = False) -> dict:
+    """A call of `name` (a non-empty string, else KeyError: the text is no call); `arguments` as
+    JSON text (as vLLM: any value is dumped, a string too); `raw`: they are the text already."""
+    if not isinstance(name, str) or not name:
+        raise KeyError("name")
+    args = arguments if raw else json.dumps(arguments, ensure_ascii=False)
     return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
             "function": {"name": name, "arguments": args}}
 
@@ -107,7 +129,7 @@ def parse(p: ToolPlan, text: str, finished_whole: bool = True) -> tuple[str | No
     all content, as vLLM returns it. `finished_whole`: the output ended by itself (not cut by
     max_tokens): a named or required call cut short stays text."""
     if p.mode == "named":
-        return (None, [_call(p.name, text)]) if finished_whole else (text, [])
+        return (None, [_call(p.name, text, raw=True)]) if finished_whole else (text, [])
     if p.mode == "required":
         try:
             items = json.loads(text)
@@ -126,15 +148,17 @@ def parse(p: ToolPlan, text: str, finished_whole: bool = True) -> tuple[str | No
             for body in _HERMES.findall(text[start:]):
                 obj = json.loads(body)
                 calls.append(_call(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
-            return text[:start] or None, calls  # NOTE: as vLLM's hermes parser: the text before, as it is
+            return text[:start] or None, calls[:1] if p.single else calls  # NOTE: the text before, as vLLM
         body = text.strip().removeprefix("<|python_tag|>").strip()
         if not body.startswith("{"):
             return text, []
         calls = []
         for part in _split_json_objects(body):
             obj = json.loads(part)
-            calls.append(_call(obj["name"], obj.get("parameters", obj.get("arguments", {}))))
-        return None, calls
+            # NOTE: as vLLM, a call names its arguments: {"name": "Bob", "age": 3} is an answer
+            args = obj["parameters"] if "parameters" in obj else obj["arguments"]
+            calls.append(_call(obj["name"], args))
+        return None, calls[:1] if p.single else calls
     except (ValueError, TypeError, KeyError, AttributeError):
         return text, []
 
