@@ -62,6 +62,24 @@ def test_routes_by_model_and_unloads_the_least_recently_used(models):
     assert not r.engines
 
 
+def test_the_engine_gauges_count_every_loaded_model(models):
+    """AsyncEngine's gauges (and so /metrics and the queue limit) read a router's engines: they
+    were always 0 on a server of several models, and --max-queue never refused."""
+    from numa_runtime.serve.async_engine import AsyncEngine
+    root, _ = models
+    r = router(root, ["alpha", "beta"], 2.5)
+    try:
+        for rid, name in (("a", "alpha"), ("b", "beta")):
+            r.route[rid] = name
+            r.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), request_id=rid)
+        r.step()
+        a = AsyncEngine(r)
+        a._update_stats()
+        assert a.stats.num_running + a.stats.num_waiting == 2 and a.stats.kv_cache_usage > 0
+    finally:
+        r.close()
+
+
 def test_a_busy_model_is_never_unloaded(models):
     root, expected = models
     r = router(root, ["alpha", "beta"], 1.5)  # one at a time

@@ -309,6 +309,34 @@ def test_a_second_sigint_exits_now_without_a_traceback(model_dir):
 
 
 # ------------------------------------------------------------------------------ a stuck rank
+def test_one_sigterm_under_mpirun_lets_requests_finish_within_the_grace(tmp_path):
+    """One SIGTERM to a 2-rank server with a request in flight: it finishes (the signal watcher
+    and the handler both starting the shutdown made one signal count as two: an exit at once, the
+    request cut)."""
+    from models import build_model
+    d = str(tmp_path / "mid")  # NOTE: slow enough (~1-2 s for 100 tokens) to be in flight
+    build_model(d, arch="llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                num_attention_heads=8, num_key_value_heads=2)
+    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    srv = ServerProcess(["--model", d, *TINY, "--kv-cache-memory", str(1 << 24), "--shutdown-grace", "30",
+                         "--num-scheduler-steps", "1"],
+                        launcher=[mpirun if os.path.exists(mpirun) else "mpirun", "-np", "2"],
+                        env={"MPI4PY_RC_THREAD_LEVEL": "funneled"})
+    try:
+        done = {}
+        body = {"prompt": "Hello", "max_tokens": 100, "ignore_eos": True}
+        t = threading.Thread(target=lambda: done.update(r=httpx.post(srv.base + "/v1/completions", json=body,
+                                                                      timeout=300)))
+        t.start()
+        wait_for(lambda: metric(srv.base, "numa_runtime_num_requests_running") == 1, what="the request running")
+        srv.proc.send_signal(signal.SIGTERM)
+        t.join(timeout=120)
+        assert srv.proc.wait(timeout=120) == 0, srv.output()
+        assert done["r"].status_code == 200 and done["r"].json()["usage"]["completion_tokens"] == 100, done
+    finally:
+        srv.stop()
+
+
 def test_sigterm_ends_the_job_while_a_worker_rank_is_stopped(model_dir):
     """Rank 1 is stopped (SIGSTOP) in the middle of a request and the server is told to stop:
     rank 0's main thread waits in MPI for rank 1, so no Python signal handler can run there; a

@@ -174,7 +174,9 @@ def test_named_and_required_tool_choice_return_calls(model_dir):
         import httpx
         count = [httpx.post(srv.base + "/tokenize", json={"messages": MSGS, **extra}, timeout=30).json()["count"]
                  for extra in ({}, {"tools": [WEATHER, TIME]})]
-        assert count[1] > count[0]  # /tokenize renders the tools too
+        assert count[1] > count[0]  # /tokenize renders the tools too, checked as chat checks them
+        r = httpx.post(srv.base + "/tokenize", json={"messages": MSGS, "tools": [{"type": "function"}]}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
         # the template saw the tools
         plain = c.chat.completions.create(**{**KW, "max_tokens": 1})
         with_tools = c.chat.completions.create(tools=[WEATHER, TIME], tool_choice="none", **{**KW, "max_tokens": 1})

@@ -393,21 +393,27 @@ def _serve(args, world, sock, front) -> int:
         sock = front.sock
     http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="numa-http", daemon=True)
 
-    def on_signal(signum, _frame):
+    def begin_shutdown() -> None:
         # NOTE: stop accepting first; requests in flight run for the grace period, then the
         # engine fails them (streams end with an error event and [DONE]); the engine loop ends
-        # when the HTTP thread does.
-        if server.should_exit:
-            server.force_exit = True
+        # when the HTTP thread does. Idempotent.
         server.should_exit = True
         aengine.shutdown(args.shutdown_grace)
         if front is not None:
             front.tell("stopping")
 
+    signals = []
+
+    def on_signal(signum, _frame):
+        signals.append(signum)
+        if len(signals) > 1:  # NOTE: a second signal: exit now
+            server.force_exit = True
+        begin_shutdown()
+
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     if world is not None and world[1] > 1:
-        _watch_signals(engine, aengine, server, front, args.shutdown_grace)
+        _watch_signals(aengine, begin_shutdown, args.shutdown_grace)
     http.start()
     if front is not None:
         front.tell("ready")
@@ -430,7 +436,7 @@ def _serve(args, world, sock, front) -> int:
 _STUCK_EXIT_S = 15.0  # past the grace: how long a shutdown may wait for an engine step to end
 
 
-def _watch_signals(engine, aengine, server, front, grace: float) -> None:
+def _watch_signals(aengine, begin_shutdown, grace: float) -> None:
     """Rank 0 of several: a thread that sees SIGINT/SIGTERM even while the main thread waits in an
     MPI call for a rank that is stopped or stuck (Python runs signal handlers on the main thread
     only, between calls). It starts the graceful shutdown itself if the handler could not, and
@@ -446,14 +452,12 @@ def _watch_signals(engine, aengine, server, front, grace: float) -> None:
             pass
         if not aengine.is_alive:
             return
-        server.should_exit = True
-        aengine.shutdown(grace)  # NOTE: both idempotent: the handler may have done it too
-        if front is not None:
-            front.tell("stopping")
+        begin_shutdown()  # NOTE: idempotent (the handler may run it too); never a forced exit
         deadline = time.monotonic() + grace + _STUCK_EXIT_S
         if not aengine.wait_stopped(max(0.0, deadline - time.monotonic())):
             print(f"numa-serve: error: an engine step has not ended {grace + _STUCK_EXIT_S:.0f} s after the "
                   "shutdown began (a rank is stopped or stuck); ending the MPI job.", file=sys.stderr, flush=True)
+            time.sleep(0.5)  # NOTE: mpirun drops output still in flight when the job is aborted
             _abort_job(1)
     threading.Thread(target=watch, name="numa-signals", daemon=True).start()
 

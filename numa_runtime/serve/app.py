@@ -151,6 +151,8 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             body.checked()
             tok = engine.tokenizer
             if body.messages is not None:
+                from .tools import plan
+                plan(body.tools, "none", None)  # NOTE: the tools chat takes, checked as chat checks them
                 kwargs = body.template_kwargs() | ({"tools": body.tools} if body.tools else {})
                 text = tok.apply_chat_template([m.as_template_dict() for m in body.messages], **kwargs)
                 add = bool(body.add_special_tokens)
@@ -259,7 +261,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         status = "abort"
         try:
-            done = await _until_disconnect(request, _collect(gen, tracker, report))
+            done = await _until_disconnect(request, _collect(gen, tracker, report, _schema_param(tool_plan)))
             if not done:
                 return Response(status_code=499)  # nobody reads it; the request is aborted
             status = tracker.choices()[0][1].finish_reason or "stop"
@@ -334,18 +336,23 @@ class _Report:
                                      self.first_token, time.monotonic(), self.num_seqs)
 
 
-async def _collect(gen: _Generation, tracker: R.ChoiceTracker, report: _Report) -> None:
+async def _collect(gen: _Generation, tracker: R.ChoiceTracker, report: _Report, param: str) -> None:
     async for index, out in gen.outputs():
-        _check_failed(out)
+        _check_failed(out, param)
         report.saw(tracker.update(index, out))
 
 
-def _check_failed(out) -> None:
+def _schema_param(tool_plan) -> str:
+    return "tools" if tool_plan is not None and tool_plan.schema is not None else "response_format"
+
+
+def _check_failed(out, param: str = "response_format") -> None:
     """A choice the engine ended with an error (its JSON schema allowed no next token: no finite
-    value completes it) fails the request, in one sentence; it never passes for a stop."""
+    value completes it) fails the request, in one sentence; it never passes for a stop. `param`:
+    where the schema came from (tools, for a tool_choice that calls a function)."""
     for c in out.outputs:
         if c.finish_reason == "error":
-            raise ApiError(400, _sentence(str(c.stop_reason)), param="response_format", code="invalid_json_schema")
+            raise ApiError(400, _sentence(str(c.stop_reason)), param=param, code="invalid_json_schema")
 
 
 async def _until_disconnect(request: Request, work) -> bool:
@@ -376,7 +383,7 @@ async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode,
             for i in range(len(gen.index) * tracker.n):
                 yield R.sse(R.chat_chunk(rid, model, created, None, i, decode, include_usage))
         async for index, out in gen.outputs():
-            _check_failed(out)
+            _check_failed(out, _schema_param(tool_plan))
             pieces = tracker.update(index, out)
             report.saw(pieces)
             for p in pieces:

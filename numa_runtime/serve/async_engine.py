@@ -281,8 +281,9 @@ class AsyncEngine:
                 self._took_add()
 
     def _update_stats(self) -> None:
-        sched = getattr(self.engine, "scheduler", None)
-        bm = getattr(self.engine, "block_manager", None) or getattr(sched, "block_manager", None)
+        # NOTE: a ModelRouter (several models) has no scheduler of its own: it sums its engines'
+        sched = getattr(self.engine, "scheduler", None) or self.engine
+        bm = getattr(self.engine, "block_manager", None) or getattr(sched, "block_manager", None) or self.engine
         self.stats = EngineStats(
             num_running=_num(sched, "num_running", "running"),
             num_waiting=_num(sched, "num_waiting", "waiting"),

@@ -251,6 +251,28 @@ class ModelRouter:
     def has_unfinished_requests(self) -> bool:
         return any(e.has_unfinished_requests() for e in self.engines.values())
 
+    # NOTE: what AsyncEngine's gauges and queue limit read from an engine's scheduler and block
+    # manager, summed over the loaded models
+    @property
+    def num_running(self) -> int:
+        return sum(e.scheduler.num_running for e in self.engines.values())
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(e.scheduler.num_waiting for e in self.engines.values())
+
+    @property
+    def usage(self) -> float:
+        blocks = [(e.block_manager.num_blocks, e.block_manager.usage) for e in self.engines.values()]
+        total = sum(n for n, _ in blocks)
+        return sum(n * u for n, u in blocks) / total if total else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        hits = sum(e.block_manager.hit_tokens for e in self.engines.values())
+        queries = sum(e.block_manager.query_tokens for e in self.engines.values())
+        return hits / queries if queries else 0.0
+
     @property
     def ops(self):
         """The backend of every model (AsyncEngine sets its thread count)."""
