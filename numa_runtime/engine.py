@@ -19,7 +19,9 @@ import itertools
 import logging
 import numbers
 import os
+import signal
 import sys
+import threading
 import time
 from collections import deque
 from typing import Iterable, Iterator
@@ -61,6 +63,10 @@ class Engine:
         from .tokenizer import Tokenizer
 
         self.config = EngineConfig(dtype=dtype, max_model_len=max_model_len, num_threads=num_threads, **kwargs)
+        # NOTE: one thread at a time changes the engine's state (a step, an add, an abort): callers
+        # on several threads are served in turn (they hung, two threads stepping one scheduler)
+        self._use = threading.RLock()
+        self._held: list | None = None  # SIGINTs held while _atomic runs on the main thread
         self.comm = distributed.init_distributed()
         ops = backend.get_backend(self.config.backend)
         placement = self._bind_and_set_threads(ops)
@@ -254,6 +260,10 @@ class Engine:
 
     def _add(self, prompt, params: SamplingParams | None, request_id: str | None, outbox: deque) -> str:
         """Queue a request whose outputs are appended to `outbox` (its owner reads them there)."""
+        with self._atomic():
+            return self._add_locked(prompt, params, request_id, outbox)
+
+    def _add_locked(self, prompt, params: SamplingParams | None, request_id: str | None, outbox: deque) -> str:
         if self.model_config.is_embedding_model:
             raise ValueError(f"{self.model_config.architecture} is an embedding model without an LM head: it "
                              "cannot generate text; use Engine.embed (or /v1/embeddings).")
@@ -313,13 +323,14 @@ class Engine:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request; its owner gets a last output with finish_reason "abort". Idempotent."""
-        group = self._groups.pop(str(request_id), None)
-        if group is None:
-            return
-        for req in group.children:
-            if not req.is_finished:
-                self.scheduler.abort_request(req.request_id)
-        group.outbox.append(self._output(group))
+        with self._atomic():
+            group = self._groups.pop(str(request_id), None)
+            if group is None:
+                return
+            for req in group.children:
+                if not req.is_finished:
+                    self.scheduler.abort_request(req.request_id)
+            group.outbox.append(self._output(group))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -330,9 +341,36 @@ class Engine:
         requests queued with add_request since the last call, in order (outputs of generate()
         and stream() requests go to those calls, never here)."""
         self._driver_only("step")
-        if self.scheduler.has_unfinished():
-            self._step()
-        return _take_all(self._step_outbox)
+        with self._atomic():
+            if self.scheduler.has_unfinished():
+                self._step()
+            return _take_all(self._step_outbox)
+
+    @contextlib.contextmanager
+    def _atomic(self):
+        """A change of the engine's state (a step, an add, an abort) by one thread at a time, not
+        cut by Ctrl-C: on the main thread a SIGINT is held until the change is whole, then handled
+        as it would have been (KeyboardInterrupt). A step cut half-way left other consumers'
+        requests with lost tokens, or waiting for ever."""
+        with self._use:
+            outermost = self._held is None and threading.current_thread() is threading.main_thread()
+            old = None
+            if outermost:
+                self._held = []
+                try:
+                    old = signal.signal(signal.SIGINT, lambda signum, frame: self._held.append(frame))
+                except ValueError:  # NOTE: not the main interpreter's main thread after all
+                    outermost, self._held = False, None
+            try:
+                yield
+            finally:
+                if outermost:
+                    held, self._held = self._held, None
+                    signal.signal(signal.SIGINT, old)
+                    if held and callable(old):
+                        old(signal.SIGINT, held[0])
+                    elif held and old == signal.SIG_DFL:
+                        signal.raise_signal(signal.SIGINT)
 
     def _step(self) -> None:
         rec = self.recorder  # times the three under AS_PROFILE=ON; otherwise does nothing
@@ -506,14 +544,19 @@ class Engine:
                 self.abort_request(rid)
 
     def _wait(self, outbox: deque) -> None:
-        """Step until `outbox` (of unfinished requests) holds an output."""
-        while not outbox:
-            if self._closed:  # NOTE: a stream read after close(): its workers stopped listening
-                raise RuntimeError("The engine was closed while this request ran; make a new Engine to run more.")
-            if not self.scheduler.has_unfinished():  # NOTE: an unfinished request is always scheduled
-                raise RuntimeError("The engine has no request left to run but an output is missing; "
-                                   "this is a bug in numa_runtime, please report it.")
-            self._step()
+        """Step until `outbox` (of unfinished requests) holds an output (another thread's steps
+        may fill it too)."""
+        while True:
+            with self._atomic():
+                if outbox:
+                    return
+                if self._closed:  # NOTE: a stream read after close(): its workers stopped listening
+                    raise RuntimeError("The engine was closed while this request ran; make a new Engine to run "
+                                       "more.")
+                if not self.scheduler.has_unfinished():  # NOTE: an unfinished request is always scheduled
+                    raise RuntimeError("The engine has no request left to run but an output is missing; "
+                                       "this is a bug in numa_runtime, please report it.")
+                self._step()
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, *,
              add_generation_prompt: bool | None = None, continue_final_message: bool = False,
@@ -587,6 +630,10 @@ class Engine:
     def _forward_once(self, ids: list[int], rows, kind: int):
         """One forward over `ids` in scratch KV blocks of replica 0: the model's output (logits,
         or final hidden states for EMBED) at positions `rows`."""
+        with self._atomic():
+            return self._forward_once_locked(ids, rows, kind)
+
+    def _forward_once_locked(self, ids: list[int], rows, kind: int):
         import numpy as np
         from .plan import StepPlan
         # NOTE: with data-parallel replicas the scheduler is a ReplicaRouter: replica 0's pool

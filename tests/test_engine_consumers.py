@@ -354,3 +354,59 @@ def test_async_engine_counts_each_waiting_request_once():
     finally:
         aengine.stop()
     assert seen and max(seen) == 6 and all(n <= 6 for n in seen), seen
+
+
+def test_threads_sharing_an_engine_are_served_in_turn(model_dir, alone):
+    """generate() from several threads at once: each gets its own text (they hung, two threads
+    stepping one scheduler)."""
+    import threading
+    eng = Engine(model_dir, dtype="float32", kv_cache_memory=40 * 8192, max_model_len=256, max_num_batched_tokens=32)
+    results, errors = {}, []
+
+    def run(t):
+        try:
+            for k in range(4):
+                i = (t + k) % len(PROMPTS)
+                results[(t, k)] = (i, eng.generate(PROMPTS[i], greedy(24))[0].text)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    try:
+        assert not errors and not any(t.is_alive() for t in threads), errors
+        assert len(results) == 12 and all(text == alone(i, 24) for i, text in results.values())
+    finally:
+        eng.close()
+
+
+def test_ctrl_c_in_generate_leaves_other_requests_whole(model_dir, alone):
+    """A SIGINT lands in the middle of a step of generate() (right after the scheduler took the
+    step's tokens) while a stream is open: generate raises KeyboardInterrupt once the step is
+    whole, and the stream's text is still its text alone (the step cut half-way lost the
+    stream's tokens, or left it waiting for ever)."""
+    import signal
+    eng = Engine(model_dir, dtype="float32", kv_cache_memory=40 * 8192, max_model_len=256, max_num_seqs=3,
+                 max_num_batched_tokens=16)
+    update, calls = eng.scheduler.update, []
+
+    def update_then_interrupt(*args):
+        update(*args)
+        calls.append(1)
+        if len(calls) == 6:
+            signal.raise_signal(signal.SIGINT)  # NOTE: its handler runs at once, mid-step
+    eng.scheduler.update = update_then_interrupt
+    try:
+        bg = eng.stream(PROMPTS[0], greedy(24))
+        text = next(bg)
+        with pytest.raises(KeyboardInterrupt):
+            eng.generate(PROMPTS[1:4], greedy(24))
+        assert len(calls) >= 6
+        text += "".join(bg)
+        assert text == alone(0, 24)
+        assert not eng.has_unfinished_requests()
+        assert eng.generate(PROMPTS[2], greedy(24))[0].text == alone(2, 24)
+    finally:
+        eng.close()
