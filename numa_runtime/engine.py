@@ -67,6 +67,7 @@ class Engine:
         # on several threads are served in turn (they hung, two threads stepping one scheduler)
         self._use = threading.RLock()
         self._held: list | None = None  # SIGINTs held while _atomic runs on the main thread
+        self._broken: str | None = None  # why the ranks are out of step (_execute), for good
         self.comm = distributed.init_distributed()
         ops = backend.get_backend(self.config.backend)
         placement = self._bind_and_set_threads(ops)
@@ -593,10 +594,7 @@ class Engine:
             all_ids.append(ids)
         # NOTE: the inputs run one after another in scratch blocks: check room for the longest
         # first, so that a call waiting for room (AsyncEngine retries it) computes nothing
-        bm = getattr(self.scheduler, "replicas", [self.scheduler])[0].block_manager
-        longest = max(map(len, all_ids))
-        if bm.num_blocks_for(longest) <= bm.num_blocks and bm.num_blocks_for(longest) > bm.num_free_blocks:
-            raise KVCacheBusyError(f"The KV cache has no room for {longest} tokens now; retry when requests finish.")
+        self._scratch_room(max(map(len, all_ids)))
         for i, ids in enumerate(all_ids):
             h = self._final_hidden(ids, every_row=pooling == "mean")  # [n or 1, hidden]
             v = h.mean(axis=0) if pooling == "mean" else h[-1]
@@ -633,17 +631,24 @@ class Engine:
         with self._atomic():
             return self._forward_once_locked(ids, rows, kind)
 
+    def _scratch_room(self, n: int):
+        """The block manager whose pool scratch forwards use (replica 0's, with data-parallel
+        replicas), once it has room for `n` tokens now: ValueError if it never will, however
+        long one waits, KVCacheBusyError if running requests hold the blocks."""
+        bm = getattr(self.scheduler, "replicas", [self.scheduler])[0].block_manager
+        need = bm.num_blocks_for(n)
+        if need > bm.num_blocks:
+            raise ValueError(f"{n} tokens need {need} KV blocks, but the cache has {bm.num_blocks}; shorten the "
+                             "input or enlarge the KV cache (kv_cache_memory).")
+        if need > bm.num_free_blocks:
+            raise KVCacheBusyError(f"The KV cache has no room for {n} tokens now; retry when requests finish.")
+        return bm
+
     def _forward_once_locked(self, ids: list[int], rows, kind: int):
         import numpy as np
         from .plan import StepPlan
-        # NOTE: with data-parallel replicas the scheduler is a ReplicaRouter: replica 0's pool
-        bm, n = getattr(self.scheduler, "replicas", [self.scheduler])[0].block_manager, len(ids)
-        if bm.num_blocks_for(n) > bm.num_blocks:  # NOTE: never fits, however long one waits
-            raise ValueError(f"{n} tokens need {bm.num_blocks_for(n)} KV blocks, but the cache has "
-                             f"{bm.num_blocks}; shorten the input or enlarge the KV cache (kv_cache_memory).")
+        bm, n = self._scratch_room(len(ids)), len(ids)
         blocks = bm.take_blocks(bm.num_blocks_for(n))
-        if blocks is None:
-            raise KVCacheBusyError(f"The KV cache has no room for {n} tokens now; retry when requests finish.")
         try:
             bs = bm.block_size
             pos = np.arange(n, dtype=np.int64)                               # [n]
@@ -711,7 +716,7 @@ class Engine:
         if self.comm.is_driver:
             if self._closed:  # NOTE: its worker ranks have stopped listening
                 raise RuntimeError(f"{call}(): the engine is closed; make a new Engine to run more.")
-            if getattr(self, "_broken", None):
+            if self._broken:
                 raise RuntimeError(f"{call}(): {self._broken}.")
             return
         log.info("rank %d is a worker rank: at its first driving call (%s) it serves rank 0's steps until "
@@ -729,7 +734,7 @@ class Engine:
             return
         self._closed = True
         atexit.unregister(self.close)  # NOTE: else atexit keeps an unloaded model's weights alive
-        if getattr(self, "_broken", None):  # NOTE: no shutdown plan can reach workers out of step
+        if self._broken:  # NOTE: no shutdown plan can reach workers out of step
             log.error("numa_runtime: %s; ending the MPI job", self._broken)
             self.comm.abort(f"the engine stopped: {self._broken}.", 1)
             return

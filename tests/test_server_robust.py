@@ -309,6 +309,23 @@ def test_a_second_sigint_exits_now_without_a_traceback(model_dir):
 
 
 # ------------------------------------------------------------------------------ a stuck rank
+def _mpirun(ranks: int = 2) -> list[str]:
+    """mpirun -np `ranks`: the one beside this interpreter (the mpich wheel's) if there is one."""
+    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    return [mpirun if os.path.exists(mpirun) else "mpirun", "-np", str(ranks)]
+
+
+def _mpi_server(model: str, *flags: str) -> ServerProcess:
+    return ServerProcess(["--model", model, *TINY, "--kv-cache-memory", str(1 << 24), *flags], launcher=_mpirun(),
+                         env={"MPI4PY_RC_THREAD_LEVEL": "funneled"})
+
+
+def _post_in_background(srv: ServerProcess, body: dict, done: dict) -> threading.Thread:
+    """A thread (not started) that posts a completion and leaves the response in done["r"]."""
+    return threading.Thread(target=lambda: done.update(r=httpx.post(srv.base + "/v1/completions", json=body,
+                                                                     timeout=300)))
+
+
 def test_one_sigterm_under_mpirun_lets_requests_finish_within_the_grace(tmp_path):
     """One SIGTERM to a 2-rank server with a request in flight: it finishes (the signal watcher
     and the handler both starting the shutdown made one signal count as two: an exit at once, the
@@ -317,16 +334,11 @@ def test_one_sigterm_under_mpirun_lets_requests_finish_within_the_grace(tmp_path
     d = str(tmp_path / "mid")  # NOTE: slow enough (~1-2 s for 100 tokens) to be in flight
     build_model(d, arch="llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
                 num_attention_heads=8, num_key_value_heads=2)
-    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    srv = ServerProcess(["--model", d, *TINY, "--kv-cache-memory", str(1 << 24), "--shutdown-grace", "30",
-                         "--num-scheduler-steps", "1"],
-                        launcher=[mpirun if os.path.exists(mpirun) else "mpirun", "-np", "2"],
-                        env={"MPI4PY_RC_THREAD_LEVEL": "funneled"})
+    srv = _mpi_server(d, "--shutdown-grace", "30", "--num-scheduler-steps", "1")
     try:
         done = {}
         body = {"prompt": "Hello", "max_tokens": 100, "ignore_eos": True}
-        t = threading.Thread(target=lambda: done.update(r=httpx.post(srv.base + "/v1/completions", json=body,
-                                                                      timeout=300)))
+        t = _post_in_background(srv, body, done)
         t.start()
         wait_for(lambda: metric(srv.base, "numa_runtime_num_requests_running") == 1, what="the request running")
         srv.proc.send_signal(signal.SIGTERM)
@@ -343,17 +355,13 @@ def test_sigterm_ends_the_job_while_a_worker_rank_is_stopped(model_dir):
     thread that watches the signals ends the job once the grace and 15 s have passed, and the
     front answers the request in flight. The job ignored SIGTERM and SIGINT for ever before."""
     import time
-    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    srv = ServerProcess(["--model", model_dir, *TINY, "--kv-cache-memory", str(1 << 24), "--shutdown-grace", "1"],
-                        launcher=[mpirun if os.path.exists(mpirun) else "mpirun", "-np", "2"],
-                        env={"MPI4PY_RC_THREAD_LEVEL": "funneled"})
+    srv = _mpi_server(model_dir, "--shutdown-grace", "1")
     worker = None
     try:
         worker = _rank_process(srv.proc.pid, 1)
         done = {}
         body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True}
-        t = threading.Thread(target=lambda: done.update(r=httpx.post(srv.base + "/v1/completions", json=body,
-                                                                      timeout=300)))
+        t = _post_in_background(srv, body, done)
         worker.suspend()
         t.start()
         wait_for(lambda: metric(srv.base, "numa_runtime_engine_busy_seconds") > 1, timeout=120,
@@ -374,17 +382,13 @@ def test_sigterm_ends_the_job_while_a_worker_rank_is_stopped(model_dir):
 def test_health_reports_a_stopped_worker_rank(model_dir):
     """Under mpirun -np 2: SIGSTOP rank 1, then a request arrives; /health turns 503 (its step
     never ends), then 200 again after SIGCONT, and the request completes."""
-    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    srv = ServerProcess(["--model", model_dir, *TINY, "--kv-cache-memory", str(1 << 24), "--stall-timeout", "2"],
-                        launcher=[mpirun if os.path.exists(mpirun) else "mpirun", "-np", "2"],
-                        env={"MPI4PY_RC_THREAD_LEVEL": "funneled"})
+    srv = _mpi_server(model_dir, "--stall-timeout", "2")
     worker = None
     try:
         worker = _rank_process(srv.proc.pid, 1)
         done = {}
         body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True}
-        t = threading.Thread(target=lambda: done.update(r=httpx.post(srv.base + "/v1/completions", json=body,
-                                                                      timeout=300)))
+        t = _post_in_background(srv, body, done)
         # NOTE: rank 1 stops before the request arrives, so the request's first step is the one
         # that stalls (200 tokens of this tiny model can finish between two polls of a metric)
         assert httpx.get(srv.base + "/health", timeout=10).status_code == 200
@@ -516,8 +520,7 @@ def test_a_killed_rank_ends_what_is_in_flight_with_one_sentence(model_dir, ranks
     error event the openai client raises, answers the request that was waiting with a 503 that the
     client is told not to retry, then frees the port and exits."""
     import socket
-    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    launcher = [mpirun if os.path.exists(mpirun) else "mpirun", "-np", "2"] if ranks == 2 else []
+    launcher = _mpirun() if ranks == 2 else []
     srv = ServerProcess(["--model", model_dir, *TINY, "--served-model-name", "tiny"], launcher=launcher,
                         env={"MPI4PY_RC_THREAD_LEVEL": "funneled"})
     raw = None

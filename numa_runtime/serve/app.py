@@ -239,10 +239,8 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
         with _client_errors():
             try:
                 return await create_embeddings(aengine, body, config.served_model_name, config.embedding_pooling)
-            except EngineDeadError as e:
-                raise ApiError(503, str(e), type_="server_error", code="engine_stopped") from None
             except RuntimeError as e:  # NOTE: an OpenAI error body, not a bare 500
-                raise ApiError(500, str(e), type_="server_error", code="engine_error") from None
+                raise _engine_failure(e) from None
 
     async def _serve(request: Request, body, kind: str, prompts: list, params, arrival: float, renames=None,
                      tool_plan=None):
@@ -250,7 +248,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
         rid = f"{kind}-{uuid.uuid4().hex}"
         gen = _Generation(aengine, rid, len(prompts))
         # NOTE: a schema a tool_choice made is the tools' (an unusable one names them)
-        with _client_errors(renames, {"json_schema": "tools"} if tool_plan is not None and tool_plan.schema else None):
+        with _client_errors(renames, {"json_schema": _schema_param(tool_plan)}):
             await gen.start(prompts, params)
         tracker = R.ChoiceTracker(params.n)
         report = _Report(metrics, tracker, arrival, len(prompts) * params.n, config.served_model_name)
@@ -265,12 +263,9 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             if not done:
                 return Response(status_code=499)  # nobody reads it; the request is aborted
             status = tracker.choices()[0][1].finish_reason or "stop"
-        except EngineDeadError as e:
+        except RuntimeError as e:  # NOTE: EngineDeadError too
             status = "error"
-            raise ApiError(503, str(e), type_="server_error", code="engine_stopped") from None
-        except RuntimeError as e:
-            status = "error"
-            raise ApiError(500, str(e), type_="server_error", code="engine_error") from None
+            raise _engine_failure(e) from None
         except ApiError:
             status = "error"
             raise
@@ -342,6 +337,13 @@ async def _collect(gen: _Generation, tracker: R.ChoiceTracker, report: _Report, 
         report.saw(tracker.update(index, out))
 
 
+def _engine_failure(e: RuntimeError) -> ApiError:
+    """The engine stopped (503 engine_stopped) or failed on the request (500 engine_error)."""
+    if isinstance(e, EngineDeadError):
+        return ApiError(503, str(e), type_="server_error", code="engine_stopped")
+    return ApiError(500, str(e), type_="server_error", code="engine_error")
+
+
 def _schema_param(tool_plan) -> str:
     return "tools" if tool_plan is not None and tool_plan.schema is not None else "response_format"
 
@@ -399,10 +401,10 @@ async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode,
             obj = "chat.completion.chunk" if chat else "text_completion"
             yield R.sse(R.usage_chunk(rid, obj, model, created, tracker.usage()))
         yield R.sse("[DONE]")
-    except (EngineDeadError, RuntimeError) as e:
-        status = "error"  # NOTE: the codes of a body's 503 / 500
-        code = "engine_stopped" if isinstance(e, EngineDeadError) else "engine_error"
-        yield R.sse(R.error_body(str(e), "server_error", code=code))
+    except RuntimeError as e:  # NOTE: EngineDeadError too: the error a body would get
+        status = "error"
+        err = _engine_failure(e)
+        yield R.sse(R.error_body(err.message, err.type, code=err.code))
         yield R.sse("[DONE]")
     except ApiError as e:
         status = "error"
