@@ -641,7 +641,8 @@ class Engine:
             raise ValueError(f"{n} tokens need {need} KV blocks, but the cache has {bm.num_blocks}; shorten the "
                              "input or enlarge the KV cache (kv_cache_memory).")
         if need > bm.num_free_blocks:
-            raise KVCacheBusyError(f"The KV cache has no room for {n} tokens now; retry when requests finish.")
+            raise KVCacheBusyError(f"The KV cache has no room for {n} tokens now; retry when requests finish.",
+                                   block_manager=bm, num_blocks=need)
         return bm
 
     def _forward_once_locked(self, ids: list[int], rows, kind: int):
@@ -767,7 +768,12 @@ class Engine:
 
 class KVCacheBusyError(RuntimeError):
     """embed / prompt_logprobs: running requests hold the blocks the input needs (it fits the
-    pool: it can run once some finish; the server's engine loop retries it after each step)."""
+    pool: it can run once some finish; the server's engine loop retries it after each step and
+    meanwhile reserves `num_blocks` of `block_manager` against new admissions)."""
+
+    def __init__(self, message: str, block_manager=None, num_blocks: int = 0):
+        super().__init__(message)
+        self.block_manager, self.num_blocks = block_manager, num_blocks
 
 
 class RankLoadError(RuntimeError):

@@ -157,14 +157,16 @@ class Scheduler:
                 budget -= n
                 i += 1
 
-        # 2. waiting requests, first come first served (none if we just had to preempt)
+        # 2. waiting requests, first come first served (none if we just had to preempt); they
+        # leave free the blocks reserved for a waiting scratch forward (block_manager.reserved_blocks)
+        reserve = self.block_manager.reserved_blocks
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
             blocks, num_cached = self.block_manager.get_computed_blocks(req)
             n = self._chunk(req.num_tokens - num_cached, budget)
-            if not self.block_manager.can_allocate(req, n, blocks):
-                if self.running or scheduled or not blocks:
+            if not self.block_manager.can_allocate(req, n, blocks, reserve):
+                if self.running or scheduled or not blocks or reserve:
                     break
                 # NOTE: nothing runs that could free blocks, so the prefix-cache hits are what
                 # does not fit (a sliding-window model's prefix longer than the pool): recompute

@@ -153,3 +153,74 @@ def test_an_embedding_waits_for_kv_room_held_by_running_requests(decoder):
     assert len(forwards) == 3  # NOTE: while it waited, nothing was computed (it redid its inputs every step)
     assert not eng.has_unfinished_requests()
     eng.close()
+
+
+def test_a_waiting_embedding_is_not_starved_by_new_requests(decoder):
+    """A closed-loop load keeps eight generation requests of staggered lengths queued or running (a
+    new one as each ends; about four fit the pool). An embedding that needs more blocks than are
+    free waits; the blocks it needs are reserved against new admissions, so it runs once the
+    requests running then end. Before, every block a finished request freed went to the next
+    queued request, and the embedding waited for the whole load (60 requests) to stop."""
+    import asyncio
+    from numa_runtime.serve.async_engine import AsyncEngine
+    d, _ = decoder
+    probe = Engine(d, dtype="float32", kv_cache_memory=1 << 22, max_model_len=256)
+    block_bytes, bs = probe.runner.bytes_per_block, probe.config.block_size
+    probe.close()
+    eng = Engine(d, dtype="float32", kv_cache_memory=12 * block_bytes, max_model_len=10 * bs, num_threads=1)
+    aengine = AsyncEngine(eng)
+    ids = list(range(5, 5 + 10 * bs - 10))  # 10 of the 12 blocks
+    total, finished, seen = 60, [], {}
+    two_admitted = None
+
+    async def one(i, admitted):
+        q = asyncio.Queue()
+        p = SamplingParams(temperature=0, max_tokens=2 + 5 * (i % 4), ignore_eos=True)
+        await aengine.add(f"r{i}", list(range(3 + i % 7, 3 + i % 7 + 2 * bs)), p, q)
+        first = True
+        while True:
+            out = await q.get()
+            if first:
+                admitted.append(i)
+                if len(admitted) == 2:
+                    two_admitted.set()
+                first = False
+            if out.finished:
+                break
+        finished.append(i)
+
+    async def load(embed_done, admitted):
+        started, running = 0, set()
+        while started < total and not embed_done.done():
+            while len(running) < 8 and started < total:
+                running.add(asyncio.ensure_future(one(started, admitted)))
+                started += 1
+            done, running = await asyncio.wait(running | {embed_done}, return_when=asyncio.FIRST_COMPLETED)
+            running -= {embed_done}
+        await asyncio.gather(*running)
+
+    def run_embed(e):
+        seen["finished"] = len(finished)
+        return e.embed([ids])
+
+    async def main():
+        nonlocal two_admitted
+        two_admitted = asyncio.Event()
+        aengine.start()
+        admitted, embed = [], asyncio.get_running_loop().create_future()
+        work = asyncio.ensure_future(load(embed, admitted))
+        await two_admitted.wait()  # NOTE: two requests hold at least 5 blocks: the embedding must wait
+        call = asyncio.ensure_future(aengine.call(run_embed))
+        call.add_done_callback(lambda f: embed.done() or embed.set_result(None))
+        await asyncio.wait_for(asyncio.gather(work, call), timeout=300)
+        return call.result()
+    try:
+        vec = asyncio.run(main())
+    finally:
+        aengine.stop()
+    assert vec.shape == (1, BASE["hidden_size"])
+    # NOTE: at most the requests running when it first waited had ended (the 12 blocks hold at
+    # most six of them: a prompt is two); the old code ran it after 57
+    assert seen["finished"] <= 6, (seen, len(finished))
+    assert eng.block_manager.reserved_blocks == 0
+    eng.close()

@@ -320,3 +320,18 @@ def test_sliding_window_admission_counts_only_the_window():
     sched.add_request(req("fits", range(10), max_tokens=40))  # 50 tokens, 5 live blocks at most
     with pytest.raises(ValueError, match="KV blocks"):
         make(num_blocks=5, budget=8, max_model_len=64).add_request(req("x", range(10), max_tokens=40))
+
+
+def test_reserved_blocks_hold_back_admissions_but_not_running_requests():
+    """Blocks reserved for a waiting scratch forward (an embedding) are not given to new
+    requests; running requests still step (and free their blocks as they end)."""
+    s = make(num_blocks=8, budget=16)
+    s.add_request(req("a", range(8), max_tokens=4))   # 2 blocks, then 3
+    s.schedule()
+    s.block_manager.reserved_blocks = 5               # 6 free: room for "b" (2) but not beside 5
+    s.add_request(req("b", range(100, 108)))
+    out = s.schedule()
+    assert [r.request_id for r in out.scheduled] == ["a"] and s.num_waiting == 1
+    s.block_manager.reserved_blocks = 0
+    out = s.schedule()
+    assert sorted(r.request_id for r in out.scheduled) == ["a", "b"]

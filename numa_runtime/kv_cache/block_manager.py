@@ -73,6 +73,10 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self._num_hashed: dict[str, int] = {}  # request_id -> its leading blocks already cached
+        # blocks the scheduler leaves free when it admits a request: a scratch forward (an
+        # embedding, prompt_logprobs) waiting for room would otherwise see every block that a
+        # finished request frees taken by the next admission, for as long as requests arrive
+        self.reserved_blocks = 0
         self._num_released: dict[str, int] = {}  # request_id -> its leading blocks released
         # prefix-cache counters, counted once per admission of a request (not per retry)
         self.query_tokens = self.hit_tokens = 0
@@ -159,14 +163,16 @@ class BlockManager:
         have = len(req.block_ids) + len(computed_blocks)
         return max(0, self.num_blocks_for(num_computed + num_new_tokens) - have)
 
-    def can_allocate(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
-        """Whether `allocate(req, num_new_tokens, computed_blocks)` would succeed now."""
+    def can_allocate(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = (),
+                     reserve: int = 0) -> bool:
+        """Whether `allocate(req, num_new_tokens, computed_blocks)` would succeed now and leave
+        `reserve` blocks free."""
         # NOTE: an evictable block we are about to reuse as a hit stops being free; a host
         # hit needs a fresh block to be copied into.
         num_host_hits = sum(1 for b in computed_blocks if isinstance(b, HostHit))
         num_evictable_hits = sum(1 for b in computed_blocks if not isinstance(b, HostHit) and self.ref_cnt[b] == 0)
         return (self._num_new_blocks(req, num_new_tokens, computed_blocks) + num_host_hits
-                <= self.num_free_blocks - num_evictable_hits)
+                <= self.num_free_blocks - num_evictable_hits - reserve)
 
     def allocate(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> None:
         """Give `req` blocks for num_computed_tokens + num_new_tokens tokens.

@@ -44,6 +44,7 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # NOTE: put() is reentrant (signal-safe)
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._waiting_calls: list[tuple] = []  # "call"s waiting for KV room (retried after each step)
+        self._reserved = None  # the block manager whose blocks the oldest waiting call reserved
         self._thread: threading.Thread | None = None
         # add() commands put in the inbox (written by the event loop only) and taken out of it
         # (by the engine thread only, once the scheduler's count includes the request): their
@@ -202,6 +203,8 @@ class AsyncEngine:
                 _resolve(fut, error=e)
                 return True
             self._waiting_calls.append(cmd)
+            if len(self._waiting_calls) == 1:  # NOTE: the oldest waiting call holds the reservation
+                self._reserve(e.block_manager, e.num_blocks)
             return False
         except Exception as e:  # noqa: BLE001 - handed to the caller
             _resolve(fut, error=e)
@@ -211,12 +214,23 @@ class AsyncEngine:
         """Calls that waited for KV room (embeddings, scoring), oldest first, after a step freed
         blocks and before the next step admits new requests into them."""
         waiting, self._waiting_calls = self._waiting_calls, []
+        self._reserve(None, 0)
         for i, cmd in enumerate(waiting):
             if cmd[2].done():  # NOTE: the caller gave up (its client went away)
                 continue
             if not self._call(cmd):
-                self._waiting_calls.extend(waiting[i + 1:])  # NOTE: in order: the oldest waits first
+                # NOTE: in order: the oldest waits first; the blocks it reserved stay reserved
+                self._waiting_calls.extend(c for c in waiting[i + 1:] if not c[2].done())
                 return
+
+    def _reserve(self, block_manager, num_blocks: int) -> None:
+        """Keep `num_blocks` of `block_manager` free of new admissions for the oldest waiting call
+        (None: release the reservation), so that a steady flow of new requests cannot starve it."""
+        if self._reserved is not None:
+            self._reserved.reserved_blocks = 0
+        self._reserved = block_manager
+        if block_manager is not None:
+            block_manager.reserved_blocks = num_blocks
 
     def _add(self, request_id, prompt, params, sink, fut) -> None:
         if self._cancel_at is not None:
@@ -261,6 +275,7 @@ class AsyncEngine:
 
     def _fail_all(self, error: BaseException) -> None:
         waiting, self._waiting_calls = self._waiting_calls, []
+        self._reserve(None, 0)
         for cmd in waiting:
             _resolve(cmd[-1], error=error)
         for rid, (loop, q) in list(self._sinks.items()):
