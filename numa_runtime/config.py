@@ -347,6 +347,9 @@ class EngineConfig:
                 self.data_parallel, int) or self.data_parallel < 1):
             raise ValueError(f"data_parallel must be a positive integer, got {self.data_parallel!r}.")
         self.disk_tier  # validates
+        if self.kv_cache_dir is not None and not self.enable_prefix_caching:
+            raise ValueError("The KV disk tier (kv_cache_dir) keeps prefix-cache blocks; it needs "
+                             "enable_prefix_caching=True.")
         if self.kv_cache_dir is not None and self.device != "cpu":
             raise ValueError("The KV disk tier (kv_cache_dir) runs with the CPU backend; on a GPU use the host "
                              "KV tier (host_kv_cache_memory) instead.")

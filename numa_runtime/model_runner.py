@@ -50,7 +50,12 @@ class ModelRunner:
         if self.engine_cfg.prefill_activations != "bf16":  # NOTE: int8 prefill rows: other KV values
             kind += f"/prefill-{self.engine_cfg.prefill_activations}"
         fp = model_fingerprint(model_cfg.model_dir, kind, self.block_size, self.comm.world_size)
-        return DiskStore(self.engine_cfg.kv_cache_dir, fp, self.comm.rank, self.bytes_per_block)
+        store = DiskStore(self.engine_cfg.kv_cache_dir, fp, self.comm.rank, self.bytes_per_block)
+        cap = self.engine_cfg.kv_cache_disk_bytes
+        if 0 < cap < store.file_bytes:  # NOTE: on every rank, inside the load's agreement
+            raise ValueError(f"kv_cache_disk_bytes ({cap}) is below one block file ({store.file_bytes} "
+                             "bytes); raise it, or drop kv_cache_dir.")
+        return store
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
         cfg = self.engine_cfg

@@ -122,6 +122,53 @@ def test_loading_never_evicts_the_chain_it_extends():
     assert r.num_cached_tokens == 12 and bm.tier_hit_blocks == 1
 
 
+def test_a_full_disk_tier_never_loads_the_block_it_just_dropped():
+    """The disk tier is at its cap and the returning prefix is the oldest thing on it: taking a
+    pool block for the load evicts a cached block, whose save drops that very entry. The load
+    stops there (the rest is recomputed) and the pool stays whole; it raised a KeyError and left
+    the chain out of the eviction policy (the engine failed on every later request)."""
+    sched, tier = make_sched(num_blocks=4, capacity=2)
+    bm, kv = sched.block_manager, FakeKV(4)
+    a = serve(sched, kv, "a", range(0, 9))        # a's 2 blocks cached
+    serve(sched, kv, "b", range(100, 113))        # evicts a's blocks to disk (now full: 2 of 2)
+    assert list(tier.index) == [a.block_hashes[1], a.block_hashes[0]]
+    a2 = Request("a2", list(range(0, 9)), SP(max_tokens=1))
+    blocks, n = bm.get_computed_blocks(a2)
+    kv.run(StepPlan.empty(tier.take_ops()))
+    assert len(blocks) == n // BS and set(tier.index) == set(kv.disk)
+    assert len(bm.policy) + len(bm.free_block_ids) == bm.num_blocks  # every block free or evictable
+    assert all(bm.hash_to_block[bm.block_hash[b]] == b for b in blocks)
+    r = serve(sched, kv, "a3", range(0, 9))       # the pool check inside proves the KV it reads
+    assert r.num_output_tokens == 1 and bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_block_still_in_memory_is_a_hit_not_a_second_copy():
+    """A chain whose first block went to disk while a later one stayed in memory: the load
+    takes the later block as a hit; it loaded a second copy, two blocks claimed one hash, and
+    the next eviction of both raised a KeyError."""
+    sched, tier = make_sched(num_blocks=6, capacity=8)
+    bm, kv = sched.block_manager, FakeKV(6)
+    a = serve(sched, kv, "a", range(0, 13))       # 3 cached blocks of a
+    first = bm.hash_to_block[a.block_hashes[0]]
+    bm.policy.remove(first)                       # evict only the first block of the chain
+    bm.policy.add_evictable(first)
+    bm.policy._queue.move_to_end(first, last=False)
+    free, bm.free_block_ids = bm.free_block_ids, type(bm.free_block_ids)()
+    assert bm._take_block() == first              # the LRU victim: saved to disk, forgotten in memory
+    bm.free_block_ids = free
+    bm.free_block_ids.append(first)
+    assert a.block_hashes[0] in tier.index and a.block_hashes[1] in bm.hash_to_block
+    a2 = Request("a2", list(range(0, 13)), SP(max_tokens=1))
+    blocks, n = bm.get_computed_blocks(a2)
+    kv.run(StepPlan.empty(tier.take_ops()))
+    assert n == 12 and len(set(blocks)) == 3 and bm.tier_hit_blocks == 1
+    assert sorted(bm.hash_to_block.values()) == sorted(b for b in range(6) if bm.block_hash[b] is not None)
+    for i in range(4):                            # churn: every block is evicted at least once
+        serve(sched, kv, f"x{i}", range(300 + 20 * i, 313 + 20 * i))
+    r = serve(sched, kv, "a3", range(0, 13))
+    assert r.num_output_tokens == 1
+
+
 def test_failed_load_is_redone_without_the_block():
     sched, tier = make_sched(num_blocks=4, capacity=8)
     bm, kv = sched.block_manager, FakeKV(4)
@@ -185,6 +232,11 @@ def test_fingerprint_tells_models_dtypes_and_layouts_apart(tmp_path):
     assert fp == model_fingerprint(str(a), "float32", 16, 1)
     assert len({fp, model_fingerprint(str(b), "float32", 16, 1), model_fingerprint(str(a), "bfloat16", 16, 1),
                 model_fingerprint(str(a), "float32", 16, 2), model_fingerprint(str(a), "float32", 8, 1)}) == 5
+    # weights edited in place (same size and header, bytes outside the sampled windows) are another model
+    path = str(a / "model.safetensors")
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert model_fingerprint(str(a), "float32", 16, 1) != fp
 
 
 # ------------------------------------------------------------------ end to end
@@ -260,6 +312,13 @@ def test_bad_disk_tier_settings_are_clear():
         Engine("unused", kv_cache_dir="/tmp/x", kv_cache_disk_load="sometimes")
     with pytest.raises(ValueError, match="kv_cache_disk_bytes must be a non-negative integer"):
         Engine("unused", kv_cache_dir="/tmp/x", kv_cache_disk_bytes=-1)
+    with pytest.raises(ValueError, match="needs enable_prefix_caching=True"):  # it was accepted and unused
+        Engine("unused", kv_cache_dir="/tmp/x", enable_prefix_caching=False)
+
+
+def test_a_disk_cap_below_one_block_file_is_refused(model_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"kv_cache_disk_bytes \(100\) is below one block file"):
+        engine(model_dir, str(tmp_path), kv_cache_disk_bytes=100)
 
 
 def test_two_ranks_restart_from_their_own_shards(model_dir, tmp_path):

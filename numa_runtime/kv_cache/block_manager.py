@@ -137,25 +137,40 @@ class BlockManager:
             return blocks, len(blocks) * self.block_size
 
     def _load_from_tier(self, hashes: list[int], chain: list[int]) -> list[int]:
-        """Load the leading `hashes` the tier holds into pool blocks (cached, evictable); never
-        evicts a block of `chain`, the hits found so far."""
+        """Continue the chain of hits with the leading `hashes` that memory or the tier holds:
+        tier blocks are loaded into pool blocks (cached, evictable). Never evicts a block of
+        `chain` (the hits found so far) or of the continuation."""
         pinned = [b for b in chain if self.ref_cnt[b] == 0]
         for b in pinned:  # NOTE: out of the policy while we take blocks, so none is a victim
             self.policy.remove(b)
-        loaded = []
-        for h in hashes:
-            if not self.tier.lookup(h) or not (self.free_block_ids or len(self.policy)):
-                break
-            block_id = self._take_block()
-            self.tier.load(h, block_id)
-            self.block_hash[block_id] = h
-            self.hash_to_block[h] = block_id
-            self.policy.cached(block_id, False)
-            loaded.append(block_id)
-        for b in pinned + loaded:
-            self.policy.add_evictable(b)
-        self.tier_hit_blocks += len(loaded)
-        return loaded
+        found, num_loaded = [], 0
+        try:
+            for h in hashes:
+                block_id = self.hash_to_block.get(h)
+                if block_id is not None:  # NOTE: still in memory (an earlier block was evicted
+                    if self.ref_cnt[block_id] == 0:  # first): a hit, not a second copy
+                        self.policy.remove(block_id)
+                        pinned.append(block_id)
+                    found.append(block_id)
+                    continue
+                if not self.tier.lookup(h) or not (self.free_block_ids or len(self.policy)):
+                    break
+                block_id = self._take_block()
+                if not self.tier.lookup(h):  # NOTE: a full tier made room for the evicted block
+                    self.free_block_ids.appendleft(block_id)  # by dropping this one
+                    break
+                self.tier.load(h, block_id)
+                self.block_hash[block_id] = h
+                self.hash_to_block[h] = block_id
+                self.policy.cached(block_id, False)
+                pinned.append(block_id)
+                found.append(block_id)
+                num_loaded += 1
+        finally:
+            for b in pinned:
+                self.policy.add_evictable(b)
+        self.tier_hit_blocks += num_loaded
+        return found
 
     # ---- allocation ----------------------------------------------------------------------
     def _num_new_blocks(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int]) -> int:

@@ -75,8 +75,11 @@ def model_fingerprint(model_dir: str, kv_dtype: str, block_size: int, world_size
         h.update(f.read())
     paths = glob.glob(os.path.join(model_dir, "*.safetensors")) + glob.glob(os.path.join(model_dir, "*.gguf"))
     for path in sorted(os.path.realpath(p) for p in paths):
-        size = os.path.getsize(path)
-        h.update(f"{os.path.basename(path)}:{size}".encode())
+        st = os.stat(path)
+        size = st.st_size
+        # NOTE: the modification time too: weights edited in place keep their size and header,
+        # and may miss every sampled window
+        h.update(f"{os.path.basename(path)}:{size}:{st.st_mtime_ns}".encode())
         with open(path, "rb") as f:
             if path.endswith(".safetensors"):
                 (n,) = struct.unpack("<Q", f.read(8))

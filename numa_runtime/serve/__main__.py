@@ -61,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--kv-cache-dir", default=None, help="keep evicted prefix-cache blocks in files here "
                                                          "(survives restarts)")
     ap.add_argument("--kv-cache-disk-bytes", type=int, default=None,
-                    help="size cap of --kv-cache-dir per rank (default 8 GiB)")
+                    help="size cap of --kv-cache-dir per rank and model configuration (default 8 GiB)")
     ap.add_argument("--kv-cache-disk-load", default=None, choices=["auto", "always"],
                     help="with --kv-cache-dir; auto (default): read blocks back only when that beats "
                          "recomputing them")
