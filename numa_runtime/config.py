@@ -310,6 +310,8 @@ class EngineConfig:
         kv = self.kv_cache_dtype
         if kv not in ("auto", "int8") and _DTYPES.get(str(kv)) not in ("bfloat16", "float32"):
             raise ValueError(f"kv_cache_dtype must be 'auto', 'bfloat16', 'float32' or 'int8', got {kv!r}.")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}.")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive.")
         if self.generation_config not in ("auto", "vllm"):

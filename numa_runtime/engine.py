@@ -569,7 +569,9 @@ class Engine:
                                                     continue_final_message=continue_final_message,
                                                     **template_kwargs)
         ids = self.tokenizer.encode_within(prompt, self.max_model_len, add_special_tokens=False)
-        return self.generate([ids], params)[0]
+        out = self.generate([ids], params)[0]
+        out.prompt = prompt  # NOTE: as vLLM's LLM.chat: the rendered template
+        return out
 
     # ------------------------------------------------------------------ embeddings
     def embed(self, inputs, pooling: str | None = None):

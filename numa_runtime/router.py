@@ -112,6 +112,10 @@ class ReplicaRouter:
         return sum(s.num_waiting for s in self.replicas)
 
     @property
+    def num_preemptions(self) -> int:
+        return sum(s.num_preemptions for s in self.replicas)
+
+    @property
     def block_manager(self) -> "PooledBlocks":
         return PooledBlocks([s.block_manager for s in self.replicas])
 

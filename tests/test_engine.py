@@ -488,6 +488,7 @@ def test_chat_continues_the_final_message_or_opens_no_turn(model_dir):
         sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         cont = eng.chat(messages, sp, continue_final_message=True)
         rendered = tok.apply_chat_template(messages, add_generation_prompt=False)
+        assert rendered.startswith(cont.prompt) and cont.prompt.endswith("Once upon a")  # None before
         want = tok.encode(rendered[:rendered.rindex("Once upon a") + len("Once upon a")], add_special_tokens=False)
         assert list(cont.prompt_token_ids) == want
         plain = eng.chat(messages[:1], sp, add_generation_prompt=False)

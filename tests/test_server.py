@@ -340,6 +340,26 @@ def test_null_means_the_default(client):
     assert all(chunk.usage is None for chunk in streamed)
 
 
+def test_errors_keep_the_spelling_of_the_field_they_name(client, server):
+    """A message that opens with a request field keeps its spelling and names it as `param`
+    ("Min_tokens (5) must not exceed ..." and "Logit_bias names token ..." before); stream_options
+    on a body that does not stream is refused, as vLLM does (it was ignored); an embedding's
+    encoding_format null is the default, as every other field's null."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="Hi", max_tokens=4, extra_body={"min_tokens": 5})
+    assert e.value.body["message"].startswith("min_tokens (5)") and e.value.body["param"] == "min_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="Hi", max_tokens=2, logit_bias={"99999999": 5})
+    assert e.value.body["message"].startswith("logit_bias names token") and e.value.body["param"] == "logit_bias"
+    for create in (lambda **k: client.completions.create(prompt="Hi", **k),
+                   lambda **k: client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], **k)):
+        with pytest.raises(openai.BadRequestError) as e:
+            create(model="tiny", max_tokens=2, stream_options={"include_usage": True})
+        assert e.value.body["param"] == "stream_options" and "stream: true" in e.value.body["message"]
+    r = httpx.post(f"{server.base}/v1/embeddings", json={"input": "hi", "encoding_format": None}, timeout=60)
+    assert r.status_code == 200 and isinstance(r.json()["data"][0]["embedding"], list), r.text
+
+
 def test_max_completion_tokens_errors_name_it(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],

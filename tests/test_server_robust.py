@@ -608,3 +608,38 @@ def test_start_up_errors_under_mpirun_end_the_job_in_one_sentence():
             assert msg in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
     finally:
         busy.close()
+
+
+def test_vllm_scheduler_flags_reach_the_engine():
+    """--max-num-batched-tokens, --block-size, --seed and --no-enable-prefix-caching (vLLM's
+    flags) were unknown arguments."""
+    from numa_runtime.serve.__main__ import engine_kwargs, parse_args
+    kw = engine_kwargs(parse_args(["--max-num-batched-tokens", "512", "--block-size", "32", "--seed", "7",
+                                   "--no-enable-prefix-caching"]))
+    assert (kw["max_num_batched_tokens"], kw["block_size"], kw["seed"], kw["enable_prefix_caching"]) == \
+        (512, 32, 7, False)
+    kw = engine_kwargs(parse_args([]))
+    assert not {"max_num_batched_tokens", "block_size", "seed", "enable_prefix_caching"} & set(kw)
+
+
+def test_preemptions_are_counted_and_prefix_caching_can_be_off(model_dir):
+    """A KV cache of 20 blocks and eight requests that each grow to about 12: the newest give their
+    blocks back (preemption), which /metrics counts (it showed nothing). With
+    --no-enable-prefix-caching a repeated prompt is never a hit."""
+    from concurrent.futures import ThreadPoolExecutor
+    srv = ServerProcess(["--model", model_dir, *TINY, "--kv-cache-memory", str(20 * 8192),
+                         "--no-enable-prefix-caching", "--max-num-batched-tokens", "64"])
+    try:
+        client = srv.client()
+        prompt = "one two three four five six seven eight nine ten"
+
+        def one(i):
+            return client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=180, temperature=0,
+                                             extra_body={"ignore_eos": True}).usage.completion_tokens
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(one, range(8))) == [180] * 8
+        assert metric(srv.base, "numa_runtime_num_preemptions_total") > 0
+        assert metric(srv.base, "numa_runtime_prefix_cache_hit_rate") == 0
+    finally:
+        code = srv.stop()
+    assert code == 0, srv.output()

@@ -50,6 +50,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "default) or int8 blocks (integer dot products, as llama.cpp: faster with "
                          "AVX-512 VNNI, AMX-INT8 included; slightly less exact)")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded side by side at most")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="tokens one step computes at most (longer prompts are prefilled in chunks; "
+                         "default 2048)")
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                    help="reuse the KV blocks of earlier prompts' common prefixes (default on)")
+    ap.add_argument("--block-size", type=int, default=None, help="tokens per KV cache block (default 16)")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="the seed of the random draws of requests that give no seed (default 0)")
     ap.add_argument("--num-scheduler-steps", type=int, default=8,
                     help="greedy decode steps of up to 4 sequences, with no request waiting, run up to "
                          "this many steps per scheduling round (about 25 ms of decode at most; 1: off)")
@@ -116,6 +124,11 @@ def engine_kwargs(args) -> dict:
               "generation_config": args.generation_config}
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = args.kv_cache_memory
+    for key in ("max_num_batched_tokens", "block_size", "seed"):
+        if getattr(args, key) is not None:
+            kwargs[key] = getattr(args, key)
+    if not args.enable_prefix_caching:
+        kwargs["enable_prefix_caching"] = False
     if args.kv_cache_dir is not None:  # NOTE: check_args refuses the disk flags without it
         kwargs["kv_cache_dir"] = args.kv_cache_dir
         for key in ("kv_cache_disk_bytes", "kv_cache_disk_load"):

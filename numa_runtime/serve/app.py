@@ -26,6 +26,7 @@ from .async_engine import AsyncEngine, EngineDeadError
 from .embeddings import EmbeddingRequest, create_embeddings
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from ..sampling_params import SamplingParams
 
 log = logging.getLogger("numa_runtime.serve")
 
@@ -72,16 +73,21 @@ def _client_errors(renames: dict[str, str] | None = None, api_names: dict[str, s
         text = str(e)
         for old, new in (renames or {}).items():
             text = re.sub(rf"\b{old}\b", new, text)
-        field = _LEADING_FIELD.match(text)  # "top_p must be ...": keep the field's spelling
+        # "top_p must be ...", "min_tokens (5) must ...": keep the field's spelling
+        field = _LEADING_FIELD.match(text) or _LEADING_PARAM.match(text)
+        field = field.group(1) if field and (field.re is _LEADING_FIELD or field.group(1) in _PARAMS) else None
         named = getattr(e, "param", None)  # NOTE: an error that names its field starts with it
         message = _sentence(text, capitalize=field is None and named is None)
         code = "context_length_exceeded" if re.search("max_model_len|context", message) else "invalid_value"
         names = {**_API_NAME, **(api_names or {})}
-        param = named or (field and names.get(field.group(1), field.group(1)))
+        param = named or (field and names.get(field, field))
         raise ApiError(400, message, param=param, code=code) from None
 
 
 _LEADING_FIELD = re.compile(r"^([a-z_]+)(?: keys| values| of type \S+)? (?:must|requires|is not supported|cannot)")
+_LEADING_PARAM = re.compile(r"^([a-z]+(?:_[a-z]+)+)\b")  # a sampling parameter's name, whatever follows
+_PARAMS = ({f.name for f in dataclasses.fields(SamplingParams)} | set(CompletionRequest.model_fields)
+           | set(ChatCompletionRequest.model_fields))
 _API_NAME = {"json_schema": "response_format"}  # SamplingParams field -> the OpenAI field it came from
 
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 import base64
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from .protocol import _Body
 
 MAX_INPUTS = 2048
 
 
-class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)  # NOTE: true is not a token id
+class EmbeddingRequest(_Body):  # NOTE: strict (true is not a token id); null is a field's default
     model: Optional[str] = Field(None, description="The served model name; omit for the only model served.")
     input: Union[str, list[str], list[int], list[list[int]]] = Field(
         ..., description="A string, a list of strings, a list of token ids, or a list of token id lists.")

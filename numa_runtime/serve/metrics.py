@@ -3,10 +3,23 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the /metrics route
+from prometheus_client.core import CounterMetricFamily
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300, 600)
+
+
+class _StatsCounter:
+    """A counter whose value the engine keeps (read at scrape time)."""
+
+    def __init__(self, name: str, doc: str, read):
+        self.name, self.doc, self.read = name, doc, read
+
+    def collect(self):
+        c = CounterMetricFamily(self.name, self.doc)
+        c.add_metric([], float(self.read()))
+        yield c
 
 
 class ServerMetrics:
@@ -41,6 +54,9 @@ class ServerMetrics:
         for name, (doc, attr) in gauges.items():
             g = Gauge(p + name, doc, registry=r)
             g.set_function(lambda attr=attr: float(getattr(stats_source(), attr)))
+        r.register(_StatsCounter(p + "num_preemptions", "Requests preempted (their KV blocks freed for "
+                                 "others; recomputed later): many mean the KV cache is too small",
+                                 lambda: stats_source().num_preemptions))
         live = {
             "seconds_since_last_step": "Seconds since the engine last finished a step",
             "engine_busy_seconds": "Seconds the engine has spent in its current step or command (0 when idle)",

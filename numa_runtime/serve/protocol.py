@@ -126,6 +126,8 @@ class _SamplingRequest(_Body):
         for s in [self.stop] if isinstance(self.stop, str) else self.stop or []:
             check_text("stop", s)
         _refuse(self, _VLLM_REFUSED)
+        if self.stream_options is not None and not self.stream:  # NOTE: as vLLM: never ignored
+            raise ValueError("stream_options requires stream: true.")
         if self.guided_json is not None:
             if json_schema is not None:
                 raise ValueError("Give the JSON schema once: response_format or guided_json, not both.")

@@ -122,6 +122,7 @@ class ModelRouter:
         self.model_configs = {m.name: ModelConfig.from_dir(os.path.expanduser(m.model_dir)) for m in config.models}
         self.footprint = {n: self._estimate(n) for n in self.specs}  # bytes per rank
         self.engines: OrderedDict[str, object] = OrderedDict()  # loaded, least recently used first
+        self._unloaded_preemptions = 0  # NOTE: /metrics counts them over the server's life
         self.route: dict[str, str] = {}   # request id -> model name (set by the HTTP side)
         self.owner: dict[str, str] = {}   # request id -> model name, while it runs
         self._active: str | None = None   # the model whose plan loop the workers are in
@@ -205,6 +206,7 @@ class ModelRouter:
         t0 = time.perf_counter()
         self._activate(name)
         eng = self.engines.pop(name)
+        self._unloaded_preemptions += eng.scheduler.num_preemptions
         eng.close()  # flushes its disk tier; its SHUTDOWN plan returns the workers to worker_main
         self._active = None
         self._send(UNLOAD, name)
@@ -260,6 +262,10 @@ class ModelRouter:
     @property
     def num_waiting(self) -> int:
         return sum(e.scheduler.num_waiting for e in self.engines.values())
+
+    @property
+    def num_preemptions(self) -> int:
+        return self._unloaded_preemptions + sum(e.scheduler.num_preemptions for e in self.engines.values())
 
     @property
     def usage(self) -> float:
