@@ -39,9 +39,10 @@ def check_available() -> None:
                                    "of torch (it brings Triton), or use device='cpu'.") from None
 
 
-def make_runner(model_cfg, engine_cfg, comm, max_model_len: int, progress=None, gpu_index: int = 0):
+def make_runner(model_cfg, engine_cfg, comm, max_model_len: int, progress=None, gpu_index: int = 0,
+                recorder=None):
     """A CudaModelRunner for this rank (on GPU `gpu_index` of its host: its local rank), after
     checking that the machine can run one."""
     check_available()
     from .runner import CudaModelRunner
-    return CudaModelRunner(model_cfg, engine_cfg, comm, max_model_len, progress, gpu_index)
+    return CudaModelRunner(model_cfg, engine_cfg, comm, max_model_len, progress, gpu_index, recorder)

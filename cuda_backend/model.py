@@ -7,13 +7,18 @@ the ops differ: torch matmul for the linears, cuda_backend.kernels for the rest.
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from numa_runtime.config import ModelConfig, UnsupportedModelError, rope_inv_freq
+from numa_runtime.gguf_model import open_checkpoint
 from numa_runtime.models.llama import ShardLayout, _check_tensors, _head_rows
 from numa_runtime.weights import Checkpoint
+
+log = logging.getLogger("numa_runtime")
 
 from . import kernels
 from .batch import Batch
@@ -58,8 +63,8 @@ class CudaLlama:
         self.cfg, self.dtype, self.device, self.tp = cfg, dtype, device, tp
         self.tdtype = TORCH_DTYPES[dtype]
         self.lay = lay = ShardLayout.build(cfg, rank, world)
-        ckpt = Checkpoint(cfg.model_dir)
-        _check_dense(cfg, ckpt)
+        ckpt = open_checkpoint(cfg)  # safetensors, or the GGUF file the directory points at
+        _check_dense(cfg, ckpt, dtype)
         _check_tensors(cfg, ckpt)
         self.embed = self._put(ckpt.load("model.embed_tokens.weight", dtype, rows=lay.vocab))
         self.layers = []
@@ -83,6 +88,8 @@ class CudaLlama:
     def _put(self, a: np.ndarray, cast: bool = False) -> torch.Tensor:
         """numpy (bf16 as uint16 bits, or f32) -> a tensor on the device; `cast`: f32 -> model dtype."""
         a = np.ascontiguousarray(a)
+        if not a.flags.writeable:  # NOTE: a memory-mapped GGUF tensor (torch wants writable memory)
+            a = a.copy()
         t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if a.dtype == np.uint16 else \
             torch.from_numpy(a.astype(np.float32, copy=False))
         t = t.to(self.device)
@@ -117,8 +124,9 @@ class CudaLlama:
         x = F.embedding(torch.where(inside, local, 0), self.embed) * inside[:, None].to(self.tdtype)
         return self.tp.all_reduce_(x)
 
-    def forward(self, b: Batch, layer_ready=None) -> torch.Tensor:
-        """One step over batch `b`; returns f32 logits [len(b.logits_indices), vocab].
+    def forward(self, b: Batch, layer_ready=None, hidden: bool = False) -> torch.Tensor:
+        """One step over batch `b`; returns f32 logits [len(b.logits_indices), vocab], or with
+        `hidden` the final normed hidden states [len(b.logits_indices), H] (embeddings).
         `layer_ready(i)`, when given, is called before layer i reads its KV cache (the host
         tier's copies back into the cache wait there)."""
         cfg, lay = self.cfg, self.lay
@@ -156,15 +164,21 @@ class CudaLlama:
         last = residual[idx] + delta[idx]                        # [S', H]
         hn = torch.empty_like(last)
         kernels.rms_norm(last, self.norm, eps, hn)
+        if hidden:  # NOTE: whole on every rank (the sublayers' outputs were all-reduced)
+            return hn.float()
         logits = F.linear(hn, self.lm_head).float()              # [S', vocab_chunk]
         if lay.world > 1:
             logits = self.tp.all_gather(logits)                  # [S', world * vocab_chunk]
         return logits[:, :cfg.vocab_size]
 
 
-def _check_dense(cfg: ModelConfig, ckpt: Checkpoint) -> None:
-    """Quantized weights (GGUF blocks, AWQ / GPTQ) have no CUDA kernel yet: say so up front."""
+def _check_dense(cfg: ModelConfig, ckpt, dtype: str) -> None:
+    """AWQ / GPTQ weights have no CUDA kernel yet: say so up front. A GGUF file's quantized
+    blocks are dequantized at load into `dtype` (the CUDA kernels run dense weights)."""
     name = "model.layers.0.self_attn.q_proj.weight"
-    if name not in ckpt or ckpt.raw(name).dtype not in (np.uint16, np.float16, np.float32):
-        raise UnsupportedModelError(f"The model in {cfg.model_dir!r} has quantized weights, which the CUDA "
-                                    "backend cannot run yet; use device='cpu' or a bf16/f16/f32 checkpoint.")
+    if name not in ckpt:
+        raise UnsupportedModelError(f"The model in {cfg.model_dir!r} has quantized weights (AWQ/GPTQ), which the "
+                                    "CUDA backend cannot run yet; use device='cpu' or a bf16/f16/f32 checkpoint.")
+    if getattr(ckpt.raw(name), "dtype", None) not in (np.uint16, np.float16, np.float32):
+        log.info("%s: quantized GGUF weights are dequantized to %s on the GPU (more memory than the file)",
+                 cfg.model_dir, dtype)

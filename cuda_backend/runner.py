@@ -15,7 +15,8 @@ import torch
 
 from numa_runtime.config import EngineConfig, ModelConfig
 from numa_runtime.kv_cache.host_tier import CopyCosts, HostKVTier
-from numa_runtime.plan import SHUTDOWN, StepPlan
+from numa_runtime.plan import EMBED, PROFILE, SHUTDOWN, StepPlan
+from numa_runtime.recorder import NULL_RECORDER
 
 from .batch import Uploader
 from .graphs import DecodeGraphs
@@ -44,8 +45,9 @@ def pick_device(gpu_index: int) -> torch.device:
 
 class CudaModelRunner:
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, comm, max_model_len: int,
-                 progress=None, gpu_index: int = 0):
+                 progress=None, gpu_index: int = 0, recorder=None):
         self.comm, self.engine_cfg = comm, engine_cfg
+        self.recorder = recorder or NULL_RECORDER  # NOTE: AS_PROFILE=ON: answers rank 0's PROFILE plans
         self.device = pick_device(gpu_index)
         self.tp = None
         if comm.world_size > 1:
@@ -153,6 +155,8 @@ class CudaModelRunner:
     # ---- steps ---------------------------------------------------------------------------
     def _forward(self, plan: StepPlan) -> np.ndarray:
         ready = self._host_copies()
+        if plan.kind == EMBED:  # NOTE: the final normed hidden states (embeddings), never a graph
+            return self._to_host(self.model.forward(self.uploader.upload(plan), ready, hidden=True))
         if self.graphs is not None and ready is None and self.graphs.accepts(plan):
             logits = self.graphs.run(plan)
         else:
@@ -184,8 +188,20 @@ class CudaModelRunner:
     def shutdown_workers(self) -> None:
         if self.comm.world_size > 1:
             self.comm.broadcast_plan(StepPlan.shutdown())
+
+    def release(self) -> None:
+        """Rank 0's Engine.close, after the workers stopped: close NCCL and give the GPU memory
+        back (weights, KV cache, graphs, pinned pool), so that an engine started next in this
+        process (the model router's next model) finds it free; torch's caching allocator would
+        otherwise keep it."""
         if self.tp is not None:
             self.tp.close()
+        self.model = self.graphs = self.pool = self.uploader = None
+        self._pinned = torch.empty(0, dtype=torch.float32)
+        if self.device.type == "cuda":
+            import gc
+            gc.collect()
+            torch.cuda.empty_cache()
 
     def worker_loop(self) -> None:
         """Execute plans from rank 0 until a shutdown plan arrives."""
@@ -195,6 +211,11 @@ class CudaModelRunner:
                 if self.tp is not None:
                     self.tp.close()
                 return
+            if plan.kind == PROFILE:  # AS_PROFILE=ON: rank 0 gathers or resets the tables
+                reply = self.recorder.answer(plan.step_id)
+                if reply is not None:
+                    self.comm.gather_object(reply)
+                continue
             if plan.num_tokens:
                 self._forward(plan)
             else:

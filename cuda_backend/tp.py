@@ -8,6 +8,7 @@ over MPI, so nothing but mpirun is needed to start the job.
 from __future__ import annotations
 
 import socket
+import zlib
 
 import numpy as np
 import torch
@@ -22,9 +23,14 @@ def _free_port() -> int:
 
 class NcclGroup:
     def __init__(self, comm, device: torch.device):
-        if comm.local_size != comm.world_size:
+        # NOTE: every rank of the group on this host (its rendezvous is on 127.0.0.1). A group may
+        # be one of several on the host (data-parallel replicas): compare host names, not counts
+        hosts = np.zeros(comm.world_size, np.float32)
+        hosts[comm.rank] = 1 + zlib.crc32(socket.gethostname().encode()) % (1 << 23)  # exact in f32
+        comm.all_reduce_(hosts)
+        if len(set(hosts.tolist())) > 1:
             raise RuntimeError("The CUDA backend runs tensor parallel within one host only; start every "
-                               "rank on the same machine.")
+                               "rank of a model replica on the same machine.")
         port = np.array([_free_port() if comm.rank == 0 else 0], np.float32)  # exact below 2**24
         comm.all_reduce_(port)  # NOTE: a sum with zeros elsewhere: rank 0's port on every rank
         # NOTE: gloo on CPU tensors: Triton's interpreter runs the same code without GPUs

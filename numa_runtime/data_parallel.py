@@ -151,6 +151,11 @@ class DataParallelRunner:
         self.link.finish_sends()
         self.local.shutdown_workers()
 
+    def release(self) -> None:
+        release = getattr(self.local, "release", None)  # NOTE: the CUDA runner's GPU memory
+        if release is not None:
+            release()
+
 
 def serve_replica(runner, link: ReplicaLink) -> None:
     """The loop of the leader of replica r >= 1: run rank 0's plans on its group, send back the

@@ -744,6 +744,9 @@ class Engine:
         try:
             self._flush_disk_tier()
             self.runner.shutdown_workers()
+            release = getattr(self.runner, "release", None)  # NOTE: the CUDA runner's GPU memory
+            if release is not None:
+                release()
         except Exception as e:  # noqa: BLE001 - shutting down anyway
             log.warning("numa_runtime: shutting down workers failed: %s", e)
 
@@ -810,7 +813,7 @@ def _make_runner(mcfg, cfg: EngineConfig, comm, ops, max_model_len: int, progres
     """The one place where the device picks the model runner (torch is imported only for cuda)."""
     if cfg.device == "cuda":
         from . import cuda_backend
-        return cuda_backend.make_runner(mcfg, cfg, comm, max_model_len, progress, gpu_index)
+        return cuda_backend.make_runner(mcfg, cfg, comm, max_model_len, progress, gpu_index, recorder)
     from .model_runner import ModelRunner
     return ModelRunner(mcfg, cfg, comm, ops, max_model_len, progress=progress, recorder=recorder)
 

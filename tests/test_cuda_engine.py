@@ -102,6 +102,77 @@ def _block_bytes(path):
     return 2 * c.num_layers * 16 * c.num_kv_heads * c.head_dim * 4
 
 
+@requires_cuda
+def test_embeddings_equal_the_cpu_engines(tmp_path):
+    """EMBED plans return the final normed hidden states; the CUDA runner applied the lm_head and
+    embed() failed on a vocabulary-sized row."""
+    build_model(str(tmp_path), arch="llama")
+    ids = [[1, 17, 42, 99, 5], list(range(3, 40))]
+    kw = dict(dtype="float32", kv_cache_memory=1 << 22, max_model_len=256)
+    cpu = Engine(str(tmp_path), **kw)
+    want = cpu.embed(ids, pooling="mean")
+    cpu.close()
+    eng = cuda_engine(tmp_path)
+    for pooling in ("mean", "last"):
+        got = eng.embed(ids, pooling=pooling)
+        assert got.shape == (2, eng.model_config.hidden_size)
+        if pooling == "mean":
+            np.testing.assert_allclose(got, want, atol=2e-4)
+    eng.close()
+
+
+@requires_cuda
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_1"])
+def test_gguf_files_run_dequantized_with_the_cpu_engines_tokens(tmp_path, qtype):
+    """A GGUF file (the default model is a Q4_1 one) on the GPU: its blocks are dequantized at load
+    and the greedy tokens equal the CPU engine's on the same file in float32 (which equal the
+    dequantized model's). It failed with "No *.safetensors in <cache dir>"."""
+    from gguf_helpers import write_gguf
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    build_model(str(hf), arch="llama")
+    path = str(tmp_path / f"m-{qtype}.gguf")
+    write_gguf(str(hf), path, qtype)
+    kw = dict(dtype="float32", kv_cache_memory=1 << 22, max_model_len=256)
+    cpu = Engine(path, **kw)
+    want = [o.token_ids for o in cpu.generate(PROMPTS, GREEDY)]
+    cpu.close()
+    eng = cuda_engine(path)
+    assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == want
+    eng.close()
+
+
+@requires_cuda
+def test_a_closed_engine_gives_its_gpu_memory_back(tmp_path):
+    """The next engine in the process (the model router's next model) sizes its KV cache from the
+    free GPU memory: a closed engine's weights, KV cache and graphs stayed in torch's cache, and
+    the second engine got a fraction of the first one's pool."""
+    if not on_gpu():
+        pytest.skip("needs a real GPU (device memory)")
+    import gc
+    import torch
+    build_model(str(tmp_path), arch="llama", max_position_embeddings=512)
+    kw = dict(dtype="float32", max_model_len=512, block_size=256, max_num_seqs=1 << 20, cuda_graphs=False,
+              device="cuda", enable_prefix_caching=False)
+    sizes = []
+    for _ in range(2):
+        eng = Engine(str(tmp_path), **kw)  # NOTE: the pool takes about 90% of the free memory
+        sizes.append(eng.runner.kv_cache_bytes)
+        eng.close()
+        del eng
+        gc.collect()
+    torch.cuda.empty_cache()
+    assert sizes[1] >= 0.9 * sizes[0], sizes
+
+
+def test_several_models_on_the_cuda_backend_need_one_rank(tmp_path):
+    """Each model would open its own NCCL group (and switching models closed it): refused."""
+    from numa_runtime.serve.router import ModelRouter, ModelSpec, RouterConfig
+    build_model(str(tmp_path), arch="llama")
+    with pytest.raises(ValueError, match="run on one rank"):
+        ModelRouter(RouterConfig((ModelSpec("a", str(tmp_path)),), 1 << 30, {"device": "cuda"}), comm_world=2)
+
+
 @pytest.mark.skipif(SKIP_REASON is None, reason="this machine can run the CUDA backend")
 def test_cuda_without_a_gpu_says_so(tmp_path):
     from numa_runtime.cuda_backend import CudaUnavailableError

@@ -33,12 +33,12 @@ def _reason():
 pytestmark = pytest.mark.skipif(_reason() is not None, reason=f"CUDA tensor-parallel test SKIPPED: {_reason()}")
 
 
-def run_mpi(n, model_dir, prompts=PROMPTS, extra=()):
+def run_mpi(n, model_dir, prompts=PROMPTS, extra=(), **env_vars):
     env = dict(os.environ, MPI4PY_RC_THREAD_LEVEL="funneled", OMP_NUM_THREADS="1",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **env_vars)
     cmd = ["mpirun", "-np", str(n), sys.executable, os.path.join(HERE, "mpi", "cuda_generate.py"),
            model_dir, str(MAX_TOKENS), json.dumps(prompts), *extra]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
     assert len(line) == 1, p.stdout[-3000:]  # only rank 0 prints
@@ -65,3 +65,21 @@ def test_two_ranks_share_the_host_tiers_copies(tmp_path):
     assert two["restored"] > 0
     want = [hf_greedy(ref, p, MAX_TOKENS) for p in prompts]
     assert two["tokens"] == want + want
+
+
+def test_the_operator_profile_of_two_ranks(tmp_path):
+    """AS_PROFILE=ON: rank 0 gathers every rank's table; a CUDA worker rank took the PROFILE plan
+    for an empty step and went back to waiting, and rank 0 waited in the gather for ever."""
+    ref = build_model(str(tmp_path), arch="llama")
+    two = run_mpi(2, str(tmp_path), AS_PROFILE="ON")
+    assert two["tokens"] == [hf_greedy(ref, p, MAX_TOKENS) for p in PROMPTS]
+    assert "2 rank(s)" in two["profile"], two["profile"][:2000]
+
+
+@pytest.mark.skipif(on_gpu() and _gpus() < 4, reason="2 replicas of 2 GPUs need 4 GPUs")
+def test_two_replicas_of_two_ranks(tmp_path):
+    """Data parallel over tensor-parallel groups on one host: each group's ranks are on this host,
+    which the group check refused (it compared the group's size with the host's rank count)."""
+    ref = build_model(str(tmp_path), arch="llama")
+    four = run_mpi(4, str(tmp_path), DATA_PARALLEL="2")
+    assert four["tokens"] == [hf_greedy(ref, p, MAX_TOKENS) for p in PROMPTS]

@@ -26,6 +26,7 @@ import ctypes.util
 import gc
 import logging
 import os
+import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -115,6 +116,10 @@ class ModelRouter:
 
     def __init__(self, config: RouterConfig, comm_world: int = 1, is_driver: bool = True):
         from ..tokenizer import Tokenizer
+        if comm_world > 1 and config.engine_kwargs.get("device") == "cuda":
+            # NOTE: each model would open its own NCCL group, and switching models closed it
+            raise ValueError("Several models on the CUDA backend run on one rank (one GPU); start one "
+                             "server per model to spread them over GPUs.")
         self.config = config
         self.world = comm_world
         self.specs = {m.name: m for m in config.models}
@@ -348,6 +353,9 @@ def release_memory() -> None:
     NOTE: glibc keeps freed heap pages (a 0.5B model left ~380 MiB of RSS after its unload);
     malloc_trim returns them, so the next model and other processes can use them."""
     gc.collect()
+    torch = sys.modules.get("torch")  # NOTE: the CUDA backend's freed tensors stay in torch's cache
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         trim = libc.malloc_trim
