@@ -399,7 +399,10 @@ class Engine:
         with rec.span(FORWARD, "update"):
             self._update(out, logits)
         if rec.trace_due():  # AS_PROFILE_TRACE: once, when its number of steps is kept
-            self.export_chrome_trace(rec.trace_path)
+            try:
+                self.export_chrome_trace(rec.trace_path)
+            except OSError as e:  # NOTE: the step's tokens are whole: never fail requests for a trace
+                log.warning("numa_runtime: AS_PROFILE_TRACE %r could not be written (%s)", rec.trace_path, e)
 
     def _burst_len(self, out) -> int:
         """How many greedy decode steps this step's plan runs in one go (1: just itself).

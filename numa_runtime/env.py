@@ -67,7 +67,14 @@ def mpi_thread_level() -> str:
 def collective_timeout() -> float:
     """NUMA_RUNTIME_COLLECTIVE_TIMEOUT: seconds a rank waits for its peers inside one
     shared-memory collective before it aborts the job (default 300)."""
-    return float(os.environ.get("NUMA_RUNTIME_COLLECTIVE_TIMEOUT") or 300.0)
+    raw = os.environ.get("NUMA_RUNTIME_COLLECTIVE_TIMEOUT") or "300"
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:  # NOTE: nan, 0 and negatives; a value that kills the first step is no setting
+        raise ValueError(f"NUMA_RUNTIME_COLLECTIVE_TIMEOUT must be a positive number of seconds, got {raw!r}.")
+    return value
 
 
 def omp_num_threads() -> int | None:
@@ -103,7 +110,13 @@ __all__ += ["log_level"]
 
 def log_level() -> str:
     """NUMA_RUNTIME_LOG_LEVEL: the package logger's level (default INFO; WARNING quiets start-up)."""
-    return os.environ.get("NUMA_RUNTIME_LOG_LEVEL", "INFO").upper()
+    raw = os.environ.get("NUMA_RUNTIME_LOG_LEVEL", "INFO").strip().upper()
+    if raw in ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL"):
+        return raw
+    import logging
+    logging.getLogger("numa_runtime").warning("NUMA_RUNTIME_LOG_LEVEL=%r is no log level (debug, info, warning, "
+                                              "error); using INFO", raw.lower())
+    return "INFO"
 
 
 __all__ += ["show_progress"]

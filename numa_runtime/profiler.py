@@ -25,6 +25,7 @@ Call the report functions between steps, from the thread that steps the engine.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import deque
 
@@ -145,7 +146,13 @@ class _Span:
 
 def make_recorder(rank: int):
     """NULL_RECORDER unless profiling is on (AS_PROFILE=ON, or AS_PROFILE_TRACE set)."""
-    if not (env.profile_enabled() or env.profile_trace_path()):
+    path = env.profile_trace_path()
+    if path is not None:
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ValueError(f"AS_PROFILE_TRACE={path!r} names a file in a folder that does not exist or is not "
+                             "writable; point it at a writable folder.")
+    if not (env.profile_enabled() or path):
         return NULL_RECORDER
     return Profiler(rank, env.profile_trace_steps(), env.profile_trace_path())
 

@@ -149,12 +149,12 @@ def test_bad_configurations_are_clear(models, tmp_path):
 
 
 # ------------------------------------------------------------------ the server
-def serve(root, names, budget, launcher=(), extra=()):
+def serve(root, names, budget, launcher=(), extra=(), env=None):
     from test_server import ServerProcess
     args = [a for n in names for a in ("--model", os.path.join(root, n))]
     return ServerProcess([*args, "--dtype", "float32", "--kv-cache-memory", str(1 << 20), "--max-model-len", "128",
                           "--memory-budget", str(budget), *extra], launcher=launcher,
-                         env={"OMP_NUM_THREADS": "1", "MPI4PY_RC_THREAD_LEVEL": "funneled"})
+                         env={"OMP_NUM_THREADS": "1", "MPI4PY_RC_THREAD_LEVEL": "funneled", **(env or {})})
 
 
 def budget_for(root, names, n):
@@ -331,3 +331,46 @@ def test_a_model_that_fails_to_load_on_one_rank_fails_on_every_rank(models, tmp_
         assert client.completions.create(model="alpha", **kw).choices[0].text == want
     finally:
         assert srv.stop() == 0, srv.output()
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_first_model_that_fails_to_load_stops_start_up_in_one_sentence(models, tmp_path, ranks):
+    """The first model loads at start-up: its failure ended rank 0 with a traceback (and under
+    mpirun left the workers in their loop); now every rank exits, rank 0 with one line."""
+    import shutil
+    import subprocess
+    import sys
+    from test_server import ROOT
+    root, _ = models
+    bad = tmp_path / "broken"
+    bad.mkdir()
+    for f in os.listdir(os.path.join(root, "alpha")):
+        if not f.endswith(".safetensors"):
+            shutil.copy(os.path.join(root, "alpha", f), bad / f)
+    launcher = ["mpirun", "-np", "2"] if ranks == 2 else []
+    cmd = [*launcher, sys.executable, "-m", "numa_runtime.serve", "--model", str(bad), "--model",
+           os.path.join(root, "alpha"), "--dtype", "float32", "--kv-cache-memory", str(1 << 20)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "MPI4PY_RC_THREAD_LEVEL": "funneled"})
+    err = p.stderr
+    assert p.returncode == 2 and "Traceback" not in err, err
+    assert err.count("numa-serve: error: The model 'broken' failed to load: ") == 1, err
+
+
+def test_the_operator_profile_of_each_model(models):
+    """AS_PROFILE=ON with several models: /debug/profile said profiling was off; it answers the
+    first model's report, or that of ?model=NAME (loading it as a request does)."""
+    import httpx
+    root, _ = models
+    names = ["alpha", "beta"]
+    srv = serve(root, names, budget_for(root, names, 2.5), extra=["--num-threads", "1"], env={"AS_PROFILE": "ON"})
+    try:
+        srv.client().completions.create(model="alpha", prompt=PROMPT, max_tokens=2)
+        first = httpx.get(srv.base + "/debug/profile", timeout=60)
+        beta = httpx.get(srv.base + "/debug/profile?model=beta", timeout=120)
+        missing = httpx.get(srv.base + "/debug/profile?model=nope", timeout=60)
+    finally:
+        assert srv.stop() == 0, srv.output()
+    assert first.status_code == 200 and "model alpha" in first.text, first.text[:500]
+    assert beta.status_code == 200 and "model beta" in beta.text, beta.text[:500]
+    assert missing.status_code == 404 and "'nope' does not exist" in missing.text

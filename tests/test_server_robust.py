@@ -459,7 +459,11 @@ def test_choice_tracker_reads_only_what_an_output_adds():
     (["--memory-budget", "8G"], "--memory-budget applies to several models"),
     (["--load-timeout", "5"], "--load-timeout applies to several models"),
     (["--memory-budget", "abc", "--model", "a", "--model", "b"], "--memory-budget: Cannot read 'abc' as a size"),
-    (["--data-parallel", "2", "--model", "a", "--model", "b"], "--data-parallel applies to one model"),
+    (["--data-parallel", "2", "--model", "a", "--model", "b"], "applies to one model"),
+    (["ENV", "NUMA_RUNTIME_DATA_PARALLEL=2", "--model", "a", "--model", "b"], "NUMA_RUNTIME_DATA_PARALLEL) applies "
+     "to one model"),  # NOTE: numa-launch --dp sets it; several models ignored it
+    (["--shutdown-grace", "nan"], "--shutdown-grace must be >= 0, got nan."),  # it skipped the grace
+    (["--kv-cache-memory", "16X"], "argument --kv-cache-memory: Cannot read '16X' as a size"),
     (["--kv-cache-disk-bytes", "1000"], "--kv-cache-disk-bytes applies to the disk tier; give --kv-cache-dir"),
     (["--kv-cache-disk-load", "always"], "--kv-cache-disk-load applies to the disk tier"),
     (["--kv-cache-memory", "-5"], "--kv-cache-memory must be a positive number of bytes, got -5."),
@@ -474,8 +478,12 @@ def test_bad_flags_fail_in_one_sentence_before_the_model_loads(flags, message):
         busy.listen()
         port = str(busy.getsockname()[1])
         flags, message = [port if f == "BUSY" else f for f in flags], message.replace("BUSY", port)
+        env = dict(os.environ)
+        if flags[0] == "ENV":
+            key, _, value = flags[1].partition("=")
+            env[key], flags = value, flags[2:]
         p = subprocess.run([sys.executable, "-m", "numa_runtime.serve", *flags], capture_output=True, text=True,
-                           timeout=120, cwd=ROOT)
+                           timeout=120, cwd=ROOT, env=env)
     assert p.returncode == 2, p.stderr
     assert p.stderr.startswith("numa-serve: error: ") and message in p.stderr, p.stderr
     assert "KV cache" not in p.stderr + p.stdout  # the model never loaded
@@ -640,6 +648,44 @@ def test_preemptions_are_counted_and_prefix_caching_can_be_off(model_dir):
             assert list(pool.map(one, range(8))) == [180] * 8
         assert metric(srv.base, "numa_runtime_num_preemptions_total") > 0
         assert metric(srv.base, "numa_runtime_prefix_cache_hit_rate") == 0
+    finally:
+        code = srv.stop()
+    assert code == 0, srv.output()
+
+
+def test_environment_variables_with_unusable_values_are_named(model_dir, monkeypatch):
+    """A collective timeout of 0 was accepted and ended the job at the first step ("abc": a float
+    error naming nothing); a bad log level crashed every import with a traceback; an
+    AS_PROFILE_TRACE path in a missing folder failed the request whose step wrote the trace."""
+    from numa_runtime import env
+    for value in ("0", "-3", "nan", "abc"):
+        monkeypatch.setenv("NUMA_RUNTIME_COLLECTIVE_TIMEOUT", value)
+        with pytest.raises(ValueError, match=f"NUMA_RUNTIME_COLLECTIVE_TIMEOUT must be a positive number of "
+                                             f"seconds, got '{value}'"):
+            env.collective_timeout()
+    monkeypatch.setenv("NUMA_RUNTIME_COLLECTIVE_TIMEOUT", "12.5")
+    assert env.collective_timeout() == 12.5
+    p = subprocess.run([sys.executable, "-m", "numa_runtime.serve", "--help"], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT, env={**os.environ, "NUMA_RUNTIME_LOG_LEVEL": "bogus"})
+    assert p.returncode == 0 and "Traceback" not in p.stderr and "NUMA_RUNTIME_LOG_LEVEL='bogus'" in p.stderr
+    from numa_runtime import Engine
+    monkeypatch.setenv("AS_PROFILE_TRACE", "/nonexistent-folder/trace.json")
+    with pytest.raises(ValueError, match="AS_PROFILE_TRACE='/nonexistent-folder/trace.json' names a file in a "
+                                         "folder that does not exist"):
+        Engine(model_dir, dtype="float32", kv_cache_memory=1 << 22, max_model_len=64)
+
+
+def test_served_model_name_aliases(model_dir):
+    """vLLM's --served-model-name a b: requests may name either; answers and the first card carry
+    the first ("b" was an unrecognized argument)."""
+    srv = ServerProcess(["--model", model_dir, *TINY, "--served-model-name", "main", "alias"])
+    try:
+        client = srv.client()
+        assert [m.id for m in client.models.list().data] == ["main", "alias"]
+        r = client.completions.create(model="alias", prompt="Hi", max_tokens=2)
+        assert r.model == "main"
+        with pytest.raises(openai.NotFoundError, match="serves 'main', 'alias'"):
+            client.completions.create(model="other", prompt="Hi", max_tokens=2)
     finally:
         code = srv.stop()
     assert code == 0, srv.output()

@@ -19,8 +19,24 @@ from numa_runtime import env
 from numa_runtime.serve.tools import PARSERS
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """One sentence (argparse prints the whole usage first)."""
+        self.exit(2, f"{self.prog}: error: {message[:1].lower()}{message[1:].rstrip('.')}; "
+                     f"`{self.prog} --help` lists the flags.\n")
+
+
+def _size(text: str) -> int:
+    """A byte count: 16G, 512M, 1.5T or a plain number (powers of 1024)."""
+    from .router import parse_bytes
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="numa-serve", description="OpenAI-compatible HTTP server for numa_runtime.")
+    ap = _Parser(prog="numa-serve", description="OpenAI-compatible HTTP server for numa_runtime.")
     ap.add_argument("--model", action="append", default=None,
                     help="Hugging Face model directory or a .gguf file (default: SmolLM2-135M-Instruct); "
                          "repeat it to serve several models, each named by its directory or file")
@@ -35,8 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint "
                                                     "but /health")
-    ap.add_argument("--served-model-name", default=None, help="name clients send as `model` "
-                                                              "(default: the model directory's name)")
+    ap.add_argument("--served-model-name", nargs="+", action="extend", default=None,
+                    help="names clients send as `model` (default: the model directory's name); answers carry "
+                         "the first")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--quantization", default=None,
@@ -62,13 +79,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="greedy decode steps of up to 4 sequences, with no request waiting, run up to "
                          "this many steps per scheduling round (about 25 ms of decode at most; 1: off)")
     ap.add_argument("--max-queue", type=int, default=256, help="waiting sequences beyond which requests get 429")
-    ap.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes per rank")
+    ap.add_argument("--kv-cache-memory", type=_size, default=None, help="KV cache bytes per rank (16G, 512M, ...)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32", "int8"],
                     help="KV cache element type: auto (as --dtype), or int8 (a scale per token and kv head: "
                          "about half the bytes of bf16, so about twice the tokens in the same memory)")
     ap.add_argument("--kv-cache-dir", default=None, help="keep evicted prefix-cache blocks in files here "
                                                          "(survives restarts)")
-    ap.add_argument("--kv-cache-disk-bytes", type=int, default=None,
+    ap.add_argument("--kv-cache-disk-bytes", type=_size, default=None,
                     help="size cap of --kv-cache-dir per rank and model configuration (default 8 GiB)")
     ap.add_argument("--kv-cache-disk-load", default=None, choices=["auto", "always"],
                     help="with --kv-cache-dir; auto (default): read blocks back only when that beats "
@@ -89,7 +106,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "server when it has 8 or more)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs "
                     "(cuda: one GPU per rank; needs `pip install numa_runtime[cuda]`)")
-    ap.add_argument("--host-kv-cache-memory", type=int, default=0, help="bytes of pinned host memory that "
+    ap.add_argument("--host-kv-cache-memory", type=_size, default=0, help="bytes of pinned host memory that "
                     "keep prefix-cache blocks evicted from the GPU (--device cuda; 0: off)")
     ap.add_argument("--data-parallel", type=int, default=None,
                     help="model replicas over the MPI ranks, each tensor parallel over its share "
@@ -158,7 +175,12 @@ def build_router(args):
     if world[0] != 0:
         router.worker_main()
         return None
-    router.get(specs[0].name)  # NOTE: the first model at start-up: its errors surface now
+    from .router import ModelLoadError
+    try:
+        router.get(specs[0].name)  # NOTE: the first model at start-up: its errors surface now
+    except ModelLoadError as e:
+        router.close()  # NOTE: the workers leave their loop (and exit 0); rank 0 says why
+        raise ValueError(str(e)) from None
     return router
 
 
@@ -183,7 +205,7 @@ def summary_text(engine, url: str) -> str:
 
 def check_args(args) -> str | None:
     """The first flag that cannot work, as a sentence; None if all can."""
-    if args.shutdown_grace < 0:
+    if not args.shutdown_grace >= 0:  # NOTE: nan too
         return f"--shutdown-grace must be >= 0, got {args.shutdown_grace}."
     if not 0 <= args.port <= 65535:
         return f"--port must be in 0..65535 (0: any free port), got {args.port}."
@@ -204,9 +226,14 @@ def check_args(args) -> str | None:
                 return f"--memory-budget must be a positive size, got {args.memory_budget!r}."
         except ValueError as e:
             return f"--memory-budget: {e}"
-    if args.data_parallel is not None and multi:
-        return ("--data-parallel applies to one model; with several models each spans all ranks as one "
-                "tensor-parallel model.")
+    from numa_runtime import env
+    try:
+        env_dp = env.data_parallel()
+    except ValueError as e:
+        return str(e)
+    if (args.data_parallel is not None or env_dp is not None) and multi:
+        return ("--data-parallel (numa-launch --dp, NUMA_RUNTIME_DATA_PARALLEL) applies to one model; with several "
+                "models each spans all ranks as one tensor-parallel model.")
     for flag, value in (("--kv-cache-disk-bytes", args.kv_cache_disk_bytes),
                         ("--kv-cache-disk-load", args.kv_cache_disk_load)):
         if value is not None and args.kv_cache_dir is None:
@@ -226,7 +253,7 @@ def check_args(args) -> str | None:
         return f"--kv-cache-memory must be a positive number of bytes, got {args.kv_cache_memory}."
     if args.api_key is not None and not args.api_key.strip():
         return "--api-key is empty (an unset variable?); give a key, or leave the flag out to serve without one."
-    if args.served_model_name is not None and not args.served_model_name.strip():
+    if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
         return "--served-model-name is empty; give a name, or leave the flag out to use the model's."
     if args.served_model_name is not None and multi:
         return ("--served-model-name names a single model; with several models each is named by the last "
@@ -240,7 +267,8 @@ def check_args(args) -> str | None:
 
 def serve_config(args, name: str):
     from .app import ServeConfig
-    return ServeConfig(served_model_name=name, api_key=args.api_key, max_queue=args.max_queue,
+    aliases = tuple(dict.fromkeys(n for n in (args.served_model_name or [])[1:] if n != name))
+    return ServeConfig(served_model_name=name, aliases=aliases, api_key=args.api_key, max_queue=args.max_queue,
                        max_tokens_cap=args.max_tokens_cap, stall_timeout_s=args.stall_timeout,
                        embedding_pooling=args.embedding_pooling,
                        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
@@ -376,7 +404,7 @@ def _serve(args, world, sock, front) -> int:
     from .async_engine import AsyncEngine
 
     name = (next(iter(engine.specs)) if multi else
-            args.served_model_name or os.path.basename(os.path.normpath(engine.model_config.model_dir)))
+            (args.served_model_name or [os.path.basename(os.path.normpath(engine.model_config.model_dir))])[0])
     config = serve_config(args, name)
     if args.api_key is None and not _is_loopback(args.host):
         print(f"numa-serve: warning: listening on {args.host} without --api-key: anyone who can reach this "

@@ -41,6 +41,7 @@ class ServeConfig:
     stall_timeout_s: float = 60.0      # /health is 503 once one engine step or command runs this long
     embedding_pooling: str | None = None  # "mean" | "last"; None: the model's default
     tool_call_parser: str | None = None   # tool_choice "auto": the models' call format (tools.py); None: refused
+    aliases: tuple = ()               # more names clients may send as `model` (vLLM's --served-model-name a b)
 
     def __post_init__(self):
         if not self.stall_timeout_s > 0:
@@ -111,9 +112,10 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
     decode_token = functools.lru_cache(maxsize=1 << 16)(engine.tokenizer.token_bytes)
 
     def check_model(model: str | None) -> None:
-        if model is not None and model != config.served_model_name:
-            raise ApiError(404, f"The model {model!r} does not exist; this server serves "
-                                f"{config.served_model_name!r}.", param="model", code="model_not_found")
+        if model is not None and model != config.served_model_name and model not in config.aliases:
+            names = ", ".join(repr(n) for n in (config.served_model_name, *config.aliases))
+            raise ApiError(404, f"The model {model!r} does not exist; this server serves {names}.",
+                           param="model", code="model_not_found")
 
     def check_queue() -> None:
         if aengine.num_waiting >= config.max_queue:
@@ -140,9 +142,9 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": config.served_model_name, "object": "model", "created": created, "owned_by": "numa_runtime",
-                "max_model_len": engine.max_model_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "numa_runtime",
+             "max_model_len": engine.max_model_len} for name in (config.served_model_name, *config.aliases)]}
 
     @app.get("/version")
     async def version():

@@ -9,6 +9,7 @@ import dataclasses
 import hmac
 import json
 import time
+from urllib.parse import parse_qs
 
 from fastapi.responses import JSONResponse
 
@@ -45,12 +46,27 @@ class _ModelInfo:
         return eng.grammars if eng is not None else _Unprepared()
 
     @property
+    def recorder(self):
+        """The loaded engine's recorder; before the load, what it will be (AS_PROFILE=ON or not):
+        /debug/profile loads the model, as a request does."""
+        eng = self.router.engines.get(self.name)
+        if eng is not None:
+            return eng.recorder
+        from .. import env
+        return _Recording(env.profile_enabled() or env.profile_trace_path() is not None)
+
+    @property
     def max_model_len(self) -> int:
         eng = self.router.engines.get(self.name)
         if eng is not None:
             return eng.max_model_len
         asked = self.router.config.engine_kwargs.get("max_model_len")
         return asked or min(self.router.model_configs[self.name].max_position_embeddings, 32768)
+
+
+class _Recording:
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
 
 
 class _Unprepared:
@@ -134,6 +150,12 @@ class ModelDispatcher:
         if scope["path"] == "/v1/models" and scope["method"] == "GET":
             self._count(200)
             return await JSONResponse(self._models())(scope, receive, send)
+        if scope["path"] == "/debug/profile" and scope["method"] == "GET":  # NOTE: ?model=NAME, else the first
+            name = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("model", [None])[-1]
+            if name is not None and name not in self.apps:
+                return await self._error(scope, receive, send, 404, f"The model {name!r} does not exist; this "
+                                         f"server serves {self._names()}.", "model_not_found")
+            return await (self.first if name is None else self.apps[name])(scope, receive, send)
         if scope["method"] != "POST":
             return await self.first(scope, receive, send)
         body, complete = await _read_body(receive, self.max_body)
