@@ -171,13 +171,27 @@ class ModelConfig:
             hidden_size=hidden, intermediate_size=int(cfg["intermediate_size"]),
             num_layers=int(cfg["num_hidden_layers"]), num_heads=num_heads, num_kv_heads=num_kv,
             head_dim=int(head_dim), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=_rope_config(cfg, int(head_dim)), max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rope=_rope_config(cfg, int(head_dim)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", _MAX_POSITIONS[_kind(arch)])),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-            o_bias=family != "qwen2" and bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)), qk_norm=family == "qwen3",
+            # NOTE: as transformers builds each family: Qwen2 has q/k/v biases and no o bias, Mistral
+            # none (whatever attention_bias says), Llama and Qwen3 follow attention_bias; only Llama's
+            # MLP reads mlp_bias
+            qkv_bias=family == "qwen2" or (_kind(arch) != "mistral" and bool(cfg.get("attention_bias", False))),
+            o_bias=family != "qwen2" and _kind(arch) != "mistral" and bool(cfg.get("attention_bias", False)),
+            mlp_bias=_kind(arch) == "llama" and bool(cfg.get("mlp_bias", False)), qk_norm=family == "qwen3",
             checkpoint_dtype=_DTYPES[dtype], sliding_window=sliding, layer_types=layer_types,
             bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos)
+
+
+# transformers' defaults for keys a config.json leaves out, per model class
+_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}
+_DEFAULT_WINDOW = 4096  # MistralConfig's, and Qwen2/Qwen3Config's with use_sliding_window
+
+
+def _kind(arch: str) -> str:
+    """The transformers model class family of an architecture: llama, mistral, qwen2 or qwen3."""
+    return "mistral" if arch.startswith("Mistral") else SUPPORTED_ARCHITECTURES[arch]
 
 
 def _sliding_window(cfg: dict, family: str, arch: str = "") -> tuple[int | None, tuple]:
@@ -187,7 +201,9 @@ def _sliding_window(cfg: dict, family: str, arch: str = "") -> tuple[int | None,
     layer_types say so (as vLLM: a Llama config's bare sliding_window, left by a conversion
     from Mistral, is no window for transformers' Llama attention)."""
     n = int(cfg["num_hidden_layers"])
-    window = cfg.get("sliding_window")
+    # NOTE: a key left out is the class default (4096 for Mistral, and for Qwen with
+    # use_sliding_window); an explicit null is no window
+    window = cfg.get("sliding_window", _DEFAULT_WINDOW if arch.startswith(("Mistral", "Qwen")) else None)
     if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
         window = None
     if arch == "LlamaForCausalLM" and not cfg.get("layer_types"):

@@ -24,7 +24,7 @@ from .gguf_checkpoint import ROPE_FREQS
 GGUF_LINK = "model.gguf"
 INDEX = "gguf_tensors.json"
 # NOTE: part of the cache key: a change to what _describe writes makes files describe again
-DESCRIBE_VERSION = 4
+DESCRIBE_VERSION = 5  # NOTE: 5: no window is an explicit null (a Mistral config's absent key means 4096)
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
          "qwen3": "Qwen3ForCausalLM"}
 
@@ -236,8 +236,8 @@ def _window_keys(meta: dict, a: str, n_layers: int, path: str) -> dict:
     or those a per-layer `sliding_window_pattern` marks. config._sliding_window reads them for
     every family (`use_sliding_window` is what Qwen2/Qwen3 configs need)."""
     window = int(meta.get(a + "attention.sliding_window", 0) or 0)
-    if not window:
-        return {}
+    if not window:  # NOTE: explicit: a Mistral config without the key takes transformers' 4096
+        return {"sliding_window": None}
     pattern = meta.get(a + "attention.sliding_window_pattern")
     if pattern is not None and (not isinstance(pattern, list) or len(pattern) != n_layers):
         raise UnsupportedModelError(f"{path}: sliding_window_pattern {pattern!r} does not list the {n_layers} "

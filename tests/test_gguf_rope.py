@@ -228,6 +228,41 @@ def test_config_readings_equal_transformers(tmp_path, arch, edit):
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("model_type,extra", [
+    ("mistral", {}), ("mistral", {"sliding_window": None}), ("mistral", {"attention_bias": True, "mlp_bias": True}),
+    ("qwen2", {"use_sliding_window": True}), ("qwen2", {"mlp_bias": True}), ("qwen3", {"attention_bias": True}),
+    ("qwen3", {"use_sliding_window": True, "max_window_layers": 1, "mlp_bias": True}),
+    ("llama", {"attention_bias": True, "mlp_bias": True}), ("llama", {}),
+])
+def test_keys_a_config_leaves_out_or_its_class_ignores_read_as_transformers(model_type, extra):
+    """A config.json without sliding_window or max_position_embeddings takes its class's defaults
+    (Mistral: a 4096 window and 131072 positions; Qwen: 32768, and 4096 with use_sliding_window),
+    and attention_bias / mlp_bias count only where the class builds biases from them (Mistral
+    has none, Qwen2/Qwen3 no MLP bias). Llama's defaults applied to every family before: full
+    attention, 2048 positions, and a refusal for "missing" bias tensors."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from numa_runtime.config import ModelConfig
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, **extra)
+    hf_cfg = AutoConfig.for_model(model_type, **base)
+    arch = {"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "llama": "LlamaForCausalLM"}[model_type]
+    ours = ModelConfig.from_dict({**base, "architectures": [arch]})
+    assert ours.max_position_embeddings == hf_cfg.max_position_embeddings
+    window = getattr(hf_cfg, "sliding_window", None)
+    types = getattr(hf_cfg, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        window = None  # NOTE: transformers keeps the number but no layer slides
+    slides = ours.sliding_window if "sliding_attention" in ours.layer_types else None
+    assert slides == window, (ours.sliding_window, ours.layer_types, window, types)
+    torch.manual_seed(0)
+    layer = AutoModelForCausalLM.from_config(hf_cfg).model.layers[0]
+    assert ours.qkv_bias == (layer.self_attn.q_proj.bias is not None)
+    assert ours.o_bias == (layer.self_attn.o_proj.bias is not None)
+    assert ours.mlp_bias == (layer.mlp.gate_proj.bias is not None)
+
+
 def test_configs_rope_cannot_run_are_refused(tmp_path):
     from numa_runtime.config import ModelConfig, UnsupportedModelError
     base = dict(vocab_size=8, hidden_size=28, intermediate_size=8, num_hidden_layers=1, num_attention_heads=4,

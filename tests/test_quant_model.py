@@ -110,6 +110,15 @@ def test_bad_lm_head_quantization_is_a_clear_error(model_dir, head):
         engine(model_dir, lm_head_quantization=head)
 
 
+def test_a_head_group_that_does_not_divide_the_hidden_size_names_the_head(tmp_path):
+    """It gave quantize()'s generic sentence, which named neither the lm_head nor its flag."""
+    d = str(tmp_path / "m")
+    build_model(d, arch="qwen3", hidden_size=96, tie_word_embeddings=True)
+    with pytest.raises(ValueError, match=r"lm_head_quantization \(int8 in groups of 64\): the lm_head's 96 input "
+                                         r"features are not a multiple of 64; use 'int8'"):
+        Engine(d, dtype="float32", quantization="int4", lm_head_quantization="int8-g64", kv_cache_memory=1 << 22)
+
+
 def weight_error(model_dir, fmt):
     """Relative (Frobenius) error of the decoder linears after quantization."""
     from safetensors.numpy import load_file

@@ -98,6 +98,11 @@ class LinearFactory:
 
     def _quantized_head(self, name: str, rows: slice) -> QuantizedWeight:
         step = HEAD_CHUNK
+        k = (self.ckpt.shape(name) if hasattr(self.ckpt, "shape") else self.ckpt.raw(name).shape)[1]
+        g = self.head_quant.for_k(k).group_size
+        if g > 0 and k % g:
+            raise QuantError(f"lm_head_quantization (int8 in groups of {g}): the lm_head's {k} input features are "
+                             f"not a multiple of {g}; use 'int8' or a group that divides {k}.")
         starts = range(rows.start, rows.stop, step) or [rows.start]  # NOTE: a rank may hold no rows
         parts = []
         for r0 in starts:
