@@ -53,8 +53,11 @@ HEADERS = sorted(glob.glob("cython_kernels/*.h") + glob.glob("cython_kernels/*.p
 
 
 def kernel_extensions():
+    sources = sorted(glob.glob("cython_kernels/*.pyx"))
+    if not sources:  # NOTE: never a wheel without kernels (it fails only when a model runs)
+        sys.exit("cython_kernels/*.pyx not found: build numa_runtime from its source tree or a complete sdist.")
     exts = []
-    for pyx in sorted(glob.glob("cython_kernels/*.pyx")):
+    for pyx in sources:
         name = os.path.splitext(os.path.basename(pyx))[0]
         exts.append(Extension(
             "numa_runtime._kernels." + name, [pyx],

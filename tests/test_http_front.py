@@ -319,3 +319,33 @@ def test_keep_alive_counts_from_the_end_of_the_last_answer(front):
         answered = time.monotonic()
         assert sock.recv(65536) == b""
         assert time.monotonic() - answered >= 0.5
+
+
+def test_the_writing_descriptor_never_reads_rank_0s_answers():
+    """The connection to rank 0 reads through one descriptor and writes through another; on
+    Python 3.10 the writing one was registered for reading too and swallowed rank 0's answers
+    (every request through the front hung). Its descriptor is never in the selector for reading,
+    and an answer comes back through the reading side (run on each Python the machine has)."""
+    import selectors
+    from numa_runtime.serve import front
+
+    async def main():
+        path = os.path.join(tempfile.mkdtemp(), "s")
+
+        async def echo(r, w):
+            w.write(b"echo:" + await r.read(100))
+            await w.drain()
+            w.close()
+        server = await asyncio.start_unix_server(echo, path)
+        reader, writer, rwriter = await front._open_backend(path)
+        fd = writer.transport.get_extra_info("socket").fileno()
+        key = asyncio.get_running_loop()._selector.get_map().get(fd)
+        assert key is None or not key.events & selectors.EVENT_READ
+        writer.write(b"hello")
+        await writer.drain()
+        got = await asyncio.wait_for(reader.read(100), 10)
+        writer.close()
+        rwriter.close()
+        server.close()
+        return got
+    assert asyncio.run(main()) == b"echo:hello"

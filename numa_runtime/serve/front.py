@@ -309,6 +309,11 @@ async def _open_backend(path: str):
     reader, rwriter = await asyncio.open_unix_connection(sock=sock)
     transport, protocol = await loop.create_unix_connection(lambda: _WriteOnly(asyncio.StreamReader()),
                                                             sock=wsock)
+    # NOTE: Python 3.10 registers the transport's reader after connection_made, paused or not:
+    # the writing descriptor then swallowed rank 0's answers (every request hung). A resume and a
+    # pause leave it unregistered on every version (no callback can run between the two)
+    transport.resume_reading()
+    transport.pause_reading()
     return reader, asyncio.StreamWriter(transport, protocol, None, loop), rwriter
 
 
