@@ -415,8 +415,9 @@ def test_legacy_top_logprobs_always_hold_the_sampled_token(client):
 
 def test_disconnect_mid_stream_aborts(server, client):
     aborted = metric(server.base, 'numa_runtime_requests_total{status="abort"}')
-    # NOTE: n=4: enough work that the stream is still running when the client goes, on a busy host too
-    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 240, "ignore_eos": True, "stream": True, "n": 4}
+    # NOTE: n=32: enough work (7680 tokens) that the stream is still running when the client goes,
+    # on a busy host too (n=4 finished first there once)
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 240, "ignore_eos": True, "stream": True, "n": 32}
     with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(3)]
