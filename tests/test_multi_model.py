@@ -10,8 +10,8 @@ import pytest
 
 from models import build_model
 from numa_runtime import Engine, SamplingParams
-from numa_runtime.serve.router import (ModelRouter, ModelSpec, ModelUnavailableError, RouterConfig,
-                                       models_in_dir, parse_bytes)
+from numa_runtime.serve.router import (ModelLoadError, ModelRouter, ModelSpec, ModelUnavailableError,
+                                       RouterConfig, models_in_dir, parse_bytes)
 
 KW = dict(dtype="float32", kv_cache_memory=1 << 20, max_model_len=128)
 PROMPT = [1, 17, 42, 99, 5, 7]
@@ -374,3 +374,70 @@ def test_the_operator_profile_of_each_model(models):
     assert first.status_code == 200 and "model alpha" in first.text, first.text[:500]
     assert beta.status_code == 200 and "model beta" in beta.text, beta.text[:500]
     assert missing.status_code == 404 and "'nope' does not exist" in missing.text
+
+
+def test_a_model_that_fails_to_load_never_unloads_the_others(models, tmp_path):
+    """Each request for a broken model unloaded the idle models to make room, then failed: every
+    such request cost the others a reload. Weights that cannot be opened fail before anything is
+    unloaded, and a failure is remembered until the model's files change."""
+    import shutil
+    root, expected = models
+    for name in ("alpha", "broken"):
+        shutil.copytree(os.path.join(root, "alpha"), tmp_path / name)
+    weights = next(f for f in os.listdir(tmp_path / "broken") if f.endswith(".safetensors"))
+    os.rename(tmp_path / "broken" / weights, tmp_path / weights)
+    r = router(str(tmp_path), ["alpha", "broken"], 1.2)  # one model at a time
+    assert run(r, "alpha", "a1") == expected["alpha"]
+    for _ in range(2):
+        with pytest.raises(ModelLoadError, match="The model 'broken' failed to load: "):
+            r.get("broken")
+        assert list(r.engines) == ["alpha"] and not r.unload_seconds
+    os.rename(tmp_path / weights, tmp_path / "broken" / weights)  # fixed: it loads on the next request
+    assert run(r, "broken", "b1") == expected["alpha"]
+    assert list(r.engines) == ["broken"]
+    r.close()
+
+
+@pytest.mark.parametrize("kw", [dict(dtype="float32", kv_cache_memory=200_000),
+                                dict(dtype="float32", kv_cache_memory=150_000, kv_cache_dtype="int8",
+                                     max_model_len=512, block_size=8),
+                                dict(dtype="bfloat16", kv_cache_memory=1 << 20, max_num_seqs=2)])
+def test_an_unloaded_models_context_is_the_one_it_loads_with(models, kw):
+    """/v1/models (and /tokenize) showed an unloaded model's max_position_embeddings, more than its
+    KV pool holds: clients sized prompts that got a 400 once it loaded."""
+    root, _ = models
+    specs = tuple(ModelSpec(n, os.path.join(root, n)) for n in ("alpha", "beta", "gamma"))
+    r = ModelRouter(RouterConfig(specs, 1 << 40, kw))
+    for name in r.specs:
+        before = r.context_len(name)
+        assert before == r.get(name).max_model_len, (name, before)
+    r.close()
+
+
+def test_a_model_waits_for_room_that_a_busy_model_holds(models):
+    """One model fits at a time and alpha streams: a request for beta waits (up to --load-timeout)
+    for alpha's request to end, then beta replaces it. It got a 503 at once."""
+    import threading
+    root, expected = models
+    names = ["alpha", "beta"]
+    srv = serve(root, names, budget_for(root, names, 1.5), extra=["--load-timeout", "120", "--num-threads", "1"])
+    try:
+        client = srv.client()
+        stream = client.completions.create(model="alpha", prompt=PROMPT, max_tokens=100, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        first = next(iter(stream))  # alpha is running
+        assert first.choices[0].text is not None
+        answer = {}
+        t = threading.Thread(target=lambda: answer.setdefault("beta", client.completions.create(
+            model="beta", prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})))
+        t.start()
+        rest = "".join(c.choices[0].text for c in stream)  # alpha's request runs to its end
+        t.join(timeout=300)
+        assert rest and "beta" in answer, srv.output()
+        ref = Engine(os.path.join(root, "beta"), **KW)
+        assert answer["beta"].choices[0].text == ref.tokenizer.decode(expected["beta"])
+        ref.close()
+        assert {m["id"]: m["loaded"] for m in httpx.get(srv.base + "/v1/models").json()["data"]} == \
+            {"alpha": False, "beta": True}
+    finally:
+        assert srv.stop() == 0, srv.output()

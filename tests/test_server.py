@@ -358,6 +358,11 @@ def test_errors_keep_the_spelling_of_the_field_they_name(client, server):
         assert e.value.body["param"] == "stream_options" and "stream: true" in e.value.body["message"]
     r = httpx.post(f"{server.base}/v1/embeddings", json={"input": "hi", "encoding_format": None}, timeout=60)
     assert r.status_code == 200 and isinstance(r.json()["data"][0]["embedding"], list), r.text
+    # a schema no value satisfies, sent as guided_json: the error names guided_json (response_format before)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="Hi", max_tokens=5,
+                                  extra_body={"guided_json": {"type": "integer", "minimum": 5, "maximum": 2}})
+    assert e.value.body["param"] == "guided_json", e.value.body
 
 
 def test_max_completion_tokens_errors_name_it(client):
@@ -678,6 +683,10 @@ def test_tokenize_detokenize_and_version(server, model_dir):
     r = httpx.post(server.base + "/detokenize", json={"tokens": tok.encode("Hello world", add_special_tokens=False)},
                    timeout=30)
     assert r.json() == {"prompt": "Hello world"}
+    # a chat prompt's tokens come back with their template's special tokens (as vLLM; they were dropped)
+    ids = httpx.post(server.base + "/tokenize", json={"messages": msgs}, timeout=30).json()["tokens"]
+    r = httpx.post(server.base + "/detokenize", json={"tokens": ids}, timeout=30)
+    assert r.json()["prompt"] == tok.decode(ids, skip_special_tokens=False) == tok.apply_chat_template(msgs)
     for path, body, msg in (("/tokenize", {}, "Give either prompt or messages"),
                             ("/tokenize", {"prompt": "x", "messages": msgs}, "Give either prompt or messages"),
                             ("/detokenize", {"tokens": [10 ** 9]}, "is not a token id"),

@@ -178,7 +178,8 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
             if bad is not None:
                 raise ValueError(f"tokens holds {bad}, which is not a token id (0 to {vocab - 1}).")
-            return {"prompt": engine.tokenizer.decode(body.tokens)}
+            # NOTE: as vLLM (transformers' decode): special tokens stay, so /tokenize round-trips
+            return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     @app.get("/debug/profile", response_class=PlainTextResponse)
     async def profile():
@@ -256,18 +257,19 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
         rid = f"{kind}-{uuid.uuid4().hex}"
         gen = _Generation(aengine, rid, len(prompts))
         # NOTE: a schema a tool_choice made is the tools' (an unusable one names them)
-        with _client_errors(renames, {"json_schema": _schema_param(tool_plan)}):
+        schema_param = _schema_param(tool_plan, body)
+        with _client_errors(renames, {"json_schema": schema_param}):
             await gen.start(prompts, params)
         tracker = R.ChoiceTracker(params.n)
         report = _Report(metrics, tracker, arrival, len(prompts) * params.n, config.served_model_name)
         name = config.served_model_name
         if body.stream:
             return StreamingResponse(_stream(gen, tracker, report, rid, name, kind, body.include_usage, decode_token,
-                                             tool_plan),
+                                             tool_plan, schema_param),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         status = "abort"
         try:
-            done = await _until_disconnect(request, _collect(gen, tracker, report, _schema_param(tool_plan)))
+            done = await _until_disconnect(request, _collect(gen, tracker, report, schema_param))
             if not done:
                 return Response(status_code=499)  # nobody reads it; the request is aborted
             status = tracker.choices()[0][1].finish_reason or "stop"
@@ -352,8 +354,11 @@ def _engine_failure(e: RuntimeError) -> ApiError:
     return ApiError(500, str(e), type_="server_error", code="engine_error")
 
 
-def _schema_param(tool_plan) -> str:
-    return "tools" if tool_plan is not None and tool_plan.schema is not None else "response_format"
+def _schema_param(tool_plan, body=None) -> str:
+    """The request field a JSON schema came from: tools (a tool_choice), guided_json or response_format."""
+    if tool_plan is not None and tool_plan.schema is not None:
+        return "tools"
+    return "guided_json" if getattr(body, "guided_json", None) is not None else "response_format"
 
 
 def _check_failed(out, param: str = "response_format") -> None:
@@ -383,7 +388,8 @@ async def _until_disconnect(request: Request, work) -> bool:
     return False
 
 
-async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode, tool_plan=None):
+async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode, tool_plan=None,
+                  schema_param: str = "response_format"):
     """SSE events of one request. Cancelled (client gone) -> finally aborts the request."""
     created, chat = int(time.time()), kind == "chatcmpl"
     status, offsets = "abort", {}
@@ -393,7 +399,7 @@ async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode,
             for i in range(len(gen.index) * tracker.n):
                 yield R.sse(R.chat_chunk(rid, model, created, None, i, decode, include_usage))
         async for index, out in gen.outputs():
-            _check_failed(out, _schema_param(tool_plan))
+            _check_failed(out, schema_param)
             pieces = tracker.update(index, out)
             report.saw(pieces)
             for p in pieces:

@@ -19,6 +19,9 @@ from .async_engine import AsyncEngine
 from .router import ModelLoadError, ModelRouter, ModelUnavailableError
 
 
+_ROOM_POLL_S = 0.05  # how often a request for a model that does not fit yet tries again
+
+
 class _ModelInfo:
     """What build_app reads from `aengine.engine`, available before the model is loaded."""
 
@@ -57,11 +60,7 @@ class _ModelInfo:
 
     @property
     def max_model_len(self) -> int:
-        eng = self.router.engines.get(self.name)
-        if eng is not None:
-            return eng.max_model_len
-        asked = self.router.config.engine_kwargs.get("max_model_len")
-        return asked or min(self.router.model_configs[self.name].max_position_embeddings, 32768)
+        return self.router.context_len(self.name)
 
 
 class _Recording:
@@ -102,27 +101,34 @@ class ModelView:
         return self.aengine.seconds_since_last_step
 
     async def add(self, request_id: str, prompt, params, sink: asyncio.Queue) -> None:
-        self.router.route[request_id] = self.name  # NOTE: before the engine thread sees the request
-        await self._in_time(self.aengine.add(request_id, prompt, params, sink))
+        def work():
+            self.router.route[request_id] = self.name  # NOTE: before the engine thread sees the request
+            return self.aengine.add(request_id, prompt, params, sink)
+        await self._in_time(work)
 
     def abort(self, request_id: str) -> None:
         self.aengine.abort(request_id)
 
     async def call(self, fn):
-        return await self._in_time(self.aengine.call(lambda router: router.call(self.name, fn)))
+        return await self._in_time(lambda: self.aengine.call(lambda router: router.call(self.name, fn)))
 
     async def _in_time(self, work):
-        """Wait for work up to the load timeout (a model may be loading), then 503."""
+        """Run work() within the load timeout (a model may be loading, or wait for room that busy
+        models hold: tried again as their requests end), then 503."""
         retry = {"Retry-After": str(max(1, round(self.router.load_seconds.get(self.name, self.load_timeout))))}
-        try:
-            return await asyncio.wait_for(work, self.load_timeout)
-        except asyncio.TimeoutError:
-            raise ApiError(503, f"The model {self.name!r} is still loading; retry shortly.", "server_error",
-                           code="model_loading", headers=retry) from None
-        except ModelLoadError as e:
-            raise ApiError(500, str(e), "server_error", code="model_load_failed") from None
-        except ModelUnavailableError as e:
-            raise ApiError(503, str(e), "server_error", code="model_unavailable", headers=retry) from None
+        deadline = time.monotonic() + self.load_timeout
+        while True:
+            try:
+                return await asyncio.wait_for(work(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise ApiError(503, f"The model {self.name!r} is still loading; retry shortly.", "server_error",
+                               code="model_loading", headers=retry) from None
+            except ModelLoadError as e:
+                raise ApiError(500, str(e), "server_error", code="model_load_failed") from None
+            except ModelUnavailableError as e:
+                if time.monotonic() + _ROOM_POLL_S >= deadline:
+                    raise ApiError(503, str(e), "server_error", code="model_unavailable", headers=retry) from None
+                await asyncio.sleep(_ROOM_POLL_S)  # NOTE: the busy models' requests end between steps
 
 
 def build_multi_app(aengine: AsyncEngine, router: ModelRouter, base: ServeConfig, load_timeout: float):

@@ -128,6 +128,9 @@ class ModelRouter:
         self.footprint = {n: self._estimate(n) for n in self.specs}  # bytes per rank
         self.engines: OrderedDict[str, object] = OrderedDict()  # loaded, least recently used first
         self._unloaded_preemptions = 0  # NOTE: /metrics counts them over the server's life
+        self._context: dict[str, int] = {}  # name -> its max_model_len when it was last loaded
+        # name -> (its files' stamp, the error) of weights that cannot be opened: refused until they change
+        self._failed: dict[str, tuple] = {}
         self.route: dict[str, str] = {}   # request id -> model name (set by the HTTP side)
         self.owner: dict[str, str] = {}   # request id -> model name, while it runs
         self._active: str | None = None   # the model whose plan loop the workers are in
@@ -153,6 +156,31 @@ class ModelRouter:
         item = 4 if dtype in ("float32", "fp32", "float") else 2
         return self.model_configs[name].num_params * item // self.world + self._kv_bytes()
 
+    def context_len(self, name: str) -> int:
+        """The max_model_len `name` has, or will have once loaded: its Engine's, or the same rule
+        over the KV pool the budget gives it (no more tokens than the pool holds)."""
+        eng = self.engines.get(name)
+        if eng is not None:
+            return eng.max_model_len
+        if name in self._context:
+            return self._context[name]
+        import numpy as np
+        from ..backend.reference import KV_CACHE_DTYPES, kv_row_width
+        from ..config import EngineConfig
+        from ..engine import Engine
+        from ..models.llama import ShardLayout
+        mcfg = self.model_configs[name]
+        kw = self.config.engine_kwargs
+        asked = Engine._resolve_max_len(mcfg, kw.get("max_model_len"))
+        if mcfg.min_window:  # NOTE: every layer slides: old blocks are released
+            return asked
+        ecfg = EngineConfig(**{k: v for k, v in self._engine_kwargs.items() if k in EngineConfig.__dataclass_fields__})
+        row = kv_row_width(mcfg.head_dim, ecfg.kv_dtype) * np.dtype(KV_CACHE_DTYPES[ecfg.kv_dtype]).itemsize
+        heads = max(ShardLayout.build(mcfg, r, self.world).num_kv_heads for r in range(self.world))
+        block = 2 * mcfg.num_layers * ecfg.block_size * heads * row
+        blocks = min(self._kv_bytes() // block, ecfg.max_num_seqs * -(-asked // ecfg.block_size) + 1)
+        return min(asked, int(blocks) * ecfg.block_size)
+
     @property
     def used_bytes(self) -> int:
         return sum(self.footprint[n] for n in self.engines)
@@ -177,6 +205,11 @@ class ModelRouter:
         if name in self.engines:
             self.engines.move_to_end(name)
             return self.engines[name]
+        failed = self._failed.get(name)
+        if failed is not None and failed[0] == _stamp(self.specs[name].model_dir):
+            # NOTE: a model that failed to load fails again without unloading the others for it
+            raise ModelLoadError(failed[1])
+        self._check_files(name)  # NOTE: before anything is unloaded for it
         need = self.footprint[name]
         for victim in list(self.engines):
             if self.used_bytes + need <= self.config.memory_budget:
@@ -189,6 +222,24 @@ class ModelRouter:
                 f"{list(self.engines)}; retry when their requests finish.")
         return self._load(name)
 
+    def _check_files(self, name: str) -> None:
+        """ModelLoadError (remembered) if the model's weights cannot even be opened (missing or
+        truncated files): found before idle models are unloaded to make room for it."""
+        from ..gguf_model import open_checkpoint
+        try:
+            open_checkpoint(self.model_configs[name])
+        except Exception as e:  # noqa: BLE001 - as a load failure
+            self._fail(name, e, remember=True)
+
+    def _fail(self, name: str, e: BaseException, remember: bool = False):
+        """A load failure; `remember`: the files are at fault, so it fails alike until they change
+        (a failure of the load itself may pass: memory, a worker's node)."""
+        log.error("model %s failed to load: %s", name, e)
+        message = f"The model {name!r} failed to load: {e}"
+        if remember:
+            self._failed[name] = (_stamp(self.specs[name].model_dir), message)
+        raise ModelLoadError(message) from None
+
     def _load(self, name: str):
         from ..engine import Engine
         t0 = time.perf_counter()
@@ -196,13 +247,14 @@ class ModelRouter:
         try:
             eng = Engine(self.specs[name].model_dir, **self._engine_kwargs)
         except Exception as e:  # noqa: BLE001 - every rank failed alike; the other models go on
-            log.error("model %s failed to load: %s", name, e)
-            raise ModelLoadError(f"The model {name!r} failed to load: {e}") from None
+            self._fail(name, e)
+        self._failed.pop(name, None)
         self._active = None  # the workers are back in worker_main
         self.engines[name] = eng
         r = eng.runner
         self.footprint[name] = r.model.weight_bytes + r.kv_cache_bytes
         self.load_seconds[name] = time.perf_counter() - t0
+        self._context[name] = eng.max_model_len
         log.warning("loaded model %s in %.2f s (%.0f MiB per rank)", name, self.load_seconds[name],
                     self.footprint[name] / (1 << 20))
         return eng
@@ -345,6 +397,19 @@ def _control(kind: int, index: int) -> StepPlan:
     plan = StepPlan.empty()
     plan.kind, plan.step_id = kind, index
     return plan
+
+
+def _stamp(path: str) -> tuple:
+    """What changes when a model's files do: the names, sizes and modification times of a
+    directory's entries (or of a .gguf file)."""
+    path = os.path.expanduser(path)
+    try:
+        if not os.path.isdir(path):
+            st = os.stat(path)
+            return ((path, st.st_size, st.st_mtime_ns),)
+        return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(path)))
+    except OSError:
+        return ()
 
 
 def release_memory() -> None:
