@@ -56,7 +56,7 @@ class ReplicaRouter:
         s = self.replicas[r]
         bm = s.block_manager
         need = bm.num_blocks_for(req.num_tokens) - cached_blocks
-        return self.load(r) < s.config.max_num_seqs and need <= bm.num_free_blocks
+        return self.load(r) < s.config.max_num_seqs and need <= bm.num_free_blocks - bm.reserved_blocks
 
     def tokens(self, r: int) -> int:
         """Tokens of the unfinished requests on replica r (what their KV will hold)."""
@@ -65,9 +65,11 @@ class ReplicaRouter:
     def route(self, req: Request) -> int:
         """The replica for a new request: the longest cached prefix where there is room, else
         the least loaded: fewest sequences, then fewest tokens (long prompts used to pile up on
-        the lowest index), then the lowest index."""
+        the lowest index), then the lowest index; a replica whose blocks a waiting embedding
+        reserved (it admits nothing new until the embedding runs) comes last."""
         loads = [self.load(r) for r in range(len(self.replicas))]
-        least = min(range(len(loads)), key=lambda r: (loads[r], self.tokens(r), r))
+        held = [self.replicas[r].block_manager.reserved_blocks > 0 for r in range(len(loads))]
+        least = min(range(len(loads)), key=lambda r: (held[r], loads[r], self.tokens(r), r))
         cached = [len(s.block_manager.get_computed_blocks(req)[0]) for s in self.replicas]
         best = max(range(len(cached)), key=lambda r: (cached[r], -loads[r]))
         if cached[best] > cached[least] and self.has_room(best, req, cached[best]):

@@ -24,9 +24,10 @@ command -v numactl >/dev/null 2>&1 || \
 if [ -n "${PYTHON:-}" ]; then
   PY=$PYTHON
 else
-  if [ ! -x .venv/bin/python ]; then
-    python3 -m venv .venv || { echo "error: python3 -m venv failed; install python3-venv (apt-get install -y" \
-      "python3-venv) or pass PYTHON=/path/to/python" >&2; exit 1; }
+  # NOTE: a .venv left without pip by a failed first run (no python3-venv then) is made again
+  if ! { [ -x .venv/bin/python ] && .venv/bin/python -m pip --version >/dev/null 2>&1; }; then
+    python3 -m venv --clear .venv || { rm -rf .venv; echo "error: python3 -m venv failed; install python3-venv" \
+      "(apt-get install -y python3-venv) or pass PYTHON=/path/to/python" >&2; exit 1; }
   fi
   PY=.venv/bin/python
 fi

@@ -441,3 +441,42 @@ def test_a_model_waits_for_room_that_a_busy_model_holds(models):
             {"alpha": False, "beta": True}
     finally:
         assert srv.stop() == 0, srv.output()
+
+
+def test_a_max_model_len_one_model_cannot_take_is_refused_at_start_up(models, tmp_path):
+    """It surfaced at that model's first request (and, with the context listing, broke /v1/models
+    for every model); every rank checks it before any collective."""
+    root, _ = models
+    short = str(tmp_path / "short")
+    build_model(short, arch="llama", max_position_embeddings=64)
+    specs = (ModelSpec("alpha", os.path.join(root, "alpha")), ModelSpec("short", short))
+    with pytest.raises(ValueError, match=r"max_model_len=128 exceeds what model 'short' supports \(64 tokens\)"):
+        ModelRouter(RouterConfig(specs, 1 << 30, KW))
+
+
+def test_a_refused_add_queues_no_abort(models):
+    """A request the engine refused was never added; aborting it anyway removed the route of its
+    retry (a model waiting for room) from the router, and the retry failed with "names no model"."""
+    import asyncio
+    from numa_runtime.serve.async_engine import AsyncEngine
+    root, _ = models
+    eng = Engine(os.path.join(root, "alpha"), **KW)
+    aengine = AsyncEngine(eng)
+    aborted = []
+    aengine.abort = aborted.append
+
+    async def main():
+        with pytest.raises(ValueError, match="exceeds max_model_len"):
+            await aengine.add("r1", list(range(3, 103)), SamplingParams(max_tokens=100), asyncio.Queue())
+        task = asyncio.ensure_future(aengine.add("r2", PROMPT, GREEDY, asyncio.Queue()))
+        await asyncio.sleep(0)
+        task.cancel()  # NOTE: a caller that goes away while its add waits: that one is aborted
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    aengine.start()
+    try:
+        asyncio.run(main())
+    finally:
+        aengine.stop()
+        eng.close()
+    assert aborted == ["r2"]

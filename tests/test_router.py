@@ -38,6 +38,19 @@ def test_new_requests_go_to_the_least_loaded_replica():
     assert rt.num_waiting == 7 and rt.routed == [3, 2, 2]
 
 
+def test_new_requests_avoid_a_replica_whose_blocks_an_embedding_reserved():
+    """Replica 0's blocks are reserved for a waiting embedding (it admits nothing new meanwhile):
+    new requests go to the other replicas, also when replica 0 caches their prefix."""
+    rt = router(2)
+    a = req("a", range(0, 13))
+    rt.add_request(a)
+    run_to_end(rt, [a])                       # replica 0 caches a's prefix
+    rt.replicas[0].block_manager.reserved_blocks = 16  # all of them: no room for a new prompt
+    for i in range(3):
+        rt.add_request(req(f"b{i}", range(0, 13)))
+    assert [rt.where[f"b{i}"] for i in range(3)] == [1, 1, 1]
+
+
 def test_long_prompts_spread_over_the_replicas():
     """Long and short prompts alternating: with equal sequence counts the replica holding fewer
     tokens takes the next one (every long prompt went to replica 0, whose pool filled while

@@ -101,7 +101,10 @@ class AsyncEngine:
             self._inbox.put(("add", request_id, prompt, params, (loop, sink), done))
             await done
         except BaseException:
-            self.abort(request_id)
+            # NOTE: a request the engine refused was never added: no abort (a queued abort would
+            # remove a retry of the same id, e.g. a model waiting for room, from the router)
+            if not (done.done() and not done.cancelled() and done.exception() is not None):
+                self.abort(request_id)
             raise
 
     def abort(self, request_id: str) -> None:

@@ -139,12 +139,13 @@ class ModelRouter:
         self._engine_kwargs = {**config.engine_kwargs, "data_parallel": 1, "kv_cache_memory": self._kv_bytes()}
         self.load_seconds: dict[str, float] = {}
         self.unload_seconds: dict[str, float] = {}
+        self._check()  # NOTE: on every rank, before any collective (a rank that raised alone left others waiting)
         if comm_world > 1:  # NOTE: collective: every rank builds its router at start-up
             from ..distributed import init_distributed
             self._control_comm = init_distributed()
         if is_driver:
             self.tokenizers = {n: Tokenizer.from_dir(c.model_dir) for n, c in self.model_configs.items()}
-            self._check_and_log()
+            self._log()
 
     # ------------------------------------------------------------------ memory
     def _kv_bytes(self) -> int:
@@ -170,8 +171,7 @@ class ModelRouter:
         from ..engine import Engine
         from ..models.llama import ShardLayout
         mcfg = self.model_configs[name]
-        kw = self.config.engine_kwargs
-        asked = Engine._resolve_max_len(mcfg, kw.get("max_model_len"))
+        asked = Engine._resolve_max_len(mcfg, self.config.engine_kwargs.get("max_model_len"))
         if mcfg.min_window:  # NOTE: every layer slides: old blocks are released
             return asked
         ecfg = EngineConfig(**{k: v for k, v in self._engine_kwargs.items() if k in EngineConfig.__dataclass_fields__})
@@ -185,7 +185,19 @@ class ModelRouter:
     def used_bytes(self) -> int:
         return sum(self.footprint[n] for n in self.engines)
 
-    def _check_and_log(self) -> None:
+    def _check(self) -> None:
+        """ValueError (one sentence) for a model no request could ever load: at start-up."""
+        asked, mib, budget = self.config.engine_kwargs.get("max_model_len"), 1 << 20, self.config.memory_budget
+        for n, mcfg in self.model_configs.items():
+            if asked is not None and asked > mcfg.max_position_embeddings:
+                raise ValueError(f"max_model_len={asked} exceeds what model {n!r} supports "
+                                 f"({mcfg.max_position_embeddings} tokens); lower --max-model-len.")
+            if self.footprint[n] > budget:
+                raise ValueError(f"Model {n!r} needs about {self.footprint[n] / mib:.0f} MiB per rank, more than "
+                                 f"the memory budget ({budget / mib:.0f} MiB); raise --memory-budget or lower "
+                                 "--kv-cache-memory.")
+
+    def _log(self) -> None:
         mib, budget = 1 << 20, self.config.memory_budget
         log.warning("memory budget %.0f MiB per rank; rule: weights + a KV pool of %.0f MiB per model "
                     "(%s); least recently used idle models are unloaded to make room",
@@ -195,9 +207,6 @@ class ModelRouter:
         for n, b in self.footprint.items():
             log.warning("model %s: %.0f MiB per rank (weights %.0f + KV %.0f)", n, b / mib,
                         (b - self._kv_bytes()) / mib, self._kv_bytes() / mib)
-            if b > budget:
-                raise ValueError(f"Model {n!r} needs about {b / mib:.0f} MiB per rank, more than the memory "
-                                 f"budget ({budget / mib:.0f} MiB); raise --memory-budget or lower --kv-cache-memory.")
 
     # ------------------------------------------------------------------ loading
     def get(self, name: str):
