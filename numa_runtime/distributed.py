@@ -131,9 +131,12 @@ class _ShmArena:
         return self.segs[j][start:start + nbytes]
 
     def close(self) -> None:
+        """Collective: frees the window and the host communicator (each Engine of a server of
+        several models makes one: MPICH runs out of communicators after about 2000 loads)."""
         if self.win is not None:
             self.win.Free()
             self.win = None
+            self.comm.Free()
 
 
 class MPIComm:

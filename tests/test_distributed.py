@@ -233,3 +233,11 @@ def test_serve_with_data_parallel_replicas(tiny_model):
         want = [o.outputs[0].text for o in eng.generate(
             prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))]
     assert texts == want
+
+
+def test_closed_communicators_are_freed():
+    """Each model load of a server of several models makes an MPIComm; closing it freed the
+    shared window but not its host communicator, and after about 2040 loads no model could
+    load again ("Too many communicators")."""
+    p = run_mpi("comm_cycles.py", 2, "2100", timeout=300)
+    assert p.returncode == 0 and "comm cycles ok" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]

@@ -395,6 +395,11 @@ def test_a_model_that_fails_to_load_never_unloads_the_others(models, tmp_path):
     os.rename(tmp_path / weights, tmp_path / "broken" / weights)  # fixed: it loads on the next request
     assert run(r, "broken", "b1") == expected["alpha"]
     assert list(r.engines) == ["broken"]
+    assert run(r, "alpha", "a2") == expected["alpha"]
+    (tmp_path / "broken" / "tokenizer.json").write_text("{bad")  # a file the load parses, broken
+    with pytest.raises(ModelLoadError, match=r"tokenizer.json is not valid JSON"):
+        r.get("broken")
+    assert list(r.engines) == ["alpha"]
     r.close()
 
 

@@ -234,9 +234,19 @@ class ModelRouter:
     def _check_files(self, name: str) -> None:
         """ModelLoadError (remembered) if the model's weights cannot even be opened (missing or
         truncated files): found before idle models are unloaded to make room for it."""
+        import json
         from ..gguf_model import open_checkpoint
+        cfg = self.model_configs[name]
         try:
-            open_checkpoint(self.model_configs[name])
+            for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+                path = os.path.join(cfg.model_dir, f)
+                if os.path.exists(path):
+                    try:
+                        with open(path, "rb") as fh:
+                            json.load(fh)
+                    except ValueError as e:
+                        raise ValueError(f"{path} is not valid JSON ({e})") from None
+            open_checkpoint(cfg)
         except Exception as e:  # noqa: BLE001 - as a load failure
             self._fail(name, e, remember=True)
 
