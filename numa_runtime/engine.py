@@ -39,6 +39,7 @@ from . import env
 from .logger import init_logger
 
 log = init_logger()
+_workers_exited = False  # rank 0: a closed Engine's worker ranks have exited (no new Engine can start)
 
 # NOTE: EngineConfig.reserve_server_core leaves a cpu to the HTTP server from this many cpus on;
 # with fewer, a compute thread is worth more than the server's wake-ups cost
@@ -68,6 +69,12 @@ class Engine:
         self._use = threading.RLock()
         self._held: list | None = None  # SIGINTs held while _atomic runs on the main thread
         self._broken: str | None = None  # why the ranks are out of step (_execute), for good
+        self._keeps_workers = False  # a server of several models: its worker ranks outlive each engine
+        world = env.mpi_world()
+        if _workers_exited and world is not None and world[1] > 1:
+            raise RuntimeError("The worker ranks of this job exited when the last Engine closed (a worker rank "
+                               "exits after its first driving call); call engine.serve_workers() on the worker "
+                               "ranks to run several engines in one job.")
         self.comm = distributed.init_distributed()
         ops = backend.get_backend(self.config.backend)
         placement = self._bind_and_set_threads(ops)
@@ -695,7 +702,7 @@ class Engine:
         """True on rank 0 (and in a single process): the rank that schedules and drives."""
         return self.comm.is_driver
 
-    def serve_workers(self) -> None:
+    def serve_workers(self, _exiting: bool = False) -> None:
         """On a worker rank: execute rank 0's step plans until rank 0 closes the engine, then
         return. On rank 0 (or in a single process): return at once."""
         if self.comm.is_driver or self._closed:
@@ -703,6 +710,8 @@ class Engine:
         self._closed = True
         from . import data_parallel
         data_parallel.worker_loop(self.runner, self._link)
+        if not self._keeps_workers:
+            self.comm.gather_object(_exiting)  # NOTE: rank 0's close() learns whether this rank exits
 
     def _execute(self, run, *args):
         """A step on every rank. On several ranks a step that fails on rank 0 once the workers
@@ -728,7 +737,7 @@ class Engine:
         log.info("rank %d is a worker rank: at its first driving call (%s) it serves rank 0's steps until "
                  "rank 0 closes the engine, then this process exits, so the rest of the script runs on "
                  "rank 0 only (engine.serve_workers() serves and returns instead)", self.comm.rank, call)
-        self.serve_workers()
+        self.serve_workers(_exiting=True)
         raise SystemExit(0)
 
     def close(self) -> None:
@@ -750,6 +759,11 @@ class Engine:
             release = getattr(self.runner, "release", None)  # NOTE: the CUDA runner's GPU memory
             if release is not None:
                 release()
+            if self.comm.world_size > 1 and not self._keeps_workers:
+                # NOTE: each worker says whether it exits now (its first driving call) or returns
+                # from serve_workers(): a later Engine would wait for ever for ranks that are gone
+                global _workers_exited
+                _workers_exited = _workers_exited or any(self.comm.gather_object(False)[1:])
         except Exception as e:  # noqa: BLE001 - shutting down anyway
             log.warning("numa_runtime: shutting down workers failed: %s", e)
 

@@ -50,6 +50,18 @@ def test_explicit_with_block_continues_on_every_rank(model_dir):
     assert "is a worker" not in p.stderr  # nothing ended a rank early
 
 
+def test_a_second_engine_after_the_workers_exited_is_refused(model_dir):
+    """A plain script that builds a second Engine under mpirun: the workers exited after the first
+    one's driving call, and rank 0 waited for ever in the new Engine's collectives. It is refused
+    in one sentence; with the workers serving (explicit mode) both engines run."""
+    marks, p = run(model_dir, "plain-twice")
+    assert marks[:3] == ["MARK after-engine rank 0", "MARK after-engine rank 1", "MARK after-generate rank 0"]
+    assert marks[3].startswith("MARK refused rank 0 The worker ranks of this job exited when the last Engine "
+                               "closed"), marks
+    marks, p = run(model_dir, "explicit-twice")
+    assert marks.count("MARK driving rank 0") == 2 and marks.count("MARK after-with rank 1") == 2, marks
+
+
 BROKEN_STEP = """
 import sys
 from numa_runtime import Engine, SamplingParams

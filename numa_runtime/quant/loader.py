@@ -79,6 +79,9 @@ class LinearFactory:
         (the tied embedding table is read separately and stays as stored)."""
         native = getattr(self.ckpt, "quantized", None)
         w = native(name, rows, None) if native is not None else None
+        if w is not None and self.head_quant is not None:  # NOTE: asked for by name, never by "auto"
+            raise QuantError("lm_head_quantization names a format, but the file stores its lm_head quantized "
+                             "already (it runs as stored); drop the setting.")
         if w is None:
             w = (self._quantized_head(name, rows) if self.head_quant is not None
                  else self.ckpt.load(name, self.dtype, rows=rows))

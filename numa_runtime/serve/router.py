@@ -265,6 +265,7 @@ class ModelRouter:
         self._send(LOAD, name)
         try:
             eng = Engine(self.specs[name].model_dir, **self._engine_kwargs)
+            eng._keeps_workers = True  # NOTE: the workers go back to worker_main when it closes
         except Exception as e:  # noqa: BLE001 - every rank failed alike; the other models go on
             self._fail(name, e)
         self._failed.pop(name, None)
@@ -398,6 +399,7 @@ class ModelRouter:
             if plan.kind == LOAD:
                 try:
                     engines[name] = Engine(self.specs[name].model_dir, **self._engine_kwargs)
+                    engines[name]._keeps_workers = True
                 except Exception:  # noqa: BLE001 - rank 0 failed alike and reports it; serve on
                     pass
             elif plan.kind == ENTER:

@@ -1,9 +1,10 @@
 """Run under mpirun: what code after Engine() does on each rank (README "Worker ranks").
 
-usage: mpirun -np N python tests/mpi/worker_ranks.py MODEL_DIR plain|explicit
+usage: mpirun -np N python tests/mpi/worker_ranks.py MODEL_DIR plain|explicit|plain-twice|explicit-twice
 
 plain:    a script written for one process: Engine(), generate(), print, close().
 explicit: `with Engine() as eng:` drives on rank 0 only; every rank goes on after the block.
+*-twice:  the same, then a second Engine (the plain script's workers have exited by then).
 Each rank writes "MARK <where> rank <r>" lines, one write each (ranks must not interleave).
 """
 import os
@@ -19,15 +20,20 @@ def mark(where: str, rank: int, extra: str = "") -> None:
     os.write(1, f"MARK {where} rank {rank}{extra}\n".encode())
 
 
-if mode == "plain":
-    eng = Engine(model, dtype="float32", kv_cache_memory=1 << 24, max_model_len=128)
-    mark("after-engine", eng.comm.rank)
-    out = eng.generate([[1, 5, 9]], params)  # a worker serves rank 0 here, then exits
-    mark("after-generate", eng.comm.rank, f" tokens {out[0].token_ids}")
-    eng.close()
-else:
-    with Engine(model, dtype="float32", kv_cache_memory=1 << 24, max_model_len=128) as eng:
-        mark("in-with", eng.comm.rank)
-        if eng.is_driver:
-            mark("driving", eng.comm.rank, f" tokens {eng.generate([[1, 5, 9]], params)[0].token_ids}")
-    mark("after-with", eng.comm.rank)
+for round_ in range(2 if mode.endswith("-twice") else 1):
+    if mode.startswith("plain"):
+        try:
+            eng = Engine(model, dtype="float32", kv_cache_memory=1 << 24, max_model_len=128)
+        except RuntimeError as e:  # NOTE: the second round, on rank 0 alone
+            mark("refused", 0, f" {e}")
+            break
+        mark("after-engine", eng.comm.rank)
+        out = eng.generate([[1, 5, 9]], params)  # a worker serves rank 0 here, then exits
+        mark("after-generate", eng.comm.rank, f" tokens {out[0].token_ids}")
+        eng.close()
+    else:
+        with Engine(model, dtype="float32", kv_cache_memory=1 << 24, max_model_len=128) as eng:
+            mark("in-with", eng.comm.rank)
+            if eng.is_driver:
+                mark("driving", eng.comm.rank, f" tokens {eng.generate([[1, 5, 9]], params)[0].token_ids}")
+        mark("after-with", eng.comm.rank)
