@@ -255,3 +255,16 @@ def test_k_quant_columns_off_a_super_block_take_f16_group_scales(hf_models, tmp_
     s = np.abs(part.scales.astype(np.float32)).repeat(32, 1)
     bound = 2.0 ** -11 * (s * part.q + np.abs(part.offsets.astype(np.float32)).repeat(32, 1))
     assert (np.abs(dequantize(part) - exact[:, 128:256]) <= bound * 1.001 + 1e-9).all()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_named_lm_head_format_for_a_quantized_head_is_refused(tmp_path, tied):
+    """lm_head_quantization='int8-channel' on a file whose lm_head (or tied embedding) is stored
+    quantized was accepted and did nothing; 'auto' keeps the file's head."""
+    hf = str(tmp_path / "hf")
+    build_model(hf, arch="llama", tie_word_embeddings=tied)
+    path = str(tmp_path / "m.gguf")
+    write_gguf(hf, path, "Q4_0")
+    with pytest.raises(ValueError, match="stores its lm_head quantized already"):
+        Engine(path, dtype="float32", kv_cache_memory=1 << 22, lm_head_quantization="int8-channel")
+    Engine(path, dtype="float32", kv_cache_memory=1 << 22).close()
