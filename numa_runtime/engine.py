@@ -110,7 +110,7 @@ class Engine:
         self.placement = placement
         if not self.comm.is_driver:  # a worker serves rank 0 where the module docstring says
             self._closed = False
-            atexit.register(self.close)
+            atexit.register(self._close_at_exit)
             return
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
         self.default_sampling = generation_defaults(mcfg.model_dir) if self.config.generation_config == "auto" else {}
@@ -701,6 +701,11 @@ class Engine:
     def is_driver(self) -> bool:
         """True on rank 0 (and in a single process): the rank that schedules and drives."""
         return self.comm.is_driver
+
+    def _close_at_exit(self) -> None:
+        """A worker rank's script ended: serve rank 0 until it closes the engine; this process
+        then ends (rank 0 learns so, and refuses a new Engine rather than wait for this rank)."""
+        self.serve_workers(_exiting=True)
 
     def serve_workers(self, _exiting: bool = False) -> None:
         """On a worker rank: execute rank 0's step plans until rank 0 closes the engine, then

@@ -58,6 +58,8 @@ def test_a_second_engine_after_the_workers_exited_is_refused(model_dir):
     assert marks[:3] == ["MARK after-engine rank 0", "MARK after-engine rank 1", "MARK after-generate rank 0"]
     assert marks[3].startswith("MARK refused rank 0 The worker ranks of this job exited when the last Engine "
                                "closed"), marks
+    marks, p = run(model_dir, "driver-only-twice")  # NOTE: the worker's engine closed at its exit
+    assert len(marks) == 2 and marks[1].startswith("MARK refused rank 0 The worker ranks"), marks
     marks, p = run(model_dir, "explicit-twice")
     assert marks.count("MARK driving rank 0") == 2 and marks.count("MARK after-with rank 1") == 2, marks
 

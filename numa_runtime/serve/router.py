@@ -406,7 +406,7 @@ class ModelRouter:
                 engines[name].runner.worker_loop()
             elif plan.kind == UNLOAD:
                 eng = engines.pop(name)
-                atexit.unregister(eng.close)  # NOTE: a worker's close() would wait for plans that never come
+                atexit.unregister(eng._close_at_exit)  # NOTE: it would wait for plans that never come
                 _close_comm(eng)
                 del eng
                 release_memory()

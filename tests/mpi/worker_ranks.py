@@ -5,6 +5,8 @@ usage: mpirun -np N python tests/mpi/worker_ranks.py MODEL_DIR plain|explicit|pl
 plain:    a script written for one process: Engine(), generate(), print, close().
 explicit: `with Engine() as eng:` drives on rank 0 only; every rank goes on after the block.
 *-twice:  the same, then a second Engine (the plain script's workers have exited by then).
+driver-only-twice: only rank 0 drives and closes; a worker's script ends (its engine closes at
+          exit) and rank 0 then makes a second Engine.
 Each rank writes "MARK <where> rank <r>" lines, one write each (ranks must not interleave).
 """
 import os
@@ -19,6 +21,17 @@ params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 def mark(where: str, rank: int, extra: str = "") -> None:
     os.write(1, f"MARK {where} rank {rank}{extra}\n".encode())
 
+
+if mode == "driver-only-twice":
+    eng = Engine(model, dtype="float32", kv_cache_memory=1 << 24, max_model_len=128)
+    if eng.is_driver:
+        mark("driving", 0, f" tokens {eng.generate([[1, 5, 9]], params)[0].token_ids}")
+        eng.close()
+        try:
+            Engine(model, dtype="float32", kv_cache_memory=1 << 24, max_model_len=128)
+        except RuntimeError as e:
+            mark("refused", 0, f" {e}")
+    sys.exit(0)
 
 for round_ in range(2 if mode.endswith("-twice") else 1):
     if mode.startswith("plain"):
