@@ -18,10 +18,10 @@ from numa_runtime.gguf_model import open_checkpoint
 from numa_runtime.models.llama import ShardLayout, _check_tensors, _head_rows
 from numa_runtime.weights import Checkpoint
 
-log = logging.getLogger("numa_runtime")
-
 from . import kernels
 from .batch import Batch
+
+log = logging.getLogger("numa_runtime")
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

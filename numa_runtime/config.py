@@ -159,7 +159,7 @@ class ModelConfig:
         if num_heads % num_kv:
             raise UnsupportedModelError(f"num_attention_heads ({num_heads}) is not a multiple of "
                                         f"num_key_value_heads ({num_kv}).")
-        family = SUPPORTED_ARCHITECTURES[arch]
+        family, kind = SUPPORTED_ARCHITECTURES[arch], _kind(arch)
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").replace("torch.", "")
         if dtype not in _DTYPES:
             raise UnsupportedModelError(f"Unsupported checkpoint dtype {dtype!r}; use bf16, f16 or f32.")
@@ -172,14 +172,14 @@ class ModelConfig:
             num_layers=int(cfg["num_hidden_layers"]), num_heads=num_heads, num_kv_heads=num_kv,
             head_dim=int(head_dim), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope=_rope_config(cfg, int(head_dim)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", _MAX_POSITIONS[_kind(arch)])),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", _MAX_POSITIONS[kind])),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # NOTE: as transformers builds each family: Qwen2 has q/k/v biases and no o bias, Mistral
             # none (whatever attention_bias says), Llama and Qwen3 follow attention_bias; only Llama's
             # MLP reads mlp_bias
-            qkv_bias=family == "qwen2" or (_kind(arch) != "mistral" and bool(cfg.get("attention_bias", False))),
-            o_bias=family != "qwen2" and _kind(arch) != "mistral" and bool(cfg.get("attention_bias", False)),
-            mlp_bias=_kind(arch) == "llama" and bool(cfg.get("mlp_bias", False)), qk_norm=family == "qwen3",
+            qkv_bias=family == "qwen2" or (kind != "mistral" and bool(cfg.get("attention_bias", False))),
+            o_bias=family != "qwen2" and kind != "mistral" and bool(cfg.get("attention_bias", False)),
+            mlp_bias=kind == "llama" and bool(cfg.get("mlp_bias", False)), qk_norm=family == "qwen3",
             checkpoint_dtype=_DTYPES[dtype], sliding_window=sliding, layer_types=layer_types,
             bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos)
 

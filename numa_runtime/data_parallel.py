@@ -152,9 +152,7 @@ class DataParallelRunner:
         self.local.shutdown_workers()
 
     def release(self) -> None:
-        release = getattr(self.local, "release", None)  # NOTE: the CUDA runner's GPU memory
-        if release is not None:
-            release()
+        self.local.release()
 
 
 def serve_replica(runner, link: ReplicaLink) -> None:

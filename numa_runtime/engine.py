@@ -761,9 +761,7 @@ class Engine:
         try:
             self._flush_disk_tier()
             self.runner.shutdown_workers()
-            release = getattr(self.runner, "release", None)  # NOTE: the CUDA runner's GPU memory
-            if release is not None:
-                release()
+            self.runner.release()  # NOTE: the CUDA runner's GPU memory
             if self.comm.world_size > 1 and not self._keeps_workers:
                 # NOTE: each worker says whether it exits now (its first driving call) or returns
                 # from serve_workers(): a later Engine would wait for ever for ranks that are gone

@@ -125,6 +125,9 @@ class ModelRunner:
         if self.comm.world_size > 1:
             self.comm.broadcast_plan(StepPlan.shutdown())
 
+    def release(self) -> None:
+        """After the workers stopped (Engine.close): nothing to give back (the CUDA runner's GPU memory)."""
+
     def worker_loop(self) -> None:
         """Execute plans from rank 0 until a shutdown plan arrives."""
         while True:

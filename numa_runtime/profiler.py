@@ -144,17 +144,22 @@ class _Span:
         self._prof._record(self._key, self._t0, dt, dt - self._prof._stack.pop())
 
 
+def profiling_enabled() -> bool:
+    """AS_PROFILE=ON, or AS_PROFILE_TRACE set."""
+    return env.profile_enabled() or env.profile_trace_path() is not None
+
+
 def make_recorder(rank: int):
-    """NULL_RECORDER unless profiling is on (AS_PROFILE=ON, or AS_PROFILE_TRACE set)."""
+    """NULL_RECORDER unless profiling is on (profiling_enabled)."""
     path = env.profile_trace_path()
     if path is not None:
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             raise ValueError(f"AS_PROFILE_TRACE={path!r} names a file in a folder that does not exist or is not "
                              "writable; point it at a writable folder.")
-    if not (env.profile_enabled() or path):
+    if not profiling_enabled():
         return NULL_RECORDER
-    return Profiler(rank, env.profile_trace_steps(), env.profile_trace_path())
+    return Profiler(rank, env.profile_trace_steps(), path)
 
 
 # ----------------------------------------------------------------------------- timed ops / comm

@@ -148,6 +148,16 @@ def test_bad_configurations_are_clear(models, tmp_path):
         parse_bytes("lots")
 
 
+def without_weights(model_dir, dest):
+    """A copy of model_dir without its weight files (its config and tokenizer read fine)."""
+    import shutil
+    dest.mkdir()
+    for f in os.listdir(model_dir):
+        if not f.endswith(".safetensors"):
+            shutil.copy(os.path.join(model_dir, f), dest / f)
+    return dest
+
+
 # ------------------------------------------------------------------ the server
 def serve(root, names, budget, launcher=(), extra=(), env=None):
     from test_server import ServerProcess
@@ -262,13 +272,8 @@ def test_a_model_that_fails_to_load_leaves_the_others_serving(models, tmp_path, 
     """A model whose weights are missing fails on every rank alike: its request gets a 500 that
     says why, and the other models still load and serve (under mpirun the worker used to exit
     and rank 0 hung on the next load)."""
-    import shutil
     root, expected = models
-    bad = tmp_path / "broken"
-    bad.mkdir()
-    for f in os.listdir(os.path.join(root, "alpha")):
-        if not f.endswith(".safetensors"):
-            shutil.copy(os.path.join(root, "alpha", f), bad / f)
+    bad = without_weights(os.path.join(root, "alpha"), tmp_path / "broken")
     launcher = ["mpirun", "-np", "2"] if ranks == 2 else []
     srv = serve(root, ["alpha", "beta"], budget_for(root, ["alpha", "beta"], 1.5), launcher,
                 extra=["--model", str(bad)])
@@ -337,16 +342,11 @@ def test_a_model_that_fails_to_load_on_one_rank_fails_on_every_rank(models, tmp_
 def test_a_first_model_that_fails_to_load_stops_start_up_in_one_sentence(models, tmp_path, ranks):
     """The first model loads at start-up: its failure ended rank 0 with a traceback (and under
     mpirun left the workers in their loop); now every rank exits, rank 0 with one line."""
-    import shutil
     import subprocess
     import sys
     from test_server import ROOT
     root, _ = models
-    bad = tmp_path / "broken"
-    bad.mkdir()
-    for f in os.listdir(os.path.join(root, "alpha")):
-        if not f.endswith(".safetensors"):
-            shutil.copy(os.path.join(root, "alpha", f), bad / f)
+    bad = without_weights(os.path.join(root, "alpha"), tmp_path / "broken")
     launcher = ["mpirun", "-np", "2"] if ranks == 2 else []
     cmd = [*launcher, sys.executable, "-m", "numa_runtime.serve", "--model", str(bad), "--model",
            os.path.join(root, "alpha"), "--dtype", "float32", "--kv-cache-memory", str(1 << 20)]

@@ -29,6 +29,13 @@ def _head_rows(heads: slice, head_dim: int) -> slice:
     return slice(heads.start * head_dim, heads.stop * head_dim)
 
 
+def kv_block_bytes(cfg: ModelConfig, num_kv_heads: int, block_size: int, kv_dtype: str) -> int:
+    """KV bytes of one block of a rank holding `num_kv_heads` kv heads, all layers (int8 rows
+    include their scales)."""
+    row = kv_row_width(cfg.head_dim, kv_dtype) * np.dtype(KV_CACHE_DTYPES[kv_dtype]).itemsize
+    return 2 * cfg.num_layers * block_size * num_kv_heads * row
+
+
 class DecoderLayer:
     def __init__(self, linear: LinearFactory, cfg: ModelConfig, lay: ShardLayout, ckpt: Checkpoint, i: int):
         p = f"model.layers.{i}."
@@ -166,8 +173,7 @@ class LlamaModel:
 
     def kv_bytes_per_block(self, block_size: int, kv_dtype: str) -> int:
         """KV bytes of one block on this rank, all layers (int8 rows include their scales)."""
-        row = kv_row_width(self.cfg.head_dim, kv_dtype) * np.dtype(KV_CACHE_DTYPES[kv_dtype]).itemsize
-        return 2 * self.cfg.num_layers * block_size * self.lay.num_kv_heads * row
+        return kv_block_bytes(self.cfg, self.lay.num_kv_heads, block_size, kv_dtype)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: str) -> None:
         """kv_cache: per layer (K, V), each [num_blocks, block_size, kv heads, row] of kv_dtype

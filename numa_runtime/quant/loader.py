@@ -99,9 +99,14 @@ class LinearFactory:
         # time than the int8 rows on a 2-core Zen 4, where the head is a quarter of a step
         return qlinear(self.ops, w, bf16=self.bf16, residual=True)
 
+    def _full_shape(self, name: str) -> tuple:
+        """[N, K] of the whole tensor, not of this rank's slice."""
+        shape = getattr(self.ckpt, "shape", None)
+        return shape(name) if shape is not None else self.ckpt.raw(name).shape
+
     def _quantized_head(self, name: str, rows: slice) -> QuantizedWeight:
         step = HEAD_CHUNK
-        k = (self.ckpt.shape(name) if hasattr(self.ckpt, "shape") else self.ckpt.raw(name).shape)[1]
+        k = self._full_shape(name)[1]
         g = self.head_quant.for_k(k).group_size
         if g > 0 and k % g:
             raise QuantError(f"lm_head_quantization (int8 in groups of {g}): the lm_head's {k} input features are "
@@ -125,8 +130,7 @@ class LinearFactory:
         w = self.ckpt.load(name, "float32", rows=rows, cols=cols)            # [n, k] this slice
         # NOTE: the group follows from the whole tensor's k (and the split's unit), never from
         # this rank's slice, so 1 and N ranks quantize the same groups
-        shape = getattr(self.ckpt, "shape", None)
-        full = shape(name) if shape is not None else self.ckpt.raw(name).shape   # [N, K] whole
+        full = self._full_shape(name)                                         # [N, K] whole
         k = full[1]
         fmt = quant.for_split(k, unit)
         n, g = w.shape[1], fmt.group_size

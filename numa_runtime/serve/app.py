@@ -43,6 +43,11 @@ class ServeConfig:
     tool_call_parser: str | None = None   # tool_choice "auto": the models' call format (tools.py); None: refused
     aliases: tuple = ()               # more names clients may send as `model` (vLLM's --served-model-name a b)
 
+    @property
+    def names(self) -> tuple:
+        """Every name a request may give as `model`: the served name first."""
+        return (self.served_model_name, *self.aliases)
+
     def __post_init__(self):
         if not self.stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s must be positive, got {self.stall_timeout_s}.")
@@ -112,8 +117,8 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
     decode_token = functools.lru_cache(maxsize=1 << 16)(engine.tokenizer.token_bytes)
 
     def check_model(model: str | None) -> None:
-        if model is not None and model != config.served_model_name and model not in config.aliases:
-            names = ", ".join(repr(n) for n in (config.served_model_name, *config.aliases))
+        if model is not None and model not in config.names:
+            names = ", ".join(repr(n) for n in config.names)
             raise ApiError(404, f"The model {model!r} does not exist; this server serves {names}.",
                            param="model", code="model_not_found")
 
@@ -144,7 +149,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
     async def models():
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "numa_runtime",
-             "max_model_len": engine.max_model_len} for name in (config.served_model_name, *config.aliases)]}
+             "max_model_len": engine.max_model_len} for name in config.names]}
 
     @app.get("/version")
     async def version():

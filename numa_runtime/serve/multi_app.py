@@ -55,8 +55,8 @@ class _ModelInfo:
         eng = self.router.engines.get(self.name)
         if eng is not None:
             return eng.recorder
-        from .. import env
-        return _Recording(env.profile_enabled() or env.profile_trace_path() is not None)
+        from ..profiler import profiling_enabled
+        return _Recording(profiling_enabled())
 
     @property
     def max_model_len(self) -> int:

@@ -165,19 +165,16 @@ class ModelRouter:
             return eng.max_model_len
         if name in self._context:
             return self._context[name]
-        import numpy as np
-        from ..backend.reference import KV_CACHE_DTYPES, kv_row_width
         from ..config import EngineConfig
         from ..engine import Engine
-        from ..models.llama import ShardLayout
+        from ..models.llama import ShardLayout, kv_block_bytes
         mcfg = self.model_configs[name]
         asked = Engine._resolve_max_len(mcfg, self.config.engine_kwargs.get("max_model_len"))
         if mcfg.min_window:  # NOTE: every layer slides: old blocks are released
             return asked
         ecfg = EngineConfig(**{k: v for k, v in self._engine_kwargs.items() if k in EngineConfig.__dataclass_fields__})
-        row = kv_row_width(mcfg.head_dim, ecfg.kv_dtype) * np.dtype(KV_CACHE_DTYPES[ecfg.kv_dtype]).itemsize
         heads = max(ShardLayout.build(mcfg, r, self.world).num_kv_heads for r in range(self.world))
-        block = 2 * mcfg.num_layers * ecfg.block_size * heads * row
+        block = kv_block_bytes(mcfg, heads, ecfg.block_size, ecfg.kv_dtype)
         blocks = min(self._kv_bytes() // block, ecfg.max_num_seqs * -(-asked // ecfg.block_size) + 1)
         return min(asked, int(blocks) * ecfg.block_size)
 
