@@ -379,6 +379,28 @@ def test_sigterm_ends_the_job_while_a_worker_rank_is_stopped(model_dir):
         srv.stop()
 
 
+def test_sigterm_ends_the_job_while_an_idle_worker_rank_is_stopped(model_dir):
+    """Rank 1 is stopped (SIGSTOP) while nothing runs, then the server is told to stop: the engine
+    loop ends at once and rank 0 waits in close() for rank 1 to take the shutdown plan, where no
+    signal handler runs. The job ends 15 s later with a one-line error; it waited for ever before."""
+    import time
+    srv = _mpi_server(model_dir, "--shutdown-grace", "1")
+    worker = None
+    try:
+        worker = _rank_process(srv.proc.pid, 1)
+        worker.suspend()
+        start = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.proc.wait(timeout=120)
+        assert time.monotonic() - start < 60, srv.output()
+        assert srv.proc.returncode != 0, srv.output()
+        assert "the shutdown has not ended 15 s after the engine loop did" in srv.output()
+    finally:
+        if worker is not None and worker.is_running():
+            worker.kill()
+        srv.stop()
+
+
 def test_health_reports_a_stopped_worker_rank(model_dir):
     """Under mpirun -np 2: SIGSTOP rank 1, then a request arrives; /health turns 503 (its step
     never ends), then 200 again after SIGCONT, and the request completes."""

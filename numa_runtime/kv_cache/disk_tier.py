@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import struct
+import time
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -217,14 +218,19 @@ class DiskStore:
         _remove(self.path(block_hash))
 
 
+last_op_at = 0.0  # time.monotonic() when this process last began a tier op (the server's shutdown watchdog)
+
+
 def apply_ops(store: DiskStore, ops: np.ndarray, kv_cache: list) -> np.ndarray:
     """Carry out a plan's tier ops, in order, on this rank's KV arrays.
 
     ops: [K, 4] int64; kv_cache: per layer (k, v), each [num_blocks, block_size, heads, D].
     Returns failed: [K] float32, 1.0 where a LOAD found no valid file (the block is untouched).
     """
+    global last_op_at
     failed = np.zeros(len(ops), np.float32)  # [K]
     for i, (op, block_id, lo, hi) in enumerate(ops.tolist()):
+        last_op_at = time.monotonic()
         h = join_hash(lo, hi)
         if op == OP_SAVE:
             store.save(h, np.concatenate([a[block_id].reshape(-1).view(np.uint8)

@@ -466,7 +466,11 @@ def _serve(args, world, sock, front) -> int:
     finally:
         server.should_exit = True
         http.join(timeout=10)
+        closed = threading.Event()
+        if world is not None and world[1] > 1:
+            _watch_close(closed)
         engine.close()
+        closed.set()
     if front_died():
         print(f"numa-serve: error: the HTTP front process exited (code {front.proc.returncode}), so nothing "
               "reaches the server any more; it has shut down.", file=sys.stderr, flush=True)
@@ -501,6 +505,26 @@ def _watch_signals(aengine, begin_shutdown, grace: float) -> None:
             time.sleep(0.5)  # NOTE: mpirun drops output still in flight when the job is aborted
             _abort_job(1)
     threading.Thread(target=watch, name="numa-signals", daemon=True).start()
+
+
+def _watch_close(closed: threading.Event) -> None:
+    """Rank 0 of several, once the engine loop has ended: close() waits in MPI for every rank (the
+    shutdown plan, the disk tier's last writes), where no signal handler can run, so a stopped or
+    dead worker rank held the job for ever. End the MPI job if close() has not ended _STUCK_EXIT_S
+    after the loop did, or after this rank's last disk tier write (a large cache takes a while)."""
+    import time
+
+    from ..kv_cache import disk_tier
+    start = time.monotonic()
+
+    def watch():
+        while not closed.wait(0.5):
+            if time.monotonic() - max(start, disk_tier.last_op_at) > _STUCK_EXIT_S:
+                print(f"numa-serve: error: the shutdown has not ended {_STUCK_EXIT_S:.0f} s after the engine loop "
+                      "did (a worker rank is stopped or stuck); ending the MPI job.", file=sys.stderr, flush=True)
+                time.sleep(0.5)  # NOTE: mpirun drops output still in flight when the job is aborted
+                _abort_job(1)
+    threading.Thread(target=watch, name="numa-close", daemon=True).start()
 
 
 def _abort_job(code: int) -> None:
