@@ -448,6 +448,72 @@ def test_a_model_waits_for_room_that_a_busy_model_holds(models):
         assert srv.stop() == 0, srv.output()
 
 
+def test_requests_that_arrive_after_a_waiting_model_queue_behind_it(models):
+    """The router: while beta waits for the room busy alpha holds, a request to alpha that arrived
+    after beta began to wait is held (alpha drains, then beta loads); one that arrived before is not."""
+    root, expected = models
+    r = router(root, ["alpha", "beta"], 1.5)
+    r.route["a1"] = "alpha"
+    r.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), request_id="a1")
+    with pytest.raises(ModelUnavailableError, match="beside the busy models"):
+        r.get("beta", since=10.0)
+    r.waiters[object()] = ("beta", 10.0)  # NOTE: what the HTTP side records while beta's request waits
+    r.route["a2"], r.since["a2"] = "alpha", 11.0
+    with pytest.raises(ModelUnavailableError, match="once 'beta', which asked first, has loaded"):
+        r.add_request(PROMPT, GREEDY, request_id="a2")
+    r.route["a0"], r.since["a0"] = "alpha", 9.0  # arrived before beta asked: runs
+    r.add_request(PROMPT, GREEDY, request_id="a0")
+    while r.has_unfinished_requests():
+        r.step()
+    assert r.get("beta", since=10.0) is r.engines["beta"] and list(r.engines) == ["beta"]
+    r.close()
+
+
+def test_a_steady_load_on_one_model_does_not_keep_another_out(models):
+    """Three clients keep alpha busy without a pause; one model fits at a time. A request for beta
+    waits until alpha's requests in flight end, then loads, while the later alpha requests wait
+    behind it (through the HTTP side's waiters); then alpha serves again, and no client saw an error."""
+    import threading
+    from test_server_robust import wait_for
+    root, expected = models
+    names = ["alpha", "beta"]
+    srv = serve(root, names, budget_for(root, names, 1.5), extra=["--load-timeout", "30", "--num-threads", "1"])
+    stop, errors, counts, chunks = threading.Event(), [], [0, 0, 0], [0, 0, 0]
+
+    def load(i):
+        client = srv.client()
+        try:
+            while not stop.is_set():
+                for _ in client.completions.create(model="alpha", prompt=PROMPT, max_tokens=90, temperature=0,
+                                                   stream=True, extra_body={"ignore_eos": True}):
+                    chunks[i] += 1
+                counts[i] += 1
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    try:
+        client = srv.client()
+        client.completions.create(model="alpha", prompt=PROMPT, max_tokens=1)  # alpha loaded first
+        threads = [threading.Thread(target=load, args=(i,)) for i in range(3)]
+        for i, t in enumerate(threads):  # NOTE: a third of a request apart, so that one always runs
+            t.start()
+            wait_for(lambda: chunks[i] >= 30, what="this client's stream a third of the way")
+        wait_for(lambda: min(counts) >= 2, what="both clients' alpha requests running back to back")
+        answer = client.completions.create(model="beta", prompt=PROMPT, max_tokens=8, temperature=0,
+                                           extra_body={"ignore_eos": True})
+        ref = Engine(os.path.join(root, "beta"), **KW)
+        assert answer.choices[0].text == ref.tokenizer.decode(expected["beta"])
+        ref.close()
+        before = list(counts)
+        wait_for(lambda: min(c - b for c, b in zip(counts, before)) >= 1, what="alpha served again after beta")
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors
+    finally:
+        stop.set()
+        assert srv.stop() == 0, srv.output()
+
+
 def test_a_max_model_len_one_model_cannot_take_is_refused_at_start_up(models, tmp_path):
     """It surfaced at that model's first request (and, with the context listing, broke /v1/models
     for every model); every rank checks it before any collective."""

@@ -101,8 +101,9 @@ class ModelView:
         return self.aengine.seconds_since_last_step
 
     async def add(self, request_id: str, prompt, params, sink: asyncio.Queue) -> None:
-        def work():
-            self.router.route[request_id] = self.name  # NOTE: before the engine thread sees the request
+        def work(since):
+            self.router.since[request_id] = since  # NOTE: both before the engine thread sees the request
+            self.router.route[request_id] = self.name
             return self.aengine.add(request_id, prompt, params, sink)
         await self._in_time(work)
 
@@ -110,25 +111,34 @@ class ModelView:
         self.aengine.abort(request_id)
 
     async def call(self, fn):
-        return await self._in_time(lambda: self.aengine.call(lambda router: router.call(self.name, fn)))
+        return await self._in_time(lambda since: self.aengine.call(lambda router: router.call(self.name, fn, since)))
 
     async def _in_time(self, work):
-        """Run work() within the load timeout (a model may be loading, or wait for room that busy
-        models hold: tried again as their requests end), then 503."""
+        """Run work(since) within the load timeout (a model may be loading, or wait for room that
+        busy models hold: tried again as their requests end), then 503. While it waits for room it
+        is one of the router's `waiters`: requests that arrive after it to the busy models wait
+        too, so a steady load on them cannot keep this model out until the timeout."""
         retry = {"Retry-After": str(max(1, round(self.router.load_seconds.get(self.name, self.load_timeout))))}
-        deadline = time.monotonic() + self.load_timeout
-        while True:
-            try:
-                return await asyncio.wait_for(work(), max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
-                raise ApiError(503, f"The model {self.name!r} is still loading; retry shortly.", "server_error",
-                               code="model_loading", headers=retry) from None
-            except ModelLoadError as e:
-                raise ApiError(500, str(e), "server_error", code="model_load_failed") from None
-            except ModelUnavailableError as e:
-                if time.monotonic() + _ROOM_POLL_S >= deadline:
-                    raise ApiError(503, str(e), "server_error", code="model_unavailable", headers=retry) from None
-                await asyncio.sleep(_ROOM_POLL_S)  # NOTE: the busy models' requests end between steps
+        since = time.monotonic()
+        deadline = since + self.load_timeout
+        token = object()
+        try:
+            while True:
+                try:
+                    return await asyncio.wait_for(work(since), max(0.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    raise ApiError(503, f"The model {self.name!r} is still loading; retry shortly.", "server_error",
+                                   code="model_loading", headers=retry) from None
+                except ModelLoadError as e:
+                    raise ApiError(500, str(e), "server_error", code="model_load_failed") from None
+                except ModelUnavailableError as e:
+                    if time.monotonic() + _ROOM_POLL_S >= deadline:
+                        raise ApiError(503, str(e), "server_error", code="model_unavailable",
+                                       headers=retry) from None
+                    self.router.waiters[token] = (self.name, since)
+                    await asyncio.sleep(_ROOM_POLL_S)  # NOTE: the busy models' requests end between steps
+        finally:
+            self.router.waiters.pop(token, None)
 
 
 def build_multi_app(aengine: AsyncEngine, router: ModelRouter, base: ServeConfig, load_timeout: float):

@@ -132,6 +132,9 @@ class ModelRouter:
         # name -> (its files' stamp, the error) of weights that cannot be opened: refused until they change
         self._failed: dict[str, tuple] = {}
         self.route: dict[str, str] = {}   # request id -> model name (set by the HTTP side)
+        self.since: dict[str, float] = {}  # request id -> when it first asked (time.monotonic(), HTTP side)
+        # HTTP side: a token of each request that waits for room busy models hold -> (its model, since)
+        self.waiters: dict[object, tuple[str, float]] = {}
         self.owner: dict[str, str] = {}   # request id -> model name, while it runs
         self._active: str | None = None   # the model whose plan loop the workers are in
         # NOTE: every model spans all ranks as one tensor-parallel model (no replicas), with the
@@ -206,9 +209,18 @@ class ModelRouter:
                         (b - self._kv_bytes()) / mib, self._kv_bytes() / mib)
 
     # ------------------------------------------------------------------ loading
-    def get(self, name: str):
-        """The loaded Engine of `name`, loading it (and unloading idle ones) if needed."""
+    def get(self, name: str, since: float | None = None):
+        """The loaded Engine of `name`, loading it (and unloading idle ones) if needed. A request
+        that first asked at `since` waits (ModelUnavailableError) behind an unloaded model that
+        has waited for room since before it, as Ollama's queue does: else new requests to the busy
+        models kept it out until its load timeout."""
         if name in self.engines:
+            ahead = sorted((t, w) for w, t in tuple(self.waiters.values())
+                           if since is not None and t < since and w != name and w not in self.engines)
+            if ahead:
+                raise ModelUnavailableError(
+                    f"The model {name!r} takes this request once {ahead[0][1]!r}, which asked first, has "
+                    "loaded in the room the busy models hold; retry shortly.")
             self.engines.move_to_end(name)
             return self.engines[name]
         failed = self._failed.get(name)
@@ -310,9 +322,10 @@ class ModelRouter:
     # ------------------------------------------------------------------ Engine-like surface
     def add_request(self, prompt, params=None, request_id: str | None = None) -> str:
         name = self.route.pop(str(request_id), None)
+        since = self.since.pop(str(request_id), None)
         if name is None:
             raise ValueError(f"Request {request_id!r} names no model.")
-        eng = self.get(name)
+        eng = self.get(name, since)
         self._activate(name)
         rid = eng.add_request(prompt, params, request_id=request_id)
         self.owner[rid] = name
@@ -320,6 +333,7 @@ class ModelRouter:
 
     def abort_request(self, request_id: str) -> None:
         self.route.pop(request_id, None)
+        self.since.pop(request_id, None)
         name = self.owner.pop(request_id, None)
         if name in self.engines:
             self.engines[name].abort_request(request_id)
@@ -373,9 +387,9 @@ class ModelRouter:
                     outs.append(o)
         return outs
 
-    def call(self, name: str, fn):
-        """fn(engine of `name`) on the engine thread, loading it if needed."""
-        eng = self.get(name)
+    def call(self, name: str, fn, since: float | None = None):
+        """fn(engine of `name`) on the engine thread, loading it if needed (`since`: see get)."""
+        eng = self.get(name, since)
         self._activate(name)
         return fn(eng)
 
