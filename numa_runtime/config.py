@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
 
@@ -310,26 +311,28 @@ class EngineConfig:
     # repetition_penalty) are the defaults of requests that leave them unset, as vLLM's
     # --generation-config auto; "vllm": SamplingParams' own defaults
     generation_config: str = "auto"
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         dt = _DTYPES.get(str(self.dtype).replace("torch.", ""))
         if dt not in ("bfloat16", "float32"):
             raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}.")
         object.__setattr__(self, "dtype", dt)
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
-            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}.")
-        if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
-            raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}.")
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}.")
+        for name in ("max_model_len", "num_threads", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                     "kv_cache_memory"):
+            v = getattr(self, name)
+            if (v is not None or name in ("block_size", "max_num_seqs", "max_num_batched_tokens")) and (
+                    isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}.")
+        for name in ("reserve_server_core", "enable_prefix_caching", "cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        if isinstance(self.kv_cache_fraction, bool) or not isinstance(self.kv_cache_fraction, numbers.Real):
+            raise ValueError(f"kv_cache_fraction must be a number in (0, 0.95], got {self.kv_cache_fraction!r}.")
         kv = self.kv_cache_dtype
         if kv not in ("auto", "int8") and _DTYPES.get(str(kv)) not in ("bfloat16", "float32"):
             raise ValueError(f"kv_cache_dtype must be 'auto', 'bfloat16', 'float32' or 'int8', got {kv!r}.")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}.")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive.")
         if self.generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be 'auto' (the model's sampling defaults) or 'vllm' "
                              f"(none), got {self.generation_config!r}.")
@@ -453,6 +456,20 @@ class ParallelConfig:
         return cls(world_size, 1, "tensor parallel over all ranks: " + why)
 
 
+def supported_len(model: ModelConfig) -> int:
+    """The longest context the model's positions cover, as vLLM derives it: a yarn scaling's
+    original length times its factor, a linear one's max_position_embeddings times its factor
+    (configs that turn these on, e.g. Qwen2.5's documented yarn, keep the trained
+    max_position_embeddings); max_position_embeddings otherwise. "dynamic" NTK stays within
+    max_position_embeddings: past it its frequencies would change with the sequence's length."""
+    r, limit = model.rope, model.max_position_embeddings
+    if r.rope_type == "yarn" and r.factor_given:
+        return max(limit, int((r.original_max_position_embeddings or limit) * r.factor))
+    if r.rope_type == "linear":
+        return max(limit, int(limit * r.factor))
+    return limit
+
+
 def rope_inv_freq(model: ModelConfig):
     """Inverse frequencies [rot_dim/2] and the attention scaling for the model's rope type."""
     import numpy as np
@@ -496,7 +513,7 @@ def rope_inv_freq(model: ModelConfig):
         else:
             scale = get_mscale()
     # NOTE: "dynamic" NTK only changes frequencies past the trained length; within
-    # max_position_embeddings it equals "default", and max_model_len is capped there.
+    # max_position_embeddings it equals "default", and max_model_len is capped there (supported_len).
     if r.freq_factors:  # llama.cpp: theta_i = pos * inv_i / factors_i, with any scaling type
         inv = inv / np.asarray(r.freq_factors, dtype=np.float64)
     return inv, float(scale)

@@ -199,11 +199,14 @@ class Engine:
 
     @staticmethod
     def _resolve_max_len(mcfg: ModelConfig, asked: int | None) -> int:
-        limit = mcfg.max_position_embeddings
+        from .config import supported_len
+        limit = supported_len(mcfg)
         if asked is None:
             return min(limit, 32768)
         if asked > limit:
-            raise ValueError(f"max_model_len={asked} exceeds what the model supports ({limit} tokens).")
+            why = (" (its 'dynamic' rope scaling runs within max_position_embeddings only)"
+                   if mcfg.rope.rope_type == "dynamic" else "")
+            raise ValueError(f"max_model_len={asked} exceeds what the model supports ({limit} tokens){why}.")
         return asked
 
     def _host_tier(self):
@@ -315,13 +318,15 @@ class Engine:
         return rid
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        prompt = _prompt_of(prompt)
         if isinstance(prompt, str):
             ids = self.tokenizer.encode_within(prompt, self.max_model_len)
             text = prompt
         elif _is_token_ids(prompt):
             ids, text = [int(t) for t in prompt], None
         else:
-            raise TypeError("A prompt must be a string or a list of token ids.")
+            raise TypeError("A prompt must be a string, a list of token ids, or a dict with 'prompt' or "
+                            "'prompt_token_ids'.")
         if not ids:
             raise ValueError("The prompt is empty.")
         bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
@@ -499,16 +504,27 @@ class Engine:
         self.grammars.forget(req.request_id)
 
     # ------------------------------------------------------------------ conveniences
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run prompts (strings or token-id lists) to completion; outputs in input order."""
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, *,
+                 sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in input order. A prompt is a string, a list of token
+        ids, or a dict as vLLM's TextPrompt/TokensPrompt ({"prompt": ...} or {"prompt_token_ids":
+        ...}); `params` one SamplingParams for all or a sequence of one per prompt (vLLM's name
+        `sampling_params` works too); `use_tqdm`: a progress bar over the finished prompts."""
         self._driver_only("generate")
-        single = isinstance(prompts, str) or (_is_token_ids(prompts) and len(prompts) > 0)
+        params = _one_of(params, sampling_params)
+        single = isinstance(prompts, (str, dict)) or (_is_token_ids(prompts) and len(prompts) > 0)
         plist = [prompts] if single else list(prompts)
-        if isinstance(params, list):
+        if isinstance(params, (list, tuple)):
             if len(params) != len(plist):
                 raise ValueError(f"Got {len(params)} SamplingParams for {len(plist)} prompts.")
-        else:
+        elif params is None or isinstance(params, SamplingParams):
             params = [params or self.get_default_sampling_params()] * len(plist)
+        else:
+            raise TypeError(f"params must be a SamplingParams or a list of them, got {type(params).__name__}.")
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(plist), desc="generating", unit="prompt", file=sys.stderr)
         outbox: deque[RequestOutput] = deque()
         rids: list[str] = []
         final: dict[str, RequestOutput] = {}
@@ -520,10 +536,15 @@ class Engine:
                 for o in _take_all(outbox):
                     if o.finished:
                         final[o.request_id] = o
+                        if bar is not None:
+                            bar.update(1)
         except BaseException:
             for r in rids:
                 self.abort_request(r)
             raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [final[r] for r in rids]
 
     def _id_taken(self, rid: str, n: int) -> bool:
@@ -569,19 +590,38 @@ class Engine:
                                        "this is a bug in numa_runtime, please report it.")
                 self._step()
 
-    def chat(self, messages: list[dict], params: SamplingParams | None = None, *,
-             add_generation_prompt: bool | None = None, continue_final_message: bool = False,
-             **template_kwargs) -> RequestOutput:
-        """Render messages with the model's chat template and generate the reply (as vLLM's
-        LLM.chat): `continue_final_message=True` goes on with the last (assistant) message
-        instead of opening a new turn; other keyword arguments reach the template."""
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                    continue_final_message=continue_final_message,
-                                                    **template_kwargs)
-        ids = self.tokenizer.encode_within(prompt, self.max_model_len, add_special_tokens=False)
-        out = self.generate([ids], params)[0]
-        out.prompt = prompt  # NOTE: as vLLM's LLM.chat: the rendered template
-        return out
+    def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None, *,
+             sampling_params=None, use_tqdm: bool = False, chat_template: str | None = None,
+             chat_template_kwargs: dict | None = None, add_generation_prompt: bool | None = None,
+             continue_final_message: bool = False, **template_kwargs):
+        """Render messages with the model's chat template (or `chat_template`, a Jinja source)
+        and generate the reply, as vLLM's LLM.chat: `continue_final_message=True` goes on with
+        the last (assistant) message instead of opening a new turn; `chat_template_kwargs` and
+        other keyword arguments (`tools`, `enable_thinking`, ...) reach the template. One
+        conversation (a list of message dicts) gives one RequestOutput; a list of conversations a
+        list of them, run as one batch."""
+        refused = sorted(set(template_kwargs) & _VLLM_CHAT_UNSUPPORTED)
+        if refused:
+            raise TypeError(f"Engine.chat() does not support {refused[0]}.")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise TypeError("chat_template_kwargs must be a dict.")
+        batch = isinstance(messages, (list, tuple)) and len(messages) > 0 and all(
+            isinstance(c, (list, tuple)) for c in messages)
+        conversations = list(messages) if batch else [messages]
+        prompts, ids = [], []
+        for conv in conversations:
+            if not isinstance(conv, (list, tuple)) or not all(isinstance(m, dict) for m in conv):
+                raise TypeError("messages must be a list of message dicts ({'role': ..., 'content': ...}), or a "
+                                "list of such lists.")
+            prompt = self.tokenizer.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                chat_template=chat_template, **{**(chat_template_kwargs or {}), **template_kwargs})
+            prompts.append(prompt)
+            ids.append(self.tokenizer.encode_within(prompt, self.max_model_len, add_special_tokens=False))
+        outs = self.generate(ids, params, sampling_params=sampling_params, use_tqdm=use_tqdm)
+        for out, prompt in zip(outs, prompts):
+            out.prompt = prompt  # NOTE: as vLLM's LLM.chat: the rendered template
+        return outs if batch else outs[0]
 
     # ------------------------------------------------------------------ embeddings
     def embed(self, inputs, pooling: str | None = None):
@@ -875,6 +915,36 @@ class _Progress:
         self.bar.update(done - self.bar.n)
         if done == total:
             self.bar.close()
+
+
+# NOTE: LLM.chat arguments of vLLM with no meaning here (else they would reach the template unread)
+_VLLM_CHAT_UNSUPPORTED = {"lora_request", "mm_processor_kwargs", "chat_template_content_format",
+                          "prompt_adapter_request", "priority"}
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _prompt_of(prompt):
+    """A vLLM TextPrompt/TokensPrompt dict as the text or token ids it holds; any other prompt
+    as it is. TypeError for a dict with neither key or with keys it cannot honour."""
+    if not isinstance(prompt, dict):
+        return prompt
+    other = sorted(k for k in prompt if k not in _PROMPT_KEYS)
+    if other:
+        raise TypeError(f"A prompt dict may hold 'prompt' or 'prompt_token_ids'; {other[0]!r} is not supported.")
+    if "prompt_token_ids" in prompt:
+        return prompt["prompt_token_ids"]
+    if "prompt" in prompt:
+        return prompt["prompt"]
+    raise TypeError("A prompt dict needs 'prompt' (text) or 'prompt_token_ids' (token ids).")
+
+
+def _one_of(params, sampling_params):
+    """`params`, or vLLM's keyword name for it; not both."""
+    if sampling_params is None:
+        return params
+    if params is not None:
+        raise TypeError("Pass the sampling parameters once: params or sampling_params, not both.")
+    return sampling_params
 
 
 def _is_token_ids(prompt) -> bool:

@@ -43,7 +43,6 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     json_schema: dict | None = None
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if isinstance(self.stop, str):

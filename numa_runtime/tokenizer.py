@@ -172,7 +172,8 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool | None = None,
                             tools: list[dict] | None = None, documents: list[dict] | None = None,
-                            continue_final_message: bool = False, **kwargs) -> str:
+                            continue_final_message: bool = False, chat_template: str | None = None,
+                            **kwargs) -> str:
         """Render the conversation to the prompt string. Extra kwargs reach the template
         (e.g. `enable_thinking=False`) and override the special tokens of the same name.
 
@@ -184,15 +185,18 @@ class Tokenizer:
         `continue_final_message`: the prompt ends with the last message's text, for
         the model to go on with it (no generation prompt; what the template writes after that
         text is cut). `add_generation_prompt` defaults to true, but with continue_final_message.
+        `chat_template`: a Jinja source to render with instead of the model's.
         ChatTemplateError if the template raises, whatever it raises; ValueError for a request
         that cannot be rendered."""
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise TypeError("chat_template must be the template's Jinja source (a string).")
         if continue_final_message:
             if add_generation_prompt:
                 raise ValueError("continue_final_message cannot be true together with add_generation_prompt=true.")
             if not messages:
                 raise ValueError("continue_final_message needs a message to continue.")
         add = (not continue_final_message) if add_generation_prompt is None else bool(add_generation_prompt)
-        source = self._pick_template(tools)
+        source = chat_template if chat_template is not None else self._pick_template(tools)
         context = {k: v for k, v in self._special.items() if v is not None}
         context.update(kwargs)
         msgs = _template_messages(messages, *_content_format(source))

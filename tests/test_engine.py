@@ -126,7 +126,7 @@ def test_prompt_forms_and_stream_of_one_completion(eng):
     assert [o.token_ids for o in eng.generate([np.array(ids), tuple(ids)], GREEDY)] == [want, want]
     with pytest.raises(ValueError, match=r"^stream\(\) yields the text of one completion, not n=2"):
         next(eng.stream("Hello", SamplingParams(n=2, max_tokens=4)))
-    with pytest.raises(TypeError, match="A prompt must be a string or a list of token ids"):
+    with pytest.raises(TypeError, match="A prompt must be a string, a list of token ids, or a dict"):
         eng.generate([np.array([1.5, 2.0])], GREEDY)
 
 
@@ -498,6 +498,92 @@ def test_chat_continues_the_final_message_or_opens_no_turn(model_dir):
         assert list(plain.prompt_token_ids) != list(eng.chat(messages[:1], sp).prompt_token_ids)
     finally:
         eng.close()
+
+
+def test_vllm_prompt_dicts_and_keyword_names(eng, capsys):
+    """vLLM's TextPrompt/TokensPrompt dicts run as the prompt they hold (a single dict ran as the
+    text of its key, "prompt_token_ids"); `sampling_params=` and a tuple of SamplingParams work as
+    in vLLM's LLM.generate; use_tqdm shows a bar; a dict key that cannot be honoured is refused."""
+    ids = [5, 6, 7, 8]
+    want = eng.generate([ids], GREEDY)[0]
+    got = eng.generate({"prompt_token_ids": ids}, sampling_params=GREEDY)
+    assert len(got) == 1 and got[0].prompt_token_ids == ids and got[0].token_ids == want.token_ids
+    text = eng.generate(["Hello there"], GREEDY)[0]
+    both = eng.generate([{"prompt": "Hello there"}, {"prompt_token_ids": ids}], (GREEDY, GREEDY), use_tqdm=True)
+    assert [o.token_ids for o in both] == [text.token_ids, want.token_ids] and both[0].prompt == "Hello there"
+    assert "2/2" in capsys.readouterr().err
+    assert "".join(eng.stream({"prompt_token_ids": ids}, GREEDY)) == want.text
+    with pytest.raises(TypeError, match=r"^A prompt dict may hold 'prompt' or 'prompt_token_ids'; "
+                                        r"'multi_modal_data' is not supported\.$"):
+        eng.generate({"prompt": "x", "multi_modal_data": {}}, GREEDY)
+    with pytest.raises(TypeError, match=r"^A prompt dict needs 'prompt'"):
+        eng.generate({}, GREEDY)
+    with pytest.raises(TypeError, match="params or sampling_params, not both"):
+        eng.generate([ids], GREEDY, sampling_params=GREEDY)
+    with pytest.raises(TypeError, match=r"^params must be a SamplingParams or a list of them, got dict\.$"):
+        eng.generate([ids], {"temperature": 0})
+    assert not eng.has_unfinished_requests()
+
+
+def test_chat_takes_vllm_arguments_and_lists_of_conversations(model_dir):
+    """vLLM's LLM.chat arguments were caught by **template_kwargs and dropped: sampling_params=
+    (default sampling ran instead) and chat_template= (the model's own template rendered). A
+    list of conversations crashed with an AttributeError; it runs as one batch now."""
+    eng = Engine(model_dir, dtype="float32", kv_cache_memory=1 << 22, max_model_len=128)
+    try:
+        m = [{"role": "user", "content": "Hi"}]
+        sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        one = eng.chat(m, sampling_params=sp)
+        assert len(one.token_ids) == 3
+        custom = eng.chat(m, sp, chat_template="X{{ messages[0]['content'] }}Y{{ flag }}",
+                          chat_template_kwargs={"flag": "Z"})
+        assert custom.prompt == "XHiYZ"
+        two = eng.chat([m, [{"role": "user", "content": "Bye"}]], sp)
+        assert isinstance(two, list) and two[0].token_ids == one.token_ids and len(two[1].token_ids) == 3
+        assert two[1].prompt == eng.tokenizer.apply_chat_template([{"role": "user", "content": "Bye"}])
+        for bad in ("hello", ["hi"], [m, "x"]):
+            with pytest.raises(TypeError, match=r"^messages must be a list of message dicts"):
+                eng.chat(bad, sp)
+        with pytest.raises(TypeError, match=r"^Engine.chat\(\) does not support lora_request\.$"):
+            eng.chat(m, sp, lora_request=object())
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_model_len=True), "max_model_len must be a positive integer, got True."),
+    (dict(max_num_seqs="4"), "max_num_seqs must be a positive integer, got '4'."),
+    (dict(kv_cache_memory="8M"), "kv_cache_memory must be a positive integer, got '8M'."),
+    (dict(kv_cache_fraction="0.5"), "kv_cache_fraction must be a number in (0, 0.95], got '0.5'."),
+    (dict(enable_prefix_caching="no"), "enable_prefix_caching must be True or False, got 'no'."),
+])
+def test_engine_arguments_of_the_wrong_type_are_refused_by_name(model_dir, kwargs, message):
+    """They were accepted (max_model_len=True, a truthy "no") or failed deep inside with a TypeError."""
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        Engine(model_dir, dtype="float32", **kwargs)
+
+
+@pytest.mark.parametrize("scaling, limit", [
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, 256),
+    ({"rope_type": "linear", "factor": 4.0}, 256),
+    ({"rope_type": "dynamic", "factor": 4.0}, 64),
+])
+def test_rope_scaling_extends_the_context_as_vllm_derives_it(tmp_path, scaling, limit):
+    """A config that turns yarn or linear scaling on keeps the trained max_position_embeddings (as
+    Qwen2.5's README says to enable 128K): the context is the scaled length, as vLLM has it (it was
+    capped at the trained 64), and tokens past it equal transformers'. Dynamic NTK stays capped."""
+    from models import hf_greedy
+    d = str(tmp_path / "m")
+    ref = build_model(d, arch="qwen2", max_position_embeddings=64, rope_scaling={**scaling, "rope_theta": 10000.0})
+    with Engine(d, dtype="float32", kv_cache_memory=1 << 22, num_threads=2) as eng:
+        assert eng.max_model_len == limit
+        if limit > 64:
+            prompt = [3 + (i * 7) % 300 for i in range(180)]
+            out = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+            assert out.token_ids == hf_greedy(ref, prompt, 6)
+    with pytest.raises(ValueError, match=rf"^max_model_len={limit + 1} exceeds what the model supports \({limit} "
+                                         r"tokens\)"):
+        Engine(d, dtype="float32", kv_cache_memory=1 << 22, max_model_len=limit + 1)
 
 
 def test_a_window_models_cached_prefix_longer_than_the_pool_is_recomputed(tmp_path):

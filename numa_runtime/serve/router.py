@@ -31,7 +31,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ..config import ModelConfig
+from ..config import ModelConfig, supported_len
 from ..plan import StepPlan
 
 log = logging.getLogger("numa_runtime.serve")
@@ -189,9 +189,9 @@ class ModelRouter:
         """ValueError (one sentence) for a model no request could ever load: at start-up."""
         asked, mib, budget = self.config.engine_kwargs.get("max_model_len"), 1 << 20, self.config.memory_budget
         for n, mcfg in self.model_configs.items():
-            if asked is not None and asked > mcfg.max_position_embeddings:
+            if asked is not None and asked > supported_len(mcfg):
                 raise ValueError(f"max_model_len={asked} exceeds what model {n!r} supports "
-                                 f"({mcfg.max_position_embeddings} tokens); lower --max-model-len.")
+                                 f"({supported_len(mcfg)} tokens); lower --max-model-len.")
             if self.footprint[n] > budget:
                 raise ValueError(f"Model {n!r} needs about {self.footprint[n] / mib:.0f} MiB per rank, more than "
                                  f"the memory budget ({budget / mib:.0f} MiB); raise --memory-budget or lower "
