@@ -93,10 +93,14 @@ class Scheduler:
         if cfg.sliding_window:  # blocks older than the window are released as it moves on
             # NOTE: a step holds a chunk of the prompt (at most all of it) and the window before it,
             # or one new token and the window; +1: the window need not start on a block boundary
-            chunk = min(cfg.max_num_batched_tokens, num_prompt)
+            chunk = min(cfg.max_num_batched_tokens, num_prompt, self._window_chunk_cap())
             need = min(need, max(bm.num_blocks_for(min(num_prompt, cfg.sliding_window - 1 + chunk)),
                                  bm.num_blocks_for(cfg.sliding_window)) + 1)
         if need > bm.num_blocks:
+            if cfg.sliding_window and bm.num_blocks_for(cfg.sliding_window) + 1 > bm.num_blocks:
+                raise ValueError(f"The model's sliding window of {cfg.sliding_window} tokens needs "
+                                 f"{bm.num_blocks_for(cfg.sliding_window) + 1} KV blocks but the cache has only "
+                                 f"{bm.num_blocks}; enlarge the KV cache.")
             raise ValueError(f"A request of up to {longest} tokens needs {need} KV blocks "
                              f"but the cache has only {bm.num_blocks}; lower max_tokens or enlarge the KV cache.")
 
@@ -189,7 +193,17 @@ class Scheduler:
         n = min(remaining, budget)
         if self.config.long_prefill_token_threshold > 0:
             n = min(n, self.config.long_prefill_token_threshold)
+        if self.config.sliding_window:
+            n = min(n, self._window_chunk_cap())
         return n
+
+    def _window_chunk_cap(self) -> int:
+        """Every layer slides: the largest prefill chunk whose step fits the whole pool beside the
+        window before it (+1 block: the window need not start on a block boundary), so that a
+        prompt longer than the pool runs in chunks it can hold (it was refused whenever
+        max_num_batched_tokens was larger)."""
+        bs = self.block_manager.block_size
+        return max(1, (self.block_manager.num_blocks - 1) * bs - (self.config.sliding_window - 1))
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req)

@@ -586,6 +586,25 @@ def test_rope_scaling_extends_the_context_as_vllm_derives_it(tmp_path, scaling, 
         Engine(d, dtype="float32", kv_cache_memory=1 << 22, max_model_len=limit + 1)
 
 
+def test_a_window_models_prompt_longer_than_the_pool_runs_in_chunks_it_holds(tmp_path):
+    """Every layer slides a window of 50; the pool holds 14 blocks of 16 (224 tokens) and the
+    context 512. A 400-token prompt was refused with the default max_num_batched_tokens (its one
+    chunk beside the window never fit; the message said to lower max_tokens, which did nothing);
+    its prefill now runs in chunks the pool holds, and the tokens are transformers'."""
+    from models import hf_greedy
+    d = str(tmp_path / "m")
+    ref = build_model(d, arch="mistral", max_position_embeddings=512, sliding_window=50)
+    prompt = [3 + i % 380 for i in range(400)]
+    with Engine(d, dtype="float32", num_threads=2, max_model_len=512, kv_cache_memory=14 * 8192) as eng:
+        assert eng.block_manager.num_blocks == 14 and eng.max_model_len == 512
+        out = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+        assert out.token_ids == hf_greedy(ref, prompt, 5)
+    with Engine(d, dtype="float32", num_threads=2, max_model_len=512, kv_cache_memory=3 * 8192) as eng:
+        with pytest.raises(ValueError, match=r"^The model's sliding window of 50 tokens needs 5 KV blocks but the "
+                                             r"cache has only 3; enlarge the KV cache\.$"):
+            eng.generate([prompt[:10]], SamplingParams(max_tokens=None))
+
+
 def test_a_window_models_cached_prefix_longer_than_the_pool_is_recomputed(tmp_path):
     """Sliding window 64, a pool of 40 blocks of 16: a 600-token prompt leaves 37 cached blocks;
     a prompt sharing 592 of its tokens found them all as prefix hits, which with its first chunk
