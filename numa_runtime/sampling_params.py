@@ -74,7 +74,7 @@ class SamplingParams:
         if not _is_int(self.n) or self.n < 1:
             bad(f"n must be a positive integer, got {self.n!r}.")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            bad(f"max_tokens must be a positive integer or None, got {self.max_tokens!r}.")
+            bad(f"max_tokens must be an integer of at least 1 (or unset), got {self.max_tokens!r}.")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             bad(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

@@ -334,6 +334,8 @@ def _text_parts(content) -> list[str]:
             texts.append(part)
         elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
             texts.append(part["text"])
+        elif isinstance(part, dict) and part.get("type") == "text":
+            raise ValueError(f"A text content part needs its 'text' as a string, got {part.get('text')!r}.")
         else:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise ValueError(f"Only text content parts ({{'type': 'text', 'text': ...}}) are supported, "

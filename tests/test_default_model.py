@@ -158,7 +158,7 @@ def test_quantization_of_a_quantized_file_is_refused():
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--max-tokens", "0"], "error: max_tokens must be a positive integer or None, got 0."),
+    (["--max-tokens", "0"], "error: max_tokens must be an integer of at least 1 (or unset), got 0."),
     (["--temperature", "-1"], "error: temperature must be a number in [0, 100], got -1.0."),
 ])
 def test_chat_cli_refuses_bad_values_before_loading(flags, message):

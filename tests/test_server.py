@@ -167,6 +167,29 @@ def test_stream_joins_to_the_greedy_text(client, kind):
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens
 
 
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client, kind):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries the
+    usage so far, growing by each chunk's tokens. It was accepted and ignored (usage null)."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    if kind == "completions":
+        full = client.completions.create(model="tiny", prompt="Hello world", max_tokens=6, **FLOAT)
+        chunks = list(client.completions.create(model="tiny", prompt="Hello world", max_tokens=6, stream=True,
+                                                stream_options=opts, **FLOAT))
+    else:
+        msgs = [{"role": "user", "content": "Bonjour"}]
+        full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, **FLOAT)
+        chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, stream=True,
+                                                     stream_options=opts, **FLOAT))
+    assert all(c.usage is not None and c.usage.prompt_tokens == full.usage.prompt_tokens for c in chunks), chunks
+    done = [c.usage.completion_tokens for c in chunks]
+    assert done == sorted(done) and done[-1] == full.usage.completion_tokens == 6
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens
+    plain = list(client.completions.create(model="tiny", prompt="Hi", max_tokens=2, stream=True,
+                                           stream_options={"include_usage": True}, **FLOAT))
+    assert [c.usage for c in plain[:-1]] == [None] * (len(plain) - 1)
+
+
 def test_stream_ends_with_done(server):
     body = {"model": "tiny", "prompt": "Hi", "max_tokens": 3, "stream": True}
     with httpx.stream("POST", server.base + "/v1/completions", json=body) as r:
@@ -507,6 +530,12 @@ def test_bad_input_through_the_client(client):
         client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError, match="max_model_len|context"):
         client.completions.create(model="tiny", prompt=list(range(3, 300)))
+    with pytest.raises(openai.BadRequestError) as e:  # NOTE: the sentence names the field: so does param
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                       max_completion_tokens=300)
+    assert e.value.body["param"] == "max_completion_tokens" and e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError, match=r"max_tokens must be an integer of at least 1 \(or unset\)"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=0)
 
 
 def test_openapi_and_profile(server):

@@ -387,6 +387,8 @@ def test_content_parts_reach_a_template_as_it_reads_them(tmp_path, source, want)
     assert tok.apply_chat_template(messages, add_generation_prompt=False) == want
     with pytest.raises(ValueError, match="Only text content parts"):
         tok.apply_chat_template([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}])
+    with pytest.raises(ValueError, match=r"^A text content part needs its 'text' as a string, got None\.$"):
+        tok.apply_chat_template([{"role": "user", "content": [{"type": "text"}]}])  # "got type 'text'" before
 
 
 def test_continue_final_message_ends_the_prompt_with_its_text(tmp_path):

@@ -82,7 +82,9 @@ def test_parsers_read_the_models_call_formats():
     assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"unit": "C"}
     named = plan([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None)
     assert parse(named, '{"unit": "C"}')[1][0]["function"]["arguments"] == '{"unit": "C"}'
-    assert parse(named, '{"unit": ', finished_whole=False) == ('{"unit": ', [])  # cut by max_tokens
+    cut = parse(named, '{"unit": ', finished_whole=False)  # cut by max_tokens: still the call, as vLLM
+    assert cut[0] is None and cut[1][0]["function"] == {"name": "get_weather", "arguments": '{"unit": '}
+    assert parse(req, '[{"name": "get_weather", ', finished_whole=False) == ('[{"name": "get_weather", ', [])
     from numa_runtime.serve.responses import ended_whole
     assert ended_whole("stop", None) and ended_whole("stop", 2)  # EOS, a stop token
     assert not ended_whole("stop", "UTC") and not ended_whole("length", None)  # a stop string, max_tokens
@@ -156,6 +158,16 @@ def test_named_and_required_tool_choice_return_calls(model_dir):
         assert len(deltas) == 1 and deltas[0].tool_calls[0].function.arguments == call.function.arguments
         assert [d.choices[0].finish_reason for d in chunks if d.choices][-1] == "stop"
         assert not "".join(d.choices[0].delta.content or "" for d in chunks if d.choices)
+        # arguments cut by max_tokens are still the forced call's, finish_reason "length" (as vLLM and
+        # OpenAI; they came back as content, with no call)
+        cut = c.chat.completions.create(tools=[WEATHER], tool_choice=named, **{**KW, "max_tokens": 3}).choices[0]
+        assert cut.finish_reason == "length" and cut.message.content is None
+        assert call.function.arguments.startswith(cut.message.tool_calls[0].function.arguments)
+        chunks = list(c.chat.completions.create(tools=[WEATHER], tool_choice=named, stream=True,
+                                                **{**KW, "max_tokens": 3}))
+        deltas = [d.choices[0].delta for d in chunks if d.choices and d.choices[0].delta.tool_calls]
+        assert deltas[0].tool_calls[0].function.arguments == cut.message.tool_calls[0].function.arguments
+        assert [d.choices[0].finish_reason for d in chunks if d.choices][-1] == "length"
         r = c.chat.completions.create(tools=[WEATHER, TIME], tool_choice="required", **KW).choices[0]
         assert r.finish_reason == "tool_calls" and r.message.tool_calls
         assert {t.function.name for t in r.message.tool_calls} <= {"get_weather", "get_time"}

@@ -87,6 +87,9 @@ def _client_errors(renames: dict[str, str] | None = None, api_names: dict[str, s
         code = "context_length_exceeded" if re.search("max_model_len|context", message) else "invalid_value"
         names = {**_API_NAME, **(api_names or {})}
         param = named or (field and names.get(field, field))
+        if param is None and code == "context_length_exceeded":  # NOTE: "The prompt (N tokens) plus max_tokens..."
+            limit = re.search(r"\bmax(?:_completion)?_tokens\b", message)
+            param = limit.group(0) if limit else None
         raise ApiError(400, message, param=param, code=code) from None
 
 
@@ -270,7 +273,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
         name = config.served_model_name
         if body.stream:
             return StreamingResponse(_stream(gen, tracker, report, rid, name, kind, body.include_usage, decode_token,
-                                             tool_plan, schema_param),
+                                             tool_plan, schema_param, body.continuous_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         status = "abort"
         try:
@@ -394,27 +397,40 @@ async def _until_disconnect(request: Request, work) -> bool:
 
 
 async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode, tool_plan=None,
-                  schema_param: str = "response_format"):
-    """SSE events of one request. Cancelled (client gone) -> finally aborts the request."""
+                  schema_param: str = "response_format", continuous_usage: bool = False):
+    """SSE events of one request. Cancelled (client gone) -> finally aborts the request.
+    `continuous_usage`: every chunk carries the usage so far (then the chat's opening role chunks
+    wait for the first output, as vLLM sends them, when the prompt's tokens are counted)."""
     created, chat = int(time.time()), kind == "chatcmpl"
     status, offsets = "abort", {}
     calls = {} if tool_plan is not None and tool_plan.parses else None  # choice index -> ToolStream
+
+    def event(chunk: dict) -> str:
+        if continuous_usage:
+            chunk["usage"] = tracker.usage()
+        return R.sse(chunk)
+    roles = [R.chat_chunk(rid, model, created, None, i, decode, include_usage)
+             for i in range(len(gen.index) * tracker.n)] if chat else []
     try:
-        if chat:
-            for i in range(len(gen.index) * tracker.n):
-                yield R.sse(R.chat_chunk(rid, model, created, None, i, decode, include_usage))
+        if not continuous_usage:
+            for chunk in roles:
+                yield event(chunk)
+            roles = []
         async for index, out in gen.outputs():
             _check_failed(out, schema_param)
             pieces = tracker.update(index, out)
             report.saw(pieces)
+            for chunk in roles:
+                yield event(chunk)
+            roles = []
             for p in pieces:
                 if calls is not None:
                     for chunk in _tool_chunks(calls, tool_plan, p, rid, model, created, decode, include_usage):
-                        yield R.sse(chunk)
+                        yield event(chunk)
                     continue
                 chunk = (R.chat_chunk(rid, model, created, p, p.index, decode, include_usage) if chat
                          else R.completion_chunk(rid, model, created, p, decode, include_usage, offsets))
-                yield R.sse(chunk)
+                yield event(chunk)
         status = tracker.choices()[0][1].finish_reason or "stop"
         if include_usage:
             obj = "chat.completion.chunk" if chat else "text_completion"
@@ -447,7 +463,8 @@ def _tool_chunks(streams: dict, tool_plan, p, rid, model, created, decode, inclu
                                                                  stop_reason=None), p.index, decode, include_usage)]
     if calls:
         out.append(R.tool_calls_chunk(rid, model, created, p.index, calls, include_usage))
-        reason = "stop" if tool_plan.mode == "named" else "tool_calls"
+        reason = (("length" if p.finish_reason == "length" else "stop") if tool_plan.mode == "named"
+                  else "tool_calls")
         p = dataclasses.replace(p, text="", token_ids=[], logprobs=None, finish_reason=reason,
                                 stop_reason=None if calls else p.stop_reason)
     else:

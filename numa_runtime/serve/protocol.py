@@ -54,6 +54,8 @@ def _refuse(body: BaseModel, defaults: dict) -> None:
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="With include_usage, every chunk carries the usage "
+                                                            "so far (vLLM's extension).")
 
 
 class _SamplingRequest(_Body):
@@ -109,6 +111,10 @@ class _SamplingRequest(_Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         json_schema: dict | None = None, defaults: dict | None = None) -> SamplingParams:

@@ -156,7 +156,8 @@ def chat_body(rid: str, model: str, tracker: ChoiceTracker, decode: TokenBytes, 
             content, calls = parse(tool_plan, c.text, ended_whole(c.finish_reason, getattr(c, "stop_reason", None)))
             if calls:
                 message = {"role": "assistant", "content": content, "tool_calls": calls}
-                reason, stop = ("stop" if tool_plan.mode == "named" else "tool_calls"), None
+                reason, stop = (("length" if reason == "length" else "stop") if tool_plan.mode == "named"
+                                else "tool_calls"), None
         choices.append({"index": i, "message": message, "finish_reason": reason, "stop_reason": stop,
                         "logprobs": chat_logprobs(c.token_ids, c.logprobs, decode)})
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,

@@ -11,8 +11,8 @@
     `--enable-auto-tool-choice`, vLLM's flags): `hermes` (`<tool_call>{"name": ..., "arguments":
     ...}</tool_call>`: Qwen2.5/3, Hermes) or `llama3_json` (a JSON object {"name", "parameters"},
     optionally after `<|python_tag|>`, several separated by ";": Llama 3.1-3.3).
-- Calls come back as `message.tool_calls` (`finish_reason` "tool_calls", but "stop" for a named
-  function, as vLLM); text the model wrote before its calls is the `content`. A stream sends the
+- Calls come back as `message.tool_calls` (`finish_reason` "tool_calls", but for a named
+  function "stop", or "length" where max_tokens cut its arguments, as vLLM); text the model wrote before its calls is the `content`. A stream sends the
   text as it comes, holds back what may open a call, and sends the calls whole at the end.
 """
 from __future__ import annotations
@@ -127,9 +127,11 @@ _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 def parse(p: ToolPlan, text: str, finished_whole: bool = True) -> tuple[str | None, list[dict]]:
     """(content, calls) of a finished choice's text. Text that does not hold well-formed calls is
     all content, as vLLM returns it. `finished_whole`: the output ended by itself (not cut by
-    max_tokens): a named or required call cut short stays text."""
+    max_tokens): a required list of calls cut short stays text; a named function's call is its
+    call however it ended (arguments cut by max_tokens included, finish_reason "length"), as
+    vLLM and OpenAI return a forced call."""
     if p.mode == "named":
-        return (None, [_call(p.name, text, raw=True)]) if finished_whole else (text, [])
+        return None, [_call(p.name, text, raw=True)]
     if p.mode == "required":
         try:
             items = json.loads(text)
