@@ -286,7 +286,7 @@ def run_child(name: str, a, profile: bool = False, decode_only: bool = False) ->
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="HF Llama directory (default: --shape, built and cached)")
     ap.add_argument("--shape", default="qwen0.5b", choices=sorted(SHAPES))
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))

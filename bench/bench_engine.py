@@ -257,8 +257,8 @@ def prefetch_markdown(r: dict, a) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_args(ap)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(ap, default_shape="qwen0.5b; tiny with --quick, tiny24 with --overhead")
     ap.add_argument("--threads", type=int, default=None, help="OpenMP threads (default: all allowed cpus)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--requests-per-level", type=int, default=None, help="default: max(2 C, 4)")

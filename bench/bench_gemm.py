@@ -158,7 +158,7 @@ def sweep(min_time: float) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="Qwen shapes, bf16, short timing")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--sweep", action="store_true", help="small-M threshold sweep only")

@@ -103,7 +103,7 @@ def run_level(args, level: int, contexts: list[int]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(ap)
+    add_model_args(ap, default_shape="qwen0.5b with room for %d-token contexts" % LONG_SHAPE_LEN)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--levels", type=int, nargs="+", default=[2, 1, 0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 8192, 16000])

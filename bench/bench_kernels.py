@@ -214,7 +214,7 @@ def torch_times(quick: bool, threads: int) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller shapes, shorter timing")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)

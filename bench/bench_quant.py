@@ -153,7 +153,7 @@ def decode_batch(model: str, rows=(16, 32, 64), formats=DECODE_BATCH_FORMATS,
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one model, two formats, short timing")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--level", type=int, default=None, help="cap the qgemm ISA level")

@@ -1,4 +1,4 @@
-"""Serving benchmark: output tokens/s, TTFT and TPOT (p50/p99) at several concurrencies.
+r"""Serving benchmark: output tokens/s, TTFT and TPOT (p50/p99) at several concurrencies.
 
     # against a running OpenAI-compatible server
     python bench/bench_serving.py --base-url http://127.0.0.1:8000/v1
@@ -261,7 +261,8 @@ def compare(args, levels, requests_per_level) -> None:
     print(table(columns))
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> tuple[argparse.Namespace, list[int]]:
+    """(args, concurrency levels), checked; --quick's values fill in only the options not given."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base-url", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
     ap.add_argument("--api-key", default="none")
@@ -271,18 +272,25 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-server", help="a llama-server binary (bench/build_llamacpp.sh) to compare with, on --gguf "
                                            "(ours then serves the same GGUF)")
     ap.add_argument("--num-threads", type=int, default=None,
-                    help="cpus per server: llama-server -t N; ours N compute threads, from 8 on N - 1 and its HTTP thread")
+                    help="cpus per server: llama-server -t N; ours N compute threads, from 8 on N - 1 "
+                         "and its HTTP thread")
     ap.add_argument("--our-threads", type=int, default=None, help="our compute threads (overrides the above)")
-    ap.add_argument("--concurrency", default="1,4,16,64")
+    # NOTE: None defaults, so that --quick can tell what was given
+    ap.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,4,16,64; 1,4 with --quick)")
     ap.add_argument("--requests", type=int, default=None, help="requests per level (default ROUNDS x concurrency)")
-    ap.add_argument("--rounds", type=int, default=4, help="requests per level as a multiple of its concurrency")
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--quick", action="store_true", help="concurrency 1,4; few requests of 16 tokens")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="requests per level as a multiple of its concurrency (default 4; 2 with --quick)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default 128; 16 with --quick)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: concurrency 1,4, rounds 2, 16 tokens, where those are not given")
     args = ap.parse_args(argv)
-    levels = [int(c) for c in args.concurrency.split(",")]
-    if args.quick:
-        levels, args.max_tokens = [1, 4], 16
-    per_level = (lambda c: args.requests) if args.requests else (lambda c: (2 if args.quick else args.rounds) * c)
+    for name, quick, default in (("concurrency", "1,4", "1,4,16,64"), ("rounds", 2, 4), ("max_tokens", 16, 128)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else default)
+    try:
+        levels = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        ap.error(f"--concurrency takes comma-separated numbers such as 1,4,16, not {args.concurrency!r}.")
     if args.llama_server:
         if not (os.path.isfile(args.llama_server) and os.access(args.llama_server, os.X_OK)):
             ap.error(f"--llama-server {args.llama_server} is not an executable file; build it with "
@@ -290,14 +298,20 @@ def main(argv=None) -> int:
         if not args.gguf or not os.path.isfile(args.gguf):
             ap.error("--llama-server needs --gguf FILE, the GGUF both servers run.")
         args.compare = True
+    if not (args.compare or args.base_url):
+        ap.error("give --base-url URL or --compare")
+    return args, levels
+
+
+def main(argv=None) -> int:
+    args, levels = parse_args(argv)
+    per_level = (lambda c: args.requests) if args.requests else (lambda c: args.rounds * c)
     if args.compare:
         compare(args, levels, per_level)
-    elif args.base_url:
+    else:
         results = run_all(args.base_url, levels, per_level, args.max_tokens, args.api_key, {})
         print()
         print(table({args.base_url: results}))
-    else:
-        ap.error("give --base-url URL or --compare")
     return 0
 
 

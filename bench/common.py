@@ -69,11 +69,12 @@ SHAPES = {"qwen0.5b": qwen05b_model, "llama3.2-1b": llama1b_model, "llama3.1-8b"
           "tiny": tiny_model, "tiny24": tiny24_model}
 
 
-def add_model_args(ap) -> None:
-    """--model / --shape / --dtype, as every engine benchmark takes them."""
+def add_model_args(ap, default_shape: str = "qwen0.5b; tiny with --quick") -> None:
+    """--model / --shape / --dtype, as every engine benchmark takes them. `default_shape`: what
+    the script builds without --model or --shape, for --shape's help."""
     ap.add_argument("--model", help="HF model directory (default: random Qwen2.5-0.5B shape, built once)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
-                    help="built-in random model when --model is not given (default: qwen0.5b; tiny with --quick)")
+                    help="built-in random model when --model is not given (default: %s)" % default_shape)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
 
 

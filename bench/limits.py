@@ -55,7 +55,7 @@ def peak_bf16_gflops(n: int = 4096, repeats: int = 3) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--quick", action="store_true", help="smaller buffers / GEMM")
     args = ap.parse_args()

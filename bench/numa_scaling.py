@@ -64,10 +64,13 @@ def launch_argv(ranks: int, cmd: list[str], mpirun: str, topo) -> tuple[list[str
         for r, group in enumerate(split_cpus(topo.nodes, ranks)):
             cpus = sorted(c for n in group for c in n.cpus)
             nodes = ",".join(str(n.node_id) for n in group)
-            argv += ([":"] if r else []) + ["-np", "1", "-env", "OMP_NUM_THREADS", str(len(cpus))]
+            threads = sum(n.num_cores(n.cpus) for n in group)  # one per physical core
+            argv += ([":"] if r else []) + ["-np", "1", "-env", "OMP_NUM_THREADS", str(threads)]
             for key, value in RANK_ENV:
                 argv += ["-env", key, value]
-            mem = [f"--interleave={nodes}"] if topo.from_sysfs else []
+            # NOTE: numactl refuses a node without memory: such a node stands for its nearest with memory
+            mem_nodes = sorted({n.mem_node for n in group if n.mem_node is not None})
+            mem = [f"--interleave={','.join(map(str, mem_nodes))}"] if topo.from_sysfs and mem_nodes else []
             argv += [numactl, "--physcpubind=" + format_cpulist(cpus)] + mem + cmd
             how.append(f"rank {r}: nodes {nodes}")
         return argv, "; ".join(how) + ", memory interleaved over each rank's nodes"
@@ -84,8 +87,8 @@ def dram_read_gbps_all_cores(topo, quick: bool) -> tuple[float, list[float]]:
     numactl = shutil.which("numactl")
     per_node = []
     for node in topo.nodes:
-        bind = ([numactl, f"--cpunodebind={node.node_id}", f"--membind={node.node_id}"]
-                if numactl and topo.from_sysfs else [])
+        mem = [f"--membind={node.mem_node}"] if node.mem_node is not None else []
+        bind = [numactl, f"--cpunodebind={node.node_id}"] + mem if numactl and topo.from_sysfs else []
         p = subprocess.run(bind + [sys.executable, "-c", code % node.num_cpus], capture_output=True,
                            text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS=str(node.num_cpus)))
         if p.returncode != 0:
@@ -211,7 +214,7 @@ def plot(r: dict, path: str) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(ap)
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[16],

@@ -1,4 +1,4 @@
-"""`numa-launch`: start one MPI rank per NUMA node, each bound to its node with numactl.
+r"""`numa-launch`: start one MPI rank per NUMA node, each bound to its node with numactl.
 
     numa-launch [--ranks N] [--tp T] [--dp D] [--reserve-server-core] [--dry-run] [--mpirun PATH] \
         -- python -m numa_runtime.serve ...
@@ -12,12 +12,16 @@ The command is MPMD, one block per rank, in the syntax of MPICH's mpirun (hydra)
     mpirun -np 1 -env OMP_NUM_THREADS 8 ... numactl --cpunodebind=0 --membind=0 CMD \
          : -np 1 -env OMP_NUM_THREADS 8 ... numactl --cpunodebind=1 --membind=1 CMD
 
-With more ranks than nodes (e.g. `--ranks 2` on a one-node machine) each node's cpus are
-split evenly and ranks are pinned with `numactl --physcpubind=... --membind=N`.
+With more ranks than nodes (e.g. `--ranks 2` on a one-node machine) each node's physical cores
+(with their SMT siblings) are split evenly and ranks are pinned with `numactl --physcpubind=...
+--membind=N`; so is a rank left with only part of its node (`taskset`, a container's cpuset).
+OMP_NUM_THREADS is the rank's number of physical cores. A node without memory binds to the
+nearest node with memory (or, with no distances in sysfs, not at all).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import shutil
@@ -34,41 +38,56 @@ RANK_ENV = (("MPI4PY_RC_THREAD_LEVEL", "funneled"), ("NUMA_RUNTIME_BOUND", "1"))
 @dataclass(frozen=True)
 class RankPlacement:
     rank: int
-    node: int               # NUMA node id whose memory the rank binds to
+    node: int               # NUMA node id the rank's cpus are on
     cpus: tuple[int, ...]   # cpus the rank may run on
-    whole_node: bool        # True: --cpunodebind=node; False: --physcpubind=cpus
-    num_threads: int        # OMP_NUM_THREADS
+    whole_node: bool        # every cpu of the node: --cpunodebind=node; else --physcpubind=cpus
+    num_threads: int        # OMP_NUM_THREADS: one per physical core
+    mem_node: int | None    # node whose memory the rank binds to (--membind); None: no binding
 
     def numactl_args(self, with_membind: bool = True) -> list[str]:
         cpu = ("--cpunodebind=%d" % self.node if self.whole_node
                else "--physcpubind=%s" % format_cpulist(self.cpus))
-        return [cpu] + (["--membind=%d" % self.node] if with_membind else [])
+        return [cpu] + (["--membind=%d" % self.mem_node] if with_membind and self.mem_node is not None else [])
 
 
 def plan_ranks(topo: Topology, ranks: int | None = None,
                reserve_server_core: bool = False) -> list[RankPlacement]:
     """Where each rank runs. Default: one rank per node. Fewer ranks than nodes: the first
-    `ranks` nodes. More: ranks are spread evenly over nodes and each node's cpus are split
-    evenly among its ranks. `reserve_server_core` leaves one of rank 0's cpus to the HTTP
-    server (its OpenMP pool gets one thread fewer, never fewer than one)."""
+    `ranks` nodes. More: ranks are spread evenly over nodes and each node's physical cores are
+    split evenly among its ranks (NumaNode.split). A rank gets one OpenMP thread per physical
+    core. `reserve_server_core` leaves one of rank 0's cores to the HTTP server (its OpenMP
+    pool gets one thread fewer, never fewer than one)."""
     ranks = topo.num_nodes if ranks is None else ranks
     if ranks < 1:
         raise ValueError("--ranks must be at least 1, got %d" % ranks)
     if ranks <= topo.num_nodes:
         per_node = [(node, [list(node.cpus)]) for node in topo.nodes[:ranks]]
     else:
-        per_node = [(node, split_cpus(node.cpus, n)) for node, n in zip(topo.nodes, _ranks_per_node(topo, ranks))]
+        per_node = [(node, node.split(n)) for node, n in zip(topo.nodes, _ranks_per_node(topo, ranks))]
     placements = []
     for node, groups in per_node:
         for cpus in groups:
+            # NOTE: whole_node only when the rank has every cpu of the node: --cpunodebind would
+            # widen a taskset/cpuset-limited rank to cpus it was not given
             placements.append(RankPlacement(len(placements), node.node_id, tuple(cpus),
-                                            whole_node=len(groups) == 1,
-                                            num_threads=len(cpus)))
+                                            whole_node=node.is_whole(cpus),
+                                            num_threads=node.num_cores(cpus), mem_node=node.mem_node))
     if reserve_server_core:
-        p0 = placements[0]
-        placements[0] = RankPlacement(0, p0.node, p0.cpus, p0.whole_node,
-                                      max(1, p0.num_threads - 1))
+        placements[0] = dataclasses.replace(placements[0], num_threads=max(1, placements[0].num_threads - 1))
     return placements
+
+
+def memory_notes(placements: list[RankPlacement]) -> list[str]:
+    """One line per rank whose node has no memory, saying where its memory goes instead."""
+    notes = []
+    for p in placements:
+        if p.mem_node is None:
+            notes.append("node %d has no memory and sysfs gives no distances to find the nearest node "
+                         "that has: rank %d runs without --membind" % (p.node, p.rank))
+        elif p.mem_node != p.node:
+            notes.append("node %d has no memory: rank %d binds its memory to node %d, the nearest node "
+                         "with memory" % (p.node, p.rank, p.mem_node))
+    return notes
 
 
 def _ranks_per_node(topo: Topology, ranks: int) -> list[int]:
@@ -155,7 +174,15 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         own, cmd = argv[:i], argv[i + 1:]
     else:
         own, cmd = argv, []
-    args = parser.parse_args(own)
+    args, extra = parser.parse_known_args(own)
+    if extra and extra[0].split("=")[0] in ("-np", "-n"):
+        parser.error("%s is mpirun's option: give the number of ranks as --ranks N%s"
+                     % (extra[0].split("=")[0], "" if "--" in argv else ", and the command after `--`"))
+    if extra and "--" not in argv:
+        parser.error("unrecognized arguments: %s: put the command after `--`, "
+                     "e.g. numa-launch [options] -- %s" % (shlex.join(extra), shlex.join(extra)))
+    if extra:
+        parser.error("unrecognized arguments: %s" % shlex.join(extra))
     if not cmd:
         parser.error("no command given: put it after `--`, e.g. "
                      "numa-launch -- python -m numa_runtime.serve --model DIR")
@@ -187,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("numa-launch: %s." % str(e).rstrip("."))
     # NOTE: without a readable sysfs there is no node to bind memory to; bind cpus only.
     with_membind = topo.from_sysfs
+    for note in memory_notes(placements) if with_membind else []:
+        print("numa-launch: %s." % note, file=sys.stderr)
     if args.dry_run:
         print(shlex.join(build_command(placements, cmd, args.mpirun or "mpirun",
                                        with_membind=with_membind, data_parallel=dp,

@@ -15,13 +15,41 @@ SYSFS_NODE_DIR = "/sys/devices/system/node"
 @dataclass(frozen=True)
 class NumaNode:
     node_id: int
-    cpus: tuple[int, ...]   # logical cpu ids, sorted
+    cpus: tuple[int, ...]   # logical cpu ids this process may use, sorted
     mem_total_kb: int       # 0 when unknown
     mem_free_kb: int
+    all_cpus: tuple[int, ...] = ()  # the node's whole cpulist, allowed or not; () when it is `cpus`
+    cores: tuple[tuple[int, ...], ...] = ()  # `cpus` by physical core (SMT siblings); () when unknown
+    has_memory: bool = True
+    nearest_memory: int | None = None  # without memory: the nearest node with memory (None: unknown)
 
     @property
     def num_cpus(self) -> int:
         return len(self.cpus)
+
+    @property
+    def mem_node(self) -> int | None:
+        """The node this node's ranks take memory from: itself, or when it has none the nearest
+        node that has (None: no distance information, so no node to bind to)."""
+        return self.node_id if self.has_memory else self.nearest_memory
+
+    def is_whole(self, cpus) -> bool:
+        """Whether `cpus` are every cpu of the node, not just the ones this process may use."""
+        return set(cpus) == set(self.all_cpus or self.cpus)
+
+    def num_cores(self, cpus) -> int:
+        """Physical cores that `cpus` (some of this node's) touch; len(cpus) without SMT information."""
+        if not self.cores:
+            return len(set(cpus))
+        cpus = set(cpus)
+        return sum(1 for core in self.cores if cpus.intersection(core))
+
+    def split(self, ranks: int) -> list[list[int]]:
+        """This node's cpus split among `ranks` ranks: whole physical cores with their SMT
+        siblings when there is a core per rank, else single cpus (ranks then share cores)."""
+        if self.cores and len(self.cores) >= ranks:
+            return [sorted(c for core in group for c in core) for group in split_cpus(self.cores, ranks)]
+        return split_cpus(self.cpus, ranks)
 
 
 @dataclass(frozen=True)
@@ -97,6 +125,54 @@ def _read_meminfo(path: str) -> tuple[int, int]:
     return total, free
 
 
+def _read_cores(node_dir: str, cpus) -> tuple[tuple[int, ...], ...]:
+    """`cpus` grouped by physical core from cpuN/topology/thread_siblings_list (nodeN/cpuN
+    links to the cpu's sysfs dir); () when any cpu lacks it."""
+    cpus, cores = set(cpus), set()
+    for cpu in cpus:
+        try:
+            with open(os.path.join(node_dir, "cpu%d" % cpu, "topology", "thread_siblings_list")) as f:
+                siblings = parse_cpulist(f.read())
+        except (OSError, ValueError):
+            return ()
+        cores.add(tuple(c for c in siblings if c in cpus) or (cpu,))
+    return tuple(sorted(cores))
+
+
+def _memory_nodes(sysfs_dir: str, node_ids: list[int]) -> set[int]:
+    """Nodes with memory: the `has_memory` list, else every node but those whose meminfo
+    says MemTotal 0 (a node nothing is known of keeps its --membind)."""
+    try:
+        with open(os.path.join(sysfs_dir, "has_memory")) as f:
+            return set(parse_cpulist(f.read()))
+    except (OSError, ValueError):
+        pass
+    with_memory = set()
+    for i in node_ids:
+        try:
+            with open(os.path.join(sysfs_dir, "node%d" % i, "meminfo")) as f:
+                m = re.search(r"MemTotal:\s+(\d+)", f.read())
+        except OSError:
+            m = None
+        if m is None or int(m.group(1)) > 0:
+            with_memory.add(i)
+    return with_memory
+
+
+def _nearest(sysfs_dir: str, node_id: int, node_ids: list[int], candidates: set[int]) -> int | None:
+    """The candidate nearest to `node_id` by nodeN/distance (one distance per online node, in
+    node id order; ties: the lower id); None without a usable distance file."""
+    try:
+        with open(os.path.join(sysfs_dir, "node%d" % node_id, "distance")) as f:
+            dist = [int(x) for x in f.read().split()]
+    except (OSError, ValueError):
+        return None
+    candidates = [i for i in candidates if i in node_ids]
+    if len(dist) != len(node_ids) or not candidates:
+        return None
+    return min(candidates, key=lambda i: (dist[node_ids.index(i)], i))
+
+
 def _fallback() -> Topology:
     cpus = tuple(sorted(os.sched_getaffinity(0)))
     return Topology((NumaNode(0, cpus, 0, 0),), from_sysfs=False)
@@ -108,8 +184,9 @@ def read_topology(sysfs_dir: str = SYSFS_NODE_DIR, allowed_cpus=None) -> Topolog
     `allowed_cpus`: keep only these cpus (default: this process's affinity when reading the
     real sysfs, everything when reading another dir), so a container limited to some cpus
     never gets a rank bound to cpus it may not use. Nodes left without cpus (memory-only
-    nodes, or nodes outside the allowed set) are dropped. Without a readable sysfs: one node
-    holding the cpus of `os.sched_getaffinity`.
+    nodes, or nodes outside the allowed set) are dropped; a node with cpus but no memory
+    records the nearest node with memory. Without a readable sysfs: one node holding the
+    cpus of `os.sched_getaffinity`.
     """
     if allowed_cpus is None and sysfs_dir == SYSFS_NODE_DIR:
         allowed_cpus = os.sched_getaffinity(0)
@@ -118,22 +195,23 @@ def read_topology(sysfs_dir: str = SYSFS_NODE_DIR, allowed_cpus=None) -> Topolog
         names = os.listdir(sysfs_dir)
     except OSError:
         return _fallback()
+    node_ids = sorted(int(m.group(1)) for m in map(re.compile(r"node(\d+)").fullmatch, names) if m)
+    with_memory = _memory_nodes(sysfs_dir, node_ids)
     nodes = []
-    for name in names:
-        m = re.fullmatch(r"node(\d+)", name)
-        if not m:
-            continue
+    for i in node_ids:
+        node_dir = os.path.join(sysfs_dir, "node%d" % i)
         try:
-            with open(os.path.join(sysfs_dir, name, "cpulist")) as f:
-                cpus = parse_cpulist(f.read())
+            with open(os.path.join(node_dir, "cpulist")) as f:
+                all_cpus = parse_cpulist(f.read())
         except OSError:
             continue
-        if allowed is not None:
-            cpus = [c for c in cpus if c in allowed]
+        cpus = all_cpus if allowed is None else [c for c in all_cpus if c in allowed]
         if not cpus:
             continue
-        total, free = _read_meminfo(os.path.join(sysfs_dir, name, "meminfo"))
-        nodes.append(NumaNode(int(m.group(1)), tuple(cpus), total, free))
+        total, free = _read_meminfo(os.path.join(node_dir, "meminfo"))
+        nearest = None if i in with_memory else _nearest(sysfs_dir, i, node_ids, with_memory)
+        nodes.append(NumaNode(i, tuple(cpus), total, free, tuple(all_cpus), _read_cores(node_dir, cpus),
+                              i in with_memory, nearest))
     if not nodes:
         return _fallback()
-    return Topology(tuple(sorted(nodes, key=lambda n: n.node_id)), from_sysfs=True)
+    return Topology(tuple(nodes), from_sysfs=True)

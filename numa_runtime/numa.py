@@ -13,7 +13,7 @@ import os
 import platform
 from dataclasses import dataclass
 
-from .launch.topology import Topology, format_cpulist, read_topology, split_cpus
+from .launch.topology import NumaNode, Topology, format_cpulist, read_topology
 
 from . import env
 
@@ -35,25 +35,31 @@ class Placement:
     cpus: tuple[int, ...]   # cpus this rank may run on
     num_threads: int        # OpenMP threads to use
     how: str                # "launcher" (numactl), "self" (bound here) or "none"
-    memory_bound: bool = False  # the memory policy binds allocations to `node`
+    memory_bound: bool = False  # the memory policy binds allocations to `memory_node`
+    mem_node: int | None = None  # where its memory is bound when not `node` (a node without memory)
+
+    @property
+    def memory_node(self) -> int:
+        return self.node if self.mem_node is None else self.mem_node
 
 
 _placement: Placement | None = None  # NOTE: binding is per process; repeated calls return it
 
 
-def node_of_rank(local_rank: int, local_size: int, topo: Topology) -> tuple[int, list[int]]:
-    """(node id, cpus) for one of `local_size` ranks on this host.
+def node_of_rank(local_rank: int, local_size: int, topo: Topology) -> tuple[NumaNode, list[int]]:
+    """(node, cpus) for one of `local_size` ranks on this host.
 
     Ranks <= nodes: rank i gets all of node i. Ranks > nodes: ranks are spread evenly over
-    the nodes (rank i on node i * nodes // ranks) and a node's cpus are split among its ranks.
+    the nodes (rank i on node i * nodes // ranks) and a node's cpus are split among its ranks,
+    whole physical cores with their SMT siblings (NumaNode.split), as numa-launch splits them.
     """
     if local_size <= topo.num_nodes:
         node = topo.nodes[local_rank]
-        return node.node_id, list(node.cpus)
+        return node, list(node.cpus)
     idx = local_rank * topo.num_nodes // local_size
     peers = [r for r in range(local_size) if r * topo.num_nodes // local_size == idx]
     node = topo.nodes[idx]
-    return node.node_id, split_cpus(node.cpus, len(peers))[peers.index(local_rank)]
+    return node, node.split(len(peers))[peers.index(local_rank)]
 
 
 def set_mempolicy(node: int, mode: int = MPOL_BIND) -> str | None:
@@ -145,7 +151,7 @@ def check_binding(rank: int, placement: Placement | None, buffers: list[tuple[in
     reported at binding: then only the pages are checked.)"""
     report = memory_report(buffers)
     if placement is not None and placement.how != "none" and placement.node >= 0:
-        why = binding_problem(report, placement.node, check_policy=placement.memory_bound)
+        why = binding_problem(report, placement.memory_node, check_policy=placement.memory_bound)
         if why is not None:
             log.warning("rank %d: %s; its weights may be read across nodes", rank, why)
     return report
@@ -197,30 +203,37 @@ def bind_this_rank(rank: int, local_rank: int, local_size: int,
     cpus = sorted(os.sched_getaffinity(0))
     if env.numa_bound():
         node = _node_of_cpus(cpus, topo)
+        mem = next((n.mem_node for n in topo.nodes if n.node_id == node), node)
         mode, nodes = get_mempolicy()
-        bound = mode == "bind" and list(nodes) == [node]
-        if not bound and topo.from_sysfs:
+        bound = mode == "bind" and list(nodes) == [mem]
+        if not bound and topo.from_sysfs and mem is not None:
             log.warning("rank %d: numa-launch bound it to node %d, but its memory policy is %s %s; "
-                        "pages may land on other nodes", rank, node, mode, list(nodes))
+                        "pages may land on other nodes", rank, mem, mode, list(nodes))
         _placement = Placement(node, tuple(cpus), env.omp_num_threads() or len(cpus), "launcher",
-                               bound)
+                               bound, None if mem == node else mem)
         return _placement
     if local_size <= 1:
         return Placement(_node_of_cpus(cpus, topo), tuple(cpus),
                          env.omp_num_threads() or len(cpus), "none")
     try:
-        node, cpus = node_of_rank(local_rank, local_size, topo)
+        numa_node, cpus = node_of_rank(local_rank, local_size, topo)
     except ValueError as e:  # more ranks than cpus: oversubscribed, binding would only hurt
         log.warning("rank %d: not binding (%s)", rank, e)
         return Placement(-1, tuple(cpus), max(1, len(cpus) // local_size), "none")
+    node, mem = numa_node.node_id, numa_node.mem_node
     _set_affinity_all_threads(cpus)
-    err = set_mempolicy(node, MPOL_BIND) if topo.from_sysfs else "no NUMA information in sysfs"
+    # NOTE: a node with cpus but no memory takes the nearest node's (a bind to itself fails)
+    err = ("no NUMA information in sysfs" if not topo.from_sysfs else
+           "node %d has no memory and no distance information" % node if mem is None else
+           set_mempolicy(mem, MPOL_BIND))
     if err is not None:
-        log.warning("rank %d: could not bind memory to node %d (%s); pages may land on "
-                    "other nodes", rank, node, err)
-    set_omp_threads(len(cpus))
-    _placement = Placement(node, tuple(cpus), len(cpus), "self", err is None)
-    log.info("rank %d (local %d/%d): bound itself to node %d, cpus %s, %d OpenMP threads%s",
-             rank, local_rank, local_size, node, format_cpulist(cpus), len(cpus),
+        log.warning("rank %d: could not bind memory to node %s (%s); pages may land on "
+                    "other nodes", rank, node if mem is None else mem, err)
+    threads = numa_node.num_cores(cpus)  # NOTE: one OpenMP thread a physical core, as numa-launch
+    set_omp_threads(threads)
+    _placement = Placement(node, tuple(cpus), threads, "self", err is None, None if mem == node else mem)
+    log.info("rank %d (local %d/%d): bound itself to node %d, cpus %s, %d OpenMP threads%s%s",
+             rank, local_rank, local_size, node, format_cpulist(cpus), threads,
+             "" if mem in (None, node) else ", memory on node %d (node %d has none)" % (mem, node),
              "" if err is None else ", memory unbound")
     return _placement

@@ -1,5 +1,6 @@
 """The benchmarks run end to end on the tiny model (--quick) and write complete reports.
 No timing is asserted: speeds only have to be positive numbers."""
+import ast
 import json
 import math
 import os
@@ -229,3 +230,35 @@ def test_bench_cuda_without_a_gpu_says_so_in_one_sentence():
     p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_cuda.py")], cwd=ROOT,
                        capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode != 0 and "finds no CUDA GPU" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+def test_bench_serving_quick_keeps_what_was_given():
+    """--quick fills in concurrency, rounds and max tokens only where they were not given."""
+    sys.path.insert(0, ROOT)
+    from bench.bench_serving import parse_args
+    url = ["--base-url", "http://127.0.0.1:1/v1"]
+    args, levels = parse_args(url + ["--quick", "--concurrency", "2,8", "--max-tokens", "64"])
+    assert (levels, args.max_tokens, args.rounds) == ([2, 8], 64, 2)
+    args, levels = parse_args(url + ["--quick", "--rounds", "3"])
+    assert (levels, args.max_tokens, args.rounds) == ([1, 4], 16, 3)
+    args, levels = parse_args(url)
+    assert (levels, args.max_tokens, args.rounds) == ([1, 4, 16, 64], 128, 4)
+
+
+@pytest.mark.parametrize("script", ["bench_compare.py", "bench_engine.py", "bench_gemm.py", "bench_isa_context.py",
+                                    "bench_kernels.py", "bench_quant.py", "bench_serving.py", "limits.py",
+                                    "numa_scaling.py"])
+def test_bench_help_describes_the_script_whole(script):
+    """--help's description is the docstring's whole first paragraph, the examples stay copyable,
+    and no option is offered that the script does not take."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), "--help"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    with open(os.path.join(ROOT, "bench", script)) as f:
+        src = f.read()
+    first = " ".join(ast.get_docstring(ast.parse(src), clean=False).split("\n\n")[0].split())
+    assert first in " ".join(p.stdout.split()), p.stdout
+    for line in src.split('"""')[1].splitlines():  # a shell line continuation is printed as written
+        assert not line.endswith("\\") or line.strip() in p.stdout, line
+    assert "--quick" not in p.stdout or "  --quick" in p.stdout

@@ -23,18 +23,40 @@ def launch(*args: str, env=None, timeout: float = 120) -> subprocess.CompletedPr
                           timeout=timeout)
 
 
-@pytest.fixture
-def fake_sysfs(tmp_path):
-    """Two 8-cpu nodes with hyperthread siblings far apart, and a memory-only node."""
-    for node, cpus, total, free in ((0, "0-3,8-11", 1000, 600), (1, "4-7,12-15", 2000, 1500),
-                                    (2, "", 4000, 4000)):
-        d = tmp_path / ("node%d" % node)
-        d.mkdir()
+def write_sysfs(root, nodes, smt: bool = False, distances=None, has_memory=None) -> str:
+    """A fake /sys/devices/system/node under `root`: `nodes` is (node, cpulist, MemTotal, MemFree)
+    rows; `smt`: cpu c and c + 8 are hyperthread siblings (nodeN/cpuC/topology, as sysfs links
+    it); `distances`: one nodeN/distance row per node; `has_memory`: that file's text."""
+    for node, cpus, total, free in nodes:
+        d = root / ("node%d" % node)
+        d.mkdir(parents=True)
         (d / "cpulist").write_text(cpus + "\n")
         (d / "meminfo").write_text("Node %d MemTotal:  %d kB\nNode %d MemFree:   %d kB\n"
                                    "Node %d MemUsed:   1 kB\n" % (node, total, node, free, node))
-    (tmp_path / "possible").write_text("0-2\n")
-    return str(tmp_path)
+        if distances is not None:
+            (d / "distance").write_text(" ".join(map(str, distances[node])) + "\n")
+        for c in parse_cpulist(cpus) if smt else []:
+            (d / ("cpu%d" % c) / "topology").mkdir(parents=True)
+            (d / ("cpu%d" % c) / "topology" / "thread_siblings_list").write_text("%d,%d\n" % (c % 8, c % 8 + 8))
+    (root / "possible").write_text("0-%d\n" % (len(nodes) - 1))
+    if has_memory is not None:
+        (root / "has_memory").write_text(has_memory + "\n")
+    return str(root)
+
+
+TWO_NODES = ((0, "0-3,8-11", 1000, 600), (1, "4-7,12-15", 2000, 1500), (2, "", 4000, 4000))
+
+
+@pytest.fixture
+def fake_sysfs(tmp_path):
+    """Two 8-cpu nodes with hyperthread siblings far apart (not told by sysfs), and a memory-only node."""
+    return write_sysfs(tmp_path, TWO_NODES)
+
+
+@pytest.fixture
+def smt_sysfs(tmp_path):
+    """fake_sysfs where sysfs tells the siblings: 4 physical cores per node, cpus c and c + 8 on one."""
+    return write_sysfs(tmp_path, TWO_NODES, smt=True)
 
 
 # ----------------------------------------------------------------------------- topology
@@ -83,6 +105,63 @@ def test_plan_more_ranks_than_nodes_splits_nodes(fake_sysfs):
         "--membind=0", "cmd"]
 
 
+def test_rank_on_part_of_its_node_binds_only_its_cpus(fake_sysfs):
+    """taskset -c 1: node 0 is the rank's alone but only cpu 1 is allowed; --cpunodebind=0 would
+    widen it to the whole node."""
+    p = plan_ranks(read_topology(fake_sysfs, allowed_cpus=[1]))
+    assert [(x.node, x.cpus, x.whole_node, x.num_threads) for x in p] == [(0, (1,), False, 1)]
+    assert p[0].numactl_args() == ["--physcpubind=1", "--membind=0"]
+    p = plan_ranks(read_topology(fake_sysfs, allowed_cpus=range(13)))
+    assert [x.numactl_args() for x in p] == [["--cpunodebind=0", "--membind=0"],
+                                             ["--physcpubind=4-7,12", "--membind=1"]]
+
+
+def test_smt_siblings_stay_together_and_count_as_one_thread(smt_sysfs):
+    topo = read_topology(smt_sysfs)
+    assert topo.nodes[0].cores == ((0, 8), (1, 9), (2, 10), (3, 11))
+    p = plan_ranks(topo)  # OMP_NUM_THREADS: the node's physical cores
+    assert [(x.cpus, x.whole_node, x.num_threads) for x in p] == [
+        ((0, 1, 2, 3, 8, 9, 10, 11), True, 4), ((4, 5, 6, 7, 12, 13, 14, 15), True, 4)]
+    p = plan_ranks(topo, ranks=4, reserve_server_core=True)
+    assert [(x.node, format_cpulist(x.cpus), x.num_threads) for x in p] == [
+        (0, "0-1,8-9", 1), (0, "2-3,10-11", 2), (1, "4-5,12-13", 2), (1, "6-7,14-15", 2)]
+    assert [x.cpus for x in plan_ranks(topo, ranks=8)][:2] == [(0, 8), (1, 9)]
+    # more ranks than cores: single cpus, as without SMT information
+    assert [(x.cpus, x.num_threads) for x in plan_ranks(topo, ranks=16)][:2] == [((0,), 1), ((1,), 1)]
+    p = plan_ranks(read_topology(smt_sysfs, allowed_cpus=[0, 8, 1]))
+    assert [(x.cpus, x.whole_node, x.num_threads) for x in p] == [((0, 1, 8), False, 2)]
+
+
+def test_node_without_memory_binds_to_the_nearest_node_with_memory(tmp_path):
+    """numactl refuses --membind to a node without memory; a CPU-less memory node gets no rank."""
+    nodes = ((0, "0-1", 1000, 600), (1, "2-3", 0, 0), (2, "", 4000, 4000))
+    dist = {0: [10, 21, 30], 1: [21, 10, 30], 2: [30, 30, 10]}
+    topo = read_topology(write_sysfs(tmp_path / "a", nodes, distances=dist))
+    assert [x.numactl_args() for x in plan_ranks(topo)] == [["--cpunodebind=0", "--membind=0"],
+                                                           ["--cpunodebind=1", "--membind=0"]]
+    # has_memory rules over meminfo; the nearest node with memory may be a CPU-less one
+    nodes = ((0, "0-1", 1000, 600), (1, "2-3", 1000, 600), (2, "", 4000, 4000))
+    dist[1] = [21, 10, 14]
+    topo = read_topology(write_sysfs(tmp_path / "b", nodes, distances=dist, has_memory="0,2"))
+    assert [x.mem_node for x in plan_ranks(topo)] == [0, 2]
+    # no distances: no node to pick, so no --membind for that rank
+    topo = read_topology(write_sysfs(tmp_path / "c", nodes, has_memory="0,2"))
+    assert [x.numactl_args() for x in plan_ranks(topo)] == [["--cpunodebind=0", "--membind=0"],
+                                                           ["--cpunodebind=1"]]
+
+
+def test_dry_run_says_where_a_node_without_memory_binds(tmp_path):
+    nodes = ((0, "0-1", 1000, 600), (1, "2-3", 0, 0))
+    sysfs = write_sysfs(tmp_path / "a", nodes, distances={0: [10, 20], 1: [20, 10]})
+    out = launch("--sysfs", sysfs, "--dry-run", "--", "serve")
+    assert out.returncode == 0, out.stderr
+    assert "numactl --cpunodebind=1 --membind=0 serve" in out.stdout
+    assert "numa-launch: node 1 has no memory: rank 1 binds its memory to node 0" in out.stderr
+    out = launch("--sysfs", write_sysfs(tmp_path / "b", nodes), "--dry-run", "--", "serve")
+    assert out.stdout.strip().endswith("numactl --cpunodebind=1 serve")
+    assert "rank 1 runs without --membind" in out.stderr
+
+
 # ----------------------------------------------------------------------------- dry run
 def test_dry_run_fake_topology_one_rank_per_node(fake_sysfs):
     out = launch("--sysfs", fake_sysfs, "--dry-run", "--", *shlex.split(CMD))
@@ -111,17 +190,39 @@ def test_dry_run_this_machine(ranks):
     out = launch("--ranks", str(ranks), "--dry-run", "--", *shlex.split(CMD))
     assert out.returncode == 0, out.stderr
     blocks = []
-    for cpus in split_cpus(node.cpus, ranks):
-        bind = ("--cpunodebind=%d" % node.node_id if ranks == 1
+    for cpus in node.split(ranks):
+        bind = ("--cpunodebind=%d" % node.node_id if node.is_whole(cpus)
                 else "--physcpubind=%s" % format_cpulist(cpus))
         blocks.append("-np 1 -env OMP_NUM_THREADS %d %s numactl %s --membind=%d %s"
-                      % (len(cpus), RANK_ENV, bind, node.node_id, CMD))
+                      % (node.num_cores(cpus), RANK_ENV, bind, node.mem_node, CMD))
     assert out.stdout.strip() == "mpirun " + " : ".join(blocks)
+
+
+@pytest.mark.skipif(shutil.which("taskset") is None, reason="SKIPPED: needs taskset (util-linux)")
+def test_dry_run_under_taskset_keeps_the_restriction():
+    cpu = min(os.sched_getaffinity(0))
+    node = [n for n in read_topology(allowed_cpus=range(1 << 16)).nodes if cpu in n.cpus][0]
+    if node.num_cpus < 2:
+        pytest.skip("SKIPPED: limiting a rank to part of its node needs a node with >= 2 cpus")
+    out = subprocess.run(["taskset", "-c", str(cpu), sys.executable, "-m", "numa_runtime.launch", "--dry-run",
+                          "--", "serve"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ("mpirun -np 1 -env OMP_NUM_THREADS 1 %s numactl --physcpubind=%d --membind=%d serve"
+                                  % (RANK_ENV, cpu, node.mem_node))
 
 
 def test_usage_errors(fake_sysfs):
     out = launch("--dry-run")
     assert out.returncode != 0 and "no command given" in out.stderr
+    out = launch("--dry-run", "python", "-m", "numa_runtime.serve")
+    assert out.returncode != 0 and out.stderr.strip().endswith(
+        "error: unrecognized arguments: python -m numa_runtime.serve: put the command after `--`, "
+        "e.g. numa-launch [options] -- python -m numa_runtime.serve")
+    out = launch("-np", "2", "--", "serve")
+    assert out.returncode != 0 and out.stderr.strip().endswith(
+        "error: -np is mpirun's option: give the number of ranks as --ranks N")
+    out = launch("-n", "2", "serve")
+    assert out.returncode != 0 and "as --ranks N, and the command after `--`" in out.stderr
     out = launch("--sysfs", fake_sysfs, "--ranks", "17", "--dry-run", "--", "x")
     assert out.returncode != 0 and "cannot place 17 ranks on 16 cpus: use at most 16 ranks" in out.stderr
 
@@ -183,9 +284,9 @@ def test_launch_binds_ranks_and_propagates_exit_code():
             "sys.exit(3 if r == 1 else 0)")
     out = launch("--ranks", "2", "--", sys.executable, "-c", code)
     assert out.returncode == 3, out.stderr
-    groups = split_cpus(read_topology().nodes[0].cpus, 2)
-    for r, cpus in enumerate(groups):
-        assert "rank %d %s %d 1 funneled" % (r, cpus, len(cpus)) in out.stdout
+    node = read_topology().nodes[0]
+    for r, cpus in enumerate(node.split(2)):
+        assert "rank %d %s %d 1 funneled" % (r, cpus, node.num_cores(cpus)) in out.stdout
 
 
 @needs_tools
