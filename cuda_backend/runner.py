@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from numa_runtime.config import EngineConfig, ModelConfig
+from numa_runtime.config import EngineConfig, ModelConfig, kv_pool_blocks
 from numa_runtime.kv_cache.host_tier import CopyCosts, HostKVTier
 from numa_runtime.plan import EMBED, PROFILE, SHUTDOWN, StepPlan
 from numa_runtime.recorder import NULL_RECORDER
@@ -79,8 +79,7 @@ class CudaModelRunner:
             budget = int(free - max(RESERVE_MIN, RESERVE_FRACTION * free))
         else:
             budget = 1 << 26
-        cap = cfg.max_num_seqs * (-(-max_model_len // self.block_size)) + 1
-        n = min(budget // self.bytes_per_block, cap)
+        n = kv_pool_blocks(budget, self.bytes_per_block, cfg.max_num_seqs, max_model_len, self.block_size)
         if self.comm.world_size > 1:  # every rank must hold the same block ids: the smallest pool
             mine = np.zeros(self.comm.world_size, np.float32)
             mine[self.comm.rank] = n

@@ -456,6 +456,19 @@ class ParallelConfig:
         return cls(world_size, 1, "tensor parallel over all ranks: " + why)
 
 
+def kv_pool_blocks(budget_bytes: int, bytes_per_block: int, max_num_seqs: int, max_model_len: int,
+                   block_size: int) -> int:
+    """Blocks a KV pool of `budget_bytes` holds: no more than every sequence at full length
+    needs (+1: a window's partial first block)."""
+    return int(min(budget_bytes // bytes_per_block, max_num_seqs * -(-max_model_len // block_size) + 1))
+
+
+def context_in_pool(max_model_len: int, num_blocks: int, block_size: int, every_layer_slides: bool) -> int:
+    """The context one request can really use: no more tokens than the pool holds, unless every
+    layer slides a window (old blocks are released)."""
+    return max_model_len if every_layer_slides else min(max_model_len, num_blocks * block_size)
+
+
 def supported_len(model: ModelConfig) -> int:
     """The longest context the model's positions cover, as vLLM derives it: a yarn scaling's
     original length times its factor, a linear one's max_position_embeddings times its factor

@@ -219,12 +219,13 @@ class Engine:
     def _fit_max_len_to_cache(self, mcfg: ModelConfig, num_blocks: int) -> int:
         """The context one request can really use: no more tokens than the KV cache holds (unless
         every layer slides a window, and old blocks are released)."""
-        capacity = num_blocks * self.config.block_size  # of the smallest replica's pool
-        if mcfg.min_window or self.max_model_len <= capacity:
-            return self.max_model_len
-        log.warning("max_model_len %d lowered to %d: the KV cache holds %d tokens; enlarge it "
-                    "(kv_cache_memory) for longer requests", self.max_model_len, capacity, capacity)
-        return capacity
+        from .config import context_in_pool
+        # NOTE: num_blocks: of the smallest replica's pool
+        fits = context_in_pool(self.max_model_len, num_blocks, self.config.block_size, bool(mcfg.min_window))
+        if fits < self.max_model_len:
+            log.warning("max_model_len %d lowered to %d: the KV cache holds %d tokens; enlarge it "
+                        "(kv_cache_memory) for longer requests", self.max_model_len, fits, fits)
+        return fits
 
     def _log_start(self) -> None:
         s = self.summary()

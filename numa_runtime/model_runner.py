@@ -6,7 +6,7 @@ import logging
 import numpy as np
 import psutil
 
-from .config import EngineConfig, ModelConfig
+from .config import EngineConfig, ModelConfig, kv_pool_blocks
 from .models import get_model_class
 from .plan import PROFILE, SHUTDOWN, StepPlan
 from .recorder import NULL_RECORDER
@@ -65,9 +65,7 @@ class ModelRunner:
             # NOTE: from total (not free) memory so that every rank of a host computes the same
             # number without a collective; shared by the ranks of this host.
             budget = int(psutil.virtual_memory().total * cfg.kv_cache_fraction / self.comm.local_size)
-        # no point in more than every sequence at full length
-        cap = cfg.max_num_seqs * (-(-max_model_len // self.block_size)) + 1
-        n = min(budget // self.bytes_per_block, cap)
+        n = kv_pool_blocks(budget, self.bytes_per_block, cfg.max_num_seqs, max_model_len, self.block_size)
         if n < 2:
             raise ValueError(f"The KV cache budget ({budget} bytes) holds fewer than 2 blocks of "
                              f"{self.bytes_per_block} bytes; raise kv_cache_memory.")

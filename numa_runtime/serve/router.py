@@ -31,7 +31,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ..config import ModelConfig, supported_len
+from ..config import ModelConfig, context_in_pool, kv_pool_blocks, supported_len
 from ..plan import StepPlan
 
 log = logging.getLogger("numa_runtime.serve")
@@ -173,13 +173,11 @@ class ModelRouter:
         from ..models.llama import ShardLayout, kv_block_bytes
         mcfg = self.model_configs[name]
         asked = Engine._resolve_max_len(mcfg, self.config.engine_kwargs.get("max_model_len"))
-        if mcfg.min_window:  # NOTE: every layer slides: old blocks are released
-            return asked
         ecfg = EngineConfig(**{k: v for k, v in self._engine_kwargs.items() if k in EngineConfig.__dataclass_fields__})
         heads = max(ShardLayout.build(mcfg, r, self.world).num_kv_heads for r in range(self.world))
         block = kv_block_bytes(mcfg, heads, ecfg.block_size, ecfg.kv_dtype)
-        blocks = min(self._kv_bytes() // block, ecfg.max_num_seqs * -(-asked // ecfg.block_size) + 1)
-        return min(asked, int(blocks) * ecfg.block_size)
+        blocks = kv_pool_blocks(self._kv_bytes(), block, ecfg.max_num_seqs, asked, ecfg.block_size)
+        return context_in_pool(asked, blocks, ecfg.block_size, bool(mcfg.min_window))
 
     @property
     def used_bytes(self) -> int:
