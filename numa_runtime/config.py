@@ -323,16 +323,20 @@ class EngineConfig:
             if (v is not None or name in ("block_size", "max_num_seqs", "max_num_batched_tokens")) and (
                     isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}.")
+            if v is not None:
+                object.__setattr__(self, name, int(v))  # NOTE: numpy integers too, as the parts below check int
         for name in ("reserve_server_core", "enable_prefix_caching", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         if isinstance(self.kv_cache_fraction, bool) or not isinstance(self.kv_cache_fraction, numbers.Real):
             raise ValueError(f"kv_cache_fraction must be a number in (0, 0.95], got {self.kv_cache_fraction!r}.")
+        object.__setattr__(self, "kv_cache_fraction", float(self.kv_cache_fraction))
         kv = self.kv_cache_dtype
         if kv not in ("auto", "int8") and _DTYPES.get(str(kv)) not in ("bfloat16", "float32"):
             raise ValueError(f"kv_cache_dtype must be 'auto', 'bfloat16', 'float32' or 'int8', got {kv!r}.")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}.")
+        object.__setattr__(self, "seed", int(self.seed))
         if self.generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be 'auto' (the model's sampling defaults) or 'vllm' "
                              f"(none), got {self.generation_config!r}.")

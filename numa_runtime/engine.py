@@ -614,6 +614,8 @@ class Engine:
             if not isinstance(conv, (list, tuple)) or not all(isinstance(m, dict) for m in conv):
                 raise TypeError("messages must be a list of message dicts ({'role': ..., 'content': ...}), or a "
                                 "list of such lists.")
+            if not conv:
+                raise ValueError("A conversation needs at least one message.")
             prompt = self.tokenizer.apply_chat_template(
                 conv, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                 chat_template=chat_template, **{**(chat_template_kwargs or {}), **template_kwargs})

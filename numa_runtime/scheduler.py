@@ -93,7 +93,7 @@ class Scheduler:
         if cfg.sliding_window:  # blocks older than the window are released as it moves on
             # NOTE: a step holds a chunk of the prompt (at most all of it) and the window before it,
             # or one new token and the window; +1: the window need not start on a block boundary
-            chunk = min(cfg.max_num_batched_tokens, num_prompt, self._window_chunk_cap())
+            chunk = min(cfg.max_num_batched_tokens, num_prompt, self._window_chunk_cap(cfg.sliding_window - 1))
             need = min(need, max(bm.num_blocks_for(min(num_prompt, cfg.sliding_window - 1 + chunk)),
                                  bm.num_blocks_for(cfg.sliding_window)) + 1)
         if need > bm.num_blocks:
@@ -145,7 +145,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req.num_tokens - req.num_computed_tokens, budget, req.num_computed_tokens)
             if n <= 0:
                 i += 1
                 continue
@@ -168,7 +168,7 @@ class Scheduler:
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
             blocks, num_cached = self.block_manager.get_computed_blocks(req)
-            n = self._chunk(req.num_tokens - num_cached, budget)
+            n = self._chunk(req.num_tokens - num_cached, budget, num_cached)
             if not self.block_manager.can_allocate(req, n, blocks, reserve):
                 if self.running or scheduled or not blocks or reserve:
                     break
@@ -176,7 +176,7 @@ class Scheduler:
                 # does not fit (a sliding-window model's prefix longer than the pool): recompute
                 # the prefix rather than wait for ever
                 blocks, num_cached = [], 0
-                n = self._chunk(req.num_tokens, budget)
+                n = self._chunk(req.num_tokens, budget, 0)
                 if not self.block_manager.can_allocate(req, n, blocks):
                     break
             self.block_manager.allocate(req, n, blocks)
@@ -189,21 +189,21 @@ class Scheduler:
         self.num_steps += 1
         return self._make_output(scheduled, preempted)
 
-    def _chunk(self, remaining: int, budget: int) -> int:
+    def _chunk(self, remaining: int, budget: int, computed: int) -> int:
+        """The tokens a request with `computed` tokens in its KV takes this step."""
         n = min(remaining, budget)
         if self.config.long_prefill_token_threshold > 0:
             n = min(n, self.config.long_prefill_token_threshold)
         if self.config.sliding_window:
-            n = min(n, self._window_chunk_cap())
+            n = min(n, self._window_chunk_cap(min(computed, self.config.sliding_window - 1)))
         return n
 
-    def _window_chunk_cap(self) -> int:
-        """Every layer slides: the largest prefill chunk whose step fits the whole pool beside the
-        window before it (+1 block: the window need not start on a block boundary), so that a
-        prompt longer than the pool runs in chunks it can hold (it was refused whenever
-        max_num_batched_tokens was larger)."""
-        bs = self.block_manager.block_size
-        return max(1, (self.block_manager.num_blocks - 1) * bs - (self.config.sliding_window - 1))
+    def _window_chunk_cap(self, behind: int) -> int:
+        """Every layer slides: the largest chunk whose step fits the whole pool beside the `behind`
+        tokens of the window before it (+1 block: the window need not start on a block boundary),
+        so that a prompt longer than the pool runs in chunks it can hold (it was refused whenever
+        max_num_batched_tokens was larger); a prompt the pool holds stays one chunk."""
+        return max(1, (self.block_manager.num_blocks - 1) * self.block_manager.block_size - behind)
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req)

@@ -544,6 +544,8 @@ def test_chat_takes_vllm_arguments_and_lists_of_conversations(model_dir):
         for bad in ("hello", ["hi"], [m, "x"]):
             with pytest.raises(TypeError, match=r"^messages must be a list of message dicts"):
                 eng.chat(bad, sp)
+        with pytest.raises(ValueError, match=r"^A conversation needs at least one message\.$"):
+            eng.chat([], sp)  # NOTE: it generated from the template's empty rendering
         with pytest.raises(TypeError, match=r"^Engine.chat\(\) does not support lora_request\.$"):
             eng.chat(m, sp, lora_request=object())
     finally:
@@ -561,6 +563,15 @@ def test_engine_arguments_of_the_wrong_type_are_refused_by_name(model_dir, kwarg
     """They were accepted (max_model_len=True, a truthy "no") or failed deep inside with a TypeError."""
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         Engine(model_dir, dtype="float32", **kwargs)
+
+
+def test_numpy_integers_are_integers_to_the_engine(model_dir):
+    """They passed the config's check, then failed in the scheduler after the weights loaded."""
+    i = np.int64
+    with Engine(model_dir, dtype="float32", max_model_len=i(64), block_size=i(16), max_num_batched_tokens=i(32),
+                kv_cache_memory=i(1 << 22), seed=i(3), kv_cache_fraction=np.float32(0.5)) as eng:
+        assert eng.generate([[5, 6, 7]], GREEDY)[0].finish_reason == "length"
+        assert type(eng.config.max_model_len) is int and type(eng.config.seed) is int
 
 
 @pytest.mark.parametrize("scaling, limit", [

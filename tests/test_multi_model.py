@@ -452,7 +452,7 @@ def test_requests_that_arrive_after_a_waiting_model_queue_behind_it(models):
     """The router: while beta waits for the room busy alpha holds, a request to alpha that arrived
     after beta began to wait is held (alpha drains, then beta loads); one that arrived before is not."""
     root, expected = models
-    r = router(root, ["alpha", "beta"], 1.5)
+    r = router(root, ["alpha", "beta", "gamma"], 1.05)  # one model at a time
     r.route["a1"] = "alpha"
     r.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), request_id="a1")
     with pytest.raises(ModelUnavailableError, match="beside the busy models"):
@@ -465,6 +465,8 @@ def test_requests_that_arrive_after_a_waiting_model_queue_behind_it(models):
     r.add_request(PROMPT, GREEDY, request_id="a0")
     while r.has_unfinished_requests():
         r.step()
+    with pytest.raises(ModelUnavailableError, match="once 'beta', which asked first"):
+        r.get("gamma", since=12.0)  # NOTE: asked later: its load does not take beta's room
     assert r.get("beta", since=10.0) is r.engines["beta"] and list(r.engines) == ["beta"]
     r.close()
 

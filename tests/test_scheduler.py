@@ -322,6 +322,22 @@ def test_sliding_window_admission_counts_only_the_window():
         make(num_blocks=5, budget=8, max_model_len=64).add_request(req("x", range(10), max_tokens=40))
 
 
+def test_sliding_window_chunks_only_what_the_pool_cannot_hold_beside_the_window():
+    """Window 9, 6 blocks of 4, a budget of 64: a 20-token prompt fits the pool (5 blocks, +1 for a
+    window's unaligned start) and is one chunk (the first cap made every prompt a few tokens a
+    step); a 40-token one runs in chunks that fit beside the 8 tokens of window before each (20,
+    then 12s), and its KV is its tokens throughout (FakeModel checks)."""
+    sched = make(num_blocks=6, budget=64, max_model_len=128, sliding_window=9)
+    short = req("short", range(20), max_tokens=1)
+    assert [list(o.num_scheduled_tokens) for o in drive(sched, {0: [short]})] == [[20]]
+    sched = make(num_blocks=6, budget=64, max_model_len=128, sliding_window=9)
+    long = req("long", range(40), max_tokens=2)
+    chunks = []
+    drive(sched, {0: [long]}, on_step=lambda s, out: chunks.append(list(out.num_scheduled_tokens)))
+    assert chunks[:3] == [[20], [12], [8]] and sum(c[0] for c in chunks) == 40 + 1
+    assert long.output_token_ids == expected_output(long)
+
+
 def test_reserved_blocks_hold_back_admissions_but_not_running_requests():
     """Blocks reserved for a waiting scratch forward (an embedding) are not given to new
     requests; running requests still step (and free their blocks as they end)."""

@@ -184,7 +184,14 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client, kind
     assert all(c.usage is not None and c.usage.prompt_tokens == full.usage.prompt_tokens for c in chunks), chunks
     done = [c.usage.completion_tokens for c in chunks]
     assert done == sorted(done) and done[-1] == full.usage.completion_tokens == 6
+    assert done[0] == (0 if kind == "chat" else 1)  # NOTE: the chat's role chunk: nothing generated yet
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens
+    two = list(client.completions.create(model="tiny", prompt="Hello world", max_tokens=6, n=2, stream=True,
+                                         stream_options=opts, temperature=1.0, seed=1))
+    for i in (0, 1):  # NOTE: as vLLM, each chunk carries its own choice's tokens, not the sum
+        mine = [c.usage.completion_tokens for c in two if c.choices and c.choices[0].index == i]
+        assert mine == sorted(mine) and mine[-1] == 6, two
+    assert two[-1].usage.completion_tokens == 12
     plain = list(client.completions.create(model="tiny", prompt="Hi", max_tokens=2, stream=True,
                                            stream_options={"include_usage": True}, **FLOAT))
     assert [c.usage for c in plain[:-1]] == [None] * (len(plain) - 1)

@@ -511,7 +511,8 @@ def _watch_close(closed: threading.Event) -> None:
     """Rank 0 of several, once the engine loop has ended: close() waits in MPI for every rank (the
     shutdown plan, the disk tier's last writes), where no signal handler can run, so a stopped or
     dead worker rank held the job for ever. End the MPI job if close() has not ended _STUCK_EXIT_S
-    after the loop did, or after this rank's last disk tier write (a large cache takes a while)."""
+    after the loop did; a disk tier's last writes add what they took on this rank, again, from its
+    last write (the other ranks write their shares of the same blocks meanwhile)."""
     import time
 
     from ..kv_cache import disk_tier
@@ -519,7 +520,9 @@ def _watch_close(closed: threading.Event) -> None:
 
     def watch():
         while not closed.wait(0.5):
-            if time.monotonic() - max(start, disk_tier.last_op_at) > _STUCK_EXIT_S:
+            last = disk_tier.last_op_at
+            writing = max(0.0, last - start)  # NOTE: this rank's flush so far
+            if time.monotonic() - max(start, last) > _STUCK_EXIT_S + writing:
                 print(f"numa-serve: error: the shutdown has not ended {_STUCK_EXIT_S:.0f} s after the engine loop "
                       "did (a worker rank is stopped or stuck); ending the MPI job.", file=sys.stderr, flush=True)
                 time.sleep(0.5)  # NOTE: mpirun drops output still in flight when the job is aborted

@@ -405,23 +405,23 @@ async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode,
     status, offsets = "abort", {}
     calls = {} if tool_plan is not None and tool_plan.parses else None  # choice index -> ToolStream
 
-    def event(chunk: dict) -> str:
-        if continuous_usage:
-            chunk["usage"] = tracker.usage()
+    def event(chunk: dict, opening: bool = False) -> str:
+        if continuous_usage:  # NOTE: as vLLM, each chunk its own choice's usage so far
+            chunk["usage"] = tracker.usage_of(chunk["choices"][0]["index"], opening)
         return R.sse(chunk)
     roles = [R.chat_chunk(rid, model, created, None, i, decode, include_usage)
              for i in range(len(gen.index) * tracker.n)] if chat else []
     try:
         if not continuous_usage:
             for chunk in roles:
-                yield event(chunk)
+                yield event(chunk, opening=True)
             roles = []
         async for index, out in gen.outputs():
             _check_failed(out, schema_param)
             pieces = tracker.update(index, out)
             report.saw(pieces)
             for chunk in roles:
-                yield event(chunk)
+                yield event(chunk, opening=True)
             roles = []
             for p in pieces:
                 if calls is not None:

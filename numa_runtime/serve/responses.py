@@ -79,6 +79,15 @@ class ChoiceTracker:
         completion = sum(len(c.token_ids) for o in self.latest.values() for c in o.outputs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
+    def usage_of(self, index: int, opening: bool = False) -> dict:
+        """The usage so far of choice `index` alone (vLLM's continuous usage stats: its prompt's
+        tokens and its own completion tokens; none yet in the `opening` role chunk)."""
+        out = self.latest.get(index // self.n)
+        prompt = len(out.prompt_token_ids) if out is not None else 0
+        done = 0 if out is None or opening else next(
+            (len(c.token_ids) for c in out.outputs if c.index == index % self.n), 0)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
     def choices(self) -> list[tuple[int, "object"]]:
         """(choice index, CompletionOutput) of every finished choice, in index order."""
         out = [(p * self.n + c.index, c) for p, o in self.latest.items() for c in o.outputs]

@@ -211,14 +211,14 @@ class ModelRouter:
         """The loaded Engine of `name`, loading it (and unloading idle ones) if needed. A request
         that first asked at `since` waits (ModelUnavailableError) behind an unloaded model that
         has waited for room since before it, as Ollama's queue does: else new requests to the busy
-        models kept it out until its load timeout."""
+        models, or another model's load, kept it out until its load timeout."""
+        ahead = sorted((t, w) for w, t in tuple(self.waiters.values())
+                       if since is not None and t < since and w != name and w not in self.engines)
+        if ahead:  # NOTE: a loaded model's new requests, and a later model's load, both wait
+            raise ModelUnavailableError(
+                f"The model {name!r} takes this request once {ahead[0][1]!r}, which asked first, has "
+                "loaded in the room the busy models hold; retry shortly.")
         if name in self.engines:
-            ahead = sorted((t, w) for w, t in tuple(self.waiters.values())
-                           if since is not None and t < since and w != name and w not in self.engines)
-            if ahead:
-                raise ModelUnavailableError(
-                    f"The model {name!r} takes this request once {ahead[0][1]!r}, which asked first, has "
-                    "loaded in the room the busy models hold; retry shortly.")
             self.engines.move_to_end(name)
             return self.engines[name]
         failed = self._failed.get(name)
