@@ -757,7 +757,16 @@ class Engine:
             return
         self._closed = True
         from . import data_parallel
-        data_parallel.worker_loop(self.runner, self._link)
+        # NOTE: mpiexec forwards a Ctrl-C to every rank. A worker interrupted inside a step left
+        # rank 0 waiting in its collective (NUMA_RUNTIME_COLLECTIVE_TIMEOUT, 300 s); rank 0 takes
+        # it between steps and ends the job ("rank 0 failed: interrupted") or closes the engine
+        held = (signal.signal(signal.SIGINT, signal.SIG_IGN)
+                if threading.current_thread() is threading.main_thread() else None)
+        try:
+            data_parallel.worker_loop(self.runner, self._link)
+        finally:
+            if held is not None:
+                signal.signal(signal.SIGINT, held)
         if not self._keeps_workers:
             self.comm.gather_object(_exiting)  # NOTE: rank 0's close() learns whether this rank exits
 

@@ -103,3 +103,28 @@ def test_a_step_that_fails_on_rank_0_mid_way_ends_the_job(model_dir):
     assert p.returncode != 0 and "FIRST no memory for this step" in p.stdout, out[-3000:]
     assert "SECOND generate(): a step failed on rank 0 (MemoryError: no memory for this step)" in p.stdout, out[-3000:]
     assert "SECOND RAN" not in p.stdout and "the ranks are out of step; restart the job" in p.stderr, out[-3000:]
+
+
+def test_ctrl_c_ends_a_generating_job_at_once(model_dir):
+    """mpiexec forwards a Ctrl-C to every rank. The worker took it inside a step and left rank 0
+    waiting in the step's collective until NUMA_RUNTIME_COLLECTIVE_TIMEOUT (300 s) blamed a dead
+    rank; the workers now leave it to rank 0, which ends the job between steps."""
+    import signal
+    import time
+    env = dict(os.environ, MPI4PY_RC_THREAD_LEVEL="funneled", OMP_NUM_THREADS="1",
+               NUMA_RUNTIME_COLLECTIVE_TIMEOUT="120", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = ["mpirun", "-np", "2", sys.executable, os.path.join(HERE, "mpi", "worker_ranks.py"), model_dir, "ctrl-c"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        assert p.stdout.readline().startswith("MARK generating rank 0")
+        time.sleep(1)  # NOTE: well into the generation loop, where nearly all time is in steps
+        start = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=110)
+        assert time.monotonic() - start < 30, err[-3000:]
+        assert p.returncode != 0 and "rank 0 failed: interrupted" in err, err[-3000:]
+        assert "did not join" not in err, err[-3000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()

@@ -5,6 +5,7 @@ usage: mpirun -np N python tests/mpi/worker_ranks.py MODEL_DIR plain|explicit|pl
 plain:    a script written for one process: Engine(), generate(), print, close().
 explicit: `with Engine() as eng:` drives on rank 0 only; every rank goes on after the block.
 *-twice:  the same, then a second Engine (the plain script's workers have exited by then).
+ctrl-c:   rank 0 generates until interrupted.
 driver-only-twice: only rank 0 drives and closes; a worker's script ends (its engine closes at
           exit) and rank 0 then makes a second Engine.
 Each rank writes "MARK <where> rank <r>" lines, one write each (ranks must not interleave).
@@ -21,6 +22,14 @@ params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 def mark(where: str, rank: int, extra: str = "") -> None:
     os.write(1, f"MARK {where} rank {rank}{extra}\n".encode())
 
+
+if mode == "ctrl-c":  # rank 0 generates until the test sends SIGINT to mpirun
+    eng = Engine(model, dtype="float32", kv_cache_memory=1 << 24, max_model_len=128)
+    if eng.is_driver:
+        mark("generating", 0)
+        while True:
+            eng.generate([[1, 5, 9]] * 4, SamplingParams(max_tokens=100, ignore_eos=True))
+    sys.exit(0)
 
 if mode == "driver-only-twice":
     eng = Engine(model, dtype="float32", kv_cache_memory=1 << 24, max_model_len=128)
