@@ -379,6 +379,43 @@ def test_sigterm_ends_the_job_while_a_worker_rank_is_stopped(model_dir):
         srv.stop()
 
 
+def test_a_second_sigterm_ends_the_job_soon_while_a_worker_rank_is_stopped(model_dir):
+    """A long grace (60 s) and a step stalled on a stopped rank: a second signal means exit now,
+    as in one process; the job ends 5 s later (it waited out the grace and 15 s more, however many
+    signals came), and the front answers the request in flight."""
+    import time
+    srv = _mpi_server(model_dir, "--shutdown-grace", "60")
+    worker = None
+    try:
+        worker = _rank_process(srv.proc.pid, 1)
+        done = {}
+        t = _post_in_background(srv, {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True}, done)
+        worker.suspend()
+        t.start()
+        wait_for(lambda: metric(srv.base, "numa_runtime_engine_busy_seconds") > 1, timeout=120,
+                 what="the request's step stalling on the stopped rank")
+        start = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        # NOTE: the shutdown has begun (the front turns new requests away), so the second signal is
+        # not merged with the first on its way
+        def turned_away():
+            try:
+                return httpx.get(srv.base + "/health", timeout=5).status_code == 503
+            except httpx.ConnectError:
+                return True
+        wait_for(turned_away, what="the shutdown begun")
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.proc.wait(timeout=120)
+        t.join(timeout=60)
+        assert time.monotonic() - start < 40, srv.output()
+        assert "a second signal, and the shutdown has not ended 5 s later" in srv.output()
+        assert done["r"].status_code == 503, done
+    finally:
+        if worker is not None and worker.is_running():
+            worker.kill()
+        srv.stop()
+
+
 def test_sigterm_ends_the_job_while_an_idle_worker_rank_is_stopped(model_dir):
     """Rank 1 is stopped (SIGSTOP) while nothing runs, then the server is told to stop: the engine
     loop ends at once and rank 0 waits in close() for rank 1 to take the shutdown plan, where no

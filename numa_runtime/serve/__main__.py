@@ -393,6 +393,11 @@ def _serve(args, world, sock, front) -> int:
         if world is None or world[0] == 0:
             print(f"numa-serve: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # NOTE: rank 0 only (workers ignore SIGINT): a line, not a traceback
+        print("numa-serve: error: interrupted while loading the model.", file=sys.stderr, flush=True)
+        if world is not None and world[1] > 1:
+            _abort_job(130)  # NOTE: the workers are in the load's collectives
+        return 130
     if engine is None:  # a worker rank of several models: rank 0 has shut down
         return 0
     if not multi and not engine.is_driver:
@@ -453,8 +458,9 @@ def _serve(args, world, sock, front) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    closed = threading.Event()  # NOTE: set once engine.close() returned
     if world is not None and world[1] > 1:
-        _watch_signals(aengine, begin_shutdown, args.shutdown_grace)
+        _watch_signals(aengine, begin_shutdown, args.shutdown_grace, closed)
     http.start()
     if front is not None:
         front.tell("ready")
@@ -466,7 +472,6 @@ def _serve(args, world, sock, front) -> int:
     finally:
         server.should_exit = True
         http.join(timeout=10)
-        closed = threading.Event()
         if world is not None and world[1] > 1:
             _watch_close(closed)
         engine.close()
@@ -481,29 +486,54 @@ def _serve(args, world, sock, front) -> int:
 _STUCK_EXIT_S = 15.0  # past the grace: how long a shutdown may wait for an engine step to end
 
 
-def _watch_signals(aengine, begin_shutdown, grace: float) -> None:
+_FORCED_EXIT_S = 5.0  # after a second signal: how long the shutdown may still take before the job is ended
+
+
+def _watch_signals(aengine, begin_shutdown, grace: float, closed: threading.Event) -> None:
     """Rank 0 of several: a thread that sees SIGINT/SIGTERM even while the main thread waits in an
     MPI call for a rank that is stopped or stuck (Python runs signal handlers on the main thread
     only, between calls). It starts the graceful shutdown itself if the handler could not, and
     if the engine loop has still not ended _STUCK_EXIT_S after the grace, it ends the MPI job (the
-    HTTP front then answers what was in flight). The job ignored every signal before."""
+    HTTP front then answers what was in flight). A second signal means exit now, as in one
+    process: if the shutdown has not ended _FORCED_EXIT_S later, the job is ended then (it waited
+    out the grace). The job ignored every signal before."""
+    import select
     import time
     r, w = os.pipe()
     os.set_blocking(w, False)
     signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    wanted, seen = {signal.SIGINT, signal.SIGTERM}, [0]
+
+    def signals(n: int, timeout: float | None) -> bool:
+        """Whether `n` SIGINT/SIGTERMs in all have arrived within `timeout` s (None: wait for them)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while seen[0] < n:
+            left = None if end is None else max(0.0, end - time.monotonic())
+            if not select.select([r], [], [], left)[0]:
+                return False
+            seen[0] += sum(1 for b in os.read(r, 64) if b in wanted)
+        return True
+
+    def end_job(why: str) -> None:
+        print(f"numa-serve: error: {why}; ending the MPI job.", file=sys.stderr, flush=True)
+        time.sleep(0.5)  # NOTE: mpirun drops output still in flight when the job is aborted
+        _abort_job(1)
 
     def watch():
-        while not set(os.read(r, 64)) & {signal.SIGINT, signal.SIGTERM}:
-            pass
-        if not aengine.is_alive:
-            return
+        signals(1, None)
         begin_shutdown()  # NOTE: idempotent (the handler may run it too); never a forced exit
         deadline = time.monotonic() + grace + _STUCK_EXIT_S
-        if not aengine.wait_stopped(max(0.0, deadline - time.monotonic())):
-            print(f"numa-serve: error: an engine step has not ended {grace + _STUCK_EXIT_S:.0f} s after the "
-                  "shutdown began (a rank is stopped or stuck); ending the MPI job.", file=sys.stderr, flush=True)
-            time.sleep(0.5)  # NOTE: mpirun drops output still in flight when the job is aborted
-            _abort_job(1)
+        while not closed.is_set() and not aengine.wait_stopped(0) and not signals(2, 0):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                end_job(f"an engine step has not ended {grace + _STUCK_EXIT_S:.0f} s after the shutdown began "
+                        "(a rank is stopped or stuck)")
+            signals(2, min(left, 0.5))
+        # NOTE: the loop ended (_watch_close covers close()) or a second signal came: exit now
+        signals(2, None)
+        if not closed.wait(_FORCED_EXIT_S):
+            end_job(f"a second signal, and the shutdown has not ended {_FORCED_EXIT_S:.0f} s later (a rank is "
+                    "stopped or stuck)")
     threading.Thread(target=watch, name="numa-signals", daemon=True).start()
 
 
