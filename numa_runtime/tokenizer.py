@@ -142,6 +142,10 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_str(self, token_id: int) -> str:
+        """The vocabulary's string of a token (HF convert_ids_to_tokens: "Ġcaf", "▁the", "<0x0A>")."""
+        return self._backend.id_to_token(int(token_id)) or ""
+
     def token_bytes(self, token_id: int) -> bytes:
         """The UTF-8 bytes token `token_id` stands for in a text, also where it holds only part
         of a character (a byte-level BPE piece, or a SentencePiece <0xNN> byte: decode() shows

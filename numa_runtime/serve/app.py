@@ -176,7 +176,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
                 text, add = body.prompt, body.add_special_tokens is not False
             ids = await asyncio.to_thread(tok.encode, text, add_special_tokens=add)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
-                "token_strs": [R.token_text(decode_token(t)) for t in ids] if body.return_token_strs else None}
+                "token_strs": [tok.token_str(t) for t in ids] if body.return_token_strs else None}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
