@@ -233,9 +233,10 @@ class Engine:
         log.info("model %s (%s) in %s on %d rank(s) x %d thread(s); max_model_len %d",
                  os.path.basename(s["model"]), s["architecture"], s["dtype"], s["ranks"],
                  s["threads_per_rank"], s["max_model_len"])
-        log.info("KV cache (%s): %d blocks of %d tokens, %.0f MiB per rank, %d tokens at once",
+        log.info("KV cache (%s): %d blocks of %d tokens, %.0f MiB per rank, %d tokens at once%s",
                  s["kv_cache_dtype"], s["kv_blocks"], s["block_size"], s["kv_cache_bytes"] / mib,
-                 s["max_concurrent_tokens"])
+                 s["max_concurrent_tokens"],
+                 f" over {s['data_parallel']} replicas" if s["data_parallel"] > 1 else "")
         if self.default_sampling:
             log.info("default sampling from the model's generation_config.json: %s (a request's own values "
                      "win; generation_config='vllm' ignores the file)", self.default_sampling)
@@ -252,14 +253,18 @@ class Engine:
         return SamplingParams(**self.default_sampling)
 
     def summary(self) -> dict:
+        """What runs where. kv_blocks and max_concurrent_tokens count every replica's pool (under
+        data parallel replica 0's alone was given); kv_cache_bytes is per rank."""
         c = self.model_config
+        pool = getattr(self, "block_manager", None)
+        blocks = pool.num_blocks if pool is not None else self.runner.num_blocks
         return {"model": c.model_dir, "architecture": c.architecture, "dtype": self.config.dtype,
                 "ranks": self.comm.world_size, "threads_per_rank": self.num_threads,
                 "data_parallel": self.parallel.data_parallel, "tensor_parallel": self.parallel.tensor_parallel,
-                "max_model_len": self.max_model_len, "kv_blocks": self.runner.num_blocks,
+                "max_model_len": self.max_model_len, "kv_blocks": blocks,
                 "block_size": self.config.block_size, "kv_cache_bytes": self.runner.kv_cache_bytes,
                 "kv_cache_dtype": self.config.kv_dtype,
-                "max_concurrent_tokens": self.runner.num_blocks * self.config.block_size,
+                "max_concurrent_tokens": blocks * self.config.block_size,
                 "per_rank": self.ranks}
 
     # ------------------------------------------------------------------ requests

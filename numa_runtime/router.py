@@ -51,12 +51,14 @@ class ReplicaRouter:
         s = self.replicas[r]
         return s.num_running + s.num_waiting
 
-    def has_room(self, r: int, req: Request, cached_blocks: int) -> bool:
-        """Replica r can take req now: a free sequence slot and free blocks for its uncached part."""
+    def has_room(self, r: int, req: Request, hits: list, num_cached: int) -> bool:
+        """Replica r can take req now: a free sequence slot and free blocks for its uncached part
+        beside its prefix hits (`hits`, `num_cached` tokens; evictable hits it pins are no longer
+        free: counting them let a next turn wait on a full replica while another was idle)."""
         s = self.replicas[r]
         bm = s.block_manager
-        need = bm.num_blocks_for(req.num_tokens) - cached_blocks
-        return self.load(r) < s.config.max_num_seqs and need <= bm.num_free_blocks - bm.reserved_blocks
+        return (self.load(r) < s.config.max_num_seqs
+                and bm.can_allocate(req, req.num_tokens - num_cached, hits, bm.reserved_blocks))
 
     def tokens(self, r: int) -> int:
         """Tokens of the unfinished requests on replica r (what their KV will hold)."""
@@ -70,15 +72,18 @@ class ReplicaRouter:
         loads = [self.load(r) for r in range(len(self.replicas))]
         held = [self.replicas[r].block_manager.reserved_blocks > 0 for r in range(len(loads))]
         least = min(range(len(loads)), key=lambda r: (held[r], loads[r], self.tokens(r), r))
-        cached = [len(s.block_manager.get_computed_blocks(req)[0]) for s in self.replicas]
+        found = [s.block_manager.get_computed_blocks(req) for s in self.replicas]
+        cached = [len(hits) for hits, _ in found]
         best = max(range(len(cached)), key=lambda r: (cached[r], -loads[r]))
-        if cached[best] > cached[least] and self.has_room(best, req, cached[best]):
+        if cached[best] > cached[least] and self.has_room(best, req, *found[best]):
             self.routed_by_prefix += 1
             return best
         return least
 
     # ---- the Scheduler interface ---------------------------------------------------------
     def add_request(self, req: Request) -> None:
+        if req.request_id in self.where:  # NOTE: each replica knows only its own ids
+            raise ValueError(f"Request id {req.request_id!r} is already in use; give each request a unique id.")
         r = self.route(req)
         self.replicas[r].add_request(req)  # raises ValueError if it can never fit
         self.where[req.request_id] = r

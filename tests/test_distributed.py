@@ -252,7 +252,11 @@ def test_serve_with_data_parallel_replicas(tiny_model):
     with Engine(tiny_model, dtype="float32", kv_cache_memory=1 << 24, max_model_len=128) as eng:
         want = [o.outputs[0].text for o in eng.generate(
             prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))]
+        one = eng.summary()
     assert texts == want
+    # NOTE: the banner counts both replicas' pools (it gave replica 0's alone)
+    tokens = 2 * one["max_concurrent_tokens"]
+    assert f"{2 * one['kv_blocks']} blocks x 16 tokens = {tokens} tokens over 2 replicas" in log, log
 
 
 def test_closed_communicators_are_freed():

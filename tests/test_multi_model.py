@@ -177,7 +177,9 @@ def test_server_serves_each_model_by_name(models, ranks):
     root, expected = models
     launcher = ["mpirun", "-np", "2"] if ranks == 2 else []
     names = ["alpha", "beta"]
-    srv = serve(root, names, budget_for(root, names, 2.5), launcher)
+    # NOTE: numa-launch --tp 2 sets NUMA_RUNTIME_DATA_PARALLEL=1, one model over all ranks: allowed (it was refused)
+    srv = serve(root, names, budget_for(root, names, 2.5), launcher,
+                env={"NUMA_RUNTIME_DATA_PARALLEL": "1"} if ranks == 2 else None)
     try:
         client = srv.client()
         assert [m.id for m in client.models.list().data] == names

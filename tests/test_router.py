@@ -95,6 +95,35 @@ def test_a_full_replica_sends_the_conversation_elsewhere():
     assert rt.where["a2"] == 1 and rt.routed_by_prefix == 0
 
 
+def test_a_replica_whose_free_blocks_are_the_prefix_hits_has_no_room():
+    """Replica 0 caches a conversation's 6 blocks (evictable: free) and runs another request; the
+    next turn needs 3 blocks beside its 6 hits, and replica 0 has only 1 block that is neither a
+    hit nor in use: it goes to the idle replica 1 (it waited on replica 0 for the other to end)."""
+    rt = router(2, num_blocks=10)
+    turn1 = req("a1", range(1, 25))                       # 24 tokens: 6 full blocks, cached
+    rt.add_request(turn1)
+    run_to_end(rt, [turn1])
+    other = req("o", range(200, 212), max_tokens=8)       # 3 blocks on replica 0
+    rt.add_request(other)
+    rt.replicas[1].add_request(req("gone", range(500, 502)))  # NOTE: so "o" lands on replica 0
+    assert rt.where["o"] == 0
+    rt.replicas[1].abort_request("gone")
+    rt.schedule()
+    turn2 = req("a2", turn1.all_token_ids + list(range(30, 39)))  # 35 tokens: 9 blocks, 6 cached
+    rt.add_request(turn2)
+    assert rt.where["a2"] == 1 and rt.routed_by_prefix == 0
+
+
+def test_a_request_id_in_use_on_any_replica_is_refused():
+    """Each replica knows only its own ids: a duplicate went to the other replica, and its outputs
+    were taken for the first request's (then a KeyError)."""
+    rt = router(2)
+    rt.add_request(req("x", range(1, 5)))
+    with pytest.raises(ValueError, match="Request id 'x' is already in use"):
+        rt.add_request(req("x", range(9, 12)))
+    assert rt.where == {"x": 0} and rt.num_waiting == 1
+
+
 def test_outputs_and_updates_follow_replica_order():
     rt = router(2)
     a, b, c = req("a", range(1, 4)), req("b", range(10, 16)), req("c", range(20, 22))

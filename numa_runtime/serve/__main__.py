@@ -198,7 +198,9 @@ def summary_text(engine, url: str) -> str:
     return (f"numa-serve: {s.get('model')} ({s.get('architecture')}, {s.get('dtype')})\n"
             f"  {s.get('ranks')} rank(s) x {s.get('threads_per_rank')} threads{topo}\n"
             f"  KV cache ({s.get('kv_cache_dtype')}): {s.get('kv_blocks')} blocks x {s.get('block_size')} tokens = "
-            f"{s.get('max_concurrent_tokens')} tokens, {kv_mib:.1f} MiB per rank; "
+            f"{s.get('max_concurrent_tokens')} tokens"
+            f"{' over %d replicas' % s['data_parallel'] if s.get('data_parallel', 1) > 1 else ''}, "
+            f"{kv_mib:.1f} MiB per rank; "
             f"max_model_len {s.get('max_model_len')}\n"
             f"  serving at {url}")
 
@@ -231,7 +233,7 @@ def check_args(args) -> str | None:
         env_dp = env.data_parallel()
     except ValueError as e:
         return str(e)
-    if (args.data_parallel is not None or env_dp is not None) and multi:
+    if max(args.data_parallel or 1, env_dp or 1) > 1 and multi:  # NOTE: numa-launch --tp sets 1
         return ("--data-parallel (numa-launch --dp, NUMA_RUNTIME_DATA_PARALLEL) applies to one model; with several "
                 "models each spans all ranks as one tensor-parallel model.")
     for flag, value in (("--kv-cache-disk-bytes", args.kv_cache_disk_bytes),
