@@ -110,9 +110,19 @@ MAX_DEPTH = 1000  # levels of a schema, its $refs followed (real schemas nest a 
 _STACK_BYTES = 256 << 20  # virtual: only the pages a deep schema touches are ever committed
 
 
+_PLAIN = {"NoExtensionBias": "a $ref that refers only to itself (no JSON value satisfies it)"}
+
+
 def _first_line(error: str) -> str:
-    """llguidance's error without its dump of parser state (the lines after the first)."""
-    return (error.strip().splitlines() or ["unknown error"])[0].rstrip(".")
+    """llguidance's error without its dump of parser state (the lines after the first); a header
+    line ("regex parse error:") gets the line that says why, and known terse errors a sentence."""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()] or ["unknown error"]
+    first = lines[0]
+    if first.endswith(":"):
+        why = next((line for line in lines[1:] if line.startswith("error:")), lines[-1] if len(lines) > 1 else "")
+        first = f"{first} {why.removeprefix('error:').strip()}" if why else first.rstrip(":")
+    first = first.split(". Enable 'coerce_one_of'")[0]  # NOTE: an option of llguidance's, not ours
+    return _PLAIN.get(first.rstrip("."), first.rstrip("."))
 
 
 _COMPILER: dict = {}  # the one thread with a large stack that builds matchers, and its queue

@@ -356,6 +356,44 @@ def test_response_format_on_completions_constrains_them(client):
                                        extra_body={"best_of": 3})
 
 
+def test_response_format_forms_and_strict(client):
+    """A response_format without "type" is refused (its schema was dropped unread); llama.cpp's
+    schema beside the type is used (json_object + schema was unconstrained); OpenAI's strict: true
+    allows no undeclared property (the model filled max_tokens with made-up keys)."""
+    from numa_runtime.serve.protocol import strict_schema
+    ask = lambda fmt, **kw: client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "JSON"}], max_tokens=kw.get("n", 40), temperature=0,
+        response_format=fmt)
+    with pytest.raises(openai.BadRequestError, match=r"response_format needs a 'type'") as e:
+        ask({"json_schema": {"name": "a", "schema": {"type": "integer"}}})
+    assert e.value.body["param"] == "response_format"
+    for fmt in ({"type": "json_object", "schema": {"enum": ["yes", "no"]}},
+                {"type": "json_schema", "schema": {"enum": ["yes", "no"]}}):
+        out = ask(fmt).choices[0]
+        assert out.finish_reason == "stop" and out.message.content in ('"yes"', '"no"'), (fmt, out)
+    loose = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+    out = ask({"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": loose}}, n=60).choices[0]
+    assert out.finish_reason == "stop" and list(json.loads(out.message.content)) == ["a"], out
+    nested = {"type": "object", "properties": {"b": {"type": "array", "items": {"$ref": "#/$defs/P"}}},
+              "$defs": {"P": {"properties": {"c": {"type": "string"}}}},
+              "anyOf": [{"properties": {"d": {}}}, {"type": "object", "patternProperties": {"^x": {}}}]}
+    got = strict_schema(nested)
+    assert got["additionalProperties"] is False and got["$defs"]["P"]["additionalProperties"] is False
+    assert got["anyOf"][0]["additionalProperties"] is False and "additionalProperties" not in got["anyOf"][1]
+    assert "additionalProperties" not in nested  # NOTE: a copy: the request's own schema is untouched
+
+
+def test_a_schema_the_grammar_library_cannot_use_says_why():
+    """llguidance's first line alone was "regex parse error:" or "NoExtensionBias"."""
+    from numa_runtime.structured import _first_line
+    assert _first_line("regex parse error:\n    (?=a)b\n    ^^^\nerror: look-around, including look-ahead "
+                       "and look-behind, is not supported\n") == \
+        "regex parse error: look-around, including look-ahead and look-behind, is not supported"
+    assert _first_line("NoExtensionBias\n") == "a $ref that refers only to itself (no JSON value satisfies it)"
+    assert _first_line("oneOf constraints are not supported. Enable 'coerce_one_of' option to approximate oneOf "
+                       "with anyOf.") == "oneOf constraints are not supported"
+
+
 def test_null_means_the_default(client):
     """OpenAI marks n, stream, logprobs, echo... "or null"; the client sends None as null."""
     r = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, n=None, stream=None, echo=None,

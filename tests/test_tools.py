@@ -195,6 +195,10 @@ def test_named_and_required_tool_choice_return_calls(model_dir):
         assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens
         with pytest.raises(openai.BadRequestError, match="needs a server started with --enable-auto-tool-choice"):
             c.chat.completions.create(tools=[WEATHER], **KW)
+        with pytest.raises(openai.BadRequestError, match=r"^Error code: 400 - .*guided_json cannot be combined with a "
+                                                          "tool_choice that calls a function"):
+            c.chat.completions.create(tools=[WEATHER], tool_choice={"type": "function", "function": {
+                "name": "get_weather"}}, extra_body={"guided_json": {"type": "object"}}, **KW)
         with pytest.raises(openai.BadRequestError, match="not among the tools"):
             c.chat.completions.create(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "x"}},
                                       **KW)

@@ -233,9 +233,10 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             tool_plan = body.tool_plan(config.tool_call_parser)
             schema = body.json_schema()
             if tool_plan.schema is not None:
-                if schema is not None:
-                    raise ValueError("response_format cannot be combined with a tool_choice that calls a "
-                                     "function; drop one.")
+                if schema is not None or body.guided_json is not None:
+                    field = "response_format" if schema is not None else "guided_json"
+                    raise ValueError(f"{field} cannot be combined with a tool_choice that calls a function; drop "
+                                     "one.")
                 schema = tool_plan.schema
             params = body.sampling_params(cap(max_tokens), body.num_logprobs(), schema, engine.default_sampling)
             if tool_plan.mode == "auto" and tool_plan.parser == "hermes":

@@ -149,14 +149,24 @@ class _SamplingRequest(_Body):
     def json_schema(self) -> dict | None:
         """The JSON schema that response_format asks the output to follow, or None."""
         fmt = self.response_format
-        kind = None if fmt is None else fmt.get("type")
-        if kind in (None, "text"):
+        if fmt is None:
             return None
+        if "type" not in fmt:  # NOTE: as OpenAI and vLLM (a schema without it was dropped unread)
+            raise ValueError("response_format needs a 'type': 'text', 'json_object' or 'json_schema'.")
+        kind = fmt.get("type")
+        if kind == "text":
+            return None
+        top = fmt.get("schema")  # NOTE: llama.cpp's server reads a schema beside the type
+        if top is not None and not isinstance(top, dict):
+            raise ValueError("response_format's 'schema' must be a JSON schema object.")
         if kind == "json_object":
-            return {"type": "object"}
+            return top if top is not None else {"type": "object"}
         spec = fmt.get("json_schema")
+        if kind == "json_schema" and spec is None and top is not None:
+            return top
         if kind == "json_schema" and isinstance(spec, dict) and isinstance(spec.get("schema", {}), dict):
-            return spec.get("schema", {})
+            schema = spec.get("schema", {})
+            return strict_schema(schema) if spec.get("strict") is True else schema
         if kind == "json_schema":
             raise ValueError("response_format must hold 'json_schema': {'name': ..., 'schema': {...}}.")
         raise ValueError(f"response_format of type {kind!r} is not supported; use 'text', 'json_object' "
@@ -181,6 +191,35 @@ class _SamplingRequest(_Body):
         if bad is not None:
             raise ValueError(f"logit_bias keys must be token ids written as decimal strings, got {bad!r}.")
         return {int(k): v for k, v in self.logit_bias.items()}
+
+
+def strict_schema(schema: dict) -> dict:
+    """OpenAI's `strict: true`: no property an object schema does not declare. A copy of
+    `schema` whose object schemas with `properties` (and no additionalProperties or
+    patternProperties of their own) get additionalProperties false, through every place a
+    schema nests (llguidance, as JSON Schema, allows undeclared properties: a small model filled
+    max_tokens with made-up keys)."""
+    maps, lists, single = (("properties", "patternProperties", "$defs", "definitions"),
+                           ("anyOf", "oneOf", "allOf", "prefixItems"),
+                           ("items", "additionalProperties", "not", "if", "then", "else", "contains"))
+
+    def walk(node):
+        if not isinstance(node, dict):
+            return node
+        out = dict(node)
+        for k in maps:
+            if isinstance(out.get(k), dict):
+                out[k] = {name: walk(sub) for name, sub in out[k].items()}
+        for k in lists:
+            if isinstance(out.get(k), list):
+                out[k] = [walk(sub) for sub in out[k]]
+        for k in single:
+            if isinstance(out.get(k), (dict, list)):
+                out[k] = [walk(sub) for sub in out[k]] if isinstance(out[k], list) else walk(out[k])
+        if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+            out["additionalProperties"] = False
+        return out
+    return walk(schema)
 
 
 # vLLM request fields with no counterpart here, and the values that change nothing
