@@ -381,6 +381,20 @@ def test_response_format_forms_and_strict(client):
     assert got["additionalProperties"] is False and got["$defs"]["P"]["additionalProperties"] is False
     assert got["anyOf"][0]["additionalProperties"] is False and "additionalProperties" not in got["anyOf"][1]
     assert "additionalProperties" not in nested  # NOTE: a copy: the request's own schema is untouched
+    # NOTE: parts that declare properties together stay open (closing each made "Base + extra" unsatisfiable)
+    both = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                      {"properties": {"b": {"type": "integer"}}, "required": ["b"]}]}
+    beside = {"$defs": {"B": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}},
+              "$ref": "#/$defs/B", "properties": {"b": {"type": "integer"}}, "required": ["b"]}
+    assert strict_schema(both) == both
+    assert "additionalProperties" not in strict_schema(beside)
+    for schema in (both, beside):
+        out = ask({"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": schema}},
+                  n=80).choices[0]
+        assert out.finish_reason in ("stop", "length") and out.message.content.lstrip().startswith("{"), out
+    assert ask({"type": None}, n=2).choices[0].finish_reason == "length"  # NOTE: null is "text", as before
+    arr = strict_schema({"type": "array", "additionalItems": {"properties": {"x": {}}}})
+    assert arr["additionalItems"]["additionalProperties"] is False
 
 
 def test_a_schema_the_grammar_library_cannot_use_says_why():

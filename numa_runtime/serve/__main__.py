@@ -462,7 +462,7 @@ def _serve(args, world, sock, front) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     closed = threading.Event()  # NOTE: set once engine.close() returned
     if world is not None and world[1] > 1:
-        _watch_signals(aengine, begin_shutdown, args.shutdown_grace, closed)
+        _watch_signals(aengine, begin_shutdown, args.shutdown_grace, closed, args.stall_timeout)
     http.start()
     if front is not None:
         front.tell("ready")
@@ -488,17 +488,15 @@ def _serve(args, world, sock, front) -> int:
 _STUCK_EXIT_S = 15.0  # past the grace: how long a shutdown may wait for an engine step to end
 
 
-_FORCED_EXIT_S = 5.0  # after a second signal: how long the shutdown may still take before the job is ended
-
-
-def _watch_signals(aengine, begin_shutdown, grace: float, closed: threading.Event) -> None:
+def _watch_signals(aengine, begin_shutdown, grace: float, closed: threading.Event, stall: float) -> None:
     """Rank 0 of several: a thread that sees SIGINT/SIGTERM even while the main thread waits in an
     MPI call for a rank that is stopped or stuck (Python runs signal handlers on the main thread
     only, between calls). It starts the graceful shutdown itself if the handler could not, and
     if the engine loop has still not ended _STUCK_EXIT_S after the grace, it ends the MPI job (the
     HTTP front then answers what was in flight). A second signal means exit now, as in one
-    process: if the shutdown has not ended _FORCED_EXIT_S later, the job is ended then (it waited
-    out the grace). The job ignored every signal before."""
+    process: once the step in progress ends, or at once when it has run `stall` seconds
+    (--stall-timeout: a stopped or stuck rank; it waited out the grace). The job ignored every
+    signal before."""
     import select
     import time
     r, w = os.pipe()
@@ -531,11 +529,13 @@ def _watch_signals(aengine, begin_shutdown, grace: float, closed: threading.Even
                 end_job(f"an engine step has not ended {grace + _STUCK_EXIT_S:.0f} s after the shutdown began "
                         "(a rank is stopped or stuck)")
             signals(2, min(left, 0.5))
-        # NOTE: the loop ended (_watch_close covers close()) or a second signal came: exit now
+        # NOTE: the loop ended (_watch_close covers close()) or a second signal came: exit now, as
+        # soon as the step in progress ends (the handler's forced exit), unless it is stuck
         signals(2, None)
-        if not closed.wait(_FORCED_EXIT_S):
-            end_job(f"a second signal, and the shutdown has not ended {_FORCED_EXIT_S:.0f} s later (a rank is "
-                    "stopped or stuck)")
+        while not closed.wait(0.5) and not aengine.wait_stopped(0):
+            if aengine.busy_seconds > stall:
+                end_job(f"a second signal, and an engine step has run {aengine.busy_seconds:.0f} s "
+                        "(a rank is stopped or stuck)")
     threading.Thread(target=watch, name="numa-signals", daemon=True).start()
 
 

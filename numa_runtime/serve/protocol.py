@@ -154,7 +154,7 @@ class _SamplingRequest(_Body):
         if "type" not in fmt:  # NOTE: as OpenAI and vLLM (a schema without it was dropped unread)
             raise ValueError("response_format needs a 'type': 'text', 'json_object' or 'json_schema'.")
         kind = fmt.get("type")
-        if kind == "text":
+        if kind in (None, "text"):  # NOTE: null: the default, "text"
             return None
         top = fmt.get("schema")  # NOTE: llama.cpp's server reads a schema beside the type
         if top is not None and not isinstance(top, dict):
@@ -195,28 +195,47 @@ class _SamplingRequest(_Body):
 
 def strict_schema(schema: dict) -> dict:
     """OpenAI's `strict: true`: no property an object schema does not declare. A copy of
-    `schema` whose object schemas with `properties` (and no additionalProperties or
-    patternProperties of their own) get additionalProperties false, through every place a
-    schema nests (llguidance, as JSON Schema, allows undeclared properties: a small model filled
-    max_tokens with made-up keys)."""
-    maps, lists, single = (("properties", "patternProperties", "$defs", "definitions"),
-                           ("anyOf", "oneOf", "allOf", "prefixItems"),
-                           ("items", "additionalProperties", "not", "if", "then", "else", "contains"))
+    `schema` whose object schemas with `properties` get additionalProperties false, through every
+    place a schema nests (llguidance, as JSON Schema, allows undeclared properties: a small model
+    filled max_tokens with made-up keys). A node that declares its properties together with
+    others (allOf members, a $ref beside properties, dependentSchemas, if/then) or already says
+    what else it allows stays open: closing each part would forbid the others' properties."""
+    maps = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+    lists = ("anyOf", "oneOf", "prefixItems")
+    single = ("items", "additionalItems", "unevaluatedItems", "additionalProperties", "unevaluatedProperties",
+              "propertyNames", "not", "if", "then", "else", "contains")
+    shared = ("allOf", "$ref", "dependentSchemas", "dependencies", "if", "then", "else",
+              "additionalProperties", "unevaluatedProperties", "patternProperties")
 
-    def walk(node):
+    composed: set[str] = set()  # "#/$defs/X" a $ref combines with other properties: X stays open too
+
+    def scan(node, in_all_of: bool = False):
+        if isinstance(node, list):
+            for sub in node:
+                scan(sub, in_all_of)
+        elif isinstance(node, dict):
+            if isinstance(node.get("$ref"), str) and (in_all_of or "properties" in node):
+                composed.add(node["$ref"])
+            for k, sub in node.items():
+                scan(sub, k == "allOf")
+    scan(schema)
+
+    def walk(node, closable: bool = True):
         if not isinstance(node, dict):
             return node
         out = dict(node)
         for k in maps:
             if isinstance(out.get(k), dict):
-                out[k] = {name: walk(sub) for name, sub in out[k].items()}
+                out[k] = {name: walk(sub, f"#/{k}/{name}" not in composed) for name, sub in out[k].items()}
         for k in lists:
             if isinstance(out.get(k), list):
                 out[k] = [walk(sub) for sub in out[k]]
+        if isinstance(out.get("allOf"), list):
+            out["allOf"] = [walk(sub, closable=False) for sub in out["allOf"]]
         for k in single:
             if isinstance(out.get(k), (dict, list)):
                 out[k] = [walk(sub) for sub in out[k]] if isinstance(out[k], list) else walk(out[k])
-        if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        if closable and "properties" in out and not any(k in node for k in shared):
             out["additionalProperties"] = False
         return out
     return walk(schema)
