@@ -6,7 +6,7 @@ import logging
 import math
 import numbers
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -313,6 +313,7 @@ class EngineConfig:
     generation_config: str = "auto"
 
     def __post_init__(self):
+        from .sampling_params import _is_int
         dt = _DTYPES.get(str(self.dtype).replace("torch.", ""))
         if dt not in ("bfloat16", "float32"):
             raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}.")
@@ -321,7 +322,7 @@ class EngineConfig:
                      "kv_cache_memory"):
             v = getattr(self, name)
             if (v is not None or name in ("block_size", "max_num_seqs", "max_num_batched_tokens")) and (
-                    isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1):
+                    not _is_int(v) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}.")
             if v is not None:
                 object.__setattr__(self, name, int(v))  # NOTE: numpy integers too, as the parts below check int
@@ -334,7 +335,7 @@ class EngineConfig:
         kv = self.kv_cache_dtype
         if kv not in ("auto", "int8") and _DTYPES.get(str(kv)) not in ("bfloat16", "float32"):
             raise ValueError(f"kv_cache_dtype must be 'auto', 'bfloat16', 'float32' or 'int8', got {kv!r}.")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) or self.seed < 0:
+        if not _is_int(self.seed) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}.")
         object.__setattr__(self, "seed", int(self.seed))
         if self.generation_config not in ("auto", "vllm"):

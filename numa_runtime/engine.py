@@ -256,8 +256,7 @@ class Engine:
         """What runs where. kv_blocks and max_concurrent_tokens count every replica's pool (under
         data parallel replica 0's alone was given); kv_cache_bytes is per rank."""
         c = self.model_config
-        pool = getattr(self, "block_manager", None)
-        blocks = pool.num_blocks if pool is not None else self.runner.num_blocks
+        blocks = self.block_manager.num_blocks
         return {"model": c.model_dir, "architecture": c.architecture, "dtype": self.config.dtype,
                 "ranks": self.comm.world_size, "threads_per_rank": self.num_threads,
                 "data_parallel": self.parallel.data_parallel, "tensor_parallel": self.parallel.tensor_parallel,

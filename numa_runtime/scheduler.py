@@ -97,10 +97,10 @@ class Scheduler:
             need = min(need, max(bm.num_blocks_for(min(num_prompt, cfg.sliding_window - 1 + chunk)),
                                  bm.num_blocks_for(cfg.sliding_window)) + 1)
         if need > bm.num_blocks:
-            if cfg.sliding_window and bm.num_blocks_for(cfg.sliding_window) + 1 > bm.num_blocks:
-                raise ValueError(f"The model's sliding window of {cfg.sliding_window} tokens needs "
-                                 f"{bm.num_blocks_for(cfg.sliding_window) + 1} KV blocks but the cache has only "
-                                 f"{bm.num_blocks}; enlarge the KV cache.")
+            window = bm.num_blocks_for(cfg.sliding_window) + 1 if cfg.sliding_window else 0
+            if window > bm.num_blocks:
+                raise ValueError(f"The model's sliding window of {cfg.sliding_window} tokens needs {window} KV "
+                                 f"blocks but the cache has only {bm.num_blocks}; enlarge the KV cache.")
             raise ValueError(f"A request of up to {longest} tokens needs {need} KV blocks "
                              f"but the cache has only {bm.num_blocks}; lower max_tokens or enlarge the KV cache.")
 

@@ -175,21 +175,29 @@ def test_ranks_report_memory_policy_and_weight_page_nodes(tiny_model):
     assert "WARNING" not in out.stderr
 
 
+def _bind_as_rank_1(node: str, printed: str) -> subprocess.CompletedProcess:
+    """In a fresh process: rank 1 of 2 binds itself on a one-node topology whose node is `node`
+    (Python over this process's `cpus`), then checks the pages of 4 MiB of weights; prints
+    `printed` (over the placement p and the report r)."""
+    code = ("import logging, os, numpy as np; logging.basicConfig(level=logging.INFO);"
+            "from numa_runtime.launch.topology import NumaNode, Topology; from numa_runtime import numa;"
+            f"cpus = tuple(sorted(os.sched_getaffinity(0))); node = {node};"
+            "p = numa.bind_this_rank(1, 0, 2, Topology((node,), True));"
+            "w = np.ones(1 << 20, np.float32);"
+            "r = numa.check_binding(1, p, [(w.ctypes.data, w.nbytes)]);"
+            f"print({printed})")
+    out = subprocess.run([sys.executable, "-c", code], env=_env(), cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
 def test_failed_set_mempolicy_warns():
     # a node that does not exist: set_mempolicy fails with EINVAL; the rank says so, then the
     # check of its weight pages (on the real node, not on 63) says so too
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("SKIPPED: with fewer than 2 cpus ranks do not bind, so a failed set_mempolicy cannot be shown")
-    code = ("import logging, os, numpy as np; logging.basicConfig(level=logging.INFO);"
-            "from numa_runtime.launch.topology import NumaNode, Topology; from numa_runtime import numa;"
-            "node = NumaNode(63, tuple(sorted(os.sched_getaffinity(0))), 0, 0);"
-            "p = numa.bind_this_rank(1, 0, 2, Topology((node,), True));"
-            "w = np.ones(1 << 20, np.float32);"
-            "r = numa.check_binding(1, p, [(w.ctypes.data, w.nbytes)]);"
-            "print(p.how, p.memory_bound, r['policy'], r['sampled'])")
-    out = subprocess.run([sys.executable, "-c", code], env=_env(), cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+    out = _bind_as_rank_1("NumaNode(63, cpus, 0, 0)", "p.how, p.memory_bound, r['policy'], r['sampled']")
     assert out.stdout.split() == ["self", "False", "default", "4"]
     assert "rank 1: could not bind memory to node 63 (Invalid argument)" in out.stderr
     assert "rank 1: 4 of 4 sampled weight pages are not on node 63" in out.stderr
@@ -201,16 +209,8 @@ def test_a_rank_on_a_node_without_memory_binds_to_the_nearest_with_memory():
     as numa-launch does, and the check of its weight pages expects them there."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("SKIPPED: with fewer than 2 cpus ranks do not bind")
-    code = ("import logging, os, numpy as np; logging.basicConfig(level=logging.INFO);"
-            "from numa_runtime.launch.topology import NumaNode, Topology; from numa_runtime import numa;"
-            "node = NumaNode(1, tuple(sorted(os.sched_getaffinity(0))), 0, 0, has_memory=False, nearest_memory=0);"
-            "p = numa.bind_this_rank(1, 0, 2, Topology((node,), True));"
-            "w = np.ones(1 << 20, np.float32);"
-            "r = numa.check_binding(1, p, [(w.ctypes.data, w.nbytes)]);"
-            "print(p.node, p.memory_node, p.memory_bound, r['policy'], r['policy_nodes'])")
-    out = subprocess.run([sys.executable, "-c", code], env=_env(), cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+    out = _bind_as_rank_1("NumaNode(1, cpus, 0, 0, has_memory=False, nearest_memory=0)",
+                          "p.node, p.memory_node, p.memory_bound, r['policy'], r['policy_nodes']")
     assert out.stdout.split() == ["1", "0", "True", "bind", "[0]"], out.stdout
     assert "memory on node 0 (node 1 has none)" in out.stderr and "WARNING" not in out.stderr
 

@@ -349,6 +349,18 @@ def test_one_sigterm_under_mpirun_lets_requests_finish_within_the_grace(tmp_path
         srv.stop()
 
 
+def _stall_on_stopped_rank(srv, worker):
+    """Stop `worker` (SIGSTOP), send a 200-token request, and wait until its step stalls on the
+    stopped rank; (the request's thread, its result dict)."""
+    done = {}
+    t = _post_in_background(srv, {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True}, done)
+    worker.suspend()
+    t.start()
+    wait_for(lambda: metric(srv.base, "numa_runtime_engine_busy_seconds") > 1, timeout=120,
+             what="the request's step stalling on the stopped rank")
+    return t, done
+
+
 def test_sigterm_ends_the_job_while_a_worker_rank_is_stopped(model_dir):
     """Rank 1 is stopped (SIGSTOP) in the middle of a request and the server is told to stop:
     rank 0's main thread waits in MPI for rank 1, so no Python signal handler can run there; a
@@ -359,13 +371,7 @@ def test_sigterm_ends_the_job_while_a_worker_rank_is_stopped(model_dir):
     worker = None
     try:
         worker = _rank_process(srv.proc.pid, 1)
-        done = {}
-        body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True}
-        t = _post_in_background(srv, body, done)
-        worker.suspend()
-        t.start()
-        wait_for(lambda: metric(srv.base, "numa_runtime_engine_busy_seconds") > 1, timeout=120,
-                 what="the request's step stalling on the stopped rank")
+        t, done = _stall_on_stopped_rank(srv, worker)
         start = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         srv.proc.wait(timeout=120)
@@ -388,12 +394,7 @@ def test_a_second_sigterm_ends_the_job_soon_while_a_worker_rank_is_stopped(model
     worker = None
     try:
         worker = _rank_process(srv.proc.pid, 1)
-        done = {}
-        t = _post_in_background(srv, {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True}, done)
-        worker.suspend()
-        t.start()
-        wait_for(lambda: metric(srv.base, "numa_runtime_engine_busy_seconds") > 1, timeout=120,
-                 what="the request's step stalling on the stopped rank")
+        t, done = _stall_on_stopped_rank(srv, worker)
         start = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         # NOTE: the shutdown has begun (the front turns new requests away), so the second signal is

@@ -514,11 +514,6 @@ def _watch_signals(aengine, begin_shutdown, grace: float, closed: threading.Even
             seen[0] += sum(1 for b in os.read(r, 64) if b in wanted)
         return True
 
-    def end_job(why: str) -> None:
-        print(f"numa-serve: error: {why}; ending the MPI job.", file=sys.stderr, flush=True)
-        time.sleep(0.5)  # NOTE: mpirun drops output still in flight when the job is aborted
-        _abort_job(1)
-
     def watch():
         signals(1, None)
         begin_shutdown()  # NOTE: idempotent (the handler may run it too); never a forced exit
@@ -526,7 +521,7 @@ def _watch_signals(aengine, begin_shutdown, grace: float, closed: threading.Even
         while not closed.is_set() and not aengine.wait_stopped(0) and not signals(2, 0):
             left = deadline - time.monotonic()
             if left <= 0:
-                end_job(f"an engine step has not ended {grace + _STUCK_EXIT_S:.0f} s after the shutdown began "
+                _end_job(f"an engine step has not ended {grace + _STUCK_EXIT_S:.0f} s after the shutdown began "
                         "(a rank is stopped or stuck)")
             signals(2, min(left, 0.5))
         # NOTE: the loop ended (_watch_close covers close()) or a second signal came: exit now, as
@@ -534,7 +529,7 @@ def _watch_signals(aengine, begin_shutdown, grace: float, closed: threading.Even
         signals(2, None)
         while not closed.wait(0.5) and not aengine.wait_stopped(0):
             if aengine.busy_seconds > stall:
-                end_job(f"a second signal, and an engine step has run {aengine.busy_seconds:.0f} s "
+                _end_job(f"a second signal, and an engine step has run {aengine.busy_seconds:.0f} s "
                         "(a rank is stopped or stuck)")
     threading.Thread(target=watch, name="numa-signals", daemon=True).start()
 
@@ -555,11 +550,17 @@ def _watch_close(closed: threading.Event) -> None:
             last = disk_tier.last_op_at
             writing = max(0.0, last - start)  # NOTE: this rank's flush so far
             if time.monotonic() - max(start, last) > _STUCK_EXIT_S + writing:
-                print(f"numa-serve: error: the shutdown has not ended {_STUCK_EXIT_S:.0f} s after the engine loop "
-                      "did (a worker rank is stopped or stuck); ending the MPI job.", file=sys.stderr, flush=True)
-                time.sleep(0.5)  # NOTE: mpirun drops output still in flight when the job is aborted
-                _abort_job(1)
+                _end_job(f"the shutdown has not ended {_STUCK_EXIT_S:.0f} s after the engine loop did (a worker "
+                         "rank is stopped or stuck)")
     threading.Thread(target=watch, name="numa-close", daemon=True).start()
+
+
+def _end_job(why: str) -> None:
+    """A watcher thread of rank 0: say why in one line, then end every rank of the job."""
+    import time
+    print(f"numa-serve: error: {why}; ending the MPI job.", file=sys.stderr, flush=True)
+    time.sleep(0.5)  # NOTE: mpirun drops output still in flight when the job is aborted
+    _abort_job(1)
 
 
 def _abort_job(code: int) -> None:
