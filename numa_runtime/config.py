@@ -1,6 +1,7 @@
 """Frozen, validated configuration: what the model is (ModelConfig) and how we run it (EngineConfig)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -75,11 +76,19 @@ class ModelConfig:
     layer_types: tuple = ()  # per layer "full_attention" | "sliding_attention"; () = all full
     bos_token_id: int | None = None
     eos_token_ids: tuple = ()
+    # a sentence-transformers embedding checkpoint (modules.json / 1_Pooling, as Qwen3-Embedding
+    # ships): its pooling ("mean", "last" or "cls") and whether it normalizes; None: none declared
+    pooling: str | None = None
+    # Matryoshka embeddings (config.json's is_matryoshka or matryoshka_dimensions, as vLLM reads
+    # them): a request may keep the first `dimensions` values; () with is_matryoshka: any
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple = ()
 
     @property
     def is_embedding_model(self) -> bool:
-        """A base model without an LM head: it embeds text, it cannot generate."""
-        return not self.architecture.endswith("ForCausalLM")
+        """A base model without an LM head, or a sentence-transformers embedding checkpoint: it
+        embeds text, it does not generate."""
+        return not self.architecture.endswith("ForCausalLM") or self.pooling is not None
 
     @property
     def q_size(self) -> int:
@@ -126,7 +135,9 @@ class ModelConfig:
                 cfg = json.load(f)
             except json.JSONDecodeError as e:
                 raise UnsupportedModelError(f"{path} is not valid JSON ({e}).") from None
-        return cls.from_dict(cfg, model_dir)
+        config = cls.from_dict(cfg, model_dir)
+        pooling = sentence_transformers_pooling(model_dir)
+        return dataclasses.replace(config, pooling=pooling) if pooling else config
 
     @classmethod
     def from_dict(cls, cfg: dict, model_dir: str = "") -> "ModelConfig":
@@ -167,7 +178,11 @@ class ModelConfig:
         sliding, layer_types = _sliding_window(cfg, family, arch)
         eos = cfg.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        dims = cfg.get("matryoshka_dimensions") or ()
+        if not isinstance(dims, (list, tuple)) or not all(isinstance(d, int) and d > 0 for d in dims):
+            raise UnsupportedModelError(f"matryoshka_dimensions must be a list of positive integers, got {dims!r}.")
         return cls(
+            is_matryoshka=bool(cfg.get("is_matryoshka")) or bool(dims), matryoshka_dimensions=tuple(dims),
             model_dir=model_dir, architecture=arch, vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden, intermediate_size=int(cfg["intermediate_size"]),
             num_layers=int(cfg["num_hidden_layers"]), num_heads=num_heads, num_kv_heads=num_kv,
@@ -183,6 +198,44 @@ class ModelConfig:
             mlp_bias=kind == "llama" and bool(cfg.get("mlp_bias", False)), qk_norm=family == "qwen3",
             checkpoint_dtype=_DTYPES[dtype], sliding_window=sliding, layer_types=layer_types,
             bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos)
+
+
+# sentence-transformers' Pooling modes -> ours (one per checkpoint)
+_ST_POOLING = {"pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "last", "pooling_mode_cls_token": "cls",
+               "pooling_mode_max_tokens": None, "pooling_mode_mean_sqrt_len_tokens": None,
+               "pooling_mode_weightedmean_tokens": None}
+
+
+def sentence_transformers_pooling(model_dir: str) -> str | None:
+    """The pooling a sentence-transformers checkpoint declares (its Pooling module's config,
+    1_Pooling/config.json as modules.json names it): "mean", "last" or "cls"; None when the
+    directory holds no such module. UnsupportedModelError for a pooling this runtime cannot do."""
+    where = "1_Pooling"
+    modules = os.path.join(model_dir, "modules.json")
+    if os.path.isfile(modules):
+        try:
+            with open(modules) as f:
+                listed = json.load(f)
+            where = next((m.get("path") or "" for m in listed if str(m.get("type", "")).endswith(".Pooling")), None)
+        except (json.JSONDecodeError, TypeError, AttributeError) as e:
+            raise UnsupportedModelError(f"{modules} is not a sentence-transformers module list ({e}).") from None
+        if where is None:
+            return None
+    path = os.path.join(model_dir, where, "config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+        modes = [k for k in _ST_POOLING if cfg.get(k)]
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise UnsupportedModelError(f"{path} is not a sentence-transformers pooling config ({e}).") from None
+    if len(modes) != 1 or _ST_POOLING[modes[0]] is None or cfg.get("include_prompt") is False:
+        asked = ", ".join(modes) if modes else "no pooling mode"
+        raise UnsupportedModelError(
+            f"{path} asks for {asked}{' without the prompt' if cfg.get('include_prompt') is False else ''}; "
+            "numa_runtime pools embeddings by one of mean tokens, last token or CLS token.")
+    return _ST_POOLING[modes[0]]
 
 
 # transformers' defaults for keys a config.json leaves out, per model class

@@ -32,8 +32,8 @@ from .config import EngineConfig, ModelConfig, generation_defaults
 from .outputs import RequestOutput, TextState
 from .recorder import FORWARD, RESHAPE
 from .request import Request, RequestStatus
-from .sampling_params import SamplingParams
-from .tokenizer import IncrementalDetokenizer
+from .sampling_params import SamplingParams, _is_int
+from .tokenizer import IncrementalDetokenizer, check_text
 
 from . import env
 from .logger import init_logger
@@ -281,8 +281,10 @@ class Engine:
 
     def _add_locked(self, prompt, params: SamplingParams | None, request_id: str | None, outbox: deque) -> str:
         if self.model_config.is_embedding_model:
-            raise ValueError(f"{self.model_config.architecture} is an embedding model without an LM head: it "
-                             "cannot generate text; use Engine.embed (or /v1/embeddings).")
+            what = ("a sentence-transformers embedding checkpoint (its modules.json or 1_Pooling says so)"
+                    if self.model_config.pooling else "an embedding model without an LM head")
+            raise ValueError(f"{self.model_config.architecture} is {what}: it does not generate text; use "
+                             "Engine.embed (or /v1/embeddings).")
         params = params or self.get_default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams.")
@@ -322,10 +324,15 @@ class Engine:
             self._texts[req.request_id] = TextState(req, detok, group, self.eos_ids)
         return rid
 
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt, keep: int | None = None, add_special_tokens: bool = True
+                  ) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt; `keep`: only its last `keep` tokens (then any
+        length of text is tokenized)."""
         prompt = _prompt_of(prompt)
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode_within(prompt, self.max_model_len)
+            check_text("The prompt", prompt)
+            ids = (self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) if keep is not None else
+                   self.tokenizer.encode_within(prompt, self.max_model_len, add_special_tokens=add_special_tokens))
             text = prompt
         elif _is_token_ids(prompt):
             ids, text = [int(t) for t in prompt], None
@@ -334,6 +341,8 @@ class Engine:
                             "'prompt_token_ids'.")
         if not ids:
             raise ValueError("The prompt is empty.")
+        if keep is not None:
+            ids = ids[-keep:]
         bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise ValueError(f"Token id {bad[0]} is outside the vocabulary (size {self.model_config.vocab_size}).")
@@ -517,8 +526,7 @@ class Engine:
         `sampling_params` works too); `use_tqdm`: a progress bar over the finished prompts."""
         self._driver_only("generate")
         params = _one_of(params, sampling_params)
-        single = isinstance(prompts, (str, dict)) or (_is_token_ids(prompts) and len(prompts) > 0)
-        plist = [prompts] if single else list(prompts)
+        plist, _ = _prompt_list(prompts)
         if isinstance(params, (list, tuple)):
             if len(params) != len(plist):
                 raise ValueError(f"Got {len(params)} SamplingParams for {len(plist)} prompts.")
@@ -631,41 +639,51 @@ class Engine:
         return outs if batch else outs[0]
 
     # ------------------------------------------------------------------ embeddings
-    def embed(self, inputs, pooling: str | None = None):
-        """Unit-length embeddings [len(inputs), hidden] float32 of strings or token-id lists:
-        the final normed hidden states pooled by "mean" (over the tokens) or "last" (the last
-        token). Default: "last" for embedding checkpoints (Qwen3-Embedding), "mean" otherwise."""
+    def embed(self, inputs, pooling: str | None = None, *, normalize: bool = True, dimensions: int | None = None,
+              truncate_prompt_tokens: int | None = None, add_special_tokens: bool = True):
+        """Embeddings [len(inputs), hidden] float32 of a string, token ids or a prompt dict (as
+        generate takes them), or a list of them: the final normed hidden states pooled by "mean"
+        (over the tokens), "last" (the last token) or "cls" (the first). Default: the pooling a
+        sentence-transformers checkpoint declares (Qwen3-Embedding: last), "last" for another base
+        model without an LM head, "mean" otherwise. As vLLM's pooling parameters: `normalize`
+        (unit length), `dimensions` (the first ones of a Matryoshka model, normalized after),
+        `truncate_prompt_tokens` (keep the last k tokens; -1: the context's length)."""
         import numpy as np
         self._driver_only("embed")
-        pooling = pooling or ("last" if self.model_config.is_embedding_model else "mean")
-        if pooling not in ("mean", "last"):
-            raise ValueError(f"pooling must be 'mean' or 'last', got {pooling!r}.")
-        items = [inputs] if isinstance(inputs, str) or (len(inputs) and _is_token_ids(inputs)) else list(inputs)
+        cfg = self.model_config
+        pooling = pooling or cfg.pooling or ("last" if cfg.is_embedding_model else "mean")
+        if pooling not in ("mean", "last", "cls"):
+            raise ValueError(f"pooling must be 'mean', 'last' or 'cls', got {pooling!r}.")
+        if not isinstance(normalize, bool) or not isinstance(add_special_tokens, bool):
+            raise TypeError("normalize and add_special_tokens must be True or False.")
+        size = embedding_size(cfg, dimensions)
+        keep = prompt_truncation(truncate_prompt_tokens, self.max_model_len)
+        items, _ = _prompt_list(inputs, "inputs")
         if not items:
             raise ValueError("Give at least one input to embed.")
-        out = np.empty((len(items), self.model_config.hidden_size), np.float32)  # [N, hidden]
         all_ids = []
         for i, item in enumerate(items):
-            _, ids = self._tokenize(item)
+            _, ids = self._tokenize(item, keep, add_special_tokens)
             if len(ids) > self.max_model_len:
                 raise ValueError(f"Input {i} has {len(ids)} tokens, but the context holds {self.max_model_len}; "
-                                 "shorten it or raise max_model_len.")
+                                 "shorten it, raise max_model_len, or set truncate_prompt_tokens.")
             all_ids.append(ids)
         # NOTE: the inputs run one after another in scratch blocks: check room for the longest
         # first, so that a call waiting for room (AsyncEngine retries it) computes nothing
         self._scratch_room(max(map(len, all_ids)))
+        out = np.empty((len(items), size), np.float32)  # [N, size]
         for i, ids in enumerate(all_ids):
-            h = self._final_hidden(ids, every_row=pooling == "mean")  # [n or 1, hidden]
-            v = h.mean(axis=0) if pooling == "mean" else h[-1]
-            out[i] = v / max(float(np.linalg.norm(v)), 1e-12)
+            rows = {"mean": np.arange(len(ids)), "last": [len(ids) - 1], "cls": [0]}[pooling]
+            h = self._final_hidden(ids, rows)  # [n or 1, hidden]
+            v = (h.mean(axis=0) if pooling == "mean" else h[0])[:size]
+            out[i] = v / max(float(np.linalg.norm(v)), 1e-12) if normalize else v
         return out
 
-    def _final_hidden(self, ids: list[int], every_row: bool):
-        """Normed final hidden states of every row of `ids` or of the last."""
+    def _final_hidden(self, ids: list[int], rows):
+        """Normed final hidden states [len(rows), hidden] at positions `rows` of `ids`."""
         import numpy as np
         from .plan import EMBED
-        n = len(ids)
-        return self._forward_once(ids, np.arange(n, dtype=np.int64) if every_row else np.array([n - 1]), EMBED)
+        return self._forward_once(ids, np.asarray(rows, dtype=np.int64), EMBED)
 
     # ------------------------------------------------------------------ scoring
     def prompt_logprobs(self, prompt):
@@ -952,6 +970,45 @@ def _prompt_of(prompt):
     if "prompt" in prompt:
         return prompt["prompt"]
     raise TypeError("A prompt dict needs 'prompt' (text) or 'prompt_token_ids' (token ids).")
+
+
+def embedding_size(cfg: ModelConfig, dimensions) -> int:
+    """An embedding's length: the hidden size, or `dimensions` where the model is Matryoshka."""
+    if dimensions is None:
+        return cfg.hidden_size
+    if not _is_int(dimensions) or not 1 <= dimensions <= cfg.hidden_size:
+        raise ValueError(f"dimensions must be an integer from 1 to {cfg.hidden_size} (the hidden size), "
+                         f"got {dimensions!r}.")
+    if not cfg.is_matryoshka:
+        raise ValueError("dimensions is not supported by this model: it was not trained for Matryoshka embeddings "
+                         "(config.json sets neither is_matryoshka nor matryoshka_dimensions), so a shorter "
+                         "embedding would lose meaning; omit it.")
+    if cfg.matryoshka_dimensions and dimensions not in cfg.matryoshka_dimensions:
+        raise ValueError(f"dimensions must be one of {list(cfg.matryoshka_dimensions)} for this model, "
+                         f"got {dimensions}.")
+    return int(dimensions)
+
+
+def prompt_truncation(truncate_prompt_tokens, max_model_len: int) -> int | None:
+    """How many last tokens of an input to keep (None: all), as vLLM's truncate_prompt_tokens."""
+    k = truncate_prompt_tokens
+    if k is None:
+        return None
+    if not _is_int(k) or not (k == -1 or 1 <= k <= max_model_len):
+        raise ValueError(f"truncate_prompt_tokens must be -1 (the context's length) or from 1 to "
+                         f"{max_model_len} (max_model_len), got {k!r}.")
+    return max_model_len if k == -1 else int(k)
+
+
+def _prompt_list(prompts, what: str = "prompts") -> tuple[list, bool]:
+    """(the prompts as a list, whether `prompts` was one prompt): a string, a prompt dict or
+    token ids is one prompt; another iterable (list, tuple, generator, 2-D array) holds several."""
+    if isinstance(prompts, (str, dict)) or (_is_token_ids(prompts) and len(prompts) > 0):
+        return [prompts], True
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+        raise TypeError(f"{what} must be a string, a list of token ids, a prompt dict or a list of them, got "
+                        f"{type(prompts).__name__}.")
+    return list(prompts), False
 
 
 def _one_of(params, sampling_params):

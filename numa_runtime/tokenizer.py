@@ -38,6 +38,16 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 _BYTE_LEVEL = _byte_level_alphabet()
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(field: str, text: str) -> None:
+    """ValueError if text holds a lone UTF-16 surrogate (JSON and Python strings allow them;
+    text cannot: the tokenizer could not encode it)."""
+    m = _SURROGATE.search(text)
+    if m:
+        raise ValueError(f"{field} must be valid Unicode text, but it holds a lone surrogate "
+                         f"(\\u{ord(m.group()):04x}) at character {m.start()}.")
 
 
 class ChatTemplateError(ValueError):

@@ -10,13 +10,56 @@ from numa_runtime import Engine, SamplingParams
 INPUTS = [list(range(3, 40)), [5, 9, 200, 17], list(range(100, 300, 3))]
 
 
-def hf_embed(hf_base, ids, pooling):
-    """transformers' final (normed) hidden states, pooled and normalised."""
+def hf_embed(hf_base, ids, pooling, normalize=True, size=None):
+    """transformers' final (normed) hidden states, pooled (and cut to `size`) and normalised."""
     import torch
     with torch.no_grad():
         h = hf_base(torch.tensor([ids])).last_hidden_state[0].numpy()  # [n, hidden]
-    v = h.mean(axis=0) if pooling == "mean" else h[-1]
-    return v / np.linalg.norm(v)
+    v = {"mean": h.mean(axis=0), "last": h[-1], "cls": h[0]}[pooling][:size]
+    return v / np.linalg.norm(v) if normalize else v
+
+
+ST_MODES = ("pooling_mode_cls_token", "pooling_mode_mean_tokens", "pooling_mode_max_tokens",
+            "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens", "pooling_mode_lasttoken")
+
+
+def sentence_transformers_dir(src, dst, mode, append_eos=False, **config):
+    """A copy of model directory `src` laid out as a sentence-transformers checkpoint (Qwen3-Embedding's
+    files: modules.json, 1_Pooling/config.json with one pooling `mode`, and with `append_eos` a
+    tokenizer that appends </s> to every text); `config`: config.json keys to set."""
+    import json
+    import os
+    import shutil
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "modules.json"), "w") as f:
+        json.dump([{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                   {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                   {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}],
+                  f)
+    os.makedirs(os.path.join(dst, "1_Pooling"))
+    with open(os.path.join(dst, "1_Pooling", "config.json"), "w") as f:
+        json.dump({"word_embedding_dimension": BASE["hidden_size"], **{m: m == mode for m in ST_MODES},
+                   "include_prompt": True}, f)
+    if append_eos:
+        path = os.path.join(dst, "tokenizer.json")
+        with open(path) as f:
+            tok = json.load(f)
+        eos = tok["model"]["vocab"]["</s>"]
+        tok["post_processor"] = {"type": "TemplateProcessing",
+                                 "single": [{"Sequence": {"id": "A", "type_id": 0}},
+                                            {"SpecialToken": {"id": "</s>", "type_id": 0}}],
+                                 "pair": [{"Sequence": {"id": "A", "type_id": 0}},
+                                          {"Sequence": {"id": "B", "type_id": 1}}],
+                                 "special_tokens": {"</s>": {"id": "</s>", "ids": [eos], "tokens": ["</s>"]}}}
+        with open(path, "w") as f:
+            json.dump(tok, f)
+    if config:
+        path = os.path.join(dst, "config.json")
+        with open(path) as f:
+            cfg = json.load(f)
+        with open(path, "w") as f:
+            json.dump({**cfg, **config}, f)
+    return dst
 
 
 def build_embedding_model(out_dir, seed=0):
@@ -73,9 +116,93 @@ def test_embedding_checkpoint_equals_transformers_and_cannot_generate(embedder):
                                hf_embed(hf, eng.tokenizer.encode(text), "mean"), atol=2e-5)
     with pytest.raises(ValueError, match="embedding model without an LM head"):
         eng.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
-    with pytest.raises(ValueError, match="pooling must be 'mean' or 'last'"):
+    with pytest.raises(ValueError, match="pooling must be 'mean', 'last' or 'cls'"):
         eng.embed(INPUTS, pooling="max")
     eng.close()
+
+
+def test_a_sentence_transformers_checkpoint_pools_as_it_declares(decoder, tmp_path):
+    """Qwen3-Embedding ships as Qwen3ForCausalLM with sentence-transformers files: it is an
+    embedding model (it does not generate), pooled as 1_Pooling/config.json says, over the
+    tokens its tokenizer makes (with the </s> it appends; add_special_tokens=False leaves it
+    off). Before, it was a causal LM, mean-pooled, and generated."""
+    from numa_runtime.config import UnsupportedModelError
+    d, hf = decoder
+    text = "The quick brown fox"
+    st = sentence_transformers_dir(d, str(tmp_path / "last"), "pooling_mode_lasttoken", append_eos=True)
+    eng = Engine(st, dtype="float32", kv_cache_memory=1 << 22, max_model_len=256)
+    try:
+        assert eng.model_config.is_embedding_model and eng.runner.model.lm_head is None
+        with_eos, plain = eng.tokenizer.encode(text), eng.tokenizer.encode(text, add_special_tokens=False)
+        assert with_eos == plain + [eng.tokenizer.encode("</s>", add_special_tokens=False)[0]]
+        np.testing.assert_allclose(eng.embed(text)[0], hf_embed(hf, with_eos, "last"), atol=2e-5)
+        np.testing.assert_allclose(eng.embed(text, add_special_tokens=False)[0], hf_embed(hf, plain, "last"),
+                                   atol=2e-5)
+        with pytest.raises(ValueError, match="sentence-transformers embedding checkpoint.*does not generate"):
+            eng.generate(text, SamplingParams(max_tokens=2))
+    finally:
+        eng.close()
+    for mode, pooling in (("pooling_mode_cls_token", "cls"), ("pooling_mode_mean_tokens", "mean")):
+        eng = Engine(sentence_transformers_dir(d, str(tmp_path / pooling), mode), dtype="float32",
+                     kv_cache_memory=1 << 22, max_model_len=256)
+        try:
+            got = eng.embed(INPUTS)
+            for g, ids in zip(got, INPUTS):
+                np.testing.assert_allclose(g, hf_embed(hf, ids, pooling), atol=2e-5)
+        finally:
+            eng.close()
+    with pytest.raises(UnsupportedModelError, match="pooling_mode_max_tokens; numa_runtime pools"):
+        Engine(sentence_transformers_dir(d, str(tmp_path / "max"), "pooling_mode_max_tokens"), dtype="float32")
+
+
+def test_embed_takes_vllms_pooling_parameters_and_prompts(decoder, tmp_path):
+    """normalize, dimensions (Matryoshka models only), truncate_prompt_tokens (the last k
+    tokens) and add_special_tokens as vLLM's embed takes them; prompt dicts as generate takes
+    them (a dict was a list of its key names); bad inputs refused in one sentence."""
+    d, hf = decoder
+    ids = INPUTS[0]
+    eng = Engine(d, dtype="float32", kv_cache_memory=1 << 22, max_model_len=64)
+    try:
+        np.testing.assert_allclose(eng.embed(ids, normalize=False)[0], hf_embed(hf, ids, "mean", normalize=False),
+                                   rtol=1e-4, atol=2e-5)
+        np.testing.assert_allclose(eng.embed(ids, truncate_prompt_tokens=5)[0], hf_embed(hf, ids[-5:], "mean"),
+                                   atol=2e-5)
+        long = list(range(3, 3 + 80))  # more than the context (64)
+        with pytest.raises(ValueError, match="80 tokens.*truncate_prompt_tokens"):
+            eng.embed(long)
+        np.testing.assert_allclose(eng.embed(long, truncate_prompt_tokens=-1)[0], hf_embed(hf, long[-64:], "mean"),
+                                   atol=2e-5)
+        text = "the cat sat on the mat " * 200  # far more characters than 64 tokens hold
+        assert eng.embed(text, truncate_prompt_tokens=-1).shape == (1, BASE["hidden_size"])
+        np.testing.assert_array_equal(eng.embed({"prompt": "Hello world"}), eng.embed("Hello world"))
+        np.testing.assert_array_equal(eng.embed({"prompt_token_ids": ids}), eng.embed(ids))
+        assert eng.embed([{"prompt": "Hello"}, ids]).shape == (2, BASE["hidden_size"])
+        for bad, err, match in ((None, TypeError, "inputs must be a string"), (5, TypeError, "got int"),
+                                ([], ValueError, "at least one input"),
+                                ("a\ud800b", ValueError, "lone surrogate"),
+                                ({"text": "x"}, TypeError, "'text' is not supported")):
+            with pytest.raises(err, match=match):
+                eng.embed(bad)
+        for kw, match in (({"dimensions": 8}, "not trained for Matryoshka"),
+                          ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be -1"),
+                          ({"truncate_prompt_tokens": 65}, "from 1 to 64"),
+                          ({"dimensions": 0}, "dimensions must be an integer")):
+            with pytest.raises(ValueError, match=match):
+                eng.embed(ids, **kw)
+    finally:
+        eng.close()
+    mrl = sentence_transformers_dir(d, str(tmp_path / "mrl"), "pooling_mode_mean_tokens",
+                                    matryoshka_dimensions=[8, 16])
+    eng = Engine(mrl, dtype="float32", kv_cache_memory=1 << 22, max_model_len=256)
+    try:
+        got = eng.embed(INPUTS, dimensions=8)
+        assert got.shape == (3, 8)
+        for g, x in zip(got, INPUTS):
+            np.testing.assert_allclose(g, hf_embed(hf, x, "mean", size=8), atol=2e-5)
+        with pytest.raises(ValueError, match=r"one of \[8, 16\]"):
+            eng.embed(ids, dimensions=12)
+    finally:
+        eng.close()
 
 
 def test_embedding_leaves_the_cache_as_it_was(decoder):
@@ -90,7 +217,7 @@ def test_embedding_leaves_the_cache_as_it_was(decoder):
 
 
 def test_openai_client_embeddings(decoder):
-    from test_server import ServerProcess
+    from test_server import ServerProcess, metric
     d, hf = decoder
     srv = ServerProcess(["--model", d, "--dtype", "float32", "--served-model-name", "emb",
                          "--kv-cache-memory", str(1 << 22), "--max-model-len", "256"])
@@ -99,21 +226,60 @@ def test_openai_client_embeddings(decoder):
         res = client.embeddings.create(model="emb", input=INPUTS)  # the client asks for base64
         assert [e.index for e in res.data] == [0, 1, 2]
         assert res.usage.prompt_tokens == sum(map(len, INPUTS))
+        # NOTE: an embedding is a request in /metrics too (it was in none)
+        assert metric(srv.base, 'numa_runtime_embedding_requests_total{status="ok",model_name="emb"}') == 1
+        assert metric(srv.base, "numa_runtime_prompt_tokens_total") == res.usage.prompt_tokens
+        assert metric(srv.base, "numa_runtime_embedding_request_latency_seconds_count") == 1
         for e, ids in zip(res.data, INPUTS):
             np.testing.assert_allclose(e.embedding, hf_embed(hf, ids, "mean"), atol=2e-5)
         res = client.embeddings.create(model="emb", input="Hello world", encoding_format="float")
         assert len(res.data) == 1 and len(res.data[0].embedding) == BASE["hidden_size"]
+        res = client.embeddings.create(model="emb", input=INPUTS[0], encoding_format="float",
+                                       extra_body={"truncate_prompt_tokens": 5, "normalize": False})
+        assert res.usage.prompt_tokens == 5
+        np.testing.assert_allclose(res.data[0].embedding, hf_embed(hf, INPUTS[0][-5:], "mean", normalize=False),
+                                   rtol=1e-4, atol=2e-5)
         import openai
-        with pytest.raises(openai.BadRequestError, match="dimensions is not supported"):
-            client.embeddings.create(model="emb", input="x", dimensions=8)
+        for kw, match in (({"dimensions": 8}, "not trained for Matryoshka"),
+                          ({"extra_body": {"priority": 1}}, "priority is not supported"),
+                          ({"extra_body": {"truncate_prompt_tokens": 0}}, "truncate_prompt_tokens must be"),
+                          ({"input": "word " * 100000}, "characters, more than a context of 256 tokens")):
+            with pytest.raises(openai.BadRequestError, match=match):
+                client.embeddings.create(**{"model": "emb", "input": "x", **kw})
+        assert metric(srv.base, 'numa_runtime_embedding_requests_total{status="error"}') == 4
         with pytest.raises(openai.NotFoundError):
             client.embeddings.create(model="other", input="x")
         for bad in ([True, 2], [[True, False]]):  # NOTE: strict types: true is not a token id
-            with pytest.raises(openai.BadRequestError):
+            with pytest.raises(openai.BadRequestError, match="input must be a string, a list of strings"):
                 client.embeddings.create(model="emb", input=bad, encoding_format="float")
     finally:
         srv.stop()
 
+
+def test_openai_client_embeds_with_a_sentence_transformers_checkpoint(decoder, tmp_path):
+    """A Qwen3-Embedding-like checkpoint served: last-token pooling over the tokens with the </s>
+    its tokenizer appends (add_special_tokens: false leaves it off), and a completion refused."""
+    from test_server import ServerProcess
+    import openai
+    d, hf = decoder
+    st = sentence_transformers_dir(d, str(tmp_path / "st"), "pooling_mode_lasttoken", append_eos=True)
+    srv = ServerProcess(["--model", st, "--dtype", "float32", "--served-model-name", "emb",
+                         "--kv-cache-memory", str(1 << 22), "--max-model-len", "256"])
+    try:
+        client = srv.client()
+        from numa_runtime.tokenizer import Tokenizer
+        tok = Tokenizer.from_dir(st)
+        text = "Hello world"
+        res = client.embeddings.create(model="emb", input=text)
+        np.testing.assert_allclose(res.data[0].embedding, hf_embed(hf, tok.encode(text), "last"), atol=2e-5)
+        res = client.embeddings.create(model="emb", input=text, extra_body={"add_special_tokens": False})
+        plain = tok.encode(text, add_special_tokens=False)
+        assert res.usage.prompt_tokens == len(plain) == len(tok.encode(text)) - 1
+        np.testing.assert_allclose(res.data[0].embedding, hf_embed(hf, plain, "last"), atol=2e-5)
+        with pytest.raises(openai.BadRequestError, match="does not generate text"):
+            client.completions.create(model="emb", prompt="Hi", max_tokens=2)
+    finally:
+        srv.stop()
 
 
 def test_an_embedding_waits_for_kv_room_held_by_running_requests(decoder):

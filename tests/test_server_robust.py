@@ -81,6 +81,15 @@ REFUSED = {
     "surrogate prompt": ("/v1/completions", {"prompt": "ab\ud800cd"}, "prompt"),
     "surrogate message": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udc00"}]}, "messages"),
     "surrogate stop": ("/v1/completions", {"prompt": "x", "stop": ["\ud83d"]}, "stop"),
+    "surrogate embedding input": ("/v1/embeddings", {"input": ["ok", "a\ud800"]}, "input"),
+    "embedding input of floats": ("/v1/embeddings", {"input": [1.5, 2]}, "input"),
+    "embedding input of booleans": ("/v1/embeddings", {"input": [[True, False]]}, "input"),
+    "embedding input object": ("/v1/embeddings", {"input": {"text": "x"}}, "input"),
+    "embedding token outside vocab": ("/v1/embeddings", {"input": [5, -1]}, None),
+    "embedding priority": ("/v1/embeddings", {"input": "x", "priority": 1}, "priority"),
+    "embedding dimensions": ("/v1/embeddings", {"input": "x", "dimensions": 8}, "dimensions"),
+    "embedding truncation": ("/v1/embeddings", {"input": "x", "truncate_prompt_tokens": -2},
+                             "truncate_prompt_tokens"),
 }
 
 

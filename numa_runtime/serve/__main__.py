@@ -99,8 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "needs --tool-call-parser")
     ap.add_argument("--tool-call-parser", default=None, choices=list(PARSERS),
                     help="how the model writes tool calls: hermes (Qwen2.5/3, Hermes) or llama3_json (Llama 3.x)")
-    ap.add_argument("--embedding-pooling", default=None, choices=["mean", "last"],
-                    help="/v1/embeddings pooling (default: last for embedding checkpoints, else mean)")
+    ap.add_argument("--embedding-pooling", default=None, choices=["mean", "last", "cls"],
+                    help="/v1/embeddings pooling (default: the checkpoint's sentence-transformers pooling; last "
+                         "for a model without an LM head; else mean)")
     ap.add_argument("--num-threads", type=int, default=None,
                     help="compute threads per rank (default: its cpus; rank 0 leaves one to the HTTP "
                          "server when it has 8 or more)")

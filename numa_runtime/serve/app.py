@@ -39,7 +39,7 @@ class ServeConfig:
     max_tokens_cap: int | None = None  # larger max_tokens are clamped to this
     max_body_bytes: int = 4 << 20
     stall_timeout_s: float = 60.0      # /health is 503 once one engine step or command runs this long
-    embedding_pooling: str | None = None  # "mean" | "last"; None: the model's default
+    embedding_pooling: str | None = None  # "mean", "last" or "cls"; None: the model's default
     tool_call_parser: str | None = None   # tool_choice "auto": the models' call format (tools.py); None: refused
     aliases: tuple = ()               # more names clients may send as `model` (vLLM's --served-model-name a b)
 
@@ -93,7 +93,8 @@ def _client_errors(renames: dict[str, str] | None = None, api_names: dict[str, s
         raise ApiError(400, message, param=param, code=code) from None
 
 
-_LEADING_FIELD = re.compile(r"^([a-z_]+)(?: keys| values| of type \S+)? (?:must|requires|is not supported|cannot)")
+_LEADING_FIELD = re.compile(r"^([a-z_]+)(?:\[\d+\])*(?: keys| values| of type \S+)? "
+                            r"(?:must|requires|is not supported|cannot)")
 _LEADING_PARAM = re.compile(r"^([a-z]+(?:_[a-z]+)+)\b")  # a sampling parameter's name, whatever follows
 _PARAMS = ({f.name for f in dataclasses.fields(SamplingParams)} | set(CompletionRequest.model_fields)
            | set(ChatCompletionRequest.model_fields))
@@ -253,12 +254,19 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest):
+        arrival, answer = time.monotonic(), None
         check_model(body.model)
-        with _client_errors():
-            try:
-                return await create_embeddings(aengine, body, config.served_model_name, config.embedding_pooling)
-            except RuntimeError as e:  # NOTE: an OpenAI error body, not a bare 500
-                raise _engine_failure(e) from None
+        try:
+            with _client_errors():
+                try:
+                    answer = await create_embeddings(aengine, body, config.served_model_name,
+                                                     config.embedding_pooling)
+                except RuntimeError as e:  # NOTE: an OpenAI error body, not a bare 500
+                    raise _engine_failure(e) from None
+            return answer
+        finally:
+            metrics.observe_embedding(config.served_model_name, answer is not None,
+                                      answer["usage"]["prompt_tokens"] if answer else 0, arrival, time.monotonic())
 
     async def _serve(request: Request, body, kind: str, prompts: list, params, arrival: float, renames=None,
                      tool_plan=None):

@@ -1,16 +1,20 @@
 """`POST /v1/embeddings`: unit-length embeddings from the loaded model (OpenAI's shape).
 
 The official client asks for `encoding_format="base64"` by default (little-endian float32
-bytes); "float" returns lists. Pooling is the server's `--embedding-pooling` (mean or last),
-or the model's default (Engine.embed).
+bytes); "float" returns lists. Pooling is the server's `--embedding-pooling` (mean, last or
+cls), or the model's default (Engine.embed). vLLM's `truncate_prompt_tokens`,
+`add_special_tokens` and `normalize` work as there; `dimensions` where the model is Matryoshka.
 """
 from __future__ import annotations
 
+import asyncio
 import base64
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional
 
 from pydantic import Field
 
+from ..engine import embedding_size, prompt_truncation
+from ..tokenizer import check_text
 from .protocol import _Body
 
 MAX_INPUTS = 2048
@@ -18,26 +22,47 @@ MAX_INPUTS = 2048
 
 class EmbeddingRequest(_Body):  # NOTE: strict (true is not a token id); null is a field's default
     model: Optional[str] = Field(None, description="The served model name; omit for the only model served.")
-    input: Union[str, list[str], list[int], list[list[int]]] = Field(
-        ..., description="A string, a list of strings, a list of token ids, or a list of token id lists.")
+    # NOTE: read by inputs() (a union's type errors named the wrong member: [1.5] "should be a valid string")
+    input: Any = Field(..., description="A string, a list of strings, a list of token ids, or a list of token "
+                                        "id lists.")
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Optional[int] = Field(None, description="Not supported; omit it.")
+    dimensions: Optional[int] = Field(None, description="The first `dimensions` values, normalized again "
+                                                        "(Matryoshka models only).")
     user: Optional[str] = Field(None, description="Accepted and ignored.")
+    # vLLM's extensions
+    truncate_prompt_tokens: Optional[int] = Field(None, description="Keep each input's last k tokens; -1: "
+                                                                    "the context's length.")
+    add_special_tokens: bool = Field(True, description="Add the tokenizer's special tokens to text inputs.")
+    normalize: bool = Field(True, description="Unit-length embeddings.")
+    priority: int = Field(0, description="Not supported; must be 0.")
 
     def inputs(self) -> list[str | list[int]]:
         x = self.input
-        items = [x] if isinstance(x, str) or (x and all(isinstance(t, int) for t in x)) else list(x)
+        one = isinstance(x, str) or (isinstance(x, list) and len(x) > 0 and all(map(_is_token, x)))
+        items = [x] if one else x
+        if not isinstance(items, list) or not all(
+                isinstance(i, str) or (isinstance(i, list) and all(map(_is_token, i))) for i in items):
+            raise ValueError("input must be a string, a list of strings, a list of token ids, or a list of token id "
+                             "lists.")
         if not items or any(len(i) == 0 for i in items):
             raise ValueError("input must contain at least one non-empty text or token list.")
         if len(items) > MAX_INPUTS:
             raise ValueError(f"input has {len(items)} items; send at most {MAX_INPUTS} per request.")
-        if self.dimensions is not None:
-            raise ValueError("dimensions is not supported; omit it to get the model's full embedding.")
+        if self.priority != 0:
+            raise ValueError("priority is not supported by this server; remove it from the request.")
+        for i, item in enumerate(items):
+            if isinstance(item, str):
+                check_text("input" if one else f"input[{i}]", item)
         return items
 
 
+def _is_token(t) -> bool:
+    """A token id as JSON gives it: an integer, not a boolean (strict, as the other fields)."""
+    return type(t) is int
+
+
 def embeddings_body(model: str, vectors, num_tokens: int, encoding_format: str) -> dict:
-    """vectors: [N, hidden] float32."""
+    """vectors: [N, size] float32."""
     data = []
     for i, v in enumerate(vectors):
         emb = (base64.b64encode(v.astype("<f4").tobytes()).decode() if encoding_format == "base64"
@@ -48,13 +73,28 @@ def embeddings_body(model: str, vectors, num_tokens: int, encoding_format: str) 
 
 
 async def create_embeddings(aengine, body: EmbeddingRequest, model_name: str, pooling: str | None) -> dict:
-    """Run the embedding on the engine thread (between steps) and build the response body.
-    Raises ValueError for bad input (the caller's 400)."""
+    """Tokenize off the engine thread (a long text would hold every request's steps), then embed
+    on it (between steps) and build the response body. Raises ValueError for bad input (the
+    caller's 400)."""
+    engine = aengine.engine
     items = body.inputs()
+    keep = prompt_truncation(body.truncate_prompt_tokens, engine.max_model_len)
+    embedding_size(engine.model_config, body.dimensions)
+    tok = engine.tokenizer
+    for i, item in enumerate(items):
+        if isinstance(item, str) and keep is None:
+            tok.check_length(item, engine.max_model_len)
+
+    def tokenize() -> list[list[int]]:
+        return [(tok.encode(x, add_special_tokens=body.add_special_tokens) if isinstance(x, str) else x)[
+            -keep if keep else 0:] for x in items]
+
+    ids = await asyncio.to_thread(tokenize)
+    if any(not i for i in ids):
+        raise ValueError("An input has no tokens (an empty text without special tokens); give it some text.")
 
     def run(engine):
-        ids = [engine.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in items]
-        return engine.embed(ids, pooling), sum(len(i) for i in ids)
+        return engine.embed(ids, pooling, normalize=body.normalize, dimensions=body.dimensions)
 
-    vectors, num_tokens = await aengine.call(run)
-    return embeddings_body(model_name, vectors, num_tokens, body.encoding_format)
+    vectors = await aengine.call(run)
+    return embeddings_body(model_name, vectors, sum(map(len, ids)), body.encoding_format)

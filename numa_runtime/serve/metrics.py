@@ -43,6 +43,10 @@ class ServerMetrics:
                               "of one request", m, buckets=_TPOT_BUCKETS, registry=r)
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "Time from arrival to the last token",
                              m, buckets=_E2E_BUCKETS, registry=r)
+        self.embedding_requests = Counter(p + "embedding_requests", "Finished /v1/embeddings requests by status "
+                                          "(ok, error)", m + ["status"], registry=r)
+        self.embedding_latency = Histogram(p + "embedding_request_latency_seconds", "Time from arrival to the "
+                                           "answer of an embeddings request", m, buckets=_E2E_BUCKETS, registry=r)
         gauges = {
             "num_requests_running": ("Sequences in the running batch", "num_running"),
             "num_requests_waiting": ("Sequences waiting to be scheduled", "num_waiting"),
@@ -79,6 +83,13 @@ class ServerMetrics:
             per_seq = completion_tokens / max(1, num_seqs)
             if per_seq > 1:
                 self.tpot.labels(model).observe((end - first_token) / (per_seq - 1))
+
+    def observe_embedding(self, model: str, ok: bool, prompt_tokens: int, arrival: float, end: float) -> None:
+        """One /v1/embeddings request to `model` answered (ok) or failed; its tokens count as prompt tokens."""
+        self.embedding_requests.labels(model, "ok" if ok else "error").inc()
+        self.prompt_tokens.labels(model).inc(prompt_tokens)
+        if ok:
+            self.embedding_latency.labels(model).observe(end - arrival)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -62,6 +62,10 @@ class _ModelInfo:
     def max_model_len(self) -> int:
         return self.router.context_len(self.name)
 
+    @property
+    def model_config(self):
+        return self.router.model_configs[self.name]
+
 
 class _Recording:
     def __init__(self, enabled: bool):

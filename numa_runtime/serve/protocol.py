@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..sampling_params import SamplingParams
+from ..tokenizer import check_text
 
 log = logging.getLogger("numa_runtime.serve")
 MAX_CHOICES = 128  # n times the number of prompts, per request
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class _Body(BaseModel):
@@ -34,14 +33,6 @@ class _Body(BaseModel):
             data = {k: v for k, v in data.items()
                     if not (v is None and k in fields and not fields[k].is_required())}
         return data
-
-
-def check_text(field: str, text: str) -> None:
-    """ValueError if text holds a lone UTF-16 surrogate (JSON allows them; text cannot)."""
-    m = _SURROGATE.search(text)
-    if m:
-        raise ValueError(f"{field} must be valid Unicode text, but it holds a lone surrogate "
-                         f"(\\u{ord(m.group()):04x}) at character {m.start()}.")
 
 
 def _refuse(body: BaseModel, defaults: dict) -> None:
