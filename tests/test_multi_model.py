@@ -405,6 +405,40 @@ def test_a_model_that_fails_to_load_never_unloads_the_others(models, tmp_path):
     r.close()
 
 
+def test_a_load_that_fails_for_memory_is_not_retried_at_the_others_cost(models, tmp_path, monkeypatch):
+    """A load that fails for a reason other than its files (here MemoryError) may pass later, so it
+    is not remembered as broken files are; but each request for it unloaded the idle models again
+    and failed again. For LOAD_RETRY_S after a failure its requests fail at once, naming when
+    the next load comes; then it loads."""
+    import shutil
+    import numa_runtime.engine as engine_module
+    from numa_runtime.serve import router as router_module
+    root, expected = models
+    for name in ("alpha", "big"):
+        shutil.copytree(os.path.join(root, "alpha"), tmp_path / name)
+    real = engine_module.Engine
+    fail = {"big": True}
+
+    def engine(model_dir, **kw):
+        if fail.get(os.path.basename(model_dir)):
+            raise MemoryError("no memory for its weights")
+        return real(model_dir, **kw)
+    monkeypatch.setattr(engine_module, "Engine", engine)
+    r = router(str(tmp_path), ["alpha", "big"], 1.2)  # one model at a time
+    with pytest.raises(ModelLoadError, match="The model 'big' failed to load: no memory"):
+        r.get("big")
+    assert run(r, "alpha", "a1") == expected["alpha"]
+    fail["big"] = False  # NOTE: the memory is there now, but the retry waits its time
+    with pytest.raises(ModelLoadError, match=r"failed to load: no memory for its weights \(a request loads it "
+                                             r"again [0-9]+ s from now\)\.$"):
+        r.get("big")
+    assert list(r.engines) == ["alpha"] and not r.unload_seconds  # NOTE: alpha stayed
+    monkeypatch.setattr(router_module, "LOAD_RETRY_S", 0.0)
+    assert run(r, "big", "b1") == expected["alpha"]
+    assert list(r.engines) == ["big"]
+    r.close()
+
+
 @pytest.mark.parametrize("kw", [dict(dtype="float32", kv_cache_memory=200_000),
                                 dict(dtype="float32", kv_cache_memory=150_000, kv_cache_dtype="int8",
                                      max_model_len=512, block_size=8),

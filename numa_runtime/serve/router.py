@@ -37,6 +37,10 @@ from ..plan import StepPlan
 log = logging.getLogger("numa_runtime.serve")
 
 LOAD, UNLOAD, ENTER, EXIT = 11, 12, 13, 14  # control plans, outside plan.py's kinds
+# NOTE: after a load that failed for a reason other than its files (memory, a rank's node), requests
+# for that model fail at once for this long: else each retry unloaded the idle models again to make
+# room for a load that failed again, and every such request cost the others a reload
+LOAD_RETRY_S = 30.0
 KV_SHARE = 0.25  # of the budget, split over the models, when kv_cache_memory is not given
 
 
@@ -131,6 +135,8 @@ class ModelRouter:
         self._context: dict[str, int] = {}  # name -> its max_model_len when it was last loaded
         # name -> (its files' stamp, the error) of weights that cannot be opened: refused until they change
         self._failed: dict[str, tuple] = {}
+        # name -> (its files' stamp, when, the error) of the last load that failed otherwise (LOAD_RETRY_S)
+        self._failed_load: dict[str, tuple] = {}
         self.route: dict[str, str] = {}   # request id -> model name (set by the HTTP side)
         self.since: dict[str, float] = {}  # request id -> when it first asked (time.monotonic(), HTTP side)
         # HTTP side: a token of each request that waits for room busy models hold -> (its model, since)
@@ -225,6 +231,11 @@ class ModelRouter:
         if failed is not None and failed[0] == _stamp(self.specs[name].model_dir):
             # NOTE: a model that failed to load fails again without unloading the others for it
             raise ModelLoadError(failed[1])
+        failed = self._failed_load.get(name)
+        if failed is not None and failed[0] == _stamp(self.specs[name].model_dir):
+            left = failed[1] + LOAD_RETRY_S - time.monotonic()
+            if left > 0:
+                raise ModelLoadError(f"{failed[2].rstrip('.')} (a request loads it again {left:.0f} s from now).")
         self._check_files(name)  # NOTE: before anything is unloaded for it
         need = self.footprint[name]
         for victim in list(self.engines):
@@ -274,8 +285,11 @@ class ModelRouter:
             eng = Engine(self.specs[name].model_dir, **self._engine_kwargs)
             eng._keeps_workers = True  # NOTE: the workers go back to worker_main when it closes
         except Exception as e:  # noqa: BLE001 - every rank failed alike; the other models go on
+            self._failed_load[name] = (_stamp(self.specs[name].model_dir), time.monotonic(),
+                                       f"The model {name!r} failed to load: {e}")
             self._fail(name, e)
         self._failed.pop(name, None)
+        self._failed_load.pop(name, None)
         self._active = None  # the workers are back in worker_main
         self.engines[name] = eng
         r = eng.runner
