@@ -136,7 +136,7 @@ class ModelConfig:
             except json.JSONDecodeError as e:
                 raise UnsupportedModelError(f"{path} is not valid JSON ({e}).") from None
         config = cls.from_dict(cfg, model_dir)
-        pooling = sentence_transformers_pooling(model_dir)
+        pooling = sentence_transformers_pooling(model_dir)  # NOTE: a GGUF's directory has none (gguf_pooling)
         return dataclasses.replace(config, pooling=pooling) if pooling else config
 
     @classmethod
@@ -181,8 +181,11 @@ class ModelConfig:
         dims = cfg.get("matryoshka_dimensions") or ()
         if not isinstance(dims, (list, tuple)) or not all(isinstance(d, int) and d > 0 for d in dims):
             raise UnsupportedModelError(f"matryoshka_dimensions must be a list of positive integers, got {dims!r}.")
+        pooling = cfg.get("gguf_pooling")  # NOTE: ours, from an embedding GGUF's pooling_type (gguf_model)
+        if pooling not in (None, "mean", "last", "cls"):
+            raise UnsupportedModelError(f"gguf_pooling must be 'mean', 'last' or 'cls', got {pooling!r}.")
         return cls(
-            is_matryoshka=bool(cfg.get("is_matryoshka")) or bool(dims), matryoshka_dimensions=tuple(dims),
+            pooling=pooling, is_matryoshka=bool(cfg.get("is_matryoshka")) or bool(dims), matryoshka_dimensions=tuple(dims),
             model_dir=model_dir, architecture=arch, vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden, intermediate_size=int(cfg["intermediate_size"]),
             num_layers=int(cfg["num_hidden_layers"]), num_heads=num_heads, num_kv_heads=num_kv,

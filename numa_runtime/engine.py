@@ -281,8 +281,8 @@ class Engine:
 
     def _add_locked(self, prompt, params: SamplingParams | None, request_id: str | None, outbox: deque) -> str:
         if self.model_config.is_embedding_model:
-            what = ("a sentence-transformers embedding checkpoint (its modules.json or 1_Pooling says so)"
-                    if self.model_config.pooling else "an embedding model without an LM head")
+            what = ("an embedding checkpoint (it declares a pooling: sentence-transformers' 1_Pooling or a "
+                    "GGUF's pooling_type)" if self.model_config.pooling else "an embedding model without an LM head")
             raise ValueError(f"{self.model_config.architecture} is {what}: it does not generate text; use "
                              "Engine.embed (or /v1/embeddings).")
         params = params or self.get_default_sampling_params()

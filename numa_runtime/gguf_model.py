@@ -181,6 +181,7 @@ def hf_config(meta: dict, tensor_names: set, path: str = "", rope_freqs=None) ->
             "rope_theta": _f32(meta.get(a + "rope.freq_base", 10000.0)),
             **_rope_keys(meta, a, path, rope_freqs),
             **_window_keys(meta, a, n_layers, path),
+            **_pooling_keys(meta, a, path),
             "attention_bias": "blk.0.attn_q.bias" in tensor_names and arch != "qwen2",
             "vocab_size": int(meta.get(a + "vocab_size", len(tokens))),
             "tie_word_embeddings": "output.weight" not in tensor_names,
@@ -229,6 +230,23 @@ def _rope_keys(meta: dict, a: str, path: str, rope_freqs) -> dict:
         if y + key in meta:
             scaling[hf] = _f32(meta[y + key])
     return {**keys, "rope_scaling": scaling}
+
+
+# llama.cpp's LLAMA_POOLING_TYPE -> ours (its converter writes it from a sentence-transformers
+# checkpoint's 1_Pooling, as Qwen3-Embedding's GGUFs carry it)
+_GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
+
+
+def _pooling_keys(meta: dict, a: str, path: str) -> dict:
+    """`{arch}.pooling_type` of an embedding GGUF as our config key `gguf_pooling` (it makes the
+    model an embedding model, as a sentence-transformers checkpoint's 1_Pooling does)."""
+    kind = int(meta.get(a + "pooling_type", 0) or 0)
+    if kind == 0:
+        return {}
+    if kind not in _GGUF_POOLING:
+        raise UnsupportedModelError(f"{path}: GGUF pooling type {kind} (a reranker's) is not supported; "
+                                    "numa_runtime pools embeddings by mean (1), CLS (2) or last token (3).")
+    return {"gguf_pooling": _GGUF_POOLING[kind]}
 
 
 def _window_keys(meta: dict, a: str, n_layers: int, path: str) -> dict:

@@ -138,7 +138,7 @@ def test_a_sentence_transformers_checkpoint_pools_as_it_declares(decoder, tmp_pa
         np.testing.assert_allclose(eng.embed(text)[0], hf_embed(hf, with_eos, "last"), atol=2e-5)
         np.testing.assert_allclose(eng.embed(text, add_special_tokens=False)[0], hf_embed(hf, plain, "last"),
                                    atol=2e-5)
-        with pytest.raises(ValueError, match="sentence-transformers embedding checkpoint.*does not generate"):
+        with pytest.raises(ValueError, match="an embedding checkpoint .it declares a pooling.*does not generate"):
             eng.generate(text, SamplingParams(max_tokens=2))
     finally:
         eng.close()

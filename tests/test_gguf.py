@@ -268,3 +268,26 @@ def test_a_named_lm_head_format_for_a_quantized_head_is_refused(tmp_path, tied):
     with pytest.raises(ValueError, match="stores its lm_head quantized already"):
         Engine(path, dtype="float32", kv_cache_memory=1 << 22, lm_head_quantization="int8-channel")
     Engine(path, dtype="float32", kv_cache_memory=1 << 22).close()
+
+
+def test_an_embedding_gguf_pools_as_its_pooling_type_says(hf_models, tmp_path):
+    """llama.cpp's converter writes `{arch}.pooling_type` for an embedding checkpoint (Qwen3-Embedding's
+    GGUFs say 3, the last token): such a file is an embedding model pooled so (it ran as a causal LM);
+    a reranker's type (4) is refused by name."""
+    path, ref_dir = str(tmp_path / "emb.gguf"), str(tmp_path / "ref")
+    write_gguf(hf_models["qwen3"], path, "Q8_0", arch="qwen3", extra=lambda w: w.add_uint32("qwen3.pooling_type", 3))
+    write_reference(hf_models["qwen3"], path, ref_dir)
+    g, r = engine(path), engine(ref_dir)
+    try:
+        assert g.model_config.is_embedding_model and g.model_config.pooling == "last"
+        np.testing.assert_allclose(g.embed([PROMPT, PROMPT[:5]]), r.embed([PROMPT, PROMPT[:5]], pooling="last"),
+                                   atol=1e-5)
+        with pytest.raises(ValueError, match="does not generate text"):
+            g.generate([PROMPT], GREEDY)
+    finally:
+        g.close()
+        r.close()
+    bad = str(tmp_path / "rank.gguf")
+    write_gguf(hf_models["qwen3"], bad, "Q8_0", arch="qwen3", extra=lambda w: w.add_uint32("qwen3.pooling_type", 4))
+    with pytest.raises(UnsupportedModelError, match="GGUF pooling type 4 .a reranker's. is not supported"):
+        engine(bad)
