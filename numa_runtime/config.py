@@ -14,13 +14,14 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "llama",  # NOTE: Llama's layer with fused qkv/gate_up tensors (split at load)
     # base models without an LM head (embedding checkpoints such as Qwen3-Embedding)
     "LlamaModel": "llama",
     "MistralModel": "llama",
     "Qwen2Model": "qwen2",
     "Qwen3Model": "qwen3",
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
            "float": "float32", "float16": "float16", "fp16": "float16", "half": "float16"}
 
@@ -190,7 +191,7 @@ class ModelConfig:
             hidden_size=hidden, intermediate_size=int(cfg["intermediate_size"]),
             num_layers=int(cfg["num_hidden_layers"]), num_heads=num_heads, num_kv_heads=num_kv,
             head_dim=int(head_dim), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=_rope_config(cfg, int(head_dim)),
+            rope=_rope_config(cfg, int(head_dim), kind),
             max_position_embeddings=int(cfg.get("max_position_embeddings", _MAX_POSITIONS[kind])),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # NOTE: as transformers builds each family: Qwen2 has q/k/v biases and no o bias, Mistral
@@ -242,13 +243,14 @@ def sentence_transformers_pooling(model_dir: str) -> str | None:
 
 
 # transformers' defaults for keys a config.json leaves out, per model class
-_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}
+_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768, "phi3": 4096}
 _DEFAULT_WINDOW = 4096  # MistralConfig's, and Qwen2/Qwen3Config's with use_sliding_window
 
 
 def _kind(arch: str) -> str:
-    """The transformers model class family of an architecture: llama, mistral, qwen2 or qwen3."""
-    return "mistral" if arch.startswith("Mistral") else SUPPORTED_ARCHITECTURES[arch]
+    """The transformers model class family of an architecture: llama, mistral, qwen2, qwen3 or phi3."""
+    return "mistral" if arch.startswith("Mistral") else "phi3" if arch.startswith("Phi3") else \
+        SUPPORTED_ARCHITECTURES[arch]
 
 
 def _sliding_window(cfg: dict, family: str, arch: str = "") -> tuple[int | None, tuple]:
@@ -280,7 +282,29 @@ def _sliding_window(cfg: dict, family: str, arch: str = "") -> tuple[int | None,
     return window, tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
 
 
-def _rope_config(cfg: dict, head_dim: int) -> RopeConfig:
+def _longrope(cfg: dict, merged: dict, rot_dim: int) -> tuple[tuple, float]:
+    """LongRoPE (Phi-3/3.5/4) within its original context: the short factors (divisors of the
+    inverse frequencies) and the attention factor, as transformers computes them. Past
+    original_max_position_embeddings transformers switches every new token to the long factors
+    (supported_len keeps max_model_len below that)."""
+    short = merged.get("short_factor")
+    if not isinstance(short, list) or len(short) != rot_dim // 2 or not all(
+            isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f < math.inf for f in short):
+        raise UnsupportedModelError(f"longrope scaling needs short_factor: {rot_dim // 2} positive numbers (one "
+                                    "per rotary frequency).")
+    original = merged.get("original_max_position_embeddings")
+    if not isinstance(original, int) or original < 2:
+        raise UnsupportedModelError("longrope scaling needs original_max_position_embeddings (the pretrained "
+                                    "context).")
+    factor = merged.get("factor")
+    factor = float(factor) if factor is not None else int(cfg.get("max_position_embeddings", original)) / original
+    attention = merged.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+    return tuple(float(f) for f in short), float(attention)
+
+
+def _rope_config(cfg: dict, head_dim: int, kind: str = "llama") -> RopeConfig:
     # NOTE: transformers >= 4.56 writes `rope_parameters` (theta inside); older configs use
     # `rope_theta` + `rope_scaling`. Both are accepted. `rope_freq_factors` is ours, not
     # transformers': llama.cpp's `rope_freqs.weight` (Llama 3.1/3.2 GGUFs store llama3 scaling
@@ -293,6 +317,8 @@ def _rope_config(cfg: dict, head_dim: int) -> RopeConfig:
     merged = {k: v for k, v in {**params, **scaling}.items() if v is not None}
     theta = float(merged.get("rope_theta", cfg.get("rope_theta") or 10000.0))
     rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type == "su" or (kind == "phi3" and rope_type == "yarn"):  # NOTE: as transformers' Phi3Config reads them
+        rope_type = "longrope"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(f"Unsupported rope scaling type {rope_type!r}; supported: "
                                     f"{', '.join(SUPPORTED_ROPE_TYPES)}.")
@@ -305,6 +331,8 @@ def _rope_config(cfg: dict, head_dim: int) -> RopeConfig:
         raise UnsupportedModelError(f"The rotary dimension ({head_dim} x partial_rotary_factor {partial}) must be "
                                     "even: rope rotates pairs of values.")
     factors = tuple(float(f) for f in cfg.get("rope_freq_factors") or ())
+    if rope_type == "longrope":
+        factors, merged["attention_factor"] = _longrope(cfg, merged, int(head_dim * partial))
     if factors and (len(factors) != int(head_dim * partial) // 2 or not all(0 < f < math.inf for f in factors)):
         raise UnsupportedModelError(f"rope_freq_factors must hold {int(head_dim * partial) // 2} positive "
                                     f"numbers (one per rotary frequency), got {len(factors)}.")
@@ -541,6 +569,8 @@ def supported_len(model: ModelConfig) -> int:
         return max(limit, int((r.original_max_position_embeddings or limit) * r.factor))
     if r.rope_type == "linear":
         return max(limit, int(limit * r.factor))
+    if r.rope_type == "longrope":
+        return min(limit, r.original_max_position_embeddings)
     return limit
 
 
@@ -586,6 +616,8 @@ def rope_inv_freq(model: ModelConfig):
             scale = get_mscale(r.mscale) / get_mscale(r.mscale_all_dim)
         else:
             scale = get_mscale()
+    elif r.rope_type == "longrope":  # NOTE: the short factors are freq_factors (_longrope)
+        scale = r.attention_factor
     # NOTE: "dynamic" NTK only changes frequencies past the trained length; within
     # max_position_embeddings it equals "default", and max_model_len is capped there (supported_len).
     if r.freq_factors:  # llama.cpp: theta_i = pos * inv_i / factors_i, with any scaling type

@@ -204,8 +204,10 @@ class Engine:
         if asked is None:
             return min(limit, 32768)
         if asked > limit:
-            why = (" (its 'dynamic' rope scaling runs within max_position_embeddings only)"
-                   if mcfg.rope.rope_type == "dynamic" else "")
+            why = {"dynamic": " (its 'dynamic' rope scaling runs within max_position_embeddings only)",
+                   "longrope": " (its longrope scaling runs with the short factors, within "
+                               "original_max_position_embeddings; numa_runtime does not run the long factors)"
+                   }.get(mcfg.rope.rope_type, "")
             raise ValueError(f"max_model_len={asked} exceeds what the model supports ({limit} tokens){why}.")
         return asked
 

@@ -279,7 +279,21 @@ def open_checkpoint(cfg):
         return GGUFCheckpoint(files[0], index, cfg.num_heads, cfg.num_kv_heads, files=files)
     with open(os.path.join(cfg.model_dir, "config.json")) as f:
         qcfg = json.load(f).get("quantization_config")
+    fused = cfg.architecture == "Phi3ForCausalLM"
     if qcfg:
+        if fused:
+            raise UnsupportedModelError(f"{cfg.model_dir}: AWQ/GPTQ Phi-3 checkpoints (fused qkv_proj and "
+                                        "gate_up_proj) are not supported; load the bf16 checkpoint with "
+                                        "--quantization int4 or int8 instead.")
         from .quant.hf_quant import HFQuantCheckpoint
         return HFQuantCheckpoint(Checkpoint(cfg.model_dir), qcfg)
-    return Checkpoint(cfg.model_dir)
+    ckpt = Checkpoint(cfg.model_dir)
+    if fused:  # NOTE: Phi-3 stores q/k/v and gate/up fused: read as Llama's separate tensors
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            ckpt.split_rows(p + "self_attn.qkv_proj.weight", [(p + "self_attn.q_proj.weight", cfg.q_size),
+                                                            (p + "self_attn.k_proj.weight", cfg.kv_size),
+                                                            (p + "self_attn.v_proj.weight", cfg.kv_size)])
+            ckpt.split_rows(p + "mlp.gate_up_proj.weight", [(p + "mlp.gate_proj.weight", cfg.intermediate_size),
+                                                          (p + "mlp.up_proj.weight", cfg.intermediate_size)])
+    return ckpt

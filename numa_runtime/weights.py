@@ -97,6 +97,7 @@ class Checkpoint:
                 for name in st.header:
                     self._where[name] = st.path
         self._stored = {n: n for n in self._where}  # the name we use -> the name in the file
+        self._rows: dict[str, slice] = {}  # a name we use -> its rows of the stored tensor (split_rows)
         if "model.embed_tokens.weight" not in self._where and "embed_tokens.weight" in self._where:
             # NOTE: a base model saved without its head (e.g. a Qwen3Model embedding checkpoint)
             # names its tensors without the "model." prefix; they are read under the usual names.
@@ -113,6 +114,23 @@ class Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def split_rows(self, fused: str, parts: list[tuple[str, int]]) -> None:
+        """Read the consecutive row blocks of tensor `fused` as tensors of their own: parts are
+        (name, rows) in order (Phi-3's qkv_proj and gate_up_proj as q/k/v and gate/up, so that
+        tensor parallelism slices each as it slices a Llama's). CheckpointError if the rows do not add up."""
+        if fused not in self._where:
+            raise CheckpointError(f"Tensor {fused!r} is missing from the checkpoint.")
+        stored, path = self._stored[fused], self._where[fused]
+        shape = self._open(path).tensor(stored).shape
+        if shape[0] != sum(n for _, n in parts):
+            raise CheckpointError(f"{fused} has {shape[0]} rows, but config.json implies "
+                                  f"{' + '.join(str(n) for _, n in parts)}.")
+        start = 0
+        for name, n in parts:
+            self._stored[name], self._where[name] = stored, path
+            self._rows[name] = slice(start, start + n)
+            start += n
+
     def names(self) -> list[str]:
         return list(self._where)
 
@@ -120,7 +138,9 @@ class Checkpoint:
         """The mmapped tensor in its stored dtype (bf16 as uint16): no copy."""
         if name not in self._where:
             raise CheckpointError(f"Tensor {name!r} is missing from the checkpoint.")
-        return self._open(self._where[name]).tensor(self._stored[name])
+        t = self._open(self._where[name]).tensor(self._stored[name])
+        rows = self._rows.get(name)
+        return t if rows is None else t[rows]
 
     def load(self, name: str, dtype: str, rows: slice | None = None, cols: slice | None = None,
              ) -> np.ndarray:

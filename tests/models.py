@@ -12,6 +12,7 @@ ARCHS = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 BASE = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -74,7 +75,7 @@ def build_model(out_dir: str, arch: str = "llama", dtype: str = "float32", seed:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     torch.manual_seed(seed)
-    kw = {**BASE, **overrides}
+    kw = {**BASE, **({"pad_token_id": 0} if arch == "phi3" else {}), **overrides}  # NOTE: Phi3Config's is 32000
     model_type = arch if arch != "mistral" else "mistral"
     cfg = AutoConfig.for_model(model_type, **kw)
     cfg.architectures = [ARCHS[arch]]

@@ -10,7 +10,8 @@ import numpy as np
 from numa_runtime.plan import StepPlan
 from numa_runtime.quant.formats import QuantFormat, dequantize, quantize
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "qkv_proj", "gate_up_proj")  # NOTE: Phi-3's fused ones: rows quantize alike fused or not
 
 
 def write_dequantized_copy(src: str, dst: str, fmt: QuantFormat | None, head: QuantFormat | None) -> None:

@@ -27,6 +27,14 @@ CASES = {
     "mistral-sliding": dict(arch="mistral", sliding_window=7),
     "qwen2-sliding-upper-layers": dict(arch="qwen2", use_sliding_window=True, sliding_window=5,
                                        max_window_layers=1),
+    # Phi-3: fused qkv_proj/gate_up_proj; Phi-4-mini's partial rotary with longrope (short factors,
+    # its attention factor from max/original positions); Phi-3-mini-4k's window on every layer
+    "phi3-tied": dict(arch="phi3", tie_word_embeddings=True),
+    "phi3-longrope-partial": dict(arch="phi3", partial_rotary_factor=0.75, max_position_embeddings=4096,
+                                  original_max_position_embeddings=256, rope_scaling={
+                                      "rope_type": "longrope", "short_factor": [1.0, 1.3, 2.0, 3.5, 6.0, 9.0],
+                                      "long_factor": [1.5, 2.0, 4.0, 8.0, 16.0, 30.0]}),
+    "phi3-sliding": dict(arch="phi3", sliding_window=7),
 }
 
 
@@ -41,6 +49,18 @@ def test_greedy_matches_transformers_f32(tmp_path, case):
     for p, o, e in zip(PROMPTS, outs, expected):
         assert o.token_ids == e, f"{case}: prompt {p} diverged"
         assert o.finish_reason == "length"
+
+
+def test_a_longrope_context_ends_at_the_original_length(tmp_path):
+    """LongRoPE runs its short factors: the context stops where transformers would switch to the
+    long ones, and a longer max_model_len is refused saying so."""
+    build_model(str(tmp_path), **CASES["phi3-longrope-partial"])
+    eng = Engine(str(tmp_path), dtype="float32", kv_cache_memory=1 << 22)
+    assert eng.max_model_len == 256
+    eng.close()
+    with pytest.raises(ValueError, match=r"max_model_len=512 exceeds what the model supports \(256 tokens\) \(its "
+                                         "longrope scaling runs with the short factors"):
+        Engine(str(tmp_path), dtype="float32", kv_cache_memory=1 << 22, max_model_len=512)
 
 
 @pytest.mark.parametrize("ckpt_dtype", ["bfloat16", "float16"])

@@ -69,6 +69,21 @@ def test_quantized_engine_equals_dequantized_model(model_dir, tmp_path, name):
         r.close()
 
 
+@pytest.mark.parametrize("name", ["int8", "int4-g64-sym"])
+def test_a_phi3_quantized_at_load_equals_its_dequantized_model(tmp_path, name):
+    """Phi-3's fused qkv_proj and gate_up_proj, split at load, quantize as separate tensors."""
+    src, ref_dir = str(tmp_path / "phi3"), str(tmp_path / "deq")
+    build_model(src, arch="phi3", **SHAPE)
+    deq_copy(src, ref_dir, name)
+    q, r = engine(src, quantization=name), engine(ref_dir)
+    try:
+        assert q.runner.model.layers[0].qkv_proj.dtype == name.split("-")[0]
+        assert_same_model(q, r)
+    finally:
+        q.close()
+        r.close()
+
+
 @pytest.mark.parametrize("head", ["int8-channel", "int8-g32", None])
 def test_tied_lm_head_formats(tied_dir, tmp_path, head):
     """A tied model: the lm_head copy is quantized (or kept, None), the embedding lookup reads

@@ -25,6 +25,9 @@ LAYOUTS = {
                    intermediate_size=90, vocab_size=383),
     "4h1kv_mqa": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=1, hidden_size=64,
                       intermediate_size=90, vocab_size=383),
+    # Phi-3: fused qkv_proj and gate_up_proj, split at load and then by rank; partial rotary
+    "phi3_6h2kv": dict(arch="phi3", num_attention_heads=6, num_key_value_heads=2, hidden_size=96,
+                       intermediate_size=90, vocab_size=383, partial_rotary_factor=0.75),
 }
 
 
