@@ -47,7 +47,10 @@ BLOCK_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # Phi-3's fused q/k/v (split at load)
 }
+# NOTE: Phi-3's ffn_up holds gate_up_proj (gate rows, then up rows; llama.cpp's SWIGLU halves)
+FUSED_UP = {"phi3": "mlp.gate_up_proj.weight"}
 TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
 DENSE = ("F32", "F16", "BF16")
@@ -64,16 +67,46 @@ NEAR_LOSSLESS = {"Q4_K": (QuantFormat(4, 32, "min"), 144, 256),
 PERMUTED_ARCHS = ("llama", "mistral")
 # tensors gguf_model reads into config.json rather than loading: the rope frequency divisors
 ROPE_FREQS = "rope_freqs.weight"
-CONFIG_TENSORS = (ROPE_FREQS,)
+LONGROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")  # Phi-3's
+CONFIG_TENSORS = (ROPE_FREQS, *LONGROPE_FACTORS)
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "") -> str | None:
     if gguf_name in TOP_NAMES:
         return TOP_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in BLOCK_NAMES:
-        return f"model.layers.{int(parts[1])}.{BLOCK_NAMES[parts[2]]}"
+        hf = FUSED_UP.get(arch) if parts[2] == "ffn_up.weight" else None
+        return f"model.layers.{int(parts[1])}.{hf or BLOCK_NAMES[parts[2]]}"
     return None
+
+
+class _Rows:
+    """Consecutive rows of a 2-D _Tensor, as a tensor of its own (a fused tensor's part)."""
+
+    def __init__(self, t, start: int, n: int):
+        self.name, self.type = f"{t.name}[{start}:{start + n}]", t.type
+        self.shape = [t.shape[0], n, *t.shape[2:]]
+        self.data = t.data[start:start + n]
+
+
+def _split_fused(tensors: dict, n_head: int, n_kv_head: int, path: str) -> None:
+    """Phi-3's fused qkv_proj and gate_up_proj as Llama's separate tensors (rows of them)."""
+    for name in [n for n in tensors if n.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"))]:
+        t = tensors.pop(name)
+        rows, stem = int(t.shape[1]), name.rsplit(".", 2)[0]
+        if name.endswith("qkv_proj.weight"):
+            d = rows // (n_head + 2 * n_kv_head)
+            parts = [("q_proj", n_head * d), ("k_proj", n_kv_head * d), ("v_proj", n_kv_head * d)]
+        else:
+            parts = [("gate_proj", rows // 2), ("up_proj", rows // 2)]
+        if sum(n for _, n in parts) != rows:
+            raise CheckpointError(f"{path}: tensor {t.name} has {rows} rows, which do not split into "
+                                  f"{', '.join(p for p, _ in parts)}.")
+        start = 0
+        for part, n in parts:
+            tensors[f"{stem}.{part}.weight"] = _Rows(t, start, n)
+            start += n
 
 
 class _Tensor:
@@ -115,7 +148,7 @@ class GGUFCheckpoint:
         for entry in index["tensors"]:
             f = int(entry.get("file", 0))
             t = _Tensor(entry, maps[f], files[f])
-            name = hf_name(t.name)
+            name = hf_name(t.name, self.arch)
             kind = t.type
             if name is None:
                 if t.name not in CONFIG_TENSORS:
@@ -126,6 +159,8 @@ class GGUFCheckpoint:
                                       f"numa_runtime does not read (supported: "
                                       f"{', '.join(DENSE + tuple(LOSSLESS) + tuple(NEAR_LOSSLESS))}).")
             self._tensors[name] = t
+        if self.arch == "phi3":
+            _split_fused(self._tensors, n_head, n_kv_head, path)
         if ignored:
             log.warning("%s: ignoring %d GGUF tensor(s) that numa_runtime does not use: %s", path, len(ignored),
                         ", ".join(ignored[:8]) + (", ..." if len(ignored) > 8 else ""))

@@ -19,14 +19,17 @@ import numpy as np
 
 from . import env
 from .config import UnsupportedModelError
-from .gguf_checkpoint import ROPE_FREQS
+from .gguf_checkpoint import LONGROPE_FACTORS, ROPE_FREQS
 
 GGUF_LINK = "model.gguf"
 INDEX = "gguf_tensors.json"
 # NOTE: part of the cache key: a change to what _describe writes makes files describe again
-DESCRIBE_VERSION = 5  # NOTE: 5: no window is an explicit null (a Mistral config's absent key means 4096)
+DESCRIBE_VERSION = 6  # NOTE: 6: phi3 (longrope factors), embedding pooling types
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-         "qwen3": "Qwen3ForCausalLM"}
+         "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+# NOTE: llama.cpp rotates these as transformers does (NEOX: halves within the first rot_dim
+# dimensions), so a partial rotary dimension count is transformers' partial_rotary_factor
+_NEOX_ARCHS = ("qwen2", "qwen3", "phi3")
 
 
 def is_gguf_dir(model_dir: str) -> bool:
@@ -100,9 +103,10 @@ def _describe(files: list[str], out_dir: str) -> None:
     meta = {name: field.contents() for name, field in readers[0].fields.items()}
     _check_split(files, readers, meta)
     tensors = [(i, t) for i, r in enumerate(readers) for t in r.tensors]
-    freqs = next((gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32).ravel()
-                  for _, t in tensors if t.name == ROPE_FREQS), None)
-    config = hf_config(meta, {t.name for _, t in tensors}, path, freqs)
+    rope = {t.name: gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32).ravel()
+            for _, t in tensors if t.name in (ROPE_FREQS, *LONGROPE_FACTORS)}
+    config = hf_config(meta, {t.name for _, t in tensors}, path, rope.get(ROPE_FREQS),
+                       [rope[n] for n in LONGROPE_FACTORS] if all(n in rope for n in LONGROPE_FACTORS) else None)
     # NOTE: generation stops at EOS and at the file's end-of-turn / end-of-message tokens
     for name, obj in (("config.json", config), ("generation_config.json", {
             "bos_token_id": config["bos_token_id"], "eos_token_id": stop_token_ids(meta)})):
@@ -140,9 +144,10 @@ def _check_split(files: list[str], readers: list, meta: dict) -> None:
                                     f"{int(want)} its metadata lists.")
 
 
-def hf_config(meta: dict, tensor_names: set, path: str = "", rope_freqs=None) -> dict:
-    """A Hugging Face config.json for a llama/mistral/qwen2/qwen3 GGUF. rope_freqs: the file's
-    `rope_freqs.weight` (float32 [rot_dim/2]) where it has one."""
+def hf_config(meta: dict, tensor_names: set, path: str = "", rope_freqs=None, longrope=None) -> dict:
+    """A Hugging Face config.json for a llama/mistral/qwen2/qwen3/phi3 GGUF. rope_freqs: the
+    file's `rope_freqs.weight` (float32 [rot_dim/2]) where it has one; longrope: Phi-3's
+    (rope_factors_short, rope_factors_long) where it has them."""
     arch = meta.get("general.architecture")
     if arch not in ARCHS:
         raise UnsupportedModelError(f"{path}: GGUF architecture {arch!r} is not supported; "
@@ -152,7 +157,8 @@ def hf_config(meta: dict, tensor_names: set, path: str = "", rope_freqs=None) ->
     if experts or any("_exps." in n or "ffn_gate_inp." in n for n in tensor_names):
         raise UnsupportedModelError(f"{path} is a mixture-of-experts model ({experts} experts), which "
                                     "numa_runtime does not run; use a dense llama/mistral/qwen2/qwen3 GGUF.")
-    rope_tensors = sorted(n for n in tensor_names if "rope" in n and n != ROPE_FREQS)
+    rope_tensors = sorted(n for n in tensor_names if "rope" in n and n != ROPE_FREQS and not (
+        arch == "phi3" and n in LONGROPE_FACTORS))
     if rope_tensors:
         raise UnsupportedModelError(f"{path} holds rope tensors numa_runtime does not apply "
                                     f"({', '.join(rope_tensors[:4])}).")
@@ -160,9 +166,9 @@ def hf_config(meta: dict, tensor_names: set, path: str = "", rope_freqs=None) ->
         hidden, n_head = int(meta[a + "embedding_length"]), int(meta[a + "attention.head_count"])
         head_dim = int(meta.get(a + "attention.key_length", hidden // n_head))
         rot_dim = int(meta.get(a + "rope.dimension_count", head_dim))
-        if rot_dim != head_dim:
+        if rot_dim != head_dim and (arch not in _NEOX_ARCHS or not 0 < rot_dim < head_dim or rot_dim % 2):
             raise UnsupportedModelError(f"{path}: partial rotary (rope over {rot_dim} of {head_dim} head "
-                                        "dimensions) in a GGUF is not supported.")
+                                        f"dimensions) in a {arch} GGUF is not supported.")
         if rope_freqs is not None and len(rope_freqs) != rot_dim // 2:
             raise UnsupportedModelError(f"{path}: {ROPE_FREQS} holds {len(rope_freqs)} factors where the "
                                         f"rope has {rot_dim // 2} frequencies.")
@@ -179,7 +185,9 @@ def hf_config(meta: dict, tensor_names: set, path: str = "", rope_freqs=None) ->
             "max_position_embeddings": int(meta.get(a + "context_length", 2048)),
             "rms_norm_eps": _f32(meta[a + "attention.layer_norm_rms_epsilon"]),
             "rope_theta": _f32(meta.get(a + "rope.freq_base", 10000.0)),
-            **_rope_keys(meta, a, path, rope_freqs),
+            **({"partial_rotary_factor": rot_dim / head_dim} if rot_dim != head_dim else {}),
+            **(_longrope_keys(meta, a, path, rot_dim, longrope) if arch == "phi3" else
+               _rope_keys(meta, a, path, rope_freqs)),
             **_window_keys(meta, a, n_layers, path),
             **_pooling_keys(meta, a, path),
             "attention_bias": "blk.0.attn_q.bias" in tensor_names and arch != "qwen2",
@@ -247,6 +255,25 @@ def _pooling_keys(meta: dict, a: str, path: str) -> dict:
         raise UnsupportedModelError(f"{path}: GGUF pooling type {kind} (a reranker's) is not supported; "
                                     "numa_runtime pools embeddings by mean (1), CLS (2) or last token (3).")
     return {"gguf_pooling": _GGUF_POOLING[kind]}
+
+
+def _longrope_keys(meta: dict, a: str, path: str, rot_dim: int, factors) -> dict:
+    """A Phi-3 GGUF's rope: none, or LongRoPE as llama.cpp's converter writes it (the short and
+    long factor tensors, the original context, the attention factor it computed)."""
+    if factors is None:
+        if a + "rope.scaling.attn_factor" in meta:
+            raise UnsupportedModelError(f"{path}: a phi3 GGUF with a rope attention factor needs both "
+                                        f"{' and '.join(LONGROPE_FACTORS)}.")
+        return {}
+    short, long = ([float(f) for f in x] for x in factors)
+    if len(short) != rot_dim // 2 or len(long) != rot_dim // 2:
+        raise UnsupportedModelError(f"{path}: the longrope factor tensors hold {len(short)} and {len(long)} "
+                                    f"factors where the rope has {rot_dim // 2} frequencies.")
+    original = int(meta.get(a + "rope.scaling.original_context_length", meta.get(a + "context_length", 4096)))
+    return {"original_max_position_embeddings": original,
+            "rope_scaling": {"rope_type": "longrope", "short_factor": short, "long_factor": long,
+                             "original_max_position_embeddings": original,
+                             "attention_factor": _f32(meta.get(a + "rope.scaling.attn_factor", 1.0))}}
 
 
 def _window_keys(meta: dict, a: str, n_layers: int, path: str) -> dict:

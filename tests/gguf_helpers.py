@@ -9,7 +9,7 @@ import shutil
 
 import numpy as np
 
-from numa_runtime.gguf_checkpoint import BLOCK_NAMES, TOP_NAMES
+from numa_runtime.gguf_checkpoint import BLOCK_NAMES, CONFIG_TENSORS, TOP_NAMES
 
 TO_GGUF = {v: k for k, v in TOP_NAMES.items()}
 # block bytes and the offsets of its f16 d fields, for the types gguf-py cannot quantize
@@ -21,7 +21,7 @@ def gguf_name(hf: str) -> str:
     if hf in TO_GGUF:
         return TO_GGUF[hf]
     _, _, layer, rest = hf.split(".", 3)
-    inv = {v: k for k, v in BLOCK_NAMES.items()}
+    inv = {**{v: k for k, v in BLOCK_NAMES.items()}, "mlp.gate_up_proj.weight": "ffn_up.weight"}  # Phi-3
     return f"blk.{layer}.{inv[rest]}"
 
 
@@ -116,7 +116,8 @@ def write_gguf(hf_dir: str, path: str, qtype: str, arch: str = "llama", seed: in
                      ("embedding_length", cfg["hidden_size"]), ("feed_forward_length", cfg["intermediate_size"]),
                      ("attention.head_count", cfg["num_attention_heads"]),
                      ("attention.head_count_kv", cfg["num_key_value_heads"]), ("attention.key_length", hd),
-                     ("rope.dimension_count", hd)]:
+                     ("rope.dimension_count", int(hd * (cfg.get("rope_parameters") or cfg).get(
+                         "partial_rotary_factor", 1.0)))]:
         w.add_uint32(a + key, val)
     w.add_float32(a + "attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
     w.add_float32(a + "rope.freq_base", (cfg.get("rope_parameters") or cfg).get("rope_theta", 10000.0))
@@ -165,6 +166,8 @@ def write_reference(hf_dir: str, gguf_path: str, out_dir: str) -> None:
     tensors = {}
     names = {gguf_name(n): n for n in _hf_names(hf_dir)}
     for t in reader.tensors:
+        if t.name in CONFIG_TENSORS:  # NOTE: read into config.json (rope factors), as hf_dir's config has them
+            continue
         shape = [int(d) for d in reversed(t.shape)]
         x = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32).reshape(shape)
         suffix = t.name.split(".", 2)[-1]
@@ -210,5 +213,5 @@ def write_reference_from_gguf(gguf_path: str, out_dir: str) -> None:
         if arch in ("llama", "mistral") and suffix in heads:
             n = heads[suffix]
             x = x.reshape(n, shape[0] // n // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
-        tensors[hf_name(t.name)] = np.ascontiguousarray(x)
+        tensors[hf_name(t.name, arch)] = np.ascontiguousarray(x)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})

@@ -291,3 +291,40 @@ def test_an_embedding_gguf_pools_as_its_pooling_type_says(hf_models, tmp_path):
     write_gguf(hf_models["qwen3"], bad, "Q8_0", arch="qwen3", extra=lambda w: w.add_uint32("qwen3.pooling_type", 4))
     with pytest.raises(UnsupportedModelError, match="GGUF pooling type 4 .a reranker's. is not supported"):
         engine(bad)
+
+
+PHI3_LONGROPE = dict(max_position_embeddings=4096, original_max_position_embeddings=64, rope_scaling={
+    "rope_type": "longrope", "short_factor": [1.0 + 0.25 * i for i in range(24)],
+    "long_factor": [2.0 + i for i in range(24)]})
+
+
+@pytest.mark.parametrize("qtype,longrope", [("Q8_0", False), ("Q4_K", True)])
+def test_a_phi3_gguf_equals_its_dequantized_reference(tmp_path, qtype, longrope):
+    """llama.cpp's phi3 layout: attn_qkv and ffn_up (gate and up) fused, split at load; a partial
+    rotary dimension count; LongRoPE as its converter writes it (rope_factors_short/long tensors,
+    the original context, the attention factor it computes) runs as transformers' longrope."""
+    import math
+    hf_dir, path, ref_dir = str(tmp_path / "hf"), str(tmp_path / "m.gguf"), str(tmp_path / "ref")
+    build_model(hf_dir, arch="phi3", partial_rotary_factor=0.75, **SHAPE, **(PHI3_LONGROPE if longrope else {}))
+
+    def factors(w):
+        s = PHI3_LONGROPE["max_position_embeddings"] / PHI3_LONGROPE["original_max_position_embeddings"]
+        w.add_uint32("phi3.rope.scaling.original_context_length", PHI3_LONGROPE["original_max_position_embeddings"])
+        w.add_float32("phi3.rope.scaling.attn_factor", math.sqrt(1 + math.log(s) / math.log(64)))
+        for kind in ("short", "long"):
+            w.add_tensor(f"rope_factors_{kind}.weight", np.array(PHI3_LONGROPE["rope_scaling"][kind + "_factor"],
+                                                                 np.float32))
+    write_gguf(hf_dir, path, qtype, arch="phi3", extra=factors if longrope else None)
+    write_reference(hf_dir, path, ref_dir)
+    kw = dict(dtype="float32", kv_cache_memory=1 << 23, max_model_len=64)
+    g, r = Engine(path, **kw), Engine(ref_dir, **kw)
+    try:
+        assert g.model_config.rope.rope_type == ("longrope" if longrope else "default")
+        assert g.model_config.rope.partial_rotary_factor == 0.75
+        lg, lr = prefill_logits(g, PROMPT), prefill_logits(r, PROMPT)
+        assert np.abs(lg - lr).max() <= 1e-4 * np.abs(lr).max()
+        assert g.generate([PROMPT], GREEDY)[0].token_ids == r.generate([PROMPT], GREEDY)[0].token_ids
+        assert g.runner.model.layers[0].qkv_proj.dtype == ("int8" if qtype == "Q8_0" else "int4")
+    finally:
+        g.close()
+        r.close()
