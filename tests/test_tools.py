@@ -90,12 +90,37 @@ def test_parsers_read_the_models_call_formats():
     assert not ended_whole("stop", "UTC") and not ended_whole("length", None)  # a stop string, max_tokens
 
 
+def test_model_text_that_json_cannot_round_trip_is_text_or_valid_arguments():
+    """What json reads but cannot write back as JSON in UTF-8: nesting past its recursion limit
+    (a RecursionError: a 500), a lone surrogate escape (a UnicodeEncodeError of the reply: a 500,
+    a stream cut without [DONE]), NaN/Infinity and 1e999 (arguments "NaN"/"Infinity", which no
+    strict parser reads). Now: text, or arguments that stay JSON and UTF-8."""
+    hermes, llama = plan([WEATHER], "auto", "hermes"), plan([WEATHER], "auto", "llama3_json")
+    req = plan([WEATHER], "required", None)
+    deep = "[" * 3000
+    for p, text in ((hermes, '<tool_call>{"name": "get_weather", "arguments": ' + deep),
+                    (llama, '{"name": "get_weather", "parameters": ' + deep),
+                    (req, '[{"name": "get_weather", "parameters": {"a": ' + deep)):
+        assert parse(p, text) == (text, [])
+    content, calls = parse(hermes, '<tool_call>{"name": "get_weather", "arguments": {"x": "\\ud83d"}}</tool_call>')
+    args = calls[0]["function"]["arguments"]
+    args.encode()  # NOTE: UTF-8: it raised UnicodeEncodeError
+    assert json.loads(args) == {"x": "\ud83d"}
+    for value in ("NaN", "Infinity", "-Infinity", "1e999"):
+        text = '<tool_call>{"name": "get_weather", "arguments": {"x": %s}}</tool_call>' % value
+        assert parse(hermes, text) == (text, [])
+    bad_name = '<tool_call>{"name": "get_\\udc00weather", "arguments": {}}</tool_call>'
+    assert parse(hermes, bad_name) == (bad_name, [])
+
+
 @pytest.mark.parametrize("parser,text", [
     ("hermes", 'Sure, <tool_ca> is not a call. <tool_call>{"name": "get_weather", "arguments": {"unit": "C"}}'
                '</tool_call>'),
     ("hermes", "Just text, ending in <tool_"),
     ("llama3_json", '{"name": "get_time", "parameters": {"zone": "UTC"}}'),
     ("llama3_json", "Plain words {with braces}"),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"x": "\\ud83d"}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": ' + "[" * 3000),
 ])
 def test_a_stream_sends_what_the_body_holds(parser, text):
     """However the text is cut into deltas, the stream's content is the body's content (nothing of
@@ -202,6 +227,11 @@ def test_named_and_required_tool_choice_return_calls(model_dir):
         with pytest.raises(openai.BadRequestError, match="not among the tools"):
             c.chat.completions.create(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "x"}},
                                       **KW)
+        # NOTE: an unusable tool schema names tools, the field it came from (the sentence said json_schema)
+        bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}
+        with pytest.raises(openai.BadRequestError, match="tools cannot be used: Invalid type") as e:
+            c.chat.completions.create(tools=[bad], tool_choice={"type": "function", "function": {"name": "f"}}, **KW)
+        assert e.value.param == "tools"
     finally:
         assert srv.stop() == 0, srv.output()
 

@@ -275,7 +275,9 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
         gen = _Generation(aengine, rid, len(prompts))
         # NOTE: a schema a tool_choice made is the tools' (an unusable one names them)
         schema_param = _schema_param(tool_plan, body)
-        with _client_errors(renames, {"json_schema": schema_param}):
+        # NOTE: "json_schema cannot be used: ..." names the field the schema came from (the tools'
+        # parameters of a tool_choice that calls a function: json_schema is no field of theirs)
+        with _client_errors({**(renames or {}), "json_schema": schema_param}, {"json_schema": schema_param}):
             await gen.start(prompts, params)
         tracker = R.ChoiceTracker(params.n)
         report = _Report(metrics, tracker, arrival, len(prompts) * params.n, config.served_model_name)

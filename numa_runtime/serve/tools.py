@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from dataclasses import dataclass
@@ -114,9 +115,11 @@ def plan(tools, tool_choice, parser: str | None) -> ToolPlan:
 def _call(name, arguments, raw: bool = False) -> dict:
     """A call of `name` (a non-empty string, else KeyError: the text is no call); `arguments` as
     JSON text (as vLLM: any value is dumped, a string too); `raw`: they are the text already."""
-    if not isinstance(name, str) or not name:
+    if not isinstance(name, str) or not name or _SURROGATE.search(name):
         raise KeyError("name")
-    args = arguments if raw else json.dumps(arguments, ensure_ascii=False)
+    args = arguments if raw else json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    if _SURROGATE.search(args):  # NOTE: a decoded lone "\\ud83d" (half a pair) stays escaped: UTF-8 cannot hold it
+        args = json.dumps(arguments, allow_nan=False)
     return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
             "function": {"name": name, "arguments": args}}
 
@@ -134,9 +137,9 @@ def parse(p: ToolPlan, text: str, finished_whole: bool = True) -> tuple[str | No
         return None, [_call(p.name, text, raw=True)]
     if p.mode == "required":
         try:
-            items = json.loads(text)
+            items = _loads(text)
             calls = [_call(c["name"], c["parameters"]) for c in items]
-        except (ValueError, TypeError, KeyError):
+        except _NOT_A_CALL:
             return text, []
         return None, calls
     if p.mode != "auto":
@@ -148,7 +151,7 @@ def parse(p: ToolPlan, text: str, finished_whole: bool = True) -> tuple[str | No
                 return text, []
             calls = []
             for body in _HERMES.findall(text[start:]):
-                obj = json.loads(body)
+                obj = _loads(body)
                 calls.append(_call(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
             return text[:start] or None, calls[:1] if p.single else calls  # NOTE: the text before, as vLLM
         body = text.strip().removeprefix("<|python_tag|>").strip()
@@ -156,13 +159,35 @@ def parse(p: ToolPlan, text: str, finished_whole: bool = True) -> tuple[str | No
             return text, []
         calls = []
         for part in _split_json_objects(body):
-            obj = json.loads(part)
+            obj = _loads(part)
             # NOTE: as vLLM, a call names its arguments: {"name": "Bob", "age": 3} is an answer
             args = obj["parameters"] if "parameters" in obj else obj["arguments"]
             calls.append(_call(obj["name"], args))
         return None, calls[:1] if p.single else calls
-    except (ValueError, TypeError, KeyError, AttributeError):
+    except _NOT_A_CALL:
         return text, []
+
+
+# NOTE: what model text that is no well-formed call raises on its way to a call; RecursionError:
+# nesting deeper than json reads (a small model repeating "[[" until max_tokens)
+_NOT_A_CALL = (ValueError, TypeError, KeyError, AttributeError, RecursionError)
+
+
+def _finite(text: str) -> float:
+    x = float(text)
+    if math.isinf(x):
+        raise ValueError(f"{text} is beyond a float's range")
+    return x
+
+
+def _not_json(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _loads(text: str):
+    """JSON as the standard reads it: NaN and Infinity (which json accepts) and numbers beyond a
+    float's range (which it reads as infinity) are no JSON, so that arguments dumped back stay JSON."""
+    return json.loads(text, parse_constant=_not_json, parse_float=_finite)
 
 
 def _split_json_objects(text: str) -> list[str]:
