@@ -185,6 +185,20 @@ static int64_t nr_sample_row(const float *x, int64_t V, const nr_row_params *rp,
     }
     int64_t n, tok = -1, k = rp->k > 0 && rp->k < V ? rp->k : 0;
     double t = 0.0;
+    if (rp->min_p > 0.0 && rp->top_p < 1.0) {
+        /* vLLM V1's order: min_p first (relative to the most likely token), then top_k, then
+         * top_p over the mass that is left (with top_p off the order changes nothing: min_p
+         * and top_k both keep a prefix of the sorted tokens) */
+        n = nr_collect(p, V, rp->min_p * pmax, c);
+        if (n > 0) {  /* NOTE: 0 only for a NaN pmax: the path below handles it */
+            if (k > 0 && k < n) n = k;
+            double kept = 0.0;
+            for (int64_t i = 0; i < n; i++) kept += c[i].p;
+            nr_row_params top_p_only = *rp;
+            top_p_only.min_p = 0.0;
+            return nr_pick(c, n, 1, 0.0, kept, &top_p_only);
+        }
+    }
     if (k > 0) {
         for (int64_t i = 0; i < V; i++) {
             double d = (zmax - ((double)x[i] / temp)) * NR_BUCKET_W;

@@ -7,6 +7,9 @@ from .recorder import FORWARD, NULL_RECORDER
 from .request import Request
 
 
+_INT32_MAX = (1 << 31) - 1
+
+
 class Sampler:
     """Turns logits rows into one token per request. A request with a seed draws from its
     own generator, so its tokens do not depend on what else is in the batch. Order per row:
@@ -70,7 +73,7 @@ class Sampler:
             ids[rows] = self.ops.sample(
                 np.ascontiguousarray(logits[rows]),
                 np.array([sp.temperature for sp in sps], np.float32),
-                np.array([sp.top_k for sp in sps], np.int32),
+                np.array([min(sp.top_k, _INT32_MAX) for sp in sps], np.int32),  # NOTE: >= the vocabulary: off
                 np.array([sp.top_p for sp in sps], np.float32),
                 np.array([sp.min_p for sp in sps], np.float32),
                 np.array([self._rng_for(reqs[i]).random() for i in rows], np.float64))

@@ -565,6 +565,18 @@ def test_engine_arguments_of_the_wrong_type_are_refused_by_name(model_dir, kwarg
         Engine(model_dir, dtype="float32", **kwargs)
 
 
+def test_a_top_k_beyond_int32_is_the_whole_vocabulary(model_dir):
+    """vLLM takes any top_k at least the vocabulary as off; 2**31 overflowed the sampler's int32
+    inside the shared step, and the server failed every request in flight with it."""
+    eng = Engine(model_dir, dtype="float32", kv_cache_memory=1 << 22, max_model_len=128)
+    try:
+        outs = [eng.generate(["Hello"], SamplingParams(temperature=1.0, seed=5, max_tokens=6, top_k=k,
+                                                        ignore_eos=True))[0].token_ids for k in (0, 2**31, 2**63)]
+        assert outs[1] == outs[0] and outs[2] == outs[0]
+    finally:
+        eng.close()
+
+
 def test_numpy_integers_are_integers_to_the_engine(model_dir):
     """They passed the config's check, then failed in the scheduler after the weights loaded."""
     i = np.int64

@@ -377,6 +377,23 @@ def test_sample_matches_reference(v):
     np.testing.assert_array_equal(got, want)
 
 
+def test_min_p_cuts_before_top_p_as_vllm_v1():
+    """vLLM V1 applies min_p (a logits processor) before top_k/top_p: p = [0.5, 0.3, 0.1, 0.1] with
+    min_p 0.5 keeps [0.5, 0.3] = [0.625, 0.375]; top_p 0.6 of that keeps token 0 alone. The old
+    order (top_p over the whole mass first: [0.5, 0.3]; then min_p) sampled token 1 37.5% of the time."""
+    n = 2000
+    logits = np.tile(np.log(np.array([0.5, 0.3, 0.1, 0.1], np.float32)), (n, 1))
+    ones = np.ones(n, np.float32)
+    args = (logits, ones, np.zeros(n, np.int32), np.full(n, 0.6, np.float32), np.full(n, 0.5, np.float32),
+            (np.arange(n) + 0.5) / n)
+    for impl in (cpu, ref):
+        assert (impl.sample(*args) == 0).all()
+    # min_p alone keeps [0.625, 0.375]; top_p 0.7 of the kept mass then keeps both
+    args = args[:3] + (np.full(n, 0.7, np.float32),) + args[4:]
+    for impl in (cpu, ref):
+        assert abs(np.mean(impl.sample(*args) == 1) - 0.375) < 0.01
+
+
 @pytest.mark.parametrize("n,v", [(1, 1), (7, 33), (3, 4095)])
 def test_log_softmax(n, v):
     x = randn(n, v, scale=10.0)

@@ -237,10 +237,11 @@ def sample(logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p
     temperature [N] f32 (0 = greedy: argmax, lowest index on ties), top_k [N] int32
     (<= 0 = off), top_p [N] f32 (1 = off), min_p [N] f32 (0 = off), uniform [N] f64 in [0, 1).
 
-    Non-greedy rows: p = softmax(logits / T); keep the top_k most likely; then the smallest
-    prefix (by descending p, ties by lower index) whose mass reaches top_p; then drop tokens
-    with p < min_p * max(p); renormalise and pick the token where the cumulative mass of the
-    kept tokens, in descending-p order, first exceeds uniform * total.
+    Non-greedy rows, in vLLM V1's order: p = softmax(logits / T); drop tokens with
+    p < min_p * max(p); keep the top_k most likely; then the smallest prefix (by descending p,
+    ties by lower index) whose share of the kept mass reaches top_p; renormalise and pick the
+    token where the cumulative mass of the kept tokens, in descending-p order, first exceeds
+    uniform * total.
     Returns [N] int64.
     """
     n, v = logits.shape
@@ -255,15 +256,15 @@ def sample(logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p
         p /= p.sum()
         order = np.lexsort((np.arange(v), -p))
         ps = p[order]
-        keep = v if top_k[r] <= 0 else min(int(top_k[r]), v)
+        if min_p[r] > 0:
+            m = ps >= min_p[r] * ps[0]
+            ps, order = ps[m], order[m]
+        keep = len(ps) if top_k[r] <= 0 else min(int(top_k[r]), len(ps))
         ps, order = ps[:keep], order[:keep]
         if top_p[r] < 1.0:
             cum = np.cumsum(ps) / ps.sum()
             cut = int(np.searchsorted(cum, top_p[r])) + 1
             ps, order = ps[:cut], order[:cut]
-        if min_p[r] > 0:
-            m = ps >= min_p[r] * ps[0]
-            ps, order = ps[m], order[m]
         cum = np.cumsum(ps)
         j = int(np.searchsorted(cum, uniform[r] * cum[-1], side="right"))
         ids[r] = int(order[min(j, len(order) - 1)])
