@@ -3,8 +3,8 @@
     from numa_runtime import Engine, SamplingParams
 """
 from .engine import Engine
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampling_params import SamplingParams
 
-__all__ = ["Engine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["Engine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"

@@ -42,22 +42,35 @@ class Prefix(Sequence):
         return repr(list(self))
 
 
+@dataclass
+class Logprob:
+    """vLLM's: a token's log-probability, its rank in the vocabulary (1: the most likely) and its
+    text on its own."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionOutput:
-    """One sequence of a request, as of one output."""
+    """One sequence of a request, as of one output. `logprobs` (when asked for) is vLLM's: per
+    token a dict {token id: Logprob} of the most likely tokens and the sampled one;
+    `logprob_pairs` the same as (sampled logprob, {token id: logprob}, sampled rank) tuples."""
 
     def __init__(self, index: int, text: str | Callable[[], str], token_ids: Sequence[int],
                  finish_reason: str | None = None, stop_reason: str | int | None = None,
                  logprobs: Sequence | None = None, delta: str = "", new_token_ids: list[int] | None = None,
-                 new_logprobs: list | None = None):
+                 new_logprobs: list | None = None, token_text: Callable[[int], str] | None = None):
         self.index = index
         self._text = text                # str, or a function that builds it (once, when read)
         self.token_ids = token_ids       # every output token so far
         self.finish_reason = finish_reason
         self.stop_reason = stop_reason
-        self.logprobs = logprobs         # per token: (logprob, {token_id: logprob}); None unless asked
+        self.logprob_pairs = logprobs    # per token: (logprob, {token_id: logprob}, rank); None unless asked
         self.delta = delta               # text added since the previous output of this request
         self.new_token_ids = list(token_ids) if new_token_ids is None else new_token_ids
         self.new_logprobs = new_logprobs if new_logprobs is not None or logprobs is None else list(logprobs)
+        self._token_text = token_text    # a token id's text (Logprob.decoded_token)
+        self._logprobs = None
 
     @property
     def text(self) -> str:
@@ -65,9 +78,33 @@ class CompletionOutput:
             self._text = self._text()
         return self._text
 
+    @property
+    def logprobs(self) -> list[dict[int, Logprob]] | None:
+        """vLLM's per-token dicts (built once, when read); None unless logprobs were asked for."""
+        pairs = self.logprob_pairs
+        if pairs is None:
+            return None
+        if self._logprobs is None or len(self._logprobs) != len(pairs):
+            name = self._token_text or (lambda t: None)
+            out = []
+            for tid, (lp, top, *rank) in zip(self.token_ids, pairs):
+                d = {t: Logprob(v, r, name(t)) for r, (t, v) in enumerate(top.items(), 1)}
+                if tid not in d:
+                    d[tid] = Logprob(lp, rank[0] if rank else None, name(tid))
+                out.append(d)
+            self._logprobs = out
+        return self._logprobs
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the sampled tokens' log-probabilities (vLLM's); None unless logprobs were asked for."""
+        pairs = self.logprob_pairs
+        return None if pairs is None else float(sum(x[0] for x in pairs))
+
     def __getstate__(self) -> dict:
-        """Pickled with its text built (the builder is a closure)."""
-        return {**self.__dict__, "_text": self.text}
+        """Pickled with its text built (the builder is a closure) and its logprobs' texts."""
+        _ = self.logprobs
+        return {**self.__dict__, "_text": self.text, "_token_text": None}
 
     def __repr__(self) -> str:
         return (f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={self.token_ids!r}, "
@@ -100,6 +137,10 @@ class RequestOutput:
     @property
     def logprobs(self):
         return self.outputs[0].logprobs
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return self.outputs[0].cumulative_logprob
 
 
 class TextState:
@@ -186,4 +227,5 @@ class TextState:
         view = (lambda items: list(items[:n])) if req.is_finished else (lambda items: Prefix(items, n))
         return CompletionOutput(index, lambda: "".join(sent[:k]) + unsent, view(req.output_token_ids),
                                 req.finish_reason, req.stop_reason, None if lps is None else view(lps),
-                                delta, req.output_token_ids[start:n], None if lps is None else lps[start:n])
+                                delta, req.output_token_ids[start:n], None if lps is None else lps[start:n],
+                                self.detok.token_text if lps is not None else None)

@@ -81,10 +81,18 @@ class Sampler:
 
     @staticmethod
     def _chosen_logprobs(logprobs, ids: np.ndarray, n: int) -> list:
-        """Per row: None, or (logprob of the chosen token, {top token: logprob})."""
+        """Per row: None, or (logprob of the chosen token, {top token: logprob}, its rank: 1 + the
+        tokens more likely than it, as vLLM's Logprob.rank)."""
         if logprobs is None:
             return [None] * n
-        return [None if x is None else (float(x[0][ids[i]]), x[1]) for i, x in enumerate(logprobs)]
+        out = []
+        for i, x in enumerate(logprobs):
+            if x is None:
+                out.append(None)
+                continue
+            lp = x[0][ids[i]]
+            out.append((float(lp), x[1], 1 + int(np.count_nonzero(x[0] > lp))))
+        return out
 
     def _logprobs(self, logits: np.ndarray, reqs: list[Request]):
         """Per row: None, or (log-probabilities [V], {top token: logprob}) when asked for."""

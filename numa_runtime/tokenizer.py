@@ -266,6 +266,10 @@ class IncrementalDetokenizer:
 
     _CONTEXT = (5, 24)  # prompt tokens of left context: the fewest that decode whole, as vLLM
 
+    def token_text(self, token_id: int) -> str:
+        """One token decoded on its own (vLLM's Logprob.decoded_token)."""
+        return self._tokenizer.decode([int(token_id)], skip_special_tokens=False)
+
     def __init__(self, tokenizer: Tokenizer, prompt_ids=(), skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens

@@ -69,7 +69,7 @@ def test_bf16_first_logits_close_to_f32_reference(tmp_path):
     lp = want - want.max() - np.log(np.exp(want - want.max()).sum())
     # NOTE: bf16 weights, activations and KV over 2 layers: within 0.25 nats (the CPU path,
     # which keeps activations in f32, is held to 0.15)
-    for tok, val in out.logprobs[0][1].items():
+    for tok, val in out.outputs[0].logprob_pairs[0][1].items():
         assert abs(val - lp[tok]) < 0.25, (tok, val, lp[tok])
 
 

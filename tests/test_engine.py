@@ -75,10 +75,31 @@ def test_n_returns_n_completions(eng):
 def test_logprobs_are_normalised_and_include_the_chosen_token(eng):
     out = eng.generate("Hello", SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True))[0]
     assert len(out.logprobs) == 4
-    for tok, (lp, top) in zip(out.token_ids, out.logprobs):
-        assert len(top) == 3 and lp <= 0
-        assert tok in top and abs(top[tok] - lp) < 1e-6  # greedy token is the most likely
-        assert max(top.values()) == top[tok]
+    for tok, top in zip(out.token_ids, out.logprobs):  # NOTE: vLLM's {token id: Logprob} per token
+        assert len(top) == 3 and top[tok].logprob <= 0
+        # NOTE: greedy: the most likely
+        assert top[tok].rank == 1 and max(v.logprob for v in top.values()) == top[tok].logprob
+        assert [v.rank for v in top.values()] == [1, 2, 3]
+        assert top[tok].decoded_token == eng.tokenizer.decode([tok], skip_special_tokens=False)
+    assert out.outputs[0].cumulative_logprob == pytest.approx(sum(d[t].logprob for t, d in zip(out.token_ids,
+                                                                                                 out.logprobs)))
+
+
+def test_logprobs_hold_the_sampled_token_as_vllm(eng):
+    """vLLM's CompletionOutput.logprobs: per token a dict that always holds the sampled token, with
+    its rank in the vocabulary; code written for it (o.logprobs[i][o.token_ids[i]].logprob) ran into
+    an IndexError on the (logprob, top) tuples, and cumulative_logprob was missing."""
+    out = eng.generate("Hello", SamplingParams(temperature=5.0, seed=3, max_tokens=12, logprobs=1,
+                                               ignore_eos=True))[0].outputs[0]
+    beyond = 0
+    for i, tok in enumerate(out.token_ids):
+        d = out.logprobs[i]
+        assert tok in d and len(d) <= 2
+        pairs = out.logprob_pairs[i]
+        assert d[tok].logprob == pairs[0] and d[tok].rank == pairs[2] >= 1
+        beyond += d[tok].rank > 1
+    assert beyond  # NOTE: at temperature 5 some sampled tokens are not the most likely
+    assert eng.generate("Hello", SamplingParams(max_tokens=2))[0].outputs[0].cumulative_logprob is None
 
 
 def test_penalties_change_the_output(eng):

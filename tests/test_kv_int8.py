@@ -73,7 +73,7 @@ def test_greedy_decode_on_int8_kv_matches_teacher_forcing(engines):
     prompt = [1, 17, 42, 99, 5]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
     out = engines["int8"].generate([prompt], params)[0].outputs[0]
-    lp8 = np.array([lp for lp, _ in out.logprobs])                                  # [40]
+    lp8 = np.array([x[0] for x in out.logprob_pairs])                                # [40]
     ref = engines["float32"].prompt_logprobs(prompt + list(out.token_ids))[len(prompt) - 1:]
     assert len(out.token_ids) == 40
     assert np.abs(lp8 - ref).max() < 0.25

@@ -304,7 +304,7 @@ def test_a_prompt_gives_the_same_logits_whatever_the_prefix_cache_held(model_dir
         first, second = (e.generate([prompt], sp)[0].outputs[0] for _ in range(2))
         assert e.block_manager.hit_rate > 0
         assert first.token_ids == second.token_ids
-        for (_, a), (_, b) in zip(first.logprobs, second.logprobs):  # (chosen, {token: logprob} top 5)
+        for (_, a, _), (_, b, _) in zip(first.logprob_pairs, second.logprob_pairs):  # (chosen, top 5, rank)
             assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-4, (a, b)
     finally:
         e.close()

@@ -111,11 +111,11 @@ def completion_logprobs(token_ids: list[int], logprobs: list | None, decode: Tok
     # NOTE: as OpenAI's legacy format and vLLM: the sampled token is always among the top
     # logprobs (logprobs + 1 entries when it is not one of the most likely)
     tops = []
-    for tid, (lp, top) in zip(token_ids, logprobs):
+    for tid, (lp, top, *_) in zip(token_ids, logprobs):
         entry = {token_text(decode(t)): v for t, v in top.items()}
         entry.setdefault(token_text(decode(tid)), lp)
         tops.append(entry)
-    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in logprobs], "top_logprobs": tops,
+    return {"tokens": tokens, "token_logprobs": [x[0] for x in logprobs], "top_logprobs": tops,
             "text_offset": offsets}
 
 
@@ -142,7 +142,7 @@ def chat_logprobs(token_ids: list[int], logprobs: list | None, decode: TokenByte
         raw = decode(tid)
         return {"token": token_text(raw), "logprob": lp, "bytes": list(raw)}
     content = []
-    for tid, (lp, top) in zip(token_ids, logprobs):
+    for tid, (lp, top, *_) in zip(token_ids, logprobs):
         content.append({**entry(tid, lp), "top_logprobs": [entry(t, v) for t, v in top.items()]})
     return {"content": content}
 
@@ -150,7 +150,7 @@ def chat_logprobs(token_ids: list[int], logprobs: list | None, decode: TokenByte
 # ---------------------------------------------------------------------------- bodies
 def completion_body(rid: str, model: str, tracker: ChoiceTracker, decode: TokenBytes) -> dict:
     choices = [{"index": i, "text": c.text, "finish_reason": _reason(c.finish_reason),
-                "stop_reason": _stop(c), "logprobs": completion_logprobs(c.token_ids, c.logprobs, decode)}
+                "stop_reason": _stop(c), "logprobs": completion_logprobs(c.token_ids, c.logprob_pairs, decode)}
                for i, c in tracker.choices()]
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": tracker.usage()}
@@ -168,7 +168,7 @@ def chat_body(rid: str, model: str, tracker: ChoiceTracker, decode: TokenBytes, 
                 reason, stop = (("length" if reason == "length" else "stop") if tool_plan.mode == "named"
                                 else "tool_calls"), None
         choices.append({"index": i, "message": message, "finish_reason": reason, "stop_reason": stop,
-                        "logprobs": chat_logprobs(c.token_ids, c.logprobs, decode)})
+                        "logprobs": chat_logprobs(c.token_ids, c.logprob_pairs, decode)})
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": tracker.usage()}
 
