@@ -457,6 +457,11 @@ class EngineConfig:
                 self.data_parallel, int) or self.data_parallel < 1):
             raise ValueError(f"data_parallel must be a positive integer, got {self.data_parallel!r}.")
         self.disk_tier  # validates
+        if self.kv_cache_dir is None and (self.kv_cache_disk_bytes != EngineConfig.kv_cache_disk_bytes
+                                          or self.kv_cache_disk_load != EngineConfig.kv_cache_disk_load):
+            # NOTE: accepted and ignored before (an invalid value too)
+            raise ValueError("kv_cache_disk_bytes and kv_cache_disk_load apply to the KV disk tier; give kv_cache_dir "
+                             "too.")
         if self.kv_cache_dir is not None and not self.enable_prefix_caching:
             raise ValueError("The KV disk tier (kv_cache_dir) keeps prefix-cache blocks; it needs "
                              "enable_prefix_caching=True.")

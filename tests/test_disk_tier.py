@@ -310,8 +310,13 @@ def _flip_byte(path):
 def test_bad_disk_tier_settings_are_clear():
     with pytest.raises(ValueError, match="kv_cache_disk_load must be one of"):
         Engine("unused", kv_cache_dir="/tmp/x", kv_cache_disk_load="sometimes")
-    with pytest.raises(ValueError, match="kv_cache_disk_bytes must be a non-negative integer"):
-        Engine("unused", kv_cache_dir="/tmp/x", kv_cache_disk_bytes=-1)
+    for cap in (-1, 0):  # NOTE: 0 was accepted, held nothing and deleted the files already there
+        with pytest.raises(ValueError, match="kv_cache_disk_bytes must be a positive number of bytes .to run without"):
+            Engine("unused", kv_cache_dir="/tmp/x", kv_cache_disk_bytes=cap)
+    # the disk tier's settings without its directory were accepted and ignored (invalid ones too)
+    for kw in ({"kv_cache_disk_load": "bogus"}, {"kv_cache_disk_bytes": -1}, {"kv_cache_disk_load": "always"}):
+        with pytest.raises(ValueError, match="apply to the KV disk tier; give kv_cache_dir too"):
+            Engine("unused", **kw)
     with pytest.raises(ValueError, match="needs enable_prefix_caching=True"):  # it was accepted and unused
         Engine("unused", kv_cache_dir="/tmp/x", enable_prefix_caching=False)
 

@@ -57,8 +57,10 @@ class DiskTierConfig:
     def __post_init__(self):
         if not self.path:
             raise ValueError("kv_cache_dir must name a directory.")
-        if not isinstance(self.capacity_bytes, int) or self.capacity_bytes < 0:
-            raise ValueError(f"kv_cache_disk_bytes must be a non-negative integer, got {self.capacity_bytes!r}.")
+        if isinstance(self.capacity_bytes, bool) or not isinstance(self.capacity_bytes, int) or self.capacity_bytes < 1:
+            # NOTE: 0 held nothing and deleted every file already there (read as "no limit", it lost the cache)
+            raise ValueError(f"kv_cache_disk_bytes must be a positive number of bytes (to run without the disk tier, "
+                             f"leave kv_cache_dir unset), got {self.capacity_bytes!r}.")
         if self.load_policy not in LOAD_POLICIES:
             raise ValueError(f"kv_cache_disk_load must be one of {LOAD_POLICIES}, got {self.load_policy!r}.")
 

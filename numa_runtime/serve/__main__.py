@@ -250,8 +250,9 @@ def check_args(args) -> str | None:
                     "pass a writable folder.")
         if not os.access(where, os.W_OK | os.X_OK):
             return f"--kv-cache-dir {args.kv_cache_dir!r} is not writable; pass a writable folder."
-    if args.kv_cache_disk_bytes is not None and args.kv_cache_disk_bytes < 0:
-        return f"--kv-cache-disk-bytes must be >= 0, got {args.kv_cache_disk_bytes}."
+    if args.kv_cache_disk_bytes is not None and args.kv_cache_disk_bytes < 1:
+        return (f"--kv-cache-disk-bytes must be a positive size (to run without the disk tier, leave out "
+                f"--kv-cache-dir), got {args.kv_cache_disk_bytes}.")
     if args.kv_cache_memory is not None and args.kv_cache_memory <= 0:
         return f"--kv-cache-memory must be a positive number of bytes, got {args.kv_cache_memory}."
     if args.api_key is not None and not args.api_key.strip():
