@@ -800,7 +800,14 @@ class Engine:
         collectives would pair with the wrong ones: wrong output, or a hang): the engine is
         then broken for good (every later call says so; close() ends the MPI job)."""
         try:
-            return run(*args)
+            result = run(*args)
+            bad = getattr(self.runner, "failed_saves", None)
+            tier = getattr(getattr(self, "block_manager", None), "tier", None)
+            if bad and tier is not None:  # NOTE: a file no rank could write (a full disk) is no tier entry
+                for h in bad:
+                    tier.drop(h)
+                self.runner.failed_saves = set()
+            return result
         except BaseException as e:
             if self.comm.world_size > 1:
                 self._broken = (f"a step failed on rank 0 ({type(e).__name__}: {e}) after the other ranks had "

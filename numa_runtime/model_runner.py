@@ -105,18 +105,21 @@ class ModelRunner:
         return self.model.decode_burst(plan, steps)
 
     def _apply_tier_ops(self, plan: StepPlan) -> bool:
-        """Every rank: the plan's tier ops on its own shard; False if a load failed anywhere."""
-        self.failed_loads = set()
+        """Every rank: the plan's tier ops on its own shard; False if a load failed anywhere.
+        `failed_saves`: the blocks whose file some rank could not write (the tier forgets them)."""
+        self.failed_loads, self.failed_saves = set(), set()
         if len(plan.tier_ops) == 0:
             return True
         if self.disk is None:
             raise RuntimeError("The plan moves KV blocks to or from a tier, but this rank has no kv_cache_dir.")
         from .kv_cache.disk_tier import apply_ops
-        from .kv_cache.tier import OP_LOAD, join_hash
-        failed = apply_ops(self.disk, plan.tier_ops, self.model.kv_cache)  # [K] 1.0 where a load failed
-        if self.comm.world_size > 1 and (plan.tier_ops[:, 0] == OP_LOAD).any():
+        from .kv_cache.tier import OP_LOAD, OP_SAVE, join_hash
+        failed = apply_ops(self.disk, plan.tier_ops, self.model.kv_cache)  # [K] 1.0 where a load or save failed
+        if self.comm.world_size > 1 and np.isin(plan.tier_ops[:, 0], (OP_LOAD, OP_SAVE)).any():
             self.comm.all_reduce_(failed)  # NOTE: every rank takes the same path below
-        self.failed_loads = {join_hash(lo, hi) for (_, _, lo, hi), bad in zip(plan.tier_ops.tolist(), failed) if bad}
+        for (op, _, lo, hi), bad in zip(plan.tier_ops.tolist(), failed):
+            if bad:
+                (self.failed_loads if op == OP_LOAD else self.failed_saves).add(join_hash(lo, hi))
         return not self.failed_loads
 
     def shutdown_workers(self) -> None:

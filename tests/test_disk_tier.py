@@ -279,6 +279,34 @@ def test_restart_serves_hits_from_disk_with_equal_text(model_dir, tmp_path):
     second.close()
 
 
+def test_a_full_disk_leaves_no_entry_behind(model_dir, tmp_path, monkeypatch):
+    """Block files that cannot be written (a full disk) are no tier entries: the index kept them,
+    so every later hit queued a load that failed, threw its step away and preempted its requests."""
+    import builtins
+    import errno
+    from numa_runtime.kv_cache import disk_tier
+
+    def full_disk(path, mode="r", *a, **k):
+        if str(path).endswith(".tmp") and "w" in mode:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return builtins.open(path, mode, *a, **k)
+    monkeypatch.setattr(disk_tier, "open", full_disk, raising=False)
+    plain = Engine(model_dir, dtype="float32", kv_cache_memory=1 << 22, max_model_len=128,
+                   enable_prefix_caching=False)
+    expected = [tokens(plain, [p])[0] for p in PROMPTS]
+    plain.close()
+    eng = engine(model_dir, str(tmp_path))
+    try:
+        for _ in range(2):
+            assert [tokens(eng, [p])[0] for p in PROMPTS] == expected
+        bm = eng.block_manager
+        assert bm.num_evictions > 0 and bm.tier.num_saved > 0  # NOTE: it tried
+        assert len(bm.tier) == 0 and bm.tier_hit_blocks == 0 and eng.scheduler.num_preemptions == 0
+        assert not os.listdir(eng.runner.disk.dir)
+    finally:
+        eng.close()
+
+
 def test_corrupt_and_truncated_files_are_dropped(model_dir, tmp_path):
     first = engine(model_dir, str(tmp_path))
     expected = tokens(first)

@@ -181,8 +181,8 @@ class DiskStore:
                 found.append((os.stat(path).st_mtime_ns, h))
         return [h for _, h in sorted(found)]
 
-    def save(self, block_hash: int, payload: np.ndarray) -> None:
-        """payload: [block_bytes] uint8."""
+    def save(self, block_hash: int, payload: np.ndarray) -> bool:
+        """payload: [block_bytes] uint8. False when the file could not be written."""
         head = _HEADER.pack(_MAGIC, _VERSION, block_hash.to_bytes(16, "little"), payload.nbytes,
                             zlib.crc32(payload))
         path = self.path(block_hash)
@@ -195,6 +195,8 @@ class DiskStore:
         except OSError as e:  # a full disk loses a cache entry, never a request
             log.warning("KV disk tier: cannot write %s (%s)", path, e)
             _remove(tmp)
+            return False
+        return True
 
     def read(self, block_hash: int) -> np.ndarray | None:
         """The payload [block_bytes] uint8, or None (the file is missing, or it was corrupt or
@@ -203,7 +205,8 @@ class DiskStore:
         try:
             with open(path, "rb") as f:
                 data = f.read(self.file_bytes + 1)
-        except OSError:
+        except OSError as e:
+            log.warning("KV disk tier: cannot read %s (%s)", path, e)
             return None
         if len(data) == self.file_bytes:
             magic, version, h, n, crc = _HEADER.unpack_from(data)
@@ -227,7 +230,8 @@ def apply_ops(store: DiskStore, ops: np.ndarray, kv_cache: list) -> np.ndarray:
     """Carry out a plan's tier ops, in order, on this rank's KV arrays.
 
     ops: [K, 4] int64; kv_cache: per layer (k, v), each [num_blocks, block_size, heads, D].
-    Returns failed: [K] float32, 1.0 where a LOAD found no valid file (the block is untouched).
+    Returns failed: [K] float32, 1.0 where a LOAD found no valid file (the block is untouched)
+    or a SAVE could not write its file (a full disk: the tier must forget the block).
     """
     global last_op_at
     failed = np.zeros(len(ops), np.float32)  # [K]
@@ -235,8 +239,9 @@ def apply_ops(store: DiskStore, ops: np.ndarray, kv_cache: list) -> np.ndarray:
         last_op_at = time.monotonic()
         h = join_hash(lo, hi)
         if op == OP_SAVE:
-            store.save(h, np.concatenate([a[block_id].reshape(-1).view(np.uint8)
-                                          for kv in kv_cache for a in kv]))
+            if not store.save(h, np.concatenate([a[block_id].reshape(-1).view(np.uint8)
+                                                 for kv in kv_cache for a in kv])):
+                failed[i] = 1.0
         elif op == OP_LOAD:
             payload = store.read(h)
             if payload is None:
