@@ -17,6 +17,7 @@ import threading
 
 from numa_runtime import env
 from numa_runtime.serve.tools import PARSERS
+from numa_runtime.serve.reasoning import PARSERS as REASONING_PARSERS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -99,6 +100,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "needs --tool-call-parser")
     ap.add_argument("--tool-call-parser", default=None, choices=list(PARSERS),
                     help="how the model writes tool calls: hermes (Qwen2.5/3, Hermes) or llama3_json (Llama 3.x)")
+    ap.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                    help="chat replies' <think> part as reasoning_content: deepseek_r1 (DeepSeek-R1 distills, QwQ, "
+                         "Qwen3 thinking-2507) or qwen3 (Qwen3 hybrid models)")
     ap.add_argument("--embedding-pooling", default=None, choices=["mean", "last", "cls"],
                     help="/v1/embeddings pooling (default: the checkpoint's sentence-transformers pooling; last "
                          "for a model without an LM head; else mean)")
@@ -275,7 +279,8 @@ def serve_config(args, name: str):
     return ServeConfig(served_model_name=name, aliases=aliases, api_key=args.api_key, max_queue=args.max_queue,
                        max_tokens_cap=args.max_tokens_cap, stall_timeout_s=args.stall_timeout,
                        embedding_pooling=args.embedding_pooling,
-                       tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                       tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                       reasoning_parser=args.reasoning_parser)
 
 
 def listen(host: str, port: int):

@@ -41,6 +41,7 @@ class ServeConfig:
     stall_timeout_s: float = 60.0      # /health is 503 once one engine step or command runs this long
     embedding_pooling: str | None = None  # "mean", "last" or "cls"; None: the model's default
     tool_call_parser: str | None = None   # tool_choice "auto": the models' call format (tools.py); None: refused
+    reasoning_parser: str | None = None   # <think> output as reasoning_content (reasoning.py); None: all content
     aliases: tuple = ()               # more names clients may send as `model` (vLLM's --served-model-name a b)
 
     @property
@@ -282,9 +283,12 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
         tracker = R.ChoiceTracker(params.n)
         report = _Report(metrics, tracker, arrival, len(prompts) * params.n, config.served_model_name)
         name = config.served_model_name
+        # NOTE: a schema-constrained output has no room to reason: it is all content
+        thinking = (config.reasoning_parser if kind == "chatcmpl" and params.json_schema is None else None,
+                    getattr(body, "include_reasoning", True))
         if body.stream:
             return StreamingResponse(_stream(gen, tracker, report, rid, name, kind, body.include_usage, decode_token,
-                                             tool_plan, schema_param, body.continuous_usage),
+                                             tool_plan, schema_param, body.continuous_usage, thinking),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         status = "abort"
         try:
@@ -302,7 +306,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             gen.abort()
             report.finish(status)
         if kind == "chatcmpl":
-            return JSONResponse(R.chat_body(rid, name, tracker, decode_token, tool_plan))
+            return JSONResponse(R.chat_body(rid, name, tracker, decode_token, tool_plan, *thinking))
         return JSONResponse(R.completion_body(rid, name, tracker, decode_token))
 
     return app
@@ -408,13 +412,15 @@ async def _until_disconnect(request: Request, work) -> bool:
 
 
 async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode, tool_plan=None,
-                  schema_param: str = "response_format", continuous_usage: bool = False):
+                  schema_param: str = "response_format", continuous_usage: bool = False, thinking=(None, True)):
     """SSE events of one request. Cancelled (client gone) -> finally aborts the request.
     `continuous_usage`: every chunk carries the usage so far (then the chat's opening role chunks
     wait for the first output, as vLLM sends them, when the prompt's tokens are counted)."""
     created, chat = int(time.time()), kind == "chatcmpl"
     status, offsets = "abort", {}
     calls = {} if tool_plan is not None and tool_plan.parses else None  # choice index -> ToolStream
+    parser, include_reasoning = thinking
+    thinks = {} if parser is not None else None  # choice index -> ReasoningStream
 
     def event(chunk: dict, opening: bool = False) -> str:
         if continuous_usage:  # NOTE: as vLLM, each chunk its own choice's usage so far
@@ -435,6 +441,18 @@ async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode,
                 yield event(chunk, opening=True)
             roles = []
             for p in pieces:
+                if thinks is not None:  # NOTE: the reasoning first; its content goes on as the piece's text
+                    from .reasoning import ReasoningStream
+                    rs = thinks.setdefault(p.index, ReasoningStream(parser))
+                    reasoning, text = rs.feed(p.text)
+                    if p.finish_reason is not None:
+                        more = rs.finish()
+                        reasoning, text = reasoning + more[0], text + more[1]
+                    if reasoning and include_reasoning:
+                        yield event(R.reasoning_chunk(rid, model, created, p.index, reasoning, include_usage))
+                    if not text and p.finish_reason is None and not p.logprobs:
+                        continue  # NOTE: no content yet: no empty chunk after the reasoning's
+                    p = dataclasses.replace(p, text=text)
                 if calls is not None:
                     for chunk in _tool_chunks(calls, tool_plan, p, rid, model, created, decode, include_usage):
                         yield event(chunk)

@@ -372,6 +372,8 @@ class ChatCompletionRequest(_SamplingRequest):
     best_of: Optional[int] = Field(None, description="Not supported beyond best_of = n.")
     chat_template: Optional[str] = Field(None, description="Not supported; must be absent.")
     documents: Optional[list[Any]] = Field(None, description="Not supported; must be absent.")
+    include_reasoning: bool = Field(True, description="With --reasoning-parser: false leaves the reasoning out "
+                                                      "(vLLM's).")
 
     def tool_plan(self, parser: str | None):
         """How tools shape this request (tools.py); ValueError for tools it cannot run."""

@@ -156,15 +156,24 @@ def completion_body(rid: str, model: str, tracker: ChoiceTracker, decode: TokenB
             "choices": choices, "usage": tracker.usage()}
 
 
-def chat_body(rid: str, model: str, tracker: ChoiceTracker, decode: TokenBytes, tool_plan=None) -> dict:
+def chat_body(rid: str, model: str, tracker: ChoiceTracker, decode: TokenBytes, tool_plan=None,
+              reasoning_parser: str | None = None, include_reasoning: bool = True) -> dict:
+    """`reasoning_parser`: the reply's <think> part goes to reasoning_content (and reasoning),
+    the rest is the content (the tools' calls are read from that)."""
     choices = []
     for i, c in tracker.choices():
-        message, reason, stop = {"role": "assistant", "content": c.text}, _reason(c.finish_reason), _stop(c)
-        if tool_plan is not None and tool_plan.parses:
+        text, thought = c.text, {}
+        if reasoning_parser is not None:
+            from .reasoning import split
+            reasoning, text = split(reasoning_parser, text)
+            reasoning = reasoning if include_reasoning else None
+            thought = {"reasoning_content": reasoning, "reasoning": reasoning}
+        message, reason, stop = {"role": "assistant", "content": text, **thought}, _reason(c.finish_reason), _stop(c)
+        if tool_plan is not None and tool_plan.parses and text is not None:
             from .tools import parse
-            content, calls = parse(tool_plan, c.text, ended_whole(c.finish_reason, getattr(c, "stop_reason", None)))
+            content, calls = parse(tool_plan, text, ended_whole(c.finish_reason, getattr(c, "stop_reason", None)))
             if calls:
-                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                message = {"role": "assistant", "content": content, **thought, "tool_calls": calls}
                 reason, stop = (("length" if reason == "length" else "stop") if tool_plan.mode == "named"
                                 else "tool_calls"), None
         choices.append({"index": i, "message": message, "finish_reason": reason, "stop_reason": stop,
@@ -205,6 +214,13 @@ def chat_chunk(rid: str, model: str, created: int, piece: Piece | None, index: i
         choice = {"index": piece.index, "delta": {"content": piece.text} if piece.text else {},
                   "logprobs": chat_logprobs(piece.token_ids, piece.logprobs, decode),
                   "finish_reason": piece.finish_reason, "stop_reason": piece.stop_reason}
+    return _chunk(rid, "chat.completion.chunk", model, created, [choice], include_usage)
+
+
+def reasoning_chunk(rid: str, model: str, created: int, index: int, reasoning: str, include_usage: bool) -> dict:
+    """A delta of choice `index`'s reasoning (vLLM's reasoning_content, and reasoning, its newer name)."""
+    choice = {"index": index, "delta": {"reasoning_content": reasoning, "reasoning": reasoning}, "logprobs": None,
+              "finish_reason": None}
     return _chunk(rid, "chat.completion.chunk", model, created, [choice], include_usage)
 
 
