@@ -105,6 +105,10 @@ class Tokenizer:
         """Number of token ids, added tokens included (HF `len(tokenizer)`)."""
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    def use_chat_template(self, source: str) -> None:
+        """Render chats with `source` (a Jinja template) instead of the model's (--chat-template)."""
+        self._chat_templates = {"default": source}
+
     @property
     def has_chat_template(self) -> bool:
         return bool(self._chat_templates)

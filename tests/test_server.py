@@ -727,6 +727,27 @@ def test_the_models_generation_config_gives_the_sampling_defaults(model_dir, tmp
         assert srv.stop() == 0, srv.output()
 
 
+def test_chat_template_flag_replaces_the_models_template(model_dir, tmp_path):
+    """vLLM's --chat-template (a file, or the template itself): chats render with it."""
+    import httpx
+    from numa_runtime.tokenizer import Tokenizer
+    template = (
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}>{% endif %}")
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    msgs = [{"role": "user", "content": "Hello there"}]
+    want = Tokenizer.from_dir(model_dir).encode("[user] Hello there\n>", add_special_tokens=False)
+    for flag in (str(path), template):
+        srv = ServerProcess(["--model", model_dir, "--dtype", "float32", "--served-model-name", "m",
+                             "--num-threads", "1", "--chat-template", flag])
+        try:
+            assert httpx.post(srv.base + "/tokenize", json={"messages": msgs}, timeout=30).json()["tokens"] == want
+            r = srv.client().chat.completions.create(model="m", messages=msgs, max_tokens=2)
+            assert r.usage.prompt_tokens == len(want)
+        finally:
+            assert srv.stop() == 0, srv.output()
+
+
 def test_a_server_side_failure_is_a_json_500(model_dir, tmp_path):
     """A model whose tokenizer holds more tokens than its vocabulary: structured output cannot run
     on it. That is the server's fault: a 500 with an OpenAI error body that says why (it was a

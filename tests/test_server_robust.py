@@ -540,6 +540,9 @@ def test_choice_tracker_reads_only_what_an_output_adds():
     (["--api-key", ""], "--api-key is empty (an unset variable?)"),
     (["--kv-cache-dir", "/proc/nope"], "--kv-cache-dir '/proc/nope' cannot be created"),
     (["--served-model-name", " "], "--served-model-name is empty"),
+    (["--chat-template", "nofile.jinja"], "--chat-template 'nofile.jinja' is neither a file nor a Jinja template."),
+    (["--chat-template", "{% if %}"], "--chat-template is not a valid Jinja template ("),
+    (["--chat-template", "{{ x }}", "--model", "a", "--model", "b"], "--chat-template applies to one model"),
 ])
 def test_bad_flags_fail_in_one_sentence_before_the_model_loads(flags, message):
     import socket

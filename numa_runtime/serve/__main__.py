@@ -100,6 +100,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "needs --tool-call-parser")
     ap.add_argument("--tool-call-parser", default=None, choices=list(PARSERS),
                     help="how the model writes tool calls: hermes (Qwen2.5/3, Hermes) or llama3_json (Llama 3.x)")
+    ap.add_argument("--chat-template", default=None,
+                    help="a Jinja chat template file, or the template itself, used instead of the model's (vLLM's)")
     ap.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
                     help="chat replies' <think> part as reasoning_content: deepseek_r1 (DeepSeek-R1 distills, QwQ, "
                          "Qwen3 thinking-2507) or qwen3 (Qwen3 hybrid models)")
@@ -210,6 +212,27 @@ def summary_text(engine, url: str) -> str:
             f"  serving at {url}")
 
 
+def read_chat_template(value: str) -> str:
+    """--chat-template's Jinja source: the file it names, or the value itself where it is a
+    template (vLLM's rule); ValueError in one sentence for neither, or a template Jinja cannot read."""
+    import jinja2
+    from ..tokenizer import _compile
+    path = os.path.expanduser(value)
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                value = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template {path!r} cannot be read ({e}).") from None
+    elif not any(c in value for c in "{}%"):
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template.")
+    try:
+        _compile(value)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template is not a valid Jinja template ({e.message}, line {e.lineno}).") from None
+    return value
+
+
 def check_args(args) -> str | None:
     """The first flag that cannot work, as a sentence; None if all can."""
     if not args.shutdown_grace >= 0:  # NOTE: nan too
@@ -223,6 +246,13 @@ def check_args(args) -> str | None:
     if args.tool_call_parser is not None and not args.enable_auto_tool_choice:
         return "--tool-call-parser is used by tool_choice 'auto', which needs --enable-auto-tool-choice too."
     multi = is_multi_model(args)
+    if args.chat_template is not None:
+        if multi:
+            return "--chat-template applies to one model (each of several keeps its own); drop it."
+        try:
+            args.chat_template = read_chat_template(args.chat_template)
+        except ValueError as e:
+            return str(e)
     for flag, value in (("--memory-budget", args.memory_budget), ("--load-timeout", args.load_timeout)):
         if value is not None and not multi:
             return f"{flag} applies to several models (--model given twice or more, or --models-dir); drop it."
@@ -412,6 +442,8 @@ def _serve(args, world, sock, front) -> int:
     if not multi and not engine.is_driver:
         engine.serve_workers()  # returns when rank 0 shuts down
         return 0
+    if args.chat_template is not None:  # NOTE: read and checked by check_args
+        engine.tokenizer.use_chat_template(args.chat_template)
 
     import uvicorn
     from .app import build_app
