@@ -78,8 +78,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple = ()
     # a sentence-transformers embedding checkpoint (modules.json / 1_Pooling, as Qwen3-Embedding
-    # ships): its pooling ("mean", "last" or "cls") and whether it normalizes; None: none declared
+    # ships): its pooling ("mean", "last" or "cls"); None: none declared
     pooling: str | None = None
+    # whether embeddings are unit length by default: as vLLM, yes, but for a sentence-transformers
+    # checkpoint whose modules.json lists no Normalize module
+    embed_normalize: bool = True
     # Matryoshka embeddings (config.json's is_matryoshka or matryoshka_dimensions, as vLLM reads
     # them): a request may keep the first `dimensions` values; () with is_matryoshka: any
     is_matryoshka: bool = False
@@ -137,8 +140,8 @@ class ModelConfig:
             except json.JSONDecodeError as e:
                 raise UnsupportedModelError(f"{path} is not valid JSON ({e}).") from None
         config = cls.from_dict(cfg, model_dir)
-        pooling = sentence_transformers_pooling(model_dir)  # NOTE: a GGUF's directory has none (gguf_pooling)
-        return dataclasses.replace(config, pooling=pooling) if pooling else config
+        pooling, normalize = sentence_transformers_pooling(model_dir)  # NOTE: a GGUF's directory has none
+        return dataclasses.replace(config, pooling=pooling, embed_normalize=normalize) if pooling else config
 
     @classmethod
     def from_dict(cls, cfg: dict, model_dir: str = "") -> "ModelConfig":
@@ -186,7 +189,8 @@ class ModelConfig:
         if pooling not in (None, "mean", "last", "cls"):
             raise UnsupportedModelError(f"gguf_pooling must be 'mean', 'last' or 'cls', got {pooling!r}.")
         return cls(
-            pooling=pooling, is_matryoshka=bool(cfg.get("is_matryoshka")) or bool(dims), matryoshka_dimensions=tuple(dims),
+            pooling=pooling, is_matryoshka=bool(cfg.get("is_matryoshka")) or bool(dims),
+            matryoshka_dimensions=tuple(dims),
             model_dir=model_dir, architecture=arch, vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden, intermediate_size=int(cfg["intermediate_size"]),
             num_layers=int(cfg["num_hidden_layers"]), num_heads=num_heads, num_kv_heads=num_kv,
@@ -210,24 +214,32 @@ _ST_POOLING = {"pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "la
                "pooling_mode_weightedmean_tokens": None}
 
 
-def sentence_transformers_pooling(model_dir: str) -> str | None:
-    """The pooling a sentence-transformers checkpoint declares (its Pooling module's config,
-    1_Pooling/config.json as modules.json names it): "mean", "last" or "cls"; None when the
-    directory holds no such module. UnsupportedModelError for a pooling this runtime cannot do."""
-    where = "1_Pooling"
+def sentence_transformers_pooling(model_dir: str) -> tuple[str | None, bool]:
+    """(pooling, normalize) a sentence-transformers checkpoint declares: its Pooling module's
+    config (1_Pooling/config.json as modules.json names it): "mean", "last" or "cls"; whether
+    modules.json lists a Normalize module after it. (None, True) when the directory holds no
+    such module. UnsupportedModelError for a pooling this runtime cannot do, or a module that
+    changes the embedding after the pooling (Dense, ...): its output would be wrong."""
+    where, normalize = "1_Pooling", True
     modules = os.path.join(model_dir, "modules.json")
     if os.path.isfile(modules):
         try:
             with open(modules) as f:
                 listed = json.load(f)
-            where = next((m.get("path") or "" for m in listed if str(m.get("type", "")).endswith(".Pooling")), None)
+            kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in listed]
+            where = next((m.get("path") or "" for m, k in zip(listed, kinds) if k == "Pooling"), None)
         except (json.JSONDecodeError, TypeError, AttributeError) as e:
             raise UnsupportedModelError(f"{modules} is not a sentence-transformers module list ({e}).") from None
         if where is None:
-            return None
+            return None, True
+        other = [k for k in kinds if k not in ("Transformer", "Pooling", "Normalize")]
+        if other:
+            raise UnsupportedModelError(f"{modules} lists a {other[0]} module, which numa_runtime does not run "
+                                        "(it pools the final hidden states, normalized or not).")
+        normalize = "Normalize" in kinds
     path = os.path.join(model_dir, where, "config.json")
     if not os.path.isfile(path):
-        return None
+        return None, True
     try:
         with open(path) as f:
             cfg = json.load(f)
@@ -239,7 +251,7 @@ def sentence_transformers_pooling(model_dir: str) -> str | None:
         raise UnsupportedModelError(
             f"{path} asks for {asked}{' without the prompt' if cfg.get('include_prompt') is False else ''}; "
             "numa_runtime pools embeddings by one of mean tokens, last token or CLS token.")
-    return _ST_POOLING[modes[0]]
+    return _ST_POOLING[modes[0]], normalize
 
 
 # transformers' defaults for keys a config.json leaves out, per model class

@@ -641,14 +641,15 @@ class Engine:
         return outs if batch else outs[0]
 
     # ------------------------------------------------------------------ embeddings
-    def embed(self, inputs, pooling: str | None = None, *, normalize: bool = True, dimensions: int | None = None,
+    def embed(self, inputs, pooling: str | None = None, *, normalize: bool | None = None, dimensions: int | None = None,
               truncate_prompt_tokens: int | None = None, add_special_tokens: bool = True):
         """Embeddings [len(inputs), hidden] float32 of a string, token ids or a prompt dict (as
         generate takes them), or a list of them: the final normed hidden states pooled by "mean"
         (over the tokens), "last" (the last token) or "cls" (the first). Default: the pooling a
         sentence-transformers checkpoint declares (Qwen3-Embedding: last), "last" for another base
         model without an LM head, "mean" otherwise. As vLLM's pooling parameters: `normalize`
-        (unit length), `dimensions` (the first ones of a Matryoshka model, normalized after),
+        (unit length; default: yes, but for a sentence-transformers checkpoint without a Normalize
+        module), `dimensions` (the first ones of a Matryoshka model, normalized after),
         `truncate_prompt_tokens` (keep the last k tokens; -1: the context's length)."""
         import numpy as np
         self._driver_only("embed")
@@ -656,6 +657,7 @@ class Engine:
         pooling = pooling or cfg.pooling or ("last" if cfg.is_embedding_model else "mean")
         if pooling not in ("mean", "last", "cls"):
             raise ValueError(f"pooling must be 'mean', 'last' or 'cls', got {pooling!r}.")
+        normalize = cfg.embed_normalize if normalize is None else normalize
         if not isinstance(normalize, bool) or not isinstance(add_special_tokens, bool):
             raise TypeError("normalize and add_special_tokens must be True or False.")
         size = embedding_size(cfg, dimensions)

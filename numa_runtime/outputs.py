@@ -88,9 +88,10 @@ class CompletionOutput:
             name = self._token_text or (lambda t: None)
             out = []
             for tid, (lp, top, *rank) in zip(self.token_ids, pairs):
-                d = {t: Logprob(v, r, name(t)) for r, (t, v) in enumerate(top.items(), 1)}
-                if tid not in d:
-                    d[tid] = Logprob(lp, rank[0] if rank else None, name(tid))
+                # NOTE: as vLLM V1, the sampled token first, then the most likely (a token both keeps its first place)
+                d = {tid: Logprob(lp, rank[0] if rank else None, name(tid))}
+                for r, (t, v) in enumerate(top.items(), 1):
+                    d.setdefault(t, Logprob(v, r, name(t)))
                 out.append(d)
             self._logprobs = out
         return self._logprobs

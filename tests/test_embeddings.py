@@ -23,7 +23,7 @@ ST_MODES = ("pooling_mode_cls_token", "pooling_mode_mean_tokens", "pooling_mode_
             "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens", "pooling_mode_lasttoken")
 
 
-def sentence_transformers_dir(src, dst, mode, append_eos=False, **config):
+def sentence_transformers_dir(src, dst, mode, append_eos=False, modules=("Normalize",), **config):
     """A copy of model directory `src` laid out as a sentence-transformers checkpoint (Qwen3-Embedding's
     files: modules.json, 1_Pooling/config.json with one pooling `mode`, and with `append_eos` a
     tokenizer that appends </s> to every text); `config`: config.json keys to set."""
@@ -33,9 +33,9 @@ def sentence_transformers_dir(src, dst, mode, append_eos=False, **config):
     shutil.copytree(src, dst)
     with open(os.path.join(dst, "modules.json"), "w") as f:
         json.dump([{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-                   {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-                   {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}],
-                  f)
+                   {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+                  + [{"idx": 2 + i, "name": str(2 + i), "path": f"{2 + i}_{m}",
+                      "type": f"sentence_transformers.models.{m}"} for i, m in enumerate(modules)], f)
     os.makedirs(os.path.join(dst, "1_Pooling"))
     with open(os.path.join(dst, "1_Pooling", "config.json"), "w") as f:
         json.dump({"word_embedding_dimension": BASE["hidden_size"], **{m: m == mode for m in ST_MODES},
@@ -153,6 +153,20 @@ def test_a_sentence_transformers_checkpoint_pools_as_it_declares(decoder, tmp_pa
             eng.close()
     with pytest.raises(UnsupportedModelError, match="pooling_mode_max_tokens; numa_runtime pools"):
         Engine(sentence_transformers_dir(d, str(tmp_path / "max"), "pooling_mode_max_tokens"), dtype="float32")
+    # NOTE: a Dense projection after the pooling was skipped (un-projected vectors, wrong embeddings)
+    with pytest.raises(UnsupportedModelError, match="lists a Dense module, which numa_runtime does not run"):
+        Engine(sentence_transformers_dir(d, str(tmp_path / "dense"), "pooling_mode_mean_tokens",
+                                         modules=("Dense", "Normalize")), dtype="float32")
+    # NOTE: without a Normalize module sentence-transformers (and vLLM) return the pooled vector as it is
+    eng = Engine(sentence_transformers_dir(d, str(tmp_path / "raw"), "pooling_mode_mean_tokens", modules=()),
+                 dtype="float32", kv_cache_memory=1 << 22, max_model_len=256)
+    try:
+        np.testing.assert_allclose(eng.embed(INPUTS[0])[0], hf_embed(hf, INPUTS[0], "mean", normalize=False),
+                                   rtol=1e-4, atol=2e-5)
+        np.testing.assert_allclose(eng.embed(INPUTS[0], normalize=True)[0], hf_embed(hf, INPUTS[0], "mean"),
+                                   atol=2e-5)
+    finally:
+        eng.close()
 
 
 def test_embed_takes_vllms_pooling_parameters_and_prompts(decoder, tmp_path):

@@ -33,7 +33,9 @@ class EmbeddingRequest(_Body):  # NOTE: strict (true is not a token id); null is
     truncate_prompt_tokens: Optional[int] = Field(None, description="Keep each input's last k tokens; -1: "
                                                                     "the context's length.")
     add_special_tokens: bool = Field(True, description="Add the tokenizer's special tokens to text inputs.")
-    normalize: bool = Field(True, description="Unit-length embeddings.")
+    normalize: Optional[bool] = Field(None, description="Unit-length embeddings; default: as the model declares "
+                                                        "(yes, but for a sentence-transformers model without "
+                                                        "Normalize).")
     priority: int = Field(0, description="Not supported; must be 0.")
 
     def inputs(self) -> list[str | list[int]]:
