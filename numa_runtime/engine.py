@@ -706,6 +706,36 @@ class Engine:
         self.ops.log_softmax(np.ascontiguousarray(logits, dtype=np.float32), lp)
         return lp[np.arange(n - 1), ids[1:]]
 
+    def prompt_logprob_pairs(self, prompt, num_logprobs: int = 0) -> list[tuple]:
+        """Per token 1 .. n-1 of `prompt` (its ids as given: no special tokens added to ids):
+        (its logprob, {the `num_logprobs` most likely tokens: logprob}, its rank), as generated
+        tokens' logprob_pairs: what echo and prompt_logprobs return. The logits go through in
+        slices of at most PROMPT_LOGITS_BYTES (a long prompt's whole [n, vocab] would not fit)."""
+        from .plan import EXECUTE
+        self._driver_only("prompt_logprob_pairs")
+        if not _is_int(num_logprobs) or not 0 <= num_logprobs <= 20:
+            raise ValueError(f"num_logprobs must be an integer in [0, 20], got {num_logprobs!r}.")
+        _, ids = self._tokenize(prompt)
+        n, vocab = len(ids), self.model_config.vocab_size
+        if n > self.max_model_len:
+            raise ValueError(f"The prompt has {n} tokens, but the context holds {self.max_model_len}.")
+        step = max(1, PROMPT_LOGITS_BYTES // (4 * vocab))
+        out = []
+        for a in range(0, n - 1, step):
+            b = min(n - 1, a + step)  # NOTE: rows a..b-1 predict tokens a+1..b
+            logits = self._forward_once(ids[:b], np.arange(a, b, dtype=np.int64), EXECUTE)  # [b - a, vocab]
+            lp = np.empty(logits.shape, np.float32)
+            self.ops.log_softmax(np.ascontiguousarray(logits, dtype=np.float32), lp)
+            for r in range(b - a):
+                row, tok = lp[r], ids[a + r + 1]
+                top = {}
+                if num_logprobs:
+                    cand = np.argpartition(-row, num_logprobs - 1)[:num_logprobs]
+                    cand = cand[np.argsort(-row[cand], kind="stable")]
+                    top = {int(t): float(row[t]) for t in cand}
+                out.append((float(row[tok]), top, 1 + int(np.count_nonzero(row > row[tok]))))
+        return out
+
     def _forward_once(self, ids: list[int], rows, kind: int):
         """One forward over `ids` in scratch KV blocks of replica 0: the model's output (logits,
         or final hidden states for EMBED) at positions `rows`."""
@@ -981,6 +1011,9 @@ def _prompt_of(prompt):
     if "prompt" in prompt:
         return prompt["prompt"]
     raise TypeError("A prompt dict needs 'prompt' (text) or 'prompt_token_ids' (token ids).")
+
+
+PROMPT_LOGITS_BYTES = 256 << 20  # prompt_logprob_pairs: logits rows per forward
 
 
 def embedding_size(cfg: ModelConfig, dimensions) -> int:

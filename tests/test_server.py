@@ -308,7 +308,7 @@ def test_vllm_extras_are_applied(client, model_dir):
 
 @pytest.mark.parametrize("body,param", [
     ({"use_beam_search": True}, "use_beam_search"), ({"guided_choice": ["a", "b"]}, "guided_choice"),
-    ({"prompt_logprobs": 1}, "prompt_logprobs"), ({"spaces_between_special_tokens": False},
+    ({"allowed_token_ids": [1]}, "allowed_token_ids"), ({"spaces_between_special_tokens": False},
                                                   "spaces_between_special_tokens"),
     ({"logits_processors": ["x"]}, "logits_processors"), ({"cache_salt": "a"}, "cache_salt"),
     ({"detokenize": False}, "detokenize"), ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
@@ -317,6 +317,59 @@ def test_vllm_extras_not_implemented_are_refused_by_name(server, body, param):
     r = httpx.post(server.base + "/v1/completions", json={"prompt": "x", "max_tokens": 2, **body}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"] == f"{param} is not supported by this server; remove it from the request."
+
+
+def test_echo_logprobs_score_the_prompt_as_lm_eval_asks(client, server, model_dir):
+    """lm-eval-harness's local-completions scores a continuation with echo, logprobs 1 and
+    max_tokens 1 over token ids (echo was refused): the prompt's tokens' logprobs are
+    transformers' (float32), the first null; vLLM's prompt_logprobs and truncate_prompt_tokens too."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from numa_runtime.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(model_dir)
+    ids = tok.encode("The quick brown fox jumps over the lazy dog", add_special_tokens=False)
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)(torch.tensor([ids])).logits[0]
+    want = torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), ids[1:]].numpy()
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=1, logprobs=1, echo=True, temperature=0)
+    c = r.choices[0]
+    assert c.text.startswith(tok.decode(ids, skip_special_tokens=False)) and len(c.logprobs.tokens) == len(ids) + 1
+    assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+    assert max(abs(a - b) for a, b in zip(c.logprobs.token_logprobs[1:len(ids)], want)) < 1e-4
+    greedy = [max(top.values()) for top in c.logprobs.top_logprobs[1:len(ids)]]
+    assert all(g >= t - 1e-6 for g, t in zip(greedy, c.logprobs.token_logprobs[1:len(ids)]))
+    assert c.logprobs.text_offset[0] == 0 and r.usage.prompt_tokens == len(ids)
+    text = "Hello world"
+    r = client.completions.create(model="tiny", prompt=text, max_tokens=3, echo=True, temperature=0)
+    plain = client.completions.create(model="tiny", prompt=text, max_tokens=3, temperature=0)
+    assert r.choices[0].text == text + plain.choices[0].text and r.choices[0].logprobs is None
+    chunks = list(client.completions.create(model="tiny", prompt=text, max_tokens=3, echo=True, temperature=0,
+                                            stream=True, logprobs=0))
+    assert chunks[0].choices[0].text == text and "".join(ch.choices[0].text for ch in chunks if ch.choices) == \
+        r.choices[0].text
+    streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for t in ch.choices[0].logprobs.text_offset]
+    assert streamed == sorted(streamed) and streamed[0] == 0
+    # vLLM's prompt_logprobs: per prompt token a dict holding it first, the first token None
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=1, extra_body={"prompt_logprobs": 2})
+    pl = r.choices[0].model_extra["prompt_logprobs"]
+    assert pl[0] is None and len(pl) == len(ids)
+    for t, d, w in zip(ids[1:], pl[1:], want):
+        assert next(iter(d)) == str(t) and abs(d[str(t)]["logprob"] - w) < 1e-4 and len(d) <= 3
+        assert d[str(t)]["decoded_token"] == tok.decode([t], skip_special_tokens=False)
+    # vLLM's truncate_prompt_tokens: the last k tokens
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=1, extra_body={"truncate_prompt_tokens": 3})
+    assert r.usage.prompt_tokens == 3
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi " * 50}], max_tokens=1,
+                                       extra_body={"truncate_prompt_tokens": 5})
+    assert r.usage.prompt_tokens == 5
+    for path, body, match in (("/v1/completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True},
+                               "prompt_logprobs is not supported with stream"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                        "prompt_logprobs": 1}, "prompt_logprobs is not supported"),
+                              ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs must be")):
+        res = httpx.post(server.base + path, json={"max_tokens": 1, **body}, timeout=60)
+        assert res.status_code == 400 and match in res.json()["error"]["message"], res.text
 
 
 def test_a_json_schema_no_value_completes_is_an_error_not_a_stop(client):

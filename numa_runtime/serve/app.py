@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import responses as R
 from .async_engine import AsyncEngine, EngineDeadError
+from ..engine import prompt_truncation
 from .embeddings import EmbeddingRequest, create_embeddings
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -203,26 +204,45 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
         return [engine.tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else p
                 for p in prompts]
 
-    def tokenize_chat(messages: list[dict], template_kwargs: dict, add_special_tokens: bool) -> list[int]:
+    def tokenize_chat(messages: list[dict], template_kwargs: dict, add_special_tokens: bool,
+                      keep: int | None = None) -> list[int]:
         text = engine.tokenizer.apply_chat_template(messages, **template_kwargs)
-        engine.tokenizer.check_length(text, engine.max_model_len)
-        return engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if keep is None:
+            engine.tokenizer.check_length(text, engine.max_model_len)
+        ids = engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return ids[-keep:] if keep else ids
+
+    async def prompt_pairs(prompts: list[list[int]], k: int) -> list[list[tuple]]:
+        """Each prompt's tokens' logprob pairs (tokens 1..n-1, `k` most likely each), computed
+        between steps; a prompt the KV cache cannot hold now waits for room, as an embedding."""
+        return await aengine.call(lambda e: [e.prompt_logprob_pairs(ids, k) for ids in prompts])
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         arrival = time.monotonic()
         check_model(body.model)
         with _client_errors():
-            prompts = body.prompts()
-            for p in prompts:
-                if isinstance(p, str):
+            texts = body.prompts()
+            keep = prompt_truncation(body.truncate_prompt_tokens, engine.max_model_len)
+            for p in texts:
+                if isinstance(p, str) and keep is None:
                     engine.tokenizer.check_length(p, engine.max_model_len)
             params = body.sampling_params(cap(16 if body.max_tokens is None else body.max_tokens), body.logprobs,
                                           body.json_schema(), engine.default_sampling)
             if params.json_schema is not None:  # NOTE: guided_json; built once, off the loop
                 await asyncio.to_thread(engine.grammars.prepare)
-            prompts = await asyncio.to_thread(tokenize_prompts, prompts, body.add_special_tokens)
-        return await _serve(request, body, "cmpl", prompts, params, arrival)
+            prompts = await asyncio.to_thread(tokenize_prompts, texts, body.add_special_tokens)
+            if keep:  # NOTE: as vLLM's truncate_prompt_tokens: the last `keep` tokens
+                prompts = [p[-keep:] for p in prompts]
+            echo = scores = None
+            if body.echo:  # NOTE: the prompt as given; a token or truncated prompt as its tokens decode
+                pairs = await prompt_pairs(prompts, body.logprobs) if body.logprobs is not None else None
+                echo = [(t if isinstance(t, str) and (not keep or len(p) < keep) else
+                         engine.tokenizer.decode(p, skip_special_tokens=False), p, None if pairs is None else pairs[i])
+                        for i, (t, p) in enumerate(zip(texts, prompts))]
+            if body.prompt_logprobs is not None:
+                scores = list(zip(prompts, await prompt_pairs(prompts, body.prompt_logprobs)))
+        return await _serve(request, body, "cmpl", prompts, params, arrival, echo=(echo, scores))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -243,14 +263,15 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             params = body.sampling_params(cap(max_tokens), body.num_logprobs(), schema, engine.default_sampling)
             if tool_plan.mode == "auto" and tool_plan.parser == "hermes":
                 params.skip_special_tokens = False  # NOTE: as vLLM: <tool_call> is a special token of some models
-            if body.content_chars() > engine.max_model_len * engine.tokenizer.max_token_chars:
+            keep = prompt_truncation(body.truncate_prompt_tokens, engine.max_model_len)
+            if keep is None and body.content_chars() > engine.max_model_len * engine.tokenizer.max_token_chars:
                 raise ValueError(f"The messages hold {body.content_chars()} characters, more than a context of "
                                  f"{engine.max_model_len} tokens can hold; shorten them.")
             if params.json_schema is not None:  # NOTE: built once, off the loop and the engine thread
                 await asyncio.to_thread(engine.grammars.prepare)
             messages = [m.as_template_dict() for m in body.messages]
             kwargs = body.template_kwargs() | ({"tools": tool_plan.tools} if tool_plan.tools else {})
-            ids = await asyncio.to_thread(tokenize_chat, messages, kwargs, body.add_special_tokens)
+            ids = await asyncio.to_thread(tokenize_chat, messages, kwargs, body.add_special_tokens, keep)
         return await _serve(request, body, "chatcmpl", [ids], params, arrival, renames, tool_plan)
 
     @app.post("/v1/embeddings")
@@ -270,7 +291,9 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
                                       answer["usage"]["prompt_tokens"] if answer else 0, arrival, time.monotonic())
 
     async def _serve(request: Request, body, kind: str, prompts: list, params, arrival: float, renames=None,
-                     tool_plan=None):
+                     tool_plan=None, echo=(None, None)):
+        """`echo`: completions' (per prompt (text, ids, pairs or None) to echo, or None; per prompt
+        (ids, pairs) of prompt_logprobs, or None)."""
         check_queue()
         rid = f"{kind}-{uuid.uuid4().hex}"
         gen = _Generation(aengine, rid, len(prompts))
@@ -288,7 +311,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
                     getattr(body, "include_reasoning", True))
         if body.stream:
             return StreamingResponse(_stream(gen, tracker, report, rid, name, kind, body.include_usage, decode_token,
-                                             tool_plan, schema_param, body.continuous_usage, thinking),
+                                             tool_plan, schema_param, body.continuous_usage, thinking, echo[0]),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         status = "abort"
         try:
@@ -307,7 +330,8 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             report.finish(status)
         if kind == "chatcmpl":
             return JSONResponse(R.chat_body(rid, name, tracker, decode_token, tool_plan, *thinking))
-        return JSONResponse(R.completion_body(rid, name, tracker, decode_token))
+        return JSONResponse(R.completion_body(rid, name, tracker, decode_token, *echo,
+                                              lambda t: engine.tokenizer.decode([t], skip_special_tokens=False)))
 
     return app
 
@@ -412,7 +436,8 @@ async def _until_disconnect(request: Request, work) -> bool:
 
 
 async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode, tool_plan=None,
-                  schema_param: str = "response_format", continuous_usage: bool = False, thinking=(None, True)):
+                  schema_param: str = "response_format", continuous_usage: bool = False, thinking=(None, True),
+                  echo=None):
     """SSE events of one request. Cancelled (client gone) -> finally aborts the request.
     `continuous_usage`: every chunk carries the usage so far (then the chat's opening role chunks
     wait for the first output, as vLLM sends them, when the prompt's tokens are counted)."""
@@ -441,6 +466,10 @@ async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode,
                 yield event(chunk, opening=True)
             roles = []
             for p in pieces:
+                if echo is not None and p.index not in offsets:  # NOTE: the prompt first, as its own chunk
+                    text, ids, pairs = echo[p.index // tracker.n]
+                    first = R.Piece(p.index, text, list(ids), None if pairs is None else [None, *pairs])
+                    yield event(R.completion_chunk(rid, model, created, first, decode, include_usage, offsets))
                 if thinks is not None:  # NOTE: the reasoning first; its content goes on as the piece's text
                     from .reasoning import ReasoningStream
                     rs = thinks.setdefault(p.index, ReasoningStream(parser))

@@ -122,7 +122,7 @@ class _SamplingRequest(_Body):
         seed = None if self.seed is None else self.seed % (1 << 64)
         for s in [self.stop] if isinstance(self.stop, str) else self.stop or []:
             check_text("stop", s)
-        _refuse(self, _VLLM_REFUSED)
+        _refuse(self, self._refused())
         if self.stream_options is not None and not self.stream:  # NOTE: as vLLM: never ignored
             raise ValueError("stream_options requires stream: true.")
         if self.guided_json is not None:
@@ -136,6 +136,10 @@ class _SamplingRequest(_Body):
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               skip_special_tokens=self.skip_special_tokens,
                               **{k: v for k, v in given.items() if v is not None})
+
+    def _refused(self) -> dict:
+        """The vLLM fields this request kind refuses (see _VLLM_REFUSED)."""
+        return _VLLM_REFUSED
 
     def json_schema(self) -> dict | None:
         """The JSON schema that response_format asks the output to follow, or None."""
@@ -234,7 +238,7 @@ def strict_schema(schema: dict) -> dict:
 
 # vLLM request fields with no counterpart here, and the values that change nothing
 _VLLM_REFUSED = {"use_beam_search": (False,), "length_penalty": (1.0,), "prompt_logprobs": (),
-                 "truncate_prompt_tokens": (), "allowed_token_ids": (), "bad_words": ([],), "guided_regex": (),
+                 "allowed_token_ids": (), "bad_words": ([],), "guided_regex": (),
                  "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
                  "spaces_between_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
                  "priority": (0,), "guided_whitespace_pattern": (), "guided_decoding_backend": (),
@@ -247,14 +251,23 @@ class CompletionRequest(_SamplingRequest):
         ..., description="A string, a list of strings, a list of token ids, or a list of token id lists.")
     logprobs: Optional[int] = Field(None, ge=0, le=5,
                                     description="Number of most likely tokens to return per position (0-5).")
-    echo: bool = Field(False, description="Not supported; must be false.")
+    echo: bool = Field(False, description="The prompt before the completion in the text (and its tokens' "
+                                          "logprobs, the first null, with logprobs).")
     suffix: Optional[str] = Field(None, description="Not supported; must be absent or empty.")
     best_of: Optional[int] = Field(None, description="Not supported beyond best_of = n.")
     add_special_tokens: bool = Field(True, description="Add the tokenizer's special tokens (BOS) to text "
                                                        "prompts (vLLM's name).")
 
+    def _refused(self) -> dict:
+        return {k: v for k, v in _VLLM_REFUSED.items() if k != "prompt_logprobs"}
+
     def refuse_unsupported(self) -> None:
-        _refuse(self, {"suffix": ("",), "best_of": (self.n,), "echo": (False,)})
+        _refuse(self, {"suffix": ("",), "best_of": (self.n,)})
+        if self.prompt_logprobs is not None:
+            if isinstance(self.prompt_logprobs, bool) or not 0 <= self.prompt_logprobs <= 20:
+                raise ValueError(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}.")
+            if self.stream:
+                raise ValueError("prompt_logprobs is not supported with stream: true; leave one out.")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list; ValueError if there are none."""

@@ -111,11 +111,15 @@ def completion_logprobs(token_ids: list[int], logprobs: list | None, decode: Tok
     # NOTE: as OpenAI's legacy format and vLLM: the sampled token is always among the top
     # logprobs (logprobs + 1 entries when it is not one of the most likely)
     tops = []
-    for tid, (lp, top, *_) in zip(token_ids, logprobs):
+    for tid, x in zip(token_ids, logprobs):
+        if x is None:  # NOTE: an echoed prompt's first token: nothing before it to predict it
+            tops.append(None)
+            continue
+        lp, top = x[0], x[1]
         entry = {token_text(decode(t)): v for t, v in top.items()}
         entry.setdefault(token_text(decode(tid)), lp)
         tops.append(entry)
-    return {"tokens": tokens, "token_logprobs": [x[0] for x in logprobs], "top_logprobs": tops,
+    return {"tokens": tokens, "token_logprobs": [None if x is None else x[0] for x in logprobs], "top_logprobs": tops,
             "text_offset": offsets}
 
 
@@ -148,12 +152,37 @@ def chat_logprobs(token_ids: list[int], logprobs: list | None, decode: TokenByte
 
 
 # ---------------------------------------------------------------------------- bodies
-def completion_body(rid: str, model: str, tracker: ChoiceTracker, decode: TokenBytes) -> dict:
-    choices = [{"index": i, "text": c.text, "finish_reason": _reason(c.finish_reason),
-                "stop_reason": _stop(c), "logprobs": completion_logprobs(c.token_ids, c.logprob_pairs, decode)}
-               for i, c in tracker.choices()]
+def completion_body(rid: str, model: str, tracker: ChoiceTracker, decode: TokenBytes, echo=None, scores=None,
+                    token_name: Callable[[int], str] | None = None) -> dict:
+    """`echo`: per prompt (its text, ids, logprob pairs or None): the text and logprobs begin with
+    the prompt's (the first token's logprob null, as OpenAI's); `scores`: per prompt (ids, pairs)
+    of vLLM's prompt_logprobs (per prompt token a {token id: Logprob} dict, the first null)."""
+    choices = []
+    for i, c in tracker.choices():
+        text, ids, pairs = c.text, list(c.token_ids), c.logprob_pairs
+        if echo is not None:
+            ptext, pids, ppairs = echo[i // tracker.n]
+            text, ids = ptext + text, list(pids) + ids
+            pairs = None if pairs is None or ppairs is None else [None, *ppairs, *pairs]
+        choice = {"index": i, "text": text, "finish_reason": _reason(c.finish_reason), "stop_reason": _stop(c),
+                  "logprobs": completion_logprobs(ids, pairs, decode)}
+        if scores is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_body(*scores[i // tracker.n], token_name)
+        choices.append(choice)
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": tracker.usage()}
+
+
+def prompt_logprobs_body(ids: list[int], pairs: list[tuple], token_name) -> list:
+    """vLLM's prompt_logprobs: None for the first token, then {token id: {logprob, rank,
+    decoded_token}} holding the prompt's token first and the most likely ones."""
+    out = [None]
+    for tid, (lp, top, rank) in zip(ids[1:], pairs):
+        d = {str(tid): {"logprob": lp, "rank": rank, "decoded_token": token_name(tid)}}
+        for r, (t, v) in enumerate(top.items(), 1):
+            d.setdefault(str(t), {"logprob": v, "rank": r, "decoded_token": token_name(t)})
+        out.append(d)
+    return out
 
 
 def chat_body(rid: str, model: str, tracker: ChoiceTracker, decode: TokenBytes, tool_plan=None,
