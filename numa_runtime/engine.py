@@ -404,8 +404,19 @@ class Engine:
     def _step(self) -> None:
         rec = self.recorder  # times the three under AS_PROFILE=ON; otherwise does nothing
         rec.begin_step()
-        with rec.span(RESHAPE, "schedule"):
-            out = self.scheduler.schedule()
+        try:
+            with rec.span(RESHAPE, "schedule"):
+                out = self.scheduler.schedule()
+            self._run_step(out)
+        except BaseException:
+            # NOTE: a step that failed before its update wrote no KV into the blocks schedule()
+            # cached ahead of it: no later request may take them as prefix hits
+            self.scheduler.drop_uncomputed()
+            raise
+
+    def _run_step(self, out) -> None:
+        """Execute the scheduled step (or a burst of decode steps from it) and update."""
+        rec = self.recorder
         steps = self._burst_len(out)
         t0 = time.perf_counter()
         if steps > 1 and self.scheduler.extend_decode(out, steps):

@@ -104,6 +104,10 @@ class ReplicaRouter:
     def schedule(self) -> ReplicaOutputs:
         return ReplicaOutputs([s.schedule() for s in self.replicas])
 
+    def drop_uncomputed(self) -> None:
+        for s in self.replicas:
+            s.drop_uncomputed()
+
     def update(self, out: ReplicaOutputs, sampled_token_ids) -> None:
         start = 0
         for s, o in zip(self.replicas, out.outputs):

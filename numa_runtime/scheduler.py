@@ -137,6 +137,8 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.block_manager.num_uncomputed:  # NOTE: the last step was never updated: it did not run
+            self.drop_uncomputed()
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
@@ -157,6 +159,7 @@ class Scheduler:
                     break
             else:
                 self.block_manager.allocate(req, n)
+                self.block_manager.cache_full_blocks(req, req.num_computed_tokens + n)
                 scheduled.append((req, n))
                 budget -= n
                 i += 1
@@ -180,6 +183,10 @@ class Scheduler:
                 if not self.block_manager.can_allocate(req, n, blocks):
                     break
             self.block_manager.allocate(req, n, blocks)
+            # NOTE: the full blocks this step computes are cached now, so that a request admitted
+            # after this one in the same step hits them: each layer writes the KV of every row of
+            # the step before any row's attention reads it (models/llama.py, the fused decode)
+            self.block_manager.cache_full_blocks(req, req.num_computed_tokens + n)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -279,6 +286,7 @@ class Scheduler:
         """After the model ran `out.plan`: advance what was computed, cache newly full blocks,
         append one sampled token to each request in `out.sampling`."""
         assert len(sampled_token_ids) == len(out.sampling), "one sampled token per sampling request"
+        self.block_manager.commit_computed()
         for req, n in zip(out.scheduled, out.num_scheduled_tokens):
             if req.is_finished:  # aborted while the step ran
                 continue
@@ -304,6 +312,24 @@ class Scheduler:
                     bm.uncount(req)
         for h in bad_hashes:
             bm.uncache(h)
+        self.drop_uncomputed()
+
+    def drop_uncomputed(self) -> None:
+        """The step scheduled last did not run (no update came): the blocks schedule() cached
+        ahead of their KV leave the prefix cache, and a running request that took one of them as
+        a prefix hit starts over (like a preemption); the others simply run again next step."""
+        bm = self.block_manager
+        gone = bm.uncache_uncomputed()
+        if not gone:
+            return
+        bs = bm.block_size
+        # NOTE: the newest first, so that the waiting queue keeps their order
+        hit = [r for r in reversed(self.running) if not gone.isdisjoint(r.block_ids[:r.num_computed_tokens // bs])]
+        for req in hit:
+            self.running.remove(req)
+            self._preempt(req)
+            if req.num_output_tokens == 0:  # NOTE: it never ran: its next admission is its first
+                bm.uncount(req)
 
     # ---- stats ---------------------------------------------------------------------------
     @property

@@ -156,6 +156,36 @@ def test_duplicate_block_not_cached_twice():
     assert 0 in bm.policy
 
 
+def test_blocks_cached_ahead_of_their_kv_are_never_evicted_saved_or_kept_uncomputed():
+    """The scheduler caches the full blocks a step is to compute before it runs: they are hits
+    at once, but until commit_computed they are never saved to a tier, a request freeing one
+    returns it to the free pool (not the cache), and uncache_uncomputed takes them out again
+    (then the request registers them anew)."""
+    from numa_runtime.kv_cache.disk_tier import DiskTier
+    bm = BlockManager(6, BS, tier=DiskTier(8, True))
+    a = req("a", range(10))
+    bm.allocate(a, 10)
+    bm.cache_full_blocks(a, 10)  # the step computes a's 10 tokens
+    assert bm.num_uncomputed == 2 and bm.get_computed_blocks(req("b", range(9))) == ([0, 1], 8)
+    bm.offload_all()
+    assert len(bm.tier) == 0
+    assert bm.uncache_uncomputed() == {0, 1} and bm.hash_to_block == {} and bm.num_uncomputed == 0
+    bm.cache_full_blocks(a, 10)  # scheduled again
+    assert bm.hash_to_block == {a.block_hashes[0]: 0, a.block_hashes[1]: 1}
+    bm.commit_computed()
+    a.num_computed_tokens = 10
+    bm.cache_full_blocks(a)
+    assert bm.num_uncomputed == 0 and len(bm.hash_to_block) == 2
+    bm.offload_all()
+    assert len(bm.tier) == 2
+    c = req("c", range(50, 60))
+    bm.allocate(c, 10)
+    bm.cache_full_blocks(c, 10)
+    bm.free(c)  # before its step ran (an abort)
+    assert bm.num_uncomputed == 0 and c.block_hashes[0] not in bm.hash_to_block
+    assert len(bm.policy) == 0 and sorted(bm.free_block_ids) == [3, 4, 5]
+
+
 def test_prefix_caching_disabled():
     bm = BlockManager(8, BS, enable_prefix_caching=False)
     a = req("a", range(9))

@@ -283,6 +283,59 @@ def test_prefix_cache_hit_gives_same_tokens(eng):
     assert first.token_ids == second.token_ids
 
 
+def test_requests_of_one_step_share_the_prefix_one_of_them_computes(model_dir):
+    """Eight prompts behind one 400-token system prompt, all admitted in one step: the first
+    computes the prefix and the seven others hit its full blocks in that same step (each
+    computed it again: hits came only from earlier steps), with the float32 greedy tokens of
+    each prompt alone in a fresh engine. n=4 holds its prompt's full blocks once."""
+    rng = np.random.default_rng(0)
+    system = rng.integers(3, 384, size=400).tolist()
+    prompts = [system + rng.integers(3, 384, size=5).tolist() for _ in range(8)]
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    eng = Engine(model_dir, dtype="float32", num_threads=1, max_model_len=512)
+    try:
+        outs = eng.generate(prompts, sp)
+        bm = eng.block_manager
+        full = 400 - 400 % bm.block_size
+        assert [o.num_cached_tokens for o in outs] == [0] + [full] * 7
+        assert bm.miss_tokens == 405 + 7 * (405 - full)
+        eng.add_request(system[200:400], SamplingParams(n=4, max_tokens=2), request_id="n4")
+        eng.step()
+        children = eng.scheduler.running
+        assert len(children) == 4 and all(r.block_ids[:12] == children[0].block_ids[:12] for r in children)
+        assert len({b for r in children for b in r.block_ids}) == 12 + 4
+        while eng.has_unfinished_requests():
+            eng.step()
+    finally:
+        eng.close()
+    for p, o in zip(prompts, outs):
+        alone = Engine(model_dir, dtype="float32", num_threads=1, max_model_len=512)
+        try:
+            assert alone.generate([p], sp)[0].token_ids == o.token_ids
+        finally:
+            alone.close()
+
+
+def test_a_step_that_raises_leaves_no_block_cached_ahead_of_its_kv(model_dir):
+    """Two requests sharing a prefix are admitted into a step whose forward raises: the blocks
+    it cached when it was scheduled (the second request's hits) are no prefix hits afterwards."""
+    eng = Engine(model_dir, dtype="float32", num_threads=1, max_model_len=256)
+    try:
+        execute = eng.runner.execute
+
+        def fail(plan):
+            raise RuntimeError("boom")
+        eng.runner.execute = fail
+        with pytest.raises(RuntimeError, match="boom"):
+            eng.generate([list(range(5, 60)), list(range(5, 60)) + [7]], GREEDY)
+        bm = eng.block_manager
+        assert bm.num_uncomputed == 0 and not bm.hash_to_block and bm.usage == 0.0
+        eng.runner.execute = execute
+        assert eng.generate([list(range(5, 60))], GREEDY)[0].num_cached_tokens == 0
+    finally:
+        eng.close()
+
+
 def test_prompt_longer_than_context_is_rejected(eng):
     with pytest.raises(ValueError, match="context"):
         eng.generate([[5] * 300], GREEDY)

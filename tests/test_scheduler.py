@@ -39,8 +39,10 @@ class FakeModel:
             rows = slice(p.query_start[s], p.query_start[s + 1])
             written = set((p.slot_mapping[rows] // self.bs).tolist())
             assert written <= set(r.block_ids)
-            # a block shared with another request (a prefix hit) is read-only
-            assert all(self.sched.block_manager.ref_cnt[b] == 1 for b in written)
+            # a block shared with another request (a prefix hit) is read-only, but for one this
+            # request computes in this step (cached at scheduling, a hit of a later admission)
+            bm = self.sched.block_manager
+            assert all(bm.ref_cnt[b] == 1 or bm._uncomputed.get(b) == r.request_id for b in written)
         self.kv[p.slot_mapping] = p.token_ids
         for s, r in enumerate(out.scheduled):
             first_query = p.context_lens[s] - (p.query_start[s + 1] - p.query_start[s])
@@ -198,6 +200,71 @@ def test_prefix_hit_block_table_and_kv():
         {r.request_id: list(r.block_ids) for r in o.scheduled}))
     assert seen["b"][:2] == [0, 1]  # a's cached blocks, freed by then, reused (FakeModel checks KV)
     assert b.num_cached_tokens == 8 and b.output_token_ids == expected_output(b)
+
+
+def test_same_step_admissions_hit_the_blocks_the_first_one_computes():
+    """Requests sharing a prefix admitted in one step: the first computes the prefix, the others
+    take its full blocks as prefix hits in that same step (blocks were cached only after the
+    forward, so each computed the prefix again); n equal prompts hold the prefix's blocks once.
+    FakeModel checks that every KV read is the reader's tokens (written earlier in the step)."""
+    sched = make(num_blocks=32, max_num_seqs=8, budget=64)
+    system = list(range(100, 114))  # 3 full blocks and 2 tokens
+    reqs = [req(f"r{i}", system + [i, 50 + i], 2) for i in range(4)] + [req(f"n{i}", system, 2) for i in range(3)]
+    first = []
+    drive(sched, {0: reqs}, on_step=lambda s, out: first or first.append(
+        (list(out.num_scheduled_tokens), [list(r.block_ids) for r in out.scheduled])))
+    sizes, tables = first[0]
+    assert sizes == [16, 4, 4, 4, 2, 2, 2]
+    assert all(t[:3] == tables[0][:3] for t in tables)
+    assert len({b for t in tables for b in t}) == 3 + 7  # the shared prefix once, one tail each
+    assert [r.num_cached_tokens for r in reqs] == [0] + [12] * 6
+    assert sched.prefix_cache_hits == 12 * 6 and sched.block_manager.miss_tokens == 16 + 3 * 4 + 3 * 2
+    assert all(r.output_token_ids == expected_output(r) for r in reqs)
+
+
+def test_chunked_prefill_admissions_hit_the_chunk_computed_beside_them():
+    """A prompt chunked over two steps: a request sharing it, admitted in the second step, hits
+    the blocks of the first chunk (computed) and of the second (computed in that step)."""
+    sched = make(num_blocks=16, budget=8)
+    a, b = req("a", range(100, 114), 1), req("b", list(range(100, 112)) + [7, 8], 1)
+    outs = drive(sched, {0: [a], 1: [b]})
+    assert [o.num_scheduled_tokens for o in outs[:2]] == [[8], [6, 2]]
+    assert b.num_cached_tokens == 12 and b.output_token_ids == expected_output(b)
+
+
+def test_a_step_that_did_not_run_uncaches_the_blocks_it_cached_ahead():
+    """Blocks a step cached when it was scheduled hold no KV until it runs: when it does not
+    (redo_without, a step never updated, an abort in flight), they leave the prefix cache, a
+    request that took them as hits starts over, and the rest runs again."""
+    sched = make(num_blocks=16, budget=64)
+    bm = sched.block_manager
+    a, b = req("a", range(10), 1), req("b", list(range(8)) + [70, 71], 1)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    assert b.num_cached_tokens == 8 and b.block_ids[:2] == a.block_ids[:2] and bm.num_uncomputed == 2
+    sched.redo_without(out, set())  # e.g. another block's load failed its check: nothing ran
+    assert bm.hash_to_block == {} and bm.num_uncomputed == 0
+    assert bm.get_computed_blocks(req("c", range(10))) == ([], 0)
+    assert sched.running == [a] and a.num_computed_tokens == 0 and a.block_ids == [0, 1, 2]
+    assert list(sched.waiting) == [b] and b.block_ids == [] and b.num_computed_tokens == 0
+    assert sched.prefix_cache_hits == 0 and sched.prefix_cache_queries == 10  # b's lookup taken back
+    out = sched.schedule()  # again, but never updated (it did not run): the next schedule drops it
+    assert b.num_cached_tokens == 8 and bm.num_uncomputed == 2
+    out = sched.schedule()
+    assert out.scheduled == [a, b] and b.num_cached_tokens == 8 and sched.prefix_cache_queries == 20
+    model = FakeModel(sched)
+    sched.update(out, model.step(out))
+    assert bm.num_uncomputed == 0 and len(bm.hash_to_block) == 2
+    assert a.output_token_ids == expected_output(a)[:1] and b.output_token_ids == expected_output(b)[:1]
+    # an abort in flight: the blocks it would have computed go back to the pool, not to the cache
+    c = req("c", range(200, 210), 1)
+    sched.add_request(c)
+    out = sched.schedule()
+    assert bm.num_uncomputed == 2 and c.block_hashes[0] in bm.hash_to_block
+    assert sched.abort_request("c")
+    assert bm.num_uncomputed == 0 and not set(c.block_hashes) & set(bm.hash_to_block)
+    assert all(bm.block_hash[b] is None for b in bm.free_block_ids)
 
 
 def test_preemption_recomputes_newest_without_overcommit():

@@ -3,12 +3,17 @@
 Plain Python over integers: no model, no arrays. A block holds `block_size` consecutive
 tokens of one sequence; a request's blocks are `req.block_ids` (its block table).
 
-Prefix caching: once a block is full *and computed* it is registered under a chained hash of
-(parent block's hash, its token ids), so the same prefix maps to the same hash whatever
-request produced it (prompt or generated tokens alike). A later request whose leading blocks
-hash the same reuses them (refcount + 1) instead of recomputing. A cached block whose refcount
-drops to 0 keeps its contents and its hash and becomes *evictable*; an eviction policy
-(eviction.py) decides which one to reuse when no never-cached block is free.
+Prefix caching: a full block is registered under a chained hash of (parent block's hash, its
+token ids), so the same prefix maps to the same hash whatever request produced it (prompt or
+generated tokens alike). A later request whose leading blocks hash the same reuses them
+(refcount + 1) instead of recomputing. The scheduler registers the full blocks of the tokens a
+step will compute when it schedules them (as vLLM v1's allocate_slots), so that a request
+admitted later in the same step reuses them too: the model writes every row's KV of a layer
+before any row's attention of that layer reads it. Such a block is *uncomputed* until the step
+ran (commit_computed); if it never runs, uncache_uncomputed takes the blocks out again, and an
+uncomputed block is never evictable nor saved to a tier. A cached block whose refcount drops to
+0 keeps its contents and its hash and becomes *evictable*; an eviction policy (eviction.py)
+decides which one to reuse when no never-cached block is free.
 
 An optional lower tier (kv_cache/tier.py, e.g. disk_tier.DiskTier) sees every evicted cached
 block (`offload`) and is asked on a miss (`lookup`); a hit is loaded into a pool block, which
@@ -73,6 +78,10 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self._num_hashed: dict[str, int] = {}  # request_id -> its leading blocks already cached
+        # blocks registered ahead of their KV (the step that computes them has not run yet): block id
+        # -> the request computing it; and per such request its _num_hashed before them
+        self._uncomputed: dict[int, str] = {}
+        self._hashed_before: dict[str, int] = {}
         # blocks the scheduler leaves free when it admits a request: a scratch forward (an
         # embedding, prompt_logprobs) waiting for room would otherwise see every block that a
         # finished request frees taken by the next admission, for as long as requests arrive
@@ -268,9 +277,10 @@ class BlockManager:
     def uncache(self, block_hash: int) -> None:
         """Forget a cached block whose contents are wrong (its tier copy failed a check): it
         is no longer a hit; if unused it returns to the free pool; the tier drops it too."""
-        block_id = self.hash_to_block.pop(block_hash, None)
+        block_id = self.hash_to_block.get(block_hash)
         if block_id is not None:
-            self.block_hash[block_id] = None
+            self._uncomputed.pop(block_id, None)
+            self._unregister(block_id)
             if self.ref_cnt[block_id] == 0:
                 self.policy.remove(block_id)
                 self.free_block_ids.append(block_id)
@@ -282,7 +292,8 @@ class BlockManager:
         the least recently cached first."""
         if self.tier is not None:
             for h, block_id in self.hash_to_block.items():
-                self.tier.offload(block_id, h)
+                if block_id not in self._uncomputed:  # NOTE: its KV is not written (a step that failed)
+                    self.tier.offload(block_id, h)
 
     def take_blocks(self, n: int) -> list[int] | None:
         """n blocks outside any request (scratch KV for an embedding), or None if there is no
@@ -299,18 +310,24 @@ class BlockManager:
         leaves of a hash chain are evicted before the blocks they extend."""
         with self.recorder.span(ALLOC, "free"):
             for block_id in reversed(req.block_ids):
-                if block_id == RELEASED:
-                    continue
-                self.ref_cnt[block_id] -= 1
-                assert self.ref_cnt[block_id] >= 0, f"block {block_id} freed twice"
-                if self.ref_cnt[block_id] == 0:
-                    if self.block_hash[block_id] is not None:
-                        self.policy.add_evictable(block_id)
-                    else:
-                        self.free_block_ids.append(block_id)
+                if block_id != RELEASED:
+                    self._unref(block_id)
             req.block_ids = []
             self._num_hashed.pop(req.request_id, None)
             self._num_released.pop(req.request_id, None)
+
+    def _unref(self, block_id: int) -> None:
+        """Drop one reference to block_id; at 0 a cached block becomes evictable, any other free."""
+        self.ref_cnt[block_id] -= 1
+        assert self.ref_cnt[block_id] >= 0, f"block {block_id} freed twice"
+        if self.ref_cnt[block_id] == 0:
+            if block_id in self._uncomputed:  # NOTE: its KV was never written: no later hit may read it
+                del self._uncomputed[block_id]
+                self._unregister(block_id)
+            if self.block_hash[block_id] is not None:
+                self.policy.add_evictable(block_id)
+            else:
+                self.free_block_ids.append(block_id)
 
     def release_before(self, req: Request, num_tokens: int) -> None:
         """Release req's blocks that hold only tokens before `num_tokens` (tokens no later
@@ -320,22 +337,20 @@ class BlockManager:
         end = min(max(num_tokens, 0) // self.block_size, len(req.block_ids))
         for i in range(start, end):
             block_id, req.block_ids[i] = req.block_ids[i], RELEASED
-            self.ref_cnt[block_id] -= 1
-            if self.ref_cnt[block_id] == 0:
-                if self.block_hash[block_id] is not None:
-                    self.policy.add_evictable(block_id)
-                else:
-                    self.free_block_ids.append(block_id)
+            self._unref(block_id)
         if end > start:
             self._num_released[req.request_id] = end
 
     # ---- caching -------------------------------------------------------------------------
-    def cache_full_blocks(self, req: Request) -> None:
-        """Register req's blocks that are now full and computed (prompt or generated tokens).
-        Call after req.num_computed_tokens advanced."""
+    def cache_full_blocks(self, req: Request, num_tokens: int | None = None) -> None:
+        """Register req's full blocks (prompt or generated tokens) of its first `num_tokens`
+        tokens, by default its computed ones (call after req.num_computed_tokens advanced).
+        The scheduler passes the tokens a step is to compute: blocks beyond the computed ones
+        are registered ahead of their KV, *uncomputed* until commit_computed (the step ran)."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+        bs, computed = self.block_size, req.num_computed_tokens
+        num_full = min((computed if num_tokens is None else num_tokens) // bs, len(req.block_ids))
         start = self._num_hashed.get(req.request_id, 0)
         if num_full <= start:
             return
@@ -343,13 +358,49 @@ class BlockManager:
         continuation = 2 * req.num_cached_tokens >= req.num_prompt_tokens
         for i in range(start, num_full):
             block_id, h = req.block_ids[i], hashes[i]
-            # NOTE: if another request computed the same block first, keep its copy as the
-            # cached one; ours stays unhashed and returns to the free pool when released.
+            # NOTE: if another request computed (or computes in this step) the same block first,
+            # keep its copy as the cached one; ours stays unhashed and returns to the free pool
+            # when released.
             if self.block_hash[block_id] is None and h not in self.hash_to_block:
                 self.block_hash[block_id] = h
                 self.hash_to_block[h] = block_id
                 self.policy.cached(block_id, continuation)
+                if (i + 1) * bs > computed:
+                    self._uncomputed[block_id] = req.request_id
+                    self._hashed_before.setdefault(req.request_id, i)
         self._num_hashed[req.request_id] = num_full
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Blocks registered ahead of their KV (by the step scheduled last, until it ran)."""
+        return len(self._uncomputed)
+
+    def commit_computed(self) -> None:
+        """The step scheduled last ran: the blocks registered ahead of it hold their KV now."""
+        self._uncomputed.clear()
+        self._hashed_before.clear()
+
+    def uncache_uncomputed(self) -> set[int]:
+        """The step scheduled last did not run: the blocks registered ahead of its KV leave the
+        prefix cache (the requests computing them register them again when they do). Returns
+        their ids: a request that took one as a prefix hit has to start over (the scheduler's
+        drop_uncomputed). A tier keeps its own copy of such a hash (it is valid there)."""
+        gone = set(self._uncomputed)
+        for block_id in gone:  # NOTE: each is in use (_unref took out those it freed)
+            self._unregister(block_id)
+        for request_id, num in self._hashed_before.items():
+            if request_id in self._num_hashed:
+                self._num_hashed[request_id] = min(self._num_hashed[request_id], num)
+        self.commit_computed()
+        return gone
+
+    def _unregister(self, block_id: int) -> None:
+        """block_id is no longer a cached block (its refcount and its place in the pool stay)."""
+        h = self.block_hash[block_id]
+        if h is not None:
+            del self.hash_to_block[h]
+            self.block_hash[block_id] = None
+            self.policy.uncached(block_id)
 
     def _block_hashes(self, req: Request, num_blocks: int) -> list[int]:
         """req.block_hashes extended to at least `num_blocks` full blocks (tokens of a full

@@ -1,10 +1,11 @@
 """Which cached-but-unused KV block to give up when the free pool runs dry.
 
 The BlockManager owns reference counts and the hash -> block map; a policy only orders the
-*evictable* blocks (cached, refcount 0) and sees four events:
+*evictable* blocks (cached, refcount 0) and sees these events:
 
     cached(b, cont)   b was just filled and cached; `cont` says the request that filled it
                       continues a mostly cached sequence (a later conversation turn)
+    uncached(b)       b is no longer cached (never computed, or its contents were wrong)
     touch(b)          cached block b was reused by a new request (a prefix-cache hit)
     add_evictable(b)  b's refcount fell to 0; it stays cached and may be evicted
     remove(b)         b is in use again (refcount 0 -> 1); it must not be evicted
@@ -24,6 +25,9 @@ class EvictionPolicy:
     name = "base"
 
     def cached(self, block_id: int, continuation: bool) -> None:
+        pass
+
+    def uncached(self, block_id: int) -> None:
         pass
 
     def touch(self, block_id: int) -> None:
@@ -112,6 +116,9 @@ class ReuseAwareEviction(EvictionPolicy):
     def cached(self, block_id: int, continuation: bool) -> None:
         if continuation:
             self._hit.add(block_id)
+
+    def uncached(self, block_id: int) -> None:
+        self._hit.discard(block_id)
 
     def touch(self, block_id: int) -> None:
         self._hit.add(block_id)
