@@ -20,6 +20,11 @@ CASES = {
     "qwen2-bias-tied": dict(arch="qwen2", tie_word_embeddings=True),
     "qwen3-qknorm": dict(arch="qwen3", head_dim=32),
     "mistral-sliding": dict(arch="mistral", sliding_window=7),
+    # Phi-3: fused qkv/gate_up split at load, partial rotary with longrope's short factors
+    "phi3-longrope-partial": dict(arch="phi3", partial_rotary_factor=0.75, max_position_embeddings=4096,
+                                  original_max_position_embeddings=256, rope_scaling={
+                                      "rope_type": "longrope", "short_factor": [1.0, 1.3, 2.0, 3.5, 6.0, 9.0],
+                                      "long_factor": [1.5, 2.0, 4.0, 8.0, 16.0, 30.0]}),
 }
 
 
