@@ -720,9 +720,9 @@ class Engine:
     def prompt_logprob_pairs(self, prompt, num_logprobs: int = 0) -> list[tuple]:
         """Per token 1 .. n-1 of `prompt` (its ids as given: no special tokens added to ids):
         (its logprob, {the `num_logprobs` most likely tokens: logprob}, its rank), as generated
-        tokens' logprob_pairs: what echo and prompt_logprobs return. The logits go through in
-        slices of at most PROMPT_LOGITS_BYTES (a long prompt's whole [n, vocab] would not fit)."""
-        from .plan import EXECUTE
+        tokens' logprob_pairs: what echo and prompt_logprobs return. One prefill in scratch KV
+        blocks, in chunks of at most max_num_batched_tokens rows and PROMPT_LOGITS_BYTES of logits
+        (a long prompt's whole [n, vocab] would not fit)."""
         self._driver_only("prompt_logprob_pairs")
         if not _is_int(num_logprobs) or not 0 <= num_logprobs <= 20:
             raise ValueError(f"num_logprobs must be an integer in [0, 20], got {num_logprobs!r}.")
@@ -730,22 +730,49 @@ class Engine:
         n, vocab = len(ids), self.model_config.vocab_size
         if n > self.max_model_len:
             raise ValueError(f"The prompt has {n} tokens, but the context holds {self.max_model_len}.")
-        step = max(1, PROMPT_LOGITS_BYTES // (4 * vocab))
+        if n < 2:
+            return []
+        step = max(1, min(PROMPT_LOGITS_BYTES // (4 * vocab), self.config.max_num_batched_tokens))
         out = []
-        for a in range(0, n - 1, step):
-            b = min(n - 1, a + step)  # NOTE: rows a..b-1 predict tokens a+1..b
-            logits = self._forward_once(ids[:b], np.arange(a, b, dtype=np.int64), EXECUTE)  # [b - a, vocab]
-            lp = np.empty(logits.shape, np.float32)
-            self.ops.log_softmax(np.ascontiguousarray(logits, dtype=np.float32), lp)
-            for r in range(b - a):
-                row, tok = lp[r], ids[a + r + 1]
-                top = {}
-                if num_logprobs:
-                    cand = np.argpartition(-row, num_logprobs - 1)[:num_logprobs]
-                    cand = cand[np.argsort(-row[cand], kind="stable")]
-                    top = {int(t): float(row[t]) for t in cand}
-                out.append((float(row[tok]), top, 1 + int(np.count_nonzero(row > row[tok]))))
+        # NOTE: position p predicts token p + 1; closing() returns the scratch blocks inside the lock
+        with self._atomic(), contextlib.closing(self._prefill_chunks(ids[:-1], step)) as chunks:
+            for a, logits in chunks:
+                self._pairs_of(logits, ids[a + 1:a + 1 + len(logits)], num_logprobs, out)
         return out
+
+    def _prefill_chunks(self, ids: list[int], step: int):
+        """(first position, logits [rows, vocab]) of each chunk of `step` tokens of one prefill
+        of `ids` in scratch KV blocks of replica 0 (every row's logits). Under _atomic."""
+        from .plan import EXECUTE, StepPlan
+        bm, n = self._scratch_room(len(ids)), len(ids)
+        blocks = bm.take_blocks(bm.num_blocks_for(n))
+        try:
+            bs, table = bm.block_size, np.asarray(blocks, np.int64)
+            run = getattr(self.runner, "local", self.runner).execute  # NOTE: DP: replica 0's
+            for a in range(0, n, step):
+                b = min(n, a + step)
+                pos = np.arange(a, b, dtype=np.int64)
+                plan = StepPlan(np.asarray(ids[a:b], np.int64), pos, table[pos // bs] * bs + pos % bs,
+                                np.array([0, b - a], np.int32), np.array([b], np.int32),
+                                table[None, :].astype(np.int32), np.arange(b - a, dtype=np.int64), kind=EXECUTE,
+                                tier_ops=bm.tier.take_ops() if bm.tier is not None and a == 0 else None,
+                                num_prompt_rows=b - a)
+                yield a, self._execute(run, plan)
+        finally:
+            bm.return_blocks(blocks)
+
+    def _pairs_of(self, logits, next_ids: list[int], num_logprobs: int, out: list) -> None:
+        """Append (logprob of next_ids[r], {top tokens: logprob}, its rank) of each row r of
+        `logits` [rows, vocab] to `out`."""
+        lp = np.empty(logits.shape, np.float32)
+        self.ops.log_softmax(np.ascontiguousarray(logits, dtype=np.float32), lp)
+        for row, tok in zip(lp, next_ids):
+            top = {}
+            if num_logprobs:
+                cand = np.argpartition(-row, num_logprobs - 1)[:num_logprobs]
+                cand = cand[np.argsort(-row[cand], kind="stable")]
+                top = {int(t): float(row[t]) for t in cand}
+            out.append((float(row[tok]), top, 1 + int(np.count_nonzero(row > row[tok]))))
 
     def _forward_once(self, ids: list[int], rows, kind: int):
         """One forward over `ids` in scratch KV blocks of replica 0: the model's output (logits,
@@ -1050,8 +1077,8 @@ def prompt_truncation(truncate_prompt_tokens, max_model_len: int) -> int | None:
     if k is None:
         return None
     if not _is_int(k) or not (k == -1 or 1 <= k <= max_model_len):
-        raise ValueError(f"truncate_prompt_tokens must be -1 (the context's length) or from 1 to "
-                         f"{max_model_len} (max_model_len), got {k!r}.")
+        raise ValueError(f"truncate_prompt_tokens must be -1 (all the model's positions) or from 1 to "
+                         f"{max_model_len}, got {k!r}.")
     return max_model_len if k == -1 else int(k)
 
 

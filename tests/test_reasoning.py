@@ -60,8 +60,9 @@ class _Scripted:
             d = self.reply[k:k + step]
             text, ids = text + d, ids + [5]
             last = k + step >= len(self.reply)
-            outs = [CompletionOutput(i, text, list(ids), "stop" if last else None, None, None, d, [5])
-                    for i in range(params.n)]
+            lps = None if params.logprobs is None else [(-0.5, {5: -0.5}, 1)] * len(ids)
+            outs = [CompletionOutput(i, text, list(ids), "stop" if last else None, None, lps, d, [5],
+                                     None if lps is None else lps[-1:]) for i in range(params.n)]
             sink.put_nowait(RequestOutput(request_id, None, list(prompt), outs, last))
             await asyncio.sleep(0)
 
@@ -106,6 +107,11 @@ def test_the_official_client_reads_reasoning_content_in_bodies_and_streams(engin
     kinds = [k for d in deltas for k in (["r"] if getattr(d, "reasoning_content", None) else [])
              + (["c"] if d.content else [])]
     assert kinds == sorted(kinds, reverse=True)  # NOTE: all reasoning before any content
+    # NOTE: logprobs ride with the reasoning they wrote: no empty chunk carries them (one per token)
+    chunks = list(c.chat.completions.create(model="m", messages=MSGS, stream=True, logprobs=True))
+    deltas = [(ch.choices[0].delta, ch.choices[0].logprobs, ch.choices[0].finish_reason) for ch in chunks if ch.choices]
+    assert not [d for d, lp, fin in deltas if lp and not (d.content or getattr(d, "reasoning_content", None))]
+    assert sum(len(lp.content) for _, lp, _ in deltas if lp) == -(-len(reply) // 3)
     plain = c.chat.completions.create(model="m", messages=MSGS, extra_body={"include_reasoning": False})
     assert plain.choices[0].message.reasoning_content is None and plain.choices[0].message.content == "\n\nIt is 4."
     # NOTE: a JSON schema leaves no room to reason: the output is all content

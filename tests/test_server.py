@@ -350,6 +350,14 @@ def test_echo_logprobs_score_the_prompt_as_lm_eval_asks(client, server, model_di
     streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs
                 for t in ch.choices[0].logprobs.text_offset]
     assert streamed == sorted(streamed) and streamed[0] == 0
+    # echo with max_tokens 0 (OpenAI's and vLLM's): the prompt alone, scored, nothing generated
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    c = r.choices[0]
+    assert c.text == tok.decode(ids, skip_special_tokens=False) and len(c.logprobs.tokens) == len(ids)
+    assert c.logprobs.token_logprobs[0] is None and (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 0)
+    assert max(abs(a - b) for a, b in zip(c.logprobs.token_logprobs[1:], want)) < 1e-4
+    chunks = list(client.completions.create(model="tiny", prompt=ids, max_tokens=0, echo=True, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c.text
     # vLLM's prompt_logprobs: per prompt token a dict holding it first, the first token None
     r = client.completions.create(model="tiny", prompt=ids, max_tokens=1, extra_body={"prompt_logprobs": 2})
     pl = r.choices[0].model_extra["prompt_logprobs"]
@@ -367,9 +375,13 @@ def test_echo_logprobs_score_the_prompt_as_lm_eval_asks(client, server, model_di
                                "prompt_logprobs is not supported with stream"),
                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                         "prompt_logprobs": 1}, "prompt_logprobs is not supported"),
-                              ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs must be")):
+                              ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs must be"),
+                              ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens must be")):
         res = httpx.post(server.base + path, json={"max_tokens": 1, **body}, timeout=60)
         assert res.status_code == 400 and match in res.json()["error"]["message"], res.text
+    res = httpx.post(server.base + "/v1/completions", json={"prompt": "x", "truncate_prompt_tokens": 0}, timeout=60)
+    err = res.json()["error"]
+    assert err["code"] == "invalid_value" and err["param"] == "truncate_prompt_tokens"
 
 
 def test_a_json_schema_no_value_completes_is_an_error_not_a_stop(client):

@@ -122,6 +122,10 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
 
     decode_token = functools.lru_cache(maxsize=1 << 16)(engine.tokenizer.token_bytes)
 
+    def token_name(token_id: int) -> str:
+        """A token decoded on its own (vLLM's Logprob.decoded_token)."""
+        return engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def check_model(model: str | None) -> None:
         if model is not None and model not in config.names:
             names = ", ".join(repr(n) for n in config.names)
@@ -224,17 +228,20 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
         with _client_errors():
             texts = body.prompts()
             keep = prompt_truncation(body.truncate_prompt_tokens, engine.max_model_len)
+            echo_only = body.echo and body.max_tokens == 0  # NOTE: as OpenAI and vLLM: the prompt, scored
             for p in texts:
                 if isinstance(p, str) and keep is None:
                     engine.tokenizer.check_length(p, engine.max_model_len)
-            params = body.sampling_params(cap(16 if body.max_tokens is None else body.max_tokens), body.logprobs,
-                                          body.json_schema(), engine.default_sampling)
-            if params.json_schema is not None:  # NOTE: guided_json; built once, off the loop
+            max_tokens = 16 if body.max_tokens is None else 1 if echo_only else body.max_tokens
+            params = body.sampling_params(cap(max_tokens), body.logprobs, body.json_schema(), engine.default_sampling)
+            if params.json_schema is not None and not echo_only:  # NOTE: guided_json; built once, off the loop
                 await asyncio.to_thread(engine.grammars.prepare)
             prompts = await asyncio.to_thread(tokenize_prompts, texts, body.add_special_tokens)
             if keep:  # NOTE: as vLLM's truncate_prompt_tokens: the last `keep` tokens
                 prompts = [p[-keep:] for p in prompts]
             echo = scores = None
+            if body.echo or body.prompt_logprobs is not None:
+                check_queue()  # NOTE: before the prompt's forward
             if body.echo:  # NOTE: the prompt as given; a token or truncated prompt as its tokens decode
                 pairs = await prompt_pairs(prompts, body.logprobs) if body.logprobs is not None else None
                 echo = [(t if isinstance(t, str) and (not keep or len(p) < keep) else
@@ -242,6 +249,18 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
                         for i, (t, p) in enumerate(zip(texts, prompts))]
             if body.prompt_logprobs is not None:
                 scores = list(zip(prompts, await prompt_pairs(prompts, body.prompt_logprobs)))
+        if echo_only:
+            out = R.echo_body(f"cmpl-{uuid.uuid4().hex}", config.served_model_name, echo, scores, body.n,
+                              decode_token, token_name)
+            if not body.stream:
+                return JSONResponse(out)
+            events = [R.sse({**out, "choices": [c], **({"usage": None} if body.include_usage else {})})
+                      for c in out.pop("choices")]
+            usage = out.pop("usage")
+            if body.include_usage:
+                events.append(R.sse({**out, "choices": [], "usage": usage}))
+            return StreamingResponse(iter(events + [R.sse("[DONE]")]), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
         return await _serve(request, body, "cmpl", prompts, params, arrival, echo=(echo, scores))
 
     @app.post("/v1/chat/completions")
@@ -330,8 +349,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             report.finish(status)
         if kind == "chatcmpl":
             return JSONResponse(R.chat_body(rid, name, tracker, decode_token, tool_plan, *thinking))
-        return JSONResponse(R.completion_body(rid, name, tracker, decode_token, *echo,
-                                              lambda t: engine.tokenizer.decode([t], skip_special_tokens=False)))
+        return JSONResponse(R.completion_body(rid, name, tracker, decode_token, *echo, token_name))
 
     return app
 
@@ -446,6 +464,7 @@ async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode,
     calls = {} if tool_plan is not None and tool_plan.parses else None  # choice index -> ToolStream
     parser, include_reasoning = thinking
     thinks = {} if parser is not None else None  # choice index -> ReasoningStream
+    held: dict[int, tuple] = {}  # choice index -> (token ids, logprobs) of text the reasoning stream holds back
 
     def event(chunk: dict, opening: bool = False) -> str:
         if continuous_usage:  # NOTE: as vLLM, each chunk its own choice's usage so far
@@ -477,11 +496,19 @@ async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode,
                     if p.finish_reason is not None:
                         more = rs.finish()
                         reasoning, text = reasoning + more[0], text + more[1]
+                    # NOTE: as vLLM, tokens' logprobs ride with the text they wrote: those of tokens whose
+                    # text is held back (a tag's beginning) wait for the next chunk that has text
+                    ids, lps = held.pop(p.index, ([], []))
+                    ids, lps = ids + list(p.token_ids), None if p.logprobs is None else lps + list(p.logprobs)
                     if reasoning and include_reasoning:
-                        yield event(R.reasoning_chunk(rid, model, created, p.index, reasoning, include_usage))
-                    if not text and p.finish_reason is None and not p.logprobs:
+                        yield event(R.reasoning_chunk(rid, model, created, p.index, reasoning, include_usage,
+                                                      R.chat_logprobs(ids, lps, decode)))
+                        ids, lps = [], None if lps is None else []
+                    if not text and p.finish_reason is None:
+                        if ids:
+                            held[p.index] = (ids, lps or [])
                         continue  # NOTE: no content yet: no empty chunk after the reasoning's
-                    p = dataclasses.replace(p, text=text)
+                    p = dataclasses.replace(p, text=text, token_ids=ids, logprobs=lps)
                 if calls is not None:
                     for chunk in _tool_chunks(calls, tool_plan, p, rid, model, created, decode, include_usage):
                         yield event(chunk)

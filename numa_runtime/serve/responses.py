@@ -173,6 +173,22 @@ def completion_body(rid: str, model: str, tracker: ChoiceTracker, decode: TokenB
             "choices": choices, "usage": tracker.usage()}
 
 
+def echo_body(rid: str, model: str, echo: list, scores, n: int, decode: TokenBytes, token_name) -> dict:
+    """echo with max_tokens 0 (OpenAI's and vLLM's): each prompt, n times, as the whole choice
+    (its logprobs, the first null, with logprobs), nothing generated."""
+    choices = []
+    for p, (text, ids, pairs) in enumerate(echo):
+        for k in range(n):
+            choice = {"index": p * n + k, "text": text, "finish_reason": "length", "stop_reason": None,
+                      "logprobs": None if pairs is None else completion_logprobs(list(ids), [None, *pairs], decode)}
+            if scores is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_body(*scores[p], token_name)
+            choices.append(choice)
+    prompt = sum(len(ids) for _, ids, _ in echo)  # NOTE: as OpenAI's usage: each prompt once, whatever n
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": choices,
+            "usage": {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}}
+
+
 def prompt_logprobs_body(ids: list[int], pairs: list[tuple], token_name) -> list:
     """vLLM's prompt_logprobs: None for the first token, then {token id: {logprob, rank,
     decoded_token}} holding the prompt's token first and the most likely ones."""
@@ -246,9 +262,10 @@ def chat_chunk(rid: str, model: str, created: int, piece: Piece | None, index: i
     return _chunk(rid, "chat.completion.chunk", model, created, [choice], include_usage)
 
 
-def reasoning_chunk(rid: str, model: str, created: int, index: int, reasoning: str, include_usage: bool) -> dict:
+def reasoning_chunk(rid: str, model: str, created: int, index: int, reasoning: str, include_usage: bool,
+                    logprobs: dict | None = None) -> dict:
     """A delta of choice `index`'s reasoning (vLLM's reasoning_content, and reasoning, its newer name)."""
-    choice = {"index": index, "delta": {"reasoning_content": reasoning, "reasoning": reasoning}, "logprobs": None,
+    choice = {"index": index, "delta": {"reasoning_content": reasoning, "reasoning": reasoning}, "logprobs": logprobs,
               "finish_reason": None}
     return _chunk(rid, "chat.completion.chunk", model, created, [choice], include_usage)
 
