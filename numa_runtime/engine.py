@@ -122,7 +122,8 @@ class Engine:
                                 BlockManager(n, self.config.block_size,
                                              enable_prefix_caching=self.config.enable_prefix_caching,
                                              eviction=self.config.eviction, recorder=self.recorder,
-                                             host_tier=self._host_tier(), tier=self._disk_tier(disk_hashes)))
+                                             host_tier=self._host_tier(), tier=self._disk_tier(disk_hashes),
+                                             sliding_window=mcfg.min_window))
                       for n in replica_blocks]
         # NOTE: with data-parallel replicas, one scheduler (and KV pool) per replica behind a router
         self.scheduler = schedulers[0] if len(schedulers) == 1 else ReplicaRouter(schedulers)

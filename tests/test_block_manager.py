@@ -127,6 +127,57 @@ def test_can_allocate_counts_evictable_hits_as_taken():
     assert bm.can_allocate(b, 1, blocks)  # a chunk of 1 token needs 1 block
 
 
+def _head_evicted(window, num_evicted):
+    """A 26-token request ran with every layer sliding `window` (6 cached blocks, ids 0-5), left
+    its first 4 blocks evictable (release_before) and ended; taking blocks then evicted the head
+    of its chain, `num_evicted` blocks (LRU: the released ones first), and gave them back."""
+    bm = BlockManager(8, BS, sliding_window=window)
+    a = req("a", range(26))
+    assert run(bm, a) == list(range(7))
+    bm.release_before(a, 16)
+    bm.free(a)
+    bm.return_blocks(bm.take_blocks(2 + num_evicted))  # the 2 free ones, then evictions
+    assert sorted(bm.hash_to_block) == sorted(a.block_hashes[num_evicted:6])
+    return bm
+
+
+def test_sliding_window_hit_needs_only_the_blocks_of_the_window_before_it():
+    """Window 9, blocks of 4: the query at 24 reads keys 16..24, so blocks 4 and 5 (16..23) are
+    all a hit of 24 tokens needs; the evicted head of the chain becomes RELEASED entries (vLLM's
+    null blocks) and the request computes from 24 on. It found no hit at all once block 0 was
+    evicted (the walk from block 0 stopped at the first miss)."""
+    from numa_runtime.kv_cache.block_manager import RELEASED
+    bm = _head_evicted(window=9, num_evicted=4)
+    b = req("b", range(27))
+    blocks, num_cached = bm.get_computed_blocks(b)
+    assert (blocks, num_cached) == ([RELEASED] * 4 + [4, 5], 24)
+    # 1 new block; the hits 4 and 5 stop being free, the RELEASED entries take none
+    assert bm.can_allocate(b, 3, blocks, reserve=5) and not bm.can_allocate(b, 3, blocks, reserve=6)
+    bm.allocate(b, 3, blocks)
+    assert b.block_ids == [RELEASED] * 4 + [4, 5, 7] and bm.ref_cnt[4:6] == [1, 1]
+    assert (b.num_computed_tokens, b.num_cached_tokens) == (24, 24)
+    assert (bm.query_tokens, bm.hit_tokens, bm.hit_blocks) == (26 + 27, 24, 6)
+    b.num_computed_tokens = 27
+    bm.cache_full_blocks(b)
+    bm.release_before(b, 28 - 9 + 1)  # a query at 28 reads keys 20..: block 4 leaves, the others stay
+    assert b.block_ids == [RELEASED] * 5 + [5, 7] and bm.ref_cnt == [0] * 5 + [1, 0, 1]
+    bm.free(b)
+    assert len(bm.policy) + len(bm.free_block_ids) == bm.num_blocks and not any(bm.ref_cnt)
+    # a window of 10 reads key 15 too (block 3, evicted): one block short, no hit
+    bm = _head_evicted(window=10, num_evicted=4)
+    assert bm.get_computed_blocks(req("b", range(27))) == ([], 0)
+    # ... with block 3 still cached it hits; where the window reaches back to block 0 the hit is the
+    # plain prefix, and with the whole chain cached the longest one
+    bm = _head_evicted(window=10, num_evicted=3)
+    assert bm.get_computed_blocks(req("b", range(27))) == ([RELEASED] * 3 + [3, 4, 5], 24)
+    bm = _head_evicted(window=100, num_evicted=0)
+    assert bm.get_computed_blocks(req("b", range(27))) == ([0, 1, 2, 3, 4, 5], 24)
+    assert bm.get_computed_blocks(req("c", list(range(26)) + [1])) == ([0, 1, 2, 3, 4, 5], 24)
+    # the hashes chain: a block's hash stands for its whole prefix, so another head never hits
+    bm = _head_evicted(window=9, num_evicted=4)
+    assert bm.get_computed_blocks(req("d", [7] + list(range(1, 27)))) == ([], 0)
+
+
 def test_generated_tokens_are_cached():
     bm = BlockManager(8, BS)
     a = req("a", range(6))

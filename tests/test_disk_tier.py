@@ -49,23 +49,27 @@ class FakeKV:
         return [self.pool[table[p // BS]][p % BS] for p in range(n)]
 
 
-def make_sched(num_blocks, capacity, tier_cls=DiskTier):
+def make_sched(num_blocks, capacity, tier_cls=DiskTier, window=0):
     tier = tier_cls(capacity, True)
-    bm = BlockManager(num_blocks, BS, tier=tier)
-    return Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), bm), tier
+    bm = BlockManager(num_blocks, BS, tier=tier, sliding_window=window)
+    return Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                                     sliding_window=window), bm), tier
 
 
 def serve(sched, kv, rid, tokens):
     """Run one request to completion (1 output token); check that every step's attention would
-    read exactly its own tokens from the pool."""
+    read exactly its own tokens from the pool (those of its sliding window, if the model has one)."""
     r = Request(rid, list(tokens), SP(max_tokens=1))
     sched.add_request(r)
+    window = sched.config.sliding_window
     while sched.has_unfinished():
         out = sched.schedule()
         kv.run(out.plan)
         for s, req in enumerate(out.scheduled):
             n = int(out.plan.context_lens[s])
-            assert kv.context(out.plan.block_tables[s], n) == req.all_token_ids[:n]
+            first = n - int(out.plan.query_start[s + 1] - out.plan.query_start[s])  # its first query
+            lo = max(0, first - window + 1) if window else 0
+            assert kv.context(out.plan.block_tables[s], n)[lo:] == req.all_token_ids[lo:n]
         sched.update(out, [7] * len(out.sampling))
         for q in out.sampling:
             sched.finish_request(q, RequestStatus.FINISHED_LENGTH)
@@ -167,6 +171,43 @@ def test_a_block_still_in_memory_is_a_hit_not_a_second_copy():
         serve(sched, kv, f"x{i}", range(300 + 20 * i, 313 + 20 * i))
     r = serve(sched, kv, "a3", range(0, 13))
     assert r.num_output_tokens == 1
+
+
+def test_a_sliding_window_hit_loads_only_the_blocks_of_its_window():
+    """Every layer slides a window of 9 (2 blocks before a hit): a chain whose head went to disk
+    hits from the window on; only the window's block on disk is loaded (the head stays RELEASED),
+    and the load never evicts the window's block still in memory, even when it comes after the
+    loaded one and is the LRU victim (it was evicted, then loaded back as a second load)."""
+    from numa_runtime.kv_cache.block_manager import RELEASED
+    sched, tier = make_sched(num_blocks=6, capacity=16, window=9)
+    bm, kv = sched.block_manager, FakeKV(6)
+    a = serve(sched, kv, "a", range(0, 21))           # 5 cached blocks, ids 0-4
+    serve(sched, kv, "b", range(100, 117))            # evicts ids 0, 1, 2, then 4 (a's last) to disk
+    assert [h in bm.hash_to_block for h in a.block_hashes] == [False, False, False, True, False]
+    kv.run(StepPlan.empty(tier.take_ops()))
+    a2 = Request("a2", list(range(0, 21)), SP(max_tokens=1))
+    assert bm.get_computed_blocks(a2) == ([RELEASED] * 3 + [3, 4], 20)
+    rows = [(o, bid, join_hash(lo, hi)) for o, bid, lo, hi in tier.take_ops().tolist()]
+    assert rows == [(OP_LOAD, 4, a.block_hashes[4])]
+    kv.run(StepPlan.empty(ops_array(rows)))
+    r = serve(sched, kv, "a3", range(0, 21))          # the pool check inside proves the window's KV
+    assert r.num_cached_tokens == 20 and bm.tier_hit_blocks == 1
+
+    sched, tier = make_sched(num_blocks=6, capacity=16, window=9)
+    bm, kv = sched.block_manager, FakeKV(6)
+    a = serve(sched, kv, "a", range(0, 21))
+    for b in (3, 4, 3):  # LRU: 3, 4, 0, 1, 2
+        bm.policy._queue.move_to_end(b, last=False)
+    free, bm.free_block_ids = bm.free_block_ids, type(bm.free_block_ids)()
+    assert bm._take_block() == 3                      # the window's first block goes to disk
+    bm.free_block_ids = free
+    assert bm.take_blocks(1) == [5]                   # held elsewhere: nothing free, a load evicts
+    assert not bm.free_block_ids and list(bm.policy._queue) == [4, 0, 1, 2]
+    kv.run(StepPlan.empty(tier.take_ops()))
+    a2 = Request("a2", list(range(0, 21)), SP(max_tokens=1))
+    assert bm.get_computed_blocks(a2) == ([RELEASED] * 3 + [0, 4], 20)
+    rows = [(o, bid, join_hash(lo, hi)) for o, bid, lo, hi in tier.take_ops().tolist()]
+    assert rows == [(OP_SAVE, 0, a.block_hashes[0]), (OP_LOAD, 0, a.block_hashes[3])]
 
 
 def test_failed_load_is_redone_without_the_block():

@@ -724,6 +724,40 @@ def test_a_window_models_cached_prefix_longer_than_the_pool_is_recomputed(tmp_pa
         eng.close()
 
 
+def test_a_window_models_prefix_hits_after_the_head_of_the_chain_was_evicted(tmp_path):
+    """Window 24, blocks of 4: a 100-token prompt, then it with its output and 3 more tokens. In a
+    pool of 14 blocks the first run evicts the head of its chain (released out of the window, so
+    evictable first) and the second found no hit (0 cached tokens; 104 with 40 blocks). It hits
+    from the window before the hit point on, and its float32 greedy tokens and logprobs are those
+    of a run without the prefix cache (the logprobs within float32 rounding: that run prefills the
+    second prompt in chunks of 52, 29, 29 and 1 tokens, this one 7 tokens beside the cached KV)."""
+    d = str(tmp_path / "m")
+    build_model(d, arch="mistral", sliding_window=24)
+    rng = random.Random(0)
+    prompt = [rng.randrange(3, 383) for _ in range(100)]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+
+    def run(num_blocks, **kw):
+        with Engine(d, dtype="float32", num_threads=2, block_size=4, kv_cache_memory=num_blocks * 2048,
+                    max_model_len=256, **kw) as eng:
+            assert eng.block_manager.num_blocks == num_blocks
+            first = eng.generate([prompt], sp)[0]
+            second = eng.generate([prompt + first.token_ids + [5, 6, 7]], sp)[0]
+            return first, second, eng.block_manager.num_evictions
+
+    def logprobs(out):
+        return [{t: p.logprob for t, p in lp.items()} for lp in out.logprobs]
+
+    first, second, evictions = run(14)
+    assert evictions > 0 and second.num_cached_tokens == 104  # all but the output's last token (never computed)
+    cold_first, cold_second, _ = run(14, enable_prefix_caching=False)
+    assert cold_second.num_cached_tokens == 0
+    assert (first.token_ids, logprobs(first)) == (cold_first.token_ids, logprobs(cold_first))
+    assert second.token_ids == cold_second.token_ids
+    for got, want in zip(logprobs(second), logprobs(cold_second)):
+        assert got.keys() == want.keys() and all(abs(got[t] - want[t]) < 1e-5 for t in got)
+
+
 def test_a_window_model_fits_by_its_prompt_not_by_the_step_budget(tmp_path):
     """Window 20, 8 blocks of 16: a 100-token prompt plus 30 tokens runs with the default
     max_num_batched_tokens (a step adds at most its prompt), as with a small budget; it was refused

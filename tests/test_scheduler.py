@@ -14,7 +14,8 @@ BS = 4
 
 
 def make(num_blocks=8, max_num_seqs=4, budget=8, max_model_len=64, block_size=BS, **kw):
-    bm = BlockManager(num_blocks, block_size, eviction=kw.pop("eviction", "lru"))
+    bm = BlockManager(num_blocks, block_size, eviction=kw.pop("eviction", "lru"),
+                      sliding_window=kw.get("sliding_window", 0))
     return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, **kw), bm)
 
 
@@ -403,6 +404,33 @@ def test_sliding_window_chunks_only_what_the_pool_cannot_hold_beside_the_window(
     drive(sched, {0: [long]}, on_step=lambda s, out: chunks.append(list(out.num_scheduled_tokens)))
     assert chunks[:3] == [[20], [12], [8]] and sum(c[0] for c in chunks) == 40 + 1
     assert long.output_token_ids == expected_output(long)
+
+
+@pytest.mark.parametrize("window", [9, 13])
+def test_sliding_window_prefix_hit_after_the_head_of_the_chain_was_evicted(window):
+    """Every layer slides; a 30-token prompt and its 3 tokens leave 8 cached blocks, the released
+    ones evictable first, so another request evicts the head of the chain. The prompt again plus
+    3 tokens hits its first 32 tokens from the blocks of the window before them (2 or 3 blocks;
+    RELEASED before them), and every query reads exactly its window's tokens (FakeModel checks).
+    It found no hit once block 0 was gone."""
+    from numa_runtime.kv_cache.block_manager import RELEASED
+    sched = make(num_blocks=8, budget=64, max_model_len=128, sliding_window=window)
+    bm = sched.block_manager
+    a = req("a", range(30), max_tokens=3)
+    b = req("b", list(range(30)) + expected_output(a) + [40, 41, 42], max_tokens=3)
+    tables = []
+
+    def check(sched, out):
+        if b in out.scheduled and not tables:
+            tables.append(list(b.block_ids))
+            assert bm.hit_tokens == b.num_cached_tokens == 32 and b.num_computed_tokens == 32
+            assert a.block_hashes[0] not in bm.hash_to_block and bm.num_evictions > 0
+
+    drive(sched, {0: [a], 10: [req("x", range(500, 512), max_tokens=1)], 20: [b]}, on_step=check)
+    need = -(-(window - 1) // BS)
+    assert tables[0][:8 - need] == [RELEASED] * (8 - need) and RELEASED not in tables[0][8 - need:]
+    assert b.output_token_ids == expected_output(b)
+    assert bm.num_free_blocks == bm.num_blocks
 
 
 def test_reserved_blocks_hold_back_admissions_but_not_running_requests():

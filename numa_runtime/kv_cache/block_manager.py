@@ -18,6 +18,11 @@ decides which one to reuse when no never-cached block is free.
 An optional lower tier (kv_cache/tier.py, e.g. disk_tier.DiskTier) sees every evicted cached
 block (`offload`) and is asked on a miss (`lookup`); a hit is loaded into a pool block, which
 then is an ordinary cached block.
+
+When every layer slides a window (`sliding_window` > 0), a hit needs only the blocks holding the
+window before it (as vLLM's SlidingWindowManager): the blocks before those are RELEASED in the
+request's table. Hashes are chained, so a block's hash stands for its whole prefix even when
+the blocks before it were evicted.
 """
 from __future__ import annotations
 
@@ -60,12 +65,16 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
                  eviction: str | EvictionPolicy = "lru", recorder=NULL_RECORDER,
-                 host_tier: HostKVTier | None = None, tier: KVTier | None = None):
+                 host_tier: HostKVTier | None = None, tier: KVTier | None = None, sliding_window: int = 0):
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}.")
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}.")
+        if not isinstance(sliding_window, int) or sliding_window < 0:
+            raise ValueError(f"sliding_window must be a non-negative integer, got {sliding_window!r}.")
         self.num_blocks = num_blocks
+        # > 0: every layer's window (the query at position p sees keys p - window + 1 .. p)
+        self.sliding_window = sliding_window
         self.recorder = recorder  # times allocate / free / get_computed_blocks (AS_PROFILE=ON)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -124,14 +133,18 @@ class BlockManager:
         """Cached blocks matching the leading full blocks of a request that holds no blocks,
         and how many tokens they cover. Never the whole sequence: the last token is always
         left to compute so that the step has its logits to sample from. With a host tier, a
-        block held there counts (as a HostHit) where copying it back beats recomputing it."""
+        block held there counts (as a HostHit) where copying it back beats recomputing it.
+        With a sliding window, the leading entries may be RELEASED (_window_hit)."""
         with self.recorder.span(ALLOC, "get_computed_blocks"):
             if not self.enable_prefix_caching or req.block_ids:
                 return [], 0
             max_blocks = (req.num_tokens - 1) // self.block_size
+            hashes = self._block_hashes(req, max_blocks)[:max_blocks]
+            if self.sliding_window:
+                blocks = self._window_hit(hashes)
+                return blocks, len(blocks) * self.block_size
             blocks: list = []
             host = self.host_tier
-            hashes = self._block_hashes(req, max_blocks)[:max_blocks]
             for i, h in enumerate(hashes):
                 block_id = self.hash_to_block.get(h)
                 if block_id is not None:
@@ -145,11 +158,59 @@ class BlockManager:
                 blocks += self._load_from_tier(hashes[len(blocks):], [b for b in blocks if isinstance(b, int)])
             return blocks, len(blocks) * self.block_size
 
+    def _window_hit(self, hashes: list[int]) -> list:
+        """Every layer slides: the longest hit (its first `end` blocks) whose blocks holding the
+        window before it, keys end * block_size - sliding_window + 1 .. end * block_size - 1 (what
+        the request's first computed query reads; later queries read less of them), are cached in
+        memory, the host tier or the disk tier. The blocks before those are RELEASED: no query of
+        the request reads them. Blocks of the window that only the disk tier holds are loaded."""
+        bs, host = self.block_size, self.host_tier
+        # NOTE: at least one block (as vLLM): a window of 1 reads no cached key, yet a hit still
+        # ends where a cached block does
+        need = max(1, -(-(self.sliding_window - 1) // bs))
+        for use_tier in (self.tier is not None, False):
+            end = run = 0
+            for i in range(len(hashes) - 1, -1, -1):  # NOTE: the last blocks first: the longest hit
+                h = hashes[i]
+                if (h in self.hash_to_block
+                        or host is not None and host.lookup(h) is not None and host.worth_copying(i, bs)
+                        or use_tier and self.tier.lookup(h)):
+                    run += 1
+                    if run == need:
+                        end = i + need
+                        break
+                else:
+                    run = 0
+            else:
+                end = run  # NOTE: the hit starts at block 0, and the window before it reaches back there
+            start = max(0, end - need)
+            blocks: list = [RELEASED] * start
+            for i in range(start, end):
+                h = hashes[i]
+                block_id = self.hash_to_block.get(h)
+                if block_id is not None:
+                    blocks.append(block_id)
+                elif host is not None and host.lookup(h) is not None and host.worth_copying(i, bs):
+                    blocks.append(HostHit(h))
+                else:
+                    break
+            if len(blocks) < end:  # the disk tier holds the rest of the window
+                rest = hashes[len(blocks):end]
+                held = [b for b in blocks if isinstance(b, int) and b != RELEASED]
+                held += [self.hash_to_block[h] for h in rest if h in self.hash_to_block]
+                blocks += self._load_from_tier(rest, held)
+                if len(blocks) < end:
+                    # NOTE: a load fell short (no room, or a full tier dropped the block): the
+                    # blocks before it are not the window of a shorter hit; look again in memory
+                    continue
+            return blocks
+        raise AssertionError("a lookup without the disk tier finds every block it counted")
+
     def _load_from_tier(self, hashes: list[int], chain: list[int]) -> list[int]:
         """Continue the chain of hits with the leading `hashes` that memory or the tier holds:
         tier blocks are loaded into pool blocks (cached, evictable). Never evicts a block of
-        `chain` (the hits found so far) or of the continuation."""
-        pinned = [b for b in chain if self.ref_cnt[b] == 0]
+        `chain` (the hits found so far, and any other block to keep) or of the continuation."""
+        pinned = dict.fromkeys(b for b in chain if self.ref_cnt[b] == 0)
         for b in pinned:  # NOTE: out of the policy while we take blocks, so none is a victim
             self.policy.remove(b)
         found, num_loaded = [], 0
@@ -157,9 +218,10 @@ class BlockManager:
             for h in hashes:
                 block_id = self.hash_to_block.get(h)
                 if block_id is not None:  # NOTE: still in memory (an earlier block was evicted
-                    if self.ref_cnt[block_id] == 0:  # first): a hit, not a second copy
+                    # first): a hit, not a second copy
+                    if self.ref_cnt[block_id] == 0 and block_id not in pinned:
                         self.policy.remove(block_id)
-                        pinned.append(block_id)
+                        pinned[block_id] = None
                     found.append(block_id)
                     continue
                 if not self.tier.lookup(h) or not (self.free_block_ids or len(self.policy)):
@@ -172,7 +234,7 @@ class BlockManager:
                 self.block_hash[block_id] = h
                 self.hash_to_block[h] = block_id
                 self.policy.cached(block_id, False)
-                pinned.append(block_id)
+                pinned[block_id] = None
                 found.append(block_id)
                 num_loaded += 1
         finally:
@@ -192,9 +254,10 @@ class BlockManager:
         """Whether `allocate(req, num_new_tokens, computed_blocks)` would succeed now and leave
         `reserve` blocks free."""
         # NOTE: an evictable block we are about to reuse as a hit stops being free; a host
-        # hit needs a fresh block to be copied into.
+        # hit needs a fresh block to be copied into; a RELEASED one takes none.
         num_host_hits = sum(1 for b in computed_blocks if isinstance(b, HostHit))
-        num_evictable_hits = sum(1 for b in computed_blocks if not isinstance(b, HostHit) and self.ref_cnt[b] == 0)
+        num_evictable_hits = sum(1 for b in computed_blocks
+                                 if not isinstance(b, HostHit) and b != RELEASED and self.ref_cnt[b] == 0)
         return (self._num_new_blocks(req, num_new_tokens, computed_blocks) + num_host_hits
                 <= self.num_free_blocks - num_evictable_hits - reserve)
 
@@ -221,6 +284,9 @@ class BlockManager:
                     req.num_cached_tokens, req.prefix_counted = num_cached, True
                 self._attach_hits(req, computed_blocks)
                 self._num_hashed[req.request_id] = len(computed_blocks)
+                num_released = list(computed_blocks).count(RELEASED)
+                if num_released:  # NOTE: release_before goes on after them
+                    self._num_released[req.request_id] = num_released
                 if computed_blocks:
                     req.num_computed_tokens = num_cached
             for _ in range(num_new):
@@ -241,14 +307,18 @@ class BlockManager:
             req.num_cached_tokens, req.prefix_counted = 0, False
 
     def _attach_hits(self, req: Request, computed_blocks: Sequence) -> None:
-        """Append the hits to req.block_ids in order; host hits are copied back into fresh blocks."""
+        """Append the hits to req.block_ids in order; host hits are copied back into fresh blocks;
+        RELEASED entries (before a sliding window) stay RELEASED."""
         slots = [self.host_tier.take(b.block_hash) if isinstance(b, HostHit) else None for b in computed_blocks]
         for b in computed_blocks:  # NOTE: pin the device hits before any eviction below
-            if not isinstance(b, HostHit):
+            if not isinstance(b, HostHit) and b != RELEASED:
                 if self.ref_cnt[b] == 0:
                     self.policy.remove(b)
                 self.ref_cnt[b] += 1
         for b, slot in zip(computed_blocks, slots):
+            if b == RELEASED:
+                req.block_ids.append(RELEASED)
+                continue
             if isinstance(b, HostHit):
                 block_id = self._take_block()
                 self.ref_cnt[block_id] = 1
