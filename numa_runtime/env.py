@@ -160,3 +160,17 @@ def fused_decode() -> bool:
     region per step (models/llama.py; same values either way). Read when the KV cache is
     allocated. Default on."""
     return os.environ.get("NUMA_RUNTIME_FUSED_DECODE", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+# ----------------------------------------------------------------------------- several models
+__all__ += ["load_retry_seconds"]
+
+
+def load_retry_seconds() -> float:
+    """NUMA_RUNTIME_LOAD_RETRY_S: after a model's load failed for a reason other than its files
+    (memory, a rank's node), its requests fail at once for this many seconds (default 30) rather
+    than unload the idle models again for a load that may fail again."""
+    try:
+        return max(0.0, float(os.environ.get("NUMA_RUNTIME_LOAD_RETRY_S", "30")))
+    except ValueError:
+        return 30.0

@@ -37,10 +37,6 @@ from ..plan import StepPlan
 log = logging.getLogger("numa_runtime.serve")
 
 LOAD, UNLOAD, ENTER, EXIT = 11, 12, 13, 14  # control plans, outside plan.py's kinds
-# NOTE: after a load that failed for a reason other than its files (memory, a rank's node), requests
-# for that model fail at once for this long: else each retry unloaded the idle models again to make
-# room for a load that failed again, and every such request cost the others a reload
-LOAD_RETRY_S = 30.0
 KV_SHARE = 0.25  # of the budget, split over the models, when kv_cache_memory is not given
 
 
@@ -135,7 +131,10 @@ class ModelRouter:
         self._context: dict[str, int] = {}  # name -> its max_model_len when it was last loaded
         # name -> (its files' stamp, the error) of weights that cannot be opened: refused until they change
         self._failed: dict[str, tuple] = {}
-        # name -> (its files' stamp, when, the error) of the last load that failed otherwise (LOAD_RETRY_S)
+        # name -> (its files' stamp, when, the error) of the last load that failed otherwise: for
+        # env.load_retry_seconds() its requests fail at once (else each retry unloaded the idle
+        # models again to make room for a load that failed again: every such request cost the
+        # others a reload)
         self._failed_load: dict[str, tuple] = {}
         self.route: dict[str, str] = {}   # request id -> model name (set by the HTTP side)
         self.since: dict[str, float] = {}  # request id -> when it first asked (time.monotonic(), HTTP side)
@@ -233,7 +232,8 @@ class ModelRouter:
             raise ModelLoadError(failed[1])
         failed = self._failed_load.get(name)
         if failed is not None and failed[0] == _stamp(self.specs[name].model_dir):
-            left = failed[1] + LOAD_RETRY_S - time.monotonic()
+            from .. import env
+            left = failed[1] + env.load_retry_seconds() - time.monotonic()
             if left > 0:
                 raise ModelLoadError(f"{failed[2].rstrip('.')} (a request loads it again {left:.0f} s from now).")
         self._check_files(name)  # NOTE: before anything is unloaded for it
