@@ -75,6 +75,7 @@ class Tokenizer:
         self._add_bos = bool(config.get("add_bos_token", True))  # LlamaTokenizerFast defaults
         self._add_eos = bool(config.get("add_eos_token", False))
         self._chat_templates = chat_templates  # name -> jinja source; "default" if unnamed
+        self._template_owner = "the model's chat template"  # what renders chats (errors name it)
 
         self.bos_token_id = self._token_id(self._special["bos_token"])
         if self.bos_token_id is None and isinstance(generation_config.get("bos_token_id"), int):
@@ -108,6 +109,7 @@ class Tokenizer:
     def use_chat_template(self, source: str) -> None:
         """Render chats with `source` (a Jinja template) instead of the model's (--chat-template)."""
         self._chat_templates = {"default": source}
+        self._template_owner = "the --chat-template template"
 
     @property
     def has_chat_template(self) -> bool:
@@ -222,10 +224,12 @@ class Tokenizer:
             text = _compile(source).render(messages=msgs, tools=tools,
                                            documents=documents, add_generation_prompt=add, **context)
         except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"the model's chat template rejected the conversation: {e}") \
+            owner = "the given chat template" if chat_template is not None else self._template_owner
+            raise ChatTemplateError(f"{owner} rejected the conversation: {e}") \
                 from e
         except Exception as e:  # NOTE: templates are code; a TypeError is as much a refusal
-            raise ChatTemplateError(f"the model's chat template failed on this conversation "
+            owner = "the given chat template" if chat_template is not None else self._template_owner
+            raise ChatTemplateError(f"{owner} failed on this conversation "
                                     f"({type(e).__name__}: {e}).") from e
         if continue_final_message:  # NOTE: as vLLM: cut after the last occurrence of its text
             final = _text_parts(messages[-1].get("content"))

@@ -463,3 +463,14 @@ def test_outputs_pickle_with_their_text(smol):
     out = _text_state(smol, prompt, smol.encode("a cat", add_special_tokens=False), read_text=False, max_tokens=2)
     back = pickle.loads(pickle.dumps(out))  # NOTE: its text not read yet: built when pickled
     assert back.text == "a cat" and list(back.token_ids) == list(out.token_ids)
+
+
+def test_a_chat_template_error_names_the_template_that_raised(smol_dir):
+    """Under --chat-template (use_chat_template) an error named "the model's chat template"."""
+    tok = Tokenizer.from_dir(smol_dir)  # NOTE: its own: use_chat_template changes it
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ChatTemplateError, match="^the given chat template rejected the conversation: nope"):
+        tok.apply_chat_template(msgs, chat_template="{{ raise_exception('nope') }}")
+    tok.use_chat_template("{{ raise_exception('nope') }}")
+    with pytest.raises(ChatTemplateError, match="^the --chat-template template rejected the conversation: nope"):
+        tok.apply_chat_template(msgs)
