@@ -302,6 +302,9 @@ class Engine:
                              f"(size {self.model_config.vocab_size}).")
         text, ids = self._tokenize(prompt)
         group = _Group(rid, text, ids, params, outbox)
+        if params.prompt_logprobs is not None:  # NOTE: a prefill of its own, before the request is queued
+            pairs = self.prompt_logprob_pairs(ids, params.prompt_logprobs)
+            group.prompt_logprobs = self._vllm_prompt_logprobs(ids, pairs)
         try:
             for i in range(params.n):
                 sp = params if params.n == 1 else _child_params(params, i)
@@ -518,7 +521,7 @@ class Engine:
         finished = all(r.is_finished for r in group.children)
         first = group.children[0]
         ro = RequestOutput(group.request_id, group.prompt, group.prompt_ids, outs, finished,
-                           num_cached_tokens=first.num_cached_tokens,
+                           num_cached_tokens=first.num_cached_tokens, prompt_logprobs=group.prompt_logprobs,
                            metrics={"arrival_time": first.arrival_time, "first_token_time": first.first_token_time})
         if finished:
             self._groups.pop(group.request_id, None)
@@ -739,6 +742,19 @@ class Engine:
         with self._atomic(), contextlib.closing(self._prefill_chunks(ids[:-1], step)) as chunks:
             for a, logits in chunks:
                 self._pairs_of(logits, ids[a + 1:a + 1 + len(logits)], num_logprobs, out)
+        return out
+
+    def _vllm_prompt_logprobs(self, ids: list[int], pairs: list[tuple]) -> list:
+        """vLLM's RequestOutput.prompt_logprobs: None, then per prompt token {token id: Logprob}
+        holding it first and the most likely tokens."""
+        from .outputs import Logprob
+        name = lambda t: self.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+        out: list = [None]
+        for tid, (lp, top, rank) in zip(ids[1:], pairs):
+            d = {tid: Logprob(lp, rank, name(tid))}
+            for r, (t, v) in enumerate(top.items(), 1):
+                d.setdefault(t, Logprob(v, r, name(t)))
+            out.append(d)
         return out
 
     def _prefill_chunks(self, ids: list[int], step: int):
@@ -1000,6 +1016,7 @@ class _Group:
         self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
         self.outbox = outbox  # where its outputs go: the queue its owner reads
         self.children: list[Request] = []
+        self.prompt_logprobs: list | None = None  # vLLM's, when params.prompt_logprobs asks
 
 
 def _take_all(outbox: deque) -> list:

@@ -121,6 +121,7 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    prompt_logprobs: list | None = None  # vLLM's: None, then per prompt token {token id: Logprob}
 
     # NOTE: n=1 is the common case; these read the first completion.
     @property

@@ -40,6 +40,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: RequestOutput.prompt_logprobs with this many most likely tokens
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     json_schema: dict | None = None
@@ -97,6 +98,9 @@ class SamplingParams:
             bad(f"seed must be an integer in [0, 2**64) or None, got {self.seed!r}.")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             bad(f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}.")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            bad(f"prompt_logprobs must be an integer in [0, 20] or None, got {self.prompt_logprobs!r}.")
         if self.json_schema is not None and not isinstance(self.json_schema, dict):
             bad(f"json_schema must be a dict (a JSON schema) or None, got {self.json_schema!r}.")
         if self.json_schema is not None and self.min_tokens:
@@ -132,7 +136,7 @@ def _is_int(v) -> bool:
 
 
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-_INTS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs")
+_INTS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
 
 
 def _is_num(v) -> bool:

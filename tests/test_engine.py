@@ -639,6 +639,26 @@ def test_engine_arguments_of_the_wrong_type_are_refused_by_name(model_dir, kwarg
         Engine(model_dir, dtype="float32", **kwargs)
 
 
+def test_prompt_logprobs_as_vllm(model_dir):
+    """vLLM's SamplingParams(prompt_logprobs=k) and RequestOutput.prompt_logprobs: None, then per
+    prompt token a dict holding it first (with its rank) and the k most likely tokens."""
+    eng = Engine(model_dir, dtype="float32", kv_cache_memory=1 << 22, max_model_len=128)
+    try:
+        ids = [5, 17, 42, 99, 7, 200, 13]
+        want = eng.prompt_logprobs(ids)
+        out = eng.generate([ids], SamplingParams(prompt_logprobs=2, max_tokens=1, temperature=0, n=2))[0]
+        pl = out.prompt_logprobs
+        assert pl[0] is None and len(pl) == len(ids) and len(out.outputs) == 2
+        for t, d, w in zip(ids[1:], pl[1:], want):
+            assert next(iter(d)) == t and abs(d[t].logprob - w) < 1e-5 and len(d) <= 3 and d[t].rank >= 1
+            assert [v.rank for k, v in d.items() if k != t] == sorted(v.rank for k, v in d.items() if k != t)
+        assert eng.generate([ids], SamplingParams(max_tokens=1))[0].prompt_logprobs is None
+        with pytest.raises(ValueError, match="prompt_logprobs must be an integer in .0, 20."):
+            SamplingParams(prompt_logprobs=21)
+    finally:
+        eng.close()
+
+
 def test_a_top_k_beyond_int32_is_the_whole_vocabulary(model_dir):
     """vLLM takes any top_k at least the vocabulary as off; 2**31 overflowed the sampler's int32
     inside the shared step, and the server failed every request in flight with it."""
