@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 SMALL_BYTES = 64 * 1024          # at or below: every rank sums all slots (one flag barrier)
 IDLE_SPIN_S = 0.02               # a worker polls without sleeping this long for the next plan
 IDLE_SLEEP_S = (50e-6, 2e-3)     # then sleeps between polls, doubling from the first to the second
+ABORT_FLUSH_S = 0.5              # abort(): time for mpiexec to forward the reason before MPI_Abort
 _FLAG_BYTES = 4096               # head of each rank's segment: its flag (64-bit counter)
 _MAX_SHM_RANKS = 256             # the C kernel's limit
 
@@ -266,6 +267,10 @@ class MPIComm:
         if msg:
             sys.stderr.write("rank %d: %s\n" % (self.rank, msg))
         sys.stderr.flush()
+        if msg:
+            # NOTE: mpiexec forwards a rank's output from a pipe; MPI_Abort kills every process at
+            # once, and on a busy host the last lines (the reason) were lost now and then
+            time.sleep(ABORT_FLUSH_S)
         self.comm.Abort(code)
 
     def _peer_timeout(self, op: str, late: int) -> None:
