@@ -300,7 +300,8 @@ class Engine:
         if bad:
             raise ValueError(f"logit_bias names token {bad[0]}, outside the vocabulary "
                              f"(size {self.model_config.vocab_size}).")
-        text, ids = self._tokenize(prompt)
+        keep = prompt_truncation(params.truncate_prompt_tokens, self.max_model_len)
+        text, ids = self._tokenize(prompt, keep)
         group = _Group(rid, text, ids, params, outbox)
         if params.prompt_logprobs is not None:  # NOTE: a prefill of its own, before the request is queued
             pairs = self.prompt_logprob_pairs(ids, params.prompt_logprobs)

@@ -41,6 +41,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # vLLM's: RequestOutput.prompt_logprobs with this many most likely tokens
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     json_schema: dict | None = None
@@ -98,6 +99,10 @@ class SamplingParams:
             bad(f"seed must be an integer in [0, 2**64) or None, got {self.seed!r}.")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             bad(f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}.")
+        if self.truncate_prompt_tokens is not None and (not _is_int(self.truncate_prompt_tokens)
+                                                        or not (self.truncate_prompt_tokens == -1
+                                                                or self.truncate_prompt_tokens >= 1)):
+            bad(f"truncate_prompt_tokens must be -1 or a positive integer, got {self.truncate_prompt_tokens!r}.")
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
                                                  or not 0 <= self.prompt_logprobs <= 20):
             bad(f"prompt_logprobs must be an integer in [0, 20] or None, got {self.prompt_logprobs!r}.")
@@ -136,7 +141,7 @@ def _is_int(v) -> bool:
 
 
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-_INTS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
+_INTS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
 
 
 def _is_num(v) -> bool:

@@ -653,6 +653,12 @@ def test_prompt_logprobs_as_vllm(model_dir):
             assert next(iter(d)) == t and abs(d[t].logprob - w) < 1e-5 and len(d) <= 3 and d[t].rank >= 1
             assert [v.rank for k, v in d.items() if k != t] == sorted(v.rank for k, v in d.items() if k != t)
         assert eng.generate([ids], SamplingParams(max_tokens=1))[0].prompt_logprobs is None
+        # NOTE: vLLM's truncate_prompt_tokens: the prompt's last k tokens (it was an unknown argument)
+        cut = eng.generate([ids], SamplingParams(max_tokens=2, temperature=0, truncate_prompt_tokens=3))[0]
+        assert list(cut.prompt_token_ids) == ids[-3:]
+        assert cut.token_ids == eng.generate([ids[-3:]], SamplingParams(max_tokens=2, temperature=0))[0].token_ids
+        with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1 or a positive integer"):
+            SamplingParams(truncate_prompt_tokens=0)
         with pytest.raises(ValueError, match="prompt_logprobs must be an integer in .0, 20."):
             SamplingParams(prompt_logprobs=21)
     finally:

@@ -376,7 +376,9 @@ def test_echo_logprobs_score_the_prompt_as_lm_eval_asks(client, server, model_di
                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                         "prompt_logprobs": 1}, "prompt_logprobs is not supported"),
                               ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs must be"),
-                              ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens must be")):
+                              ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens must be"),
+                              ("/v1/completions", {"prompt": "x", "max_tokens": 0, "echo": True,
+                                                   "guided_json": {"type": "bogus"}}, "guided_json constrains")):
         res = httpx.post(server.base + path, json={"max_tokens": 1, **body}, timeout=60)
         assert res.status_code == 400 and match in res.json()["error"]["message"], res.text
     res = httpx.post(server.base + "/v1/completions", json={"prompt": "x", "truncate_prompt_tokens": 0}, timeout=60)
@@ -658,7 +660,7 @@ def test_bad_input_through_the_client(client):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
                                        max_completion_tokens=300)
     assert e.value.body["param"] == "max_completion_tokens" and e.value.body["code"] == "context_length_exceeded"
-    with pytest.raises(openai.BadRequestError, match=r"max_tokens must be an integer of at least 1 \(or unset\)"):
+    with pytest.raises(openai.BadRequestError, match=r"max_tokens must be at least 1 \(0 only with echo: true"):
         client.completions.create(model="tiny", prompt="x", max_tokens=0)
 
 

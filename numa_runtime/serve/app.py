@@ -229,11 +229,18 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             texts = body.prompts()
             keep = prompt_truncation(body.truncate_prompt_tokens, engine.max_model_len)
             echo_only = body.echo and body.max_tokens == 0  # NOTE: as OpenAI and vLLM: the prompt, scored
+            if body.max_tokens == 0 and not body.echo:
+                raise ValueError("max_tokens must be at least 1 (0 only with echo: true, which returns the prompt "
+                                 "alone), got 0.")
             for p in texts:
                 if isinstance(p, str) and keep is None:
                     engine.tokenizer.check_length(p, engine.max_model_len)
             max_tokens = 16 if body.max_tokens is None else 1 if echo_only else body.max_tokens
             params = body.sampling_params(cap(max_tokens), body.logprobs, body.json_schema(), engine.default_sampling)
+            if echo_only and params.json_schema is not None:  # NOTE: it was accepted unchecked and unused
+                field = "guided_json" if body.guided_json is not None else "response_format"
+                raise ValueError(f"{field} constrains generated text, and echo with max_tokens 0 generates none; "
+                                 "drop one.")
             if params.json_schema is not None and not echo_only:  # NOTE: guided_json; built once, off the loop
                 await asyncio.to_thread(engine.grammars.prepare)
             prompts = await asyncio.to_thread(tokenize_prompts, texts, body.add_special_tokens)
