@@ -748,20 +748,16 @@ class Engine:
     def _vllm_prompt_logprobs(self, ids: list[int], pairs: list[tuple]) -> list:
         """vLLM's RequestOutput.prompt_logprobs: None, then per prompt token {token id: Logprob}
         holding it first and the most likely tokens."""
-        from .outputs import Logprob
-        name = lambda t: self.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
-        out: list = [None]
-        for tid, (lp, top, rank) in zip(ids[1:], pairs):
-            d = {tid: Logprob(lp, rank, name(tid))}
-            for r, (t, v) in enumerate(top.items(), 1):
-                d.setdefault(t, Logprob(v, r, name(t)))
-            out.append(d)
-        return out
+        from .outputs import logprob_dict
+        name = self.tokenizer.decoded_token
+        return [None] + [logprob_dict(tid, lp, rank, top, name) for tid, (lp, top, rank) in zip(ids[1:], pairs)]
 
-    def _prefill_chunks(self, ids: list[int], step: int):
-        """(first position, logits [rows, vocab]) of each chunk of `step` tokens of one prefill
-        of `ids` in scratch KV blocks of replica 0 (every row's logits). Under _atomic."""
+    def _prefill_chunks(self, ids: list[int], step: int, kind: int | None = None, rows=None):
+        """(first position, output) of each chunk of `step` tokens of one prefill of `ids` in
+        scratch KV blocks of replica 0: the model's output (logits, or final hidden states for
+        EMBED) at every row of the chunk, or at `rows` (positions; one chunk only). Under _atomic."""
         from .plan import EXECUTE, StepPlan
+        kind = EXECUTE if kind is None else kind
         bm, n = self._scratch_room(len(ids)), len(ids)
         blocks = bm.take_blocks(bm.num_blocks_for(n))
         try:
@@ -772,7 +768,9 @@ class Engine:
                 pos = np.arange(a, b, dtype=np.int64)
                 plan = StepPlan(np.asarray(ids[a:b], np.int64), pos, table[pos // bs] * bs + pos % bs,
                                 np.array([0, b - a], np.int32), np.array([b], np.int32),
-                                table[None, :].astype(np.int32), np.arange(b - a, dtype=np.int64), kind=EXECUTE,
+                                table[None, :].astype(np.int32),
+                                np.arange(b - a, dtype=np.int64) if rows is None else np.asarray(rows, np.int64),
+                                kind=kind,
                                 tier_ops=bm.tier.take_ops() if bm.tier is not None and a == 0 else None,
                                 num_prompt_rows=b - a)
                 yield a, self._execute(run, plan)
@@ -782,15 +780,11 @@ class Engine:
     def _pairs_of(self, logits, next_ids: list[int], num_logprobs: int, out: list) -> None:
         """Append (logprob of next_ids[r], {top tokens: logprob}, its rank) of each row r of
         `logits` [rows, vocab] to `out`."""
+        from .sampler import rank_of, top_logprobs
         lp = np.empty(logits.shape, np.float32)
         self.ops.log_softmax(np.ascontiguousarray(logits, dtype=np.float32), lp)
         for row, tok in zip(lp, next_ids):
-            top = {}
-            if num_logprobs:
-                cand = np.argpartition(-row, num_logprobs - 1)[:num_logprobs]
-                cand = cand[np.argsort(-row[cand], kind="stable")]
-                top = {int(t): float(row[t]) for t in cand}
-            out.append((float(row[tok]), top, 1 + int(np.count_nonzero(row > row[tok]))))
+            out.append((float(row[tok]), top_logprobs(row, num_logprobs), rank_of(row, tok)))
 
     def _forward_once(self, ids: list[int], rows, kind: int):
         """One forward over `ids` in scratch KV blocks of replica 0: the model's output (logits,
@@ -813,21 +807,8 @@ class Engine:
         return bm
 
     def _forward_once_locked(self, ids: list[int], rows, kind: int):
-        import numpy as np
-        from .plan import StepPlan
-        bm, n = self._scratch_room(len(ids)), len(ids)
-        blocks = bm.take_blocks(bm.num_blocks_for(n))
-        try:
-            bs = bm.block_size
-            pos = np.arange(n, dtype=np.int64)                               # [n]
-            table = np.asarray(blocks, np.int64)
-            plan = StepPlan(np.asarray(ids, np.int64), pos, table[pos // bs] * bs + pos % bs,
-                            np.array([0, n], np.int32), np.array([n], np.int32),
-                            table[None, :].astype(np.int32), np.asarray(rows, np.int64), kind=kind,
-                            tier_ops=bm.tier.take_ops() if bm.tier is not None else None, num_prompt_rows=n)
-            return self._execute(getattr(self.runner, "local", self.runner).execute, plan)  # NOTE: DP: replica 0's
-        finally:
-            bm.return_blocks(blocks)
+        with contextlib.closing(self._prefill_chunks(ids, len(ids), kind, rows)) as chunks:
+            return next(chunks)[1]
 
     # ------------------------------------------------------------------ operator profiling
     # AS_PROFILE=ON: every rank's op timings (profiler.py); RuntimeError when profiling is off.

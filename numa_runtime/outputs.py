@@ -51,6 +51,15 @@ class Logprob:
     decoded_token: str | None = None
 
 
+def logprob_dict(token: int, logprob: float, rank: int | None, top: dict, name) -> dict[int, "Logprob"]:
+    """vLLM's per-position dict: `token` (sampled, or the prompt's) first with its rank, then the
+    most likely tokens ranked 1.. (a token in both keeps its first place, as vLLM V1's)."""
+    d = {token: Logprob(logprob, rank, name(token))}
+    for r, (t, v) in enumerate(top.items(), 1):
+        d.setdefault(t, Logprob(v, r, name(t)))
+    return d
+
+
 class CompletionOutput:
     """One sequence of a request, as of one output. `logprobs` (when asked for) is vLLM's: per
     token a dict {token id: Logprob} of the most likely tokens and the sampled one;
@@ -86,14 +95,8 @@ class CompletionOutput:
             return None
         if self._logprobs is None or len(self._logprobs) != len(pairs):
             name = self._token_text or (lambda t: None)
-            out = []
-            for tid, (lp, top, *rank) in zip(self.token_ids, pairs):
-                # NOTE: as vLLM V1, the sampled token first, then the most likely (a token both keeps its first place)
-                d = {tid: Logprob(lp, rank[0] if rank else None, name(tid))}
-                for r, (t, v) in enumerate(top.items(), 1):
-                    d.setdefault(t, Logprob(v, r, name(t)))
-                out.append(d)
-            self._logprobs = out
+            self._logprobs = [logprob_dict(tid, lp, rank[0] if rank else None, top, name)
+                              for tid, (lp, top, *rank) in zip(self.token_ids, pairs)]
         return self._logprobs
 
     @property
@@ -230,4 +233,4 @@ class TextState:
         return CompletionOutput(index, lambda: "".join(sent[:k]) + unsent, view(req.output_token_ids),
                                 req.finish_reason, req.stop_reason, None if lps is None else view(lps),
                                 delta, req.output_token_ids[start:n], None if lps is None else lps[start:n],
-                                self.detok.token_text if lps is not None else None)
+                                self.detok.tokenizer.decoded_token if lps is not None else None)

@@ -10,6 +10,20 @@ from .request import Request
 _INT32_MAX = (1 << 31) - 1
 
 
+def top_logprobs(row: np.ndarray, k: int) -> dict[int, float]:
+    """The k most likely tokens of a log-probability row [V], most likely first: {token: logprob}."""
+    if not k:
+        return {}
+    cand = np.argpartition(-row, k - 1)[:k]
+    cand = cand[np.argsort(-row[cand], kind="stable")]
+    return {int(t): float(row[t]) for t in cand}
+
+
+def rank_of(row: np.ndarray, token: int) -> int:
+    """A token's rank in a log-probability row (vLLM's Logprob.rank): 1 + the tokens more likely."""
+    return 1 + int(np.count_nonzero(row > row[token]))
+
+
 class Sampler:
     """Turns logits rows into one token per request. A request with a seed draws from its
     own generator, so its tokens do not depend on what else is in the batch. Order per row:
@@ -90,8 +104,7 @@ class Sampler:
             if x is None:
                 out.append(None)
                 continue
-            lp = x[0][ids[i]]
-            out.append((float(lp), x[1], 1 + int(np.count_nonzero(x[0] > lp))))
+            out.append((float(x[0][ids[i]]), x[1], rank_of(x[0], int(ids[i]))))
         return out
 
     def _logprobs(self, logits: np.ndarray, reqs: list[Request]):
@@ -103,13 +116,7 @@ class Sampler:
         self.ops.log_softmax(np.ascontiguousarray(logits[want], dtype=np.float32), lp)
         out = [None] * len(reqs)
         for row, i in enumerate(want):
-            k = reqs[i].sampling_params.logprobs
-            top = {}
-            if k:
-                cand = np.argpartition(-lp[row], k - 1)[:k]
-                cand = cand[np.argsort(-lp[row][cand], kind="stable")]
-                top = {int(t): float(lp[row, t]) for t in cand}
-            out[i] = (lp[row], top)
+            out[i] = (lp[row], top_logprobs(lp[row], reqs[i].sampling_params.logprobs))
         return out
 
     def _rng_for(self, r: Request) -> np.random.Generator:

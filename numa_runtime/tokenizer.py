@@ -38,13 +38,13 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 _BYTE_LEVEL = _byte_level_alphabet()
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-_SURROGATE = re.compile("[\ud800-\udfff]")
+SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def check_text(field: str, text: str) -> None:
     """ValueError if text holds a lone UTF-16 surrogate (JSON and Python strings allow them;
     text cannot: the tokenizer could not encode it)."""
-    m = _SURROGATE.search(text)
+    m = SURROGATE.search(text)
     if m:
         raise ValueError(f"{field} must be valid Unicode text, but it holds a lone surrogate "
                          f"(\\u{ord(m.group()):04x}) at character {m.start()}.")
@@ -157,6 +157,10 @@ class Tokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decoded_token(self, token_id: int) -> str:
+        """One token decoded on its own, special tokens kept (vLLM's Logprob.decoded_token)."""
+        return self.decode([int(token_id)], skip_special_tokens=False)
 
     def token_str(self, token_id: int) -> str:
         """The vocabulary's string of a token (HF convert_ids_to_tokens: "Ġcaf", "▁the", "<0x0A>")."""
@@ -274,9 +278,9 @@ class IncrementalDetokenizer:
 
     _CONTEXT = (5, 24)  # prompt tokens of left context: the fewest that decode whole, as vLLM
 
-    def token_text(self, token_id: int) -> str:
-        """One token decoded on its own (vLLM's Logprob.decoded_token)."""
-        return self._tokenizer.decode([int(token_id)], skip_special_tokens=False)
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids=(), skip_special_tokens: bool = True):
         self._tokenizer = tokenizer

@@ -122,10 +122,6 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
 
     decode_token = functools.lru_cache(maxsize=1 << 16)(engine.tokenizer.token_bytes)
 
-    def token_name(token_id: int) -> str:
-        """A token decoded on its own (vLLM's Logprob.decoded_token)."""
-        return engine.tokenizer.decode([token_id], skip_special_tokens=False)
-
     def check_model(model: str | None) -> None:
         if model is not None and model not in config.names:
             names = ", ".join(repr(n) for n in config.names)
@@ -258,7 +254,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
                 scores = list(zip(prompts, await prompt_pairs(prompts, body.prompt_logprobs)))
         if echo_only:
             out = R.echo_body(f"cmpl-{uuid.uuid4().hex}", config.served_model_name, echo, scores, body.n,
-                              decode_token, token_name)
+                              decode_token, engine.tokenizer.decoded_token)
             if not body.stream:
                 return JSONResponse(out)
             events = [R.sse({**out, "choices": [c], **({"usage": None} if body.include_usage else {})})
@@ -356,7 +352,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             report.finish(status)
         if kind == "chatcmpl":
             return JSONResponse(R.chat_body(rid, name, tracker, decode_token, tool_plan, *thinking))
-        return JSONResponse(R.completion_body(rid, name, tracker, decode_token, *echo, token_name))
+        return JSONResponse(R.completion_body(rid, name, tracker, decode_token, *echo, engine.tokenizer.decoded_token))
 
     return app
 

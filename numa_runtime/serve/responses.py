@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -192,13 +193,9 @@ def echo_body(rid: str, model: str, echo: list, scores, n: int, decode: TokenByt
 def prompt_logprobs_body(ids: list[int], pairs: list[tuple], token_name) -> list:
     """vLLM's prompt_logprobs: None for the first token, then {token id: {logprob, rank,
     decoded_token}} holding the prompt's token first and the most likely ones."""
-    out = [None]
-    for tid, (lp, top, rank) in zip(ids[1:], pairs):
-        d = {str(tid): {"logprob": lp, "rank": rank, "decoded_token": token_name(tid)}}
-        for r, (t, v) in enumerate(top.items(), 1):
-            d.setdefault(str(t), {"logprob": v, "rank": r, "decoded_token": token_name(t)})
-        out.append(d)
-    return out
+    from ..outputs import logprob_dict
+    return [None] + [{str(t): dataclasses.asdict(v) for t, v in logprob_dict(tid, lp, rank, top, token_name).items()}
+                     for tid, (lp, top, rank) in zip(ids[1:], pairs)]
 
 
 def chat_body(rid: str, model: str, tracker: ChoiceTracker, decode: TokenBytes, tool_plan=None,

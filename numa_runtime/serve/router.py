@@ -129,13 +129,12 @@ class ModelRouter:
         self.engines: OrderedDict[str, object] = OrderedDict()  # loaded, least recently used first
         self._unloaded_preemptions = 0  # NOTE: /metrics counts them over the server's life
         self._context: dict[str, int] = {}  # name -> its max_model_len when it was last loaded
-        # name -> (its files' stamp, the error) of weights that cannot be opened: refused until they change
+        # name -> (its files' stamp, the error, when) of its last failed load: weights that cannot
+        # be opened (when: None) are refused until their files change; after a load that failed
+        # otherwise (memory, a rank's node) its requests fail at once for env.load_retry_seconds()
+        # (else each retry unloaded the idle models again for a load that failed again: every
+        # such request cost the others a reload)
         self._failed: dict[str, tuple] = {}
-        # name -> (its files' stamp, when, the error) of the last load that failed otherwise: for
-        # env.load_retry_seconds() its requests fail at once (else each retry unloaded the idle
-        # models again to make room for a load that failed again: every such request cost the
-        # others a reload)
-        self._failed_load: dict[str, tuple] = {}
         self.route: dict[str, str] = {}   # request id -> model name (set by the HTTP side)
         self.since: dict[str, float] = {}  # request id -> when it first asked (time.monotonic(), HTTP side)
         # HTTP side: a token of each request that waits for room busy models hold -> (its model, since)
@@ -229,13 +228,13 @@ class ModelRouter:
         failed = self._failed.get(name)
         if failed is not None and failed[0] == _stamp(self.specs[name].model_dir):
             # NOTE: a model that failed to load fails again without unloading the others for it
-            raise ModelLoadError(failed[1])
-        failed = self._failed_load.get(name)
-        if failed is not None and failed[0] == _stamp(self.specs[name].model_dir):
+            _, message, when = failed
+            if when is None:
+                raise ModelLoadError(message)
             from .. import env
-            left = failed[1] + env.load_retry_seconds() - time.monotonic()
+            left = when + env.load_retry_seconds() - time.monotonic()
             if left > 0:
-                raise ModelLoadError(f"{failed[2].rstrip('.')} (a request loads it again {left:.0f} s from now).")
+                raise ModelLoadError(f"{message.rstrip('.')} (a request loads it again {left:.0f} s from now).")
         self._check_files(name)  # NOTE: before anything is unloaded for it
         need = self.footprint[name]
         for victim in list(self.engines):
@@ -270,11 +269,11 @@ class ModelRouter:
 
     def _fail(self, name: str, e: BaseException, remember: bool = False):
         """A load failure; `remember`: the files are at fault, so it fails alike until they change
-        (a failure of the load itself may pass: memory, a worker's node)."""
+        (a failure of the load itself may pass: memory, a worker's node; it is tried again after
+        env.load_retry_seconds())."""
         log.error("model %s failed to load: %s", name, e)
         message = f"The model {name!r} failed to load: {e}"
-        if remember:
-            self._failed[name] = (_stamp(self.specs[name].model_dir), message)
+        self._failed[name] = (_stamp(self.specs[name].model_dir), message, None if remember else time.monotonic())
         raise ModelLoadError(message) from None
 
     def _load(self, name: str):
@@ -285,11 +284,8 @@ class ModelRouter:
             eng = Engine(self.specs[name].model_dir, **self._engine_kwargs)
             eng._keeps_workers = True  # NOTE: the workers go back to worker_main when it closes
         except Exception as e:  # noqa: BLE001 - every rank failed alike; the other models go on
-            self._failed_load[name] = (_stamp(self.specs[name].model_dir), time.monotonic(),
-                                       f"The model {name!r} failed to load: {e}")
             self._fail(name, e)
         self._failed.pop(name, None)
-        self._failed_load.pop(name, None)
         self._active = None  # the workers are back in worker_main
         self.engines[name] = eng
         r = eng.runner

@@ -23,8 +23,9 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from ..tokenizer import SURROGATE  # NOTE: the pattern check_text uses
+
 PARSERS = ("hermes", "llama3_json")
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ToolError(ValueError):
@@ -54,7 +55,7 @@ def plan(tools, tool_choice, parser: str | None) -> ToolPlan:
     `parser`: the server's --tool-call-parser when --enable-auto-tool-choice is on, else None."""
     if tools is not None and not isinstance(tools, list):
         raise ToolError("tools must be a list of {'type': 'function', 'function': {...}} objects.", "tools")
-    if tools and _SURROGATE.search(json.dumps(tools, ensure_ascii=False)):
+    if tools and SURROGATE.search(json.dumps(tools, ensure_ascii=False)):
         raise ToolError("tools must be valid Unicode text, but they hold a lone surrogate.", "tools")
     tools = tools or None
     functions = {}
@@ -115,10 +116,10 @@ def plan(tools, tool_choice, parser: str | None) -> ToolPlan:
 def _call(name, arguments, raw: bool = False) -> dict:
     """A call of `name` (a non-empty string, else KeyError: the text is no call); `arguments` as
     JSON text (as vLLM: any value is dumped, a string too); `raw`: they are the text already."""
-    if not isinstance(name, str) or not name or _SURROGATE.search(name):
+    if not isinstance(name, str) or not name or SURROGATE.search(name):
         raise KeyError("name")
     args = arguments if raw else json.dumps(arguments, ensure_ascii=False, allow_nan=False)
-    if _SURROGATE.search(args):  # NOTE: a decoded lone "\\ud83d" (half a pair) stays escaped: UTF-8 cannot hold it
+    if SURROGATE.search(args):  # NOTE: a decoded lone "\\ud83d" (half a pair) stays escaped: UTF-8 cannot hold it
         args = json.dumps(arguments, allow_nan=False)
     return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
             "function": {"name": name, "arguments": args}}
