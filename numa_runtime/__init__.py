@@ -4,7 +4,8 @@
 """
 from .engine import Engine
 from .outputs import CompletionOutput, Logprob, RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
-__all__ = ["Engine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["Engine", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutput",
+           "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"

@@ -16,7 +16,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import itertools
-import logging
 import numbers
 import os
 import signal
@@ -296,12 +295,14 @@ class Engine:
             rid = str(next(self._ids))
         if rid in self._groups:
             raise ValueError(f"Request id {rid!r} is already in use.")
-        bad = [t for t in params.logit_bias if t >= self.model_config.vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias names token {bad[0]}, outside the vocabulary "
-                             f"(size {self.model_config.vocab_size}).")
+        for field, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= self.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"{field} names token {bad[0]}, outside the vocabulary "
+                                 f"(size {self.model_config.vocab_size}).")
         keep = prompt_truncation(params.truncate_prompt_tokens, self.max_model_len)
         text, ids = self._tokenize(prompt, keep)
+        bad_words = self._bad_words_ids(params.bad_words)
         group = _Group(rid, text, ids, params, outbox)
         if params.prompt_logprobs is not None:  # NOTE: a prefill of its own, before the request is queued
             pairs = self.prompt_logprob_pairs(ids, params.prompt_logprobs)
@@ -310,6 +311,7 @@ class Engine:
             for i in range(params.n):
                 sp = params if params.n == 1 else _child_params(params, i)
                 req = Request(rid if params.n == 1 else f"{rid}#{i}", ids, sp)
+                req.bad_words_ids = bad_words
                 self.scheduler.add_request(req)  # raises ValueError if it can never fit
                 group.children.append(req)
         except Exception:
@@ -318,8 +320,8 @@ class Engine:
             raise
         try:
             for req in group.children:
-                if req.sampling_params.json_schema is not None:
-                    self.grammars.add(req.request_id, req.sampling_params.json_schema)
+                if req.sampling_params.constraint is not None:
+                    self.grammars.add(req.request_id, *req.sampling_params.constraint)
         except Exception:
             for req in group.children:
                 self.scheduler.abort_request(req.request_id)
@@ -330,6 +332,17 @@ class Engine:
             detok = IncrementalDetokenizer(self.tokenizer, ids, req.sampling_params.skip_special_tokens)
             self._texts[req.request_id] = TextState(req, detok, group, self.eos_ids)
         return rid
+
+    def _bad_words_ids(self, words: list[str] | None) -> list[list[int]]:
+        """The token sequences SamplingParams.bad_words ban, as vLLM: each word as it starts a text
+        and, where that tokenizes differently, after a space."""
+        out: list[list[int]] = []
+        for word in words or ():
+            for prefix in ("", " "):
+                ids = self.tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def _tokenize(self, prompt, keep: int | None = None, add_special_tokens: bool = True
                   ) -> tuple[str | None, list[int]]:
@@ -466,7 +479,8 @@ class Engine:
         for r in reqs:
             sp = r.sampling_params
             if (not sp.is_greedy or sp.logit_bias or sp.has_penalties or sp.logprobs is not None
-                    or sp.json_schema is not None or r.num_output_tokens < sp.min_tokens):
+                    or sp.constraint is not None or sp.allowed_token_ids is not None or sp.bad_words
+                    or r.num_output_tokens < sp.min_tokens):
                 return 1
             left = self.max_model_len - r.num_tokens  # tokens it may still append
             if sp.max_tokens is not None:

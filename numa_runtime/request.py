@@ -46,6 +46,7 @@ class Request:
         self.first_token_time: float | None = None
         self.stop_reason: str | int | None = None
         self.logprobs: list = []  # per output token: (logprob, {token_id: logprob})
+        self.bad_words_ids: list[list[int]] = []  # SamplingParams.bad_words as token sequences
 
     @property
     def all_token_ids(self) -> list[int]:

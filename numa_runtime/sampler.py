@@ -19,6 +19,16 @@ def top_logprobs(row: np.ndarray, k: int) -> dict[int, float]:
     return {int(t): float(row[t]) for t in cand}
 
 
+def bad_word_bans(words: list[list[int]], output: list[int]) -> list[int]:
+    """The tokens bad_words forbid next (vLLM's rule): a one-token word always, a longer word's
+    last token when the output ends with the rest of it."""
+    out = []
+    for w in words:
+        if len(w) == 1 or (len(output) >= len(w) - 1 and output[len(output) - len(w) + 1:] == w[:-1]):
+            out.append(w[-1])
+    return out
+
+
 def rank_of(row: np.ndarray, token: int) -> int:
     """A token's rank in a log-probability row (vLLM's Logprob.rank): 1 + the tokens more likely."""
     return 1 + int(np.count_nonzero(row > row[token]))
@@ -27,12 +37,12 @@ def rank_of(row: np.ndarray, token: int) -> int:
 class Sampler:
     """Turns logits rows into one token per request. A request with a seed draws from its
     own generator, so its tokens do not depend on what else is in the batch. Order per row:
-    logprobs (of the raw distribution), logit_bias, penalties, min_tokens bans, the json_schema
-    mask, then sampling."""
+    logprobs (of the raw distribution), logit_bias, penalties, min_tokens bans, allowed_token_ids,
+    bad_words, the structured-output mask, then sampling."""
 
     def __init__(self, ops, vocab_size: int, seed: int = 0, recorder=NULL_RECORDER, grammars=None):
         self.ops, self.recorder = ops, recorder
-        self.grammars = grammars  # structured.Grammars: masks of requests with a json_schema
+        self.grammars = grammars  # structured.Grammars: masks of requests with an output constraint
         self.vocab_size = vocab_size
         self.rng = np.random.default_rng(seed)
         self._rngs: dict[str, np.random.Generator] = {}
@@ -67,7 +77,17 @@ class Sampler:
                 ban = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(eos_ids))
                 logits[i, [t for t in ban if t < logits.shape[1]]] = -np.inf
                 changed = True
-            if sp.json_schema is not None and self.grammars is not None:
+            if sp.allowed_token_ids is not None:
+                keep = np.zeros(logits.shape[1], bool)
+                keep[sp.allowed_token_ids] = True
+                logits[i, ~keep] = -np.inf
+                changed = True
+            if r.bad_words_ids:
+                banned = [t for t in bad_word_bans(r.bad_words_ids, r.output_token_ids) if t < logits.shape[1]]
+                if banned:
+                    logits[i, banned] = -np.inf
+                    changed = True
+            if sp.constraint is not None and self.grammars is not None:
                 self.grammars.mask(r.request_id, logits[i])
                 changed = True
         ids = np.empty(n, np.int64)

@@ -1,12 +1,63 @@
 """SamplingParams: how one request's tokens are chosen and when it stops."""
 from __future__ import annotations
 
+import json
 import numbers
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 _GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (vLLM's _SAMPLING_EPS)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must follow, as vLLM's StructuredOutputsParams (GuidedDecodingParams before
+    vLLM 0.10.2): exactly one of a JSON schema (`json`, a dict or a string holding one), any JSON
+    object (`json_object`), a regular expression (`regex`, Rust regex syntax, matched whole), one
+    of a list of strings (`choice`), or a context-free grammar (`grammar`, Lark or llama.cpp's
+    GBNF). llguidance enforces each while sampling (structured.py)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def constraint(self) -> tuple[str, object]:
+        """(kind, spec): ("json", a schema dict), ("regex", str), ("choice", [str]) or ("grammar",
+        str); ValueError (one sentence) unless exactly one is given and it is well formed."""
+        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar or "
+                             f"json_object, got {', '.join(given) or 'none'}.")
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind == "json_object":
+            if value is not True:
+                raise ValueError(f"structured_outputs' json_object must be true, got {value!r}.")
+            return "json", {"type": "object"}
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    value = None
+            if not isinstance(value, dict):
+                raise ValueError("structured_outputs' json must be a JSON schema: a dict, or a string holding one.")
+            return "json", value
+        if kind == "choice":
+            if (not isinstance(value, (list, tuple)) or not value
+                    or any(not isinstance(c, str) or not c for c in value)):
+                raise ValueError(f"structured_outputs' choice must be a non-empty list of non-empty strings, "
+                                 f"got {value!r}.")
+            return "choice", list(value)
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"structured_outputs' {kind} must be a non-empty string, got {value!r}.")
+        return kind, value
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's name before 0.10.2
 
 
 @dataclass
@@ -20,7 +71,11 @@ class SamplingParams:
     request and are not returned (like EOS) unless `include_stop_str_in_output`.
     `logit_bias` maps token ids to a value added to their logits before sampling.
     `json_schema` (a JSON schema as a dict; {"type": "object"} for any object) constrains the
-    output to JSON that matches it (structured.py).
+    output to JSON that matches it; `structured_outputs` (vLLM's; `guided_decoding`, its older
+    name) to a JSON schema, a regex, one of a list of strings or a grammar (structured.py).
+    `allowed_token_ids` restricts every sampled token to that list; `bad_words` bans words (each
+    with and without a leading space, as vLLM: the last token of a word is banned when the tokens
+    generated last spell the rest of it).
     Integer fields take Python ints only (a bool is not an int).
     """
 
@@ -45,6 +100,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     json_schema: dict | None = None
+    structured_outputs: StructuredOutputsParams | dict | None = None
+    guided_decoding: StructuredOutputsParams | dict | None = None  # vLLM's name before 0.10.2
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -58,6 +117,18 @@ class SamplingParams:
         if self.logit_bias is not None and not isinstance(self.logit_bias, Mapping):
             raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}.")
         self.logit_bias = dict(self.logit_bias or {})
+        self._structured()
+        if self.allowed_token_ids is not None:
+            if (not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids
+                    or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids)):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, "
+                                 f"got {self.allowed_token_ids!r}.")
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+        if self.bad_words is not None:
+            if (not isinstance(self.bad_words, (list, tuple))
+                    or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+                raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}.")
+            self.bad_words = list(self.bad_words) or None
         self._check()
         self._check_lists()
         # NOTE: numpy scalars pass the checks; keep plain Python numbers from here on
@@ -69,6 +140,41 @@ class SamplingParams:
             if getattr(self, name) is not None:
                 setattr(self, name, int(getattr(self, name)))
         self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()}
+
+    def _structured(self):
+        """One constraint from json_schema, structured_outputs or guided_decoding: a JSON one is
+        kept as json_schema (and as structured_outputs, so that dataclasses.replace agrees)."""
+        if self.structured_outputs is not None and self.guided_decoding is not None:
+            raise ValueError("Give structured_outputs or guided_decoding (its older name), not both.")
+        so = self.structured_outputs if self.structured_outputs is not None else self.guided_decoding
+        self.guided_decoding = None
+        if isinstance(so, Mapping):
+            known = {f.name for f in fields(StructuredOutputsParams)}
+            unknown = sorted(set(so) - known)
+            if unknown:
+                raise ValueError(f"structured_outputs has no field {unknown[0]!r}; it takes json, regex, choice, "
+                                 "grammar or json_object.")
+            so = StructuredOutputsParams(**so)
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict, got {so!r}.")
+        constraint = so.constraint() if so is not None else None
+        if self.json_schema is not None:
+            if constraint is not None and constraint != ("json", self.json_schema):
+                raise ValueError("Give one output constraint: json_schema or structured_outputs, not both.")
+            constraint = ("json", self.json_schema)
+        self._constraint = constraint
+        if constraint is None:
+            self.structured_outputs = None
+        elif constraint[0] == "json":
+            self.json_schema = constraint[1]
+            self.structured_outputs = StructuredOutputsParams(json=constraint[1])
+        else:
+            self.structured_outputs = StructuredOutputsParams(**{constraint[0]: constraint[1]})
+
+    @property
+    def constraint(self) -> tuple[str, object] | None:
+        """The output constraint as (kind, spec), kind "json", "regex", "choice" or "grammar"; or None."""
+        return self._constraint
 
     def _check(self):
         def bad(msg):
@@ -108,8 +214,9 @@ class SamplingParams:
             bad(f"prompt_logprobs must be an integer in [0, 20] or None, got {self.prompt_logprobs!r}.")
         if self.json_schema is not None and not isinstance(self.json_schema, dict):
             bad(f"json_schema must be a dict (a JSON schema) or None, got {self.json_schema!r}.")
-        if self.json_schema is not None and self.min_tokens:
-            bad("min_tokens cannot be combined with a JSON schema: the schema decides where the output ends.")
+        if self.constraint is not None and self.min_tokens:
+            bad("min_tokens cannot be combined with structured output: the constraint decides where the output "
+                "ends.")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(f"{name} must be True or False, got {getattr(self, name)!r}.")

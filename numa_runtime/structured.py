@@ -34,6 +34,7 @@ class Grammars:
         self._ll_tokenizer = None
         self._lock = threading.Lock()
         self._matchers: dict = {}
+        self._kinds: dict[str, str] = {}
 
     def prepare(self):
         """Build llguidance's view of the tokenizer (about a second for 50k tokens; once)."""
@@ -48,26 +49,31 @@ class Grammars:
                                        f"its {self._vocab}-token vocabulary ({e}).") from None
         return self._ll_tokenizer
 
-    def add(self, request_id: str, schema: dict) -> None:
-        """Start a matcher for the request; ValueError if the schema cannot be used (one that
-        nests too deep, or that no finite JSON value completes from its start)."""
+    def add(self, request_id: str, kind: str, spec) -> None:
+        """Start a matcher for the request's constraint (SamplingParams.constraint: "json" and a
+        schema, "regex", "choice" or "grammar"); ValueError naming the field if it cannot be used
+        (a schema that nests too deep or that no finite JSON value completes from its start, a
+        regex or grammar that does not parse)."""
         llg = _llguidance()
-        depth = nesting_depth(schema, MAX_DEPTH)
-        if depth > MAX_DEPTH:
-            raise ValueError(f"json_schema cannot be used: it nests more than {MAX_DEPTH} levels deep "
-                             f"(through its $refs).")
+        field = _FIELD[kind]
+        if kind == "json":
+            depth = nesting_depth(spec, MAX_DEPTH)
+            if depth > MAX_DEPTH:
+                raise ValueError(f"json_schema cannot be used: it nests more than {MAX_DEPTH} levels deep "
+                                 f"(through its $refs).")
         try:
-            grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=_LAYOUT)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"json_schema cannot be used: {e}.") from None
+            grammar = _grammar(llg, kind, spec)
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise ValueError(f"{field} cannot be used: {_first_line(str(e))}.") from None
         tokenizer = self.prepare()
         # NOTE: llguidance's compiler recurses natively as deep as the schema's $ref chains: on a
         # thread of its own with a large stack, so that no schema within MAX_DEPTH can overflow
         # the engine thread's stack (a chain of 3000 $refs was a segmentation fault)
         matcher = _on_big_stack(lambda: self._first_mask(llg.LLMatcher(tokenizer, grammar, log_level=0)))
         if matcher.is_error():
-            raise ValueError(f"json_schema cannot be used: {_first_line(matcher.get_error())}.")
+            raise ValueError(f"{field} cannot be used: {_first_line(matcher.get_error())}.")
         self._matchers[request_id] = matcher
+        self._kinds[request_id] = kind
 
     def _first_mask(self, matcher):
         """Compute the matcher's first mask (the grammar's errors that only show there, such as a
@@ -82,7 +88,8 @@ class Grammars:
         matcher = self._matchers.get(request_id)
         if matcher is None or not matcher.is_error():
             return None
-        return f"the JSON schema could not be followed: {_first_line(matcher.get_error())}."
+        what = _WHAT[self._kinds.get(request_id, "json")]
+        return f"the {what} could not be followed: {_first_line(matcher.get_error())}."
 
     def mask(self, request_id: str, row: np.ndarray) -> None:
         """Set the logits of tokens the schema forbids next to -inf. row: [V] f32, in place."""
@@ -104,6 +111,31 @@ class Grammars:
 
     def forget(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._kinds.pop(request_id, None)
+
+
+# SamplingParams.constraint's kind -> the SamplingParams field an error names (the server renames it)
+_FIELD = {"json": "json_schema", "regex": "guided_regex", "choice": "guided_choice", "grammar": "guided_grammar"}
+
+
+_WHAT = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def _grammar(llg, kind: str, spec) -> str:
+    """llguidance's grammar for a constraint; ValueError if it does not parse."""
+    if kind == "json":
+        return llg.LLMatcher.grammar_from_json_schema(spec, defaults=_LAYOUT)
+    if kind == "regex":
+        return llg.LLMatcher.grammar_from_regex(spec)
+    if kind == "choice":  # NOTE: JSON string literals are Lark's (llguidance's) string syntax
+        import json
+        return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec))
+    from llguidance.gbnf_to_lark import any_to_lark  # NOTE: Lark as given; llama.cpp's GBNF converted
+    try:
+        lark = any_to_lark(spec)
+    except Exception as e:  # noqa: BLE001 - the converter raises what its parser raises
+        raise ValueError(f"it is neither Lark nor GBNF ({e})") from None
+    return llg.LLMatcher.grammar_from_lark(lark)
 
 
 MAX_DEPTH = 1000  # levels of a schema, its $refs followed (real schemas nest a few dozen)

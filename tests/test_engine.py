@@ -178,7 +178,7 @@ def test_json_schema_constrains_the_output(eng):
         assert o.finish_reason == "stop"
     with pytest.raises(ValueError, match="json_schema cannot be used"):
         eng.generate("Hello", SamplingParams(json_schema={"type": "bogus"}))
-    with pytest.raises(ValueError, match="min_tokens cannot be combined with a JSON schema"):
+    with pytest.raises(ValueError, match="min_tokens cannot be combined with structured output"):
         SamplingParams(min_tokens=3, json_schema=ANSWER)  # NOTE: it was accepted and not honoured
     assert not eng.has_unfinished_requests()
 

@@ -307,9 +307,8 @@ def test_vllm_extras_are_applied(client, model_dir):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"use_beam_search": True}, "use_beam_search"), ({"guided_choice": ["a", "b"]}, "guided_choice"),
-    ({"allowed_token_ids": [1]}, "allowed_token_ids"), ({"spaces_between_special_tokens": False},
-                                                  "spaces_between_special_tokens"),
+    ({"use_beam_search": True}, "use_beam_search"), ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+    ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
     ({"logits_processors": ["x"]}, "logits_processors"), ({"cache_salt": "a"}, "cache_salt"),
     ({"detokenize": False}, "detokenize"), ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
 ])

@@ -233,11 +233,11 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
                     engine.tokenizer.check_length(p, engine.max_model_len)
             max_tokens = 16 if body.max_tokens is None else 1 if echo_only else body.max_tokens
             params = body.sampling_params(cap(max_tokens), body.logprobs, body.json_schema(), engine.default_sampling)
-            if echo_only and params.json_schema is not None:  # NOTE: it was accepted unchecked and unused
-                field = "guided_json" if body.guided_json is not None else "response_format"
+            if echo_only and params.constraint is not None:  # NOTE: it was accepted unchecked and unused
+                field = body.constraint_field() or "response_format"
                 raise ValueError(f"{field} constrains generated text, and echo with max_tokens 0 generates none; "
                                  "drop one.")
-            if params.json_schema is not None and not echo_only:  # NOTE: guided_json; built once, off the loop
+            if params.constraint is not None and not echo_only:  # NOTE: guided_json; built once, off the loop
                 await asyncio.to_thread(engine.grammars.prepare)
             prompts = await asyncio.to_thread(tokenize_prompts, texts, body.add_special_tokens)
             if keep:  # NOTE: as vLLM's truncate_prompt_tokens: the last `keep` tokens
@@ -277,8 +277,8 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             tool_plan = body.tool_plan(config.tool_call_parser)
             schema = body.json_schema()
             if tool_plan.schema is not None:
-                if schema is not None or body.guided_json is not None:
-                    field = "response_format" if schema is not None else "guided_json"
+                if schema is not None or body.constraint_field() is not None:
+                    field = "response_format" if schema is not None else body.constraint_field()
                     raise ValueError(f"{field} cannot be combined with a tool_choice that calls a function; drop "
                                      "one.")
                 schema = tool_plan.schema
@@ -289,7 +289,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             if keep is None and body.content_chars() > engine.max_model_len * engine.tokenizer.max_token_chars:
                 raise ValueError(f"The messages hold {body.content_chars()} characters, more than a context of "
                                  f"{engine.max_model_len} tokens can hold; shorten them.")
-            if params.json_schema is not None:  # NOTE: built once, off the loop and the engine thread
+            if params.constraint is not None:  # NOTE: built once, off the loop and the engine thread
                 await asyncio.to_thread(engine.grammars.prepare)
             messages = [m.as_template_dict() for m in body.messages]
             kwargs = body.template_kwargs() | ({"tools": tool_plan.tools} if tool_plan.tools else {})
@@ -323,13 +323,14 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
         schema_param = _schema_param(tool_plan, body)
         # NOTE: "json_schema cannot be used: ..." names the field the schema came from (the tools'
         # parameters of a tool_choice that calls a function: json_schema is no field of theirs)
-        with _client_errors({**(renames or {}), "json_schema": schema_param}, {"json_schema": schema_param}):
+        fields = {f: schema_param for f in ("json_schema", "guided_regex", "guided_choice", "guided_grammar")}
+        with _client_errors({**(renames or {}), **fields}, fields):
             await gen.start(prompts, params)
         tracker = R.ChoiceTracker(params.n)
         report = _Report(metrics, tracker, arrival, len(prompts) * params.n, config.served_model_name)
         name = config.served_model_name
         # NOTE: a schema-constrained output has no room to reason: it is all content
-        thinking = (config.reasoning_parser if kind == "chatcmpl" and params.json_schema is None else None,
+        thinking = (config.reasoning_parser if kind == "chatcmpl" and params.constraint is None else None,
                     getattr(body, "include_reasoning", True))
         if body.stream:
             return StreamingResponse(_stream(gen, tracker, report, rid, name, kind, body.include_usage, decode_token,
@@ -423,10 +424,12 @@ def _engine_failure(e: RuntimeError) -> ApiError:
 
 
 def _schema_param(tool_plan, body=None) -> str:
-    """The request field a JSON schema came from: tools (a tool_choice), guided_json or response_format."""
+    """The request field an output constraint came from: tools (a tool_choice), guided_json,
+    guided_regex, guided_choice, guided_grammar, structured_outputs or response_format."""
     if tool_plan is not None and tool_plan.schema is not None:
         return "tools"
-    return "guided_json" if getattr(body, "guided_json", None) is not None else "response_format"
+    field = body.constraint_field() if hasattr(body, "constraint_field") else None
+    return field or "response_format"
 
 
 def _check_failed(out, param: str = "response_format") -> None:
@@ -435,7 +438,8 @@ def _check_failed(out, param: str = "response_format") -> None:
     where the schema came from (tools, for a tool_choice that calls a function)."""
     for c in out.outputs:
         if c.finish_reason == "error":
-            raise ApiError(400, _sentence(str(c.stop_reason)), param=param, code="invalid_json_schema")
+            code = "invalid_json_schema" if str(c.stop_reason).startswith("the JSON schema") else "invalid_value"
+            raise ApiError(400, _sentence(str(c.stop_reason)), param=param, code=code)
 
 
 async def _until_disconnect(request: Request, work) -> bool:

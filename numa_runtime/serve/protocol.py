@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, StructuredOutputsParams
 from ..tokenizer import check_text
 
 log = logging.getLogger("numa_runtime.serve")
@@ -82,12 +82,14 @@ class _SamplingRequest(_Body):
     length_penalty: Optional[float] = None
     prompt_logprobs: Optional[int] = None
     truncate_prompt_tokens: Optional[int] = None
-    allowed_token_ids: Optional[list[Any]] = None
-    bad_words: Optional[list[Any]] = None
-    guided_regex: Optional[Any] = None
-    guided_choice: Optional[Any] = None
-    guided_grammar: Optional[Any] = None
-    structured_outputs: Optional[Any] = None
+    allowed_token_ids: Optional[list[Any]] = Field(None, description="Only these token ids may be sampled.")
+    bad_words: Optional[list[Any]] = Field(None, description="Words the output must not contain (vLLM's rule).")
+    guided_regex: Optional[Any] = Field(None, description="A regular expression the whole output matches.")
+    guided_choice: Optional[Any] = Field(None, description="The output is exactly one of these strings.")
+    guided_grammar: Optional[Any] = Field(None, description="A grammar the output follows (Lark, or llama.cpp's "
+                                                            "GBNF).")
+    structured_outputs: Optional[Any] = Field(None, description="vLLM's {json | regex | choice | grammar | "
+                                                                "json_object: ...}, one of them.")
     spaces_between_special_tokens: Optional[bool] = None
     return_tokens_as_token_ids: Optional[bool] = None
     priority: Optional[int] = None
@@ -129,9 +131,16 @@ class _SamplingRequest(_Body):
             if json_schema is not None:
                 raise ValueError("Give the JSON schema once: response_format or guided_json, not both.")
             json_schema = self._guided_json()
+        structured = self._structured_outputs(json_schema is not None)
+        for name in ("allowed_token_ids", "bad_words"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, list):
+                raise ValueError(f"{name} must be a list, got {value!r}.")
         return SamplingParams(n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, seed=seed,
                               stop=self.stop, ignore_eos=self.ignore_eos, logprobs=logprobs,
                               logit_bias=self._logit_bias(), json_schema=json_schema,
+                              structured_outputs=structured, allowed_token_ids=self.allowed_token_ids,
+                              bad_words=self.bad_words or None,
                               stop_token_ids=self.stop_token_ids,
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               skip_special_tokens=self.skip_special_tokens,
@@ -140,6 +149,43 @@ class _SamplingRequest(_Body):
     def _refused(self) -> dict:
         """The vLLM fields this request kind refuses (see _VLLM_REFUSED)."""
         return _VLLM_REFUSED
+
+    def constraint_field(self) -> str | None:
+        """The request field that constrains the output beyond response_format: guided_json,
+        guided_regex, guided_choice, guided_grammar or structured_outputs; None if none does."""
+        given = [f for f in _CONSTRAINTS if getattr(self, f) is not None]
+        return given[0] if given else None
+
+    def _structured_outputs(self, has_schema: bool) -> StructuredOutputsParams | None:
+        """The guided_regex / guided_choice / guided_grammar / structured_outputs constraint, checked;
+        ValueError (one sentence, naming the field) if more than one constraint is given."""
+        given = [f for f in _CONSTRAINTS[1:] if getattr(self, f) is not None]  # NOTE: guided_json is has_schema
+        if len(given) + has_schema > 1:
+            schema = "guided_json" if self.guided_json is not None else "response_format"
+            named = ([schema] if has_schema else []) + given
+            raise ValueError(f"Give one output constraint, not {' and '.join(named)}.")
+        if not given:
+            return None
+        field = given[0]
+        value = getattr(self, field)
+        if field == "structured_outputs":
+            if not isinstance(value, dict):
+                raise ValueError("structured_outputs must be an object holding one of json, regex, choice, grammar "
+                                 "or json_object.")
+            unknown = sorted(set(value) - set(_STRUCTURED_KEYS))
+            if unknown:
+                raise ValueError(f"structured_outputs has no field {unknown[0]!r} here; it takes one of "
+                                 f"{', '.join(_STRUCTURED_KEYS)}.")
+            out = StructuredOutputsParams(**value)
+            out.constraint()
+            return out
+        kind = field.removeprefix("guided_")
+        out = StructuredOutputsParams(**{kind: value})
+        try:
+            out.constraint()
+        except ValueError as e:
+            raise ValueError(str(e).replace(f"structured_outputs' {kind}", field)) from None
+        return out
 
     def json_schema(self) -> dict | None:
         """The JSON schema that response_format asks the output to follow, or None."""
@@ -236,10 +282,12 @@ def strict_schema(schema: dict) -> dict:
     return walk(schema)
 
 
+# the request fields that constrain the output besides response_format, and structured_outputs' keys
+_CONSTRAINTS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
 # vLLM request fields with no counterpart here, and the values that change nothing
 _VLLM_REFUSED = {"use_beam_search": (False,), "length_penalty": (1.0,), "prompt_logprobs": (),
-                 "allowed_token_ids": (), "bad_words": ([],), "guided_regex": (),
-                 "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
                  "spaces_between_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
                  "priority": (0,), "guided_whitespace_pattern": (), "guided_decoding_backend": (),
                  "logits_processors": ([],), "return_token_ids": (False,), "detokenize": (True,),

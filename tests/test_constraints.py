@@ -1,0 +1,212 @@
+"""Output constraints beyond a JSON schema, as vLLM's: structured_outputs (regex, choice, Lark or
+GBNF grammar, json, json_object; guided_decoding its older name), allowed_token_ids, bad_words;
+on the Engine and through the OpenAI server."""
+import dataclasses
+import json
+import re
+
+import pytest
+
+from models import build_model
+
+from numa_runtime import Engine, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("llama")
+    build_model(str(d), arch="llama")
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def eng(model_dir):
+    e = Engine(model_dir, dtype="float32", kv_cache_memory=1 << 24, max_model_len=256)
+    yield e
+    e.close()
+
+
+PLATE = r"[a-z]{2,4}-[0-9]{3}"
+
+
+def test_regex_is_matched_whole_and_ends_the_output(eng):
+    """A random model sampling at temperature 1 writes only what the regex allows, and stops
+    when the regex is complete; n > 1 (copies of the params) keeps the constraint."""
+    outs = eng.generate(["Hello", "The quick brown fox"], SamplingParams(
+        n=2, temperature=1.0, seed=5, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=PLATE)))
+    for o in outs:
+        for c in o.outputs:
+            assert re.fullmatch(PLATE, c.text), c.text
+            assert c.finish_reason == "stop"
+    assert not eng.has_unfinished_requests()
+
+
+def test_choice_gives_one_of_the_strings(eng):
+    choices = ["red", "green", "blue sky", "näive"]
+    seen = set()
+    for seed in range(8):
+        o = eng.generate("Pick one", SamplingParams(temperature=1.0, seed=seed, max_tokens=20,
+                                                    structured_outputs={"choice": choices}))[0]
+        assert o.text in choices and o.finish_reason == "stop", o.text
+        seen.add(o.text)
+    assert len(seen) > 1  # sampled, not one string forced
+
+
+@pytest.mark.parametrize("grammar", [
+    'start: "(" num ("+" num)? ")"\nnum: /[0-9]/',          # Lark
+    'root ::= "(" num ("+" num)? ")"\nnum ::= [0-9]',       # llama.cpp's GBNF
+])
+def test_grammar_lark_or_gbnf(eng, grammar):
+    for seed in range(3):
+        o = eng.generate("Sum", SamplingParams(temperature=1.0, seed=seed, max_tokens=20,
+                                               guided_decoding=GuidedDecodingParams(grammar=grammar)))[0]
+        assert re.fullmatch(r"\([0-9](\+[0-9])?\)", o.text) and o.finish_reason == "stop", o.text
+
+
+def test_structured_outputs_json_is_a_json_schema():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for so in ({"json": schema}, {"json": json.dumps(schema)}, StructuredOutputsParams(json=schema)):
+        sp = SamplingParams(structured_outputs=so)
+        assert sp.json_schema == schema and sp.constraint == ("json", schema)
+    assert SamplingParams(structured_outputs={"json_object": True}).json_schema == {"type": "object"}
+    sp = SamplingParams(n=2, json_schema=schema)
+    assert dataclasses.replace(sp, n=1).constraint == ("json", schema)  # the engine's per-choice copy
+    sp = SamplingParams(n=2, structured_outputs={"regex": "a+"})
+    assert dataclasses.replace(sp, n=1).constraint == ("regex", "a+")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one of"),
+    ({"structured_outputs": {}}, "exactly one of .* got none"),
+    ({"structured_outputs": {"pattern": "a"}}, "no field 'pattern'"),
+    ({"structured_outputs": {"choice": []}}, "choice must be a non-empty list"),
+    ({"structured_outputs": {"choice": ["a", 3]}}, "choice must be a non-empty list"),
+    ({"structured_outputs": {"json": "{not json"}}, "json must be a JSON schema"),
+    ({"structured_outputs": {"regex": ""}}, "regex must be a non-empty string"),
+    ({"structured_outputs": "a+"}, "must be a StructuredOutputsParams or a dict"),
+    ({"structured_outputs": {"regex": "a"}, "guided_decoding": {"regex": "b"}}, "not both"),
+    ({"json_schema": {"type": "object"}, "structured_outputs": {"regex": "a"}}, "Give one output constraint"),
+    ({"structured_outputs": {"regex": "a"}, "min_tokens": 2}, "min_tokens cannot be combined"),
+    ({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty list"),
+    ({"allowed_token_ids": [1, -2]}, "allowed_token_ids must be a non-empty list"),
+    ({"bad_words": "word"}, "bad_words must be a list"),
+    ({"bad_words": ["ok", " "]}, "bad_words must be a list of non-empty strings"),
+])
+def test_bad_constraints_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_unusable_regex_or_grammar_is_refused_naming_its_field(eng):
+    with pytest.raises(ValueError, match=r"^guided_regex cannot be used: .*") as e:
+        eng.generate("Hello", SamplingParams(structured_outputs={"regex": "(ab"}))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"^guided_grammar cannot be used: "):
+        eng.generate("Hello", SamplingParams(structured_outputs={"grammar": "start: undefined_rule"}))
+    with pytest.raises(ValueError, match="allowed_token_ids names token 100000"):
+        eng.generate("Hello", SamplingParams(allowed_token_ids=[1, 100000]))
+    assert not eng.has_unfinished_requests()
+    assert eng.generate("Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0].token_ids
+
+
+def test_allowed_token_ids_picks_the_best_allowed_token(eng):
+    """Greedy with allowed_token_ids takes the most likely allowed token: leaving out the model's
+    first and second choices makes it take the third, at every step only allowed ids."""
+    free = eng.generate("Hello world", SamplingParams(temperature=0, max_tokens=1, logprobs=3, ignore_eos=True))[0]
+    ranked = list(free.outputs[0].logprobs[0])  # most likely first
+    assert len(ranked) == 3
+    allowed = [ranked[2], 7, 11, 13]
+    out = eng.generate("Hello world", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                     allowed_token_ids=allowed))[0]
+    assert out.token_ids[0] == ranked[2] or out.token_ids[0] in (7, 11, 13) and ranked[2] not in (7, 11, 13)
+    assert set(out.token_ids) <= set(allowed)
+    sampled = eng.generate("Hello world", SamplingParams(temperature=1.0, seed=3, max_tokens=30, ignore_eos=True,
+                                                         allowed_token_ids=[5, 6]))[0]
+    assert set(sampled.token_ids) <= {5, 6}
+
+
+def _contains(seq, sub):
+    return any(seq[i:i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+
+
+def test_bad_words_never_appear_in_the_output(eng):
+    """A word the unconstrained greedy output writes (one token, then two) is banned: the output
+    changes and no tokenization of the word vLLM bans appears in it."""
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    free = eng.generate("Hello world", sp)[0].token_ids
+    words = []
+    for width in (1, 2):
+        for i in range(len(free) - width + 1):
+            word = eng.tokenizer.decode(free[i:i + width]).strip()
+            if word and free[i:i + width] in eng._bad_words_ids([word]):
+                words.append((word, free[i:i + width]))
+                break
+    assert len(words) == 2, "the model's greedy output has no word to ban"
+    for word, ids in words:
+        out = eng.generate("Hello world", dataclasses.replace(sp, bad_words=[word]))[0].token_ids
+        assert out != free
+        for banned in eng._bad_words_ids([word]):
+            assert not _contains(out, banned), (word, banned, out)
+
+
+def test_constraints_through_the_server(model_dir, eng):
+    """guided_regex / guided_choice / guided_grammar / structured_outputs / allowed_token_ids /
+    bad_words through the official openai client; a bad one is a 400 naming its field."""
+    import openai
+    from test_server import ServerProcess
+
+    from numa_runtime.serve.responses import token_text
+
+    srv = ServerProcess(["--model", model_dir, "--dtype", "float32", "--max-model-len", "256", "--num-threads", "1"])
+    try:
+        client = srv.client()
+        model = client.models.list().data[0].id
+        kw = dict(model=model, max_tokens=30, temperature=1.0, seed=2)
+        r = client.completions.create(prompt="Hello", extra_body={"guided_regex": PLATE}, **kw)
+        assert re.fullmatch(PLATE, r.choices[0].text) and r.choices[0].finish_reason == "stop"
+        r = client.chat.completions.create(messages=[{"role": "user", "content": "Pick"}],
+                                           extra_body={"guided_choice": ["yes", "no"]}, **kw)
+        assert r.choices[0].message.content in ("yes", "no")
+        r = client.chat.completions.create(messages=[{"role": "user", "content": "Pick"}], stream=True,
+                                           extra_body={"structured_outputs": {"regex": PLATE}}, **kw)
+        text = "".join(c.choices[0].delta.content or "" for c in r if c.choices)
+        assert re.fullmatch(PLATE, text), text
+        r = client.completions.create(prompt="Sum", extra_body={"guided_grammar": 'root ::= "(" [0-9] ")"'}, **kw)
+        assert re.fullmatch(r"\([0-9]\)", r.choices[0].text)
+        r = client.completions.create(prompt="Hello", extra_body={"allowed_token_ids": [5, 6]}, logprobs=1,
+                                      **{**kw, "max_tokens": 8})
+        tokens = r.choices[0].logprobs.tokens
+        assert len(tokens) == 8 and set(tokens) <= {token_text(eng.tokenizer.token_bytes(t)) for t in (5, 6)}
+        for body, field in (({"guided_regex": "(ab"}, "guided_regex"),
+                            ({"structured_outputs": {"grammar": "start: nope"}}, "structured_outputs"),
+                            ({"guided_choice": "yes"}, "guided_choice"),
+                            ({"guided_regex": "a", "guided_choice": ["b"]}, None),
+                            ({"guided_regex": "a", "response_format": {"type": "json_object"}}, None),
+                            ({"allowed_token_ids": [10 ** 6]}, "allowed_token_ids"),
+                            ({"bad_words": "x"}, "bad_words")):
+            with pytest.raises(openai.BadRequestError) as e:
+                client.completions.create(prompt="Hello", extra_body=body, **kw)
+            if field:
+                assert e.value.body["param"] == field, (body, e.value.body)
+            assert "\n" not in e.value.body["message"]
+        # a word the greedy output starts with, banned: the server writes what the Engine writes
+        greedy = dict(model=model, max_tokens=12, temperature=0)
+        free = eng.generate("Hello", SamplingParams(temperature=0, max_tokens=12))[0]
+        word = eng.tokenizer.decode(free.token_ids[:1]).strip()
+        assert word and free.token_ids[:1] in eng._bad_words_ids([word])
+        want = eng.generate("Hello", SamplingParams(temperature=0, max_tokens=12, bad_words=[word]))[0].text
+        assert want != free.text
+        assert client.completions.create(prompt="Hello", **greedy).choices[0].text == free.text
+        r = client.completions.create(prompt="Hello", extra_body={"bad_words": [word]}, **greedy)
+        assert r.choices[0].text == want
+    finally:
+        srv.stop()
+
+
+def test_bad_word_rule_matches_vllm():
+    from numa_runtime.sampler import bad_word_bans
+    words = [[7], [3, 4], [1, 2, 9]]
+    assert bad_word_bans(words, []) == [7]
+    assert bad_word_bans(words, [5, 3]) == [7, 4]
+    assert bad_word_bans(words, [1, 2]) == [7, 9]
+    assert bad_word_bans(words, [2]) == [7]
