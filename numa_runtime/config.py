@@ -9,6 +9,10 @@ import numbers
 import os
 from dataclasses import dataclass
 
+# config.json without "architectures": its model_type's causal LM (transformers' auto mapping)
+_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
@@ -157,7 +161,13 @@ class ModelConfig:
     @classmethod
     def _from_dict(cls, cfg: dict, model_dir: str = "") -> "ModelConfig":
         archs = cfg.get("architectures") or []
+        if not archs and cfg.get("model_type") in _BY_MODEL_TYPE:  # NOTE: as transformers' AutoModelForCausalLM
+            archs = [_BY_MODEL_TYPE[cfg["model_type"]]]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None and not archs:
+            raise UnsupportedModelError(
+                f"config.json names no architecture (model_type {cfg.get('model_type')!r}); numa_runtime runs "
+                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}.")
         if arch is None:
             raise UnsupportedModelError(
                 f"Unsupported architecture {archs or cfg.get('model_type')!r}; numa_runtime runs "

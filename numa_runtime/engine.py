@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import itertools
 import numbers
 import os
@@ -270,18 +271,28 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, *, cap_max_tokens: bool = True) -> str:
         """Queue a prompt (text or token ids); returns its request id. Its outputs come back from
-        step(), also those made while generate() or stream() stepped the engine."""
+        step(), also those made while generate() or stream() stepped the engine. vLLM's order,
+        add_request(request_id, prompt, params), works too. A max_tokens past the context ends
+        the request there with finish_reason "length", as vLLM's LLM (cap_max_tokens=False: a
+        ValueError, as vLLM's server)."""
         self._driver_only("add_request")
-        return self._add(prompt, params, request_id, self._step_outbox)
+        if isinstance(request_id, SamplingParams) and not isinstance(params, SamplingParams):
+            request_id, prompt, params = prompt, params, request_id  # NOTE: vLLM's LLMEngine order
+        if params is not None and not isinstance(params, SamplingParams):
+            raise TypeError(f"add_request takes (prompt, params, request_id) or vLLM's (request_id, prompt, params); "
+                            f"params must be a SamplingParams, got {type(params).__name__}.")
+        return self._add(prompt, params, request_id, self._step_outbox, cap_max_tokens)
 
-    def _add(self, prompt, params: SamplingParams | None, request_id: str | None, outbox: deque) -> str:
+    def _add(self, prompt, params: SamplingParams | None, request_id: str | None, outbox: deque,
+             cap_max_tokens: bool = True) -> str:
         """Queue a request whose outputs are appended to `outbox` (its owner reads them there)."""
         with self._atomic():
-            return self._add_locked(prompt, params, request_id, outbox)
+            return self._add_locked(prompt, params, request_id, outbox, cap_max_tokens)
 
-    def _add_locked(self, prompt, params: SamplingParams | None, request_id: str | None, outbox: deque) -> str:
+    def _add_locked(self, prompt, params: SamplingParams | None, request_id: str | None, outbox: deque,
+                    cap_max_tokens: bool = True) -> str:
         if self.model_config.is_embedding_model:
             what = ("an embedding checkpoint (it declares a pooling: sentence-transformers' 1_Pooling or a "
                     "GGUF's pooling_type)" if self.model_config.pooling else "an embedding model without an LM head")
@@ -302,6 +313,10 @@ class Engine:
                                  f"(size {self.model_config.vocab_size}).")
         keep = prompt_truncation(params.truncate_prompt_tokens, self.max_model_len)
         text, ids = self._tokenize(prompt, keep)
+        room = self.max_model_len - len(ids)
+        if cap_max_tokens and params.max_tokens is not None and 0 < room < params.max_tokens:
+            # NOTE: as vLLM's LLM: the request ends with "length" where the context does
+            params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
         bad_words = self._bad_words_ids(params.bad_words)
         group = _Group(rid, text, ids, params, outbox)
         if params.prompt_logprobs is not None:  # NOTE: a prefill of its own, before the request is queued
@@ -368,19 +383,28 @@ class Engine:
             raise ValueError(f"Token id {bad[0]} is outside the vocabulary (size {self.model_config.vocab_size}).")
         return text, ids
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request; its owner gets a last output with finish_reason "abort". Idempotent."""
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Stop a request, or each of a list of them (vLLM's form); its owner gets a last output
+        with finish_reason "abort". Idempotent."""
+        items = [request_id] if isinstance(request_id, (str, int)) else (
+            list(request_id) if isinstance(request_id, Iterable) else [None])
+        if any(not isinstance(r, (str, int)) or isinstance(r, bool) for r in items):
+            raise TypeError(f"abort_request takes a request id or a list of them, got {request_id!r}.")
+        ids = [str(r) for r in items]
         with self._atomic():
-            group = self._groups.pop(str(request_id), None)
-            if group is None:
-                return
-            for req in group.children:
-                if not req.is_finished:
-                    self.scheduler.abort_request(req.request_id)
-            group.outbox.append(self._output(group))
+            for rid in ids:
+                group = self._groups.pop(rid, None)
+                if group is None:
+                    continue
+                for req in group.children:
+                    if not req.is_finished:
+                        self.scheduler.abort_request(req.request_id)
+                group.outbox.append(self._output(group))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        """Whether a request runs, or an output step() has yet to hand over (vLLM's loop
+        `while engine.has_unfinished_requests(): engine.step()` collects every last output)."""
+        return bool(self._groups) or bool(self._step_outbox)
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
@@ -575,7 +599,7 @@ class Engine:
         final: dict[str, RequestOutput] = {}
         try:
             for p, sp in zip(plist, params):
-                rids.append(self._add(p, sp, None, outbox))
+                rids.append(self._add_when_room(p, sp, outbox))
             while len(final) < len(rids):
                 self._wait(outbox)
                 for o in _take_all(outbox):
@@ -591,6 +615,18 @@ class Engine:
             if bar is not None:
                 bar.close()
         return [final[r] for r in rids]
+
+    def _add_when_room(self, prompt, params, outbox: deque) -> str:
+        """_add, stepping the engine while running requests hold the KV blocks a prompt_logprobs
+        prefill needs (vLLM queues such a request; a blocking call never asks its caller to retry)."""
+        while True:
+            try:
+                return self._add(prompt, params, None, outbox)
+            except KVCacheBusyError:
+                with self._atomic():
+                    if not self.scheduler.has_unfinished():
+                        raise
+                    self._step()
 
     def _id_taken(self, rid: str, n: int) -> bool:
         """Whether an automatic id (or one of its n children's) is a request's already."""
@@ -1022,7 +1058,6 @@ def _take_all(outbox: deque) -> list:
 
 
 def _child_params(p: SamplingParams, i: int) -> SamplingParams:
-    import dataclasses
     return dataclasses.replace(p, n=1, seed=None if p.seed is None else (p.seed + i) % (1 << 64))
 
 

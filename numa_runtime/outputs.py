@@ -41,6 +41,14 @@ class Prefix(Sequence):
     def __repr__(self) -> str:
         return repr(list(self))
 
+    def __add__(self, other):  # NOTE: as a list: prefix + [ids] is a new list
+        return list(self) + list(other)
+
+    def __radd__(self, other):
+        return list(other) + list(self)
+
+    __hash__ = None  # as a list's
+
 
 @dataclass
 class Logprob:

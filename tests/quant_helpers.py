@@ -34,7 +34,7 @@ def write_dequantized_copy(src: str, dst: str, fmt: QuantFormat | None, head: Qu
             tensors[name] = dequantize(quantize(w.astype(np.float32), fmt.for_split(w.shape[1], unit)))
     if head is not None:
         w = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"]).astype(np.float32)
-        tensors["lm_head.weight"] = dequantize(quantize(w, head.for_k(w.shape[1])))
+        tensors["lm_head.weight"] = dequantize(quantize(w, head.for_head(w.shape[1])))
         cfg["tie_word_embeddings"] = False
         with open(os.path.join(dst, "config.json"), "w") as f:
             json.dump(cfg, f)

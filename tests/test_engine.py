@@ -357,6 +357,87 @@ def test_unsupported_architecture_fails_before_weights(tmp_path):
         Engine(str(tmp_path))
 
 
+def test_config_without_architectures_uses_its_model_type(tmp_path, model_dir):
+    """As transformers' AutoModelForCausalLM: model_type llama means LlamaForCausalLM; one it
+    does not run says that no architecture is named (it blamed 'llama' as unsupported)."""
+    import shutil
+    d = tmp_path / "m"
+    shutil.copytree(model_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["architectures"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    e = Engine(str(d), dtype="float32", kv_cache_memory=1 << 20, max_model_len=64)
+    try:
+        assert e.model_config.architecture == "LlamaForCausalLM"
+        assert e.generate("Hello", GREEDY)[0].token_ids
+    finally:
+        e.close()
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(UnsupportedModelError, match="config.json names no architecture .model_type 'gpt2'"):
+        Engine(str(tmp_path))
+
+
+def test_vllm_step_loop_collects_every_output_and_aborts_lists(eng):
+    """vLLM's LLMEngine habits: add_request(request_id, prompt, params); `while
+    has_unfinished_requests(): step()` gets each request's last output even when generate()
+    stepped the engine meanwhile; abort_request takes a list of ids."""
+    rid = eng.add_request("vllm-1", "Hello", SamplingParams(temperature=0, max_tokens=3))
+    assert rid == "vllm-1"
+    eng.generate(["The quick brown"], SamplingParams(temperature=0, max_tokens=20))  # finishes vllm-1 too
+    got = []
+    while eng.has_unfinished_requests():
+        got += eng.step()
+    assert got and got[-1].finished and got[-1].request_id == "vllm-1"
+    assert got[-1].outputs[0].finish_reason == "length" and len(got[-1].outputs[0].token_ids) == 3
+    a = eng.add_request("Hello", SamplingParams(temperature=0, max_tokens=40))
+    b = eng.add_request("World", SamplingParams(temperature=0, max_tokens=40))
+    partial = eng.step()[0].outputs[0]
+    assert partial.token_ids + [1] == list(partial.token_ids) + [1]
+    eng.abort_request([a, b])
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert {o.request_id: o.outputs[0].finish_reason for o in outs if o.finished} == {a: "abort", b: "abort"}
+    assert eng.scheduler.block_manager.usage == 0.0
+    with pytest.raises(TypeError, match="takes a request id or a list of them"):
+        eng.abort_request(3.5)
+    with pytest.raises(TypeError, match=r"add_request takes \(prompt, params, request_id\)"):
+        eng.add_request("Hello", "World")
+
+
+def test_max_tokens_past_the_context_ends_with_length(eng):
+    """As vLLM's LLM: a prompt that fits with max_tokens past the context runs to the context's
+    end (finish_reason "length") instead of failing the whole batch."""
+    outs = eng.generate([[5, 6, 7], list(range(3, 3 + 250)), [8, 9]],
+                        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [16, 6, 16]
+    assert outs[1].finish_reason == "length"
+    with pytest.raises(ValueError, match="exceeds max_model_len"):
+        eng.add_request(list(range(3, 253)), SamplingParams(max_tokens=16), cap_max_tokens=False)
+
+
+def test_prompt_logprobs_wait_for_room_in_generate(model_dir):
+    """generate() with prompt_logprobs while other requests hold the KV blocks waits for room
+    (it raised KVCacheBusyError, a retry hint meant for the server's loop)."""
+    e = Engine(model_dir, dtype="float32", kv_cache_memory=12 * 8192, max_model_len=128, block_size=16)
+    try:
+        blocks = e.scheduler.block_manager.num_blocks
+        long = list(range(3, 3 + 100))
+        e.add_request(long, SamplingParams(temperature=0, max_tokens=20))
+        e.step()
+        free = e.scheduler.block_manager.num_free_blocks
+        p = list(range(7, 7 + 16 * (free + 1)))[:120]
+        assert e.scheduler.block_manager.num_blocks_for(len(p)) > free and blocks >= e.scheduler.block_manager.num_blocks_for(len(p))
+        out = e.generate([p], SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1))[0]
+        assert len(out.prompt_logprobs) == len(p) and out.finished
+        rest = []
+        while e.has_unfinished_requests():
+            rest += e.step()
+        assert rest[-1].finished
+    finally:
+        e.close()
+
+
 def test_sharded_checkpoint_loads(tmp_path, model_dir):
     """A model saved in several shards with an index gives the same tokens."""
     import torch

@@ -321,7 +321,7 @@ def test_async_engine_counts_each_waiting_request_once():
         def __init__(self):
             self.scheduler = Scheduler()
 
-        def add_request(self, prompt, params, request_id):
+        def add_request(self, prompt, params, request_id, cap_max_tokens=True):
             self.scheduler.waiting.append(request_id)
 
         def abort_request(self, rid):

@@ -118,6 +118,29 @@ def test_lm_head_alone_and_gguf_rule(model_dir):
     assert head_quantization("auto", "int8", NativeBlocks()) is None
 
 
+def test_lm_head_whose_k_no_group_divides_gets_one_scale_a_row(tmp_path):
+    """hidden 200: no group of 128, 64 or 32 divides it; the default int8 head ('auto' with a
+    quantized decoder, or 'int8') falls back to a scale per row (it was an error that advised the
+    setting that had failed); an explicit group that does not divide is still refused."""
+    src = str(tmp_path / "k200")
+    build_model(src, arch="llama", hidden_size=200, num_attention_heads=5, num_key_value_heads=1,
+                intermediate_size=512)
+    assert QuantFormat.parse("int8").for_head(200).group_size == -1
+    for quant, head in (("int8-channel", "auto"), (None, "int8")):
+        ref = str(tmp_path / f"deq-{quant}")
+        write_dequantized_copy(src, ref, None if quant is None else QuantFormat.parse(quant),
+                               head_quantization(head, quant))
+        q, r = engine(src, quantization=quant, lm_head_quantization=head), engine(ref)
+        try:
+            assert q.runner.model.lm_head.dtype == "int8"
+            assert_same_model(q, r)
+        finally:
+            q.close()
+            r.close()
+    with pytest.raises(ValueError, match="use 'int8-channel' or a group that divides 200"):
+        engine(src, lm_head_quantization="int8-g64")
+
+
 @pytest.mark.parametrize("head", ["int4", "fp8", 8, "int8-g48"])
 def test_bad_lm_head_quantization_is_a_clear_error(model_dir, head):
     with pytest.raises(ValueError, match=r"^lm_head_quantization must be None, 'auto' or an int8 format "
@@ -130,7 +153,7 @@ def test_a_head_group_that_does_not_divide_the_hidden_size_names_the_head(tmp_pa
     d = str(tmp_path / "m")
     build_model(d, arch="qwen3", hidden_size=96, tie_word_embeddings=True)
     with pytest.raises(ValueError, match=r"lm_head_quantization \(int8 in groups of 64\): the lm_head's 96 input "
-                                         r"features are not a multiple of 64; use 'int8'"):
+                                         r"features are not a multiple of 64; use 'int8-channel'"):
         Engine(d, dtype="float32", quantization="int4", lm_head_quantization="int8-g64", kv_cache_memory=1 << 22)
 
 

@@ -385,6 +385,16 @@ def test_echo_logprobs_score_the_prompt_as_lm_eval_asks(client, server, model_di
     assert err["code"] == "invalid_value" and err["param"] == "truncate_prompt_tokens"
 
 
+@pytest.mark.parametrize("headers", [{}, {"Content-Type": "text/plain"}])
+def test_a_body_not_sent_as_json_says_so(server, headers):
+    """A body without 'Content-Type: application/json' (httpx's or requests' data=) is told so;
+    without the header it got pydantic's 'Input should be a valid dictionary'."""
+    r = httpx.post(server.base + "/v1/completions", content=b'{"prompt": "hi", "max_tokens": 2}', headers=headers)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == ("The request body must be a JSON object sent with "
+                                            "'Content-Type: application/json'.")
+
+
 def test_a_json_schema_no_value_completes_is_an_error_not_a_stop(client):
     """The schema's grammar fails mid-way (an object that must hold itself): a 400 that says so,
     or an error event in a stream; it used to end as "stop" with '{"x": '."""

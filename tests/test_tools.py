@@ -260,3 +260,18 @@ def test_tool_flags_are_checked_before_loading():
         p = subprocess.run([sys.executable, "-m", "numa_runtime.serve", "--model", "/nonexistent", *flags],
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and msg in p.stderr, p.stderr[-2000:]
+
+
+def test_strict_function_allows_no_undeclared_argument():
+    """OpenAI's function.strict: the arguments follow the schema exactly (as response_format's
+    strict): a named or "required" tool_choice constrains with additionalProperties false; a
+    weak model filled max_tokens with made-up keys."""
+    params = {"type": "object", "properties": {"tz": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["tz"]}
+    tools = [{"type": "function", "function": {"name": "get_time", "strict": True, "parameters": params}},
+             {"type": "function", "function": {"name": "loose", "parameters": params}}]
+    named = plan(tools, {"type": "function", "function": {"name": "get_time"}}, None)
+    assert named.schema["additionalProperties"] is False and "additionalProperties" not in params
+    assert "additionalProperties" not in plan(tools, {"type": "function", "function": {"name": "loose"}}, None).schema
+    calls = plan(tools, "required", None).schema["items"]["anyOf"]
+    assert [c["properties"]["parameters"].get("additionalProperties") for c in calls] == [False, None]
+

@@ -86,6 +86,14 @@ class QuantFormat:
                 return QuantFormat(self.bits, g, self.kind)
         return self
 
+    def for_head(self, k: int) -> "QuantFormat":
+        """The lm_head's format: for_k(k), or one scale per row where a fitted group divides no k
+        (the head's kernels take whole groups only)."""
+        f = self.for_k(k)
+        if self.fit_group and f.group_size > 0 and k % f.group_size:
+            return QuantFormat(f.bits, -1, f.kind)
+        return f
+
     def for_split(self, k: int, unit: int | None = None) -> "QuantFormat":
         """The format of a weight with k input features whose rank slices start and end on
         multiples of `unit` (None: only the whole k, or a split aligned to for_k(k)'s group):

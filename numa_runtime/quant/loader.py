@@ -107,15 +107,16 @@ class LinearFactory:
     def _quantized_head(self, name: str, rows: slice) -> QuantizedWeight:
         step = HEAD_CHUNK
         k = self._full_shape(name)[1]
-        g = self.head_quant.for_k(k).group_size
+        fmt = self.head_quant.for_head(k)
+        g = fmt.group_size
         if g > 0 and k % g:
-            raise QuantError(f"lm_head_quantization (int8 in groups of {g}): the lm_head's {k} input features are "
-                             f"not a multiple of {g}; use 'int8' or a group that divides {k}.")
+            raise QuantError(f"lm_head_quantization (int8 in groups of {g}): the lm_head's {k} input features "
+                             f"are not a multiple of {g}; use 'int8-channel' or a group that divides {k}.")
         starts = range(rows.start, rows.stop, step) or [rows.start]  # NOTE: a rank may hold no rows
         parts = []
         for r0 in starts:
             w = self.ckpt.load(name, "float32", rows=slice(r0, min(r0 + step, rows.stop)))  # [n, K]
-            parts.append(quantize(w, self.head_quant.for_k(w.shape[1])))
+            parts.append(quantize(w, fmt))
         return parts[0] if len(parts) == 1 else concat_rows(parts)
 
     def _weight(self, name: str, rows: slice | None, cols: slice | None, unit: int | None = None):

@@ -603,7 +603,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         message, param = _validation_message(exc)
-        if param is None and b"json" not in request.headers.get("content-type", "json").encode():
+        if param is None and b"json" not in request.headers.get("content-type", "").encode():
             message = "The request body must be a JSON object sent with 'Content-Type: application/json'."
         return render(400, message, param=param, code="invalid_value")
 

@@ -242,7 +242,7 @@ class AsyncEngine:
             _resolve(fut, error=EngineDeadError("The server is shutting down; retry on another server."))
             return
         try:
-            self.engine.add_request(prompt, params, request_id=request_id)
+            self.engine.add_request(prompt, params, request_id=request_id, cap_max_tokens=False)
         except Exception as e:  # noqa: BLE001 - ValueError/TypeError are the caller's 400s
             self._took_add()
             _resolve(fut, error=e)

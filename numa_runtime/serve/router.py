@@ -240,7 +240,7 @@ class ModelRouter:
         for victim in list(self.engines):
             if self.used_bytes + need <= self.config.memory_budget:
                 break
-            if not self.engines[victim].has_unfinished_requests():
+            if not self.engines[victim].scheduler.has_unfinished():  # NOTE: an abort's last output may wait
                 self._unload(victim)
         if self.used_bytes + need > self.config.memory_budget:
             raise ModelUnavailableError(
@@ -328,14 +328,14 @@ class ModelRouter:
             self._control_comm.broadcast_plan(_control(kind, -1 if name is None else self.index[name]))
 
     # ------------------------------------------------------------------ Engine-like surface
-    def add_request(self, prompt, params=None, request_id: str | None = None) -> str:
+    def add_request(self, prompt, params=None, request_id: str | None = None, *, cap_max_tokens: bool = True) -> str:
         name = self.route.pop(str(request_id), None)
         since = self.since.pop(str(request_id), None)
         if name is None:
             raise ValueError(f"Request {request_id!r} names no model.")
         eng = self.get(name, since)
         self._activate(name)
-        rid = eng.add_request(prompt, params, request_id=request_id)
+        rid = eng.add_request(prompt, params, request_id=request_id, cap_max_tokens=cap_max_tokens)
         self.owner[rid] = name
         return rid
 
@@ -388,7 +388,8 @@ class ModelRouter:
         outs = []
         for name, eng in list(self.engines.items()):
             if eng.has_unfinished_requests():
-                self._activate(name)
+                if eng.scheduler.has_unfinished():  # NOTE: else step() only hands over what an abort left
+                    self._activate(name)
                 for o in eng.step():
                     if o.finished:
                         self.owner.pop(o.request_id, None)

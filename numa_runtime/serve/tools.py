@@ -72,6 +72,9 @@ def plan(tools, tool_choice, parser: str | None) -> ToolPlan:
             params = {"type": "object", "properties": {}}
         if not isinstance(params, dict):
             raise ToolError(f"tools[{i}].function.parameters must be a JSON schema object.", "tools")
+        if fn.get("strict") is True:  # NOTE: as response_format's strict: no undeclared property
+            from .protocol import strict_schema
+            params = strict_schema(params)
         functions[name] = params
     choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
     if isinstance(choice, dict):
