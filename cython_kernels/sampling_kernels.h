@@ -134,6 +134,17 @@ static inline double nr_exp_f64(double x) {
 #define NR_BUCKET_W 32.0
 
 /* c[0..n) = every token with p >= t, in the reference order. */
+/* top_k keeps every token tied with the k-th, as vLLM (it masks only logits below the k-th):
+ * c[0..k) sorted, c[k..n) the rest; ties move up to c[k..), sorted. Returns the kept count. */
+static int64_t nr_keep_ties(nr_pi *c, int64_t n, int64_t k) {
+    int64_t kk = k;
+    double pk = c[k - 1].p;
+    for (int64_t i = k; i < n; i++)
+        if (c[i].p == pk) { nr_pi tmp = c[kk]; c[kk] = c[i]; c[i] = tmp; kk++; }
+    if (kk > k + 1) qsort(c + k, (size_t)(kk - k), sizeof(nr_pi), nr_cmp_pi);
+    return kk;
+}
+
 static int64_t nr_collect(const double *p, int64_t V, double t, nr_pi *c) {
     int64_t n = 0;
     for (int64_t i = 0; i < V; i++)
@@ -191,7 +202,7 @@ static int64_t nr_sample_row(const float *x, int64_t V, const nr_row_params *rp,
          * and top_k both keep a prefix of the sorted tokens) */
         n = nr_collect(p, V, rp->min_p * pmax, c);
         if (n > 0) {  /* NOTE: 0 only for a NaN pmax: the path below handles it */
-            if (k > 0 && k < n) n = k;
+            if (k > 0 && k < n) n = nr_keep_ties(c, n, k);
             double kept = 0.0;
             for (int64_t i = 0; i < n; i++) kept += c[i].p;
             nr_row_params top_p_only = *rp;
@@ -209,10 +220,12 @@ static int64_t nr_sample_row(const float *x, int64_t V, const nr_row_params *rp,
             for (int64_t i = 0; i < V; i++) { c[i].p = p[i]; c[i].i = i; }
             nr_select(c, V, k);
             qsort(c, (size_t)k, sizeof(nr_pi), nr_cmp_pi);
+            n = V;
         }
+        int64_t kept = nr_keep_ties(c, n, k);
         double tk = 0.0;
-        for (int64_t i = 0; i < k; i++) tk += c[i].p;
-        return nr_pick(c, k, 1, 0.0, tk, rp);
+        for (int64_t i = 0; i < kept; i++) tk += c[i].p;
+        return nr_pick(c, kept, 1, 0.0, tk, rp);
     }
     /* whole vocabulary: candidates covering the mass the later steps look at */
     if (rp->min_p > 0.0 && rp->top_p >= 1.0) {  /* min_p alone: its threshold decides */

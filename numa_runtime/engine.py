@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Iterable, Iterator
 
@@ -40,6 +41,10 @@ from .logger import init_logger
 
 log = init_logger()
 _workers_exited = False  # rank 0: a closed Engine's worker ranks have exited (no new Engine can start)
+_served = None  # rank 0: weakref to the Engine whose steps the worker ranks run (one at a time)
+_WORKERS_EXITED = ("The worker ranks of this job exited when the last Engine closed (a worker rank exits after its "
+                   "first driving call); call engine.serve_workers() on the worker ranks to run several engines in "
+                   "one job.")
 
 # NOTE: EngineConfig.reserve_server_core leaves a cpu to the HTTP server from this many cpus on;
 # with fewer, a compute thread is worth more than the server's wake-ups cost
@@ -72,9 +77,7 @@ class Engine:
         self._keeps_workers = False  # a server of several models: its worker ranks outlive each engine
         world = env.mpi_world()
         if _workers_exited and world is not None and world[1] > 1:
-            raise RuntimeError("The worker ranks of this job exited when the last Engine closed (a worker rank "
-                               "exits after its first driving call); call engine.serve_workers() on the worker "
-                               "ranks to run several engines in one job.")
+            raise RuntimeError(_WORKERS_EXITED)
         self.comm = distributed.init_distributed()
         ops = backend.get_backend(self.config.backend)
         placement = self._bind_and_set_threads(ops)
@@ -108,12 +111,12 @@ class Engine:
         self.ranks = self.comm.gather_object(self._rank_info(placement))  # rank 0: one dict per rank
         disk_hashes = self.comm.gather_object(getattr(self.runner, "disk_hashes", []))  # rank 0: per rank
         self.placement = placement
+        self.default_sampling = generation_defaults(mcfg.model_dir) if self.config.generation_config == "auto" else {}
         if not self.comm.is_driver:  # a worker serves rank 0 where the module docstring says
             self._closed = False
             atexit.register(self._close_at_exit)
             return
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
-        self.default_sampling = generation_defaults(mcfg.model_dir) if self.config.generation_config == "auto" else {}
         replica_blocks = data_parallel.replica_blocks(self.parallel, self.ranks)
         self.max_model_len = self._fit_max_len_to_cache(mcfg, min(replica_blocks))
         schedulers = [Scheduler(SchedulerConfig(max_num_seqs=self.config.max_num_seqs,
@@ -259,14 +262,16 @@ class Engine:
         """What runs where. kv_blocks and max_concurrent_tokens count every replica's pool (under
         data parallel replica 0's alone was given); kv_cache_bytes is per rank."""
         c = self.model_config
-        blocks = self.block_manager.num_blocks
+        # NOTE: on a worker rank (a script's lines before its first driving call run on every rank)
+        # the KV pool's size is rank 0's to know: None there
+        blocks = self.block_manager.num_blocks if self.comm.is_driver else None
         return {"model": c.model_dir, "architecture": c.architecture, "dtype": self.config.dtype,
                 "ranks": self.comm.world_size, "threads_per_rank": self.num_threads,
                 "data_parallel": self.parallel.data_parallel, "tensor_parallel": self.parallel.tensor_parallel,
                 "max_model_len": self.max_model_len, "kv_blocks": blocks,
                 "block_size": self.config.block_size, "kv_cache_bytes": self.runner.kv_cache_bytes,
                 "kv_cache_dtype": self.config.kv_dtype,
-                "max_concurrent_tokens": blocks * self.config.block_size,
+                "max_concurrent_tokens": None if blocks is None else blocks * self.config.block_size,
                 "per_rank": self.ranks}
 
     # ------------------------------------------------------------------ requests
@@ -391,6 +396,8 @@ class Engine:
         if any(not isinstance(r, (str, int)) or isinstance(r, bool) for r in items):
             raise TypeError(f"abort_request takes a request id or a list of them, got {request_id!r}.")
         ids = [str(r) for r in items]
+        if not self.comm.is_driver:  # NOTE: a worker rank holds no requests
+            return
         with self._atomic():
             for rid in ids:
                 group = self._groups.pop(rid, None)
@@ -403,7 +410,10 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         """Whether a request runs, or an output step() has yet to hand over (vLLM's loop
-        `while engine.has_unfinished_requests(): engine.step()` collects every last output)."""
+        `while engine.has_unfinished_requests(): engine.step()` collects every last output). False
+        on a worker rank, which holds no requests."""
+        if not self.comm.is_driver:
+            return False
         return bool(self._groups) or bool(self._step_outbox)
 
     # ------------------------------------------------------------------ the loop
@@ -940,6 +950,18 @@ class Engine:
                 raise RuntimeError(f"{call}(): the engine is closed; make a new Engine to run more.")
             if self._broken:
                 raise RuntimeError(f"{call}(): {self._broken}.")
+            if self.comm.world_size > 1 and not self._keeps_workers:
+                # NOTE: the workers run the first engine driven until it closes; the plans of another
+                # went to them and they waited in the wrong arena until the collective timeout
+                global _served
+                if _workers_exited:  # NOTE: an engine made before another one's close ended the workers
+                    raise RuntimeError(f"{call}(): {_WORKERS_EXITED}")
+                other = _served() if _served is not None else None
+                if other is not None and other is not self and not other._closed:
+                    raise RuntimeError(f"{call}(): the worker ranks run the steps of another Engine "
+                                       f"({other.model_config.model_dir}) until it is closed; close it first "
+                                       "(under mpirun one Engine runs at a time).")
+                _served = weakref.ref(self)
             return
         log.info("rank %d is a worker rank: at its first driving call (%s) it serves rank 0's steps until "
                  "rank 0 closes the engine, then this process exits, so the rest of the script runs on "
@@ -949,6 +971,7 @@ class Engine:
 
     def close(self) -> None:
         """Rank 0: stop the worker ranks (if any). A worker rank: serve_workers(). Idempotent."""
+        global _workers_exited
         if getattr(self, "_closed", True):
             return
         if not self.comm.is_driver:
@@ -967,7 +990,6 @@ class Engine:
             if self.comm.world_size > 1 and not self._keeps_workers:
                 # NOTE: each worker says whether it exits now (its first driving call) or returns
                 # from serve_workers(): a later Engine would wait for ever for ranks that are gone
-                global _workers_exited
                 _workers_exited = _workers_exited or any(self.comm.gather_object(False)[1:])
         except Exception as e:  # noqa: BLE001 - shutting down anyway
             log.warning("numa_runtime: shutting down workers failed: %s", e)

@@ -30,15 +30,16 @@ def bad_word_bans(words: list[list[int]], output: list[int]) -> list[int]:
 
 
 def rank_of(row: np.ndarray, token: int) -> int:
-    """A token's rank in a log-probability row (vLLM's Logprob.rank): 1 + the tokens more likely."""
-    return 1 + int(np.count_nonzero(row > row[token]))
+    """A token's rank in a log-probability row (vLLM's Logprob.rank): the tokens at least as
+    likely, itself included (vLLM counts ties so)."""
+    return int(np.count_nonzero(row >= row[token]))
 
 
 class Sampler:
     """Turns logits rows into one token per request. A request with a seed draws from its
     own generator, so its tokens do not depend on what else is in the batch. Order per row:
-    logprobs (of the raw distribution), logit_bias, penalties, min_tokens bans, allowed_token_ids,
-    bad_words, the structured-output mask, then sampling."""
+    the structured-output mask, logprobs (of that distribution: raw unless constrained, as vLLM),
+    logit_bias, penalties, min_tokens bans, allowed_token_ids, bad_words, then sampling."""
 
     def __init__(self, ops, vocab_size: int, seed: int = 0, recorder=NULL_RECORDER, grammars=None):
         self.ops, self.recorder = ops, recorder
@@ -62,8 +63,14 @@ class Sampler:
         n = len(reqs)
         if n == 0:
             return np.zeros(0, np.int64), []
-        logprobs = self._logprobs(logits, reqs)  # from the raw distribution, before penalties
-        changed = False  # whether a row's logits were changed below (argmax no longer holds)
+        # NOTE: as vLLM V1, the output constraint's mask comes first (its model runner applies the
+        # grammar bitmask before the sampler): logprobs are of the tokens the constraint allows
+        changed = False  # whether a row's logits were changed (argmax no longer holds)
+        for i, r in enumerate(reqs):
+            if r.sampling_params.constraint is not None and self.grammars is not None:
+                self.grammars.mask(r.request_id, logits[i])
+                changed = True
+        logprobs = self._logprobs(logits, reqs)  # else of the raw distribution, before penalties
         for i, r in enumerate(reqs):
             sp = r.sampling_params
             if sp.logit_bias:
@@ -73,8 +80,8 @@ class Sampler:
             if sp.has_penalties:
                 self._apply_penalties(logits[i], r)
                 changed = True
-            if r.num_output_tokens < sp.min_tokens:
-                ban = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(eos_ids))
+            if r.num_output_tokens < sp.min_tokens:  # NOTE: as vLLM, EOS too when ignore_eos
+                ban = list(sp.stop_token_ids) + list(eos_ids)
                 logits[i, [t for t in ban if t < logits.shape[1]]] = -np.inf
                 changed = True
             if sp.allowed_token_ids is not None:
@@ -87,9 +94,6 @@ class Sampler:
                 if banned:
                     logits[i, banned] = -np.inf
                     changed = True
-            if sp.constraint is not None and self.grammars is not None:
-                self.grammars.mask(r.request_id, logits[i])
-                changed = True
         ids = np.empty(n, np.int64)
         greedy = [r.sampling_params.is_greedy for r in reqs]
         # NOTE: argmax takes the lowest index on ties, as the sampling kernel does; an

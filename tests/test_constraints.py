@@ -5,6 +5,7 @@ import dataclasses
 import json
 import re
 
+import numpy as np
 import pytest
 
 from models import build_model
@@ -210,3 +211,32 @@ def test_bad_word_rule_matches_vllm():
     assert bad_word_bans(words, [5, 3]) == [7, 4]
     assert bad_word_bans(words, [1, 2]) == [7, 9]
     assert bad_word_bans(words, [2]) == [7]
+
+
+def test_logprobs_of_a_constrained_request_are_of_the_allowed_tokens(eng):
+    """As vLLM V1 (its grammar bitmask comes before the sampler): with an output constraint the
+    logprobs are those of the masked distribution; the allowed tokens' probabilities sum to 1
+    and a forbidden token never shows with a finite logprob."""
+    import math
+    out = eng.generate("Pick", SamplingParams(temperature=0, max_tokens=10, logprobs=20,
+                                              structured_outputs={"choice": ["yes", "no"]}))[0]
+    c = out.outputs[0]
+    assert c.text in ("yes", "no")
+    text = ""
+    for tid, step in zip(c.token_ids, c.logprobs):
+        finite = {t: lp.logprob for t, lp in step.items() if lp.logprob > -math.inf}
+        assert abs(sum(math.exp(v) for v in finite.values()) - 1.0) < 1e-4, finite
+        for t in finite:
+            assert any(w.startswith(text + eng.tokenizer.decode([t])) for w in ("yes", "no")), t
+        text += eng.tokenizer.decode([tid])
+
+
+def test_logprob_rank_counts_ties_and_min_tokens_bans_eos_with_ignore_eos(eng):
+    """vLLM's rank counts the tokens at least as likely (a tie ranks 2, not 1); min_tokens bans EOS
+    even with ignore_eos (vLLM always adds EOS to the min_tokens stop set)."""
+    from numa_runtime.sampler import rank_of
+    assert rank_of(np.array([1.0, 3.0, 3.0, 0.0]), 1) == 2 and rank_of(np.array([1.0, 3.0, 3.0, 0.0]), 0) == 3
+    eos = min(eng.eos_ids)
+    out = eng.generate("Hello", SamplingParams(temperature=0, max_tokens=8, min_tokens=5, ignore_eos=True,
+                                               logit_bias={eos: 50.0}))[0]
+    assert eos not in out.token_ids[:5] and out.token_ids[5:] == [eos] * 3, out.token_ids

@@ -394,6 +394,30 @@ def test_min_p_cuts_before_top_p_as_vllm_v1():
         assert abs(np.mean(impl.sample(*args) == 1) - 0.375) < 0.01
 
 
+@pytest.mark.parametrize("v", [4, 5000])
+def test_top_k_keeps_the_tokens_tied_with_the_kth_as_vllm(v):
+    """vLLM masks only logits below the k-th: logits [2, 1, 1, 1, ...] with top_k 2 keep tokens
+    0-3 (p 0.475 / 0.175 x3), [1, 1, 1, 0, ...] with top_k 1 keep 0-2 uniformly; exactly k were
+    kept, by index (token 1 alone, token 0 alone)."""
+    n = 6000
+    u = (np.arange(n) + 0.5) / n
+    ones, full = np.ones(n, np.float32), np.ones(n, np.float32)
+    for head, k, want in (([2.0, 1.0, 1.0, 1.0], 2, [0.475, 0.175, 0.175, 0.175]),
+                          ([1.0, 1.0, 1.0, 0.0], 1, [1 / 3, 1 / 3, 1 / 3, 0.0])):
+        row = np.full(v, -30.0, np.float32)
+        row[:4] = head
+        logits = np.tile(row, (n, 1))
+        args = (logits, ones, np.full(n, k, np.int32), full, np.zeros(n, np.float32), u)
+        for impl in (cpu, ref):
+            counts = np.bincount(impl.sample(*args), minlength=v)[:4] / n
+            np.testing.assert_allclose(counts, want, atol=2e-3, err_msg=impl.__name__)
+        # with min_p and top_p on (the other path of the kernel) the ties stay too
+        args = (logits, ones, np.full(n, k, np.int32), np.full(n, 0.999, np.float32),
+                np.full(n, 1e-3, np.float32), u)
+        np.testing.assert_array_equal(cpu.sample(*args), ref.sample(*args))
+        assert len(set(cpu.sample(*args))) == (4 if k == 2 else 3)
+
+
 @pytest.mark.parametrize("n,v", [(1, 1), (7, 33), (3, 4095)])
 def test_log_softmax(n, v):
     x = randn(n, v, scale=10.0)

@@ -64,6 +64,26 @@ def test_a_second_engine_after_the_workers_exited_is_refused(model_dir):
     assert marks.count("MARK driving rank 0") == 2 and marks.count("MARK after-with rank 1") == 2, marks
 
 
+def test_vllm_habits_before_the_first_driving_call_run_on_every_rank(model_dir):
+    """get_default_sampling_params(), summary(), has_unfinished_requests() and abort_request()
+    before the first generate(), as a vLLM script does: an AttributeError on the worker ended the
+    job; now every rank runs them (the KV pool's size is rank 0's to know)."""
+    marks, p = run(model_dir, "vllm-habits")
+    assert marks == ["MARK after-generate rank 0", "MARK before rank 0 kv_blocks True busy False",
+                     "MARK before rank 1 kv_blocks False busy False"], marks
+
+
+def test_driving_a_second_live_engine_is_refused_not_hung(model_dir):
+    """Two Engines alive under mpirun: the workers run the first one driven until it closes; the
+    second one's plans went to them and both ranks waited for the collective timeout (300 s).
+    Rank 0 is told at once, and after the first closes (the workers exited with it) too."""
+    marks, p = run(model_dir, "two-live")
+    assert marks[:2] == ["MARK after-engines rank 0", "MARK after-engines rank 1"], marks
+    assert marks[2].startswith("MARK refused rank 0 generate(): the worker ranks run the steps of another Engine"), marks
+    assert marks[3].startswith("MARK refused-after-close rank 0 generate(): The worker ranks of this job exited"), marks
+    assert len(marks) == 4
+
+
 BROKEN_STEP = """
 import sys
 from numa_runtime import Engine, SamplingParams

@@ -260,6 +260,8 @@ def sample(logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p
             m = ps >= min_p[r] * ps[0]
             ps, order = ps[m], order[m]
         keep = len(ps) if top_k[r] <= 0 else min(int(top_k[r]), len(ps))
+        while keep < len(ps) and ps[keep] == ps[keep - 1]:  # NOTE: as vLLM: ties with the k-th stay
+            keep += 1
         ps, order = ps[:keep], order[:keep]
         if top_p[r] < 1.0:
             cum = np.cumsum(ps) / ps.sum()

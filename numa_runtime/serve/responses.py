@@ -117,11 +117,17 @@ def completion_logprobs(token_ids: list[int], logprobs: list | None, decode: Tok
             tops.append(None)
             continue
         lp, top = x[0], x[1]
-        entry = {token_text(decode(t)): v for t, v in top.items()}
-        entry.setdefault(token_text(decode(tid)), lp)
+        entry = {token_text(decode(t)): finite(v) for t, v in top.items()}
+        entry.setdefault(token_text(decode(tid)), finite(lp))
         tops.append(entry)
-    return {"tokens": tokens, "token_logprobs": [None if x is None else x[0] for x in logprobs], "top_logprobs": tops,
-            "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": [None if x is None else finite(x[0]) for x in logprobs],
+            "top_logprobs": tops, "text_offset": offsets}
+
+
+def finite(logprob: float) -> float:
+    """A logprob as JSON can carry it: -inf (a token an output constraint forbade) is -9999.0, as
+    vLLM's server writes it."""
+    return max(logprob, -9999.0)
 
 
 class TextOffset:
@@ -145,7 +151,7 @@ def chat_logprobs(token_ids: list[int], logprobs: list | None, decode: TokenByte
 
     def entry(tid, lp):
         raw = decode(tid)
-        return {"token": token_text(raw), "logprob": lp, "bytes": list(raw)}
+        return {"token": token_text(raw), "logprob": finite(lp), "bytes": list(raw)}
     content = []
     for tid, (lp, top, *_) in zip(token_ids, logprobs):
         content.append({**entry(tid, lp), "top_logprobs": [entry(t, v) for t, v in top.items()]})

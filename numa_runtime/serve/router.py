@@ -191,6 +191,10 @@ class ModelRouter:
         """ValueError (one sentence) for a model no request could ever load: at start-up."""
         asked, mib, budget = self.config.engine_kwargs.get("max_model_len"), 1 << 20, self.config.memory_budget
         for n, mcfg in self.model_configs.items():
+            if mcfg.num_heads < self.world:  # NOTE: each model runs on every rank: no replicas to fall back on
+                raise ValueError(f"Model {n!r} has {mcfg.num_heads} attention heads, too few to split over "
+                                 f"{self.world} ranks, and a server of several models runs each model on every "
+                                 f"rank; start it on at most {mcfg.num_heads} ranks or serve that model alone.")
             if asked is not None and asked > supported_len(mcfg):
                 raise ValueError(f"max_model_len={asked} exceeds what model {n!r} supports "
                                  f"({supported_len(mcfg)} tokens); lower --max-model-len.")

@@ -31,6 +31,32 @@ if mode == "ctrl-c":  # rank 0 generates until the test sends SIGINT to mpirun
             eng.generate([[1, 5, 9]] * 4, SamplingParams(max_tokens=100, ignore_eos=True))
     sys.exit(0)
 
+if mode == "vllm-habits":  # lines before the first driving call run on every rank, as in one process
+    eng = Engine(model, dtype="float32", kv_cache_memory=1 << 24, max_model_len=128)
+    sp = eng.get_default_sampling_params()
+    sp.max_tokens, sp.temperature, sp.ignore_eos = 4, 0.0, True
+    info, busy = eng.summary(), eng.has_unfinished_requests()
+    eng.abort_request("nothing")
+    mark("before", eng.comm.rank, f" kv_blocks {info['kv_blocks'] is not None} busy {busy}")
+    mark("after-generate", eng.comm.rank, f" tokens {eng.generate([[1, 5, 9]], sp)[0].token_ids}")
+    eng.close()
+    sys.exit(0)
+
+if mode == "two-live":  # two engines alive at once; the workers run the first one driven
+    a = Engine(model, dtype="float32", kv_cache_memory=1 << 23, max_model_len=128)
+    b = Engine(model, dtype="float32", kv_cache_memory=1 << 23, max_model_len=128)
+    mark("after-engines", a.comm.rank)
+    a.generate([[1, 5, 9]], params)  # a worker serves a here, then exits
+    for what in ("refused", "refused-after-close"):
+        try:
+            b.generate([[1, 5, 9]], params)
+            mark("ran", 0)
+        except RuntimeError as e:
+            mark(what, 0, f" {e}")
+        a.close()
+    b.close()
+    sys.exit(0)
+
 if mode == "driver-only-twice":
     eng = Engine(model, dtype="float32", kv_cache_memory=1 << 24, max_model_len=128)
     if eng.is_driver:
