@@ -595,3 +595,13 @@ def test_a_refused_add_queues_no_abort(models):
         aengine.stop()
         eng.close()
     assert aborted == ["r2"]
+
+
+def test_a_model_with_fewer_heads_than_ranks_is_refused_at_start(models):
+    """Each model of a multi-model server spans every rank (no data-parallel replicas to fall back
+    on): one with fewer heads than ranks is refused at start-up, naming it (GET /v1/models was a
+    500 on every call, its requests a 400 that advised replicas)."""
+    root, _ = models
+    specs = (ModelSpec("alpha", os.path.join(root, "alpha")),)
+    with pytest.raises(ValueError, match=r"^Model 'alpha' has \d+ attention heads, too few to split over 1000 ranks"):
+        ModelRouter(RouterConfig(specs, 1 << 40, KW), comm_world=1000)
