@@ -669,6 +669,10 @@ def test_bad_input_through_the_client(client):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
                                        max_completion_tokens=300)
     assert e.value.body["param"] == "max_completion_tokens" and e.value.body["code"] == "context_length_exceeded"
+    for extra in ({"echo": True, "logprobs": 1}, {"extra_body": {"prompt_logprobs": 1}}):  # NOTE: before a forward
+        with pytest.raises(openai.BadRequestError, match=r"plus max_tokens \(250\) exceeds max_model_len") as e:
+            client.completions.create(model="tiny", prompt=list(range(3, 20)), max_tokens=250, **extra)
+        assert e.value.body["param"] == "max_tokens" and e.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError, match=r"max_tokens must be at least 1 \(0 only with echo: true"):
         client.completions.create(model="tiny", prompt="x", max_tokens=0)
 
