@@ -216,8 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     with_membind = topo.from_sysfs
     for note in memory_notes(placements) if with_membind else []:
         print("numa-launch: %s." % note, file=sys.stderr)
-    if args.dry_run:
-        print(shlex.join(build_command(placements, cmd, args.mpirun or "mpirun",
+    if args.dry_run:  # NOTE: the mpirun that would run (the one beside this Python, off PATH, too)
+        found = args.mpirun or "mpirun"
+        if shutil.which(found) is None:  # NOTE: as printed it would not run: the path that will
+            try:
+                found = _find_tools(args.mpirun)[0]
+            except SystemExit:
+                pass
+        print(shlex.join(build_command(placements, cmd, found,
                                        with_membind=with_membind, data_parallel=dp,
                                        reserved_core=args.reserve_server_core)))
         return 0

@@ -10,19 +10,25 @@ def main(argv=None) -> int:
     ap.add_argument("prompt", nargs="?", default="What is the capital of France?")
     ap.add_argument("--model", default=None,
                     help="Hugging Face model directory or a .gguf file (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="bfloat16", type=dtype_arg, help=DTYPE_HELP)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--raw", action="store_true", help="complete the prompt instead of chatting")
     args = ap.parse_args(argv)
-    from numa_runtime import Engine, SamplingParams
+    from numa_runtime import Engine, SamplingParams, env
+    lead = (env.mpi_world() or (0, 1))[0] == 0  # NOTE: under mpirun one rank says what is wrong
     try:
         # NOTE: the sampling values first: a bad one is one sentence before the model loads
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
         eng = Engine(args.model, dtype=args.dtype)
     except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        if lead:
+            print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if lead:
+            print("\ninterrupted while loading the model.", file=sys.stderr)
+        return 130
     if not eng.is_driver:  # under mpirun: a worker rank executes rank 0's steps
         eng.serve_workers()
         return 0
@@ -38,9 +44,30 @@ def main(argv=None) -> int:
     except ValueError as e:  # NOTE: e.g. --max-tokens past the context
         print(f"\nerror: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # NOTE: Ctrl-C: the answer so far stays, no traceback
+        print(file=sys.stderr)
+        return 130
     finally:
         eng.close()
     return 0
+
+
+DTYPE_HELP = ("bfloat16 (default; 'auto' too, as vLLM's flag) or float32 ('float'); the weights compute in one "
+              "of the two whatever the checkpoint stores")
+
+
+def dtype_arg(value: str) -> str:
+    """--dtype as vLLM spells it: auto and bfloat16 are bfloat16, float and float32 float32;
+    half / float16 are refused in one sentence (the CPU kernels compute in bf16 or f32)."""
+    v = value.lower()
+    if v in ("auto", "bfloat16", "bf16"):
+        return "bfloat16"
+    if v in ("float", "float32", "fp32"):
+        return "float32"
+    if v in ("half", "float16", "fp16"):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a compute dtype here: numa_runtime computes in bfloat16 "
+                                         "or float32 (float16 checkpoints load as either); use --dtype bfloat16")
+    raise argparse.ArgumentTypeError(f"{value!r} is not a dtype; use bfloat16 (or auto) or float32")
 
 
 if __name__ == "__main__":

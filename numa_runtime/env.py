@@ -174,3 +174,22 @@ def load_retry_seconds() -> float:
         return max(0.0, float(os.environ.get("NUMA_RUNTIME_LOAD_RETRY_S", "30")))
     except ValueError:
         return 30.0
+
+
+def memory_limit_bytes(total: int) -> int:
+    """The memory this process may use: the host's `total`, or less where the cgroup
+    (memory.max, v2; memory.limit_in_bytes, v1) or the address-space rlimit (ulimit -v) caps it."""
+    import resource
+    limit = total
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limit = min(limit, int(text))
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY and soft > 0:
+        limit = min(limit, soft)
+    return limit

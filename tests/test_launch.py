@@ -387,3 +387,16 @@ def test_python_dash_m_runs_the_launcher():
     p = subprocess.run([sys.executable, "-m", "numa_runtime.launch", "--help"], capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 0 and p.stdout.startswith("usage: numa-launch"), p.stderr[-1000:]
+
+
+@pytest.mark.skipif(shutil.which("numactl") is None, reason="numactl is not installed (scripts/install.sh installs it)")
+def test_dry_run_prints_the_mpirun_that_would_run():
+    """With mpirun only beside this Python (the mpich wheel, PATH without it), --dry-run printed a
+    bare `mpirun` that did not run as printed; a real run finds the one beside Python."""
+    beside = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    if not os.access(beside, os.X_OK):
+        pytest.skip("no mpirun beside this Python")
+    out = launch("--dry-run", "--", "python", "-c", "1", env={"PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(beside + " -np 1 "), out.stdout
+

@@ -517,6 +517,32 @@ def test_choice_tracker_reads_only_what_an_output_adds():
     assert pieces[-1].finish_reason == "length" and tracker.finished == {0: "length"}
 
 
+def test_vllm_serve_command_lines_parse():
+    """`vllm serve MODEL --dtype auto` as a vLLM user types it: the positional model is --model's
+    first, auto is bfloat16; half is one sentence; a bracketed IPv6 host prints once bracketed."""
+    from numa_runtime.serve.__main__ import parse_args
+    args = parse_args(["/models/a", "--dtype", "auto", "--model", "/models/b"])
+    assert args.model == ["/models/a", "/models/b"] and args.dtype == "bfloat16"
+    assert parse_args(["--dtype", "float"]).dtype == "float32" and parse_args([]).model is None
+    p = subprocess.run([sys.executable, "-m", "numa_runtime.serve", "--dtype", "float16"], capture_output=True,
+                       text=True, timeout=60, cwd=ROOT)
+    assert p.returncode == 2 and "'float16' is not a compute dtype here" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_a_port_a_loading_server_holds_is_busy():
+    """The socket a server binds before its model loads listens at once: a second server on that
+    port fails at once (two SO_REUSEADDR sockets that only bound shared it: the second loaded
+    its model, printed its address, then died in a traceback)."""
+    from numa_runtime.serve.__main__ import listen
+    first = listen("127.0.0.1", 0)
+    try:
+        port = first.getsockname()[1]
+        with pytest.raises(OSError, match=f"^cannot listen on 127.0.0.1:{port}: Address already in use.$"):
+            listen("127.0.0.1", port).close()
+    finally:
+        first.close()
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--port", "70000"], "--port must be in 0..65535 (0: any free port), got 70000."),
     (["--max-queue", "0"], "max_queue must be >= 1 (requests are refused once that many wait), got 0."),

@@ -111,6 +111,12 @@ def test_data_parallel_greedy_equals_one_rank(single, ranks):
     assert "parallel: 2 replica(s) x %d tensor-parallel rank(s) (asked for)" % (ranks // 2) in log
 
 
+def test_chat_cli_under_mpirun_says_a_bad_value_once():
+    cmd = ["mpirun", "-np", "2", sys.executable, "-m", "numa_runtime", "hi", "--max-tokens", "0"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+    assert p.returncode == 2 and p.stderr.count("error: max_tokens must be") == 1, p.stderr
+
+
 def test_readme_command_on_two_ranks_with_the_default_model():
     # The default model (SmolLM2-135M: 9 heads / 3 kv heads) split 6 + 3 over two ranks
     cmd = ["mpirun", "-np", "2", sys.executable, "-m", "numa_runtime", "What is the capital of France?",

@@ -16,6 +16,7 @@ import sys
 import threading
 
 from numa_runtime import env
+from numa_runtime.__main__ import DTYPE_HELP, dtype_arg
 from numa_runtime.serve.tools import PARSERS
 from numa_runtime.serve.reasoning import PARSERS as REASONING_PARSERS
 
@@ -38,6 +39,8 @@ def _size(text: str) -> int:
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = _Parser(prog="numa-serve", description="OpenAI-compatible HTTP server for numa_runtime.")
+    ap.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                    help="the model, as vLLM's `vllm serve MODEL` (the same as --model MODEL)")
     ap.add_argument("--model", action="append", default=None,
                     help="Hugging Face model directory or a .gguf file (default: SmolLM2-135M-Instruct); "
                          "repeat it to serve several models, each named by its directory or file")
@@ -55,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--served-model-name", nargs="+", action="extend", default=None,
                     help="names clients send as `model` (default: the model directory's name); answers carry "
                          "the first")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="bfloat16", type=dtype_arg, help=DTYPE_HELP)
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--quantization", default=None,
                     help="quantize dense weights while loading: int8 (groups of 128), int4 (groups of "
@@ -131,7 +134,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                     help="the runtime's log (info: start-up facts; warning: problems only); the HTTP "
                          "server logs warnings and errors, and every request at debug")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.model_path is not None:  # NOTE: vLLM's positional form comes first among the models
+        args.model = [args.model_path, *(args.model or [])]
+    return args
 
 
 def is_multi_model(args) -> bool:
@@ -177,7 +183,7 @@ def build_router(args):
     specs += [model_spec(d) for d in args.model or []]
     world, local = env.mpi_world() or (0, 1), env.mpi_local() or (0, 1)
     budget = (parse_bytes(args.memory_budget) if args.memory_budget
-              else int(psutil.virtual_memory().total * 0.6 / local[1]))
+              else int(env.memory_limit_bytes(psutil.virtual_memory().total) * 0.6 / local[1]))
     router = ModelRouter(RouterConfig(tuple(specs), budget, engine_kwargs(args)), world[1], world[0] == 0)
     if world[0] != 0:
         router.worker_main()
@@ -323,6 +329,10 @@ def listen(host: str, port: int):
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
+        # NOTE: listening now, not after the load: two SO_REUSEADDR sockets that only bind share a
+        # port (a second server loaded its model, then died in a traceback); clients that come
+        # during the load wait in the backlog
+        sock.listen(2048)
     except OSError as e:
         raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}.") from None
     sock.set_inheritable(True)
@@ -505,7 +515,8 @@ def _serve(args, world, sock, front) -> int:
     http.start()
     if front is not None:
         front.tell("ready")
-    host = f"[{args.host}]" if ":" in args.host else args.host
+    bare = args.host.strip("[]")
+    host = f"[{bare}]" if ":" in bare else bare
     print((router_summary if multi else summary_text)(engine, f"http://{host}:{port}/v1"), flush=True)
     front_died = (lambda: front.proc.poll() is not None) if front is not None else (lambda: False)
     try:

@@ -205,13 +205,13 @@ class ModelRouter:
 
     def _log(self) -> None:
         mib, budget = 1 << 20, self.config.memory_budget
-        log.warning("memory budget %.0f MiB per rank; rule: weights + a KV pool of %.0f MiB per model "
+        log.info("memory budget %.0f MiB per rank; rule: weights + a KV pool of %.0f MiB per model "
                     "(%s); least recently used idle models are unloaded to make room",
                     budget / mib, self._kv_bytes() / mib,
                     "--kv-cache-memory" if "kv_cache_memory" in self.config.engine_kwargs
                     else f"{KV_SHARE:.0%} of the budget / {len(self.specs)} models")
         for n, b in self.footprint.items():
-            log.warning("model %s: %.0f MiB per rank (weights %.0f + KV %.0f)", n, b / mib,
+            log.info("model %s: %.0f MiB per rank (weights %.0f + KV %.0f)", n, b / mib,
                         (b - self._kv_bytes()) / mib, self._kv_bytes() / mib)
 
     # ------------------------------------------------------------------ loading
@@ -296,7 +296,7 @@ class ModelRouter:
         self.footprint[name] = r.model.weight_bytes + r.kv_cache_bytes
         self.load_seconds[name] = time.perf_counter() - t0
         self._context[name] = eng.max_model_len
-        log.warning("loaded model %s in %.2f s (%.0f MiB per rank)", name, self.load_seconds[name],
+        log.info("loaded model %s in %.2f s (%.0f MiB per rank)", name, self.load_seconds[name],
                     self.footprint[name] / (1 << 20))
         return eng
 
@@ -313,7 +313,7 @@ class ModelRouter:
         release_memory()
         self.footprint[name] = self._estimate(name)
         self.unload_seconds[name] = time.perf_counter() - t0
-        log.warning("unloaded model %s in %.2f s", name, self.unload_seconds[name])
+        log.info("unloaded model %s in %.2f s", name, self.unload_seconds[name])
 
     def _activate(self, name: str) -> None:
         """Make the workers run `name`'s plans (no-op on one rank)."""
