@@ -24,7 +24,7 @@ from .gguf_checkpoint import LONGROPE_FACTORS, ROPE_FREQS
 GGUF_LINK = "model.gguf"
 INDEX = "gguf_tensors.json"
 # NOTE: part of the cache key: a change to what _describe writes makes files describe again
-DESCRIBE_VERSION = 6  # NOTE: 6: phi3 (longrope factors), embedding pooling types
+DESCRIBE_VERSION = 7  # NOTE: 7: named chat templates, Phi-3 control tokens rstrip; 6: phi3, pooling
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
          "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 # NOTE: llama.cpp rotates these as transformers does (NEOX: halves within the first rot_dim

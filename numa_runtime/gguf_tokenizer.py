@@ -73,7 +73,11 @@ def write_tokenizer(meta: dict, out_dir: str, prefix: str, source: str = "") -> 
                                     "reads byte-level BPE ('gpt2') and SentencePiece ('llama').")
     tokens = list(meta["tokenizer.ggml.tokens"])
     types = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
-    _add_special(tok, tokens, types)
+    # NOTE: as llama.cpp (and Phi-3's tokenizer_config): Phi-3's control tokens and </s> take the
+    # whitespace after them (its template writes "<|user|>\n"), but <unk>, <s> and <|endoftext|>
+    rstrip = ({t for t, k in zip(tokens, types) if k == CONTROL} - {"<unk>", "<s>", "<|endoftext|>"}
+              if prefix == "phi3." and kind == "llama" else set())
+    _add_special(tok, tokens, types, rstrip)
 
     def token(key):
         i = meta.get(key)
@@ -102,7 +106,14 @@ def write_tokenizer(meta: dict, out_dir: str, prefix: str, source: str = "") -> 
         "model_max_length": int(meta.get(prefix + "context_length", 2048)),
         "tokenizer_class": "PreTrainedTokenizerFast",  # NOTE: tokenizer.json as it is, BOS included
     }
-    if "tokenizer.chat_template" in meta:
+    # NOTE: gguf-py writes named templates (tool_use, rag) as tokenizer.chat_template.<name>, listed
+    # in tokenizer.chat_templates: tokenizer_config's list form, which picks tool_use for tools
+    named = [n for n in meta.get("tokenizer.chat_templates") or () if f"tokenizer.chat_template.{n}" in meta]
+    if named:
+        cfg["chat_template"] = ([{"name": "default", "template": meta["tokenizer.chat_template"]}]
+                                if "tokenizer.chat_template" in meta else [])
+        cfg["chat_template"] += [{"name": n, "template": meta[f"tokenizer.chat_template.{n}"]} for n in named]
+    elif "tokenizer.chat_template" in meta:
         cfg["chat_template"] = meta["tokenizer.chat_template"]
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
@@ -202,11 +213,11 @@ def _spm(meta: dict, where: str):
     return tok, True  # llama.cpp adds BOS to SentencePiece models unless the file says not to
 
 
-def _add_special(tok, tokens: list, types: list) -> None:
+def _add_special(tok, tokens: list, types: list, rstrip: set = frozenset()) -> None:
     from tokenizers import AddedToken
 
     # NOTE: UNKNOWN (<unk>) is special too, as llama.cpp and transformers take it
-    control = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types)
+    control = [AddedToken(t, normalized=False, special=True, rstrip=t in rstrip) for t, k in zip(tokens, types)
                if k in (CONTROL, UNKNOWN)]
     user = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
     if control:

@@ -99,10 +99,12 @@ def add_metadata(w, keys: dict, prefix: str = "") -> None:
 
 
 def write_gguf(hf_dir: str, path: str, qtype: str, arch: str = "llama", seed: int = 0,
-               norm_type: str = "F32", types: dict | None = None, extra=None, split_max_tensors: int = 0) -> None:
+               norm_type: str = "F32", types: dict | None = None, extra=None, split_max_tensors: int = 0,
+               chat_template: str | None = "{% for m in messages %}{{ m['content'] }}{% endfor %}") -> None:
     """The model in hf_dir (f32 safetensors + tokenizer.json) as a GGUF: 2-D weights in qtype,
     or in types[projection] for the projections it names (e.g. {"v_proj": "Q8_0"}: a mix).
-    extra(writer): adds more metadata or tensors (rope scaling, experts, ...)."""
+    extra(writer): adds more metadata or tensors (rope scaling, experts, ...); chat_template: the
+    default template's source, or None for none."""
     import gguf
     from safetensors.numpy import load_file
     with open(os.path.join(hf_dir, "config.json")) as f:
@@ -134,7 +136,8 @@ def write_gguf(hf_dir: str, path: str, qtype: str, arch: str = "llama", seed: in
     w.add_array("tokenizer.ggml.token_type", [3 if i in special else 1 for i in range(len(tokens))])
     w.add_uint32("tokenizer.ggml.bos_token_id", cfg["bos_token_id"])
     w.add_uint32("tokenizer.ggml.eos_token_id", cfg["eos_token_id"])
-    w.add_string("tokenizer.chat_template", "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    if chat_template is not None:
+        w.add_string("tokenizer.chat_template", chat_template)
     heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
     for name, t in sorted(load_file(os.path.join(hf_dir, "model.safetensors")).items()):
         t = t.astype(np.float32)

@@ -160,6 +160,29 @@ def test_unknown_tensor_type_is_named(hf_models, tmp_path):
         engine(path)
 
 
+@pytest.mark.parametrize("with_default", [True, False])
+def test_named_chat_templates_of_a_gguf_are_kept(hf_models, tmp_path, with_default):
+    """gguf-py writes a tool_use template as tokenizer.chat_template.tool_use (listed in
+    tokenizer.chat_templates); it was dropped, and tools never reached the prompt. With tools it is
+    the template (as llama.cpp, transformers and vLLM pick it); without, the default one (or the
+    only one)."""
+    from numa_runtime.gguf_model import gguf_model_dir
+    from numa_runtime.tokenizer import Tokenizer
+
+    def extra(w):
+        w.add_string("tokenizer.chat_template.tool_use",
+                     "TOOLS:{{ tools | tojson }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+        w.add_array("tokenizer.chat_templates", ["tool_use"])
+    path = str(tmp_path / "m.gguf")
+    kw = {} if with_default else {"chat_template": None}
+    write_gguf(hf_models["llama"], path, "F32", extra=extra, **kw)
+    tok = Tokenizer.from_dir(gguf_model_dir(path))
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    msgs = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(msgs, tools=tools).startswith('TOOLS:[{"type": "function"')
+    assert tok.apply_chat_template(msgs) == ("hi" if with_default else "TOOLS:null" + "hi")
+
+
 def test_unknown_architecture_is_a_clear_error(hf_models, tmp_path):
     path = str(tmp_path / "m.gguf")
     write_gguf(hf_models["llama"], path, "F32", arch="gpt2")

@@ -44,3 +44,16 @@ def test_real_vocab_equals_transformers_ids(vocab_dir, tmp_path, name):
     assert len(texts) > 40
     for text, want in zip(texts, wants):
         assert tok.encode(text, add_special_tokens=False) == [int(x) for x in want.split()], text
+
+
+def test_phi3_control_tokens_take_the_newline_after_them(vocab_dir, tmp_path):
+    """As Phi-3's tokenizer_config (rstrip) and llama.cpp: its chat template writes "<|user|>\\n"
+    and the newline goes with the control token; it was encoded as two extra tokens (▁, <0x0A>)
+    after each, a prompt the model never saw."""
+    import gguf
+    path = os.path.join(vocab_dir, "ggml-vocab-phi-3.gguf")
+    meta = {n: f.contents() for n, f in gguf.GGUFReader(path).fields.items()}
+    write_tokenizer(meta, str(tmp_path), "phi3.", source=path)
+    tok = Tokenizer.from_dir(str(tmp_path))
+    ids = tok.encode("<s><|user|>\nHello<|end|>\n<|assistant|>\n", add_special_tokens=False)
+    assert ids == [1, 32010, 15043, 32007, 32001], ids
