@@ -354,12 +354,14 @@ class Engine:
         return rid
 
     def _bad_words_ids(self, words: list[str] | None) -> list[list[int]]:
-        """The token sequences SamplingParams.bad_words ban, as vLLM: each word as it starts a text
-        and, where that tokenizes differently, after a space."""
+        """The token sequences SamplingParams.bad_words ban, vLLM's rule: each word as it starts a
+        text, and after a space where that makes a new first token of as many tokens."""
         out: list[list[int]] = []
         for word in words or ():
-            for prefix in ("", " "):
-                ids = self.tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False)
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            for ids in (plain, spaced) if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain) \
+                    else (plain,):
                 if ids and ids not in out:
                     out.append(ids)
         return out
