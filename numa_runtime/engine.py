@@ -311,11 +311,17 @@ class Engine:
             rid = str(next(self._ids))
         if rid in self._groups:
             raise ValueError(f"Request id {rid!r} is already in use.")
-        for field, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or ())):
-            bad = [t for t in ids if t >= self.model_config.vocab_size]
+        # NOTE: as vLLM: logit_bias within the model's rows, allowed_token_ids within the tokenizer's
+        # (a model may have more rows than tokens: Qwen2.5's 151936 for 151665)
+        for field, ids, size in (("logit_bias", params.logit_bias, self.model_config.vocab_size),
+                                 ("allowed_token_ids", params.allowed_token_ids or (),
+                                  min(self.model_config.vocab_size, self.tokenizer.vocab_size))):
+            bad = [t for t in ids if not 0 <= t < size]
             if bad:
-                raise ValueError(f"{field} names token {bad[0]}, outside the vocabulary "
-                                 f"(size {self.model_config.vocab_size}).")
+                raise ValueError(f"{field} names token {bad[0]}, outside the vocabulary (size {size}).")
+        if params.allowed_token_ids is not None and not params.allowed_token_ids:  # NOTE: emptied after checks
+            raise ValueError("allowed_token_ids must be a non-empty list of token ids, got [].")
+        params.constraint  # noqa: B018 - a constraint set after construction is checked here (ValueError)
         keep = prompt_truncation(params.truncate_prompt_tokens, self.max_model_len)
         text, ids = self._tokenize(prompt, keep)
         room = self.max_model_len - len(ids)

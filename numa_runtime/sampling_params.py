@@ -128,6 +128,9 @@ class SamplingParams:
             if (not isinstance(self.bad_words, (list, tuple))
                     or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
                 raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}.")
+            from .tokenizer import check_text
+            for w in self.bad_words:
+                check_text("bad_words", w)
             self.bad_words = list(self.bad_words) or None
         self._check()
         self._check_lists()
@@ -142,39 +145,41 @@ class SamplingParams:
         self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()}
 
     def _structured(self):
-        """One constraint from json_schema, structured_outputs or guided_decoding: a JSON one is
-        kept as json_schema (and as structured_outputs, so that dataclasses.replace agrees)."""
+        """Check the output constraint now (one sentence for a bad one); `constraint` reads it
+        from the fields each time, so that a field set after construction counts, as in vLLM."""
         if self.structured_outputs is not None and self.guided_decoding is not None:
             raise ValueError("Give structured_outputs or guided_decoding (its older name), not both.")
+        for name in ("structured_outputs", "guided_decoding"):
+            if isinstance(getattr(self, name), Mapping):
+                setattr(self, name, _as_params(getattr(self, name)))
+        self._memo = (None, None)
+        self.constraint  # noqa: B018 - its ValueError is the caller's
+
+    @property
+    def constraint(self) -> tuple[str, object] | None:
+        """The output constraint as (kind, spec), kind "json", "regex", "choice" or "grammar"; or
+        None. From json_schema, structured_outputs or guided_decoding, whichever is set (ValueError
+        if two are, or if it is malformed)."""
+        key = (self.json_schema, self.structured_outputs, self.guided_decoding)
+        memo = getattr(self, "_memo", (None, None))
+        if memo[0] is not None and all(a is b for a, b in zip(memo[0], key)):
+            return memo[1]
         so = self.structured_outputs if self.structured_outputs is not None else self.guided_decoding
-        self.guided_decoding = None
+        if self.structured_outputs is not None and self.guided_decoding is not None:
+            raise ValueError("Give structured_outputs or guided_decoding (its older name), not both.")
         if isinstance(so, Mapping):
-            known = {f.name for f in fields(StructuredOutputsParams)}
-            unknown = sorted(set(so) - known)
-            if unknown:
-                raise ValueError(f"structured_outputs has no field {unknown[0]!r}; it takes json, regex, choice, "
-                                 "grammar or json_object.")
-            so = StructuredOutputsParams(**so)
+            so = _as_params(so)
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict, got {so!r}.")
         constraint = so.constraint() if so is not None else None
         if self.json_schema is not None:
             if constraint is not None and constraint != ("json", self.json_schema):
                 raise ValueError("Give one output constraint: json_schema or structured_outputs, not both.")
+            if not isinstance(self.json_schema, dict):
+                raise ValueError(f"json_schema must be a dict (a JSON schema) or None, got {self.json_schema!r}.")
             constraint = ("json", self.json_schema)
-        self._constraint = constraint
-        if constraint is None:
-            self.structured_outputs = None
-        elif constraint[0] == "json":
-            self.json_schema = constraint[1]
-            self.structured_outputs = StructuredOutputsParams(json=constraint[1])
-        else:
-            self.structured_outputs = StructuredOutputsParams(**{constraint[0]: constraint[1]})
-
-    @property
-    def constraint(self) -> tuple[str, object] | None:
-        """The output constraint as (kind, spec), kind "json", "regex", "choice" or "grammar"; or None."""
-        return self._constraint
+        self._memo = (key, constraint)
+        return constraint
 
     def _check(self):
         def bad(msg):
@@ -212,8 +217,6 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
                                                  or not 0 <= self.prompt_logprobs <= 20):
             bad(f"prompt_logprobs must be an integer in [0, 20] or None, got {self.prompt_logprobs!r}.")
-        if self.json_schema is not None and not isinstance(self.json_schema, dict):
-            bad(f"json_schema must be a dict (a JSON schema) or None, got {self.json_schema!r}.")
         if self.constraint is not None and self.min_tokens:
             bad("min_tokens cannot be combined with structured output: the constraint decides where the output "
                 "ends.")
@@ -240,6 +243,15 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+def _as_params(so: Mapping) -> "StructuredOutputsParams":
+    known = {f.name for f in fields(StructuredOutputsParams)}
+    unknown = sorted(set(so) - known)
+    if unknown:
+        raise ValueError(f"structured_outputs has no field {unknown[0]!r}; it takes json, regex, choice, "
+                         "grammar or json_object.")
+    return StructuredOutputsParams(**so)
 
 
 def _is_int(v) -> bool:

@@ -7,6 +7,7 @@ request when the schema is complete.
 """
 from __future__ import annotations
 
+import re
 import threading
 
 import numpy as np
@@ -64,14 +65,14 @@ class Grammars:
         try:
             grammar = _grammar(llg, kind, spec)
         except (ValueError, TypeError, RuntimeError) as e:
-            raise ValueError(f"{field} cannot be used: {_first_line(str(e))}.") from None
+            raise ValueError(f"{field} cannot be used: {_first_line(str(e), kind)}.") from None
         tokenizer = self.prepare()
         # NOTE: llguidance's compiler recurses natively as deep as the schema's $ref chains: on a
         # thread of its own with a large stack, so that no schema within MAX_DEPTH can overflow
         # the engine thread's stack (a chain of 3000 $refs was a segmentation fault)
         matcher = _on_big_stack(lambda: self._first_mask(llg.LLMatcher(tokenizer, grammar, log_level=0)))
         if matcher.is_error():
-            raise ValueError(f"{field} cannot be used: {_first_line(matcher.get_error())}.")
+            raise ValueError(f"{field} cannot be used: {_first_line(matcher.get_error(), kind)}.")
         self._matchers[request_id] = matcher
         self._kinds[request_id] = kind
 
@@ -126,16 +127,61 @@ def _grammar(llg, kind: str, spec) -> str:
     if kind == "json":
         return llg.LLMatcher.grammar_from_json_schema(spec, defaults=_LAYOUT)
     if kind == "regex":
-        return llg.LLMatcher.grammar_from_regex(spec)
+        return llg.LLMatcher.grammar_from_regex(ascii_digits(spec))
     if kind == "choice":  # NOTE: JSON string literals are Lark's (llguidance's) string syntax
         import json
         return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec))
-    from llguidance.gbnf_to_lark import any_to_lark  # NOTE: Lark as given; llama.cpp's GBNF converted
+    if not re.search(r"::=", spec):  # NOTE: vLLM's test: GBNF defines rules with ::=, Lark with ':'
+        return llg.LLMatcher.grammar_from_lark(spec)
+    from llguidance.gbnf_to_lark import gbnf_to_lark
     try:
-        lark = any_to_lark(spec)
+        lark = gbnf_to_lark(_gbnf_for_converter(spec))
     except Exception as e:  # noqa: BLE001 - the converter raises what its parser raises
-        raise ValueError(f"it is neither Lark nor GBNF ({e})") from None
+        raise ValueError(f"it does not parse as GBNF ({_first_line(str(e))})") from None
     return llg.LLMatcher.grammar_from_lark(lark)
+
+
+def ascii_digits(regex: str) -> str:
+    r"""\d as [0-9] and \D as [^0-9] (0-9 inside a class), as vLLM's grammar backends read a regex:
+    llguidance's classes are Unicode's, and \d let Devanagari and Arabic-Indic digits through."""
+    out, i, in_class = [], 0, False
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\" and i + 1 < len(regex):
+            nxt = regex[i + 1]
+            if nxt == "d":
+                out.append("0-9" if in_class else "[0-9]")
+            elif nxt == "D" and not in_class:
+                out.append("[^0-9]")
+            else:
+                out.append(regex[i:i + 2])
+            i += 2
+            continue
+        if c == "[" and not in_class:
+            in_class = True
+        elif c == "]" and in_class:
+            in_class = False
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+_UNSAFE = set('"\\]-^[')  # characters an escape must not turn literal inside a GBNF string or class
+
+
+def _gbnf_for_converter(gbnf: str) -> str:
+    r"""llama.cpp's GBNF as llguidance's converter reads it: \uXXXX / \UXXXXXXXX / \xXX escapes as
+    the characters (it wrote \u00e9 as the invalid \ue9), and a rule named start renamed (root
+    becomes start there)."""
+    def char(m):
+        ch = chr(int(m.group(1) or m.group(2) or m.group(3), 16))
+        return m.group(0) if ch in _UNSAFE or not ch.isprintable() else ch
+    text = re.sub(r"\\u([0-9a-fA-F]{4})|\\U([0-9a-fA-F]{8})|\\x([0-9a-fA-F]{2})", char, gbnf)
+    if re.search(r"(?m)^\s*start\s*::=", text):
+        # NOTE: outside strings and classes only
+        parts = re.split(r'("(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\])', text)
+        text = "".join(p if i % 2 else re.sub(r"\bstart\b", "start__", p) for i, p in enumerate(parts))
+    return text
 
 
 MAX_DEPTH = 1000  # levels of a schema, its $refs followed (real schemas nest a few dozen)
@@ -143,9 +189,10 @@ _STACK_BYTES = 256 << 20  # virtual: only the pages a deep schema touches are ev
 
 
 _PLAIN = {"NoExtensionBias": "a $ref that refers only to itself (no JSON value satisfies it)"}
+_PLAIN_TEXT = {"NoExtensionBias": "it matches no text"}  # the same error for a regex, a choice or a grammar
 
 
-def _first_line(error: str) -> str:
+def _first_line(error: str, kind: str = "json") -> str:
     """llguidance's error without its dump of parser state (the lines after the first); a header
     line ("regex parse error:") gets the line that says why, and known terse errors a sentence."""
     lines = [line.strip() for line in error.strip().splitlines() if line.strip()] or ["unknown error"]
@@ -154,7 +201,7 @@ def _first_line(error: str) -> str:
         why = next((line for line in lines[1:] if line.startswith("error:")), lines[-1] if len(lines) > 1 else "")
         first = f"{first} {why.removeprefix('error:').strip()}" if why else first.rstrip(":")
     first = first.split(". Enable 'coerce_one_of'")[0]  # NOTE: an option of llguidance's, not ours
-    return _PLAIN.get(first.rstrip("."), first.rstrip("."))
+    return (_PLAIN if kind == "json" else _PLAIN_TEXT).get(first.rstrip("."), first.rstrip("."))
 
 
 _COMPILER: dict = {}  # the one thread with a large stack that builds matchers, and its queue

@@ -67,9 +67,8 @@ def test_grammar_lark_or_gbnf(eng, grammar):
 def test_structured_outputs_json_is_a_json_schema():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     for so in ({"json": schema}, {"json": json.dumps(schema)}, StructuredOutputsParams(json=schema)):
-        sp = SamplingParams(structured_outputs=so)
-        assert sp.json_schema == schema and sp.constraint == ("json", schema)
-    assert SamplingParams(structured_outputs={"json_object": True}).json_schema == {"type": "object"}
+        assert SamplingParams(structured_outputs=so).constraint == ("json", schema)
+    assert SamplingParams(structured_outputs={"json_object": True}).constraint == ("json", {"type": "object"})
     sp = SamplingParams(n=2, json_schema=schema)
     assert dataclasses.replace(sp, n=1).constraint == ("json", schema)  # the engine's per-choice copy
     sp = SamplingParams(n=2, structured_outputs={"regex": "a+"})
@@ -92,6 +91,7 @@ def test_structured_outputs_json_is_a_json_schema():
     ({"allowed_token_ids": [1, -2]}, "allowed_token_ids must be a non-empty list"),
     ({"bad_words": "word"}, "bad_words must be a list"),
     ({"bad_words": ["ok", " "]}, "bad_words must be a list of non-empty strings"),
+    ({"bad_words": ["\ud800"]}, "bad_words must be valid Unicode text, but it holds a lone surrogate"),
 ])
 def test_bad_constraints_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -240,3 +240,51 @@ def test_logprob_rank_counts_ties_and_min_tokens_bans_eos_with_ignore_eos(eng):
     out = eng.generate("Hello", SamplingParams(temperature=0, max_tokens=8, min_tokens=5, ignore_eos=True,
                                                logit_bias={eos: 50.0}))[0]
     assert eos not in out.token_ids[:5] and out.token_ids[5:] == [eos] * 3, out.token_ids
+
+
+def test_a_constraint_set_after_construction_counts(eng):
+    """As vLLM reads the params when a request is added: structured_outputs or json_schema set on
+    a SamplingParams after it was made constrain the output (they were ignored with n=1), and one
+    cleared no longer does."""
+    sp = eng.get_default_sampling_params()
+    sp.max_tokens, sp.seed, sp.temperature = 12, 0, 1.0
+    sp.structured_outputs = StructuredOutputsParams(choice=["yes", "no"])
+    assert eng.generate("Pick", sp)[0].text in ("yes", "no")
+    later = SamplingParams(max_tokens=40, seed=0, temperature=1.0)
+    later.json_schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                         "additionalProperties": False}
+    assert set(json.loads(eng.generate("Pick", later)[0].text)) == {"a"}
+    cleared = SamplingParams(max_tokens=12, structured_outputs={"choice": ["yes", "no"]})
+    cleared.structured_outputs = None
+    assert cleared.constraint is None
+    sp.guided_decoding = {"regex": "a"}
+    with pytest.raises(ValueError, match="not both"):
+        eng.generate("Pick", sp)
+    assert not eng.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("grammar, pattern", [
+    ('?start: "yes" | "no"', r"yes|no"),                                  # Lark's ?start
+    ('root ::= "caf\\u00e9" [\\x41-\\x43]', r"café[A-C]"),            # GBNF escapes
+    ('root ::= start\nstart ::= "x" [0-9]', r"x[0-9]"),                   # a rule named start
+])
+def test_grammars_as_vllm_and_llama_cpp_write_them(eng, grammar, pattern):
+    out = eng.generate("Go", SamplingParams(temperature=1.0, seed=1, max_tokens=20,
+                                            structured_outputs={"grammar": grammar}))[0]
+    assert re.fullmatch(pattern, out.text) and out.finish_reason == "stop", out.text
+
+
+def test_regex_digits_are_ascii_and_an_empty_regex_says_so(eng):
+    """\\d is [0-9] (llguidance's is Unicode's: Devanagari digits came out); a regex that
+    matches nothing says so (it spoke of a JSON $ref)."""
+    from numa_runtime.structured import ascii_digits
+    assert ascii_digits(r"\d{2}[\d.]\D\\d") == r"[0-9]{2}[0-9.][^0-9]\\d"
+    for seed in range(6):
+        text = eng.generate("Hello", SamplingParams(temperature=1.0, seed=seed, max_tokens=10,
+                                                    structured_outputs={"regex": r"\d{3}"}))[0].text
+        assert re.fullmatch("[0-9]{3}", text), text
+    with pytest.raises(ValueError, match=r"^guided_regex cannot be used: it matches no text\.$"):
+        eng.generate("Hello", SamplingParams(structured_outputs={"regex": r"[^\s\S]"}))
+    with pytest.raises(ValueError, match="allowed_token_ids names token"):
+        eng.generate("Hello", SamplingParams(allowed_token_ids=[eng.tokenizer.vocab_size]))
+

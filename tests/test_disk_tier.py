@@ -320,6 +320,24 @@ def test_restart_serves_hits_from_disk_with_equal_text(model_dir, tmp_path):
     second.close()
 
 
+def test_a_disk_cap_below_the_pool_keeps_the_heads_of_the_chains(model_dir, tmp_path):
+    """The shutdown flush wrote each chain head first, and the cap's trim then dropped the heads:
+    a restart found tails it could never reach (a lookup walks a chain from its head) and hit
+    nothing. The heads are kept now: a cap of 3 blocks gives a 100-token prompt 3 blocks back."""
+    probe = engine(model_dir, str(tmp_path / "probe"))
+    size = probe.runner.disk.file_bytes
+    probe.close()
+    prompt, cache = list(range(3, 103)), str(tmp_path / "disk")
+    first = engine(model_dir, cache, blocks=8, kv_cache_disk_bytes=3 * size)
+    want = tokens(first, [prompt])
+    assert len(first.block_manager.hash_to_block) >= 6  # more full blocks than the cap
+    first.close()
+    second = engine(model_dir, cache, blocks=8, kv_cache_disk_bytes=3 * size)
+    out = second.generate([prompt], GREEDY)[0]
+    assert out.num_cached_tokens == 3 * 16 and [out.outputs[0].token_ids] == want
+    second.close()
+
+
 def test_a_full_disk_leaves_no_entry_behind(model_dir, tmp_path, monkeypatch):
     """Block files that cannot be written (a full disk) are no tier entries: the index kept them,
     so every later hit queued a load that failed, threw its step away and preempted its requests."""

@@ -358,12 +358,20 @@ class BlockManager:
             self.tier.drop(block_hash)
 
     def offload_all(self) -> None:
-        """Hand every cached block to the tier (at shutdown, so that a restart finds them),
-        the least recently cached first."""
-        if self.tier is not None:
-            for h, block_id in self.hash_to_block.items():
-                if block_id not in self._uncomputed:  # NOTE: its KV is not written (a step that failed)
-                    self.tier.offload(block_id, h)
+        """Hand every cached block to the tier (at shutdown, so that a restart finds them): the
+        last cached first, so that the heads of the chains (cached before their tails, and shared
+        prefixes earliest) are the tier's newest and outlive its cap. A lookup walks a chain from
+        its head: tails kept without their heads were never hit (heads first, a cap below the
+        pool kept only unreachable tails). Past the tier's cap only the heads are written."""
+        if self.tier is None:
+            return
+        # NOTE: its KV is not written (a step that failed)
+        blocks = [(h, b) for h, b in self.hash_to_block.items() if b not in self._uncomputed]
+        cap = getattr(self.tier, "capacity_blocks", None)
+        if cap is not None:
+            blocks = blocks[:cap]
+        for h, block_id in reversed(blocks):
+            self.tier.offload(block_id, h)
 
     def take_blocks(self, n: int) -> list[int] | None:
         """n blocks outside any request (scratch KV for an embedding), or None if there is no
