@@ -826,10 +826,21 @@ class Engine:
         EMBED) at every row of the chunk, or at `rows` (positions; one chunk only). Under _atomic."""
         from .plan import EXECUTE, StepPlan
         kind = EXECUTE if kind is None else kind
-        bm, n = self._scratch_room(len(ids)), len(ids)
-        blocks = bm.take_blocks(bm.num_blocks_for(n))
+        n = len(ids)
+        bm = getattr(self.scheduler, "replicas", [self.scheduler])[0].block_manager
+        total, bs, win = bm.num_blocks_for(n), bm.block_size, self.model_config.min_window
+        ring = total
+        if win and rows is None:
+            # NOTE: every layer slides (as the scheduler runs such a prompt): chunks that fit the pool
+            # beside the window before them, in a ring of blocks that holds the window and a chunk
+            # (+1: the window need not start on a block boundary); it took the whole prompt's blocks,
+            # and a prompt the engine generates from failed its prompt logprobs
+            step = min(step, max(1, (bm.num_blocks - 1) * bs - (win - 1)))
+            ring = min(total, bm.num_blocks_for(win - 1 + step) + 1)
+        bm = self._scratch_room(n, ring)
+        blocks = bm.take_blocks(ring)
         try:
-            bs, table = bm.block_size, np.asarray(blocks, np.int64)
+            table = np.asarray(blocks, np.int64)[np.arange(total) % ring]
             run = getattr(self.runner, "local", self.runner).execute  # NOTE: DP: replica 0's
             for a in range(0, n, step):
                 b = min(n, a + step)
@@ -860,12 +871,13 @@ class Engine:
         with self._atomic():
             return self._forward_once_locked(ids, rows, kind)
 
-    def _scratch_room(self, n: int):
+    def _scratch_room(self, n: int, need: int | None = None):
         """The block manager whose pool scratch forwards use (replica 0's, with data-parallel
-        replicas), once it has room for `n` tokens now: ValueError if it never will, however
-        long one waits, KVCacheBusyError if running requests hold the blocks."""
+        replicas), once it has room for `n` tokens (in `need` blocks; all of n's by default)
+        now: ValueError if it never will, however long one waits, KVCacheBusyError if running
+        requests hold the blocks."""
         bm = getattr(self.scheduler, "replicas", [self.scheduler])[0].block_manager
-        need = bm.num_blocks_for(n)
+        need = bm.num_blocks_for(n) if need is None else need
         if need > bm.num_blocks:
             raise ValueError(f"{n} tokens need {need} KV blocks, but the cache has {bm.num_blocks}; shorten the "
                              "input or enlarge the KV cache (kv_cache_memory).")

@@ -833,6 +833,26 @@ def test_a_window_models_prompt_longer_than_the_pool_runs_in_chunks_it_holds(tmp
             eng.generate([prompt[:10]], SamplingParams(max_tokens=None))
 
 
+def test_a_window_models_prompt_logprobs_run_for_a_prompt_longer_than_the_pool(tmp_path):
+    """Every layer slides a window of 50 and the pool holds 14 blocks (224 tokens): prompt
+    logprobs of a 400-token prompt (echo, prompt_logprobs: lm-eval's loglikelihood) were refused
+    although the engine generated from it; their scratch prefill now runs in chunks over a ring of
+    blocks that holds the window, with transformers' log-probabilities."""
+    import torch
+    d = str(tmp_path / "m")
+    ref = build_model(d, arch="mistral", max_position_embeddings=512, sliding_window=50)
+    prompt = [3 + (i * 7) % 380 for i in range(400)]
+    with torch.no_grad():
+        logits = ref(torch.tensor([prompt])).logits[0].double()
+    want = torch.log_softmax(logits, -1)[torch.arange(399), torch.tensor(prompt[1:])].numpy()
+    with Engine(d, dtype="float32", num_threads=2, max_model_len=512, kv_cache_memory=14 * 8192,
+                max_num_batched_tokens=128) as eng:
+        got = np.array([lp for lp, _, _ in eng.prompt_logprob_pairs(prompt, 1)])
+        assert got.shape == want.shape and np.abs(got - want).max() < 1e-4
+        out = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0))[0]
+        assert len(out.prompt_logprobs) == 400 and eng.block_manager.num_free_blocks == 14
+
+
 def test_a_window_models_cached_prefix_longer_than_the_pool_is_recomputed(tmp_path):
     """Sliding window 64, a pool of 40 blocks of 16: a 600-token prompt leaves 37 cached blocks;
     a prompt sharing 592 of its tokens found them all as prefix hits, which with its first chunk
