@@ -84,6 +84,8 @@ class ModelConfig:
     # a sentence-transformers embedding checkpoint (modules.json / 1_Pooling, as Qwen3-Embedding
     # ships): its pooling ("mean", "last" or "cls"); None: none declared
     pooling: str | None = None
+    max_seq_length: int | None = None  # sentence_bert_config.json's: the longest input (caps max_model_len)
+    lowercase: bool = False  # sentence_bert_config.json's do_lower_case
     # whether embeddings are unit length by default: as vLLM, yes, but for a sentence-transformers
     # checkpoint whose modules.json lists no Normalize module
     embed_normalize: bool = True
@@ -145,7 +147,9 @@ class ModelConfig:
                 raise UnsupportedModelError(f"{path} is not valid JSON ({e}).") from None
         config = cls.from_dict(cfg, model_dir)
         pooling, normalize = sentence_transformers_pooling(model_dir)  # NOTE: a GGUF's directory has none
-        return dataclasses.replace(config, pooling=pooling, embed_normalize=normalize) if pooling else config
+        if pooling:
+            config = dataclasses.replace(config, pooling=pooling, embed_normalize=normalize)
+        return dataclasses.replace(config, **sentence_bert_config(model_dir))
 
     @classmethod
     def from_dict(cls, cfg: dict, model_dir: str = "") -> "ModelConfig":
@@ -222,6 +226,27 @@ class ModelConfig:
 _ST_POOLING = {"pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "last", "pooling_mode_cls_token": "cls",
                "pooling_mode_max_tokens": None, "pooling_mode_mean_sqrt_len_tokens": None,
                "pooling_mode_weightedmean_tokens": None}
+_ST_MODE_NAMES = {"mean": "pooling_mode_mean_tokens", "lasttoken": "pooling_mode_lasttoken",
+                  "cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens",
+                  "mean_sqrt_len_tokens": "pooling_mode_mean_sqrt_len_tokens",
+                  "weightedmean": "pooling_mode_weightedmean_tokens"}
+
+
+def sentence_bert_config(model_dir: str) -> dict:
+    """sentence_bert_config.json's max_seq_length (the longest input; vLLM takes it as the
+    model's length) and do_lower_case (texts lowercased), as ModelConfig fields; {} without it."""
+    path = os.path.join(model_dir, "sentence_bert_config.json")
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+        longest = cfg.get("max_seq_length")
+        if longest is not None and (isinstance(longest, bool) or not isinstance(longest, int) or longest < 1):
+            raise ValueError(f"max_seq_length must be a positive integer, got {longest!r}")
+    except (json.JSONDecodeError, AttributeError, ValueError) as e:
+        raise UnsupportedModelError(f"{path} is not a sentence-transformers config ({e}).") from None
+    return {"max_seq_length": longest, "lowercase": bool(cfg.get("do_lower_case", False))}
 
 
 def sentence_transformers_pooling(model_dir: str) -> tuple[str | None, bool]:
@@ -254,10 +279,13 @@ def sentence_transformers_pooling(model_dir: str) -> tuple[str | None, bool]:
         with open(path) as f:
             cfg = json.load(f)
         modes = [k for k in _ST_POOLING if cfg.get(k)]
+        # NOTE: sentence-transformers 6 writes one string, "pooling_mode": "lasttoken"
+        if not modes and isinstance(cfg.get("pooling_mode"), str):
+            modes = [_ST_MODE_NAMES.get(cfg["pooling_mode"], f"pooling_mode {cfg['pooling_mode']!r}")]
     except (json.JSONDecodeError, AttributeError) as e:
         raise UnsupportedModelError(f"{path} is not a sentence-transformers pooling config ({e}).") from None
-    if len(modes) != 1 or _ST_POOLING[modes[0]] is None or cfg.get("include_prompt") is False:
-        asked = ", ".join(modes) if modes else "no pooling mode"
+    if len(modes) != 1 or _ST_POOLING.get(modes[0]) is None or cfg.get("include_prompt") is False:
+        asked = ", ".join(modes) if modes else f"no pooling mode it names (its keys: {', '.join(sorted(cfg))})"
         raise UnsupportedModelError(
             f"{path} asks for {asked}{' without the prompt' if cfg.get('include_prompt') is False else ''}; "
             "numa_runtime pools embeddings by one of mean tokens, last token or CLS token.")
@@ -592,6 +620,8 @@ def supported_len(model: ModelConfig) -> int:
     max_position_embeddings); max_position_embeddings otherwise. "dynamic" NTK stays within
     max_position_embeddings: past it its frequencies would change with the sequence's length."""
     r, limit = model.rope, model.max_position_embeddings
+    if model.max_seq_length:  # NOTE: a sentence-transformers model's own limit, as vLLM takes it
+        limit = min(limit, model.max_seq_length)
     if r.rope_type == "yarn" and r.factor_given:
         return max(limit, int((r.original_max_position_embeddings or limit) * r.factor))
     if r.rope_type == "linear":

@@ -93,6 +93,7 @@ class Engine:
             # NOTE: fail on a missing tokenizer before reading any weight; every rank has one, so
             # that a script's tokenizer calls run unchanged on worker ranks too
             self.tokenizer = Tokenizer.from_dir(mcfg.model_dir)
+            self.tokenizer.lowercase = mcfg.lowercase
         self.parallel, tp_comm, self._link = data_parallel.setup(self.comm, self.config, mcfg)
         if self.config.kv_cache_dir is not None and self.parallel.data_parallel > 1:
             why = "" if self.parallel.reason == "asked for" else (

@@ -75,6 +75,7 @@ class Tokenizer:
         self._add_bos = bool(config.get("add_bos_token", True))  # LlamaTokenizerFast defaults
         self._add_eos = bool(config.get("add_eos_token", False))
         self._chat_templates = chat_templates  # name -> jinja source; "default" if unnamed
+        self.lowercase = False  # texts lowercased before encoding (an embedding model's do_lower_case)
         self._template_owner = "the model's chat template"  # what renders chats (errors name it)
 
         self.bos_token_id = self._token_id(self._special["bos_token"])
@@ -149,6 +150,8 @@ class Tokenizer:
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         # NOTE: encode_batch releases the GIL (encode holds it: a long prompt would freeze
         # every other thread, the HTTP server's included); one text gives the same ids.
+        if self.lowercase:  # NOTE: sentence_bert_config.json's do_lower_case, as sentence-transformers and vLLM
+            text = text.lower()
         return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def to_json(self) -> str:

@@ -169,6 +169,35 @@ def test_a_sentence_transformers_checkpoint_pools_as_it_declares(decoder, tmp_pa
         eng.close()
 
 
+def test_sentence_transformers_6_layout_and_sentence_bert_config(decoder, tmp_path):
+    """sentence-transformers 6 writes "pooling_mode": "lasttoken" (it was refused as "no pooling
+    mode"); sentence_bert_config.json's max_seq_length caps the context and do_lower_case
+    lowercases texts, as sentence-transformers and vLLM (both were ignored)."""
+    import json
+    import os
+    from numa_runtime.config import UnsupportedModelError
+    d, hf = decoder
+    st = sentence_transformers_dir(d, str(tmp_path / "st6"), "pooling_mode_lasttoken")
+    with open(os.path.join(st, "1_Pooling", "config.json"), "w") as f:
+        json.dump({"embedding_dimension": BASE["hidden_size"], "pooling_mode": "lasttoken", "include_prompt": True}, f)
+    with open(os.path.join(st, "sentence_bert_config.json"), "w") as f:
+        json.dump({"max_seq_length": 32, "do_lower_case": True}, f)
+    eng = Engine(st, dtype="float32", kv_cache_memory=1 << 22)
+    try:
+        assert eng.max_model_len == 32 and eng.model_config.pooling == "last"
+        np.testing.assert_array_equal(eng.embed("Hello World")[0], eng.embed("hello world")[0])
+        ids = eng.tokenizer.encode("hello world")
+        np.testing.assert_allclose(eng.embed("Hello World")[0], hf_embed(hf, ids, "last"), atol=2e-5)
+        with pytest.raises(ValueError):
+            eng.embed([list(range(3, 40))])  # 37 tokens: more than max_seq_length
+    finally:
+        eng.close()
+    with open(os.path.join(st, "1_Pooling", "config.json"), "w") as f:
+        json.dump({"pooling_mode": "max"}, f)
+    with pytest.raises(UnsupportedModelError, match="asks for pooling_mode_max_tokens; numa_runtime pools"):
+        Engine(st, dtype="float32")
+
+
 def test_embed_takes_vllms_pooling_parameters_and_prompts(decoder, tmp_path):
     """normalize, dimensions (Matryoshka models only), truncate_prompt_tokens (the last k
     tokens) and add_special_tokens as vLLM's embed takes them; prompt dicts as generate takes

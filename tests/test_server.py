@@ -855,6 +855,14 @@ def test_a_server_side_failure_is_a_json_500(model_dir, tmp_path):
         srv.stop()
 
 
+def test_tokenize_refuses_a_chat_template_it_would_not_use(server):
+    """vLLM's /tokenize field chat_template was ignored (token counts of a template never used);
+    refused as chat completions refuse it."""
+    r = httpx.post(server.base + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}],
+                                                     "chat_template": "XX"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+
+
 def test_tokenize_detokenize_and_version(server, model_dir):
     """vLLM's /tokenize (a prompt, or messages through the chat template), /detokenize and /version."""
     from numa_runtime.tokenizer import Tokenizer

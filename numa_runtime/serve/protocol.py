@@ -486,8 +486,11 @@ class TokenizeRequest(_Body):
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
     return_token_strs: bool = Field(False, description="Also each token's text.")
+    chat_template: Optional[str] = Field(None, description="Not supported; must be absent (as on chat "
+                                                           "completions: the server's template renders).")
 
     def checked(self) -> "TokenizeRequest":
+        _refuse(self, {"chat_template": ()})  # NOTE: it was ignored: token counts of a template never used
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("Give either prompt or messages to tokenize.")
         if self.prompt is not None:
