@@ -122,13 +122,28 @@ def run_config(ranks: int, mode: str, a, topo, mpirun: str) -> dict:
     return res
 
 
-def why_skipped(ranks: int, mode: str, a, num_cpus: int) -> str | None:
+def model_and_bytes(model: str, dtype: str):
+    """(ModelConfig, weight bytes one decode step reads) of a model directory or a GGUF file
+    (its file's bytes: the tensors as stored); SystemExit in one sentence for a bad one."""
     from numa_runtime.config import ModelConfig, UnsupportedModelError
+    try:
+        if model.endswith(".gguf") and os.path.isfile(model):
+            from numa_runtime.gguf_model import gguf_model_dir, gguf_shards
+            return (ModelConfig.from_dir(gguf_model_dir(model)),
+                    sum(os.path.getsize(f) for f in gguf_shards(model)))
+        mcfg = ModelConfig.from_dir(model)
+    except (OSError, ValueError, UnsupportedModelError) as e:
+        raise SystemExit(f"numa_scaling: --model {model}: {str(e).rstrip('.')}.") from None
+    return mcfg, weights_bytes_per_token(mcfg, dtype)
+
+
+def why_skipped(ranks: int, mode: str, a, num_cpus: int) -> str | None:
+    from numa_runtime.config import UnsupportedModelError
     from numa_runtime.sharding import ShardLayout
     if ranks > num_cpus:
         return f"{ranks} ranks need at least {ranks} cpus, this process may use {num_cpus}"
     try:
-        ShardLayout.build(ModelConfig.from_dir(a.model), 0, ranks if mode == "tp" else 1)
+        ShardLayout.build(a.model_config, 0, ranks if mode == "tp" else 1)
     except UnsupportedModelError as e:
         return str(e)
     return None
@@ -236,11 +251,10 @@ def main() -> None:
     mpirun = find_mpirun()
     if mpirun is None:
         raise SystemExit("numa_scaling: mpirun not found: pip install mpich mpi4py.")
-    from numa_runtime.config import ModelConfig
+    a.model_config, wbytes = model_and_bytes(a.model, a.dtype)  # NOTE: a bad model fails before the probe
     topo = read_topology()
     cpus = sum(n.num_cpus for n in topo.nodes)
     gbps, per_node = dram_read_gbps_all_cores(topo, a.quick)
-    wbytes = weights_bytes_per_token(ModelConfig.from_dir(a.model), a.dtype)
     limit = gbps * 1e9 / wbytes
     print(f"{cpus} cpus, {topo.num_nodes} node(s), DRAM read {gbps:.1f} GB/s, "
           f"decode limit {limit:.1f} tok/s", flush=True)

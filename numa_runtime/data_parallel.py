@@ -71,8 +71,10 @@ def setup(world, engine_cfg: EngineConfig, model_cfg: ModelConfig):
     if parallel.data_parallel == 1:
         return parallel, world, None
     if env.profile_enabled():
-        raise ValueError("AS_PROFILE=ON profiles one tensor-parallel model; run it without data "
-                         "parallel replicas.")
+        why = ("" if parallel.reason == "asked for" else
+               f" (the ranks run {parallel.data_parallel} replicas because {parallel.reason}: run it on fewer ranks)")
+        raise ValueError(f"AS_PROFILE=ON profiles one tensor-parallel model; run it without data parallel "
+                         f"replicas{why}.")
     from mpi4py import MPI
     group = world.comm.Split(color=parallel.replica_of(world.rank), key=world.rank)
     tp = SingleProcessComm() if parallel.tensor_parallel == 1 else MPIComm(MPI, comm=group)

@@ -219,7 +219,8 @@ def bind_this_rank(rank: int, local_rank: int, local_size: int,
         numa_node, cpus = node_of_rank(local_rank, local_size, topo)
     except ValueError as e:  # more ranks than cpus: oversubscribed, binding would only hurt
         log.warning("rank %d: not binding (%s)", rank, e)
-        return Placement(-1, tuple(cpus), max(1, len(cpus) // local_size), "none")
+        _placement = Placement(-1, tuple(cpus), max(1, len(cpus) // local_size), "none")  # NOTE: said once
+        return _placement
     node, mem = numa_node.node_id, numa_node.mem_node
     _set_affinity_all_threads(cpus)
     # NOTE: a node with cpus but no memory takes the nearest node's (a bind to itself fails)

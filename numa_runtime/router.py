@@ -2,8 +2,8 @@
 
 Each replica has its own Scheduler and BlockManager (its own KV pool on its own ranks). A new
 request goes to the replica that already caches the longest prefix of it (a conversation's
-next turn finds its earlier turns there) when that replica has room, else to the least loaded
-replica. `schedule()` returns one output holding every replica's plan; the engine samples all
+next turn finds its earlier turns there) when that replica has room and the prefix outweighs
+its extra load (PREFIX_TOKENS_PER_SEQUENCE), else to the least loaded replica. `schedule()` returns one output holding every replica's plan; the engine samples all
 of them together, in replica order. Plain Python over integers: no model, no MPI.
 """
 from __future__ import annotations
@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 
 from .request import Request, RequestStatus
 from .scheduler import Scheduler, SchedulerOutput
+
+
+PREFIX_TOKENS_PER_SEQUENCE = 128  # route: cached tokens that outweigh one more sequence on a replica
 
 
 @dataclass
@@ -75,12 +78,25 @@ class ReplicaRouter:
         found = [s.block_manager.get_computed_blocks(req) for s in self.replicas]
         cached = [len(hits) for hits, _ in found]
         best = max(range(len(cached)), key=lambda r: (cached[r], -loads[r]))
-        if cached[best] > cached[least] and self.has_room(best, req, *found[best]):
+        # NOTE: a cached prefix is worth PREFIX_TOKENS_PER_SEQUENCE tokens of prefill for each
+        # sequence the replica runs beyond the least loaded one: a conversation's earlier turns
+        # keep it where they are, a shared system prompt of a block or two does not pile every
+        # chat onto one replica while the others idle (SGLang's cache-aware routing balances too)
+        saved = (cached[best] - cached[least]) * self.replicas[best].block_manager.block_size
+        gap = loads[best] - loads[least]
+        if (cached[best] > cached[least] and saved >= PREFIX_TOKENS_PER_SEQUENCE * gap
+                and self.has_room(best, req, *found[best])):
             self.routed_by_prefix += 1
             return best
         return least
 
     # ---- the Scheduler interface ---------------------------------------------------------
+    @property
+    def requests(self):
+        """Every replica's unfinished requests by id (a Scheduler's `requests`)."""
+        from collections import ChainMap
+        return ChainMap(*(s.requests for s in self.replicas))
+
     def add_request(self, req: Request) -> None:
         if req.request_id in self.where:  # NOTE: each replica knows only its own ids
             raise ValueError(f"Request id {req.request_id!r} is already in use; give each request a unique id.")

@@ -208,6 +208,7 @@ import pytest  # noqa: E402
     (["bench_allreduce.py"], "run it under mpirun with 2 or more ranks on one host"),
     (["numa_scaling.py", "--ranks", "0"], "--ranks and --concurrency take positive numbers"),
     (["numa_scaling.py", "--model", "/nonexistent"], "--model /nonexistent: no such directory or file."),
+    (["numa_scaling.py", "--model", "/tmp"], "numa_scaling: --model /tmp: '/tmp' has no config.json"),
     (["bench_cuda.py", "--model", "/nonexistent"], "--model /nonexistent: no such directory or file."),
     (["bench_perplexity.py", "--gguf", "/x.gguf"], "name one in --variants"),
     (["bench_perplexity.py", "--variants", "gguf-f32"], "the variant gguf-f32 needs --gguf FILE."),

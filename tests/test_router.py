@@ -11,8 +11,8 @@ from numa_runtime.scheduler import Scheduler, SchedulerConfig
 BS = 4
 
 
-def router(n=2, num_blocks=16, max_num_seqs=4):
-    return ReplicaRouter([Scheduler(SchedulerConfig(max_num_seqs, 64, 64), BlockManager(num_blocks, BS))
+def router(n=2, num_blocks=16, max_num_seqs=4, max_len=64):
+    return ReplicaRouter([Scheduler(SchedulerConfig(max_num_seqs, max_len, max_len), BlockManager(num_blocks, BS))
                           for _ in range(n)])
 
 
@@ -64,8 +64,8 @@ def test_long_prompts_spread_over_the_replicas():
 
 
 def test_a_conversation_sticks_to_the_replica_caching_its_prefix():
-    rt = router(2)
-    turn1 = req("a1", range(1, 14))  # 13 tokens: 3 full blocks once computed
+    rt = router(2, num_blocks=128, max_len=256)
+    turn1 = req("a1", range(1, 150))  # 149 tokens: 37 full blocks once computed
     rt.add_request(turn1)
     assert rt.where["a1"] == 0
     run_to_end(rt, [turn1])
@@ -80,7 +80,21 @@ def test_a_conversation_sticks_to_the_replica_caching_its_prefix():
     assert rt.where["a2"] == 0 and rt.routed_by_prefix == 1
     out = rt.schedule()
     assert turn2 in out.scheduled
-    assert rt.replicas[0].block_manager.hit_tokens == 12  # served by the prefix cache
+    assert rt.replicas[0].block_manager.hit_tokens == 148  # served by the prefix cache
+
+
+def test_a_short_shared_system_prompt_does_not_pile_chats_onto_one_replica():
+    """Every chat of the default model starts with its template's system prompt (a block or two,
+    cached on replica 0): all went to replica 0 while replica 1 idled. A prefix of a few blocks
+    is worth less than a sequence more on its replica: the chats spread."""
+    rt = router(2, num_blocks=64, max_num_seqs=8)
+    system = list(range(1, 17))  # 4 blocks of 4
+    first = req("s", system + [99, 98])
+    rt.add_request(first)
+    run_to_end(rt, [first])
+    for i in range(8):
+        rt.add_request(req(f"c{i}", system + [200 + i, 300 + i, 400 + i]))
+    assert rt.routed == [5, 4] and sorted(rt.where.values()) == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
 def test_a_full_replica_sends_the_conversation_elsewhere():
@@ -154,3 +168,13 @@ def test_parallel_config_rule_and_errors():
     for bad in (0, True, 1.5):
         with pytest.raises(ValueError, match="data_parallel must be a positive integer"):
             EngineConfig(data_parallel=bad)
+
+
+def test_the_router_knows_every_replicas_request_ids():
+    """Engine._id_taken reads the scheduler's `requests`; the router had none, so an automatic id
+    could take one a caller had given ("0#0" of an n=2 request: 'already in use')."""
+    rt = router(2)
+    rt.add_request(req("0#0", range(1, 6)))
+    rt.add_request(req("x", range(50, 56)))
+    assert "0#0" in rt.requests and "x" in rt.requests and "y" not in rt.requests
+    assert {rt.where["0#0"], rt.where["x"]} == {0, 1}

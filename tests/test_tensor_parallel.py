@@ -109,6 +109,8 @@ def test_data_parallel_greedy_equals_one_rank(single, ranks):
     assert [r["replica"] for r in multi["per_rank"]] == [r * 2 // ranks for r in range(ranks)]
     assert multi["tokens"] == tokens
     assert "parallel: 2 replica(s) x %d tensor-parallel rank(s) (asked for)" % (ranks // 2) in log
+    if ranks == 4:  # NOTE: each replica's leader logged the shares: every line twice
+        assert log.count("tensor parallel: rank 0/2") == 1 and log.count("tensor parallel: rank 1/2") == 1, log
 
 
 def test_chat_cli_under_mpirun_says_a_bad_value_once():

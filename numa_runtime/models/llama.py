@@ -91,7 +91,8 @@ class LlamaModel:
             # NOTE: quantized weights split the MLP on group boundaries
             align = linear.split_align(cfg.intermediate_size)
             self.lay = lay = ShardLayout.build(cfg, comm.rank, comm.world_size, align)
-            if comm.rank == 0 and comm.world_size > 1:
+            if comm.rank == 0 and comm.world_size > 1 and (env.mpi_world() or (0, 1))[0] == 0:
+                # NOTE: the first replica's leader: every replica splits alike (a log line a replica)
                 for other in shard_layouts(cfg, comm.world_size, align):
                     log.info("tensor parallel: %s", other.describe())
             _check_tensors(cfg, ckpt)
