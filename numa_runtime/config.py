@@ -27,7 +27,8 @@ SUPPORTED_ARCHITECTURES = {
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
-           "float": "float32", "float16": "float16", "fp16": "float16", "half": "float16"}
+           "float": "float32", "float16": "float16", "fp16": "float16", "half": "float16",
+           "auto": "bfloat16"}  # NOTE: vLLM's default spelling: bf16 here whatever the checkpoint stores
 
 
 class UnsupportedModelError(ValueError):
@@ -448,9 +449,12 @@ class EngineConfig:
 
     def __post_init__(self):
         from .sampling_params import _is_int
-        dt = _DTYPES.get(str(self.dtype).replace("torch.", ""))
+        dt = _DTYPES.get(str(self.dtype).lower().replace("torch.", ""))
+        if dt == "float16":
+            raise ValueError(f"dtype {self.dtype!r} is not a compute dtype here: numa_runtime computes in bfloat16 or "
+                             "float32 (float16 checkpoints load as either); use 'bfloat16' (or 'auto').")
         if dt not in ("bfloat16", "float32"):
-            raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}.")
+            raise ValueError(f"dtype must be 'bfloat16' (or 'auto') or 'float32', got {self.dtype!r}.")
         object.__setattr__(self, "dtype", dt)
         for name in ("max_model_len", "num_threads", "block_size", "max_num_seqs", "max_num_batched_tokens",
                      "kv_cache_memory"):
@@ -620,15 +624,14 @@ def supported_len(model: ModelConfig) -> int:
     max_position_embeddings); max_position_embeddings otherwise. "dynamic" NTK stays within
     max_position_embeddings: past it its frequencies would change with the sequence's length."""
     r, limit = model.rope, model.max_position_embeddings
-    if model.max_seq_length:  # NOTE: a sentence-transformers model's own limit, as vLLM takes it
-        limit = min(limit, model.max_seq_length)
     if r.rope_type == "yarn" and r.factor_given:
-        return max(limit, int((r.original_max_position_embeddings or limit) * r.factor))
-    if r.rope_type == "linear":
-        return max(limit, int(limit * r.factor))
-    if r.rope_type == "longrope":
-        return min(limit, r.original_max_position_embeddings)
-    return limit
+        limit = max(limit, int((r.original_max_position_embeddings or limit) * r.factor))
+    elif r.rope_type == "linear":
+        limit = max(limit, int(limit * r.factor))
+    elif r.rope_type == "longrope":
+        limit = min(limit, r.original_max_position_embeddings)
+    # NOTE: a sentence-transformers model's own limit is the last word, as vLLM takes it
+    return min(limit, model.max_seq_length) if model.max_seq_length else limit
 
 
 def rope_inv_freq(model: ModelConfig):

@@ -42,6 +42,8 @@ from .logger import init_logger
 log = init_logger()
 _workers_exited = False  # rank 0: a closed Engine's worker ranks have exited (no new Engine can start)
 _served = None  # rank 0: weakref to the Engine whose steps the worker ranks run (one at a time)
+_deferred: list = []  # rank 0: engines closed while the workers ran another's steps (shut down after it)
+_serials = itertools.count()  # the order engines are made in (a worker's atexit serves the newest first)
 _WORKERS_EXITED = ("The worker ranks of this job exited when the last Engine closed (a worker rank exits after its "
                    "first driving call); call engine.serve_workers() on the worker ranks to run several engines in "
                    "one job.")
@@ -75,6 +77,7 @@ class Engine:
         self._held: list | None = None  # SIGINTs held while _atomic runs on the main thread
         self._broken: str | None = None  # why the ranks are out of step (_execute), for good
         self._keeps_workers = False  # a server of several models: its worker ranks outlive each engine
+        self._serial = next(_serials)
         world = env.mpi_world()
         if _workers_exited and world is not None and world[1] > 1:
             raise RuntimeError(_WORKERS_EXITED)
@@ -322,7 +325,10 @@ class Engine:
                 raise ValueError(f"{field} names token {bad[0]}, outside the vocabulary (size {size}).")
         if params.allowed_token_ids is not None and not params.allowed_token_ids:  # NOTE: emptied after checks
             raise ValueError("allowed_token_ids must be a non-empty list of token ids, got [].")
-        params.constraint  # noqa: B018 - a constraint set after construction is checked here (ValueError)
+        constraint = params.constraint  # NOTE: as set now (fields set after construction count); ValueError
+        if constraint is not None and params.min_tokens:
+            raise ValueError("min_tokens cannot be combined with structured output: the constraint decides where "
+                             "the output ends.")
         keep = prompt_truncation(params.truncate_prompt_tokens, self.max_model_len)
         text, ids = self._tokenize(prompt, keep)
         room = self.max_model_len - len(ids)
@@ -338,7 +344,7 @@ class Engine:
             for i in range(params.n):
                 sp = params if params.n == 1 else _child_params(params, i)
                 req = Request(rid if params.n == 1 else f"{rid}#{i}", ids, sp)
-                req.bad_words_ids = bad_words
+                req.bad_words_ids, req.constraint = bad_words, constraint
                 self.scheduler.add_request(req)  # raises ValueError if it can never fit
                 group.children.append(req)
         except Exception:
@@ -347,8 +353,8 @@ class Engine:
             raise
         try:
             for req in group.children:
-                if req.sampling_params.constraint is not None:
-                    self.grammars.add(req.request_id, *req.sampling_params.constraint)
+                if req.constraint is not None:
+                    self.grammars.add(req.request_id, *req.constraint)
         except Exception:
             for req in group.children:
                 self.scheduler.abort_request(req.request_id)
@@ -522,7 +528,7 @@ class Engine:
         for r in reqs:
             sp = r.sampling_params
             if (not sp.is_greedy or sp.logit_bias or sp.has_penalties or sp.logprobs is not None
-                    or sp.constraint is not None or sp.allowed_token_ids is not None or sp.bad_words
+                    or r.constraint is not None or sp.allowed_token_ids is not None or sp.bad_words
                     or r.num_output_tokens < sp.min_tokens):
                 return 1
             left = self.max_model_len - r.num_tokens  # tokens it may still append
@@ -992,7 +998,7 @@ class Engine:
 
     def close(self) -> None:
         """Rank 0: stop the worker ranks (if any). A worker rank: serve_workers(). Idempotent."""
-        global _workers_exited
+        global _served
         if getattr(self, "_closed", True):
             return
         if not self.comm.is_driver:
@@ -1004,8 +1010,27 @@ class Engine:
             log.error("numa_runtime: %s; ending the MPI job", self._broken)
             self.comm.abort(f"the engine stopped: {self._broken}.", 1)
             return
+        other = _served() if _served is not None and self.comm.world_size > 1 and not self._keeps_workers else None
+        if other is not None and other is not self and not other._closed:
+            # NOTE: the workers run the steps of `other`: this engine's shutdown plan would end their
+            # loop of it (its next step then failed). The workers serve this one after `other` (at
+            # their exit, or when their script closes it): its shutdown goes then. Its disk tier is
+            # not flushed (a flush runs a step, which `other`'s loop would take).
+            _deferred.append(self)
+            return
+        self._shutdown(flush=True)
+        if _served is not None and _served() is self:
+            _served = None
+            for e in sorted(_deferred, key=lambda e: -e._serial):  # NOTE: as a worker's atexit: newest first
+                e._shutdown(flush=False)
+            _deferred.clear()
+
+    def _shutdown(self, flush: bool) -> None:
+        """Rank 0: end the workers' loop of this engine (and learn whether they exit)."""
+        global _workers_exited
         try:
-            self._flush_disk_tier()
+            if flush:
+                self._flush_disk_tier()
             self.runner.shutdown_workers()
             self.runner.release()  # NOTE: the CUDA runner's GPU memory
             if self.comm.world_size > 1 and not self._keeps_workers:

@@ -47,6 +47,7 @@ class Request:
         self.stop_reason: str | int | None = None
         self.logprobs: list = []  # per output token: (logprob, {token_id: logprob})
         self.bad_words_ids: list[list[int]] = []  # SamplingParams.bad_words as token sequences
+        self.constraint = None  # SamplingParams.constraint as it was when the request was added
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -67,7 +67,7 @@ class Sampler:
         # grammar bitmask before the sampler): logprobs are of the tokens the constraint allows
         changed = False  # whether a row's logits were changed (argmax no longer holds)
         for i, r in enumerate(reqs):
-            if r.sampling_params.constraint is not None and self.grammars is not None:
+            if r.constraint is not None and self.grammars is not None:
                 self.grammars.mask(r.request_id, logits[i])
                 changed = True
         logprobs = self._logprobs(logits, reqs)  # else of the raw distribution, before penalties

@@ -152,18 +152,14 @@ class SamplingParams:
         for name in ("structured_outputs", "guided_decoding"):
             if isinstance(getattr(self, name), Mapping):
                 setattr(self, name, _as_params(getattr(self, name)))
-        self._memo = (None, None)
         self.constraint  # noqa: B018 - its ValueError is the caller's
 
     @property
     def constraint(self) -> tuple[str, object] | None:
         """The output constraint as (kind, spec), kind "json", "regex", "choice" or "grammar"; or
         None. From json_schema, structured_outputs or guided_decoding, whichever is set (ValueError
-        if two are, or if it is malformed)."""
-        key = (self.json_schema, self.structured_outputs, self.guided_decoding)
-        memo = getattr(self, "_memo", (None, None))
-        if memo[0] is not None and all(a is b for a, b in zip(memo[0], key)):
-            return memo[1]
+        if two are, or if it is malformed): read afresh each time (the engine reads it once, when a
+        request is added, and keeps it on the request)."""
         so = self.structured_outputs if self.structured_outputs is not None else self.guided_decoding
         if self.structured_outputs is not None and self.guided_decoding is not None:
             raise ValueError("Give structured_outputs or guided_decoding (its older name), not both.")
@@ -178,7 +174,6 @@ class SamplingParams:
             if not isinstance(self.json_schema, dict):
                 raise ValueError(f"json_schema must be a dict (a JSON schema) or None, got {self.json_schema!r}.")
             constraint = ("json", self.json_schema)
-        self._memo = (key, constraint)
         return constraint
 
     def _check(self):

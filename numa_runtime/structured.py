@@ -116,7 +116,8 @@ class Grammars:
 
 
 # SamplingParams.constraint's kind -> the SamplingParams field an error names (the server renames it)
-_FIELD = {"json": "json_schema", "regex": "guided_regex", "choice": "guided_choice", "grammar": "guided_grammar"}
+_FIELD = {"json": "json_schema", "regex": "structured_outputs.regex", "choice": "structured_outputs.choice",
+          "grammar": "structured_outputs.grammar"}
 
 
 _WHAT = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
@@ -174,9 +175,11 @@ def _gbnf_for_converter(gbnf: str) -> str:
     the characters (it wrote \u00e9 as the invalid \ue9), and a rule named start renamed (root
     becomes start there)."""
     def char(m):
+        if m.group(0) == "\\\\":  # NOTE: an escaped backslash: what follows it is text
+            return m.group(0)
         ch = chr(int(m.group(1) or m.group(2) or m.group(3), 16))
         return m.group(0) if ch in _UNSAFE or not ch.isprintable() else ch
-    text = re.sub(r"\\u([0-9a-fA-F]{4})|\\U([0-9a-fA-F]{8})|\\x([0-9a-fA-F]{2})", char, gbnf)
+    text = re.sub(r"\\\\|\\u([0-9a-fA-F]{4})|\\U([0-9a-fA-F]{8})|\\x([0-9a-fA-F]{2})", char, gbnf)
     if re.search(r"(?m)^\s*start\s*::=", text):
         # NOTE: outside strings and classes only
         parts = re.split(r'("(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\])', text)

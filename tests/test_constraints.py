@@ -99,10 +99,10 @@ def test_bad_constraints_are_refused(kwargs, message):
 
 
 def test_unusable_regex_or_grammar_is_refused_naming_its_field(eng):
-    with pytest.raises(ValueError, match=r"^guided_regex cannot be used: .*") as e:
+    with pytest.raises(ValueError, match=r"^structured_outputs\.regex cannot be used: .*") as e:
         eng.generate("Hello", SamplingParams(structured_outputs={"regex": "(ab"}))
     assert "\n" not in str(e.value)
-    with pytest.raises(ValueError, match=r"^guided_grammar cannot be used: "):
+    with pytest.raises(ValueError, match=r"^structured_outputs\.grammar cannot be used: "):
         eng.generate("Hello", SamplingParams(structured_outputs={"grammar": "start: undefined_rule"}))
     with pytest.raises(ValueError, match="allowed_token_ids names token 100000"):
         eng.generate("Hello", SamplingParams(allowed_token_ids=[1, 100000]))
@@ -260,6 +260,17 @@ def test_a_constraint_set_after_construction_counts(eng):
     sp.guided_decoding = {"regex": "a"}
     with pytest.raises(ValueError, match="not both"):
         eng.generate("Pick", sp)
+    # the constraint as it is when the request is added: one edited in place counts (a memo of the
+    # first kept it), and min_tokens is refused however the constraint was set
+    so = StructuredOutputsParams(regex="[a-c]{3}")
+    edited = SamplingParams(temperature=0, max_tokens=10, structured_outputs=so)
+    assert re.fullmatch("[a-c]{3}", eng.generate("Pick", edited)[0].text)
+    so.regex = "[x-z]{5}"
+    assert re.fullmatch("[x-z]{5}", eng.generate("Pick", edited)[0].text)
+    late = SamplingParams(min_tokens=5, max_tokens=20)
+    late.structured_outputs = StructuredOutputsParams(choice=["yes", "no"])
+    with pytest.raises(ValueError, match="min_tokens cannot be combined with structured output"):
+        eng.generate("Pick", late)
     assert not eng.has_unfinished_requests()
 
 
@@ -267,6 +278,7 @@ def test_a_constraint_set_after_construction_counts(eng):
     ('?start: "yes" | "no"', r"yes|no"),                                  # Lark's ?start
     ('root ::= "caf\\u00e9" [\\x41-\\x43]', r"café[A-C]"),            # GBNF escapes
     ('root ::= start\nstart ::= "x" [0-9]', r"x[0-9]"),                   # a rule named start
+    ('root ::= "\\\\u0041" | "\\\\x"', r"\\u0041|\\x"),               # escaped backslashes stay text
 ])
 def test_grammars_as_vllm_and_llama_cpp_write_them(eng, grammar, pattern):
     out = eng.generate("Go", SamplingParams(temperature=1.0, seed=1, max_tokens=20,
@@ -283,7 +295,7 @@ def test_regex_digits_are_ascii_and_an_empty_regex_says_so(eng):
         text = eng.generate("Hello", SamplingParams(temperature=1.0, seed=seed, max_tokens=10,
                                                     structured_outputs={"regex": r"\d{3}"}))[0].text
         assert re.fullmatch("[0-9]{3}", text), text
-    with pytest.raises(ValueError, match=r"^guided_regex cannot be used: it matches no text\.$"):
+    with pytest.raises(ValueError, match=r"^structured_outputs\.regex cannot be used: it matches no text\.$"):
         eng.generate("Hello", SamplingParams(structured_outputs={"regex": r"[^\s\S]"}))
     with pytest.raises(ValueError, match="allowed_token_ids names token"):
         eng.generate("Hello", SamplingParams(allowed_token_ids=[eng.tokenizer.vocab_size]))

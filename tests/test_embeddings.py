@@ -182,6 +182,14 @@ def test_sentence_transformers_6_layout_and_sentence_bert_config(decoder, tmp_pa
         json.dump({"embedding_dimension": BASE["hidden_size"], "pooling_mode": "lasttoken", "include_prompt": True}, f)
     with open(os.path.join(st, "sentence_bert_config.json"), "w") as f:
         json.dump({"max_seq_length": 32, "do_lower_case": True}, f)
+    with open(os.path.join(st, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(st, "config.json"), "w") as f:  # NOTE: a scaling that extends the context: the cap holds
+        json.dump({**cfg, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}, f)
+    from numa_runtime.config import ModelConfig, supported_len
+    assert supported_len(ModelConfig.from_dir(st)) == 32
+    with open(os.path.join(st, "config.json"), "w") as f:
+        json.dump(cfg, f)
     eng = Engine(st, dtype="float32", kv_cache_memory=1 << 22)
     try:
         assert eng.max_model_len == 32 and eng.model_config.pooling == "last"

@@ -357,6 +357,13 @@ def test_unsupported_architecture_fails_before_weights(tmp_path):
         Engine(str(tmp_path))
 
 
+def test_engine_takes_vllms_dtype_names():
+    from numa_runtime.config import EngineConfig
+    assert EngineConfig(dtype="auto").dtype == "bfloat16" and EngineConfig(dtype="float").dtype == "float32"
+    with pytest.raises(ValueError, match=r"^dtype 'half' is not a compute dtype here: numa_runtime computes in "):
+        EngineConfig(dtype="half")
+
+
 def test_a_kv_cache_that_cannot_be_allocated_is_one_sentence(model_dir, monkeypatch):
     """numpy's MemoryError from the KV allocation (ulimit -v, a cgroup) was a raw traceback."""
     from numa_runtime.models import llama

@@ -84,6 +84,13 @@ def test_driving_a_second_live_engine_is_refused_not_hung(model_dir):
     assert len(marks) == 4
 
 
+def test_closing_an_engine_never_driven_leaves_the_served_one_running(model_dir):
+    """b.close() while the workers ran a's steps sent them a shutdown: they left a's loop and a's
+    next generate failed. b's shutdown waits until a closes (the workers serve b after a)."""
+    marks, p = run(model_dir, "close-the-other")
+    assert marks == ["MARK again rank 0 same True"], marks + [p.stderr[-2000:]]
+
+
 BROKEN_STEP = """
 import sys
 from numa_runtime import Engine, SamplingParams

@@ -326,7 +326,8 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
         schema_param = _schema_param(tool_plan, body)
         # NOTE: "json_schema cannot be used: ..." names the field the schema came from (the tools'
         # parameters of a tool_choice that calls a function: json_schema is no field of theirs)
-        fields = {f: schema_param for f in ("json_schema", "guided_regex", "guided_choice", "guided_grammar")}
+        fields = {f: schema_param for f in ("json_schema", "structured_outputs.regex", "structured_outputs.choice",
+                                            "structured_outputs.grammar")}
         with _client_errors({**(renames or {}), **fields}, fields):
             await gen.start(prompts, params)
         tracker = R.ChoiceTracker(params.n)

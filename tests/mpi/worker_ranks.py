@@ -57,6 +57,15 @@ if mode == "two-live":  # two engines alive at once; the workers run the first o
     b.close()
     sys.exit(0)
 
+if mode == "close-the-other":  # two engines; the one never driven is closed while the workers run the other
+    a = Engine(model, dtype="float32", kv_cache_memory=1 << 23, max_model_len=128)
+    b = Engine(model, dtype="float32", kv_cache_memory=1 << 23, max_model_len=128)
+    first = a.generate([[1, 5, 9]], params)[0].token_ids  # a worker serves a here, then exits
+    b.close()
+    mark("again", 0, f" same {a.generate([[1, 5, 9]], params)[0].token_ids == first}")
+    a.close()
+    sys.exit(0)
+
 if mode == "driver-only-twice":
     eng = Engine(model, dtype="float32", kv_cache_memory=1 << 24, max_model_len=128)
     if eng.is_driver:
