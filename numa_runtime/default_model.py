@@ -32,6 +32,10 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
              "generation_config.json")
+# NOTE: a conversion from another version of the converter is made again (a cache from before
+# 4ee9d46 kept EOS as the only stop token, where the converter now lists <|endoftext|> too)
+CONVERSION_VERSION = 2
+_STAMP = "numa_runtime_conversion.json"
 
 # GGUF tensor name suffix in a block -> HF name suffix in `model.layers.N.`
 _BLOCK_NAMES = {
@@ -93,8 +97,10 @@ def default_model_dir() -> str:
             tmp = tempfile.mkdtemp(prefix=f".{MODEL_NAME}.tmp-", dir=env.cache_dir())
             try:
                 convert_gguf_to_hf(gguf_path, tmp)
+                with open(os.path.join(tmp, _STAMP), "w") as f:
+                    json.dump({"version": CONVERSION_VERSION}, f)
                 os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-                if os.path.isdir(target):  # incomplete leftover from an older layout
+                if os.path.isdir(target):  # incomplete, or made by another version of the converter
                     shutil.rmtree(target)
                 os.rename(tmp, target)
             finally:
@@ -103,7 +109,13 @@ def default_model_dir() -> str:
 
 
 def _is_complete(path: str) -> bool:
-    return all(os.path.isfile(os.path.join(path, f)) for f in _REQUIRED)
+    """A finished conversion by this version of the converter."""
+    try:
+        with open(os.path.join(path, _STAMP)) as f:
+            version = json.load(f).get("version")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return version == CONVERSION_VERSION and all(os.path.isfile(os.path.join(path, f)) for f in _REQUIRED)
 
 
 def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> None:

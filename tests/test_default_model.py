@@ -78,6 +78,24 @@ def test_second_call_returns_the_cache_untouched(model_dir):
     assert os.path.getmtime(path) == mtime
 
 
+def test_a_conversion_by_another_converter_version_is_made_again(model_dir, tmp_path, monkeypatch):
+    """A cache made before the converter listed every stop token kept EOS alone (an old machine's
+    cache and a fresh one's disagreed): a stamp names the converter's version, and another or
+    none is converted again."""
+    import shutil
+    monkeypatch.setenv("NUMA_RUNTIME_CACHE", str(tmp_path))
+    old = tmp_path / MODEL_NAME
+    shutil.copytree(model_dir, old)
+    (old / default_model._STAMP).unlink()
+    with open(old / "generation_config.json", "w") as f:
+        json.dump({"bos_token_id": 1, "eos_token_id": 2}, f)
+    assert default_model_dir() == str(old)
+    with open(old / "generation_config.json") as f:
+        assert json.load(f)["eos_token_id"] == [2, 0]
+    with open(old / default_model._STAMP) as f:
+        assert json.load(f) == {"version": default_model.CONVERSION_VERSION}
+
+
 def test_interrupted_conversion_leaves_no_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("NUMA_RUNTIME_CACHE", str(tmp_path))
 
