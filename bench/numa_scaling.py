@@ -127,11 +127,10 @@ def model_and_bytes(model: str, dtype: str):
     (its file's bytes: the tensors as stored); SystemExit in one sentence for a bad one."""
     from numa_runtime.config import ModelConfig, UnsupportedModelError
     try:
-        if model.endswith(".gguf") and os.path.isfile(model):
-            from numa_runtime.gguf_model import gguf_model_dir, gguf_shards
-            return (ModelConfig.from_dir(gguf_model_dir(model)),
-                    sum(os.path.getsize(f) for f in gguf_shards(model)))
-        mcfg = ModelConfig.from_dir(model)
+        from numa_runtime.gguf_model import gguf_shards, model_dir_of
+        mcfg = ModelConfig.from_dir(model_dir_of(model))
+        if model.lower().endswith(".gguf"):
+            return mcfg, sum(os.path.getsize(f) for f in gguf_shards(model))
     except (OSError, ValueError, UnsupportedModelError) as e:
         raise SystemExit(f"numa_scaling: --model {model}: {str(e).rstrip('.')}.") from None
     return mcfg, weights_bytes_per_token(mcfg, dtype)

@@ -57,17 +57,13 @@ DTYPE_HELP = ("bfloat16 (default; 'auto' too, as vLLM's flag) or float32 ('float
 
 
 def dtype_arg(value: str) -> str:
-    """--dtype as vLLM spells it: auto and bfloat16 are bfloat16, float and float32 float32;
-    half / float16 are refused in one sentence (the CPU kernels compute in bf16 or f32)."""
-    v = value.lower()
-    if v in ("auto", "bfloat16", "bf16"):
-        return "bfloat16"
-    if v in ("float", "float32", "fp32"):
-        return "float32"
-    if v in ("half", "float16", "fp16"):
-        raise argparse.ArgumentTypeError(f"{value!r} is not a compute dtype here: numa_runtime computes in bfloat16 "
-                                         "or float32 (float16 checkpoints load as either); use --dtype bfloat16")
-    raise argparse.ArgumentTypeError(f"{value!r} is not a dtype; use bfloat16 (or auto) or float32")
+    """--dtype as vLLM spells it (config.compute_dtype: auto and bfloat16 are bfloat16, float and
+    float32 float32; half / float16 refused in one sentence)."""
+    from numa_runtime.config import compute_dtype
+    try:
+        return compute_dtype(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).rstrip(".")) from None
 
 
 if __name__ == "__main__":

@@ -31,6 +31,18 @@ _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp
            "auto": "bfloat16"}  # NOTE: vLLM's default spelling: bf16 here whatever the checkpoint stores
 
 
+def compute_dtype(value) -> str:
+    """EngineConfig.dtype (and --dtype) as vLLM spells it: "bfloat16" or "float32"; ValueError
+    (one sentence) for float16, which the CPU kernels do not compute in, or anything else."""
+    dt = _DTYPES.get(str(value).lower().replace("torch.", ""))
+    if dt == "float16":
+        raise ValueError(f"dtype {value!r} is not a compute dtype here: numa_runtime computes in bfloat16 or "
+                         "float32 (float16 checkpoints load as either); use 'bfloat16' (or 'auto').")
+    if dt not in ("bfloat16", "float32"):
+        raise ValueError(f"dtype must be 'bfloat16' (or 'auto') or 'float32', got {value!r}.")
+    return dt
+
+
 class UnsupportedModelError(ValueError):
     """The model directory holds something this runtime cannot run."""
 
@@ -449,13 +461,7 @@ class EngineConfig:
 
     def __post_init__(self):
         from .sampling_params import _is_int
-        dt = _DTYPES.get(str(self.dtype).lower().replace("torch.", ""))
-        if dt == "float16":
-            raise ValueError(f"dtype {self.dtype!r} is not a compute dtype here: numa_runtime computes in bfloat16 or "
-                             "float32 (float16 checkpoints load as either); use 'bfloat16' (or 'auto').")
-        if dt not in ("bfloat16", "float32"):
-            raise ValueError(f"dtype must be 'bfloat16' (or 'auto') or 'float32', got {self.dtype!r}.")
-        object.__setattr__(self, "dtype", dt)
+        object.__setattr__(self, "dtype", compute_dtype(self.dtype))
         for name in ("max_model_len", "num_threads", "block_size", "max_num_seqs", "max_num_batched_tokens",
                      "kv_cache_memory"):
             v = getattr(self, name)

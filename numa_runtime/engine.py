@@ -63,6 +63,7 @@ class Engine:
                  num_threads: int | None = None, **kwargs):
         from . import backend, data_parallel, distributed, profiler
         from .default_model import default_model_path
+        from .gguf_model import model_dir_of
         from .kv_cache.block_manager import BlockManager
         from .sampler import Sampler
         from .router import ReplicaRouter
@@ -87,10 +88,8 @@ class Engine:
         # NOTE: what can fail on one rank alone (a file, this node's memory) runs between
         # collectives and ends in _agree, so every rank fails alike instead of some waiting for ever
         with _agree(self.comm):
-            model_dir = model if model is not None else default_model_path()
-            if str(model_dir).lower().endswith(".gguf"):  # NOTE: weights stay in the file, blocks as they are
-                from .gguf_model import gguf_model_dir
-                model_dir = gguf_model_dir(str(model_dir))
+            # NOTE: a GGUF's weights stay in the file, blocks as they are
+            model_dir = model_dir_of(str(model if model is not None else default_model_path()))
             self.model_config = mcfg = ModelConfig.from_dir(os.path.expanduser(str(model_dir)))
             self.max_model_len = self._resolve_max_len(mcfg, self.config.max_model_len)
             # NOTE: fail on a missing tokenizer before reading any weight; every rank has one, so
@@ -325,10 +324,7 @@ class Engine:
                 raise ValueError(f"{field} names token {bad[0]}, outside the vocabulary (size {size}).")
         if params.allowed_token_ids is not None and not params.allowed_token_ids:  # NOTE: emptied after checks
             raise ValueError("allowed_token_ids must be a non-empty list of token ids, got [].")
-        constraint = params.constraint  # NOTE: as set now (fields set after construction count); ValueError
-        if constraint is not None and params.min_tokens:
-            raise ValueError("min_tokens cannot be combined with structured output: the constraint decides where "
-                             "the output ends.")
+        constraint = params.request_constraint()  # NOTE: as set now (fields set after construction count)
         keep = prompt_truncation(params.truncate_prompt_tokens, self.max_model_len)
         text, ids = self._tokenize(prompt, keep)
         room = self.max_model_len - len(ids)
@@ -834,7 +830,7 @@ class Engine:
         from .plan import EXECUTE, StepPlan
         kind = EXECUTE if kind is None else kind
         n = len(ids)
-        bm = getattr(self.scheduler, "replicas", [self.scheduler])[0].block_manager
+        bm = self._scratch_pool()
         total, bs, win = bm.num_blocks_for(n), bm.block_size, self.model_config.min_window
         ring = total
         if win and rows is None:
@@ -878,12 +874,16 @@ class Engine:
         with self._atomic():
             return self._forward_once_locked(ids, rows, kind)
 
+    def _scratch_pool(self):
+        """The block manager scratch forwards take blocks from: replica 0's."""
+        return getattr(self.scheduler, "replicas", [self.scheduler])[0].block_manager
+
     def _scratch_room(self, n: int, need: int | None = None):
         """The block manager whose pool scratch forwards use (replica 0's, with data-parallel
         replicas), once it has room for `n` tokens (in `need` blocks; all of n's by default)
         now: ValueError if it never will, however long one waits, KVCacheBusyError if running
         requests hold the blocks."""
-        bm = getattr(self.scheduler, "replicas", [self.scheduler])[0].block_manager
+        bm = self._scratch_pool()
         need = bm.num_blocks_for(n) if need is None else need
         if need > bm.num_blocks:
             raise ValueError(f"{n} tokens need {need} KV blocks, but the cache has {bm.num_blocks}; shorten the "
@@ -983,8 +983,8 @@ class Engine:
                 global _served
                 if _workers_exited:  # NOTE: an engine made before another one's close ended the workers
                     raise RuntimeError(f"{call}(): {_WORKERS_EXITED}")
-                other = _served() if _served is not None else None
-                if other is not None and other is not self and not other._closed:
+                other = self._other_served()
+                if other is not None:
                     raise RuntimeError(f"{call}(): the worker ranks run the steps of another Engine "
                                        f"({other.model_config.model_dir}) until it is closed; close it first "
                                        "(under mpirun one Engine runs at a time).")
@@ -1010,12 +1010,11 @@ class Engine:
             log.error("numa_runtime: %s; ending the MPI job", self._broken)
             self.comm.abort(f"the engine stopped: {self._broken}.", 1)
             return
-        other = _served() if _served is not None and self.comm.world_size > 1 and not self._keeps_workers else None
-        if other is not None and other is not self and not other._closed:
-            # NOTE: the workers run the steps of `other`: this engine's shutdown plan would end their
-            # loop of it (its next step then failed). The workers serve this one after `other` (at
+        if self.comm.world_size > 1 and not self._keeps_workers and self._other_served() is not None:
+            # NOTE: the workers run another engine's steps: this engine's shutdown plan would end their
+            # loop of it (its next step then failed). The workers serve this one after that one (at
             # their exit, or when their script closes it): its shutdown goes then. Its disk tier is
-            # not flushed (a flush runs a step, which `other`'s loop would take).
+            # not flushed (a flush runs a step, which the other engine's loop would take).
             _deferred.append(self)
             return
         self._shutdown(flush=True)
@@ -1024,6 +1023,11 @@ class Engine:
             for e in sorted(_deferred, key=lambda e: -e._serial):  # NOTE: as a worker's atexit: newest first
                 e._shutdown(flush=False)
             _deferred.clear()
+
+    def _other_served(self):
+        """Rank 0: the live Engine other than this one whose steps the worker ranks run, or None."""
+        other = _served() if _served is not None else None
+        return other if other is not None and other is not self and not other._closed else None
 
     def _shutdown(self, flush: bool) -> None:
         """Rank 0: end the workers' loop of this engine (and learn whether they exit)."""

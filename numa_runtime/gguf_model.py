@@ -36,6 +36,11 @@ def is_gguf_dir(model_dir: str) -> bool:
     return os.path.exists(os.path.join(model_dir, GGUF_LINK))
 
 
+def model_dir_of(path: str) -> str:
+    """A model directory as given, or for a .gguf file the directory describing it (gguf_model_dir)."""
+    return gguf_model_dir(path) if str(path).lower().endswith(".gguf") else path
+
+
 def gguf_model_dir(path: str, name: str | None = None) -> str:
     """The cache directory describing the GGUF at `path` (made on first use; one writer at a
     time, renamed into place when complete). Its base name, which the server reports as the

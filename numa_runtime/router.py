@@ -3,8 +3,9 @@
 Each replica has its own Scheduler and BlockManager (its own KV pool on its own ranks). A new
 request goes to the replica that already caches the longest prefix of it (a conversation's
 next turn finds its earlier turns there) when that replica has room and the prefix outweighs
-its extra load (PREFIX_TOKENS_PER_SEQUENCE), else to the least loaded replica. `schedule()` returns one output holding every replica's plan; the engine samples all
-of them together, in replica order. Plain Python over integers: no model, no MPI.
+its extra load (PREFIX_TOKENS_PER_SEQUENCE), else to the least loaded replica. `schedule()`
+returns one output holding every replica's plan; the engine samples all of them together, in
+replica order. Plain Python over integers: no model, no MPI.
 """
 from __future__ import annotations
 

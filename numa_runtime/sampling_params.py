@@ -38,14 +38,10 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs' json_object must be true, got {value!r}.")
             return "json", {"type": "object"}
         if kind == "json":
-            if isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except ValueError:
-                    value = None
-            if not isinstance(value, dict):
+            schema = json_schema_of(value)
+            if schema is None:
                 raise ValueError("structured_outputs' json must be a JSON schema: a dict, or a string holding one.")
-            return "json", value
+            return "json", schema
         if kind == "choice":
             if (not isinstance(value, (list, tuple)) or not value
                     or any(not isinstance(c, str) or not c for c in value)):
@@ -58,6 +54,16 @@ class StructuredOutputsParams:
 
 
 GuidedDecodingParams = StructuredOutputsParams  # vLLM's name before 0.10.2
+
+
+def json_schema_of(value) -> dict | None:
+    """A JSON schema given as a dict or as a string holding one (vLLM takes both), or None."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    return value if isinstance(value, dict) else None
 
 
 @dataclass
@@ -147,11 +153,9 @@ class SamplingParams:
     def _structured(self):
         """Check the output constraint now (one sentence for a bad one); `constraint` reads it
         from the fields each time, so that a field set after construction counts, as in vLLM."""
-        if self.structured_outputs is not None and self.guided_decoding is not None:
-            raise ValueError("Give structured_outputs or guided_decoding (its older name), not both.")
         for name in ("structured_outputs", "guided_decoding"):
             if isinstance(getattr(self, name), Mapping):
-                setattr(self, name, _as_params(getattr(self, name)))
+                setattr(self, name, as_structured_outputs(getattr(self, name)))
         self.constraint  # noqa: B018 - its ValueError is the caller's
 
     @property
@@ -164,7 +168,7 @@ class SamplingParams:
         if self.structured_outputs is not None and self.guided_decoding is not None:
             raise ValueError("Give structured_outputs or guided_decoding (its older name), not both.")
         if isinstance(so, Mapping):
-            so = _as_params(so)
+            so = as_structured_outputs(so)
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict, got {so!r}.")
         constraint = so.constraint() if so is not None else None
@@ -174,6 +178,14 @@ class SamplingParams:
             if not isinstance(self.json_schema, dict):
                 raise ValueError(f"json_schema must be a dict (a JSON schema) or None, got {self.json_schema!r}.")
             constraint = ("json", self.json_schema)
+        return constraint
+
+    def request_constraint(self) -> tuple[str, object] | None:
+        """`constraint` as a request runs it: ValueError too when min_tokens is set beside it."""
+        constraint = self.constraint
+        if constraint is not None and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with structured output: the constraint decides where "
+                             "the output ends.")
         return constraint
 
     def _check(self):
@@ -212,9 +224,7 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
                                                  or not 0 <= self.prompt_logprobs <= 20):
             bad(f"prompt_logprobs must be an integer in [0, 20] or None, got {self.prompt_logprobs!r}.")
-        if self.constraint is not None and self.min_tokens:
-            bad("min_tokens cannot be combined with structured output: the constraint decides where the output "
-                "ends.")
+        self.request_constraint()
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(f"{name} must be True or False, got {getattr(self, name)!r}.")
@@ -240,7 +250,8 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
 
-def _as_params(so: Mapping) -> "StructuredOutputsParams":
+def as_structured_outputs(so: Mapping) -> "StructuredOutputsParams":
+    """A structured_outputs dict as StructuredOutputsParams; ValueError naming an unknown key."""
     known = {f.name for f in fields(StructuredOutputsParams)}
     unknown = sorted(set(so) - known)
     if unknown:

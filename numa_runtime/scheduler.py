@@ -56,6 +56,19 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+def check_context(num_prompt: int, max_tokens: int | None, max_model_len: int) -> None:
+    """ValueError (one sentence) for a prompt that leaves no room for an output token, or that
+    max_tokens takes past the context (the one prompt-length check; the server runs it before
+    work such a request would waste)."""
+    if num_prompt >= max_model_len:
+        raise ValueError(f"The prompt has {num_prompt} tokens but the context holds max_model_len="
+                         f"{max_model_len}, which leaves no room for an output token; shorten the "
+                         "prompt or raise max_model_len.")
+    if max_tokens is not None and num_prompt + max_tokens > max_model_len:
+        raise ValueError(f"The prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds "
+                         f"max_model_len ({max_model_len}); lower max_tokens or shorten the prompt.")
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         self.config = config
@@ -81,13 +94,7 @@ class Scheduler:
             raise ValueError(f"Request id {req.request_id!r} is already in use; give each request a unique id.")
         if num_prompt == 0:
             raise ValueError("The prompt is empty; give at least one token.")
-        if num_prompt >= cfg.max_model_len:  # NOTE: the one prompt-length check: room for one output token
-            raise ValueError(f"The prompt has {num_prompt} tokens but the context holds max_model_len="
-                             f"{cfg.max_model_len}, which leaves no room for an output token; shorten the "
-                             "prompt or raise max_model_len.")
-        if max_tokens is not None and num_prompt + max_tokens > cfg.max_model_len:
-            raise ValueError(f"The prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds "
-                             f"max_model_len ({cfg.max_model_len}); lower max_tokens or shorten the prompt.")
+        check_context(num_prompt, max_tokens, cfg.max_model_len)
         longest = cfg.max_model_len if max_tokens is None else num_prompt + max_tokens
         need = bm.num_blocks_for(longest)
         if cfg.sliding_window:  # blocks older than the window are released as it moves on

@@ -132,7 +132,7 @@ def _grammar(llg, kind: str, spec) -> str:
     if kind == "choice":  # NOTE: JSON string literals are Lark's (llguidance's) string syntax
         import json
         return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec))
-    if not re.search(r"::=", spec):  # NOTE: vLLM's test: GBNF defines rules with ::=, Lark with ':'
+    if "::=" not in spec:  # NOTE: vLLM's test: GBNF defines rules with ::=, Lark with ':'
         return llg.LLMatcher.grammar_from_lark(spec)
     from llguidance.gbnf_to_lark import gbnf_to_lark
     try:

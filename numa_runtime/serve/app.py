@@ -28,6 +28,7 @@ from .embeddings import EmbeddingRequest, create_embeddings
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from ..sampling_params import SamplingParams
+from ..scheduler import check_context
 
 log = logging.getLogger("numa_runtime.serve")
 
@@ -247,7 +248,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
                 check_queue()  # NOTE: before the prompt's forward
                 if not echo_only:  # NOTE: a request the engine would refuse is refused before its forward
                     for p in prompts:
-                        check_fits(len(p), params.max_tokens, engine.max_model_len)
+                        check_context(len(p), params.max_tokens, engine.max_model_len)
             if body.echo:  # NOTE: the prompt as given; a token or truncated prompt as its tokens decode
                 pairs = await prompt_pairs(prompts, body.logprobs) if body.logprobs is not None else None
                 echo = [(t if isinstance(t, str) and (not keep or len(p) < keep) else
@@ -425,17 +426,6 @@ def _engine_failure(e: RuntimeError) -> ApiError:
     if isinstance(e, EngineDeadError):
         return ApiError(503, str(e), type_="server_error", code="engine_stopped")
     return ApiError(500, str(e), type_="server_error", code="engine_error")
-
-
-def check_fits(num_prompt: int, max_tokens: int | None, max_model_len: int) -> None:
-    """The scheduler's sentence for a prompt that max_tokens takes past the context (as vLLM's
-    server: refused, not cut), for a check before work the request would waste."""
-    if num_prompt >= max_model_len:
-        raise ValueError(f"The prompt has {num_prompt} tokens but the context holds max_model_len={max_model_len}, "
-                         "which leaves no room for an output token; shorten the prompt or raise max_model_len.")
-    if max_tokens is not None and num_prompt + max_tokens > max_model_len:
-        raise ValueError(f"The prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds max_model_len "
-                         f"({max_model_len}); lower max_tokens or shorten the prompt.")
 
 
 def _schema_param(tool_plan, body=None) -> str:

@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..sampling_params import SamplingParams, StructuredOutputsParams
+from ..sampling_params import SamplingParams, StructuredOutputsParams, as_structured_outputs, json_schema_of
 from ..tokenizer import check_text
 
 log = logging.getLogger("numa_runtime.serve")
@@ -172,11 +172,7 @@ class _SamplingRequest(_Body):
             if not isinstance(value, dict):
                 raise ValueError("structured_outputs must be an object holding one of json, regex, choice, grammar "
                                  "or json_object.")
-            unknown = sorted(set(value) - set(_STRUCTURED_KEYS))
-            if unknown:
-                raise ValueError(f"structured_outputs has no field {unknown[0]!r} here; it takes one of "
-                                 f"{', '.join(_STRUCTURED_KEYS)}.")
-            out = StructuredOutputsParams(**value)
+            out = as_structured_outputs(value)
             out.constraint()
             return out
         kind = field.removeprefix("guided_")
@@ -214,13 +210,8 @@ class _SamplingRequest(_Body):
                          "or 'json_schema'.")
 
     def _guided_json(self) -> dict:
-        schema = self.guided_json
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except ValueError:
-                schema = None
-        if not isinstance(schema, dict):
+        schema = json_schema_of(self.guided_json)
+        if schema is None:
             raise ValueError("guided_json must be a JSON schema: an object, or a string holding one.")
         return schema
 
@@ -282,9 +273,8 @@ def strict_schema(schema: dict) -> dict:
     return walk(schema)
 
 
-# the request fields that constrain the output besides response_format, and structured_outputs' keys
+# the request fields that constrain the output besides response_format
 _CONSTRAINTS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
-_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 # vLLM request fields with no counterpart here, and the values that change nothing
 _VLLM_REFUSED = {"use_beam_search": (False,), "length_penalty": (1.0,), "prompt_logprobs": (),

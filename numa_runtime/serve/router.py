@@ -95,9 +95,8 @@ def model_spec(path: str) -> ModelSpec:
     """A model directory, or a GGUF file as the directory describing it (gguf_model_dir, made
     on first use), named by that directory's last part: a GGUF by its stem (a split model's
     without its shard suffix)."""
-    if path.lower().endswith(".gguf"):
-        from ..gguf_model import gguf_model_dir
-        path = gguf_model_dir(path)
+    from ..gguf_model import model_dir_of
+    path = model_dir_of(path)
     return ModelSpec(os.path.basename(os.path.normpath(path)), path)
 
 
