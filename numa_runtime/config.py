@@ -487,10 +487,9 @@ class EngineConfig:
                              f"(none), got {self.generation_config!r}.")
         if not isinstance(self.num_scheduler_steps, int) or self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be a positive integer, got {self.num_scheduler_steps!r}.")
+        from .quant.loader import head_quantization, parse_quantization
         if self.quantization is not None:
-            from .quant.loader import parse_quantization
             parse_quantization(self.quantization)  # raises one sentence on a bad name
-        from .quant.loader import head_quantization
         head = head_quantization(self.lm_head_quantization, self.quantization)  # same
         if self.prefill_activations not in ("bf16", "int8"):
             raise ValueError(f"prefill_activations must be 'bf16' or 'int8', got {self.prefill_activations!r}.")
@@ -502,7 +501,7 @@ class EngineConfig:
         if not isinstance(self.host_kv_cache_memory, int) or self.host_kv_cache_memory < 0:
             raise ValueError(f"host_kv_cache_memory must be a non-negative number of bytes, "
                              f"got {self.host_kv_cache_memory!r}.")
-        if self.device == "cuda" and self.quantization is not None:
+        if self.device == "cuda" and self.quantization is not None and parse_quantization(self.quantization):
             raise ValueError(f"quantization={self.quantization!r} has no CUDA kernel yet; drop it (bf16 weights) "
                              "or run on device='cpu'.")
         if self.device == "cuda" and head is not None:

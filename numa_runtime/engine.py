@@ -143,6 +143,9 @@ class Engine:
         self._groups: dict[str, _Group] = {}
         self._texts: dict[str, TextState] = {}
         self._step_outbox: deque[RequestOutput] = deque()  # outputs of add_request's requests
+        # add_request's prompt_logprobs requests waiting for KV room for their prefill (step()
+        # adds them in order once running requests free the blocks, as vLLM queues them)
+        self._pending: deque[tuple] = deque()
         # decode bursts (_burst_len): the runner's row bound and the last decode step's seconds
         burst_rows = getattr(self.runner, "burst_rows", None)
         self._burst_rows = burst_rows() if burst_rows is not None else 0
@@ -291,7 +294,44 @@ class Engine:
         if params is not None and not isinstance(params, SamplingParams):
             raise TypeError(f"add_request takes (prompt, params, request_id) or vLLM's (request_id, prompt, params); "
                             f"params must be a SamplingParams, got {type(params).__name__}.")
+        if params is not None and params.prompt_logprobs is not None:
+            with self._atomic():
+                if request_id is None:
+                    request_id = self._free_id(params.n)
+                elif any(str(request_id) == p[2] for p in self._pending):
+                    raise ValueError(f"Request id {str(request_id)!r} is already in use.")
+                if self._pending:  # NOTE: behind those already waiting
+                    self._pending.append((prompt, params, str(request_id), cap_max_tokens))
+                    return str(request_id)
+                try:
+                    return self._add(prompt, params, request_id, self._step_outbox, cap_max_tokens)
+                except KVCacheBusyError:
+                    if not self.scheduler.has_unfinished():
+                        raise
+                    self._pending.append((prompt, params, str(request_id), cap_max_tokens))
+                    return str(request_id)
         return self._add(prompt, params, request_id, self._step_outbox, cap_max_tokens)
+
+    def _free_id(self, n: int) -> str:
+        """A new automatic request id that no request (running or pending) holds."""
+        rid = str(next(self._ids))
+        while self._id_taken(rid, n):
+            rid = str(next(self._ids))
+        return rid
+
+    def _admit_pending(self) -> None:
+        """Queue the waiting prompt_logprobs requests whose prefill now finds KV room, in order.
+        One that cannot wait (nothing runs to free blocks) or fails is dropped and its error
+        raised."""
+        while self._pending:
+            entry = self._pending.popleft()
+            try:
+                self._add(entry[0], entry[1], entry[2], self._step_outbox, entry[3])
+            except KVCacheBusyError:
+                if self.scheduler.has_unfinished():
+                    self._pending.appendleft(entry)
+                    return
+                raise
 
     def _add(self, prompt, params: SamplingParams | None, request_id: str | None, outbox: deque,
              cap_max_tokens: bool = True) -> str:
@@ -309,10 +349,8 @@ class Engine:
         params = params or self.get_default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams.")
-        rid = str(next(self._ids)) if request_id is None else str(request_id)
-        while request_id is None and self._id_taken(rid, params.n):  # NOTE: a caller's own id took it
-            rid = str(next(self._ids))
-        if rid in self._groups:
+        rid = self._free_id(params.n) if request_id is None else str(request_id)  # NOTE: a caller's id may hold it
+        if rid in self._groups or any(rid == p[2] for p in self._pending):
             raise ValueError(f"Request id {rid!r} is already in use.")
         # NOTE: as vLLM: logit_bias within the model's rows, allowed_token_ids within the tokenizer's
         # (a model may have more rows than tokens: Qwen2.5's 151936 for 151665)
@@ -410,6 +448,8 @@ class Engine:
         if not self.comm.is_driver:  # NOTE: a worker rank holds no requests
             return
         with self._atomic():
+            if self._pending:  # NOTE: not queued yet: nothing ran, no output
+                self._pending = deque(p for p in self._pending if p[2] not in ids)
             for rid in ids:
                 group = self._groups.pop(rid, None)
                 if group is None:
@@ -425,7 +465,7 @@ class Engine:
         on a worker rank, which holds no requests."""
         if not self.comm.is_driver:
             return False
-        return bool(self._groups) or bool(self._step_outbox)
+        return bool(self._groups) or bool(self._step_outbox) or bool(self._pending)
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
@@ -434,6 +474,7 @@ class Engine:
         and stream() requests go to those calls, never here)."""
         self._driver_only("step")
         with self._atomic():
+            self._admit_pending()
             if self.scheduler.has_unfinished():
                 self._step()
             return _take_all(self._step_outbox)
@@ -653,7 +694,8 @@ class Engine:
         """Whether an automatic id (or one of its n children's) is a request's already."""
         live = getattr(self.scheduler, "requests", None)
         names = [rid] if n == 1 else [f"{rid}#{i}" for i in range(n)]
-        return rid in self._groups or (live is not None and any(x in live for x in names))
+        return rid in self._groups or any(rid == p[2] for p in self._pending) or (
+            live is not None and any(x in live for x in names))
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas of one request; they join to the final text. Other streams,

@@ -469,6 +469,40 @@ def test_prompt_logprobs_wait_for_room_in_generate(model_dir):
         e.close()
 
 
+def test_prompt_logprobs_wait_for_room_in_add_request(model_dir):
+    """add_request() with prompt_logprobs while running requests hold the KV blocks queues it
+    (as vLLM's LLMEngine; it raised KVCacheBusyError): step() adds it once they finish, its
+    outputs come back with its id, the same prompt logprobs as on an idle engine; a second such
+    request waits behind it, and one aborted while waiting leaves nothing unfinished."""
+    e = Engine(model_dir, dtype="float32", kv_cache_memory=12 * 8192, max_model_len=128, block_size=16)
+    try:
+        long = list(range(3, 3 + 100))
+        first = e.add_request(long, SamplingParams(temperature=0, max_tokens=20))
+        e.step()
+        free = e.scheduler.block_manager.num_free_blocks
+        p = list(range(7, 7 + 16 * (free + 1)))[:120]
+        assert e.scheduler.block_manager.num_blocks_for(len(p)) > free
+        sp = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1)
+        rid = e.add_request(p, sp)
+        rid2 = e.add_request(p[:60], sp, request_id="second")
+        gone = e.add_request(p, sp, request_id="gone")
+        with pytest.raises(ValueError, match="already in use"):
+            e.add_request(p, sp, request_id="second")
+        e.abort_request("gone")
+        final = {}
+        while e.has_unfinished_requests():
+            for o in e.step():
+                if o.finished:
+                    final[o.request_id] = o
+        assert set(final) == {first, rid, rid2} and gone not in final
+        alone = e.generate([p, p[:60]], sp)
+        assert final[rid].prompt_logprobs == alone[0].prompt_logprobs and len(final[rid].prompt_logprobs) == len(p)
+        assert final[rid2].prompt_logprobs == alone[1].prompt_logprobs
+        assert final[rid].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    finally:
+        e.close()
+
+
 def test_sharded_checkpoint_loads(tmp_path, model_dir):
     """A model saved in several shards with an index gives the same tokens."""
     import torch

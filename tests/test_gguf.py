@@ -351,3 +351,21 @@ def test_a_phi3_gguf_equals_its_dequantized_reference(tmp_path, qtype, longrope)
     finally:
         g.close()
         r.close()
+
+
+def test_quantization_gguf_runs_the_file_as_stored(hf_models, tmp_path):
+    """quantization='gguf' (vLLM's name) runs a GGUF as stored; 'int4' on a GGUF and 'gguf' on
+    a dense directory are each one sentence."""
+    path = str(tmp_path / "m.gguf")
+    write_gguf(hf_models["llama"], path, "Q4_0")
+    a, b = engine(path), engine(path, quantization="gguf")
+    try:
+        assert b.runner.model.layers[0].qkv_proj.dtype == "int4"
+        assert a.generate([PROMPT], GREEDY)[0].token_ids == b.generate([PROMPT], GREEDY)[0].token_ids
+    finally:
+        a.close()
+        b.close()
+    with pytest.raises(ValueError, match="holds quantized weights already"):
+        engine(path, quantization="int4")
+    with pytest.raises(ValueError, match="names the format of a GGUF checkpoint, but .* is a dense checkpoint"):
+        engine(hf_models["llama"], quantization="gguf")

@@ -12,6 +12,7 @@ from quant_helpers import LINEARS, prefill_logits
 
 from numa_runtime import Engine, SamplingParams
 from numa_runtime.config import UnsupportedModelError
+from numa_runtime.quant.loader import CHECKPOINT_METHODS
 
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=384)
@@ -197,3 +198,29 @@ def test_partial_last_group_is_refused_on_one_rank(tmp_path):
                                          r"a multiple of its group_size 64 \(a partial last group\); such "
                                          r"checkpoints are not supported\.$"):
         engine(qdir)
+
+
+def test_vllm_method_names_check_the_checkpoint(src, tmp_path):
+    """quantization='awq' / 'gptq' / 'awq_marlin' / 'gguf' (vLLM's names) runs an AWQ file as
+    stored, and refuses in one sentence a file of another format or a dense one (it was refused
+    as an unknown quantization)."""
+    qdir, ref_dir = str(tmp_path / "q"), str(tmp_path / "ref")
+    write_checkpoints(src, qdir, ref_dir, "awq", "gemm")
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    plain = engine(qdir)
+    try:
+        want = plain.generate([PROMPT], greedy)[0].token_ids
+    finally:
+        plain.close()
+    for name in ("awq", "AWQ", "awq_marlin"):
+        e = Engine(qdir, dtype="float32", kv_cache_memory=1 << 23, max_model_len=128, quantization=name)
+        try:
+            assert e.runner.model.layers[0].gate_up_proj.dtype == "int4"
+            assert e.generate([PROMPT], greedy)[0].token_ids == want
+        finally:
+            e.close()
+    for model, name, held in ((qdir, "gptq", "holds AWQ weights"), (qdir, "gguf", "holds AWQ weights"),
+                              (src, "awq", "is a dense checkpoint")):
+        with pytest.raises(ValueError, match=f"names the format of a {CHECKPOINT_METHODS[name].upper()} "
+                                             f"checkpoint, but .* {held}; drop it"):
+            Engine(model, dtype="float32", kv_cache_memory=1 << 23, max_model_len=128, quantization=name)

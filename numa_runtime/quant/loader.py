@@ -192,9 +192,37 @@ class ConcatLinear:
         return out
 
 
+# NOTE: vLLM's names for a checkpoint that brings its own quantization: they quantize nothing at
+# load, they only assert what the file holds (vLLM's --quantization gguf / awq / gptq)
+CHECKPOINT_METHODS = {"gguf": "gguf", "awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq"}
+
+
 def parse_quantization(name: str | None) -> QuantFormat | None:
-    """EngineConfig.quantization -> format (None: weights as stored)."""
-    return None if name in (None, "", "none") else QuantFormat.parse(name)
+    """EngineConfig.quantization -> format (None: weights as stored, also for a checkpoint
+    method name such as 'gguf' or 'awq', which check_checkpoint_method compares with the file)."""
+    if name in (None, "", "none") or str(name).lower() in CHECKPOINT_METHODS:
+        return None
+    return QuantFormat.parse(name)
+
+
+def checkpoint_method(ckpt) -> str | None:
+    """'gguf', 'awq' or 'gptq' for a checkpoint that stores quantized weights, else None."""
+    from ..gguf_checkpoint import GGUFCheckpoint
+    if isinstance(ckpt, GGUFCheckpoint):
+        return "gguf"
+    return getattr(ckpt, "method", None)
+
+
+def check_checkpoint_method(name: str | None, ckpt, where) -> None:
+    """One sentence when `name` is a checkpoint method (parse_quantization) the file does not hold."""
+    want = CHECKPOINT_METHODS.get(str(name).lower()) if name is not None else None
+    if want is None:
+        return
+    have = checkpoint_method(ckpt)
+    if have != want:
+        held = f"holds {have.upper()} weights" if have else "is a dense checkpoint"
+        raise QuantError(f"quantization={name!r} (--quantization) names the format of a {want.upper()} checkpoint, "
+                         f"but {where} {held}; drop it, or pass 'int8'/'int4' to quantize a dense one at load.")
 
 
 # NOTE: chosen by perplexity (bench/bench_perplexity.py, bench/RESULTS.md)
@@ -213,7 +241,7 @@ def head_quantization(name: str | None, quantization: str | None, ckpt=None) -> 
         return None
     if name == "auto":
         dense = ckpt is None or getattr(ckpt, "quantized", None) is None
-        if quantization not in (None, "", "none") and dense:
+        if parse_quantization(quantization) is not None and dense:
             return QuantFormat.parse(HEAD_DEFAULT)
         return None
     try:

@@ -62,7 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--quantization", default=None,
                     help="quantize dense weights while loading: int8 (groups of 128), int4 (groups of "
-                         "32 with a min), or e.g. int4-g128-sym, int8-channel")
+                         "32 with a min), or e.g. int4-g128-sym, int8-channel; gguf, awq or gptq (as "
+                         "vLLM) only check that the checkpoint holds that format")
     ap.add_argument("--lm-head-quantization", default="auto",
                     help="lm_head format when loading a dense checkpoint: auto (int8 when --quantization "
                          "is set, else as stored), none (as stored), or an int8 format such as int8-channel")
