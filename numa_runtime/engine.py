@@ -143,6 +143,7 @@ class Engine:
         self._groups: dict[str, _Group] = {}
         self._texts: dict[str, TextState] = {}
         self._step_outbox: deque[RequestOutput] = deque()  # outputs of add_request's requests
+        self.last_progress = time.monotonic()  # when a forward (a step, a scratch prefill chunk) last ended
         # add_request's prompt_logprobs requests waiting for KV room for their prefill (step()
         # adds them in order once running requests free the blocks, as vLLM queues them)
         self._pending: deque[tuple] = deque()
@@ -999,6 +1000,7 @@ class Engine:
         then broken for good (every later call says so; close() ends the MPI job)."""
         try:
             result = run(*args)
+            self.last_progress = time.monotonic()  # NOTE: a forward ended (the server's stall clock)
             bad = getattr(self.runner, "failed_saves", None)
             tier = getattr(getattr(self, "block_manager", None), "tier", None)
             if bad and tier is not None:  # NOTE: a file no rank could write (a full disk) is no tier entry

@@ -234,11 +234,13 @@ class TextState:
         n, start = req.num_output_tokens, self.num_sent_tokens
         self.num_sent_tokens = n
         lps = req.logprobs if req.sampling_params.logprobs is not None else None
-        sent, k, unsent = self.sent, len(self.sent), self.unsent
+        sent, k = self.sent, len(self.sent)
         # NOTE: a request's last output carries plain lists (one O(L) copy, once), so what users
         # keep is an ordinary list; outputs along the way are O(1) views.
         view = (lambda items: list(items[:n])) if req.is_finished else (lambda items: Prefix(items, n))
-        return CompletionOutput(index, lambda: "".join(sent[:k]) + unsent, view(req.output_token_ids),
+        # NOTE: `text` is what was sent: while running, the characters held back for a stop string
+        # are not in it (vLLM's running text); they were shown, then cut when the stop completed
+        return CompletionOutput(index, lambda: "".join(sent[:k]), view(req.output_token_ids),
                                 req.finish_reason, req.stop_reason, None if lps is None else view(lps),
                                 delta, req.output_token_ids[start:n], None if lps is None else lps[start:n],
                                 self.detok.tokenizer.decoded_token if lps is not None else None)

@@ -6,6 +6,7 @@ the chat template with the helpers HF templates expect.
 """
 import functools
 import json
+import logging
 import os
 import re
 from datetime import datetime
@@ -14,6 +15,8 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _BackendTokenizer
+
+log = logging.getLogger("numa_runtime")
 
 __all__ = ["Tokenizer", "IncrementalDetokenizer", "ChatTemplateError"]
 
@@ -206,7 +209,11 @@ class Tokenizer:
 
         As HF does: keys whose value is None are dropped from each message, and a message's
         reasoning (`reasoning_content`, `thinking` or `reasoning`) is given under the first two
-        names too. A message's content may be a string or a list of text parts ({"type": "text",
+        names too. As vLLM's chat: content None is "", and a tool call's `arguments` given as a
+        JSON string (OpenAI's form) reach the template as the object. As llama.cpp: a
+        "developer" message (newer OpenAI clients' system role) is a "system" one for a template
+        that never names the developer role (such templates dropped it unseen). A message's
+        content may be a string or a list of text parts ({"type": "text",
         "text": ...}): a template that loops over a message's content gets the parts, any other
         gets their texts joined by newlines (as vLLM picks its content format).
         `continue_final_message`: the prompt ends with the last message's text, for
@@ -226,7 +233,7 @@ class Tokenizer:
         source = chat_template if chat_template is not None else self._pick_template(tools)
         context = {k: v for k, v in self._special.items() if v is not None}
         context.update(kwargs)
-        msgs = _template_messages(messages, *_content_format(source))
+        msgs = _template_messages(messages, *_content_format(source), developer="developer" in source)
         try:
             text = _compile(source).render(messages=msgs, tools=tools,
                                            documents=documents, add_generation_prompt=add, **context)
@@ -293,19 +300,38 @@ class IncrementalDetokenizer:
         # NOTE: the last 5 tokens can start inside a character (byte-fallback pieces): a byte run
         # that decodes to U+FFFD, left context that would cost a sentencepiece first token its
         # space; longer ones may start on a character boundary
-        self._ids = prompt[-lo:]
+        # NOTE: a prompt ending inside a character (a max_tokens cut, continued from its ids) keeps
+        # that tail unread: the output token that completes the character emits all of it, as
+        # vLLM's incremental detokenizer does (dropping the tail gave U+FFFD)
+        tail = self._open_tail(prompt)
+        body = prompt[:len(prompt) - tail]
+        self._ids = body[-lo:]
         if "\ufffd" in self._decode(self._ids):
-            for n in range(lo + 1, min(len(prompt), hi) + 1):
-                if "\ufffd" not in self._decode(prompt[-n:]):
-                    self._ids = prompt[-n:]
+            for n in range(lo + 1, min(len(body), hi) + 1):
+                if "\ufffd" not in self._decode(body[-n:]):
+                    self._ids = body[-n:]
                     break
         self._prefix_text = self._decode(self._ids)
-        # NOTE: a prompt ending inside a character gives no usable left context.
-        while self._prefix_text.endswith("\ufffd"):
-            self._ids.pop()
-            self._prefix_text = self._decode(self._ids)
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        self._ids += prompt[len(prompt) - tail:]
+
+    def _open_tail(self, prompt: list[int]) -> int:
+        """How many last tokens of `prompt` hold the start of a character they do not finish
+        (0 when it ends on a character boundary)."""
+        n = len(prompt)
+        for t in range(0, min(4, n)):  # NOTE: a character is at most 4 bytes: 4 tokens
+            if not self._decode(prompt[max(0, n - t - 8):n - t]).endswith("\ufffd"):
+                break
+        else:
+            return 0
+        if t and hasattr(self._tokenizer, "token_bytes"):
+            try:  # NOTE: a typed U+FFFD (or other whole text) is no open character
+                b"".join(self._tokenizer.token_bytes(i) for i in prompt[n - t:]).decode("utf-8")
+                return 0
+            except UnicodeDecodeError:
+                pass
+        return t
 
     def add(self, token_id: int) -> str:
         """The text this token adds; "" while it only holds part of a character."""
@@ -335,15 +361,27 @@ def _compile(source: str) -> jinja2.Template:
     return _jinja_env().from_string(source)
 
 
-def _template_messages(messages: list[dict], parts: bool = False, wrap_strings: bool = False) -> list[dict]:
-    """Messages as HF hands them to templates: None-valued keys dropped (OpenAI clients send
-    `content: None` beside tool calls), reasoning aliased as `reasoning_content` and `thinking`;
-    a list of text parts as it is where the template loops over content (`parts`), else joined
-    by newlines (vLLM's "string" content format); a string as it is (as HF hands it), or as one
-    text part where the template only takes parts (`wrap_strings`, as vLLM)."""
+def _template_messages(messages: list[dict], parts: bool = False, wrap_strings: bool = False,
+                       developer: bool = True) -> list[dict]:
+    """Messages as HF hands them to templates: None-valued keys dropped, but content None is ""
+    (OpenAI clients send it beside tool calls; vLLM's), tool calls' JSON-string arguments parsed
+    (vLLM's), reasoning aliased as `reasoning_content` and `thinking`; a list of text parts as
+    it is where the template loops over content (`parts`), else joined by newlines (vLLM's
+    "string" content format); a string as it is (as HF hands it), or as one text part where the
+    template only takes parts (`wrap_strings`, as vLLM). Not `developer` (the template never
+    names that role): a developer message is a system one."""
     out = []
     for m in messages:
+        if not isinstance(m, dict):
+            raise ValueError(f"Each message must be a dict with a role, got {type(m).__name__}.")
+        had_content = "content" in m
         m = {k: v for k, v in m.items() if v is not None}
+        if had_content and "content" not in m:
+            m["content"] = ""
+        if m.get("role") == "developer" and not developer:
+            m["role"] = "system"
+        if isinstance(m.get("tool_calls"), list):
+            m["tool_calls"] = [_template_call(c) for c in m["tool_calls"]]
         if "content" in m and (wrap_strings or not isinstance(m["content"], str)):
             texts = _text_parts(m["content"])
             m["content"] = [{"type": "text", "text": t} for t in texts] if parts else "\n".join(texts)
@@ -352,6 +390,22 @@ def _template_messages(messages: list[dict], parts: bool = False, wrap_strings: 
             m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
         out.append(m)
     return out
+
+
+def _template_call(call):
+    """A tool call with its `arguments` as the object a JSON string gives (not a JSON object,
+    or empty: {}, as the server does); any other call as it is."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"]) if fn["arguments"] else {}
+    except ValueError:
+        args = None
+    if not isinstance(args, dict):
+        log.warning("tool call %r: arguments are not a JSON object; the template sees {}.", fn.get("name"))
+        args = {}
+    return {**call, "function": {**fn, "arguments": args}}
 
 
 def _text_parts(content) -> list[str]:

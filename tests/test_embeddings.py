@@ -441,3 +441,53 @@ def test_a_waiting_embedding_is_not_starved_by_new_requests(decoder):
     assert seen["finished"] <= 6, (seen, len(finished))
     assert eng.block_manager.reserved_blocks == 0
     eng.close()
+
+
+def test_a_long_embeddings_batch_runs_an_engine_call_an_input(decoder):
+    """/v1/embeddings runs one engine call an input: the stall clock (/health's "engine stalled",
+    --stall-timeout) restarts at each input's forward, and a request cancelled (its client gone)
+    leaves its other inputs unrun. The whole batch was one call: a long batch read as a stalled
+    engine, and a client's disconnect let it run to the end before any other request."""
+    import asyncio
+    import time
+    from numa_runtime.serve.async_engine import AsyncEngine
+    from numa_runtime.serve.embeddings import EmbeddingRequest, create_embeddings
+    d, _ = decoder
+    eng = Engine(d, dtype="float32", kv_cache_memory=1 << 22, max_model_len=256, num_threads=1)
+    aengine = AsyncEngine(eng)
+    forwards = []
+    final_hidden = eng._final_hidden
+    eng._final_hidden = lambda *a, **k: forwards.append(time.monotonic()) or final_hidden(*a, **k)
+    k = 12
+    body = EmbeddingRequest(input=[list(range(3, 250))] * k, encoding_format="float")
+
+    async def whole():
+        peak = 0.0
+        task = asyncio.ensure_future(create_embeddings(aengine, body, "m", None))
+        start = time.monotonic()
+        while not task.done():
+            peak = max(peak, aengine.busy_seconds)
+            await asyncio.sleep(0.001)
+        return task.result(), peak, time.monotonic() - start
+
+    async def cancelled():
+        task = asyncio.ensure_future(create_embeddings(aengine, body, "m", None))
+        while not forwards:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        done = asyncio.get_running_loop().create_future()
+        aengine._inbox.put(("call", lambda e: None, done))  # NOTE: answered once the engine is past what was queued
+        await done
+    aengine.start()
+    try:
+        answer, peak, took = asyncio.run(whole())
+        assert len(answer["data"]) == k and len(forwards) == k
+        assert peak < took / 3, (peak, took)  # NOTE: about one input's time, not the batch's
+        forwards.clear()
+        asyncio.run(cancelled())
+        assert 1 <= len(forwards) <= 2, len(forwards)
+    finally:
+        aengine.stop()
+        eng.close()

@@ -358,6 +358,34 @@ def test_one_sigterm_under_mpirun_lets_requests_finish_within_the_grace(tmp_path
         srv.stop()
 
 
+def test_one_sigterm_to_every_process_of_the_job_is_one_signal(tmp_path):
+    """systemctl stop and pkill -f send SIGTERM to mpirun and each rank at once: rank 0 gets it,
+    then mpiexec's forwarded copy milliseconds later. That is one signal: the request in flight
+    finishes within the grace (it counted as a second signal: every request cut at once)."""
+    from models import build_model
+    d = str(tmp_path / "mid")
+    build_model(d, arch="llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048)
+    srv = _mpi_server(d, "--shutdown-grace", "30", "--num-scheduler-steps", "1", "--max-model-len", "2048")
+    try:
+        procs = [psutil.Process(srv.proc.pid), _rank_process(srv.proc.pid, 0), _rank_process(srv.proc.pid, 1)]
+        done = {}
+        t = _post_in_background(srv, {"prompt": "Hello", "max_tokens": 2000, "ignore_eos": True}, done)
+        t.start()
+        wait_for(lambda: metric(srv.base, "numa_runtime_num_requests_running") == 1, what="the request running")
+        # NOTE: rank 0's own copy first, mpiexec's forwarded one a moment later (a fixed gap: the
+        # stimulus, a pkill reaching the processes in this order, not a wait for a condition)
+        procs[1].send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        for p in (procs[0], procs[2]):
+            p.send_signal(signal.SIGTERM)
+        t.join(timeout=120)
+        assert srv.proc.wait(timeout=120) == 0, srv.output()
+        assert done["r"].status_code == 200 and done["r"].json()["usage"]["completion_tokens"] == 2000, done
+    finally:
+        srv.stop()
+
+
 def _stall_on_stopped_rank(srv, worker):
     """Stop `worker` (SIGSTOP), send a 200-token request, and wait until its step stalls on the
     stopped rank; (the request's thread, its result dict)."""
@@ -414,6 +442,9 @@ def test_a_second_sigterm_ends_the_job_soon_while_a_worker_rank_is_stopped(model
             except httpx.ConnectError:
                 return True
         wait_for(turned_away, what="the shutdown begun")
+        # NOTE: and not as mpiexec's forwarded copy of the first (one within 1 s of it counts as it)
+        from numa_runtime.serve.__main__ import _SAME_SIGNAL_S
+        wait_for(lambda: time.monotonic() - start > _SAME_SIGNAL_S, what="a second past the first signal")
         srv.proc.send_signal(signal.SIGTERM)
         srv.proc.wait(timeout=120)
         t.join(timeout=60)

@@ -122,10 +122,18 @@ def test_deltas_with_prompt_and_special_tokens(smol):
 
 
 def test_prompt_ending_inside_a_character(smol):
-    ids = smol.encode("a 😀 b")
+    """A prompt cut inside a character (a max_tokens cut continued from its ids): the output
+    emits the whole character once its last bytes come, as vLLM's detokenizer primed with the
+    prompt does (the output alone, decoded, starts with U+FFFD)."""
+    ids = smol.encode("a 😀 b 日本")
+    split = 0
     for cut in range(1, len(ids)):
         deltas, tail = _stream(smol, ids[cut:], prompt_ids=ids[:cut])
-        assert "".join(deltas) + tail == smol.decode(ids[cut:])
+        whole = max(k for k in range(cut + 1) if not smol.decode(ids[:k]).endswith("\ufffd"))
+        split += whole < cut
+        assert "".join(deltas) + tail == smol.decode(ids)[len(smol.decode(ids[:whole])):], cut
+        assert not any("\ufffd" in d for d in deltas) and tail == ""
+    assert split >= 2  # the cut really fell inside characters
 
 
 def test_uniformly_random_ids_join_to_decode_after_flush(smol):
@@ -476,3 +484,74 @@ def test_a_chat_template_error_names_the_template_that_raised(smol_dir):
     tok.use_chat_template("{{ raise_exception('nope') }}")
     with pytest.raises(ChatTemplateError, match="^the --chat-template template rejected the conversation: nope"):
         tok.apply_chat_template(msgs)
+
+
+def test_running_text_leaves_out_what_a_stop_string_holds_back(smol):
+    """While a request runs, an output's text is what its deltas sent: the characters held back
+    as the possible start of a stop string are not in it (as vLLM's running text). They were,
+    and the text then shrank when the stop completed ('Yes' running, 'Y' final)."""
+    from numa_runtime.outputs import TextState
+    from numa_runtime.request import Request, RequestStatus
+    from numa_runtime.sampling_params import SamplingParams
+
+    class Group:
+        request_id = "g"
+    prompt = smol.encode("Say:")
+    ids = smol.encode("Yes. No.", add_special_tokens=False)
+    sp = SamplingParams(max_tokens=20, stop=["es."])
+    req = Request("r", list(prompt), sp)
+    req.status = RequestStatus.RUNNING
+    ts = TextState(req, IncrementalDetokenizer(smol, prompt), Group(), set(smol.eos_token_ids))
+    texts, sent = [], ""
+    for t in ids:
+        req.append_output_token(t)
+        status = ts.add_token(t, 1 << 20)
+        if status is not None:
+            req.status = status
+        out = ts.output(0)
+        sent += out.delta
+        texts.append(out.text)
+        assert out.text == sent
+        if status is not None:
+            break
+    assert texts[-1] == "Y" and out.finish_reason == "stop"
+    assert all(texts[-1].startswith(t) for t in texts)
+
+
+# NOTE: the parts of Qwen2.5's template that read tool calls and content (arguments | tojson)
+CALLS_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% for c in m.tool_calls or [] %}[{{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %}"
+    ";{% endfor %}")
+
+
+def test_openai_tool_history_renders_as_vllms_chat(smol):
+    """Engine.chat / apply_chat_template take OpenAI's message form as vLLM's LLM.chat does: a
+    tool call's arguments given as a JSON string reach the template as the object (they were
+    encoded twice: "{\\"city\\": ...}"), content None is "" (templates reading message['content']
+    failed), a string that is no JSON object is {}."""
+    msgs = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                                  "arguments": '{"city": "Paris"}'}},
+                {"id": "call_2", "type": "function", "function": {"name": "now", "arguments": ""}},
+                {"id": "call_3", "type": "function", "function": {"name": "bad", "arguments": "[1]"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "20C"}]
+    text = smol.apply_chat_template(msgs, chat_template=CALLS_TEMPLATE, add_generation_prompt=False)
+    assert text == '<|user|>Weather in Paris?;<|assistant|>[get_weather {"city": "Paris"}][now {}][bad {}];<|tool|>20C;'
+    # NOTE: the server's own message form (arguments already an object) renders the same
+    from numa_runtime.serve.protocol import ChatMessage
+    served = [ChatMessage.model_validate(m).as_template_dict() for m in msgs]
+    assert smol.apply_chat_template(served, chat_template=CALLS_TEMPLATE, add_generation_prompt=False) == text
+
+
+def test_a_developer_message_is_a_system_one_where_the_template_has_no_developer_role(smol):
+    """As llama.cpp's server: newer OpenAI clients send the system prompt as role "developer";
+    a template that never names that role (Qwen2.5's, SmolLM2's) dropped it unseen."""
+    msgs = [{"role": "developer", "content": "ALWAYS ANSWER IN FRENCH"}, {"role": "user", "content": "hi"}]
+    text = smol.apply_chat_template(msgs)
+    assert "ALWAYS ANSWER IN FRENCH" in text
+    assert text == smol.apply_chat_template([{"role": "system", "content": "ALWAYS ANSWER IN FRENCH"}, msgs[1]])
+    own = "{% for m in messages %}{% if m.role == 'developer' %}D:{% endif %}{{ m.content }};{% endfor %}"
+    assert smol.apply_chat_template(msgs, chat_template=own, add_generation_prompt=False) == \
+        "D:ALWAYS ANSWER IN FRENCH;hi;"

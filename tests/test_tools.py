@@ -275,3 +275,80 @@ def test_strict_function_allows_no_undeclared_argument():
     calls = plan(tools, "required", None).schema["items"]["anyOf"]
     assert [c["properties"]["parameters"].get("additionalProperties") for c in calls] == [False, None]
 
+
+
+def test_responses_api_over_the_chat_path(model_dir):
+    """POST /v1/responses (OpenAI's Responses API, which vLLM serves) through the openai client:
+    the answer is the chat path's (same text, usage, finish as status), streamed as Responses
+    events whose text joins to it; a named function tool gives a function_call item; the tool's
+    output sent back as input items renders as chat's tool messages; what the server cannot do
+    (stored responses, non-function tools, image parts) is one sentence. It was a bare 404."""
+    srv = _server(model_dir)
+    try:
+        c = srv.client()
+        chat = c.chat.completions.create(model="m", messages=[{"role": "system", "content": "Be brief."},
+                                                              {"role": "user", "content": "Hello"}],
+                                         max_tokens=12, temperature=0)
+        r = c.responses.create(model="m", instructions="Be brief.", input="Hello", max_output_tokens=12,
+                               temperature=0)
+        assert r.object == "response" and r.output_text == chat.choices[0].message.content
+        assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == chat.usage.completion_tokens
+        assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+        assert r.output[0].type == "message" and r.output[0].role == "assistant"
+        # the same as a message list of text parts
+        r2 = c.responses.create(model="m", input=[
+            {"role": "system", "content": "Be brief."},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello"}]}],
+            max_output_tokens=12, temperature=0)
+        assert r2.output_text == r.output_text
+        # streamed: the events in order, the deltas joining to the text, the final response whole
+        events = list(c.responses.create(model="m", instructions="Be brief.", input="Hello", max_output_tokens=12,
+                                         temperature=0, stream=True))
+        kinds = [e.type for e in events]
+        assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+        assert kinds[-1] == ("response.incomplete" if r.status == "incomplete" else "response.completed")
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert events[-1].response.output_text == r.output_text and events[-1].response.usage.output_tokens == \
+            r.usage.output_tokens
+        # NOTE: the client's stream helper rebuilds the response from the events (it checks their order
+        # and identities); the tiny model runs to max_output_tokens: response.incomplete, as OpenAI's
+        with c.responses.stream(model="m", input="Hello", max_output_tokens=8, temperature=0) as s:
+            last = list(s)[-1]
+        plain = c.responses.create(model="m", input="Hello", max_output_tokens=8, temperature=0)
+        assert last.type == f"response.{plain.status}" and last.response.output_text == plain.output_text
+        # a function tool: a function_call item, then its output back as input items
+        tool = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+                "parameters": WEATHER["function"]["parameters"]}
+        fc = c.responses.create(model="m", input="Weather?", tools=[tool], max_output_tokens=120, temperature=0,
+                                tool_choice={"type": "function", "name": "get_weather"})
+        call = [o for o in fc.output if o.type == "function_call"][0]
+        assert call.name == "get_weather" and json.loads(call.arguments)["unit"] in ("C", "F")
+        streamed = list(c.responses.create(model="m", input="Weather?", tools=[tool], max_output_tokens=120,
+                                           temperature=0, stream=True,
+                                           tool_choice={"type": "function", "name": "get_weather"}))
+        done = [e for e in streamed if e.type == "response.function_call_arguments.done"]
+        assert len(done) == 1 and done[0].arguments == call.arguments
+        follow = c.responses.create(model="m", tools=[tool], tool_choice="none", max_output_tokens=4, temperature=0,
+                                    input=[
+            {"role": "user", "content": "Weather?"},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "20C"}])
+        back = c.chat.completions.create(model="m", tools=[WEATHER], tool_choice="none", max_tokens=4, temperature=0,
+                                         messages=[
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call.call_id, "type": "function", "function": {"name": call.name,
+                                                                     "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": "20C"}])
+        assert follow.usage.input_tokens == back.usage.prompt_tokens
+        assert follow.output_text == (back.choices[0].message.content or "")
+        for kw, match in (({"store": True}, r"Storing responses \(store: true\) is not supported"),
+                          ({"previous_response_id": "resp_1"}, "previous_response_id is not supported"),
+                          ({"tools": [{"type": "web_search"}]}, "Only function tools are supported"),
+                          ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+                           "only text parts")):
+            with pytest.raises(openai.BadRequestError, match=match):
+                c.responses.create(**{"model": "m", "input": "Hello", **kw})
+    finally:
+        assert srv.stop() == 0, srv.output()

@@ -435,6 +435,10 @@ def _serve(args, world, sock, front) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     multi = is_multi_model(args)
     from numa_runtime.engine import RankLoadError
+    if world is None or world[0] == 0:
+        # NOTE: a stop (systemctl stop: SIGTERM) while loading ends as Ctrl-C does, in one line (it
+        # killed rank 0 outright: mpiexec's "BAD TERMINATION" banner and exit code 15)
+        old_term = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         # NOTE: first, and on every rank
         engine = build_router(args) if multi else build_engine(args)
@@ -448,6 +452,8 @@ def _serve(args, world, sock, front) -> int:
         if world is not None and world[1] > 1:
             _abort_job(130)  # NOTE: the workers are in the load's collectives
         return 130
+    if world is None or world[0] == 0:
+        signal.signal(signal.SIGTERM, old_term)
     if engine is None:  # a worker rank of several models: rank 0 has shut down
         return 0
     if not multi and not engine.is_driver:
@@ -503,7 +509,11 @@ def _serve(args, world, sock, front) -> int:
     signals = []
 
     def on_signal(signum, _frame):
-        signals.append(signum)
+        import time
+        now = time.monotonic()
+        if signals and world is not None and now - signals[0] < _SAME_SIGNAL_S:
+            return  # NOTE: the copy mpiexec forwards of a signal rank 0 got too (pkill -f, Ctrl-C)
+        signals.append(now)
         if len(signals) > 1:  # NOTE: a second signal: exit now
             server.force_exit = True
         begin_shutdown()
@@ -537,6 +547,10 @@ def _serve(args, world, sock, front) -> int:
 
 
 _STUCK_EXIT_S = 15.0  # past the grace: how long a shutdown may wait for an engine step to end
+# NOTE: under mpirun one SIGTERM/SIGINT sent to the job's processes (systemctl stop, pkill -f, Ctrl-C
+# in a terminal) reaches rank 0 twice: itself, then mpiexec's forwarded copy milliseconds later.
+# Signals this close to the first count as that one, not as the second that forces an exit.
+_SAME_SIGNAL_S = 1.0
 
 
 def _watch_signals(aengine, begin_shutdown, grace: float, closed: threading.Event, stall: float) -> None:
@@ -553,16 +567,21 @@ def _watch_signals(aengine, begin_shutdown, grace: float, closed: threading.Even
     r, w = os.pipe()
     os.set_blocking(w, False)
     signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-    wanted, seen = {signal.SIGINT, signal.SIGTERM}, [0]
+    wanted, seen, first = {signal.SIGINT, signal.SIGTERM}, [0], [None]
 
     def signals(n: int, timeout: float | None) -> bool:
-        """Whether `n` SIGINT/SIGTERMs in all have arrived within `timeout` s (None: wait for them)."""
+        """Whether `n` SIGINT/SIGTERMs in all have arrived within `timeout` s (None: wait for them);
+        those within _SAME_SIGNAL_S of the first count as the first."""
         end = None if timeout is None else time.monotonic() + timeout
         while seen[0] < n:
             left = None if end is None else max(0.0, end - time.monotonic())
             if not select.select([r], [], [], left)[0]:
                 return False
-            seen[0] += sum(1 for b in os.read(r, 64) if b in wanted)
+            for b in os.read(r, 64):
+                now = time.monotonic()
+                if b in wanted and (first[0] is None or now - first[0] >= _SAME_SIGNAL_S):
+                    first[0] = now if first[0] is None else first[0]
+                    seen[0] += 1
         return True
 
     def watch():

@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import functools
 import hmac
+import json
 import logging
 import re
 import time
@@ -213,10 +214,13 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
         ids = engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return ids[-keep:] if keep else ids
 
-    async def prompt_pairs(prompts: list[list[int]], k: int) -> list[list[tuple]]:
+    async def prompt_pairs(request: Request, prompts: list[list[int]], k: int) -> list[list[tuple]]:
         """Each prompt's tokens' logprob pairs (tokens 1..n-1, `k` most likely each), computed
-        between steps; a prompt the KV cache cannot hold now waits for room, as an embedding."""
-        return await aengine.call(lambda e: [e.prompt_logprob_pairs(ids, k) for ids in prompts])
+        between steps, one engine call a prompt; a prompt the KV cache cannot hold now waits for
+        room, as an embedding. A client gone leaves the rest unrun."""
+        async def work():
+            return [await aengine.call(lambda e, ids=ids: e.prompt_logprob_pairs(ids, k)) for ids in prompts]
+        return await _unless_gone(request, work())
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -250,12 +254,12 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
                     for p in prompts:
                         check_context(len(p), params.max_tokens, engine.max_model_len)
             if body.echo:  # NOTE: the prompt as given; a token or truncated prompt as its tokens decode
-                pairs = await prompt_pairs(prompts, body.logprobs) if body.logprobs is not None else None
+                pairs = await prompt_pairs(request, prompts, body.logprobs) if body.logprobs is not None else None
                 echo = [(t if isinstance(t, str) and (not keep or len(p) < keep) else
                          engine.tokenizer.decode(p, skip_special_tokens=False), p, None if pairs is None else pairs[i])
                         for i, (t, p) in enumerate(zip(texts, prompts))]
             if body.prompt_logprobs is not None:
-                scores = list(zip(prompts, await prompt_pairs(prompts, body.prompt_logprobs)))
+                scores = list(zip(prompts, await prompt_pairs(request, prompts, body.prompt_logprobs)))
         if echo_only:
             out = R.echo_body(f"cmpl-{uuid.uuid4().hex}", config.served_model_name, echo, scores, body.n,
                               decode_token, engine.tokenizer.decoded_token)
@@ -300,15 +304,36 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             ids = await asyncio.to_thread(tokenize_chat, messages, kwargs, body.add_special_tokens, keep)
         return await _serve(request, body, "chatcmpl", [ids], params, arrival, renames, tool_plan)
 
+    @app.post("/v1/responses")
+    async def responses_create(request: Request):
+        """OpenAI's Responses API over the chat path (serve/responses_api.py)."""
+        from pydantic import ValidationError
+        from . import responses_api as RA
+        try:
+            raw = json.loads(await request.body() or b"null")
+        except ValueError:
+            raise ApiError(400, "The request body is not valid JSON.", code="invalid_value") from None
+        with _client_errors():
+            body = RA.chat_request(raw)
+        try:
+            chat = ChatCompletionRequest.model_validate(body)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        answer = await chat_completions(chat, request)
+        if isinstance(answer, StreamingResponse):
+            return StreamingResponse(RA.events(raw, config.served_model_name, answer.body_iterator),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return JSONResponse(RA.response_body(raw, json.loads(answer.body)))
+
     @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest):
+    async def embeddings(body: EmbeddingRequest, request: Request):
         arrival, answer = time.monotonic(), None
         check_model(body.model)
         try:
             with _client_errors():
                 try:
-                    answer = await create_embeddings(aengine, body, config.served_model_name,
-                                                     config.embedding_pooling)
+                    answer = await _unless_gone(request, create_embeddings(
+                        aengine, body, config.served_model_name, config.embedding_pooling))
                 except RuntimeError as e:  # NOTE: an OpenAI error body, not a bare 500
                     raise _engine_failure(e) from None
             return answer
@@ -445,6 +470,18 @@ def _check_failed(out, param: str = "response_format") -> None:
         if c.finish_reason == "error":
             code = "invalid_json_schema" if str(c.stop_reason).startswith("the JSON schema") else "invalid_value"
             raise ApiError(400, _sentence(str(c.stop_reason)), param=param, code=code)
+
+
+async def _unless_gone(request: Request, work):
+    """The result of the coroutine `work`, or (work cancelled: what it runs on the engine one
+    call at a time stops) a 499 nobody reads when the client disconnects first."""
+    box = {}
+
+    async def run():
+        box["v"] = await work
+    if not await _until_disconnect(request, run()):
+        raise ApiError(499, "The client closed the connection before the answer was ready.", code="client_closed")
+    return box["v"]
 
 
 async def _until_disconnect(request: Request, work) -> bool:

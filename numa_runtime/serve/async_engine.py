@@ -71,10 +71,14 @@ class AsyncEngine:
 
     @property
     def busy_seconds(self) -> float:
-        """How long the engine thread has been inside its current step or command (0 when it
-        waits for work). A stuck rank shows here: the step never ends."""
+        """How long the engine thread has been inside its current step or command without a
+        forward ending (0 when it waits for work): a command of many forwards (embeddings,
+        prompt logprobs of a long prompt, in prefill chunks) makes progress at each. A stuck rank
+        shows here: its forward never ends."""
         since = self._busy_since
-        return 0.0 if since is None else max(0.0, time.monotonic() - since)
+        if since is None:
+            return 0.0
+        return max(0.0, time.monotonic() - max(since, getattr(self.engine, "last_progress", since)))
 
     @property
     def seconds_since_last_step(self) -> float:

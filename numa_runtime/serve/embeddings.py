@@ -11,6 +11,7 @@ import asyncio
 import base64
 from typing import Any, Literal, Optional
 
+import numpy as np
 from pydantic import Field
 
 from ..engine import embedding_size, prompt_truncation
@@ -95,8 +96,11 @@ async def create_embeddings(aengine, body: EmbeddingRequest, model_name: str, po
     if any(not i for i in ids):
         raise ValueError("An input has no tokens (an empty text without special tokens); give it some text.")
 
-    def run(engine):
-        return engine.embed(ids, pooling, normalize=body.normalize, dimensions=body.dimensions)
-
-    vectors = await aengine.call(run)
+    # NOTE: one engine call an input (they run one after another anyway): steps of other requests
+    # go between them, and a client gone (its handler cancelled) leaves the rest unrun
+    vectors = []
+    for one in ids:
+        vectors.append(await aengine.call(
+            lambda e, one=one: e.embed([one], pooling, normalize=body.normalize, dimensions=body.dimensions)))
+    vectors = np.concatenate(vectors)
     return embeddings_body(model_name, vectors, sum(map(len, ids)), body.encoding_format)

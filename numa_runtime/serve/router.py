@@ -349,6 +349,11 @@ class ModelRouter:
         if name in self.engines:
             self.engines[name].abort_request(request_id)
 
+    @property
+    def last_progress(self) -> float:
+        """When a forward of any loaded model last ended (the server's stall clock)."""
+        return max((getattr(e, "last_progress", 0.0) for e in self.engines.values()), default=0.0)
+
     def has_unfinished_requests(self) -> bool:
         return any(e.has_unfinished_requests() for e in self.engines.values())
 

@@ -1,0 +1,398 @@
+"""OpenAI's Responses API (POST /v1/responses) over the chat completions path, as vLLM serves it:
+the request becomes a chat request (instructions a system message; input a string or a list of
+message, function_call, function_call_output and reasoning items; function tools; text.format
+a response_format), and the chat answer, or its event stream, becomes a Response object, or
+Responses events (response.created ... response.completed).
+
+Nothing is stored: store, previous_response_id, conversation and background are refused in one
+sentence, as are non-function tools, non-text input parts and options that have no meaning here.
+Sampling extras a vLLM client sends beside (top_k, seed, stop, chat_template_kwargs...) go to the
+chat request, which checks them.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+# NOTE: fields of a Responses request, each mapped below or refused; others go to the chat request
+_REFUSED = {
+    "previous_response_id": "this server stores no responses: send the whole conversation as input",
+    "conversation": "this server stores no conversations: send the whole conversation as input",
+    "prompt": "reusable prompt templates are not supported: send the instructions and input",
+    "max_tool_calls": "max_tool_calls is not supported",
+    "service_tier": None,
+}
+_PASS_KEYS = ("temperature", "top_p", "stream", "parallel_tool_calls", "user", "model")
+_IGNORED = ("metadata", "safety_identifier", "prompt_cache_key", "truncation", "store", "background",
+            "include", "reasoning", "top_logprobs", "text", "tools", "tool_choice", "instructions", "input",
+            "max_output_tokens", "stream_options")
+
+
+def _bad(message: str) -> ValueError:
+    return ValueError(message)
+
+
+def chat_request(raw: Any) -> dict:
+    """The chat completions body of a Responses request (ValueError: one sentence)."""
+    if not isinstance(raw, dict):
+        raise _bad("The request body must be a JSON object.")
+    for key, why in _REFUSED.items():
+        value = raw.get(key)
+        if value is None or (key == "service_tier" and value in ("auto", "default")):
+            continue
+        raise _bad(f"{key} is not supported by this server ({why or 'only auto or default'}); remove it.")
+    if raw.get("store"):
+        raise _bad("Storing responses (store: true) is not supported: this server keeps none; set store to false "
+                   "or leave it out.")
+    if raw.get("background"):
+        raise _bad("Background responses (background: true) are not supported; run the request in the "
+                   "foreground.")
+    if raw.get("include"):
+        raise _bad(f"include {raw['include']!r} is not supported; leave it out.")
+    if raw.get("truncation") not in (None, "disabled"):
+        raise _bad("truncation must be 'disabled' (a prompt past the context is an error, not cut).")
+    if raw.get("reasoning") not in (None, {}):
+        raise _bad("reasoning options (effort, summary) are not supported; the model's chat template decides "
+                   "(chat_template_kwargs, e.g. enable_thinking).")
+    if raw.get("top_logprobs"):
+        raise _bad("top_logprobs is not supported on /v1/responses; use /v1/chat/completions.")
+    if raw.get("n") not in (None, 1):
+        raise _bad("n must be 1 on /v1/responses (a response has one output).")
+    body = {k: v for k, v in raw.items() if k not in _REFUSED and k not in _IGNORED and k != "n"}
+    for key in _PASS_KEYS:
+        if raw.get(key) is not None:
+            body[key] = raw[key]
+    messages = []
+    if raw.get("instructions") is not None:
+        if not isinstance(raw["instructions"], str):
+            raise _bad("instructions must be a string.")
+        messages.append({"role": "system", "content": raw["instructions"]})
+    messages += _messages(raw.get("input"))
+    body["messages"] = messages
+    if raw.get("max_output_tokens") is not None:
+        body["max_tokens"] = raw["max_output_tokens"]
+    if raw.get("tools") is not None:
+        body["tools"] = [_tool(t) for t in _list(raw["tools"], "tools")]
+    if raw.get("tool_choice") is not None:
+        body["tool_choice"] = _tool_choice(raw["tool_choice"])
+    fmt = _text_format(raw.get("text"))
+    if fmt is not None:
+        body["response_format"] = fmt
+    if body.get("stream"):
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def _list(value, name: str) -> list:
+    if not isinstance(value, list):
+        raise _bad(f"{name} must be a list.")
+    return value
+
+
+def _text(content, where: str):
+    """A message's content as chat takes it: a string, or text parts."""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in _list(content, f"{where}.content"):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            raise _bad(f"{where}.content: only text parts (input_text, output_text) are supported, got "
+                       f"{kind or type(part).__name__!r}.")
+    return parts
+
+
+def _messages(items) -> list[dict]:
+    if items is None:
+        raise _bad("input is required: a string or a list of input items.")
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict] = []
+    reasoning = None  # NOTE: a reasoning item goes with the assistant turn after it
+    for i, item in enumerate(_list(items, "input")):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise _bad(f"{where} must be an object (a message or an item).")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise _bad(f"{where}.role must be user, system, developer or assistant, got {role!r}.")
+            msg = {"role": role, "content": _text(item.get("content", ""), where)}
+            if role == "assistant" and reasoning is not None:
+                msg["reasoning"], reasoning = reasoning, None
+            out.append(msg)
+        elif kind == "function_call":
+            if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", ""), str):
+                raise _bad(f"{where}: a function_call needs its name and arguments (a JSON string).")
+            call = {"id": item.get("call_id") or item.get("id"), "type": "function",
+                    "function": {"name": item["name"], "arguments": item.get("arguments", "")}}
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)
+            else:
+                msg = {"role": "assistant", "content": None, "tool_calls": [call]}
+                if reasoning is not None:
+                    msg["reasoning"], reasoning = reasoning, None
+                out.append(msg)
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(output, (str, list)):
+                raise _bad(f"{where}: a function_call_output needs its output (a string).")
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": _text(output, where)})
+        elif kind == "reasoning":
+            texts = [c.get("text", "") for c in item.get("content") or [] if isinstance(c, dict)]
+            texts = texts or [c.get("text", "") for c in item.get("summary") or [] if isinstance(c, dict)]
+            reasoning = "\n".join(t for t in texts if isinstance(t, str)) or None
+        else:
+            raise _bad(f"{where}: items of type {kind!r} are not supported (message, function_call, "
+                       "function_call_output and reasoning are).")
+    if not out:
+        raise _bad("input holds no message.")
+    return out
+
+
+def _tool(tool) -> dict:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+        raise _bad(f"Only function tools are supported, got {kind!r}.")
+    fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+    return {"type": "function", "function": fn}
+
+
+def _tool_choice(choice):
+    if isinstance(choice, str):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise _bad(f"tool_choice must be none, auto, required or {{'type': 'function', 'name': ...}}, got {choice!r}.")
+
+
+def _text_format(text):
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise _bad("text must be an object such as {'format': {'type': 'text'}}.")
+    if text.get("verbosity") not in (None, "medium"):
+        raise _bad("text.verbosity is not supported; leave it out.")
+    fmt = text.get("format")
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    if fmt.get("type") == "json_schema":
+        inner = {k: fmt[k] for k in ("name", "schema", "strict", "description") if fmt.get(k) is not None}
+        return {"type": "json_schema", "json_schema": inner}
+    raise _bad(f"text.format.type must be text, json_object or json_schema, got {fmt.get('type')!r}.")
+
+
+# ------------------------------------------------------------------------------ answers
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _skeleton(raw: dict, model: str, rid: str, created: int) -> dict:
+    """The Response object's fields that echo the request."""
+    tools = [{"type": "function", **_tool(t)["function"]} for t in raw.get("tools") or []]
+    fmt = (raw.get("text") or {}).get("format") or {"type": "text"}
+    return {"id": rid, "object": "response", "created_at": created, "status": "in_progress", "model": model,
+            "output": [], "error": None, "incomplete_details": None, "instructions": raw.get("instructions"),
+            "max_output_tokens": raw.get("max_output_tokens"), "metadata": raw.get("metadata") or {},
+            "parallel_tool_calls": raw.get("parallel_tool_calls", True), "previous_response_id": None,
+            "reasoning": None, "store": False, "background": False, "temperature": raw.get("temperature"),
+            "top_p": raw.get("top_p"), "text": {"format": fmt}, "tool_choice": raw.get("tool_choice", "auto"),
+            "tools": tools, "truncation": "disabled", "user": raw.get("user"), "usage": None}
+
+
+def _usage(u: dict | None) -> dict | None:
+    if not u:
+        return None
+    cached = ((u.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
+    return {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u["prompt_tokens"] + u["completion_tokens"]}
+
+
+def _finish(resp: dict, finish_reason: str | None) -> dict:
+    if finish_reason == "length":
+        resp["status"], resp["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
+    else:
+        resp["status"] = "completed"
+    return resp
+
+
+def _reasoning_item(text: str, status: str = "completed") -> dict:
+    return {"type": "reasoning", "id": _new_id("rs"), "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "status": status}
+
+
+def _message_item(text: str, status: str = "completed") -> dict:
+    return {"type": "message", "id": _new_id("msg"), "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _call_item(call: dict, status: str = "completed") -> dict:
+    fn = call.get("function") or {}
+    return {"type": "function_call", "id": _new_id("fc"), "call_id": call.get("id"), "name": fn.get("name"),
+            "arguments": fn.get("arguments") or "", "status": status}
+
+
+def response_body(raw: dict, chat: dict) -> dict:
+    """The Response object of a (non-streamed) chat answer."""
+    resp = _skeleton(raw, chat.get("model"), _new_id("resp"), int(chat.get("created") or time.time()))
+    choice = chat["choices"][0]
+    msg = choice.get("message") or {}
+    status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
+    reasoning = msg.get("reasoning_content") or msg.get("reasoning")
+    if reasoning:
+        resp["output"].append(_reasoning_item(reasoning))
+    if msg.get("content"):
+        resp["output"].append(_message_item(msg["content"], status))
+    resp["output"] += [_call_item(c) for c in msg.get("tool_calls") or []]
+    resp["usage"] = _usage(chat.get("usage"))
+    return _finish(resp, choice.get("finish_reason"))
+
+
+class EventStream:
+    """Responses events of a chat completion event stream (chunks as the chat path sends them)."""
+
+    def __init__(self, raw: dict, model: str):
+        self.resp = _skeleton(raw, model, _new_id("resp"), int(time.time()))
+        self.seq = 0
+        self.open: dict | None = None   # the reasoning or message item being written
+        self.calls: dict[int, dict] = {}  # tool call index -> its function_call item
+        self.finish_reason = None
+
+    def _event(self, kind: str, **fields) -> str:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    def start(self) -> list[str]:
+        return [self._event("response.created", response=dict(self.resp)),
+                self._event("response.in_progress", response=dict(self.resp))]
+
+    def _index(self, item: dict) -> int:
+        return self.resp["output"].index(item)
+
+    def _open(self, item: dict) -> list[str]:
+        self.resp["output"].append(item)
+        added = dict(item, status="in_progress", **({"content": []} if "content" in item else {}))
+        if item["type"] == "function_call":
+            added["arguments"] = ""
+        out = [self._event("response.output_item.added", output_index=self._index(item), item=added)]
+        if item["type"] == "message":
+            out.append(self._event("response.content_part.added", item_id=item["id"], output_index=self._index(item),
+                                   content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+        return out
+
+    def _close_open(self) -> list[str]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        i, part = self._index(item), item["content"][0]
+        if item["type"] == "reasoning":
+            out = [self._event("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0,
+                               text=part["text"])]
+        else:
+            out = [self._event("response.output_text.done", item_id=item["id"], output_index=i, content_index=0,
+                               text=part["text"], logprobs=[]),
+                   self._event("response.content_part.done", item_id=item["id"], output_index=i, content_index=0,
+                               part=part)]
+        item["status"] = "incomplete" if self.finish_reason == "length" and item["type"] == "message" \
+            else "completed"
+        return out + [self._event("response.output_item.done", output_index=i, item=item)]
+
+    def _text(self, kind: str, delta: str) -> list[str]:
+        out = []
+        if self.open is None or self.open["type"] != kind:
+            out += self._close_open()
+            self.open = (_reasoning_item if kind == "reasoning" else _message_item)("", "in_progress")
+            out += self._open(self.open)
+        self.open["content"][0]["text"] += delta
+        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        return out + [self._event(name, item_id=self.open["id"], output_index=self._index(self.open),
+                                  content_index=0, delta=delta, **extra)]
+
+    def chunk(self, data: dict) -> list[str]:
+        """The events of one chat chunk."""
+        if data.get("usage"):
+            self.resp["usage"] = _usage(data["usage"])
+        out = []
+        for choice in data.get("choices") or []:
+            delta = choice.get("delta") or {}
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            if reasoning:
+                out += self._text("reasoning", reasoning)
+            if delta.get("content"):
+                out += self._text("message", delta["content"])
+            for call in delta.get("tool_calls") or []:
+                out += self._close_open()
+                item = self.calls.get(call.get("index", 0))
+                if item is None:
+                    item = self.calls[call.get("index", 0)] = _call_item(call, "in_progress")
+                    item["arguments"] = ""
+                    out += self._open(item)
+                fn = call.get("function") or {}
+                if fn.get("arguments"):
+                    item["arguments"] += fn["arguments"]
+                    out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                           output_index=self._index(item), delta=fn["arguments"]))
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        return out
+
+    def end(self) -> list[str]:
+        out = self._close_open()
+        for item in self.calls.values():
+            i = self._index(item)
+            out.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                                   arguments=item["arguments"]))
+            item["status"] = "completed"
+            out.append(self._event("response.output_item.done", output_index=i, item=item))
+        resp = _finish(self.resp, self.finish_reason)
+        kind = "response.incomplete" if resp["status"] == "incomplete" else "response.completed"
+        return out + [self._event(kind, response=resp)]
+
+    def error(self, err: dict) -> list[str]:
+        self.resp["status"], self.resp["error"] = "failed", {"code": err.get("code") or "server_error",
+                                                               "message": err.get("message", "")}
+        return [self._event("error", code=err.get("code"), message=err.get("message", ""), param=err.get("param")),
+                self._event("response.failed", response=self.resp)]
+
+
+async def events(raw: dict, model: str, chat_stream):
+    """Responses events (SSE text) of the chat event stream `chat_stream` (an async iterator)."""
+    conv = EventStream(raw, model)
+    for e in conv.start():
+        yield e
+    failed = False
+    try:
+        async for piece in chat_stream:
+            text = piece.decode() if isinstance(piece, bytes) else piece
+            for line in text.splitlines():
+                if not line.startswith("data: "):
+                    continue
+                payload = line[6:]
+                if payload == "[DONE]":
+                    continue
+                data = json.loads(payload)
+                if "error" in data:
+                    failed = True
+                    for e in conv.error(data["error"]):
+                        yield e
+                    return
+                for e in conv.chunk(data):
+                    yield e
+    finally:
+        close = getattr(chat_stream, "aclose", None)
+        if close is not None:
+            await close()
+    if not failed:
+        for e in conv.end():
+            yield e
