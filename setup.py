@@ -83,7 +83,7 @@ setup(
                                                "cdivision": True, "initializedcheck": False}),
     python_requires=">=3.10",
     install_requires=["numpy", "mpi4py", "mpich", "psutil", "safetensors", "tokenizers", "jinja2",
-                      "fastapi", "uvicorn", "prometheus-client", "tqdm", "gguf", "llguidance",
+                      "fastapi", "uvicorn", "prometheus-client", "tqdm", "gguf", "llguidance", "huggingface_hub",
                       "onednn-cpu-gomp==2023.2.0"],
     extras_require={"cuda": ["torch>=2.4", "triton>=3.0"]},
     entry_points={"console_scripts": ["numa-launch=numa_runtime.launch.cli:main",

@@ -37,7 +37,10 @@ def is_gguf_dir(model_dir: str) -> bool:
 
 
 def model_dir_of(path: str) -> str:
-    """A model directory as given, or for a .gguf file the directory describing it (gguf_model_dir)."""
+    """A model directory as given, or for a .gguf file the directory describing it (gguf_model_dir);
+    a Hugging Face Hub id (ORG/NAME, or ORG/NAME/FILE.gguf) is fetched first (hub.local_path)."""
+    from .hub import local_path
+    path = local_path(str(path))
     return gguf_model_dir(path) if str(path).lower().endswith(".gguf") else path
 
 

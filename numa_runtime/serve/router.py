@@ -96,8 +96,11 @@ def model_spec(path: str) -> ModelSpec:
     on first use), named by that directory's last part: a GGUF by its stem (a split model's
     without its shard suffix)."""
     from ..gguf_model import model_dir_of
+    from ..hub import is_repo_id
+    name = path.split("/")[0] + "/" + path.split("/")[1] if is_repo_id(path) and not path.lower().endswith(
+        ".gguf") else None  # NOTE: a Hub id names its model, as in vLLM
     path = model_dir_of(path)
-    return ModelSpec(os.path.basename(os.path.normpath(path)), path)
+    return ModelSpec(name or os.path.basename(os.path.normpath(path)), path)
 
 
 def parse_bytes(text: str) -> int:

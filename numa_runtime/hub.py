@@ -1,0 +1,55 @@
+"""Models named by their Hugging Face Hub id, as vLLM takes them: `Engine("Qwen/Qwen2.5-0.5B-Instruct")`,
+`serve --model ORG/NAME`, or one GGUF file of a repository, `ORG/NAME/FILE.gguf`.
+
+A name that is no local path but has the shape of a repository id is fetched with huggingface_hub
+into its usual cache (HF_HOME, HF_HUB_CACHE; HF_TOKEN for gated models; HF_HUB_OFFLINE=1 reads
+the cache only), and only what the runtime reads: configs, safetensors weights, tokenizer files and
+chat templates (not .bin/.pth/.gguf/ONNX copies of the same weights).
+"""
+from __future__ import annotations
+
+import os
+import re
+
+__all__ = ["is_repo_id", "local_path"]
+
+# NOTE: ORG/NAME (the Hub's characters), optionally /PATH/FILE.gguf inside the repository
+_REPO = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:/(?P<file>[^\s]+\.gguf))?", re.IGNORECASE)
+_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.model", "*.tiktoken", "*.txt"]
+
+
+def is_repo_id(name) -> bool:
+    """Whether `name` is no local path and reads as a Hub repository id (or ORG/NAME/FILE.gguf)."""
+    if not isinstance(name, str) or name.startswith((".", "/", "~")) or os.path.exists(os.path.expanduser(name)):
+        return False
+    return _REPO.fullmatch(name) is not None
+
+
+def local_path(name: str) -> str:
+    """`name` itself, or for a Hub id the local directory (or .gguf file) it names, fetched on
+    first use. FileNotFoundError in one sentence when it cannot be had."""
+    if not is_repo_id(name):
+        return name
+    m = _REPO.fullmatch(name)
+    repo, file = m["repo"], m["file"]
+    try:
+        from huggingface_hub import hf_hub_download, snapshot_download
+    except ImportError:
+        raise FileNotFoundError(f"{name!r} is no local path, and huggingface_hub (which fetches models from the "
+                                "Hugging Face Hub) is not installed; pip install huggingface_hub, or pass a local "
+                                "model directory.") from None
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    cache = os.environ.get("HF_HUB_CACHE") or None
+    try:
+        if file is not None:
+            return hf_hub_download(repo, file, cache_dir=cache, local_files_only=offline)
+        path = snapshot_download(repo, allow_patterns=_PATTERNS, cache_dir=cache, local_files_only=offline)
+    except Exception as e:  # noqa: BLE001 - network, authentication, a missing repository or file: one sentence
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FileNotFoundError(f"{name!r} is no local path, and fetching it from the Hugging Face Hub failed "
+                                f"({type(e).__name__}: {reason.rstrip('.')}); pass a local model directory or "
+                                f".gguf file{'' if offline else ', or set HF_TOKEN for a gated model'}.") from None
+    if not any(f.endswith(".safetensors") for _, _, files in os.walk(path) for f in files):
+        raise FileNotFoundError(f"{repo} on the Hugging Face Hub holds no safetensors weights; for a repository "
+                                f"of GGUF files name one of them ({repo}/FILE.gguf).")
+    return path
