@@ -25,9 +25,10 @@ def is_repo_id(name) -> bool:
     return _REPO.fullmatch(name) is not None
 
 
-def local_path(name: str) -> str:
+def local_path(name: str, revision: str | None = None, cache_dir: str | None = None) -> str:
     """`name` itself, or for a Hub id the local directory (or .gguf file) it names, fetched on
-    first use. FileNotFoundError in one sentence when it cannot be had."""
+    first use (at `revision`, into `cache_dir`: default HF_HUB_CACHE). FileNotFoundError in one
+    sentence when it cannot be had."""
     if not is_repo_id(name):
         return name
     m = _REPO.fullmatch(name)
@@ -39,11 +40,12 @@ def local_path(name: str) -> str:
                                 "Hugging Face Hub) is not installed; pip install huggingface_hub, or pass a local "
                                 "model directory.") from None
     offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-    cache = os.environ.get("HF_HUB_CACHE") or None
+    cache = cache_dir or os.environ.get("HF_HUB_CACHE") or None
     try:
         if file is not None:
-            return hf_hub_download(repo, file, cache_dir=cache, local_files_only=offline)
-        path = snapshot_download(repo, allow_patterns=_PATTERNS, cache_dir=cache, local_files_only=offline)
+            return hf_hub_download(repo, file, revision=revision, cache_dir=cache, local_files_only=offline)
+        path = snapshot_download(repo, allow_patterns=_PATTERNS, revision=revision, cache_dir=cache,
+                                 local_files_only=offline)
     except Exception as e:  # noqa: BLE001 - network, authentication, a missing repository or file: one sentence
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise FileNotFoundError(f"{name!r} is no local path, and fetching it from the Hugging Face Hub failed "

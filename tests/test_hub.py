@@ -68,3 +68,48 @@ def test_the_server_serves_a_hub_id_under_that_name(hub_home):
         assert r.usage.completion_tokens == 4
     finally:
         assert srv.stop() == 0, srv.output()
+
+
+def test_vllm_serve_flags_are_taken_or_refused_in_one_sentence(monkeypatch):
+    """`vllm serve` commands carry flags such as --trust-remote-code, --disable-log-requests,
+    --tensor-parallel-size, --gpu-memory-utilization: each is taken with its meaning here or
+    refused naming why (each was an 'unrecognized arguments' error)."""
+    from numa_runtime.serve.__main__ import check_args, engine_kwargs, parse_args
+    for env in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(env, raising=False)
+    ok = parse_args(["--model", "m", "--trust-remote-code", "--disable-log-requests", "--disable-log-stats",
+                     "--enforce-eager", "--enable-chunked-prefill", "-tp", "1", "--pipeline-parallel-size", "1",
+                     "--load-format", "safetensors"])
+    assert check_args(ok) is None
+    assert engine_kwargs(ok)["cuda_graphs"] is False  # NOTE: --enforce-eager: no CUDA graphs
+    assert "cuda_graphs" not in engine_kwargs(parse_args(["--model", "m"]))
+    for flags, msg in ((["--tensor-parallel-size", "2"], "--tensor-parallel-size 2 needs 2 MPI rank(s), but this job "
+                                                         "has 1: start it as `mpirun -np 2 python -m numa_runtime.serve"),
+                       (["-pp", "2"], "--pipeline-parallel-size must be 1"),
+                       (["--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization (vLLM's) sizes a GPU's KV cache"),
+                       (["--swap-space", "4"], "--swap-space (vLLM's) keeps preempted sequences in host memory"),
+                       (["--tokenizer", "x"], "--tokenizer (vLLM's) names a tokenizer apart from the model"),
+                       (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill is not supported"),
+                       (["--load-format", "pt"], "--load-format must be auto, safetensors or gguf")):
+        assert (check_args(parse_args(["--model", "m", *flags])) or "").startswith(msg), flags
+    monkeypatch.setenv("PMI_RANK", "0")
+    monkeypatch.setenv("PMI_SIZE", "4")
+    four = parse_args(["--model", "m", "-tp", "2"])
+    assert check_args(four) is None and engine_kwargs(four)["data_parallel"] == 2  # NOTE: vLLM's tp x dp
+    assert check_args(parse_args(["--model", "m", "-tp", "2", "--data-parallel", "1"])).startswith(
+        "--tensor-parallel-size 2 needs 2 MPI rank(s), but this job has 4")
+
+
+def test_the_server_takes_a_hub_id_at_a_revision_into_a_download_dir(hub_home):
+    """--download-dir is the Hub cache and --revision the branch, as vLLM's (HF_HOME unset)."""
+    home, _ = hub_home
+    srv = ServerProcess(["--model", "test-org/tiny", "--revision", "main", "--download-dir",
+                         os.path.join(home, "hub"), "--dtype", "float32", "--max-model-len", "256", "--num-threads",
+                         "1", "--trust-remote-code", "--disable-log-requests"],
+                        env={"HF_HOME": os.path.join(home, "elsewhere"), "HF_HUB_OFFLINE": "1"})
+    try:
+        assert [m.id for m in srv.client().models.list().data] == ["test-org/tiny"]
+    finally:
+        assert srv.stop() == 0, srv.output()
+    r = _run("from numa_runtime.hub import local_path\nlocal_path('test-org/tiny', revision='v9')", home)
+    assert r.returncode != 0 and "fetching it from the Hugging Face Hub failed" in r.stderr.strip().splitlines()[-1]

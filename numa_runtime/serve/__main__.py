@@ -37,6 +37,9 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+_REFUSED_VLLM: dict[str, str] = {}  # vLLM flag -> why it cannot mean the same here (check_args)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = _Parser(prog="numa-serve", description="OpenAI-compatible HTTP server for numa_runtime.")
     ap.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
@@ -135,6 +138,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                     help="the runtime's log (info: start-up facts; warning: problems only); the HTTP "
                          "server logs warnings and errors, and every request at debug")
+    vl = ap.add_argument_group("vLLM's flags", "taken as `vllm serve` takes them, or refused in one sentence where "
+                               "they cannot mean the same here")
+    vl.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                    help="ranks a replica's tensor-parallel shards: must be what the MPI job gives it "
+                         "(mpirun -np N / numa-launch --ranks N, divided by --data-parallel)")
+    vl.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="1 only")
+    vl.add_argument("--trust-remote-code", action="store_true",
+                    help="accepted: no model code is ever run here (the architectures are built in)")
+    vl.add_argument("--disable-log-requests", action="store_true",
+                    help="accepted: requests are logged at --log-level debug only")
+    vl.add_argument("--disable-log-stats", action="store_true", help="accepted: no periodic stats are logged "
+                    "(GET /metrics has them)")
+    vl.add_argument("--enforce-eager", action="store_true",
+                    help="no CUDA graphs (--device cuda replays decode steps as graphs otherwise; no-op on cpu)")
+    vl.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                    help="on (long prompts are always prefilled in chunks of --max-num-batched-tokens)")
+    vl.add_argument("--download-dir", default=None, help="where a Hugging Face Hub id's files go (HF_HUB_CACHE)")
+    vl.add_argument("--revision", default=None, help="the branch, tag or commit of a Hugging Face Hub id")
+    vl.add_argument("--load-format", default="auto", help="auto, safetensors or gguf (as the model's files say)")
+    for flag, why in (("--gpu-memory-utilization", "sizes a GPU's KV cache as a share of its memory; give the KV "
+                       "cache's bytes per rank with --kv-cache-memory"),
+                      ("--swap-space", "keeps preempted sequences in host memory; here they are recomputed, and "
+                       "--host-kv-cache-memory (cuda) or --kv-cache-dir keep evicted prefix blocks"),
+                      ("--tokenizer", "names a tokenizer apart from the model; here it is the model's own "
+                       "(tokenizer.json, or the GGUF's)"),
+                      ("--uvicorn-log-level", "is --log-level here")):
+        vl.add_argument(flag, default=None, help=argparse.SUPPRESS, dest="refused_" + flag[2:].replace("-", "_"))
+        _REFUSED_VLLM[flag] = why
     args = ap.parse_args(argv)
     if args.model_path is not None:  # NOTE: vLLM's positional form comes first among the models
         args.model = [args.model_path, *(args.model or [])]
@@ -167,11 +198,24 @@ def engine_kwargs(args) -> dict:
                 kwargs[key] = getattr(args, key)
     if args.data_parallel is not None:
         kwargs["data_parallel"] = args.data_parallel
+    if args.enforce_eager:
+        kwargs["cuda_graphs"] = False
     return kwargs
+
+
+def _hub_paths(args) -> None:
+    """--model values that are Hugging Face Hub ids, fetched now with --revision and --download-dir
+    (the engine then reads the local directory); the names they are served under stay the ids."""
+    from numa_runtime.hub import is_repo_id, local_path
+    args.model_ids = list(args.model or [])
+    if args.model:
+        args.model = [local_path(m, revision=args.revision, cache_dir=args.download_dir) if is_repo_id(m) else m
+                      for m in args.model]
 
 
 def build_engine(args):
     from numa_runtime import Engine
+    _hub_paths(args)
     return Engine(args.model[0] if args.model else None, **engine_kwargs(args))
 
 
@@ -181,7 +225,9 @@ def build_router(args):
     import psutil
     from .router import ModelRouter, RouterConfig, model_spec, models_in_dir, parse_bytes
     specs = models_in_dir(args.models_dir) if args.models_dir else []
-    specs += [model_spec(d) for d in args.model or []]
+    _hub_paths(args)
+    specs += [model_spec(d, name=i if i != d and not i.lower().endswith(".gguf") else None)
+              for d, i in zip(args.model or [], args.model_ids)]
     world, local = env.mpi_world() or (0, 1), env.mpi_local() or (0, 1)
     budget = (parse_bytes(args.memory_budget) if args.memory_budget
               else int(env.memory_limit_bytes(psutil.virtual_memory().total) * 0.6 / local[1]))
@@ -242,6 +288,27 @@ def read_chat_template(value: str) -> str:
 
 def check_args(args) -> str | None:
     """The first flag that cannot work, as a sentence; None if all can."""
+    for flag, why in _REFUSED_VLLM.items():
+        if getattr(args, "refused_" + flag[2:].replace("-", "_"), None) is not None:
+            return f"{flag} (vLLM's) {why}."
+    if args.pipeline_parallel_size != 1:
+        return "--pipeline-parallel-size must be 1: ranks split each layer (tensor parallel), not the layers."
+    if not args.enable_chunked_prefill:
+        return ("--no-enable-chunked-prefill is not supported: long prompts are always prefilled in chunks of "
+                "--max-num-batched-tokens.")
+    if args.load_format not in ("auto", "safetensors", "gguf"):
+        return (f"--load-format must be auto, safetensors or gguf (the model's files say which), got "
+                f"{args.load_format!r}.")
+    tp = args.tensor_parallel_size
+    if tp is not None:
+        ranks = (env.mpi_world() or (0, 1))[1]
+        if tp < 1 or ranks % tp or (args.data_parallel is not None and ranks != tp * args.data_parallel):
+            dp = args.data_parallel or 1
+            return (f"--tensor-parallel-size {tp} needs {tp * dp} MPI rank(s), but this job has {ranks}: start it as "
+                    f"`mpirun -np {tp * dp} python -m numa_runtime.serve ...` (or `numa-launch --ranks {tp * dp} "
+                    "...`), one rank per NUMA node.")
+        if args.data_parallel is None and ranks // tp > 1:
+            args.data_parallel = ranks // tp  # NOTE: the ranks beyond one replica's are replicas
     if not args.shutdown_grace >= 0:  # NOTE: nan too
         return f"--shutdown-grace must be >= 0, got {args.shutdown_grace}."
     if not 0 <= args.port <= 65535:
@@ -270,7 +337,6 @@ def check_args(args) -> str | None:
                 return f"--memory-budget must be a positive size, got {args.memory_budget!r}."
         except ValueError as e:
             return f"--memory-budget: {e}"
-    from numa_runtime import env
     try:
         env_dp = env.data_parallel()
     except ValueError as e:
@@ -467,7 +533,8 @@ def _serve(args, world, sock, front) -> int:
     from .async_engine import AsyncEngine
 
     from numa_runtime.hub import is_repo_id
-    given = args.model[0] if args.model else None
+    given = getattr(args, "model_ids", None) or args.model
+    given = given[0] if given else None
     own = given if is_repo_id(given) and not given.lower().endswith(".gguf") else \
         os.path.basename(os.path.normpath(engine.model_config.model_dir))  # NOTE: a Hub id names it, as in vLLM
     name = next(iter(engine.specs)) if multi else (args.served_model_name or [own])[0]

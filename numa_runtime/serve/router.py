@@ -91,14 +91,14 @@ def models_in_dir(path: str) -> list[ModelSpec]:
     return specs
 
 
-def model_spec(path: str) -> ModelSpec:
+def model_spec(path: str, name: str | None = None) -> ModelSpec:
     """A model directory, or a GGUF file as the directory describing it (gguf_model_dir, made
-    on first use), named by that directory's last part: a GGUF by its stem (a split model's
-    without its shard suffix)."""
+    on first use), named `name` or by that directory's last part: a GGUF by its stem (a split
+    model's without its shard suffix), a Hugging Face Hub id (fetched) by itself, as in vLLM."""
     from ..gguf_model import model_dir_of
     from ..hub import is_repo_id
-    name = path.split("/")[0] + "/" + path.split("/")[1] if is_repo_id(path) and not path.lower().endswith(
-        ".gguf") else None  # NOTE: a Hub id names its model, as in vLLM
+    if name is None and is_repo_id(path) and not path.lower().endswith(".gguf"):
+        name = path
     path = model_dir_of(path)
     return ModelSpec(name or os.path.basename(os.path.normpath(path)), path)
 
