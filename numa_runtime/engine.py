@@ -71,6 +71,7 @@ class Engine:
         from .scheduler import Scheduler, SchedulerConfig
         from .tokenizer import Tokenizer
 
+        hub = _take_vllm_kwargs(model, kwargs)
         self.config = EngineConfig(dtype=dtype, max_model_len=max_model_len, num_threads=num_threads, **kwargs)
         # NOTE: one thread at a time changes the engine's state (a step, an add, an abort): callers
         # on several threads are served in turn (they hung, two threads stepping one scheduler)
@@ -89,7 +90,8 @@ class Engine:
         # collectives and ends in _agree, so every rank fails alike instead of some waiting for ever
         with _agree(self.comm):
             # NOTE: a GGUF's weights stay in the file, blocks as they are
-            model_dir = model_dir_of(str(model if model is not None else default_model_path()))
+            model_dir = model_dir_of(str(model if model is not None else default_model_path()) if hub is None
+                                     else hub())
             self.model_config = mcfg = ModelConfig.from_dir(os.path.expanduser(str(model_dir)))
             self.max_model_len = self._resolve_max_len(mcfg, self.config.max_model_len)
             # NOTE: fail on a missing tokenizer before reading any weight; every rank has one, so
@@ -1121,6 +1123,47 @@ class KVCacheBusyError(RuntimeError):
 
 class RankLoadError(RuntimeError):
     """Another rank failed to load the model (this one raises too, so that none waits)."""
+
+
+def _take_vllm_kwargs(model, kwargs: dict):
+    """vLLM's LLM(...) keyword arguments, taken out of `kwargs` with their meaning here (a
+    tensor_parallel_size checked against the MPI job, the ranks beyond it replicas; enforce_eager:
+    no CUDA graphs) or refused in one sentence naming this runtime's own setting. Returns None, or
+    for a Hub id with revision/download_dir the call that fetches it."""
+    kwargs.pop("trust_remote_code", None)  # NOTE: no model code ever runs here
+    kwargs.pop("disable_log_stats", None)  # NOTE: no periodic stats are logged
+    if kwargs.pop("enforce_eager", False):
+        kwargs["cuda_graphs"] = False
+    if kwargs.pop("enable_chunked_prefill", True) is False:
+        raise ValueError("enable_chunked_prefill=False is not supported: long prompts are always prefilled in chunks "
+                         "of max_num_batched_tokens.")
+    if kwargs.pop("pipeline_parallel_size", 1) != 1:
+        raise ValueError("pipeline_parallel_size must be 1: ranks split each layer (tensor parallel), not the layers.")
+    fmt = kwargs.pop("load_format", "auto")
+    if fmt not in ("auto", "safetensors", "gguf"):
+        raise ValueError(f"load_format must be 'auto', 'safetensors' or 'gguf' (the model's files say which), "
+                         f"got {fmt!r}.")
+    for name, why in (("gpu_memory_utilization", "sizes a GPU's KV cache as a share of its memory; give the KV "
+                       "cache's bytes per rank as kv_cache_memory"),
+                      ("swap_space", "keeps preempted sequences in host memory; here they are recomputed"),
+                      ("tokenizer", "names a tokenizer apart from the model; here it is the model's own")):
+        value = kwargs.pop(name, None)
+        if value is not None and not (name == "tokenizer" and value == model):
+            raise ValueError(f"{name} (vLLM's) {why}.")
+    tp = kwargs.pop("tensor_parallel_size", None)
+    if tp is not None:
+        ranks, dp = (env.mpi_world() or (0, 1))[1], kwargs.get("data_parallel")
+        if not isinstance(tp, int) or tp < 1 or ranks % tp or (dp is not None and dp * tp != ranks):
+            raise ValueError(f"tensor_parallel_size={tp} needs {tp * (dp or 1)} MPI rank(s), but this job has "
+                             f"{ranks}: run the script as `mpirun -np {tp * (dp or 1)} python SCRIPT`, one rank a "
+                             "NUMA node.")
+        if dp is None and ranks // tp > 1:
+            kwargs["data_parallel"] = ranks // tp  # NOTE: vLLM's tp x dp
+    revision, where = kwargs.pop("revision", None), kwargs.pop("download_dir", None)
+    if (revision is None and where is None) or model is None:
+        return None
+    from .hub import local_path
+    return lambda: local_path(str(model), revision=revision, cache_dir=where)
 
 
 @contextlib.contextmanager

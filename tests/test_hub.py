@@ -113,3 +113,36 @@ def test_the_server_takes_a_hub_id_at_a_revision_into_a_download_dir(hub_home):
         assert srv.stop() == 0, srv.output()
     r = _run("from numa_runtime.hub import local_path\nlocal_path('test-org/tiny', revision='v9')", home)
     assert r.returncode != 0 and "fetching it from the Hugging Face Hub failed" in r.stderr.strip().splitlines()[-1]
+
+
+def test_engine_takes_vllms_llm_keywords(hub_home, monkeypatch):
+    """vLLM's LLM(model, trust_remote_code=True, tensor_parallel_size=1, enforce_eager=True, ...)
+    runs unchanged; keywords that cannot mean the same here are one sentence each (each was
+    EngineConfig's 'unexpected keyword argument')."""
+    from numa_runtime import Engine
+    home, src = hub_home
+    for env in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(env, raising=False)
+    e = Engine(src, dtype="float32", kv_cache_memory=1 << 22, trust_remote_code=True, tensor_parallel_size=1,
+               enforce_eager=True, disable_log_stats=True, enable_chunked_prefill=True, tokenizer=src,
+               load_format="auto")
+    try:
+        assert e.config.cuda_graphs is False and e.generate("Hello")[0].outputs[0].token_ids
+    finally:
+        e.close()
+    for kw, msg in (({"tensor_parallel_size": 2}, "tensor_parallel_size=2 needs 2 MPI rank(s), but this job has 1: "
+                                                  "run the script as `mpirun -np 2 python SCRIPT`"),
+                    ({"gpu_memory_utilization": 0.9}, "gpu_memory_utilization (vLLM's) sizes a GPU's KV cache"),
+                    ({"swap_space": 4}, "swap_space (vLLM's) keeps preempted sequences in host memory"),
+                    ({"tokenizer": "/elsewhere"}, "tokenizer (vLLM's) names a tokenizer apart from the model"),
+                    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size must be 1"),
+                    ({"enable_chunked_prefill": False}, "enable_chunked_prefill=False is not supported")):
+        with pytest.raises(ValueError) as err:
+            Engine(src, dtype="float32", kv_cache_memory=1 << 22, **kw)
+        assert str(err.value).startswith(msg), str(err.value)
+    code = ("from numa_runtime import Engine, SamplingParams\n"
+            f"e = Engine('test-org/tiny', revision='main', download_dir={os.path.join(home, 'hub')!r}, "
+            "dtype='float32', kv_cache_memory=1 << 22)\n"
+            "print(len(e.generate('Hello', SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids))")
+    r = _run(code, os.path.join(home, "elsewhere"))
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "3", r.stderr[-2000:]
