@@ -440,6 +440,30 @@ class Engine:
             raise ValueError(f"Token id {bad[0]} is outside the vocabulary (size {self.model_config.vocab_size}).")
         return text, ids
 
+    def get_tokenizer(self):
+        """vLLM's LLM.get_tokenizer(): the model's tokenizer (encode, decode, apply_chat_template)."""
+        return self.tokenizer
+
+    def get_num_unfinished_requests(self) -> int:
+        """vLLM's LLMEngine count: requests added and not finished (0 on a worker rank)."""
+        if not self.comm.is_driver:
+            return 0
+        with self._atomic():
+            return len(self._groups) + len(self._pending)
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every cached prompt block (later prompts compute theirs again; a disk
+        tier keeps its copies). False, and nothing changes, while requests run."""
+        self._driver_only("reset_prefix_cache")
+        with self._atomic():
+            if self.scheduler.has_unfinished() or self._pending:
+                return False
+            for sched in getattr(self.scheduler, "replicas", [self.scheduler]):
+                bm = sched.block_manager
+                for h in list(bm.hash_to_block):
+                    bm.uncache(h, tier=False)
+            return True
+
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop a request, or each of a list of them (vLLM's form); its owner gets a last output
         with finish_reason "abort". Idempotent."""

@@ -203,7 +203,7 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool | None = None,
                             tools: list[dict] | None = None, documents: list[dict] | None = None,
                             continue_final_message: bool = False, chat_template: str | None = None,
-                            **kwargs) -> str:
+                            tokenize: bool = False, **kwargs) -> str | list[int]:
         """Render the conversation to the prompt string. Extra kwargs reach the template
         (e.g. `enable_thinking=False`) and override the special tokens of the same name.
 
@@ -219,7 +219,8 @@ class Tokenizer:
         `continue_final_message`: the prompt ends with the last message's text, for
         the model to go on with it (no generation prompt; what the template writes after that
         text is cut). `add_generation_prompt` defaults to true, but with continue_final_message.
-        `chat_template`: a Jinja source to render with instead of the model's.
+        `chat_template`: a Jinja source to render with instead of the model's. `tokenize=True`:
+        the prompt's token ids (HF's; its default, not this one's: the text).
         ChatTemplateError if the template raises, whatever it raises; ValueError for a request
         that cannot be rendered."""
         if chat_template is not None and not isinstance(chat_template, str):
@@ -250,8 +251,11 @@ class Tokenizer:
             for needle in (final[-1] if final else "", (final[-1] if final else "").strip()):
                 i = text.rfind(needle) if needle else -1
                 if i >= 0:
-                    return text[:i + len(needle)]
-        return text
+                    text = text[:i + len(needle)]
+                    break
+        # NOTE: `tokenize` as HF's (which defaults to it): the prompt's ids, the template's special
+        # tokens as written (none added)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def _pick_template(self, tools) -> str:
         if not self._chat_templates:

@@ -1028,3 +1028,30 @@ def test_embed_and_automatic_ids_take_what_generate_takes(model_dir):
         assert len(outs[0].outputs) == 2
     finally:
         eng.close()
+
+
+def test_vllm_llm_helpers(model_dir):
+    """vLLM's LLM.get_tokenizer(), LLMEngine.get_num_unfinished_requests() and
+    LLM.reset_prefix_cache() (False while requests run; after it a repeated prompt computes its
+    blocks again, with the same tokens); apply_chat_template(tokenize=True) gives ids as HF's."""
+    e = Engine(model_dir, dtype="float32", kv_cache_memory=1 << 22, max_model_len=256)
+    try:
+        tok = e.get_tokenizer()
+        msgs = [{"role": "user", "content": "Hello there"}]
+        text = tok.apply_chat_template(msgs, add_generation_prompt=True)
+        assert tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True) == \
+            tok.encode(text, add_special_tokens=False)
+        prompt = list(range(5, 60))
+        first = e.generate([prompt], GREEDY)[0]
+        again = e.generate([prompt], GREEDY)[0]
+        assert again.num_cached_tokens >= 48 and again.outputs[0].token_ids == first.outputs[0].token_ids
+        rid = e.add_request(prompt, GREEDY)
+        assert e.get_num_unfinished_requests() == 1 and e.reset_prefix_cache() is False
+        while e.has_unfinished_requests():
+            e.step()
+        assert e.get_num_unfinished_requests() == 0 and rid
+        assert e.reset_prefix_cache() is True
+        fresh = e.generate([prompt], GREEDY)[0]
+        assert fresh.num_cached_tokens == 0 and fresh.outputs[0].token_ids == first.outputs[0].token_ids
+    finally:
+        e.close()

@@ -344,9 +344,10 @@ class BlockManager:
             self.tier.offload(block_id, h)
         return block_id
 
-    def uncache(self, block_hash: int) -> None:
-        """Forget a cached block whose contents are wrong (its tier copy failed a check): it
-        is no longer a hit; if unused it returns to the free pool; the tier drops it too."""
+    def uncache(self, block_hash: int, tier: bool = True) -> None:
+        """Forget a cached block (its contents are wrong: its tier copy failed a check; or the
+        cache is reset): it is no longer a hit; if unused it returns to the free pool; the tier
+        drops it too, unless not `tier`."""
         block_id = self.hash_to_block.get(block_hash)
         if block_id is not None:
             self._uncomputed.pop(block_id, None)
@@ -354,7 +355,7 @@ class BlockManager:
             if self.ref_cnt[block_id] == 0:
                 self.policy.remove(block_id)
                 self.free_block_ids.append(block_id)
-        if self.tier is not None:
+        if self.tier is not None and tier:
             self.tier.drop(block_hash)
 
     def offload_all(self) -> None:
