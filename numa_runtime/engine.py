@@ -837,7 +837,7 @@ class Engine:
             h = self._final_hidden(ids, rows)  # [n or 1, hidden]
             v = (h.mean(axis=0) if pooling == "mean" else h[0])[:size]
             out[i] = v / max(float(np.linalg.norm(v)), 1e-12) if normalize else v
-        return out
+        return out.view(Embeddings)
 
     def _final_hidden(self, ids: list[int], rows):
         """Normed final hidden states [len(rows), hidden] at positions `rows` of `ids`."""
@@ -1284,6 +1284,29 @@ def _prompt_of(prompt):
 
 
 PROMPT_LOGITS_BYTES = 256 << 20  # prompt_logprob_pairs: logits rows per forward
+
+
+class _EmbeddingOutput:
+    """vLLM's EmbeddingOutput: `embedding` as a list of floats."""
+
+    def __init__(self, embedding: list[float]):
+        self.embedding = embedding
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+class Embeddings(np.ndarray):
+    """What Engine.embed returns: a float32 array [inputs, size], whose rows also read as vLLM's
+    LLM.embed outputs (`for o in eng.embed(texts): o.outputs.embedding`, a list of floats)."""
+
+    @property
+    def outputs(self) -> _EmbeddingOutput:
+        if self.ndim != 1:
+            raise AttributeError("outputs is a row's (vLLM's EmbeddingRequestOutput.outputs): take a row, or "
+                                 "iterate over them.")
+        return _EmbeddingOutput([float(x) for x in self])
 
 
 def embedding_size(cfg: ModelConfig, dimensions) -> int:

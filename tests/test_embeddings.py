@@ -227,7 +227,13 @@ def test_embed_takes_vllms_pooling_parameters_and_prompts(decoder, tmp_path):
         assert eng.embed(text, truncate_prompt_tokens=-1).shape == (1, BASE["hidden_size"])
         np.testing.assert_array_equal(eng.embed({"prompt": "Hello world"}), eng.embed("Hello world"))
         np.testing.assert_array_equal(eng.embed({"prompt_token_ids": ids}), eng.embed(ids))
-        assert eng.embed([{"prompt": "Hello"}, ids]).shape == (2, BASE["hidden_size"])
+        both = eng.embed([{"prompt": "Hello"}, ids])
+        assert both.shape == (2, BASE["hidden_size"]) and both.dtype == np.float32
+        # NOTE: rows read as vLLM's LLM.embed outputs too: o.outputs.embedding, a list of floats
+        assert [o.outputs.embedding for o in both] == both.tolist()
+        assert both[1].outputs.hidden_size == BASE["hidden_size"] and isinstance(both[1].outputs.embedding[0], float)
+        with pytest.raises(AttributeError, match="take a row"):
+            both.outputs
         for bad, err, match in ((None, TypeError, "inputs must be a string"), (5, TypeError, "got int"),
                                 ([], ValueError, "at least one input"),
                                 ("a\ud800b", ValueError, "lone surrogate"),
