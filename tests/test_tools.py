@@ -352,3 +352,109 @@ def test_responses_api_over_the_chat_path(model_dir):
                 c.responses.create(**{"model": "m", "input": "Hello", **kw})
     finally:
         assert srv.stop() == 0, srv.output()
+
+
+def _responses_events(chunks, raw=None):
+    """The Responses events (as parsed dicts) of chat chunks, through responses_api.events."""
+    import asyncio
+    from numa_runtime.serve import responses_api as RA
+
+    async def chat_stream():
+        for c in chunks:
+            yield "data: " + json.dumps(c) + "\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def collect():
+        return [e async for e in RA.events(raw or {"input": "x"}, "m", chat_stream())]
+    out = []
+    for e in asyncio.run(collect()):
+        head, data = e.split("\n", 1)
+        assert head.startswith("event: ") and data.startswith("data: ") and e.endswith("\n\n")
+        out.append(json.loads(data[len("data: "):]))
+        assert out[-1]["type"] == head[len("event: "):]
+    return out
+
+
+def test_responses_events_of_reasoning_text_and_calls_rebuild_in_the_openai_client():
+    """A chat stream of reasoning, then text, then two tool calls (one in two argument pieces) and
+    its usage becomes Responses events that the official client's stream state (the
+    `responses.stream()` helper's) rebuilds into the response we send last: items in order,
+    sequence numbers 0.., each item added before its deltas and done after them."""
+    from openai._models import construct_type_unchecked
+    from openai._types import omit
+    from openai.lib.streaming.responses._responses import ResponseStreamState
+    from openai.types.responses import ResponseStreamEvent
+    chunk = lambda delta, finish=None: {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # noqa: E731
+    chunks = [chunk({"role": "assistant"}), chunk({"reasoning_content": "Let me "}),
+              chunk({"reasoning_content": "think."}), chunk({"content": "It is "}), chunk({"content": "sunny."}),
+              chunk({"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                                     "function": {"name": "get_weather", "arguments": '{"unit": '}}]}),
+              chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"C"}'}}]}),
+              chunk({"tool_calls": [{"index": 1, "id": "call_b", "type": "function",
+                                     "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]}),
+              chunk({}, "tool_calls"),
+              {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 11, "total_tokens": 18}}]
+    events = _responses_events(chunks)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    state = ResponseStreamState(input_tools=omit, text_format=omit)
+    for e in events:
+        state.handle_event(construct_type_unchecked(type_=ResponseStreamEvent, value=e))
+    final = events[-1]
+    assert final["type"] == "response.completed" and final["response"]["status"] == "completed"
+    rebuilt = state._completed_response
+    assert [o.type for o in rebuilt.output] == ["reasoning", "message", "function_call", "function_call"]
+    assert rebuilt.output_text == "It is sunny." and rebuilt.output[1].content[0].text == "It is sunny."
+    assert rebuilt.output[0].content[0].text == "Let me think."
+    assert [(o.call_id, o.name, o.arguments) for o in rebuilt.output[2:]] == [
+        ("call_a", "get_weather", '{"unit": "C"}'), ("call_b", "get_time", '{"zone": "UTC"}')]
+    assert rebuilt.usage.input_tokens == 7 and rebuilt.usage.output_tokens == 11 and rebuilt.usage.total_tokens == 18
+    kinds = [e["type"] for e in events]
+    for item in final["response"]["output"]:
+        mine = [i for i, e in enumerate(events) if e.get("item_id") == item["id"] or
+                (e.get("item") or {}).get("id") == item["id"]]
+        assert kinds[mine[0]] == "response.output_item.added" and kinds[mine[-1]] == "response.output_item.done"
+    # cut by max_output_tokens: response.incomplete, the message item incomplete
+    cut = _responses_events([chunk({"content": "It is"}), chunk({}, "length")])
+    assert cut[-1]["type"] == "response.incomplete" and cut[-1]["response"]["incomplete_details"] == {
+        "reason": "max_output_tokens"}
+    assert cut[-1]["response"]["output"][0]["status"] == "incomplete"
+    # an error event of the chat stream: the Responses error event, then response.failed
+    failed = _responses_events([chunk({"content": "It"}), {"error": {"message": "The server is shutting down.",
+                                                                     "code": "shutting_down"}}])
+    assert [e["type"] for e in failed[-2:]] == ["error", "response.failed"]
+    assert failed[-1]["response"]["error"]["message"] == "The server is shutting down."
+
+
+def test_responses_body_of_a_chat_answer():
+    """A non-streamed chat answer with reasoning, text and a call: reasoning, message and
+    function_call items in that order; finish 'length' is status incomplete."""
+    from numa_runtime.serve import responses_api as RA
+    call = {"id": "call_a", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    chat = {"model": "m", "created": 5, "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
+            "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+                "role": "assistant", "content": "Sure.", "reasoning_content": "Hmm.", "tool_calls": [call]}}]}
+    r = RA.response_body({"input": "x", "metadata": {"k": "v"}}, chat)
+    assert [o["type"] for o in r["output"]] == ["reasoning", "message", "function_call"]
+    assert r["output"][0]["content"][0]["text"] == "Hmm." and r["output"][1]["content"][0]["text"] == "Sure."
+    assert (r["output"][2]["call_id"], r["output"][2]["name"]) == ("call_a", "f")
+    assert r["status"] == "completed" and r["metadata"] == {"k": "v"} and r["usage"]["total_tokens"] == 7
+    chat["choices"][0]["finish_reason"] = "length"
+    assert RA.response_body({"input": "x"}, chat)["incomplete_details"] == {"reason": "max_output_tokens"}
+    # input items: a reasoning item goes with the assistant turn after it; function calls group
+    body = RA.chat_request({"input": [
+        {"role": "user", "content": "q"}, {"type": "reasoning", "summary": [], "content": [
+            {"type": "reasoning_text", "text": "think"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "1"},
+        {"type": "function_call_output", "call_id": "c2", "output": "2"}], "instructions": "be brief"})
+    msgs = body["messages"]
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "tool"]
+    assert msgs[2]["reasoning"] == "think" and [c["id"] for c in msgs[2]["tool_calls"]] == ["c1", "c2"]
+    for bad, match in (({"input": [{"type": "item_reference", "id": "x"}]}, "items of type 'item_reference'"),
+                       ({"input": "x", "n": 2}, "n must be 1"),
+                       ({"input": "x", "reasoning": {"effort": "low"}}, "reasoning options"),
+                       ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type must be"),
+                       ({}, "input is required")):
+        with pytest.raises(ValueError, match=match):
+            RA.chat_request(bad)
