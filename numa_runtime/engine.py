@@ -298,21 +298,10 @@ class Engine:
             raise TypeError(f"add_request takes (prompt, params, request_id) or vLLM's (request_id, prompt, params); "
                             f"params must be a SamplingParams, got {type(params).__name__}.")
         if params is not None and params.prompt_logprobs is not None:
+            # NOTE: checked now, queued behind those already waiting, or waiting itself for KV room
             with self._atomic():
-                if request_id is None:
-                    request_id = self._free_id(params.n)
-                elif any(str(request_id) == p[2] for p in self._pending):
-                    raise ValueError(f"Request id {str(request_id)!r} is already in use.")
-                if self._pending:  # NOTE: behind those already waiting
-                    self._pending.append((prompt, params, str(request_id), cap_max_tokens))
-                    return str(request_id)
-                try:
-                    return self._add(prompt, params, request_id, self._step_outbox, cap_max_tokens)
-                except KVCacheBusyError:
-                    if not self.scheduler.has_unfinished():
-                        raise
-                    self._pending.append((prompt, params, str(request_id), cap_max_tokens))
-                    return str(request_id)
+                return self._add_locked(prompt, params, request_id, self._step_outbox, cap_max_tokens,
+                                        defer="always" if self._pending else "if_busy")
         return self._add(prompt, params, request_id, self._step_outbox, cap_max_tokens)
 
     def _free_id(self, n: int) -> str:
@@ -327,6 +316,9 @@ class Engine:
         One that cannot wait (nothing runs to free blocks) or fails is dropped and its error
         raised."""
         while self._pending:
+            bm = self._scratch_pool()
+            if bm.num_blocks_for(self._pending[0][4]) > bm.num_free_blocks and self.scheduler.has_unfinished():
+                return  # NOTE: no room yet: not checked and tokenized again every step
             entry = self._pending.popleft()
             try:
                 self._add(entry[0], entry[1], entry[2], self._step_outbox, entry[3])
@@ -343,7 +335,11 @@ class Engine:
             return self._add_locked(prompt, params, request_id, outbox, cap_max_tokens)
 
     def _add_locked(self, prompt, params: SamplingParams | None, request_id: str | None, outbox: deque,
-                    cap_max_tokens: bool = True) -> str:
+                    cap_max_tokens: bool = True, defer: str = "no") -> str:
+        """`defer` (add_request's prompt_logprobs requests, once checked whole): "always" waits in
+        _pending behind those there; "if_busy" waits there when running requests hold the blocks
+        its prompt's prefill needs; "no" raises KVCacheBusyError then."""
+        original = params
         if self.model_config.is_embedding_model:
             what = ("an embedding checkpoint (it declares a pooling: sentence-transformers' 1_Pooling or a "
                     "GGUF's pooling_type)" if self.model_config.pooling else "an embedding model without an LM head")
@@ -374,9 +370,11 @@ class Engine:
             params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
         bad_words = self._bad_words_ids(params.bad_words)
         group = _Group(rid, text, ids, params, outbox)
-        if params.prompt_logprobs is not None:  # NOTE: a prefill of its own, before the request is queued
-            pairs = self.prompt_logprob_pairs(ids, params.prompt_logprobs)
-            group.prompt_logprobs = self._vllm_prompt_logprobs(ids, pairs)
+
+        def undo():  # NOTE: all or none of the n sequences are queued
+            for req in group.children:
+                self.scheduler.abort_request(req.request_id)
+                self.grammars.forget(req.request_id)
         try:
             for i in range(params.n):
                 sp = params if params.n == 1 else _child_params(params, i)
@@ -384,18 +382,22 @@ class Engine:
                 req.bad_words_ids, req.constraint = bad_words, constraint
                 self.scheduler.add_request(req)  # raises ValueError if it can never fit
                 group.children.append(req)
-        except Exception:
-            for req in group.children:  # NOTE: all or none of the n sequences are queued
-                self.scheduler.abort_request(req.request_id)
-            raise
-        try:
             for req in group.children:
                 if req.constraint is not None:
                     self.grammars.add(req.request_id, *req.constraint)
-        except Exception:
-            for req in group.children:
-                self.scheduler.abort_request(req.request_id)
-                self.grammars.forget(req.request_id)
+            if params.prompt_logprobs is not None:  # NOTE: a prefill of its own (nothing of it is stepped yet)
+                if defer == "always":
+                    raise KVCacheBusyError("behind the prompt_logprobs requests waiting for KV room")
+                pairs = self.prompt_logprob_pairs(ids, params.prompt_logprobs)
+                group.prompt_logprobs = self._vllm_prompt_logprobs(ids, pairs)
+        except KVCacheBusyError:
+            undo()
+            if defer == "no" or (defer == "if_busy" and not self.scheduler.has_unfinished()):
+                raise
+            self._pending.append((prompt, original, rid, cap_max_tokens, len(ids)))
+            return rid
+        except BaseException:
+            undo()
             raise
         self._groups[rid] = group
         for req in group.children:
@@ -824,9 +826,7 @@ class Engine:
         all_ids = []
         for i, item in enumerate(items):
             _, ids = self._tokenize(item, keep, add_special_tokens)
-            if len(ids) > self.max_model_len:
-                raise ValueError(f"Input {i} has {len(ids)} tokens, but the context holds {self.max_model_len}; "
-                                 "shorten it, raise max_model_len, or set truncate_prompt_tokens.")
+            check_input_length(i, len(ids), self.max_model_len)
             all_ids.append(ids)
         # NOTE: the inputs run one after another in scratch blocks: check room for the longest
         # first, so that a call waiting for room (AsyncEngine retries it) computes nothing
@@ -1307,6 +1307,13 @@ class Embeddings(np.ndarray):
             raise AttributeError("outputs is a row's (vLLM's EmbeddingRequestOutput.outputs): take a row, or "
                                  "iterate over them.")
         return _EmbeddingOutput([float(x) for x in self])
+
+
+def check_input_length(i: int, n: int, max_model_len: int) -> None:
+    """ValueError naming input `i` when its n tokens exceed the context (embed, /v1/embeddings)."""
+    if n > max_model_len:
+        raise ValueError(f"Input {i} has {n} tokens, but the context holds {max_model_len}; shorten it, raise "
+                         "max_model_len, or set truncate_prompt_tokens.")
 
 
 def embedding_size(cfg: ModelConfig, dimensions) -> int:

@@ -385,7 +385,7 @@ def _template_messages(messages: list[dict], parts: bool = False, wrap_strings: 
         if m.get("role") == "developer" and not developer:
             m["role"] = "system"
         if isinstance(m.get("tool_calls"), list):
-            m["tool_calls"] = [_template_call(c) for c in m["tool_calls"]]
+            m["tool_calls"] = [template_call(c) for c in m["tool_calls"]]
         if "content" in m and (wrap_strings or not isinstance(m["content"], str)):
             texts = _text_parts(m["content"])
             m["content"] = [{"type": "text", "text": t} for t in texts] if parts else "\n".join(texts)
@@ -396,7 +396,7 @@ def _template_messages(messages: list[dict], parts: bool = False, wrap_strings: 
     return out
 
 
-def _template_call(call):
+def template_call(call):
     """A tool call with its `arguments` as the object a JSON string gives (not a JSON object,
     or empty: {}, as the server does); any other call as it is."""
     fn = call.get("function") if isinstance(call, dict) else None

@@ -304,6 +304,8 @@ def test_openai_client_embeddings(decoder):
             with pytest.raises(openai.BadRequestError, match=match):
                 client.embeddings.create(**{"model": "emb", "input": "x", **kw})
         assert metric(srv.base, 'numa_runtime_embedding_requests_total{status="error"}') == 4
+        with pytest.raises(openai.BadRequestError, match="Input 1 has 300 tokens, but the context holds 256"):
+            client.embeddings.create(model="emb", input=[[5, 6, 7], [5] * 300])  # NOTE: the one at fault
         with pytest.raises(openai.NotFoundError):
             client.embeddings.create(model="other", input="x")
         for bad in ([True, 2], [[True, False]]):  # NOTE: strict types: true is not a token id

@@ -488,6 +488,13 @@ def test_prompt_logprobs_wait_for_room_in_add_request(model_dir):
         gone = e.add_request(p, sp, request_id="gone")
         with pytest.raises(ValueError, match="already in use"):
             e.add_request(p, sp, request_id="second")
+        # NOTE: a request behind waiting ones is checked whole now, as any other (it was queued
+        # unchecked, and its error came out of a later step())
+        with pytest.raises(ValueError, match="already in use"):
+            e.add_request(p, sp, request_id=first)
+        with pytest.raises(ValueError, match="logit_bias names token 100000"):
+            e.add_request([5, 6, 7], SamplingParams(max_tokens=4, prompt_logprobs=1, logit_bias={100000: 1.0}))
+        assert e.get_num_unfinished_requests() == 4
         e.abort_request("gone")
         final = {}
         while e.has_unfinished_requests():

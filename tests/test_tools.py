@@ -346,6 +346,8 @@ def test_responses_api_over_the_chat_path(model_dir):
         for kw, match in (({"store": True}, r"Storing responses \(store: true\) is not supported"),
                           ({"previous_response_id": "resp_1"}, "previous_response_id is not supported"),
                           ({"tools": [{"type": "web_search"}]}, "Only function tools are supported"),
+                          ({"max_output_tokens": 0}, "max_output_tokens must be an integer of at least 1"),
+                          ({"max_output_tokens": 100000}, r"plus max_output_tokens \(100000\) exceeds"),
                           ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
                            "only text parts")):
             with pytest.raises(openai.BadRequestError, match=match):
@@ -368,6 +370,7 @@ def _responses_events(chunks, raw=None):
         return [e async for e in RA.events(raw or {"input": "x"}, "m", chat_stream())]
     out = []
     for e in asyncio.run(collect()):
+        assert not {"\u2028", "\u2029", "\x85"} & set(e)  # NOTE: splitlines readers would cut the line there
         head, data = e.split("\n", 1)
         assert head.startswith("event: ") and data.startswith("data: ") and e.endswith("\n\n")
         out.append(json.loads(data[len("data: "):]))
@@ -413,6 +416,8 @@ def test_responses_events_of_reasoning_text_and_calls_rebuild_in_the_openai_clie
         mine = [i for i, e in enumerate(events) if e.get("item_id") == item["id"] or
                 (e.get("item") or {}).get("id") == item["id"]]
         assert kinds[mine[0]] == "response.output_item.added" and kinds[mine[-1]] == "response.output_item.done"
+    odd = _responses_events([chunk({"content": "a\u2028b\u2029c\x85d"}), chunk({}, "stop")])
+    assert odd[-1]["response"]["output"][0]["content"][0]["text"] == "a\u2028b\u2029c\x85d"
     # cut by max_output_tokens: response.incomplete, the message item incomplete
     cut = _responses_events([chunk({"content": "It is"}), chunk({}, "length")])
     assert cut[-1]["type"] == "response.incomplete" and cut[-1]["response"]["incomplete_details"] == {

@@ -504,7 +504,7 @@ def _serve(args, world, sock, front) -> int:
     if world is None or world[0] == 0:
         # NOTE: a stop (systemctl stop: SIGTERM) while loading ends as Ctrl-C does, in one line (it
         # killed rank 0 outright: mpiexec's "BAD TERMINATION" banner and exit code 15)
-        old_term = signal.signal(signal.SIGTERM, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         # NOTE: first, and on every rank
         engine = build_router(args) if multi else build_engine(args)
@@ -518,8 +518,10 @@ def _serve(args, world, sock, front) -> int:
         if world is not None and world[1] > 1:
             _abort_job(130)  # NOTE: the workers are in the load's collectives
         return 130
+    early: list = []  # NOTE: a stop between the load and the server's own handlers: served as one then
     if world is None or world[0] == 0:
-        signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGTERM, lambda signum, _frame: early.append(signum))
+        signal.signal(signal.SIGINT, lambda signum, _frame: early.append(signum))
     if engine is None:  # a worker rank of several models: rank 0 has shut down
         return 0
     if not multi and not engine.is_driver:
@@ -590,6 +592,8 @@ def _serve(args, world, sock, front) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    if early:  # NOTE: a graceful stop at once (nothing runs yet)
+        on_signal(early[0], None)
     closed = threading.Event()  # NOTE: set once engine.close() returned
     if world is not None and world[1] > 1:
         _watch_signals(aengine, begin_shutdown, args.shutdown_grace, closed, args.stall_timeout)

@@ -276,9 +276,15 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await chat_answer(body, request)
+
+    async def chat_answer(body: ChatCompletionRequest, request: Request, renames: dict | None = None):
+        """The chat path; `renames`: the fields a request of another API (/v1/responses) spelled
+        otherwise, for its error messages."""
         arrival = time.monotonic()
         check_model(body.model)
-        renames = {"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else None
+        if body.max_completion_tokens is not None:
+            renames = {**(renames or {}), "max_tokens": "max_completion_tokens"}
         with _client_errors(renames):
             body.refuse_unsupported()
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -319,10 +325,12 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             chat = ChatCompletionRequest.model_validate(body)
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from None
-        answer = await chat_completions(chat, request)
+        answer = await chat_answer(chat, request, RA.RENAMES)
         if isinstance(answer, StreamingResponse):
             return StreamingResponse(RA.events(raw, config.served_model_name, answer.body_iterator),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        if not isinstance(answer, JSONResponse) or answer.status_code != 200:
+            return answer  # NOTE: the client went away (499): nothing to convert
         return JSONResponse(RA.response_body(raw, json.loads(answer.body)))
 
     @app.post("/v1/embeddings")

@@ -14,7 +14,7 @@ from typing import Any, Literal, Optional
 import numpy as np
 from pydantic import Field
 
-from ..engine import embedding_size, prompt_truncation
+from ..engine import check_input_length, embedding_size, prompt_truncation
 from ..tokenizer import check_text
 from .protocol import _Body
 
@@ -95,6 +95,8 @@ async def create_embeddings(aengine, body: EmbeddingRequest, model_name: str, po
     ids = await asyncio.to_thread(tokenize)
     if any(not i for i in ids):
         raise ValueError("An input has no tokens (an empty text without special tokens); give it some text.")
+    for i, one in enumerate(ids):  # NOTE: each input runs alone below: name the one at fault first
+        check_input_length(i, len(one), engine.max_model_len)
 
     # NOTE: one engine call an input (they run one after another anyway): steps of other requests
     # go between them, and a client gone (its handler cancelled) leaves the rest unrun

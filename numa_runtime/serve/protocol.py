@@ -347,16 +347,10 @@ class ToolCall(_Body):
     def as_template_dict(self) -> dict:
         """The call as templates read it (as vLLM hands it): `arguments` a dict, parsed from its
         JSON string; empty, invalid or not an object: {} (history the model wrote stays usable)."""
-        args = self.function.arguments
-        if isinstance(args, str) and args:
-            try:
-                args = json.loads(args)
-            except ValueError:
-                args = None
-        if not isinstance(args, dict):
-            if args:
-                log.warning("tool call %r: arguments are not a JSON object; the template sees {}.",
-                            self.function.name)
+        from ..tokenizer import template_call  # NOTE: the rule Engine.chat's messages take too
+        args = template_call({"function": {"name": self.function.name,
+                                           "arguments": self.function.arguments}})["function"]["arguments"]
+        if not isinstance(args, dict):  # NOTE: arguments given as an object already
             args = {}
         check_text("messages", json.dumps([self.id, self.function.name, args], ensure_ascii=False))
         call = {"type": "function", "function": {"name": self.function.name, "arguments": args}}

@@ -16,6 +16,8 @@ import time
 import uuid
 from typing import Any
 
+from .responses import sse
+
 # NOTE: fields of a Responses request, each mapped below or refused; others go to the chat request
 _REFUSED = {
     "previous_response_id": "this server stores no responses: send the whole conversation as input",
@@ -24,6 +26,8 @@ _REFUSED = {
     "max_tool_calls": "max_tool_calls is not supported",
     "service_tier": None,
 }
+# NOTE: chat's field names in its error messages -> the Responses request's
+RENAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
 _PASS_KEYS = ("temperature", "top_p", "stream", "parallel_tool_calls", "user", "model")
 _IGNORED = ("metadata", "safety_identifier", "prompt_cache_key", "truncation", "store", "background",
             "include", "reasoning", "top_logprobs", "text", "tools", "tool_choice", "instructions", "input",
@@ -270,7 +274,7 @@ class EventStream:
     def _event(self, kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+        return f"event: {kind}\n" + sse(data)  # NOTE: sse keeps U+2028 and the like off the line
 
     def start(self) -> list[str]:
         return [self._event("response.created", response=dict(self.resp)),
