@@ -72,6 +72,11 @@ class Engine:
         from .tokenizer import Tokenizer
 
         hub = _take_vllm_kwargs(model, kwargs)
+        self._pooling_default = kwargs.pop("_pooling", None)
+        unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(EngineConfig)})
+        if unknown:  # NOTE: one sentence, not the dataclass's TypeError
+            raise TypeError(f"{unknown[0]!r} is not an Engine setting, nor one of vLLM's LLM arguments it takes "
+                            "(README: Python).")
         self.config = EngineConfig(dtype=dtype, max_model_len=max_model_len, num_threads=num_threads, **kwargs)
         # NOTE: one thread at a time changes the engine's state (a step, an add, an abort): callers
         # on several threads are served in turn (they hung, two threads stepping one scheduler)
@@ -796,11 +801,12 @@ class Engine:
         outs = self.generate(ids, params, sampling_params=sampling_params, use_tqdm=use_tqdm)
         for out, prompt in zip(outs, prompts):
             out.prompt = prompt  # NOTE: as vLLM's LLM.chat: the rendered template
-        return outs if batch else outs[0]
+        return outs if batch else _OneOutput(outs)
 
     # ------------------------------------------------------------------ embeddings
     def embed(self, inputs, pooling: str | None = None, *, normalize: bool | None = None, dimensions: int | None = None,
-              truncate_prompt_tokens: int | None = None, add_special_tokens: bool = True):
+              truncate_prompt_tokens: int | None = None, add_special_tokens: bool = True, use_tqdm: bool = False,
+              pooling_params=None):
         """Embeddings [len(inputs), hidden] float32 of a string, token ids or a prompt dict (as
         generate takes them), or a list of them: the final normed hidden states pooled by "mean"
         (over the tokens), "last" (the last token) or "cls" (the first). Default: the pooling a
@@ -808,11 +814,20 @@ class Engine:
         model without an LM head, "mean" otherwise. As vLLM's pooling parameters: `normalize`
         (unit length; default: yes, but for a sentence-transformers checkpoint without a Normalize
         module), `dimensions` (the first ones of a Matryoshka model, normalized after),
-        `truncate_prompt_tokens` (keep the last k tokens; -1: the context's length)."""
-        import numpy as np
+        `truncate_prompt_tokens` (keep the last k tokens; -1: the context's length); vLLM's
+        `pooling_params` (an object or dict with those fields) and `use_tqdm` (a progress bar). A
+        model made with vLLM's runner="pooling" (task/convert "embed") pools the last token by
+        default, as vLLM does."""
         self._driver_only("embed")
+        if pooling_params is not None:
+            get = pooling_params.get if isinstance(pooling_params, dict) else (
+                lambda k, d=None: getattr(pooling_params, k, d))
+            normalize = get("normalize", None) if normalize is None else normalize
+            dimensions = get("dimensions", None) if dimensions is None else dimensions
+            truncate_prompt_tokens = get("truncate_prompt_tokens", None) if truncate_prompt_tokens is None \
+                else truncate_prompt_tokens
         cfg = self.model_config
-        pooling = pooling or cfg.pooling or ("last" if cfg.is_embedding_model else "mean")
+        pooling = pooling or cfg.pooling or self._pooling_default or ("last" if cfg.is_embedding_model else "mean")
         if pooling not in ("mean", "last", "cls"):
             raise ValueError(f"pooling must be 'mean', 'last' or 'cls', got {pooling!r}.")
         normalize = cfg.embed_normalize if normalize is None else normalize
@@ -832,11 +847,20 @@ class Engine:
         # first, so that a call waiting for room (AsyncEngine retries it) computes nothing
         self._scratch_room(max(map(len, all_ids)))
         out = np.empty((len(items), size), np.float32)  # [N, size]
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(all_ids), desc="Embedding", unit="input")
         for i, ids in enumerate(all_ids):
+            if bar is not None and i:
+                bar.update(1)
             rows = {"mean": np.arange(len(ids)), "last": [len(ids) - 1], "cls": [0]}[pooling]
             h = self._final_hidden(ids, rows)  # [n or 1, hidden]
             v = (h.mean(axis=0) if pooling == "mean" else h[0])[:size]
             out[i] = v / max(float(np.linalg.norm(v)), 1e-12) if normalize else v
+        if bar is not None:
+            bar.update(1)
+            bar.close()
         return out.view(Embeddings)
 
     def _final_hidden(self, ids: list[int], rows):
@@ -1154,8 +1178,30 @@ def _take_vllm_kwargs(model, kwargs: dict):
     tensor_parallel_size checked against the MPI job, the ranks beyond it replicas; enforce_eager:
     no CUDA graphs) or refused in one sentence naming this runtime's own setting. Returns None, or
     for a Hub id with revision/download_dir the call that fetches it."""
-    kwargs.pop("trust_remote_code", None)  # NOTE: no model code ever runs here
-    kwargs.pop("disable_log_stats", None)  # NOTE: no periodic stats are logged
+    for name in ("trust_remote_code", "disable_log_stats", "disable_custom_all_reduce", "compilation_config"):
+        kwargs.pop(name, None)  # NOTE: no model code runs here, no stats are logged, MPI sums, nothing compiles
+    for name, ok in (("tokenizer_mode", ("auto", "hf")), ("model_impl", ("auto",)),
+                     ("distributed_executor_backend", (None, "mp", "uni")), ("enable_lora", (False,)),
+                     ("override_generation_config", (None, {}))):
+        if name in kwargs and kwargs.pop(name) not in ok:
+            raise ValueError(f"{name} (vLLM's) may only be {' or '.join(repr(v) for v in ok)} here.")
+    if "max_logprobs" in kwargs:
+        top = kwargs.pop("max_logprobs")
+        if not _is_int(top) or not 0 <= top <= 20:
+            raise ValueError(f"max_logprobs (vLLM's) may be at most 20 here (the logprobs a request may ask for), "
+                             f"got {top!r}.")
+    if "kv_cache_memory_bytes" in kwargs:  # NOTE: vLLM's newer name of the KV cache's size
+        kwargs.setdefault("kv_cache_memory", kwargs.pop("kv_cache_memory_bytes"))
+    for name in ("runner", "task", "convert"):  # NOTE: vLLM's "pooling"/"embed": embeddings pool the last token
+        value = kwargs.pop(name, None)
+        if value in ("pooling", "embed", "embedding"):
+            kwargs["_pooling"] = "last"
+        elif value not in (None, "auto", "generate", "none"):
+            raise ValueError(f"{name}={value!r} (vLLM's) is not supported: this engine generates text and embeds "
+                             "(Engine.embed); classify, score and reward models are not.")
+    token = kwargs.pop("hf_token", None)
+    if isinstance(token, str):
+        os.environ.setdefault("HF_TOKEN", token)  # NOTE: what huggingface_hub reads for a Hub id
     if kwargs.pop("enforce_eager", False):
         kwargs["cuda_graphs"] = False
     if kwargs.pop("enable_chunked_prefill", True) is False:
@@ -1277,13 +1323,27 @@ def _prompt_of(prompt):
     if other:
         raise TypeError(f"A prompt dict may hold 'prompt' or 'prompt_token_ids'; {other[0]!r} is not supported.")
     if "prompt_token_ids" in prompt:
-        return prompt["prompt_token_ids"]
+        ids = prompt["prompt_token_ids"]
+        if not _is_token_ids(ids):  # NOTE: a string there was tokenized as text (HF's apply_chat_template
+            # returns ids only with tokenize=True)
+            raise TypeError(f"prompt_token_ids must be a list of token ids, got {type(ids).__name__}.")
+        return ids
     if "prompt" in prompt:
         return prompt["prompt"]
     raise TypeError("A prompt dict needs 'prompt' (text) or 'prompt_token_ids' (token ids).")
 
 
 PROMPT_LOGITS_BYTES = 256 << 20  # prompt_logprob_pairs: logits rows per forward
+
+
+class _OneOutput(list):
+    """Engine.chat's answer to one conversation: vLLM's list of one RequestOutput, which also reads
+    as that output (`.text`, `.outputs`, ...), as this engine's chat returned it before."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self[0], name)
 
 
 class _EmbeddingOutput:

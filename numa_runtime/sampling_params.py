@@ -23,11 +23,29 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # NOTE: vLLM's options: what they ask is what happens here (one backend, llguidance; objects
+    # closed as xgrammar's strict mode closes them), or one sentence (constraint)
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    backend: str | None = None
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
 
     def constraint(self) -> tuple[str, object]:
         """(kind, spec): ("json", a schema dict), ("regex", str), ("choice", [str]) or ("grammar",
         str); ValueError (one sentence) unless exactly one is given and it is well formed."""
-        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if self.backend not in (None, "auto", "guidance", "llguidance"):
+            raise ValueError(f"structured_outputs' backend {self.backend!r} is not available; llguidance (vLLM's "
+                             "'guidance') serves every constraint here: leave backend out.")
+        if self.whitespace_pattern is not None:
+            raise ValueError("structured_outputs' whitespace_pattern is not supported; JSON output is written in "
+                             "one layout (', ' and ': ').")
+        if self.structural_tag is not None:
+            raise ValueError("structured_outputs' structural_tag is not supported.")
+        if self.disable_any_whitespace not in (False, True):
+            raise ValueError("structured_outputs' disable_any_whitespace must be true or false.")
+        given = [f.name for f in fields(self) if f.name in _KINDS and getattr(self, f.name) not in (None, False)]
         if len(given) != 1:
             raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar or "
                              f"json_object, got {', '.join(given) or 'none'}.")
@@ -53,6 +71,7 @@ class StructuredOutputsParams:
         return kind, value
 
 
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 GuidedDecodingParams = StructuredOutputsParams  # vLLM's name before 0.10.2
 
 
@@ -110,8 +129,24 @@ class SamplingParams:
     guided_decoding: StructuredOutputsParams | dict | None = None  # vLLM's name before 0.10.2
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # NOTE: vLLM's fields whose defaults are what happens here; other values are refused by name
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+    logits_processors: list | None = None
+    output_kind: object = None
 
     def __post_init__(self):
+        for name, ok, why in (("spaces_between_special_tokens", (True,), "special tokens are decoded as the "
+                               "tokenizer writes them"),
+                              ("detokenize", (True,), "outputs always carry their text"),
+                              ("logits_processors", (None, []), "no Python code runs in the sampling loop; "
+                               "logit_bias, allowed_token_ids and bad_words cover the common uses"),
+                              ("output_kind", (None, 0, "CUMULATIVE"), "outputs are cumulative, with the delta "
+                               "beside them (CompletionOutput.delta, new_token_ids)")):
+            value = getattr(self, name)
+            value = getattr(value, "name", value)  # NOTE: vLLM's RequestOutputKind enum
+            if value not in ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not supported ({why}).")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None and not isinstance(self.stop, (list, tuple)):

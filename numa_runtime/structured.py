@@ -123,10 +123,59 @@ _FIELD = {"json": "json_schema", "regex": "structured_outputs.regex", "choice": 
 _WHAT = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 
 
+def strict_schema(schema: dict) -> dict:
+    """No property an object schema does not declare (OpenAI's `strict: true`, and the default
+    of vLLM's xgrammar backend, so of every JSON constraint here). A copy of
+    `schema` whose object schemas with `properties` get additionalProperties false, through every
+    place a schema nests (llguidance, as JSON Schema, allows undeclared properties: a small model
+    filled max_tokens with made-up keys). A node that declares its properties together with
+    others (allOf members, a $ref beside properties, dependentSchemas, if/then) or already says
+    what else it allows stays open: closing each part would forbid the others' properties."""
+    maps = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+    lists = ("anyOf", "oneOf", "prefixItems")
+    single = ("items", "additionalItems", "unevaluatedItems", "additionalProperties", "unevaluatedProperties",
+              "propertyNames", "not", "if", "then", "else", "contains")
+    shared = ("allOf", "$ref", "dependentSchemas", "dependencies", "if", "then", "else",
+              "additionalProperties", "unevaluatedProperties", "patternProperties")
+
+    composed: set[str] = set()  # "#/$defs/X" a $ref combines with other properties: X stays open too
+
+    def scan(node, in_all_of: bool = False):
+        if isinstance(node, list):
+            for sub in node:
+                scan(sub, in_all_of)
+        elif isinstance(node, dict):
+            if isinstance(node.get("$ref"), str) and (in_all_of or "properties" in node):
+                composed.add(node["$ref"])
+            for k, sub in node.items():
+                scan(sub, k == "allOf")
+    scan(schema)
+
+    def walk(node, closable: bool = True):
+        if not isinstance(node, dict):
+            return node
+        out = dict(node)
+        for k in maps:
+            if isinstance(out.get(k), dict):
+                out[k] = {name: walk(sub, f"#/{k}/{name}" not in composed) for name, sub in out[k].items()}
+        for k in lists:
+            if isinstance(out.get(k), list):
+                out[k] = [walk(sub) for sub in out[k]]
+        if isinstance(out.get("allOf"), list):
+            out["allOf"] = [walk(sub, closable=False) for sub in out["allOf"]]
+        for k in single:
+            if isinstance(out.get(k), (dict, list)):
+                out[k] = [walk(sub) for sub in out[k]] if isinstance(out[k], list) else walk(out[k])
+        if closable and "properties" in out and not any(k in node for k in shared):
+            out["additionalProperties"] = False
+        return out
+    return walk(schema)
+
+
 def _grammar(llg, kind: str, spec) -> str:
     """llguidance's grammar for a constraint; ValueError if it does not parse."""
-    if kind == "json":
-        return llg.LLMatcher.grammar_from_json_schema(spec, defaults=_LAYOUT)
+    if kind == "json":  # NOTE: closed, as vLLM's default backend (xgrammar, strict) closes them
+        return llg.LLMatcher.grammar_from_json_schema(strict_schema(spec), defaults=_LAYOUT)
     if kind == "regex":
         return llg.LLMatcher.grammar_from_regex(ascii_digits(spec))
     if kind == "choice":  # NOTE: JSON string literals are Lark's (llguidance's) string syntax

@@ -276,6 +276,78 @@ class Tokenizer:
     def _token_id(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)
 
+    # ---- Hugging Face's names, for scripts written against vLLM's LLM.get_tokenizer() --------
+    def __call__(self, text, add_special_tokens: bool = True) -> "_Encoding":
+        """HF's tokenizer(text): input_ids (and an all-ones attention_mask); a list of texts
+        gives a list of each."""
+        if isinstance(text, (list, tuple)):
+            ids = [self.encode(t, add_special_tokens=add_special_tokens) for t in text]
+            return _Encoding(input_ids=ids, attention_mask=[[1] * len(i) for i in ids])
+        ids = self.encode(text, add_special_tokens=add_special_tokens)
+        return _Encoding(input_ids=ids, attention_mask=[1] * len(ids))
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._special["eos_token"]
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._special["bos_token"]
+
+    @property
+    def pad_token(self) -> str | None:
+        return self._special["pad_token"]
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The tokenizer config's EOS (HF's); generation stops at every id of eos_token_ids."""
+        found = self._token_id(self._special["eos_token"])
+        return found if found is not None else min(self.eos_token_ids, default=None)
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        """The tokenizer config's special tokens (bos, eos, unk, pad, ...), as HF lists them."""
+        return list(dict.fromkeys(t for t in self._special.values() if t is not None))
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return [i for i in (self._token_id(t) for t in self.all_special_tokens) if i is not None]
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_templates.get("default") or next(iter(self._chat_templates.values()), None)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._backend.get_vocab(with_added_tokens=True)
+
+    def convert_tokens_to_ids(self, tokens):
+        """A token's id (None if it has none), or a list of them."""
+        if isinstance(tokens, str):
+            return self._backend.token_to_id(tokens)
+        return [self._backend.token_to_id(t) for t in tokens]
+
+    def convert_ids_to_tokens(self, ids):
+        """A token id's token (as the vocabulary spells it), or a list of them."""
+        if isinstance(ids, (list, tuple)):
+            return [self._backend.id_to_token(int(i)) for i in ids]
+        return self._backend.id_to_token(int(ids))
+
+    def batch_decode(self, sequences, skip_special_tokens: bool = True) -> list[str]:
+        return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in sequences]
+
+
+class _Encoding(dict):
+    """HF's BatchEncoding as far as scripts read it: enc["input_ids"] or enc.input_ids."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
 
 class IncrementalDetokenizer:
     """Turns generated token ids into text deltas, one token at a time.

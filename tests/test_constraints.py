@@ -300,3 +300,24 @@ def test_regex_digits_are_ascii_and_an_empty_regex_says_so(eng):
     with pytest.raises(ValueError, match="allowed_token_ids names token"):
         eng.generate("Hello", SamplingParams(allowed_token_ids=[eng.tokenizer.vocab_size]))
 
+
+
+def test_json_constraints_allow_no_undeclared_property_by_default(eng):
+    """As vLLM's default backend (xgrammar, strict): a JSON schema's objects take only the
+    properties they declare, unless the schema opens them (additionalProperties); llguidance
+    allowed any, and models filled their output with made-up keys (a forced tool call's
+    arguments then failed **kwargs)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+    def accepts(spec, text, rid):
+        eng.grammars.add(rid, "json", spec)
+        try:
+            m = eng.grammars._matchers[rid]
+            ids = eng.tokenizer.encode(text, add_special_tokens=False)
+            return all(m.consume_token(int(t)) for t in ids)
+        finally:
+            eng.grammars.forget(rid)
+    assert accepts(schema, '{"a": 1}', "s1")
+    assert not accepts(schema, '{"a": 1, "b": 2}', "s2")
+    assert accepts({**schema, "additionalProperties": True}, '{"a": 1, "b": 2}', "s3")
+    assert accepts({"type": "object"}, '{"b": 2}', "s4")  # NOTE: json_object: any object

@@ -1062,3 +1062,40 @@ def test_vllm_llm_helpers(model_dir):
         assert fresh.num_cached_tokens == 0 and fresh.outputs[0].token_ids == first.outputs[0].token_ids
     finally:
         e.close()
+
+
+def test_vllm_scripts_run_unchanged(model_dir):
+    """What vLLM's example scripts pass and read: LLM(...) keywords with vLLM's defaults, runner
+    ="pooling" (embeddings of the last token, as vLLM pools a converted model), embed(use_tqdm=,
+    pooling_params=), chat() giving a list (of one for one conversation, which also reads as that
+    output), SamplingParams' no-op defaults; what cannot hold is one sentence each."""
+    from numa_runtime import SamplingParams as SP
+    e = Engine(model_dir, dtype="float32", kv_cache_memory_bytes=1 << 22, max_model_len=128, tokenizer_mode="auto",
+               max_logprobs=20, distributed_executor_backend="mp", disable_custom_all_reduce=True, enable_lora=False,
+               model_impl="auto", runner="pooling", hf_token=None)
+    try:
+        assert e.config.kv_cache_memory == 1 << 22
+        last = e.embed(["Hello world"], pooling="last")
+        np.testing.assert_array_equal(e.embed(["Hello world"], use_tqdm=True), last)
+        np.testing.assert_array_equal(e.embed(["Hello world"], pooling_params={"normalize": False}),
+                                      e.embed(["Hello world"], pooling="last", normalize=False))
+        sp = SP(max_tokens=4, temperature=0, spaces_between_special_tokens=True, detokenize=True,
+                logits_processors=None)
+        out = e.chat([{"role": "user", "content": "Hi"}], sp)
+        assert isinstance(out, list) and len(out) == 1 and out.text == out[0].outputs[0].text
+        assert [o.outputs[0].text for o in out] == [out.outputs[0].text]
+        with pytest.raises(TypeError, match="prompt_token_ids must be a list of token ids, got str"):
+            e.generate({"prompt_token_ids": "<|user|>Hi"}, sp)
+    finally:
+        e.close()
+    for kw, err, match in (({"max_logprobs": 50}, ValueError, "max_logprobs .* at most 20"),
+                           ({"runner": "classify"}, ValueError, "runner='classify' .* is not supported"),
+                           ({"enable_lora": True}, ValueError, "enable_lora .* may only be False"),
+                           ({"no_such_setting": 1}, TypeError, "'no_such_setting' is not an Engine setting")):
+        with pytest.raises(err, match=match):
+            Engine(model_dir, dtype="float32", kv_cache_memory=1 << 22, **kw)
+    for kw, match in (({"detokenize": False}, "detokenize=False is not supported"),
+                      ({"logits_processors": [abs]}, "logits_processors=.* is not supported"),
+                      ({"output_kind": 2}, "output_kind=2 is not supported")):
+        with pytest.raises(ValueError, match=match):
+            SP(**kw)

@@ -55,7 +55,7 @@ REFUSED = {
     "stop number": ("/v1/completions", {"prompt": "x", "stop": 5}, "stop"),
     "stream string": ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
     "prompt of bools": ("/v1/completions", {"prompt": [True, False]}, "prompt"),
-    "logprobs 6": ("/v1/completions", {"prompt": "x", "logprobs": 6}, "logprobs"),
+    "logprobs 21": ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
     "logprobs -1": ("/v1/completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
     "top_logprobs 21": ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21},
                         "top_logprobs"),

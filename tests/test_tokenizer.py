@@ -555,3 +555,22 @@ def test_a_developer_message_is_a_system_one_where_the_template_has_no_developer
     own = "{% for m in messages %}{% if m.role == 'developer' %}D:{% endif %}{{ m.content }};{% endfor %}"
     assert smol.apply_chat_template(msgs, chat_template=own, add_generation_prompt=False) == \
         "D:ALWAYS ANSWER IN FRENCH;hi;"
+
+
+def test_the_hf_names_vllm_scripts_read(smol, smol_hf):
+    """What scripts read from vLLM's LLM.get_tokenizer() (a transformers tokenizer) reads the same
+    here: eos/bos tokens and ids, tokenizer(text).input_ids, len, token <-> id, batch_decode,
+    get_vocab, the special ids, the chat template (each was an AttributeError)."""
+    assert (smol.eos_token, smol.eos_token_id, smol.bos_token) == (smol_hf.eos_token, smol_hf.eos_token_id,
+                                                                    smol_hf.bos_token)
+    assert smol("Hello world").input_ids == smol_hf("Hello world").input_ids
+    assert smol(["a b", "c"])["input_ids"] == smol_hf(["a b", "c"])["input_ids"]
+    assert len(smol) == len(smol_hf) and smol.get_vocab() == smol_hf.get_vocab()
+    toks = smol_hf.convert_ids_to_tokens(smol_hf.encode("Hello world"))
+    assert smol.convert_ids_to_tokens(smol.encode("Hello world")) == toks
+    assert smol.convert_tokens_to_ids(toks) == smol_hf.convert_tokens_to_ids(toks)
+    assert smol.convert_tokens_to_ids("<|im_end|>") == smol_hf.convert_tokens_to_ids("<|im_end|>")
+    batch = [smol.encode("Hi there"), smol.encode("Bonjour")]
+    assert smol.batch_decode(batch) == smol_hf.batch_decode(batch)
+    assert sorted(smol.all_special_ids) == sorted(smol_hf.all_special_ids)
+    assert smol.chat_template == smol_hf.chat_template

@@ -14,6 +14,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..sampling_params import SamplingParams, StructuredOutputsParams, as_structured_outputs, json_schema_of
+from ..structured import strict_schema
 from ..tokenizer import check_text
 
 log = logging.getLogger("numa_runtime.serve")
@@ -225,54 +226,6 @@ class _SamplingRequest(_Body):
         return {int(k): v for k, v in self.logit_bias.items()}
 
 
-def strict_schema(schema: dict) -> dict:
-    """OpenAI's `strict: true`: no property an object schema does not declare. A copy of
-    `schema` whose object schemas with `properties` get additionalProperties false, through every
-    place a schema nests (llguidance, as JSON Schema, allows undeclared properties: a small model
-    filled max_tokens with made-up keys). A node that declares its properties together with
-    others (allOf members, a $ref beside properties, dependentSchemas, if/then) or already says
-    what else it allows stays open: closing each part would forbid the others' properties."""
-    maps = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
-    lists = ("anyOf", "oneOf", "prefixItems")
-    single = ("items", "additionalItems", "unevaluatedItems", "additionalProperties", "unevaluatedProperties",
-              "propertyNames", "not", "if", "then", "else", "contains")
-    shared = ("allOf", "$ref", "dependentSchemas", "dependencies", "if", "then", "else",
-              "additionalProperties", "unevaluatedProperties", "patternProperties")
-
-    composed: set[str] = set()  # "#/$defs/X" a $ref combines with other properties: X stays open too
-
-    def scan(node, in_all_of: bool = False):
-        if isinstance(node, list):
-            for sub in node:
-                scan(sub, in_all_of)
-        elif isinstance(node, dict):
-            if isinstance(node.get("$ref"), str) and (in_all_of or "properties" in node):
-                composed.add(node["$ref"])
-            for k, sub in node.items():
-                scan(sub, k == "allOf")
-    scan(schema)
-
-    def walk(node, closable: bool = True):
-        if not isinstance(node, dict):
-            return node
-        out = dict(node)
-        for k in maps:
-            if isinstance(out.get(k), dict):
-                out[k] = {name: walk(sub, f"#/{k}/{name}" not in composed) for name, sub in out[k].items()}
-        for k in lists:
-            if isinstance(out.get(k), list):
-                out[k] = [walk(sub) for sub in out[k]]
-        if isinstance(out.get("allOf"), list):
-            out["allOf"] = [walk(sub, closable=False) for sub in out["allOf"]]
-        for k in single:
-            if isinstance(out.get(k), (dict, list)):
-                out[k] = [walk(sub) for sub in out[k]] if isinstance(out[k], list) else walk(out[k])
-        if closable and "properties" in out and not any(k in node for k in shared):
-            out["additionalProperties"] = False
-        return out
-    return walk(schema)
-
-
 # the request fields that constrain the output besides response_format
 _CONSTRAINTS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
@@ -287,8 +240,8 @@ _VLLM_REFUSED = {"use_beam_search": (False,), "length_penalty": (1.0,), "prompt_
 class CompletionRequest(_SamplingRequest):
     prompt: Union[str, list[str], list[int], list[list[int]]] = Field(
         ..., description="A string, a list of strings, a list of token ids, or a list of token id lists.")
-    logprobs: Optional[int] = Field(None, ge=0, le=5,
-                                    description="Number of most likely tokens to return per position (0-5).")
+    logprobs: Optional[int] = Field(None, ge=0, le=20,  # NOTE: OpenAI's 5; vLLM's max_logprobs 20
+                                    description="Number of most likely tokens to return per position (0-20).")
     echo: bool = Field(False, description="The prompt before the completion in the text (and its tokens' "
                                           "logprobs, the first null, with logprobs).")
     suffix: Optional[str] = Field(None, description="Not supported; must be absent or empty.")
