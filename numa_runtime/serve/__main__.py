@@ -537,9 +537,12 @@ def _serve(args, world, sock, front) -> int:
     from numa_runtime.hub import is_repo_id
     given = getattr(args, "model_ids", None) or args.model
     given = given[0] if given else None
-    own = given if is_repo_id(given) and not given.lower().endswith(".gguf") else \
-        os.path.basename(os.path.normpath(engine.model_config.model_dir))  # NOTE: a Hub id names it, as in vLLM
-    name = next(iter(engine.specs)) if multi else (args.served_model_name or [own])[0]
+    if multi:
+        name = next(iter(engine.specs))
+    else:
+        own = given if is_repo_id(given) and not given.lower().endswith(".gguf") else \
+            os.path.basename(os.path.normpath(engine.model_config.model_dir))  # NOTE: a Hub id names it, as vLLM
+        name = (args.served_model_name or [own])[0]
     config = serve_config(args, name)
     if args.api_key is None and not _is_loopback(args.host):
         print(f"numa-serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
