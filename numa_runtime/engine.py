@@ -1223,7 +1223,9 @@ def _take_vllm_kwargs(model, kwargs: dict):
     tp = kwargs.pop("tensor_parallel_size", None)
     if tp is not None:
         ranks, dp = (env.mpi_world() or (0, 1))[1], kwargs.get("data_parallel")
-        if not isinstance(tp, int) or tp < 1 or ranks % tp or (dp is not None and dp * tp != ranks):
+        if not _is_int(tp) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}.")
+        if ranks % tp or (dp is not None and dp * tp != ranks):
             raise ValueError(f"tensor_parallel_size={tp} needs {tp * (dp or 1)} MPI rank(s), but this job has "
                              f"{ranks}: run the script as `mpirun -np {tp * (dp or 1)} python SCRIPT`, one rank a "
                              "NUMA node.")
@@ -1326,7 +1328,11 @@ def _prompt_of(prompt):
         ids = prompt["prompt_token_ids"]
         if not _is_token_ids(ids):  # NOTE: a string there was tokenized as text (HF's apply_chat_template
             # returns ids only with tokenize=True)
-            raise TypeError(f"prompt_token_ids must be a list of token ids, got {type(ids).__name__}.")
+            if not isinstance(ids, (list, tuple, np.ndarray)):
+                raise TypeError(f"prompt_token_ids must be a list of token ids, got {type(ids).__name__}.")
+            i, bad = next((i, t) for i, t in enumerate(ids) if not _is_token_ids([t]))
+            raise TypeError(f"prompt_token_ids must be a list of integer token ids; item {i} is {bad!r} "
+                            f"({type(bad).__name__}).")
         return ids
     if "prompt" in prompt:
         return prompt["prompt"]

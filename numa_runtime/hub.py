@@ -47,6 +47,11 @@ def local_path(name: str, revision: str | None = None, cache_dir: str | None = N
         path = snapshot_download(repo, allow_patterns=_PATTERNS, revision=revision, cache_dir=cache,
                                  local_files_only=offline)
     except Exception as e:  # noqa: BLE001 - network, authentication, a missing repository or file: one sentence
+        if offline:  # NOTE: huggingface_hub's own advice (local_files_only=False) is no option of ours
+            at = "" if revision is None else f" at revision {revision!r}"
+            raise FileNotFoundError(f"{name!r} is no local path, and it is not in the Hugging Face Hub cache "
+                                    f"({cache or 'HF_HOME/hub'}){at} while HF_HUB_OFFLINE=1: fetch it first, or unset "
+                                    "HF_HUB_OFFLINE.") from None
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise FileNotFoundError(f"{name!r} is no local path, and fetching it from the Hugging Face Hub failed "
                                 f"({type(e).__name__}: {reason.rstrip('.')}); pass a local model directory or "

@@ -231,6 +231,11 @@ class Tokenizer:
             if not messages:
                 raise ValueError("continue_final_message needs a message to continue.")
         add = (not continue_final_message) if add_generation_prompt is None else bool(add_generation_prompt)
+        return_dict = kwargs.pop("return_dict", False)  # NOTE: HF's keywords are not template variables
+        for name in ("return_tensors", "padding", "truncation", "max_length"):
+            if kwargs.pop(name, None) not in (None, False):
+                raise ValueError(f"apply_chat_template's {name} (Hugging Face's) is not supported: it gives the text, "
+                                 "or with tokenize=True the ids as a list.")
         source = chat_template if chat_template is not None else self._pick_template(tools)
         context = {k: v for k, v in self._special.items() if v is not None}
         context.update(kwargs)
@@ -255,7 +260,10 @@ class Tokenizer:
                     break
         # NOTE: `tokenize` as HF's (which defaults to it): the prompt's ids, the template's special
         # tokens as written (none added)
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        if not tokenize:
+            return text
+        ids = self.encode(text, add_special_tokens=False)
+        return _Encoding(input_ids=ids, attention_mask=[1] * len(ids)) if return_dict else ids
 
     def _pick_template(self, tools) -> str:
         if not self._chat_templates:

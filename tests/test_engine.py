@@ -1086,6 +1086,8 @@ def test_vllm_scripts_run_unchanged(model_dir):
         assert [o.outputs[0].text for o in out] == [out.outputs[0].text]
         with pytest.raises(TypeError, match="prompt_token_ids must be a list of token ids, got str"):
             e.generate({"prompt_token_ids": "<|user|>Hi"}, sp)
+        with pytest.raises(TypeError, match=r"integer token ids; item 1 is 2.0 \(float\)"):
+            e.generate({"prompt_token_ids": [1, 2.0]}, sp)
     finally:
         e.close()
     for kw, err, match in (({"max_logprobs": 50}, ValueError, "max_logprobs .* at most 20"),

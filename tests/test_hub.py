@@ -52,9 +52,18 @@ def test_a_hub_id_that_cannot_be_had_is_one_sentence(hub_home):
     r = _run("from numa_runtime import Engine\nEngine('test-org/missing')", home)
     assert r.returncode != 0
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("FileNotFoundError: 'test-org/missing' is no local path, and fetching it from the "
-                           "Hugging Face Hub failed"), r.stderr
-    assert "pass a local model directory or .gguf file." in last
+    assert last.startswith("FileNotFoundError: 'test-org/missing' is no local path, and it is not in the Hugging "
+                           "Face Hub cache"), r.stderr
+    assert last.endswith("while HF_HUB_OFFLINE=1: fetch it first, or unset HF_HUB_OFFLINE.")
+    # NOTE: online (no network here, or a repository that does not exist where there is one)
+    env = {**os.environ, "HF_HOME": home, "HF_HUB_ETAG_TIMEOUT": "5", "HF_HUB_DOWNLOAD_TIMEOUT": "5"}
+    env.pop("HF_HUB_OFFLINE", None)
+    r = subprocess.run([sys.executable, "-c", "from numa_runtime import Engine\nEngine('test-org/missing-x')"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("FileNotFoundError: 'test-org/missing-x' is no local path, and fetching it from the "
+                           "Hugging Face Hub failed"), r.stderr[-2000:]
+    assert last.endswith("pass a local model directory or .gguf file, or set HF_TOKEN for a gated model.")
 
 
 def test_the_server_serves_a_hub_id_under_that_name(hub_home):
@@ -86,6 +95,9 @@ def test_vllm_serve_flags_are_taken_or_refused_in_one_sentence(monkeypatch):
     for flags, msg in ((["--tensor-parallel-size", "2"], "--tensor-parallel-size 2 needs 2 MPI rank(s), but this job "
                                                          "has 1: start it as `mpirun -np 2 python -m numa_runtime.serve"),
                        (["-pp", "2"], "--pipeline-parallel-size must be 1"),
+                       (["-tp", "0"], "--tensor-parallel-size must be a positive integer, got 0."),
+                       (["--model", "n", "-tp", "2"], "--tensor-parallel-size 2: with several models every model is "
+                                                      "split over all 1 rank(s)"),
                        (["--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization (vLLM's) sizes a GPU's KV cache"),
                        (["--swap-space", "4"], "--swap-space (vLLM's) keeps preempted sequences in host memory"),
                        (["--tokenizer", "x"], "--tokenizer (vLLM's) names a tokenizer apart from the model"),
@@ -112,7 +124,7 @@ def test_the_server_takes_a_hub_id_at_a_revision_into_a_download_dir(hub_home):
     finally:
         assert srv.stop() == 0, srv.output()
     r = _run("from numa_runtime.hub import local_path\nlocal_path('test-org/tiny', revision='v9')", home)
-    assert r.returncode != 0 and "fetching it from the Hugging Face Hub failed" in r.stderr.strip().splitlines()[-1]
+    assert r.returncode != 0 and "at revision 'v9' while HF_HUB_OFFLINE=1" in r.stderr.strip().splitlines()[-1]
 
 
 def test_engine_takes_vllms_llm_keywords(hub_home, monkeypatch):

@@ -574,3 +574,9 @@ def test_the_hf_names_vllm_scripts_read(smol, smol_hf):
     assert smol.batch_decode(batch) == smol_hf.batch_decode(batch)
     assert sorted(smol.all_special_ids) == sorted(smol_hf.all_special_ids)
     assert smol.chat_template == smol_hf.chat_template
+    msgs = [{"role": "user", "content": "Hi"}]
+    got = smol.apply_chat_template(msgs, tokenize=True, return_dict=True, add_generation_prompt=True)
+    want = smol_hf.apply_chat_template(msgs, tokenize=True, return_dict=True, add_generation_prompt=True)
+    assert got["input_ids"] == list(want["input_ids"]) and got.attention_mask == list(want["attention_mask"])
+    with pytest.raises(ValueError, match="return_tensors .* is not supported"):
+        smol.apply_chat_template(msgs, tokenize=True, return_tensors="pt")

@@ -347,6 +347,9 @@ def test_responses_api_over_the_chat_path(model_dir):
                           ({"previous_response_id": "resp_1"}, "previous_response_id is not supported"),
                           ({"tools": [{"type": "web_search"}]}, "Only function tools are supported"),
                           ({"max_output_tokens": 0}, "max_output_tokens must be an integer of at least 1"),
+                          ({"max_output_tokens": "5"}, "'max_output_tokens'"),
+                          ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objectt"}}}},
+                           "text.format cannot be used"),
                           ({"max_output_tokens": 100000}, r"plus max_output_tokens \(100000\) exceeds"),
                           ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
                            "only text parts")):
@@ -423,6 +426,11 @@ def test_responses_events_of_reasoning_text_and_calls_rebuild_in_the_openai_clie
     assert cut[-1]["type"] == "response.incomplete" and cut[-1]["response"]["incomplete_details"] == {
         "reason": "max_output_tokens"}
     assert cut[-1]["response"]["output"][0]["status"] == "incomplete"
+    # a call cut by max_output_tokens is the item left incomplete (its arguments are no whole JSON)
+    cut_call = _responses_events([chunk({"content": "Sure."}), chunk({"tool_calls": [
+        {"index": 0, "id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": '}}]}),
+        chunk({}, "length")])
+    assert [o["status"] for o in cut_call[-1]["response"]["output"]] == ["completed", "incomplete"]
     # an error event of the chat stream: the Responses error event, then response.failed
     failed = _responses_events([chunk({"content": "It"}), {"error": {"message": "The server is shutting down.",
                                                                      "code": "shutting_down"}}])

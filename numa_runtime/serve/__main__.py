@@ -299,10 +299,15 @@ def check_args(args) -> str | None:
     if args.load_format not in ("auto", "safetensors", "gguf"):
         return (f"--load-format must be auto, safetensors or gguf (the model's files say which), got "
                 f"{args.load_format!r}.")
-    tp = args.tensor_parallel_size
-    if tp is not None:
-        ranks = (env.mpi_world() or (0, 1))[1]
-        if tp < 1 or ranks % tp or (args.data_parallel is not None and ranks != tp * args.data_parallel):
+    tp, several = args.tensor_parallel_size, is_multi_model(args)
+    if tp is not None and tp < 1:
+        return f"--tensor-parallel-size must be a positive integer, got {tp}."
+    ranks = (env.mpi_world() or (0, 1))[1]
+    if tp is not None and several and tp != ranks:
+        return (f"--tensor-parallel-size {tp}: with several models every model is split over all {ranks} rank(s) "
+                f"of the job; drop the flag or start the job with {tp} ranks.")
+    if tp is not None and not several:
+        if ranks % tp or (args.data_parallel is not None and ranks != tp * args.data_parallel):
             dp = args.data_parallel or 1
             return (f"--tensor-parallel-size {tp} needs {tp * dp} MPI rank(s), but this job has {ranks}: start it as "
                     f"`mpirun -np {tp * dp} python -m numa_runtime.serve ...` (or `numa-launch --ranks {tp * dp} "

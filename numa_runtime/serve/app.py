@@ -97,7 +97,7 @@ def _client_errors(renames: dict[str, str] | None = None, api_names: dict[str, s
         raise ApiError(400, message, param=param, code=code) from None
 
 
-_LEADING_FIELD = re.compile(r"^([a-z_]+)(?:\[\d+\])*(?: keys| values| of type \S+)? "
+_LEADING_FIELD = re.compile(r"^([a-z_]+(?:\.[a-z_]+)*)(?:\[\d+\])*(?: keys| values| of type \S+)? "
                             r"(?:must|requires|is not supported|cannot)")
 _LEADING_PARAM = re.compile(r"^([a-z]+(?:_[a-z]+)+)\b")  # a sampling parameter's name, whatever follows
 _PARAMS = ({f.name for f in dataclasses.fields(SamplingParams)} | set(CompletionRequest.model_fields)
@@ -323,8 +323,10 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             body = RA.chat_request(raw)
         try:
             chat = ChatCompletionRequest.model_validate(body)
-        except ValidationError as e:
-            raise RequestValidationError(e.errors()) from None
+        except ValidationError as e:  # NOTE: named as the Responses request names its fields
+            raise RequestValidationError([{**err, "loc": tuple(RA.RENAMES.get(x, x) if isinstance(x, str) else x
+                                                               for x in err.get("loc", ()))}
+                                          for err in e.errors()]) from None
         answer = await chat_answer(chat, request, RA.RENAMES)
         if isinstance(answer, StreamingResponse):
             return StreamingResponse(RA.events(raw, config.served_model_name, answer.body_iterator),
@@ -362,7 +364,8 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
         # parameters of a tool_choice that calls a function: json_schema is no field of theirs)
         fields = {f: schema_param for f in ("json_schema", "structured_outputs.regex", "structured_outputs.choice",
                                             "structured_outputs.grammar")}
-        with _client_errors({**(renames or {}), **fields}, fields):
+        # NOTE: the schema's field first, then what the request called it (/v1/responses: text.format)
+        with _client_errors({**fields, **(renames or {})}, {k: (renames or {}).get(v, v) for k, v in fields.items()}):
             await gen.start(prompts, params)
         tracker = R.ChoiceTracker(params.n)
         report = _Report(metrics, tracker, arrival, len(prompts) * params.n, config.served_model_name)

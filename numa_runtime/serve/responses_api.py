@@ -250,13 +250,14 @@ def response_body(raw: dict, chat: dict) -> dict:
     resp = _skeleton(raw, chat.get("model"), _new_id("resp"), int(chat.get("created") or time.time()))
     choice = chat["choices"][0]
     msg = choice.get("message") or {}
-    status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
     reasoning = msg.get("reasoning_content") or msg.get("reasoning")
     if reasoning:
         resp["output"].append(_reasoning_item(reasoning))
     if msg.get("content"):
-        resp["output"].append(_message_item(msg["content"], status))
+        resp["output"].append(_message_item(msg["content"]))
     resp["output"] += [_call_item(c) for c in msg.get("tool_calls") or []]
+    if choice.get("finish_reason") == "length" and resp["output"]:  # NOTE: the item max_output_tokens cut
+        resp["output"][-1]["status"] = "incomplete"
     resp["usage"] = _usage(chat.get("usage"))
     return _finish(resp, choice.get("finish_reason"))
 
@@ -307,7 +308,7 @@ class EventStream:
                                text=part["text"], logprobs=[]),
                    self._event("response.content_part.done", item_id=item["id"], output_index=i, content_index=0,
                                part=part)]
-        item["status"] = "incomplete" if self.finish_reason == "length" and item["type"] == "message" \
+        item["status"] = "incomplete" if self.finish_reason == "length" and item is self.resp["output"][-1] \
             else "completed"
         return out + [self._event("response.output_item.done", output_index=i, item=item)]
 
@@ -357,7 +358,8 @@ class EventStream:
             i = self._index(item)
             out.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
                                    arguments=item["arguments"]))
-            item["status"] = "completed"
+            last = self.finish_reason == "length" and item is self.resp["output"][-1]
+            item["status"] = "incomplete" if last else "completed"
             out.append(self._event("response.output_item.done", output_index=i, item=item))
         resp = _finish(self.resp, self.finish_reason)
         kind = "response.incomplete" if resp["status"] == "incomplete" else "response.completed"
