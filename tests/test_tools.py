@@ -85,6 +85,11 @@ def test_parsers_read_the_models_call_formats():
     cut = parse(named, '{"unit": ', finished_whole=False)  # cut by max_tokens: still the call, as vLLM
     assert cut[0] is None and cut[1][0]["function"] == {"name": "get_weather", "arguments": '{"unit": '}
     assert parse(req, '[{"name": "get_weather", ', finished_whole=False) == ('[{"name": "get_weather", ', [])
+    # a required list cut by max_tokens gives its whole calls, as vLLM's stream has sent them (it was all text)
+    two = '[{"name": "get_weather", "parameters": {"unit": "C"}}, {"name": "get_weather", "parameters": {"un'
+    content, calls = parse(req, two, finished_whole=False)
+    assert content is None and [json.loads(c["function"]["arguments"]) for c in calls] == [{"unit": "C"}]
+    assert parse(req, two, finished_whole=True) == (two, [])  # NOTE: ended by itself: malformed, text
     from numa_runtime.serve.responses import ended_whole
     assert ended_whole("stop", None) and ended_whole("stop", 2)  # EOS, a stop token
     assert not ended_whole("stop", "UTC") and not ended_whole("length", None)  # a stop string, max_tokens

@@ -134,9 +134,10 @@ _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 def parse(p: ToolPlan, text: str, finished_whole: bool = True) -> tuple[str | None, list[dict]]:
     """(content, calls) of a finished choice's text. Text that does not hold well-formed calls is
     all content, as vLLM returns it. `finished_whole`: the output ended by itself (not cut by
-    max_tokens): a required list of calls cut short stays text; a named function's call is its
-    call however it ended (arguments cut by max_tokens included, finish_reason "length"), as
-    vLLM and OpenAI return a forced call."""
+    max_tokens): a required list of calls cut short gives its whole calls (as vLLM's stream gives
+    them), or stays text when none is whole; a named function's call is its call however it
+    ended (arguments cut by max_tokens included, finish_reason "length"), as vLLM and OpenAI
+    return a forced call."""
     if p.mode == "named":
         return None, [_call(p.name, text, raw=True)]
     if p.mode == "required":
@@ -144,7 +145,8 @@ def parse(p: ToolPlan, text: str, finished_whole: bool = True) -> tuple[str | No
             items = _loads(text)
             calls = [_call(c["name"], c["parameters"]) for c in items]
         except _NOT_A_CALL:
-            return text, []
+            calls = [] if finished_whole else _whole_calls(text)
+            return (None, calls) if calls else (text, [])
         return None, calls
     if p.mode != "auto":
         return text, []
@@ -192,6 +194,28 @@ def _loads(text: str):
     """JSON as the standard reads it: NaN and Infinity (which json accepts) and numbers beyond a
     float's range (which it reads as infinity) are no JSON, so that arguments dumped back stay JSON."""
     return json.loads(text, parse_constant=_not_json, parse_float=_finite)
+
+
+def _whole_calls(text: str) -> list[dict]:
+    """The calls a JSON list of {"name", "parameters"} objects cut short holds whole."""
+    dec, calls = json.JSONDecoder(parse_constant=_not_json, parse_float=_finite), []
+    s = text.lstrip()
+    if not s.startswith("["):
+        return []
+    i = 1
+    try:
+        while True:
+            while i < len(s) and s[i].isspace():
+                i += 1
+            obj, i = dec.raw_decode(s, i)
+            calls.append(_call(obj["name"], obj["parameters"]))
+            while i < len(s) and s[i].isspace():
+                i += 1
+            if i >= len(s) or s[i] != ",":
+                return calls
+            i += 1
+    except _NOT_A_CALL:
+        return calls
 
 
 def _split_json_objects(text: str) -> list[str]:
