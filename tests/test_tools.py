@@ -186,6 +186,9 @@ def test_named_and_required_tool_choice_return_calls(model_dir):
         chunks = list(c.chat.completions.create(tools=[WEATHER, TIME], tool_choice=named, stream=True, **KW))
         deltas = [d.choices[0].delta for d in chunks if d.choices and d.choices[0].delta.tool_calls]
         assert len(deltas) == 1 and deltas[0].tool_calls[0].function.arguments == call.function.arguments
+        # NOTE: no empty chunks while the call is written (one a token went out)
+        assert all(d.choices[0].delta.content or d.choices[0].delta.tool_calls or d.choices[0].finish_reason
+                   or d.choices[0].delta.role for d in chunks if d.choices), chunks
         assert [d.choices[0].finish_reason for d in chunks if d.choices][-1] == "stop"
         assert not "".join(d.choices[0].delta.content or "" for d in chunks if d.choices)
         # arguments cut by max_tokens are still the forced call's, finish_reason "length" (as vLLM and

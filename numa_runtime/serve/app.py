@@ -601,11 +601,17 @@ def _tool_chunks(streams: dict, tool_plan, p, rid, model, created, decode, inclu
     from .tools import ToolStream
     ts = streams.setdefault(p.index, ToolStream(tool_plan))
     text = ts.feed(p.text)
+    # NOTE: text held back as a possible call, with no logprobs to carry, makes no chunk (a stream of
+    # empty deltas went out while a forced call was written)
+    empty = p.logprobs is None
     if p.finish_reason is None:
+        if not text and empty:
+            return []
         return [R.chat_chunk(rid, model, created, dataclasses.replace(p, text=text), p.index, decode, include_usage)]
     rest, calls = ts.finish(R.ended_whole(p.finish_reason, p.stop_reason))
-    out = [R.chat_chunk(rid, model, created, dataclasses.replace(p, text=text + rest, finish_reason=None,
-                                                                 stop_reason=None), p.index, decode, include_usage)]
+    last = dataclasses.replace(p, text=text + rest, finish_reason=None, stop_reason=None)
+    out = [] if not (text + rest) and empty else [R.chat_chunk(rid, model, created, last, p.index, decode,
+                                                               include_usage)]
     if calls:
         out.append(R.tool_calls_chunk(rid, model, created, p.index, calls, include_usage))
         reason = (("length" if p.finish_reason == "length" else "stop") if tool_plan.mode == "named"
