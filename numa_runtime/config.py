@@ -609,6 +609,21 @@ class ParallelConfig:
         return cls(world_size, 1, "tensor parallel over all ranks: " + why)
 
 
+def replicas_for_tp(tp, data_parallel: int | None, ranks: int, given: str, start: str) -> int | None:
+    """vLLM's tensor_parallel_size against an MPI job of `ranks`: the replicas the ranks beyond one
+    replica's make (vLLM's tp x dp; None where data_parallel is given or one replica takes them
+    all), or ValueError in one sentence. `given` names the setting as its caller spells it
+    ("--tensor-parallel-size 2", "tensor_parallel_size=2"); `start` says how to start a job of N
+    ranks, with {n} for N."""
+    name = given.split("=")[0].split(" ")[0]
+    if not isinstance(tp, numbers.Integral) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"{name} must be a positive integer, got {tp!r}.")
+    if ranks % tp or (data_parallel is not None and data_parallel * tp != ranks):
+        n = tp * (data_parallel or 1)
+        raise ValueError(f"{given} needs {n} MPI rank(s), but this job has {ranks}: {start.format(n=n)}.")
+    return ranks // tp if data_parallel is None and ranks // tp > 1 else None
+
+
 def kv_pool_blocks(budget_bytes: int, bytes_per_block: int, max_num_seqs: int, max_model_len: int,
                    block_size: int) -> int:
     """Blocks a KV pool of `budget_bytes` holds: no more than every sequence at full length

@@ -25,6 +25,7 @@ import threading
 import time
 import weakref
 from collections import deque
+import typing
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -153,7 +154,7 @@ class Engine:
         self.last_progress = time.monotonic()  # when a forward (a step, a scratch prefill chunk) last ended
         # add_request's prompt_logprobs requests waiting for KV room for their prefill (step()
         # adds them in order once running requests free the blocks, as vLLM queues them)
-        self._pending: deque[tuple] = deque()
+        self._pending: deque[_Pending] = deque()
         # decode bursts (_burst_len): the runner's row bound and the last decode step's seconds
         burst_rows = getattr(self.runner, "burst_rows", None)
         self._burst_rows = burst_rows() if burst_rows is not None else 0
@@ -322,11 +323,11 @@ class Engine:
         raised."""
         while self._pending:
             bm = self._scratch_pool()
-            if bm.num_blocks_for(self._pending[0][4]) > bm.num_free_blocks and self.scheduler.has_unfinished():
+            if bm.num_blocks_for(self._pending[0].num_tokens) > bm.num_free_blocks and self.scheduler.has_unfinished():
                 return  # NOTE: no room yet: not checked and tokenized again every step
             entry = self._pending.popleft()
             try:
-                self._add(entry[0], entry[1], entry[2], self._step_outbox, entry[3])
+                self._add(entry.prompt, entry.params, entry.request_id, self._step_outbox, entry.cap_max_tokens)
             except KVCacheBusyError:
                 if self.scheduler.has_unfinished():
                     self._pending.appendleft(entry)
@@ -354,7 +355,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams.")
         rid = self._free_id(params.n) if request_id is None else str(request_id)  # NOTE: a caller's id may hold it
-        if rid in self._groups or any(rid == p[2] for p in self._pending):
+        if rid in self._groups or self._is_pending(rid):
             raise ValueError(f"Request id {rid!r} is already in use.")
         # NOTE: as vLLM: logit_bias within the model's rows, allowed_token_ids within the tokenizer's
         # (a model may have more rows than tokens: Qwen2.5's 151936 for 151665)
@@ -399,7 +400,7 @@ class Engine:
             undo()
             if defer == "no" or (defer == "if_busy" and not self.scheduler.has_unfinished()):
                 raise
-            self._pending.append((prompt, original, rid, cap_max_tokens, len(ids)))
+            self._pending.append(_Pending(prompt, original, rid, cap_max_tokens, len(ids)))
             return rid
         except BaseException:
             undo()
@@ -483,7 +484,7 @@ class Engine:
             return
         with self._atomic():
             if self._pending:  # NOTE: not queued yet: nothing ran, no output
-                self._pending = deque(p for p in self._pending if p[2] not in ids)
+                self._pending = deque(p for p in self._pending if p.request_id not in ids)
             for rid in ids:
                 group = self._groups.pop(rid, None)
                 if group is None:
@@ -728,8 +729,10 @@ class Engine:
         """Whether an automatic id (or one of its n children's) is a request's already."""
         live = getattr(self.scheduler, "requests", None)
         names = [rid] if n == 1 else [f"{rid}#{i}" for i in range(n)]
-        return rid in self._groups or any(rid == p[2] for p in self._pending) or (
-            live is not None and any(x in live for x in names))
+        return rid in self._groups or self._is_pending(rid) or (live is not None and any(x in live for x in names))
+
+    def _is_pending(self, rid: str) -> bool:
+        return any(p.request_id == rid for p in self._pending)
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas of one request; they join to the final text. Other streams,
@@ -852,14 +855,13 @@ class Engine:
             from tqdm import tqdm
             bar = tqdm(total=len(all_ids), desc="Embedding", unit="input")
         for i, ids in enumerate(all_ids):
-            if bar is not None and i:
-                bar.update(1)
             rows = {"mean": np.arange(len(ids)), "last": [len(ids) - 1], "cls": [0]}[pooling]
             h = self._final_hidden(ids, rows)  # [n or 1, hidden]
             v = (h.mean(axis=0) if pooling == "mean" else h[0])[:size]
             out[i] = v / max(float(np.linalg.norm(v)), 1e-12) if normalize else v
+            if bar is not None:
+                bar.update(1)
         if bar is not None:
-            bar.update(1)
             bar.close()
         return out.view(Embeddings)
 
@@ -1222,15 +1224,12 @@ def _take_vllm_kwargs(model, kwargs: dict):
             raise ValueError(f"{name} (vLLM's) {why}.")
     tp = kwargs.pop("tensor_parallel_size", None)
     if tp is not None:
-        ranks, dp = (env.mpi_world() or (0, 1))[1], kwargs.get("data_parallel")
-        if not _is_int(tp) or tp < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}.")
-        if ranks % tp or (dp is not None and dp * tp != ranks):
-            raise ValueError(f"tensor_parallel_size={tp} needs {tp * (dp or 1)} MPI rank(s), but this job has "
-                             f"{ranks}: run the script as `mpirun -np {tp * (dp or 1)} python SCRIPT`, one rank a "
-                             "NUMA node.")
-        if dp is None and ranks // tp > 1:
-            kwargs["data_parallel"] = ranks // tp  # NOTE: vLLM's tp x dp
+        from .config import replicas_for_tp
+        dp = replicas_for_tp(tp, kwargs.get("data_parallel"), (env.mpi_world() or (0, 1))[1],
+                             f"tensor_parallel_size={tp}", "run the script as `mpirun -np {n} python SCRIPT`, one "
+                             "rank a NUMA node")
+        if dp is not None:
+            kwargs["data_parallel"] = dp  # NOTE: vLLM's tp x dp
     revision, where = kwargs.pop("revision", None), kwargs.pop("download_dir", None)
     if (revision is None and where is None) or model is None:
         return None
@@ -1340,6 +1339,15 @@ def _prompt_of(prompt):
 
 
 PROMPT_LOGITS_BYTES = 256 << 20  # prompt_logprob_pairs: logits rows per forward
+
+
+class _Pending(typing.NamedTuple):
+    """An add_request whose prompt_logprobs prefill waits for KV room (Engine._pending)."""
+    prompt: object
+    params: SamplingParams
+    request_id: str
+    cap_max_tokens: bool
+    num_tokens: int
 
 
 class _OneOutput(list):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["is_repo_id", "local_path"]
+__all__ = ["is_repo_id", "local_path", "served_name"]
 
 # NOTE: ORG/NAME (the Hub's characters), optionally /PATH/FILE.gguf inside the repository
 _REPO = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:/(?P<file>[^\s]+\.gguf))?", re.IGNORECASE)
@@ -23,6 +23,12 @@ def is_repo_id(name) -> bool:
     if not isinstance(name, str) or name.startswith((".", "/", "~")) or os.path.exists(os.path.expanduser(name)):
         return False
     return _REPO.fullmatch(name) is not None
+
+
+def served_name(name) -> str | None:
+    """The name a model given as `name` is served under when that is a Hub repository id (as
+    vLLM serves ORG/NAME); None for a local path or a Hub GGUF file (named by its stem)."""
+    return name if is_repo_id(name) and not name.lower().endswith(".gguf") else None
 
 
 def local_path(name: str, revision: str | None = None, cache_dir: str | None = None) -> str:

@@ -414,9 +414,9 @@ def test_continue_final_message_ends_the_prompt_with_its_text(tmp_path):
     assert ours.apply_chat_template(messages[:1], continue_final_message=True).endswith("Tell me")
 
 
-def _text_state(tokenizer, prompt_ids, out_ids, read_text=True, **params):
+def _text_state(tokenizer, prompt_ids, out_ids, read_text=True, every=None, **params):
     """Feed out_ids through a TextState as the engine does: its last output (its text checked
-    against the deltas unless not `read_text`)."""
+    against the deltas unless not `read_text`); `every`: a list each output is appended to."""
     from numa_runtime.outputs import TextState
     from numa_runtime.request import Request, RequestStatus
     from numa_runtime.sampling_params import SamplingParams
@@ -436,6 +436,8 @@ def _text_state(tokenizer, prompt_ids, out_ids, read_text=True, **params):
             req.status = status
         out = ts.output(0)
         deltas.append(out.delta)
+        if every is not None:
+            every.append(out)
         if status is not None:
             break
     assert not read_text or "".join(deltas) == out.text
@@ -490,30 +492,11 @@ def test_running_text_leaves_out_what_a_stop_string_holds_back(smol):
     """While a request runs, an output's text is what its deltas sent: the characters held back
     as the possible start of a stop string are not in it (as vLLM's running text). They were,
     and the text then shrank when the stop completed ('Yes' running, 'Y' final)."""
-    from numa_runtime.outputs import TextState
-    from numa_runtime.request import Request, RequestStatus
-    from numa_runtime.sampling_params import SamplingParams
-
-    class Group:
-        request_id = "g"
-    prompt = smol.encode("Say:")
-    ids = smol.encode("Yes. No.", add_special_tokens=False)
-    sp = SamplingParams(max_tokens=20, stop=["es."])
-    req = Request("r", list(prompt), sp)
-    req.status = RequestStatus.RUNNING
-    ts = TextState(req, IncrementalDetokenizer(smol, prompt), Group(), set(smol.eos_token_ids))
-    texts, sent = [], ""
-    for t in ids:
-        req.append_output_token(t)
-        status = ts.add_token(t, 1 << 20)
-        if status is not None:
-            req.status = status
-        out = ts.output(0)
-        sent += out.delta
-        texts.append(out.text)
-        assert out.text == sent
-        if status is not None:
-            break
+    outs = []
+    out = _text_state(smol, smol.encode("Say:"), smol.encode("Yes. No.", add_special_tokens=False),
+                      every=outs, max_tokens=20, stop=["es."])
+    texts = [o.text for o in outs]
+    assert texts == ["".join(o.delta for o in outs[:k + 1]) for k in range(len(outs))]  # each: what was sent
     assert texts[-1] == "Y" and out.finish_reason == "stop"
     assert all(texts[-1].startswith(t) for t in texts)
 

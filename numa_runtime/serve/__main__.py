@@ -223,11 +223,11 @@ def build_router(args):
     """Several models (every rank): rank 0 gets the ModelRouter with its first model loaded;
     workers serve it until rank 0 exits, then get None."""
     import psutil
+    from numa_runtime.hub import served_name
     from .router import ModelRouter, RouterConfig, model_spec, models_in_dir, parse_bytes
     specs = models_in_dir(args.models_dir) if args.models_dir else []
     _hub_paths(args)
-    specs += [model_spec(d, name=i if i != d and not i.lower().endswith(".gguf") else None)
-              for d, i in zip(args.model or [], args.model_ids)]
+    specs += [model_spec(d, name=served_name(i)) for d, i in zip(args.model or [], args.model_ids)]
     world, local = env.mpi_world() or (0, 1), env.mpi_local() or (0, 1)
     budget = (parse_bytes(args.memory_budget) if args.memory_budget
               else int(env.memory_limit_bytes(psutil.virtual_memory().total) * 0.6 / local[1]))
@@ -299,21 +299,20 @@ def check_args(args) -> str | None:
     if args.load_format not in ("auto", "safetensors", "gguf"):
         return (f"--load-format must be auto, safetensors or gguf (the model's files say which), got "
                 f"{args.load_format!r}.")
-    tp, several = args.tensor_parallel_size, is_multi_model(args)
-    if tp is not None and tp < 1:
-        return f"--tensor-parallel-size must be a positive integer, got {tp}."
-    ranks = (env.mpi_world() or (0, 1))[1]
-    if tp is not None and several and tp != ranks:
+    tp, ranks = args.tensor_parallel_size, (env.mpi_world() or (0, 1))[1]
+    if tp is not None and tp >= 1 and is_multi_model(args) and tp != ranks:
         return (f"--tensor-parallel-size {tp}: with several models every model is split over all {ranks} rank(s) "
                 f"of the job; drop the flag or start the job with {tp} ranks.")
-    if tp is not None and not several:
-        if ranks % tp or (args.data_parallel is not None and ranks != tp * args.data_parallel):
-            dp = args.data_parallel or 1
-            return (f"--tensor-parallel-size {tp} needs {tp * dp} MPI rank(s), but this job has {ranks}: start it as "
-                    f"`mpirun -np {tp * dp} python -m numa_runtime.serve ...` (or `numa-launch --ranks {tp * dp} "
-                    "...`), one rank per NUMA node.")
-        if args.data_parallel is None and ranks // tp > 1:
-            args.data_parallel = ranks // tp  # NOTE: the ranks beyond one replica's are replicas
+    if tp is not None and (tp < 1 or not is_multi_model(args)):
+        from numa_runtime.config import replicas_for_tp
+        try:
+            dp = replicas_for_tp(tp, args.data_parallel, ranks, f"--tensor-parallel-size {tp}",
+                                 "start it as `mpirun -np {n} python -m numa_runtime.serve ...` (or `numa-launch "
+                                 "--ranks {n} ...`), one rank per NUMA node")
+        except ValueError as e:
+            return str(e)
+        if dp is not None:
+            args.data_parallel = dp  # NOTE: the ranks beyond one replica's are replicas
     if not args.shutdown_grace >= 0:  # NOTE: nan too
         return f"--shutdown-grace must be >= 0, got {args.shutdown_grace}."
     if not 0 <= args.port <= 65535:
@@ -539,14 +538,12 @@ def _serve(args, world, sock, front) -> int:
     from .app import build_app
     from .async_engine import AsyncEngine
 
-    from numa_runtime.hub import is_repo_id
-    given = getattr(args, "model_ids", None) or args.model
-    given = given[0] if given else None
+    from numa_runtime.hub import served_name
     if multi:
         name = next(iter(engine.specs))
     else:
-        own = given if is_repo_id(given) and not given.lower().endswith(".gguf") else \
-            os.path.basename(os.path.normpath(engine.model_config.model_dir))  # NOTE: a Hub id names it, as vLLM
+        given = (getattr(args, "model_ids", None) or args.model or [None])[0]
+        own = served_name(given) or os.path.basename(os.path.normpath(engine.model_config.model_dir))
         name = (args.served_model_name or [own])[0]
     config = serve_config(args, name)
     if args.api_key is None and not _is_loopback(args.host):

@@ -96,9 +96,8 @@ def model_spec(path: str, name: str | None = None) -> ModelSpec:
     on first use), named `name` or by that directory's last part: a GGUF by its stem (a split
     model's without its shard suffix), a Hugging Face Hub id (fetched) by itself, as in vLLM."""
     from ..gguf_model import model_dir_of
-    from ..hub import is_repo_id
-    if name is None and is_repo_id(path) and not path.lower().endswith(".gguf"):
-        name = path
+    from ..hub import served_name
+    name = name or served_name(path)
     path = model_dir_of(path)
     return ModelSpec(name or os.path.basename(os.path.normpath(path)), path)
 
