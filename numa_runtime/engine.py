@@ -822,6 +822,11 @@ class Engine:
         model made with vLLM's runner="pooling" (task/convert "embed") pools the last token by
         default, as vLLM does."""
         self._driver_only("embed")
+        if isinstance(pooling_params, dict):
+            unknown = sorted(set(pooling_params) - {"normalize", "dimensions", "truncate_prompt_tokens"})
+            if unknown:
+                raise ValueError(f"pooling_params takes normalize, dimensions and truncate_prompt_tokens; "
+                                 f"{unknown[0]!r} is not supported.")
         if pooling_params is not None:
             get = pooling_params.get if isinstance(pooling_params, dict) else (
                 lambda k, d=None: getattr(pooling_params, k, d))

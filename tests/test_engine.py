@@ -1079,6 +1079,9 @@ def test_vllm_scripts_run_unchanged(model_dir):
         np.testing.assert_array_equal(e.embed(["Hello world"], use_tqdm=True), last)
         np.testing.assert_array_equal(e.embed(["Hello world"], pooling_params={"normalize": False}),
                                       e.embed(["Hello world"], pooling="last", normalize=False))
+        with pytest.raises(ValueError, match="pooling_params takes normalize, dimensions and truncate_prompt_tokens; "
+                                             "'softmax' is not supported"):
+            e.embed(["Hello world"], pooling_params={"softmax": True})
         sp = SP(max_tokens=4, temperature=0, spaces_between_special_tokens=True, detokenize=True,
                 logits_processors=None)
         out = e.chat([{"role": "user", "content": "Hi"}], sp)
