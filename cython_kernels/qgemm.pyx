@@ -313,6 +313,11 @@ cdef class QLinear:
     def dtype(self):
         return "int%d" % self.bits
 
+    @property
+    def ks(self):
+        """k per super-block of int8 sub-scales (256), or 0 for f16 group scales."""
+        return self.fmt.ks
+
     def forward(self, x, out=None):
         """x: [M, K] f32 C-contiguous -> [M, N] f32 (into `out` when given)."""
         return self._forward(x, out, False)

@@ -12,8 +12,10 @@ super-blocks without loss too, as formats with super-block scales (quant/formats
 (w = d sc q - dmin m, or d sc (q - 32)): the codes, the 4/6/8-bit sub-scales and mins and the
 f16 d/dmin as stored (Q3_K and Q2_K: 3.5625 and 2.625 bits a weight against the file's 3.4375
 and 2.625: Q3_K's 6-bit sub-scales take a byte each, Q2_K's 4-bit sub-scale and min share one).
-A rank whose columns start or end
-inside a super-block (a row-parallel split off 256-element boundaries) takes its groups with f16
+The MLP is split on super-block
+boundaries (down_proj's columns, sharding.balanced_split with 256-column units) wherever each rank
+can have one. A rank whose columns still start or end inside a super-block (o_proj when its
+heads' columns are no multiple of 256; an MLP of fewer super-blocks than ranks) takes its groups with f16
 scales instead: each sub-block's d * sc and dmin * m (up to 19 significant bits) rounded to f16,
 a relative change of at most 2^-11 of each; where such a product leaves f16's range the tensor
 is dequantized (logged). IQ4_NL and IQ4_XS (4-bit codes of 16 non-linear levels) map without
@@ -168,8 +170,11 @@ class GGUFCheckpoint:
 
     @property
     def split_align(self) -> int:
-        """32 where any tensor is kept in (32-element) groups, else 1."""
-        # NOTE: K-quant and IQ4 tensors too
+        """What a rank's MLP columns come in multiples of: 256 where a down_proj is stored in
+        super-blocks (K-quants, IQ4_XS: a split on their boundaries keeps the file's scales
+        exact), 32 where any tensor is kept in 32-element blocks, else 1."""
+        if any(n.endswith("mlp.down_proj.weight") and t.type in NEAR_LOSSLESS for n, t in self._tensors.items()):
+            return 256
         return 32 if any(t.type not in DENSE for t in self._tensors.values()) else 1
 
     def __contains__(self, name: str) -> bool:

@@ -255,6 +255,33 @@ def test_two_ranks_equal_one_on_k_quants(hf_models, tmp_path, qtype, dtype):
     assert out["world"] == 2 and out["tokens"] == [expected]
 
 
+def test_k_quant_mlp_splits_on_super_blocks(tmp_path):
+    """A K-quant down_proj of 768 columns (3 super-blocks) over 2 ranks: 512 + 256 columns, on the
+    super-blocks' boundary, where 32-column groups gave 384 + 384 and both ranks f16 group scales
+    (within 2^-11 of the file's); with head_dim 128 o_proj's halves fall on a boundary too, so
+    each rank holds the file's own numbers and 2 ranks give 1 rank's tokens. Fewer super-blocks
+    than ranks (4 here) fall back to 32-column groups."""
+    from test_quant_model import result, run_mpi
+    from numa_runtime.gguf_model import open_checkpoint
+    from numa_runtime.quant.loader import LinearFactory
+    hf = str(tmp_path / "hf")
+    build_model(hf, arch="llama", hidden_size=512, intermediate_size=768, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=384, tie_word_embeddings=False)
+    path = str(tmp_path / "m.Q4_K.gguf")
+    write_gguf(hf, path, "Q4_K")
+    one = engine(path)
+    try:
+        linear = LinearFactory(None, open_checkpoint(one.runner.model.cfg), "float32")
+        assert [linear.split_align(768, w) for w in (1, 2, 3, 4)] == [256, 256, 256, 32]
+        assert one.runner.model.layers[0].down_proj.ks == 256
+        expected = list(one.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].token_ids)
+    finally:
+        one.close()
+    out = result(run_mpi(2, path, "none"))
+    assert out["world"] == 2 and out["tokens"] == [expected]
+    assert out["mlp_columns"] == [0, 512] and out["down_ks"] == 256
+
+
 def test_k_quant_columns_off_a_super_block_take_f16_group_scales(hf_models, tmp_path):
     """What a rank reads of a Q4_K tensor: whole super-blocks keep their super-block scales
     (exact); columns that start inside a super-block (o_proj's half on 2 ranks here) take f16

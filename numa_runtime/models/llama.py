@@ -91,7 +91,7 @@ class LlamaModel:
         # NOTE: a split or format this rank cannot take names the model and the rank count
         with _named_errors(getattr(ckpt, "path", cfg.model_dir), comm.world_size):
             # NOTE: quantized weights split the MLP on group boundaries
-            align = linear.split_align(cfg.intermediate_size)
+            align = linear.split_align(cfg.intermediate_size, comm.world_size)
             self.lay = lay = ShardLayout.build(cfg, comm.rank, comm.world_size, align)
             if comm.rank == 0 and comm.world_size > 1 and (env.mpi_world() or (0, 1))[0] == 0:
                 # NOTE: the first replica's leader: every replica splits alike (a log line a replica)

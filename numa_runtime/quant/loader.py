@@ -50,17 +50,21 @@ class LinearFactory:
         self.head_quant = head_quant
         self.bf16 = dtype == "bfloat16"
 
-    def split_align(self, k: int) -> int:
+    def split_align(self, k: int, world: int = 1) -> int:
         """Input columns a rank's slice of a row-parallel weight with k input features (the
-        MLP's down_proj) must come in multiples of: the file's quantization blocks, or the group
-        we quantize it in (1 for dense weights), the same group on every rank count."""
+        MLP's down_proj) must come in multiples of: the file's quantization blocks (its
+        super-blocks where `world` ranks can each have one, else their 32-element groups), or the
+        group we quantize it in (1 for dense weights), the same group on every rank count."""
         q = self.quant
         own = 1 if q is None or q.group_size < 0 else q.for_split(k).group_size
         if k % own:  # NOTE: no rank count can help; say so before the split names one
             raise QuantError(f"model.layers.*.mlp.down_proj.weight: its {k} input features are not a multiple of "
                              f"the quantization group of {own}; choose a quantization whose group divides them, "
                              "or 'int8-channel'.")
-        return max(own, getattr(self.ckpt, "split_align", 1))
+        stored = getattr(self.ckpt, "split_align", 1)
+        if stored > 32 and k // stored < world:
+            stored = 32  # NOTE: fewer super-blocks than ranks: cut ones take f16 group scales (gguf_checkpoint)
+        return max(own, stored)
 
     def __call__(self, parts: list[Part], bias: np.ndarray | None = None):
         weights = [self._weight(*p) for p in parts]

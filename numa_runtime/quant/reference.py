@@ -77,7 +77,7 @@ class QLinear:
         # NOTE: a group that is not 32/64/128 is per-row int8 (group = padded K), but Q6_K's 16
         fmt = QuantFormat(bits, group if group in GROUP_SIZES or bits != 8 else -1, kind, ks=ks)
         self.in_features, self.out_features, self.bits, self.kind = in_features, out_features, bits, kind
-        self.group = group
+        self.group, self.ks = group, ks
         self.weight = dequantize(unpack(np.asarray(packed), fmt, out_features, in_features))  # [N, K]
         self.bias = None if bias is None else np.asarray(bias, dtype=np.float32)
         self.nbytes = np.asarray(packed).nbytes
