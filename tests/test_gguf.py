@@ -274,7 +274,8 @@ def test_k_quant_mlp_splits_on_super_blocks(tmp_path):
         linear = LinearFactory(None, open_checkpoint(one.runner.model.cfg), "float32")
         assert [linear.split_align(768, w) for w in (1, 2, 3, 4)] == [256, 256, 256, 32]
         assert one.runner.model.layers[0].down_proj.ks == 256
-        expected = list(one.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].token_ids)
+        greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        expected = list(one.generate([PROMPT], greedy)[0].token_ids)
     finally:
         one.close()
     out = result(run_mpi(2, path, "none"))
