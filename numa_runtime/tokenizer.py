@@ -22,6 +22,7 @@ __all__ = ["Tokenizer", "IncrementalDetokenizer", "ChatTemplateError"]
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
                  "mask_token")
+_HF_NO_LIMIT = int(1e30)  # NOTE: transformers' model_max_length where the config gives none
 _LLAMA_STYLE = {"LlamaTokenizer", "CodeLlamaTokenizer", "GemmaTokenizer"}
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # the first is what templates read
 
@@ -61,7 +62,8 @@ class Tokenizer:
     """Encode/decode and chat formatting for one model directory.
 
     `encode(text)` equals HF `tokenizer.encode(text)`; `decode(ids)` equals HF
-    `tokenizer.decode(ids, skip_special_tokens=...)` (no clean-up of tokenization spaces);
+    `tokenizer.decode(ids, skip_special_tokens=...)` (special tokens kept unless skipped, as
+    HF's default; no clean-up of tokenization spaces);
     `apply_chat_template(messages)` equals HF `apply_chat_template(..., tokenize=False)`.
     """
 
@@ -69,6 +71,10 @@ class Tokenizer:
                  chat_templates: dict):
         self._backend = backend
         self._special = {k: _token_content(config.get(k)) for k in _SPECIAL_KEYS}
+        extra = config.get("additional_special_tokens") or config.get("extra_special_tokens") or []
+        self._additional = [t for t in (_token_content(x) for x in (extra if isinstance(extra, list) else [])) if t]
+        limit = config.get("model_max_length")
+        self.model_max_length = int(limit) if isinstance(limit, (int, float)) and limit > 0 else _HF_NO_LIMIT
         # NOTE: tokenizer.json's post-processor decides the special tokens around the text (it
         # usually adds BOS itself), except for Llama-style classes, where HF (LlamaTokenizerFast)
         # rebuilds it from add_bos_token / add_eos_token: then those decide, and BOS is never
@@ -161,7 +167,7 @@ class Tokenizer:
         """The tokenizer.json this tokenizer was read from (for libraries that read it too)."""
         return self._backend.to_str()
 
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def decoded_token(self, token_id: int) -> str:
@@ -317,8 +323,9 @@ class Tokenizer:
 
     @property
     def all_special_tokens(self) -> list[str]:
-        """The tokenizer config's special tokens (bos, eos, unk, pad, ...), as HF lists them."""
-        return list(dict.fromkeys(t for t in self._special.values() if t is not None))
+        """The tokenizer config's special tokens (bos, eos, unk, pad, ..., then its additional
+        ones), as HF lists them."""
+        return list(dict.fromkeys([t for t in self._special.values() if t is not None] + self._additional))
 
     @property
     def all_special_ids(self) -> list[int]:
@@ -343,8 +350,28 @@ class Tokenizer:
             return [self._backend.id_to_token(int(i)) for i in ids]
         return self._backend.id_to_token(int(ids))
 
-    def batch_decode(self, sequences, skip_special_tokens: bool = True) -> list[str]:
+    def batch_decode(self, sequences, skip_special_tokens: bool = False) -> list[str]:
         return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in sequences]
+
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[str]:
+        """HF's tokenize: the tokens of text as the vocabulary spells them (no BOS unless asked)."""
+        return self.convert_ids_to_tokens(self.encode(text, add_special_tokens=add_special_tokens))
+
+    def convert_tokens_to_string(self, tokens) -> str:
+        """Tokens (as the vocabulary spells them) back to text, through the tokenizer's decoder."""
+        ids = self.convert_tokens_to_ids(list(tokens))
+        if None in ids:
+            raise ValueError(f"{list(tokens)[ids.index(None)]!r} is not a token of this tokenizer's vocabulary.")
+        return self.decode(ids)
+
+    @property
+    def special_tokens_map(self) -> dict:
+        """HF's special_tokens_map: bos_token, eos_token, ... as the tokenizer config names them."""
+        return {k: v for k, v in self._special.items() if v is not None}
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return self.get_vocab()
 
 
 class _Encoding(dict):

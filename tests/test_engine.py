@@ -33,7 +33,7 @@ def test_stream_deltas_join_to_generated_text(eng):
     deltas = list(eng.stream("Hello world", GREEDY))
     assert "".join(deltas) == full.text
     assert len(deltas) > 1
-    assert full.text == eng.tokenizer.decode(full.token_ids)
+    assert full.text == eng.tokenizer.decode(full.token_ids, skip_special_tokens=True)
 
 
 def test_stop_string_is_cut_and_reported(eng):

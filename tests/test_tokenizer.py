@@ -4,7 +4,9 @@ Models: the converted default model (SmolLM2, byte-level BPE) and tokenizers tra
 the `tokenizers` library (byte-level BPE; sentencepiece-style metaspace BPE with byte fallback).
 """
 import json
+import os
 import random
+import shutil
 
 import jinja2
 import pytest
@@ -100,7 +102,7 @@ def test_deltas_join_to_decode_with_multibyte_splits(smol):
     for _ in range(200):
         ids = smol.encode(_random_text(rng))
         deltas, tail = _stream(smol, ids)
-        assert "".join(deltas) == smol.decode(ids) and tail == ""
+        assert "".join(deltas) == smol.decode(ids, skip_special_tokens=True) and tail == ""
         for d in deltas:
             assert "\ufffd" not in d
             d.encode("utf-8")  # valid UTF-8: no lone surrogates
@@ -131,7 +133,8 @@ def test_prompt_ending_inside_a_character(smol):
         deltas, tail = _stream(smol, ids[cut:], prompt_ids=ids[:cut])
         whole = max(k for k in range(cut + 1) if not smol.decode(ids[:k]).endswith("\ufffd"))
         split += whole < cut
-        assert "".join(deltas) + tail == smol.decode(ids)[len(smol.decode(ids[:whole])):], cut
+        skip = dict(skip_special_tokens=True)
+        assert "".join(deltas) + tail == smol.decode(ids, **skip)[len(smol.decode(ids[:whole], **skip)):], cut
         assert not any("\ufffd" in d for d in deltas) and tail == ""
     assert split >= 2  # the cut really fell inside characters
 
@@ -143,7 +146,7 @@ def test_uniformly_random_ids_join_to_decode_after_flush(smol):
     for _ in range(100):
         ids = [rng.randrange(smol.vocab_size) for _ in range(rng.randint(1, 40))]
         deltas, tail = _stream(smol, ids)
-        assert "".join(deltas) + tail == smol.decode(ids)
+        assert "".join(deltas) + tail == smol.decode(ids, skip_special_tokens=True)
 
 
 def test_flush_releases_an_unfinished_character(smol):
@@ -164,7 +167,7 @@ def test_detokenizer_decodes_a_bounded_window(smol):
     ids = smol.encode(_random_text(random.Random(3)) * 40)
     det = IncrementalDetokenizer(Counting(), smol.encode("a prompt of some length " * 20))
     deltas = [det.add(i) for i in ids]
-    assert "".join(deltas) == smol.decode(ids)
+    assert "".join(deltas) == smol.decode(ids, skip_special_tokens=True)
     assert len(ids) > 500 and max(calls) <= 12  # never the whole sequence
 
 
@@ -201,9 +204,9 @@ def test_trained_byte_level_matches_hf(tmp_path, config, bos_in_post_processor):
         ids = ours.encode(text)
         assert ids == theirs.encode(text)
         assert ids.count(0) == text.count("<s>") + bos_in_post_processor
-        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+        assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True)
         deltas, tail = _stream(ours, ids)
-        assert "".join(deltas) == ours.decode(ids) and tail == ""
+        assert "".join(deltas) == ours.decode(ids, skip_special_tokens=True) and tail == ""
 
 
 def test_trained_tokenizer_eos_ids_and_missing_template(tmp_path):
@@ -320,14 +323,14 @@ def test_metaspace_byte_fallback_tokenizer(tmp_path):
     for text in TEXTS + [_random_text(rng) for _ in range(100)]:
         ids = ours.encode(text)
         assert ids == theirs.encode(text) and ids.count(1) == 1 + text.count("<s>")
-        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+        assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True)
         out = ours.encode(text, add_special_tokens=False)
         deltas, tail = _stream(ours, out)  # no prompt: first token loses its space, as decode
-        assert "".join(deltas) == ours.decode(out) and tail == ""
+        assert "".join(deltas) == ours.decode(out, skip_special_tokens=True) and tail == ""
         assert not any("\ufffd" in d for d in deltas)
         prompt = ours.encode("the lazy dog")
         deltas, tail = _stream(ours, out, prompt)  # prompt as left context keeps the space
-        full, head = ours.decode(prompt + out), ours.decode(prompt)
+        full, head = ours.decode(prompt + out, skip_special_tokens=True), ours.decode(prompt, skip_special_tokens=True)
         assert "".join(deltas) == full[len(head):] and tail == ""
     assert _stream(ours, ours.encode(" 😀", add_special_tokens=False))[0].count("") >= 3
 
@@ -462,7 +465,7 @@ def test_text_released_at_the_end_is_checked_for_stop_strings(smol):
     is checked against the stop strings too, at max_tokens and at EOS."""
     prompt = smol.encode("Say:")
     ids = smol.encode("Hi 😀 there", add_special_tokens=False)[:2]  # "Hi", " " + part of 😀
-    assert smol.decode(ids) == "Hi \ufffd"
+    assert smol.decode(ids, skip_special_tokens=True) == "Hi \ufffd"
     out = _text_state(smol, prompt, ids, max_tokens=2, stop=[" "])
     assert (out.text, out.finish_reason, out.stop_reason) == ("Hi", "stop", " ")
     out = _text_state(smol, prompt, ids + [min(smol.eos_token_ids)], max_tokens=10, stop=["i "])
@@ -563,3 +566,35 @@ def test_the_hf_names_vllm_scripts_read(smol, smol_hf):
     assert got["input_ids"] == list(want["input_ids"]) and got.attention_mask == list(want["attention_mask"])
     with pytest.raises(ValueError, match="return_tensors .* is not supported"):
         smol.apply_chat_template(msgs, tokenize=True, return_tensors="pt")
+
+
+def test_decode_keeps_special_tokens_unless_skipped_as_hf(smol, smol_hf, smol_dir, tmp_path):
+    """HF's decode keeps special tokens by default (ours skipped them); tokenize,
+    convert_tokens_to_string, special_tokens_map, model_max_length and vocab read as HF's, and
+    all_special_tokens lists a config's additional special tokens after the named ones."""
+    ids = smol.encode("<|im_start|>user\nHi there<|im_end|>")
+    assert smol.decode(ids) == smol_hf.decode(ids) == "<|im_start|>user\nHi there<|im_end|>"
+    assert smol.decode(ids, skip_special_tokens=True) == smol_hf.decode(ids, skip_special_tokens=True)
+    assert smol.batch_decode([ids, ids[1:]]) == smol_hf.batch_decode([ids, ids[1:]])
+    for text in ("Hello world, hi", "  spaced\tout \u00e9t\u00e9 \U0001F600"):
+        assert smol.tokenize(text) == smol_hf.tokenize(text)
+        assert smol.convert_tokens_to_string(smol.tokenize(text)) == smol_hf.convert_tokens_to_string(
+            smol_hf.tokenize(text))
+    with pytest.raises(ValueError, match="'nosuchtoken' is not a token"):
+        smol.convert_tokens_to_string(["Hello", "nosuchtoken"])
+    assert smol.special_tokens_map == smol_hf.special_tokens_map
+    assert smol.model_max_length == smol_hf.model_max_length == 8192
+    assert smol.vocab == smol_hf.vocab
+    d = tmp_path / "tok"
+    d.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(smol_dir, name), d / name)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["additional_special_tokens"] = ["<|im_start|>", "<repo_name>"]
+    del cfg["model_max_length"]
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    ours, hf = Tokenizer.from_dir(str(d)), transformers.AutoTokenizer.from_pretrained(str(d))
+    assert ours.all_special_tokens == hf.all_special_tokens and "<repo_name>" in ours.all_special_tokens
+    assert sorted(ours.all_special_ids) == sorted(hf.all_special_ids)
+    assert ours.special_tokens_map == hf.special_tokens_map
+    assert ours.model_max_length == hf.model_max_length
