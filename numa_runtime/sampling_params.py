@@ -39,8 +39,8 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs' backend {self.backend!r} is not available; llguidance (vLLM's "
                              "'guidance') serves every constraint here: leave backend out.")
         if self.whitespace_pattern is not None:
-            raise ValueError("structured_outputs' whitespace_pattern is not supported; JSON output is written in "
-                             "one layout (', ' and ': ').")
+            raise ValueError("structured_outputs' whitespace_pattern is not supported; JSON output is written with "
+                             "', ' and ': ' (or ',' and ':' with disable_any_whitespace).")
         if self.structural_tag is not None:
             raise ValueError("structured_outputs' structural_tag is not supported.")
         if self.disable_any_whitespace not in (False, True):
@@ -51,15 +51,17 @@ class StructuredOutputsParams:
                              f"json_object, got {', '.join(given) or 'none'}.")
         kind = given[0]
         value = getattr(self, kind)
+        # NOTE: disable_any_whitespace: JSON written compact (',' and ':'), as xgrammar writes it so
+        json_kind = "json_compact" if self.disable_any_whitespace else "json"
         if kind == "json_object":
             if value is not True:
                 raise ValueError(f"structured_outputs' json_object must be true, got {value!r}.")
-            return "json", {"type": "object"}
+            return json_kind, {"type": "object"}
         if kind == "json":
             schema = json_schema_of(value)
             if schema is None:
                 raise ValueError("structured_outputs' json must be a JSON schema: a dict, or a string holding one.")
-            return "json", schema
+            return json_kind, schema
         if kind == "choice":
             if (not isinstance(value, (list, tuple)) or not value
                     or any(not isinstance(c, str) or not c for c in value)):
@@ -72,6 +74,7 @@ class StructuredOutputsParams:
 
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
+JSON_KINDS = ("json", "json_compact")  # constraint kinds whose spec is a JSON schema
 GuidedDecodingParams = StructuredOutputsParams  # vLLM's name before 0.10.2
 
 
@@ -195,7 +198,8 @@ class SamplingParams:
 
     @property
     def constraint(self) -> tuple[str, object] | None:
-        """The output constraint as (kind, spec), kind "json", "regex", "choice" or "grammar"; or
+        """The output constraint as (kind, spec), kind "json" ("json_compact": no whitespace between
+        tokens), "regex", "choice" or "grammar"; or
         None. From json_schema, structured_outputs or guided_decoding, whichever is set (ValueError
         if two are, or if it is malformed): read afresh each time (the engine reads it once, when a
         request is added, and keeps it on the request)."""
@@ -208,11 +212,11 @@ class SamplingParams:
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict, got {so!r}.")
         constraint = so.constraint() if so is not None else None
         if self.json_schema is not None:
-            if constraint is not None and constraint != ("json", self.json_schema):
+            if constraint is not None and (constraint[0] not in JSON_KINDS or constraint[1] != self.json_schema):
                 raise ValueError("Give one output constraint: json_schema or structured_outputs, not both.")
             if not isinstance(self.json_schema, dict):
                 raise ValueError(f"json_schema must be a dict (a JSON schema) or None, got {self.json_schema!r}.")
-            constraint = ("json", self.json_schema)
+            constraint = (constraint or ("json",))[0], self.json_schema
         return constraint
 
     def request_constraint(self) -> tuple[str, object] | None:

@@ -24,7 +24,9 @@ def _llguidance():
 
 
 # NOTE: json.dumps' layout; flexible whitespace would let a model spend its tokens on newlines.
-_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# "json_compact" (disable_any_whitespace): json.dumps' separators=(",", ":"), as xgrammar writes it
+_LAYOUT = {"json": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
+           "json_compact": {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}}
 
 
 class Grammars:
@@ -57,7 +59,7 @@ class Grammars:
         regex or grammar that does not parse)."""
         llg = _llguidance()
         field = _FIELD[kind]
-        if kind == "json":
+        if kind in _LAYOUT:
             depth = nesting_depth(spec, MAX_DEPTH)
             if depth > MAX_DEPTH:
                 raise ValueError(f"json_schema cannot be used: it nests more than {MAX_DEPTH} levels deep "
@@ -116,11 +118,11 @@ class Grammars:
 
 
 # SamplingParams.constraint's kind -> the SamplingParams field an error names (the server renames it)
-_FIELD = {"json": "json_schema", "regex": "structured_outputs.regex", "choice": "structured_outputs.choice",
+_FIELD = {"json": "json_schema", "json_compact": "json_schema", "regex": "structured_outputs.regex", "choice": "structured_outputs.choice",
           "grammar": "structured_outputs.grammar"}
 
 
-_WHAT = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+_WHAT = {"json": "JSON schema", "json_compact": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 
 
 def strict_schema(schema: dict) -> dict:
@@ -174,8 +176,8 @@ def strict_schema(schema: dict) -> dict:
 
 def _grammar(llg, kind: str, spec) -> str:
     """llguidance's grammar for a constraint; ValueError if it does not parse."""
-    if kind == "json":  # NOTE: closed, as vLLM's default backend (xgrammar, strict) closes them
-        return llg.LLMatcher.grammar_from_json_schema(strict_schema(spec), defaults=_LAYOUT)
+    if kind in _LAYOUT:  # NOTE: closed, as vLLM's default backend (xgrammar, strict) closes them
+        return llg.LLMatcher.grammar_from_json_schema(strict_schema(spec), defaults=_LAYOUT[kind])
     if kind == "regex":
         return llg.LLMatcher.grammar_from_regex(ascii_digits(spec))
     if kind == "choice":  # NOTE: JSON string literals are Lark's (llguidance's) string syntax
@@ -253,7 +255,7 @@ def _first_line(error: str, kind: str = "json") -> str:
         why = next((line for line in lines[1:] if line.startswith("error:")), lines[-1] if len(lines) > 1 else "")
         first = f"{first} {why.removeprefix('error:').strip()}" if why else first.rstrip(":")
     first = first.split(". Enable 'coerce_one_of'")[0]  # NOTE: an option of llguidance's, not ours
-    return (_PLAIN if kind == "json" else _PLAIN_TEXT).get(first.rstrip("."), first.rstrip("."))
+    return (_PLAIN if kind in _LAYOUT else _PLAIN_TEXT).get(first.rstrip("."), first.rstrip("."))
 
 
 _COMPILER: dict = {}  # the one thread with a large stack that builds matchers, and its queue

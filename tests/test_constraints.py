@@ -138,7 +138,7 @@ def test_bad_words_never_appear_in_the_output(eng):
     words = []
     for width in (1, 2):
         for i in range(len(free) - width + 1):
-            word = eng.tokenizer.decode(free[i:i + width]).strip()
+            word = eng.tokenizer.decode(free[i:i + width], skip_special_tokens=True).strip()
             if word and free[i:i + width] in eng._bad_words_ids([word]):
                 words.append((word, free[i:i + width]))
                 break
@@ -193,7 +193,7 @@ def test_constraints_through_the_server(model_dir, eng):
         # a word the greedy output starts with, banned: the server writes what the Engine writes
         greedy = dict(model=model, max_tokens=12, temperature=0)
         free = eng.generate("Hello", SamplingParams(temperature=0, max_tokens=12))[0]
-        word = eng.tokenizer.decode(free.token_ids[:1]).strip()
+        word = eng.tokenizer.decode(free.token_ids[:1], skip_special_tokens=True).strip()
         assert word and free.token_ids[:1] in eng._bad_words_ids([word])
         want = eng.generate("Hello", SamplingParams(temperature=0, max_tokens=12, bad_words=[word]))[0].text
         assert want != free.text
@@ -227,8 +227,9 @@ def test_logprobs_of_a_constrained_request_are_of_the_allowed_tokens(eng):
         finite = {t: lp.logprob for t, lp in step.items() if lp.logprob > -math.inf}
         assert abs(sum(math.exp(v) for v in finite.values()) - 1.0) < 1e-4, finite
         for t in finite:
-            assert any(w.startswith(text + eng.tokenizer.decode([t])) for w in ("yes", "no")), t
-        text += eng.tokenizer.decode([tid])
+            assert any(w.startswith(text + eng.tokenizer.decode([t], skip_special_tokens=True))
+                       for w in ("yes", "no")), t
+        text += eng.tokenizer.decode([tid], skip_special_tokens=True)
 
 
 def test_logprob_rank_counts_ties_and_min_tokens_bans_eos_with_ignore_eos(eng):
@@ -321,3 +322,29 @@ def test_json_constraints_allow_no_undeclared_property_by_default(eng):
     assert not accepts(schema, '{"a": 1, "b": 2}', "s2")
     assert accepts({**schema, "additionalProperties": True}, '{"a": 1, "b": 2}', "s3")
     assert accepts({"type": "object"}, '{"b": 2}', "s4")  # NOTE: json_object: any object
+
+
+def test_disable_any_whitespace_writes_json_compact(eng):
+    """vLLM's disable_any_whitespace: the JSON comes out compact (',' and ':'), as xgrammar
+    writes it; it was taken and the output still had ', ' and ': '."""
+    small = {"type": "integer", "minimum": 0, "maximum": 99}
+    schema = {"type": "object", "properties": {"a": small, "b": {"type": "array", "items": small, "minItems": 2,
+                                                                 "maxItems": 2}}, "required": ["a", "b"]}
+    for compact in (False, True):
+        so = StructuredOutputsParams(json=schema, disable_any_whitespace=compact)
+        assert so.constraint()[0] == ("json_compact" if compact else "json")
+        for obj in ({"json": schema, "disable_any_whitespace": compact}, so):
+            out = eng.generate("Hello", SamplingParams(temperature=0, max_tokens=60, structured_outputs=obj))[0]
+            value = json.loads(out.text)
+            assert out.text == json.dumps(value, separators=(",", ":") if compact else (", ", ": ")), out.text
+    rid = "compact"
+    eng.grammars.add(rid, "json_compact", schema)
+    try:
+        m = eng.grammars._matchers[rid]
+        assert not all(m.consume_token(int(t)) for t in eng.tokenizer.encode('{"a": 1', add_special_tokens=False))
+    finally:
+        eng.grammars.forget(rid)
+    with pytest.raises(ValueError, match="one output constraint"):
+        SamplingParams(json_schema=schema, structured_outputs={"json": {"type": "object"}, "disable_any_whitespace": True})
+    both = SamplingParams(json_schema=schema, structured_outputs={"json": schema, "disable_any_whitespace": True})
+    assert both.constraint == ("json_compact", schema)
