@@ -118,11 +118,13 @@ class Grammars:
 
 
 # SamplingParams.constraint's kind -> the SamplingParams field an error names (the server renames it)
-_FIELD = {"json": "json_schema", "json_compact": "json_schema", "regex": "structured_outputs.regex", "choice": "structured_outputs.choice",
+_FIELD = {"json": "json_schema", "json_compact": "json_schema", "regex": "structured_outputs.regex",
+          "choice": "structured_outputs.choice",
           "grammar": "structured_outputs.grammar"}
 
 
-_WHAT = {"json": "JSON schema", "json_compact": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+_WHAT = {"json": "JSON schema", "json_compact": "JSON schema", "regex": "regex", "choice": "choice",
+         "grammar": "grammar"}
 
 
 def strict_schema(schema: dict) -> dict:

@@ -345,6 +345,7 @@ def test_disable_any_whitespace_writes_json_compact(eng):
     finally:
         eng.grammars.forget(rid)
     with pytest.raises(ValueError, match="one output constraint"):
-        SamplingParams(json_schema=schema, structured_outputs={"json": {"type": "object"}, "disable_any_whitespace": True})
+        SamplingParams(json_schema=schema, structured_outputs={"json": {"type": "object"},
+                                                               "disable_any_whitespace": True})
     both = SamplingParams(json_schema=schema, structured_outputs={"json": schema, "disable_any_whitespace": True})
     assert both.constraint == ("json_compact", schema)
