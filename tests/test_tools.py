@@ -290,7 +290,7 @@ def test_responses_api_over_the_chat_path(model_dir):
     the answer is the chat path's (same text, usage, finish as status), streamed as Responses
     events whose text joins to it; a named function tool gives a function_call item; the tool's
     output sent back as input items renders as chat's tool messages; what the server cannot do
-    (stored responses, non-function tools, image parts) is one sentence. It was a bare 404."""
+    (conversations, background, non-function tools, image parts) is one sentence. It was a bare 404."""
     srv = _server(model_dir)
     try:
         c = srv.client()
@@ -351,8 +351,8 @@ def test_responses_api_over_the_chat_path(model_dir):
             {"role": "tool", "tool_call_id": call.call_id, "content": "20C"}])
         assert follow.usage.input_tokens == back.usage.prompt_tokens
         assert follow.output_text == (back.choices[0].message.content or "")
-        for kw, match in (({"store": True}, r"Storing responses \(store: true\) is not supported"),
-                          ({"previous_response_id": "resp_1"}, "previous_response_id is not supported"),
+        for kw, match in (({"conversation": "conv_1"}, "conversation is not supported"),
+                          ({"background": True}, "Background responses"),
                           ({"tools": [{"type": "web_search"}]}, "Only function tools are supported"),
                           ({"max_output_tokens": 0}, "max_output_tokens must be an integer of at least 1"),
                           ({"max_output_tokens": "5"}, "'max_output_tokens'"),
@@ -363,6 +363,51 @@ def test_responses_api_over_the_chat_path(model_dir):
                            "only text parts")):
             with pytest.raises(openai.BadRequestError, match=match):
                 c.responses.create(**{"model": "m", "input": "Hello", **kw})
+    finally:
+        assert srv.stop() == 0, srv.output()
+
+
+def test_stored_responses_continue_a_conversation(model_dir):
+    """OpenAI's default store: a response is kept, so previous_response_id continues its
+    conversation (the chain's input and output before the new input, the old instructions not
+    carried over: the chat of those messages), retrieve/delete/input_items read it, store=false
+    keeps none, and an id the server does not hold is a 404 naming it (both were refused)."""
+    srv = _server(model_dir)
+    try:
+        c = srv.client()
+        kw = dict(model="m", max_output_tokens=6, temperature=0)
+        r1 = c.responses.create(instructions="Be brief.", input="Hello", **kw)
+        assert r1.store is True and r1.previous_response_id is None
+        r2 = c.responses.create(previous_response_id=r1.id, input="And again?", **kw)
+        assert r2.previous_response_id == r1.id
+        turns = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": r1.output_text},
+                 {"role": "user", "content": "And again?"}]
+        chat = c.chat.completions.create(model="m", messages=turns, max_tokens=6, temperature=0)
+        assert r2.output_text == chat.choices[0].message.content
+        assert r2.usage.input_tokens == chat.usage.prompt_tokens
+        # streamed, two links back: the final response is stored too
+        events = list(c.responses.create(previous_response_id=r2.id, input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "Once more."}]}], stream=True, **kw))
+        last = events[-1].response
+        chat3 = c.chat.completions.create(model="m", max_tokens=6, temperature=0, messages=turns + [
+            {"role": "assistant", "content": r2.output_text}, {"role": "user", "content": "Once more."}])
+        assert last.output_text == chat3.choices[0].message.content
+        assert last.usage.input_tokens == chat3.usage.prompt_tokens
+        assert c.responses.retrieve(last.id).output_text == last.output_text
+        assert c.responses.retrieve(r1.id).model_dump() == r1.model_dump()
+        items = c.responses.input_items.list(r2.id)
+        assert [i.content[0].text for i in items.data] == ["And again?"] and not items.has_more
+        assert c.responses.delete(r1.id) is None
+        with pytest.raises(openai.NotFoundError, match=f"Response '{r1.id}' is not stored"):
+            c.responses.retrieve(r1.id)
+        with pytest.raises(openai.NotFoundError, match=f"previous_response_id: Response '{r1.id}' is not stored"):
+            c.responses.create(previous_response_id=r2.id, input="Hi", **kw)
+        gone = c.responses.create(input="Hello", store=False, **kw)
+        assert gone.store is False
+        with pytest.raises(openai.NotFoundError, match="is not stored"):
+            c.responses.retrieve(gone.id)
+        with pytest.raises(openai.NotFoundError, match="'resp_nope' is not stored"):
+            c.responses.create(previous_response_id="resp_nope", input="Hi", **kw)
     finally:
         assert srv.stop() == 0, srv.output()
 

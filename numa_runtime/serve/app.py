@@ -111,8 +111,12 @@ def server_metrics(aengine) -> ServerMetrics:
         "engine_busy_seconds": aengine.busy_seconds}[name])
 
 
-def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics | None = None) -> FastAPI:
-    """The app of one model; `metrics`: a registry shared with the other models' apps."""
+def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics | None = None,
+              stored=None) -> FastAPI:
+    """The app of one model; `metrics`: a registry shared with the other models' apps; `stored`:
+    the /v1/responses store (responses_api.ResponseStore) shared with them."""
+    from . import responses_api as RA
+    stored = stored if stored is not None else RA.ResponseStore()
     engine = aengine.engine
     metrics = metrics if metrics is not None else server_metrics(aengine)
     app = FastAPI(title="numa_runtime", version="0.1.0", docs_url=None, redoc_url=None,
@@ -314,13 +318,12 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
     async def responses_create(request: Request):
         """OpenAI's Responses API over the chat path (serve/responses_api.py)."""
         from pydantic import ValidationError
-        from . import responses_api as RA
         try:
             raw = json.loads(await request.body() or b"null")
         except ValueError:
             raise ApiError(400, "The request body is not valid JSON.", code="invalid_value") from None
-        with _client_errors():
-            body = RA.chat_request(raw)
+        with _client_errors(), _not_stored("previous_response_id"):
+            body = RA.chat_request(raw, stored)
         try:
             chat = ChatCompletionRequest.model_validate(body)
         except ValidationError as e:  # NOTE: named as the Responses request names its fields
@@ -328,12 +331,42 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
                                                                for x in err.get("loc", ()))}
                                           for err in e.errors()]) from None
         answer = await chat_answer(chat, request, RA.RENAMES)
+        keep = functools.partial(stored.keep, raw) if RA.stores(raw) else None
         if isinstance(answer, StreamingResponse):
-            return StreamingResponse(RA.events(raw, config.served_model_name, answer.body_iterator),
+            return StreamingResponse(RA.events(raw, config.served_model_name, answer.body_iterator, keep),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         if not isinstance(answer, JSONResponse) or answer.status_code != 200:
             return answer  # NOTE: the client went away (499): nothing to convert
-        return JSONResponse(RA.response_body(raw, json.loads(answer.body)))
+        resp = RA.response_body(raw, json.loads(answer.body))
+        if keep is not None:
+            keep(resp)
+        return JSONResponse(resp)
+
+    @app.get("/v1/responses/{response_id}")
+    async def responses_get(response_id: str):
+        with _not_stored():
+            return JSONResponse(stored.get(response_id)[0])
+
+    @app.delete("/v1/responses/{response_id}")
+    async def responses_delete(response_id: str):
+        with _not_stored():
+            stored.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def responses_input_items(response_id: str, order: str = "desc", limit: int = 20, after: str | None = None):
+        """The response's own input items (OpenAI's list: newest first unless order=asc)."""
+        if order not in ("asc", "desc") or not 1 <= limit <= 100:
+            raise ApiError(400, "order must be asc or desc and limit 1 to 100.", param="order" if order not in (
+                "asc", "desc") else "limit", code="invalid_value")
+        with _not_stored():
+            items = stored.get(response_id)[1]
+        items = [{"id": item.get("id") or f"item_{response_id}_{i}", **item} for i, item in enumerate(items)]
+        items = items[::-1] if order == "desc" else items
+        start = next((i + 1 for i, item in enumerate(items) if item["id"] == after), 0) if after else 0
+        page = items[start:start + limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request):
@@ -455,6 +488,16 @@ async def _collect(gen: _Generation, tracker: R.ChoiceTracker, report: _Report, 
     async for index, out in gen.outputs():
         _check_failed(out, param)
         report.saw(tracker.update(index, out))
+
+
+@contextmanager
+def _not_stored(param: str | None = None):
+    """A response id the /v1/responses store does not hold: the client's 404."""
+    from .responses_api import NotStored
+    try:
+        yield
+    except NotStored as e:
+        raise ApiError(404, str(e), param=param, code="response_not_found") from None
 
 
 def _engine_failure(e: RuntimeError) -> ApiError:

@@ -147,10 +147,12 @@ class ModelView:
 
 def build_multi_app(aengine: AsyncEngine, router: ModelRouter, base: ServeConfig, load_timeout: float):
     """The dispatcher over one app per model; `base` gives every app's limits and API key."""
+    from .responses_api import ResponseStore
     apps, metrics = {}, server_metrics(aengine)  # NOTE: one registry: /metrics counts every model
+    stored = ResponseStore()  # NOTE: one store: GET /v1/responses/{id} goes to the first app
     for name in router.specs:
         cfg = dataclasses.replace(base, served_model_name=name)
-        apps[name] = build_app(ModelView(aengine, router, name, load_timeout), cfg, metrics)
+        apps[name] = build_app(ModelView(aengine, router, name, load_timeout), cfg, metrics, stored)
     return ModelDispatcher(apps, router, base.api_key, base.max_body_bytes, metrics)
 
 

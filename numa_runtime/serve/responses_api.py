@@ -4,7 +4,10 @@ message, function_call, function_call_output and reasoning items; function tools
 a response_format), and the chat answer, or its event stream, becomes a Response object, or
 Responses events (response.created ... response.completed).
 
-Nothing is stored: store, previous_response_id, conversation and background are refused in one
+Responses are kept (store, OpenAI's default true) in memory, the newest MAX_STORED of them, for
+previous_response_id (the stored chain's input and output items go before the new input; its
+instructions do not carry over, as OpenAI's) and GET/DELETE /v1/responses/{id} (and its
+input_items); a server restart forgets them. conversation and background are refused in one
 sentence, as are non-function tools, non-text input parts and options that have no meaning here.
 Sampling extras a vLLM client sends beside (top_k, seed, stop, chat_template_kwargs...) go to the
 chat request, which checks them.
@@ -12,15 +15,16 @@ chat request, which checks them.
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
+from collections import OrderedDict
 from typing import Any
 
 from .responses import sse
 
 # NOTE: fields of a Responses request, each mapped below or refused; others go to the chat request
 _REFUSED = {
-    "previous_response_id": "this server stores no responses: send the whole conversation as input",
     "conversation": "this server stores no conversations: send the whole conversation as input",
     "prompt": "reusable prompt templates are not supported: send the instructions and input",
     "max_tool_calls": "max_tool_calls is not supported",
@@ -31,25 +35,92 @@ RENAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format", 
 _PASS_KEYS = ("temperature", "top_p", "stream", "parallel_tool_calls", "user", "model")
 _IGNORED = ("metadata", "safety_identifier", "prompt_cache_key", "truncation", "store", "background",
             "include", "reasoning", "top_logprobs", "text", "tools", "tool_choice", "instructions", "input",
-            "max_output_tokens", "stream_options")
+            "max_output_tokens", "stream_options", "previous_response_id")
+MAX_STORED = 4096  # NOTE: responses kept; the oldest go first (a chain that reaches one is an error)
+
+
+class NotStored(LookupError):
+    """A response id this server does not hold (404)."""
+
+
+class ResponseStore:
+    """Stored responses by id: each keeps its Response object, its own input items and the id of
+    the response it continued; a chain is read back through those ids."""
+
+    def __init__(self, limit: int = MAX_STORED):
+        self.limit = limit
+        self._items: OrderedDict[str, tuple[dict, list, str | None]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, resp: dict, input_items: list, previous: str | None) -> None:
+        with self._lock:
+            self._items[resp["id"]] = (resp, input_items, previous)
+            while len(self._items) > self.limit:
+                self._items.popitem(last=False)
+
+    def keep(self, raw: dict, resp: dict) -> None:
+        """Store the Response object `resp` of the Responses request `raw`."""
+        self.put(resp, input_items(raw), raw.get("previous_response_id"))
+
+    def get(self, rid: str) -> tuple[dict, list, str | None]:
+        with self._lock:
+            found = self._items.get(rid)
+        if found is None:
+            raise NotStored(f"Response {rid!r} is not stored on this server (it was never stored, was deleted, "
+                            f"or is older than the newest {self.limit}).")
+        return found
+
+    def delete(self, rid: str) -> None:
+        self.get(rid)
+        with self._lock:
+            self._items.pop(rid, None)
+
+    def history(self, rid: str) -> list:
+        """The input and output items of the chain that ends with response `rid`, oldest first."""
+        parts, seen = [], set()
+        while rid is not None and rid not in seen:
+            seen.add(rid)
+            try:
+                resp, items, previous = self.get(rid)
+            except NotStored as e:
+                raise NotStored(f"previous_response_id: {e}") from None
+            parts.append(items + [dict(x) for x in resp["output"]])
+            rid = previous
+        return [item for part in reversed(parts) for item in part]
+
+
+def input_items(raw: dict) -> list:
+    """The request's input as a list of items (a string is one user message)."""
+    value = raw.get("input")
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": value}]}]
+    return list(value) if isinstance(value, list) else []
+
+
+def stores(raw: dict) -> bool:
+    """Whether the response is kept (OpenAI's default: store true)."""
+    return raw.get("store") is not False
 
 
 def _bad(message: str) -> ValueError:
     return ValueError(message)
 
 
-def chat_request(raw: Any) -> dict:
-    """The chat completions body of a Responses request (ValueError: one sentence)."""
+def chat_request(raw: Any, store: ResponseStore | None = None) -> dict:
+    """The chat completions body of a Responses request (ValueError: one sentence; NotStored: a
+    previous_response_id `store` does not hold)."""
     if not isinstance(raw, dict):
         raise _bad("The request body must be a JSON object.")
+    previous = raw.get("previous_response_id")
+    if previous is not None and not isinstance(previous, str):
+        raise _bad("previous_response_id must be a string (the id of a stored response).")
+    if raw.get("store") not in (None, True, False):
+        raise _bad("store must be true or false.")
     for key, why in _REFUSED.items():
         value = raw.get(key)
         if value is None or (key == "service_tier" and value in ("auto", "default")):
             continue
         raise _bad(f"{key} is not supported by this server ({why or 'only auto or default'}); remove it.")
-    if raw.get("store"):
-        raise _bad("Storing responses (store: true) is not supported: this server keeps none; set store to false "
-                   "or leave it out.")
     if raw.get("background"):
         raise _bad("Background responses (background: true) are not supported; run the request in the "
                    "foreground.")
@@ -73,7 +144,13 @@ def chat_request(raw: Any) -> dict:
         if not isinstance(raw["instructions"], str):
             raise _bad("instructions must be a string.")
         messages.append({"role": "system", "content": raw["instructions"]})
-    messages += _messages(raw.get("input"))
+    if previous is not None:
+        if store is None:
+            raise NotStored("previous_response_id: this server keeps no responses.")
+        _messages(raw.get("input"))  # NOTE: the new items, checked first (errors index them as sent)
+        messages += _messages(store.history(previous) + input_items(raw))
+    else:
+        messages += _messages(raw.get("input"))
     body["messages"] = messages
     if raw.get("max_output_tokens") is not None:
         body["max_tokens"] = raw["max_output_tokens"]
@@ -206,8 +283,9 @@ def _skeleton(raw: dict, model: str, rid: str, created: int) -> dict:
     return {"id": rid, "object": "response", "created_at": created, "status": "in_progress", "model": model,
             "output": [], "error": None, "incomplete_details": None, "instructions": raw.get("instructions"),
             "max_output_tokens": raw.get("max_output_tokens"), "metadata": raw.get("metadata") or {},
-            "parallel_tool_calls": raw.get("parallel_tool_calls", True), "previous_response_id": None,
-            "reasoning": None, "store": False, "background": False, "temperature": raw.get("temperature"),
+            "parallel_tool_calls": raw.get("parallel_tool_calls", True),
+            "previous_response_id": raw.get("previous_response_id"),
+            "reasoning": None, "store": stores(raw), "background": False, "temperature": raw.get("temperature"),
             "top_p": raw.get("top_p"), "text": {"format": fmt}, "tool_choice": raw.get("tool_choice", "auto"),
             "tools": tools, "truncation": "disabled", "user": raw.get("user"), "usage": None}
 
@@ -372,8 +450,9 @@ class EventStream:
                 self._event("response.failed", response=self.resp)]
 
 
-async def events(raw: dict, model: str, chat_stream):
-    """Responses events (SSE text) of the chat event stream `chat_stream` (an async iterator)."""
+async def events(raw: dict, model: str, chat_stream, done=None):
+    """Responses events (SSE text) of the chat event stream `chat_stream` (an async iterator);
+    `done(response)` is called with the final Response object of a stream that ends."""
     conv = EventStream(raw, model)
     for e in conv.start():
         yield e
@@ -402,3 +481,5 @@ async def events(raw: dict, model: str, chat_stream):
     if not failed:
         for e in conv.end():
             yield e
+        if done is not None:
+            done(conv.resp)
