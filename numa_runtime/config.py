@@ -189,9 +189,10 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"Unsupported architecture {archs or cfg.get('model_type')!r}; numa_runtime runs "
                 f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}.")
-        if cfg.get("quantization_config"):  # AWQ / GPTQ int4, or one clear error
-            from .quant.hf_quant import check_quantization_config
-            check_quantization_config(cfg["quantization_config"])
+        from .quant.hf_quant import check_quantization_config, read_quantization_config
+        qcfg = read_quantization_config(model_dir, cfg)
+        if qcfg:  # AWQ / GPTQ int4, or one clear error
+            check_quantization_config(qcfg)
         act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
         if act not in ("silu", "swish"):
             raise UnsupportedModelError(f"Unsupported activation {act!r}; only silu is supported.")

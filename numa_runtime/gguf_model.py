@@ -97,6 +97,31 @@ def gguf_shards(path: str) -> list[str]:
     return files
 
 
+class _Truncated(ValueError):
+    """A GGUF file that ends before the data of a tensor its header lists."""
+
+
+def _checked_reader(gguf, path: str):
+    """gguf.GGUFReader that first checks each tensor's data lies within the file (the reader
+    fails on a truncated file with whatever numpy says of the views it builds)."""
+    class Reader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs, fields):
+            size = len(self.data)
+            for field in fields:
+                try:
+                    _, name, _, dims, dtype, offset = field.parts
+                    block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(dtype[0]))]
+                    end = int(start_offs + offset[0]) + int(np.prod(dims)) * type_size // block
+                    tensor = bytes(name).decode("utf-8", "replace")
+                except Exception:  # noqa: BLE001 - a field the reader's own checks name
+                    continue
+                if end > size:
+                    raise _Truncated(f"{path} is truncated: tensor {tensor} ends at byte {end}, the file has "
+                                     f"{size}; download it again.")
+            super()._build_tensors(start_offs, fields)
+    return Reader
+
+
 def _describe(files: list[str], out_dir: str) -> None:
     import gguf
 
@@ -105,9 +130,12 @@ def _describe(files: list[str], out_dir: str) -> None:
     readers = []
     for f in files:
         try:
-            readers.append(gguf.GGUFReader(f))
+            readers.append(_checked_reader(gguf, f)(f))
+        except _Truncated as e:
+            raise UnsupportedModelError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - the gguf package raises many kinds
-            raise UnsupportedModelError(f"{f} is not a readable GGUF file ({e}).") from None
+            raise UnsupportedModelError(f"{f} is not a readable GGUF file; it may be truncated or corrupt "
+                                        f"({e}).") from None
     meta = {name: field.contents() for name, field in readers[0].fields.items()}
     _check_split(files, readers, meta)
     tensors = [(i, t) for i, r in enumerate(readers) for t in r.tensors]
@@ -312,8 +340,9 @@ def open_checkpoint(cfg):
             index = json.load(f)
         files = [os.path.realpath(os.path.join(cfg.model_dir, f)) for f in index.get("files", [GGUF_LINK])]
         return GGUFCheckpoint(files[0], index, cfg.num_heads, cfg.num_kv_heads, files=files)
+    from .quant.hf_quant import read_quantization_config
     with open(os.path.join(cfg.model_dir, "config.json")) as f:
-        qcfg = json.load(f).get("quantization_config")
+        qcfg = read_quantization_config(cfg.model_dir, json.load(f))
     fused = cfg.architecture == "Phi3ForCausalLM"
     if qcfg:
         if fused:

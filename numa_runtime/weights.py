@@ -18,6 +18,24 @@ _ST_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F64": np
               "I64": np.int64, "I32": np.int32}
 
 
+# NOTE: rows converted at a time by load_rows (a conversion's temporaries are a few times its f32
+# size: 16384 x 4096 x 4 B = 256 MB at most, where a 152k-row table at once took 8 GB)
+ROW_CHUNK = 16384
+
+
+def load_rows(ckpt, name: str, dtype: str, rows: slice, padded_rows: int | None = None) -> np.ndarray:
+    """ckpt.load of a 2-D tensor's `rows` into one array in `dtype`, converted ROW_CHUNK rows at
+    a time, with zero rows appended up to `padded_rows` (an embedding table or a dense lm_head)."""
+    start, stop = rows.start or 0, rows.stop
+    n = stop - start
+    out = np.zeros((max(n, padded_rows or 0), ckpt.raw(name).shape[1]),
+                   np.uint16 if dtype == "bfloat16" else np.float32)
+    for a in range(start, stop, ROW_CHUNK):
+        b = min(a + ROW_CHUNK, stop)
+        out[a - start:b - start] = ckpt.load(name, dtype, rows=slice(a, b))
+    return out
+
+
 class CheckpointError(ValueError):
     """A checkpoint file is missing, malformed, or lacks a tensor."""
 

@@ -191,12 +191,20 @@ def test_unknown_architecture_is_a_clear_error(hf_models, tmp_path):
 
 
 def test_truncated_file_is_a_clear_error(hf_models, tmp_path):
-    path = str(tmp_path / "m.gguf")
-    write_gguf(hf_models["llama"], path, "Q8_0")
-    with open(path, "r+b") as f:
-        f.truncate(os.path.getsize(path) - 1000)
-    with pytest.raises((CheckpointError, UnsupportedModelError), match="truncated|not a readable GGUF"):
-        engine(path)
+    """A file cut anywhere in its tensor data says it is truncated and names the tensor that
+    ends past it (the middle of the first tensor gave numpy's 'cannot reshape array')."""
+    import gguf
+    whole = str(tmp_path / "whole.gguf")
+    write_gguf(hf_models["llama"], whole, "Q8_0")
+    size, reader = os.path.getsize(whole), gguf.GGUFReader(whole)
+    first = min(int(t.data_offset) for t in reader.tensors)
+    for cut in (first + 7, first + (size - first) // 2, size - 1000, size - 1):
+        path = str(tmp_path / f"m{cut}.gguf")
+        with open(whole, "rb") as f, open(path, "wb") as g:
+            g.write(f.read(cut))
+        with pytest.raises(UnsupportedModelError, match=rf"m{cut}.gguf is truncated: tensor \S+ ends at byte \d+, "
+                                                        rf"the file has {cut}; download it again"):
+            engine(path)
 
 
 def test_two_ranks_equal_reference(hf_models, tmp_path):
@@ -397,3 +405,44 @@ def test_quantization_gguf_runs_the_file_as_stored(hf_models, tmp_path):
         engine(path, quantization="int4")
     with pytest.raises(ValueError, match="names the format of a GGUF checkpoint, but .* is a dense checkpoint"):
         engine(hf_models["llama"], quantization="gguf")
+
+
+def test_a_dense_gguf_quantized_at_load_and_tables_read_in_chunks(hf_models, tmp_path, monkeypatch):
+    """An F16 GGUF quantized at load takes the int8 lm_head that 'auto' gives any dense checkpoint
+    (it kept a bf16 head: a GGUF read as one that brings its own quantization); and an embedding
+    table or dense head stored otherwise than the engine computes is converted ROW_CHUNK rows at a
+    time into one array (the whole block of rows at once took about 8x its size in temporaries)."""
+    import numa_runtime.weights as W
+    from numa_runtime.gguf_checkpoint import GGUFCheckpoint
+    f16, q4 = str(tmp_path / "m.F16.gguf"), str(tmp_path / "m.Q4_0.gguf")
+    write_gguf(hf_models["llama"], f16, "F16")
+    write_gguf(hf_models["llama"], q4, "Q4_0")
+    e = Engine(f16, dtype="bfloat16", quantization="int4", kv_cache_memory=1 << 22, max_model_len=128)
+    try:
+        assert e.runner.model.layers[0].qkv_proj.dtype == "int4" and e.runner.model.lm_head.dtype == "int8"
+    finally:
+        e.close()
+    want = {}
+    for path in (f16, q4):
+        e = engine(path)
+        try:
+            want[path] = (e.generate([PROMPT], GREEDY)[0].token_ids, np.array(e.runner.model.embed))
+        finally:
+            e.close()
+    calls, load = [], GGUFCheckpoint.load
+
+    def spy(self, name, dtype, rows=None, cols=None):
+        calls.append((name, rows))
+        return load(self, name, dtype, rows, cols)
+    monkeypatch.setattr(GGUFCheckpoint, "load", spy)
+    monkeypatch.setattr(W, "ROW_CHUNK", 100)
+    for path, table in ((f16, "model.embed_tokens.weight"), (f16, "lm_head.weight"), (q4, "model.embed_tokens.weight")):
+        calls.clear()
+        e = engine(path)
+        try:
+            assert e.generate([PROMPT], GREEDY)[0].token_ids == want[path][0]
+            assert np.array_equal(e.runner.model.embed, want[path][1])
+        finally:
+            e.close()
+        sizes = [r.stop - r.start for name, r in calls if name == table]
+        assert sizes == [100, 100, 100, 84], (path, table, calls)  # NOTE: the vocabulary of 384 rows

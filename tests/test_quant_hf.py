@@ -224,3 +224,40 @@ def test_vllm_method_names_check_the_checkpoint(src, tmp_path):
         with pytest.raises(ValueError, match=f"names the format of a {CHECKPOINT_METHODS[name].upper()} "
                                              f"checkpoint, but .* {held}; drop it"):
             Engine(model, dtype="float32", kv_cache_memory=1 << 23, max_model_len=128, quantization=name)
+
+
+@pytest.mark.parametrize("method,filename,quant", [
+    ("gptq", "quantize_config.json", {"bits": 4, "group_size": G, "desc_act": False, "sym": False,
+                                      "static_groups": False, "model_file_base_name": "model"}),
+    ("awq", "quant_config.json", {"zero_point": True, "q_group_size": G, "w_bit": 4, "version": "GEMM"})])
+def test_older_quantization_config_files_are_read(src, tmp_path, method, filename, quant):
+    """AutoGPTQ's quantize_config.json and AutoAWQ's quant_config.json beside a config.json without
+    quantization_config (older checkpoints), as vLLM reads them: the same model as when config.json
+    holds it (quantization='gptq'/'awq' called such a file dense, and without it the q_proj weights
+    were missing)."""
+    qdir, ref_dir = str(tmp_path / "q"), str(tmp_path / "ref")
+    write_checkpoints(src, qdir, ref_dir, method, "gemm" if method == "awq" else "gptq")
+    ref = engine(qdir)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    try:
+        want = ref.generate([PROMPT], greedy)[0].token_ids
+    finally:
+        ref.close()
+    with open(os.path.join(qdir, "config.json")) as f:
+        cfg = json.load(f)
+    del cfg["quantization_config"]
+    with open(os.path.join(qdir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with open(os.path.join(qdir, filename), "w") as f:
+        json.dump(quant, f)
+    for name in (None, method):
+        e = Engine(qdir, dtype="float32", kv_cache_memory=1 << 23, max_model_len=128, quantization=name)
+        try:
+            assert e.runner.model.layers[0].gate_up_proj.dtype == "int4"
+            assert e.generate([PROMPT], greedy)[0].token_ids == want
+        finally:
+            e.close()
+    with open(os.path.join(qdir, filename), "w") as f:
+        json.dump({**quant, **({"w_bit": 8} if method == "awq" else {"bits": 8})}, f)
+    with pytest.raises(ValueError, match=f"{method.upper()} checkpoints with bits 8 are not supported"):
+        engine(qdir)

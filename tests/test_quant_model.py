@@ -3,6 +3,7 @@ weights dequantized in numpy (which it must reproduce up to f32 summation order)
 the float model (within the quantization error). Multi-rank runs under real mpirun."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -113,9 +114,20 @@ def test_lm_head_alone_and_gguf_rule(model_dir):
     assert head_quantization("auto", "int4") == QuantFormat.parse("int8")
 
     class NativeBlocks:  # a checkpoint with its own quantized tensors (GGUF, AWQ, GPTQ)
+        def __init__(self, stored):
+            self.stored = stored
+
+        def __contains__(self, name):
+            return True
+
+        def raw(self, name):  # NOTE: a quantized tensor reads as a shape-only view, a dense one as an array
+            return object() if self.stored else np.zeros((4, 4), np.float32)
+
         def quantized(self, name, rows, cols):
             return None
-    assert head_quantization("auto", "int8", NativeBlocks()) is None
+    assert head_quantization("auto", "int8", NativeBlocks(True)) is None
+    # NOTE: a dense file with the same interface (an F16/BF16 GGUF) is quantized at load: its head too
+    assert head_quantization("auto", "int8", NativeBlocks(False)) == QuantFormat.parse("int8")
 
 
 def test_lm_head_whose_k_no_group_divides_gets_one_scale_a_row(tmp_path):
@@ -190,6 +202,13 @@ def test_logits_close_to_float_model(model_dir):
 def test_bad_quantization_name_is_a_clear_error(model_dir):
     with pytest.raises(ValueError, match="Unknown quantization 'int3'"):
         engine(model_dir, quantization="int3")
+    # NOTE: a second group or kind option was taken over the first, unseen
+    for name, what in (("int4-g32-g64", "groups ('g32' and 'g64')"), ("int8-channel-g32", "groups"),
+                       ("int8-g32-channel", "groups"), ("int4-sym-zero", "kinds ('sym' and 'zero')")):
+        with pytest.raises(ValueError, match=re.escape(f"Quantization {name!r} gives two {what}")):
+            engine(model_dir, quantization=name)
+    with pytest.raises(ValueError, match="lm_head_quantization must be .*, not 'int8-g32-g64'"):
+        engine(model_dir, lm_head_quantization="int8-g32-g64")
     # GGUF IQ4's levels are read from files, not made at load
     with pytest.raises(ValueError, match="not offered for quantizing at load"):
         engine(model_dir, quantization="int4-nl")

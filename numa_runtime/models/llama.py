@@ -20,7 +20,7 @@ from ..quant.formats import QuantError
 from ..quant.loader import LinearFactory, check_checkpoint_method, head_quantization, parse_quantization
 from ..plan import EMBED
 from ..sharding import ShardLayout, shard_layouts
-from ..weights import Checkpoint
+from ..weights import Checkpoint, load_rows
 
 log = logging.getLogger("numa_runtime")
 
@@ -413,7 +413,7 @@ def _embedding_table(ckpt: Checkpoint, dtype: str, rows: slice) -> np.ndarray:
     raw = ckpt.raw(name)
     if raw.dtype == np.uint16 or (raw.dtype == np.float32 and dtype == "float32"):
         return raw[rows]
-    return ckpt.load(name, dtype, rows=rows)
+    return load_rows(ckpt, name, dtype, rows)
 
 
 @contextlib.contextmanager

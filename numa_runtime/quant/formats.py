@@ -179,7 +179,14 @@ class QuantFormat:
                              f"(optionally -g32/-g64/-g128, -g16 for int4, -channel, -sym/-zero/-min).")
         bits, group, kind = base.bits, base.group_size, base.kind
         fit = True
+        seen = {}  # NOTE: "group" and "kind" options given, each once
         for p in parts[1:]:
+            what = "group" if p == "channel" or (p.startswith("g") and p[1:].isdigit()) else (
+                "kind" if p in KINDS else None)
+            if what is not None and what in seen:
+                raise QuantError(f"Quantization {name!r} gives two {what}s ({seen[what]!r} and {p!r}); give one.")
+            if what is not None:
+                seen[what] = p
             if p.startswith("g") and p[1:].isdigit():
                 group, fit = int(p[1:]), False
             elif p == "channel":

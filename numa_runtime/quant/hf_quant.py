@@ -13,12 +13,42 @@ s (q - z) = q s - s z exactly in f32, so the mapping is lossless.
 """
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 
 from .formats import QuantError, QuantFormat, QuantizedWeight, dequantize
 from ..gguf_checkpoint import _QuantView
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+# NOTE: where AutoGPTQ and AutoAWQ wrote a checkpoint's quantization before config.json held it
+OLD_CONFIG_FILES = ("quantize_config.json", "quant_config.json")
+
+
+def read_quantization_config(model_dir: str, config: dict) -> dict | None:
+    """config.json's quantization_config, else the quantize_config.json (AutoGPTQ) or
+    quant_config.json (AutoAWQ) beside it, as vLLM reads them (a file without quant_method is
+    AWQ when it has AutoAWQ's keys, else GPTQ); None for a dense checkpoint."""
+    q = config.get("quantization_config")
+    if q or not model_dir:
+        return q or None
+    for name in OLD_CONFIG_FILES:
+        path = os.path.join(model_dir, name)
+        if os.path.isfile(path):
+            from ..config import UnsupportedModelError
+            try:
+                with open(path) as f:
+                    q = json.load(f)
+            except ValueError as e:
+                raise UnsupportedModelError(f"{path} is not valid JSON ({e}).") from None
+            if not isinstance(q, dict):
+                raise UnsupportedModelError(f"{path} must hold a JSON object.")
+            awq = any(k in q for k in ("w_bit", "q_group_size", "zero_point"))
+            return {"quant_method": "awq" if awq else "gptq", **q}
+    return None
 
 
 def check_quantization_config(q: dict) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 
 from .formats import QuantError, QuantFormat, QuantizedWeight, concat_rows, quantize
 from .packing import pack
+from ..weights import load_rows
 
 Part = tuple  # (name, rows: slice | None, cols: slice | None)
 
@@ -88,7 +89,7 @@ class LinearFactory:
                              "already (it runs as stored); drop the setting.")
         if w is None:
             w = (self._quantized_head(name, rows) if self.head_quant is not None
-                 else self.ckpt.load(name, self.dtype, rows=rows))
+                 else load_rows(self.ckpt, name, self.dtype, rows, padded_rows))
         if isinstance(w, np.ndarray):
             pad = padded_rows - w.shape[0]
             if pad:
@@ -234,6 +235,15 @@ HEAD_DEFAULT = "int8"
 HEAD_FORMATS_HINT = "None, 'auto' or an int8 format such as 'int8' or 'int8-channel'"
 
 
+def _stores_quantized(ckpt) -> bool:
+    """Whether a checkpoint brings quantized linears of its own (a GGUF of Q8_0/Q4_x/K-quants, AWQ,
+    GPTQ); a dense one (safetensors, an F16/BF16/F32 GGUF) is quantized at load."""
+    if ckpt is None or getattr(ckpt, "quantized", None) is None:
+        return False
+    name = "model.layers.0.self_attn.q_proj.weight"
+    return name in ckpt and not isinstance(ckpt.raw(name), np.ndarray)
+
+
 def head_quantization(name: str | None, quantization: str | None, ckpt=None) -> QuantFormat | None:
     """EngineConfig.lm_head_quantization -> the format a dense lm_head is quantized to at load
     (None: as stored). "auto": the int8 default (HEAD_DEFAULT) when the decoder linears are
@@ -244,8 +254,7 @@ def head_quantization(name: str | None, quantization: str | None, ckpt=None) -> 
     if name in (None, "", "none"):
         return None
     if name == "auto":
-        dense = ckpt is None or getattr(ckpt, "quantized", None) is None
-        if parse_quantization(quantization) is not None and dense:
+        if parse_quantization(quantization) is not None and not _stores_quantized(ckpt):
             return QuantFormat.parse(HEAD_DEFAULT)
         return None
     try:
