@@ -15,6 +15,7 @@ import sys
 import numpy as np
 from Cython.Build import cythonize
 from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
 
 
 
@@ -39,8 +40,10 @@ if ONEDNN_INC is None or ONEDNN_LIB is None:
              "before building numa_runtime.")
 # NOTE: at run time libdnnl.so.3 comes from the onednn-cpu-gomp wheel in the environment that
 # imports us: $ORIGIN/../../../.. is <prefix>/lib seen from <prefix>/lib/pythonX.Y/site-packages/
-# numa_runtime/_kernels; sys.prefix/lib serves in-place builds in a checkout.
-RPATHS = ["$ORIGIN/../../../..", os.path.join(sys.prefix, "lib")]
+# numa_runtime/_kernels. In-place builds in a checkout also get sys.prefix/lib (BuildExt); a
+# wheel never does: there sys.prefix may be the build's temporary environment, a path anyone
+# could later fill with a library of their own.
+RPATHS = ["$ORIGIN/../../../.."]
 
 # NOTE: x86-64-v3 (AVX2/FMA/F16C) is the floor; AVX-512 paths are compiled with target
 # attributes and chosen at run time, so one build runs on every machine we target.
@@ -70,8 +73,18 @@ def kernel_extensions():
     return exts
 
 
+class BuildExt(build_ext):
+    def run(self):
+        # NOTE: setuptools builds an in-place run with inplace off, then copies the files back
+        if self.inplace or getattr(self, "editable_mode", False):
+            for ext in self.extensions:
+                ext.extra_link_args = ext.extra_link_args + ["-Wl,-rpath," + os.path.join(sys.prefix, "lib")]
+        super().run()
+
+
 setup(
     name="numa_runtime",
+    cmdclass={"build_ext": BuildExt},
     version="0.1.0",
     description="CPU-first LLM inference runtime: one MPI rank per NUMA node, tensor parallel",
     # NOTE: launch/ and cuda_backend/ install as numa_runtime.launch and numa_runtime.cuda_backend

@@ -228,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
                                        reserved_core=args.reserve_server_core)))
         return 0
     mpirun, numactl = _find_tools(args.mpirun)
+    # NOTE: `-- python ...` (or numa-serve) runs this environment's, as scripts in it expect, though
+    # it need not be on PATH (mpirun passes the environment on to every rank)
+    here = os.path.dirname(sys.executable)
+    os.environ["PATH"] = os.pathsep.join([here] + [p for p in os.environ.get("PATH", "").split(os.pathsep)
+                                                   if p and p != here])
     full = build_command(placements, cmd, mpirun, numactl, with_membind, dp,
                          args.reserve_server_core)
     sys.stdout.flush()

@@ -42,6 +42,14 @@ class Placement:
     def memory_node(self) -> int:
         return self.node if self.mem_node is None else self.mem_node
 
+    def describe(self) -> str:
+        """One phrase for logs: 'node 0, cpus 0-7, memory on node 0 (bound by numactl)'."""
+        from .launch.topology import format_cpulist
+        where = f"node {self.node}" if self.node >= 0 else "node unknown"
+        memory = f", memory on node {self.memory_node}" if self.memory_bound else ""
+        how = {"launcher": "bound by the launcher", "self": "bound here", "none": "not bound"}.get(self.how, self.how)
+        return f"{where}, cpus {format_cpulist(self.cpus)}{memory} ({how})"
+
 
 _placement: Placement | None = None  # NOTE: binding is per process; repeated calls return it
 

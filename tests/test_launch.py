@@ -290,6 +290,20 @@ def test_launch_binds_ranks_and_propagates_exit_code():
 
 
 @needs_tools
+def test_python_in_the_command_is_the_launchers_own():
+    """`numa-launch -- python ...` runs the python of numa-launch's environment, on PATH or not
+    (a bare `python` found another interpreter, without numa_runtime)."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("SKIPPED: launching two bound ranks needs 2 cpus")
+    tools = {os.path.dirname(shutil.which(t)) for t in ("mpirun", "numactl")} - {os.path.dirname(sys.executable)}
+    path = os.pathsep.join(sorted(tools) + ["/usr/bin", "/bin"])
+    out = launch("--ranks", "2", "--", "python", "-c", "import sys, numa_runtime; print(sys.executable)",
+                 env={"PATH": path})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [os.path.join(os.path.dirname(sys.executable), "python")] * 2, out.stdout
+
+
+@needs_tools
 def test_launched_ranks_do_not_rebind():
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("SKIPPED: launching two bound ranks needs 2 cpus")

@@ -110,9 +110,37 @@ def client(server):
 
 
 # ------------------------------------------------------------------------------ the happy paths
-def test_models(client):
+def test_models(client, server, model_dir):
+    """vLLM's model card: root (the model as --model gave it), parent, permission; /ping answers
+    as /health (vLLM's, SageMaker's health check)."""
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
+    card = models.data[0].model_dump()
+    assert card["root"] == model_dir and card["parent"] is None and card["permission"] == []
+    assert card["max_model_len"] == 256 and card["owned_by"] == "numa_runtime"
+    for method in ("GET", "POST"):
+        r = httpx.request(method, server.base + "/ping")
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+def test_metrics_under_vllm_names_too(client, server):
+    """vLLM's metric names (vllm:num_requests_waiting, vllm:generation_tokens_total, ...) carry our
+    values, so vLLM's dashboards and autoscaling rules read this server (they found nothing)."""
+    gen, done = metric(server.base, "vllm:generation_tokens_total"), metric(
+        server.base, 'vllm:request_success_total{finished_reason="length"}')
+    r = client.completions.create(model="tiny", prompt="Hello", max_tokens=5, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 5
+    assert metric(server.base, "vllm:generation_tokens_total") == gen + 5
+    assert metric(server.base, 'vllm:request_success_total{finished_reason="length"}') == done + 1
+    for ours, theirs in (("numa_runtime_generation_tokens_total", "vllm:generation_tokens_total"),
+                         ("numa_runtime_prompt_tokens_total", "vllm:prompt_tokens_total"),
+                         ("numa_runtime_e2e_request_latency_seconds_count", "vllm:e2e_request_latency_seconds_count"),
+                         ("numa_runtime_time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_sum"),
+                         ("numa_runtime_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc"),
+                         ("numa_runtime_num_requests_waiting", "vllm:num_requests_waiting")):
+        assert metric(server.base, ours) == metric(server.base, theirs), theirs
+    text = httpx.get(server.base + "/metrics").text
+    assert 'vllm:num_requests_running' in text and not re.search(r"^vllm:\S*_created", text, re.M)
 
 
 def test_completion(client):
@@ -701,7 +729,7 @@ def strict_server(model_dir):
 
 def test_api_key(strict_server):
     base = strict_server.base
-    assert httpx.get(base + "/health").status_code == 200
+    assert httpx.get(base + "/health").status_code == 200 and httpx.get(base + "/ping").status_code == 200
     for path in ("/v1/models", "/metrics", "/openapi.json"):
         r = httpx.get(base + path)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
@@ -748,10 +776,25 @@ def test_under_mpirun_two_ranks(model_dir):
         r = srv.client().completions.create(model="tiny-llama", prompt=[1, 17, 42, 99, 5], max_tokens=8,
                                             temperature=0, extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 8
-        assert "2 rank(s)" in srv.output()
+        assert "2 rank(s)" in srv.output() and re.search(r"rank 0 on node \S+, cpus \S+", srv.output())
+        # NOTE: as vLLM, the --model string as given names the model too (a 404 before)
+        assert srv.client().completions.create(model=model_dir, prompt="Hi", max_tokens=2).usage.completion_tokens
+        assert [m.id for m in srv.client().models.list().data][0] == "tiny-llama"
     finally:
         code = srv.stop()
     assert code == 0, srv.output()
+
+
+def test_flag_errors_and_help_under_mpirun_print_once():
+    """Under mpirun a bad flag and --help print once (rank 0), not once a rank."""
+    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    env = dict(os.environ, MPI4PY_RC_THREAD_LEVEL="funneled")
+    for flags, code, text in ((["--bogus"], 2, "numa-serve: error: unrecognized arguments: --bogus"),
+                              (["--help"], 0, "usage: numa-serve")):
+        p = subprocess.run([mpirun if os.path.exists(mpirun) else "mpirun", "-np", "2", sys.executable, "-m",
+                            "numa_runtime.serve", *flags], capture_output=True, text=True, timeout=120, env=env)
+        assert p.returncode == code, p.stdout + p.stderr
+        assert (p.stdout + p.stderr).count(text) == 1, p.stdout + p.stderr
 
 
 def test_default_model_answers_a_chat_question():

@@ -23,9 +23,20 @@ from numa_runtime.serve.reasoning import PARSERS as REASONING_PARSERS
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
-        """One sentence (argparse prints the whole usage first)."""
-        self.exit(2, f"{self.prog}: error: {message[:1].lower()}{message[1:].rstrip('.')}; "
-                     f"`{self.prog} --help` lists the flags.\n")
+        """One sentence (argparse prints the whole usage first); under mpirun, from rank 0 only."""
+        self.exit(2, None if _other_rank() else f"{self.prog}: error: {message[:1].lower()}{message[1:].rstrip('.')}; "
+                                                f"`{self.prog} --help` lists the flags.\n")
+
+    def print_help(self, file=None):
+        if not _other_rank():  # NOTE: --help under mpirun: once, not once a rank
+            super().print_help(file)
+
+
+def _other_rank() -> bool:
+    """A rank other than 0 of an MPI job (its messages would repeat rank 0's)."""
+    from numa_runtime.env import mpi_world
+    world = mpi_world()
+    return world is not None and world[0] != 0
 
 
 def _size(text: str) -> int:
@@ -253,7 +264,7 @@ def router_summary(router, url: str) -> str:
 def summary_text(engine, url: str) -> str:
     s = engine.summary()
     placement = getattr(engine, "placement", None)
-    topo = f" | placement {placement}" if placement is not None else ""
+    topo = f" | rank 0 on {placement.describe()}" if placement is not None else ""
     kv_mib = s.get("kv_cache_bytes", 0) / (1 << 20)
     return (f"numa-serve: {s.get('model')} ({s.get('architecture')}, {s.get('dtype')})\n"
             f"  {s.get('ranks')} rank(s) x {s.get('threads_per_rank')} threads{topo}\n"
@@ -380,10 +391,14 @@ def check_args(args) -> str | None:
     return None
 
 
-def serve_config(args, name: str):
+def serve_config(args, name: str, given: str | None = None):
+    """`given`: the --model string as typed, also answered to where --served-model-name is not
+    set (vLLM serves a model under that string; ours is its directory's name)."""
     from .app import ServeConfig
-    aliases = tuple(dict.fromkeys(n for n in (args.served_model_name or [])[1:] if n != name))
-    return ServeConfig(served_model_name=name, aliases=aliases, api_key=args.api_key, max_queue=args.max_queue,
+    names = (args.served_model_name or [])[1:] if args.served_model_name else [given] if given else []
+    aliases = tuple(dict.fromkeys(n for n in names if n != name))
+    return ServeConfig(served_model_name=name, aliases=aliases, model_root=given, api_key=args.api_key,
+                       max_queue=args.max_queue,
                        max_tokens_cap=args.max_tokens_cap, stall_timeout_s=args.stall_timeout,
                        embedding_pooling=args.embedding_pooling,
                        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
@@ -545,7 +560,7 @@ def _serve(args, world, sock, front) -> int:
         given = (getattr(args, "model_ids", None) or args.model or [None])[0]
         own = served_name(given) or os.path.basename(os.path.normpath(engine.model_config.model_dir))
         name = (args.served_model_name or [own])[0]
-    config = serve_config(args, name)
+    config = serve_config(args, name, None if multi else given)
     if args.api_key is None and not _is_loopback(args.host):
         print(f"numa-serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
               "address can use the server; pass --api-key KEY or bind 127.0.0.1.", file=sys.stderr, flush=True)

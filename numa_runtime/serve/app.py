@@ -46,6 +46,7 @@ class ServeConfig:
     tool_call_parser: str | None = None   # tool_choice "auto": the models' call format (tools.py); None: refused
     reasoning_parser: str | None = None   # <think> output as reasoning_content (reasoning.py); None: all content
     aliases: tuple = ()               # more names clients may send as `model` (vLLM's --served-model-name a b)
+    model_root: str | None = None     # /v1/models' root: the model as given (--model); None: the served name
 
     @property
     def names(self) -> tuple:
@@ -153,6 +154,11 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             return JSONResponse({"status": "engine stalled", "busy_seconds": round(busy, 1)}, status_code=503)
         return {"status": "ok"}
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        """vLLM's /ping (SageMaker's health check): /health's answer."""
+        return await health()
+
     @app.get("/metrics")
     async def get_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -161,7 +167,8 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
     async def models():
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "numa_runtime",
-             "max_model_len": engine.max_model_len} for name in config.names]}
+             "root": config.model_root or config.served_model_name, "parent": None,
+             "max_model_len": engine.max_model_len, "permission": []} for name in config.names]}
 
     @app.get("/version")
     async def version():
@@ -751,7 +758,7 @@ class _Guard:
             await send(message)
 
         headers = dict(scope.get("headers") or [])
-        if self.expected is not None and scope["path"] != "/health":
+        if self.expected is not None and scope["path"] not in ("/health", "/ping"):
             if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
                 return await _send_error(counting_send, 401, "A valid API key is required; send "
                                          "'Authorization: Bearer <key>'.", "authentication_error", "invalid_api_key")

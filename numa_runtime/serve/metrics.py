@@ -1,9 +1,12 @@
 """Prometheus metrics of one server (its own registry, so several servers can share a process)."""
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the /metrics route
 from prometheus_client.core import CounterMetricFamily
+from prometheus_client.metrics_core import Metric
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -20,6 +23,66 @@ class _StatsCounter:
         c = CounterMetricFamily(self.name, self.doc)
         c.add_metric([], float(self.read()))
         yield c
+
+
+# NOTE: our families under vLLM's names too (vllm:...), so that vLLM's Grafana dashboard and
+# autoscaling rules on vllm:num_requests_waiting read this server: (vLLM's name, the label our
+# status becomes and the statuses it keeps, or None)
+VLLM_NAMES = {
+    "numa_runtime_num_requests_running": ["vllm:num_requests_running"],
+    "numa_runtime_num_requests_waiting": ["vllm:num_requests_waiting"],
+    "numa_runtime_kv_cache_usage_ratio": ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
+    "numa_runtime_prompt_tokens": ["vllm:prompt_tokens"],
+    "numa_runtime_generation_tokens": ["vllm:generation_tokens"],
+    "numa_runtime_num_preemptions": ["vllm:num_preemptions"],
+    "numa_runtime_time_to_first_token_seconds": ["vllm:time_to_first_token_seconds"],
+    "numa_runtime_time_per_output_token_seconds": ["vllm:time_per_output_token_seconds",
+                                                   "vllm:inter_token_latency_seconds"],
+    "numa_runtime_e2e_request_latency_seconds": ["vllm:e2e_request_latency_seconds"],
+    "numa_runtime_requests": ["vllm:request_success"],
+}
+# NOTE: vllm:request_success's finished_reason: ours "tool_calls" ended as a stop; errors are none of its
+_FINISHED_REASON = {"stop": "stop", "length": "length", "abort": "abort", "tool_calls": "stop"}
+
+
+class _VllmNames:
+    """A collector that yields the registry's other families again under VLLM_NAMES (without
+    the _created series, as vLLM serves them)."""
+
+    def __init__(self, registry):
+        self.registry = registry
+        self._inside = threading.local()
+
+    def collect(self):
+        if getattr(self._inside, "on", False):  # NOTE: registry.collect() below reaches this collector too
+            return
+        self._inside.on = True
+        try:
+            families = list(self.registry.collect())
+        finally:
+            self._inside.on = False
+        for fam in families:
+            for name in VLLM_NAMES.get(fam.name, ()):
+                out = Metric(name, fam.documentation, fam.type)
+                for smp in fam.samples:
+                    if smp.name.endswith("_created"):
+                        continue
+                    labels = dict(smp.labels)
+                    if name == "vllm:request_success":
+                        reason = _FINISHED_REASON.get(labels.pop("status", None))
+                        if reason is None:
+                            continue
+                        labels["finished_reason"] = reason
+                    out.add_sample(name + smp.name[len(fam.name):], labels, smp.value)
+                if name == "vllm:request_success":  # NOTE: stop and tool_calls: one finished_reason
+                    merged = {}
+                    for smp in out.samples:
+                        key = (smp.name, tuple(sorted(smp.labels.items())))
+                        merged[key] = merged.get(key, 0.0) + smp.value
+                    out.samples = []
+                    for (sname, labels), value in merged.items():
+                        out.add_sample(sname, dict(labels), value)
+                yield out
 
 
 class ServerMetrics:
@@ -69,6 +132,7 @@ class ServerMetrics:
             if liveness_source is not None:
                 g = Gauge(p + name, doc, registry=r)
                 g.set_function(lambda name=name: float(liveness_source(name)))
+        r.register(_VllmNames(r))
 
     def observe_request(self, model: str, status: str, prompt_tokens: int, completion_tokens: int,
                         arrival: float, first_token: float | None, end: float, num_seqs: int = 1) -> None:

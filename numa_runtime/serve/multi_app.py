@@ -202,7 +202,7 @@ class ModelDispatcher:
         return await app(scope, replay, send)
 
     def _authorized(self, scope) -> bool:
-        if self.expected is None or scope.get("path") == "/health":
+        if self.expected is None or scope.get("path") in ("/health", "/ping"):
             return True
         return hmac.compare_digest(dict(scope.get("headers") or []).get(b"authorization", b""), self.expected)
 
@@ -211,8 +211,8 @@ class ModelDispatcher:
 
     def _models(self) -> dict:
         r = self.router  # NOTE: the last load's and unload's seconds (None before the first)
-        data = [{"id": n, "object": "model", "created": self.created, "owned_by": "numa_runtime",
-                 "max_model_len": _ModelInfo(r, n).max_model_len,
+        data = [{"id": n, "object": "model", "created": self.created, "owned_by": "numa_runtime", "root": n,
+                 "parent": None, "permission": [], "max_model_len": _ModelInfo(r, n).max_model_len,
                  "loaded": n in r.engines, "load_seconds": r.load_seconds.get(n),
                  "unload_seconds": r.unload_seconds.get(n)} for n in self.apps]
         return {"object": "list", "data": data}
