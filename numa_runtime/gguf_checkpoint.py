@@ -200,19 +200,20 @@ class GGUFCheckpoint:
         dt = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[kind]
         return t.data.view(dt).reshape(self.shape(name))
 
-    def _row_index(self, name: str, rows: slice | None, n: int):
-        """GGUF rows holding HF rows `rows` (q/k of llama GGUFs are permuted within heads)."""
+    def _row_index(self, name: str, rows, n: int):
+        """GGUF rows holding HF rows `rows`, a slice or an array of row numbers (q/k of llama
+        GGUFs are permuted within heads)."""
         sl = rows if rows is not None else slice(0, n)
         heads = self.heads.get(name.split(".", 3)[-1]) if self.arch in PERMUTED_ARCHS else None
         if heads is None:
             return sl
         d = n // heads
-        i = np.arange(sl.start, sl.stop)
+        i = np.arange(sl.start, sl.stop) if isinstance(sl, slice) else np.asarray(sl)
         r = i % d
         return (i // d) * d + 2 * (r % (d // 2)) + r // (d // 2)
 
-    def quantized(self, name: str, rows: slice | None, cols: slice | None) -> QuantizedWeight | None:
-        """Rows/cols of a Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL tensor as our format, bit for bit, or
+    def quantized(self, name: str, rows, cols: slice | None) -> QuantizedWeight | None:
+        """Rows (a slice, or an array of row numbers)/cols of a Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL tensor as our format, bit for bit, or
         of a K-quant or IQ4_XS tensor with super-block scales (exact), or with its scales rounded
         to f16 off super-block boundaries (decode_kquant); None otherwise (dense)."""
         t = self._t(name)

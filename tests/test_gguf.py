@@ -426,7 +426,7 @@ def test_a_dense_gguf_quantized_at_load_and_tables_read_in_chunks(hf_models, tmp
     for path in (f16, q4):
         e = engine(path)
         try:
-            want[path] = (e.generate([PROMPT], GREEDY)[0].token_ids, np.array(e.runner.model.embed))
+            want[path] = (e.generate([PROMPT], GREEDY)[0].token_ids, e.runner.model.embed_tokens(np.arange(384)))
         finally:
             e.close()
     calls, load = [], GGUFCheckpoint.load
@@ -436,13 +436,40 @@ def test_a_dense_gguf_quantized_at_load_and_tables_read_in_chunks(hf_models, tmp
         return load(self, name, dtype, rows, cols)
     monkeypatch.setattr(GGUFCheckpoint, "load", spy)
     monkeypatch.setattr(W, "ROW_CHUNK", 100)
-    for path, table in ((f16, "model.embed_tokens.weight"), (f16, "lm_head.weight"), (q4, "model.embed_tokens.weight")):
+    for path, table in ((f16, "model.embed_tokens.weight"), (f16, "lm_head.weight")):
         calls.clear()
         e = engine(path)
         try:
             assert e.generate([PROMPT], GREEDY)[0].token_ids == want[path][0]
-            assert np.array_equal(e.runner.model.embed, want[path][1])
+            assert np.array_equal(e.runner.model.embed_tokens(np.arange(384)), want[path][1])
         finally:
             e.close()
         sizes = [r.stop - r.start for name, r in calls if name == table]
         assert sizes == [100, 100, 100, 84], (path, table, calls)  # NOTE: the vocabulary of 384 rows
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_a_quantized_embedding_table_stays_in_the_file(hf_models, tmp_path, qtype):
+    """A GGUF's quantized token_embd is not copied out dense: a lookup dequantizes the rows it
+    reads (f32, as llama.cpp's get_rows), the same rows the gguf package's dequantization gives,
+    on 1 rank and on 2 (vocabulary halves; a 2-rank run's tokens are 1 rank's)."""
+    import gguf
+    from test_quant_model import result, run_mpi
+    from numa_runtime.models.llama import StoredRows
+    path = str(tmp_path / f"m.{qtype}.gguf")
+    write_gguf(hf_models["llama"], path, qtype)
+    table = [t for t in gguf.GGUFReader(path).tensors if t.name == "token_embd.weight"][0]
+    ref = gguf.quants.dequantize(np.asarray(table.data), table.tensor_type).reshape(384, 256)
+    e = engine(path)
+    try:
+        model = e.runner.model
+        assert isinstance(model.embed, StoredRows)
+        ids = np.array([5, 383, 0, 5, 17, 200], np.int64)
+        np.testing.assert_array_equal(model.embed_tokens(ids), ref[ids])
+        with pytest.raises(IndexError, match="token id 384 is outside the vocabulary of 384"):
+            model.embed_tokens(np.array([1, 384], np.int64))
+        greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)  # NOTE: as quant_generate's
+        expected = list(e.generate([PROMPT], greedy)[0].token_ids)
+    finally:
+        e.close()
+    assert result(run_mpi(2, path, "none"))["tokens"] == [expected]

@@ -212,12 +212,17 @@ class LlamaModel:
         # ids: [T] -> x: [T, hidden] (into `out` when given)
         ops, lay = self.ops, self.lay
         x = np.empty((ids.shape[0], self.cfg.hidden_size), np.float32) if out is None else out
+        lookup = self.embed.lookup if isinstance(self.embed, StoredRows) else (
+            lambda rows, into: ops.embedding(rows, self.embed, into))
         if lay.world == 1:
-            return ops.embedding(ids, self.embed, x)
+            if isinstance(self.embed, StoredRows) and ((ids < 0) | (ids >= self.embed.shape[0])).any():
+                raise IndexError(f"token id {int(ids[(ids < 0) | (ids >= self.embed.shape[0])][0])} is outside "
+                                 f"the vocabulary of {self.embed.shape[0]}.")
+            return lookup(ids, x)
         local = ids - lay.vocab.start
         inside = (local >= 0) & (local < self.embed.shape[0])
         if self.embed.shape[0]:  # NOTE: a tiny vocabulary over many ranks leaves the last ones none
-            ops.embedding(np.where(inside, local, 0).astype(np.int64), self.embed, x)
+            lookup(np.where(inside, local, 0).astype(np.int64), x)
         x[~inside] = 0.0
         self.comm.all_reduce_(x)
         return x
@@ -405,15 +410,39 @@ class _StepBuffers:
         self.delta = np.empty((T, H), f32)                    # [T, H] the last sublayer's output
 
 
-def _embedding_table(ckpt: Checkpoint, dtype: str, rows: slice) -> np.ndarray:
+def _embedding_table(ckpt: Checkpoint, dtype: str, rows: slice):
     """The embedding rows of this rank. Lookups read T rows a step, so when the kernel can
     read the stored dtype directly (bf16 or f32) we keep the mmapped view: no copy, no RSS
-    for rows never used. (bf16 -> f32 is exact, so an f32 engine may read bf16 rows.)"""
+    for rows never used. (bf16 -> f32 is exact, so an f32 engine may read bf16 rows.) A table
+    the file stores quantized (GGUF) stays there too: StoredRows dequantizes the rows a step reads."""
     name = "model.embed_tokens.weight"
     raw = ckpt.raw(name)
     if raw.dtype == np.uint16 or (raw.dtype == np.float32 and dtype == "float32"):
         return raw[rows]
+    if getattr(ckpt, "quantized", None) is not None and not isinstance(raw, np.ndarray):
+        return StoredRows(ckpt, name, rows)
     return load_rows(ckpt, name, dtype, rows)
+
+
+class StoredRows:
+    """A rank's rows of an embedding table the file stores quantized, left in the (memory-mapped)
+    file: a lookup dequantizes the distinct rows it reads, in f32 as llama.cpp's get_rows does
+    (a dense copy of Qwen2.5-7B's Q4_K table is 1 GB a rank in bf16; the file holds 280 MB)."""
+
+    nbytes = 0  # NOTE: no memory of its own
+
+    def __init__(self, ckpt, name: str, rows: slice):
+        self.ckpt, self.name, self.start = ckpt, name, rows.start
+        self.shape = (rows.stop - rows.start, ckpt.raw(name).shape[1])
+
+    def lookup(self, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """out[t] = row ids[t] of this rank's rows (ids in range), f32."""
+        from ..quant.formats import dequantize
+        if ids.shape[0]:
+            distinct, where = np.unique(ids, return_inverse=True)
+            w = self.ckpt.quantized(self.name, distinct + self.start, None)
+            out[...] = dequantize(w)[where.reshape(-1)]
+        return out
 
 
 @contextlib.contextmanager
