@@ -6,7 +6,8 @@ import sys
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m numa_runtime", description=__doc__)
+    from numa_runtime.env import RankZeroParser
+    ap = RankZeroParser(prog="python -m numa_runtime", description=__doc__)
     ap.add_argument("prompt", nargs="?", default="What is the capital of France?")
     ap.add_argument("--model", default=None,
                     help="Hugging Face model directory or a .gguf file (default: SmolLM2-135M-Instruct)")
@@ -36,7 +37,7 @@ def main(argv=None) -> int:
         if args.raw:
             prompt = args.prompt
         else:
-            prompt = eng.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+            prompt = eng.tokenizer.render_chat([{"role": "user", "content": args.prompt}])
         print(f">>> {args.prompt}", flush=True)
         for delta in eng.stream(eng.tokenizer.encode(prompt, add_special_tokens=args.raw), params):
             print(delta, end="", flush=True)

@@ -796,7 +796,7 @@ class Engine:
                                 "list of such lists.")
             if not conv:
                 raise ValueError("A conversation needs at least one message.")
-            prompt = self.tokenizer.apply_chat_template(
+            prompt = self.tokenizer.render_chat(
                 conv, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                 chat_template=chat_template, **{**(chat_template_kwargs or {}), **template_kwargs})
             prompts.append(prompt)

@@ -3,6 +3,7 @@
 Read them through these functions (not at import time), so a test or a launcher that sets a
 variable after import still takes effect. No other module calls `os.environ` directly.
 """
+import argparse
 import os
 
 __all__ = ["cache_dir"]
@@ -49,6 +50,16 @@ def mpi_world() -> tuple[int, int] | None:
     OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE (Open MPI); None otherwise."""
     return (_int_pair("PMI_RANK", "PMI_SIZE")
             or _int_pair("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"))
+
+
+class RankZeroParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors and help print from rank 0 only under mpirun (each rank
+    parses the same flags; N copies of one message said nothing more)."""
+
+    def _print_message(self, message, file=None):
+        rank = mpi_world()
+        if rank is None or rank[0] == 0:
+            super()._print_message(message, file)
 
 
 def mpi_local() -> tuple[int, int] | None:

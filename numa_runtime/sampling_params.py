@@ -32,9 +32,8 @@ class StructuredOutputsParams:
     whitespace_pattern: str | None = None
     structural_tag: str | None = None
 
-    def constraint(self) -> tuple[str, object]:
-        """(kind, spec): ("json", a schema dict), ("regex", str), ("choice", [str]) or ("grammar",
-        str); ValueError (one sentence) unless exactly one is given and it is well formed."""
+    def check_options(self) -> None:
+        """ValueError (one sentence) for an option this server cannot honour."""
         if self.backend not in (None, "auto", "guidance", "llguidance"):
             raise ValueError(f"structured_outputs' backend {self.backend!r} is not available; llguidance (vLLM's "
                              "'guidance') serves every constraint here: leave backend out.")
@@ -45,7 +44,17 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs' structural_tag is not supported.")
         if self.disable_any_whitespace not in (False, True):
             raise ValueError("structured_outputs' disable_any_whitespace must be true or false.")
-        given = [f.name for f in fields(self) if f.name in _KINDS and getattr(self, f.name) not in (None, False)]
+
+    def kinds(self) -> list[str]:
+        """The constraint fields set (json, regex, choice, grammar, json_object): none in options
+        sent beside another field's schema (response_format, json_schema)."""
+        return [f.name for f in fields(self) if f.name in _KINDS and getattr(self, f.name) not in (None, False)]
+
+    def constraint(self) -> tuple[str, object]:
+        """(kind, spec): ("json", a schema dict), ("regex", str), ("choice", [str]) or ("grammar",
+        str); ValueError (one sentence) unless exactly one is given and it is well formed."""
+        self.check_options()
+        given = self.kinds()
         if len(given) != 1:
             raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar or "
                              f"json_object, got {', '.join(given) or 'none'}.")
@@ -210,13 +219,20 @@ class SamplingParams:
             so = as_structured_outputs(so)
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict, got {so!r}.")
-        constraint = so.constraint() if so is not None else None
+        # NOTE: as vLLM: structured_outputs with options only (disable_any_whitespace) beside a
+        # json_schema (response_format) are that schema's options
+        options = so is not None and self.json_schema is not None and not so.kinds()
+        if options:
+            so.check_options()
+        constraint = so.constraint() if so is not None and not options else None
         if self.json_schema is not None:
             if constraint is not None and (constraint[0] not in JSON_KINDS or constraint[1] != self.json_schema):
                 raise ValueError("Give one output constraint: json_schema or structured_outputs, not both.")
             if not isinstance(self.json_schema, dict):
                 raise ValueError(f"json_schema must be a dict (a JSON schema) or None, got {self.json_schema!r}.")
-            constraint = (constraint or ("json",))[0], self.json_schema
+            kind = constraint[0] if constraint is not None else (
+                "json_compact" if options and so.disable_any_whitespace else "json")
+            constraint = kind, self.json_schema
         return constraint
 
     def request_constraint(self) -> tuple[str, object] | None:

@@ -13,6 +13,7 @@ from datetime import datetime
 
 import jinja2
 import jinja2.ext
+import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _BackendTokenizer
 
@@ -64,7 +65,8 @@ class Tokenizer:
     `encode(text)` equals HF `tokenizer.encode(text)`; `decode(ids)` equals HF
     `tokenizer.decode(ids, skip_special_tokens=...)` (special tokens kept unless skipped, as
     HF's default; no clean-up of tokenization spaces);
-    `apply_chat_template(messages)` equals HF `apply_chat_template(..., tokenize=False)`.
+    `apply_chat_template` is HF's, defaults included; `render_chat(messages)` the text with a
+    generation prompt (this runtime's chat).
     """
 
     def __init__(self, backend: _BackendTokenizer, config: dict, generation_config: dict,
@@ -167,8 +169,19 @@ class Tokenizer:
         """The tokenizer.json this tokenizer was read from (for libraries that read it too)."""
         return self._backend.to_str()
 
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    def decode(self, token_ids, skip_special_tokens: bool = False, **kwargs) -> str:
+        """The text of token ids (a list, an array, or one id as HF takes it). HF's
+        clean_up_tokenization_spaces is taken when false (this never cleans up)."""
+        if kwargs.get("clean_up_tokenization_spaces"):
+            raise ValueError("decode's clean_up_tokenization_spaces=True is not supported (the text is decoded as "
+                             "generated, never cleaned up).")
+        other = sorted(set(kwargs) - {"clean_up_tokenization_spaces"})
+        if other:
+            raise TypeError(f"decode() got unexpected keyword arguments {other}.")
+        if np.ndim(token_ids) == 0:
+            token_ids = [int(token_ids)]
+        return self._backend.decode([int(t) for t in token_ids] if not isinstance(token_ids, list) else token_ids,
+                                    skip_special_tokens=skip_special_tokens)
 
     def decoded_token(self, token_id: int) -> str:
         """One token decoded on its own, special tokens kept (vLLM's Logprob.decoded_token)."""
@@ -206,10 +219,31 @@ class Tokenizer:
         decoder = json.dumps(json.loads(self._backend.to_str()).get("decoder"))
         return "byte_level" if '"ByteLevel"' in decoder else "metaspace" if "\\u2581" in decoder else ""
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool | None = None,
-                            tools: list[dict] | None = None, documents: list[dict] | None = None,
-                            continue_final_message: bool = False, chat_template: str | None = None,
-                            tokenize: bool = False, **kwargs) -> str | list[int]:
+    def apply_chat_template(self, conversation, tools: list[dict] | None = None, documents: list[dict] | None = None,
+                            chat_template: str | None = None, add_generation_prompt: bool = False,
+                            continue_final_message: bool = False, tokenize: bool = True, **kwargs):
+        """Hugging Face's apply_chat_template, with its defaults (what scripts written against
+        vLLM's LLM.get_tokenizer() call): the ids (tokenize=True; as input_ids of a dict unless
+        return_dict=False, as transformers 5) of the conversation without a generation prompt
+        unless asked; a list of conversations gives a list; `chat_template` a
+        template's name or its Jinja source. render_chat is the same with this runtime's defaults
+        (the text, and a generation prompt)."""
+        batch = isinstance(conversation, (list, tuple)) and bool(conversation) and all(
+            isinstance(c, (list, tuple)) for c in conversation)
+        return_dict = kwargs.setdefault("return_dict", True)  # NOTE: transformers 5's default
+        out = [self.render_chat(c, add_generation_prompt=add_generation_prompt, tools=tools, documents=documents,
+                                continue_final_message=continue_final_message, chat_template=chat_template,
+                                tokenize=tokenize, **kwargs) for c in (conversation if batch else [conversation])]
+        if not batch:
+            return out[0]
+        if tokenize and return_dict:
+            return _Encoding(input_ids=[e["input_ids"] for e in out], attention_mask=[e["attention_mask"] for e in out])
+        return out
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool | None = None,
+                    tools: list[dict] | None = None, documents: list[dict] | None = None,
+                    continue_final_message: bool = False, chat_template: str | None = None,
+                    tokenize: bool = False, **kwargs) -> str | list[int]:
         """Render the conversation to the prompt string. Extra kwargs reach the template
         (e.g. `enable_thinking=False`) and override the special tokens of the same name.
 
@@ -225,8 +259,8 @@ class Tokenizer:
         `continue_final_message`: the prompt ends with the last message's text, for
         the model to go on with it (no generation prompt; what the template writes after that
         text is cut). `add_generation_prompt` defaults to true, but with continue_final_message.
-        `chat_template`: a Jinja source to render with instead of the model's. `tokenize=True`:
-        the prompt's token ids (HF's; its default, not this one's: the text).
+        `chat_template`: the name of one of the model's templates ("tool_use"), or a Jinja source
+        to render with instead of the model's. `tokenize=True`: the prompt's token ids.
         ChatTemplateError if the template raises, whatever it raises; ValueError for a request
         that cannot be rendered."""
         if chat_template is not None and not isinstance(chat_template, str):
@@ -238,11 +272,15 @@ class Tokenizer:
                 raise ValueError("continue_final_message needs a message to continue.")
         add = (not continue_final_message) if add_generation_prompt is None else bool(add_generation_prompt)
         return_dict = kwargs.pop("return_dict", False)  # NOTE: HF's keywords are not template variables
-        for name in ("return_tensors", "padding", "truncation", "max_length"):
+        for name in ("return_tensors", "padding", "truncation", "max_length", "return_assistant_tokens_mask"):
             if kwargs.pop(name, None) not in (None, False):
                 raise ValueError(f"apply_chat_template's {name} (Hugging Face's) is not supported: it gives the text, "
                                  "or with tokenize=True the ids as a list.")
-        source = chat_template if chat_template is not None else self._pick_template(tools)
+        named = chat_template is not None and chat_template in self._chat_templates
+        source = self._chat_templates[chat_template] if named else (
+            chat_template if chat_template is not None else self._pick_template(tools))
+        if named:
+            chat_template = None  # NOTE: the model's own: errors name it so
         context = {k: v for k, v in self._special.items() if v is not None}
         context.update(kwargs)
         msgs = _template_messages(messages, *_content_format(source), developer="developer" in source)
@@ -316,6 +354,38 @@ class Tokenizer:
         return self._special["pad_token"]
 
     @property
+    def unk_token(self) -> str | None:
+        return self._special["unk_token"]
+
+    @property
+    def unk_token_id(self) -> int | None:
+        return self._token_id(self._special["unk_token"])
+
+    @property
+    def sep_token(self) -> str | None:
+        return self._special["sep_token"]
+
+    @property
+    def sep_token_id(self) -> int | None:
+        return self._token_id(self._special["sep_token"])
+
+    @property
+    def cls_token(self) -> str | None:
+        return self._special["cls_token"]
+
+    @property
+    def cls_token_id(self) -> int | None:
+        return self._token_id(self._special["cls_token"])
+
+    @property
+    def mask_token(self) -> str | None:
+        return self._special["mask_token"]
+
+    @property
+    def mask_token_id(self) -> int | None:
+        return self._token_id(self._special["mask_token"])
+
+    @property
     def eos_token_id(self) -> int | None:
         """The tokenizer config's EOS (HF's); generation stops at every id of eos_token_ids."""
         found = self._token_id(self._special["eos_token"])
@@ -340,9 +410,11 @@ class Tokenizer:
 
     def convert_tokens_to_ids(self, tokens):
         """A token's id (None if it has none), or a list of them."""
+        unk = self.unk_token_id  # NOTE: HF's: a token outside the vocabulary is the unknown token's id
         if isinstance(tokens, str):
-            return self._backend.token_to_id(tokens)
-        return [self._backend.token_to_id(t) for t in tokens]
+            found = self._backend.token_to_id(tokens)
+            return unk if found is None else found
+        return [unk if i is None else i for i in (self._backend.token_to_id(t) for t in tokens)]
 
     def convert_ids_to_tokens(self, ids):
         """A token id's token (as the vocabulary spells it), or a list of them."""
@@ -359,10 +431,8 @@ class Tokenizer:
 
     def convert_tokens_to_string(self, tokens) -> str:
         """Tokens (as the vocabulary spells them) back to text, through the tokenizer's decoder."""
-        ids = self.convert_tokens_to_ids(list(tokens))
-        if None in ids:
-            raise ValueError(f"{list(tokens)[ids.index(None)]!r} is not a token of this tokenizer's vocabulary.")
-        return self.decode(ids)
+        decoder = self._backend.decoder  # NOTE: HF's: the tokens through the decoder, known to the vocabulary or not
+        return decoder.decode(list(tokens)) if decoder is not None else "".join(tokens)
 
     @property
     def special_tokens_map(self) -> dict:

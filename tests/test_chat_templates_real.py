@@ -157,7 +157,7 @@ def test_template_renders_as_transformers(template_dir, name):
             call = {**kwargs, "add_generation_prompt": gen}
             want, their_error = _render(lambda m, **kw: theirs.apply_chat_template(m, tokenize=False, **kw),
                                         their_messages, call)
-            got, our_error = _render(ours.apply_chat_template, our_messages, call)
+            got, our_error = _render(ours.render_chat, our_messages, call)
             ours_said = f"we raised {our_error!r}" if our_error else f"we rendered {got!r}"
             if their_error is not None and not isinstance(our_error, ChatTemplateError):
                 mismatches.append(f"{case} gen={gen}: transformers raised {their_error!r}, {ours_said}")

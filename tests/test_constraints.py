@@ -172,6 +172,16 @@ def test_constraints_through_the_server(model_dir, eng):
                                            extra_body={"structured_outputs": {"regex": PLATE}}, **kw)
         text = "".join(c.choices[0].delta.content or "" for c in r if c.choices)
         assert re.fullmatch(PLATE, text), text
+        small = {"type": "integer", "minimum": 0, "maximum": 99}
+        pair = {"type": "object", "properties": {"a": small, "b": small}, "required": ["a", "b"]}
+        for extra in ({"structured_outputs": {"disable_any_whitespace": True}},
+                      {"guided_json": pair, "structured_outputs": {"disable_any_whitespace": True}}):
+            fmt = {} if "guided_json" in extra else {"response_format": {"type": "json_schema", "json_schema": {
+                "name": "pair", "schema": pair}}}
+            r = client.chat.completions.create(messages=[{"role": "user", "content": "Pair"}], extra_body=extra,
+                                               **{**kw, "max_tokens": 40}, **fmt)
+            text = r.choices[0].message.content
+            assert text == json.dumps(json.loads(text), separators=(",", ":")), text
         r = client.completions.create(prompt="Sum", extra_body={"guided_grammar": 'root ::= "(" [0-9] ")"'}, **kw)
         assert re.fullmatch(r"\([0-9]\)", r.choices[0].text)
         r = client.completions.create(prompt="Hello", extra_body={"allowed_token_ids": [5, 6]}, logprobs=1,
@@ -349,3 +359,10 @@ def test_disable_any_whitespace_writes_json_compact(eng):
                                                                "disable_any_whitespace": True})
     both = SamplingParams(json_schema=schema, structured_outputs={"json": schema, "disable_any_whitespace": True})
     assert both.constraint == ("json_compact", schema)
+    # NOTE: as vLLM: options alone beside a schema given elsewhere (response_format) are that schema's
+    beside = SamplingParams(json_schema=schema, structured_outputs={"disable_any_whitespace": True})
+    assert beside.constraint == ("json_compact", schema)
+    with pytest.raises(ValueError, match="backend 'xgrammar' is not available"):
+        SamplingParams(json_schema=schema, structured_outputs={"backend": "xgrammar"})
+    with pytest.raises(ValueError, match="exactly one of json, regex"):
+        SamplingParams(structured_outputs={"disable_any_whitespace": True})

@@ -714,12 +714,12 @@ def test_chat_continues_the_final_message_or_opens_no_turn(model_dir):
         messages = [{"role": "user", "content": "Tell me"}, {"role": "assistant", "content": "Once upon a"}]
         sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         cont = eng.chat(messages, sp, continue_final_message=True)
-        rendered = tok.apply_chat_template(messages, add_generation_prompt=False)
+        rendered = tok.render_chat(messages, add_generation_prompt=False)
         assert rendered.startswith(cont.prompt) and cont.prompt.endswith("Once upon a")  # None before
         want = tok.encode(rendered[:rendered.rindex("Once upon a") + len("Once upon a")], add_special_tokens=False)
         assert list(cont.prompt_token_ids) == want
         plain = eng.chat(messages[:1], sp, add_generation_prompt=False)
-        assert list(plain.prompt_token_ids) == tok.encode(tok.apply_chat_template(messages[:1],
+        assert list(plain.prompt_token_ids) == tok.encode(tok.render_chat(messages[:1],
                                                                                   add_generation_prompt=False),
                                                           add_special_tokens=False)
         assert list(plain.prompt_token_ids) != list(eng.chat(messages[:1], sp).prompt_token_ids)
@@ -767,7 +767,7 @@ def test_chat_takes_vllm_arguments_and_lists_of_conversations(model_dir):
         assert custom.prompt == "XHiYZ"
         two = eng.chat([m, [{"role": "user", "content": "Bye"}]], sp)
         assert isinstance(two, list) and two[0].token_ids == one.token_ids and len(two[1].token_ids) == 3
-        assert two[1].prompt == eng.tokenizer.apply_chat_template([{"role": "user", "content": "Bye"}])
+        assert two[1].prompt == eng.tokenizer.render_chat([{"role": "user", "content": "Bye"}])
         for bad in ("hello", ["hi"], [m, "x"]):
             with pytest.raises(TypeError, match=r"^messages must be a list of message dicts"):
                 eng.chat(bad, sp)
@@ -1045,9 +1045,11 @@ def test_vllm_llm_helpers(model_dir):
     try:
         tok = e.get_tokenizer()
         msgs = [{"role": "user", "content": "Hello there"}]
-        text = tok.apply_chat_template(msgs, add_generation_prompt=True)
-        assert tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True) == \
+        text = tok.render_chat(msgs, add_generation_prompt=True)
+        assert tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False) == \
             tok.encode(text, add_special_tokens=False)
+        assert tok.apply_chat_template(msgs, add_generation_prompt=True)["input_ids"] == \
+            tok.encode(text, add_special_tokens=False)  # NOTE: transformers 5's default: a dict
         prompt = list(range(5, 60))
         first = e.generate([prompt], GREEDY)[0]
         again = e.generate([prompt], GREEDY)[0]

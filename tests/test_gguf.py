@@ -179,8 +179,8 @@ def test_named_chat_templates_of_a_gguf_are_kept(hf_models, tmp_path, with_defau
     tok = Tokenizer.from_dir(gguf_model_dir(path))
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
     msgs = [{"role": "user", "content": "hi"}]
-    assert tok.apply_chat_template(msgs, tools=tools).startswith('TOOLS:[{"type": "function"')
-    assert tok.apply_chat_template(msgs) == ("hi" if with_default else "TOOLS:null" + "hi")
+    assert tok.render_chat(msgs, tools=tools).startswith('TOOLS:[{"type": "function"')
+    assert tok.render_chat(msgs) == ("hi" if with_default else "TOOLS:null" + "hi")
 
 
 def test_unknown_architecture_is_a_clear_error(hf_models, tmp_path):

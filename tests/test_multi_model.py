@@ -212,6 +212,11 @@ def test_server_serves_each_model_by_name(models, ranks):
         for bad in (["alpha"], {"a": 1}, 7):
             r = httpx.post(srv.base + "/v1/completions", json={"model": bad, "prompt": "x"}, timeout=30)
             assert r.status_code == 400 and "'model' must be a string" in r.json()["error"]["message"]
+        # NOTE: /ping (SageMaker's health check is a POST without a body) and a POST no route has go to an app
+        # as on a server of one model (they were 400 "Name the model")
+        for method in ("GET", "POST"):
+            assert httpx.request(method, srv.base + "/ping", timeout=30).json() == {"status": "ok"}
+        assert httpx.post(srv.base + "/v1/responses/resp_x/cancel", timeout=30).status_code == 404
     finally:
         assert srv.stop() == 0, srv.output()
 

@@ -149,5 +149,29 @@ def test_a_real_server_splits_what_the_model_writes(engine):
         raw = c.completions.create(model="m", prompt=ids, max_tokens=12, temperature=0).choices[0].text
         msg = c.chat.completions.create(model="m", messages=MSGS, max_tokens=12, temperature=0).choices[0].message
         assert (msg.reasoning_content, msg.content) == split("deepseek_r1", raw) == (raw, None)
+        # NOTE: the usage counts the reasoning's tokens (all 12 here), chat's and /v1/responses' (it said 0)
+        usage = c.chat.completions.create(model="m", messages=MSGS, max_tokens=12, temperature=0).usage
+        assert usage.completion_tokens_details.reasoning_tokens == usage.completion_tokens == 12
+        r = c.responses.create(model="m", input="2+2?", max_output_tokens=12, temperature=0)
+        assert r.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens == 12
+        streamed = list(c.responses.create(model="m", input="2+2?", max_output_tokens=12, temperature=0, stream=True))
+        assert streamed[-1].response.usage.output_tokens_details.reasoning_tokens == 12
     finally:
         assert srv.stop() == 0, srv.output()
+
+
+def test_reasoning_tokens_are_counted_as_vllm_counts_them():
+    """The tokens up to the one that completes </think> (a marker split over tokens, a character
+    split over bytes); all of an unclosed reply that reasons; none of one that does not."""
+    from numa_runtime.serve.reasoning import reasoning_tokens
+    pieces = [b"<think>", b"\nAdd", b" them \xc3", b"\xa9.\n</", b"think>", b"\n\nIt", b" is 4."]
+    ids = list(range(len(pieces)))
+    for parser in ("deepseek_r1", "qwen3"):
+        assert reasoning_tokens(parser, ids, pieces.__getitem__) == 5
+        assert reasoning_tokens(parser, ids[:3], pieces.__getitem__) == 3  # NOTE: cut while reasoning
+    plain = [b"It", b" is", b" 4."]
+    assert reasoning_tokens("qwen3", [0, 1, 2], plain.__getitem__) == 0
+    assert reasoning_tokens("deepseek_r1", [0, 1, 2], plain.__getitem__) == 3  # NOTE: its template opened <think>
+    closed = [b"Add.", b"</think>", b"4"]
+    assert reasoning_tokens("deepseek_r1", [0, 1, 2], closed.__getitem__) == 2
+    assert reasoning_tokens("qwen3", [], plain.__getitem__) == 0

@@ -140,7 +140,9 @@ def test_metrics_under_vllm_names_too(client, server):
                          ("numa_runtime_num_requests_waiting", "vllm:num_requests_waiting")):
         assert metric(server.base, ours) == metric(server.base, theirs), theirs
     text = httpx.get(server.base + "/metrics").text
-    assert 'vllm:num_requests_running' in text and not re.search(r"^vllm:\S*_created", text, re.M)
+    assert not re.search(r"^vllm:\S*_created", text, re.M)
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):  # NOTE: as vLLM labels them
+        assert re.search(rf'^vllm:{gauge}{{model_name="tiny"}} ', text, re.M), gauge
 
 
 def test_completion(client):
@@ -327,7 +329,7 @@ def test_vllm_extras_are_applied(client, model_dir):
     chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, **FLOAT,
                                           extra_body={"continue_final_message": True, "ignore_eos": True,
                                                       "add_generation_prompt": False})
-    rendered = tok.apply_chat_template(messages, add_generation_prompt=False)
+    rendered = tok.render_chat(messages, add_generation_prompt=False)
     prompt = tok.encode(rendered[:rendered.rindex("Once upon a") + len("Once upon a")], add_special_tokens=False)
     same = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, extra_body={"ignore_eos": True},
                                      **FLOAT)
@@ -628,7 +630,10 @@ def test_disconnect_mid_stream_aborts(server, client):
 
 def test_disconnect_non_streaming_aborts(server):
     aborted = metric(server.base, 'numa_runtime_requests_total{status="abort"}')
-    body = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 240, "ignore_eos": True, "n": 4})
+    # NOTE: 64 sequences with logprobs run ~1.6 s on the tiny model (n=4 ended in 90 ms, before a loaded
+    # machine's server saw the client go)
+    body = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 240, "ignore_eos": True, "n": 64,
+                       "logprobs": 20})
     host, port = server.base.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as conn:  # NOTE: the client goes once its request runs
         conn.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
@@ -789,10 +794,13 @@ def test_flag_errors_and_help_under_mpirun_print_once():
     """Under mpirun a bad flag and --help print once (rank 0), not once a rank."""
     mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
     env = dict(os.environ, MPI4PY_RC_THREAD_LEVEL="funneled")
-    for flags, code, text in ((["--bogus"], 2, "numa-serve: error: unrecognized arguments: --bogus"),
-                              (["--help"], 0, "usage: numa-serve")):
+    for module, flags, code, text in (
+            ("numa_runtime.serve", ["--bogus"], 2, "numa-serve: error: unrecognized arguments: --bogus"),
+            ("numa_runtime.serve", ["--help"], 0, "usage: numa-serve"),
+            ("numa_runtime", ["--bogus"], 2, "error: unrecognized arguments: --bogus"),
+            ("numa_runtime", ["--help"], 0, "usage: python -m numa_runtime")):
         p = subprocess.run([mpirun if os.path.exists(mpirun) else "mpirun", "-np", "2", sys.executable, "-m",
-                            "numa_runtime.serve", *flags], capture_output=True, text=True, timeout=120, env=env)
+                            module, *flags], capture_output=True, text=True, timeout=120, env=env)
         assert p.returncode == code, p.stdout + p.stderr
         assert (p.stdout + p.stderr).count(text) == 1, p.stdout + p.stderr
 
@@ -923,7 +931,7 @@ def test_tokenize_detokenize_and_version(server, model_dir):
     assert r["token_strs"][-1].startswith("Ġ") and "".join(r["token_strs"]).replace("Ġ", " ").endswith("Hello world")
     msgs = [{"role": "user", "content": "Hi"}]
     r = httpx.post(server.base + "/tokenize", json={"messages": msgs}, timeout=30).json()
-    assert r["tokens"] == tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False)
+    assert r["tokens"] == tok.encode(tok.render_chat(msgs), add_special_tokens=False)
     assert r["token_strs"] is None
     r = httpx.post(server.base + "/detokenize", json={"tokens": tok.encode("Hello world", add_special_tokens=False)},
                    timeout=30)
@@ -931,7 +939,7 @@ def test_tokenize_detokenize_and_version(server, model_dir):
     # a chat prompt's tokens come back with their template's special tokens (as vLLM; they were dropped)
     ids = httpx.post(server.base + "/tokenize", json={"messages": msgs}, timeout=30).json()["tokens"]
     r = httpx.post(server.base + "/detokenize", json={"tokens": ids}, timeout=30)
-    assert r.json()["prompt"] == tok.decode(ids, skip_special_tokens=False) == tok.apply_chat_template(msgs)
+    assert r.json()["prompt"] == tok.decode(ids, skip_special_tokens=False) == tok.render_chat(msgs)
     for path, body, msg in (("/tokenize", {}, "Give either prompt or messages"),
                             ("/tokenize", {"prompt": "x", "messages": msgs}, "Give either prompt or messages"),
                             ("/detokenize", {"tokens": [10 ** 9]}, "is not a token id"),

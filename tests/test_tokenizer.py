@@ -9,6 +9,7 @@ import random
 import shutil
 
 import jinja2
+import numpy as np
 import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
@@ -76,7 +77,7 @@ def test_special_ids_match_hf(smol, smol_hf):
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_matches_hf(smol, smol_hf, messages, add_generation_prompt):
-    ours = smol.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    ours = smol.render_chat(messages, add_generation_prompt=add_generation_prompt)
     theirs = smol_hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                          tokenize=False)
     assert ours == theirs
@@ -215,7 +216,7 @@ def test_trained_tokenizer_eos_ids_and_missing_template(tmp_path):
     assert tok.eos_token_ids == {1, 2} and tok.bos_token_id == 0 and tok.pad_token_id == 2
     assert not tok.has_chat_template
     with pytest.raises(ChatTemplateError, match="no chat template"):
-        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+        tok.render_chat([{"role": "user", "content": "hi"}])
 
 
 TEMPLATE = """{% set ns = namespace(n=0) %}
@@ -256,7 +257,7 @@ def test_chat_template_sources_and_helpers_match_hf(tmp_path, how, tools):
     for messages in CONVERSATIONS + [[{"role": "user", "content": "a"}, {"role": "stop"},
                                       {"role": "user", "content": "never shown"}]]:
         for gen in (True, False):
-            text = ours.apply_chat_template(messages, add_generation_prompt=gen, tools=tools)
+            text = ours.render_chat(messages, add_generation_prompt=gen, tools=tools)
             assert text == theirs.apply_chat_template(messages, add_generation_prompt=gen,
                                                       tools=tools, tokenize=False)
     if tools and how == "named":
@@ -269,10 +270,10 @@ def test_chat_template_errors_are_clear(tmp_path):
     tok = Tokenizer.from_dir(str(_template_dir(tmp_path, "string")))
     bad = [{"role": "user", "content": "a"}, {"role": "system", "content": "late"}]
     with pytest.raises(ChatTemplateError, match="system must be first"):
-        tok.apply_chat_template(bad)
+        tok.render_chat(bad)
     tok._chat_templates = {"default": "{{ messages.__class__.__mro__ }}"}
     with pytest.raises(ChatTemplateError):  # the sandbox refuses
-        tok.apply_chat_template([{"role": "user", "content": "a"}])
+        tok.render_chat([{"role": "user", "content": "a"}])
 
 
 @pytest.mark.parametrize("source", [
@@ -287,9 +288,9 @@ def test_chat_template_sandbox_refuses_what_hf_refuses(tmp_path, source):
     with pytest.raises(jinja2.TemplateError):
         theirs.apply_chat_template(messages, tokenize=False)
     with pytest.raises(ChatTemplateError):
-        ours.apply_chat_template(messages)
+        ours.render_chat(messages)
     ours._chat_templates = {"default": "{{ dict(a=1) }} {{ dict.fromkeys('ab', 0) }}"}
-    assert ours.apply_chat_template(messages) == "{'a': 1} {'a': 0, 'b': 0}"
+    assert ours.render_chat(messages) == "{'a': 1} {'a': 0, 'b': 0}"
 
 
 def _train_metaspace(model_dir, config=None, bos_in_post_processor=True):
@@ -397,24 +398,24 @@ def test_content_parts_reach_a_template_as_it_reads_them(tmp_path, source, want)
     tok = Tokenizer.from_dir(str(d))
     messages = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "World"}]},
                 {"role": "assistant", "content": "Hi"}]
-    assert tok.apply_chat_template(messages, add_generation_prompt=False) == want
+    assert tok.render_chat(messages, add_generation_prompt=False) == want
     with pytest.raises(ValueError, match="Only text content parts"):
-        tok.apply_chat_template([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}])
+        tok.render_chat([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}])
     with pytest.raises(ValueError, match=r"^A text content part needs its 'text' as a string, got None\.$"):
-        tok.apply_chat_template([{"role": "user", "content": [{"type": "text"}]}])  # "got type 'text'" before
+        tok.render_chat([{"role": "user", "content": [{"type": "text"}]}])  # "got type 'text'" before
 
 
 def test_continue_final_message_ends_the_prompt_with_its_text(tmp_path):
     d = _template_dir(tmp_path, "string")
     ours, theirs = Tokenizer.from_dir(str(d)), transformers.AutoTokenizer.from_pretrained(str(d))
     messages = [{"role": "user", "content": "Tell me"}, {"role": "assistant", "content": "Once upon a"}]
-    text = ours.apply_chat_template(messages, continue_final_message=True)
+    text = ours.render_chat(messages, continue_final_message=True)
     assert text == theirs.apply_chat_template(messages, continue_final_message=True, tokenize=False)
     assert text.endswith("Once upon a")
     with pytest.raises(ValueError, match="cannot be true together with add_generation_prompt=true"):
-        ours.apply_chat_template(messages, continue_final_message=True, add_generation_prompt=True)
+        ours.render_chat(messages, continue_final_message=True, add_generation_prompt=True)
     # NOTE: as HF and vLLM, any last message may be continued
-    assert ours.apply_chat_template(messages[:1], continue_final_message=True).endswith("Tell me")
+    assert ours.render_chat(messages[:1], continue_final_message=True).endswith("Tell me")
 
 
 def _text_state(tokenizer, prompt_ids, out_ids, read_text=True, every=None, **params):
@@ -485,10 +486,10 @@ def test_a_chat_template_error_names_the_template_that_raised(smol_dir):
     tok = Tokenizer.from_dir(smol_dir)  # NOTE: its own: use_chat_template changes it
     msgs = [{"role": "user", "content": "hi"}]
     with pytest.raises(ChatTemplateError, match="^the given chat template rejected the conversation: nope"):
-        tok.apply_chat_template(msgs, chat_template="{{ raise_exception('nope') }}")
+        tok.render_chat(msgs, chat_template="{{ raise_exception('nope') }}")
     tok.use_chat_template("{{ raise_exception('nope') }}")
     with pytest.raises(ChatTemplateError, match="^the --chat-template template rejected the conversation: nope"):
-        tok.apply_chat_template(msgs)
+        tok.render_chat(msgs)
 
 
 def test_running_text_leaves_out_what_a_stop_string_holds_back(smol):
@@ -523,23 +524,23 @@ def test_openai_tool_history_renders_as_vllms_chat(smol):
                 {"id": "call_2", "type": "function", "function": {"name": "now", "arguments": ""}},
                 {"id": "call_3", "type": "function", "function": {"name": "bad", "arguments": "[1]"}}]},
             {"role": "tool", "tool_call_id": "call_1", "content": "20C"}]
-    text = smol.apply_chat_template(msgs, chat_template=CALLS_TEMPLATE, add_generation_prompt=False)
+    text = smol.render_chat(msgs, chat_template=CALLS_TEMPLATE, add_generation_prompt=False)
     assert text == '<|user|>Weather in Paris?;<|assistant|>[get_weather {"city": "Paris"}][now {}][bad {}];<|tool|>20C;'
     # NOTE: the server's own message form (arguments already an object) renders the same
     from numa_runtime.serve.protocol import ChatMessage
     served = [ChatMessage.model_validate(m).as_template_dict() for m in msgs]
-    assert smol.apply_chat_template(served, chat_template=CALLS_TEMPLATE, add_generation_prompt=False) == text
+    assert smol.render_chat(served, chat_template=CALLS_TEMPLATE, add_generation_prompt=False) == text
 
 
 def test_a_developer_message_is_a_system_one_where_the_template_has_no_developer_role(smol):
     """As llama.cpp's server: newer OpenAI clients send the system prompt as role "developer";
     a template that never names that role (Qwen2.5's, SmolLM2's) dropped it unseen."""
     msgs = [{"role": "developer", "content": "ALWAYS ANSWER IN FRENCH"}, {"role": "user", "content": "hi"}]
-    text = smol.apply_chat_template(msgs)
+    text = smol.render_chat(msgs)
     assert "ALWAYS ANSWER IN FRENCH" in text
-    assert text == smol.apply_chat_template([{"role": "system", "content": "ALWAYS ANSWER IN FRENCH"}, msgs[1]])
+    assert text == smol.render_chat([{"role": "system", "content": "ALWAYS ANSWER IN FRENCH"}, msgs[1]])
     own = "{% for m in messages %}{% if m.role == 'developer' %}D:{% endif %}{{ m.content }};{% endfor %}"
-    assert smol.apply_chat_template(msgs, chat_template=own, add_generation_prompt=False) == \
+    assert smol.render_chat(msgs, chat_template=own, add_generation_prompt=False) == \
         "D:ALWAYS ANSWER IN FRENCH;hi;"
 
 
@@ -568,6 +569,37 @@ def test_the_hf_names_vllm_scripts_read(smol, smol_hf):
         smol.apply_chat_template(msgs, tokenize=True, return_tensors="pt")
 
 
+def test_apply_chat_template_and_decode_take_hf_defaults_and_forms(smol, smol_hf, tmp_path, smol_dir):
+    """As HF's (what vLLM's get_tokenizer() gives): apply_chat_template gives ids and no generation
+    prompt by default (ours gave the text with one), takes conversation= and a list of
+    conversations, and a chat_template that names one of the model's templates renders it (its
+    name came back as the text); decode takes one id or token_ids=; the unknown token and its id
+    read as HF's, and a token outside the vocabulary converts to it (None)."""
+    msgs = [{"role": "user", "content": "Hi"}]
+    for kw in ({}, {"add_generation_prompt": True}, {"tokenize": False}, {"tokenize": False, "add_generation_prompt": True}):
+        assert smol.apply_chat_template(msgs, **kw) == smol_hf.apply_chat_template(msgs, **kw), kw
+        assert smol.apply_chat_template(conversation=msgs, **kw) == smol_hf.apply_chat_template(conversation=msgs, **kw)
+        two = [msgs, msgs + [{"role": "assistant", "content": "Hello"}]]
+        assert smol.apply_chat_template(two, **kw) == smol_hf.apply_chat_template(two, **kw), kw
+    assert smol.render_chat(msgs) == smol_hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    ids = smol.encode("Hello there")
+    assert smol.decode(ids[0]) == smol_hf.decode(ids[0]) and smol.decode(np.int64(ids[0])) == smol_hf.decode(ids[0])
+    assert smol.decode(token_ids=ids) == smol_hf.decode(token_ids=ids) and smol.decode(np.array(ids)) == "Hello there"
+    assert (smol.unk_token, smol.unk_token_id) == (smol_hf.unk_token, smol_hf.unk_token_id)
+    assert smol.convert_tokens_to_ids(["zzzzqqq", "Hello"]) == smol_hf.convert_tokens_to_ids(["zzzzqqq", "Hello"])
+    assert smol.convert_tokens_to_ids("zzzzqqq") == smol_hf.convert_tokens_to_ids("zzzzqqq") == smol.unk_token_id
+    d = tmp_path / "named"
+    d.mkdir()
+    shutil.copy(os.path.join(smol_dir, "tokenizer.json"), d / "tokenizer.json")
+    cfg = json.loads(open(os.path.join(smol_dir, "tokenizer_config.json")).read())
+    cfg["chat_template"] = [{"name": "default", "template": "D:{{ messages[0]['content'] }}"},
+                            {"name": "tool_use", "template": "T:{{ messages[0]['content'] }}"}]
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    named = Tokenizer.from_dir(str(d))
+    assert named.apply_chat_template(msgs, chat_template="tool_use", tokenize=False) == "T:Hi"
+    assert named.apply_chat_template(msgs, tokenize=False) == "D:Hi"
+
+
 def test_decode_keeps_special_tokens_unless_skipped_as_hf(smol, smol_hf, smol_dir, tmp_path):
     """HF's decode keeps special tokens by default (ours skipped them); tokenize,
     convert_tokens_to_string, special_tokens_map, model_max_length and vocab read as HF's, and
@@ -580,8 +612,8 @@ def test_decode_keeps_special_tokens_unless_skipped_as_hf(smol, smol_hf, smol_di
         assert smol.tokenize(text) == smol_hf.tokenize(text)
         assert smol.convert_tokens_to_string(smol.tokenize(text)) == smol_hf.convert_tokens_to_string(
             smol_hf.tokenize(text))
-    with pytest.raises(ValueError, match="'nosuchtoken' is not a token"):
-        smol.convert_tokens_to_string(["Hello", "nosuchtoken"])
+    assert smol.convert_tokens_to_string(["Hello", "nosuchtoken"]) == smol_hf.convert_tokens_to_string(
+        ["Hello", "nosuchtoken"])
     assert smol.special_tokens_map == smol_hf.special_tokens_map
     assert smol.model_max_length == smol_hf.model_max_length == 8192
     assert smol.vocab == smol_hf.vocab

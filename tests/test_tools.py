@@ -367,6 +367,32 @@ def test_responses_api_over_the_chat_path(model_dir):
         assert srv.stop() == 0, srv.output()
 
 
+def test_a_stored_turn_of_text_and_calls_is_one_assistant_message():
+    """A response whose output is a message and a function call goes back into the next turn as
+    one assistant message with both (it became two assistant turns the model never wrote), and
+    its input items are stored as OpenAI's items (typed messages of text parts, with a status)."""
+    from numa_runtime.serve import responses_api as RA
+    st = RA.ResponseStore()
+    raw = {"input": [{"role": "user", "content": "Weather in Paris?"},
+                     {"type": "message", "role": "assistant", "content": "Earlier answer."}]}
+    st.keep(raw, {"id": "resp_1", "output": [
+        {"type": "message", "id": "m", "status": "completed", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Let me check.", "annotations": []}]},
+        {"type": "function_call", "id": "fc", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}', "status": "completed"}]})
+    msgs = RA.chat_request({"model": "m", "previous_response_id": "resp_1", "input": [
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]}, st)["messages"]
+    assert [m["role"] for m in msgs] == ["user", "assistant", "assistant", "tool"]
+    turn = msgs[2]
+    assert turn["content"] == [{"type": "text", "text": "Let me check."}]
+    assert [c["function"]["name"] for c in turn["tool_calls"]] == ["get_weather"]
+    items = st.get("resp_1")[1]
+    assert items == [{"type": "message", "role": "user", "status": "completed",
+                      "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+                     {"type": "message", "role": "assistant", "status": "completed",
+                      "content": [{"type": "output_text", "text": "Earlier answer."}]}]
+
+
 def test_stored_responses_continue_a_conversation(model_dir):
     """OpenAI's default store: a response is kept, so previous_response_id continues its
     conversation (the chain's input and output before the new input, the old instructions not
@@ -397,6 +423,9 @@ def test_stored_responses_continue_a_conversation(model_dir):
         assert c.responses.retrieve(r1.id).model_dump() == r1.model_dump()
         items = c.responses.input_items.list(r2.id)
         assert [i.content[0].text for i in items.data] == ["And again?"] and not items.has_more
+        assert items.data[0].type == "message" and items.data[0].status == "completed"
+        assert r1.usage.input_tokens_details.cache_write_tokens == (
+            r1.usage.input_tokens - r1.usage.input_tokens_details.cached_tokens)
         assert c.responses.delete(r1.id) is None
         with pytest.raises(openai.NotFoundError, match=f"Response '{r1.id}' is not stored"):
             c.responses.retrieve(r1.id)

@@ -16,27 +16,17 @@ import sys
 import threading
 
 from numa_runtime import env
+from numa_runtime.env import RankZeroParser
 from numa_runtime.__main__ import DTYPE_HELP, dtype_arg
 from numa_runtime.serve.tools import PARSERS
 from numa_runtime.serve.reasoning import PARSERS as REASONING_PARSERS
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(RankZeroParser):
     def error(self, message):
         """One sentence (argparse prints the whole usage first); under mpirun, from rank 0 only."""
-        self.exit(2, None if _other_rank() else f"{self.prog}: error: {message[:1].lower()}{message[1:].rstrip('.')}; "
-                                                f"`{self.prog} --help` lists the flags.\n")
-
-    def print_help(self, file=None):
-        if not _other_rank():  # NOTE: --help under mpirun: once, not once a rank
-            super().print_help(file)
-
-
-def _other_rank() -> bool:
-    """A rank other than 0 of an MPI job (its messages would repeat rank 0's)."""
-    from numa_runtime.env import mpi_world
-    world = mpi_world()
-    return world is not None and world[0] != 0
+        self.exit(2, f"{self.prog}: error: {message[:1].lower()}{message[1:].rstrip('.')}; "
+                     f"`{self.prog} --help` lists the flags.\n")
 
 
 def _size(text: str) -> int:

@@ -106,10 +106,11 @@ _PARAMS = ({f.name for f in dataclasses.fields(SamplingParams)} | set(Completion
 _API_NAME = {"json_schema": "response_format"}  # SamplingParams field -> the OpenAI field it came from
 
 
-def server_metrics(aengine) -> ServerMetrics:
+def server_metrics(aengine, model_name: str | None = None) -> ServerMetrics:
+    """`model_name`: the one model the engine gauges are of (vLLM labels them with it)."""
     return ServerMetrics(lambda: aengine.stats, lambda name: {
         "seconds_since_last_step": aengine.seconds_since_last_step,
-        "engine_busy_seconds": aengine.busy_seconds}[name])
+        "engine_busy_seconds": aengine.busy_seconds}[name], model_name)
 
 
 def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics | None = None,
@@ -119,7 +120,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
     from . import responses_api as RA
     stored = stored if stored is not None else RA.ResponseStore()
     engine = aengine.engine
-    metrics = metrics if metrics is not None else server_metrics(aengine)
+    metrics = metrics if metrics is not None else server_metrics(aengine, config.served_model_name)
     app = FastAPI(title="numa_runtime", version="0.1.0", docs_url=None, redoc_url=None,
                   description="OpenAI-compatible completions and chat over numa_runtime.")
     app.add_middleware(_Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes, metrics=metrics)
@@ -186,7 +187,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
                 from .tools import plan
                 plan(body.tools, "none", None)  # NOTE: the tools chat takes, checked as chat checks them
                 kwargs = body.template_kwargs() | ({"tools": body.tools} if body.tools else {})
-                text = tok.apply_chat_template([m.as_template_dict() for m in body.messages], **kwargs)
+                text = tok.render_chat([m.as_template_dict() for m in body.messages], **kwargs)
                 add = bool(body.add_special_tokens)
             else:
                 text, add = body.prompt, body.add_special_tokens is not False
@@ -219,7 +220,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
 
     def tokenize_chat(messages: list[dict], template_kwargs: dict, add_special_tokens: bool,
                       keep: int | None = None) -> list[int]:
-        text = engine.tokenizer.apply_chat_template(messages, **template_kwargs)
+        text = engine.tokenizer.render_chat(messages, **template_kwargs)
         if keep is None:
             engine.tokenizer.check_length(text, engine.max_model_len)
         ids = engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -368,7 +369,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
                 "asc", "desc") else "limit", code="invalid_value")
         with _not_stored():
             items = stored.get(response_id)[1]
-        items = [{"id": item.get("id") or f"item_{response_id}_{i}", **item} for i, item in enumerate(items)]
+        items = [{**item, "id": item.get("id") or f"item_{response_id}_{i}"} for i, item in enumerate(items)]
         items = items[::-1] if order == "desc" else items
         start = next((i + 1 for i, item in enumerate(items) if item["id"] == after), 0) if after else 0
         page = items[start:start + limit]
@@ -629,7 +630,8 @@ async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode,
         status = tracker.choices()[0][1].finish_reason or "stop"
         if include_usage:
             obj = "chat.completion.chunk" if chat else "text_completion"
-            yield R.sse(R.usage_chunk(rid, obj, model, created, tracker.usage()))
+            yield R.sse(R.usage_chunk(rid, obj, model, created, R.chat_usage(tracker, parser, decode) if chat
+                                      else tracker.usage()))
         yield R.sse("[DONE]")
     except RuntimeError as e:  # NOTE: EngineDeadError too: the error a body would get
         status = "error"

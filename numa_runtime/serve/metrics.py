@@ -47,10 +47,11 @@ _FINISHED_REASON = {"stop": "stop", "length": "length", "abort": "abort", "tool_
 
 class _VllmNames:
     """A collector that yields the registry's other families again under VLLM_NAMES (without
-    the _created series, as vLLM serves them)."""
+    the _created series, as vLLM serves them); `model_name` labels the samples that have none
+    (the engine gauges of a one-model server; a server of several shares them unlabelled)."""
 
-    def __init__(self, registry):
-        self.registry = registry
+    def __init__(self, registry, model_name: str | None = None):
+        self.registry, self.model_name = registry, model_name
         self._inside = threading.local()
 
     def collect(self):
@@ -68,6 +69,8 @@ class _VllmNames:
                     if smp.name.endswith("_created"):
                         continue
                     labels = dict(smp.labels)
+                    if self.model_name is not None:  # NOTE: the engine gauges too, as vLLM labels them
+                        labels.setdefault("model_name", self.model_name)
                     if name == "vllm:request_success":
                         reason = _FINISHED_REASON.get(labels.pop("status", None))
                         if reason is None:
@@ -89,7 +92,7 @@ class ServerMetrics:
     """Request counters and latency histograms (fed by the handlers) and engine gauges (read
     from the AsyncEngine's stats snapshot at scrape time)."""
 
-    def __init__(self, stats_source, liveness_source=None):
+    def __init__(self, stats_source, liveness_source=None, model_name: str | None = None):
         self.registry = r = CollectorRegistry()
         p = "numa_runtime_"
         self.http_responses = Counter(p + "http_responses", "HTTP responses by status code",
@@ -132,7 +135,7 @@ class ServerMetrics:
             if liveness_source is not None:
                 g = Gauge(p + name, doc, registry=r)
                 g.set_function(lambda name=name: float(liveness_source(name)))
-        r.register(_VllmNames(r))
+        r.register(_VllmNames(r, model_name))
 
     def observe_request(self, model: str, status: str, prompt_tokens: int, completion_tokens: int,
                         arrival: float, first_token: float | None, end: float, num_seqs: int = 1) -> None:

@@ -156,6 +156,11 @@ def build_multi_app(aengine: AsyncEngine, router: ModelRouter, base: ServeConfig
     return ModelDispatcher(apps, router, base.api_key, base.max_body_bytes, metrics)
 
 
+# NOTE: the POST routes whose body names a model (any other POST, /ping or a path no app has, goes to the first)
+_MODEL_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/tokenize",
+                 "/detokenize")
+
+
 class ModelDispatcher:
     """ASGI: POST bodies go to the app of their `model`; GET /v1/models lists every model;
     everything else (health, metrics, errors it cannot place) goes to the first app."""
@@ -178,7 +183,8 @@ class ModelDispatcher:
                 return await self._error(scope, receive, send, 404, f"The model {name!r} does not exist; this "
                                          f"server serves {self._names()}.", "model_not_found")
             return await (self.first if name is None else self.apps[name])(scope, receive, send)
-        if scope["method"] != "POST":
+        if scope["method"] != "POST" or scope["path"] not in _MODEL_ROUTES:
+            # NOTE: GETs, /ping (a POST without a body), unknown paths: the first app answers
             return await self.first(scope, receive, send)
         body, complete = await _read_body(receive, self.max_body)
         replay = _replay(body, receive)

@@ -13,6 +13,8 @@ calls a function) are not split: the schema leaves no room to reason.
 """
 from __future__ import annotations
 
+import codecs
+
 PARSERS = ("deepseek_r1", "qwen3")
 _START, _END = "<think>", "</think>"
 
@@ -26,6 +28,7 @@ class ReasoningStream:
         if parser not in PARSERS:
             raise ValueError(f"reasoning parser must be one of {', '.join(PARSERS)}, got {parser!r}.")
         self.parser, self.buf, self.state = parser, "", "start"   # start | reasoning | content
+        self.opened = False  # a reasoning part began (the reply wrote <think>, or deepseek_r1's implied one)
 
     def feed(self, delta: str) -> tuple[str, str]:
         self.buf += delta
@@ -38,6 +41,7 @@ class ReasoningStream:
                 return "", ""  # NOTE: it may still open <think>
             else:
                 self.state = "reasoning" if self.parser == "deepseek_r1" else "content"
+            self.opened = self.state == "reasoning"
         if self.state == "reasoning":
             i = self.buf.find(_END)
             if i < 0:
@@ -71,3 +75,16 @@ def split(parser: str, text: str) -> tuple[str | None, str | None]:
     r1, c1 = rs.feed(text)
     r2, c2 = rs.finish()
     return (r1 + r2) or None, (c1 + c2) or None
+
+
+def reasoning_tokens(parser: str, token_ids, token_bytes) -> int:
+    """How many of a reply's tokens are its reasoning (the usage's reasoning_tokens, as vLLM
+    counts them): those up to the one that completes `</think>`; all when the reply reasons and
+    never closes it; none when it does not reason. `token_bytes`: a token's UTF-8 bytes."""
+    rs, utf8 = ReasoningStream(parser), codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for k, t in enumerate(token_ids):
+        rs.feed(utf8.decode(token_bytes(int(t))))
+        if rs.state == "content":
+            return k + 1 if rs.opened else 0
+    # NOTE: never closed: all reasoning once opened (deepseek_r1's template opens it in the prompt)
+    return len(token_ids) if rs.opened or (rs.state == "start" and parser == "deepseek_r1") else 0

@@ -227,7 +227,18 @@ def chat_body(rid: str, model: str, tracker: ChoiceTracker, decode: TokenBytes, 
         choices.append({"index": i, "message": message, "finish_reason": reason, "stop_reason": stop,
                         "logprobs": chat_logprobs(c.token_ids, c.logprob_pairs, decode)})
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": tracker.usage()}
+            "choices": choices, "usage": chat_usage(tracker, reasoning_parser, decode)}
+
+
+def chat_usage(tracker: "ChoiceTracker", reasoning_parser: str | None, decode: TokenBytes) -> dict:
+    """The usage of a chat answer; with a reasoning parser, its completion_tokens_details'
+    reasoning_tokens too (OpenAI's field, which /v1/responses reports)."""
+    usage = tracker.usage()
+    if reasoning_parser is not None:
+        from .reasoning import reasoning_tokens
+        n = sum(reasoning_tokens(reasoning_parser, c.token_ids, decode) for _, c in tracker.choices())
+        usage["completion_tokens_details"] = {"reasoning_tokens": n}
+    return usage
 
 
 def ended_whole(finish_reason, stop_reason) -> bool:

@@ -90,11 +90,22 @@ class ResponseStore:
 
 
 def input_items(raw: dict) -> list:
-    """The request's input as a list of items (a string is one user message)."""
+    """The request's input as OpenAI's input items (checked by chat_request first): messages
+    typed, their content as input_text parts (output_text for an assistant's), each with a status."""
     value = raw.get("input")
-    if isinstance(value, str):
-        return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": value}]}]
-    return list(value) if isinstance(value, list) else []
+    items = [{"role": "user", "content": value}] if isinstance(value, str) else list(value or [])
+    out = []
+    for item in items:
+        item = dict(item)
+        if item.get("type", "message") == "message":
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            content = item.get("content", "")
+            if isinstance(content, str):
+                content = [{"type": part, "text": content}]
+            item = {"type": "message", **item, "content": content}
+        item.setdefault("status", "completed")
+        out.append(item)
+    return out
 
 
 def stores(raw: dict) -> bool:
@@ -213,7 +224,9 @@ def _messages(items) -> list[dict]:
             call = {"id": item.get("call_id") or item.get("id"), "type": "function",
                     "function": {"name": item["name"], "arguments": item.get("arguments", "")}}
             last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+            if last is not None and last["role"] == "assistant":  # NOTE: a turn's text and calls: one message
+                if not last.get("tool_calls"):
+                    last["tool_calls"] = []
                 last["tool_calls"].append(call)
             else:
                 msg = {"role": "assistant", "content": None, "tool_calls": [call]}
@@ -294,8 +307,11 @@ def _usage(u: dict | None) -> dict | None:
     if not u:
         return None
     cached = ((u.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
-    return {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+    # NOTE: cache_write_tokens: the prompt tokens computed now (the prefix cache keeps their whole blocks)
+    return {"input_tokens": u["prompt_tokens"], "input_tokens_details": {
+                "cached_tokens": cached, "cache_write_tokens": u["prompt_tokens"] - cached},
+            "output_tokens": u["completion_tokens"], "output_tokens_details": {
+                "reasoning_tokens": (u.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0},
             "total_tokens": u["prompt_tokens"] + u["completion_tokens"]}
 
 
