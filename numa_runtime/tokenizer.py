@@ -178,6 +178,12 @@ class Tokenizer:
         other = sorted(set(kwargs) - {"clean_up_tokenization_spaces"})
         if other:
             raise TypeError(f"decode() got unexpected keyword arguments {other}.")
+        if isinstance(token_ids, (list, tuple)):
+            nested = len(token_ids) > 0 and np.ndim(token_ids[0]) > 0
+        else:
+            nested = np.ndim(token_ids) > 1
+        if nested:  # NOTE: transformers 5 decodes a batch of sequences so
+            return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in token_ids]
         if np.ndim(token_ids) == 0:
             token_ids = [int(token_ids)]
         return self._backend.decode([int(t) for t in token_ids] if not isinstance(token_ids, list) else token_ids,
@@ -228,8 +234,13 @@ class Tokenizer:
         unless asked; a list of conversations gives a list; `chat_template` a
         template's name or its Jinja source. render_chat is the same with this runtime's defaults
         (the text, and a generation prompt)."""
-        batch = isinstance(conversation, (list, tuple)) and bool(conversation) and all(
-            isinstance(c, (list, tuple)) for c in conversation)
+        if isinstance(conversation, (list, tuple)) and not conversation:
+            raise ValueError("Cannot apply a chat template to an empty conversation.")
+        if kwargs.pop("tokenizer_kwargs", None):
+            raise ValueError("apply_chat_template's tokenizer_kwargs is not supported: the template's text is "
+                             "encoded as it is, without special tokens added.")
+        batch = isinstance(conversation, (list, tuple)) and all(isinstance(c, (list, tuple)) for c in conversation)
+        add_generation_prompt = bool(add_generation_prompt)  # NOTE: HF's None is false (render_chat's None: true)
         return_dict = kwargs.setdefault("return_dict", True)  # NOTE: transformers 5's default
         out = [self.render_chat(c, add_generation_prompt=add_generation_prompt, tools=tools, documents=documents,
                                 continue_final_message=continue_final_message, chat_template=chat_template,
@@ -432,7 +443,7 @@ class Tokenizer:
     def convert_tokens_to_string(self, tokens) -> str:
         """Tokens (as the vocabulary spells them) back to text, through the tokenizer's decoder."""
         decoder = self._backend.decoder  # NOTE: HF's: the tokens through the decoder, known to the vocabulary or not
-        return decoder.decode(list(tokens)) if decoder is not None else "".join(tokens)
+        return decoder.decode(list(tokens)) if decoder is not None else " ".join(tokens)
 
     @property
     def special_tokens_map(self) -> dict:

@@ -175,6 +175,7 @@ def test_constraints_through_the_server(model_dir, eng):
         small = {"type": "integer", "minimum": 0, "maximum": 99}
         pair = {"type": "object", "properties": {"a": small, "b": small}, "required": ["a", "b"]}
         for extra in ({"structured_outputs": {"disable_any_whitespace": True}},
+                      {"structured_outputs": {"json": None, "regex": None, "disable_any_whitespace": True}},
                       {"guided_json": pair, "structured_outputs": {"disable_any_whitespace": True}}):
             fmt = {} if "guided_json" in extra else {"response_format": {"type": "json_schema", "json_schema": {
                 "name": "pair", "schema": pair}}}

@@ -582,6 +582,13 @@ def test_apply_chat_template_and_decode_take_hf_defaults_and_forms(smol, smol_hf
         two = [msgs, msgs + [{"role": "assistant", "content": "Hello"}]]
         assert smol.apply_chat_template(two, **kw) == smol_hf.apply_chat_template(two, **kw), kw
     assert smol.render_chat(msgs) == smol_hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert smol.apply_chat_template(msgs, add_generation_prompt=None, tokenize=False) == smol_hf.apply_chat_template(
+        msgs, add_generation_prompt=None, tokenize=False)
+    with pytest.raises(ValueError, match="empty conversation"):
+        smol.apply_chat_template([])
+    batch = [smol.encode("Hello"), smol.encode("there friend")]
+    assert smol.decode(batch) == smol_hf.decode(batch) and smol.decode(np.array([batch[0], batch[0]])) == [
+        "Hello", "Hello"]
     ids = smol.encode("Hello there")
     assert smol.decode(ids[0]) == smol_hf.decode(ids[0]) and smol.decode(np.int64(ids[0])) == smol_hf.decode(ids[0])
     assert smol.decode(token_ids=ids) == smol_hf.decode(token_ids=ids) and smol.decode(np.array(ids)) == "Hello there"

@@ -386,6 +386,15 @@ def test_a_stored_turn_of_text_and_calls_is_one_assistant_message():
     turn = msgs[2]
     assert turn["content"] == [{"type": "text", "text": "Let me check."}]
     assert [c["function"]["name"] for c in turn["tool_calls"]] == ["get_weather"]
+    # NOTE: a reasoning item before a call stays with it: that call starts its own assistant message
+    msgs = RA.chat_request({"model": "m", "input": [
+        {"role": "user", "content": "weather?"}, {"type": "message", "role": "assistant", "content": "Let me look."},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "need get_weather"}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]})["messages"]
+    assert [m["role"] for m in msgs] == ["user", "assistant", "assistant", "tool"]
+    assert msgs[2]["reasoning"] == "need get_weather" and msgs[2]["tool_calls"][0]["id"] == "c1"
+    assert "reasoning" not in msgs[1] and "tool_calls" not in msgs[1]
     items = st.get("resp_1")[1]
     assert items == [{"type": "message", "role": "user", "status": "completed",
                       "content": [{"type": "input_text", "text": "Weather in Paris?"}]},

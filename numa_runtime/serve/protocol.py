@@ -164,7 +164,7 @@ class _SamplingRequest(_Body):
         given = [f for f in _CONSTRAINTS[1:] if getattr(self, f) is not None]  # NOTE: guided_json is has_schema
         so = self.structured_outputs
         if (has_schema and given == ["structured_outputs"] and isinstance(so, dict)
-                and not any(k in so for k in _SO_KINDS)):
+                and not any(so.get(k) not in (None, False) for k in _SO_KINDS)):
             # NOTE: as vLLM: options alone (disable_any_whitespace) beside response_format/guided_json are its
             out = as_structured_outputs(so)
             out.check_options()

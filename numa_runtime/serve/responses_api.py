@@ -224,7 +224,8 @@ def _messages(items) -> list[dict]:
             call = {"id": item.get("call_id") or item.get("id"), "type": "function",
                     "function": {"name": item["name"], "arguments": item.get("arguments", "")}}
             last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant":  # NOTE: a turn's text and calls: one message
+            if last is not None and last["role"] == "assistant" and reasoning is None:
+                # NOTE: a turn's text and calls: one message (a reasoning item before the call starts its own)
                 if not last.get("tool_calls"):
                     last["tool_calls"] = []
                 last["tool_calls"].append(call)
