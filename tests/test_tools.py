@@ -395,11 +395,35 @@ def test_a_stored_turn_of_text_and_calls_is_one_assistant_message():
     assert [m["role"] for m in msgs] == ["user", "assistant", "assistant", "tool"]
     assert msgs[2]["reasoning"] == "need get_weather" and msgs[2]["tool_calls"][0]["id"] == "c1"
     assert "reasoning" not in msgs[1] and "tool_calls" not in msgs[1]
-    items = st.get("resp_1")[1]
+    items = st.get("resp_1").items
     assert items == [{"type": "message", "role": "user", "status": "completed",
                       "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
                      {"type": "message", "role": "assistant", "status": "completed",
                       "content": [{"type": "output_text", "text": "Earlier answer."}]}]
+
+
+def test_a_stored_chain_outlives_its_earlier_responses_in_the_store():
+    """The store keeps the newest `limit` responses, one used as a previous response counting as
+    new again; a response pushed out (or deleted) stays readable through the responses that
+    continued it (a chain whose first turn was pushed out was a 404 naming an id the client never
+    sent)."""
+    from numa_runtime.serve import responses_api as RA
+    msg = [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]}]
+    st = RA.ResponseStore(limit=3)
+    st.keep({"input": "one"}, {"id": "r1", "output": msg})
+    req = {"model": "m", "previous_response_id": "r1", "input": "two"}
+    RA.chat_request(req, st)
+    st.keep(req, {"id": "r2", "output": msg})
+    st.keep({"input": "x"}, {"id": "x0", "output": msg})
+    RA.chat_request({"model": "m", "previous_response_id": "r2", "input": "three"}, st)  # NOTE: r2 used: newest
+    st.keep({"input": "y"}, {"id": "x1", "output": msg})
+    with pytest.raises(RA.NotStored):
+        st.get("r1")  # NOTE: pushed out, but r2 still holds it
+    messages = RA.chat_request({"model": "m", "previous_response_id": "r2", "input": "three"}, st)["messages"]
+    assert [(m["role"], m["content"]) for m in messages] == [
+        ("user", [{"type": "text", "text": "one"}]), ("assistant", [{"type": "text", "text": "ok"}]),
+        ("user", [{"type": "text", "text": "two"}]), ("assistant", [{"type": "text", "text": "ok"}]),
+        ("user", [{"type": "text", "text": "three"}])]
 
 
 def test_stored_responses_continue_a_conversation(model_dir):
@@ -438,8 +462,11 @@ def test_stored_responses_continue_a_conversation(model_dir):
         assert c.responses.delete(r1.id) is None
         with pytest.raises(openai.NotFoundError, match=f"Response '{r1.id}' is not stored"):
             c.responses.retrieve(r1.id)
-        with pytest.raises(openai.NotFoundError, match=f"previous_response_id: Response '{r1.id}' is not stored"):
-            c.responses.create(previous_response_id=r2.id, input="Hi", **kw)
+        # NOTE: r2 goes on without r1 in the store: its chain is kept whole (a 404 named r1 before)
+        after = c.responses.create(previous_response_id=r2.id, input="Hi", **kw)
+        whole = c.chat.completions.create(model="m", max_tokens=6, temperature=0, messages=turns + [
+            {"role": "assistant", "content": r2.output_text}, {"role": "user", "content": "Hi"}])
+        assert after.usage.input_tokens == whole.usage.prompt_tokens
         gone = c.responses.create(input="Hello", store=False, **kw)
         assert gone.store is False
         with pytest.raises(openai.NotFoundError, match="is not stored"):

@@ -353,7 +353,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
     @app.get("/v1/responses/{response_id}")
     async def responses_get(response_id: str):
         with _not_stored():
-            return JSONResponse(stored.get(response_id)[0])
+            return JSONResponse(stored.get(response_id).resp)
 
     @app.delete("/v1/responses/{response_id}")
     async def responses_delete(response_id: str):
@@ -368,7 +368,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             raise ApiError(400, "order must be asc or desc and limit 1 to 100.", param="order" if order not in (
                 "asc", "desc") else "limit", code="invalid_value")
         with _not_stored():
-            items = stored.get(response_id)[1]
+            items = stored.get(response_id).items
         items = [{**item, "id": item.get("id") or f"item_{response_id}_{i}"} for i, item in enumerate(items)]
         items = items[::-1] if order == "desc" else items
         start = next((i + 1 for i, item in enumerate(items) if item["id"] == after), 0) if after else 0

@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from typing import Any
+from typing import Any, NamedTuple
 
 from .responses import sse
 
@@ -43,28 +43,51 @@ class NotStored(LookupError):
     """A response id this server does not hold (404)."""
 
 
+class Stored(NamedTuple):
+    """A stored response: its Response object, its own input items, and the stored response it
+    continued (the object, not its id: a chain stays whole when an earlier response is deleted
+    or pushed out of the store)."""
+    resp: dict
+    items: list
+    parent: "Stored | None"
+
+    def history(self) -> list:
+        """The input and output items of the chain that ends with this response, oldest first."""
+        parts, node = [], self
+        while node is not None:
+            parts.append(node.items + [dict(x) for x in node.resp["output"]])
+            node = node.parent
+        return [item for part in reversed(parts) for item in part]
+
+
+_PARENT = "__previous_stored"  # NOTE: chat_request leaves the previous response it read on the request
+
+
 class ResponseStore:
-    """Stored responses by id: each keeps its Response object, its own input items and the id of
-    the response it continued; a chain is read back through those ids."""
+    """Stored responses by id, the newest `limit` of them (one used as a previous response
+    counts as new again)."""
 
     def __init__(self, limit: int = MAX_STORED):
         self.limit = limit
-        self._items: OrderedDict[str, tuple[dict, list, str | None]] = OrderedDict()
+        self._items: OrderedDict[str, Stored] = OrderedDict()
         self._lock = threading.Lock()
 
-    def put(self, resp: dict, input_items: list, previous: str | None) -> None:
+    def put(self, resp: dict, input_items: list, parent: Stored | None) -> None:
         with self._lock:
-            self._items[resp["id"]] = (resp, input_items, previous)
+            self._items[resp["id"]] = Stored(resp, input_items, parent)
             while len(self._items) > self.limit:
                 self._items.popitem(last=False)
 
     def keep(self, raw: dict, resp: dict) -> None:
         """Store the Response object `resp` of the Responses request `raw`."""
-        self.put(resp, input_items(raw), raw.get("previous_response_id"))
+        self.put(resp, input_items(raw), raw.get(_PARENT))
 
-    def get(self, rid: str) -> tuple[dict, list, str | None]:
+    def get(self, rid: str, use: bool = False) -> Stored:
+        """The stored response `rid` (NotStored if none); `use`: it continues now (newest again)."""
         with self._lock:
             found = self._items.get(rid)
+            if found is not None and use:
+                self._items.move_to_end(rid)
         if found is None:
             raise NotStored(f"Response {rid!r} is not stored on this server (it was never stored, was deleted, "
                             f"or is older than the newest {self.limit}).")
@@ -74,19 +97,6 @@ class ResponseStore:
         self.get(rid)
         with self._lock:
             self._items.pop(rid, None)
-
-    def history(self, rid: str) -> list:
-        """The input and output items of the chain that ends with response `rid`, oldest first."""
-        parts, seen = [], set()
-        while rid is not None and rid not in seen:
-            seen.add(rid)
-            try:
-                resp, items, previous = self.get(rid)
-            except NotStored as e:
-                raise NotStored(f"previous_response_id: {e}") from None
-            parts.append(items + [dict(x) for x in resp["output"]])
-            rid = previous
-        return [item for part in reversed(parts) for item in part]
 
 
 def input_items(raw: dict) -> list:
@@ -159,7 +169,12 @@ def chat_request(raw: Any, store: ResponseStore | None = None) -> dict:
         if store is None:
             raise NotStored("previous_response_id: this server keeps no responses.")
         _messages(raw.get("input"))  # NOTE: the new items, checked first (errors index them as sent)
-        messages += _messages(store.history(previous) + input_items(raw))
+        try:
+            parent = store.get(previous, use=True)
+        except NotStored as e:
+            raise NotStored(f"previous_response_id: {e}") from None
+        raw[_PARENT] = parent
+        messages += _messages(parent.history() + input_items(raw))
     else:
         messages += _messages(raw.get("input"))
     body["messages"] = messages
