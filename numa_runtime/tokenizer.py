@@ -110,8 +110,9 @@ class Tokenizer:
                 "tokenizer: save one with transformers' `tokenizer.save_pretrained(dir)`.")
         config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
         generation_config = _read_json(os.path.join(model_dir, "generation_config.json"))
-        return cls(_BackendTokenizer.from_file(path), config, generation_config,
-                   _load_chat_templates(model_dir, config))
+        tok = cls(_BackendTokenizer.from_file(path), config, generation_config, _load_chat_templates(model_dir, config))
+        tok.name_or_path = model_dir
+        return tok
 
     @property
     def vocab_size(self) -> int:
@@ -127,17 +128,29 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self._chat_templates)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of text. Other Python threads run meanwhile (the GIL is released)."""
+    def encode(self, text: str, add_special_tokens: bool = True, truncation=None, max_length: int | None = None,
+               return_tensors: str | None = None, **kwargs):
+        """Token ids of text. Other Python threads run meanwhile (the GIL is released). HF's
+        truncation/max_length (the first max_length ids) and return_tensors ("np", "pt": [1, n])."""
+        _refuse_hf(kwargs, "encode")
         if not (add_special_tokens and self._bos_eos_from_config):
-            return self._encode(text, add_special_tokens)
-        ids = self._encode(text, False)
-        if self._add_bos and self.bos_token_id is not None:
-            ids = [self.bos_token_id] + ids
-        eos_id = self._token_id(self._special["eos_token"])
-        if self._add_eos and eos_id is not None:
-            ids = ids + [eos_id]
-        return ids
+            ids = self._encode(text, add_special_tokens)
+        else:
+            ids = self._encode(text, False)
+            if self._add_bos and self.bos_token_id is not None:
+                ids = [self.bos_token_id] + ids
+            eos_id = self._token_id(self._special["eos_token"])
+            if self._add_eos and eos_id is not None:
+                ids = ids + [eos_id]
+        if truncation not in (None, False, "do_not_truncate"):
+            ids = self._truncated(ids, max_length)
+        return ids if return_tensors is None else _tensors([ids], return_tensors)
+
+    def _truncated(self, ids: list[int], max_length: int | None) -> list[int]:
+        limit = self.model_max_length if max_length is None else max_length
+        if not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"max_length must be a non-negative integer, got {max_length!r}.")
+        return ids[:limit] if self.truncation_side == "right" else ids[max(0, len(ids) - limit):]
 
     @functools.cached_property
     def max_token_chars(self) -> int:
@@ -340,14 +353,45 @@ class Tokenizer:
         return None if token is None else self._backend.token_to_id(token)
 
     # ---- Hugging Face's names, for scripts written against vLLM's LLM.get_tokenizer() --------
-    def __call__(self, text, add_special_tokens: bool = True) -> "_Encoding":
-        """HF's tokenizer(text): input_ids (and an all-ones attention_mask); a list of texts
-        gives a list of each."""
-        if isinstance(text, (list, tuple)):
-            ids = [self.encode(t, add_special_tokens=add_special_tokens) for t in text]
-            return _Encoding(input_ids=ids, attention_mask=[[1] * len(i) for i in ids])
-        ids = self.encode(text, add_special_tokens=add_special_tokens)
-        return _Encoding(input_ids=ids, attention_mask=[1] * len(ids))
+    padding_side = "right"     # HF's: where padding goes (settable)
+    truncation_side = "right"  # HF's: which end truncation keeps ("right": the first tokens)
+    is_fast = True
+    name_or_path = ""          # the model directory (from_dir)
+
+    def __call__(self, text, text_pair=None, add_special_tokens: bool = True, padding=False, truncation=None,
+                 max_length: int | None = None, return_tensors: str | None = None,
+                 return_attention_mask: bool | None = None, **kwargs) -> "_Encoding":
+        """HF's tokenizer(text): input_ids and attention_mask; a list of texts gives a list of each.
+        HF's padding (True/"longest", "max_length"; with the pad token, on padding_side),
+        truncation/max_length and return_tensors ("np", "pt") as HF's; text pairs are refused."""
+        if text_pair is not None:
+            raise ValueError("Text pairs (text_pair) are not supported by this tokenizer; join the texts yourself.")
+        _refuse_hf(kwargs, "the tokenizer call")
+        batch = isinstance(text, (list, tuple))
+        ids = [self.encode(t, add_special_tokens=add_special_tokens, truncation=truncation, max_length=max_length)
+               for t in (text if batch else [text])]
+        masks = [[1] * len(i) for i in ids]
+        if padding not in (False, None, "do_not_pad"):
+            if padding not in (True, "longest", "max_length"):
+                raise ValueError(f"padding must be True, 'longest', 'max_length' or False, got {padding!r}.")
+            if self.pad_token_id is None:
+                raise ValueError("Asking to pad, but this tokenizer has no padding token (its config names none).")
+            width = max_length if padding == "max_length" and max_length is not None else max(map(len, ids), default=0)
+            for i, m in zip(ids, masks):
+                pad = max(0, width - len(i))
+                if self.padding_side == "left":
+                    i[:0], m[:0] = [self.pad_token_id] * pad, [0] * pad
+                else:
+                    i.extend([self.pad_token_id] * pad)
+                    m.extend([0] * pad)
+        if return_tensors is not None:
+            ids, masks = _tensors(ids, return_tensors), _tensors(masks, return_tensors)
+        elif not batch:
+            ids, masks = ids[0], masks[0]
+        out = _Encoding(input_ids=ids)
+        if return_attention_mask is not False:
+            out["attention_mask"] = masks
+        return out
 
     def __len__(self) -> int:
         return self.vocab_size
@@ -453,6 +497,26 @@ class Tokenizer:
     @property
     def vocab(self) -> dict[str, int]:
         return self.get_vocab()
+
+
+def _refuse_hf(kwargs: dict, where: str) -> None:
+    """One sentence naming Hugging Face keywords this tokenizer does not take (not a TypeError)."""
+    if kwargs:
+        raise ValueError(f"{where} does not support {', '.join(sorted(kwargs))} (Hugging Face's keyword"
+                         f"{'s' if len(kwargs) > 1 else ''}); it takes add_special_tokens, padding, truncation, "
+                         "max_length and return_tensors.")
+
+
+def _tensors(rows: list[list[int]], kind: str):
+    """Equal-length rows as HF's return_tensors: "np" (int64) or "pt" (torch, int64)."""
+    if len({len(r) for r in rows}) > 1:
+        raise ValueError("return_tensors needs sequences of one length; pass padding=True as well.")
+    if kind == "np":
+        return np.array(rows, dtype=np.int64).reshape(len(rows), -1)
+    if kind == "pt":
+        import torch
+        return torch.tensor(np.array(rows, dtype=np.int64).reshape(len(rows), -1))
+    raise ValueError(f"return_tensors must be 'np' or 'pt', got {kind!r}.")
 
 
 class _Encoding(dict):

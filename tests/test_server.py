@@ -132,12 +132,15 @@ def test_metrics_under_vllm_names_too(client, server):
     assert r.usage.completion_tokens == 5
     assert metric(server.base, "vllm:generation_tokens_total") == gen + 5
     assert metric(server.base, 'vllm:request_success_total{finished_reason="length"}') == done + 1
+    assert metric(server.base, 'vllm:request_generation_tokens_bucket{le="5.0"}') >= 1
     for ours, theirs in (("numa_runtime_generation_tokens_total", "vllm:generation_tokens_total"),
                          ("numa_runtime_prompt_tokens_total", "vllm:prompt_tokens_total"),
                          ("numa_runtime_e2e_request_latency_seconds_count", "vllm:e2e_request_latency_seconds_count"),
                          ("numa_runtime_time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_sum"),
                          ("numa_runtime_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc"),
-                         ("numa_runtime_num_requests_waiting", "vllm:num_requests_waiting")):
+                         ("numa_runtime_num_requests_waiting", "vllm:num_requests_waiting"),
+                         ("numa_runtime_request_generation_tokens_sum", "vllm:request_generation_tokens_sum"),
+                         ("numa_runtime_request_prompt_tokens_count", "vllm:request_prompt_tokens_count")):
         assert metric(server.base, ours) == metric(server.base, theirs), theirs
     text = httpx.get(server.base + "/metrics").text
     assert not re.search(r"^vllm:\S*_created", text, re.M)

@@ -576,7 +576,8 @@ def test_apply_chat_template_and_decode_take_hf_defaults_and_forms(smol, smol_hf
     name came back as the text); decode takes one id or token_ids=; the unknown token and its id
     read as HF's, and a token outside the vocabulary converts to it (None)."""
     msgs = [{"role": "user", "content": "Hi"}]
-    for kw in ({}, {"add_generation_prompt": True}, {"tokenize": False}, {"tokenize": False, "add_generation_prompt": True}):
+    for kw in ({}, {"add_generation_prompt": True}, {"tokenize": False},
+               {"tokenize": False, "add_generation_prompt": True}):
         assert smol.apply_chat_template(msgs, **kw) == smol_hf.apply_chat_template(msgs, **kw), kw
         assert smol.apply_chat_template(conversation=msgs, **kw) == smol_hf.apply_chat_template(conversation=msgs, **kw)
         two = [msgs, msgs + [{"role": "assistant", "content": "Hello"}]]
@@ -605,6 +606,40 @@ def test_apply_chat_template_and_decode_take_hf_defaults_and_forms(smol, smol_hf
     named = Tokenizer.from_dir(str(d))
     assert named.apply_chat_template(msgs, chat_template="tool_use", tokenize=False) == "T:Hi"
     assert named.apply_chat_template(msgs, tokenize=False) == "D:Hi"
+
+
+def test_the_tokenizer_call_takes_hf_padding_truncation_and_tensors(smol, smol_hf):
+    """tok(texts, padding=True), truncation/max_length, return_tensors="np"/"pt" and encode's
+    truncation and tensors read as HF's (each was a TypeError); text pairs and keywords this
+    tokenizer lacks are refused in one sentence naming them."""
+    import torch
+    texts = ["a", "b c d e", "Hello world, how are you today?"]
+    for kw in ({"padding": True}, {"truncation": True, "max_length": 3}, {"padding": "max_length", "max_length": 12},
+               {"padding": True, "truncation": True, "max_length": 4}):
+        assert dict(smol(texts, **kw)) == {k: list(v) for k, v in smol_hf(texts, **kw).items()}, kw
+    for side in ("left", "right"):
+        smol.padding_side = smol_hf.padding_side = side
+        try:
+            assert dict(smol(texts, padding=True)) == dict(smol_hf(texts, padding=True))
+        finally:
+            smol.padding_side = smol_hf.padding_side = "right"
+    for kind in ("np", "pt"):
+        ours, theirs = smol(texts, padding=True, return_tensors=kind), smol_hf(texts, padding=True, return_tensors=kind)
+        assert type(ours["input_ids"]) is type(theirs["input_ids"])
+        np.testing.assert_array_equal(np.asarray(ours["input_ids"]), np.asarray(theirs["input_ids"]))
+        np.testing.assert_array_equal(np.asarray(ours["attention_mask"]), np.asarray(theirs["attention_mask"]))
+    assert torch.equal(smol.encode("Hello there", return_tensors="pt"),
+                       smol_hf.encode("Hello there", return_tensors="pt"))
+    assert smol.encode("Hello world, how are you", truncation=True, max_length=2) == smol_hf.encode(
+        "Hello world, how are you", truncation=True, max_length=2)
+    assert smol("hi", return_attention_mask=False) == {"input_ids": smol.encode("hi")}
+    with pytest.raises(ValueError, match="Text pairs"):
+        smol("hi", "there")
+    with pytest.raises(ValueError, match="does not support return_offsets_mapping"):
+        smol("hi", return_offsets_mapping=True)
+    with pytest.raises(ValueError, match="pass padding=True"):
+        smol(texts, return_tensors="np")
+    assert smol.is_fast and smol.name_or_path == smol_hf.name_or_path
 
 
 def test_decode_keeps_special_tokens_unless_skipped_as_hf(smol, smol_hf, smol_dir, tmp_path):

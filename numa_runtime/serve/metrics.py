@@ -11,6 +11,7 @@ from prometheus_client.metrics_core import Metric
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300, 600)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
 class _StatsCounter:
@@ -40,6 +41,8 @@ VLLM_NAMES = {
                                                    "vllm:inter_token_latency_seconds"],
     "numa_runtime_e2e_request_latency_seconds": ["vllm:e2e_request_latency_seconds"],
     "numa_runtime_requests": ["vllm:request_success"],
+    "numa_runtime_request_prompt_tokens": ["vllm:request_prompt_tokens"],
+    "numa_runtime_request_generation_tokens": ["vllm:request_generation_tokens"],
 }
 # NOTE: vllm:request_success's finished_reason: ours "tool_calls" ended as a stop; errors are none of its
 _FINISHED_REASON = {"stop": "stop", "length": "length", "abort": "abort", "tool_calls": "stop"}
@@ -109,6 +112,10 @@ class ServerMetrics:
                               "of one request", m, buckets=_TPOT_BUCKETS, registry=r)
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "Time from arrival to the last token",
                              m, buckets=_E2E_BUCKETS, registry=r)
+        self.request_prompt_tokens = Histogram(p + "request_prompt_tokens", "Prompt tokens of a finished request",
+                                               m, buckets=_TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram(p + "request_generation_tokens", "Tokens a finished request "
+                                                   "generated", m, buckets=_TOKEN_BUCKETS, registry=r)
         self.embedding_requests = Counter(p + "embedding_requests", "Finished /v1/embeddings requests by status "
                                           "(ok, error)", m + ["status"], registry=r)
         self.embedding_latency = Histogram(p + "embedding_request_latency_seconds", "Time from arrival to the "
@@ -143,6 +150,8 @@ class ServerMetrics:
         self.requests.labels(model, status).inc()
         self.prompt_tokens.labels(model).inc(prompt_tokens)
         self.generation_tokens.labels(model).inc(completion_tokens)
+        self.request_prompt_tokens.labels(model).observe(prompt_tokens)
+        self.request_generation_tokens.labels(model).observe(completion_tokens)
         if status in ("stop", "length", "tool_calls"):
             self.e2e.labels(model).observe(end - arrival)
         if first_token is not None:
