@@ -75,6 +75,10 @@ class Tokenizer:
         self._special = {k: _token_content(config.get(k)) for k in _SPECIAL_KEYS}
         extra = config.get("additional_special_tokens") or config.get("extra_special_tokens") or []
         self._additional = [t for t in (_token_content(x) for x in (extra if isinstance(extra, list) else [])) if t]
+        # NOTE: HF's: where padding goes and which end truncation cuts (the config's, settable)
+        self.padding_side = config.get("padding_side") if config.get("padding_side") in ("left", "right") else "right"
+        self.truncation_side = (config.get("truncation_side") if config.get("truncation_side") in ("left", "right")
+                                else "right")
         limit = config.get("model_max_length")
         self.model_max_length = int(limit) if isinstance(limit, (int, float)) and limit > 0 else _HF_NO_LIMIT
         # NOTE: tokenizer.json's post-processor decides the special tokens around the text (it
@@ -128,11 +132,20 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self._chat_templates)
 
-    def encode(self, text: str, add_special_tokens: bool = True, truncation=None, max_length: int | None = None,
-               return_tensors: str | None = None, **kwargs):
+    def encode(self, text: str, add_special_tokens: bool = True, padding=False, truncation=None,
+               max_length: int | None = None, return_tensors: str | None = None, **kwargs):
         """Token ids of text. Other Python threads run meanwhile (the GIL is released). HF's
-        truncation/max_length (the first max_length ids) and return_tensors ("np", "pt": [1, n])."""
-        _refuse_hf(kwargs, "encode")
+        padding, truncation/max_length (the special tokens kept, as HF keeps them) and
+        return_tensors ("np", "pt": [1, n]) as HF's encode takes them."""
+        _refuse_hf(kwargs, "encode", "add_special_tokens, padding, truncation, max_length and return_tensors")
+        if padding not in (False, None, "do_not_pad"):
+            return self(text, add_special_tokens=add_special_tokens, padding=padding, truncation=truncation,
+                        max_length=max_length, return_tensors=return_tensors, return_attention_mask=False)["input_ids"]
+        ids = self._encode_one(text, add_special_tokens, truncation, max_length, padding)
+        return ids if return_tensors is None else _tensors([ids], return_tensors)
+
+    def _encode_one(self, text: str, add_special_tokens: bool, truncation=None, max_length: int | None = None,
+                    padding=False) -> list[int]:
         if not (add_special_tokens and self._bos_eos_from_config):
             ids = self._encode(text, add_special_tokens)
         else:
@@ -142,15 +155,25 @@ class Tokenizer:
             eos_id = self._token_id(self._special["eos_token"])
             if self._add_eos and eos_id is not None:
                 ids = ids + [eos_id]
-        if truncation not in (None, False, "do_not_truncate"):
-            ids = self._truncated(ids, max_length)
-        return ids if return_tensors is None else _tensors([ids], return_tensors)
-
-    def _truncated(self, ids: list[int], max_length: int | None) -> list[int]:
+        # NOTE: as HF: max_length alone truncates unless it is padding's width
+        if truncation is None and max_length is not None and padding in (False, None, "do_not_pad"):
+            truncation = True
+        if truncation in (None, False, "do_not_truncate"):
+            return ids
         limit = self.model_max_length if max_length is None else max_length
-        if not isinstance(limit, int) or limit < 0:
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
             raise ValueError(f"max_length must be a non-negative integer, got {max_length!r}.")
-        return ids[:limit] if self.truncation_side == "right" else ids[max(0, len(ids) - limit):]
+        if len(ids) <= limit:
+            return ids
+        # NOTE: the text's tokens are cut; the special tokens around them stay (HF's truncation)
+        plain = self._encode(text, False) if add_special_tokens else ids
+        at = next((i for i in range(len(ids) - len(plain) + 1) if ids[i:i + len(plain)] == plain), None)
+        if at is None:  # NOTE: a post-processor that changes the text's tokens: cut the whole
+            at, plain = 0, ids
+        head, tail = ids[:at], ids[at + len(plain):]
+        keep = max(0, limit - len(head) - len(tail))
+        kept = plain[:keep] if self.truncation_side == "right" else plain[len(plain) - keep:]
+        return (head + kept + tail)[:limit]
 
     @functools.cached_property
     def max_token_chars(self) -> int:
@@ -353,22 +376,25 @@ class Tokenizer:
         return None if token is None else self._backend.token_to_id(token)
 
     # ---- Hugging Face's names, for scripts written against vLLM's LLM.get_tokenizer() --------
-    padding_side = "right"     # HF's: where padding goes (settable)
-    truncation_side = "right"  # HF's: which end truncation keeps ("right": the first tokens)
     is_fast = True
     name_or_path = ""          # the model directory (from_dir)
 
     def __call__(self, text, text_pair=None, add_special_tokens: bool = True, padding=False, truncation=None,
                  max_length: int | None = None, return_tensors: str | None = None,
-                 return_attention_mask: bool | None = None, **kwargs) -> "_Encoding":
+                 return_attention_mask: bool | None = None, padding_side: str | None = None,
+                 **kwargs) -> "_Encoding":
         """HF's tokenizer(text): input_ids and attention_mask; a list of texts gives a list of each.
         HF's padding (True/"longest", "max_length"; with the pad token, on padding_side),
         truncation/max_length and return_tensors ("np", "pt") as HF's; text pairs are refused."""
         if text_pair is not None:
             raise ValueError("Text pairs (text_pair) are not supported by this tokenizer; join the texts yourself.")
-        _refuse_hf(kwargs, "the tokenizer call")
+        _refuse_hf(kwargs, "the tokenizer call", "add_special_tokens, padding, padding_side, truncation, "
+                   "max_length, return_tensors and return_attention_mask")
+        side = self.padding_side if padding_side is None else padding_side
+        if side not in ("left", "right"):
+            raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}.")
         batch = isinstance(text, (list, tuple))
-        ids = [self.encode(t, add_special_tokens=add_special_tokens, truncation=truncation, max_length=max_length)
+        ids = [self._encode_one(t, add_special_tokens, truncation, max_length, padding)
                for t in (text if batch else [text])]
         masks = [[1] * len(i) for i in ids]
         if padding not in (False, None, "do_not_pad"):
@@ -376,10 +402,13 @@ class Tokenizer:
                 raise ValueError(f"padding must be True, 'longest', 'max_length' or False, got {padding!r}.")
             if self.pad_token_id is None:
                 raise ValueError("Asking to pad, but this tokenizer has no padding token (its config names none).")
-            width = max_length if padding == "max_length" and max_length is not None else max(map(len, ids), default=0)
+            width = max(map(len, ids), default=0)
+            if padding == "max_length":  # NOTE: HF's: max_length, else a model_max_length the config gives
+                width = max_length if max_length is not None else (
+                    self.model_max_length if self.model_max_length < _HF_NO_LIMIT else width)
             for i, m in zip(ids, masks):
                 pad = max(0, width - len(i))
-                if self.padding_side == "left":
+                if side == "left":
                     i[:0], m[:0] = [self.pad_token_id] * pad, [0] * pad
                 else:
                     i.extend([self.pad_token_id] * pad)
@@ -499,12 +528,11 @@ class Tokenizer:
         return self.get_vocab()
 
 
-def _refuse_hf(kwargs: dict, where: str) -> None:
+def _refuse_hf(kwargs: dict, where: str, takes: str) -> None:
     """One sentence naming Hugging Face keywords this tokenizer does not take (not a TypeError)."""
     if kwargs:
         raise ValueError(f"{where} does not support {', '.join(sorted(kwargs))} (Hugging Face's keyword"
-                         f"{'s' if len(kwargs) > 1 else ''}); it takes add_special_tokens, padding, truncation, "
-                         "max_length and return_tensors.")
+                         f"{'s' if len(kwargs) > 1 else ''}); it takes {takes}.")
 
 
 def _tensors(rows: list[list[int]], kind: str):

@@ -133,6 +133,13 @@ def test_metrics_under_vllm_names_too(client, server):
     assert metric(server.base, "vllm:generation_tokens_total") == gen + 5
     assert metric(server.base, 'vllm:request_success_total{finished_reason="length"}') == done + 1
     assert metric(server.base, 'vllm:request_generation_tokens_bucket{le="5.0"}') >= 1
+    # NOTE: one sample a sequence, as vLLM's (2 prompts x n=2: one sample of 20 tokens before)
+    seqs = metric(server.base, "vllm:request_generation_tokens_count")
+    client.completions.create(model="tiny", prompt=["Hello", "The quick brown fox"], n=2, max_tokens=5,
+                              extra_body={"ignore_eos": True})
+    assert metric(server.base, "vllm:request_generation_tokens_count") == seqs + 4
+    assert metric(server.base, "vllm:request_generation_tokens_sum") == metric(
+        server.base, "numa_runtime_generation_tokens_total")
     for ours, theirs in (("numa_runtime_generation_tokens_total", "vllm:generation_tokens_total"),
                          ("numa_runtime_prompt_tokens_total", "vllm:prompt_tokens_total"),
                          ("numa_runtime_e2e_request_latency_seconds_count", "vllm:e2e_request_latency_seconds_count"),

@@ -727,6 +727,23 @@ def test_log_level_quiets_the_runtime_too(model_dir):
     assert "serving at http://" in quiet.output()
 
 
+def test_the_access_log_names_the_client_behind_the_front(model_dir):
+    """--log-level debug logs each request as uvicorn does, with the client's address (behind the
+    HTTP front uvicorn saw only the front's Unix socket: '- "GET ..."'), once."""
+    import httpx
+    srv = ServerProcess(["--model", model_dir, *TINY, "--log-level", "debug"])
+    try:
+        with httpx.Client() as c:
+            assert c.get(srv.base + "/v1/models").status_code == 200
+            assert c.get(srv.base + "/nosuch").status_code == 404
+            wait_for(lambda: '"GET /nosuch HTTP/1.1" 404' in srv.output(), what="the access log line")
+    finally:
+        srv.stop(signal.SIGINT)
+    out = srv.output()
+    line = [ln for ln in out.splitlines() if '"GET /v1/models HTTP/1.1" 200' in ln]
+    assert len(line) == 1 and re.search(r"127\.0\.0\.1:\d+ - \"GET /v1/models HTTP/1\.1\" 200 OK", line[0]), out[-2000:]
+
+
 def test_start_up_errors_under_mpirun_end_the_job_in_one_sentence():
     """A busy --port on rank 0 ends every rank (the worker spun for ever, deaf to SIGTERM); a bad
     flag or model is said once, by rank 0, not once per rank."""

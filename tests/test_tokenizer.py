@@ -642,6 +642,38 @@ def test_the_tokenizer_call_takes_hf_padding_truncation_and_tensors(smol, smol_h
     assert smol.is_fast and smol.name_or_path == smol_hf.name_or_path
 
 
+def test_truncation_keeps_the_added_special_tokens_and_sides_come_from_the_config(smol_dir, tmp_path):
+    """A tokenizer that wraps text in BOS/EOS (Llama 3's post-processor): truncation cuts the
+    text and keeps them, on either side, and max_length alone truncates, as HF's (EOS, or BOS on
+    the left, was cut away); padding_side and truncation_side come from the config (they were
+    always right); padding='max_length' without max_length pads to model_max_length."""
+    from tokenizers import processors
+    d = tmp_path / "wrapped"
+    d.mkdir()
+    backend = Backend.from_file(os.path.join(smol_dir, "tokenizer.json"))
+    bos, eos = "<|im_start|>", "<|im_end|>"
+    backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A {eos}", special_tokens=[
+        (bos, backend.token_to_id(bos)), (eos, backend.token_to_id(eos))])
+    backend.save(str(d / "tokenizer.json"))
+    cfg = json.loads(open(os.path.join(smol_dir, "tokenizer_config.json")).read())
+    cfg.update(model_max_length=64, padding_side="left", truncation_side="left")
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    ours, hf = Tokenizer.from_dir(str(d)), transformers.AutoTokenizer.from_pretrained(str(d))
+    assert (ours.padding_side, ours.truncation_side) == (hf.padding_side, hf.truncation_side) == ("left", "left")
+    long = "The quick brown fox jumps over the lazy dog again and again"
+    for side in ("left", "right"):
+        ours.truncation_side = hf.truncation_side = side
+        for kw in ({"truncation": True, "max_length": 4}, {"max_length": 4}, {"truncation": True, "max_length": 2}):
+            assert ours(long, **kw)["input_ids"] == hf(long, **kw)["input_ids"], (side, kw)
+            assert ours.encode(long, **kw) == hf.encode(long, **kw), (side, kw)
+    assert ours(long, truncation=True, max_length=4)["input_ids"][-1] == ours.convert_tokens_to_ids(eos)
+    for kw in ({"padding": True}, {"padding": "max_length"}, {"padding": True, "padding_side": "right"}):
+        assert dict(ours(["hi", long], **kw)) == {k: list(v) for k, v in hf(["hi", long], **kw).items()}, kw
+    assert ours.encode("hi", padding="max_length", max_length=6) == hf.encode("hi", padding="max_length", max_length=6)
+    with pytest.raises(ValueError, match="encode does not support stride"):
+        ours.encode("hi", stride=2)
+
+
 def test_decode_keeps_special_tokens_unless_skipped_as_hf(smol, smol_hf, smol_dir, tmp_path):
     """HF's decode keeps special tokens by default (ours skipped them); tokenize,
     convert_tokens_to_string, special_tokens_map, model_max_length and vocab read as HF's, and

@@ -395,6 +395,14 @@ def test_a_stored_turn_of_text_and_calls_is_one_assistant_message():
     assert [m["role"] for m in msgs] == ["user", "assistant", "assistant", "tool"]
     assert msgs[2]["reasoning"] == "need get_weather" and msgs[2]["tool_calls"][0]["id"] == "c1"
     assert "reasoning" not in msgs[1] and "tool_calls" not in msgs[1]
+    # NOTE: the key the server keeps a request's previous response under is its own: a client that sends it
+    # stores nothing odd (a later continuation of that response was a 500)
+    sent = {"model": "m", "input": "hi", RA._PARENT: "gotcha"}
+    RA.chat_request(sent, st)
+    assert RA._PARENT not in sent
+    st.keep(sent, {"id": "resp_2", "output": []})
+    assert st.get("resp_2").parent is None
+    assert RA.chat_request({"model": "m", "previous_response_id": "resp_2", "input": "more"}, st)["messages"]
     items = st.get("resp_1").items
     assert items == [{"type": "message", "role": "user", "status": "completed",
                       "content": [{"type": "input_text", "text": "Weather in Paris?"}]},

@@ -423,7 +423,7 @@ _BACKEND_KEEP_ALIVE_S = 7 * 24 * 3600
 class HttpFront:
     """The front process (front.py) and the Unix socket it relays to, from rank 0's side."""
 
-    def __init__(self, public):
+    def __init__(self, public, access_log: bool = False):
         import socket
         import subprocess
         import tempfile
@@ -438,7 +438,8 @@ class HttpFront:
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("PMI_", "OMPI_", "PMIX_", "HYDRA_", "MPIR_", "I_MPI_"))}
         self.proc = subprocess.Popen([sys.executable, isolate, script, "--fd", str(public.fileno()),
-                                      "--backend", self.path, "--keep-alive", str(_KEEP_ALIVE_S)],
+                                      "--backend", self.path, "--keep-alive", str(_KEEP_ALIVE_S)]
+                                     + (["--access-log"] if access_log else []),
                                      stdin=subprocess.PIPE, env=env,
                                      pass_fds=(public.fileno(),), start_new_session=True)
         self._fd = self.proc.stdin.fileno()
@@ -494,7 +495,7 @@ def main(argv=None) -> int:
     front = None
     if sock is not None and args.http_front:
         # NOTE: before the model loads (and before MPI starts): the front runs outside mpirun's reach
-        front = HttpFront(sock)
+        front = HttpFront(sock, access_log=args.log_level == "debug")
     try:
         return _serve(args, world, sock, front)
     finally:
@@ -570,7 +571,7 @@ def _serve(args, world, sock, front) -> int:
     # from a dead rank's); the front closes idle clients after uvicorn's usual 5 s instead
     http_log = args.log_level if args.log_level in ("debug", "error") else "warning"
     server = uvicorn.Server(uvicorn.Config(asgi, host=args.host, port=args.port, log_level=http_log,
-                                           access_log=args.log_level == "debug",
+                                           access_log=args.log_level == "debug" and front is None,
                                            lifespan="off", timeout_graceful_shutdown=args.shutdown_grace + 2,
                                            timeout_keep_alive=_BACKEND_KEEP_ALIVE_S if front else 5))
     port = sock.getsockname()[1]

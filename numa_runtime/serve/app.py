@@ -489,7 +489,8 @@ class _Report:
     def finish(self, status: str) -> None:
         u = self.tracker.usage()
         self.metrics.observe_request(self.model, status, u["prompt_tokens"], u["completion_tokens"], self.arrival,
-                                     self.first_token, time.monotonic(), self.num_seqs)
+                                     self.first_token, time.monotonic(), self.num_seqs,
+                                     sequences=self.tracker.sequence_lengths())
 
 
 async def _collect(gen: _Generation, tracker: R.ChoiceTracker, report: _Report, param: str) -> None:

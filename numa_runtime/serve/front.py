@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http
 import json
 import os
 import resource
@@ -73,6 +74,10 @@ class Relay:
 
     def __init__(self, front: "Front", reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.front, self.creader, self.cwriter = front, reader, writer
+        # NOTE: the access log (--log-level debug): rank 0 sees the front's Unix socket, the front the client
+        peer = writer.get_extra_info("peername") if front.access_log else None
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "-"
+        self.requests: list = []  # (method, target, version) of requests whose response has not begun
         self.up = h11.Connection(h11.SERVER)    # what the client sent
         self.down = h11.Connection(h11.CLIENT)  # what rank 0 sent back
         self.tracked = True                     # h11 follows both sides (else: relay only)
@@ -235,6 +240,8 @@ class Relay:
                     if event is h11.NEED_DATA or event is h11.PAUSED or isinstance(event, h11.ConnectionClosed):
                         break
                     moved = True
+                    if self.front.access_log:
+                        self._log(conn, event)
                     if isinstance(event, h11.Response):
                         headers = dict(event.headers)
                         self.event_stream = (headers.get(b"transfer-encoding", b"").lower() == b"chunked" and
@@ -249,6 +256,17 @@ class Relay:
                         self.event_stream = False
                         self.idle_since = asyncio.get_running_loop().time()
                         break  # NOTE: `up` first: the next request before the next response
+
+    def _log(self, conn, event) -> None:
+        """uvicorn's access line, with the client's address, once a response begins."""
+        if conn is self.up and isinstance(event, h11.Request):
+            self.requests.append((event.method.decode("latin-1"), event.target.decode("latin-1"),
+                                  event.http_version.decode("latin-1")))
+        elif conn is self.down and isinstance(event, h11.Response) and self.requests:
+            method, target, version = self.requests.pop(0)
+            reason = event.reason.decode("latin-1") or http.HTTPStatus(event.status_code).phrase
+            print(f'INFO:     {self.peer} - "{method} {target} HTTP/{version}" {event.status_code} {reason}',
+                  file=sys.stderr, flush=True)
 
     def cycle_done(self) -> bool:
         done = {h11.CLIENT: h11.DONE, h11.SERVER: h11.DONE}
@@ -318,8 +336,9 @@ async def _open_backend(path: str):
 
 
 class Front:
-    def __init__(self, sock: socket.socket, backend: str, keep_alive_s: float = 5.0):
+    def __init__(self, sock: socket.socket, backend: str, keep_alive_s: float = 5.0, access_log: bool = False):
         self.sock, self.backend, self.keep_alive_s = sock, backend, keep_alive_s
+        self.access_log = access_log
         self.server: asyncio.AbstractServer | None = None
         self.relays: set[asyncio.Task] = set()
         self.stopping = False  # rank 0 announced a graceful shutdown
@@ -372,6 +391,7 @@ def main(argv=None) -> int:
     ap.add_argument("--fd", type=int, required=True, help="the bound public socket, inherited")
     ap.add_argument("--backend", required=True, help="rank 0's Unix socket")
     ap.add_argument("--keep-alive", type=float, default=5.0, help="seconds an idle client connection stays open")
+    ap.add_argument("--access-log", action="store_true", help="log each request with the client's address")
     args = ap.parse_args(argv)
     # NOTE: the front ends with rank 0 (end of file on stdin), never on a signal: `systemctl stop`
     # and `pkill -f numa_runtime.serve` signal it beside rank 0, which then shuts down gracefully
@@ -386,7 +406,7 @@ def main(argv=None) -> int:
             pass
     sock = socket.socket(fileno=args.fd)
     try:
-        return asyncio.run(Front(sock, args.backend, args.keep_alive).main())
+        return asyncio.run(Front(sock, args.backend, args.keep_alive, args.access_log).main())
     finally:
         # NOTE: rank 0 removes these when it exits normally, but not when it was killed
         for remove, path in ((os.unlink, args.backend), (os.rmdir, os.path.dirname(args.backend))):

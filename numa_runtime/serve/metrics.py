@@ -112,9 +112,9 @@ class ServerMetrics:
                               "of one request", m, buckets=_TPOT_BUCKETS, registry=r)
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "Time from arrival to the last token",
                              m, buckets=_E2E_BUCKETS, registry=r)
-        self.request_prompt_tokens = Histogram(p + "request_prompt_tokens", "Prompt tokens of a finished request",
+        self.request_prompt_tokens = Histogram(p + "request_prompt_tokens", "Prompt tokens of a finished sequence",
                                                m, buckets=_TOKEN_BUCKETS, registry=r)
-        self.request_generation_tokens = Histogram(p + "request_generation_tokens", "Tokens a finished request "
+        self.request_generation_tokens = Histogram(p + "request_generation_tokens", "Tokens a finished sequence "
                                                    "generated", m, buckets=_TOKEN_BUCKETS, registry=r)
         self.embedding_requests = Counter(p + "embedding_requests", "Finished /v1/embeddings requests by status "
                                           "(ok, error)", m + ["status"], registry=r)
@@ -145,13 +145,16 @@ class ServerMetrics:
         r.register(_VllmNames(r, model_name))
 
     def observe_request(self, model: str, status: str, prompt_tokens: int, completion_tokens: int,
-                        arrival: float, first_token: float | None, end: float, num_seqs: int = 1) -> None:
-        """One API request to `model` finished (num_seqs sequences, all decoded side by side)."""
+                        arrival: float, first_token: float | None, end: float, num_seqs: int = 1,
+                        sequences: list | None = None) -> None:
+        """One API request to `model` finished (num_seqs sequences, all decoded side by side);
+        `sequences`: (prompt, generated) tokens of each, for the per-sequence histograms."""
         self.requests.labels(model, status).inc()
         self.prompt_tokens.labels(model).inc(prompt_tokens)
         self.generation_tokens.labels(model).inc(completion_tokens)
-        self.request_prompt_tokens.labels(model).observe(prompt_tokens)
-        self.request_generation_tokens.labels(model).observe(completion_tokens)
+        for prompt, generated in (sequences if sequences is not None else [(prompt_tokens, completion_tokens)]):
+            self.request_prompt_tokens.labels(model).observe(prompt)
+            self.request_generation_tokens.labels(model).observe(generated)
         if status in ("stop", "length", "tool_calls"):
             self.e2e.labels(model).observe(end - arrival)
         if first_token is not None:

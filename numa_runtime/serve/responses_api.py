@@ -73,6 +73,8 @@ class ResponseStore:
         self._lock = threading.Lock()
 
     def put(self, resp: dict, input_items: list, parent: Stored | None) -> None:
+        if parent is not None and not isinstance(parent, Stored):
+            raise TypeError("a stored response's parent must be a stored response.")
         with self._lock:
             self._items[resp["id"]] = Stored(resp, input_items, parent)
             while len(self._items) > self.limit:
@@ -132,6 +134,7 @@ def chat_request(raw: Any, store: ResponseStore | None = None) -> dict:
     previous_response_id `store` does not hold)."""
     if not isinstance(raw, dict):
         raise _bad("The request body must be a JSON object.")
+    raw.pop(_PARENT, None)  # NOTE: this server's own key: never the client's
     previous = raw.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):
         raise _bad("previous_response_id must be a string (the id of a stored response).")
