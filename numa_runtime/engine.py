@@ -658,7 +658,9 @@ class Engine:
         first = group.children[0]
         ro = RequestOutput(group.request_id, group.prompt, group.prompt_ids, outs, finished,
                            num_cached_tokens=first.num_cached_tokens, prompt_logprobs=group.prompt_logprobs,
-                           metrics={"arrival_time": first.arrival_time, "first_token_time": first.first_token_time})
+                           metrics={"arrival_time": first.arrival_time,
+                                    "first_scheduled_time": first.first_scheduled_time,
+                                    "first_token_time": first.first_token_time})
         if finished:
             self._groups.pop(group.request_id, None)
             for req in group.children:

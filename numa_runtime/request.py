@@ -43,6 +43,7 @@ class Request:
         self.block_hashes: list[int] = []  # chained hashes of this request's full blocks
         self.num_preemptions = 0
         self.prefix_counted = False  # its prefix-cache lookup is in the block manager's counters
+        self.first_scheduled_time: float | None = None  # when its first chunk was scheduled (time.monotonic)
         self.first_token_time: float | None = None
         self.stop_reason: str | int | None = None
         self.logprobs: list = []  # per output token: (logprob, {token_id: logprob})

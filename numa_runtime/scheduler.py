@@ -13,6 +13,8 @@ stop strings) and then calls `finish_request`.
 """
 from __future__ import annotations
 
+import time
+
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -196,6 +198,8 @@ class Scheduler:
             self.block_manager.cache_full_blocks(req, req.num_computed_tokens + n)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n

@@ -140,6 +140,17 @@ def test_metrics_under_vllm_names_too(client, server):
     assert metric(server.base, "vllm:request_generation_tokens_count") == seqs + 4
     assert metric(server.base, "vllm:request_generation_tokens_sum") == metric(
         server.base, "numa_runtime_generation_tokens_total")
+    # NOTE: vLLM's phases of each engine request (2 prompts: 2 more samples each)
+    text = httpx.get(server.base + "/metrics").text
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert re.search(rf'^vllm:request_{phase}_time_seconds_count{{model_name="tiny"}} ', text, re.M), phase
+    count = metric(server.base, "vllm:request_decode_time_seconds_count")
+    client.completions.create(model="tiny", prompt=["Hello", "Hi"], max_tokens=3, extra_body={"ignore_eos": True})
+    assert metric(server.base, "vllm:request_decode_time_seconds_count") == count + 2
+    # NOTE: one clock for arrival, scheduling and tokens (time.time beside time.monotonic gave ~1.7e9 s)
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert 0 <= metric(server.base, f"vllm:request_{phase}_time_seconds_sum") < 600, phase
+    assert metric(server.base, "vllm:request_prefill_time_seconds_sum") > 0
     for ours, theirs in (("numa_runtime_generation_tokens_total", "vllm:generation_tokens_total"),
                          ("numa_runtime_prompt_tokens_total", "vllm:prompt_tokens_total"),
                          ("numa_runtime_e2e_request_latency_seconds_count", "vllm:e2e_request_latency_seconds_count"),

@@ -488,9 +488,12 @@ class _Report:
 
     def finish(self, status: str) -> None:
         u = self.tracker.usage()
+        end = time.monotonic()
         self.metrics.observe_request(self.model, status, u["prompt_tokens"], u["completion_tokens"], self.arrival,
-                                     self.first_token, time.monotonic(), self.num_seqs,
+                                     self.first_token, end, self.num_seqs,
                                      sequences=self.tracker.sequence_lengths())
+        for out in self.tracker.latest.values():  # NOTE: vLLM's phases of each engine request
+            self.metrics.observe_phases(self.model, out.metrics, end)
 
 
 async def _collect(gen: _Generation, tracker: R.ChoiceTracker, report: _Report, param: str) -> None:

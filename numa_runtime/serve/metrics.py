@@ -42,6 +42,10 @@ VLLM_NAMES = {
     "numa_runtime_e2e_request_latency_seconds": ["vllm:e2e_request_latency_seconds"],
     "numa_runtime_requests": ["vllm:request_success"],
     "numa_runtime_request_prompt_tokens": ["vllm:request_prompt_tokens"],
+    "numa_runtime_request_queue_time_seconds": ["vllm:request_queue_time_seconds"],
+    "numa_runtime_request_prefill_time_seconds": ["vllm:request_prefill_time_seconds"],
+    "numa_runtime_request_decode_time_seconds": ["vllm:request_decode_time_seconds"],
+    "numa_runtime_request_inference_time_seconds": ["vllm:request_inference_time_seconds"],
     "numa_runtime_request_generation_tokens": ["vllm:request_generation_tokens"],
 }
 # NOTE: vllm:request_success's finished_reason: ours "tool_calls" ended as a stop; errors are none of its
@@ -116,6 +120,12 @@ class ServerMetrics:
                                                m, buckets=_TOKEN_BUCKETS, registry=r)
         self.request_generation_tokens = Histogram(p + "request_generation_tokens", "Tokens a finished sequence "
                                                    "generated", m, buckets=_TOKEN_BUCKETS, registry=r)
+        phases = {"queue": "Time from arrival until the request was first scheduled",
+                  "prefill": "Time from first being scheduled to the first token",
+                  "decode": "Time from the first token to the last",
+                  "inference": "Time from first being scheduled to the last token"}
+        self.phases = {k: Histogram(p + f"request_{k}_time_seconds", doc, m, buckets=_E2E_BUCKETS, registry=r)
+                       for k, doc in phases.items()}
         self.embedding_requests = Counter(p + "embedding_requests", "Finished /v1/embeddings requests by status "
                                           "(ok, error)", m + ["status"], registry=r)
         self.embedding_latency = Histogram(p + "embedding_request_latency_seconds", "Time from arrival to the "
@@ -162,6 +172,18 @@ class ServerMetrics:
             per_seq = completion_tokens / max(1, num_seqs)
             if per_seq > 1:
                 self.tpot.labels(model).observe((end - first_token) / (per_seq - 1))
+
+    def observe_phases(self, model: str, times: dict, end: float) -> None:
+        """One engine request's queue, prefill, decode and inference time (RequestOutput.metrics:
+        arrival, first scheduled and first token, on time.monotonic's clock)."""
+        arrival, scheduled, first = (times.get(k) for k in ("arrival_time", "first_scheduled_time", "first_token_time"))
+        if arrival is None or scheduled is None:
+            return
+        self.phases["queue"].labels(model).observe(max(0.0, scheduled - arrival))
+        if first is not None:
+            self.phases["prefill"].labels(model).observe(max(0.0, first - scheduled))
+            self.phases["decode"].labels(model).observe(max(0.0, end - first))
+        self.phases["inference"].labels(model).observe(max(0.0, end - scheduled))
 
     def observe_embedding(self, model: str, ok: bool, prompt_tokens: int, arrival: float, end: float) -> None:
         """One /v1/embeddings request to `model` answered (ok) or failed; its tokens count as prompt tokens."""
