@@ -297,8 +297,9 @@ def test_python_in_the_command_is_the_launchers_own():
         pytest.skip("SKIPPED: launching two bound ranks needs 2 cpus")
     tools = {os.path.dirname(shutil.which(t)) for t in ("mpirun", "numactl")} - {os.path.dirname(sys.executable)}
     path = os.pathsep.join(sorted(tools) + ["/usr/bin", "/bin"])
-    out = launch("--ranks", "2", "--", "python", "-c", "import sys, numa_runtime; print(sys.executable)",
-                 env={"PATH": path})
+    # NOTE: one write per rank: print() writes its parts apart and the ranks' lines interleave
+    out = launch("--ranks", "2", "--", "python", "-c",
+                 "import os, sys, numa_runtime; os.write(1, (sys.executable + '\\n').encode())", env={"PATH": path})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [os.path.join(os.path.dirname(sys.executable), "python")] * 2, out.stdout
 
