@@ -214,8 +214,9 @@ class GGUFCheckpoint:
 
     def quantized(self, name: str, rows, cols: slice | None) -> QuantizedWeight | None:
         """Rows (a slice, or an array of row numbers)/cols of a Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL
-        tensor as our format, bit for bit, or of a K-quant or IQ4_XS tensor with super-block scales (exact), or with its scales rounded
-        to f16 off super-block boundaries (decode_kquant); None otherwise (dense)."""
+        tensor as our format, bit for bit, or of a K-quant or IQ4_XS tensor with super-block
+        scales (exact), or with its scales rounded to f16 off super-block boundaries
+        (decode_kquant); None otherwise (dense)."""
         t = self._t(name)
         kind = t.type
         if kind not in LOSSLESS and kind not in NEAR_LOSSLESS:

@@ -24,6 +24,7 @@ __all__ = ["Tokenizer", "IncrementalDetokenizer", "ChatTemplateError"]
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
                  "mask_token")
 _HF_NO_LIMIT = int(1e30)  # NOTE: transformers' model_max_length where the config gives none
+_NO_PADDING = (False, None, "do_not_pad")  # HF's padding values that pad nothing
 _LLAMA_STYLE = {"LlamaTokenizer", "CodeLlamaTokenizer", "GemmaTokenizer"}
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # the first is what templates read
 
@@ -59,6 +60,16 @@ class ChatTemplateError(ValueError):
     """The model has no chat template, or its template rejected the conversation."""
 
 
+def _special_token(key: str) -> property:
+    """A special token as the tokenizer config names it (HF's bos_token, unk_token, ...)."""
+    return property(lambda self: self._special[key])
+
+
+def _special_id(key: str) -> property:
+    """That token's id (HF's unk_token_id, ...), None where the config names none."""
+    return property(lambda self: self._token_id(self._special[key]))
+
+
 class Tokenizer:
     """Encode/decode and chat formatting for one model directory.
 
@@ -76,9 +87,8 @@ class Tokenizer:
         extra = config.get("additional_special_tokens") or config.get("extra_special_tokens") or []
         self._additional = [t for t in (_token_content(x) for x in (extra if isinstance(extra, list) else [])) if t]
         # NOTE: HF's: where padding goes and which end truncation cuts (the config's, settable)
-        self.padding_side = config.get("padding_side") if config.get("padding_side") in ("left", "right") else "right"
-        self.truncation_side = (config.get("truncation_side") if config.get("truncation_side") in ("left", "right")
-                                else "right")
+        self.padding_side, self.truncation_side = (config.get(k) if config.get(k) in ("left", "right") else "right"
+                                                   for k in ("padding_side", "truncation_side"))
         limit = config.get("model_max_length")
         self.model_max_length = int(limit) if isinstance(limit, (int, float)) and limit > 0 else _HF_NO_LIMIT
         # NOTE: tokenizer.json's post-processor decides the special tokens around the text (it
@@ -138,7 +148,7 @@ class Tokenizer:
         padding, truncation/max_length (the special tokens kept, as HF keeps them) and
         return_tensors ("np", "pt": [1, n]) as HF's encode takes them."""
         _refuse_hf(kwargs, "encode", "add_special_tokens, padding, truncation, max_length and return_tensors")
-        if padding not in (False, None, "do_not_pad"):
+        if padding not in _NO_PADDING:
             return self(text, add_special_tokens=add_special_tokens, padding=padding, truncation=truncation,
                         max_length=max_length, return_tensors=return_tensors, return_attention_mask=False)["input_ids"]
         ids = self._encode_one(text, add_special_tokens, truncation, max_length, padding)
@@ -156,7 +166,7 @@ class Tokenizer:
             if self._add_eos and eos_id is not None:
                 ids = ids + [eos_id]
         # NOTE: as HF: max_length alone truncates unless it is padding's width
-        if truncation is None and max_length is not None and padding in (False, None, "do_not_pad"):
+        if truncation is None and max_length is not None and padding in _NO_PADDING:
             truncation = True
         if truncation in (None, False, "do_not_truncate"):
             return ids
@@ -208,6 +218,8 @@ class Tokenizer:
     def decode(self, token_ids, skip_special_tokens: bool = False, **kwargs) -> str:
         """The text of token ids (a list, an array, or one id as HF takes it). HF's
         clean_up_tokenization_spaces is taken when false (this never cleans up)."""
+        if not kwargs and isinstance(token_ids, list) and (not token_ids or isinstance(token_ids[0], int)):
+            return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)  # NOTE: the runtime's
         if kwargs.get("clean_up_tokenization_spaces"):
             raise ValueError("decode's clean_up_tokenization_spaces=True is not supported (the text is decoded as "
                              "generated, never cleaned up).")
@@ -397,7 +409,7 @@ class Tokenizer:
         ids = [self._encode_one(t, add_special_tokens, truncation, max_length, padding)
                for t in (text if batch else [text])]
         masks = [[1] * len(i) for i in ids]
-        if padding not in (False, None, "do_not_pad"):
+        if padding not in _NO_PADDING:
             if padding not in (True, "longest", "max_length"):
                 raise ValueError(f"padding must be True, 'longest', 'max_length' or False, got {padding!r}.")
             if self.pad_token_id is None:
@@ -425,49 +437,15 @@ class Tokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
-    @property
-    def eos_token(self) -> str | None:
-        return self._special["eos_token"]
-
-    @property
-    def bos_token(self) -> str | None:
-        return self._special["bos_token"]
-
-    @property
-    def pad_token(self) -> str | None:
-        return self._special["pad_token"]
-
-    @property
-    def unk_token(self) -> str | None:
-        return self._special["unk_token"]
-
-    @property
-    def unk_token_id(self) -> int | None:
-        return self._token_id(self._special["unk_token"])
-
-    @property
-    def sep_token(self) -> str | None:
-        return self._special["sep_token"]
-
-    @property
-    def sep_token_id(self) -> int | None:
-        return self._token_id(self._special["sep_token"])
-
-    @property
-    def cls_token(self) -> str | None:
-        return self._special["cls_token"]
-
-    @property
-    def cls_token_id(self) -> int | None:
-        return self._token_id(self._special["cls_token"])
-
-    @property
-    def mask_token(self) -> str | None:
-        return self._special["mask_token"]
-
-    @property
-    def mask_token_id(self) -> int | None:
-        return self._token_id(self._special["mask_token"])
+    # NOTE: HF's <key> and <key>_id of each special token the tokenizer config names (eos_token_id
+    # below; bos_token_id and pad_token_id are set in __init__)
+    eos_token = _special_token("eos_token")
+    bos_token = _special_token("bos_token")
+    pad_token = _special_token("pad_token")
+    unk_token, unk_token_id = _special_token("unk_token"), _special_id("unk_token")
+    sep_token, sep_token_id = _special_token("sep_token"), _special_id("sep_token")
+    cls_token, cls_token_id = _special_token("cls_token"), _special_id("cls_token")
+    mask_token, mask_token_id = _special_token("mask_token"), _special_id("mask_token")
 
     @property
     def eos_token_id(self) -> int | None:

@@ -200,6 +200,16 @@ def test_partial_last_group_is_refused_on_one_rank(tmp_path):
         engine(qdir)
 
 
+def _assert_runs_as_stored(model, quantization, greedy, want):
+    """The checkpoint's int4 weights run as stored under `quantization` and give the tokens `want`."""
+    e = Engine(model, dtype="float32", kv_cache_memory=1 << 23, max_model_len=128, quantization=quantization)
+    try:
+        assert e.runner.model.layers[0].gate_up_proj.dtype == "int4"
+        assert e.generate([PROMPT], greedy)[0].token_ids == want
+    finally:
+        e.close()
+
+
 def test_vllm_method_names_check_the_checkpoint(src, tmp_path):
     """quantization='awq' / 'gptq' / 'awq_marlin' / 'gguf' (vLLM's names) runs an AWQ file as
     stored, and refuses in one sentence a file of another format or a dense one (it was refused
@@ -213,12 +223,7 @@ def test_vllm_method_names_check_the_checkpoint(src, tmp_path):
     finally:
         plain.close()
     for name in ("awq", "AWQ", "awq_marlin"):
-        e = Engine(qdir, dtype="float32", kv_cache_memory=1 << 23, max_model_len=128, quantization=name)
-        try:
-            assert e.runner.model.layers[0].gate_up_proj.dtype == "int4"
-            assert e.generate([PROMPT], greedy)[0].token_ids == want
-        finally:
-            e.close()
+        _assert_runs_as_stored(qdir, name, greedy, want)
     for model, name, held in ((qdir, "gptq", "holds AWQ weights"), (qdir, "gguf", "holds AWQ weights"),
                               (src, "awq", "is a dense checkpoint")):
         with pytest.raises(ValueError, match=f"names the format of a {CHECKPOINT_METHODS[name].upper()} "
@@ -251,12 +256,7 @@ def test_older_quantization_config_files_are_read(src, tmp_path, method, filenam
     with open(os.path.join(qdir, filename), "w") as f:
         json.dump(quant, f)
     for name in (None, method):
-        e = Engine(qdir, dtype="float32", kv_cache_memory=1 << 23, max_model_len=128, quantization=name)
-        try:
-            assert e.runner.model.layers[0].gate_up_proj.dtype == "int4"
-            assert e.generate([PROMPT], greedy)[0].token_ids == want
-        finally:
-            e.close()
+        _assert_runs_as_stored(qdir, name, greedy, want)
     with open(os.path.join(qdir, filename), "w") as f:
         json.dump({**quant, **({"w_bit": 8} if method == "awq" else {"bits": 8})}, f)
     with pytest.raises(ValueError, match=f"{method.upper()} checkpoints with bits 8 are not supported"):

@@ -17,7 +17,8 @@ from ..backend.reference import KV_CACHE_DTYPES, kv_row_width
 from ..config import ModelConfig, UnsupportedModelError, rope_inv_freq
 from ..gguf_model import open_checkpoint
 from ..quant.formats import QuantError
-from ..quant.loader import LinearFactory, check_checkpoint_method, head_quantization, parse_quantization
+from ..quant.loader import (LinearFactory, check_checkpoint_method, head_quantization, parse_quantization,
+                            stores_quantized)
 from ..plan import EMBED
 from ..sharding import ShardLayout, shard_layouts
 from ..weights import Checkpoint, load_rows
@@ -79,10 +80,8 @@ class LlamaModel:
                  prefill_activations: str = "bf16"):
         self.cfg, self.ops, self.comm, self.dtype = cfg, ops, comm, dtype
         ckpt = open_checkpoint(cfg)  # safetensors, or the GGUF file the directory points at
-        q_proj = "model.layers.0.self_attn.q_proj.weight"
         check_checkpoint_method(quantization, ckpt, getattr(ckpt, "path", cfg.model_dir))
-        if parse_quantization(quantization) is not None and q_proj in ckpt and not isinstance(
-                ckpt.raw(q_proj), np.ndarray):
+        if parse_quantization(quantization) is not None and stores_quantized(ckpt):
             raise ValueError(f"{getattr(ckpt, 'path', cfg.model_dir)} holds quantized weights already; "
                              f"quantization={quantization!r} (--quantization) quantizes dense bf16/f16/f32 "
                              "checkpoints while loading: drop it.")

@@ -87,14 +87,10 @@ class LinearFactory:
         if w is not None and self.head_quant is not None:  # NOTE: asked for by name, never by "auto"
             raise QuantError("lm_head_quantization names a format, but the file stores its lm_head quantized "
                              "already (it runs as stored); drop the setting.")
+        if w is None and self.head_quant is None:  # NOTE: dense, as stored: padded as it is read
+            return self.ops.Linear(load_rows(self.ckpt, name, self.dtype, rows, padded_rows))
         if w is None:
-            w = (self._quantized_head(name, rows) if self.head_quant is not None
-                 else load_rows(self.ckpt, name, self.dtype, rows, padded_rows))
-        if isinstance(w, np.ndarray):
-            pad = padded_rows - w.shape[0]
-            if pad:
-                w = np.concatenate([w, np.zeros((pad, w.shape[1]), w.dtype)])
-            return self.ops.Linear(w)
+            w = self._quantized_head(name, rows)
         pad = padded_rows - w.out_features
         if pad:
             w = concat_rows([w, zero_rows(w, pad)])
@@ -235,7 +231,7 @@ HEAD_DEFAULT = "int8"
 HEAD_FORMATS_HINT = "None, 'auto' or an int8 format such as 'int8' or 'int8-channel'"
 
 
-def _stores_quantized(ckpt) -> bool:
+def stores_quantized(ckpt) -> bool:
     """Whether a checkpoint brings quantized linears of its own (a GGUF of Q8_0/Q4_x/K-quants, AWQ,
     GPTQ); a dense one (safetensors, an F16/BF16/F32 GGUF) is quantized at load."""
     if ckpt is None or getattr(ckpt, "quantized", None) is None:
@@ -254,7 +250,7 @@ def head_quantization(name: str | None, quantization: str | None, ckpt=None) -> 
     if name in (None, "", "none"):
         return None
     if name == "auto":
-        if parse_quantization(quantization) is not None and not _stores_quantized(ckpt):
+        if parse_quantization(quantization) is not None and not stores_quantized(ckpt):
             return QuantFormat.parse(HEAD_DEFAULT)
         return None
     try:

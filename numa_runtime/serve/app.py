@@ -104,6 +104,13 @@ _LEADING_PARAM = re.compile(r"^([a-z]+(?:_[a-z]+)+)\b")  # a sampling parameter'
 _PARAMS = ({f.name for f in dataclasses.fields(SamplingParams)} | set(CompletionRequest.model_fields)
            | set(ChatCompletionRequest.model_fields))
 _API_NAME = {"json_schema": "response_format"}  # SamplingParams field -> the OpenAI field it came from
+OPEN_PATHS = ("/health", "/ping")  # NOTE: health checks: open without the API key
+
+
+def model_card(name: str, created: int, root: str, max_model_len: int) -> dict:
+    """One /v1/models entry, as vLLM's ModelCard."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "numa_runtime", "root": root,
+            "parent": None, "max_model_len": max_model_len, "permission": []}
 
 
 def server_metrics(aengine, model_name: str | None = None) -> ServerMetrics:
@@ -166,10 +173,8 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "numa_runtime",
-             "root": config.model_root or config.served_model_name, "parent": None,
-             "max_model_len": engine.max_model_len, "permission": []} for name in config.names]}
+        return {"object": "list", "data": [model_card(name, created, config.model_root or config.served_model_name,
+                                                      engine.max_model_len) for name in config.names]}
 
     @app.get("/version")
     async def version():
@@ -764,7 +769,7 @@ class _Guard:
             await send(message)
 
         headers = dict(scope.get("headers") or [])
-        if self.expected is not None and scope["path"] not in ("/health", "/ping"):
+        if self.expected is not None and scope["path"] not in OPEN_PATHS:
             if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
                 return await _send_error(counting_send, 401, "A valid API key is required; send "
                                          "'Authorization: Bearer <key>'.", "authentication_error", "invalid_api_key")

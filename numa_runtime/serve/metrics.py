@@ -71,7 +71,7 @@ class _VllmNames:
             self._inside.on = False
         for fam in families:
             for name in VLLM_NAMES.get(fam.name, ()):
-                out = Metric(name, fam.documentation, fam.type)
+                values: dict = {}  # NOTE: (sample name, labels) -> value; stop and tool_calls share "stop"
                 for smp in fam.samples:
                     if smp.name.endswith("_created"):
                         continue
@@ -83,15 +83,11 @@ class _VllmNames:
                         if reason is None:
                             continue
                         labels["finished_reason"] = reason
-                    out.add_sample(name + smp.name[len(fam.name):], labels, smp.value)
-                if name == "vllm:request_success":  # NOTE: stop and tool_calls: one finished_reason
-                    merged = {}
-                    for smp in out.samples:
-                        key = (smp.name, tuple(sorted(smp.labels.items())))
-                        merged[key] = merged.get(key, 0.0) + smp.value
-                    out.samples = []
-                    for (sname, labels), value in merged.items():
-                        out.add_sample(sname, dict(labels), value)
+                    key = (name + smp.name[len(fam.name):], tuple(sorted(labels.items())))
+                    values[key] = values.get(key, 0.0) + smp.value
+                out = Metric(name, fam.documentation, fam.type)
+                for (sample, labels), value in values.items():
+                    out.add_sample(sample, dict(labels), value)
                 yield out
 
 
@@ -155,14 +151,14 @@ class ServerMetrics:
         r.register(_VllmNames(r, model_name))
 
     def observe_request(self, model: str, status: str, prompt_tokens: int, completion_tokens: int,
-                        arrival: float, first_token: float | None, end: float, num_seqs: int = 1,
-                        sequences: list | None = None) -> None:
+                        arrival: float, first_token: float | None, end: float, num_seqs: int,
+                        sequences: list) -> None:
         """One API request to `model` finished (num_seqs sequences, all decoded side by side);
         `sequences`: (prompt, generated) tokens of each, for the per-sequence histograms."""
         self.requests.labels(model, status).inc()
         self.prompt_tokens.labels(model).inc(prompt_tokens)
         self.generation_tokens.labels(model).inc(completion_tokens)
-        for prompt, generated in (sequences if sequences is not None else [(prompt_tokens, completion_tokens)]):
+        for prompt, generated in sequences:
             self.request_prompt_tokens.labels(model).observe(prompt)
             self.request_generation_tokens.labels(model).observe(generated)
         if status in ("stop", "length", "tool_calls"):

@@ -14,7 +14,7 @@ from urllib.parse import parse_qs
 from fastapi.responses import JSONResponse
 
 from . import responses as R
-from .app import ApiError, ServeConfig, build_app, server_metrics
+from .app import OPEN_PATHS, ApiError, ServeConfig, build_app, model_card, server_metrics
 from .async_engine import AsyncEngine
 from .router import ModelLoadError, ModelRouter, ModelUnavailableError
 
@@ -208,7 +208,7 @@ class ModelDispatcher:
         return await app(scope, replay, send)
 
     def _authorized(self, scope) -> bool:
-        if self.expected is None or scope.get("path") in ("/health", "/ping"):
+        if self.expected is None or scope.get("path") in OPEN_PATHS:
             return True
         return hmac.compare_digest(dict(scope.get("headers") or []).get(b"authorization", b""), self.expected)
 
@@ -217,10 +217,8 @@ class ModelDispatcher:
 
     def _models(self) -> dict:
         r = self.router  # NOTE: the last load's and unload's seconds (None before the first)
-        data = [{"id": n, "object": "model", "created": self.created, "owned_by": "numa_runtime", "root": n,
-                 "parent": None, "permission": [], "max_model_len": _ModelInfo(r, n).max_model_len,
-                 "loaded": n in r.engines, "load_seconds": r.load_seconds.get(n),
-                 "unload_seconds": r.unload_seconds.get(n)} for n in self.apps]
+        data = [{**model_card(n, self.created, n, _ModelInfo(r, n).max_model_len), "loaded": n in r.engines,
+                 "load_seconds": r.load_seconds.get(n), "unload_seconds": r.unload_seconds.get(n)} for n in self.apps]
         return {"object": "list", "data": data}
 
     def _count(self, status: int) -> None:

@@ -14,7 +14,6 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..sampling_params import SamplingParams, StructuredOutputsParams, as_structured_outputs, json_schema_of
-from ..sampling_params import _KINDS as _SO_KINDS
 from ..structured import strict_schema
 from ..tokenizer import check_text
 
@@ -162,13 +161,11 @@ class _SamplingRequest(_Body):
         """The guided_regex / guided_choice / guided_grammar / structured_outputs constraint, checked;
         ValueError (one sentence, naming the field) if more than one constraint is given."""
         given = [f for f in _CONSTRAINTS[1:] if getattr(self, f) is not None]  # NOTE: guided_json is has_schema
-        so = self.structured_outputs
-        if (has_schema and given == ["structured_outputs"] and isinstance(so, dict)
-                and not any(so.get(k) not in (None, False) for k in _SO_KINDS)):
-            # NOTE: as vLLM: options alone (disable_any_whitespace) beside response_format/guided_json are its
-            out = as_structured_outputs(so)
-            out.check_options()
-            return out
+        if has_schema and given == ["structured_outputs"] and isinstance(self.structured_outputs, dict):
+            out = as_structured_outputs(self.structured_outputs)
+            if not out.kinds():  # NOTE: as vLLM: options alone (disable_any_whitespace) beside a schema are its
+                out.check_options()
+                return out
         if len(given) + has_schema > 1:
             schema = "guided_json" if self.guided_json is not None else "response_format"
             named = ([schema] if has_schema else []) + given

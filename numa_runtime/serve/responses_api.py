@@ -36,7 +36,7 @@ _PASS_KEYS = ("temperature", "top_p", "stream", "parallel_tool_calls", "user", "
 _IGNORED = ("metadata", "safety_identifier", "prompt_cache_key", "truncation", "store", "background",
             "include", "reasoning", "top_logprobs", "text", "tools", "tool_choice", "instructions", "input",
             "max_output_tokens", "stream_options", "previous_response_id")
-MAX_STORED = 4096  # NOTE: responses kept; the oldest go first (a chain that reaches one is an error)
+MAX_STORED = 4096  # NOTE: responses kept by id; the least recently used go first (a chain keeps its own)
 
 
 class NotStored(LookupError):
