@@ -201,13 +201,21 @@ def hf_to_gguf(model_dir: str, path: str) -> None:
     c = json.load(open(os.path.join(model_dir, "config.json")))
     tok = json.load(open(os.path.join(model_dir, "tokenizer.json")))
     nh, nkv, h = c["num_attention_heads"], c["num_key_value_heads"], c["hidden_size"]
-    w = gguf.GGUFWriter(path, "llama")
+    moe = c.get("model_type") == "qwen3_moe"  # NOTE: llama.cpp's qwen3moe: q/k norms, neox rope, experts
+    w = gguf.GGUFWriter(path, "qwen3moe" if moe else "llama")
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(h)
     w.add_block_count(c["num_hidden_layers"])
     w.add_feed_forward_length(c["intermediate_size"])
     w.add_head_count(nh)
     w.add_head_count_kv(nkv)
+    if c.get("head_dim") and c["head_dim"] != h // nh:
+        w.add_key_length(c["head_dim"])
+        w.add_value_length(c["head_dim"])
+    if moe:
+        w.add_expert_count(c.get("num_experts") or c["num_local_experts"])  # NOTE: transformers 5 writes the latter
+        w.add_expert_used_count(c["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(c["moe_intermediate_size"])
     rope = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)  # transformers 4 / 5
     w.add_rope_freq_base(float(rope))
     w.add_layer_norm_rms_eps(float(c["rms_norm_eps"]))
@@ -235,8 +243,17 @@ def hf_to_gguf(model_dir: str, path: str) -> None:
     sub = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
            "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
            "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-           "post_attention_layernorm": "ffn_norm"}
+           "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attn_q_norm",
+           "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp"}
+    if moe:
+        ckpt.split_experts()
+    experts = {}  # (layer, proj) -> {expert: bf16 [N, K]}: stacked [E, N, K] as llama.cpp stores them
     for name in ckpt.names():
+        if ".mlp.experts." in name:
+            if name.endswith("_proj.weight"):
+                _, _, layer, _, _, j, proj, _ = name.split(".")
+                experts.setdefault((int(layer), proj), {})[int(j)] = name
+            continue
         if name == "lm_head.weight" and c.get("tie_word_embeddings"):
             continue
         if name in top:
@@ -245,15 +262,19 @@ def hf_to_gguf(model_dir: str, path: str) -> None:
             _, _, layer, rest = name.split(".", 3)
             mod, kind = rest.rsplit(".", 1)
             gname = f"blk.{layer}.{sub[mod]}.{kind}"
-        if name.endswith("norm.weight"):
+        if name.endswith(("norm.weight", "mlp.gate.weight")):  # NOTE: the router in f32, as the converter
             w.add_tensor(gname, np.ascontiguousarray(ckpt.load(name, "float32")))
             continue
         x = np.ascontiguousarray(ckpt.load(name, "bfloat16"))  # bf16 bits, uint16
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
+        if name.endswith(("q_proj.weight", "k_proj.weight")) and not moe:
             n = nh if "q_proj" in name else nkv  # HF rotate-half -> llama.cpp interleaved rows
             x = np.ascontiguousarray(x.reshape(n, 2, x.shape[0] // n // 2, x.shape[1])
                                      .swapaxes(1, 2).reshape(x.shape))
         w.add_tensor(gname, x, raw_shape=x.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
+    for (layer, proj), names in sorted(experts.items()):
+        x = np.stack([ckpt.load(names[j], "bfloat16") for j in range(len(names))])
+        w.add_tensor(f"blk.{layer}.ffn_{proj.split('_')[0]}_exps.weight", x, raw_shape=x.shape,
+                     raw_dtype=gguf.GGMLQuantizationType.BF16)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -48,7 +48,8 @@ AT_LOAD = {"int8": "q8_0", "int4": "q4_0"}  # ours quantized at load -> the llam
 LONG_CONTEXT = 32768
 # --op-by-op: our quantized rows again with decode steps run op by op (models/llama.py)
 OP_BY_OP = {"NUMA_RUNTIME_FUSED_DECODE": "0"}
-SHAPE_DICTS = {"qwen0.5b": common.QWEN05B, "llama3.2-1b": common.LLAMA1B, "tiny": common.TINY}
+SHAPE_DICTS = {"qwen0.5b": common.QWEN05B, "llama3.2-1b": common.LLAMA1B, "tiny": common.TINY,
+               "qwen3-moe-6l": common.QWEN3_MOE_6L}
 
 
 # ----------------------------------------------------------------------------- files
@@ -165,9 +166,17 @@ def child(a) -> dict:
         return prompt_len / (steps[first][0] - t0), decoded / (steps[-1][0] - steps[first][0]) if decoded else 0.0
 
     m = eng.model_config
-    # the packed linears one decode step streams, lm_head included
-    nbytes = sum(getattr(x, "nbytes", 0) or x.weight.nbytes for x in eng.runner.model._linears())
-    out = {"bytes_per_token": nbytes, "prefill_int8": bool(getattr(eng.runner.model, "prefill_int8", False)),
+    # the packed linears one decode step streams, lm_head included (of a mixture of experts, the
+    # num_experts_per_tok experts a token's row reads in each sparse layer)
+    size = lambda x: getattr(x, "nbytes", 0) or x.weight.nbytes  # noqa: E731
+    nbytes = every = sum(size(x) for x in eng.runner.model._linears())
+    for layer in eng.runner.model.layers:
+        moe = getattr(layer, "moe", None)
+        if moe is not None:
+            routed = sum(size(x) for pair in moe.experts for x in pair)
+            nbytes -= routed - routed * m.num_experts_per_tok // m.num_experts
+    out = {"bytes_per_token": nbytes, "active_fraction": nbytes / every,
+           "prefill_int8": bool(getattr(eng.runner.model, "prefill_int8", False)),
            "kv_bytes_per_context_token": 2 * m.num_layers * m.kv_size * 2,  # K and V, bf16
            "depth": {}}
     run(8 if a.decode_only else a.prefill, 4)  # warm-up: kernel primitives for these shapes, first-touch pages
@@ -320,8 +329,10 @@ def markdown(r: dict, a) -> str:
                          + " - |" * 7)
             continue
         limit = dram * 1e9 / o["bytes_per_token"]
-        # llama.cpp reads its whole file's tensors a token (model_size: llama-bench's count)
+        # llama.cpp reads its whole file's tensors a token (model_size: llama-bench's count), of a
+        # mixture of experts the share of it ours reads (k of E experts)
         lsize = (lc.get("decode") or {}).get("model_size")
+        lsize = lsize and lsize * o.get("active_fraction", 1.0)
         lfrac = f"{ld * lsize / (dram * 1e9):.0%}" if ld and lsize else "-"
         od, dr = o["decode_tok_s"], ratio(o["decode_tok_s"], ld)
         pairs = row.get("pairs") or []

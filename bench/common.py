@@ -31,6 +31,14 @@ LLAMA8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                tie_word_embeddings=False, max_position_embeddings=4096, rope_theta=500000.0,
                rms_norm_eps=1e-5, initializer_range=0.02)
+# Qwen3-30B-A3B's layer (128 experts of 768 columns, 8 a token; 32 heads of 128, 4 kv heads;
+# untied 151936-row vocabulary) in 6 of its 48 layers: 4.2B parameters, 8.4 GB in bf16, of which
+# a decode step reads 0.34B (an eighth of the model's 3.3B active per token)
+QWEN3_MOE_6L = dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=6,
+                    num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                    num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                    tie_word_embeddings=False, max_position_embeddings=4096, rope_theta=1000000.0,
+                    rms_norm_eps=1e-6, initializer_range=0.02)
 # smoke runs: 4 heads and 2 kv heads split over 1, 2 or 4 ranks
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=384, tie_word_embeddings=False,
@@ -107,15 +115,19 @@ def build_once(out_dir: str, shape_name: str, shape: dict) -> str:
 
 
 def build_random_llama(out_dir: str, shape: dict, seed: int = 0) -> str:
-    """Save a random bf16 LlamaForCausalLM of `shape` (LlamaConfig fields) and a locally
-    trained byte-level BPE tokenizer into `out_dir` (written to a temp dir, then renamed)."""
+    """Save a random bf16 LlamaForCausalLM of `shape` (LlamaConfig fields; or, with a
+    "model_type" key, that family's config, e.g. qwen3_moe) and a locally trained byte-level BPE
+    tokenizer into `out_dir` (written to a temp dir, then renamed)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
     sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from models import train_tokenizer
+    from models import ARCHS, train_tokenizer
     torch.manual_seed(seed)
-    cfg = LlamaConfig(bos_token_id=1, eos_token_id=2, **shape)
-    cfg.architectures = ["LlamaForCausalLM"]
+    shape = dict(shape)
+    kind = shape.pop("model_type", "llama")
+    cfg = LlamaConfig(bos_token_id=1, eos_token_id=2, **shape) if kind == "llama" else \
+        AutoConfig.for_model(kind, bos_token_id=1, eos_token_id=2, **shape)
+    cfg.architectures = [ARCHS[kind]]
     # NOTE: the random init of billions of weights takes minutes on a CPU and seconds on a GPU
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)

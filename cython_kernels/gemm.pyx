@@ -101,9 +101,9 @@ cdef extern from "gemm_kernels.h" nogil:
     void gemm_rows_to_bf16(const float* x, long m, long k, uint16_t* y, long ldy)
     void gemm_copy_rows(const float* src, long m, long n, float* dst, long ldd)
     int gemm_small_bf16(const uint16_t* w, long K, long N, long kp, const float* x, long M,
-                        const float* bias, float* out, void* xs, int level)
+                        const float* bias, float* out, void* xs, int level, int whole_k)
     int gemm_small_f32(const float* w, long K, long N, long kp, const float* x, long M,
-                       const float* bias, float* out, float* xs, int level)
+                       const float* bias, float* out, float* xs, int level, int whole_k)
 
 # NOTE: at M = 16 the streaming kernel already runs at the FMA / vdpbf16ps peak of a Zen4 core
 # (~220 bf16, ~100 f32 GFLOP/s per core with the weights in cache), so oneDNN cannot win much
@@ -241,6 +241,10 @@ cdef class Linear:
     cdef readonly str dtype
     cdef readonly size_t nbytes
     cdef public int small_m_max
+    # NOTE: rank_invariant: every output in one pass over k on our kernel whatever M (no oneDNN, no
+    # split k), so that its bits do not depend on the thread count: ranks of different thread
+    # counts (serve's reserved core) compute a replicated MoE router alike
+    cdef public bint rank_invariant
     cdef void* w
     cdef long kp
     cdef bint bf16
@@ -353,7 +357,7 @@ cdef class Linear:
                                  % (M, N))
         if M == 0:
             return oa
-        if M <= self.small_m_max or not _dnnl_usable(self.bf16):
+        if M <= self.small_m_max or self.rank_invariant or not _dnnl_usable(self.bf16):
             self._small(xa, oa, M)
         else:
             self._dnnl(xa, oa, M)
@@ -371,10 +375,10 @@ cdef class Linear:
         with nogil:
             if self.bf16:
                 rc = gemm_small_bf16(<const uint16_t*>self.w, K, N, self.kp, xp, M, bias, op,
-                                     xs, _level)
+                                     xs, _level, self.rank_invariant)
             else:
                 rc = gemm_small_f32(<const float*>self.w, K, N, self.kp, xp, M, bias, op,
-                                    <float*>xs, _level)
+                                    <float*>xs, _level, self.rank_invariant)
         if rc != 0:
             raise MemoryError("Linear.forward: cannot allocate split-k scratch")
 

@@ -114,10 +114,12 @@ typedef void (*gemm_block_fn)(const void* wb, const void* xs, int m, long kp, lo
  * a dynamic one's shared counter costs more than a small GEMV). */
 static int gemm_small_run(const char* w, size_t block_bytes, long steps, long kp, long N,
                           const void* xs, int m, const float* bias, float* out,
-                          gemm_block_fn fn) {
+                          gemm_block_fn fn, int whole_k) {
     long nblocks = (N + GEMM_NB - 1) / GEMM_NB, np_ = nblocks * GEMM_NB;
     const long nt = omp_get_max_threads();
-    const long ks = nr_split_count(nblocks, nt, steps / 64 < 16 ? steps / 64 : 16, 0.08);
+    /* NOTE: whole_k: every output's k in one pass, so its value does not depend on the thread
+     * count (a replicated MoE router: every rank must pick the same experts) */
+    const long ks = whole_k ? 1 : nr_split_count(nblocks, nt, steps / 64 < 16 ? steps / 64 : 16, 0.08);
     float* part = NULL;
     if (ks > 1) {
         part = (float*)aligned_alloc(64, sizeof(float) * ks * m * np_);
@@ -164,7 +166,7 @@ static int gemm_small_run(const char* w, size_t block_bytes, long steps, long kp
  * f32 (level 2 uses its first half as bf16). x rows are rounded to bf16 first (as oneDNN's
  * bf16 x bf16 path does). 0 or -1 (OOM). */
 static int gemm_small_bf16(const uint16_t* w, long K, long N, long kp, const float* x, long M,
-                           const float* bias, float* out, void* xs, int level) {
+                           const float* bias, float* out, void* xs, int level, int whole_k) {
     gemm_block_fn fn = level >= 2 ? gemm_block_bf16_avx512
                      : level == 1 ? gemm_block_bf16_avx512f : gemm_block_bf16_avx2;
     for (long m0 = 0; m0 < M; m0 += GEMM_MMAX) {
@@ -174,7 +176,7 @@ static int gemm_small_bf16(const uint16_t* w, long K, long N, long kp, const flo
         else
             gemm_rows_to_bf16f(x + m0 * K, m, K, (float*)xs, kp);
         if (gemm_small_run((const char*)w, sizeof(uint16_t) * kp * GEMM_NB, kp / 2, kp, N, xs, m,
-                           bias, out + m0 * N, fn))
+                           bias, out + m0 * N, fn, whole_k))
             return -1;
     }
     return 0;
@@ -182,7 +184,7 @@ static int gemm_small_bf16(const uint16_t* w, long K, long N, long kp, const flo
 
 /* out[M, N] = x[M, K] @ B + bias, B packed f32 [Nb][Kp][64]. xs: scratch [GEMM_MMAX][Kp] f32. */
 static int gemm_small_f32(const float* w, long K, long N, long kp, const float* x, long M,
-                          const float* bias, float* out, float* xs, int level) {
+                          const float* bias, float* out, float* xs, int level, int whole_k) {
     gemm_block_fn fn = level >= 1 ? gemm_block_f32_avx512 : gemm_block_f32_avx2;
     for (long m0 = 0; m0 < M; m0 += GEMM_MMAX) {
         int m = (int)(M - m0 < GEMM_MMAX ? M - m0 : GEMM_MMAX);
@@ -191,7 +193,7 @@ static int gemm_small_f32(const float* w, long K, long N, long kp, const float* 
             memset(xs + r * kp + K, 0, sizeof(float) * (kp - K));
         }
         if (gemm_small_run((const char*)w, sizeof(float) * kp * GEMM_NB, kp, kp, N, xs, m, bias,
-                           out + m0 * N, fn))
+                           out + m0 * N, fn, whole_k))
             return -1;
     }
     return 0;

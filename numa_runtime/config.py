@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 # config.json without "architectures": its model_type's causal LM (transformers' auto mapping)
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                  "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -19,6 +20,10 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "llama",  # NOTE: Llama's layer with fused qkv/gate_up tensors (split at load)
+    # mixture-of-experts MLPs (models/moe.py) under the attention of their dense family
+    "Qwen2MoeForCausalLM": "qwen2",
+    "Qwen3MoeForCausalLM": "qwen3",
+    "MixtralForCausalLM": "llama",
     # base models without an LM head (embedding checkpoints such as Qwen3-Embedding)
     "LlamaModel": "llama",
     "MistralModel": "llama",
@@ -106,6 +111,20 @@ class ModelConfig:
     # them): a request may keep the first `dimensions` values; () with is_matryoshka: any
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple = ()
+    # mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral): num_experts routed experts of
+    # moe_intermediate_size columns, num_experts_per_tok of them a token (softmax, then top-k,
+    # renormalized with norm_topk_prob); Qwen2-MoE's shared expert of
+    # shared_expert_intermediate_size columns under a sigmoid gate; moe_layers: per layer whether
+    # its MLP is the sparse block (else the dense MLP of intermediate_size). 0 experts: dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple = ()
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer]
 
     @property
     def is_embedding_model(self) -> bool:
@@ -138,9 +157,11 @@ class ModelConfig:
     @property
     def num_params(self) -> int:
         h, i, l = self.hidden_size, self.intermediate_size, self.num_layers
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h
+        moe = self.num_experts * (3 * h * self.moe_intermediate_size + h) + 3 * h * self.shared_expert_intermediate_size
+        mlps = sum(moe if self.is_moe_layer(j) else 3 * h * i for j in range(l))
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return l * per_layer + emb + h
+        return l * per_layer + mlps + emb + h
 
     @classmethod
     def from_dir(cls, model_dir: str) -> "ModelConfig":
@@ -199,7 +220,10 @@ class ModelConfig:
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // num_heads
-        num_kv = int(cfg.get("num_key_value_heads") or num_heads)
+        # NOTE: the MoE classes' own defaults where a key is left out (MixtralConfig: 8 kv heads, eps
+        # 1e-5, theta 1e6; Qwen3MoeConfig 4 and Qwen2MoeConfig 16 kv heads)
+        moe_default = _MOE_DEFAULTS.get(arch, {})
+        num_kv = int(cfg.get("num_key_value_heads") or moe_default.get("num_key_value_heads") or num_heads)
         if num_heads % num_kv:
             raise UnsupportedModelError(f"num_attention_heads ({num_heads}) is not a multiple of "
                                         f"num_key_value_heads ({num_kv}).")
@@ -222,18 +246,56 @@ class ModelConfig:
             model_dir=model_dir, architecture=arch, vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden, intermediate_size=int(cfg["intermediate_size"]),
             num_layers=int(cfg["num_hidden_layers"]), num_heads=num_heads, num_kv_heads=num_kv,
-            head_dim=int(head_dim), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=_rope_config(cfg, int(head_dim), kind),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", moe_default.get("rms_norm_eps", 1e-6))),
+            rope=_rope_config({**moe_default, **cfg} if "rope_theta" in moe_default else cfg, int(head_dim), kind),
             max_position_embeddings=int(cfg.get("max_position_embeddings", _MAX_POSITIONS[kind])),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # NOTE: as transformers builds each family: Qwen2 has q/k/v biases and no o bias, Mistral
             # none (whatever attention_bias says), Llama and Qwen3 follow attention_bias; only Llama's
             # MLP reads mlp_bias
-            qkv_bias=family == "qwen2" or (kind != "mistral" and bool(cfg.get("attention_bias", False))),
+            qkv_bias=(bool(cfg.get("qkv_bias", True)) if arch == "Qwen2MoeForCausalLM" else family == "qwen2")
+            or (kind != "mistral" and bool(cfg.get("attention_bias", False))),
             o_bias=family != "qwen2" and kind != "mistral" and bool(cfg.get("attention_bias", False)),
             mlp_bias=kind == "llama" and bool(cfg.get("mlp_bias", False)), qk_norm=family == "qwen3",
             checkpoint_dtype=_DTYPES[dtype], sliding_window=sliding, layer_types=layer_types,
-            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos)
+            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos, **_moe_fields(cfg, arch))
+
+
+_MOE_DEFAULTS = {"MixtralForCausalLM": {"num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 1e6},
+                 "Qwen3MoeForCausalLM": {"num_key_value_heads": 4}, "Qwen2MoeForCausalLM": {"num_key_value_heads": 16}}
+
+
+def _moe_fields(cfg: dict, arch: str) -> dict:
+    """ModelConfig's mixture-of-experts fields of a Qwen2-MoE, Qwen3-MoE or Mixtral config.json
+    (as transformers reads them: Qwen's num_experts, which transformers 5 writes as
+    num_local_experts, decoder_sparse_step and mlp_only_layers; Mixtral's every layer sparse,
+    renormalized, its experts of intermediate_size); {} for a dense architecture."""
+    if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"):
+        return {}
+    n = int(cfg["num_hidden_layers"])
+    qwen, qwen2 = arch != "MixtralForCausalLM", arch.startswith("Qwen2")
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    experts = int(experts if experts is not None else 60 if qwen2 else 128 if qwen else 8)
+    if experts < 1:
+        if qwen:  # NOTE: as transformers: num_experts 0 leaves every layer's MLP dense
+            return {}
+        raise UnsupportedModelError(f"num_local_experts must be at least 1, got {experts}.")
+    top_k = cfg.get("num_experts_per_tok")  # NOTE: an explicit 0 is refused below, not defaulted
+    top_k = int(top_k if top_k is not None else 4 if qwen2 else 8 if qwen else 2)
+    if not 1 <= top_k <= experts:
+        raise UnsupportedModelError(f"num_experts_per_tok ({top_k}) must be between 1 and num_experts ({experts}).")
+    if qwen:
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        only_mlp = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+        layers = tuple(i not in only_mlp and (i + 1) % step == 0 for i in range(n))
+        inter = int(cfg.get("moe_intermediate_size") or (1408 if qwen2 else 768))
+    else:
+        layers, inter = (True,) * n, int(cfg["intermediate_size"])
+    shared = int(cfg.get("shared_expert_intermediate_size", 5632) or 0) if qwen2 else 0
+    return {"num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": inter,
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)) if qwen else True,
+            "shared_expert_intermediate_size": shared, "moe_layers": layers}
 
 
 # sentence-transformers' Pooling modes -> ours (one per checkpoint)
@@ -313,7 +375,7 @@ _DEFAULT_WINDOW = 4096  # MistralConfig's, and Qwen2/Qwen3Config's with use_slid
 
 def _kind(arch: str) -> str:
     """The transformers model class family of an architecture: llama, mistral, qwen2, qwen3 or phi3."""
-    return "mistral" if arch.startswith("Mistral") else "phi3" if arch.startswith("Phi3") else \
+    return "mistral" if arch.startswith(("Mistral", "Mixtral")) else "phi3" if arch.startswith("Phi3") else \
         SUPPORTED_ARCHITECTURES[arch]
 
 
@@ -326,6 +388,7 @@ def _sliding_window(cfg: dict, family: str, arch: str = "") -> tuple[int | None,
     n = int(cfg["num_hidden_layers"])
     # NOTE: a key left out is the class default (4096 for Mistral, and for Qwen with
     # use_sliding_window); an explicit null is no window
+    # (Mixtral's class default: none)
     window = cfg.get("sliding_window", _DEFAULT_WINDOW if arch.startswith(("Mistral", "Qwen")) else None)
     if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
         window = None
@@ -336,6 +399,8 @@ def _sliding_window(cfg: dict, family: str, arch: str = "") -> tuple[int | None,
     window = int(window)
     if window < 1:
         raise UnsupportedModelError(f"sliding_window must be a positive number of tokens, got {window}.")
+    if arch == "Qwen3MoeForCausalLM":  # NOTE: transformers' Qwen3-MoE slides on every layer (no layer_types)
+        return window, ("sliding_attention",) * n
     types = cfg.get("layer_types")
     if types:
         if len(types) != n or any(t not in ("full_attention", "sliding_attention") for t in types):
@@ -343,6 +408,8 @@ def _sliding_window(cfg: dict, family: str, arch: str = "") -> tuple[int | None,
                                         f"'sliding_attention' for each of the {n} layers.")
         return window, tuple(types)
     first = int(cfg.get("max_window_layers", 28)) if family in ("qwen2", "qwen3") else 0
+    if arch == "Qwen2MoeForCausalLM":  # NOTE: Qwen2MoeConfig's: the even layers below max_window_layers
+        return window, tuple("sliding_attention" if i % 2 == 0 and i < first else "full_attention" for i in range(n))
     return window, tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
 
 

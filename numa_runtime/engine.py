@@ -30,7 +30,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from .config import EngineConfig, ModelConfig, generation_defaults
+from .config import EngineConfig, ModelConfig, UnsupportedModelError, generation_defaults
 from .outputs import RequestOutput, TextState
 from .recorder import FORWARD, RESHAPE
 from .request import Request, RequestStatus
@@ -1271,6 +1271,9 @@ def _agree(comm):
 def _make_runner(mcfg, cfg: EngineConfig, comm, ops, max_model_len: int, progress, recorder, gpu_index: int):
     """The one place where the device picks the model runner (torch is imported only for cuda)."""
     if cfg.device == "cuda":
+        if mcfg.num_experts:
+            raise UnsupportedModelError(f"{mcfg.model_dir}: a mixture-of-experts model ({mcfg.architecture}) has no "
+                                        "CUDA kernels yet; run it on the CPU (drop device='cuda' / --device cuda).")
         from . import cuda_backend
         return cuda_backend.make_runner(mcfg, cfg, comm, max_model_len, progress, gpu_index, recorder)
     from .model_runner import ModelRunner

@@ -50,7 +50,16 @@ BLOCK_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
     "attn_qkv.weight": "self_attn.qkv_proj.weight",  # Phi-3's fused q/k/v (split at load)
+    # mixture of experts: the router, and Qwen2-MoE's shared expert and its gate ([H], HF's [1, H])
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
+# the experts' 3-D tensors [E, N, K] (GGUF shape [K, N, E]), read as one tensor an expert
+EXPERT_STACKS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
+                 "ffn_down_exps.weight": "down_proj"}
 # NOTE: Phi-3's ffn_up holds gate_up_proj (gate rows, then up rows; llama.cpp's SWIGLU halves)
 FUSED_UP = {"phi3": "mlp.gate_up_proj.weight"}
 TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -111,6 +120,15 @@ def _split_fused(tensors: dict, n_head: int, n_kv_head: int, path: str) -> None:
             start += n
 
 
+class _Expert:
+    """Expert j of a 3-D expert stack _Tensor, as a 2-D tensor of its own (GGUF shape [K, N])."""
+
+    def __init__(self, t, j: int):
+        n = int(t.shape[1])
+        self.name, self.type, self.shape = f"{t.name}[{j}]", t.type, list(t.shape[:2])
+        self.data = t.data[j * n:(j + 1) * n]
+
+
 class _Tensor:
     """One tensor of the index: GGUF name, type name, GGUF shape (innermost first), and its
     bytes in the file as [rows, bytes per row] (a memmap view)."""
@@ -152,7 +170,8 @@ class GGUFCheckpoint:
             t = _Tensor(entry, maps[f], files[f])
             name = hf_name(t.name, self.arch)
             kind = t.type
-            if name is None:
+            stack = t.name.split(".", 2)[-1] if t.name.startswith("blk.") else ""
+            if name is None and stack not in EXPERT_STACKS:
                 if t.name not in CONFIG_TENSORS:
                     ignored.append(t.name)
                 continue
@@ -160,6 +179,14 @@ class GGUFCheckpoint:
                 raise CheckpointError(f"{path}: tensor {t.name} has GGUF type {kind}, which "
                                       f"numa_runtime does not read (supported: "
                                       f"{', '.join(DENSE + tuple(LOSSLESS) + tuple(NEAR_LOSSLESS))}).")
+            if stack in EXPERT_STACKS:
+                if len(t.shape) != 3:
+                    raise CheckpointError(f"{path}: tensor {t.name} has shape {list(t.shape)}, not the 3 "
+                                          "dimensions of stacked experts.")
+                stem = f"model.layers.{int(t.name.split('.')[1])}.mlp.experts."
+                for j in range(int(t.shape[2])):
+                    self._tensors[f"{stem}{j}.{EXPERT_STACKS[stack]}.weight"] = _Expert(t, j)
+                continue
             self._tensors[name] = t
         if self.arch == "phi3":
             _split_fused(self._tensors, n_head, n_kv_head, path)
@@ -173,7 +200,7 @@ class GGUFCheckpoint:
         """What a rank's MLP columns come in multiples of: 256 where a down_proj is stored in
         super-blocks (K-quants, IQ4_XS: a split on their boundaries keeps the file's scales
         exact), 32 where any tensor is kept in 32-element blocks, else 1."""
-        if any(n.endswith("mlp.down_proj.weight") and t.type in NEAR_LOSSLESS for n, t in self._tensors.items()):
+        if any(n.endswith("down_proj.weight") and t.type in NEAR_LOSSLESS for n, t in self._tensors.items()):
             return 256
         return 32 if any(t.type not in DENSE for t in self._tensors.values()) else 1
 

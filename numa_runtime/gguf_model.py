@@ -24,12 +24,13 @@ from .gguf_checkpoint import LONGROPE_FACTORS, ROPE_FREQS
 GGUF_LINK = "model.gguf"
 INDEX = "gguf_tensors.json"
 # NOTE: part of the cache key: a change to what _describe writes makes files describe again
-DESCRIBE_VERSION = 7  # NOTE: 7: named chat templates, Phi-3 control tokens rstrip; 6: phi3, pooling
+DESCRIBE_VERSION = 8  # NOTE: 8: mixture of experts; 7: named chat templates, Phi-3 control tokens rstrip; 6: phi3
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-         "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+         "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+         "qwen3moe": "Qwen3MoeForCausalLM"}
 # NOTE: llama.cpp rotates these as transformers does (NEOX: halves within the first rot_dim
 # dimensions), so a partial rotary dimension count is transformers' partial_rotary_factor
-_NEOX_ARCHS = ("qwen2", "qwen3", "phi3")
+_NEOX_ARCHS = ("qwen2", "qwen3", "phi3", "qwen2moe", "qwen3moe")
 
 
 def is_gguf_dir(model_dir: str) -> bool:
@@ -142,7 +143,8 @@ def _describe(files: list[str], out_dir: str) -> None:
     rope = {t.name: gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32).ravel()
             for _, t in tensors if t.name in (ROPE_FREQS, *LONGROPE_FACTORS)}
     config = hf_config(meta, {t.name for _, t in tensors}, path, rope.get(ROPE_FREQS),
-                       [rope[n] for n in LONGROPE_FACTORS] if all(n in rope for n in LONGROPE_FACTORS) else None)
+                       [rope[n] for n in LONGROPE_FACTORS] if all(n in rope for n in LONGROPE_FACTORS) else None,
+                       {t.name: [int(d) for d in t.shape] for _, t in tensors})
     # NOTE: generation stops at EOS and at the file's end-of-turn / end-of-message tokens
     for name, obj in (("config.json", config), ("generation_config.json", {
             "bos_token_id": config["bos_token_id"], "eos_token_id": stop_token_ids(meta)})):
@@ -180,19 +182,19 @@ def _check_split(files: list[str], readers: list, meta: dict) -> None:
                                     f"{int(want)} its metadata lists.")
 
 
-def hf_config(meta: dict, tensor_names: set, path: str = "", rope_freqs=None, longrope=None) -> dict:
-    """A Hugging Face config.json for a llama/mistral/qwen2/qwen3/phi3 GGUF. rope_freqs: the
-    file's `rope_freqs.weight` (float32 [rot_dim/2]) where it has one; longrope: Phi-3's
-    (rope_factors_short, rope_factors_long) where it has them."""
+def hf_config(meta: dict, tensor_names: set, path: str = "", rope_freqs=None, longrope=None,
+              shapes: dict | None = None) -> dict:
+    """A Hugging Face config.json for a llama/mistral/qwen2/qwen3/phi3 GGUF, or a qwen2moe/qwen3moe
+    one or a llama/mistral one with experts (Mixtral). rope_freqs: the file's `rope_freqs.weight`
+    (float32 [rot_dim/2]) where it has one; longrope: Phi-3's (rope_factors_short,
+    rope_factors_long) where it has them; shapes: {tensor name: GGUF shape}, for the sizes an older
+    MoE file's metadata lacks."""
     arch = meta.get("general.architecture")
     if arch not in ARCHS:
         raise UnsupportedModelError(f"{path}: GGUF architecture {arch!r} is not supported; "
                                     f"numa_runtime runs {', '.join(sorted(ARCHS))}.")
     a = arch + "."
-    experts = int(meta.get(a + "expert_count", 0) or 0)
-    if experts or any("_exps." in n or "ffn_gate_inp." in n for n in tensor_names):
-        raise UnsupportedModelError(f"{path} is a mixture-of-experts model ({experts} experts), which "
-                                    "numa_runtime does not run; use a dense llama/mistral/qwen2/qwen3 GGUF.")
+    moe = _moe_keys(meta, a, arch, tensor_names, path, shapes)
     rope_tensors = sorted(n for n in tensor_names if "rope" in n and n != ROPE_FREQS and not (
         arch == "phi3" and n in LONGROPE_FACTORS))
     if rope_tensors:
@@ -212,8 +214,10 @@ def hf_config(meta: dict, tensor_names: set, path: str = "", rope_freqs=None, lo
         tokens = meta["tokenizer.ggml.tokens"]
         eos = int(meta["tokenizer.ggml.eos_token_id"])
         return {
-            "architectures": [ARCHS[arch]], "model_type": arch, "hidden_size": hidden,
-            "intermediate_size": int(meta[a + "feed_forward_length"]),
+            "architectures": [ARCHS[arch] if not moe or arch.startswith("qwen") else "MixtralForCausalLM"],
+            "model_type": arch, "hidden_size": hidden, **moe,
+            "intermediate_size": int(meta[a + "feed_forward_length"] if not moe or arch in ("llama", "mistral") else
+                                     meta.get(a + "feed_forward_length", moe["moe_intermediate_size"])),
             "num_hidden_layers": n_layers,
             "num_attention_heads": n_head,
             "num_key_value_heads": int(meta.get(a + "attention.head_count_kv", n_head)),
@@ -226,7 +230,8 @@ def hf_config(meta: dict, tensor_names: set, path: str = "", rope_freqs=None, lo
                _rope_keys(meta, a, path, rope_freqs)),
             **_window_keys(meta, a, n_layers, path),
             **_pooling_keys(meta, a, path),
-            "attention_bias": "blk.0.attn_q.bias" in tensor_names and arch != "qwen2",
+            "attention_bias": "blk.0.attn_q.bias" in tensor_names and arch not in ("qwen2", "qwen2moe"),
+            **({"qkv_bias": "blk.0.attn_q.bias" in tensor_names} if arch == "qwen2moe" else {}),
             "vocab_size": int(meta.get(a + "vocab_size", len(tokens))),
             "tie_word_embeddings": "output.weight" not in tensor_names,
             "bos_token_id": int(meta.get("tokenizer.ggml.bos_token_id", eos)), "eos_token_id": eos,
@@ -234,6 +239,57 @@ def hf_config(meta: dict, tensor_names: set, path: str = "", rope_freqs=None, lo
         }
     except KeyError as e:
         raise UnsupportedModelError(f"{path}: the GGUF metadata lacks {e.args[0]!r}.") from None
+
+
+def _moe_keys(meta: dict, a: str, arch: str, tensor_names: set, path: str, shapes: dict | None = None) -> dict:
+    """config.json's mixture-of-experts keys of a qwen2moe/qwen3moe GGUF, or of a llama/mistral one
+    with experts (Mixtral), as llama.cpp runs them: softmax routing, the top expert_used_count
+    renormalized but for qwen2moe (whose shared expert sits under a sigmoid gate); a layer
+    without ffn_gate_inp has a dense MLP. {} for a dense file."""
+    experts = int(meta.get(a + "expert_count", 0) or 0)
+    stored = any("_exps." in n or "ffn_gate_inp." in n for n in tensor_names)
+    if not experts and not stored:
+        if arch.endswith("moe"):
+            raise UnsupportedModelError(f"{path}: a {arch} GGUF without {a}expert_count.")
+        return {}
+    if arch not in ("llama", "mistral", "qwen2moe", "qwen3moe"):
+        raise UnsupportedModelError(f"{path} is a {arch} mixture-of-experts GGUF, which numa_runtime does not "
+                                    "run (it runs llama/mistral (Mixtral), qwen2moe and qwen3moe ones).")
+    routers = [n for n in tensor_names if n.endswith("ffn_gate_inp.weight")]
+    if not experts or not routers or any(f"blk.{n.split('.')[1]}.ffn_gate_exps.weight" not in tensor_names
+                                         for n in routers):
+        raise UnsupportedModelError(f"{path}: its experts are not stored as llama.cpp stores them today "
+                                    f"({a}expert_count and blk.N.ffn_gate_exps/ffn_up_exps/ffn_down_exps); "
+                                    "convert it again with a recent llama.cpp.")
+    used = int(meta.get(a + "expert_used_count", 0) or 0)
+    if not 1 <= used <= experts:
+        raise UnsupportedModelError(f"{path}: {a}expert_used_count is {meta.get(a + 'expert_used_count')}, where "
+                                    f"1 to {a}expert_count ({experts}) experts a token are needed.")
+    n = int(meta[a + "block_count"])
+    out = {"num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": arch != "qwen2moe",
+           "mlp_only_layers": [i for i in range(n) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]}
+    if arch.startswith("qwen"):
+        # NOTE: older qwen2moe files lack the size keys (llama.cpp then guesses); the tensors have them
+        out["moe_intermediate_size"] = _size_key(meta, a + "expert_feed_forward_length", shapes, "ffn_down_exps", path)
+    else:
+        out["num_local_experts"] = experts
+    if arch == "qwen2moe":
+        shared = any("ffn_gate_shexp." in t for t in tensor_names)
+        out["shared_expert_intermediate_size"] = _size_key(
+            meta, a + "expert_shared_feed_forward_length", shapes, "ffn_down_shexp", path) if shared else 0
+    return out
+
+
+def _size_key(meta: dict, key: str, shapes: dict | None, tensor: str, path: str) -> int:
+    """A metadata size, or, where the file lacks the key, the input width of the first layer's
+    `tensor` (GGUF shapes are innermost first)."""
+    if meta.get(key):
+        return int(meta[key])
+    shape = next((s for name, s in sorted((shapes or {}).items()) if name.endswith(f".{tensor}.weight")), None)
+    if not shape:
+        raise UnsupportedModelError(f"{path}: the GGUF metadata lacks {key!r} and holds no {tensor} tensor to read "
+                                    "it from.")
+    return int(shape[0])
 
 
 def _f32(x) -> float:
@@ -344,14 +400,18 @@ def open_checkpoint(cfg):
     with open(os.path.join(cfg.model_dir, "config.json")) as f:
         qcfg = read_quantization_config(cfg.model_dir, json.load(f))
     fused = cfg.architecture == "Phi3ForCausalLM"
+    ckpt = Checkpoint(cfg.model_dir)
+    if cfg.architecture == "MixtralForCausalLM":
+        ckpt.rename_mixtral()
+    if cfg.num_experts:
+        ckpt.split_experts()
     if qcfg:
         if fused:
             raise UnsupportedModelError(f"{cfg.model_dir}: AWQ/GPTQ Phi-3 checkpoints (fused qkv_proj and "
                                         "gate_up_proj) are not supported; load the bf16 checkpoint with "
                                         "--quantization int4 or int8 instead.")
         from .quant.hf_quant import HFQuantCheckpoint
-        return HFQuantCheckpoint(Checkpoint(cfg.model_dir), qcfg)
-    ckpt = Checkpoint(cfg.model_dir)
+        return HFQuantCheckpoint(ckpt, qcfg)
     if fused:  # NOTE: Phi-3 stores q/k/v and gate/up fused: read as Llama's separate tensors
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."

@@ -11,11 +11,16 @@ config, so rank 0 can log every rank's share and tests can assert exact ranges.
   weight bytes (a rank with fewer heads takes more columns): decode streams every byte of a
   rank's weights each step, and the slowest rank sets the pace of each all-reduce. Chunks are
   multiples of `mlp_align` (quantized weights split on group boundaries).
+- Mixture of experts: every expert's intermediate columns (and a shared expert's) are split
+  over the ranks in near-equal chunks of `moe_align`, so each rank holds a slice of every
+  expert and a token's top-k experts cost every rank alike (tensor parallel, as vLLM's
+  fused MoE); the router is replicated.
 - Vocabulary: equal chunks of ceil(vocab / ranks) rows (the last ones shorter), padded to the
   chunk so that the logits all-gather has equal parts.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass
 
@@ -33,12 +38,16 @@ class ShardLayout:
     inter: slice          # rows of gate/up, columns of down
     vocab: slice          # rows of embedding / lm_head
     vocab_chunk: int      # padded rows per rank (equal on every rank, for all-gather)
+    # every routed expert's rows of gate/up, columns of down; the shared expert's (Qwen2-MoE)
+    experts: slice = dataclasses.field(default_factory=lambda: slice(0, 0))
+    shared: slice = dataclasses.field(default_factory=lambda: slice(0, 0))
 
     @classmethod
-    def build(cls, cfg: ModelConfig, rank: int, world: int, mlp_align: int = 1) -> "ShardLayout":
+    def build(cls, cfg: ModelConfig, rank: int, world: int, mlp_align: int = 1,
+              moe_align: tuple = (1, 1)) -> "ShardLayout":
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is outside a world of {world} ranks.")
-        return shard_layouts(cfg, world, mlp_align)[rank]
+        return shard_layouts(cfg, world, mlp_align, moe_align)[rank]
 
     @property
     def num_q_heads(self) -> int:
@@ -54,9 +63,11 @@ class ShardLayout:
 
     def describe(self) -> str:
         """One log line: this rank's share."""
-        return ("rank %d/%d holds q heads %s, kv heads %s, MLP columns %s, vocabulary rows %s"
+        moe = "" if self.experts.stop == 0 else ", expert columns %s%s" % (
+            _fmt(self.experts), "" if self.shared.stop == 0 else ", shared expert columns " + _fmt(self.shared))
+        return ("rank %d/%d holds q heads %s, kv heads %s, MLP columns %s%s, vocabulary rows %s"
                 % (self.rank, self.world, _fmt(self.q_heads), _fmt(self.kv_heads),
-                   _fmt(self.inter), _fmt(self.vocab)))
+                   _fmt(self.inter), moe, _fmt(self.vocab)))
 
 
 def _fmt(s: slice) -> str:
@@ -118,16 +129,23 @@ def balanced_split(n: int, base_loads: list[int], unit_cost: int, align: int = 1
     return out
 
 
-def shard_layouts(cfg: ModelConfig, world: int, mlp_align: int = 1) -> list[ShardLayout]:
-    """The layout of every rank of a tensor-parallel group of `world` ranks."""
+def shard_layouts(cfg: ModelConfig, world: int, mlp_align: int = 1, moe_align: tuple = (1, 1)) -> list[ShardLayout]:
+    """The layout of every rank of a tensor-parallel group of `world` ranks (moe_align: what the
+    routed and the shared experts' columns come in multiples of)."""
     heads = split_heads(cfg.num_heads, cfg.num_kv_heads, world)
     # weight elements per rank, in units of hidden_size: q + o rows per query head, k + v per
     # kv head; one MLP column is a row of gate, of up, and a column of down
     attn = [2 * cfg.head_dim * ((q.stop - q.start) + (kv.stop - kv.start)) for q, kv in heads]
-    inter = balanced_split(cfg.intermediate_size, attn, 3, mlp_align)
+    dense = not cfg.num_experts or not all(cfg.moe_layers)
+    inter = balanced_split(cfg.intermediate_size, attn, 3, mlp_align) if dense else [slice(0, 0)] * world
+    none = [slice(0, 0)] * world
+    experts = balanced_split(cfg.moe_intermediate_size, [0] * world, 1, moe_align[0], "expert columns") \
+        if cfg.num_experts else none
+    shared = balanced_split(cfg.shared_expert_intermediate_size, [0] * world, 1, moe_align[1],
+                            "shared expert columns") if cfg.shared_expert_intermediate_size else none
     chunk = -(-cfg.vocab_size // world)
     layouts = []
     for r, ((q, kv), cols) in enumerate(zip(heads, inter)):
         vocab = slice(min(r * chunk, cfg.vocab_size), min((r + 1) * chunk, cfg.vocab_size))
-        layouts.append(ShardLayout(r, world, q, kv, cols, vocab, chunk))
+        layouts.append(ShardLayout(r, world, q, kv, cols, vocab, chunk, experts[r], shared[r]))
     return layouts

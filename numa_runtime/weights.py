@@ -115,7 +115,9 @@ class Checkpoint:
                 for name in st.header:
                     self._where[name] = st.path
         self._stored = {n: n for n in self._where}  # the name we use -> the name in the file
-        self._rows: dict[str, slice] = {}  # a name we use -> its rows of the stored tensor (split_rows)
+        # a name we use -> its part of the stored tensor: rows (split_rows), or an expert and its
+        # rows of a 3-D tensor (split_experts)
+        self._rows: dict[str, slice | tuple] = {}
         if "model.embed_tokens.weight" not in self._where and "embed_tokens.weight" in self._where:
             # NOTE: a base model saved without its head (e.g. a Qwen3Model embedding checkpoint)
             # names its tensors without the "model." prefix; they are read under the usual names.
@@ -148,6 +150,39 @@ class Checkpoint:
             self._stored[name], self._where[name] = stored, path
             self._rows[name] = slice(start, start + n)
             start += n
+
+    def rename_mixtral(self) -> None:
+        """Mixtral's block_sparse_moe.{gate, experts.N.w1/w3/w2} under Qwen-MoE's names
+        (mlp.gate, mlp.experts.N.gate_proj/up_proj/down_proj), every stored suffix alike
+        (.weight, and an AWQ/GPTQ file's .qweight/.scales/...), as models/moe.py reads them."""
+        parts = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+        for name in [n for n in self._where if ".block_sparse_moe." in n]:
+            new = name.replace(".block_sparse_moe.", ".mlp.")
+            bits = new.split(".")
+            if len(bits) > 5 and bits[4] == "experts" and bits[6] in parts:  # model.layers.N.mlp.experts.J.wK.*
+                bits[6] = parts[bits[6]]
+            new = ".".join(bits)
+            self._where[new], self._stored[new] = self._where.pop(name), self._stored.pop(name)
+
+    def split_experts(self) -> None:
+        """transformers 5's fused expert tensors (mlp.experts.gate_up_proj [E, 2I, H], gate rows
+        then up rows, and mlp.experts.down_proj [E, H, I]) read as the per-expert tensors of the
+        checkpoints on the Hub (mlp.experts.N.gate_proj.weight, ...)."""
+        for fused in [n for n in self._where if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+            stored, path = self._stored[fused], self._where[fused]
+            shape = self._open(path).tensor(stored).shape
+            if len(shape) != 3 or (fused.endswith("gate_up_proj") and shape[1] % 2):
+                raise CheckpointError(f"{fused} has shape {tuple(shape)}, not that of fused experts.")
+            stem = fused.rsplit(".", 1)[0] + "."
+            for j in range(shape[0]):
+                if fused.endswith("down_proj"):
+                    parts = [(f"{stem}{j}.down_proj.weight", slice(0, shape[1]))]
+                else:
+                    half = shape[1] // 2
+                    parts = [(f"{stem}{j}.gate_proj.weight", slice(0, half)),
+                             (f"{stem}{j}.up_proj.weight", slice(half, shape[1]))]
+                for name, rows in parts:
+                    self._stored[name], self._where[name], self._rows[name] = stored, path, (j, rows)
 
     def names(self) -> list[str]:
         return list(self._where)

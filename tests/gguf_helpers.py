@@ -9,7 +9,7 @@ import shutil
 
 import numpy as np
 
-from numa_runtime.gguf_checkpoint import BLOCK_NAMES, CONFIG_TENSORS, TOP_NAMES
+from numa_runtime.gguf_checkpoint import BLOCK_NAMES, CONFIG_TENSORS, EXPERT_STACKS, TOP_NAMES
 
 TO_GGUF = {v: k for k, v in TOP_NAMES.items()}
 # block bytes and the offsets of its f16 d fields, for the types gguf-py cannot quantize
@@ -17,10 +17,19 @@ KQUANT_D = {"Q4_K": (144, [0, 2]), "Q5_K": (176, [0, 2]), "Q6_K": (210, [208]), 
             "Q3_K": (110, [108]), "IQ4_XS": (136, [0]), "IQ4_NL": (18, [0]), "IQ2_XXS": (66, [0])}
 
 
+MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
 def gguf_name(hf: str) -> str:
+    """The GGUF name of a Hugging Face tensor; expert j of a stack is "blk.N.ffn_X_exps.weight[j]"."""
     if hf in TO_GGUF:
         return TO_GGUF[hf]
     _, _, layer, rest = hf.split(".", 3)
+    rest = rest.replace("block_sparse_moe.", "mlp.")  # NOTE: Mixtral's names, as Qwen-MoE's
+    bits = rest.split(".")
+    if bits[:2] == ["mlp", "experts"]:
+        proj = MIXTRAL.get(bits[3], bits[3])
+        return f"blk.{layer}.{[k for k, v in EXPERT_STACKS.items() if v == proj][0]}[{bits[2]}]"
     inv = {**{v: k for k, v in BLOCK_NAMES.items()}, "mlp.gate_up_proj.weight": "ffn_up.weight"}  # Phi-3
     return f"blk.{layer}.{inv[rest]}"
 
@@ -100,7 +109,8 @@ def add_metadata(w, keys: dict, prefix: str = "") -> None:
 
 def write_gguf(hf_dir: str, path: str, qtype: str, arch: str = "llama", seed: int = 0,
                norm_type: str = "F32", types: dict | None = None, extra=None, split_max_tensors: int = 0,
-               chat_template: str | None = "{% for m in messages %}{{ m['content'] }}{% endfor %}") -> None:
+               chat_template: str | None = "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+               expert_sizes: bool = True) -> None:
     """The model in hf_dir (f32 safetensors + tokenizer.json) as a GGUF: 2-D weights in qtype,
     or in types[projection] for the projections it names (e.g. {"v_proj": "Q8_0"}: a mix).
     extra(writer): adds more metadata or tensors (rope scaling, experts, ...); chat_template: the
@@ -121,6 +131,14 @@ def write_gguf(hf_dir: str, path: str, qtype: str, arch: str = "llama", seed: in
                      ("rope.dimension_count", int(hd * (cfg.get("rope_parameters") or cfg).get(
                          "partial_rotary_factor", 1.0)))]:
         w.add_uint32(a + key, val)
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if experts:  # NOTE: the keys llama.cpp's converter writes for a mixture of experts
+        w.add_uint32(a + "expert_count", experts)
+        w.add_uint32(a + "expert_used_count", cfg["num_experts_per_tok"])
+        if expert_sizes and cfg.get("moe_intermediate_size"):  # NOTE: older qwen2moe files lack the sizes
+            w.add_uint32(a + "expert_feed_forward_length", cfg["moe_intermediate_size"])
+        if expert_sizes and cfg.get("shared_expert_intermediate_size"):
+            w.add_uint32(a + "expert_shared_feed_forward_length", cfg["shared_expert_intermediate_size"])
     w.add_float32(a + "attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
     w.add_float32(a + "rope.freq_base", (cfg.get("rope_parameters") or cfg).get("rope_theta", 10000.0))
     with open(os.path.join(hf_dir, "tokenizer.json")) as f:
@@ -139,13 +157,26 @@ def write_gguf(hf_dir: str, path: str, qtype: str, arch: str = "llama", seed: in
     if chat_template is not None:
         w.add_string("tokenizer.chat_template", chat_template)
     heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
+    stacks = {}  # NOTE: experts, stacked as llama.cpp's converter does: [E, N, K]
     for name, t in sorted(load_file(os.path.join(hf_dir, "model.safetensors")).items()):
         t = t.astype(np.float32)
         proj = name.split(".")[-2]
         if arch in ("llama", "mistral") and proj in heads:  # NOTE: weights and biases, as llama.cpp's converter
             t = permute(t, heads[proj])
-        data, raw = encode(t, (types or {}).get(proj, qtype) if t.ndim == 2 else norm_type, rng)
-        w.add_tensor(gguf_name(name), data, raw_dtype=raw)
+        g = gguf_name(name)
+        if g.endswith("]"):
+            stack, j = g[:-1].split("[")
+            stacks.setdefault(stack, {})[int(j)] = t
+            continue
+        # NOTE: the router and the shared expert's gate stay f32 ([H], not [1, H]), as llama-quantize keeps them
+        router = g.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"))
+        t = t.reshape(-1) if g.endswith("ffn_gate_inp_shexp.weight") else t
+        data, raw = encode(t, (types or {}).get(proj, qtype) if t.ndim == 2 and not router else norm_type, rng)
+        w.add_tensor(g, data, raw_dtype=raw)
+    for stack, experts in sorted(stacks.items()):
+        proj = EXPERT_STACKS[stack.split(".", 2)[-1]]
+        parts = [encode(experts[j], (types or {}).get(proj, qtype), rng) for j in range(len(experts))]
+        w.add_tensor(stack, np.stack([d for d, _ in parts]), raw_dtype=parts[0][1])
     if extra is not None:
         extra(w)
     w.write_header_to_file()
@@ -177,6 +208,12 @@ def write_reference(hf_dir: str, gguf_path: str, out_dir: str) -> None:
         if arch in ("llama", "mistral") and suffix in heads:
             n = heads[suffix]
             x = x.reshape(n, shape[0] // n // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+        if suffix in EXPERT_STACKS:
+            for j in range(shape[0]):
+                tensors[names[f"{t.name}[{j}]"]] = np.ascontiguousarray(x[j])
+            continue
+        if suffix == "ffn_gate_inp_shexp.weight":
+            x = x.reshape(1, -1)
         tensors[names[t.name]] = np.ascontiguousarray(x)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
 

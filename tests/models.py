@@ -13,6 +13,9 @@ ARCHS = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 
 BASE = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

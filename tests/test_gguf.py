@@ -473,3 +473,77 @@ def test_a_quantized_embedding_table_stays_in_the_file(hf_models, tmp_path, qtyp
     finally:
         e.close()
     assert result(run_mpi(2, path, "none"))["tokens"] == [expected]
+
+
+MOE_CASES = {
+    # Qwen3-MoE (qk norms, renormalized top-k) with a dense layer; Qwen2-MoE's shared expert and
+    # q/k/v biases; Mixtral, a llama GGUF with experts (q/k rows permuted)
+    "qwen3moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=512,
+                                   norm_topk_prob=True, num_hidden_layers=3, mlp_only_layers=[1])),
+    "qwen2moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=512,
+                                   shared_expert_intermediate_size=256, num_hidden_layers=2)),
+    "llama": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2)),
+}
+
+
+@pytest.mark.parametrize("arch,qtype", [("qwen3moe", "Q4_K"), ("qwen2moe", "Q8_0"), ("llama", "Q4_0")])
+def test_a_moe_gguf_equals_its_dequantized_reference(tmp_path, arch, qtype):
+    """llama.cpp's stacked experts (blk.N.ffn_*_exps [E, N, K]) read one expert at a time as
+    stored, the router f32: the logits and tokens of the model dequantized by the gguf package,
+    and on 2 ranks (every expert's columns split, on super-block boundaries for Q4_K) the
+    tokens of one."""
+    from test_quant_model import result, run_mpi
+    hf_arch, kw = MOE_CASES[arch]
+    hf_dir, path, ref_dir = str(tmp_path / "hf"), str(tmp_path / f"m.{qtype}.gguf"), str(tmp_path / "ref")
+    build_model(hf_dir, arch=hf_arch, **{**SHAPE, **kw})
+    write_gguf(hf_dir, path, qtype, arch=arch)
+    write_reference(hf_dir, path, ref_dir)
+    g, r = engine(path, lm_head_quantization=None), engine(ref_dir)
+    try:
+        cfg = g.runner.model.cfg
+        assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == (4, 2, arch != "qwen2moe")
+        assert cfg.moe_layers == (True, False, True) if arch == "qwen3moe" else (True, True)
+        assert cfg.shared_expert_intermediate_size == (256 if arch == "qwen2moe" else 0)
+        gate_up, down = g.runner.model.layers[0].moe.experts[3]
+        assert down.dtype == {"Q4_K": "int4", "Q8_0": "int8", "Q4_0": "int4"}[qtype]
+        lg, lr = prefill_logits(g, PROMPT), prefill_logits(r, PROMPT)
+        assert np.abs(lg - lr).max() <= 1e-4 * np.abs(lr).max()
+        expected = list(r.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24,
+                                                            ignore_eos=True))[0].token_ids)
+        assert list(g.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24,
+                                                        ignore_eos=True))[0].token_ids) == expected
+    finally:
+        g.close()
+        r.close()
+    out = result(run_mpi(2, path, "none", head="none"))
+    assert out["world"] == 2 and out["tokens"] == [expected]
+
+
+def test_an_older_moe_gguf_without_its_size_keys_and_a_bad_expert_count(tmp_path):
+    """A qwen2moe file without expert_feed_forward_length / expert_shared_feed_forward_length
+    (converted before llama.cpp wrote them) takes the sizes from its stacked tensors; an
+    expert_used_count of 0 is one sentence naming the key."""
+    hf_arch, kw = MOE_CASES["qwen2moe"]
+    hf_dir, path, ref_dir = str(tmp_path / "hf"), str(tmp_path / "m.Q8_0.gguf"), str(tmp_path / "ref")
+    build_model(hf_dir, arch=hf_arch, **{**SHAPE, **kw})
+    write_gguf(hf_dir, path, "Q8_0", arch="qwen2moe", expert_sizes=False)
+    write_reference(hf_dir, path, ref_dir)
+    g, r = engine(path, lm_head_quantization=None), engine(ref_dir)
+    try:
+        cfg = g.runner.model.cfg
+        assert (cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) == (512, 256)
+        assert g.generate([PROMPT], GREEDY)[0].token_ids == r.generate([PROMPT], GREEDY)[0].token_ids
+    finally:
+        g.close()
+        r.close()
+    import json
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["num_experts_per_tok"] = 0
+    with open(os.path.join(hf_dir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    bad = str(tmp_path / "bad.gguf")
+    write_gguf(hf_dir, bad, "Q8_0", arch="qwen2moe")
+    with pytest.raises(UnsupportedModelError, match=r"bad.gguf: qwen2moe.expert_used_count is 0, where 1 to "
+                                                    r"qwen2moe.expert_count \(4\) experts a token are needed"):
+        engine(bad)

@@ -35,6 +35,15 @@ CASES = {
                                       "rope_type": "longrope", "short_factor": [1.0, 1.3, 2.0, 3.5, 6.0, 9.0],
                                       "long_factor": [1.5, 2.0, 4.0, 8.0, 16.0, 30.0]}),
     "phi3-sliding": dict(arch="phi3", sliding_window=7),
+    # mixture of experts: 6 experts, 2 a token (every row of a step routes its own way);
+    # Qwen3-MoE renormalized with a dense first layer (mlp_only_layers), Qwen2-MoE's shared expert
+    # under its sigmoid gate, not renormalized, its sparse layers every second one; Mixtral's
+    # block_sparse_moe.experts.N.w1/w2/w3
+    "qwen3-moe": dict(arch="qwen3_moe", num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, mlp_only_layers=[0], num_hidden_layers=3, head_dim=32),
+    "qwen2-moe-shared": dict(arch="qwen2_moe", num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=48, decoder_sparse_step=2, num_hidden_layers=3),
+    "mixtral": dict(arch="mixtral", num_local_experts=6, num_experts_per_tok=2, sliding_window=None),
 }
 
 
@@ -105,3 +114,101 @@ def test_prompt_logprobs_match_transformers_f32(tmp_path):
     with pytest.raises(ValueError, match="prompt_logprobs needs 2 to 64 tokens"):
         eng.prompt_logprobs(list(range(3, 70)))
     eng.close()
+
+
+def test_a_moe_model_in_bf16_and_on_cuda(tmp_path):
+    """A bf16 engine runs the experts on bf16 weights (the logits near the f32 engine's); the CUDA
+    backend, which has no expert kernels, refuses the model in one sentence before touching a GPU."""
+    from numa_runtime.config import UnsupportedModelError
+    build_model(str(tmp_path), **CASES["qwen3-moe"])
+    f32 = Engine(str(tmp_path), dtype="float32", kv_cache_memory=1 << 24, max_model_len=256)
+    bf16 = Engine(str(tmp_path), dtype="bfloat16", kv_cache_memory=1 << 24, max_model_len=256)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+        a, b = (e.generate([PROMPTS[2]], params)[0] for e in (f32, bf16))
+        assert a.token_ids == b.token_ids
+        top_a, top_b = a.logprobs[0], b.logprobs[0]
+        both = set(top_a) & set(top_b)
+        assert both and all(abs(top_a[t].logprob - top_b[t].logprob) < 0.1 for t in both)
+    finally:
+        f32.close()
+        bf16.close()
+    with pytest.raises(UnsupportedModelError, match=r"a mixture-of-experts model \(Qwen3MoeForCausalLM\) has no CUDA "
+                                                    r"kernels yet; run it on the CPU"):
+        Engine(str(tmp_path), device="cuda", kv_cache_memory=1 << 22, max_model_len=64)
+
+
+def test_moe_config_rules_as_transformers(tmp_path):
+    """Rules of the MoE configs that the cases above leave at their defaults, each against
+    transformers in f32: Qwen3-MoE slides on every layer with use_sliding_window, Qwen2-MoE on
+    its even layers below max_window_layers when config.json has no layer_types (older files);
+    transformers 5's fused expert tensors (experts.gate_up_proj [E, 2I, H], experts.down_proj
+    [E, H, I]) read as the per-expert ones; num_experts_per_tok 0 is refused, not defaulted."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    from numa_runtime.config import ModelConfig, UnsupportedModelError
+
+    def same(d, ref):
+        eng = Engine(d, dtype="float32", kv_cache_memory=1 << 24, max_model_len=256)
+        try:
+            outs = eng.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+            assert [o.token_ids for o in outs] == [hf_greedy(ref, p, 24) for p in PROMPTS[:3]]
+            return eng.model_config
+        finally:
+            eng.close()
+
+    q3 = str(tmp_path / "q3")
+    cfg = same(q3, build_model(q3, **{**CASES["qwen3-moe"], "use_sliding_window": True, "sliding_window": 5}))
+    assert cfg.layer_types == ("sliding_attention",) * 3
+    q2 = str(tmp_path / "q2")
+    ref = build_model(q2, **{**CASES["qwen2-moe-shared"], "use_sliding_window": True, "sliding_window": 5,
+                             "max_window_layers": 2})
+    with open(os.path.join(q2, "config.json")) as f:
+        c = json.load(f)
+    c.pop("layer_types", None)
+    with open(os.path.join(q2, "config.json"), "w") as f:
+        json.dump(c, f)
+    cfg = same(q2, ref)
+    assert cfg.layer_types == ("sliding_attention", "full_attention", "full_attention")
+    # the fused layout of transformers 5's modules, written as such
+    fused = str(tmp_path / "fused")
+    ref = build_model(fused, **CASES["qwen2-moe-shared"])
+    t = load_file(os.path.join(fused, "model.safetensors"))
+    for layer in range(3):
+        p = f"model.layers.{layer}.mlp.experts."
+        if p + "0.gate_proj.weight" not in t:
+            continue
+        E = sum(1 for n in t if n.startswith(p) and n.endswith("gate_proj.weight"))
+        t[p + "gate_up_proj"] = np.stack([np.concatenate([t.pop(f"{p}{j}.gate_proj.weight"),
+                                                          t.pop(f"{p}{j}.up_proj.weight")]) for j in range(E)])
+        t[p + "down_proj"] = np.stack([t.pop(f"{p}{j}.down_proj.weight") for j in range(E)])
+    save_file(t, os.path.join(fused, "model.safetensors"), metadata={"format": "pt"})
+    same(fused, ref)
+    with pytest.raises(UnsupportedModelError, match=r"num_experts_per_tok \(0\) must be between 1 and num_experts"):
+        ModelConfig.from_dict({**c, "num_experts_per_tok": 0})
+
+
+def test_moe_config_defaults_and_errors_name_what_the_files_hold(tmp_path):
+    """Keys a config leaves out take the MoE class's defaults (MixtralConfig: 8 kv heads, eps 1e-5,
+    theta 1e6; Qwen3MoeConfig: 4 kv heads); a Mixtral whose config does not fit its weights is
+    told in its own names (block_sparse_moe.experts.N.w1, intermediate_size)."""
+    import json
+
+    from numa_runtime.config import ModelConfig, UnsupportedModelError
+    base = dict(architectures=["MixtralForCausalLM"], vocab_size=384, hidden_size=64, intermediate_size=96,
+                num_hidden_layers=2, num_attention_heads=16, num_local_experts=4, num_experts_per_tok=2)
+    c = ModelConfig.from_dict(base)
+    assert (c.num_kv_heads, c.rms_norm_eps, c.rope.theta) == (8, 1e-5, 1e6)
+    c = ModelConfig.from_dict({**base, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4})
+    assert (c.num_kv_heads, c.rms_norm_eps, c.rope.theta) == (4, 1e-6, 10000.0)
+    build_model(str(tmp_path), **CASES["mixtral"])
+    with open(os.path.join(tmp_path, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(tmp_path, "config.json"), "w") as f:
+        json.dump({**cfg, "intermediate_size": 80}, f)
+    with pytest.raises(UnsupportedModelError, match=r"model.layers.0.block_sparse_moe.experts.0.w1.weight has shape "
+                                                    r"\(96, 64\), but config.json implies \(80, 64\) \(hidden_size 64, "
+                                                    r"intermediate_size 80, num_local_experts 6\)"):
+        Engine(str(tmp_path), dtype="float32", kv_cache_memory=1 << 22, max_model_len=64)

@@ -47,15 +47,16 @@ def pack(method, q, z, s, fmt):
     return out
 
 
-def write_checkpoints(src, qdir, ref_dir, method, fmt="gptq", seed=0, scales="float16"):
-    """scales: the dtype the quantized checkpoint stores them in (float16, bfloat16, float32)."""
+def write_checkpoints(src, qdir, ref_dir, method, fmt="gptq", seed=0, scales="float16", linears=LINEARS):
+    """scales: the dtype the quantized checkpoint stores them in (float16, bfloat16, float32);
+    linears: the projections (a weight's last module name) the checkpoint quantizes."""
     from safetensors.numpy import load_file, save_file
     rng = np.random.default_rng(seed)
     tensors = load_file(os.path.join(src, "model.safetensors"))
     qt, dense = {}, {}
     for name, w in tensors.items():
         base = name[:-len("weight")]
-        if not (name.endswith(".weight") and name.split(".")[-2] in LINEARS):
+        if not (name.endswith(".weight") and name.split(".")[-2] in linears):
             qt[name] = dense[name] = w
             continue
         n, k = w.shape
@@ -104,9 +105,15 @@ def test_checkpoint_equals_dense_model(src, tmp_path, method, fmt, scales):
     """bf16 scales (a checkpoint saved in bf16) used to be read as the integers of their bits."""
     qdir, ref_dir = str(tmp_path / "q"), str(tmp_path / "ref")
     write_checkpoints(src, qdir, ref_dir, method, fmt, scales=scales)
+    _assert_equals_dense(qdir, ref_dir, lambda m: (m.layers[0].gate_up_proj.dtype,), ("int4",))
+
+
+def _assert_equals_dense(qdir, ref_dir, dtypes, want):
+    """The quantized checkpoint's linears are `want` (dtypes(model)); its logits and greedy tokens
+    those of the dense model of the same integers."""
     q, r = engine(qdir), engine(ref_dir)
     try:
-        assert q.runner.model.layers[0].gate_up_proj.dtype == "int4"
+        assert dtypes(q.runner.model) == want
         lq, lr = prefill_logits(q, PROMPT), prefill_logits(r, PROMPT)
         assert np.abs(lq - lr).max() <= 1e-4 * np.abs(lr).max()
         greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -261,3 +268,15 @@ def test_older_quantization_config_files_are_read(src, tmp_path, method, filenam
         json.dump({**quant, **({"w_bit": 8} if method == "awq" else {"bits": 8})}, f)
     with pytest.raises(ValueError, match=f"{method.upper()} checkpoints with bits 8 are not supported"):
         engine(qdir)
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_a_mixtral_checkpoint_runs_its_experts_as_stored(tmp_path, method):
+    """AutoAWQ / GPTQ Mixtral files quantize every expert's w1/w3/w2 (block_sparse_moe.experts.N),
+    the router stays dense: each expert's qweight/qzeros/scales read under Qwen-MoE's names, equal
+    to the dense model of the same integers."""
+    src, qdir, ref_dir = str(tmp_path / "src"), str(tmp_path / "q"), str(tmp_path / "ref")
+    build_model(src, arch="mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=None, **SHAPE)
+    write_checkpoints(src, qdir, ref_dir, method, "gemm" if method == "awq" else "gptq",
+                      linears=LINEARS + ("w1", "w2", "w3"))
+    _assert_equals_dense(qdir, ref_dir, lambda m: tuple(x.dtype for x in m.layers[0].moe.experts[3]), ("int4", "int4"))

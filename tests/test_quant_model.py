@@ -85,6 +85,29 @@ def test_a_phi3_quantized_at_load_equals_its_dequantized_model(tmp_path, name):
         r.close()
 
 
+MOE = dict(arch="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True,
+           num_hidden_layers=3, mlp_only_layers=[1], **SHAPE)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_a_moe_quantized_at_load_equals_its_dequantized_model(tmp_path, name):
+    """Every expert quantizes as a linear of its own (the router stays f32), on 1 and 2 ranks."""
+    src, ref_dir = str(tmp_path / "moe"), str(tmp_path / "deq")
+    build_model(src, **MOE)
+    deq_copy(src, ref_dir, name)
+    q, r = engine(src, quantization=name), engine(ref_dir)
+    try:
+        gate_up, down = q.runner.model.layers[0].moe.experts[3]
+        assert (gate_up.dtype, down.dtype) == (name, name)
+        assert q.runner.model.layers[0].moe.router_weight.dtype == np.float32
+        assert_same_model(q, r)
+        expected = list(r.generate([PROMPT], GREEDY)[0].token_ids)
+    finally:
+        q.close()
+        r.close()
+    assert result(run_mpi(2, src, name))["tokens"] == [expected]
+
+
 @pytest.mark.parametrize("head", ["int8-channel", "int8-g32", None])
 def test_tied_lm_head_formats(tied_dir, tmp_path, head):
     """A tied model: the lm_head copy is quantized (or kept, None), the embedding lookup reads

@@ -28,6 +28,12 @@ LAYOUTS = {
     # Phi-3: fused qkv_proj and gate_up_proj, split at load and then by rank; partial rotary
     "phi3_6h2kv": dict(arch="phi3", num_attention_heads=6, num_key_value_heads=2, hidden_size=96,
                        intermediate_size=90, vocab_size=383, partial_rotary_factor=0.75),
+    # mixture of experts: 5 experts of 44 columns (2 a token) and a shared expert of 50, split over
+    # the ranks column-wise; the middle layer's MLP dense (mlp_only_layers)
+    "qwen2moe_6h2kv": dict(arch="qwen2_moe", num_attention_heads=6, num_key_value_heads=2, hidden_size=96,
+                           intermediate_size=90, vocab_size=383, num_hidden_layers=3, num_experts=5,
+                           num_experts_per_tok=2, moe_intermediate_size=44, shared_expert_intermediate_size=50,
+                           mlp_only_layers=[1]),
 }
 
 

@@ -30,13 +30,14 @@ except ImportError:  # the shm-collective kernels are optional for one process
 __all__ = ["Linear", "QLinear", "embedding", "rms_norm", "add_rms_norm", "silu_and_mul", "add_", "rotary",
            "reshape_and_cache", "paged_attention", "sample", "log_softmax", "reduce_sum",
            "f32_to_bf16", "bf16_to_f32", "set_num_threads", "get_num_threads", "set_decode_step",
-           "fused_decoder", "prefill_int8_wins"]
+           "fused_decoder", "moe_experts", "prefill_int8_wins"]
 
 
 def set_decode_step(mode: int) -> int:
     """Before a step, on the thread that runs it: 1 when every row is a decode row, so a decode
     batch of quantized linears takes int8 activations; 2 when every row is a prompt row, and
-    they keep exact activations; 0 for a mixed step and after the step (qgemm.set_decode_step)."""
+    they keep exact activations; 3 for prompt rows whose path follows their count (an MoE
+    expert's share of a prompt); 0 for a mixed step and after the step (qgemm.set_decode_step)."""
     from numa_runtime._kernels import qgemm
     return qgemm.set_decode_step(int(mode))
 
@@ -66,4 +67,7 @@ def __getattr__(name):
     if name == "fused_decoder":
         from numa_runtime._kernels.qgemm import fused_decoder
         return fused_decoder
+    if name == "moe_experts":
+        from numa_runtime._kernels.qgemm import moe_experts
+        return moe_experts
     raise AttributeError("module %r has no attribute %r" % (__name__, name))

@@ -48,6 +48,8 @@ class Linear:
     so bf16 results match this reference to bf16 tolerance, f32 ones to f32 tolerance.
     """
 
+    rank_invariant = False  # the backend's flag: results that do not depend on the thread count
+
     def __init__(self, weight: np.ndarray, bias: np.ndarray | None = None):
         # weight: [N, K]
         self.out_features, self.in_features = weight.shape

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over backend ops, tensor parallel.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, and the mixture-of-experts
+Qwen2-MoE, Qwen3-MoE and Mixtral: models/moe.py) over backend ops, tensor parallel.
 
 Megatron-style split over `world` ranks (which rank holds what: sharding.py): q/k/v and
 gate/up by output rows, o_proj and down_proj by input columns followed by an all-reduce,
@@ -22,6 +23,7 @@ from ..quant.loader import (LinearFactory, check_checkpoint_method, head_quantiz
 from ..plan import EMBED
 from ..sharding import ShardLayout, shard_layouts
 from ..weights import Checkpoint, load_rows
+from .moe import MoEBlock, check_moe_tensors
 
 log = logging.getLogger("numa_runtime")
 
@@ -54,6 +56,15 @@ class DecoderLayer:
         # NOTE: o_proj's input columns split on whole heads (unit: head_dim), so its group is
         # one that divides head_dim wherever one does
         self.o_proj = linear([(p + "self_attn.o_proj.weight", None, qr, cfg.head_dim)], o_b)
+        self.input_norm = f("input_layernorm.weight")
+        self.post_norm = f("post_attention_layernorm.weight")
+        self.q_norm = f("self_attn.q_norm.weight") if cfg.qk_norm else None
+        self.k_norm = f("self_attn.k_norm.weight") if cfg.qk_norm else None
+        # NOTE: a sparse layer's MLP is the experts' block; gate_up_proj/down_proj are None there
+        self.moe = MoEBlock(linear, cfg, lay, ckpt, i) if cfg.is_moe_layer(i) else None
+        self.gate_up_proj = self.down_proj = None
+        if self.moe is not None:
+            return
         gu_b = None
         if cfg.mlp_bias:
             gu_b = np.concatenate([f("mlp.gate_proj.bias", rows=lay.inter), f("mlp.up_proj.bias", rows=lay.inter)])
@@ -61,10 +72,10 @@ class DecoderLayer:
                                     (p + "mlp.up_proj.weight", lay.inter, None)], gu_b)
         d_b = f("mlp.down_proj.bias") if cfg.mlp_bias and lay.rank == 0 else None
         self.down_proj = linear([(p + "mlp.down_proj.weight", None, lay.inter)], d_b)
-        self.input_norm = f("input_layernorm.weight")
-        self.post_norm = f("post_attention_layernorm.weight")
-        self.q_norm = f("self_attn.q_norm.weight") if cfg.qk_norm else None
-        self.k_norm = f("self_attn.k_norm.weight") if cfg.qk_norm else None
+
+    def linears(self) -> list:
+        mlp = self.moe.linears() if self.moe is not None else [self.gate_up_proj, self.down_proj]
+        return [self.qkv_proj, self.o_proj] + mlp
 
 
 def _parts(lin) -> list:
@@ -90,11 +101,16 @@ class LlamaModel:
         # NOTE: a split or format this rank cannot take names the model and the rank count
         with _named_errors(getattr(ckpt, "path", cfg.model_dir), comm.world_size):
             # NOTE: quantized weights split the MLP on group boundaries
-            align = linear.split_align(cfg.intermediate_size, comm.world_size)
-            self.lay = lay = ShardLayout.build(cfg, comm.rank, comm.world_size, align)
+            dense = not all(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+            align = linear.split_align(cfg.intermediate_size, comm.world_size) if dense else 1
+            world, shared = comm.world_size, cfg.shared_expert_intermediate_size
+            moe_align = (linear.split_align(cfg.moe_intermediate_size, world, "mlp.experts.*.down_proj", even=True)
+                         if cfg.num_experts else 1,
+                         linear.split_align(shared, world, "mlp.shared_expert.down_proj", even=True) if shared else 1)
+            self.lay = lay = ShardLayout.build(cfg, comm.rank, comm.world_size, align, moe_align)
             if comm.rank == 0 and comm.world_size > 1 and (env.mpi_world() or (0, 1))[0] == 0:
                 # NOTE: the first replica's leader: every replica splits alike (a log line a replica)
-                for other in shard_layouts(cfg, comm.world_size, align):
+                for other in shard_layouts(cfg, comm.world_size, align, moe_align):
                     log.info("tensor parallel: %s", other.describe())
             _check_tensors(cfg, ckpt)
             self.embed = _embedding_table(ckpt, dtype, lay.vocab)
@@ -159,7 +175,7 @@ class LlamaModel:
 
     def _linears(self) -> list:
         head = [] if self.lm_head is None else [self.lm_head]  # an embedding model has none
-        return head + [getattr(l, n) for l in self.layers for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+        return head + [lin for l in self.layers for lin in l.linears()]
 
     @property
     def weight_bytes(self) -> int:
@@ -193,17 +209,25 @@ class LlamaModel:
         if make is None or not env.fused_decode():
             return None
         cfg, lay = self.cfg, self.lay
-        layers = [(l.qkv_proj, l.o_proj, l.gate_up_proj, l.down_proj, l.input_norm, l.post_norm,
-                   l.q_norm, l.k_norm, kc, vc, w) for l, (kc, vc), w in zip(self.layers, self.kv_cache, self.windows)]
+        # NOTE: a mixture of experts runs the attention halves in the region and each sparse MLP
+        # half between two calls (models/moe.py, the experts in a region of their own): the
+        # table holds an expert of the layer where its MLP would be (never run), which fixes the
+        # region's MLP width, so a model of dense and sparse layers of other widths runs op by op
+        mlps = [(l.gate_up_proj, l.down_proj) if l.moe is None else l.moe.experts[0] for l in self.layers]
+        if len({gu.out_features for gu, _ in mlps}) != 1:
+            return None
+        layers = [(l.qkv_proj, l.o_proj, gu, down, l.input_norm, l.post_norm, l.q_norm, l.k_norm, kc, vc, w)
+                  for l, (gu, down), (kc, vc), w in zip(self.layers, mlps, self.kv_cache, self.windows)]
         fused = make(layers, cfg.hidden_size, cfg.head_dim, lay.num_q_heads, lay.num_kv_heads,
-                     self.layers[0].gate_up_proj.out_features // 2, cfg.rms_norm_eps, self.scale, self.cos_sin)
+                     mlps[0][0].out_features // 2, cfg.rms_norm_eps, self.scale, self.cos_sin)
         # NOTE: on one rank the step's region runs the final norm and lm_head too (and each row's
         # argmax, for greedy rows); tensor parallel ranks all-gather their vocabulary slices after it
-        head = fused is not None and lay.world == 1 and self.lm_head is not None and \
+        head = fused is not None and lay.world == 1 and self.lm_head is not None and not cfg.num_experts and \
             fused.set_head(self.norm, self.lm_head, cfg.vocab_size)
         if lay.rank == 0:
+            unit = "step" if lay.world == 1 and not cfg.num_experts else "half layer"
             log.info("decode steps: %s", "one OpenMP region per %s%s (FusedDecoder)" % (
-                "step" if lay.world == 1 else "half layer", ", lm_head included" if head else "")
+                unit, ", lm_head included" if head else "")
                 if fused is not None else "op by op (dense, f32-exact or profiled linears)")
         return fused
 
@@ -226,12 +250,18 @@ class LlamaModel:
         self.comm.all_reduce_(x)
         return x
 
+    def _mlp_width(self) -> int:
+        """This rank's MLP columns as the step buffers hold them (gu, act): the dense layers', or of
+        a model of experts only, an expert's (the FusedDecoder's table holds one)."""
+        dense = [l.gate_up_proj for l in self.layers if l.moe is None]
+        return dense[0].out_features // 2 if dense else self.layers[0].moe.experts[0][0].out_features // 2
+
     def _buffers(self, T: int) -> "_StepBuffers":
         """The activation buffers of a step of T tokens: every layer writes the same ones, and
         steps of up to KEEP_BUFFER_TOKENS tokens (decode) keep theirs for the next step of T."""
         b = self._kept.get(T)
         if b is None:
-            b = _StepBuffers(T, self.cfg, self.lay, self.layers[0].gate_up_proj.out_features // 2)
+            b = _StepBuffers(T, self.cfg, self.lay, self._mlp_width())
             if T <= KEEP_BUFFER_TOKENS:
                 if len(self._kept) >= KEEP_BUFFERS:
                     del self._kept[next(iter(self._kept))]  # the oldest
@@ -287,6 +317,11 @@ class LlamaModel:
             if tp:
                 comm.all_reduce_(o)
             add_rms_norm(o, residual, layer.post_norm, eps, h)
+            if layer.moe is not None:
+                layer.moe.forward(ops, h, delta)             # [T, H] partial sum
+                if tp:
+                    comm.all_reduce_(delta)
+                continue
             layer.gate_up_proj.forward(h, gu)                # [T, 2 I_local]
             down = layer.down_proj
             fuses = getattr(down, "fuses_silu", None)
@@ -308,7 +343,19 @@ class LlamaModel:
         if self.lay.world == 1 and plan.kind != EMBED and self.fused.head_fits(idx.shape[0]):
             logits, self.greedy_ids = self.fused.run(*args, 0, stages, idx)
             return logits[:, :V] if logits.shape[1] != V else logits
-        if self.lay.world == 1:
+        if self.cfg.num_experts:  # NOTE: a sparse layer's MLP half between the calls (_fused_decoder)
+            for i, layer in enumerate(self.layers):
+                o = self.fused.run(*args, 2 * i, 2 * i + 1)
+                if self.lay.world > 1:
+                    self.comm.all_reduce_(o)
+                if layer.moe is None:
+                    delta = self.fused.run(*args, 2 * i + 1, 2 * i + 2)
+                else:
+                    self.ops.add_rms_norm(b.o, b.residual, layer.post_norm, self.cfg.rms_norm_eps, b.h)
+                    delta = layer.moe.forward(self.ops, b.h, b.delta)
+                if self.lay.world > 1:
+                    self.comm.all_reduce_(delta)
+        elif self.lay.world == 1:
             self.fused.run(*args, 0, stages)
         else:
             for s in range(stages):
@@ -458,9 +505,9 @@ def _check_tensors(cfg: ModelConfig, ckpt: Checkpoint) -> None:
     """Fail before reading weights if the checkpoint lacks what the config promises."""
     need = ["model.embed_tokens.weight", "model.norm.weight"]
     for i in (0, cfg.num_layers - 1):
+        mlp = () if cfg.is_moe_layer(i) else ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
         for n in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-                  "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"):
+                  "self_attn.o_proj.weight", *mlp, "input_layernorm.weight", "post_attention_layernorm.weight"):
             need.append(f"model.layers.{i}.{n}")
     missing = [n for n in need if n not in ckpt]
     if missing:
@@ -479,7 +526,8 @@ def _check_tensors(cfg: ModelConfig, ckpt: Checkpoint) -> None:
                  "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i),
                  "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
     for layer in range(cfg.num_layers):
-        want.update({f"model.layers.{layer}.{n}": shape for n, shape in per_layer.items()})
+        want.update({f"model.layers.{layer}.{n}": shape for n, shape in per_layer.items()
+                     if not (cfg.is_moe_layer(layer) and n.startswith("mlp."))})
     for name, shape in want.items():
         if name in ckpt and tuple(ckpt.raw(name).shape) != shape:
             raise UnsupportedModelError(
@@ -487,6 +535,8 @@ def _check_tensors(cfg: ModelConfig, ckpt: Checkpoint) -> None:
                 f"(hidden_size {h}, intermediate_size {i}, {cfg.num_heads} attention and {cfg.num_kv_heads} "
                 f"key/value heads of {cfg.head_dim}, vocab_size {cfg.vocab_size}): the config does not describe "
                 "these weights.")
+    if cfg.num_experts:
+        check_moe_tensors(cfg, ckpt, lambda n: ckpt.raw(n).shape)
 
 
 def _same_first_row(ckpt, a: str, b: str) -> bool:

@@ -51,19 +51,23 @@ class LinearFactory:
         self.head_quant = head_quant
         self.bf16 = dtype == "bfloat16"
 
-    def split_align(self, k: int, world: int = 1) -> int:
+    def split_align(self, k: int, world: int = 1, what: str = "mlp.down_proj", even: bool = False) -> int:
         """Input columns a rank's slice of a row-parallel weight with k input features (the
         MLP's down_proj) must come in multiples of: the file's quantization blocks (its
         super-blocks where `world` ranks can each have one, else their 32-element groups), or the
-        group we quantize it in (1 for dense weights), the same group on every rank count."""
+        group we quantize it in (1 for dense weights), the same group on every rank count.
+        `even` (an MoE's experts, split with no other load to balance them): super-blocks only
+        where they share out within 10% (Qwen3-30B-A3B's 768 columns are 3 super-blocks: 2 + 1
+        on 2 ranks would make one rank stream twice the other's expert bytes every token)."""
         q = self.quant
         own = 1 if q is None or q.group_size < 0 else q.for_split(k).group_size
         if k % own:  # NOTE: no rank count can help; say so before the split names one
-            raise QuantError(f"model.layers.*.mlp.down_proj.weight: its {k} input features are not a multiple of "
+            raise QuantError(f"model.layers.*.{what}.weight: its {k} input features are not a multiple of "
                              f"the quantization group of {own}; choose a quantization whose group divides them, "
                              "or 'int8-channel'.")
         stored = getattr(self.ckpt, "split_align", 1)
-        if stored > 32 and k // stored < world:
+        units = k // stored if stored > 32 else 0
+        if stored > 32 and (units < world or (even and -(-units // world) * world > 1.1 * units)):
             stored = 32  # NOTE: fewer super-blocks than ranks: cut ones take f16 group scales (gguf_checkpoint)
         return max(own, stored)
 
