@@ -476,9 +476,9 @@ def test_a_quantized_embedding_table_stays_in_the_file(hf_models, tmp_path, qtyp
 
 
 MOE_CASES = {
-    # Qwen3-MoE (qk norms, renormalized top-k) with a dense layer; Qwen2-MoE's shared expert and
-    # q/k/v biases; Mixtral, a llama GGUF with experts (q/k rows permuted)
-    "qwen3moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=512,
+    # Qwen3-MoE (qk norms, renormalized top-k) with a dense layer narrower than its experts;
+    # Qwen2-MoE's shared expert and q/k/v biases; Mixtral, a llama GGUF with experts (q/k rows permuted)
+    "qwen3moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=1024,
                                    norm_topk_prob=True, num_hidden_layers=3, mlp_only_layers=[1])),
     "qwen2moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=512,
                                    shared_expert_intermediate_size=256, num_hidden_layers=2)),

@@ -110,15 +110,20 @@ def test_moe_experts_refuses_what_it_cannot_run():
         qgemm.set_decode_step(step)
 
 
-def test_a_bf16_moe_engine_decodes_through_it_on_one_and_two_ranks(tmp_path, monkeypatch):
-    """int4 experts in a bf16 engine: decode steps run the experts in one region per block (the
-    calls are counted); greedy tokens equal those of the same engine with the experts op by op,
-    and those of 2 ranks (each its columns of every expert, partial sums all-reduced)."""
+@pytest.mark.parametrize("shape", ["dense-layer-narrower", "experts-only"])
+def test_a_bf16_moe_engine_decodes_through_it_on_one_and_two_ranks(tmp_path, monkeypatch, shape):
+    """int4 experts in a bf16 engine: decode steps run the attention halves in the FusedDecoder's
+    region (whether the model's dense layer is as wide as its experts or not, or it has none) and
+    the experts in one region per block (the calls are counted); greedy tokens equal those of the
+    same engine op by op, and those of 2 ranks (each its columns of every expert, partial sums
+    all-reduced)."""
     from models import build_model
     from test_quant_model import MOE, PROMPT, result, run_mpi
 
     from numa_runtime import Engine, SamplingParams
-    build_model(str(tmp_path), **MOE)
+    build_model(str(tmp_path), **{**MOE, **({"moe_intermediate_size": 512} if shape == "dense-layer-narrower"
+                                            else {"mlp_only_layers": []})})
+    sparse = 2 if shape == "dense-layer-narrower" else 3
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
     def tokens(**kw):
@@ -136,7 +141,7 @@ def test_a_bf16_moe_engine_decodes_through_it_on_one_and_two_ranks(tmp_path, mon
             eng.close()
 
     fused, n = tokens()
-    assert n >= 2 * (24 - 1)  # two sparse layers (of 3), every decode step
+    assert n >= sparse * (24 - 1)  # every sparse layer, every decode step
     monkeypatch.setenv("NUMA_RUNTIME_FUSED_DECODE", "0")
     plain, n0 = tokens()
     assert n0 == 0 and plain == fused

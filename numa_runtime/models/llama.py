@@ -210,10 +210,13 @@ class LlamaModel:
             return None
         cfg, lay = self.cfg, self.lay
         # NOTE: a mixture of experts runs the attention halves in the region and each sparse MLP
-        # half between two calls (models/moe.py, the experts in a region of their own): the
-        # table holds an expert of the layer where its MLP would be (never run), which fixes the
-        # region's MLP width, so a model of dense and sparse layers of other widths runs op by op
-        mlps = [(l.gate_up_proj, l.down_proj) if l.moe is None else l.moe.experts[0] for l in self.layers]
+        # half between two calls (models/moe.py, the experts in a region of their own): where a
+        # sparse layer's MLP would be, the table holds a placeholder that is never run, only
+        # fixing the region's MLP width: a dense layer's MLP where the model has one (its dense
+        # layers and experts may differ in width), else an expert
+        dense = [(l.gate_up_proj, l.down_proj) for l in self.layers if l.moe is None]
+        mlps = [(l.gate_up_proj, l.down_proj) if l.moe is None else (dense or [l.moe.experts[0]])[0]
+                for l in self.layers]
         if len({gu.out_features for gu, _ in mlps}) != 1:
             return None
         layers = [(l.qkv_proj, l.o_proj, gu, down, l.input_norm, l.post_norm, l.q_norm, l.k_norm, kc, vc, w)
