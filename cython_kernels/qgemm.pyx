@@ -110,7 +110,7 @@ ACT8_DECODE_M_MAX = 64
 cdef inline bint _decode_rows(long M):
     """Rows the decode rule gives int8 activations (linears flagged act8): a few rows, or a
     decode batch in a step of decode rows only; none in a step of prompt rows only."""
-    if qg_decode_step >= 2:
+    if qg_decode_step == 2:
         return False
     return M <= _act8_m_max or (qg_decode_step != 0 and M <= ACT8_DECODE_M_MAX)
 
@@ -121,12 +121,11 @@ def set_decode_step(int mode):
     ACT8_DECODE_M_MAX rows takes int8 activations; 2 when every row is a prompt row, and they
     keep exact activations however few they are (the NOTE at ACT8_M_MAX: a prompt's logits then
     do not switch path when the prefix cache held most of it); 0 (False): a mixed step, or not
-    said, and a few rows take int8; 3: prompt rows whose path follows their count (exact
-    activations, bf16 panels from PANEL_M_MIN rows: an MoE expert's share of a prompt).
-    Per thread: engines on other threads keep their own. Returns the old mode."""
+    said, and a few rows take int8. Per thread: engines on other threads keep their own.
+    Returns the old mode."""
     global qg_decode_step
-    if mode not in (0, 1, 2, 3):
-        raise ValueError("set_decode_step takes 0, 1, 2 or 3, got %d" % mode)
+    if mode not in (0, 1, 2):
+        raise ValueError("set_decode_step takes 0, 1 or 2, got %d" % mode)
     old = qg_decode_step
     qg_decode_step = mode
     return old

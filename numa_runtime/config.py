@@ -275,27 +275,38 @@ def _moe_fields(cfg: dict, arch: str) -> dict:
         return {}
     n = int(cfg["num_hidden_layers"])
     qwen, qwen2 = arch != "MixtralForCausalLM", arch.startswith("Qwen2")
-    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
-    experts = int(experts if experts is not None else 60 if qwen2 else 128 if qwen else 8)
-    if experts < 1:
-        if qwen:  # NOTE: as transformers: num_experts 0 leaves every layer's MLP dense
-            return {}
-        raise UnsupportedModelError(f"num_local_experts must be at least 1, got {experts}.")
-    top_k = cfg.get("num_experts_per_tok")  # NOTE: an explicit 0 is refused below, not defaulted
-    top_k = int(top_k if top_k is not None else 4 if qwen2 else 8 if qwen else 2)
-    if not 1 <= top_k <= experts:
+    key = "num_experts" if cfg.get("num_experts") is not None or "num_local_experts" not in cfg else "num_local_experts"
+    experts = _count(cfg, key, 60 if qwen2 else 128 if qwen else 8, 0 if qwen else 1)
+    if experts == 0:  # NOTE: as transformers: Qwen's num_experts 0 leaves every layer's MLP dense
+        return {}
+    top_k = _count(cfg, "num_experts_per_tok", 4 if qwen2 else 8 if qwen else 2, 1)
+    if top_k > experts:
         raise UnsupportedModelError(f"num_experts_per_tok ({top_k}) must be between 1 and num_experts ({experts}).")
     if qwen:
-        step = int(cfg.get("decoder_sparse_step") or 1)
+        step = _count(cfg, "decoder_sparse_step", 1, 1)
         only_mlp = {int(i) for i in cfg.get("mlp_only_layers") or ()}
         layers = tuple(i not in only_mlp and (i + 1) % step == 0 for i in range(n))
-        inter = int(cfg.get("moe_intermediate_size") or (1408 if qwen2 else 768))
+        inter = _count(cfg, "moe_intermediate_size", 1408 if qwen2 else 768, 1)
     else:
-        layers, inter = (True,) * n, int(cfg["intermediate_size"])
-    shared = int(cfg.get("shared_expert_intermediate_size", 5632) or 0) if qwen2 else 0
+        layers, inter = (True,) * n, _count(cfg, "intermediate_size", None, 1)
+    shared = _count(cfg, "shared_expert_intermediate_size", 5632, 0) if qwen2 else 0
     return {"num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": inter,
             "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)) if qwen else True,
             "shared_expert_intermediate_size": shared, "moe_layers": layers}
+
+
+def _count(cfg: dict, key: str, default: int | None, least: int) -> int:
+    """config.json's integer `key` of at least `least`; `default` where the key is absent (an
+    explicit null, 0 or 1.5 is refused as written, not replaced or truncated)."""
+    if key not in cfg and default is not None:
+        return default
+    value = cfg.get(key)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise UnsupportedModelError(f"config.json's {key} is {json.dumps(value)}; it must be an integer of at least "
+                                    f"{least}.")
+    return value
 
 
 # sentence-transformers' Pooling modes -> ours (one per checkpoint)

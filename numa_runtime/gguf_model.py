@@ -256,11 +256,22 @@ def _moe_keys(meta: dict, a: str, arch: str, tensor_names: set, path: str, shape
         raise UnsupportedModelError(f"{path} is a {arch} mixture-of-experts GGUF, which numa_runtime does not "
                                     "run (it runs llama/mistral (Mixtral), qwen2moe and qwen3moe ones).")
     routers = [n for n in tensor_names if n.endswith("ffn_gate_inp.weight")]
-    if not experts or not routers or any(f"blk.{n.split('.')[1]}.ffn_gate_exps.weight" not in tensor_names
-                                         for n in routers):
+    stacks = sorted(n for n in tensor_names if n.startswith("blk.") and n.split(".", 2)[-1] in _EXPERT_STACKS)
+    if not experts or not routers or not stacks:
         raise UnsupportedModelError(f"{path}: its experts are not stored as llama.cpp stores them today "
                                     f"({a}expert_count and blk.N.ffn_gate_exps/ffn_up_exps/ffn_down_exps); "
                                     "convert it again with a recent llama.cpp.")
+    layers = {n.split(".")[1] for n in routers} | {n.split(".")[1] for n in stacks}
+    for i in sorted(layers, key=int):
+        missing = [f"blk.{i}.{t}" for t in ("ffn_gate_inp.weight",) + _EXPERT_STACKS
+                   if f"blk.{i}.{t}" not in tensor_names]
+        if missing:
+            raise UnsupportedModelError(f"{path}: layer {i} has experts but lacks {', '.join(missing)}.")
+    for n in stacks:  # NOTE: GGUF shapes are innermost first: [in, out, experts]
+        shape = (shapes or {}).get(n)
+        if shape is not None and (len(shape) != 3 or shape[2] != experts):
+            raise UnsupportedModelError(f"{path}: {n} has shape {list(shape)}, not the {experts} stacked experts "
+                                        f"of {a}expert_count.")
     used = int(meta.get(a + "expert_used_count", 0) or 0)
     if not 1 <= used <= experts:
         raise UnsupportedModelError(f"{path}: {a}expert_used_count is {meta.get(a + 'expert_used_count')}, where "
@@ -278,6 +289,9 @@ def _moe_keys(meta: dict, a: str, arch: str, tensor_names: set, path: str, shape
         out["shared_expert_intermediate_size"] = _size_key(
             meta, a + "expert_shared_feed_forward_length", shapes, "ffn_down_shexp", path) if shared else 0
     return out
+
+
+_EXPERT_STACKS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 
 
 def _size_key(meta: dict, key: str, shapes: dict | None, tensor: str, path: str) -> int:

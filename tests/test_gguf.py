@@ -547,3 +547,48 @@ def test_an_older_moe_gguf_without_its_size_keys_and_a_bad_expert_count(tmp_path
     with pytest.raises(UnsupportedModelError, match=r"bad.gguf: qwen2moe.expert_used_count is 0, where 1 to "
                                                     r"qwen2moe.expert_count \(4\) experts a token are needed"):
         engine(bad)
+
+
+def test_a_moe_gguf_whose_tensors_disagree_with_its_metadata_is_refused_naming_them(tmp_path):
+    """Stacks of more or fewer experts than {arch}.expert_count, a layer with experts but no router
+    or without one of its stacks, and a shared expert of another width than the metadata's: one
+    sentence each, naming the tensor and the metadata key (never config.json, which a GGUF user
+    never wrote)."""
+    import gguf
+
+    from numa_runtime.gguf_model import hf_config
+    hf_arch, kw = MOE_CASES["qwen3moe"]
+    hf_dir, path = str(tmp_path / "hf"), str(tmp_path / "m.gguf")
+    build_model(hf_dir, arch=hf_arch, **{**SHAPE, **kw})
+    write_gguf(hf_dir, path, "Q8_0", arch="qwen3moe")
+    reader = gguf.GGUFReader(path)
+    meta = {name: field.contents() for name, field in reader.fields.items()}
+    shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
+    assert hf_config(meta, set(shapes), "m.gguf", shapes=shapes)["num_experts"] == 4
+
+    def refused(names, shapes):
+        with pytest.raises(UnsupportedModelError) as e:
+            hf_config(meta, set(names), "m.gguf", shapes=shapes)
+        return str(e.value)
+
+    five = {**shapes, "blk.2.ffn_up_exps.weight": shapes["blk.2.ffn_up_exps.weight"][:2] + [5]}
+    assert refused(five, five) == ("m.gguf: blk.2.ffn_up_exps.weight has shape [256, 1024, 5], not the 4 stacked "
+                                   "experts of qwen3moe.expert_count.")
+    for gone in ("blk.2.ffn_gate_inp.weight", "blk.2.ffn_gate_exps.weight", "blk.0.ffn_down_exps.weight"):
+        layer = gone.split(".")[1]
+        assert refused(set(shapes) - {gone}, shapes) == f"m.gguf: layer {layer} has experts but lacks {gone}."
+    # the shared expert's width: a qwen2moe file whose metadata says 512 where its tensors hold 256
+    hf_arch, kw = MOE_CASES["qwen2moe"]
+    q2_dir, q2 = str(tmp_path / "q2"), str(tmp_path / "q2.gguf")
+    build_model(q2_dir, arch=hf_arch, **{**SHAPE, **kw})
+    import json
+    with open(os.path.join(q2_dir, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(q2_dir, "config.json"), "w") as f:
+        json.dump({**cfg, "shared_expert_intermediate_size": 512}, f)
+    write_gguf(q2_dir, q2, "Q8_0", arch="qwen2moe")
+    with pytest.raises(UnsupportedModelError, match=r"blk.0.ffn_gate_shexp.weight has shape \(256, 256\), but the "
+                                                    r"GGUF metadata implies \(512, 256\) \(qwen2moe.embedding_length "
+                                                    r"256, qwen2moe.expert_shared_feed_forward_length 512, "
+                                                    r"qwen2moe.expert_count 4\)"):
+        engine(q2)

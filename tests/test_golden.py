@@ -143,7 +143,7 @@ def test_moe_config_rules_as_transformers(tmp_path):
     transformers in f32: Qwen3-MoE slides on every layer with use_sliding_window, Qwen2-MoE on
     its even layers below max_window_layers when config.json has no layer_types (older files);
     transformers 5's fused expert tensors (experts.gate_up_proj [E, 2I, H], experts.down_proj
-    [E, H, I]) read as the per-expert ones; num_experts_per_tok 0 is refused, not defaulted."""
+    [E, H, I]) read as the per-expert ones; an explicit 0, null or non-integer count is refused as written."""
     import json
 
     from safetensors.numpy import load_file, save_file
@@ -186,8 +186,17 @@ def test_moe_config_rules_as_transformers(tmp_path):
         t[p + "down_proj"] = np.stack([t.pop(f"{p}{j}.down_proj.weight") for j in range(E)])
     save_file(t, os.path.join(fused, "model.safetensors"), metadata={"format": "pt"})
     same(fused, ref)
-    with pytest.raises(UnsupportedModelError, match=r"num_experts_per_tok \(0\) must be between 1 and num_experts"):
-        ModelConfig.from_dict({**c, "num_experts_per_tok": 0})
+    # explicit values are refused as written, never replaced by a default or truncated
+    for key, value, least in (("num_experts_per_tok", 0, 1), ("num_experts_per_tok", None, 1),
+                              ("num_experts_per_tok", 1.5, 1), ("moe_intermediate_size", 0, 1),
+                              ("decoder_sparse_step", "2", 1), ("shared_expert_intermediate_size", -1, 0)):
+        shown = {0: "0", None: "null", 1.5: "1.5", "2": '"2"', -1: "-1"}[value]
+        with pytest.raises(UnsupportedModelError, match=rf"^config.json's {key} is {shown}; it must be an integer of "
+                                                        rf"at least {least}.$"):
+            ModelConfig.from_dict({**c, key: value})
+    with pytest.raises(UnsupportedModelError, match=r"num_experts_per_tok \(7\) must be between 1 and num_experts"):
+        ModelConfig.from_dict({**c, "num_experts_per_tok": 7})
+    assert ModelConfig.from_dict({**c, "num_experts_per_tok": 2.0}).num_experts_per_tok == 2
 
 
 def test_moe_config_defaults_and_errors_name_what_the_files_hold(tmp_path):

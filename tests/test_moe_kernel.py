@@ -198,25 +198,3 @@ def test_experts_of_k_quants_split_evenly_over_ranks():
     assert lf.split_align(768, 3, even=True) == 256
     assert lf.split_align(2048, 2, even=True) == 256
     assert lf.split_align(768, 2) == 256
-
-
-def test_an_experts_share_of_a_prompt_takes_the_path_of_its_rows():
-    """Mode 3 of set_decode_step (an MoE expert's few prompt rows): the exact f32 path below
-    PANEL_M_MIN rows, where a step of prompt rows (mode 2) takes bf16 panels however few; no
-    int8 activations, and not the experts' decode region."""
-    fmt = QuantFormat(4, 32, "sym")
-    rng = np.random.default_rng(3)
-    qw = quantize(rng.standard_normal((64, 256), dtype=np.float32) * 0.1, fmt)
-    fast, exact = qlinear(cpu, qw, bf16=True), qlinear(cpu, qw, bf16=False)
-    x = rng.standard_normal((2, 256), dtype=np.float32)
-    exps = experts(fmt, fmt, 128, 64, 2)
-    moe = cpu.moe_experts([e[0] for e in exps], [e[1] for e in exps])
-    old = qgemm.set_decode_step(0)
-    try:
-        want = exact.forward(x)
-        qgemm.set_decode_step(3)
-        assert np.array_equal(fast.forward(x), want) and not moe.usable(2)
-        qgemm.set_decode_step(0)
-        assert not np.array_equal(fast.forward(x), want)  # int8 activations: the rule of a mixed step
-    finally:
-        qgemm.set_decode_step(old)

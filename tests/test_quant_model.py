@@ -357,20 +357,39 @@ def test_decode_steps_flag_their_rows_for_int8_activations(model_dir):
         e.close()
 
 
-def test_a_prompt_gives_the_same_logits_whatever_the_prefix_cache_held(model_dir):
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_a_prompt_gives_the_same_logits_whatever_the_prefix_cache_held(model_dir, tmp_path, kind):
     """A bf16 engine with int4 weights: the second run of a prompt finds all but its last 2
     tokens in the prefix cache and computes those 2 rows alone; prompt rows keep bf16 activations
     however few they are (int8 activations are for decode rows), so the logits of what follows
-    match the first run's to the last bits, and greedy repeats itself."""
+    match the first run's to the last bits, and greedy repeats itself. A mixture of experts too:
+    an expert's prompt rows take bf16 however few of the step's rows chose it (the first run gives
+    each of the 4 experts about 40 rows, the second 1-2), and a prompt run beside others in one
+    step gives the logits it gives alone."""
+    if kind == "moe":
+        model_dir = str(tmp_path / "moe")
+        build_model(model_dir, **MOE)
     e = Engine(model_dir, dtype="bfloat16", quantization="int4", kv_cache_memory=1 << 23, max_model_len=128)
-    try:
-        prompt = [(7 * i) % 200 + 3 for i in range(50)]  # 3 blocks of 16 cached, 2 tokens left
-        sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
-        first, second = (e.generate([prompt], sp)[0].outputs[0] for _ in range(2))
-        assert e.block_manager.hit_rate > 0
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
+
+    def same(first, second):
         assert first.token_ids == second.token_ids
         for (_, a, _), (_, b, _) in zip(first.logprob_pairs, second.logprob_pairs):  # (chosen, top 5, rank)
             assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-4, (a, b)
+
+    try:
+        prompt = [(7 * i) % 200 + 3 for i in range(82)]  # 5 blocks of 16 cached, 2 tokens left
+        first, second = (e.generate([prompt], sp)[0].outputs[0] for _ in range(2))
+        assert e.block_manager.hit_rate > 0
+        same(first, second)
+        if kind == "moe":
+            # the first token: the prompt's logits (decode steps of 1 and 3 rows may sum otherwise)
+            sp = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
+            others = [[(11 * i + j) % 300 + 3 for i in range(20 + 9 * j)] for j in range(3)]
+            alone = e.generate([others[1]], sp)[0].outputs[0]
+            assert e.reset_prefix_cache()
+            batch = e.generate(others, sp)
+            same(batch[1].outputs[0], alone)
     finally:
         e.close()
 

@@ -36,8 +36,7 @@ __all__ = ["Linear", "QLinear", "embedding", "rms_norm", "add_rms_norm", "silu_a
 def set_decode_step(mode: int) -> int:
     """Before a step, on the thread that runs it: 1 when every row is a decode row, so a decode
     batch of quantized linears takes int8 activations; 2 when every row is a prompt row, and
-    they keep exact activations; 3 for prompt rows whose path follows their count (an MoE
-    expert's share of a prompt); 0 for a mixed step and after the step (qgemm.set_decode_step)."""
+    they keep exact activations; 0 for a mixed step and after the step (qgemm.set_decode_step)."""
     from numa_runtime._kernels import qgemm
     return qgemm.set_decode_step(int(mode))
 

@@ -87,27 +87,20 @@ class MoEBlock:
         flat = top.reshape(-1)
         order = np.argsort(flat, kind="stable")                          # (row, slot) pairs by expert
         counts = np.bincount(flat, minlength=len(self.experts))
-        # NOTE: a step of prompt rows only would give every expert's few rows bf16 panels (each
-        # expert dequantized whole for its 2-30 rows: 140 ms to a 25-token prompt's first token
-        # on 6 of Qwen3-30B-A3B's layers, 2 cores); an expert's prompt rows take the path of
-        # their count instead (exact activations, panels from 32: set_decode_step's mode 3). The
-        # shared expert sees every row.
-        step = getattr(ops, "set_decode_step", None)
-        mode = step(0) if step is not None else 0
-        if step is not None:
-            step(3 if mode == 2 else mode)
-        try:
-            start = 0
-            for e in np.flatnonzero(counts):
-                pick = order[start:start + counts[e]]
-                start += counts[e]
-                rows = pick // self.top_k
-                y = _swiglu(ops, self.experts[e], h[rows])                # [n, H]
-                y *= w.reshape(-1)[pick][:, None]
-                out[rows] += y                                           # NOTE: rows are distinct per expert
-        finally:
-            if step is not None:
-                step(mode)
+        # NOTE: an expert's rows take the path of the step's rows, as a dense MLP's do: in a step
+        # of prompt rows only, bf16 however few chose it, so that a prompt's logits do not depend
+        # on which other prompts share its step or on how much of it the prefix cache held (a
+        # path that followed each expert's row count, exact f32 below 32 rows, took 7-10% less
+        # time to a 9-25-token prompt's first token with AMX and 25-35% less without; two of
+        # Qwen3-30B-A3B's layers in int4, 2 cores, 2026-12-05)
+        start = 0
+        for e in np.flatnonzero(counts):
+            pick = order[start:start + counts[e]]
+            start += counts[e]
+            rows = pick // self.top_k
+            y = _swiglu(ops, self.experts[e], h[rows])                    # [n, H]
+            y *= w.reshape(-1)[pick][:, None]
+            out[rows] += y                                               # NOTE: rows are distinct per expert
         return self._add_shared(ops, h, out)
 
     def _add_shared(self, ops, h: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -144,18 +137,33 @@ def check_moe_tensors(cfg: ModelConfig, ckpt, shape_of) -> None:
             want.update({s + "gate_proj.weight": (si, h), s + "up_proj.weight": (si, h),
                          s + "down_proj.weight": (h, si), p + "mlp.shared_expert_gate.weight": (1, h)})
         mixtral = cfg.architecture == "MixtralForCausalLM"
+        source, key = _size_keys(ckpt, mixtral)
         for name, shape in want.items():
             if name not in ckpt:
                 shared = " and a shared expert" if si else ""
-                raise UnsupportedModelError(f"the checkpoint lacks {_as_stored(name, mixtral)}, which config.json "
+                raise UnsupportedModelError(f"the checkpoint lacks {_as_stored(name, mixtral)}, which {source} "
                                             f"implies ({E} experts{shared} in layer {i}).")
             got = tuple(shape_of(name))
             if got != shape and not (name.endswith("shared_expert_gate.weight") and got == (h,)):
+                width = f"{key['shared']} {si}" if ".shared_expert" in name else f"{key['expert']} {mi}"
                 raise UnsupportedModelError(
-                    f"{_stored_name(ckpt, name)} has shape {got}, but config.json implies {shape} (hidden_size {h}, "
-                    f"{'intermediate_size' if mixtral else 'moe_intermediate_size'} {mi}, "
-                    f"{'num_local_experts' if mixtral else 'num_experts'} {E}): the config does not describe "
-                    "these weights.")
+                    f"{_stored_name(ckpt, name)} has shape {got}, but {source} implies {shape} ({key['hidden']} {h}, "
+                    f"{width}, {key['experts']} {E}): it does not describe these weights.")
+
+
+def _size_keys(ckpt, mixtral: bool) -> tuple[str, dict]:
+    """Where the model's sizes came from (config.json, or a GGUF's metadata) and its keys' names."""
+    from ..gguf_checkpoint import GGUFCheckpoint
+    arch = ckpt.arch if isinstance(ckpt, GGUFCheckpoint) else None
+    if arch is not None:
+        a = arch + "."
+        return "the GGUF metadata", {"hidden": a + "embedding_length", "experts": a + "expert_count",
+                                     "expert": a + ("feed_forward_length" if arch in ("llama", "mistral")
+                                                    else "expert_feed_forward_length"),
+                                     "shared": a + "expert_shared_feed_forward_length"}
+    return "config.json", {"hidden": "hidden_size", "experts": "num_local_experts" if mixtral else "num_experts",
+                           "expert": "intermediate_size" if mixtral else "moe_intermediate_size",
+                           "shared": "shared_expert_intermediate_size"}
 
 
 def _as_stored(name: str, mixtral: bool) -> str:

@@ -21,10 +21,9 @@ _step = threading.local()
 
 def set_decode_step(mode: int) -> int:
     """qgemm.set_decode_step: 1, every row of this thread's next steps is a decode row; 2, every
-    row is a prompt row (no int8 activations by the decode rule); 3, prompt rows whose path
-    follows their count (an MoE expert's share); 0, mixed or not said."""
-    if int(mode) not in (0, 1, 2, 3):
-        raise ValueError(f"set_decode_step takes 0, 1, 2 or 3, got {mode}")
+    row is a prompt row (no int8 activations by the decode rule); 0, mixed or not said."""
+    if int(mode) not in (0, 1, 2):
+        raise ValueError(f"set_decode_step takes 0, 1 or 2, got {mode}")
     old = getattr(_step, "decode", 0)
     _step.decode = int(mode)
     return old
@@ -33,7 +32,7 @@ def set_decode_step(mode: int) -> int:
 def act8_rows(m: int) -> bool:
     """Whether m rows take int8 activations on a linear flagged act8."""
     mode = getattr(_step, "decode", 0)
-    return mode not in (2, 3) and (m <= ACT8_M_MAX or (mode == 1 and m <= ACT8_DECODE_M_MAX))
+    return mode != 2 and (m <= ACT8_M_MAX or (mode == 1 and m <= ACT8_DECODE_M_MAX))
 
 
 def _int8_blocks(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
