@@ -11,7 +11,8 @@ from numa_runtime.plan import StepPlan
 from numa_runtime.quant.formats import QuantFormat, dequantize, quantize
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-           "qkv_proj", "gate_up_proj")  # NOTE: Phi-3's fused ones: rows quantize alike fused or not
+           "qkv_proj", "gate_up_proj",  # NOTE: Phi-3's fused ones: rows quantize alike fused or not
+           "w1", "w2", "w3")  # NOTE: Mixtral's experts (block_sparse_moe.experts.N.w1: gate, w3: up, w2: down)
 
 
 def write_dequantized_copy(src: str, dst: str, fmt: QuantFormat | None, head: QuantFormat | None) -> None:

@@ -89,11 +89,14 @@ MOE = dict(arch="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermedi
            num_hidden_layers=3, mlp_only_layers=[1], **SHAPE)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
-def test_a_moe_quantized_at_load_equals_its_dequantized_model(tmp_path, name):
-    """Every expert quantizes as a linear of its own (the router stays f32), on 1 and 2 ranks."""
+@pytest.mark.parametrize("arch,name", [("qwen3_moe", "int8"), ("qwen3_moe", "int4"), ("mixtral", "int4")])
+def test_a_moe_quantized_at_load_equals_its_dequantized_model(tmp_path, arch, name):
+    """Every expert quantizes as a linear of its own (the router stays f32), on 1 and 2 ranks;
+    Mixtral's block_sparse_moe.experts.N.w1/w3/w2 as its gate/up/down."""
     src, ref_dir = str(tmp_path / "moe"), str(tmp_path / "deq")
-    build_model(src, **MOE)
+    build_model(src, **(MOE if arch == "qwen3_moe" else dict(
+        arch="mixtral", num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2, sliding_window=None,
+        **SHAPE)))
     deq_copy(src, ref_dir, name)
     q, r = engine(src, quantization=name), engine(ref_dir)
     try:
