@@ -127,6 +127,11 @@ class ModelConfig:
         return bool(self.moe_layers) and self.moe_layers[layer]
 
     @property
+    def has_dense_mlp(self) -> bool:
+        """Whether any layer's MLP is the dense one of intermediate_size."""
+        return not all(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    @property
     def is_embedding_model(self) -> bool:
         """A base model without an LM head, or a sentence-transformers embedding checkpoint: it
         embeds text, it does not generate."""

@@ -136,9 +136,8 @@ def shard_layouts(cfg: ModelConfig, world: int, mlp_align: int = 1, moe_align: t
     # weight elements per rank, in units of hidden_size: q + o rows per query head, k + v per
     # kv head; one MLP column is a row of gate, of up, and a column of down
     attn = [2 * cfg.head_dim * ((q.stop - q.start) + (kv.stop - kv.start)) for q, kv in heads]
-    dense = not cfg.num_experts or not all(cfg.moe_layers)
-    inter = balanced_split(cfg.intermediate_size, attn, 3, mlp_align) if dense else [slice(0, 0)] * world
     none = [slice(0, 0)] * world
+    inter = balanced_split(cfg.intermediate_size, attn, 3, mlp_align) if cfg.has_dense_mlp else none
     experts = balanced_split(cfg.moe_intermediate_size, [0] * world, 1, moe_align[0], "expert columns") \
         if cfg.num_experts else none
     shared = balanced_split(cfg.shared_expert_intermediate_size, [0] * world, 1, moe_align[1],

@@ -90,6 +90,10 @@ class _SafetensorsFile:
         return self.header[name]["dtype"]
 
 
+# Mixtral's expert projections (block_sparse_moe.experts.N.wK) -> Qwen-MoE's / Llama's names
+MIXTRAL_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
 class Checkpoint:
     """All tensors of a model directory (single file or sharded with an index), mmapped."""
 
@@ -155,12 +159,11 @@ class Checkpoint:
         """Mixtral's block_sparse_moe.{gate, experts.N.w1/w3/w2} under Qwen-MoE's names
         (mlp.gate, mlp.experts.N.gate_proj/up_proj/down_proj), every stored suffix alike
         (.weight, and an AWQ/GPTQ file's .qweight/.scales/...), as models/moe.py reads them."""
-        parts = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
         for name in [n for n in self._where if ".block_sparse_moe." in n]:
             new = name.replace(".block_sparse_moe.", ".mlp.")
             bits = new.split(".")
-            if len(bits) > 5 and bits[4] == "experts" and bits[6] in parts:  # model.layers.N.mlp.experts.J.wK.*
-                bits[6] = parts[bits[6]]
+            if len(bits) > 5 and bits[4] == "experts" and bits[6] in MIXTRAL_EXPERT_NAMES:  # ...experts.J.wK.*
+                bits[6] = MIXTRAL_EXPERT_NAMES[bits[6]]
             new = ".".join(bits)
             self._where[new], self._stored[new] = self._where.pop(name), self._stored.pop(name)
 

@@ -10,14 +10,12 @@ import shutil
 import numpy as np
 
 from numa_runtime.gguf_checkpoint import BLOCK_NAMES, CONFIG_TENSORS, EXPERT_STACKS, TOP_NAMES
+from numa_runtime.weights import MIXTRAL_EXPERT_NAMES
 
 TO_GGUF = {v: k for k, v in TOP_NAMES.items()}
 # block bytes and the offsets of its f16 d fields, for the types gguf-py cannot quantize
 KQUANT_D = {"Q4_K": (144, [0, 2]), "Q5_K": (176, [0, 2]), "Q6_K": (210, [208]), "Q2_K": (84, [80, 82]),
             "Q3_K": (110, [108]), "IQ4_XS": (136, [0]), "IQ4_NL": (18, [0]), "IQ2_XXS": (66, [0])}
-
-
-MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def gguf_name(hf: str) -> str:
@@ -28,7 +26,7 @@ def gguf_name(hf: str) -> str:
     rest = rest.replace("block_sparse_moe.", "mlp.")  # NOTE: Mixtral's names, as Qwen-MoE's
     bits = rest.split(".")
     if bits[:2] == ["mlp", "experts"]:
-        proj = MIXTRAL.get(bits[3], bits[3])
+        proj = MIXTRAL_EXPERT_NAMES.get(bits[3], bits[3])
         return f"blk.{layer}.{[k for k, v in EXPERT_STACKS.items() if v == proj][0]}[{bits[2]}]"
     inv = {**{v: k for k, v in BLOCK_NAMES.items()}, "mlp.gate_up_proj.weight": "ffn_up.weight"}  # Phi-3
     return f"blk.{layer}.{inv[rest]}"

@@ -23,7 +23,7 @@ from ..quant.loader import (LinearFactory, check_checkpoint_method, head_quantiz
 from ..plan import EMBED
 from ..sharding import ShardLayout, shard_layouts
 from ..weights import Checkpoint, load_rows
-from .moe import MoEBlock, check_moe_tensors
+from .moe import MoEBlock, check_moe_tensors, swiglu
 
 log = logging.getLogger("numa_runtime")
 
@@ -101,8 +101,7 @@ class LlamaModel:
         # NOTE: a split or format this rank cannot take names the model and the rank count
         with _named_errors(getattr(ckpt, "path", cfg.model_dir), comm.world_size):
             # NOTE: quantized weights split the MLP on group boundaries
-            dense = not all(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-            align = linear.split_align(cfg.intermediate_size, comm.world_size) if dense else 1
+            align = linear.split_align(cfg.intermediate_size, comm.world_size) if cfg.has_dense_mlp else 1
             world, shared = comm.world_size, cfg.shared_expert_intermediate_size
             moe_align = (linear.split_align(cfg.moe_intermediate_size, world, "mlp.experts.*.down_proj", even=True)
                          if cfg.num_experts else 1,
@@ -211,18 +210,13 @@ class LlamaModel:
         cfg, lay = self.cfg, self.lay
         # NOTE: a mixture of experts runs the attention halves in the region and each sparse MLP
         # half between two calls (models/moe.py, the experts in a region of their own): where a
-        # sparse layer's MLP would be, the table holds a placeholder that is never run, only
-        # fixing the region's MLP width: a dense layer's MLP where the model has one (its dense
-        # layers and experts may differ in width), else an expert
-        dense = [(l.gate_up_proj, l.down_proj) for l in self.layers if l.moe is None]
-        mlps = [(l.gate_up_proj, l.down_proj) if l.moe is None else (dense or [l.moe.experts[0]])[0]
-                for l in self.layers]
-        if len({gu.out_features for gu, _ in mlps}) != 1:
-            return None
+        # sparse layer's MLP would be, the table holds the stand-in, never run there
+        stand_in = self._stand_in_mlp()
+        mlps = [(l.gate_up_proj, l.down_proj) if l.moe is None else stand_in for l in self.layers]
         layers = [(l.qkv_proj, l.o_proj, gu, down, l.input_norm, l.post_norm, l.q_norm, l.k_norm, kc, vc, w)
                   for l, (gu, down), (kc, vc), w in zip(self.layers, mlps, self.kv_cache, self.windows)]
         fused = make(layers, cfg.hidden_size, cfg.head_dim, lay.num_q_heads, lay.num_kv_heads,
-                     mlps[0][0].out_features // 2, cfg.rms_norm_eps, self.scale, self.cos_sin)
+                     stand_in[0].out_features // 2, cfg.rms_norm_eps, self.scale, self.cos_sin)
         # NOTE: on one rank the step's region runs the final norm and lm_head too (and each row's
         # argmax, for greedy rows); tensor parallel ranks all-gather their vocabulary slices after it
         head = fused is not None and lay.world == 1 and self.lm_head is not None and not cfg.num_experts and \
@@ -253,18 +247,19 @@ class LlamaModel:
         self.comm.all_reduce_(x)
         return x
 
-    def _mlp_width(self) -> int:
-        """This rank's MLP columns as the step buffers hold them (gu, act): the dense layers', or of
-        a model of experts only, an expert's (the FusedDecoder's table holds one)."""
-        dense = [l.gate_up_proj for l in self.layers if l.moe is None]
-        return dense[0].out_features // 2 if dense else self.layers[0].moe.experts[0][0].out_features // 2
+    def _stand_in_mlp(self) -> tuple:
+        """The (gate_up, down) pair whose width the step buffers (gu, act) and the FusedDecoder's
+        MLP stages take: a dense layer's MLP (a model's dense layers may be wider or narrower than
+        its experts), or of a model of experts only, an expert's."""
+        dense = next((l for l in self.layers if l.moe is None), None)
+        return (dense.gate_up_proj, dense.down_proj) if dense is not None else self.layers[0].moe.experts[0]
 
     def _buffers(self, T: int) -> "_StepBuffers":
         """The activation buffers of a step of T tokens: every layer writes the same ones, and
         steps of up to KEEP_BUFFER_TOKENS tokens (decode) keep theirs for the next step of T."""
         b = self._kept.get(T)
         if b is None:
-            b = _StepBuffers(T, self.cfg, self.lay, self._mlp_width())
+            b = _StepBuffers(T, self.cfg, self.lay, self._stand_in_mlp()[0].out_features // 2)
             if T <= KEEP_BUFFER_TOKENS:
                 if len(self._kept) >= KEEP_BUFFERS:
                     del self._kept[next(iter(self._kept))]  # the oldest
@@ -290,7 +285,7 @@ class LlamaModel:
     def _forward(self, plan) -> np.ndarray | None:
         ops, lay, comm = self.ops, self.lay, self.comm
         eps, tp = self.cfg.rms_norm_eps, lay.world > 1
-        rms_norm, add_rms_norm, silu_and_mul = ops.rms_norm, ops.add_rms_norm, ops.silu_and_mul
+        rms_norm, add_rms_norm = ops.rms_norm, ops.add_rms_norm
         rotary, reshape_and_cache, paged_attention = ops.rotary, ops.reshape_and_cache, ops.paged_attention
         pos, slots, cos_sin, scale = plan.positions, plan.slot_mapping, self.cos_sin, self.scale
         # NOTE: the plan's int32 arrays as the attention kernel takes them, converted once a step
@@ -325,14 +320,7 @@ class LlamaModel:
                 if tp:
                     comm.all_reduce_(delta)
                 continue
-            layer.gate_up_proj.forward(h, gu)                # [T, 2 I_local]
-            down = layer.down_proj
-            fuses = getattr(down, "fuses_silu", None)
-            if fuses is not None and fuses(plan.num_tokens):  # silu_and_mul inside the kernel
-                down.forward_silu(gu, delta)
-            else:
-                silu_and_mul(gu, act)
-                down.forward(act, delta)                     # [T, H] partial sum
+            swiglu(ops, layer.gate_up_proj, layer.down_proj, h, delta, gu, act)  # [T, H] partial sum
             if tp:
                 comm.all_reduce_(delta)
         return self._head(plan, residual, delta)
@@ -539,7 +527,7 @@ def _check_tensors(cfg: ModelConfig, ckpt: Checkpoint) -> None:
                 f"key/value heads of {cfg.head_dim}, vocab_size {cfg.vocab_size}): the config does not describe "
                 "these weights.")
     if cfg.num_experts:
-        check_moe_tensors(cfg, ckpt, lambda n: ckpt.raw(n).shape)
+        check_moe_tensors(cfg, ckpt)
 
 
 def _same_first_row(ckpt, a: str, b: str) -> bool:

@@ -21,6 +21,7 @@ import numpy as np
 from .. import env
 from ..config import ModelConfig, UnsupportedModelError
 from ..sharding import ShardLayout
+from ..weights import MIXTRAL_EXPERT_NAMES
 
 # transformers' per-expert tensor names under model.layers.N.mlp (Mixtral's are renamed to
 # these when the checkpoint is opened: weights.Checkpoint.rename_mixtral)
@@ -98,31 +99,38 @@ class MoEBlock:
             pick = order[start:start + counts[e]]
             start += counts[e]
             rows = pick // self.top_k
-            y = _swiglu(ops, self.experts[e], h[rows])                    # [n, H]
+            y = swiglu(ops, *self.experts[e], h[rows])                    # [n, H]
             y *= w.reshape(-1)[pick][:, None]
             out[rows] += y                                               # NOTE: rows are distinct per expert
         return self._add_shared(ops, h, out)
 
     def _add_shared(self, ops, h: np.ndarray, out: np.ndarray) -> np.ndarray:
         if self.shared is not None:
-            y = _swiglu(ops, self.shared, h)
+            y = swiglu(ops, *self.shared, h)
             g = self.shared_gate.forward(h)                              # [T, 1]
             y *= (1.0 / (1.0 + np.exp(-g))).astype(np.float32)
             out += y
         return out
 
 
-def _swiglu(ops, pair, x: np.ndarray) -> np.ndarray:
-    gate_up, down = pair
-    gu = gate_up.forward(x if x.flags.c_contiguous else np.ascontiguousarray(x))  # [n, 2 I_local]
-    act = np.empty((x.shape[0], gu.shape[1] // 2), np.float32)
+def swiglu(ops, gate_up, down, x: np.ndarray, out=None, gu=None, act=None) -> np.ndarray:
+    """down(silu(gate) * up) of x [T, H] C-contiguous (gate_up's rows: gate's, then up's): a
+    dense layer's MLP or an expert's, into out [T, H] where given; gu [T, 2 I] and act [T, I]
+    are scratch where given. Where down's kernel computes silu_and_mul itself (fuses_silu), act
+    is never written."""
+    gu = gate_up.forward(x, gu)
+    fuses = getattr(down, "fuses_silu", None)
+    if fuses is not None and fuses(x.shape[0]):
+        return down.forward_silu(gu, out)
+    if act is None:
+        act = np.empty((x.shape[0], gu.shape[1] // 2), np.float32)
     ops.silu_and_mul(gu, act)
-    return down.forward(act)
+    return down.forward(act, out)
 
 
-def check_moe_tensors(cfg: ModelConfig, ckpt, shape_of) -> None:
+def check_moe_tensors(cfg: ModelConfig, ckpt) -> None:
     """UnsupportedModelError if a sparse layer's router, an expert or the shared expert is missing
-    or of another shape than config.json implies (shape_of(name) -> stored shape)."""
+    or of another shape than config.json implies."""
     h, mi, si, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, cfg.num_experts
     for i in range(cfg.num_layers):
         if not cfg.is_moe_layer(i):
@@ -143,7 +151,7 @@ def check_moe_tensors(cfg: ModelConfig, ckpt, shape_of) -> None:
                 shared = " and a shared expert" if si else ""
                 raise UnsupportedModelError(f"the checkpoint lacks {_as_stored(name, mixtral)}, which {source} "
                                             f"implies ({E} experts{shared} in layer {i}).")
-            got = tuple(shape_of(name))
+            got = tuple(ckpt.raw(name).shape)
             if got != shape and not (name.endswith("shared_expert_gate.weight") and got == (h,)):
                 width = f"{key['shared']} {si}" if ".shared_expert" in name else f"{key['expert']} {mi}"
                 raise UnsupportedModelError(
@@ -170,9 +178,9 @@ def _as_stored(name: str, mixtral: bool) -> str:
     """A Qwen-MoE name as a Mixtral checkpoint spells it (block_sparse_moe, w1/w3/w2)."""
     if not mixtral:
         return name
-    for ours, theirs in ((".mlp.", ".block_sparse_moe."), (".gate_proj.", ".w1."), (".up_proj.", ".w3."),
-                         (".down_proj.", ".w2.")):
-        name = name.replace(ours, theirs)
+    name = name.replace(".mlp.", ".block_sparse_moe.")
+    for theirs, ours in MIXTRAL_EXPERT_NAMES.items():
+        name = name.replace(f".{ours}.", f".{theirs}.")
     return name
 
 
