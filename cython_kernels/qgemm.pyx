@@ -23,7 +23,7 @@ results). Prefill rows take it where the model sets
 `prefill_act8` (EngineConfig.prefill_activations; see the NOTE at ACT8_M_MAX). With
 `act8_residual` too (the lm_head), each row runs as two int8 rows, x and its rounding residual,
 whose products are added: about 15 bits of activation for twice the integer work on the same
-weight bytes. The numpy specification is numa_runtime.quant.reference.quantize_activations.
+weight bytes (for a few rows in a step of prompt rows too: see _path). The numpy specification is numa_runtime.quant.reference.quantize_activations.
 
 Large M on CPUs with AVX-512 BF16, for linears flagged `prefill_bf16` (the engine's dtype is
 bf16): the dequantized weights are rounded to bf16, as the bf16 engine rounds its activations,
@@ -344,7 +344,12 @@ cdef class QLinear:
     cdef int _path(self, long M):
         """0: the f32 paths (exact), 1: int8 activations, 2: AMX-BF16 tiles, 3: bf16 panels."""
         cdef bint decode_rows = _decode_rows(M)
-        cdef bint q8 = self.act8 and decode_rows
+        # NOTE: the lm_head (act8_residual) takes its two int8 rows for a few rows in a step of
+        # prompt rows too: its rows there are the prompts' last ones, one per prompt, so a
+        # prompt's logits still do not depend on how much of it the prefix cache held (only on
+        # whether more than ACT8_M_MAX prompts end in its step), and a step of a few prompt rows
+        # does not dequantize the whole vocabulary into bf16 tiles for one row
+        cdef bint q8 = self.act8 and (decode_rows or (self.act8_residual and M <= _act8_m_max))
         # NOTE: the rows of a step of prompt rows only take the bf16 path however few they are:
         # a prompt's logits must not switch path when the prefix cache held most of it
         cdef bint wide = M >= PANEL_M_MIN or qg_decode_step == 2

@@ -319,6 +319,42 @@ def test_residual_activations_carry_about_15_bits():
             qgemm._force_cpu_level(old)
 
 
+def test_head_rows_of_a_prompt_step_take_int8_activations():
+    """The lm_head (act8_residual) in a step of prompt rows (set_decode_step(2)): up to
+    ACT8_M_MAX rows (the prompts' last rows, one a prompt) take the two int8 rows as in decode,
+    each row's result the same bits as that row alone and as in a decode step, on every level
+    and in the numpy reference; more rows keep the prompt path, and a linear without the flag
+    keeps it for any rows."""
+    from numa_runtime.quant.reference import set_decode_step as ref_step
+    rng = np.random.default_rng(12)
+    for fmt in (QuantFormat(4, 32, "sym"), QuantFormat(8, 32, "sym")):
+        lin, ref, _ = make(fmt, 384, 200, False)
+        x = rng.standard_normal((qgemm.ACT8_M_MAX + 1, 384), dtype=np.float32)
+        for level in LEVELS:
+            old = qgemm._force_cpu_level(level)
+            try:
+                for flag in (True, False):
+                    lin.act8 = ref.act8 = lin.prefill_bf16 = True
+                    lin.act8_residual = ref.act8_residual = flag
+                    one = lin.forward(x[:1])  # a few rows outside any step: the decode rule
+                    mode, ref_mode = qgemm.set_decode_step(2), ref_step(2)
+                    try:
+                        few = lin.forward(x[:qgemm.ACT8_M_MAX])
+                        many = lin.forward(x)
+                        want = ref.forward(x[:qgemm.ACT8_M_MAX])
+                    finally:
+                        qgemm.set_decode_step(mode)
+                        ref_step(ref_mode)
+                    if flag:
+                        assert np.array_equal(few[:1], one), (fmt, level)
+                        check(few, want.astype(np.float64), x[:qgemm.ACT8_M_MAX], ref.weight)
+                        assert not np.array_equal(many[:1], one), "more rows took the int8 path"
+                    else:
+                        assert not np.array_equal(few[:1], one), "a prompt step took the int8 path"
+            finally:
+                qgemm._force_cpu_level(old)
+
+
 def test_quantize_activations_blocks():
     """Blocks of 32 within each group, absmax / 127 per block, ties to even, zeros stay zero."""
     from numa_runtime.quant.reference import quantize_activations

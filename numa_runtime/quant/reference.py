@@ -97,7 +97,8 @@ class QLinear:
     def forward(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         # x: [M, K] -> out: [M, N]
         rows = act8_rows(x.shape[0])
-        if self.act8 and rows:
+        # NOTE: the lm_head's few rows take int8 in a step of prompt rows too (qgemm QLinear._path)
+        if self.act8 and (rows or self.act8_residual and x.shape[0] <= ACT8_M_MAX):
             x = quantize_activations(x, self.group, self.act8_residual)
         elif self.prefill_act8 and not rows:
             x = quantize_activations(x, self.group, self.act8_residual or self.prefill_act8 == 2)
