@@ -210,6 +210,12 @@ class GGUFCheckpoint:
     def names(self) -> list[str]:
         return list(self._tensors)
 
+    def stored_name(self, name: str) -> str:
+        """The file's name of the tensor read as `name` (blk.N.ffn_*_exps.weight[j] for an
+        expert), for error messages."""
+        t = self._tensors.get(name)
+        return name if t is None else t.name
+
     def _t(self, name):
         if name not in self._tensors:
             raise CheckpointError(f"Tensor {name!r} is missing from {self.path}.")

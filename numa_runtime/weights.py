@@ -190,6 +190,11 @@ class Checkpoint:
     def names(self) -> list[str]:
         return list(self._where)
 
+    def stored_name(self, name: str) -> str:
+        """The name the file gives the tensor read as `name` (a Mixtral's block_sparse_moe
+        names, a fused tensor's, the file's own without a "model." prefix), for error messages."""
+        return self._stored.get(name, name)
+
     def raw(self, name: str) -> np.ndarray:
         """The mmapped tensor in its stored dtype (bf16 as uint16): no copy."""
         if name not in self._where:

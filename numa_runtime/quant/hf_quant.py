@@ -108,6 +108,11 @@ class HFQuantCheckpoint:
     def names(self) -> list[str]:
         return self.ckpt.names()
 
+    def stored_name(self, name: str) -> str:
+        """The file's name of the tensor read as `name` (a quantized linear: its qweight)."""
+        base = self._base(name)
+        return self.ckpt.stored_name(name if base is None else base + "qweight")
+
     def raw(self, name: str):
         base = self._base(name)
         if base is None:
