@@ -443,10 +443,12 @@ class Engine:
             raise ValueError("The prompt is empty.")
         if keep is not None:
             ids = ids[-keep:]
-        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise ValueError(f"Token id {bad[0]} is outside the vocabulary (size {self.model_config.vocab_size}).")
+        self.check_prompt_ids(ids)
         return text, ids
+
+    def check_prompt_ids(self, ids: list[int]) -> None:
+        """ValueError (one sentence) for a prompt of no tokens or a token id outside the vocabulary."""
+        check_prompt_ids(ids, self.model_config.vocab_size)
 
     def get_tokenizer(self):
         """vLLM's LLM.get_tokenizer(): the model's tokenizer (encode, decode, apply_chat_template)."""
@@ -1322,6 +1324,15 @@ class _Progress:
 # NOTE: LLM.chat arguments of vLLM with no meaning here (else they would reach the template unread)
 _VLLM_CHAT_UNSUPPORTED = {"lora_request", "mm_processor_kwargs", "chat_template_content_format",
                           "prompt_adapter_request", "priority"}
+def check_prompt_ids(ids: list[int], vocab_size: int) -> None:
+    """ValueError (one sentence) for a prompt of no tokens or a token id outside the vocabulary."""
+    if not ids:
+        raise ValueError("The prompt is empty.")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"Token id {bad} is outside the vocabulary (size {vocab_size}).")
+
+
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 

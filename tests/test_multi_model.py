@@ -217,6 +217,14 @@ def test_server_serves_each_model_by_name(models, ranks):
         for method in ("GET", "POST"):
             assert httpx.request(method, srv.base + "/ping", timeout=30).json() == {"status": "ok"}
         assert httpx.post(srv.base + "/v1/responses/resp_x/cancel", timeout=30).status_code == 404
+        # CORS once around every model's answers (/v1/models the dispatcher's own), as on one model
+        page = {"Origin": "https://chat.example"}
+        pre = httpx.options(srv.base + "/v1/completions", headers={**page, "Access-Control-Request-Method": "POST"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "*"
+        for r in (httpx.get(srv.base + "/v1/models", headers=page),
+                  httpx.post(srv.base + "/v1/completions", json={"model": "beta", "prompt": "x", "max_tokens": 1},
+                             headers=page, timeout=30)):
+            assert r.status_code == 200 and r.headers.get_list("access-control-allow-origin") == ["*"]
     finally:
         assert srv.stop() == 0, srv.output()
 

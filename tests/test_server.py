@@ -436,6 +436,34 @@ def test_echo_logprobs_score_the_prompt_as_lm_eval_asks(client, server, model_di
     assert err["code"] == "invalid_value" and err["param"] == "truncate_prompt_tokens"
 
 
+def test_echo_checks_its_prompt_and_streams_usage_only_when_asked(client, server):
+    """echo over token ids checks them as any prompt is checked (a 400 naming the id, the
+    echo-only request included, which runs no generation); an echo-only prompt past the context
+    is refused; streamed, its usage comes only with include_usage, once, in the last event; and
+    /metrics counts echo-only requests as any other."""
+    for bad in (-3, 384, 2 ** 63):
+        for extra in ({"max_tokens": 0}, {"max_tokens": 2}, {"max_tokens": 0, "stream": True},
+                      {"max_tokens": 2, "stream": True}, {"max_tokens": 0, "logprobs": 1}):
+            r = httpx.post(server.base + "/v1/completions", json={"prompt": [5, bad, 6], "echo": True, **extra},
+                           timeout=60)
+            assert r.status_code == 400, (bad, extra, r.text)
+            assert f"Token id {bad} is outside the vocabulary" in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="The prompt has 300 tokens, but the context holds max_model_len"):
+        client.completions.create(model="tiny", prompt=[7] * 300, max_tokens=0, echo=True)
+    before = metric(server.base, "numa_runtime_requests_total")
+    prompt_before = metric(server.base, "numa_runtime_prompt_tokens_total")
+    chunks = list(client.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=0, echo=True, n=2,
+                                            stream=True))
+    assert len(chunks) == 2 and all(ch.usage is None for ch in chunks), chunks
+    chunks = list(client.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=0, echo=True, n=2,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert [ch.usage is not None for ch in chunks] == [False, False, True] and not chunks[-1].choices
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.total_tokens) == (4, 4)
+    assert metric(server.base, "numa_runtime_requests_total") == before + 2
+    assert metric(server.base, "numa_runtime_prompt_tokens_total") == prompt_before + 8
+    assert httpx.get(server.base + "/health").json() == {"status": "ok"}
+
+
 @pytest.mark.parametrize("headers", [{}, {"Content-Type": "text/plain"}])
 def test_a_body_not_sent_as_json_says_so(server, headers):
     """A body without 'Content-Type: application/json' (httpx's or requests' data=) is told so;
@@ -764,6 +792,38 @@ def test_api_key(strict_server):
         strict_server.client(api_key="wrong").completions.create(model="tiny-llama", prompt="x", max_tokens=2)
     r = strict_server.client(api_key="s3cret").completions.create(model="tiny-llama", prompt="x", max_tokens=2)
     assert r.usage.completion_tokens >= 1
+
+
+def test_cors_as_vllm_answers_browser_pages(strict_server, model_dir):
+    """vLLM's CORS defaults: any origin, method and header; a preflight (OPTIONS) is answered
+    without the API key, and answers carry Access-Control-Allow-Origin. --allowed-origins
+    narrows the origins; a flag that is not a JSON list is one sentence."""
+    base, page = strict_server.base, "https://chat.example"
+    pre = httpx.options(base + "/v1/chat/completions", headers={
+        "Origin": page, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert pre.status_code == 200, pre.text
+    assert pre.headers["access-control-allow-origin"] in ("*", page)
+    assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+    r = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                   headers={"Origin": page, "Authorization": "Bearer s3cret"}, timeout=60)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    r = httpx.get(base + "/v1/models", headers={"Origin": page})  # NOTE: the key is still asked for
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "*"
+    srv = ServerProcess(["--model", model_dir, "--dtype", "float32", "--max-model-len", "256", "--num-threads", "1",
+                         "--allowed-origins", json.dumps([page])])
+    try:
+        for origin, allowed in ((page, True), ("https://evil.example", False)):
+            pre = httpx.options(srv.base + "/v1/completions", headers={
+                "Origin": origin, "Access-Control-Request-Method": "POST"})
+            assert (pre.status_code == 200) == allowed, pre.text
+            r = httpx.get(srv.base + "/v1/models", headers={"Origin": origin})
+            assert r.headers.get("access-control-allow-origin") == (page if allowed else None)
+    finally:
+        assert srv.stop() == 0, srv.output()
+    bad = subprocess.run([sys.executable, "-m", "numa_runtime.serve", "--allowed-origins", "*"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--allowed-origins takes a JSON list of strings" in bad.stderr, bad.stderr
 
 
 def test_queue_limit_gives_429(strict_server):

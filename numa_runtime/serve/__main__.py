@@ -9,6 +9,7 @@ holds the public socket, so that requests in flight get an answer even when mpir
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -39,6 +40,19 @@ def _size(text: str) -> int:
 
 
 _REFUSED_VLLM: dict[str, str] = {}  # vLLM flag -> why it cannot mean the same here (check_args)
+
+
+def _json_list(flag: str):
+    """An argparse type: a JSON list of strings (vLLM's --allowed-origins '["https://a.example"]')."""
+    def parse(text: str) -> list[str]:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"{flag} takes a JSON list of strings, e.g. '[\"*\"]', got {text!r}")
+        return value
+    return parse
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -158,6 +172,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     vl.add_argument("--download-dir", default=None, help="where a Hugging Face Hub id's files go (HF_HUB_CACHE)")
     vl.add_argument("--revision", default=None, help="the branch, tag or commit of a Hugging Face Hub id")
     vl.add_argument("--load-format", default="auto", help="auto, safetensors or gguf (as the model's files say)")
+    # NOTE: as vLLM's CORS flags and defaults (any origin, method and header; no credentials), so a
+    # browser page can call the server; Access-Control-* headers on every answer, preflights answered
+    # before the API key is asked for
+    for flag, what in (("--allowed-origins", "origins"), ("--allowed-methods", "methods"),
+                       ("--allowed-headers", "headers")):
+        vl.add_argument(flag, default=["*"], type=_json_list(flag),
+                        help=f'CORS: the {what} a browser page may use, a JSON list (default ["*"]: any)')
+    vl.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
     for flag, why in (("--gpu-memory-utilization", "sizes a GPU's KV cache as a share of its memory; give the KV "
                        "cache's bytes per rank with --kv-cache-memory"),
                       ("--swap-space", "keeps preempted sequences in host memory; here they are recomputed, and "
@@ -384,7 +406,7 @@ def check_args(args) -> str | None:
 def serve_config(args, name: str, given: str | None = None):
     """`given`: the --model string as typed, also answered to where --served-model-name is not
     set (vLLM serves a model under that string; ours is its directory's name)."""
-    from .app import ServeConfig
+    from .app import Cors, ServeConfig
     names = (args.served_model_name or [])[1:] if args.served_model_name else [given] if given else []
     aliases = tuple(dict.fromkeys(n for n in names if n != name))
     return ServeConfig(served_model_name=name, aliases=aliases, model_root=given, api_key=args.api_key,
@@ -392,7 +414,9 @@ def serve_config(args, name: str, given: str | None = None):
                        max_tokens_cap=args.max_tokens_cap, stall_timeout_s=args.stall_timeout,
                        embedding_pooling=args.embedding_pooling,
                        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                       reasoning_parser=args.reasoning_parser)
+                       reasoning_parser=args.reasoning_parser,
+                       cors=Cors(tuple(args.allowed_origins), tuple(args.allowed_methods),
+                                 tuple(args.allowed_headers), args.allow_credentials))
 
 
 def listen(host: str, port: int):

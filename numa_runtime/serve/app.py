@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from . import responses as R
 from .async_engine import AsyncEngine, EngineDeadError
@@ -32,6 +33,24 @@ from ..sampling_params import SamplingParams
 from ..scheduler import check_context
 
 log = logging.getLogger("numa_runtime.serve")
+
+
+@dataclass(frozen=True)
+class Cors:
+    """What a browser page from another origin may do (Starlette's CORSMiddleware; vLLM's flags)."""
+    origins: tuple = ("*",)
+    methods: tuple = ("*",)
+    headers: tuple = ("*",)
+    credentials: bool = False
+
+
+def with_cors(asgi, cors: Cors | None):
+    """`asgi` behind CORS: Access-Control-* headers on its answers, and preflights (OPTIONS)
+    answered before its API key check; `asgi` itself when cors is None."""
+    if cors is None:
+        return asgi
+    return CORSMiddleware(asgi, allow_origins=list(cors.origins), allow_methods=list(cors.methods),
+                          allow_headers=list(cors.headers), allow_credentials=cors.credentials)
 
 
 @dataclass(frozen=True)
@@ -47,6 +66,7 @@ class ServeConfig:
     reasoning_parser: str | None = None   # <think> output as reasoning_content (reasoning.py); None: all content
     aliases: tuple = ()               # more names clients may send as `model` (vLLM's --served-model-name a b)
     model_root: str | None = None     # /v1/models' root: the model as given (--model); None: the served name
+    cors: Cors | None = None          # browser pages of other origins (serve's --allowed-origins ...); None: none
 
     @property
     def names(self) -> tuple:
@@ -131,6 +151,10 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
     app = FastAPI(title="numa_runtime", version="0.1.0", docs_url=None, redoc_url=None,
                   description="OpenAI-compatible completions and chat over numa_runtime.")
     app.add_middleware(_Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes, metrics=metrics)
+    if config.cors is not None:  # NOTE: added last, so outermost: a preflight never meets the API key
+        c = config.cors
+        app.add_middleware(CORSMiddleware, allow_origins=list(c.origins), allow_methods=list(c.methods),
+                           allow_headers=list(c.headers), allow_credentials=c.credentials)
     _install_error_handlers(app)
     created = int(time.time())
     _ = engine.tokenizer.max_token_chars  # NOTE: computed once here, not by the first request
@@ -267,9 +291,14 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             echo = scores = None
             if body.echo or body.prompt_logprobs is not None:
                 check_queue()  # NOTE: before the prompt's forward
-                if not echo_only:  # NOTE: a request the engine would refuse is refused before its forward
-                    for p in prompts:
+                # NOTE: a request the engine would refuse is refused before its forward or its echo
+                for p in prompts:
+                    engine.check_prompt_ids(p)
+                    if not echo_only:
                         check_context(len(p), params.max_tokens, engine.max_model_len)
+                    elif len(p) > engine.max_model_len:  # NOTE: echo alone computes no token after it
+                        raise ValueError(f"The prompt has {len(p)} tokens, but the context holds max_model_len="
+                                         f"{engine.max_model_len}; shorten the prompt.")
             if body.echo:  # NOTE: the prompt as given; a token or truncated prompt as its tokens decode
                 pairs = await prompt_pairs(request, prompts, body.logprobs) if body.logprobs is not None else None
                 echo = [(t if isinstance(t, str) and (not keep or len(p) < keep) else
@@ -280,11 +309,14 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
         if echo_only:
             out = R.echo_body(f"cmpl-{uuid.uuid4().hex}", config.served_model_name, echo, scores, body.n,
                               decode_token, engine.tokenizer.decoded_token)
+            metrics.observe_request(config.served_model_name, "length", out["usage"]["prompt_tokens"], 0, arrival,
+                                    None, time.monotonic(), len(prompts) * body.n,
+                                    [(len(p), 0) for p in prompts for _ in range(body.n)])
             if not body.stream:
                 return JSONResponse(out)
+            usage = out.pop("usage")  # NOTE: in its own last event, and only with include_usage
             events = [R.sse({**out, "choices": [c], **({"usage": None} if body.include_usage else {})})
                       for c in out.pop("choices")]
-            usage = out.pop("usage")
             if body.include_usage:
                 events.append(R.sse({**out, "choices": [], "usage": usage}))
             return StreamingResponse(iter(events + [R.sse("[DONE]")]), media_type="text/event-stream",

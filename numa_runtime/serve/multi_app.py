@@ -14,7 +14,7 @@ from urllib.parse import parse_qs
 from fastapi.responses import JSONResponse
 
 from . import responses as R
-from .app import OPEN_PATHS, ApiError, ServeConfig, build_app, model_card, server_metrics
+from .app import OPEN_PATHS, ApiError, ServeConfig, build_app, model_card, server_metrics, with_cors
 from .async_engine import AsyncEngine
 from .router import ModelLoadError, ModelRouter, ModelUnavailableError
 
@@ -61,6 +61,10 @@ class _ModelInfo:
     @property
     def max_model_len(self) -> int:
         return self.router.context_len(self.name)
+
+    def check_prompt_ids(self, ids: list[int]) -> None:
+        from ..engine import check_prompt_ids
+        check_prompt_ids(ids, self.router.model_configs[self.name].vocab_size)
 
     @property
     def model_config(self):
@@ -151,9 +155,9 @@ def build_multi_app(aengine: AsyncEngine, router: ModelRouter, base: ServeConfig
     apps, metrics = {}, server_metrics(aengine)  # NOTE: one registry: /metrics counts every model
     stored = ResponseStore()  # NOTE: one store: GET /v1/responses/{id} goes to the first app
     for name in router.specs:
-        cfg = dataclasses.replace(base, served_model_name=name)
+        cfg = dataclasses.replace(base, served_model_name=name, cors=None)  # NOTE: once, around the dispatcher
         apps[name] = build_app(ModelView(aengine, router, name, load_timeout), cfg, metrics, stored)
-    return ModelDispatcher(apps, router, base.api_key, base.max_body_bytes, metrics)
+    return with_cors(ModelDispatcher(apps, router, base.api_key, base.max_body_bytes, metrics), base.cors)
 
 
 # NOTE: the POST routes whose body names a model (any other POST, /ping or a path no app has, goes to the first)
