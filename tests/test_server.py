@@ -1027,4 +1027,6 @@ def test_tokenize_detokenize_and_version(server, model_dir):
                             ("/tokenize", {"model": "other", "prompt": "x"}, "does not exist")):
         r = httpx.post(server.base + path, json=body, timeout=30)
         assert r.status_code in (400, 404) and msg in r.json()["error"]["message"], r.text
+    err = httpx.post(server.base + "/detokenize", json={"tokens": [1, -1]}, timeout=30).json()["error"]
+    assert err["message"].startswith("tokens holds -1,") and err["param"] == "tokens", err
     assert httpx.get(server.base + "/version", timeout=30).json()["version"]

@@ -594,6 +594,9 @@ def test_responses_body_of_a_chat_answer():
                        ({"input": "x", "n": 2}, "n must be 1"),
                        ({"input": "x", "reasoning": {"effort": "low"}}, "reasoning options"),
                        ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type must be"),
-                       ({}, "input is required")):
+                       ({}, "input is required"),
+                       ({"input": 5}, "input must be a string or a list, got int"),
+                       ({"input": [{"role": "user", "content": 5}]}, r"input\[0\].content must be a string or a list"),
+                       ({"input": "x", "tools": {}}, "tools must be a list, got dict")):
         with pytest.raises(ValueError, match=match):
             RA.chat_request(bad)

@@ -231,7 +231,8 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             vocab = engine.tokenizer.vocab_size
             bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
             if bad is not None:
-                raise ValueError(f"tokens holds {bad}, which is not a token id (0 to {vocab - 1}).")
+                raise ApiError(400, f"tokens holds {bad}, which is not a token id (0 to {vocab - 1}).", param="tokens",
+                               code="invalid_value")
             # NOTE: as vLLM (transformers' decode): special tokens stay, so /tokenize round-trips
             return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 

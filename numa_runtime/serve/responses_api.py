@@ -195,9 +195,10 @@ def chat_request(raw: Any, store: ResponseStore | None = None) -> dict:
     return body
 
 
-def _list(value, name: str) -> list:
+def _list(value, name: str, alone: str = "") -> list:
+    """`value` as a list; `alone`: what else the field may be, for the error ("a string or ")."""
     if not isinstance(value, list):
-        raise _bad(f"{name} must be a list.")
+        raise _bad(f"{name} must be {alone}a list, got {type(value).__name__}.")
     return value
 
 
@@ -206,7 +207,7 @@ def _text(content, where: str):
     if isinstance(content, str):
         return content
     parts = []
-    for part in _list(content, f"{where}.content"):
+    for part in _list(content, f"{where}.content", "a string or "):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
             parts.append({"type": "text", "text": part["text"]})
@@ -223,7 +224,7 @@ def _messages(items) -> list[dict]:
         return [{"role": "user", "content": items}]
     out: list[dict] = []
     reasoning = None  # NOTE: a reasoning item goes with the assistant turn after it
-    for i, item in enumerate(_list(items, "input")):
+    for i, item in enumerate(_list(items, "input", "a string or ")):
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise _bad(f"{where} must be an object (a message or an item).")
