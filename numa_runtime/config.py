@@ -224,14 +224,15 @@ class ModelConfig:
             raise UnsupportedModelError(f"Unsupported activation {act!r}; only silu is supported.")
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        head_dim = cfg.get("head_dim") or hidden // num_heads
-        # NOTE: the MoE classes' own defaults where a key is left out (MixtralConfig: 8 kv heads, eps
-        # 1e-5, theta 1e6; Qwen3MoeConfig 4 and Qwen2MoeConfig 16 kv heads)
-        moe_default = _MOE_DEFAULTS.get(arch, {})
-        num_kv = int(cfg.get("num_key_value_heads") or moe_default.get("num_key_value_heads") or num_heads)
+        # NOTE: the classes' own defaults where a key is left out (MixtralConfig: 8 kv heads, eps 1e-5,
+        # theta 1e6; Qwen3MoeConfig 4 and Qwen2MoeConfig 16 kv heads; Qwen3Config head_dim 128, ...)
+        class_default = _CLASS_DEFAULTS.get(arch, {})
+        head_dim = cfg.get("head_dim") or class_default.get("head_dim") or hidden // num_heads
+        num_kv = int(cfg.get("num_key_value_heads") or class_default.get("num_key_value_heads") or num_heads)
         if num_heads % num_kv:
+            told = "" if cfg.get("num_key_value_heads") else f", {arch}'s default where config.json leaves it out"
             raise UnsupportedModelError(f"num_attention_heads ({num_heads}) is not a multiple of "
-                                        f"num_key_value_heads ({num_kv}).")
+                                        f"num_key_value_heads ({num_kv}{told}).")
         family, kind = SUPPORTED_ARCHITECTURES[arch], _kind(arch)
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").replace("torch.", "")
         if dtype not in _DTYPES:
@@ -252,8 +253,8 @@ class ModelConfig:
             hidden_size=hidden, intermediate_size=int(cfg["intermediate_size"]),
             num_layers=int(cfg["num_hidden_layers"]), num_heads=num_heads, num_kv_heads=num_kv,
             head_dim=int(head_dim),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", moe_default.get("rms_norm_eps", 1e-6))),
-            rope=_rope_config({**moe_default, **cfg} if "rope_theta" in moe_default else cfg, int(head_dim), kind),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", class_default.get("rms_norm_eps", 1e-6))),
+            rope=_rope_config({**class_default, **cfg} if "rope_theta" in class_default else cfg, int(head_dim), kind),
             max_position_embeddings=int(cfg.get("max_position_embeddings", _MAX_POSITIONS[kind])),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # NOTE: as transformers builds each family: Qwen2 has q/k/v biases and no o bias, Mistral
@@ -267,8 +268,13 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos, **_moe_fields(cfg, arch))
 
 
-_MOE_DEFAULTS = {"MixtralForCausalLM": {"num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 1e6},
-                 "Qwen3MoeForCausalLM": {"num_key_value_heads": 4}, "Qwen2MoeForCausalLM": {"num_key_value_heads": 16}}
+# NOTE: the configuration classes' own defaults, where they differ from the generic ones (heads //
+# kv heads, eps 1e-6, theta 1e4), for a config.json that leaves the key out
+_CLASS_DEFAULTS = {"MixtralForCausalLM": {"num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 1e6},
+                   "Qwen3MoeForCausalLM": {"num_key_value_heads": 4}, "Qwen2MoeForCausalLM": {"num_key_value_heads": 16},
+                   "Qwen3ForCausalLM": {"head_dim": 128, "num_key_value_heads": 32},
+                   "Qwen2ForCausalLM": {"num_key_value_heads": 32}, "MistralForCausalLM": {"num_key_value_heads": 8},
+                   "Phi3ForCausalLM": {"rms_norm_eps": 1e-5}}
 
 
 def _moe_fields(cfg: dict, arch: str) -> dict:
@@ -459,8 +465,13 @@ def _rope_config(cfg: dict, head_dim: int, kind: str = "llama") -> RopeConfig:
     # (rope_inv_freq); gguf_model writes it from the GGUF.
     params = dict(cfg.get("rope_parameters") or {})
     scaling = dict(cfg.get("rope_scaling") or {})
-    # NOTE: as transformers, rope_scaling (the key users edit, e.g. to turn on yarn) wins over
-    # rope_parameters; theta stays where it was given; null means a key's default
+    # NOTE: as transformers, rope_scaling (the key users edit, e.g. to turn on yarn, in its old
+    # spelling "type" too) wins over rope_parameters: one that names its type replaces their
+    # scaling keys; theta stays where it was given; null means a key's default
+    if scaling.get("type") is not None and scaling.get("rope_type") is None:
+        scaling["rope_type"] = scaling["type"]
+    if scaling.get("rope_type") is not None:
+        params = {k: v for k, v in params.items() if k == "rope_theta"}
     merged = {k: v for k, v in {**params, **scaling}.items() if v is not None}
     theta = float(merged.get("rope_theta", cfg.get("rope_theta") or 10000.0))
     rope_type = merged.get("rope_type", merged.get("type", "default"))

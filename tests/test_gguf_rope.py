@@ -194,13 +194,17 @@ def test_rope_tables_equal_transformers(rope):
     # rope_scaling added to a transformers-5 config (rope_parameters default): rope_scaling wins
     ("llama", lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                "original_max_position_embeddings": 128})),
+    # ... in its old spelling ("type", as the Qwen2.5 model cards say to add it): it ran plain rope
+    ("llama", lambda c: c.update(rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})),
+    ("llama", lambda c: c.update(rope_scaling={"type": "linear", "factor": 4.0})),
     # use_sliding_window without max_window_layers: transformers' default of 28 (no layer slides here)
     ("qwen2", lambda c: (c.update(use_sliding_window=True, sliding_window=5), c.pop("max_window_layers", None),
                          c.pop("layer_types", None))),
     # a top-level original_max_position_embeddings (Phi-3 style) comes first for yarn
     ("llama", lambda c: c.update(original_max_position_embeddings=64, rope_scaling={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "beta_fast": None})),
-], ids=["llama-bare-window", "rope-scaling-wins", "qwen2-default-window-layers", "top-level-original"])
+], ids=["llama-bare-window", "rope-scaling-wins", "old-type-yarn-wins", "old-type-linear-wins",
+        "qwen2-default-window-layers", "top-level-original"])
 def test_config_readings_equal_transformers(tmp_path, arch, edit):
     """Config fields transformers reads in its own way: the engine's f32 logits equal its own
     (each of these ran silently with other attention or rope before)."""
@@ -262,6 +266,31 @@ def test_keys_a_config_leaves_out_or_its_class_ignores_read_as_transformers(mode
     assert ours.qkv_bias == (layer.self_attn.q_proj.bias is not None)
     assert ours.o_bias == (layer.self_attn.o_proj.bias is not None)
     assert ours.mlp_bias == (layer.mlp.gate_proj.bias is not None)
+
+
+@pytest.mark.parametrize("model_type,arch", [("qwen3", "Qwen3ForCausalLM"), ("mistral", "MistralForCausalLM"),
+                                             ("phi3", "Phi3ForCausalLM"), ("llama", "LlamaForCausalLM"),
+                                             ("qwen2", "Qwen2ForCausalLM"), ("mixtral", "MixtralForCausalLM"),
+                                             ("qwen3_moe", "Qwen3MoeForCausalLM")])
+def test_sizes_a_config_leaves_out_are_its_classs_defaults(model_type, arch):
+    """head_dim, num_key_value_heads and rms_norm_eps left out of config.json: each class's own
+    default, as transformers reads them (Qwen3 head_dim 128, Qwen2/Qwen3 32 kv heads, Mistral 8,
+    Phi-3 eps 1e-5: the generic defaults refused such a Qwen3 or Mistral for its tensors' shapes,
+    and ran a Phi-3 with a tenfold eps); a default that does not fit the heads says so."""
+    from transformers import AutoConfig
+    from numa_runtime.config import ModelConfig
+    from numa_runtime.config import UnsupportedModelError
+    base = dict(vocab_size=64, hidden_size=256, intermediate_size=40, num_hidden_layers=2, num_attention_heads=32)
+    hf = AutoConfig.for_model(model_type, **base)
+    ours = ModelConfig.from_dict({**base, "architectures": [arch]})
+    want_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    assert (ours.head_dim, ours.num_kv_heads, ours.rms_norm_eps) == (want_dim, hf.num_key_value_heads, hf.rms_norm_eps)
+    if model_type not in ("qwen2", "qwen3"):  # NOTE: 32 kv heads whatever the attention heads
+        return
+    with pytest.raises(UnsupportedModelError, match=rf"^num_attention_heads \(16\) is not a multiple of "
+                                                    rf"num_key_value_heads \(32, {arch}'s default where config.json "
+                                                    r"leaves it out\)\.$"):
+        ModelConfig.from_dict({**base, "num_attention_heads": 16, "architectures": [arch]})
 
 
 def test_configs_rope_cannot_run_are_refused(tmp_path):
