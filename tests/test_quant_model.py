@@ -314,7 +314,8 @@ def test_an_mlp_no_group_divides_is_refused_as_such_on_any_rank_count(tmp_path):
     p = run_mpi(2, d, "int8")
     assert p.returncode != 0
     assert (f"{d} on 2 ranks: model.layers.*.mlp.down_proj.weight: its 80 input features are not a multiple of "
-            "the quantization group of 128; choose a quantization whose group divides them, or 'int8-channel'."
+            "the quantization group of 128 (nor of 64 or 32, tried too); choose a quantization whose group divides "
+            "them, or 'int8-channel'."
             ) in p.stdout + p.stderr
 
 

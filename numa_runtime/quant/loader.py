@@ -39,6 +39,14 @@ def qlinear(ops, qw: QuantizedWeight, bias: np.ndarray | None = None, bf16: bool
     return lin
 
 
+def _group_words(fmt: QuantFormat) -> str:
+    """'the quantization group of 128 (nor of 64 or 32, tried too)': the groups a weight's input
+    features were fitted to (QuantFormat.for_k), for an error that none divides them."""
+    smaller = [g for g in (64, 32) if g < fmt.group_size] if fmt.fit_group else []
+    tried = f" (nor of {' or '.join(str(g) for g in smaller)}, tried too)" if smaller else ""
+    return f"the quantization group of {fmt.group_size}{tried}"
+
+
 # NOTE: vocabulary rows of a dense lm_head quantized at a time (the f32 copy of one chunk is
 # what a rank holds unquantized: 16384 x 896 x 4 B = 59 MB for Qwen2.5-0.5B, not 545 MB)
 HEAD_CHUNK = 16384
@@ -63,7 +71,7 @@ class LinearFactory:
         own = 1 if q is None or q.group_size < 0 else q.for_split(k).group_size
         if k % own:  # NOTE: no rank count can help; say so before the split names one
             raise QuantError(f"model.layers.*.{what}.weight: its {k} input features are not a multiple of "
-                             f"the quantization group of {own}; choose a quantization whose group divides them, "
+                             f"{_group_words(q.for_split(k))}; choose a quantization whose group divides them, "
                              "or 'int8-channel'.")
         stored = getattr(self.ckpt, "split_align", 1)
         units = k // stored if stored > 32 else 0
@@ -142,9 +150,8 @@ class LinearFactory:
         n, g = w.shape[1], fmt.group_size
         if g > 0 and n % g:
             if n == k:
-                raise QuantError(f"{name}: its {k} input features are not a multiple of the quantization "
-                                 f"group of {g}; choose a quantization whose group divides them, or "
-                                 f"'int8-channel'.")
+                raise QuantError(f"{name}: its {k} input features are not a multiple of {_group_words(fmt)}; "
+                                 "choose a quantization whose group divides them, or 'int8-channel'.")
             raise QuantError(f"{name}: this rank's slice of its {k} input features has {n}, not a "
                              f"multiple of the quantization group of {g}; use fewer ranks, or a "
                              f"quantization whose group divides it.")
