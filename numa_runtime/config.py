@@ -807,7 +807,8 @@ _HF_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p":
 
 def generation_defaults(model_dir: str) -> dict:
     """The sampling values a model's generation_config.json chooses (those transformers would not
-    use anyway): temperature, top_p, top_k, min_p, repetition_penalty; {} without the file."""
+    use anyway): temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens as
+    max_tokens (vLLM's reading: a request's default, and on the server a cap); {} without the file."""
     path = os.path.join(model_dir, "generation_config.json")
     try:
         with open(path) as f:
@@ -828,4 +829,10 @@ def generation_defaults(model_dir: str) -> dict:
                 logging.getLogger("numa_runtime").warning("%s: %s is ignored (%s)", path, key, e)
                 continue
             out[key] = v
+    new = gen.get("max_new_tokens")
+    if isinstance(new, int) and not isinstance(new, bool):
+        if new > 0:
+            out["max_tokens"] = new
+        else:
+            logging.getLogger("numa_runtime").warning("%s: max_new_tokens %d is ignored (not positive)", path, new)
     return out

@@ -74,6 +74,7 @@ class Engine:
 
         hub = _take_vllm_kwargs(model, kwargs)
         self._pooling_default = kwargs.pop("_pooling", None)
+        self._max_logprobs = kwargs.pop("_max_logprobs", 20)  # NOTE: vLLM's max_logprobs: what a request may ask
         unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(EngineConfig)})
         if unknown:  # NOTE: one sentence, not the dataclass's TypeError
             raise TypeError(f"{unknown[0]!r} is not an Engine setting, nor one of vLLM's LLM arguments it takes "
@@ -161,7 +162,12 @@ class Engine:
         self._decode_step_s = float("inf")
         self._ids = itertools.count()
         self._closed = False
-        atexit.register(self.close)
+        if self.comm.world_size == 1:
+            # NOTE: weak: an engine dropped without close() (vLLM's `del llm`) frees its weights and KV
+            # pool; one that is still alive closes at exit
+            atexit.register(_close_if_alive, weakref.ref(self))
+        else:  # NOTE: the worker ranks wait on it: it closes at exit whatever holds it
+            atexit.register(self.close)
         self._log_start()
 
     # ------------------------------------------------------------------ set-up helpers
@@ -345,6 +351,8 @@ class Engine:
         """`defer` (add_request's prompt_logprobs requests, once checked whole): "always" waits in
         _pending behind those there; "if_busy" waits there when running requests hold the blocks
         its prompt's prefill needs; "no" raises KVCacheBusyError then."""
+        if isinstance(params, SamplingParams):  # NOTE: as vLLM's clone: a later change to the caller's object
+            params = dataclasses.replace(params)  # changes no request already added
         original = params
         if self.model_config.is_embedding_model:
             what = ("an embedding checkpoint (it declares a pooling: sentence-transformers' 1_Pooling or a "
@@ -354,6 +362,11 @@ class Engine:
         params = params or self.get_default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams.")
+        for field in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, field)
+            if asked is not None and asked > self._max_logprobs:
+                raise ValueError(f"{field} asks for {asked} log-probabilities, more than this engine's max_logprobs "
+                                 f"({self._max_logprobs}).")
         rid = self._free_id(params.n) if request_id is None else str(request_id)  # NOTE: a caller's id may hold it
         if rid in self._groups or self._is_pending(rid):
             raise ValueError(f"Request id {rid!r} is already in use.")
@@ -676,11 +689,18 @@ class Engine:
 
     # ------------------------------------------------------------------ conveniences
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, *,
-                 sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
+                 sampling_params=None, use_tqdm: bool = False, lora_request=None, priority=None,
+                 prompt_adapter_request=None) -> list[RequestOutput]:
         """Run prompts to completion; outputs in input order. A prompt is a string, a list of token
         ids, or a dict as vLLM's TextPrompt/TokensPrompt ({"prompt": ...} or {"prompt_token_ids":
         ...}); `params` one SamplingParams for all or a sequence of one per prompt (vLLM's name
-        `sampling_params` works too); `use_tqdm`: a progress bar over the finished prompts."""
+        `sampling_params` works too); `use_tqdm`: a progress bar over the finished prompts.
+        vLLM's lora_request, priority and prompt_adapter_request are taken at None only."""
+        for name, value in (("lora_request", lora_request), ("priority", priority),
+                            ("prompt_adapter_request", prompt_adapter_request)):
+            if value is not None and not (name == "priority" and not any(value if isinstance(value, list) else [value])):
+                raise TypeError(f"Engine.generate() does not support {name} (LoRA adapters and priority scheduling "
+                                "are not built here).")
         self._driver_only("generate")
         params = _one_of(params, sampling_params)
         plist, _ = _prompt_list(prompts)
@@ -740,11 +760,17 @@ class Engine:
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas of one request; they join to the final text. Other streams,
-        generate() and step() may run between reads: each gets only its own outputs."""
+        generate() and step() may run between reads: each gets only its own outputs. The
+        request is added at the first read; wrong params are refused at the call."""
         self._driver_only("stream")
+        if params is not None and not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}.")
         if params is not None and params.n != 1:
             raise ValueError(f"stream() yields the text of one completion, not n={params.n}; use "
                              f"generate() or add_request() for several.")
+        return self._stream(prompt, params)
+
+    def _stream(self, prompt, params: SamplingParams | None) -> Iterator[str]:
         outbox: deque[RequestOutput] = deque()
         rid = self._add(prompt, params, None, outbox)
         done = False
@@ -778,18 +804,35 @@ class Engine:
     def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None, *,
              sampling_params=None, use_tqdm: bool = False, chat_template: str | None = None,
              chat_template_kwargs: dict | None = None, add_generation_prompt: bool | None = None,
-             continue_final_message: bool = False, **template_kwargs):
+             continue_final_message: bool = False, lora_request=None, chat_template_content_format: str = "auto",
+             mm_processor_kwargs=None, **template_kwargs):
         """Render messages with the model's chat template (or `chat_template`, a Jinja source)
         and generate the reply, as vLLM's LLM.chat: `continue_final_message=True` goes on with
         the last (assistant) message instead of opening a new turn; `chat_template_kwargs` and
         other keyword arguments (`tools`, `enable_thinking`, ...) reach the template. One
         conversation (a list of message dicts) gives one RequestOutput; a list of conversations a
-        list of them, run as one batch."""
+        list of them, run as one batch. vLLM's lora_request, chat_template_content_format and
+        mm_processor_kwargs are taken at their defaults only; a keyword that is a SamplingParams
+        field, or a near miss of one of chat()'s own, is refused rather than handed to the template."""
+        self._driver_only("chat")
+        for name, value, default in (("lora_request", lora_request, None), ("mm_processor_kwargs", mm_processor_kwargs,
+                                                                             None),
+                                     ("chat_template_content_format", chat_template_content_format, "auto")):
+            if value != default:
+                raise TypeError(f"Engine.chat() does not support {name} (only {default!r}, vLLM's default).")
         refused = sorted(set(template_kwargs) & _VLLM_CHAT_UNSUPPORTED)
         if refused:
             raise TypeError(f"Engine.chat() does not support {refused[0]}.")
+        _check_template_kwargs(template_kwargs)
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise TypeError("chat_template_kwargs must be a dict.")
+        chosen = _one_of(params, sampling_params)
+        # NOTE: a truncated prompt may be any length: the character bound before encoding is not checked
+        truncating = any(isinstance(p, SamplingParams) and p.truncate_prompt_tokens is not None
+                         for p in (chosen if isinstance(chosen, (list, tuple)) else [chosen]))
+        # NOTE: as vLLM, chat_template_kwargs win over the named arguments (and the other keywords)
+        render_kwargs = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+                         "chat_template": chat_template, **template_kwargs, **(chat_template_kwargs or {})}
         batch = isinstance(messages, (list, tuple)) and len(messages) > 0 and all(
             isinstance(c, (list, tuple)) for c in messages)
         conversations = list(messages) if batch else [messages]
@@ -800,12 +843,11 @@ class Engine:
                                 "list of such lists.")
             if not conv:
                 raise ValueError("A conversation needs at least one message.")
-            prompt = self.tokenizer.render_chat(
-                conv, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                chat_template=chat_template, **{**(chat_template_kwargs or {}), **template_kwargs})
+            prompt = self.tokenizer.render_chat(conv, **render_kwargs)
             prompts.append(prompt)
-            ids.append(self.tokenizer.encode_within(prompt, self.max_model_len, add_special_tokens=False))
-        outs = self.generate(ids, params, sampling_params=sampling_params, use_tqdm=use_tqdm)
+            ids.append(self.tokenizer.encode(prompt, add_special_tokens=False) if truncating else
+                       self.tokenizer.encode_within(prompt, self.max_model_len, add_special_tokens=False))
+        outs = self.generate(ids, chosen, use_tqdm=use_tqdm)
         for out, prompt in zip(outs, prompts):
             out.prompt = prompt  # NOTE: as vLLM's LLM.chat: the rendered template
         return outs if batch else _OneOutput(outs)
@@ -1169,6 +1211,19 @@ class Engine:
     def __exit__(self, *exc):
         self.close()
 
+    def __del__(self):
+        # NOTE: one rank: an engine dropped without close() closes as it goes (its disk tier is
+        # flushed); with worker ranks atexit holds it, so it never gets here unclosed
+        if not getattr(self, "_closed", True) and getattr(getattr(self, "comm", None), "world_size", 0) == 1:
+            with contextlib.suppress(Exception):
+                self.close()
+
+
+def _close_if_alive(ref) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.close()
+
 
 class KVCacheBusyError(RuntimeError):
     """embed / prompt_logprobs: running requests hold the blocks the input needs (it fits the
@@ -1201,6 +1256,7 @@ def _take_vllm_kwargs(model, kwargs: dict):
         if not _is_int(top) or not 0 <= top <= 20:
             raise ValueError(f"max_logprobs (vLLM's) may be at most 20 here (the logprobs a request may ask for), "
                              f"got {top!r}.")
+        kwargs["_max_logprobs"] = top
     if "kv_cache_memory_bytes" in kwargs:  # NOTE: vLLM's newer name of the KV cache's size
         kwargs.setdefault("kv_cache_memory", kwargs.pop("kv_cache_memory_bytes"))
     for name in ("runner", "task", "convert"):  # NOTE: vLLM's "pooling"/"embed": embeddings pool the last token
@@ -1322,8 +1378,27 @@ class _Progress:
 
 
 # NOTE: LLM.chat arguments of vLLM with no meaning here (else they would reach the template unread)
-_VLLM_CHAT_UNSUPPORTED = {"lora_request", "mm_processor_kwargs", "chat_template_content_format",
-                          "prompt_adapter_request", "priority"}
+_CHAT_OWN = ("messages", "params", "sampling_params", "use_tqdm", "chat_template", "chat_template_kwargs",
+             "add_generation_prompt", "continue_final_message", "tools", "documents")
+
+
+def _check_template_kwargs(kwargs: dict) -> None:
+    """TypeError (one sentence) for a keyword chat() would otherwise hand its template unused: a
+    SamplingParams field, or a near miss of chat()'s own parameters (use_tdqm)."""
+    import difflib
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    for name in kwargs:
+        if name in fields:
+            raise TypeError(f"Engine.chat() got {name}=, a sampling setting: pass "
+                            f"sampling_params=SamplingParams({name}=...).")
+        near = difflib.get_close_matches(name, _CHAT_OWN, n=1, cutoff=0.75)
+        if near:
+            raise TypeError(f"Engine.chat() got an unexpected keyword argument {name!r}; did you mean {near[0]!r}?")
+
+
+_VLLM_CHAT_UNSUPPORTED = {"prompt_adapter_request", "priority"}
+
+
 def check_prompt_ids(ids: list[int], vocab_size: int) -> None:
     """ValueError (one sentence) for a prompt of no tokens or a token id outside the vocabulary."""
     if not ids:

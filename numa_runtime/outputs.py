@@ -179,6 +179,9 @@ class TextState:
         """Account for the token just appended to req; return a finished status or None."""
         req, sp = self.req, self.req.sampling_params
         checks = req.num_output_tokens >= sp.min_tokens  # NOTE: as vLLM, no stop before min_tokens
+        # NOTE: as vLLM's detokenizer, a stop string counts only after min_tokens tokens (a stop token
+        # may be the min_tokens-th: the sampler bans them before)
+        strings = req.num_output_tokens > sp.min_tokens
         if token_id in self.stop_ids and checks:
             req.stop_reason = token_id if token_id in sp.stop_token_ids else None
             prev_len = len(self.unsent)
@@ -188,12 +191,12 @@ class TextState:
             return RequestStatus.FINISHED_STOPPED
         prev_len = len(self.unsent)  # NOTE: unsent holds at least the last `hold` characters
         self.unsent += self.detok.add(token_id)
-        if checks and self._cut_at_stop(prev_len):
+        if strings and self._cut_at_stop(prev_len):
             return RequestStatus.FINISHED_STOPPED
         if (sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens) or req.num_tokens >= max_model_len:
             prev_len = len(self.unsent)
             self.unsent += self.detok.flush()
-            return RequestStatus.FINISHED_STOPPED if checks and self._cut_at_stop(prev_len) \
+            return RequestStatus.FINISHED_STOPPED if strings and self._cut_at_stop(prev_len) \
                 else RequestStatus.FINISHED_LENGTH
         return None
 
@@ -215,7 +218,7 @@ class TextState:
         stop string it completes, unless not `cut_at_stop`)."""
         prev_len = len(self.unsent)
         self.unsent += self.detok.flush()
-        if cut_at_stop and self.req.num_output_tokens >= self.req.sampling_params.min_tokens:
+        if cut_at_stop and self.req.num_output_tokens > self.req.sampling_params.min_tokens:
             self._cut_at_stop(prev_len)
         return status
 

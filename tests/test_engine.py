@@ -245,6 +245,15 @@ def test_generation_config_sampling_values_are_the_defaults(model_dir, tmp_path)
         assert eng.generate("Hi", SamplingParams(max_tokens=2))[0].outputs
     finally:
         eng.close()
+    with open(os.path.join(d, "generation_config.json"), "w") as f:  # vLLM reads max_new_tokens as max_tokens
+        json.dump({"max_new_tokens": 5, "temperature": 0.0}, f)
+    eng = Engine(d, dtype="float32", kv_cache_memory=1 << 20, max_model_len=128)
+    try:
+        assert eng.get_default_sampling_params().max_tokens == 5
+        out = eng.generate("Hi")[0].outputs[0]  # NOTE: an untrained model rarely says EOS in 5
+        assert len(out.token_ids) == 5 or out.finish_reason == "stop"
+    finally:
+        eng.close()
     assert SamplingParams(temperature=1e-6).temperature == 0.0 and SamplingParams(temperature=1e-4).temperature
 
 
@@ -773,10 +782,81 @@ def test_chat_takes_vllm_arguments_and_lists_of_conversations(model_dir):
                 eng.chat(bad, sp)
         with pytest.raises(ValueError, match=r"^A conversation needs at least one message\.$"):
             eng.chat([], sp)  # NOTE: it generated from the template's empty rendering
-        with pytest.raises(TypeError, match=r"^Engine.chat\(\) does not support lora_request\.$"):
+        with pytest.raises(TypeError, match=r"^Engine.chat\(\) does not support lora_request \(only None"):
             eng.chat(m, sp, lora_request=object())
+        # vLLM's arguments at their defaults are taken
+        assert eng.chat(m, sp, lora_request=None, chat_template_content_format="auto",
+                        mm_processor_kwargs=None).token_ids == one.token_ids
+        # chat_template_kwargs win over the named arguments, as vLLM's (it was a TypeError)
+        tpl = "{{ messages[0]['content'] }}{% if add_generation_prompt %}+{% endif %}"
+        assert eng.chat(m, sp, chat_template=tpl).prompt == "Hi+"
+        assert eng.chat(m, sp, chat_template=tpl, chat_template_kwargs={"add_generation_prompt": False}).prompt == "Hi"
+        assert eng.chat(m, sp, chat_template_kwargs={"chat_template": tpl}).prompt == "Hi+"
+        # a sampling setting or a misspelt argument is refused, not handed to the template unused
+        with pytest.raises(TypeError, match=r"^Engine.chat\(\) got max_tokens=, a sampling setting"):
+            eng.chat(m, max_tokens=3)
+        with pytest.raises(TypeError, match=r"unexpected keyword argument 'use_tdqm'; did you mean 'use_tqdm'\?$"):
+            eng.chat(m, sp, use_tdqm=True)
+        with pytest.raises(TypeError, match=r"'sampling_param'; did you mean 'sampling_params'\?$"):
+            eng.chat(m, sampling_param=sp)
+        assert eng.chat(m, sp, enable_thinking=False).token_ids == one.token_ids  # a template variable
+        # truncate_prompt_tokens: a conversation longer than the context is cut, not refused by its length
+        long = [{"role": "user", "content": "word " * 3000}]
+        cut = eng.chat(long, SamplingParams(max_tokens=2, truncate_prompt_tokens=50, ignore_eos=True))
+        assert len(cut.prompt_token_ids) == 50 and len(cut.token_ids) == 2
+        with pytest.raises(ValueError, match="context"):
+            eng.chat(long, sp)
     finally:
         eng.close()
+    with pytest.raises(RuntimeError, match=r"^chat\(\): the engine is closed"):
+        eng.chat(m, sp)
+
+
+def test_engine_api_edges_as_vllm(model_dir):
+    """A dropped Engine is freed (atexit held it); add_request copies its SamplingParams (a
+    later change to the caller's object changed running requests); max_logprobs bounds what a
+    request asks; a stop string counts only after min_tokens tokens (vLLM's detokenizer);
+    stream() refuses wrong params at the call; generate() refuses lora_request by name."""
+    import gc
+    import weakref
+    eng = Engine(model_dir, dtype="float32", kv_cache_memory=1 << 22, max_model_len=128, max_logprobs=2)
+    gone = weakref.ref(eng)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        a = eng.add_request("a", "Hello", sp)
+        sp.max_tokens = 9
+        b = eng.add_request("b", "Hello", sp)
+        lengths = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                lengths[o.request_id] = len(o.outputs[0].token_ids)
+        assert (lengths[a], lengths[b]) == (3, 9)
+        for field in ("logprobs", "prompt_logprobs"):
+            with pytest.raises(ValueError, match=rf"^{field} asks for 3 log-probabilities, more than this engine's "
+                                                 r"max_logprobs \(2\)\.$"):
+                eng.generate("Hi", SamplingParams(max_tokens=1, **{field: 3}))
+        assert len(eng.generate("Hi", SamplingParams(max_tokens=1, logprobs=2))[0].outputs[0].logprobs[0]) >= 2
+        free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        out = eng.generate("Hello", free)[0].outputs[0]
+        pieces = [eng.tokenizer.decode(out.token_ids[:i + 1]) for i in range(len(out.token_ids))]
+        k = next(i for i in range(2, 6) if pieces[i - 1] != pieces[i - 2] and pieces[i - 1][len(pieces[i - 2]):]
+                 not in pieces[i - 2])  # NOTE: a token whose text is new to the output
+        stop = pieces[k - 1][len(pieces[k - 2]):]
+        at = eng.generate("Hello", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[stop],
+                                                  min_tokens=k - 1))[0].outputs[0]
+        assert len(at.token_ids) == k and at.finish_reason == "stop" and at.stop_reason == stop
+        past = eng.generate("Hello", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[stop],
+                                                    min_tokens=k))[0].outputs[0]
+        assert len(past.token_ids) > k, (k, stop, past)
+        with pytest.raises(TypeError, match=r"^params must be a SamplingParams, got dict\.$"):
+            eng.stream("Hi", {"max_tokens": 2})
+        with pytest.raises(TypeError, match=r"^Engine.generate\(\) does not support lora_request"):
+            eng.generate("Hi", sp, lora_request=object())
+        assert eng.generate("Hi", sp, lora_request=None, priority=None)[0].outputs
+    finally:
+        del eng
+    gc.collect()
+    assert gone() is None, gc.get_referrers(gone())
 
 
 @pytest.mark.parametrize("kwargs, message", [

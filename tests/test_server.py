@@ -922,7 +922,8 @@ def test_the_models_generation_config_gives_the_sampling_defaults(model_dir, tmp
     d = str(tmp_path / "m")
     shutil.copytree(model_dir, d)
     with open(os.path.join(d, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "top_k": 1, "temperature": 0.9}, f)
+        json.dump({"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "top_k": 1, "temperature": 0.9,
+                   "max_new_tokens": 20}, f)
     kw = dict(model="m", prompt="Hello", max_tokens=12, extra_body={"ignore_eos": True})
     srv = ServerProcess(["--model", d, "--dtype", "float32", "--served-model-name", "m", "--num-threads", "1"])
     try:
@@ -933,6 +934,11 @@ def test_the_models_generation_config_gives_the_sampling_defaults(model_dir, tmp
                                     **{k: v for k, v in kw.items() if k != "extra_body"}).choices[0].text
                for s in (1, 2, 3)}
         assert len(own) > 1  # the request's top_k (-1: all) replaced the model's
+        # max_new_tokens caps every request, as vLLM's: a chat without max_tokens, and one asking more
+        chat = dict(model="m", messages=[{"role": "user", "content": "Hi"}], extra_body={"ignore_eos": True})
+        assert c.chat.completions.create(**chat).usage.completion_tokens == 20
+        assert c.chat.completions.create(max_tokens=50, **chat).usage.completion_tokens == 20
+        assert c.completions.create(**{**kw, "max_tokens": 7}).usage.completion_tokens == 7
     finally:
         assert srv.stop() == 0, srv.output()
     srv = ServerProcess(["--model", d, "--dtype", "float32", "--served-model-name", "m", "--num-threads", "1",

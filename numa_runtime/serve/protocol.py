@@ -116,6 +116,9 @@ class _SamplingRequest(_Body):
         `defaults` (the model's generation_config.json values) fill the sampling fields it leaves
         unset or null, as vLLM's --generation-config auto."""
         given = {**(defaults or {})}
+        most = given.pop("max_tokens", None)  # NOTE: max_new_tokens: as vLLM, a cap on every request
+        if most is not None:
+            max_tokens = most if max_tokens is None else min(max_tokens, most)
         given |= {k: v for k, v in {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
