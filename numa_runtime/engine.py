@@ -1219,6 +1219,20 @@ class Engine:
                 self.close()
 
 
+def check_load_format(fmt, model) -> None:
+    """vLLM's load_format: 'auto', or the format the model's files are in (a .gguf file, or
+    safetensors in a directory or on the Hub; the built-in default model is its GGUF); ValueError
+    (one sentence) otherwise: a format that is not the files' would be ignored."""
+    if fmt not in ("auto", "safetensors", "gguf"):
+        raise ValueError(f"load_format must be 'auto', 'safetensors' or 'gguf' (the model's files say which), "
+                         f"got {fmt!r}.")
+    gguf = model is None or str(model).lower().endswith(".gguf")
+    if fmt != "auto" and (fmt == "gguf") != gguf:
+        what = "the built-in model" if model is None else str(model)
+        raise ValueError(f"load_format {fmt!r} does not match {what}, which is "
+                         f"{'a GGUF file' if gguf else 'not a .gguf file'}; leave it 'auto'.")
+
+
 def _close_if_alive(ref) -> None:
     engine = ref()
     if engine is not None:
@@ -1276,10 +1290,7 @@ def _take_vllm_kwargs(model, kwargs: dict):
                          "of max_num_batched_tokens.")
     if kwargs.pop("pipeline_parallel_size", 1) != 1:
         raise ValueError("pipeline_parallel_size must be 1: ranks split each layer (tensor parallel), not the layers.")
-    fmt = kwargs.pop("load_format", "auto")
-    if fmt not in ("auto", "safetensors", "gguf"):
-        raise ValueError(f"load_format must be 'auto', 'safetensors' or 'gguf' (the model's files say which), "
-                         f"got {fmt!r}.")
+    check_load_format(kwargs.pop("load_format", "auto"), model)
     for name, why in (("gpu_memory_utilization", "sizes a GPU's KV cache as a share of its memory; give the KV "
                        "cache's bytes per rank as kv_cache_memory"),
                       ("swap_space", "keeps preempted sequences in host memory; here they are recomputed"),
@@ -1321,8 +1332,11 @@ def _agree(comm):
                 close()  # NOTE: collective, as the gather: every rank frees its share of the window
         if failed and err is None:
             r, why = failed[0]
-            raise RankLoadError(f"Rank {r} failed to load the model ({why}).")
+            e = RankLoadError(f"Rank {r} failed to load the model ({why}).")
+            e.agreed = True
+            raise e
     if err is not None:
+        err.agreed = True  # NOTE: every rank knows: each may exit, none waits for another (env.load_failed)
         raise err
 
 

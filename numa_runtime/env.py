@@ -5,6 +5,7 @@ variable after import still takes effect. No other module calls `os.environ` dir
 """
 import argparse
 import os
+import sys
 
 __all__ = ["cache_dir"]
 
@@ -73,6 +74,39 @@ def mpi_thread_level() -> str:
     """MPI4PY_RC_THREAD_LEVEL, default "funneled" (the default "multiple" made small
     allreduces ~3x slower)."""
     return os.environ.get("MPI4PY_RC_THREAD_LEVEL") or "funneled"
+
+
+def abort_job(code: int) -> None:
+    """End every rank of the MPI job (a rank 0 that cannot go on while the others wait for it in
+    a collective, or before they joined one)."""
+    os.environ.setdefault("MPI4PY_RC_THREAD_LEVEL", "funneled")
+    import mpi4py
+    mpi4py.rc.thread_level = mpi_thread_level()
+    from mpi4py import MPI
+    MPI.COMM_WORLD.Abort(code)
+
+
+def load_failed(e: BaseException, prog: str) -> int:
+    """An entry point's model load raised `e`: rank 0 (or a lone process) prints one sentence;
+    returns the exit code, 2. Under mpirun, a failure the ranks did not learn of together (outside
+    Engine's agreement) ends the job, as the others would wait for this rank for ever."""
+    world = mpi_world()
+    agreed = getattr(e, "agreed", False)
+    if world is None or world[0] == 0 or not agreed:
+        print(f"{prog}error: {load_error(e)}", file=sys.stderr, flush=True)
+    if world is not None and world[1] > 1 and not agreed:
+        abort_job(2)
+    return 2
+
+
+def load_error(e: BaseException) -> str:
+    """A model load's failure as the one sentence the entry points print: a ValueError/OSError
+    (the input's fault) or another rank's report as it is; anything else named by its type (an
+    out-of-memory error said "Unable to allocate 1.2 GiB ...")."""
+    from .engine import RankLoadError
+    if isinstance(e, (ValueError, OSError, RankLoadError)):
+        return str(e)
+    return f"could not load the model ({type(e).__name__}: {e})".rstrip() + ("" if str(e).endswith(".") else ".")
 
 
 def collective_timeout() -> float:

@@ -371,9 +371,9 @@ class Tokenizer:
     def _pick_template(self, tools) -> str:
         if not self._chat_templates:
             raise ChatTemplateError(
-                "this model has no chat template (none in tokenizer_config.json or "
-                "chat_template.jinja): send a plain prompt instead of chat messages, or add a "
-                "chat_template to the model directory.")
+                "this model has no chat template (none in tokenizer_config.json or chat_template.jinja, "
+                "nor a GGUF's tokenizer.chat_template): send a plain prompt instead of chat messages, or "
+                "give one (the server's --chat-template, Engine.chat's chat_template).")
         # NOTE: HF picks the "tool_use" template when tools are given and one exists.
         if tools and "tool_use" in self._chat_templates:
             return self._chat_templates["tool_use"]

@@ -102,8 +102,15 @@ def test_vllm_serve_flags_are_taken_or_refused_in_one_sentence(monkeypatch):
                        (["--swap-space", "4"], "--swap-space (vLLM's) keeps preempted sequences in host memory"),
                        (["--tokenizer", "x"], "--tokenizer (vLLM's) names a tokenizer apart from the model"),
                        (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill is not supported"),
-                       (["--load-format", "pt"], "--load-format must be auto, safetensors or gguf")):
+                       (["--load-format", "pt"], "--load-format must be auto, safetensors or gguf"),
+                       # a format that is not the files' (it was accepted and ignored)
+                       (["--load-format", "gguf"], "--load-format 'gguf' does not match m, which is not a .gguf file"),
+                       (["--model", "x.gguf", "--load-format", "safetensors"],
+                        "--load-format 'safetensors' does not match x.gguf, which is a GGUF file")):
         assert (check_args(parse_args(["--model", "m", *flags])) or "").startswith(msg), flags
+    assert check_args(parse_args(["--model", "x.gguf", "--load-format", "gguf"])) is None
+    assert check_args(parse_args(["--load-format", "safetensors"])).startswith(
+        "--load-format 'safetensors' does not match the built-in model, which is a GGUF file")
     monkeypatch.setenv("PMI_RANK", "0")
     monkeypatch.setenv("PMI_SIZE", "4")
     four = parse_args(["--model", "m", "-tp", "2"])

@@ -322,6 +322,12 @@ def check_args(args) -> str | None:
     if args.load_format not in ("auto", "safetensors", "gguf"):
         return (f"--load-format must be auto, safetensors or gguf (the model's files say which), got "
                 f"{args.load_format!r}.")
+    from numa_runtime.engine import check_load_format
+    for model in args.model or ([] if args.models_dir else [None]):
+        try:
+            check_load_format(args.load_format, model)
+        except ValueError as e:
+            return "--" + str(e).replace("load_format", "load-format", 1)
     tp, ranks = args.tensor_parallel_size, (env.mpi_world() or (0, 1))[1]
     if tp is not None and tp >= 1 and is_multi_model(args) and tp != ranks:
         return (f"--tensor-parallel-size {tp}: with several models every model is split over all {ranks} rank(s) "
@@ -534,7 +540,6 @@ def _serve(args, world, sock, front) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     multi = is_multi_model(args)
-    from numa_runtime.engine import RankLoadError
     if world is None or world[0] == 0:
         # NOTE: a stop (systemctl stop: SIGTERM) while loading ends as Ctrl-C does, in one line (it
         # killed rank 0 outright: mpiexec's "BAD TERMINATION" banner and exit code 15)
@@ -542,11 +547,11 @@ def _serve(args, world, sock, front) -> int:
     try:
         # NOTE: first, and on every rank
         engine = build_router(args) if multi else build_engine(args)
-    except (ValueError, OSError, RankLoadError) as e:  # NOTE: OSError: e.g. NUMA_RUNTIME_CACHE names a file
-        # NOTE: a load fails on every rank alike (Engine's _agree); rank 0 says why, for all
-        if world is None or world[0] == 0:
-            print(f"numa-serve: error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:  # noqa: BLE001 - OSError: e.g. NUMA_RUNTIME_CACHE names a file; MemoryError
+        # NOTE: a load fails on every rank alike (Engine's _agree: the others raise RankLoadError);
+        # rank 0 says why, for all, in one sentence, and every rank exits 2 (an uncaught error on a
+        # worker printed its traceback and aborted the job before rank 0 could say it)
+        return env.load_failed(e, "numa-serve: ")
     except KeyboardInterrupt:  # NOTE: rank 0 only (workers ignore SIGINT): a line, not a traceback
         print("numa-serve: error: interrupted while loading the model.", file=sys.stderr, flush=True)
         if world is not None and world[1] > 1:
@@ -744,11 +749,7 @@ def _end_job(why: str) -> None:
 
 def _abort_job(code: int) -> None:
     """Rank 0 cannot serve before MPI has started: end every rank of the job."""
-    os.environ.setdefault("MPI4PY_RC_THREAD_LEVEL", "funneled")
-    import mpi4py
-    mpi4py.rc.thread_level = env.mpi_thread_level()
-    from mpi4py import MPI
-    MPI.COMM_WORLD.Abort(code)
+    env.abort_job(code)
 
 
 def _is_loopback(host: str) -> bool:
