@@ -8,6 +8,7 @@ mpi4py is imported only when the process was started by mpirun.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -77,6 +78,24 @@ class SingleProcessComm:
         raise SystemExit(code)
 
 
+def _unlink_shm_names() -> None:
+    """Unlink the names of MPICH's shared-memory files this process maps (/dev/shm/mpich_*),
+    once every rank of the host has mapped them: the memory stays while mapped, and goes with
+    the last process however the job ends (an MPI_Abort, a killed rank left a 2 MiB file in
+    /dev/shm for every such end; MPICH's own unlink at a clean end finds none, which it allows)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/dev/shm/mpich" in line}
+    except OSError:
+        return
+    for path in paths:
+        if path.startswith("/dev/shm/mpich"):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
 class _ShmArena:
     """One MPI shared window on the host: per rank a flag line and two data slots.
 
@@ -90,6 +109,9 @@ class _ShmArena:
         self.rank, self.size = node_comm.Get_rank(), node_comm.Get_size()
         self.win = None
         self._allocate(max(nbytes, 1 << 20))
+        if self.rank == 0:
+            _unlink_shm_names()
+        self.comm.Barrier()
 
     def _allocate(self, cap: int) -> None:
         MPI = self.MPI

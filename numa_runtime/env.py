@@ -95,6 +95,8 @@ def load_failed(e: BaseException, prog: str) -> int:
     if world is None or world[0] == 0 or not agreed:
         print(f"{prog}error: {load_error(e)}", file=sys.stderr, flush=True)
     if world is not None and world[1] > 1 and not agreed:
+        import time
+        time.sleep(0.5)  # NOTE: mpirun drops output still in flight when the job is aborted
         abort_job(2)
     return 2
 

@@ -100,6 +100,31 @@ def test_failing_rank_stops_the_job():
     assert "unreachable" not in out.stdout
 
 
+def _orphan_shm() -> set[str]:
+    """MPICH's files in /dev/shm that no process maps (what a job that ended left behind)."""
+    import glob
+    mapped = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                mapped |= {line.split()[-1] for line in f if "/dev/shm/mpich" in line}
+        except OSError:
+            pass
+    return {p for p in glob.glob("/dev/shm/mpich*") if p not in mapped}
+
+
+@needs_mpirun
+def test_a_job_that_aborts_leaves_no_shared_memory_file():
+    """MPI_Abort (a rank that fails, the fault hook) ended MPICH without its unlink: a 2 MiB file
+    in /dev/shm for ever, each time; the names are unlinked once every rank has mapped them."""
+    before = _orphan_shm()
+    out = run_mpi("rank_fails.py", 2, timeout=60)
+    assert out.returncode != 0 and "rank 1 failed" in out.stderr
+    assert _orphan_shm() - before == set()
+    assert run_mpi("collectives.py", 2, timeout=240).returncode == 0  # a clean end: MPICH's unlink finds none
+    assert _orphan_shm() - before == set()
+
+
 @needs_mpirun
 def test_two_jobs_on_one_host_do_not_collide():
     procs = [subprocess.Popen(mpirun_args("collectives.py", 2), env=_env(), cwd=ROOT,

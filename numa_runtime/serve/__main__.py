@@ -263,7 +263,9 @@ def build_router(args):
         router.get(specs[0].name)  # NOTE: the first model at start-up: its errors surface now
     except ModelLoadError as e:
         router.close()  # NOTE: the workers leave their loop (and exit 0); rank 0 says why
-        raise ValueError(str(e)) from None
+        err = ValueError(str(e))
+        err.agreed = True  # NOTE: no rank waits for rank 0 (env.load_failed)
+        raise err from None
     return router
 
 
