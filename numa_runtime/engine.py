@@ -191,6 +191,11 @@ class Engine:
             threads -= 1
             log.info("rank 0: %d compute threads, one cpu left to the HTTP server "
                      "(--num-threads overrides)", threads)
+        cpus = len(os.sched_getaffinity(0))
+        if threads > cpus:  # NOTE: honoured, as llama.cpp's -t, but said: it is rarely what anyone wants
+            log.warning("rank %d: %d compute threads on %d cpus: OpenMP threads will share cpus and each "
+                        "step waits for the slowest, many times slower; give at most %d", self.comm.rank, threads,
+                        cpus, cpus)
         ops.set_num_threads(threads)
         self.num_threads = threads
         return placement

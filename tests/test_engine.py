@@ -675,6 +675,23 @@ def test_server_engine_leaves_a_cpu_to_the_http_thread(model_dir, monkeypatch, c
         plain.ops.set_num_threads(mine)
 
 
+def test_more_threads_than_cpus_are_taken_and_said(model_dir, caplog):
+    """num_threads beyond the rank's cpus runs as asked (as llama.cpp's -t) with a warning that
+    says what it costs."""
+    import logging
+    cpus = len(os.sched_getaffinity(0))
+    with caplog.at_level(logging.WARNING, logger="numa_runtime"):
+        e = Engine(model_dir, dtype="float32", kv_cache_memory=1 << 22, max_model_len=64, num_threads=cpus + 3)
+    try:
+        assert e.num_threads == cpus + 3
+        said = [r.getMessage() for r in caplog.records if "compute threads on" in r.getMessage()]
+        assert said == [f"rank 0: {cpus + 3} compute threads on {cpus} cpus: OpenMP threads will share cpus and "
+                        f"each step waits for the slowest, many times slower; give at most {cpus}"], said
+    finally:
+        e.close()
+        e.ops.set_num_threads(cpus)
+
+
 def test_automatic_ids_step_around_the_callers_own(tmp_path_factory):
     """generate()'s automatic request ids skip an id a caller gave add_request(); a closed
     engine refuses to run more (its worker ranks no longer listen)."""
