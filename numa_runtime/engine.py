@@ -31,7 +31,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from .config import EngineConfig, ModelConfig, UnsupportedModelError, generation_defaults
-from .outputs import RequestOutput, TextState
+from .outputs import RequestMetrics, RequestOutput, TextState
 from .recorder import FORWARD, RESHAPE
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams, _is_int
@@ -678,9 +678,9 @@ class Engine:
         first = group.children[0]
         ro = RequestOutput(group.request_id, group.prompt, group.prompt_ids, outs, finished,
                            num_cached_tokens=first.num_cached_tokens, prompt_logprobs=group.prompt_logprobs,
-                           metrics={"arrival_time": first.arrival_time,
-                                    "first_scheduled_time": first.first_scheduled_time,
-                                    "first_token_time": first.first_token_time})
+                           metrics=RequestMetrics(arrival_time=first.arrival_time,
+                                                  first_scheduled_time=first.first_scheduled_time,
+                                                  first_token_time=first.first_token_time))
         if finished:
             self._groups.pop(group.request_id, None)
             for req in group.children:

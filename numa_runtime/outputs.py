@@ -113,6 +113,10 @@ class CompletionOutput:
         pairs = self.logprob_pairs
         return None if pairs is None else float(sum(x[0] for x in pairs))
 
+    def finished(self) -> bool:
+        """vLLM's: whether this sequence has ended (it has a finish_reason)."""
+        return self.finish_reason is not None
+
     def __getstate__(self) -> dict:
         """Pickled with its text built (the builder is a closure) and its logprobs' texts."""
         _ = self.logprobs
@@ -123,6 +127,17 @@ class CompletionOutput:
                 f"finish_reason={self.finish_reason!r})")
 
 
+class RequestMetrics(dict):
+    """RequestOutput.metrics: the request's times on time.monotonic's clock (arrival_time,
+    first_scheduled_time, first_token_time), read as vLLM's RequestMetrics attributes or as a dict."""
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"RequestMetrics has no {name!r}") from None
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -131,7 +146,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
-    metrics: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=RequestMetrics)
     prompt_logprobs: list | None = None  # vLLM's: None, then per prompt token {token id: Logprob}
 
     # NOTE: n=1 is the common case; these read the first completion.

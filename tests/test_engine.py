@@ -869,7 +869,10 @@ def test_engine_api_edges_as_vllm(model_dir):
             eng.stream("Hi", {"max_tokens": 2})
         with pytest.raises(TypeError, match=r"^Engine.generate\(\) does not support lora_request"):
             eng.generate("Hi", sp, lora_request=object())
-        assert eng.generate("Hi", sp, lora_request=None, priority=None)[0].outputs
+        done = eng.generate("Hi", sp, lora_request=None, priority=None)[0]
+        # vLLM's CompletionOutput.finished() and RequestMetrics attributes (the dict reads as before)
+        assert done.outputs[0].finished() and done.metrics.first_token_time == done.metrics["first_token_time"]
+        assert done.metrics.arrival_time <= done.metrics.first_scheduled_time <= done.metrics.first_token_time
     finally:
         del eng
     gc.collect()
