@@ -133,8 +133,9 @@ def strict_schema(schema: dict) -> dict:
     `schema` whose object schemas with `properties` get additionalProperties false, through every
     place a schema nests (llguidance, as JSON Schema, allows undeclared properties: a small model
     filled max_tokens with made-up keys). A node that declares its properties together with
-    others (allOf members, a $ref beside properties, dependentSchemas, if/then) or already says
-    what else it allows stays open: closing each part would forbid the others' properties."""
+    others (allOf members, a $ref beside properties, dependentSchemas, if/then, anyOf/oneOf branches
+    beside properties: a base object with its variants) or already says what else it allows stays
+    open: closing each part would forbid the others' properties."""
     maps = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
     lists = ("anyOf", "oneOf", "prefixItems")
     single = ("items", "additionalItems", "unevaluatedItems", "additionalProperties", "unevaluatedProperties",
@@ -144,6 +145,10 @@ def strict_schema(schema: dict) -> dict:
 
     composed: set[str] = set()  # "#/$defs/X" a $ref combines with other properties: X stays open too
 
+    def variants(node) -> bool:  # NOTE: properties shared by anyOf/oneOf branches that add their own
+        return isinstance(node, dict) and "properties" in node and any(
+            isinstance(node.get(k), list) for k in ("anyOf", "oneOf"))
+
     def scan(node, in_all_of: bool = False):
         if isinstance(node, list):
             for sub in node:
@@ -152,25 +157,30 @@ def strict_schema(schema: dict) -> dict:
             if isinstance(node.get("$ref"), str) and (in_all_of or "properties" in node):
                 composed.add(node["$ref"])
             for k, sub in node.items():
-                scan(sub, k == "allOf")
+                scan(sub, k == "allOf" or (k in ("anyOf", "oneOf") and variants(node)))
     scan(schema)
 
     def walk(node, closable: bool = True):
         if not isinstance(node, dict):
             return node
         out = dict(node)
+        branches = variants(node)
         for k in maps:
             if isinstance(out.get(k), dict):
                 out[k] = {name: walk(sub, f"#/{k}/{name}" not in composed) for name, sub in out[k].items()}
         for k in lists:
             if isinstance(out.get(k), list):
-                out[k] = [walk(sub) for sub in out[k]]
+                out[k] = [walk(sub, closable=not (branches and k != "prefixItems")) for sub in out[k]]
         if isinstance(out.get("allOf"), list):
             out["allOf"] = [walk(sub, closable=False) for sub in out["allOf"]]
         for k in single:
             if isinstance(out.get(k), (dict, list)):
                 out[k] = [walk(sub) for sub in out[k]] if isinstance(out[k], list) else walk(out[k])
-        if closable and "properties" in out and not any(k in node for k in shared):
+        if branches and isinstance(out.get("oneOf"), list) and "anyOf" not in out:
+            # NOTE: open variants are not provably exclusive, which llguidance needs of a oneOf: taken as
+            # anyOf (as xgrammar takes every oneOf); an output two variants both fit is rarely meant
+            out["anyOf"] = out.pop("oneOf")
+        if closable and "properties" in out and not branches and not any(k in node for k in shared):
             out["additionalProperties"] = False
         return out
     return walk(schema)

@@ -56,6 +56,28 @@ def check_text(field: str, text: str) -> None:
                          f"(\\u{ord(m.group()):04x}) at character {m.start()}.")
 
 
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # NOTE: transformers' own tag
+
+
+def _tag_final_text(messages: list[dict]) -> list[dict]:
+    """A copy of messages whose last message's text (its content, or its last text part) ends
+    with _CONTINUE_TAG; ValueError if it has no text to continue."""
+    last = dict(messages[-1])
+    content = last.get("content")
+    if isinstance(content, (list, tuple)):
+        parts = [dict(p) if isinstance(p, dict) else p for p in content]
+        for p in reversed(parts):
+            if isinstance(p, dict) and isinstance(p.get("text"), str):
+                p["text"] += _CONTINUE_TAG
+                break
+        else:
+            raise ValueError("continue_final_message: the final message has no text to continue.")
+        last["content"] = parts
+    elif content is None or isinstance(content, str):
+        last["content"] = (content or "") + _CONTINUE_TAG
+    return [*messages[:-1], last]
+
+
 class ChatTemplateError(ValueError):
     """The model has no chat template, or its template rejected the conversation."""
 
@@ -330,6 +352,8 @@ class Tokenizer:
             if not messages:
                 raise ValueError("continue_final_message needs a message to continue.")
         add = (not continue_final_message) if add_generation_prompt is None else bool(add_generation_prompt)
+        if continue_final_message:  # NOTE: as transformers: a tag after the final text marks where to cut
+            messages = _tag_final_text(messages)
         return_dict = kwargs.pop("return_dict", False)  # NOTE: HF's keywords are not template variables
         for name in ("return_tensors", "padding", "truncation", "max_length", "return_assistant_tokens_mask"):
             if kwargs.pop(name, None) not in (None, False):
@@ -354,13 +378,14 @@ class Tokenizer:
             owner = "the given chat template" if chat_template is not None else self._template_owner
             raise ChatTemplateError(f"{owner} failed on this conversation "
                                     f"({type(e).__name__}: {e}).") from e
-        if continue_final_message:  # NOTE: as vLLM: cut after the last occurrence of its text
-            final = _text_parts(messages[-1].get("content"))
-            for needle in (final[-1] if final else "", (final[-1] if final else "").strip()):
-                i = text.rfind(needle) if needle else -1
-                if i >= 0:
-                    text = text[:i + len(needle)]
-                    break
+        if continue_final_message:  # NOTE: as transformers: cut at the tag (its text searched for failed where
+            # it was empty, or where the template writes it again after the message: "m" in <|im_end|>)
+            i = text.rfind(_CONTINUE_TAG.strip())
+            if i < 0:
+                owner = "the given chat template" if chat_template is not None else self._template_owner
+                raise ChatTemplateError(f"{owner} does not write the final message's text, so there is nothing to "
+                                        "continue (continue_final_message).")
+            text = text[:i] if text.startswith(_CONTINUE_TAG, i) else text[:i].rstrip()
         # NOTE: `tokenize` as HF's (which defaults to it): the prompt's ids, the template's special
         # tokens as written (none added)
         if not tokenize:

@@ -333,6 +333,14 @@ def test_json_constraints_allow_no_undeclared_property_by_default(eng):
     assert not accepts(schema, '{"a": 1, "b": 2}', "s2")
     assert accepts({**schema, "additionalProperties": True}, '{"a": 1, "b": 2}', "s3")
     assert accepts({"type": "object"}, '{"b": 2}', "s4")  # NOTE: json_object: any object
+    # a base object with variants (properties beside oneOf/anyOf branches that add their own): each
+    # part stays open, or no instance could satisfy both (it was refused as unsatisfiable)
+    for key in ("oneOf", "anyOf"):
+        shape = {"type": "object", "properties": {"kind": {"enum": ["circle", "square"]}}, "required": ["kind"],
+                 key: [{"properties": {"radius": {"type": "integer"}}, "required": ["radius"]},
+                       {"properties": {"side": {"type": "integer"}}, "required": ["side"]}]}
+        assert accepts(shape, '{"kind": "circle", "radius": 2}', "s5" + key)
+        assert not accepts(shape, '{"kind": "circle"}', "s6" + key)
 
 
 def test_disable_any_whitespace_writes_json_compact(eng):

@@ -416,6 +416,21 @@ def test_continue_final_message_ends_the_prompt_with_its_text(tmp_path):
         ours.render_chat(messages, continue_final_message=True, add_generation_prompt=True)
     # NOTE: as HF and vLLM, any last message may be continued
     assert ours.render_chat(messages[:1], continue_final_message=True).endswith("Tell me")
+    # a ChatML template: an empty last message, or one whose text the template writes again after it
+    # (its text was searched for: "m" matched inside <|im_end|>, "" was never cut)
+    chatml = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    for last in ("", "m", "end", "Once upon a "):
+        conv = [messages[0], {"role": "assistant", "content": last}]
+        text = ours.render_chat(conv, continue_final_message=True, chat_template=chatml)
+        assert text == theirs.apply_chat_template(conv, continue_final_message=True, tokenize=False,
+                                                  chat_template=chatml), (last, text)
+    # text parts (joined by newlines for a template that writes content whole, as vLLM's): cut after the last
+    parts = [messages[0], {"role": "assistant", "content": [{"type": "text", "text": "a"},
+                                                            {"type": "text", "text": "m"}]}]
+    assert ours.render_chat(parts, continue_final_message=True, chat_template=chatml).endswith("assistant\na\nm")
+    with pytest.raises(ValueError, match="does not write the final message's text"):
+        ours.render_chat(messages, continue_final_message=True, chat_template="{{ messages[0].content }}")
 
 
 def _text_state(tokenizer, prompt_ids, out_ids, read_text=True, every=None, **params):

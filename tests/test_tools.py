@@ -216,6 +216,42 @@ def test_named_and_required_tool_choice_return_calls(model_dir):
                                       **KW).choices[0]
         assert r.message.tool_calls, (r.finish_reason, r.message.content)
         assert json.loads(r.message.tool_calls[0].function.arguments)["loc"]["city"] in ("Paris", "Rome")
+        # draft-07's definitions and zod's refs into the tool's own properties (a 400: "Pointer ... does
+        # not exist", where the tool now sits in the shared schema)
+        legacy = {"type": "function", "function": {"name": "where", "parameters": {
+            "type": "object", "properties": {"loc": {"$ref": "#/definitions/Loc"}}, "required": ["loc"],
+            "definitions": {"Loc": nested["function"]["parameters"]["$defs"]["Loc"]}}}}
+        zod = {"type": "function", "function": {"name": "trip", "parameters": {
+            "type": "object", "properties": {"a": {"enum": ["Paris", "Rome"]}, "b": {"$ref": "#/properties/a"}},
+            "required": ["a", "b"]}}}
+        for tool in (legacy, zod):
+            r = c.chat.completions.create(tools=[tool, WEATHER], tool_choice="required", parallel_tool_calls=False,
+                                          **KW).choices[0]
+            assert r.finish_reason == "tool_calls" and r.message.tool_calls, (tool, r)
+            args = json.loads(r.message.tool_calls[0].function.arguments)
+            if r.message.tool_calls[0].function.name == "trip":
+                assert {args["a"], args["b"]} <= {"Paris", "Rome"}
+        # a required list cut by max_tokens says "length" (it said "tool_calls", as if whole): its whole
+        # calls come back, the cut one does not
+        whole = c.chat.completions.create(tools=[WEATHER, TIME], tool_choice="required", **KW)
+        assert whole.choices[0].finish_reason == "tool_calls"
+        n = whole.usage.completion_tokens
+        cut = next(r for m in range(n - 1, 0, -1) for r in [c.chat.completions.create(
+            tools=[WEATHER, TIME], tool_choice="required", **{**KW, "max_tokens": m})] if r.choices[0].message.tool_calls)
+        assert cut.choices[0].finish_reason == "length", cut
+        chunks = list(c.chat.completions.create(tools=[WEATHER, TIME], tool_choice="required", stream=True,
+                                                **{**KW, "max_tokens": cut.usage.completion_tokens}))
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+        assert any(ch.choices[0].delta.tool_calls for ch in chunks if ch.choices)
+        # the renderer's own arguments are no template variables: a template sent in chat_template_kwargs
+        # would run as code on the server (vLLM's CVE-2025-61620)
+        for key in ("chat_template", "tools", "tokenize"):
+            with pytest.raises(openai.BadRequestError, match=f"chat_template_kwargs cannot set '{key}'"):
+                c.chat.completions.create(**KW, extra_body={"chat_template_kwargs": {key: "{{ 1 }}"}})
+        # any role the template takes (Llama 3's ipython, the legacy function role), as vLLM
+        r = c.chat.completions.create(model="m", max_tokens=2, messages=[
+            {"role": "user", "content": "x"}, {"role": "ipython", "content": "42"}])
+        assert r.usage.prompt_tokens > 0
         import httpx
         count = [httpx.post(srv.base + "/tokenize", json={"messages": MSGS, **extra}, timeout=30).json()["count"]
                  for extra in ({}, {"tools": [WEATHER, TIME]})]

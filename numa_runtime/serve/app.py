@@ -216,7 +216,9 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
                 from .tools import plan
                 plan(body.tools, "none", None)  # NOTE: the tools chat takes, checked as chat checks them
                 kwargs = body.template_kwargs() | ({"tools": body.tools} if body.tools else {})
-                text = tok.render_chat([m.as_template_dict() for m in body.messages], **kwargs)
+                # NOTE: off the event loop, as chat renders: a slow template holds no other request
+                text = await asyncio.to_thread(tok.render_chat, [m.as_template_dict() for m in body.messages],
+                                               **kwargs)
                 add = bool(body.add_special_tokens)
             else:
                 text, add = body.prompt, body.add_special_tokens is not False
@@ -708,7 +710,9 @@ def _tool_chunks(streams: dict, tool_plan, p, rid, model, created, decode, inclu
                                                                include_usage)]
     if calls:
         out.append(R.tool_calls_chunk(rid, model, created, p.index, calls, include_usage))
-        reason = (("length" if p.finish_reason == "length" else "stop") if tool_plan.mode == "named"
+        # NOTE: calls cut by max_tokens say so ("length"), whatever the mode (a required list whose
+        # last call was cut said "tool_calls", as if whole); as vLLM
+        reason = ("length" if p.finish_reason == "length" else "stop" if tool_plan.mode == "named"
                   else "tool_calls")
         p = dataclasses.replace(p, text="", token_ids=[], logprobs=None, finish_reason=reason,
                                 stop_reason=None if calls else p.stop_reason)

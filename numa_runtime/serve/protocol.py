@@ -319,7 +319,9 @@ class ToolCall(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # NOTE: as vLLM, any role the template takes (Llama 3's "ipython", the legacy "function"): the
+    # template refuses one it does not know
+    role: str = Field(..., min_length=1)
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = Field(None, description="Assistant messages: the calls it made.")
@@ -459,5 +461,14 @@ def _template_kwargs(body) -> dict:
     extra = body.chat_template_kwargs or {}
     if "messages" in extra:
         raise ValueError("chat_template_kwargs cannot set 'messages'; send them as messages.")
+    # NOTE: the renderer's own arguments are not template variables: a template given in a request
+    # runs as code on the server (vLLM's CVE-2025-61620 refuses it so), and tools/documents have
+    # their own fields
+    for key in ("chat_template", "tools", "documents", "tokenize", "return_dict", "return_tensors", "padding",
+                "truncation", "max_length", "return_assistant_tokens_mask"):
+        if key in extra:
+            raise ValueError(f"chat_template_kwargs cannot set {key!r}"
+                             + ("; the server renders with the model's template (or --chat-template)."
+                                if key == "chat_template" else "; it is not a template variable."))
     add = body.add_generation_prompt and not body.continue_final_message
     return {"add_generation_prompt": add, "continue_final_message": body.continue_final_message, **extra}

@@ -93,20 +93,22 @@ def plan(tools, tool_choice, parser: str | None) -> ToolPlan:
     if choice != "none" and not tools:
         raise ToolError(f"tool_choice {choice!r} needs tools.", "tool_choice")
     if choice == "required":
-        # NOTE: as vLLM, each tool's $defs move to the root, where its "#/$defs/..." refs point
-        # (pydantic writes nested models so: openai.pydantic_function_tool)
-        defs, calls = {}, []
-        for n, p in functions.items():
-            p = dict(p)
-            for key, value in (p.pop("$defs", None) or {}).items():
-                if key in defs and defs[key] != value:
-                    raise ToolError(f"Two tools define '$defs/{key}' differently; the calls of tool_choice "
-                                    "'required' share one schema: rename one.", "tools")
-                defs[key] = value
+        # NOTE: as vLLM, each tool's $defs (and draft-07's definitions) move to the root, where its
+        # "#/$defs/..." refs point (pydantic writes nested models so: openai.pydantic_function_tool);
+        # its other local refs ("#/properties/x", zod's) follow it to where it now sits
+        roots, calls = {"$defs": {}, "definitions": {}}, []
+        for i, (n, p) in enumerate(functions.items()):
+            p = _moved_refs(dict(p), f"#/items/anyOf/{i}/properties/parameters")
+            for kind, defs in roots.items():
+                for key, value in (p.pop(kind, None) or {}).items():
+                    if key in defs and defs[key] != value:
+                        raise ToolError(f"Two tools define '{kind}/{key}' differently; the calls of tool_choice "
+                                        "'required' share one schema: rename one.", "tools")
+                    defs[key] = value
             calls.append({"type": "object", "properties": {"name": {"const": n}, "parameters": p},
                           "required": ["name", "parameters"], "additionalProperties": False})
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-        return ToolPlan("required", tools, {**schema, "$defs": defs} if defs else schema)
+        return ToolPlan("required", tools, {**schema, **{k: v for k, v in roots.items() if v}})
     if choice == "auto":
         if parser is None:
             raise ToolError('tool_choice "auto" needs a server started with --enable-auto-tool-choice and '
@@ -114,6 +116,22 @@ def plan(tools, tool_choice, parser: str | None) -> ToolPlan:
                             'name a function in tool_choice, or use "required" or "none".', "tool_choice")
         return ToolPlan("auto", tools, parser=parser)
     return ToolPlan("none", tools)
+
+
+def _moved_refs(node, base: str):
+    """`node` (a tool's parameters schema) with its local $refs rewritten for its new place at
+    `base` in the schema of tool_choice 'required': "#" and "#/x/..." point under base, but those
+    into $defs/definitions, which move to the root with it."""
+    if isinstance(node, list):
+        return [_moved_refs(v, base) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _moved_refs(v, base) for k, v in node.items()}
+    ref = node.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) \
+            and not ref.startswith(("#/$defs/", "#/definitions/")):
+        out["$ref"] = base + ref[1:]
+    return out
 
 
 def _call(name, arguments, raw: bool = False) -> dict:
