@@ -64,8 +64,14 @@ def gguf_model_dir(path: str, name: str | None = None) -> str:
     target = os.path.join(parent, stem)
     if os.path.isfile(os.path.join(target, "config.json")):
         return target
-    os.makedirs(parent, exist_ok=True)
-    with open(os.path.join(parent, ".lock"), "w") as lock:
+    try:
+        os.makedirs(parent, exist_ok=True)
+        lock = open(os.path.join(parent, ".lock"), "w")
+    except OSError as e:
+        raise OSError(f"the GGUF file's tokenizer and config are written to the cache directory {env.cache_dir()} "
+                      f"(NUMA_RUNTIME_CACHE), which cannot be written ({e.strerror or e}); point "
+                      "NUMA_RUNTIME_CACHE at a writable directory.") from None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.isfile(os.path.join(target, "config.json")):
             tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
@@ -135,8 +141,18 @@ def _describe(files: list[str], out_dir: str) -> None:
         except _Truncated as e:
             raise UnsupportedModelError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - the gguf package raises many kinds
+            kind = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", str(e))
+            if kind:  # NOTE: a type the gguf package no longer knows: the file is fine, the type is refused
+                name = _RETIRED_TYPES.get(int(kind[1]), f"type {kind[1]}")
+                raise UnsupportedModelError(f"{f} holds tensors of GGML type {kind[1]} ({name}), which numa_runtime "
+                                            "does not read; quantize the model again to a current type (Q4_0, "
+                                            "Q4_K_M, Q8_0, ...).") from None
             raise UnsupportedModelError(f"{f} is not a readable GGUF file; it may be truncated or corrupt "
                                         f"({e}).") from None
+        endian = getattr(readers[-1], "endianess", None)
+        if endian is not None and getattr(endian, "name", "LITTLE") != "LITTLE":
+            raise UnsupportedModelError(f"{f} is a big-endian GGUF file, whose tensors numa_runtime does not read; "
+                                        "convert the model again without --bigendian.")
     meta = {name: field.contents() for name, field in readers[0].fields.items()}
     _check_split(files, readers, meta)
     tensors = [(i, t) for i, r in enumerate(readers) for t in r.tensors]
@@ -161,6 +177,22 @@ def _describe(files: list[str], out_dir: str) -> None:
         json.dump(index, f)
     for link, f in zip(links, files):
         os.symlink(f, os.path.join(out_dir, link))
+
+
+# GGML types the gguf package reads no more (llama.cpp's former ARM repacks of Q4_0, removed late 2024)
+_RETIRED_TYPES = {31: "Q4_0_4_4", 32: "Q4_0_4_8", 33: "Q4_0_8_8"}
+
+
+def _meta_int(meta: dict, key: str, default=None, path: str = "") -> int:
+    """An integer metadata value; a per-layer array (llama.cpp reads head_count_kv and
+    feed_forward_length so) of one value is that value; KeyError if absent without a default."""
+    value = meta[key] if default is None else meta.get(key, default)
+    if isinstance(value, (list, tuple)):
+        if not value or any(v != value[0] for v in value):
+            raise UnsupportedModelError(f"{path}: the GGUF metadata's {key} differs between layers "
+                                        f"({list(value)[:8]}...), which numa_runtime does not run.")
+        value = value[0]
+    return int(value)
 
 
 def _check_split(files: list[str], readers: list, meta: dict) -> None:
@@ -216,11 +248,12 @@ def hf_config(meta: dict, tensor_names: set, path: str = "", rope_freqs=None, lo
         return {
             "architectures": [ARCHS[arch] if not moe or arch.startswith("qwen") else "MixtralForCausalLM"],
             "model_type": arch, "hidden_size": hidden, **moe,
-            "intermediate_size": int(meta[a + "feed_forward_length"] if not moe or arch in ("llama", "mistral") else
-                                     meta.get(a + "feed_forward_length", moe["moe_intermediate_size"])),
+            "intermediate_size": (_meta_int(meta, a + "feed_forward_length", path=path) if not moe or arch in
+                                  ("llama", "mistral") else
+                                  _meta_int(meta, a + "feed_forward_length", moe["moe_intermediate_size"], path)),
             "num_hidden_layers": n_layers,
             "num_attention_heads": n_head,
-            "num_key_value_heads": int(meta.get(a + "attention.head_count_kv", n_head)),
+            "num_key_value_heads": _meta_int(meta, a + "attention.head_count_kv", n_head, path),
             "head_dim": head_dim, "hidden_act": "silu",
             "max_position_embeddings": int(meta.get(a + "context_length", 2048)),
             "rms_norm_eps": _f32(meta[a + "attention.layer_norm_rms_epsilon"]),

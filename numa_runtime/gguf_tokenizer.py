@@ -150,6 +150,9 @@ def _bpe(meta: dict, where: str):
                                     f"{', '.join(sorted(BPE_PRE))}).")
     split, nfc, ignore_merges, add_bos = BPE_PRE[pre]
     tokens = list(meta["tokenizer.ggml.tokens"])
+    if not meta.get("tokenizer.ggml.merges"):  # NOTE: as llama.cpp: without merges every word split into bytes
+        raise UnsupportedModelError(f"{where}a byte-level BPE ('gpt2') GGUF tokenizer without "
+                                    "tokenizer.ggml.merges; convert the model again.")
     merges = []
     for m in meta.get("tokenizer.ggml.merges") or []:
         a, sep, b = m.partition(" ")

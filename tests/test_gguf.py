@@ -592,3 +592,89 @@ def test_a_moe_gguf_whose_tensors_disagree_with_its_metadata_is_refused_naming_t
                                                     r"256, qwen2moe.expert_shared_feed_forward_length 512, "
                                                     r"qwen2moe.expert_count 4\)"):
         engine(q2)
+
+
+def test_gguf_files_of_other_kinds_are_refused_by_what_they_are(hf_models, tmp_path, monkeypatch):
+    """A big-endian file (convert_hf_to_gguf --bigendian) loaded silently as garbage; a retired
+    tensor type (Q4_0_4_4) was called a truncated or corrupt file; per-layer metadata arrays
+    (llama.cpp's head_count_kv / feed_forward_length) were a bare TypeError: one of a single
+    value is that value now; a gpt2 tokenizer without merges, and a cache directory that
+    cannot be written, are one sentence each."""
+    import struct
+
+    import gguf
+    from numa_runtime.gguf_model import hf_config
+    from numa_runtime.gguf_tokenizer import write_tokenizer
+    big = str(tmp_path / "big.gguf")
+    w = gguf.GGUFWriter(big, "llama", endianess=gguf.GGUFEndian.BIG)
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedModelError, match=r"is a big-endian GGUF file, whose tensors numa_runtime does "
+                                                    r"not read; convert the model again without --bigendian\.$"):
+        engine(big)
+    src = str(tmp_path / "q4_0.gguf")
+    write_gguf(hf_models["llama"], src, "Q4_0")
+    b = bytearray(open(src, "rb").read())
+    name = b"blk.0.attn_q.weight"
+    at = b.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    at += 4 + 8 * struct.unpack_from("<I", b, at)[0]
+    assert struct.unpack_from("<I", b, at)[0] == 2  # Q4_0
+    struct.pack_into("<I", b, at, 31)  # Q4_0_4_4, llama.cpp's former ARM repack
+    retired = str(tmp_path / "q4_0_4_4.gguf")
+    open(retired, "wb").write(b)
+    with pytest.raises(UnsupportedModelError, match=r"holds tensors of GGML type 31 \(Q4_0_4_4\), which numa_runtime "
+                                                    r"does not read; quantize the model again"):
+        engine(retired)
+    reader = gguf.GGUFReader(src)
+    meta = {k: f.contents() for k, f in reader.fields.items()}
+    names = {t.name for t in reader.tensors}
+    plain = hf_config(meta, names, "m.gguf")
+    layers = plain["num_hidden_layers"]
+    for key, field in (("llama.attention.head_count_kv", "num_key_value_heads"),
+                       ("llama.feed_forward_length", "intermediate_size")):
+        same = hf_config({**meta, key: [plain[field]] * layers}, names, "m.gguf")
+        assert same == plain
+        with pytest.raises(UnsupportedModelError, match=rf"^m.gguf: the GGUF metadata's {key} differs between layers"):
+            hf_config({**meta, key: [plain[field]] * (layers - 1) + [plain[field] * 2]}, names, "m.gguf")
+    with pytest.raises(UnsupportedModelError, match=r"a byte-level BPE \('gpt2'\) GGUF tokenizer without "
+                                                    r"tokenizer.ggml.merges"):
+        write_tokenizer({**meta, "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.merges": []}, str(tmp_path), "llama.")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("NUMA_RUNTIME_CACHE", str(blocker / "cache"))
+    with pytest.raises(OSError, match=r"written to the cache directory .*a-file/cache \(NUMA_RUNTIME_CACHE\), which "
+                                      r"cannot be written \(Not a directory\); point NUMA_RUNTIME_CACHE at a writable"):
+        engine(src)
+
+
+def test_a_split_gguf_on_the_hub_comes_with_its_other_files(hf_models, tmp_path, monkeypatch):
+    """ORG/NAME/FILE-00001-of-00003.gguf: every file of the split model is fetched (the named one
+    alone came, and the load missed the others)."""
+    import shutil
+
+    import huggingface_hub
+    from numa_runtime import hub
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    write_gguf(hf_models["llama"], str(remote / "m.gguf"), "F32", split_max_tensors=6)
+    parts = sorted(os.listdir(remote))
+    assert len(parts) >= 3 and parts[0].endswith("-00001-of-%05d.gguf" % len(parts)), parts
+    fetched = []
+
+    def download(repo, filename, **kw):  # NOTE: the Hub's cache: one snapshot folder per revision
+        fetched.append(filename)
+        dst = tmp_path / "snapshot" / filename
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(remote / filename, dst)
+        return str(dst)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    path = hub.local_path(f"org/m-GGUF/{parts[1]}")
+    assert sorted(fetched) == parts and os.path.basename(path) == parts[1]
+    want = engine(str(remote / parts[0])).generate("Hello", SamplingParams(temperature=0, max_tokens=5,
+                                                                          ignore_eos=True))[0].token_ids
+    got = engine(path).generate("Hello", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0].token_ids
+    assert got == want
