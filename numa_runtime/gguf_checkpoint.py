@@ -195,6 +195,10 @@ class GGUFCheckpoint:
                         ", ".join(ignored[:8]) + (", ..." if len(ignored) > 8 else ""))
         self._logged = set()
 
+    # NOTE: where a rank split may cut a super-block when its super-blocks do not share out (the cut
+    # ones take f16 group scales): its 32-element groups. AWQ/GPTQ groups have no such finer unit.
+    cut_align = 32
+
     @property
     def split_align(self) -> int:
         """What a rank's MLP columns come in multiples of: 256 where a down_proj is stored in

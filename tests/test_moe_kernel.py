@@ -193,8 +193,10 @@ def test_experts_of_k_quants_split_evenly_over_ranks():
     from types import SimpleNamespace
 
     from numa_runtime.quant.loader import LinearFactory
-    lf = LinearFactory(None, SimpleNamespace(split_align=256), "bfloat16")
+    lf = LinearFactory(None, SimpleNamespace(split_align=256, cut_align=32), "bfloat16")
     assert lf.split_align(768, 2, even=True) == 32
     assert lf.split_align(768, 3, even=True) == 256
     assert lf.split_align(2048, 2, even=True) == 256
     assert lf.split_align(768, 2) == 256
+    # AWQ/GPTQ groups cannot be cut: an uneven split on them (2 + 1 groups of 256), never one at 32
+    assert LinearFactory(None, SimpleNamespace(split_align=256), "bfloat16").split_align(768, 2, even=True) == 256

@@ -280,3 +280,57 @@ def test_a_mixtral_checkpoint_runs_its_experts_as_stored(tmp_path, method):
     write_checkpoints(src, qdir, ref_dir, method, "gemm" if method == "awq" else "gptq",
                       linears=LINEARS + ("w1", "w2", "w3"))
     _assert_equals_dense(qdir, ref_dir, lambda m: tuple(x.dtype for x in m.layers[0].moe.experts[3]), ("int4", "int4"))
+
+
+def test_quantization_configs_as_vllm_reads_them(src, tmp_path):
+    """quant_method in upper case is the method (vLLM lower-cases it; it was refused); AutoGPTQ's
+    is_marlin_format is the Marlin repack, refused as such (it failed for a 'missing' q_proj);
+    quantizing at load a file that is quantized but for some modules is refused as for a wholly
+    quantized one (it re-quantized the modules the quantizer had kept dense)."""
+    qdir, ref_dir = str(tmp_path / "q"), str(tmp_path / "ref")
+    write_checkpoints(src, qdir, ref_dir, "gptq", "gptq")
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    plain = engine(qdir)
+    try:
+        want = plain.generate([PROMPT], greedy)[0].token_ids
+    finally:
+        plain.close()
+    _edit_config(qdir, quant_method="GPTQ")
+    upper = engine(qdir)
+    try:
+        assert upper.generate([PROMPT], greedy)[0].token_ids == want
+    finally:
+        upper.close()
+    _edit_config(qdir, quant_method="gptq", is_marlin_format=True)
+    with pytest.raises(UnsupportedModelError, match=r"GPTQ checkpoint_format 'marlin' is not supported"):
+        engine(qdir)
+    part, part_ref = str(tmp_path / "part"), str(tmp_path / "part_ref")
+    write_checkpoints(src, part, part_ref, "awq", "gemm", linears=("gate_proj", "up_proj", "down_proj"))
+    with pytest.raises(ValueError, match="holds quantized weights already; quantization='int4'"):
+        Engine(part, dtype="float32", kv_cache_memory=1 << 23, max_model_len=128, quantization="int4")
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="SKIPPED: mpirun is not installed")
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_moe_experts_of_fewer_groups_than_an_even_split_take_uneven_group_splits(tmp_path, method):
+    """Qwen3-MoE experts of 192 columns (3 groups of 64) on 2 ranks: the shares fall on groups,
+    2 and 1 (the loader cut them at 32 columns as it may a GGUF super-block, inside an AWQ/GPTQ
+    group, and refused the rank count: Qwen3-30B-A3B's 768 = 6 groups of 128 on 4 ranks)."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src, qdir, ref_dir = str(tmp_path / "src"), str(tmp_path / "q"), str(tmp_path / "ref")
+    build_model(src, arch="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=192, **SHAPE)
+    write_checkpoints(src, qdir, ref_dir, method, "gemm" if method == "awq" else "gptq")
+    env = dict(os.environ, MPI4PY_RC_THREAD_LEVEL="funneled", OMP_NUM_THREADS="1",
+               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    runs = {}
+    for model in (qdir, ref_dir):
+        for ranks in (1, 2):
+            p = subprocess.run(["mpirun", "-np", str(ranks), sys.executable,
+                                os.path.join(root, "tests", "mpi", "engine_generate.py"), model, "float32", "12",
+                                json.dumps([PROMPT])], capture_output=True, text=True, timeout=300, env=env, cwd=root)
+            assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+            line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+            runs[model, ranks] = json.loads(line[0][7:])["tokens"]
+    assert runs[qdir, 2] == runs[qdir, 1] == runs[ref_dir, 1] == runs[ref_dir, 2]

@@ -34,7 +34,7 @@ def read_quantization_config(model_dir: str, config: dict) -> dict | None:
     AWQ when it has AutoAWQ's keys, else GPTQ); None for a dense checkpoint."""
     q = config.get("quantization_config")
     if q or not model_dir:
-        return q or None
+        return _lower_method(q) if q else None
     for name in OLD_CONFIG_FILES:
         path = os.path.join(model_dir, name)
         if os.path.isfile(path):
@@ -47,8 +47,15 @@ def read_quantization_config(model_dir: str, config: dict) -> dict | None:
             if not isinstance(q, dict):
                 raise UnsupportedModelError(f"{path} must hold a JSON object.")
             awq = any(k in q for k in ("w_bit", "q_group_size", "zero_point"))
-            return {"quant_method": "awq" if awq else "gptq", **q}
+            return _lower_method({"quant_method": "awq" if awq else "gptq", **q})
     return None
+
+
+def _lower_method(q):
+    """quant_method as vLLM reads it (lower case: "GPTQ" is gptq)."""
+    if isinstance(q, dict) and isinstance(q.get("quant_method"), str):
+        return {**q, "quant_method": q["quant_method"].lower()}
+    return q
 
 
 def check_quantization_config(q: dict) -> None:
@@ -67,8 +74,11 @@ def check_quantization_config(q: dict) -> None:
         raise UnsupportedModelError(f"{method.upper()} group_size {group} is not supported; use 32, 64 or 128.")
     if method == "awq" and str(q.get("version", "gemm")).lower() != "gemm":
         raise UnsupportedModelError(f"AWQ version {q.get('version')!r} is not supported; only 'gemm'.")
-    if method == "gptq" and q.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
-        raise UnsupportedModelError(f"GPTQ checkpoint_format {q.get('checkpoint_format')!r} is not supported.")
+    # NOTE: AutoGPTQ <= 0.7 marks its Marlin repack so (vLLM and GPTQModel read it as checkpoint_format marlin)
+    fmt = "marlin" if q.get("is_marlin_format") else q.get("checkpoint_format", "gptq")
+    if method == "gptq" and fmt not in ("gptq", "gptq_v2"):
+        raise UnsupportedModelError(f"GPTQ checkpoint_format {fmt!r} is not supported (only 'gptq' and 'gptq_v2': "
+                                    "the Marlin repack stores other tensors); use the model's plain GPTQ files.")
 
 
 def _nibbles(words: np.ndarray, axis: int) -> np.ndarray:

@@ -74,9 +74,12 @@ class LinearFactory:
                              f"{_group_words(q.for_split(k))}; choose a quantization whose group divides them, "
                              "or 'int8-channel'.")
         stored = getattr(self.ckpt, "split_align", 1)
-        units = k // stored if stored > 32 else 0
-        if stored > 32 and (units < world or (even and -(-units // world) * world > 1.1 * units)):
-            stored = 32  # NOTE: fewer super-blocks than ranks: cut ones take f16 group scales (gguf_checkpoint)
+        cut = getattr(self.ckpt, "cut_align", None)  # NOTE: a GGUF's super-blocks may be cut into groups of 32
+        units = k // stored if cut and stored > cut else 0
+        if units and (units < world or (even and -(-units // world) * world > 1.1 * units)):
+            # NOTE: fewer super-blocks than ranks: cut ones take f16 group scales (gguf_checkpoint); an
+            # AWQ/GPTQ group cannot be cut, so its splits stay on groups (uneven ones where need be)
+            stored = cut
         return max(own, stored)
 
     def __call__(self, parts: list[Part], bias: np.ndarray | None = None):
@@ -247,6 +250,9 @@ def stores_quantized(ckpt) -> bool:
     GPTQ); a dense one (safetensors, an F16/BF16/F32 GGUF) is quantized at load."""
     if ckpt is None or getattr(ckpt, "quantized", None) is None:
         return False
+    from .hf_quant import HFQuantCheckpoint
+    if isinstance(ckpt, HFQuantCheckpoint):  # NOTE: quantized, whatever it left dense (modules_to_not_convert)
+        return True
     name = "model.layers.0.self_attn.q_proj.weight"
     return name in ckpt and not isinstance(ckpt.raw(name), np.ndarray)
 
