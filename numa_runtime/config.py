@@ -555,8 +555,12 @@ class EngineConfig:
     generation_config: str = "auto"
 
     def __post_init__(self):
+        from .kv_cache.eviction import POLICIES
         from .sampling_params import _is_int
         object.__setattr__(self, "dtype", compute_dtype(self.dtype))
+        # NOTE: here, on every rank before the load (the pool's policy is made on rank 0 alone, after it)
+        if not isinstance(self.eviction, str) or self.eviction not in POLICIES:
+            raise ValueError(f"eviction must be one of {', '.join(sorted(POLICIES))}, got {self.eviction!r}.")
         for name in ("max_model_len", "num_threads", "block_size", "max_num_seqs", "max_num_batched_tokens",
                      "kv_cache_memory"):
             v = getattr(self, name)

@@ -369,6 +369,10 @@ def test_unsupported_architecture_fails_before_weights(tmp_path):
 def test_engine_takes_vllms_dtype_names():
     from numa_runtime.config import EngineConfig
     assert EngineConfig(dtype="auto").dtype == "bfloat16" and EngineConfig(dtype="float").dtype == "float32"
+    # NOTE: checked with the other settings, before the load and on every rank (rank 0 alone found it after
+    # the load, and the other ranks waited for it)
+    with pytest.raises(ValueError, match=r"^eviction must be one of lru, reuse, got 'LRU'\.$"):
+        EngineConfig(eviction="LRU")
     with pytest.raises(ValueError, match=r"^dtype 'half' is not a compute dtype here: numa_runtime computes in "):
         EngineConfig(dtype="half")
 

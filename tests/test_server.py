@@ -464,6 +464,25 @@ def test_echo_checks_its_prompt_and_streams_usage_only_when_asked(client, server
     assert httpx.get(server.base + "/health").json() == {"status": "ok"}
 
 
+def test_usage_says_what_the_prefix_cache_served(client):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens (and /v1/responses' input_tokens_details):
+    the prompt tokens the prefix cache held (always 0: nothing wrote it)."""
+    ids = list(range(5, 105))
+    first = client.completions.create(model="tiny", prompt=ids, max_tokens=1)
+    again = client.completions.create(model="tiny", prompt=ids, max_tokens=1)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 96  # NOTE: its whole 16-token blocks, not the last
+    msgs = [{"role": "user", "content": "word " * 60}]
+    client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1)
+    chat = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1)
+    assert chat.usage.prompt_tokens_details.cached_tokens >= 48
+    client.responses.create(model="tiny", input="word " * 60, max_output_tokens=1)
+    r = client.responses.create(model="tiny", input="word " * 60, max_output_tokens=1)
+    details = r.usage.input_tokens_details.model_dump()
+    assert details["cached_tokens"] >= 48 and details["cached_tokens"] + details["cache_write_tokens"] == \
+        r.usage.input_tokens, details
+
+
 @pytest.mark.parametrize("headers", [{}, {"Content-Type": "text/plain"}])
 def test_a_body_not_sent_as_json_says_so(server, headers):
     """A body without 'Content-Type: application/json' (httpx's or requests' data=) is told so;

@@ -76,9 +76,13 @@ class ChoiceTracker:
         return pieces
 
     def usage(self) -> dict:
+        """OpenAI's usage; prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache
+        served (OpenAI's field; /v1/responses reports it as input_tokens_details)."""
         prompt = sum(len(o.prompt_token_ids) for o in self.latest.values())
         completion = sum(len(c.token_ids) for o in self.latest.values() for c in o.outputs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        cached = sum(o.num_cached_tokens or 0 for o in self.latest.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def sequence_lengths(self) -> list[tuple[int, int]]:
         """(prompt tokens, generated tokens) of every sequence that has an output (vLLM's
