@@ -219,6 +219,12 @@ class ModelConfig:
         qcfg = read_quantization_config(model_dir, cfg)
         if qcfg:  # AWQ / GPTQ int4, or one clear error
             check_quantization_config(qcfg)
+        mlx = cfg.get("quantization")
+        if not qcfg and isinstance(mlx, dict) and "bits" in mlx:  # NOTE: mlx-lm writes its own key so
+            raise UnsupportedModelError(f"{model_dir or 'The model'} is an MLX-quantized checkpoint ({mlx.get('bits')} "
+                                        f"bits, config.json's "
+                                        "'quantization'), which numa_runtime does not read; use the model's "
+                                        "original weights, or its GGUF, AWQ or GPTQ files.")
         act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
         if act not in ("silu", "swish"):
             raise UnsupportedModelError(f"Unsupported activation {act!r}; only silu is supported.")

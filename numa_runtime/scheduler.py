@@ -223,12 +223,16 @@ class Scheduler:
         max_num_batched_tokens was larger); a prompt the pool holds stays one chunk."""
         return max(1, (self.block_manager.num_blocks - 1) * self.block_manager.block_size - behind)
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, for_room: bool = True) -> None:
+        """Back to the head of the waiting queue, its blocks freed; `for_room`: the pool was full
+        (a preemption, counted: vllm:num_preemptions says the KV cache is too small), else it
+        starts over for another reason (a cached block it used failed its check)."""
         self.block_manager.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
-        req.num_preemptions += 1
-        self.num_preemptions += 1
+        if for_room:
+            req.num_preemptions += 1
+            self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def _make_output(self, scheduled: list[tuple[Request, int]], preempted: list[Request]) -> SchedulerOutput:
@@ -318,11 +322,13 @@ class Scheduler:
         for req in out.scheduled:
             if not req.is_finished and bad_hashes.intersection(req.block_hashes[:len(req.block_ids)]):
                 self.running.remove(req)
-                self._preempt(req)
+                self._preempt(req, for_room=False)
                 if req.num_output_tokens == 0:  # NOTE: it never ran: its next admission is its first
                     bm.uncount(req)
         for h in bad_hashes:
             bm.uncache(h)
+        # NOTE: loads that failed were no tier hits (counted as they were queued)
+        bm.tier_hit_blocks = max(0, bm.tier_hit_blocks - len(bad_hashes))
         self.drop_uncomputed()
 
     def drop_uncomputed(self) -> None:
@@ -338,7 +344,7 @@ class Scheduler:
         hit = [r for r in reversed(self.running) if not gone.isdisjoint(r.block_ids[:r.num_computed_tokens // bs])]
         for req in hit:
             self.running.remove(req)
-            self._preempt(req)
+            self._preempt(req, for_room=False)
             if req.num_output_tokens == 0:  # NOTE: it never ran: its next admission is its first
                 bm.uncount(req)
 

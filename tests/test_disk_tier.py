@@ -221,8 +221,12 @@ def test_failed_load_is_redone_without_the_block():
     out = sched.schedule()
     assert r.num_computed_tokens == 8 and out.num_scheduled_tokens == [1]
     kv.run(StepPlan.empty(out.plan.tier_ops))  # the loads ran; the check failed; no forward
+    hits = bm.tier_hit_blocks
     sched.redo_without(out, {a.block_hashes[1]})
     assert r.num_computed_tokens == 0 and list(sched.waiting) == [r] and r.block_ids == []
+    # NOTE: a start over, not a preemption (vllm:num_preemptions would say the pool is too small), and the
+    # failed load is no tier hit
+    assert sched.num_preemptions == 0 and r.num_preemptions == 0 and bm.tier_hit_blocks == hits - 1
     assert a.block_hashes[1] not in bm.hash_to_block and a.block_hashes[1] not in tier
     assert a.block_hashes[0] in bm.hash_to_block  # its load was fine: still a hit
     assert tier.take_ops()[-1, 0] == OP_DELETE
@@ -382,6 +386,7 @@ def test_corrupt_and_truncated_files_are_dropped(model_dir, tmp_path):
     _flip_byte(third_victim)
     assert tokens(second) == expected
     assert second.runner.disk.num_bad == 3 and second.block_manager.tier.num_dropped == 1
+    assert second.scheduler.num_preemptions == 0  # NOTE: the redone step's requests started over, unpreempted
     assert not os.path.exists(third_victim)
     second.close()
 

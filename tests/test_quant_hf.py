@@ -334,3 +334,25 @@ def test_moe_experts_of_fewer_groups_than_an_even_split_take_uneven_group_splits
             line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
             runs[model, ranks] = json.loads(line[0][7:])["tokens"]
     assert runs[qdir, 2] == runs[qdir, 1] == runs[ref_dir, 1] == runs[ref_dir, 2]
+
+
+def test_formats_beside_autogptq_s_are_refused_naming_them():
+    """GPTQModel's per-module 'dynamic' overrides and int16 packing, and an MLX-quantized
+    checkpoint, were refused for a tensor's shape or dtype, naming no format; each says what it
+    is now. 'dynamic' rules that only leave modules dense ("-:") run."""
+    from numa_runtime.config import ModelConfig
+    from numa_runtime.quant.hf_quant import check_quantization_config
+    base = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}
+    check_quantization_config({**base, "dynamic": {r"-:.*\.0\..*mlp.*": {}}})
+    check_quantization_config({**base, "pack_dtype": "int32"})
+    with pytest.raises(UnsupportedModelError, match=r"^GPTQ quantization_config's 'dynamic' overrides per module "
+                                                    r"\('\+:\.\*mlp\.\*': \.\.\.\) are not supported"):
+        check_quantization_config({**base, "dynamic": {"+:.*mlp.*": {"group_size": 32}}})
+    with pytest.raises(UnsupportedModelError, match=r"^GPTQ pack_dtype 'int16' is not supported"):
+        check_quantization_config({**base, "pack_dtype": "int16"})
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 1, "num_attention_heads": 4}
+    assert ModelConfig.from_dict(cfg).hidden_size == 64
+    with pytest.raises(UnsupportedModelError, match=r"is an MLX-quantized checkpoint \(4 bits, config.json's "
+                                                    r"'quantization'\), which numa_runtime does not read"):
+        ModelConfig.from_dict({**cfg, "quantization": {"group_size": 64, "bits": 4}})

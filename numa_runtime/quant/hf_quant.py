@@ -74,6 +74,19 @@ def check_quantization_config(q: dict) -> None:
         raise UnsupportedModelError(f"{method.upper()} group_size {group} is not supported; use 32, 64 or 128.")
     if method == "awq" and str(q.get("version", "gemm")).lower() != "gemm":
         raise UnsupportedModelError(f"AWQ version {q.get('version')!r} is not supported; only 'gemm'.")
+    # NOTE: GPTQModel's options beyond AutoGPTQ's: a rule of `dynamic` that sets anything ("+:" or bare
+    # patterns) quantizes some modules otherwise (their tensors then disagree with group_size);
+    # "-:" rules leave modules dense, which runs; packing into other than int32 words
+    dynamic = q.get("dynamic") or {}
+    overrides = [k for k, v in dynamic.items() if not str(k).startswith("-:") and v] if isinstance(dynamic, dict) \
+        else []
+    if overrides:
+        raise UnsupportedModelError(f"{method.upper()} quantization_config's 'dynamic' overrides per module "
+                                    f"({overrides[0]!r}: ...) are not supported; only one group_size and bits for "
+                                    "every quantized module.")
+    if str(q.get("pack_dtype", "int32")).replace("torch.", "") != "int32":
+        raise UnsupportedModelError(f"{method.upper()} pack_dtype {q.get('pack_dtype')!r} is not supported; only "
+                                    "int32 words (AutoGPTQ's and GPTQModel's default).")
     # NOTE: AutoGPTQ <= 0.7 marks its Marlin repack so (vLLM and GPTQModel read it as checkpoint_format marlin)
     fmt = "marlin" if q.get("is_marlin_format") else q.get("checkpoint_format", "gptq")
     if method == "gptq" and fmt not in ("gptq", "gptq_v2"):
