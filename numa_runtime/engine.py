@@ -939,6 +939,11 @@ class Engine:
         n = len(ids)
         if not 2 <= n <= self.max_model_len:
             raise ValueError(f"prompt_logprobs needs 2 to {self.max_model_len} tokens (the context), got {n}.")
+        bm = self.block_manager
+        if self.model_config.min_window and -(-n // bm.block_size) > bm.num_blocks:
+            # NOTE: a window model's prompt longer than the pool: prompt_logprob_pairs' chunks over a
+            # ring of blocks that holds the window (one pass would need every block at once)
+            return np.array([lp for lp, _, _ in self.prompt_logprob_pairs(ids, 0)], np.float32)
         logits = self._forward_once(ids, np.arange(n - 1, dtype=np.int64), EXECUTE)   # [n - 1, vocab]
         lp = np.empty(logits.shape, np.float32)
         self.ops.log_softmax(np.ascontiguousarray(logits, dtype=np.float32), lp)

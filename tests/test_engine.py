@@ -1001,6 +1001,8 @@ def test_a_window_models_prompt_logprobs_run_for_a_prompt_longer_than_the_pool(t
                 max_num_batched_tokens=128) as eng:
         got = np.array([lp for lp, _, _ in eng.prompt_logprob_pairs(prompt, 1)])
         assert got.shape == want.shape and np.abs(got - want).max() < 1e-4
+        # Engine.prompt_logprobs too (it asked for every block at once and was refused)
+        assert np.abs(eng.prompt_logprobs(prompt) - want).max() < 1e-4
         out = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0))[0]
         assert len(out.prompt_logprobs) == 400 and eng.block_manager.num_free_blocks == 14
 
