@@ -31,6 +31,11 @@ def main(argv=None) -> int:
     try:
         # NOTE: the sampling values first: a bad one is one sentence before the model loads
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    except ValueError as e:
+        if lead:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
         eng = Engine(args.model, dtype=args.dtype)
     except KeyboardInterrupt:
         if lead:

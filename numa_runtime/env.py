@@ -91,7 +91,9 @@ def load_failed(e: BaseException, prog: str) -> int:
     returns the exit code, 2. Under mpirun, a failure the ranks did not learn of together (outside
     Engine's agreement) ends the job, as the others would wait for this rank for ever."""
     world = mpi_world()
-    agreed = getattr(e, "agreed", False)
+    # NOTE: input errors (a bad path, setting or file) are raised alike on every rank, before the
+    # load's collectives or through its agreement
+    agreed = getattr(e, "agreed", False) or isinstance(e, (ValueError, OSError, TypeError))
     if world is None or world[0] == 0 or not agreed:
         print(f"{prog}error: {load_error(e)}", file=sys.stderr, flush=True)
     if world is not None and world[1] > 1 and not agreed:
