@@ -277,7 +277,8 @@ class ModelConfig:
 # NOTE: the configuration classes' own defaults, where they differ from the generic ones (heads //
 # kv heads, eps 1e-6, theta 1e4), for a config.json that leaves the key out
 _CLASS_DEFAULTS = {"MixtralForCausalLM": {"num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 1e6},
-                   "Qwen3MoeForCausalLM": {"num_key_value_heads": 4}, "Qwen2MoeForCausalLM": {"num_key_value_heads": 16},
+                   "Qwen3MoeForCausalLM": {"num_key_value_heads": 4},
+                   "Qwen2MoeForCausalLM": {"num_key_value_heads": 16},
                    "Qwen3ForCausalLM": {"head_dim": 128, "num_key_value_heads": 32},
                    "Qwen2ForCausalLM": {"num_key_value_heads": 32}, "MistralForCausalLM": {"num_key_value_heads": 8},
                    "Phi3ForCausalLM": {"rms_norm_eps": 1e-5}}

@@ -703,7 +703,8 @@ class Engine:
         vLLM's lora_request, priority and prompt_adapter_request are taken at None only."""
         for name, value in (("lora_request", lora_request), ("priority", priority),
                             ("prompt_adapter_request", prompt_adapter_request)):
-            if value is not None and not (name == "priority" and not any(value if isinstance(value, list) else [value])):
+            zero = name == "priority" and not any(value if isinstance(value, list) else [value])  # NOTE: all 0
+            if value is not None and not zero:
                 raise TypeError(f"Engine.generate() does not support {name} (LoRA adapters and priority scheduling "
                                 "are not built here).")
         self._driver_only("generate")
@@ -836,8 +837,9 @@ class Engine:
         truncating = any(isinstance(p, SamplingParams) and p.truncate_prompt_tokens is not None
                          for p in (chosen if isinstance(chosen, (list, tuple)) else [chosen]))
         # NOTE: as vLLM, chat_template_kwargs win over the named arguments (and the other keywords)
-        render_kwargs = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
-                         "chat_template": chat_template, **template_kwargs, **(chat_template_kwargs or {})}
+        render_kwargs = {"add_generation_prompt": add_generation_prompt,
+                         "continue_final_message": continue_final_message, "chat_template": chat_template,
+                         **template_kwargs, **(chat_template_kwargs or {})}
         batch = isinstance(messages, (list, tuple)) and len(messages) > 0 and all(
             isinstance(c, (list, tuple)) for c in messages)
         conversations = list(messages) if batch else [messages]

@@ -237,7 +237,8 @@ def test_named_and_required_tool_choice_return_calls(model_dir):
         assert whole.choices[0].finish_reason == "tool_calls"
         n = whole.usage.completion_tokens
         cut = next(r for m in range(n - 1, 0, -1) for r in [c.chat.completions.create(
-            tools=[WEATHER, TIME], tool_choice="required", **{**KW, "max_tokens": m})] if r.choices[0].message.tool_calls)
+            tools=[WEATHER, TIME], tool_choice="required", **{**KW, "max_tokens": m})]
+            if r.choices[0].message.tool_calls)
         assert cut.choices[0].finish_reason == "length", cut
         chunks = list(c.chat.completions.create(tools=[WEATHER, TIME], tool_choice="required", stream=True,
                                                 **{**KW, "max_tokens": cut.usage.completion_tokens}))
