@@ -1099,9 +1099,10 @@ def test_a_preempted_request_is_not_a_prefix_cache_hit(model_dir):
 
 
 def test_scoring_input_the_cache_can_never_hold_is_one_sentence(tmp_path):
-    """A sliding-window model's context outgrows its KV pool; prompt_logprobs and embed over more
-    tokens than the whole pool: a ValueError that says so (it said "no room now; retry when
-    requests finish", which could never succeed)."""
+    """A sliding-window model's context outgrows its KV pool; embed over more tokens than the whole
+    pool: a ValueError that says so (it said "no room now; retry when requests finish", which
+    could never succeed). prompt_logprobs runs such a prompt in chunks over the window's ring (as
+    prompt_logprob_pairs and generate's prompt_logprobs do), the same values as the pairs."""
     d = str(tmp_path / "m")
     build_model(d, arch="mistral", sliding_window=32, max_position_embeddings=2048)
     eng = Engine(d, dtype="float32", kv_cache_memory=40 * 8192, max_model_len=2048, block_size=16)
@@ -1109,9 +1110,10 @@ def test_scoring_input_the_cache_can_never_hold_is_one_sentence(tmp_path):
         n = eng.block_manager.num_blocks * 16 + 1
         assert n < eng.max_model_len
         ids = [5 + i % 300 for i in range(n)]
-        for call in (eng.prompt_logprobs, eng.embed):
-            with pytest.raises(ValueError, match=rf"^{n} tokens need \d+ KV blocks, but the cache has "):
-                call(ids)
+        with pytest.raises(ValueError, match=rf"^{n} tokens need \d+ KV blocks, but the cache has "):
+            eng.embed(ids)
+        lp = eng.prompt_logprobs(ids)
+        assert lp.shape == (n - 1,) and np.array_equal(lp, [x for x, _, _ in eng.prompt_logprob_pairs(ids, 0)])
     finally:
         eng.close()
 
