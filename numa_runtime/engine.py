@@ -457,11 +457,9 @@ class Engine:
         else:
             raise TypeError("A prompt must be a string, a list of token ids, or a dict with 'prompt' or "
                             "'prompt_token_ids'.")
-        if not ids:
-            raise ValueError("The prompt is empty.")
         if keep is not None:
             ids = ids[-keep:]
-        self.check_prompt_ids(ids)
+        self.check_prompt_ids(ids)  # NOTE: empty, or an id outside the vocabulary
         return text, ids
 
     def check_prompt_ids(self, ids: list[int]) -> None:
@@ -1403,7 +1401,7 @@ class _Progress:
             self.bar.close()
 
 
-# NOTE: LLM.chat arguments of vLLM with no meaning here (else they would reach the template unread)
+# NOTE: chat()'s own parameters, for the near misses _check_template_kwargs refuses
 _CHAT_OWN = ("messages", "params", "sampling_params", "use_tqdm", "chat_template", "chat_template_kwargs",
              "add_generation_prompt", "continue_final_message", "tools", "documents")
 
@@ -1422,6 +1420,7 @@ def _check_template_kwargs(kwargs: dict) -> None:
             raise TypeError(f"Engine.chat() got an unexpected keyword argument {name!r}; did you mean {near[0]!r}?")
 
 
+# NOTE: LLM.chat arguments of vLLM with no meaning here (else they would reach the template unread)
 _VLLM_CHAT_UNSUPPORTED = {"prompt_adapter_request", "priority"}
 
 

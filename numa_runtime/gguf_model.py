@@ -88,14 +88,22 @@ def gguf_model_dir(path: str, name: str | None = None) -> str:
 _SHARD = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
-def gguf_shards(path: str) -> list[str]:
-    """The files of the GGUF model at `path`, in order: the file itself, or every file of a
-    split model that `path` is one of. FileNotFoundError names the first missing one."""
+def shard_names(path: str) -> list[str]:
+    """The paths of the files of the GGUF model at `path` (a local path or a repository's), in
+    order: the file itself, or every file of a split model that `path` is one of."""
     m = _SHARD.match(os.path.basename(path))
     if not m or int(m["count"]) < 1:
         return [path]
     n = int(m["count"])
-    files = [os.path.join(os.path.dirname(path), f"{m['stem']}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
+    return [os.path.join(os.path.dirname(path), f"{m['stem']}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
+
+
+def gguf_shards(path: str) -> list[str]:
+    """shard_names(path), each of which must exist: FileNotFoundError names the first missing one."""
+    files = shard_names(path)
+    if len(files) == 1:
+        return files
+    m, n = _SHARD.match(os.path.basename(path)), len(files)
     missing = [os.path.basename(f) for f in files if not os.path.isfile(f)]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

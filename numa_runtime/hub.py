@@ -15,7 +15,6 @@ __all__ = ["is_repo_id", "local_path", "served_name"]
 
 # NOTE: ORG/NAME (the Hub's characters), optionally /PATH/FILE.gguf inside the repository
 _REPO = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:/(?P<file>[^\s]+\.gguf))?", re.IGNORECASE)
-_SHARD = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")  # gguf_model's
 _PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.model", "*.tiktoken", "*.txt"]
 
 
@@ -52,11 +51,8 @@ def local_path(name: str, revision: str | None = None, cache_dir: str | None = N
         if file is not None:
             # NOTE: a file of a split model (gguf-split's NAME-0000i-of-0000N.gguf) comes with its siblings
             # (only the named one came: the load then missed the others)
-            shard = _SHARD.match(os.path.basename(file))
-            folder = os.path.dirname(file)
-            names = [file] if not shard else [
-                f"{folder + '/' if folder else ''}{shard['stem']}-{i:05d}-of-{shard['count']}.gguf"
-                for i in range(1, int(shard["count"]) + 1)]
+            from .gguf_model import shard_names
+            names = shard_names(file)
             paths = {n: hf_hub_download(repo, n, revision=revision, cache_dir=cache, local_files_only=offline)
                      for n in names}
             return paths.get(file) or paths[names[0]]

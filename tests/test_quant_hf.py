@@ -207,6 +207,15 @@ def test_partial_last_group_is_refused_on_one_rank(tmp_path):
         engine(qdir)
 
 
+def _greedy_tokens(model, greedy):
+    """The tokens the checkpoint at `model` gives PROMPT as stored (no quantization asked)."""
+    e = engine(model)
+    try:
+        return e.generate([PROMPT], greedy)[0].token_ids
+    finally:
+        e.close()
+
+
 def _assert_runs_as_stored(model, quantization, greedy, want):
     """The checkpoint's int4 weights run as stored under `quantization` and give the tokens `want`."""
     e = Engine(model, dtype="float32", kv_cache_memory=1 << 23, max_model_len=128, quantization=quantization)
@@ -224,11 +233,7 @@ def test_vllm_method_names_check_the_checkpoint(src, tmp_path):
     qdir, ref_dir = str(tmp_path / "q"), str(tmp_path / "ref")
     write_checkpoints(src, qdir, ref_dir, "awq", "gemm")
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    plain = engine(qdir)
-    try:
-        want = plain.generate([PROMPT], greedy)[0].token_ids
-    finally:
-        plain.close()
+    want = _greedy_tokens(qdir, greedy)
     for name in ("awq", "AWQ", "awq_marlin"):
         _assert_runs_as_stored(qdir, name, greedy, want)
     for model, name, held in ((qdir, "gptq", "holds AWQ weights"), (qdir, "gguf", "holds AWQ weights"),
@@ -249,12 +254,8 @@ def test_older_quantization_config_files_are_read(src, tmp_path, method, filenam
     were missing)."""
     qdir, ref_dir = str(tmp_path / "q"), str(tmp_path / "ref")
     write_checkpoints(src, qdir, ref_dir, method, "gemm" if method == "awq" else "gptq")
-    ref = engine(qdir)
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    try:
-        want = ref.generate([PROMPT], greedy)[0].token_ids
-    finally:
-        ref.close()
+    want = _greedy_tokens(qdir, greedy)
     with open(os.path.join(qdir, "config.json")) as f:
         cfg = json.load(f)
     del cfg["quantization_config"]
@@ -290,17 +291,9 @@ def test_quantization_configs_as_vllm_reads_them(src, tmp_path):
     qdir, ref_dir = str(tmp_path / "q"), str(tmp_path / "ref")
     write_checkpoints(src, qdir, ref_dir, "gptq", "gptq")
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    plain = engine(qdir)
-    try:
-        want = plain.generate([PROMPT], greedy)[0].token_ids
-    finally:
-        plain.close()
+    want = _greedy_tokens(qdir, greedy)
     _edit_config(qdir, quant_method="GPTQ")
-    upper = engine(qdir)
-    try:
-        assert upper.generate([PROMPT], greedy)[0].token_ids == want
-    finally:
-        upper.close()
+    assert _greedy_tokens(qdir, greedy) == want
     _edit_config(qdir, quant_method="gptq", is_marlin_format=True)
     with pytest.raises(UnsupportedModelError, match=r"GPTQ checkpoint_format 'marlin' is not supported"):
         engine(qdir)

@@ -522,7 +522,7 @@ def main(argv=None) -> int:
         except OSError as e:
             print(f"numa-serve: error: {e}", file=sys.stderr, flush=True)
             if world is not None and world[1] > 1:
-                _abort_job(2)  # NOTE: the other ranks would wait for rank 0 for ever
+                env.abort_job(2)  # NOTE: the other ranks would wait for rank 0 for ever
             return 2
     front = None
     if sock is not None and args.http_front:
@@ -557,7 +557,7 @@ def _serve(args, world, sock, front) -> int:
     except KeyboardInterrupt:  # NOTE: rank 0 only (workers ignore SIGINT): a line, not a traceback
         print("numa-serve: error: interrupted while loading the model.", file=sys.stderr, flush=True)
         if world is not None and world[1] > 1:
-            _abort_job(130)  # NOTE: the workers are in the load's collectives
+            env.abort_job(130)  # NOTE: the workers are in the load's collectives
         return 130
     early: list = []  # NOTE: a stop between the load and the server's own handlers: served as one then
     if world is None or world[0] == 0:
@@ -746,12 +746,7 @@ def _end_job(why: str) -> None:
     import time
     print(f"numa-serve: error: {why}; ending the MPI job.", file=sys.stderr, flush=True)
     time.sleep(0.5)  # NOTE: mpirun drops output still in flight when the job is aborted
-    _abort_job(1)
-
-
-def _abort_job(code: int) -> None:
-    """Rank 0 cannot serve before MPI has started: end every rank of the job."""
-    env.abort_job(code)
+    env.abort_job(1)
 
 
 def _is_loopback(host: str) -> bool:

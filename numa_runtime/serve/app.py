@@ -43,14 +43,15 @@ class Cors:
     headers: tuple = ("*",)
     credentials: bool = False
 
+    def middleware_kwargs(self) -> dict:
+        return {"allow_origins": list(self.origins), "allow_methods": list(self.methods),
+                "allow_headers": list(self.headers), "allow_credentials": self.credentials}
+
 
 def with_cors(asgi, cors: Cors | None):
     """`asgi` behind CORS: Access-Control-* headers on its answers, and preflights (OPTIONS)
     answered before its API key check; `asgi` itself when cors is None."""
-    if cors is None:
-        return asgi
-    return CORSMiddleware(asgi, allow_origins=list(cors.origins), allow_methods=list(cors.methods),
-                          allow_headers=list(cors.headers), allow_credentials=cors.credentials)
+    return asgi if cors is None else CORSMiddleware(asgi, **cors.middleware_kwargs())
 
 
 @dataclass(frozen=True)
@@ -152,9 +153,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
                   description="OpenAI-compatible completions and chat over numa_runtime.")
     app.add_middleware(_Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes, metrics=metrics)
     if config.cors is not None:  # NOTE: added last, so outermost: a preflight never meets the API key
-        c = config.cors
-        app.add_middleware(CORSMiddleware, allow_origins=list(c.origins), allow_methods=list(c.methods),
-                           allow_headers=list(c.headers), allow_credentials=c.credentials)
+        app.add_middleware(CORSMiddleware, **config.cors.middleware_kwargs())
     _install_error_handlers(app)
     created = int(time.time())
     _ = engine.tokenizer.max_token_chars  # NOTE: computed once here, not by the first request
