@@ -317,6 +317,39 @@ def test_a_second_sigint_exits_now_without_a_traceback(model_dir):
     assert answer.startswith(b"HTTP/1.1 503") and b"shutting down" in answer, answer
 
 
+def test_a_connection_rank0_never_accepted_is_answered_when_it_stops(capfd):
+    """The front may open its connection to rank 0 just as the shutdown begins, and uvicorn never
+    accepts it. Rank 0's exit still ends it: the client gets its 503 then, and the front exits
+    cleanly (it waited 10 s, then cut the client off with a CancelledError traceback)."""
+    import select
+    import socket
+    from numa_runtime.serve.__main__ import HttpFront
+    public = socket.create_server(("127.0.0.1", 0))
+    port = public.getsockname()[1]
+    front = HttpFront(public)
+    public.close()  # NOTE: the front process holds it now, as in numa-serve
+    client = socket.create_connection(("127.0.0.1", port), timeout=60)
+    try:
+        front.tell("ready")
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        # NOTE: a listening socket reads as ready when a connection waits in its queue
+        assert select.select([front.sock], [], [], 60)[0], "the front never connected to rank 0's socket"
+        front.tell("stopping")
+        front.close()
+        answer = b""
+        while chunk := client.recv(65536):
+            answer += chunk
+    finally:
+        client.close()
+        if front.proc.poll() is None:
+            front.proc.kill()
+    err = capfd.readouterr().err
+    assert front.proc.returncode == 0, err
+    assert answer.startswith(b"HTTP/1.1 503") and b"shutting down" in answer, (answer, err)
+    assert "Traceback" not in err and "still open" not in err, err
+
+
 # ------------------------------------------------------------------------------ a stuck rank
 def _mpirun(ranks: int = 2) -> list[str]:
     """mpirun -np `ranks`: the one beside this interpreter (the mpich wheel's) if there is one."""

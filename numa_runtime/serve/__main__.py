@@ -485,6 +485,10 @@ class HttpFront:
 
     def close(self) -> None:
         """Rank 0 is done: the front relays what is left and exits."""
+        # NOTE: first: a connection the front opened that uvicorn never accepted (it came as the
+        # shutdown began) waits in this socket's queue; closing it ends them, and the front answers
+        # their clients at once (it waited 10 s for them, then cut them off without an answer)
+        self.sock.close()
         try:
             self.proc.stdin.close()
         except OSError:
@@ -493,7 +497,6 @@ class HttpFront:
             self.proc.wait(timeout=15)
         except Exception:  # noqa: BLE001 - it exits by itself within 10 s of end of file
             pass
-        self.sock.close()
         for remove, path in ((os.unlink, self.path), (os.rmdir, self.dir)):
             try:
                 remove(path)
@@ -651,6 +654,8 @@ def _serve(args, world, sock, front) -> int:
     finally:
         server.should_exit = True
         http.join(timeout=10)
+        if front is not None:
+            _end_connections(server)
         if world is not None and world[1] > 1:
             _watch_close(closed)
         engine.close()
@@ -660,6 +665,21 @@ def _serve(args, world, sock, front) -> int:
               "reaches the server any more; it has shut down.", file=sys.stderr, flush=True)
         return 1
     return 0 if server.started else 1
+
+
+def _end_connections(server) -> None:
+    """Behind the front: end rank 0's side of every connection uvicorn left open (on a forced exit,
+    one whose request stopped mid-body). The front then answers its client at once; it waited for
+    the garbage collector to close them (or 10 s, and then cut the client off without an answer)."""
+    import socket
+    for conn in list(getattr(getattr(server, "server_state", None), "connections", ())):
+        transport = getattr(conn, "transport", None)
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # NOTE: any thread may; the event loop has ended
+            except OSError:
+                pass
 
 
 _STUCK_EXIT_S = 15.0  # past the grace: how long a shutdown may wait for an engine step to end

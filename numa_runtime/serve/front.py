@@ -35,6 +35,7 @@ STOPPED = ("The engine stopped before this request finished (one of its processe
            "server's log); restart the server and send the request again.")
 _READ = 1 << 16
 _MAX_PENDING = 1 << 22  # bytes h11 may hold unparsed before the front stops following a connection
+_LATE_REQUEST_S = 1.0  # rank 0's side ended between requests: how long a request may still come
 _EXIT_AFTER_S = 10.0  # once rank 0 has gone, the longest the front waits for connections to end
 _UNTRACKED_IDLE_S = 3600.0  # a connection h11 cannot follow closes after this long without a byte
 
@@ -156,6 +157,8 @@ class Relay:
                 except OSError:
                     return  # NOTE: rank 0's side has gone; backend_to_client answers the client
         finally:
+            if read.done() and not read.cancelled() and read.exception() is None and read.result():
+                self.watch(self.up, read.result())  # NOTE: read, not relayed: refuse() still sees it
             read.cancel()
 
     async def backend_to_client(self, breader: asyncio.StreamReader) -> None:
@@ -176,10 +179,35 @@ class Relay:
                 return
         if self.client_gone:
             return
+        if self.tracked and self.down.our_state is h11.IDLE:
+            # NOTE: rank 0's side ended before a request reached it (between requests, or as it
+            # stopped before it read the first): answer one the client has begun or sends now
+            await self.answer_late()
+            return
         ending = self.ending()
         if ending:
             self.front.answered += 1
             self.cwriter.write(ending)
+            try:
+                await self.cwriter.drain()
+            except OSError:
+                pass
+
+    async def answer_late(self) -> None:
+        """Rank 0's side ended before a request reached it: answer one the client has begun, or
+        begins within _LATE_REQUEST_S, at once (as ending() answers one cut mid-body); else close."""
+        if self.upstream is not None:
+            self.upstream.cancel()  # NOTE: what it read and did not relay, it fed to `up`
+            await asyncio.gather(self.upstream, return_exceptions=True)
+        begun = self.up.their_state is not h11.IDLE or bool(self.up.trailing_data[0])
+        if not begun:
+            try:
+                begun = bool(await asyncio.wait_for(self.creader.read(_READ), _LATE_REQUEST_S))
+            except (OSError, asyncio.TimeoutError):
+                pass
+        if begun:
+            self.front.answered += 1
+            self.cwriter.write(refusal(self.front.message()))
             try:
                 await self.cwriter.drain()
             except OSError:
@@ -340,7 +368,7 @@ class Front:
         self.sock, self.backend, self.keep_alive_s = sock, backend, keep_alive_s
         self.access_log = access_log
         self.server: asyncio.AbstractServer | None = None
-        self.relays: set[asyncio.Task] = set()
+        self.relays: dict[asyncio.Task, Relay] = {}
         self.stopping = False  # rank 0 announced a graceful shutdown
         self.answered = 0      # requests the front answered because rank 0 could not
 
@@ -350,13 +378,17 @@ class Front:
 
     async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
-        self.relays.add(task)
+        self.relays[task] = relay = Relay(self, reader, writer)
         try:
-            await Relay(self, reader, writer).run()
+            await relay.run()
+        except asyncio.CancelledError:
+            # NOTE: the front is exiting (main's last resort); Python 3.11's stream callback logs a
+            # cancelled handler's CancelledError as a traceback, so it ends here, normally
+            writer.close()
         except Exception as e:  # noqa: BLE001 - one connection's failure must not end the others
             print(f"numa-serve front: connection failed: {e!r}", file=sys.stderr, flush=True)
         finally:
-            self.relays.discard(task)
+            self.relays.pop(task, None)
 
     async def main(self) -> int:
         loop = asyncio.get_running_loop()
@@ -374,6 +406,19 @@ class Front:
         self.close()
         if self.relays:
             await asyncio.wait(set(self.relays), timeout=_EXIT_AFTER_S)
+        if self.relays:
+            # NOTE: rank 0 has closed our stdin but still holds these connections (or is hung):
+            # take its side as ended, so each client gets what ending() owes it, then cut the rest
+            print(f"numa-serve front: {len(self.relays)} connection(s) to the engine still open {_EXIT_AFTER_S:.0f} s "
+                  "after it stopped; closing them.", file=sys.stderr, flush=True)
+            for relay in self.relays.values():
+                if relay.bread_side is not None:
+                    relay.bread_side.close()  # NOTE: its reader then reads what it holds and an end
+            await asyncio.wait(set(self.relays), timeout=2.0)
+        for task in list(self.relays):
+            task.cancel()
+        if self.relays:
+            await asyncio.wait(set(self.relays), timeout=1.0)
         if self.answered:
             print(f"numa-serve front: the engine stopped with {self.answered} request(s) in flight; each was "
                   "answered with an error.", file=sys.stderr, flush=True)
