@@ -456,21 +456,22 @@ class HttpFront:
     """The front process (front.py) and the Unix socket it relays to, from rank 0's side."""
 
     def __init__(self, public, access_log: bool = False):
+        import secrets
         import socket
         import subprocess
-        import tempfile
-        base = tempfile.gettempdir()
-        self.dir = tempfile.mkdtemp(prefix="numa-serve-", dir=base if len(base) < 80 else "/tmp")
-        self.path = os.path.join(self.dir, "http.sock")
+        # NOTE: an abstract socket (Linux): no file in /tmp that a cleaner (systemd-tmpfiles, after
+        # 10 days) could remove under a long-running server, which then refused every request as
+        # if the engine had died; nor one left behind when rank 0 is killed
+        self.name = f"@numa-serve-{os.getpid()}-{secrets.token_hex(8)}"
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(self.path)
+        self.sock.bind("\0" + self.name[1:])
         self.sock.listen(2048)  # NOTE: the front may connect before uvicorn accepts
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "front.py")
         isolate = "-P" if sys.version_info >= (3, 11) else "-I"  # NOTE: not this package's dir on sys.path
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("PMI_", "OMPI_", "PMIX_", "HYDRA_", "MPIR_", "I_MPI_"))}
         self.proc = subprocess.Popen([sys.executable, isolate, script, "--fd", str(public.fileno()),
-                                      "--backend", self.path, "--keep-alive", str(_KEEP_ALIVE_S)]
+                                      "--backend", self.name, "--keep-alive", str(_KEEP_ALIVE_S)]
                                      + (["--access-log"] if access_log else []),
                                      stdin=subprocess.PIPE, env=env,
                                      pass_fds=(public.fileno(),), start_new_session=True)
@@ -497,11 +498,6 @@ class HttpFront:
             self.proc.wait(timeout=15)
         except Exception:  # noqa: BLE001 - it exits by itself within 10 s of end of file
             pass
-        for remove, path in ((os.unlink, self.path), (os.rmdir, self.dir)):
-            try:
-                remove(path)
-            except OSError:
-                pass
 
 
 def main(argv=None) -> int:

@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import http
 import json
-import os
 import resource
 import signal
 import socket
@@ -347,7 +346,7 @@ async def _open_backend(path: str):
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.setblocking(False)
     try:
-        await loop.sock_connect(sock, path)
+        await loop.sock_connect(sock, "\0" + path[1:] if path.startswith("@") else path)
         wsock = sock.dup()
     except OSError:
         sock.close()
@@ -434,7 +433,7 @@ class Front:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="numa-serve's HTTP front (started by rank 0).")
     ap.add_argument("--fd", type=int, required=True, help="the bound public socket, inherited")
-    ap.add_argument("--backend", required=True, help="rank 0's Unix socket")
+    ap.add_argument("--backend", required=True, help="rank 0's Unix socket: a path, or @NAME in the abstract namespace")
     ap.add_argument("--keep-alive", type=float, default=5.0, help="seconds an idle client connection stays open")
     ap.add_argument("--access-log", action="store_true", help="log each request with the client's address")
     args = ap.parse_args(argv)
@@ -450,15 +449,7 @@ def main(argv=None) -> int:
         except (ValueError, OSError):
             pass
     sock = socket.socket(fileno=args.fd)
-    try:
-        return asyncio.run(Front(sock, args.backend, args.keep_alive, args.access_log).main())
-    finally:
-        # NOTE: rank 0 removes these when it exits normally, but not when it was killed
-        for remove, path in ((os.unlink, args.backend), (os.rmdir, os.path.dirname(args.backend))):
-            try:
-                remove(path)
-            except OSError:
-                pass
+    return asyncio.run(Front(sock, args.backend, args.keep_alive, args.access_log).main())
 
 
 if __name__ == "__main__":
