@@ -12,8 +12,9 @@
     ...}</tool_call>`: Qwen2.5/3, Hermes) or `llama3_json` (a JSON object {"name", "parameters"},
     optionally after `<|python_tag|>`, several separated by ";": Llama 3.1-3.3).
 - Calls come back as `message.tool_calls` (`finish_reason` "tool_calls", but for a named
-  function "stop", or "length" where max_tokens cut its arguments, as vLLM); text the model wrote before its calls is the `content`. A stream sends the
-  text as it comes, holds back what may open a call, and sends the calls whole at the end.
+  function "stop", or "length" where max_tokens cut its arguments, as vLLM); text the model
+  wrote before its calls is the `content`. A stream sends the text as it comes, holds back
+  what may open a call, and sends the calls whole at the end.
 """
 from __future__ import annotations
 
