@@ -123,8 +123,10 @@ def replica_shape(ranks: int | None, tp: int | None, dp: int | None, num_nodes: 
         if ranks is not None and ranks != tp * dp:
             raise ValueError("--ranks %d is not --dp %d x --tp %d" % (ranks, dp, tp))
         return tp * dp, dp
-    total = ranks if ranks is not None else num_nodes
     given, name = (tp, "--tp") if tp is not None else (dp, "--dp")
+    # NOTE: ranks default to one per node; fewer nodes than --tp/--dp asks for (`--tp 2` on a
+    # one-node machine) start that many ranks, which split the nodes' cores, as --ranks would
+    total = ranks if ranks is not None else (num_nodes if num_nodes >= given else given)
     if total % given:
         raise ValueError("%s %d does not divide the %d ranks; pass --ranks as a multiple of it"
                          % (name, given, total))

@@ -347,10 +347,18 @@ def test_dry_run_data_parallel_replicas(fake_sysfs):
     assert out.stdout.count("-np 1 ") == 4 and out.stdout.count(dp_env) == 4
     out = launch("--sysfs", fake_sysfs, "--tp", "2", "--dry-run", "--", "serve")
     assert out.stdout.count("-np 1 ") == 2 and "NUMA_RUNTIME_DATA_PARALLEL 1" in out.stdout
+    # NOTE: more than the nodes: that many ranks (a node's cores split), as with --ranks
+    out = launch("--sysfs", fake_sysfs, "--tp", "4", "--dry-run", "--", "serve")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("-np 1 ") == 4 and "NUMA_RUNTIME_DATA_PARALLEL 1" in out.stdout
+    assert out.stdout.count("--physcpubind=") == 4, out.stdout
+    out = launch("--sysfs", fake_sysfs, "--dp", "3", "--dry-run", "--", "serve")
+    assert out.returncode == 0 and out.stdout.count("-np 1 ") == 3 and out.stdout.count("NUMA_RUNTIME_DATA_PARALLEL 3") == 3
 
 
 @pytest.mark.parametrize("args,error", [
-    (["--tp", "3"], "--tp 3 does not divide the 2 ranks"),
+    (["--tp", "3", "--ranks", "2"], "--tp 3 does not divide the 2 ranks"),
+    (["--dp", "2", "--ranks", "3"], "--dp 2 does not divide the 3 ranks"),
     (["--ranks", "4", "--dp", "2", "--tp", "3"], "--ranks 4 is not --dp 2 x --tp 3"),
     (["--dp", "0"], "--dp must be at least 1"),
 ])
