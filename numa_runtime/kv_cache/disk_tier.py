@@ -104,6 +104,8 @@ class DiskTier:
         self._ops: list[tuple[int, int, int]] = [(OP_DELETE, -1, h) for h in stale]
         while len(self.index) > capacity_blocks:
             self._ops.append((OP_DELETE, -1, self.index.popitem(last=False)[0]))
+        # NOTE: ops queued, not done: a load whose block fails its check on a rank is also a drop
+        # (the prefix-cache metrics count only loads that held: BlockManager.tier_hit_blocks)
         self.num_saved = self.num_loaded = self.num_dropped = 0
 
     def __len__(self) -> int:
