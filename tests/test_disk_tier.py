@@ -269,6 +269,34 @@ def test_store_round_trip_and_corruption_is_dropped(tmp_path):
     assert os.listdir(st.dir) == [os.path.basename(st.path(1 << 100))]
 
 
+def test_a_read_only_directory_is_refused_or_outlived(tmp_path, monkeypatch):
+    """A directory an earlier run left that can no longer be written (a read-only remount) is
+    refused in one sentence at start; one that turns read-only under a running server loses
+    cache entries, never a request (a failed remove inside the save's handler raised)."""
+    import builtins
+    import errno
+    from numa_runtime.kv_cache import disk_tier
+    st = DiskStore(str(tmp_path), "fp", rank=0, block_bytes=64)
+    st.save(1, np.arange(64, dtype=np.uint8))
+    with open(st.path(2), "wb") as f:  # a truncated file, found at the next read
+        f.write(b"x")
+
+    def read_only(*_a, **_k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    def no_writes(path, mode="r", *a, **k):
+        return read_only() if "w" in mode else builtins.open(path, mode, *a, **k)
+    monkeypatch.setattr(disk_tier, "open", no_writes, raising=False)
+    monkeypatch.setattr(disk_tier.os, "remove", read_only)
+    with pytest.raises(ValueError, match=r"^Cannot write to the KV cache directory .*Read-only file system.*"
+                       "pass a writable --kv-cache-dir"):
+        DiskStore(str(tmp_path), "fp", rank=0, block_bytes=64)
+    assert st.save(3, np.zeros(64, np.uint8)) is False
+    assert st.read(2) is None and st.num_bad == 1
+    st.delete(1)
+    assert np.array_equal(st.read(1), np.arange(64, dtype=np.uint8))  # NOTE: still there, still valid
+
+
 def test_fingerprint_tells_models_dtypes_and_layouts_apart(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     build_model(str(a), seed=0)

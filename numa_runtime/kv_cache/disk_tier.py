@@ -25,6 +25,7 @@ models do not, so `load_policy="always"` skips the rule.
 """
 from __future__ import annotations
 
+import errno
 import glob
 import hashlib
 import json
@@ -155,6 +156,15 @@ class DiskStore:
         except OSError as e:
             raise ValueError(f"Cannot create the KV cache directory {self.dir!r} ({e}); "
                              "pass a writable --kv-cache-dir.") from None
+        probe = os.path.join(self.dir, f"probe.r{rank}.tmp")  # NOTE: scan() removes a stray one
+        try:  # NOTE: one left by an earlier run may now be read-only (a remount, other owner)
+            with open(probe, "wb"):
+                pass
+            os.remove(probe)
+        except OSError as e:  # NOTE: a full disk is not refused: it may free up (saves are skipped meanwhile)
+            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise ValueError(f"Cannot write to the KV cache directory {self.dir!r} ({e}); "
+                                 "pass a writable --kv-cache-dir.") from None
         self.num_bad = 0
 
     @property
@@ -263,7 +273,11 @@ def apply_ops(store: DiskStore, ops: np.ndarray, kv_cache: list) -> np.ndarray:
 
 
 def _remove(path: str) -> None:
+    """A file of the tier gone, as far as the disk lets it: a failure loses a cache entry's
+    space, never a request."""
     try:
         os.remove(path)
     except FileNotFoundError:
         pass
+    except OSError as e:  # NOTE: EROFS, EACCES: the directory became read-only under the server
+        log.warning("KV disk tier: cannot remove %s (%s)", path, e)
