@@ -89,6 +89,12 @@ class _SafetensorsFile:
         self.tensor(name)  # NOTE: checks that it is there and whole
         return self.header[name]["dtype"]
 
+    def check_whole(self) -> None:
+        """CheckpointError unless every tensor's header entry is sound and its bytes are in the
+        file (a truncated download); reads no tensor data."""
+        for name in self.header:
+            self.tensor(name)
+
 
 # Mixtral's expert projections (block_sparse_moe.experts.N.wK) -> Qwen-MoE's / Llama's names
 MIXTRAL_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -137,6 +143,12 @@ class Checkpoint:
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
+
+    def check_whole(self) -> None:
+        """CheckpointError unless every shard is present and whole (as a load finds out tensor by
+        tensor, after it may have made room for the model); reads no tensor data."""
+        for path in sorted(set(self._where.values())):
+            self._open(path).check_whole()
 
     def split_rows(self, fused: str, parts: list[tuple[str, int]]) -> None:
         """Read the consecutive row blocks of tensor `fused` as tensors of their own: parts are

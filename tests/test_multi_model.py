@@ -209,6 +209,17 @@ def test_server_serves_each_model_by_name(models, ranks):
         assert metric(srv.base, 'numa_runtime_http_responses_total{code="404"}') == 1
         assert metric(srv.base, 'numa_runtime_http_responses_total{code="400"}') >= 1
         assert all(m["max_model_len"] == 128 for m in httpx.get(srv.base + "/v1/models").json()["data"])
+        # the openai client's models.retrieve (it was a 404 "no such endpoint")
+        assert client.models.retrieve("beta").model_dump()["id"] == "beta"
+        with pytest.raises(openai.NotFoundError, match="'delta' does not exist"):
+            client.models.retrieve("delta")
+        # a body that is not a JSON object is answered for what it is (it was told to name the model)
+        for body in (b'{"model": "alpha", "prompt": "hi"', b"not json", b"[1, 2]"):
+            r = httpx.post(srv.base + "/v1/completions", content=body, timeout=30,
+                           headers={"Content-Type": "application/json"})
+            message = r.json()["error"]["message"]
+            assert r.status_code == 400 and "Name the model" not in message, message
+            assert ("not valid JSON" if body[0] != ord("[") else "valid dictionary or object") in message, message
         for bad in (["alpha"], {"a": 1}, 7):
             r = httpx.post(srv.base + "/v1/completions", json={"model": bad, "prompt": "x"}, timeout=30)
             assert r.status_code == 400 and "'model' must be a string" in r.json()["error"]["message"]
@@ -422,6 +433,15 @@ def test_a_model_that_fails_to_load_never_unloads_the_others(models, tmp_path):
     with pytest.raises(ModelLoadError, match=r"tokenizer.json is not valid JSON"):
         r.get("broken")
     assert list(r.engines) == ["alpha"]
+    shutil.copy(tmp_path / "alpha" / "tokenizer.json", tmp_path / "broken" / "tokenizer.json")
+    path = tmp_path / "broken" / weights  # a truncated download: its header reads, its tensors do not
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    unloads = dict(r.unload_seconds)
+    for _ in range(2):
+        with pytest.raises(ModelLoadError, match=r"is truncated: it ends at byte .*download it again"):
+            r.get("broken")
+        assert list(r.engines) == ["alpha"] and r.unload_seconds == unloads
     r.close()
 
 

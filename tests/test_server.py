@@ -118,6 +118,9 @@ def test_models(client, server, model_dir):
     card = models.data[0].model_dump()
     assert card["root"] == model_dir and card["parent"] is None and card["permission"] == []
     assert card["max_model_len"] == 256 and card["owned_by"] == "numa_runtime"
+    assert client.models.retrieve("tiny").model_dump() == card  # it was a 404 "no such endpoint"
+    with pytest.raises(openai.NotFoundError, match="'Org/other' does not exist"):
+        client.models.retrieve("Org/other")
     for method in ("GET", "POST"):
         r = httpx.request(method, server.base + "/ping")
         assert r.status_code == 200 and r.json() == {"status": "ok"}

@@ -199,6 +199,12 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
         return {"object": "list", "data": [model_card(name, created, config.model_root or config.served_model_name,
                                                       engine.max_model_len) for name in config.names]}
 
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str):
+        """OpenAI's model retrieval (the openai client's models.retrieve): one card, or a 404."""
+        check_model(model)
+        return model_card(model, created, config.model_root or config.served_model_name, engine.max_model_len)
+
     @app.get("/version")
     async def version():
         from .. import __version__

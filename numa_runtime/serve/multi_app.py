@@ -181,6 +181,14 @@ class ModelDispatcher:
         if scope["path"] == "/v1/models" and scope["method"] == "GET":
             self._count(200)
             return await JSONResponse(self._models())(scope, receive, send)
+        if scope["path"].startswith("/v1/models/") and scope["method"] == "GET":  # models.retrieve
+            name = scope["path"][len("/v1/models/"):]
+            card = next((c for c in self._models()["data"] if c["id"] == name), None)
+            if card is None:
+                return await self._error(scope, receive, send, 404, f"The model {name!r} does not exist; this "
+                                         f"server serves {self._names()}.", "model_not_found")
+            self._count(200)
+            return await JSONResponse(card)(scope, receive, send)
         if scope["path"] == "/debug/profile" and scope["method"] == "GET":  # NOTE: ?model=NAME, else the first
             name = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("model", [None])[-1]
             if name is not None and name not in self.apps:
@@ -197,7 +205,9 @@ class ModelDispatcher:
         try:
             name = json.loads(body).get("model") if body else None
         except (ValueError, AttributeError):
-            name = None  # the app explains what is wrong with the body
+            # NOTE: not JSON, or not an object: the app explains what is wrong with the body (it
+            # was told to name the model)
+            return await self.first(scope, replay, send)
         if name is not None and not isinstance(name, str):
             return await self._error(scope, receive, send, 400, f"The request's 'model' must be a string "
                                      f"naming one model, not {json.dumps(name)[:80]}; this server serves "

@@ -268,7 +268,10 @@ class ModelRouter:
                             json.load(fh)
                     except ValueError as e:
                         raise ValueError(f"{path} is not valid JSON ({e})") from None
-            open_checkpoint(cfg)
+            ckpt = open_checkpoint(cfg)
+            whole = getattr(getattr(ckpt, "ckpt", ckpt), "check_whole", None)  # NOTE: AWQ/GPTQ wrap theirs
+            if whole is not None:  # NOTE: a GGUF file is checked whole when opened
+                whole()
         except Exception as e:  # noqa: BLE001 - as a load failure
             self._fail(name, e, remember=True)
 
