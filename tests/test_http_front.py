@@ -67,11 +67,11 @@ class ScriptedRank0:
 def front():
     procs = []
 
-    def start(script, handler=None, args=(), preexec_fn=None):
-        rank0 = ScriptedRank0(script, handler)
+    def start(script, handler=None, args=(), preexec_fn=None, backend=None):
+        backend = backend or ScriptedRank0(script, handler).path
         public = socket.socket()
         public.bind(("127.0.0.1", 0))
-        proc = subprocess.Popen([sys.executable, "-P", FRONT, "--fd", str(public.fileno()), "--backend", rank0.path,
+        proc = subprocess.Popen([sys.executable, "-P", FRONT, "--fd", str(public.fileno()), "--backend", backend,
                                  *args], stdin=subprocess.PIPE, pass_fds=(public.fileno(),), stderr=subprocess.PIPE,
                                 preexec_fn=preexec_fn)
         port = public.getsockname()[1]
@@ -220,6 +220,81 @@ def test_idle_clients_are_closed_by_the_front(front):
         assert sock.recv(65536) == b""
     proc.stdin.close()
     assert proc.wait(timeout=30) == 0 and b"in flight" not in proc.stderr.read()
+
+
+def test_a_full_accept_queue_is_waited_for_not_taken_for_a_dead_engine(front, tmp_path):
+    """Rank 0 behind on accepting (a long pause) with its queue full: the front's connect failed
+    with EAGAIN, which asyncio reported as a connect done, and the client was told the engine had
+    stopped and not to retry. It waits for room now, as a client of a full TCP queue does."""
+    path = str(tmp_path / "rank0.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(0)
+    base, _ = front([], backend=path)
+    fillers = []
+    while True:  # NOTE: fill the queue
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            s.connect(path)
+        except BlockingIOError:
+            s.close()
+            break
+        fillers.append(s)
+
+    def rank0():
+        threading.Event().wait(1.0)  # NOTE: the pause: rank 0 accepts nothing for a second
+        for s in fillers:
+            s.close()
+        while True:
+            conn, _ = listener.accept()
+            head = b""
+            while not head.endswith(b"\r\n\r\n") and (data := conn.recv(1)):
+                head += data
+            if head.startswith(b"GET /health"):
+                conn.sendall(ok(b"one"))
+                conn.close()
+                return
+            conn.close()  # NOTE: a filler, or the fixture's probe
+    thread = threading.Thread(target=rank0, daemon=True)
+    thread.start()
+    assert raw_exchange(base, GET) == ok(b"one")
+    thread.join(30)
+    listener.close()
+
+
+def test_a_connection_answered_before_its_body_is_closed_when_idle(front):
+    """Rank 0 answers (413, 401) before the body, which never comes (curl's Expect: 100-continue
+    gives up on the body): the front closes it keep-alive seconds later, as uvicorn does (it
+    stayed open for ever, three descriptors in the front and one in rank 0 each)."""
+    too_large = b"HTTP/1.1 413 Request Entity Too Large\r\ncontent-length: 0\r\n\r\n"
+
+    async def rank0(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(too_large)  # NOTE: and it keeps the connection, as rank 0 behind the front does
+        await writer.drain()
+        await reader.read()
+
+    base, _ = front([], handler=rank0, args=("--keep-alive", "0.3"))
+    port = int(base.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5000000\r\n"
+                     b"Expect: 100-continue\r\n\r\n")
+        got = b""
+        while data := sock.recv(65536):  # NOTE: a timeout here: never closed
+            got += data
+    assert got == too_large
+
+
+def test_a_request_past_the_header_limit_is_refused_by_the_front(front):
+    """Headers past h11's limit made the front stop following the connection (no 503 if rank 0
+    died, an hour's idle close) while uvicorn, reading them merged, let them through."""
+    base, proc = front([(ok(b"one"), False)])
+    got = raw_exchange(base, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 200000 + b"\r\n\r\n")
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431 ") and b"connection: close" in head, got[:300]
+    assert json.loads(body)["error"]["message"] == "The request is not valid HTTP/1.1 (its headers are too large)."
+    assert raw_exchange(base, GET) == ok(b"one")  # NOTE: rank 0 never saw the refused request
 
 
 def test_the_front_ignores_stop_signals_and_lifts_its_file_limit(front):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import http
 import json
 import resource
@@ -34,6 +35,7 @@ STOPPED = ("The engine stopped before this request finished (one of its processe
            "server's log); restart the server and send the request again.")
 _READ = 1 << 16
 _MAX_PENDING = 1 << 22  # bytes h11 may hold unparsed before the front stops following a connection
+_CONNECT_WAIT_S = 30.0  # rank 0's accept queue full: how long a connection waits for room
 _LATE_REQUEST_S = 1.0  # rank 0's side ended between requests: how long a request may still come
 _EXIT_AFTER_S = 10.0  # once rank 0 has gone, the longest the front waits for connections to end
 _UNTRACKED_IDLE_S = 3600.0  # a connection h11 cannot follow closes after this long without a byte
@@ -55,6 +57,18 @@ def refusal(message: str) -> bytes:
     """Rank 0 has gone. `x-should-retry: false` tells the openai client not to retry (its
     retries would only meet a closed port)."""
     return unavailable(message, "engine_stopped", b"x-should-retry: false")
+
+
+def bad_request(e: h11.ProtocolError) -> bytes:
+    """The answer to a request that is not valid HTTP/1.1 (431: its headers are too large)."""
+    status = getattr(e, "error_status_hint", 400)
+    status = status if status in (400, 431) else 400
+    why = "its headers are too large" if status == 431 else str(e)[:200]
+    body = json.dumps({"error": {"message": f"The request is not valid HTTP/1.1 ({why}).", "type":
+                                 "invalid_request_error", "param": None, "code": str(status)}}).encode()
+    reason = http.HTTPStatus(status).phrase.encode()
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n" % (status, reason, len(body))) + body
 
 
 def busy(error: OSError) -> bytes:
@@ -84,6 +98,7 @@ class Relay:
         self.event_stream = False               # the response under way is a chunked event stream
         self.at_chunk_end = True                # ... and what went out so far ends on a chunk boundary
         self.client_gone = False
+        self.rejected: bytes | None = None      # the front's own answer to a request it cannot parse
         self.tail = b""                         # the last bytes rank 0 sent
         self.upstream: asyncio.Future | None = None
         self.bread_side: asyncio.StreamWriter | None = None  # the backend socket's reading transport
@@ -120,9 +135,14 @@ class Relay:
                 # NOTE: rank 0 keeps connections open; the front closes those idle keep_alive_s
                 # after their last response ended (as uvicorn times keep-alive), and those it cannot
                 # follow after _UNTRACKED_IDLE_S without a byte either way
-                if self.tracked:
-                    left = (self.idle_since + self.front.keep_alive_s - loop.time() if self.idle()
-                            else self.front.keep_alive_s)
+                if self.tracked and self.idle():
+                    left = self.idle_since + self.front.keep_alive_s - loop.time()
+                elif self.tracked and self.answered_early():
+                    # NOTE: answered before its body came (413, 401, an early 405): closed as
+                    # uvicorn closes it, keep_alive_s after the last byte either way
+                    left = self.last_byte + self.front.keep_alive_s - loop.time()
+                elif self.tracked:
+                    left = self.front.keep_alive_s
                 else:
                     left = self.last_byte + _UNTRACKED_IDLE_S - loop.time()
                 if left <= 0:  # NOTE: nothing in flight: close both sides; the relay then ends
@@ -138,9 +158,10 @@ class Relay:
                 except OSError:
                     data = b""
                 if not data:
-                    # NOTE: the client's end of file, passed on as one: a client that half-closes
-                    # after its request still gets the answer; one that has gone makes rank 0 see
-                    # the disconnect and abort what it asked for
+                    # NOTE: the client's end of file, passed on as one: what rank 0 still sends
+                    # is relayed (a client that half-closes after its request gets the answer
+                    # where rank 0 gives it; uvicorn ends such a connection, with or without the
+                    # front); one that has gone makes rank 0 see the disconnect and abort
                     self.client_gone = True
                     try:
                         bwriter.write_eof()
@@ -150,6 +171,16 @@ class Relay:
                 read = asyncio.ensure_future(self.creader.read(_READ))
                 self.last_byte = loop.time()
                 self.watch(self.up, data)
+                if self.rejected is not None:  # NOTE: not relayed: the front answers it and closes
+                    self.client_gone = True
+                    self.cwriter.write(self.rejected)
+                    try:
+                        await self.cwriter.drain()
+                    except OSError:
+                        pass
+                    bwriter.close()
+                    self.bread_side.close()
+                    return
                 try:
                     bwriter.write(data)
                     await bwriter.drain()
@@ -212,6 +243,10 @@ class Relay:
             except OSError:
                 pass
 
+    def answered_early(self) -> bool:
+        """Rank 0 has answered the request under way whole before the request ended."""
+        return self.down.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED) and self.up.their_state is not h11.IDLE
+
     def idle(self) -> bool:
         """Between requests: nothing asked, nothing owed, nothing half-received."""
         return (self.tracked and self.up.their_state is h11.IDLE and self.down.our_state is h11.IDLE
@@ -244,8 +279,16 @@ class Relay:
         try:
             conn.receive_data(data)
             self.pump()
-        except (h11.ProtocolError, AttributeError):
-            # NOTE: rank 0 answers a malformed request itself; just relay (h11 may fail
+        except (h11.ProtocolError, AttributeError) as e:
+            if (conn is self.up and isinstance(e, h11.ProtocolError) and self.down.our_state is h11.IDLE
+                    and self.down.their_state is h11.IDLE):
+                # NOTE: a request that is not HTTP/1.1 (or whose headers pass h11's limit) with
+                # nothing else under way: answered here, as uvicorn would (it could let headers
+                # past the limit through, the front's reads arriving there merged, and the
+                # front would have followed the connection no more)
+                self.rejected = bad_request(e)
+                return
+            # NOTE: else rank 0 answers a malformed request itself; just relay (h11 may fail
             # formatting its own error: an AttributeError)
             self.tracked = False
             return
@@ -336,6 +379,25 @@ class _WriteOnly(asyncio.StreamReaderProtocol):
         transport.pause_reading()
 
 
+async def _connect(sock: socket.socket, address: str) -> None:
+    """Connect a non-blocking Unix socket. Its connect fails with EAGAIN while rank 0's accept
+    queue is full (rank 0 behind, e.g. a long pause), which loop.sock_connect took for a connect
+    in progress and reported as done on a socket that never connected: the client was told the
+    engine had stopped. Here it waits as a client of a full TCP queue would, up to
+    _CONNECT_WAIT_S, then fails (busy(): a 503 the client may retry)."""
+    loop = asyncio.get_running_loop()
+    deadline, delay = loop.time() + _CONNECT_WAIT_S, 0.002
+    while True:
+        try:
+            sock.connect(address)
+            return
+        except BlockingIOError:
+            if loop.time() >= deadline:
+                raise OSError(errno.EAGAIN, "the engine's connection queue stayed full") from None
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 0.1)
+
+
 async def _open_backend(path: str):
     """A connection to rank 0 whose reading and writing are two descriptors of one socket: a
     failed write (rank 0 answered early, 413 or 401, and closed) closes only the writing one, so
@@ -346,7 +408,7 @@ async def _open_backend(path: str):
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.setblocking(False)
     try:
-        await loop.sock_connect(sock, "\0" + path[1:] if path.startswith("@") else path)
+        await _connect(sock, "\0" + path[1:] if path.startswith("@") else path)
         wsock = sock.dup()
     except OSError:
         sock.close()
