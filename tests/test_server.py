@@ -771,6 +771,19 @@ def test_bad_input_gets_an_openai_error(server, case):
     assert httpx.get(server.base + "/health").status_code == 200
 
 
+def test_a_body_over_the_limit_gets_one_answer_chunked_or_not(server):
+    """A chunked body (no Content-Length) past the limit is found as it is read: the same 413 and
+    code as a declared one (its code was "413")."""
+    big = b'{"prompt": "' + b"a" * (5 << 20) + b'"}'
+    codes = []
+    for content in (big, iter([big[i:i + 65536] for i in range(0, len(big), 65536)])):
+        r = httpx.post(server.base + "/v1/completions", content=content, timeout=60,
+                       headers={"Content-Type": "application/json"})
+        assert r.status_code == 413, r.text
+        codes.append(r.json()["error"]["code"])
+    assert codes == ["request_too_large"] * 2
+
+
 def test_bad_input_through_the_client(client):
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model="tiny", prompt="x", temperature=7000)

@@ -774,7 +774,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         messages = {404: "There is no such endpoint; see /openapi.json.",
                     405: "This endpoint does not accept that HTTP method."}
         message = messages.get(exc.status_code) or _sentence(str(exc.detail))
-        return render(exc.status_code, message, code=str(exc.status_code), headers=exc.headers)
+        # NOTE: a chunked body past the limit, found as it is read: the code a declared length gets
+        code = "request_too_large" if exc.status_code == 413 else str(exc.status_code)
+        return render(exc.status_code, message, code=code, headers=exc.headers)
 
     @app.exception_handler(EngineDeadError)
     async def dead(_, exc: EngineDeadError):
