@@ -350,6 +350,23 @@ def test_a_connection_rank0_never_accepted_is_answered_when_it_stops(capfd):
     assert "Traceback" not in err and "still open" not in err, err
 
 
+def test_rank_0_lifts_its_file_limit(model_dir):
+    """Rank 0 holds one descriptor a client connection: a soft limit of 256 open files (1024 is
+    common) is raised to the hard one, as vLLM's server raises its own."""
+    import resource
+    import shutil
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard <= 256 or not shutil.which("prlimit"):
+        pytest.skip(f"SKIPPED: needs prlimit and a hard limit of open files above 256 (it is {hard})")
+    srv = ServerProcess(["--model", model_dir, *TINY], launcher=["prlimit", f"--nofile=256:{hard}", "--"])
+    try:
+        with open(f"/proc/{srv.proc.pid}/limits") as f:
+            line = next(line for line in f if line.startswith("Max open files"))
+        assert line.split()[3:5] == [str(hard)] * 2, line
+    finally:
+        srv.stop()
+
+
 def test_a_cleaned_temp_dir_does_not_stop_the_server(model_dir, tmp_path):
     """A /tmp cleaner (systemd-tmpfiles, after 10 days) may remove whatever the server put in its
     temp dir; it keeps answering (its front found no socket file and took the engine for dead)."""
