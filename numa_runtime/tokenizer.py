@@ -568,9 +568,11 @@ class IncrementalDetokenizer:
     delta is what `ids[prefix_offset:]` adds to it. Text ending in U+FFFD (a UTF-8 character
     split across tokens) is held back until a later token completes it; `flush()` releases what
     is held at the end of the stream. With no prompt (or any byte-level BPE tokenizer) the deltas
-    joined equal `tokenizer.decode(output_ids)`. With a prompt, its last tokens are the left
-    context, so a sentencepiece first token keeps its leading space, as in
-    decode(prompt + output) minus decode(prompt).
+    joined equal `tokenizer.decode(output_ids)` for output that is valid UTF-8 (a run of
+    byte-fallback tokens that is not: the window's decode keeps the valid bytes a whole decode
+    may replace, as vLLM's windows do). With a prompt, its last tokens are the left context, so
+    a sentencepiece first token keeps its leading space, as in decode(prompt + output) minus
+    decode(prompt).
     """
 
     _CONTEXT = (5, 24)  # prompt tokens of left context: the fewest that decode whole, as vLLM
