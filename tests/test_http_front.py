@@ -263,6 +263,15 @@ def test_a_full_accept_queue_is_waited_for_not_taken_for_a_dead_engine(front, tm
     listener.close()
 
 
+def test_a_request_waiting_for_100_continue_gets_the_refusal(front, tmp_path):
+    """Rank 0 cannot be reached (here: gone): a request that sends its body only after a 100
+    (curl, over 1 KiB) got no answer, the front waiting for the body that never came."""
+    base, _ = front([], backend=str(tmp_path / "gone.sock"))
+    got = raw_exchange(base, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n"
+                             b"Expect: 100-continue\r\n\r\n")
+    assert got.startswith(b"HTTP/1.1 503 ") and b'"code": "engine_stopped"' in got, got
+
+
 def test_a_connection_answered_before_its_body_is_closed_when_idle(front):
     """Rank 0 answers (413, 401) before the body, which never comes (curl's Expect: 100-continue
     gives up on the body): the front closes it keep-alive seconds later, as uvicorn does (it

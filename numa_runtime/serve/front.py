@@ -63,7 +63,7 @@ def bad_request(e: h11.ProtocolError) -> bytes:
     """The answer to a request that is not valid HTTP/1.1 (431: its headers are too large)."""
     status = getattr(e, "error_status_hint", 400)
     status = status if status in (400, 431) else 400
-    why = "its headers are too large" if status == 431 else str(e)[:200]
+    why = "its headers are too large" if status == 431 else str(e).split(":")[0][:100]  # NOTE: not the bytes
     body = json.dumps({"error": {"message": f"The request is not valid HTTP/1.1 ({why}).", "type":
                                  "invalid_request_error", "param": None, "code": str(status)}}).encode()
     reason = http.HTTPStatus(status).phrase.encode()
@@ -356,6 +356,8 @@ class Relay:
             while True:
                 event = self.up.next_event()
                 if event is h11.NEED_DATA:
+                    if asked and self.up.they_are_waiting_for_100_continue:
+                        break  # NOTE: its body comes only after a 100: answer now
                     timeout = deadline - loop.time() if not asked else 10.0
                     data = await asyncio.wait_for(self.creader.read(_READ), max(0.0, timeout))
                     self.up.receive_data(data)
@@ -363,12 +365,15 @@ class Relay:
                 asked = asked or isinstance(event, h11.Request)
                 if isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)) or event is h11.PAUSED:
                     break
-            if asked:
-                self.front.answered += 1
-                self.cwriter.write(answer)
-                await self.cwriter.drain()
         except (OSError, asyncio.TimeoutError, h11.ProtocolError):
-            pass
+            pass  # NOTE: a body that stopped coming (or did not parse) is still answered
+        if asked:
+            self.front.answered += 1
+            self.cwriter.write(answer)
+            try:
+                await self.cwriter.drain()
+            except OSError:
+                pass
 
 
 class _WriteOnly(asyncio.StreamReaderProtocol):
