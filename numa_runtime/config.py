@@ -528,7 +528,9 @@ class EngineConfig:
     # RESERVE_MIN_CPUS cpus, computes on one cpu fewer: that one runs the HTTP server
     reserve_server_core: bool = False
     block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes per rank; None: kv_cache_fraction of available memory
+    # bytes per rank, the whole pool (what sequences do not hold, the prefix cache keeps); None:
+    # kv_cache_fraction of memory, no more than max_num_seqs sequences at max_model_len need
+    kv_cache_memory: int | None = None
     kv_cache_fraction: float = 0.2
     kv_cache_dtype: str = "auto"        # "auto" (the dtype's: bf16 or f32), "bfloat16", "float32" or "int8"
     max_num_seqs: int = 64
@@ -731,10 +733,13 @@ def replicas_for_tp(tp, data_parallel: int | None, ranks: int, given: str, start
 
 
 def kv_pool_blocks(budget_bytes: int, bytes_per_block: int, max_num_seqs: int, max_model_len: int,
-                   block_size: int) -> int:
-    """Blocks a KV pool of `budget_bytes` holds: no more than every sequence at full length
-    needs (+1: a window's partial first block)."""
-    return int(min(budget_bytes // bytes_per_block, max_num_seqs * -(-max_model_len // block_size) + 1))
+                   block_size: int, cap: bool = True) -> int:
+    """Blocks a KV pool of `budget_bytes` holds; with `cap` (a budget of the default share of
+    memory) no more than every sequence at full length needs (+1: a window's partial first
+    block). A budget given (kv_cache_memory) is the pool: what sequences do not hold, the
+    prefix cache keeps (as vLLM's pool takes its whole share)."""
+    n = budget_bytes // bytes_per_block
+    return int(min(n, max_num_seqs * -(-max_model_len // block_size) + 1) if cap else n)
 
 
 def context_in_pool(max_model_len: int, num_blocks: int, block_size: int, every_layer_slides: bool) -> int:

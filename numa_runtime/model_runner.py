@@ -73,7 +73,8 @@ class ModelRunner:
             # NOTE: a cgroup's or ulimit -v's cap where it is lower than the host's memory
             total = env.memory_limit_bytes(psutil.virtual_memory().total)
             budget = int(total * cfg.kv_cache_fraction / self.comm.local_size)
-        n = kv_pool_blocks(budget, self.bytes_per_block, cfg.max_num_seqs, max_model_len, self.block_size)
+        n = kv_pool_blocks(budget, self.bytes_per_block, cfg.max_num_seqs, max_model_len, self.block_size,
+                           cap=cfg.kv_cache_memory is None)
         if n < 2:
             raise ValueError(f"The KV cache budget ({budget} bytes) holds fewer than 2 blocks of "
                              f"{self.bytes_per_block} bytes; raise kv_cache_memory.")

@@ -1007,6 +1007,27 @@ def test_a_window_models_prompt_logprobs_run_for_a_prompt_longer_than_the_pool(t
         assert len(out.prompt_logprobs) == 400 and eng.block_manager.num_free_blocks == 14
 
 
+def test_a_given_kv_cache_memory_is_the_whole_pool(model_dir):
+    """kv_cache_memory is the pool (the prefix cache keeps what sequences do not hold), as vLLM's
+    pool takes its whole share; it was cut to what max_num_seqs sequences at max_model_len need,
+    a cap only the default share keeps. 8 KiB a block (2 layers x 2 kv heads x 16 x 4 x 2 x 16)."""
+    given = Engine(model_dir, dtype="float32", kv_cache_memory=100 * 8192, max_model_len=64, max_num_seqs=2)
+    default = Engine(model_dir, dtype="float32", max_model_len=64, max_num_seqs=2)
+    try:
+        assert given.block_manager.num_blocks == 100
+        assert default.block_manager.num_blocks == 2 * (64 // 16) + 1
+        rng = random.Random(3)
+        prompts = [[rng.randrange(3, 380) for _ in range(40)] for _ in range(12)]  # 36 blocks in all
+        sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        for eng in (given, default):
+            eng.generate(prompts, sp)
+        again = given.generate(prompts, sp)  # NOTE: every prompt's blocks still cached
+        assert all(o.num_cached_tokens == 32 for o in again), [o.num_cached_tokens for o in again]
+    finally:
+        given.close()
+        default.close()
+
+
 def test_a_window_models_cached_prefix_longer_than_the_pool_is_recomputed(tmp_path):
     """Sliding window 64, a pool of 40 blocks of 16: a 600-token prompt leaves 37 cached blocks;
     a prompt sharing 592 of its tokens found them all as prefix hits, which with its first chunk

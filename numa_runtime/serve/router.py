@@ -181,7 +181,8 @@ class ModelRouter:
         ecfg = EngineConfig(**{k: v for k, v in self._engine_kwargs.items() if k in EngineConfig.__dataclass_fields__})
         heads = max(ShardLayout.build(mcfg, r, self.world).num_kv_heads for r in range(self.world))
         block = kv_block_bytes(mcfg, heads, ecfg.block_size, ecfg.kv_dtype)
-        blocks = kv_pool_blocks(self._kv_bytes(), block, ecfg.max_num_seqs, asked, ecfg.block_size)
+        # NOTE: each model's engine is given its KV bytes (kv_cache_memory): no cap, as there
+        blocks = kv_pool_blocks(self._kv_bytes(), block, ecfg.max_num_seqs, asked, ecfg.block_size, cap=False)
         return context_in_pool(asked, blocks, ecfg.block_size, bool(mcfg.min_window))
 
     @property
