@@ -209,6 +209,12 @@ def test_server_serves_each_model_by_name(models, ranks):
         assert metric(srv.base, 'numa_runtime_http_responses_total{code="404"}') == 1
         assert metric(srv.base, 'numa_runtime_http_responses_total{code="400"}') >= 1
         assert all(m["max_model_len"] == 128 for m in httpx.get(srv.base + "/v1/models").json()["data"])
+        # the engine gauges per model, as vLLM labels them (they were the models' sums, unlabelled)
+        from prometheus_client.parser import text_string_to_metric_families
+        fams = {f.name: f for f in text_string_to_metric_families(httpx.get(srv.base + "/metrics").text)}
+        for fam in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                    "vllm:num_preemptions", "numa_runtime_prefix_cache_hit_rate"):
+            assert sorted(smp.labels.get("model_name") for smp in fams[fam].samples) == names, fams[fam].samples
         # the openai client's models.retrieve (it was a 404 "no such endpoint")
         assert client.models.retrieve("beta").model_dump()["id"] == "beta"
         with pytest.raises(openai.NotFoundError, match="'delta' does not exist"):
@@ -407,6 +413,30 @@ def test_the_operator_profile_of_each_model(models):
     assert first.status_code == 200 and "model alpha" in first.text, first.text[:500]
     assert beta.status_code == 200 and "model beta" in beta.text, beta.text[:500]
     assert missing.status_code == 404 and "'nope' does not exist" in missing.text
+
+
+def test_per_model_engine_stats_outlive_an_unload(models):
+    """Each model's prefix-cache hit rate and preemptions count over its life, unloaded or not
+    (the hit rate covered the loaded models only)."""
+    root, _ = models
+    r = router(root, ["alpha", "beta"], 1.2)  # one model at a time
+
+    def ask(name, rid):  # NOTE: a prompt of several KV blocks
+        r.route[rid] = name
+        r.add_request(PROMPT * 8, GREEDY, request_id=rid)
+        while r.has_unfinished_requests():
+            r.step()
+    for rid in ("a1", "a2"):  # NOTE: the second finds the first's prompt blocks cached
+        ask("alpha", rid)
+    stats = {row[0]: row for row in r.model_stats()}
+    hit = stats["alpha"][4]
+    assert hit > 0 and r.hit_rate == pytest.approx(hit)
+    ask("beta", "b1")  # NOTE: alpha unloaded for it
+    assert list(r.engines) == ["beta"]
+    stats = {row[0]: row for row in r.model_stats()}
+    assert stats["alpha"][1:5] == (0, 0, 0.0, hit) and stats["beta"][4] == 0.0
+    assert 0 < r.hit_rate < hit  # NOTE: beta's lookups found nothing cached
+    r.close()
 
 
 def test_a_model_that_fails_to_load_never_unloads_the_others(models, tmp_path):

@@ -32,6 +32,8 @@ class EngineStats:
     prefix_cache_hit_rate: float = 0.0
     num_threads: int = 0          # compute threads of the thread that steps the engine
     num_preemptions: int = 0      # since the start (KV blocks given back for a newer request's room)
+    # several models (a ModelRouter): per model (name, running, waiting, KV usage, hit rate, preemptions)
+    per_model: tuple = ()
 
 
 class EngineDeadError(RuntimeError):
@@ -312,7 +314,8 @@ class AsyncEngine:
             num_waiting=_num(sched, "num_waiting", "waiting"),
             kv_cache_usage=float(getattr(bm, "usage", 0.0) or 0.0),
             prefix_cache_hit_rate=float(getattr(bm, "hit_rate", 0.0) or 0.0),
-            num_threads=self._num_threads, num_preemptions=int(getattr(sched, "num_preemptions", 0) or 0))
+            num_threads=self._num_threads, num_preemptions=int(getattr(sched, "num_preemptions", 0) or 0),
+            per_model=tuple(self.engine.model_stats()) if hasattr(self.engine, "model_stats") else ())
 
 
 def _num(obj, count_attr: str, list_attr: str) -> int:

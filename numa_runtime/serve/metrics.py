@@ -5,7 +5,7 @@ import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the /metrics route
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -14,16 +14,38 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300, 600)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
-class _StatsCounter:
-    """A counter whose value the engine keeps (read at scrape time)."""
+class _EngineGauges:
+    """The engine's gauges and its preemption counter, read from its stats snapshot at scrape
+    time: one sample each, or on a server of several models one per model under vLLM's
+    model_name label (they were the models' sums, unlabelled, so a dashboard's model filter
+    found none)."""
 
-    def __init__(self, name: str, doc: str, read):
-        self.name, self.doc, self.read = name, doc, read
+    # (name, counter?, help, the snapshot's field, its index in a per-model row)
+    FAMILIES = (
+        ("num_requests_running", False, "Sequences in the running batch", "num_running", 1),
+        ("num_requests_waiting", False, "Sequences waiting to be scheduled", "num_waiting", 2),
+        ("kv_cache_usage_ratio", False, "Fraction of KV cache blocks in use", "kv_cache_usage", 3),
+        ("prefix_cache_hit_rate", False, "Prompt tokens served from the prefix cache / prompt tokens",
+         "prefix_cache_hit_rate", 4),
+        ("num_preemptions", True, "Requests preempted (their KV blocks freed for others; recomputed "
+         "later): many mean the KV cache is too small", "num_preemptions", 5),
+    )
+
+    def __init__(self, prefix: str, stats_source):
+        self.prefix, self.stats_source = prefix, stats_source
 
     def collect(self):
-        c = CounterMetricFamily(self.name, self.doc)
-        c.add_metric([], float(self.read()))
-        yield c
+        s = self.stats_source()
+        rows = s.per_model
+        for name, counter, doc, attr, i in self.FAMILIES:
+            kind = CounterMetricFamily if counter else GaugeMetricFamily
+            fam = kind(self.prefix + name, doc, labels=["model_name"] if rows else None)
+            if rows:
+                for row in rows:
+                    fam.add_metric([row[0]], float(row[i]))
+            else:
+                fam.add_metric([], float(getattr(s, attr)))
+            yield fam
 
 
 # NOTE: our families under vLLM's names too (vllm:...), so that vLLM's Grafana dashboard and
@@ -126,20 +148,9 @@ class ServerMetrics:
                                           "(ok, error)", m + ["status"], registry=r)
         self.embedding_latency = Histogram(p + "embedding_request_latency_seconds", "Time from arrival to the "
                                            "answer of an embeddings request", m, buckets=_E2E_BUCKETS, registry=r)
-        gauges = {
-            "num_requests_running": ("Sequences in the running batch", "num_running"),
-            "num_requests_waiting": ("Sequences waiting to be scheduled", "num_waiting"),
-            "kv_cache_usage_ratio": ("Fraction of KV cache blocks in use", "kv_cache_usage"),
-            "prefix_cache_hit_rate": ("Prompt tokens served from the prefix cache / prompt tokens",
-                                      "prefix_cache_hit_rate"),
-            "engine_threads": ("Compute threads of the thread that steps the engine", "num_threads"),
-        }
-        for name, (doc, attr) in gauges.items():
-            g = Gauge(p + name, doc, registry=r)
-            g.set_function(lambda attr=attr: float(getattr(stats_source(), attr)))
-        r.register(_StatsCounter(p + "num_preemptions", "Requests preempted (their KV blocks freed for "
-                                 "others; recomputed later): many mean the KV cache is too small",
-                                 lambda: stats_source().num_preemptions))
+        g = Gauge(p + "engine_threads", "Compute threads of the thread that steps the engine", registry=r)
+        g.set_function(lambda: float(stats_source().num_threads))
+        r.register(_EngineGauges(p, stats_source))
         live = {
             "seconds_since_last_step": "Seconds since the engine last finished a step",
             "engine_busy_seconds": "Seconds the engine has spent in its current step or command (0 when idle)",

@@ -128,7 +128,9 @@ class ModelRouter:
         self.model_configs = {m.name: ModelConfig.from_dir(os.path.expanduser(m.model_dir)) for m in config.models}
         self.footprint = {n: self._estimate(n) for n in self.specs}  # bytes per rank
         self.engines: OrderedDict[str, object] = OrderedDict()  # loaded, least recently used first
-        self._unloaded_preemptions = 0  # NOTE: /metrics counts them over the server's life
+        # NOTE: /metrics counts over the server's life: what unloaded engines had counted, per
+        # model (preemptions, prefix-cache hit tokens, prompt tokens looked up)
+        self._past: dict[str, list[int]] = {n: [0, 0, 0] for n in self.specs}
         self._context: dict[str, int] = {}  # name -> its max_model_len when it was last loaded
         # name -> (its files' stamp, the error, when) of its last failed load: weights that cannot
         # be opened (when: None) are refused until their files change; after a load that failed
@@ -309,7 +311,10 @@ class ModelRouter:
         t0 = time.perf_counter()
         self._activate(name)
         eng = self.engines.pop(name)
-        self._unloaded_preemptions += eng.scheduler.num_preemptions
+        past = self._past[name]
+        past[0] += eng.scheduler.num_preemptions
+        past[1] += eng.block_manager.hit_tokens
+        past[2] += eng.block_manager.query_tokens
         eng.close()  # flushes its disk tier; its SHUTDOWN plan returns the workers to worker_main
         self._active = None
         self._send(UNLOAD, name)
@@ -375,7 +380,7 @@ class ModelRouter:
 
     @property
     def num_preemptions(self) -> int:
-        return self._unloaded_preemptions + sum(e.scheduler.num_preemptions for e in self.engines.values())
+        return sum(p[0] for p in self._past.values()) + sum(e.scheduler.num_preemptions for e in self.engines.values())
 
     @property
     def usage(self) -> float:
@@ -385,9 +390,26 @@ class ModelRouter:
 
     @property
     def hit_rate(self) -> float:
-        hits = sum(e.block_manager.hit_tokens for e in self.engines.values())
-        queries = sum(e.block_manager.query_tokens for e in self.engines.values())
+        """Over every model's life, unloaded ones too (it counted the loaded models only)."""
+        hits = sum(p[1] for p in self._past.values()) + sum(e.block_manager.hit_tokens for e in self.engines.values())
+        queries = (sum(p[2] for p in self._past.values())
+                   + sum(e.block_manager.query_tokens for e in self.engines.values()))
         return hits / queries if queries else 0.0
+
+    def model_stats(self) -> list[tuple]:
+        """Per model, for /metrics' engine gauges under vLLM's model_name label: (name, running,
+        waiting, KV usage, prefix-cache hit rate over its life, preemptions over its life); an
+        unloaded model runs nothing and holds no KV."""
+        out = []
+        for name, past in self._past.items():
+            e = self.engines.get(name)
+            hits, queries = past[1], past[2]
+            if e is not None:
+                hits, queries = hits + e.block_manager.hit_tokens, queries + e.block_manager.query_tokens
+            out.append((name, e.scheduler.num_running if e else 0, e.scheduler.num_waiting if e else 0,
+                        float(e.block_manager.usage) if e else 0.0, hits / queries if queries else 0.0,
+                        past[0] + (e.scheduler.num_preemptions if e else 0)))
+        return out
 
     @property
     def ops(self):
