@@ -306,6 +306,8 @@ def test_openai_client_embeddings(decoder):
         assert metric(srv.base, 'numa_runtime_embedding_requests_total{status="error"}') == 4
         with pytest.raises(openai.BadRequestError, match="Input 1 has 300 tokens, but the context holds 256"):
             client.embeddings.create(model="emb", input=[[5, 6, 7], [5] * 300])  # NOTE: the one at fault
+        with pytest.raises(openai.BadRequestError, match="Input 2 holds token id 1000000, outside the vocabulary"):
+            client.embeddings.create(model="emb", input=[[5, 6], [7], [8, 10 ** 6]])
         with pytest.raises(openai.NotFoundError):
             client.embeddings.create(model="other", input="x")
         for bad in ([True, 2], [[True, False]]):  # NOTE: strict types: true is not a token id

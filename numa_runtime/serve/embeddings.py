@@ -95,8 +95,12 @@ async def create_embeddings(aengine, body: EmbeddingRequest, model_name: str, po
     ids = await asyncio.to_thread(tokenize)
     if any(not i for i in ids):
         raise ValueError("An input has no tokens (an empty text without special tokens); give it some text.")
+    vocab = engine.model_config.vocab_size
     for i, one in enumerate(ids):  # NOTE: each input runs alone below: name the one at fault first
         check_input_length(i, len(one), engine.max_model_len)
+        bad = next((t for t in one if not 0 <= t < vocab), None)
+        if bad is not None:  # NOTE: before any input runs (the engine found it when it reached it)
+            raise ValueError(f"Input {i} holds token id {bad}, outside the vocabulary (size {vocab}).")
 
     # NOTE: one engine call an input (they run one after another anyway): steps of other requests
     # go between them, and a client gone (its handler cancelled) leaves the rest unrun
