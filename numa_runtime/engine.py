@@ -449,16 +449,16 @@ class Engine:
         prompt = _prompt_of(prompt)
         if isinstance(prompt, str):
             check_text("The prompt", prompt)
-            ids = (self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) if keep is not None else
-                   self.tokenizer.encode_within(prompt, self.max_model_len, add_special_tokens=add_special_tokens))
+            ids = (self.tokenizer.encode_last(prompt, keep, add_special_tokens=add_special_tokens) if keep is not None
+                   else self.tokenizer.encode_within(prompt, self.max_model_len, add_special_tokens=add_special_tokens))
             text = prompt
         elif _is_token_ids(prompt):
             ids, text = [int(t) for t in prompt], None
+            if keep is not None:
+                ids = ids[-keep:]
         else:
             raise TypeError("A prompt must be a string, a list of token ids, or a dict with 'prompt' or "
                             "'prompt_token_ids'.")
-        if keep is not None:
-            ids = ids[-keep:]
         self.check_prompt_ids(ids)  # NOTE: empty, or an id outside the vocabulary
         return text, ids
 

@@ -176,8 +176,14 @@ class Tokenizer:
         ids = self._encode_one(text, add_special_tokens, truncation, max_length, padding)
         return ids if return_tensors is None else _tensors([ids], return_tensors)
 
+    def encode_last(self, text: str, keep: int, add_special_tokens: bool = True) -> list[int]:
+        """The tokens of text within `keep`, as vLLM's truncate_prompt_tokens takes them: the text's
+        first tokens cut, the special tokens the tokenizer adds around them kept (HF's truncation
+        from the left; a BOS was cut with the text)."""
+        return self._encode_one(text, add_special_tokens, True, keep, side="left")
+
     def _encode_one(self, text: str, add_special_tokens: bool, truncation=None, max_length: int | None = None,
-                    padding=False) -> list[int]:
+                    padding=False, side: str | None = None) -> list[int]:
         if not (add_special_tokens and self._bos_eos_from_config):
             ids = self._encode(text, add_special_tokens)
         else:
@@ -204,7 +210,7 @@ class Tokenizer:
             at, plain = 0, ids
         head, tail = ids[:at], ids[at + len(plain):]
         keep = max(0, limit - len(head) - len(tail))
-        kept = plain[:keep] if self.truncation_side == "right" else plain[len(plain) - keep:]
+        kept = plain[:keep] if (side or self.truncation_side) == "right" else plain[len(plain) - keep:]
         return (head + kept + tail)[:limit]
 
     @functools.cached_property

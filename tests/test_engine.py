@@ -1007,6 +1007,26 @@ def test_a_window_models_prompt_logprobs_run_for_a_prompt_longer_than_the_pool(t
         assert len(out.prompt_logprobs) == 400 and eng.block_manager.num_free_blocks == 14
 
 
+def test_truncating_a_text_prompt_keeps_its_bos(tmp_path):
+    """vLLM's truncate_prompt_tokens on a text: its first tokens are cut, the BOS the tokenizer
+    adds is kept (as vLLM's tokenizer truncates from the left); it was cut with them."""
+    from tokenizers import Tokenizer as Backend, processors
+    d = str(tmp_path / "m")
+    build_model(d, arch="llama")
+    backend = Backend.from_file(os.path.join(d, "tokenizer.json"))
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    backend.save(os.path.join(d, "tokenizer.json"))
+    with Engine(d, dtype="float32", kv_cache_memory=1 << 22, max_model_len=128) as eng:
+        text = "the quick brown fox jumps over the lazy dog"
+        plain = eng.tokenizer.encode(text, add_special_tokens=False)
+        assert eng.tokenizer.encode(text) == [1] + plain and len(plain) > 4
+        out = eng.generate([text], SamplingParams(max_tokens=1, truncate_prompt_tokens=4))[0]
+        assert list(out.prompt_token_ids) == [1] + plain[-3:]
+        ids = eng.tokenizer.encode(text)  # NOTE: token ids: the last k, as given
+        out = eng.generate([ids], SamplingParams(max_tokens=1, truncate_prompt_tokens=4))[0]
+        assert list(out.prompt_token_ids) == ids[-4:]
+
+
 def test_a_given_kv_cache_memory_is_the_whole_pool(model_dir):
     """kv_cache_memory is the pool (the prefix cache keeps what sequences do not hold), as vLLM's
     pool takes its whole share; it was cut to what max_num_seqs sequences at max_model_len need,

@@ -682,6 +682,13 @@ def test_truncation_keeps_the_added_special_tokens_and_sides_come_from_the_confi
             assert ours(long, **kw)["input_ids"] == hf(long, **kw)["input_ids"], (side, kw)
             assert ours.encode(long, **kw) == hf.encode(long, **kw), (side, kw)
     assert ours(long, truncation=True, max_length=4)["input_ids"][-1] == ours.convert_tokens_to_ids(eos)
+    # vLLM's truncate_prompt_tokens: the text cut from the left whatever the config's side, the
+    # special tokens kept (the last k ids had dropped the BOS)
+    ours.truncation_side = hf.truncation_side = "left"
+    want = hf(long, truncation=True, max_length=5)["input_ids"]
+    ours.truncation_side = "right"
+    assert ours.encode_last(long, 5) == want and want[0] == ours.convert_tokens_to_ids(bos)
+    assert ours.encode_last(long, 100) == hf(long)["input_ids"]
     for kw in ({"padding": True}, {"padding": "max_length"}, {"padding": True, "padding_side": "right"}):
         assert dict(ours(["hi", long], **kw)) == {k: list(v) for k, v in hf(["hi", long], **kw).items()}, kw
     assert ours.encode("hi", padding="max_length", max_length=6) == hf.encode("hi", padding="max_length", max_length=6)

@@ -250,18 +250,22 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
                            code="profiling_off")
         return PlainTextResponse(str(await aengine.call(lambda e: e.get_op_profiling_info())))
 
-    def tokenize_prompts(prompts: list, add_special_tokens: bool) -> list[list[int]]:
-        # NOTE: runs in a worker thread; the tokenizer releases the GIL while it encodes.
-        return [engine.tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else p
-                for p in prompts]
+    def tokenize_prompts(prompts: list, add_special_tokens: bool, keep: int | None = None) -> list[list[int]]:
+        """`keep`: truncate_prompt_tokens (a text's special tokens kept, as vLLM's tokenizer keeps
+        them; token ids: the last `keep`). Runs in a worker thread; the tokenizer releases the GIL
+        while it encodes."""
+        tok = engine.tokenizer
+        return [(tok.encode_last(p, keep, add_special_tokens) if keep else
+                 tok.encode(p, add_special_tokens=add_special_tokens)) if isinstance(p, str)
+                else (p[-keep:] if keep else p) for p in prompts]
 
     def tokenize_chat(messages: list[dict], template_kwargs: dict, add_special_tokens: bool,
                       keep: int | None = None) -> list[int]:
         text = engine.tokenizer.render_chat(messages, **template_kwargs)
         if keep is None:
             engine.tokenizer.check_length(text, engine.max_model_len)
-        ids = engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return ids[-keep:] if keep else ids
+        return (engine.tokenizer.encode_last(text, keep, add_special_tokens) if keep else
+                engine.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     async def prompt_pairs(request: Request, prompts: list[list[int]], k: int) -> list[list[tuple]]:
         """Each prompt's tokens' logprob pairs (tokens 1..n-1, `k` most likely each), computed
@@ -293,9 +297,8 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
                                  "drop one.")
             if params.constraint is not None and not echo_only:  # NOTE: guided_json; built once, off the loop
                 await asyncio.to_thread(engine.grammars.prepare)
-            prompts = await asyncio.to_thread(tokenize_prompts, texts, body.add_special_tokens)
-            if keep:  # NOTE: as vLLM's truncate_prompt_tokens: the last `keep` tokens
-                prompts = [p[-keep:] for p in prompts]
+            # NOTE: as vLLM's truncate_prompt_tokens: the last `keep` tokens
+            prompts = await asyncio.to_thread(tokenize_prompts, texts, body.add_special_tokens, keep)
             echo = scores = None
             if body.echo or body.prompt_logprobs is not None:
                 check_queue()  # NOTE: before the prompt's forward

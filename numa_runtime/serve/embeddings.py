@@ -88,9 +88,10 @@ async def create_embeddings(aengine, body: EmbeddingRequest, model_name: str, po
         if isinstance(item, str) and keep is None:
             tok.check_length(item, engine.max_model_len)
 
-    def tokenize() -> list[list[int]]:
-        return [(tok.encode(x, add_special_tokens=body.add_special_tokens) if isinstance(x, str) else x)[
-            -keep if keep else 0:] for x in items]
+    def tokenize() -> list[list[int]]:  # NOTE: a text's special tokens survive truncation, as in vLLM
+        return [(tok.encode_last(x, keep, body.add_special_tokens) if keep else
+                 tok.encode(x, add_special_tokens=body.add_special_tokens)) if isinstance(x, str)
+                else (x[-keep:] if keep else x) for x in items]
 
     ids = await asyncio.to_thread(tokenize)
     if any(not i for i in ids):
