@@ -157,6 +157,7 @@ class SamplingParams:
                                "beside them (CompletionOutput.delta, new_token_ids)")):
             value = getattr(self, name)
             value = getattr(value, "name", value)  # NOTE: vLLM's RequestOutputKind enum
+            value = value.upper() if name == "output_kind" and isinstance(value, str) else value  # "cumulative"
             if value not in ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported ({why}).")
         if isinstance(self.stop, str):

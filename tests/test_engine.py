@@ -1252,6 +1252,9 @@ def test_vllm_scripts_run_unchanged(model_dir):
             Engine(model_dir, dtype="float32", kv_cache_memory=1 << 22, **kw)
     for kw, match in (({"detokenize": False}, "detokenize=False is not supported"),
                       ({"logits_processors": [abs]}, "logits_processors=.* is not supported"),
-                      ({"output_kind": 2}, "output_kind=2 is not supported")):
+                      ({"output_kind": 2}, "output_kind=2 is not supported"),
+                      ({"output_kind": "delta"}, "output_kind='delta' is not supported")):
         with pytest.raises(ValueError, match=match):
             SP(**kw)
+    for kind in ("cumulative", "CUMULATIVE", 0, None):  # NOTE: the name in any case (it was upper case only)
+        SP(output_kind=kind)

@@ -236,7 +236,8 @@ def check_checkpoint_method(name: str | None, ckpt, where) -> None:
     have = checkpoint_method(ckpt)
     if have != want:
         held = f"holds {have.upper()} weights" if have else "is a dense checkpoint"
-        raise QuantError(f"quantization={name!r} (--quantization) names the format of a {want.upper()} checkpoint, "
+        an = "an" if want.upper()[0] in "AEFHILMNORSX" else "a"  # NOTE: as the letters are spoken: an AWQ, a GPTQ
+        raise QuantError(f"quantization={name!r} (--quantization) names the format of {an} {want.upper()} checkpoint, "
                          f"but {where} {held}; drop it, or pass 'int8'/'int4' to quantize a dense one at load.")
 
 

@@ -62,7 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", action="append", default=None,
                     help="Hugging Face model directory or a .gguf file (default: SmolLM2-135M-Instruct); "
                          "repeat it to serve several models, each named by its directory or file")
-    ap.add_argument("--models-dir", default=None, help="serve every model directory inside this directory")
+    ap.add_argument("--models-dir", default=None, help="serve every model directory and .gguf file inside this "
+                                                         "directory")
     ap.add_argument("--memory-budget", default=None,
                     help="several models: bytes per rank for all weights and KV pools (e.g. 16G; default: 60%% "
                          "of this host's memory / ranks)")
@@ -72,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint "
-                                                    "but /health")
+                                                    "but /health and /ping")
     ap.add_argument("--served-model-name", nargs="+", action="extend", default=None,
                     help="names clients send as `model` (default: the model directory's name); answers carry "
                          "the first")

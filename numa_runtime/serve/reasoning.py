@@ -8,8 +8,8 @@ goes to `reasoning_content` (and `reasoning`, vLLM's newer name), the rest to `c
   `enable_thinking: false` the template writes an empty think block and the reply has none).
 
 A stream and a body split the same text alike: `split` is a `ReasoningStream` fed the whole text.
-Requests whose output a JSON schema constrains (response_format, guided_json, a tool_choice that
-calls a function) are not split: the schema leaves no room to reason.
+Requests whose output structured output constrains (response_format, guided_json/regex/choice/
+grammar, a tool_choice that calls a function) are not split: the constraint leaves no room to reason.
 """
 from __future__ import annotations
 
