@@ -1105,6 +1105,8 @@ class Engine:
                 signal.signal(signal.SIGINT, held)
         if not self._keeps_workers:
             self.comm.gather_object(_exiting)  # NOTE: rank 0's close() learns whether this rank exits
+            self.comm.close()  # NOTE: collective, as rank 0's _shutdown: the shared-memory window goes
+        atexit.unregister(self._close_at_exit)  # NOTE: it kept every closed engine's weights alive
 
     def _execute(self, run, *args):
         """A step on every rank. On several ranks a step that fails on rank 0 once the workers
@@ -1198,6 +1200,9 @@ class Engine:
                 # NOTE: each worker says whether it exits now (its first driving call) or returns
                 # from serve_workers(): a later Engine would wait for ever for ranks that are gone
                 _workers_exited = _workers_exited or any(self.comm.gather_object(False)[1:])
+                # NOTE: each Engine makes its own communicator and window (a job that makes and
+                # closes engines grew by one each); the router closes those of the engines it keeps
+                self.comm.close()
         except Exception as e:  # noqa: BLE001 - shutting down anyway
             log.warning("numa_runtime: shutting down workers failed: %s", e)
 

@@ -1,5 +1,6 @@
 """Communicators and the reduce kernel. Multi-rank tests run the scripts in tests/mpi/
 under the real `mpirun`, each with a timeout so a hang fails instead of blocking."""
+import json
 import os
 import shutil
 import subprocess
@@ -249,6 +250,20 @@ def test_idle_workers_sleep(tiny_model):
     assert r["world"] == 2 and r["workers"] == 1
     assert r["cpu_s"] / (r["wall_s"] * r["workers"]) < 0.1, r
     assert r["after"] == r["before"] and len(r["before"]) == 8  # and they wake up to work
+
+
+@needs_mpirun
+def test_engines_made_and_closed_in_one_job_are_freed(tiny_model):
+    """Each Engine of a job made its own shared-memory window, which close() never freed (every
+    engine grew each rank by it), and a worker's closed Engine stayed alive (its atexit handler
+    held it: weights, KV cache, the open checkpoint)."""
+    out = run_mpi("engine_cycles.py", 2, tiny_model, "6", timeout=240)
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line[len("RESULT "):]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert sorted(r["rank"] for r in rows) == [0, 1], out.stdout
+    for r in rows:
+        assert r["alive"] == 0, r
+        assert r["seen"]["5"] == r["seen"]["1"], r  # NOTE: mappings and open files after engine 1 and 5
 
 
 @needs_mpirun
