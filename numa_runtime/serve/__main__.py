@@ -501,19 +501,6 @@ class HttpFront:
             pass
 
 
-def _raise_file_limit() -> None:
-    """Rank 0 holds a descriptor per client connection (the front's relays, or the clients): the
-    usual soft limit of 1024 open files refused connections near a thousand; it goes up to the
-    hard limit, as vLLM's server does."""
-    import resource
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (ValueError, OSError):
-            pass
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     world = env.mpi_world()
@@ -530,7 +517,8 @@ def main(argv=None) -> int:
     logging.getLogger("numa_runtime").setLevel(args.log_level.upper())
     sock = None
     if lead:
-        _raise_file_limit()
+        from .front import raise_file_limit
+        raise_file_limit()  # NOTE: a descriptor a client connection (the front's relays, or the clients)
         try:
             sock = listen(args.host, args.port)
         except OSError as e:

@@ -41,6 +41,18 @@ _EXIT_AFTER_S = 10.0  # once rank 0 has gone, the longest the front waits for co
 _UNTRACKED_IDLE_S = 3600.0  # a connection h11 cannot follow closes after this long without a byte
 
 
+def raise_file_limit() -> None:
+    """The soft limit of open files up to the hard one: the front holds two descriptors a client
+    connection and rank 0 one (the usual soft 1024 refused connections near 500 and 1000), as
+    vLLM's server raises its own."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
+
+
 def error_json(message: str, code: str = "engine_stopped") -> bytes:
     return json.dumps({"error": {"message": message, "type": "server_error", "param": None,
                                  "code": code}}).encode()
@@ -173,11 +185,7 @@ class Relay:
                 self.watch(self.up, data)
                 if self.rejected is not None:  # NOTE: not relayed: the front answers it and closes
                     self.client_gone = True
-                    self.cwriter.write(self.rejected)
-                    try:
-                        await self.cwriter.drain()
-                    except OSError:
-                        pass
+                    await self.send(self.rejected)
                     bwriter.close()
                     self.bread_side.close()
                     return
@@ -217,11 +225,15 @@ class Relay:
         ending = self.ending()
         if ending:
             self.front.answered += 1
-            self.cwriter.write(ending)
-            try:
-                await self.cwriter.drain()
-            except OSError:
-                pass
+            await self.send(ending)
+
+    async def send(self, answer: bytes) -> None:
+        """An answer of the front's own to the client (a client gone takes nothing)."""
+        self.cwriter.write(answer)
+        try:
+            await self.cwriter.drain()
+        except OSError:
+            pass
 
     async def answer_late(self) -> None:
         """Rank 0's side ended before a request reached it: answer one the client has begun, or
@@ -237,11 +249,7 @@ class Relay:
                 pass
         if begun:
             self.front.answered += 1
-            self.cwriter.write(refusal(self.front.message()))
-            try:
-                await self.cwriter.drain()
-            except OSError:
-                pass
+            await self.send(refusal(self.front.message()))
 
     def answered_early(self) -> bool:
         """Rank 0 has answered the request under way whole before the request ended."""
@@ -369,11 +377,7 @@ class Relay:
             pass  # NOTE: a body that stopped coming (or did not parse) is still answered
         if asked:
             self.front.answered += 1
-            self.cwriter.write(answer)
-            try:
-                await self.cwriter.drain()
-            except OSError:
-                pass
+            await self.send(answer)
 
 
 class _WriteOnly(asyncio.StreamReaderProtocol):
@@ -508,13 +512,7 @@ def main(argv=None) -> int:
     # and `pkill -f numa_runtime.serve` signal it beside rank 0, which then shuts down gracefully
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    # NOTE: two descriptors per connection; the usual soft limit of 1024 would refuse at ~500
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (ValueError, OSError):
-            pass
+    raise_file_limit()
     sock = socket.socket(fileno=args.fd)
     return asyncio.run(Front(sock, args.backend, args.keep_alive, args.access_log).main())
 

@@ -378,9 +378,19 @@ class ModelRouter:
     def num_waiting(self) -> int:
         return sum(e.scheduler.num_waiting for e in self.engines.values())
 
+    def _lifetime(self, name: str) -> tuple[int, int, int]:
+        """(preemptions, prefix-cache hit tokens, prompt tokens looked up) of model `name` over
+        the server's life: its unloaded engines' and its live one's."""
+        pre, hits, queries = self._past[name]
+        e = self.engines.get(name)
+        if e is not None:
+            pre += e.scheduler.num_preemptions
+            hits, queries = hits + e.block_manager.hit_tokens, queries + e.block_manager.query_tokens
+        return pre, hits, queries
+
     @property
     def num_preemptions(self) -> int:
-        return sum(p[0] for p in self._past.values()) + sum(e.scheduler.num_preemptions for e in self.engines.values())
+        return sum(self._lifetime(n)[0] for n in self._past)
 
     @property
     def usage(self) -> float:
@@ -391,9 +401,8 @@ class ModelRouter:
     @property
     def hit_rate(self) -> float:
         """Over every model's life, unloaded ones too (it counted the loaded models only)."""
-        hits = sum(p[1] for p in self._past.values()) + sum(e.block_manager.hit_tokens for e in self.engines.values())
-        queries = (sum(p[2] for p in self._past.values())
-                   + sum(e.block_manager.query_tokens for e in self.engines.values()))
+        totals = [self._lifetime(n) for n in self._past]
+        hits, queries = sum(t[1] for t in totals), sum(t[2] for t in totals)
         return hits / queries if queries else 0.0
 
     def model_stats(self) -> list[tuple]:
@@ -401,14 +410,11 @@ class ModelRouter:
         waiting, KV usage, prefix-cache hit rate over its life, preemptions over its life); an
         unloaded model runs nothing and holds no KV."""
         out = []
-        for name, past in self._past.items():
+        for name in self._past:
             e = self.engines.get(name)
-            hits, queries = past[1], past[2]
-            if e is not None:
-                hits, queries = hits + e.block_manager.hit_tokens, queries + e.block_manager.query_tokens
+            pre, hits, queries = self._lifetime(name)
             out.append((name, e.scheduler.num_running if e else 0, e.scheduler.num_waiting if e else 0,
-                        float(e.block_manager.usage) if e else 0.0, hits / queries if queries else 0.0,
-                        past[0] + (e.scheduler.num_preemptions if e else 0)))
+                        float(e.block_manager.usage) if e else 0.0, hits / queries if queries else 0.0, pre))
         return out
 
     @property
