@@ -1429,11 +1429,16 @@ def _check_template_kwargs(kwargs: dict) -> None:
 _VLLM_CHAT_UNSUPPORTED = {"prompt_adapter_request", "priority"}
 
 
+def first_bad_id(ids: list[int], vocab_size: int) -> int | None:
+    """The first token id outside the vocabulary, or None."""
+    return next((t for t in ids if not 0 <= t < vocab_size), None)
+
+
 def check_prompt_ids(ids: list[int], vocab_size: int) -> None:
     """ValueError (one sentence) for a prompt of no tokens or a token id outside the vocabulary."""
     if not ids:
         raise ValueError("The prompt is empty.")
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    bad = first_bad_id(ids, vocab_size)
     if bad is not None:
         raise ValueError(f"Token id {bad} is outside the vocabulary (size {vocab_size}).")
 

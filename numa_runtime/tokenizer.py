@@ -176,6 +176,14 @@ class Tokenizer:
         ids = self._encode_one(text, add_special_tokens, truncation, max_length, padding)
         return ids if return_tensors is None else _tensors([ids], return_tensors)
 
+    def prompt_ids(self, prompt, keep: int | None = None, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's token ids (a text encoded; token ids as given), with `keep`
+        (truncate_prompt_tokens) no more than its last `keep` (encode_last for a text)."""
+        if isinstance(prompt, str):
+            return (self.encode_last(prompt, keep, add_special_tokens) if keep else
+                    self.encode(prompt, add_special_tokens=add_special_tokens))
+        return prompt[-keep:] if keep else prompt
+
     def encode_last(self, text: str, keep: int, add_special_tokens: bool = True) -> list[int]:
         """The tokens of text within `keep`, as vLLM's truncate_prompt_tokens takes them: the text's
         first tokens cut, the special tokens the tokenizer adds around them kept (HF's truncation

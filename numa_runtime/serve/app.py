@@ -254,18 +254,14 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
         """`keep`: truncate_prompt_tokens (a text's special tokens kept, as vLLM's tokenizer keeps
         them; token ids: the last `keep`). Runs in a worker thread; the tokenizer releases the GIL
         while it encodes."""
-        tok = engine.tokenizer
-        return [(tok.encode_last(p, keep, add_special_tokens) if keep else
-                 tok.encode(p, add_special_tokens=add_special_tokens)) if isinstance(p, str)
-                else (p[-keep:] if keep else p) for p in prompts]
+        return [engine.tokenizer.prompt_ids(p, keep, add_special_tokens) for p in prompts]
 
     def tokenize_chat(messages: list[dict], template_kwargs: dict, add_special_tokens: bool,
                       keep: int | None = None) -> list[int]:
         text = engine.tokenizer.render_chat(messages, **template_kwargs)
         if keep is None:
             engine.tokenizer.check_length(text, engine.max_model_len)
-        return (engine.tokenizer.encode_last(text, keep, add_special_tokens) if keep else
-                engine.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return engine.tokenizer.prompt_ids(text, keep, add_special_tokens)
 
     async def prompt_pairs(request: Request, prompts: list[list[int]], k: int) -> list[list[tuple]]:
         """Each prompt's tokens' logprob pairs (tokens 1..n-1, `k` most likely each), computed

@@ -14,7 +14,7 @@ from typing import Any, Literal, Optional
 import numpy as np
 from pydantic import Field
 
-from ..engine import check_input_length, embedding_size, prompt_truncation
+from ..engine import check_input_length, embedding_size, first_bad_id, prompt_truncation
 from ..tokenizer import check_text
 from .protocol import _Body
 
@@ -89,9 +89,7 @@ async def create_embeddings(aengine, body: EmbeddingRequest, model_name: str, po
             tok.check_length(item, engine.max_model_len)
 
     def tokenize() -> list[list[int]]:  # NOTE: a text's special tokens survive truncation, as in vLLM
-        return [(tok.encode_last(x, keep, body.add_special_tokens) if keep else
-                 tok.encode(x, add_special_tokens=body.add_special_tokens)) if isinstance(x, str)
-                else (x[-keep:] if keep else x) for x in items]
+        return [tok.prompt_ids(x, keep, body.add_special_tokens) for x in items]
 
     ids = await asyncio.to_thread(tokenize)
     if any(not i for i in ids):
@@ -99,7 +97,7 @@ async def create_embeddings(aengine, body: EmbeddingRequest, model_name: str, po
     vocab = engine.model_config.vocab_size
     for i, one in enumerate(ids):  # NOTE: each input runs alone below: name the one at fault first
         check_input_length(i, len(one), engine.max_model_len)
-        bad = next((t for t in one if not 0 <= t < vocab), None)
+        bad = first_bad_id(one, vocab)
         if bad is not None:  # NOTE: before any input runs (the engine found it when it reached it)
             raise ValueError(f"Input {i} holds token id {bad}, outside the vocabulary (size {vocab}).")
 
