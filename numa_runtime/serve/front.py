@@ -37,6 +37,7 @@ _READ = 1 << 16
 _MAX_PENDING = 1 << 22  # bytes h11 may hold unparsed before the front stops following a connection
 _CONNECT_WAIT_S = 30.0  # rank 0's accept queue full: how long a connection waits for room
 _LATE_REQUEST_S = 1.0  # rank 0's side ended between requests: how long a request may still come
+_LINGER_S = 2.0  # a request the front refused: how long it reads what the client still sends
 _EXIT_AFTER_S = 10.0  # once rank 0 has gone, the longest the front waits for connections to end
 _UNTRACKED_IDLE_S = 3600.0  # a connection h11 cannot follow closes after this long without a byte
 
@@ -133,6 +134,8 @@ class Relay:
         self.upstream = asyncio.ensure_future(self.client_to_backend(bwriter))
         try:
             await self.backend_to_client(breader)
+            if self.rejected is not None:  # NOTE: its lingering close
+                await asyncio.wait({self.upstream}, timeout=_LINGER_S + 1.0)
         finally:
             self.upstream.cancel()
             bwriter.close()
@@ -188,6 +191,19 @@ class Relay:
                     await self.send(self.rejected)
                     bwriter.close()
                     self.bread_side.close()
+                    # NOTE: a lingering close: half-close, then drop what the client still sends
+                    # until its end (or _LINGER_S); a close with its bytes unread reset the
+                    # connection, and the client could lose the answer
+                    try:
+                        self.cwriter.write_eof()
+                    except OSError:
+                        return
+                    end = loop.time() + _LINGER_S
+                    while (left := end - loop.time()) > 0:
+                        done, _ = await asyncio.wait({read}, timeout=left)
+                        if not done or read.exception() is not None or not read.result():
+                            return
+                        read = asyncio.ensure_future(self.creader.read(_READ))
                     return
                 try:
                     bwriter.write(data)
