@@ -453,3 +453,19 @@ def test_int8_prefill_over_ranks(model_dir):
     e.close()
     got = result(run_mpi(2, model_dir, "int4", prefill="int8", prompt=prompt))
     assert got["world"] == 2 and got["tokens"] == [expected]
+
+
+def test_int8_o_proj_of_heads_narrower_than_a_group_takes_row_scales(tmp_path):
+    """head_dim 16: no group of 32 or more ends on every head, so plain int8 gives o_proj one
+    scale per row (on every rank count), and 2 ranks split it between heads like 1 rank."""
+    src, ref_dir = str(tmp_path / "m"), str(tmp_path / "deq")
+    build_model(src, arch="qwen2", **{**SHAPE, "num_attention_heads": 8})
+    deq_copy(src, ref_dir, "int8")
+    q, r = engine(src, quantization="int8"), engine(ref_dir)
+    try:
+        assert_same_model(q, r)
+        expected = list(r.generate([PROMPT], GREEDY)[0].token_ids)
+    finally:
+        q.close()
+        r.close()
+    assert result(run_mpi(2, src, "int8"))["tokens"] == [expected]

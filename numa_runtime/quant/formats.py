@@ -98,12 +98,15 @@ class QuantFormat:
         """The format of a weight with k input features whose rank slices start and end on
         multiples of `unit` (None: only the whole k, or a split aligned to for_k(k)'s group):
         for_k of their common divisor where a group fits it, so that every rank count
-        quantizes the same groups (o_proj: unit = head_dim); otherwise for_k(k)."""
+        quantizes the same groups (o_proj: unit = head_dim); where none fits it, fitted int8
+        takes one scale per row (head_dim 16 on 2 ranks), other formats for_k(k)."""
         if unit:
             common = math.gcd(k, unit)
             f = self.for_k(common)
             if f.group_size < 0 or common % f.group_size == 0:
                 return f
+            if self.fit_group and self.bits == 8:
+                return QuantFormat(8, -1, self.kind)
         return self.for_k(k)
 
     def __post_init__(self):
