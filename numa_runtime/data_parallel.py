@@ -83,6 +83,14 @@ def setup(world, engine_cfg: EngineConfig, model_cfg: ModelConfig):
     return parallel, tp, ReplicaLink(MPI, world.comm, parallel)
 
 
+def close_group(tp) -> None:
+    """Collective over a replica group: frees what setup() made for it (its shared-memory window,
+    host communicator and the group communicator); a no-op for the world's own communicator."""
+    if isinstance(tp, MPIComm):
+        tp.close()
+        tp.comm.Free()
+
+
 def worker_loop(runner, link: ReplicaLink | None) -> None:
     """Every rank but 0: execute plans until rank 0 shuts down (a replica's leader takes them
     from rank 0, the other ranks from their leader)."""

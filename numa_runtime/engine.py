@@ -106,6 +106,7 @@ class Engine:
             self.tokenizer = Tokenizer.from_dir(mcfg.model_dir)
             self.tokenizer.lowercase = mcfg.lowercase
         self.parallel, tp_comm, self._link = data_parallel.setup(self.comm, self.config, mcfg)
+        self._tp_comm = tp_comm if tp_comm is not self.comm else None  # NOTE: a replica group's, freed at close
         if self.config.kv_cache_dir is not None and self.parallel.data_parallel > 1:
             why = "" if self.parallel.reason == "asked for" else (
                 f" (the ranks run {self.parallel.data_parallel} replicas because {self.parallel.reason})")
@@ -1105,7 +1106,7 @@ class Engine:
                 signal.signal(signal.SIGINT, held)
         if not self._keeps_workers:
             self.comm.gather_object(_exiting)  # NOTE: rank 0's close() learns whether this rank exits
-            self.comm.close()  # NOTE: collective, as rank 0's _shutdown: the shared-memory window goes
+            self.close_comms()  # NOTE: collective, as rank 0's _shutdown: the shared-memory window goes
         atexit.unregister(self._close_at_exit)  # NOTE: it kept every closed engine's weights alive
 
     def _execute(self, run, *args):
@@ -1183,6 +1184,17 @@ class Engine:
                 e._shutdown(flush=False)
             _deferred.clear()
 
+    def close_comms(self) -> None:
+        """Collective on every rank, once the workers left this engine's loop: frees its host
+        communicator and shared-memory window, and its replica group's under data parallel."""
+        close = getattr(self.comm, "close", None)
+        if close is not None:
+            close()
+        tp, self._tp_comm = getattr(self, "_tp_comm", None), None
+        if tp is not None:
+            from . import data_parallel
+            data_parallel.close_group(tp)
+
     def _other_served(self):
         """Rank 0: the live Engine other than this one whose steps the worker ranks run, or None."""
         other = _served() if _served is not None else None
@@ -1202,7 +1214,7 @@ class Engine:
                 _workers_exited = _workers_exited or any(self.comm.gather_object(False)[1:])
                 # NOTE: each Engine makes its own communicator and window (a job that makes and
                 # closes engines grew by one each); the router closes those of the engines it keeps
-                self.comm.close()
+                self.close_comms()
         except Exception as e:  # noqa: BLE001 - shutting down anyway
             log.warning("numa_runtime: shutting down workers failed: %s", e)
 

@@ -267,6 +267,19 @@ def test_engines_made_and_closed_in_one_job_are_freed(tiny_model):
 
 
 @needs_mpirun
+def test_engines_of_data_parallel_replicas_free_their_groups(tiny_model):
+    """2 replicas of 2 ranks: each engine's replica groups have their own communicator and
+    shared-memory window, which close() left behind (each engine grew every rank by one)."""
+    out = run_mpi("engine_cycles.py", 4, tiny_model, "4", "2", timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line[len("RESULT "):]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert sorted(r["rank"] for r in rows) == [0, 1, 2, 3], out.stdout
+    for r in rows:
+        assert r["alive"] == 0, r
+        assert r["seen"]["3"] == r["seen"]["1"], r
+
+
+@needs_mpirun
 def test_serve_with_data_parallel_replicas(tiny_model):
     """One server and one API over two replicas: concurrent greedy completions equal one
     process's, and the job stops cleanly."""

@@ -318,7 +318,7 @@ class ModelRouter:
         eng.close()  # flushes its disk tier; its SHUTDOWN plan returns the workers to worker_main
         self._active = None
         self._send(UNLOAD, name)
-        _close_comm(eng)
+        eng.close_comms()  # NOTE: collective (frees the shared-memory windows): every rank does it here
         del eng
         release_memory()
         self.footprint[name] = self._estimate(name)
@@ -469,7 +469,7 @@ class ModelRouter:
             elif plan.kind == UNLOAD:
                 eng = engines.pop(name)
                 atexit.unregister(eng._close_at_exit)  # NOTE: it would wait for plans that never come
-                _close_comm(eng)
+                eng.close_comms()  # NOTE: collective (frees the shared-memory windows): every rank does it here
                 del eng
                 release_memory()
             elif plan.kind == EXIT:
@@ -511,11 +511,5 @@ def release_memory() -> None:
         return
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)
-
-
-def _close_comm(engine) -> None:
-    close = getattr(engine.comm, "close", None)
-    if close is not None:
-        close()  # NOTE: collective (frees the shared-memory window): every rank does it here
 
 

@@ -10,6 +10,7 @@ import weakref
 from numa_runtime import Engine, SamplingParams
 
 model, n = sys.argv[1], int(sys.argv[2])
+dp = int(sys.argv[3]) if len(sys.argv) > 3 else None  # data-parallel replicas
 
 
 def shm_maps() -> int:
@@ -19,7 +20,8 @@ def shm_maps() -> int:
 
 seen, refs = {}, []
 for i in range(n):
-    e = Engine(model, dtype="float32", kv_cache_memory=1 << 20, max_model_len=512, num_threads=1)
+    e = Engine(model, dtype="float32", kv_cache_memory=1 << 20, max_model_len=512, num_threads=1,
+               data_parallel=dp)
     rank = e.comm.rank
     if e.is_driver:
         e.generate([[5, 6, 7] * 120], SamplingParams(max_tokens=2, temperature=0))  # NOTE: grows the window
