@@ -177,6 +177,19 @@ def test_completion(client):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
 
+def test_unknown_fields_are_answered_and_logged_as_ignored(client, server):
+    """As vLLM: a field this server does not know is ignored, with a warning that names it (a
+    message's own extra keys are not the request's)."""
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hello", "x_note": 1}], max_tokens=2,
+        extra_body={"frobnicate_level": 3}, **FLOAT)
+    assert r.choices[0].message.content is not None
+    client.completions.create(model="tiny", prompt="Hi", max_tokens=2, **FLOAT)
+    log = server.output()
+    assert log.count("the request's fields 'frobnicate_level' are not used by this server and were ignored") == 1
+    assert "x_note" not in log
+
+
 def test_chat_with_text_parts(client):
     as_string = client.chat.completions.create(
         model="tiny", messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],

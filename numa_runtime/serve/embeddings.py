@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from typing import Any, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 import numpy as np
 from pydantic import Field
@@ -22,6 +22,7 @@ MAX_INPUTS = 2048
 
 
 class EmbeddingRequest(_Body):  # NOTE: strict (true is not a token id); null is a field's default
+    _warn_ignored: ClassVar[bool] = True
     model: Optional[str] = Field(None, description="The served model name; omit for the only model served.")
     # NOTE: read by inputs() (a union's type errors named the wrong member: [1.5] "should be a valid string")
     input: Any = Field(..., description="A string, a list of strings, a list of token ids, or a list of token "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -23,6 +23,7 @@ MAX_CHOICES = 128  # n times the number of prompts, per request
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+    _warn_ignored: ClassVar[bool] = False  # a request body: its unknown fields are logged (as vLLM)
 
     @model_validator(mode="before")
     @classmethod
@@ -31,6 +32,10 @@ class _Body(BaseModel):
         `logprobs`, `echo`... "or null"; the openai client sends None as null)."""
         if isinstance(data, dict):
             fields = cls.model_fields
+            ignored = [k for k in data if k not in fields] if cls._warn_ignored else []
+            if ignored:
+                log.warning("the request's fields %s are not used by this server and were ignored",
+                            ", ".join(repr(k) for k in sorted(map(str, ignored))[:20]))
             data = {k: v for k, v in data.items()
                     if not (v is None and k in fields and not fields[k].is_required())}
         return data
@@ -51,6 +56,7 @@ class StreamOptions(_Body):
 
 
 class _SamplingRequest(_Body):
+    _warn_ignored: ClassVar[bool] = True
     model: Optional[str] = Field(None, description="The served model name; omit for the only model served.")
     max_tokens: Optional[int] = None
     temperature: Optional[float] = Field(None, description="0 is greedy; default 1.")
@@ -424,6 +430,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
 class TokenizeRequest(_Body):
     """vLLM's /tokenize: a prompt, or chat messages rendered by the model's template."""
+    _warn_ignored: ClassVar[bool] = True
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
@@ -451,6 +458,7 @@ class TokenizeRequest(_Body):
 
 
 class DetokenizeRequest(_Body):
+    _warn_ignored: ClassVar[bool] = True
     model: Optional[str] = None
     tokens: list[int]
 
