@@ -101,8 +101,19 @@ def worker_loop(runner, link: ReplicaLink | None) -> None:
 
 
 def replica_blocks(parallel: ParallelConfig, ranks: list[dict]) -> list[int]:
-    """KV blocks of each replica's pool, from the per-rank reports (its leader's)."""
-    return [ranks[parallel.leader_of(r)]["kv_blocks"] for r in range(parallel.data_parallel)]
+    """KV blocks of each replica's pool, from the per-rank reports: the fewest any of its ranks
+    holds (each rank sizes its pool from its own host's memory, cgroup or ulimit -v; a block
+    index past a rank's pool would fail there mid-run). A rank with more logs what goes unused."""
+    tp = parallel.tensor_parallel
+    out = []
+    for r in range(parallel.data_parallel):
+        counts = [ranks[j]["kv_blocks"] for j in range(r * tp, (r + 1) * tp)]
+        out.append(min(counts))
+        for j, n in enumerate(counts):
+            if n > out[-1]:
+                log.info("rank %d holds %d KV blocks but uses %d, as many as the smallest pool of its "
+                         "replica's ranks (their memory limits differ)", r * tp + j, n, out[-1])
+    return out
 
 
 def driver_runner(runner, link: ReplicaLink | None, vocab_size: int):

@@ -267,6 +267,24 @@ def test_engines_made_and_closed_in_one_job_are_freed(tiny_model):
 
 
 @needs_mpirun
+def test_ranks_with_smaller_kv_pools_bound_the_pool_rank_0_schedules(tiny_model):
+    """Rank 1 under a lower memory limit (a smaller host or cgroup, here ulimit -v) sizes a
+    smaller default pool than rank 0: rank 0 scheduled blocks past it, and rank 1 failed
+    mid-run ("slot_mapping ... is past the cache's slots"); it schedules the smallest pool now."""
+    script = os.path.join(MPI_DIR, "uneven_pools.py")
+    cmd = ["mpirun", "-np", "1", sys.executable, script, tiny_model, ":", "-np", "1", "bash", "-c",
+           f'ulimit -v 1200000 && exec "{sys.executable}" "{script}" "{tiny_model}"']
+    out = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["rank"]: r for r in (json.loads(line[len("RESULT "):]) for line in out.stdout.splitlines()
+                                   if line.startswith("RESULT "))}
+    small, big = rows[1]["kv_blocks"], rows[0]["kv_blocks"]
+    assert small < big and rows[0]["ranks"] == [big, small], rows
+    assert rows[0]["used"] == small and small * 16 < 16 * 408, rows  # NOTE: the prompts outgrow the pool
+    assert rows[0]["tokens"] == [8] * 16
+
+
+@needs_mpirun
 def test_engines_of_data_parallel_replicas_free_their_groups(tiny_model):
     """2 replicas of 2 ranks: each engine's replica groups have their own communicator and
     shared-memory window, which close() left behind (each engine grew every rank by one)."""
