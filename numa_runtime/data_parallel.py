@@ -16,7 +16,7 @@ import numpy as np
 
 from . import env
 from .config import EngineConfig, ModelConfig, ParallelConfig
-from .distributed import MPIComm, SingleProcessComm, wait_idle
+from .distributed import MPIComm, SingleProcessComm, wait_done, wait_idle
 from .plan import SHUTDOWN, StepPlan
 
 log = logging.getLogger("numa_runtime")
@@ -27,19 +27,31 @@ _PLAN_TAG, _LOGITS_TAG = 71, 72
 class ReplicaLink:
     """Point-to-point messages between rank 0 and the leaders of replicas 1..N-1."""
 
-    def __init__(self, MPI, world, parallel: ParallelConfig):
+    def __init__(self, MPI, world, parallel: ParallelConfig, abort=None):
         self.MPI, self.world, self.parallel = MPI, world, parallel
         self._sends: list = []
+        self.timeout, self._abort = env.collective_timeout(), abort
+
+    def wait(self, req, replica: int) -> None:
+        """Rank 0: req.Wait() on a message to or from `replica`, stopping the job when its leader
+        does not take part within the collective timeout (a stopped or hung process)."""
+        if not wait_done(req.Test, self.timeout):
+            leader = self.parallel.leader_of(replica)
+            msg = (f"replica {replica} (its leader, rank {leader}) did not answer within {self.timeout:.0f} s "
+                   "(NUMA_RUNTIME_COLLECTIVE_TIMEOUT); it is stuck or dead, stopping the job.")
+            if self._abort is None:
+                raise RuntimeError(msg)
+            self._abort(msg)
 
     # ---- rank 0 -------------------------------------------------------------------------
     def send_plan(self, replica: int, plan: StepPlan) -> None:
         """Start sending (completed by finish_sends, after rank 0's own step)."""
         buf = plan.to_buffer()
-        self._sends.append((self.world.Isend(buf, dest=self.parallel.leader_of(replica), tag=_PLAN_TAG), buf))
+        self._sends.append((self.world.Isend(buf, dest=self.parallel.leader_of(replica), tag=_PLAN_TAG), buf, replica))
 
     def finish_sends(self) -> None:
-        for req, _ in self._sends:
-            req.Wait()
+        for req, _, replica in self._sends:
+            self.wait(req, replica)
         self._sends.clear()
 
     def post_logits(self, replica: int, out: np.ndarray):
@@ -76,11 +88,14 @@ def setup(world, engine_cfg: EngineConfig, model_cfg: ModelConfig):
         raise ValueError(f"AS_PROFILE=ON profiles one tensor-parallel model; run it without data parallel "
                          f"replicas{why}.")
     from mpi4py import MPI
-    group = world.comm.Split(color=parallel.replica_of(world.rank), key=world.rank)
-    tp = SingleProcessComm() if parallel.tensor_parallel == 1 else MPIComm(MPI, comm=group)
+    replica = parallel.replica_of(world.rank)
+    group = world.comm.Split(color=replica, key=world.rank)
+    first = parallel.leader_of(replica)
+    tp = SingleProcessComm() if parallel.tensor_parallel == 1 else MPIComm(
+        MPI, comm=group, world_ranks=range(first, first + parallel.tensor_parallel))
     # NOTE: the KV budget splits the host's memory among all its ranks, not the group's
     tp.local_size = world.local_size
-    return parallel, tp, ReplicaLink(MPI, world.comm, parallel)
+    return parallel, tp, ReplicaLink(MPI, world.comm, parallel, world.abort)
 
 
 def close_group(tp) -> None:
@@ -158,12 +173,12 @@ class DataParallelRunner:
                 continue
             parts[r] = np.empty((len(plans[r].logits_indices), self.vocab_size), np.float32)
             if len(parts[r]):
-                pending.append(self.link.post_logits(r, parts[r]))
+                pending.append((self.link.post_logits(r, parts[r]), r))
             self.link.send_plan(r, plans[r])
         parts[0] = self.local.execute(plans[0])
         self.link.finish_sends()
-        for req in pending:
-            req.Wait()
+        for req, r in pending:
+            self.link.wait(req, r)
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
     def shutdown_workers(self) -> None:

@@ -42,7 +42,7 @@ class Communicator(Protocol):
     def all_gather(self, x: np.ndarray) -> np.ndarray: ...
     def broadcast_plan(self, plan: StepPlan | None) -> StepPlan: ...
     def barrier(self) -> None: ...
-    def gather_object(self, obj: Any) -> list | None: ...
+    def gather_object(self, obj: Any, timed: bool = False) -> list | None: ...
     def all_gather_object(self, obj: Any) -> list: ...
     def abort(self, msg: str, code: int = 1) -> None: ...
 
@@ -66,7 +66,7 @@ class SingleProcessComm:
     def barrier(self) -> None:
         pass
 
-    def gather_object(self, obj: Any) -> list:
+    def gather_object(self, obj: Any, timed: bool = False) -> list:
         return [obj]
 
     def all_gather_object(self, obj: Any) -> list:
@@ -165,10 +165,13 @@ class _ShmArena:
 class MPIComm:
     """Ranks of an MPI job (tensor parallel: every rank holds one shard)."""
 
-    def __init__(self, MPI, comm=None, shm_bytes: int = 1 << 20, shared_memory: bool = True):
+    def __init__(self, MPI, comm=None, shm_bytes: int = 1 << 20, shared_memory: bool = True,
+                 world_ranks: list[int] | None = None):
         self.MPI = MPI
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank, self.world_size = self.comm.Get_rank(), self.comm.Get_size()
+        # NOTE: a replica group's ranks by their MPI (world) ranks, which messages name
+        self.world_ranks = list(world_ranks) if world_ranks is not None else list(range(self.world_size))
         node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
         self.timeout = env.collective_timeout()
@@ -263,20 +266,31 @@ class MPIComm:
                 raise ValueError("broadcast_plan: rank 0 must pass the plan it sends.")
             buf = plan.to_buffer()
             size = np.array([buf.size], dtype=np.int64)
-            self.comm.Ibcast(size, root=0).Wait()
+            self._wait(self.comm.Ibcast(size, root=0), "broadcast_plan")
         else:
             size = np.empty(1, dtype=np.int64)
-            wait_idle(self.comm.Ibcast(size, root=0).Test)
+            wait_idle(self.comm.Ibcast(size, root=0).Test)  # NOTE: idle: no deadline
         if self.rank != 0:
             buf = np.empty(int(size[0]), dtype=np.int64)
-        self.comm.Bcast(buf, root=0)
+        self._wait(self.comm.Ibcast(buf, root=0), "broadcast_plan")
         return plan if self.rank == 0 else StepPlan.from_buffer(buf)
+
+    def _wait(self, req, op: str) -> None:
+        """req.Wait(), but a peer that does not take part within the collective timeout (a
+        stopped or hung process; a dead one ends the job through mpiexec) stops the job."""
+        if not wait_done(req.Test, self.timeout):
+            self.abort("%s: a rank did not take part within %.0f s (NUMA_RUNTIME_COLLECTIVE_TIMEOUT); it is "
+                       "stuck or dead, stopping the job." % (op, self.timeout))
 
     def barrier(self) -> None:
         self.comm.Barrier()
 
-    def gather_object(self, obj: Any) -> list | None:
-        """Small picklable reports (stats, timings) to rank 0; None on other ranks."""
+    def gather_object(self, obj: Any, timed: bool = False) -> list | None:
+        """Small picklable reports (stats, timings) to rank 0; None on other ranks. `timed`: a
+        rank that does not take part within the collective timeout stops the job (between
+        steps, where every rank is due at once; not at load, where one may read longer)."""
+        if timed:
+            self._wait(self.comm.Ibarrier(), "gather_object")
         return self.comm.gather(obj, root=0)
 
     def all_gather_object(self, obj: Any) -> list:
@@ -287,7 +301,7 @@ class MPIComm:
         """Print why ("rank R: msg"; nothing when msg is empty) and stop every rank of the
         job now (never returns)."""
         if msg:
-            sys.stderr.write("rank %d: %s\n" % (self.rank, msg))
+            sys.stderr.write("rank %d: %s\n" % (self.world_ranks[self.rank], msg))
         sys.stderr.flush()
         if msg:
             # NOTE: mpiexec forwards a rank's output from a pipe; MPI_Abort kills every process at
@@ -297,12 +311,24 @@ class MPIComm:
 
     def _peer_timeout(self, op: str, late: int) -> None:
         self.abort("%s: rank %d did not join within %.0f s (NUMA_RUNTIME_COLLECTIVE_TIMEOUT); "
-                   "it is stuck or dead, stopping the job." % (op, late, self.timeout))
+                   "it is stuck or dead, stopping the job." % (op, self.world_ranks[late], self.timeout))
 
     def close(self) -> None:
         if self._shm is not None:
             self._shm.close()
             self._shm = None
+
+
+def wait_done(done, timeout: float) -> bool:
+    """Poll `done()` (an MPI request's Test) without pause, as MPI's own Wait spins, for at most
+    `timeout` seconds; whether it completed (False: a peer is stuck or dead)."""
+    if done():
+        return True
+    deadline = time.perf_counter() + timeout
+    while not done():
+        if time.perf_counter() > deadline:
+            return done()
+    return True
 
 
 def wait_idle(done) -> None:

@@ -3,6 +3,7 @@ under the real `mpirun`, each with a timeout so a hang fails instead of blocking
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -282,6 +283,31 @@ def test_ranks_with_smaller_kv_pools_bound_the_pool_rank_0_schedules(tiny_model)
     assert small < big and rows[0]["ranks"] == [big, small], rows
     assert rows[0]["used"] == small and small * 16 < 16 * 408, rows  # NOTE: the prompts outgrow the pool
     assert rows[0]["tokens"] == [8] * 16
+
+
+@needs_mpirun
+@pytest.mark.parametrize("action,dp,says", [
+    # NOTE: the step's plan may reach MPI's buffers with the worker stopped (small plans do): then its first
+    # all-reduce names the rank
+    ("generate", None, ("did not take part within 3 s", "rank 1 did not join within 3 s")),
+    ("close", None, ("did not take part within 3 s",)),
+    ("generate", "2", ("replica 1 (its leader, rank 1) did not answer within 3 s",))])
+def test_a_stopped_worker_stops_the_job_with_a_reason(tiny_model, action, dp, says):
+    """A hung worker (SIGSTOP: mpiexec sees no death) while rank 0 sends a step or closes the
+    engine: rank 0 waited in MPI for ever; it stops the job after the collective timeout."""
+    args = [tiny_model, action] + ([dp] if dp else [])
+    p = subprocess.Popen(mpirun_args("stuck_worker.py", 2, *args), env=_env(NUMA_RUNTIME_COLLECTIVE_TIMEOUT="3"),
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"the job hung after a worker stopped:\n{out}\n{err[-2000:]}")
+    assert "stopped rank 1" in out and "NOT STOPPED" not in out, out + err[-2000:]
+    assert p.returncode != 0
+    assert any(f"{x} (NUMA_RUNTIME_COLLECTIVE_TIMEOUT); it is stuck or dead, stopping the job." in err
+               for x in says), err[-3000:]
 
 
 @needs_mpirun

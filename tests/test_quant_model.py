@@ -469,3 +469,15 @@ def test_int8_o_proj_of_heads_narrower_than_a_group_takes_row_scales(tmp_path):
         q.close()
         r.close()
     assert result(run_mpi(2, src, "int8"))["tokens"] == [expected]
+
+
+def test_a_replica_that_cannot_split_names_the_job_it_belongs_to(tmp_path):
+    """4 ranks of a 2-head model run as 2 replicas of 2 (chosen, not asked for): the error counts
+    the replica's ranks and says they are a replica of the job's 4."""
+    d = str(tmp_path / "m")
+    build_model(d, arch="qwen2", **{**SHAPE, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                    "intermediate_size": 128})
+    p = run_mpi(4, d, "int8")
+    assert p.returncode != 0
+    assert (f"{d} on 2 ranks (a replica of the job's 4 ranks, which run 2 replicas): Cannot split 128 MLP columns "
+            "over 2 ranks in groups of 128; use at most 1 rank per model replica") in p.stdout + p.stderr

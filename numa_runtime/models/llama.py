@@ -489,7 +489,11 @@ def _named_errors(source: str, world: int):
     try:
         yield
     except (QuantError, UnsupportedModelError) as e:
-        raise type(e)(f"{source}{'' if world == 1 else f' on {world} ranks'}: {e}") from None
+        where = "" if world == 1 else f" on {world} ranks"
+        job = (env.mpi_world() or (0, 1))[1]
+        if job > world:  # NOTE: a replica's group: say so, the job has more ranks than the message counts
+            where += f" (a replica of the job's {job} ranks, which run {job // world} replicas)"
+        raise type(e)(f"{source}{where}: {e}") from None
 
 
 def _check_tensors(cfg: ModelConfig, ckpt: Checkpoint) -> None:
