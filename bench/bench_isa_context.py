@@ -43,6 +43,11 @@ def child(args) -> dict:
     # NOTE: level 2 stands for AVX-512 with BF16 and VNNI, 1 for AVX-512 without either (Skylake)
     qgemm._force_cpu_level(args.level)
     attention._force_paths(level=args.level)
+    if args.level < 2:  # NOTE: a CPU of that level has no AMX: its crossovers, not this host's
+        gemm.SMALL_M_MAX = 16
+        qgemm._set_amx(False)
+        qgemm._set_amx_bf16(False)
+        attention._set_amx(False)
     eng = Engine(args.model_dir, dtype=args.dtype, num_threads=args.threads,
                  max_model_len=max(args.contexts) + args.decode_tokens + 8,
                  enable_prefix_caching=False, max_num_batched_tokens=args.chunk,
