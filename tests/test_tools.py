@@ -201,8 +201,15 @@ def test_named_and_required_tool_choice_return_calls(model_dir):
         deltas = [d.choices[0].delta for d in chunks if d.choices and d.choices[0].delta.tool_calls]
         assert deltas[0].tool_calls[0].function.arguments == cut.message.tool_calls[0].function.arguments
         assert [d.choices[0].finish_reason for d in chunks if d.choices][-1] == "length"
+        from test_server import metric
+        status = 'numa_runtime_requests_total{status="%s"}'
+        before = {k: metric(srv.base, status % k) for k in ("tool_calls", "stop")}
         r = c.chat.completions.create(tools=[WEATHER, TIME], tool_choice="required", **KW).choices[0]
         assert r.finish_reason == "tool_calls" and r.message.tool_calls
+        chunks = list(c.chat.completions.create(tools=[WEATHER, TIME], tool_choice="required", stream=True, **KW))
+        assert [d.choices[0].finish_reason for d in chunks if d.choices][-1] == "tool_calls"
+        # NOTE: /metrics counts a request by the finish_reason its client saw (it counted these as "stop")
+        assert {k: metric(srv.base, status % k) - v for k, v in before.items()} == {"tool_calls": 2, "stop": 0}
         assert {t.function.name for t in r.message.tool_calls} <= {"get_weather", "get_time"}
         r = c.chat.completions.create(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
                                       **KW).choices[0]

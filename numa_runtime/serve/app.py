@@ -468,6 +468,11 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             if not done:
                 return Response(status_code=499)  # nobody reads it; the request is aborted
             status = tracker.choices()[0][1].finish_reason or "stop"
+            if kind == "chatcmpl":
+                out = R.chat_body(rid, name, tracker, decode_token, tool_plan, *thinking)
+                status = out["choices"][0]["finish_reason"] or status  # NOTE: "tool_calls", as the client sees it
+            else:
+                out = R.completion_body(rid, name, tracker, decode_token, *echo, engine.tokenizer.decoded_token)
         except RuntimeError as e:  # NOTE: EngineDeadError too
             status = "error"
             raise _engine_failure(e) from None
@@ -477,9 +482,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
         finally:
             gen.abort()
             report.finish(status)
-        if kind == "chatcmpl":
-            return JSONResponse(R.chat_body(rid, name, tracker, decode_token, tool_plan, *thinking))
-        return JSONResponse(R.completion_body(rid, name, tracker, decode_token, *echo, engine.tokenizer.decoded_token))
+        return JSONResponse(out)
 
     return app
 
@@ -621,6 +624,7 @@ async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode,
     created, chat = int(time.time()), kind == "chatcmpl"
     status, offsets = "abort", {}
     calls = {} if tool_plan is not None and tool_plan.parses else None  # choice index -> ToolStream
+    api_reason = {}  # choice index -> its finish_reason as sent, where tools rewrote it
     parser, include_reasoning = thinking
     thinks = {} if parser is not None else None  # choice index -> ReasoningStream
     held: dict[int, tuple] = {}  # choice index -> (token ids, logprobs) of text the reasoning stream holds back
@@ -670,12 +674,15 @@ async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode,
                     p = dataclasses.replace(p, text=text, token_ids=ids, logprobs=lps)
                 if calls is not None:
                     for chunk in _tool_chunks(calls, tool_plan, p, rid, model, created, decode, include_usage):
+                        reason = chunk["choices"][0].get("finish_reason") if chunk.get("choices") else None
+                        if reason is not None:
+                            api_reason[p.index] = reason  # NOTE: "tool_calls", as the client sees it
                         yield event(chunk)
                     continue
                 chunk = (R.chat_chunk(rid, model, created, p, p.index, decode, include_usage) if chat
                          else R.completion_chunk(rid, model, created, p, decode, include_usage, offsets))
                 yield event(chunk)
-        status = tracker.choices()[0][1].finish_reason or "stop"
+        status = api_reason.get(0) or tracker.choices()[0][1].finish_reason or "stop"
         if include_usage:
             obj = "chat.completion.chunk" if chat else "text_completion"
             yield R.sse(R.usage_chunk(rid, obj, model, created, R.chat_usage(tracker, parser, decode) if chat
