@@ -459,3 +459,29 @@ def test_the_writing_descriptor_never_reads_rank_0s_answers(tmp_path):
         p = subprocess.run([exe, "-c", _ECHO_CHECK], capture_output=True, text=True, timeout=60,
                            env={**os.environ, "PYTHONPATH": f"{serve_dir}{os.pathsep}{tmp_path}"})
         assert p.stdout.strip() == "False b'echo:hello'", (exe, p.stdout, p.stderr[-2000:])
+
+
+@pytest.mark.parametrize("begun", [b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty",
+                                   b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro"])
+def test_a_request_its_client_stops_sending_is_answered_408(front, begun):
+    """A client that stops mid-request (its headers or its body) held a connection here and one at
+    rank 0 for ever (a slow-loris); after --request-timeout without a byte it gets a 408 and the close.
+    One that keeps sending, however slowly, is not cut."""
+    base, proc = front([(ok(b"one"), False)], args=("--request-timeout", "0.5"))
+    port = int(base.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(begun)
+        answer = b""
+        while chunk_ := sock.recv(65536):
+            answer += chunk_
+    assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), answer
+    assert b"nothing came for 0.5 s (--request-timeout)" in answer
+    body = b'{"prompt": "x"}'
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+        for piece in (head[:20], head[20:], body[:5], body[5:]):
+            sock.sendall(piece)
+            threading.Event().wait(0.3)
+        assert sock.recv(65536) == ok(b"one")
+    proc.stdin.close()
+    assert proc.wait(timeout=30) == 0

@@ -661,6 +661,7 @@ def test_a_port_a_loading_server_holds_is_busy():
     (["ENV", "NUMA_RUNTIME_DATA_PARALLEL=2", "--model", "a", "--model", "b"], "NUMA_RUNTIME_DATA_PARALLEL) applies "
      "to one model"),  # NOTE: numa-launch --dp sets it; several models ignored it
     (["--shutdown-grace", "nan"], "--shutdown-grace must be >= 0, got nan."),  # it skipped the grace
+    (["--request-timeout", "0"], "--request-timeout must be a positive number of seconds, got 0.0."),
     (["--kv-cache-memory", "16X"], "argument --kv-cache-memory: Cannot read '16X' as a size"),
     (["--kv-cache-disk-bytes", "1000"], "--kv-cache-disk-bytes applies to the disk tier; give --kv-cache-dir"),
     (["--kv-cache-disk-load", "always"], "--kv-cache-disk-load applies to the disk tier"),

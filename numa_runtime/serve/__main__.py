@@ -147,6 +147,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--shutdown-grace", type=float, default=2.0,
                     help="on SIGINT/SIGTERM, seconds in-flight requests may still run before they are cut "
                          "(a stream then ends with an error event and [DONE])")
+    ap.add_argument("--request-timeout", type=float, default=60.0,
+                    help="seconds a client may pause while sending a request (its headers or body) before the "
+                         "HTTP front answers 408 and closes the connection, as nginx's client timeouts")
     ap.add_argument("--http-front", action=argparse.BooleanOptionalAction, default=True,
                     help="relay HTTP through a small process outside the MPI job, which answers the "
                          "requests in flight with an error if a rank is killed (default); "
@@ -347,6 +350,8 @@ def check_args(args) -> str | None:
             args.data_parallel = dp  # NOTE: the ranks beyond one replica's are replicas
     if not args.shutdown_grace >= 0:  # NOTE: nan too
         return f"--shutdown-grace must be >= 0, got {args.shutdown_grace}."
+    if not 0 < args.request_timeout < float("inf"):
+        return f"--request-timeout must be a positive number of seconds, got {args.request_timeout}."
     if not 0 <= args.port <= 65535:
         return f"--port must be in 0..65535 (0: any free port), got {args.port}."
     if args.load_timeout is not None and not args.load_timeout > 0:
@@ -456,7 +461,7 @@ _BACKEND_KEEP_ALIVE_S = 7 * 24 * 3600
 class HttpFront:
     """The front process (front.py) and the Unix socket it relays to, from rank 0's side."""
 
-    def __init__(self, public, access_log: bool = False):
+    def __init__(self, public, access_log: bool = False, request_timeout: float = 60.0):
         import secrets
         import socket
         import subprocess
@@ -472,7 +477,8 @@ class HttpFront:
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("PMI_", "OMPI_", "PMIX_", "HYDRA_", "MPIR_", "I_MPI_"))}
         self.proc = subprocess.Popen([sys.executable, isolate, script, "--fd", str(public.fileno()),
-                                      "--backend", self.name, "--keep-alive", str(_KEEP_ALIVE_S)]
+                                      "--backend", self.name, "--keep-alive", str(_KEEP_ALIVE_S),
+                                      "--request-timeout", repr(request_timeout)]
                                      + (["--access-log"] if access_log else []),
                                      stdin=subprocess.PIPE, env=env,
                                      pass_fds=(public.fileno(),), start_new_session=True)
@@ -529,7 +535,7 @@ def main(argv=None) -> int:
     front = None
     if sock is not None and args.http_front:
         # NOTE: before the model loads (and before MPI starts): the front runs outside mpirun's reach
-        front = HttpFront(sock, access_log=args.log_level == "debug")
+        front = HttpFront(sock, access_log=args.log_level == "debug", request_timeout=args.request_timeout)
     try:
         return _serve(args, world, sock, front)
     finally:

@@ -77,8 +77,20 @@ def bad_request(e: h11.ProtocolError) -> bytes:
     status = getattr(e, "error_status_hint", 400)
     status = status if status in (400, 431) else 400
     why = "its headers are too large" if status == 431 else str(e).split(":")[0][:100]  # NOTE: not the bytes
-    body = json.dumps({"error": {"message": f"The request is not valid HTTP/1.1 ({why}).", "type":
-                                 "invalid_request_error", "param": None, "code": str(status)}}).encode()
+    return client_error(status, f"The request is not valid HTTP/1.1 ({why}).")
+
+
+def request_timeout(seconds: float) -> bytes:
+    """408 to a request its client stopped sending before it was whole (nginx's client header
+    and body timeouts): it held a connection here and one at rank 0 for as long as it liked."""
+    return client_error(408, f"The request was not sent whole: nothing came for {seconds:g} s "
+                             "(--request-timeout); send it again.")
+
+
+def client_error(status: int, message: str) -> bytes:
+    """A 4xx of the front's own, in the API's error format, closing the connection."""
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": str(status)}}).encode()
     reason = http.HTTPStatus(status).phrase.encode()
     return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
             b"connection: close\r\n\r\n" % (status, reason, len(body))) + body
@@ -118,6 +130,7 @@ class Relay:
         loop = asyncio.get_running_loop()
         self.idle_since = loop.time()           # when the last response ended (or the connection began)
         self.last_byte = loop.time()            # when a byte last went either way
+        self.client_byte = loop.time()          # when the client last sent a byte
 
     async def run(self) -> None:
         try:
@@ -156,6 +169,17 @@ class Relay:
                     # NOTE: answered before its body came (413, 401, an early 405): closed as
                     # uvicorn closes it, keep_alive_s after the last byte either way
                     left = self.last_byte + self.front.keep_alive_s - loop.time()
+                elif self.tracked and self.sending():
+                    # NOTE: a request begun and not whole: its client has request_timeout_s from its
+                    # last byte (a client that stops mid-request held both connections for ever)
+                    left = self.client_byte + self.front.request_timeout_s - loop.time()
+                    if left <= 0:
+                        self.client_gone = True
+                        await self.send(request_timeout(self.front.request_timeout_s))
+                        bwriter.close()
+                        self.bread_side.close()
+                        return
+                    left = min(left, self.front.keep_alive_s)  # NOTE: rank 0 may answer early meanwhile
                 elif self.tracked:
                     left = self.front.keep_alive_s
                 else:
@@ -184,7 +208,7 @@ class Relay:
                         pass
                     return
                 read = asyncio.ensure_future(self.creader.read(_READ))
-                self.last_byte = loop.time()
+                self.last_byte = self.client_byte = loop.time()
                 self.watch(self.up, data)
                 if self.rejected is not None:  # NOTE: not relayed: the front answers it and closes
                     self.client_gone = True
@@ -270,6 +294,12 @@ class Relay:
     def answered_early(self) -> bool:
         """Rank 0 has answered the request under way whole before the request ended."""
         return self.down.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED) and self.up.their_state is not h11.IDLE
+
+    def sending(self) -> bool:
+        """A request begun and not whole (its headers or body under way), not answered yet."""
+        up = self.up
+        return ((up.their_state is h11.SEND_BODY or (up.their_state is h11.IDLE and bool(up.trailing_data[0])))
+                and self.down.their_state not in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED))
 
     def idle(self) -> bool:
         """Between requests: nothing asked, nothing owed, nothing half-received."""
@@ -450,8 +480,10 @@ async def _open_backend(path: str):
 
 
 class Front:
-    def __init__(self, sock: socket.socket, backend: str, keep_alive_s: float = 5.0, access_log: bool = False):
+    def __init__(self, sock: socket.socket, backend: str, keep_alive_s: float = 5.0, access_log: bool = False,
+                 request_timeout_s: float = 60.0):
         self.sock, self.backend, self.keep_alive_s = sock, backend, keep_alive_s
+        self.request_timeout_s = request_timeout_s
         self.access_log = access_log
         self.server: asyncio.AbstractServer | None = None
         self.relays: dict[asyncio.Task, Relay] = {}
@@ -523,6 +555,8 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", required=True, help="rank 0's Unix socket: a path, or @NAME in the abstract namespace")
     ap.add_argument("--keep-alive", type=float, default=5.0, help="seconds an idle client connection stays open")
     ap.add_argument("--access-log", action="store_true", help="log each request with the client's address")
+    ap.add_argument("--request-timeout", type=float, default=60.0,
+                    help="seconds a client may pause while sending a request before it is answered 408")
     args = ap.parse_args(argv)
     # NOTE: the front ends with rank 0 (end of file on stdin), never on a signal: `systemctl stop`
     # and `pkill -f numa_runtime.serve` signal it beside rank 0, which then shuts down gracefully
@@ -530,7 +564,7 @@ def main(argv=None) -> int:
         signal.signal(sig, signal.SIG_IGN)
     raise_file_limit()
     sock = socket.socket(fileno=args.fd)
-    return asyncio.run(Front(sock, args.backend, args.keep_alive, args.access_log).main())
+    return asyncio.run(Front(sock, args.backend, args.keep_alive, args.access_log, args.request_timeout).main())
 
 
 if __name__ == "__main__":
