@@ -16,7 +16,7 @@ import numpy as np
 
 from . import env
 from .config import EngineConfig, ModelConfig, ParallelConfig
-from .distributed import MPIComm, SingleProcessComm, wait_done, wait_idle
+from .distributed import MPIComm, SingleProcessComm, wait_idle
 from .plan import SHUTDOWN, StepPlan
 
 log = logging.getLogger("numa_runtime")
@@ -27,21 +27,9 @@ _PLAN_TAG, _LOGITS_TAG = 71, 72
 class ReplicaLink:
     """Point-to-point messages between rank 0 and the leaders of replicas 1..N-1."""
 
-    def __init__(self, MPI, world, parallel: ParallelConfig, abort=None):
+    def __init__(self, MPI, world, parallel: ParallelConfig):
         self.MPI, self.world, self.parallel = MPI, world, parallel
         self._sends: list = []
-        self.timeout, self._abort = env.collective_timeout(), abort
-
-    def wait(self, req, replica: int) -> None:
-        """Rank 0: req.Wait() on a message to or from `replica`, stopping the job when its leader
-        does not take part within the collective timeout (a stopped or hung process)."""
-        if not wait_done(req.Test, self.timeout):
-            leader = self.parallel.leader_of(replica)
-            msg = (f"replica {replica} (its leader, rank {leader}) did not answer within {self.timeout:.0f} s "
-                   "(NUMA_RUNTIME_COLLECTIVE_TIMEOUT); it is stuck or dead, stopping the job.")
-            if self._abort is None:
-                raise RuntimeError(msg)
-            self._abort(msg)
 
     # ---- rank 0 -------------------------------------------------------------------------
     def send_plan(self, replica: int, plan: StepPlan) -> None:
@@ -50,8 +38,12 @@ class ReplicaLink:
         self._sends.append((self.world.Isend(buf, dest=self.parallel.leader_of(replica), tag=_PLAN_TAG), buf, replica))
 
     def finish_sends(self) -> None:
-        for req, _, replica in self._sends:
-            self.wait(req, replica)
+        # NOTE: untimed, as the logits below: a replica's leader may be plans behind rank 0 (a
+        # prefill's chunks without logits are sent ahead), so a wait spans that many of its steps;
+        # a stuck rank inside a replica of several ranks stops the job through that replica's own
+        # collective timeout
+        for req, _, _ in self._sends:
+            req.Wait()
         self._sends.clear()
 
     def post_logits(self, replica: int, out: np.ndarray):
@@ -95,7 +87,7 @@ def setup(world, engine_cfg: EngineConfig, model_cfg: ModelConfig):
         MPI, comm=group, world_ranks=range(first, first + parallel.tensor_parallel))
     # NOTE: the KV budget splits the host's memory among all its ranks, not the group's
     tp.local_size = world.local_size
-    return parallel, tp, ReplicaLink(MPI, world.comm, parallel, world.abort)
+    return parallel, tp, ReplicaLink(MPI, world.comm, parallel)
 
 
 def close_group(tp) -> None:
@@ -177,8 +169,8 @@ class DataParallelRunner:
             self.link.send_plan(r, plans[r])
         parts[0] = self.local.execute(plans[0])
         self.link.finish_sends()
-        for req, r in pending:
-            self.link.wait(req, r)
+        for req, _ in pending:
+            req.Wait()
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
     def shutdown_workers(self) -> None:

@@ -279,7 +279,7 @@ class MPIComm:
         """req.Wait(), but a peer that does not take part within the collective timeout (a
         stopped or hung process; a dead one ends the job through mpiexec) stops the job."""
         if not wait_done(req.Test, self.timeout):
-            self.abort("%s: a rank did not take part within %.0f s (NUMA_RUNTIME_COLLECTIVE_TIMEOUT); it is "
+            self.abort("%s: a rank did not take part within %g s (NUMA_RUNTIME_COLLECTIVE_TIMEOUT); it is "
                        "stuck or dead, stopping the job." % (op, self.timeout))
 
     def barrier(self) -> None:
@@ -310,7 +310,7 @@ class MPIComm:
         self.comm.Abort(code)
 
     def _peer_timeout(self, op: str, late: int) -> None:
-        self.abort("%s: rank %d did not join within %.0f s (NUMA_RUNTIME_COLLECTIVE_TIMEOUT); "
+        self.abort("%s: rank %d did not join within %g s (NUMA_RUNTIME_COLLECTIVE_TIMEOUT); "
                    "it is stuck or dead, stopping the job." % (op, self.world_ranks[late], self.timeout))
 
     def close(self) -> None:

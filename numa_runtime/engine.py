@@ -1105,7 +1105,9 @@ class Engine:
             if held is not None:
                 signal.signal(signal.SIGINT, held)
         if not self._keeps_workers:
-            self.comm.gather_object(_exiting, timed=True)  # NOTE: rank 0's close() learns whether this rank exits
+            # NOTE: rank 0's close() learns whether this rank exits; timed as rank 0 times it (untimed under data
+            # parallel: a replica may still run plans queued before the shutdown)
+            self.comm.gather_object(_exiting, timed=self._link is None)
             self.close_comms()  # NOTE: collective, as rank 0's _shutdown: the shared-memory window goes
         atexit.unregister(self._close_at_exit)  # NOTE: it kept every closed engine's weights alive
 
@@ -1211,7 +1213,7 @@ class Engine:
             if self.comm.world_size > 1 and not self._keeps_workers:
                 # NOTE: each worker says whether it exits now (its first driving call) or returns
                 # from serve_workers(): a later Engine would wait for ever for ranks that are gone
-                _workers_exited = _workers_exited or any(self.comm.gather_object(False, timed=True)[1:])
+                _workers_exited = _workers_exited or any(self.comm.gather_object(False, timed=self._link is None)[1:])
                 # NOTE: each Engine makes its own communicator and window (a job that makes and
                 # closes engines grew by one each); the router closes those of the engines it keeps
                 self.close_comms()

@@ -485,3 +485,41 @@ def test_a_request_its_client_stops_sending_is_answered_408(front, begun):
         assert sock.recv(65536) == ok(b"one")
     proc.stdin.close()
     assert proc.wait(timeout=30) == 0
+
+
+def test_a_pipelined_request_waiting_behind_a_long_answer_is_not_timed_out(front):
+    """Rank 0 answers request 1 after 1.5 s and, as uvicorn, reads nothing meanwhile; request 2 (1 MiB)
+    came pipelined behind it, every byte at once: the front, blocked relaying it, read nothing from the
+    client either, and took that for the client's pause (a 408 "nothing came" to a client that never paused)."""
+    async def rank0(reader, writer):
+        n = 0
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                break
+            length = [int(line.split(b":")[1]) for line in head.lower().split(b"\r\n")
+                      if line.startswith(b"content-length:")]
+            if length:
+                await reader.readexactly(length[0])
+            n += 1
+            if n == 1:
+                await asyncio.sleep(1.5)
+            writer.write(ok(b"%d" % n))
+            await writer.drain()
+        writer.close()
+
+    base, _ = front([], handler=rank0, args=("--request-timeout", "0.5"))
+    port = int(base.rsplit(":", 1)[1])
+    body = b"x" * (1 << 20)
+    requests = (b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}"
+                b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        threading.Thread(target=sock.sendall, args=(requests,), daemon=True).start()
+        got = b""
+        while len(got) < 2 * len(ok(b"1")):
+            data = sock.recv(65536)
+            if not data:
+                break
+            got += data
+    assert got == ok(b"1") + ok(b"2"), got

@@ -234,6 +234,9 @@ class Relay:
                     await bwriter.drain()
                 except OSError:
                     return  # NOTE: rank 0's side has gone; backend_to_client answers the client
+                # NOTE: while rank 0 took no more (it answers a pipelined request first), the front read
+                # nothing: the client's pause counts from here, not from its last byte read
+                self.client_byte = loop.time()
         finally:
             if read.done() and not read.cancelled() and read.exception() is None and read.result():
                 self.watch(self.up, read.result())  # NOTE: read, not relayed: refuse() still sees it
@@ -378,7 +381,8 @@ class Relay:
                         self.up.start_next_cycle()
                         self.down.start_next_cycle()
                         self.event_stream = False
-                        self.idle_since = asyncio.get_running_loop().time()
+                        # NOTE: a pipelined request waited for this answer: its client's pause counts from here
+                        self.idle_since = self.client_byte = asyncio.get_running_loop().time()
                         break  # NOTE: `up` first: the next request before the next response
 
     def _log(self, conn, event) -> None:

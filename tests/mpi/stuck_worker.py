@@ -8,8 +8,7 @@ import sys
 from numa_runtime import Engine, SamplingParams
 
 model, action = sys.argv[1], sys.argv[2]
-dp = int(sys.argv[3]) if len(sys.argv) > 3 else None
-e = Engine(model, dtype="float32", kv_cache_memory=1 << 22, max_model_len=128, num_threads=1, data_parallel=dp)
+e = Engine(model, dtype="float32", kv_cache_memory=1 << 22, max_model_len=128, num_threads=1)
 pids = e.comm.gather_object(os.getpid())
 if not e.is_driver:
     e.serve_workers()
