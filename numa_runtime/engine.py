@@ -1213,7 +1213,10 @@ class Engine:
             if self.comm.world_size > 1 and not self._keeps_workers:
                 # NOTE: each worker says whether it exits now (its first driving call) or returns
                 # from serve_workers(): a later Engine would wait for ever for ranks that are gone
-                _workers_exited = _workers_exited or any(self.comm.gather_object(False, timed=self._link is None)[1:])
+                # NOTE: the gather always runs (an `or` skipped it once the workers had exited, and a
+                # worker's gather then waited for rank 0 for ever where it takes part in a barrier)
+                exited = any(self.comm.gather_object(False, timed=self._link is None)[1:])
+                _workers_exited = _workers_exited or exited
                 # NOTE: each Engine makes its own communicator and window (a job that makes and
                 # closes engines grew by one each); the router closes those of the engines it keeps
                 self.close_comms()
