@@ -35,14 +35,14 @@ class ReplicaLink:
     def send_plan(self, replica: int, plan: StepPlan) -> None:
         """Start sending (completed by finish_sends, after rank 0's own step)."""
         buf = plan.to_buffer()
-        self._sends.append((self.world.Isend(buf, dest=self.parallel.leader_of(replica), tag=_PLAN_TAG), buf, replica))
+        self._sends.append((self.world.Isend(buf, dest=self.parallel.leader_of(replica), tag=_PLAN_TAG), buf))
 
     def finish_sends(self) -> None:
         # NOTE: untimed, as the logits below: a replica's leader may be plans behind rank 0 (a
         # prefill's chunks without logits are sent ahead), so a wait spans that many of its steps;
         # a stuck rank inside a replica of several ranks stops the job through that replica's own
         # collective timeout
-        for req, _, _ in self._sends:
+        for req, _ in self._sends:
             req.Wait()
         self._sends.clear()
 
@@ -111,15 +111,15 @@ def replica_blocks(parallel: ParallelConfig, ranks: list[dict]) -> list[int]:
     """KV blocks of each replica's pool, from the per-rank reports: the fewest any of its ranks
     holds (each rank sizes its pool from its own host's memory, cgroup or ulimit -v; a block
     index past a rank's pool would fail there mid-run). A rank with more logs what goes unused."""
-    tp = parallel.tensor_parallel
     out = []
     for r in range(parallel.data_parallel):
-        counts = [ranks[j]["kv_blocks"] for j in range(r * tp, (r + 1) * tp)]
+        first = parallel.leader_of(r)
+        counts = [ranks[first + j]["kv_blocks"] for j in range(parallel.tensor_parallel)]
         out.append(min(counts))
         for j, n in enumerate(counts):
             if n > out[-1]:
                 log.info("rank %d holds %d KV blocks but uses %d, as many as the smallest pool of its "
-                         "replica's ranks (their memory limits differ)", r * tp + j, n, out[-1])
+                         "replica's ranks (their memory limits differ)", first + j, n, out[-1])
     return out
 
 
@@ -165,11 +165,11 @@ class DataParallelRunner:
                 continue
             parts[r] = np.empty((len(plans[r].logits_indices), self.vocab_size), np.float32)
             if len(parts[r]):
-                pending.append((self.link.post_logits(r, parts[r]), r))
+                pending.append(self.link.post_logits(r, parts[r]))
             self.link.send_plan(r, plans[r])
         parts[0] = self.local.execute(plans[0])
         self.link.finish_sends()
-        for req, _ in pending:
+        for req in pending:
             req.Wait()
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
 

@@ -322,8 +322,6 @@ class MPIComm:
 def wait_done(done, timeout: float) -> bool:
     """Poll `done()` (an MPI request's Test) without pause, as MPI's own Wait spins, for at most
     `timeout` seconds; whether it completed (False: a peer is stuck or dead)."""
-    if done():
-        return True
     deadline = time.perf_counter() + timeout
     while not done():
         if time.perf_counter() > deadline:

@@ -112,8 +112,8 @@ def balanced_split(n: int, base_loads: list[int], unit_cost: int, align: int = 1
     if units < parts:
         raise UnsupportedModelError(
             f"Cannot split {n} {what} over {parts} ranks in groups of {align}; use at most "
-            f"{units} rank{'s' if units > 1 else ''} per model replica (fewer ranks, or model replicas: data_parallel, --data-parallel "
-            "or numa-launch --dp).")
+            f"{units} rank{'s' if units > 1 else ''} per model replica (fewer ranks, or model replicas: "
+            "data_parallel, --data-parallel or numa-launch --dp).")
     counts = [1] * parts
     heap = [(load + unit_cost * align, r) for r, load in enumerate(base_loads)]
     heapq.heapify(heap)

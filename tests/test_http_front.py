@@ -468,15 +468,11 @@ def test_a_request_its_client_stops_sending_is_answered_408(front, begun):
     rank 0 for ever (a slow-loris); after --request-timeout without a byte it gets a 408 and the close.
     One that keeps sending, however slowly, is not cut."""
     base, proc = front([(ok(b"one"), False)], args=("--request-timeout", "0.5"))
-    port = int(base.rsplit(":", 1)[1])
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-        sock.sendall(begun)
-        answer = b""
-        while chunk_ := sock.recv(65536):
-            answer += chunk_
+    answer = raw_exchange(base, begun)  # NOTE: returns once the front closes it
     assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), answer
     assert b"nothing came for 0.5 s (--request-timeout)" in answer
     body = b'{"prompt": "x"}'
+    port = int(base.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
         for piece in (head[:20], head[20:], body[:5], body[5:]):

@@ -511,5 +511,3 @@ def release_memory() -> None:
         return
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)
-
-
