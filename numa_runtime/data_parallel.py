@@ -11,44 +11,88 @@ and receives the leader's logits rows. A leader broadcasts its plan inside its g
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 
 from . import env
 from .config import EngineConfig, ModelConfig, ParallelConfig
-from .distributed import MPIComm, SingleProcessComm, wait_idle
+from .distributed import MPIComm, SingleProcessComm, abort_job, wait_idle
 from .plan import SHUTDOWN, StepPlan
 
 log = logging.getLogger("numa_runtime")
 
-_PLAN_TAG, _LOGITS_TAG = 71, 72
+_PLAN_TAG, _LOGITS_TAG, _ACK_TAG = 71, 72, 73
 
 
 class ReplicaLink:
-    """Point-to-point messages between rank 0 and the leaders of replicas 1..N-1."""
+    """Point-to-point messages between rank 0 and the leaders of replicas 1..N-1.
+
+    A leader acknowledges every plan it has run (a plan's count, after its logits rows), so rank
+    0 knows each replica's progress: its waits end the job when a replica with plans queued
+    completes none of them within the collective timeout (a stopped or hung leader; its group's
+    own collectives cover a rank behind the leader). A wait on one plan may not be timed: the
+    replica may be many queued plans behind (a prefill's chunks are sent ahead)."""
 
     def __init__(self, MPI, world, parallel: ParallelConfig):
         self.MPI, self.world, self.parallel = MPI, world, parallel
         self._sends: list = []
+        self.timeout = env.collective_timeout()
+        n = parallel.data_parallel
+        self._sent, self._acked = [0] * n, [0] * n  # plans sent to / acknowledged by each replica
+        self._progress = [time.monotonic()] * n     # its last acknowledgement, or its first plan since idle
+        self._ack = np.empty(1, dtype=np.int64)
 
     # ---- rank 0 -------------------------------------------------------------------------
     def send_plan(self, replica: int, plan: StepPlan) -> None:
         """Start sending (completed by finish_sends, after rank 0's own step)."""
+        self._drain(replica)
+        if self._sent[replica] == self._acked[replica]:
+            self._progress[replica] = time.monotonic()  # NOTE: idle until now
+        self._sent[replica] += 1
         buf = plan.to_buffer()
         self._sends.append((self.world.Isend(buf, dest=self.parallel.leader_of(replica), tag=_PLAN_TAG), buf))
 
     def finish_sends(self) -> None:
-        # NOTE: untimed, as the logits below: a replica's leader may be plans behind rank 0 (a
-        # prefill's chunks without logits are sent ahead), so a wait spans that many of its steps;
-        # a stuck rank inside a replica of several ranks stops the job through that replica's own
-        # collective timeout
-        for req, _ in self._sends:
-            req.Wait()
+        self.wait([req for req, _ in self._sends])
         self._sends.clear()
 
     def post_logits(self, replica: int, out: np.ndarray):
         """Start receiving replica's logits rows into out [rows, vocab] f32; returns the request."""
         return self.world.Irecv(out, source=self.parallel.leader_of(replica), tag=_LOGITS_TAG)
+
+    def wait(self, requests: list) -> None:
+        """Complete requests to and from the leaders; a replica with plans queued that
+        acknowledges none of them within the collective timeout ends the job."""
+        while requests:
+            requests = [req for req in requests if not req.Test()]
+            if requests:
+                self._check_progress()
+
+    def wait_acknowledged(self) -> None:
+        """Until every replica has acknowledged every plan sent to it (the shutdown's too)."""
+        while any(self._sent[r] > self._acked[r] for r in range(1, len(self._sent))):
+            self._check_progress()
+
+    def _drain(self, replica: int) -> None:
+        leader = self.parallel.leader_of(replica)
+        while self.world.Iprobe(source=leader, tag=_ACK_TAG):
+            self.world.Recv(self._ack, source=leader, tag=_ACK_TAG)
+            self._acked[replica] = int(self._ack[0])
+            self._progress[replica] = time.monotonic()
+
+    def _check_progress(self) -> None:
+        now = time.monotonic()
+        for r in range(1, len(self._sent)):
+            if self._sent[r] > self._acked[r]:
+                self._drain(r)
+                if self._sent[r] > self._acked[r] and now - self._progress[r] > self.timeout:
+                    first, tp = self.parallel.leader_of(r), self.parallel.tensor_parallel
+                    ranks = f"rank {first}" if tp == 1 else f"ranks {first}-{first + tp - 1}"
+                    queued = self._sent[r] - self._acked[r]
+                    abort_job(self.world, 0, "data parallel replica %d (%s) completed none of its %d queued step(s) "
+                              "within %g s (NUMA_RUNTIME_COLLECTIVE_TIMEOUT); it is stuck or dead, stopping the job."
+                              % (r, ranks, queued, self.timeout))
 
     # ---- a leader -----------------------------------------------------------------------
     def recv_plan(self) -> StepPlan:
@@ -57,10 +101,16 @@ class ReplicaLink:
         wait_idle(lambda: self.world.Iprobe(source=0, tag=_PLAN_TAG, status=status))
         buf = np.empty(status.Get_count(self.MPI.INT64_T), dtype=np.int64)
         self.world.Recv(buf, source=0, tag=_PLAN_TAG)
+        self._sent[0] += 1  # NOTE: on a leader, the count of plans received
         return StepPlan.from_buffer(buf)
 
     def send_logits(self, logits: np.ndarray) -> None:
         self.world.Send(np.ascontiguousarray(logits, dtype=np.float32), dest=0, tag=_LOGITS_TAG)
+
+    def acknowledge(self) -> None:
+        """The plan received last has run (its logits rows, if any, sent before)."""
+        self._ack[0] = self._sent[0]
+        self.world.Send(self._ack, dest=0, tag=_ACK_TAG)
 
 
 def setup(world, engine_cfg: EngineConfig, model_cfg: ModelConfig):
@@ -169,8 +219,7 @@ class DataParallelRunner:
             self.link.send_plan(r, plans[r])
         parts[0] = self.local.execute(plans[0])
         self.link.finish_sends()
-        for req in pending:
-            req.Wait()
+        self.link.wait(pending)
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
     def shutdown_workers(self) -> None:
@@ -178,6 +227,7 @@ class DataParallelRunner:
             self.link.send_plan(r, StepPlan.shutdown())
         self.link.finish_sends()
         self.local.shutdown_workers()
+        self.link.wait_acknowledged()  # NOTE: every replica has left its loop: the close's gather is timed
 
     def release(self) -> None:
         self.local.release()
@@ -190,7 +240,9 @@ def serve_replica(runner, link: ReplicaLink) -> None:
         plan = link.recv_plan()
         if plan.kind == SHUTDOWN:
             runner.shutdown_workers()
+            link.acknowledge()
             return
         logits = runner.execute(plan)
         if len(plan.logits_indices):
             link.send_logits(logits)
+        link.acknowledge()

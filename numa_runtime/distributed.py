@@ -288,9 +288,13 @@ class MPIComm:
     def gather_object(self, obj: Any, timed: bool = False) -> list | None:
         """Small picklable reports (stats, timings) to rank 0; None on other ranks. `timed`: a
         rank that does not take part within the collective timeout stops the job (between
-        steps, where every rank is due at once; not at load, where one may read longer)."""
+        steps, where every rank is due at once; not at load, where one may read longer). Ranks
+        may differ in `timed` (each times its own wait: a barrier, then the gather)."""
+        req = self.comm.Ibarrier()
         if timed:
-            self._wait(self.comm.Ibarrier(), "gather_object")
+            self._wait(req, "gather_object")
+        else:
+            req.Wait()
         return self.comm.gather(obj, root=0)
 
     def all_gather_object(self, obj: Any) -> list:
@@ -300,14 +304,7 @@ class MPIComm:
     def abort(self, msg: str, code: int = 1) -> None:
         """Print why ("rank R: msg"; nothing when msg is empty) and stop every rank of the
         job now (never returns)."""
-        if msg:
-            sys.stderr.write("rank %d: %s\n" % (self.world_ranks[self.rank], msg))
-        sys.stderr.flush()
-        if msg:
-            # NOTE: mpiexec forwards a rank's output from a pipe; MPI_Abort kills every process at
-            # once, and on a busy host the last lines (the reason) were lost now and then
-            time.sleep(ABORT_FLUSH_S)
-        self.comm.Abort(code)
+        abort_job(self.comm, self.world_ranks[self.rank], msg, code)
 
     def _peer_timeout(self, op: str, late: int) -> None:
         self.abort("%s: rank %d did not join within %g s (NUMA_RUNTIME_COLLECTIVE_TIMEOUT); "
@@ -317,6 +314,19 @@ class MPIComm:
         if self._shm is not None:
             self._shm.close()
             self._shm = None
+
+
+def abort_job(comm, world_rank: int, msg: str, code: int = 1) -> None:
+    """Print why ("rank R: msg"; nothing when msg is empty) and stop every rank of the job
+    through `comm` (an mpi4py communicator) now (never returns)."""
+    if msg:
+        sys.stderr.write("rank %d: %s\n" % (world_rank, msg))
+    sys.stderr.flush()
+    if msg:
+        # NOTE: mpiexec forwards a rank's output from a pipe; MPI_Abort kills every process at
+        # once, and on a busy host the last lines (the reason) were lost now and then
+        time.sleep(ABORT_FLUSH_S)
+    comm.Abort(code)
 
 
 def wait_done(done, timeout: float) -> bool:

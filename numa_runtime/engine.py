@@ -1106,7 +1106,7 @@ class Engine:
                 signal.signal(signal.SIGINT, held)
         if not self._keeps_workers:
             # NOTE: rank 0's close() learns whether this rank exits; timed as rank 0 times it (untimed under data
-            # parallel: a replica may still run plans queued before the shutdown)
+            # parallel: rank 0 may wait longer than that for another replica's queued plans before it comes)
             self.comm.gather_object(_exiting, timed=self._link is None)
             self.close_comms()  # NOTE: collective, as rank 0's _shutdown: the shared-memory window goes
         atexit.unregister(self._close_at_exit)  # NOTE: it kept every closed engine's weights alive
@@ -1215,7 +1215,8 @@ class Engine:
                 # from serve_workers(): a later Engine would wait for ever for ranks that are gone
                 # NOTE: the gather always runs (an `or` skipped it once the workers had exited, and a
                 # worker's gather then waited for rank 0 for ever where it takes part in a barrier)
-                exited = any(self.comm.gather_object(False, timed=self._link is None)[1:])
+                # NOTE: timed under data parallel too: shutdown_workers waited for every replica to leave its loop
+                exited = any(self.comm.gather_object(False, timed=True)[1:])
                 _workers_exited = _workers_exited or exited
                 # NOTE: each Engine makes its own communicator and window (a job that makes and
                 # closes engines grew by one each); the router closes those of the engines it keeps

@@ -310,6 +310,51 @@ def test_a_stopped_worker_stops_the_job_with_a_reason(tiny_model, action, says):
 
 
 @needs_mpirun
+@pytest.mark.parametrize("np_,stop,action,says", [
+    (2, 1, "generate", "replica 1 (rank 1) completed none of its 1 queued step(s) within 3 s"),
+    (2, 1, "close", "replica 1 (rank 1) completed none of its 1 queued step(s) within 3 s"),
+    # NOTE: the stopped leader of a replica of 2 ranks: rank 0 names the replica (its other rank waits in
+    # the leader's broadcast untimed: that wait is idle)
+    (4, 2, "generate", "replica 1 (ranks 2-3) completed none of its 1 queued step(s) within 3 s")])
+def test_a_stopped_data_parallel_replica_stops_the_job_with_a_reason(tiny_model, np_, stop, action, says):
+    """Under data parallel rank 0 waited for a replica's plans and logits without a deadline: a
+    stopped replica of one rank (no collective of its own to time out) hung the job's steps for
+    ever. Now each leader acknowledges its plans and rank 0 stops the job when a replica with
+    plans queued completes none within the collective timeout."""
+    p = subprocess.Popen(mpirun_args("stuck_worker.py", np_, tiny_model, action, "2", str(stop)),
+                         env=_env(NUMA_RUNTIME_COLLECTIVE_TIMEOUT="3"),
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"the job hung after a replica stopped:\n{out}\n{err[-2000:]}")
+    assert f"stopped rank {stop}" in out and "NOT STOPPED" not in out, out + err[-2000:]
+    assert p.returncode != 0
+    assert f"rank 0: data parallel {says} (NUMA_RUNTIME_COLLECTIVE_TIMEOUT); it is stuck or dead, stopping the " \
+           "job." in err, err[-3000:]
+
+
+@needs_mpirun
+def test_a_slow_data_parallel_replica_is_not_taken_for_a_stuck_one(tmp_path):
+    """Rank 0 sends a replica a prompt's chunks ahead (here 63 while the other replica idles),
+    so one wait for its logits spans all of them: a replica that completes each chunk within
+    the collective timeout finishes its prompt though that wait lasts several timeouts."""
+    from models import build_model
+    build_model(str(tmp_path), arch="llama", max_position_embeddings=4096, hidden_size=512,
+                intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8)
+    timeout = 0.5
+    out = run_mpi("slow_replica.py", 2, str(tmp_path), "4000", "64", timeout=300,
+                  NUMA_RUNTIME_COLLECTIVE_TIMEOUT=str(timeout))
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+    assert row["routed"] == [1, 1], row
+    assert [len(t) for t in row["tokens"]] == [1, 2], row
+    assert row["seconds"] > 2 * timeout, row  # NOTE: the wait spanned several timeouts, else this shows nothing
+
+
+@needs_mpirun
 def test_engines_of_data_parallel_replicas_free_their_groups(tiny_model):
     """2 replicas of 2 ranks: each engine's replica groups have their own communicator and
     shared-memory window, which close() left behind (each engine grew every rank by one)."""

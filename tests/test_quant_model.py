@@ -285,7 +285,8 @@ def test_tied_int8_lm_head_over_ranks(tied_dir, tmp_path, ranks, name):
 
 def test_plain_int8_groups_do_not_depend_on_the_rank_count(model_dir):
     """o_proj takes groups that divide head_dim and down_proj's split follows its group, on
-    every rank count; an MLP too narrow for that many groups is refused, not regrouped."""
+    every rank count; an MLP too narrow for that many groups is refused, not regrouped, and the
+    error names the smaller group that splits it, which then loads on that many ranks."""
     e = engine(model_dir, quantization="int8")
     try:
         layer = e.runner.model.layers[0]
@@ -295,6 +296,9 @@ def test_plain_int8_groups_do_not_depend_on_the_rank_count(model_dir):
     p = run_mpi(4, model_dir, "int8")
     assert p.returncode != 0
     assert "Cannot split 256 MLP columns over 4 ranks in groups of 128; use at most 2 ranks" in p.stdout + p.stderr
+    assert ("numa-launch --dp), or a smaller quantization group: quantization='int8-g32-sym' (--quantization "
+            "int8-g32-sym).") in p.stdout + p.stderr
+    assert result(run_mpi(4, model_dir, "int8-g32-sym"))["world"] == 4
 
 
 def test_split_that_cuts_a_group_is_a_clear_error(model_dir):

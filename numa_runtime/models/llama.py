@@ -21,7 +21,7 @@ from ..quant.formats import QuantError
 from ..quant.loader import (LinearFactory, check_checkpoint_method, head_quantization, parse_quantization,
                             stores_quantized)
 from ..plan import EMBED
-from ..sharding import ShardLayout, shard_layouts
+from ..sharding import ShardLayout, shard_layouts, split_heads
 from ..weights import Checkpoint, load_rows
 from .moe import MoEBlock, check_moe_tensors, swiglu
 
@@ -106,7 +106,17 @@ class LlamaModel:
             moe_align = (linear.split_align(cfg.moe_intermediate_size, world, "mlp.experts.*.down_proj", even=True)
                          if cfg.num_experts else 1,
                          linear.split_align(shared, world, "mlp.shared_expert.down_proj", even=True) if shared else 1)
-            self.lay = lay = ShardLayout.build(cfg, comm.rank, comm.world_size, align, moe_align)
+            try:
+                self.lay = lay = ShardLayout.build(cfg, comm.rank, comm.world_size, align, moe_align)
+            except UnsupportedModelError as e:
+                ks = [k for k in (cfg.intermediate_size if cfg.has_dense_mlp else 0,
+                                  cfg.moe_intermediate_size if cfg.num_experts else 0, shared or 0) if k]
+                heads = split_heads(cfg.num_heads, cfg.num_kv_heads, world)
+                q = linear.smaller_group(ks, world, [(h.stop - h.start) * cfg.head_dim for h, _ in heads])
+                if q is None:
+                    raise
+                raise UnsupportedModelError(f"{str(e).rstrip('.')}, or a smaller quantization group: "
+                                            f"quantization={q!r} (--quantization {q}).") from None
             if comm.rank == 0 and comm.world_size > 1 and (env.mpi_world() or (0, 1))[0] == 0:
                 # NOTE: the first replica's leader: every replica splits alike (a log line a replica)
                 for other in shard_layouts(cfg, comm.world_size, align, moe_align):

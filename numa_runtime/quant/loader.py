@@ -82,6 +82,21 @@ class LinearFactory:
             stored = cut
         return max(own, stored)
 
+    def smaller_group(self, ks: list[int], world: int, slices: list[int]) -> str | None:
+        """The quantization to name where the group we quantize in at load is what keeps the
+        row-parallel weights with ks input features (the MLPs') from splitting over `world`
+        ranks and an explicit group of 64 or 32 would split them all and divide the ranks'
+        other row-parallel slices (`slices`: o_proj's input features on each rank), e.g.
+        'int8-g64-sym'; else None."""
+        q = self.quant
+        if q is None or q.group_size < 0 or getattr(self.ckpt, "split_align", 1) != 1:
+            return None
+        for g in (64, 32):
+            if (g < min(q.for_split(k).group_size for k in ks) and all(k % g == 0 and k // g >= world for k in ks)
+                    and all(n % g == 0 for n in slices)):
+                return f"int{q.bits}-g{g}-{q.kind}"
+        return None
+
     def __call__(self, parts: list[Part], bias: np.ndarray | None = None):
         weights = [self._weight(*p) for p in parts]
         if all(isinstance(w, np.ndarray) for w in weights):
