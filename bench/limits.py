@@ -1,6 +1,11 @@
 """Machine limits the kernels are judged against: DRAM read bandwidth and bf16 GEMM peak.
 
     python bench/limits.py [--threads N]      # prints JSON
+    python bench/limits.py --threads 16 --working-sets 64 256 346 763 4096   # read GB/s by buffer size
+
+The second form reads buffers of each size (MB) over and over, as decode reads a model's
+weights every token: sizes that a large L3 holds in part read faster than DRAM (a "% of the
+DRAM limit" above 100% for a model of that size means it came partly from cache).
 """
 from __future__ import annotations
 
@@ -42,6 +47,30 @@ def dram_read_gbps(num_threads: int | None = None, gib: float = 1.0, repeats: in
         ops.set_num_threads(old)
 
 
+def read_gbps_by_size(sizes_mb: list[float], num_threads: int | None = None, repeats: int = 20) -> list[dict]:
+    """For each size (MB, 1e6 B): best and median GB/s of `repeats` back-to-back full reads of
+    one buffer of that size by ops.read_words (as dram_read_gbps), after one read to warm it."""
+    old = ops.get_num_threads()
+    if num_threads:
+        ops.set_num_threads(num_threads)
+    out = []
+    try:
+        for mb in sizes_mb:
+            a = np.ones(int(mb * 1e6) // 8, dtype=np.uint64)
+            ops.read_words(a)
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                ops.read_words(a)
+                times.append(time.perf_counter() - t0)
+            out.append({"mb": mb, "best_gbps": round(a.nbytes / min(times) / 1e9, 1),
+                        "median_gbps": round(a.nbytes / float(np.median(times)) / 1e9, 1)})
+            del a
+    finally:
+        ops.set_num_threads(old)
+    return out
+
+
 def peak_bf16_gflops(n: int = 4096, repeats: int = 3) -> float:
     """Our Linear (oneDNN path) at a square bf16 GEMM of size n, in GFLOP/s."""
     rng = np.random.default_rng(0)
@@ -58,9 +87,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--quick", action="store_true", help="smaller buffers / GEMM")
+    ap.add_argument("--working-sets", type=float, nargs="+", default=None, metavar="MB",
+                    help="read bandwidth of buffers of these sizes (MB) read over and over, instead")
     args = ap.parse_args()
     if args.threads:
         ops.set_num_threads(args.threads)
+    if args.working_sets:
+        print(json.dumps({"threads": ops.get_num_threads(), "reads": read_gbps_by_size(args.working_sets)}, indent=2))
+        return
     gib = 0.5 if args.quick else 1.0
     print(json.dumps({
         "threads": ops.get_num_threads(),
