@@ -657,9 +657,16 @@ class Engine:
             status = None
             if failed is None:
                 status = text.add_token(token, self.max_model_len)
-                if status is None and self.grammars.advance(req.request_id, token):
+                # NOTE: every token goes through the grammar, an end-of-sequence one too: where the
+                # mask and allowed_token_ids leave no token, greedy took token 0 (an EOS for some
+                # tokenizers), which ended the request as a normal stop with text the grammar refuses
+                if self.grammars.advance(req.request_id, token):
                     failed = self.grammars.error(req.request_id)
-                    if failed is None:
+                    sp = req.sampling_params
+                    if failed is not None and (sp.allowed_token_ids or sp.bad_words):
+                        failed = (f"{failed[:-1]} (allowed_token_ids or bad_words may exclude every token it "
+                                  "allows next).")
+                    if failed is None and status is None:
                         status = text.finish(RequestStatus.FINISHED_STOPPED)
             if failed is not None:
                 log.warning("request %s: %s", req.request_id, failed)

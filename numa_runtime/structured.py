@@ -72,7 +72,8 @@ class Grammars:
         # NOTE: llguidance's compiler recurses natively as deep as the schema's $ref chains: on a
         # thread of its own with a large stack, so that no schema within MAX_DEPTH can overflow
         # the engine thread's stack (a chain of 3000 $refs was a segmentation fault)
-        matcher = _on_big_stack(lambda: self._first_mask(llg.LLMatcher(tokenizer, grammar, log_level=0)))
+        matcher = _on_big_stack(lambda: self._first_mask(llg.LLMatcher(tokenizer, grammar, log_level=0,
+                                                                        limits=_limits(llg))))
         if matcher.is_error():
             raise ValueError(f"{field} cannot be used: {_first_line(matcher.get_error(), kind)}.")
         self._matchers[request_id] = matcher
@@ -192,9 +193,10 @@ def _grammar(llg, kind: str, spec) -> str:
         return llg.LLMatcher.grammar_from_json_schema(strict_schema(spec), defaults=_LAYOUT[kind])
     if kind == "regex":
         return llg.LLMatcher.grammar_from_regex(ascii_digits(spec))
-    if kind == "choice":  # NOTE: JSON string literals are Lark's (llguidance's) string syntax
-        import json
-        return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec))
+    if kind == "choice":
+        # NOTE: one regex (one lexeme): as a Lark rule of N alternatives the parser's row held an
+        # item each, and 2000 or more choices failed after the first token (llguidance's row limit)
+        return llg.LLMatcher.grammar_from_regex("|".join(_literal_regex(c) for c in spec))
     if "::=" not in spec:  # NOTE: vLLM's test: GBNF defines rules with ::=, Lark with ':'
         return llg.LLMatcher.grammar_from_lark(spec)
     from llguidance.gbnf_to_lark import gbnf_to_lark
@@ -203,6 +205,21 @@ def _grammar(llg, kind: str, spec) -> str:
     except Exception as e:  # noqa: BLE001 - the converter raises what its parser raises
         raise ValueError(f"it does not parse as GBNF ({_first_line(str(e))})") from None
     return llg.LLMatcher.grammar_from_lark(lark)
+
+
+# NOTE: Earley items at one position of the output: llguidance's default (2000) failed an object of
+# 501 optional properties after its first token; the lexer and per-step limits stay as they are
+MAX_ITEMS_IN_ROW = 20000
+
+
+def _limits(llg):
+    return llg.LLParserLimits(max_items_in_row=MAX_ITEMS_IN_ROW)
+
+
+def _literal_regex(text: str) -> str:
+    """A regex matching exactly `text`: ASCII letters and digits as they are, every other
+    character as its code point (\\x{HEX})."""
+    return "".join(c if c.isascii() and c.isalnum() else "\\x{%X}" % ord(c) for c in text)
 
 
 def ascii_digits(regex: str) -> str:
@@ -235,13 +252,18 @@ _UNSAFE = set('"\\]-^[')  # characters an escape must not turn literal inside a 
 
 def _gbnf_for_converter(gbnf: str) -> str:
     r"""llama.cpp's GBNF as llguidance's converter reads it: \uXXXX / \UXXXXXXXX / \xXX escapes as
-    the characters (it wrote \u00e9 as the invalid \ue9), and a rule named start renamed (root
-    becomes start there)."""
+    the characters (it wrote \u00e9 as the invalid \ue9), but as \xXX where the character would
+    end a string or class or is a control character up to 0xFF; and a rule named start renamed
+    (root becomes start there)."""
     def char(m):
         if m.group(0) == "\\\\":  # NOTE: an escaped backslash: what follows it is text
             return m.group(0)
-        ch = chr(int(m.group(1) or m.group(2) or m.group(3), 16))
-        return m.group(0) if ch in _UNSAFE or not ch.isprintable() else ch
+        code = int(m.group(1) or m.group(2) or m.group(3), 16)
+        ch = chr(code)
+        if ch in _UNSAFE or (not ch.isprintable() and code <= 0xFF):
+            # NOTE: kept as an escape the converter passes on whole (\u0000 it wrote as \u)
+            return "\\x%02X" % code
+        return ch
     text = re.sub(r"\\\\|\\u([0-9a-fA-F]{4})|\\U([0-9a-fA-F]{8})|\\x([0-9a-fA-F]{2})", char, gbnf)
     if re.search(r"(?m)^\s*start\s*::=", text):
         # NOTE: outside strings and classes only

@@ -126,6 +126,37 @@ def test_allowed_token_ids_picks_the_best_allowed_token(eng):
     assert set(sampled.token_ids) <= {5, 6}
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_constraint_that_allowed_token_ids_leave_no_token_ends_in_an_error(eng, temperature):
+    """A choice whose tokens allowed_token_ids all exclude: greedy took token 0 of a row of -inf
+    (an end-of-sequence token for some tokenizers), which ended the request as a normal stop
+    with text the choice refuses; every token now goes through the grammar."""
+    ids = eng.tokenizer.encode("yes no", add_special_tokens=False)
+    allowed = [t for t in range(3, 60) if t not in ids][:5]
+    o = eng.generate("Answer:", SamplingParams(temperature=temperature, seed=1, max_tokens=10, allowed_token_ids=allowed,
+                                               structured_outputs={"choice": ["yes", "no"]}))[0].outputs[0]
+    assert o.finish_reason == "error", (o.text, o.finish_reason)
+    assert o.stop_reason.startswith("the choice could not be followed: ") and o.stop_reason.endswith(
+        "(allowed_token_ids or bad_words may exclude every token it allows next)."), o.stop_reason
+    assert not eng.has_unfinished_requests()
+
+
+def test_thousands_of_choices_and_properties_are_followed(eng):
+    """3000 choices (quotes, backslashes, regex characters, non-ASCII) and an object of 600
+    optional properties: as one Lark rule each alternative was an item of the parser's row,
+    and past 2000 the request failed after its first token."""
+    choices = [f'c{i} "q" \\ .*+?()[]{{}}|^$ é😀' for i in range(3000)]
+    for seed in range(3):
+        o = eng.generate("Pick", SamplingParams(temperature=1.0, seed=seed, max_tokens=40,
+                                                structured_outputs={"choice": choices}))[0].outputs[0]
+        assert o.finish_reason == "stop" and o.text in choices, (o.text, o.finish_reason, o.stop_reason)
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)},
+              "required": ["p599"]}
+    o = eng.generate("Hello", SamplingParams(temperature=1.0, seed=0, max_tokens=40, json_schema=schema))[0].outputs[0]
+    assert o.finish_reason in ("stop", "length") and len(o.token_ids) > 3, (o.text, o.finish_reason, o.stop_reason)
+    assert o.finish_reason == "length" or "p599" in json.loads(o.text), o.text
+
+
 def _contains(seq, sub):
     return any(seq[i:i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
 
@@ -291,6 +322,9 @@ def test_a_constraint_set_after_construction_counts(eng):
     ('root ::= "caf\\u00e9" [\\x41-\\x43]', r"café[A-C]"),            # GBNF escapes
     ('root ::= start\nstart ::= "x" [0-9]', r"x[0-9]"),                   # a rule named start
     ('root ::= "\\\\u0041" | "\\\\x"', r"\\u0041|\\x"),               # escaped backslashes stay text
+    # NOTE: control characters and quotes as escapes (the converter wrote \u0000 as \u and \u0022 ended the string)
+    ('root ::= [^\\u0000-\\u001F]{1,4} "\\u0009" "\\u0022"', r'[^\x00-\x1f]{1,4}\t"'),
+    ('root ::= [\\u00A0-\\uFFFF] [\\U0001F600-\\U0001F64F]', r"[\u00a0-\uffff][\U0001F600-\U0001F64F]"),
 ])
 def test_grammars_as_vllm_and_llama_cpp_write_them(eng, grammar, pattern):
     out = eng.generate("Go", SamplingParams(temperature=1.0, seed=1, max_tokens=20,
