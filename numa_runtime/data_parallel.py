@@ -17,7 +17,7 @@ import numpy as np
 
 from . import env
 from .config import EngineConfig, ModelConfig, ParallelConfig
-from .distributed import MPIComm, SingleProcessComm, abort_job, wait_idle
+from .distributed import IDLE_SLEEP_S, IDLE_SPIN_S, MPIComm, SingleProcessComm, abort_job, wait_idle
 from .plan import SHUTDOWN, StepPlan
 
 log = logging.getLogger("numa_runtime")
@@ -64,15 +64,40 @@ class ReplicaLink:
     def wait(self, requests: list) -> None:
         """Complete requests to and from the leaders; a replica with plans queued that
         acknowledges none of them within the collective timeout ends the job."""
-        while requests:
+        def done():
+            nonlocal requests
             requests = [req for req in requests if not req.Test()]
-            if requests:
-                self._check_progress()
+            return not requests
+        self._poll(done)
 
     def wait_acknowledged(self) -> None:
         """Until every replica has acknowledged every plan sent to it (the shutdown's too)."""
-        while any(self._sent[r] > self._acked[r] for r in range(1, len(self._sent))):
-            self._check_progress()
+        def done():
+            for r in self._behind():
+                self._drain(r)
+            return not self._behind()
+        self._poll(done)
+
+    def _behind(self) -> list[int]:
+        return [r for r in range(1, len(self._sent)) if self._sent[r] > self._acked[r]]
+
+    def _poll(self, done) -> None:
+        """Poll done() until it holds: without pause for IDLE_SPIN_S, then sleeping between polls
+        (rank 0's other threads get the interpreter), ending the job when a replica with plans
+        queued acknowledges none within the collective timeout of rank 0 waiting (the time
+        before this wait, rank 0's own step, is not counted: a replica may need rank 0 inside
+        MPI to finish a message)."""
+        start = time.monotonic()
+        pause = IDLE_SLEEP_S[0]
+        while not done():
+            now = time.monotonic()
+            for r in self._behind():
+                self._drain(r)
+                if self._sent[r] > self._acked[r] and now - max(self._progress[r], start) > self.timeout:
+                    self._stuck(r)
+            if now - start > IDLE_SPIN_S:
+                time.sleep(pause)
+                pause = min(2 * pause, IDLE_SLEEP_S[1])
 
     def _drain(self, replica: int) -> None:
         leader = self.parallel.leader_of(replica)
@@ -81,18 +106,12 @@ class ReplicaLink:
             self._acked[replica] = int(self._ack[0])
             self._progress[replica] = time.monotonic()
 
-    def _check_progress(self) -> None:
-        now = time.monotonic()
-        for r in range(1, len(self._sent)):
-            if self._sent[r] > self._acked[r]:
-                self._drain(r)
-                if self._sent[r] > self._acked[r] and now - self._progress[r] > self.timeout:
-                    first, tp = self.parallel.leader_of(r), self.parallel.tensor_parallel
-                    ranks = f"rank {first}" if tp == 1 else f"ranks {first}-{first + tp - 1}"
-                    queued = self._sent[r] - self._acked[r]
-                    abort_job(self.world, 0, "data parallel replica %d (%s) completed none of its %d queued step(s) "
-                              "within %g s (NUMA_RUNTIME_COLLECTIVE_TIMEOUT); it is stuck or dead, stopping the job."
-                              % (r, ranks, queued, self.timeout))
+    def _stuck(self, r: int) -> None:
+        first, tp = self.parallel.leader_of(r), self.parallel.tensor_parallel
+        ranks = f"rank {first}" if tp == 1 else f"ranks {first}-{first + tp - 1}"
+        abort_job(self.world, 0, "data parallel replica %d (%s) completed none of its %d queued step(s) within %g s "
+                  "(NUMA_RUNTIME_COLLECTIVE_TIMEOUT); it is stuck or dead, stopping the job."
+                  % (r, ranks, self._sent[r] - self._acked[r], self.timeout))
 
     # ---- a leader -----------------------------------------------------------------------
     def recv_plan(self) -> StepPlan:

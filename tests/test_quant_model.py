@@ -301,6 +301,19 @@ def test_plain_int8_groups_do_not_depend_on_the_rank_count(model_dir):
     assert result(run_mpi(4, model_dir, "int8-g32-sym"))["world"] == 4
 
 
+def test_the_smaller_group_a_split_error_names_divides_the_hidden_size_too(tmp_path):
+    """hidden 96 with head_dim 64 (q/k/v and gate/up take 96 input features, o_proj 128): a
+    group of 64 splits the MLP over 2 ranks but not 96 (an explicit group is not fitted to a
+    width), so the error names groups of 32, which load."""
+    d = str(tmp_path / "m")
+    build_model(d, arch="llama", **{**SHAPE, "hidden_size": 96, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                    "head_dim": 64, "intermediate_size": 128})
+    p = run_mpi(2, d, "int8")
+    assert p.returncode != 0
+    assert "or a smaller quantization group: quantization='int8-g32-sym'" in p.stdout + p.stderr, p.stderr[-2000:]
+    assert result(run_mpi(2, d, "int8-g32-sym"))["world"] == 2
+
+
 def test_split_that_cuts_a_group_is_a_clear_error(model_dir):
     # o_proj has 128 input features: 64 per rank, not a multiple of 128
     p = run_mpi(2, model_dir, "int8-g128")

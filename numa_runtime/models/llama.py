@@ -112,7 +112,8 @@ class LlamaModel:
                 ks = [k for k in (cfg.intermediate_size if cfg.has_dense_mlp else 0,
                                   cfg.moe_intermediate_size if cfg.num_experts else 0, shared or 0) if k]
                 heads = split_heads(cfg.num_heads, cfg.num_kv_heads, world)
-                q = linear.smaller_group(ks, world, [(h.stop - h.start) * cfg.head_dim for h, _ in heads])
+                q = linear.smaller_group(ks, world, [cfg.hidden_size] + [(h.stop - h.start) * cfg.head_dim
+                                                                         for h, _ in heads])
                 if q is None:
                     raise
                 raise UnsupportedModelError(f"{str(e).rstrip('.')}, or a smaller quantization group: "

@@ -85,8 +85,9 @@ class LinearFactory:
     def smaller_group(self, ks: list[int], world: int, slices: list[int]) -> str | None:
         """The quantization to name where the group we quantize in at load is what keeps the
         row-parallel weights with ks input features (the MLPs') from splitting over `world`
-        ranks and an explicit group of 64 or 32 would split them all and divide the ranks'
-        other row-parallel slices (`slices`: o_proj's input features on each rank), e.g.
+        ranks and an explicit group of 64 or 32 would split them all and divide every other
+        input width (`slices`: the hidden size, which q/k/v and gate/up take whole, and o_proj's
+        input features on each rank; an explicit group is not fitted to a width), e.g.
         'int8-g64-sym'; else None."""
         q = self.quant
         if q is None or q.group_size < 0 or getattr(self.ckpt, "split_align", 1) != 1:
