@@ -620,21 +620,7 @@ class IncrementalDetokenizer:
         self._ids += prompt[len(prompt) - tail:]
 
     def _open_tail(self, prompt: list[int]) -> int:
-        """How many last tokens of `prompt` hold the start of a character they do not finish
-        (0 when it ends on a character boundary)."""
-        n = len(prompt)
-        for t in range(0, min(4, n)):  # NOTE: a character is at most 4 bytes: 4 tokens
-            if not self._decode(prompt[max(0, n - t - 8):n - t]).endswith("\ufffd"):
-                break
-        else:
-            return 0
-        if t and hasattr(self._tokenizer, "token_bytes"):
-            try:  # NOTE: a typed U+FFFD (or other whole text) is no open character
-                b"".join(self._tokenizer.token_bytes(i) for i in prompt[n - t:]).decode("utf-8")
-                return 0
-            except UnicodeDecodeError:
-                pass
-        return t
+        return open_tail(self._tokenizer, prompt, self._skip)
 
     def add(self, token_id: int) -> str:
         """The text this token adds; "" while it only holds part of a character."""
@@ -650,7 +636,13 @@ class IncrementalDetokenizer:
         return self._emit(new_text) if len(new_text) > len(self._prefix_text) else ""
 
     def _emit(self, new_text: str) -> str:
-        delta = new_text[len(self._prefix_text):]
+        if new_text.startswith(self._prefix_text):
+            delta = new_text[len(self._prefix_text):]
+        else:
+            # NOTE: the window's decode rewrote text already emitted: a byte-fallback run that ends
+            # in an open character decodes whole to U+FFFD (a character sent before it included),
+            # and slicing it by the old text's length sent U+FFFD for bytes sent already
+            delta = self._unread_text()
         # NOTE: the window slides: the tokens just emitted become the next left context.
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self._prefix_text = self._decode(self._ids[self._prefix_offset:])
@@ -658,6 +650,37 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip) if ids else ""
+
+    def _unread_text(self) -> str:
+        """The text of the tokens not emitted yet from their own bytes (U+FFFD for bytes that
+        make no character)."""
+        ids = self._ids[self._read_offset:]
+        token_bytes = getattr(self._tokenizer, "token_bytes", None)
+        if token_bytes is None:
+            return self._decode(ids)
+        skip = set(self._tokenizer.all_special_ids) if self._skip else set()
+        return b"".join(token_bytes(t) for t in ids if t not in skip).decode("utf-8", "replace")
+
+
+def open_tail(tokenizer, ids: list[int], skip_special_tokens: bool = True) -> int:
+    """How many last tokens of `ids` hold the start of a character they do not finish (0 when
+    they end on a character boundary): an IncrementalDetokenizer given them as its prompt
+    emits that character with the output token that completes it."""
+    def decode(part):
+        return tokenizer.decode(part, skip_special_tokens=skip_special_tokens) if part else ""
+    n = len(ids)
+    for t in range(0, min(4, n)):  # NOTE: a character is at most 4 bytes: 4 tokens
+        if not decode(ids[max(0, n - t - 8):n - t]).endswith("\ufffd"):
+            break
+    else:
+        return 0
+    if t and hasattr(tokenizer, "token_bytes"):
+        try:  # NOTE: a typed U+FFFD (or other whole text) is no open character
+            b"".join(tokenizer.token_bytes(i) for i in ids[n - t:]).decode("utf-8")
+            return 0
+        except UnicodeDecodeError:
+            pass
+    return t
 
 
 def _compile(source: str) -> jinja2.Template:

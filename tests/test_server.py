@@ -452,6 +452,27 @@ def test_echo_logprobs_score_the_prompt_as_lm_eval_asks(client, server, model_di
     assert err["code"] == "invalid_value" and err["param"] == "truncate_prompt_tokens"
 
 
+def test_echo_of_a_token_prompt_cut_inside_a_character_sends_it_once(client, server, model_dir):
+    """Token ids that end inside a character: the output's first text completes it and carries
+    all of it, so the echo leaves that tail out (it showed U+FFFD there and the output then
+    repeated the bytes); echoed alone (max_tokens 0) the prompt is all of it."""
+    from numa_runtime.tokenizer import Tokenizer, open_tail
+    tok = Tokenizer.from_dir(model_dir)
+    ids = tok.encode("Emoji: 😀😀", add_special_tokens=False)
+    cut = next(ids[:n] for n in range(len(ids) - 1, 0, -1) if open_tail(tok, ids[:n]))
+    tail = open_tail(tok, cut)
+    for stream in (False, True):
+        kw = dict(model="tiny", prompt=cut, max_tokens=4, temperature=0, stream=stream)
+        plain, echo = (client.completions.create(**kw), client.completions.create(echo=True, **kw))
+        if stream:
+            plain, echo = ("".join(c.choices[0].text for c in x if c.choices) for x in (plain, echo))
+        else:
+            plain, echo = plain.choices[0].text, echo.choices[0].text
+        assert echo == tok.decode(cut[:len(cut) - tail]) + plain, (echo, plain)
+    alone = client.completions.create(model="tiny", prompt=cut, max_tokens=0, echo=True).choices[0].text
+    assert alone == tok.decode(cut) and alone.endswith("\ufffd")
+
+
 def test_echo_checks_its_prompt_and_streams_usage_only_when_asked(client, server):
     """echo over token ids checks them as any prompt is checked (a 400 naming the id, the
     echo-only request included, which runs no generation); an echo-only prompt past the context

@@ -336,6 +336,25 @@ def test_metaspace_byte_fallback_tokenizer(tmp_path):
     assert _stream(ours, ours.encode(" 😀", add_special_tokens=False))[0].count("") >= 3
 
 
+def test_byte_fallback_stream_sends_each_character_once(tmp_path):
+    """SentencePiece <0xNN> byte tokens: a lone lead byte after a whole character turned the
+    window's decode into U+FFFD for every byte (the whole run), and slicing it by the emitted
+    text's length sent U+FFFD for a character already sent; the text is the bytes' own now."""
+    from numa_runtime.tokenizer import open_tail
+    tok = Tokenizer.from_dir(str(_train_metaspace(tmp_path)))
+    byte = {b: tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256)}
+    word = tok.encode(" café", add_special_tokens=False)
+    for ids, want in [
+            ([byte[b] for b in "日".encode()] + [byte[0xE6]] + word, "日\ufffd café"),   # an open lead byte mid-stream
+            ([byte[b] for b in "日本".encode()] + [byte[0xE8]], "日本\ufffd"),           # cut inside a character
+            ([byte[b] for b in "日本".encode()] + [byte[0xE8], byte[0xAA]], "日本\ufffd")]:
+        deltas, tail = _stream(tok, ids)
+        assert "".join(deltas) + tail == want, (deltas, tail)
+        assert b"".join(tok.token_bytes(i) for i in ids).decode("utf-8", "replace") == want
+    cut = [byte[b] for b in "日本".encode()][:-1]  # a prompt ending inside 本: its last 2 tokens are open
+    assert open_tail(tok, cut) == 2 and open_tail(tok, cut[:3]) == 0
+
+
 @pytest.mark.parametrize("config,bos_in_post_processor,num_bos,eos_last", [
     ({"add_bos_token": True}, True, 1, False),  # the usual Llama case: agrees with HF
     ({}, True, 1, False),

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from ..tokenizer import open_tail
 from . import responses as R
 from .async_engine import AsyncEngine, EngineDeadError
 from ..engine import prompt_truncation
@@ -308,8 +309,11 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
                                          f"{engine.max_model_len}; shorten the prompt.")
             if body.echo:  # NOTE: the prompt as given; a token or truncated prompt as its tokens decode
                 pairs = await prompt_pairs(request, prompts, body.logprobs) if body.logprobs is not None else None
+                # NOTE: but for the last tokens of a character they leave open: the output's first
+                # text completes that character and carries all of it (the echo repeated its bytes)
                 echo = [(t if isinstance(t, str) and (not keep or len(p) < keep) else
-                         engine.tokenizer.decode(p, skip_special_tokens=False), p, None if pairs is None else pairs[i])
+                         engine.tokenizer.decode(p if echo_only else p[:len(p) - open_tail(engine.tokenizer, p)],
+                                                 skip_special_tokens=False), p, None if pairs is None else pairs[i])
                         for i, (t, p) in enumerate(zip(texts, prompts))]
             if body.prompt_logprobs is not None:
                 scores = list(zip(prompts, await prompt_pairs(request, prompts, body.prompt_logprobs)))
