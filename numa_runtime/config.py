@@ -620,6 +620,9 @@ class EngineConfig:
                              f"holds {self.dtype}); drop it or run on device='cpu'.")
         if self.host_kv_cache_memory and self.device != "cuda":
             raise ValueError("host_kv_cache_memory is a tier behind the GPU KV cache; it needs device='cuda'.")
+        if self.host_kv_cache_memory and not self.enable_prefix_caching:
+            raise ValueError("The host KV tier (host_kv_cache_memory) keeps prefix-cache blocks; it needs "
+                             "enable_prefix_caching=True.")
         if self.data_parallel is not None and (isinstance(self.data_parallel, bool) or not isinstance(
                 self.data_parallel, int) or self.data_parallel < 1):
             raise ValueError(f"data_parallel must be a positive integer, got {self.data_parallel!r}.")
@@ -719,8 +722,8 @@ class ParallelConfig:
 
 def replicas_for_tp(tp, data_parallel: int | None, ranks: int, given: str, start: str) -> int | None:
     """vLLM's tensor_parallel_size against an MPI job of `ranks`: the replicas the ranks beyond one
-    replica's make (vLLM's tp x dp; None where data_parallel is given or one replica takes them
-    all), or ValueError in one sentence. `given` names the setting as its caller spells it
+    replica's make (vLLM's tp x dp; 1 where one replica takes them all, so that no default rule
+    turns them into replicas; None where data_parallel is given), or ValueError in one sentence. `given` names the setting as its caller spells it
     ("--tensor-parallel-size 2", "tensor_parallel_size=2"); `start` says how to start a job of N
     ranks, with {n} for N."""
     name = given.split("=")[0].split(" ")[0]
@@ -729,7 +732,7 @@ def replicas_for_tp(tp, data_parallel: int | None, ranks: int, given: str, start
     if ranks % tp or (data_parallel is not None and data_parallel * tp != ranks):
         n = tp * (data_parallel or 1)
         raise ValueError(f"{given} needs {n} MPI rank(s), but this job has {ranks}: {start.format(n=n)}.")
-    return ranks // tp if data_parallel is None and ranks // tp > 1 else None
+    return ranks // tp if data_parallel is None else None
 
 
 def kv_pool_blocks(budget_bytes: int, bytes_per_block: int, max_num_seqs: int, max_model_len: int,

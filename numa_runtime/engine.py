@@ -255,6 +255,11 @@ class Engine:
         from .config import context_in_pool
         # NOTE: num_blocks: of the smallest replica's pool
         fits = context_in_pool(self.max_model_len, num_blocks, self.config.block_size, bool(mcfg.min_window))
+        if fits < self.max_model_len and self.config.max_model_len is not None:
+            # NOTE: as vLLM: a length asked for is served or refused (it was lowered with a warning)
+            raise ValueError(f"max_model_len {self.config.max_model_len} does not fit the KV cache, which holds "
+                             f"{fits} tokens of one request; enlarge kv_cache_memory (--kv-cache-memory) or lower "
+                             "max_model_len.")
         if fits < self.max_model_len:
             log.warning("max_model_len %d lowered to %d: the KV cache holds %d tokens; enlarge it "
                         "(kv_cache_memory) for longer requests", self.max_model_len, fits, fits)
@@ -1341,9 +1346,12 @@ def _take_vllm_kwargs(model, kwargs: dict):
     tp = kwargs.pop("tensor_parallel_size", None)
     if tp is not None:
         from .config import replicas_for_tp
-        dp = replicas_for_tp(tp, kwargs.get("data_parallel"), (env.mpi_world() or (0, 1))[1],
-                             f"tensor_parallel_size={tp}", "run the script as `mpirun -np {n} python SCRIPT`, one "
-                             "rank a NUMA node")
+        launched = env.data_parallel() if kwargs.get("data_parallel") is None else None  # NOTE: numa-launch --dp
+        given = f"tensor_parallel_size={tp}" + (f" with NUMA_RUNTIME_DATA_PARALLEL={launched} (numa-launch --dp)"
+                                                 if launched is not None else "")
+        dp = replicas_for_tp(tp, kwargs.get("data_parallel") if launched is None else launched,
+                             (env.mpi_world() or (0, 1))[1], given, "run the script as `mpirun -np {n} python "
+                             "SCRIPT`, one rank a NUMA node")
         if dp is not None:
             kwargs["data_parallel"] = dp  # NOTE: vLLM's tp x dp
     revision, where = kwargs.pop("revision", None), kwargs.pop("download_dir", None)

@@ -119,6 +119,64 @@ def test_vllm_serve_flags_are_taken_or_refused_in_one_sentence(monkeypatch):
         "--tensor-parallel-size 2 needs 2 MPI rank(s), but this job has 4")
 
 
+def test_vllm_serve_keys_names_and_replicas_as_vllm_takes_them(monkeypatch, capsys):
+    """VLLM_API_KEY protects the server when --api-key is not given (it served without a key);
+    --served-model-name given twice keeps the last (the lists were joined); --data-parallel-size
+    / -dp are --data-parallel; -tp against numa-launch --dp (NUMA_RUNTIME_DATA_PARALLEL) is
+    checked (the variable overrode it), and -tp over all ranks is one replica, not the default
+    rule's replicas; other VLLM_* variables are named in a warning."""
+    from numa_runtime.serve.__main__ import check_args, engine_kwargs, parse_args, vllm_env_warning
+    for env in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "NUMA_RUNTIME_DATA_PARALLEL",
+                "VLLM_API_KEY"):
+        monkeypatch.delenv(env, raising=False)
+    for k in [k for k in os.environ if k.startswith("VLLM_")]:
+        monkeypatch.delenv(k)
+    assert parse_args(["m"]).api_key is None and vllm_env_warning() is None
+    monkeypatch.setenv("VLLM_API_KEY", "k1")
+    assert parse_args(["m"]).api_key == ["k1"] and parse_args(["m", "--api-key", "a", "b"]).api_key == ["a", "b"]
+    assert vllm_env_warning() is None
+    monkeypatch.setenv("VLLM_API_KEY", "")
+    assert "--api-key (or VLLM_API_KEY) is empty" in check_args(parse_args(["m"]))
+    monkeypatch.delenv("VLLM_API_KEY")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "40")
+    assert "VLLM_CPU_KVCACHE_SPACE (vLLM's environment) is not read by this server" in vllm_env_warning()
+    args = parse_args(["m", "--served-model-name", "old", "--served-model-name", "new", "x"])
+    assert args.served_model_name == ["new", "x"]
+    assert parse_args(["m", "--data-parallel-size", "2"]).data_parallel == parse_args(["m", "-dp", "2"]).data_parallel == 2
+    monkeypatch.setenv("PMI_RANK", "0")
+    monkeypatch.setenv("PMI_SIZE", "2")
+    one = parse_args(["--model", "m", "-tp", "2"])
+    assert check_args(one) is None and engine_kwargs(one)["data_parallel"] == 1
+    monkeypatch.setenv("NUMA_RUNTIME_DATA_PARALLEL", "2")
+    assert check_args(parse_args(["--model", "m", "-tp", "2"])).startswith(
+        "--tensor-parallel-size 2 with NUMA_RUNTIME_DATA_PARALLEL=2 (numa-launch --dp) needs 4 MPI rank(s), but this "
+        "job has 2")
+    assert check_args(parse_args(["--model", "m", "-tp", "1"])) is None
+
+
+def test_vllm_serve_flags_that_would_not_apply_are_refused(monkeypatch, tmp_path):
+    """--load-format against a --models-dir folder's models (it was checked for --model only),
+    --revision / --download-dir with no Hub id (ignored before), a --chat-template path with a
+    brace in it that does not exist (taken as the template), the host KV tier without the prefix
+    cache (it keeps prefix blocks: accepted, then nothing)."""
+    from numa_runtime.config import EngineConfig
+    from numa_runtime.serve.__main__ import check_args, parse_args, read_chat_template
+    for env in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "VLLM_API_KEY"):
+        monkeypatch.delenv(env, raising=False)
+    (tmp_path / "q.gguf").write_bytes(b"")
+    assert check_args(parse_args(["--models-dir", str(tmp_path), "--load-format", "safetensors"])).startswith(
+        f"--load-format 'safetensors' does not match {tmp_path / 'q.gguf'}, which is a GGUF file")
+    for flag in ("--revision", "--download-dir"):
+        assert check_args(parse_args([str(tmp_path), flag, "x"])) == (
+            f"{flag} applies to a Hugging Face Hub id (org/name) given as the model, and no model given is one; drop "
+            "the flag.")
+    with pytest.raises(ValueError, match="is neither a file nor a Jinja template"):
+        read_chat_template(str(tmp_path / "{model}.jinja"))
+    assert read_chat_template("{{ messages[0]['content'] }}") == "{{ messages[0]['content'] }}"
+    with pytest.raises(ValueError, match=r"The host KV tier \(host_kv_cache_memory\) keeps prefix-cache blocks"):
+        EngineConfig(device="cuda", host_kv_cache_memory=1 << 20, enable_prefix_caching=False)
+
+
 def test_the_server_takes_a_hub_id_at_a_revision_into_a_download_dir(hub_home):
     """--download-dir is the Hub cache and --revision the branch, as vLLM's (HF_HOME unset)."""
     home, _ = hub_home

@@ -849,7 +849,7 @@ def test_openapi_and_profile(server):
 @pytest.fixture(scope="module")
 def strict_server(model_dir):
     srv = ServerProcess(["--model", model_dir, "--dtype", "float32", "--max-model-len", "512", "--api-key", "s3cret",
-                         "--max-num-seqs", "1", "--max-queue", "1", "--num-threads", "1"])
+                         "2nd-key", "--max-num-seqs", "1", "--max-queue", "1", "--num-threads", "1"])
     yield srv
     assert srv.stop() == 0, srv.output()
 
@@ -865,6 +865,11 @@ def test_api_key(strict_server):
         strict_server.client(api_key="wrong").completions.create(model="tiny-llama", prompt="x", max_tokens=2)
     r = strict_server.client(api_key="s3cret").completions.create(model="tiny-llama", prompt="x", max_tokens=2)
     assert r.usage.completion_tokens >= 1
+    # NOTE: several keys (vLLM's --api-key K1 K2): any of them; the second was read as a model
+    r = strict_server.client(api_key="2nd-key").completions.create(model="tiny-llama", prompt="x", max_tokens=2)
+    assert r.usage.completion_tokens >= 1
+    with pytest.raises(openai.AuthenticationError):
+        strict_server.client(api_key="s3cret 2nd-key").models.list()
 
 
 def test_cors_as_vllm_answers_browser_pages(strict_server, model_dir):

@@ -5,6 +5,7 @@ import json
 import os
 import random
 
+import httpx
 import openai
 import pytest
 
@@ -407,6 +408,17 @@ def test_responses_api_over_the_chat_path(model_dir):
                            "only text parts")):
             with pytest.raises(openai.BadRequestError, match=match):
                 c.responses.create(**{"model": "m", "input": "Hello", **kw})
+        # NOTE: the error's param is the Responses request's field (it was chat's, or null)
+        for kw, param in (({"max_output_tokens": 100000}, "max_output_tokens"), ({"metadata": {"a": 5}}, "metadata"),
+                          ({"text": {"format": "json_object"}}, "text.format")):
+            res = httpx.post(srv.base + "/v1/responses", json={"model": "m", "input": "Hello", **kw}, timeout=60)
+            assert res.status_code == 400 and res.json()["error"]["param"] == param, res.text
+        schema = {"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]}
+        for stream in (False, True):
+            res = httpx.post(srv.base + "/v1/responses", json={"model": "m", "input": "Hello", "stream": stream,
+                                                               "text": {"format": {"type": "json_schema", "name": "s",
+                                                                                   "schema": schema}}}, timeout=60)
+            assert '"param": "text.format"' in res.text.replace('":"', '": "'), res.text
     finally:
         assert srv.stop() == 0, srv.output()
 
@@ -585,10 +597,14 @@ def test_responses_events_of_reasoning_text_and_calls_rebuild_in_the_openai_clie
         ("call_a", "get_weather", '{"unit": "C"}'), ("call_b", "get_time", '{"zone": "UTC"}')]
     assert rebuilt.usage.input_tokens == 7 and rebuilt.usage.output_tokens == 11 and rebuilt.usage.total_tokens == 18
     kinds = [e["type"] for e in events]
+    spans = []
     for item in final["response"]["output"]:
         mine = [i for i, e in enumerate(events) if e.get("item_id") == item["id"] or
                 (e.get("item") or {}).get("id") == item["id"]]
         assert kinds[mine[0]] == "response.output_item.added" and kinds[mine[-1]] == "response.output_item.done"
+        spans.append((mine[0], mine[-1]))
+    # NOTE: one item at a time, as OpenAI streams them (the second call was added before the first was done)
+    assert all(a[1] < b[0] for a, b in zip(spans, spans[1:])), spans
     odd = _responses_events([chunk({"content": "a\u2028b\u2029c\x85d"}), chunk({}, "stop")])
     assert odd[-1]["response"]["output"][0]["content"][0]["text"] == "a\u2028b\u2029c\x85d"
     # cut by max_output_tokens: response.incomplete, the message item incomplete
@@ -641,6 +657,32 @@ def test_responses_body_of_a_chat_answer():
                        ({}, "input is required"),
                        ({"input": 5}, "input must be a string or a list, got int"),
                        ({"input": [{"role": "user", "content": 5}]}, r"input\[0\].content must be a string or a list"),
-                       ({"input": "x", "tools": {}}, "tools must be a list, got dict")):
+                       ({"input": "x", "tools": {}}, "tools must be a list, got dict"),
+                       # NOTE: each of these was a 500, accepted, or a schema dropped for "any JSON"
+                       ({"input": "x", "text": {"format": "json_object"}}, "^text.format must be an object"),
+                       ({"input": "x", "text": {"format": {"type": "json_schema", "json_schema": {
+                           "name": "a", "schema": {}}}}}, r"^text.format.schema is required: .* not under json_schema"),
+                       ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}},
+                        r"^text.format.name must be a string \(required"),
+                       ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}},
+                        "^text.format.schema must be a JSON schema object"),
+                       ({"input": "x", "metadata": "x"}, "^metadata must be an object of at most 16"),
+                       ({"input": "x", "metadata": {"a": 5}}, "^metadata values must be strings"),
+                       ({"input": "x", "metadata": {"k" * 65: "v"}}, "^metadata values must be strings"),
+                       ({"input": "x", "metadata": {"a": "\udc00"}}, "^metadata must be valid Unicode text"),
+                       ({"input": "x", "user": "\udc00"}, "^user must be valid Unicode text"),
+                       ({"input": [{"role": "user", "content": "x", "id": "\udc00"}]}, "^input must be valid Unicode"),
+                       ({"input": [{"role": "user"}]}, r"^input\[0\].content is required"),
+                       ({"input": [{"type": "function_call_output", "output": "1"}]},
+                        r"^input\[0\].call_id is required"),
+                       ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+                        r"^input\[0\].call_id is required"),
+                       ({"input": [{"type": "reasoning", "content": 5}, {"role": "user", "content": "x"}]},
+                        r"^input\[0\].content must be a list")):
         with pytest.raises(ValueError, match=match):
             RA.chat_request(bad)
+    # a reasoning item with no assistant turn right after it (a turn cut while reasoning) goes with none
+    msgs = RA.chat_request({"input": [
+        {"role": "user", "content": "q"}, {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "t"}]},
+        {"role": "user", "content": "never mind"}, {"role": "assistant", "content": "Hi!"}]})["messages"]
+    assert [m["role"] for m in msgs] == ["user", "user", "assistant"] and "reasoning" not in msgs[2]

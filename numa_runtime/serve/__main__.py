@@ -72,11 +72,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                          f"(default {_LOAD_TIMEOUT_S:g})")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint "
-                                                    "but /health and /ping")
-    ap.add_argument("--served-model-name", nargs="+", action="extend", default=None,
+    ap.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                    help="require 'Authorization: Bearer KEY' on every endpoint but /health and /ping (several "
+                         "keys: any of them; default: $VLLM_API_KEY, as vLLM)")
+    ap.add_argument("--served-model-name", nargs="+", default=None,
                     help="names clients send as `model` (default: the model directory's name); answers carry "
-                         "the first")
+                         "the first (given twice, the last flag counts, as in vLLM)")
     ap.add_argument("--dtype", default="bfloat16", type=dtype_arg, help=DTYPE_HELP)
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--quantization", default=None,
@@ -138,7 +139,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "(cuda: one GPU per rank; needs `pip install numa_runtime[cuda]`)")
     ap.add_argument("--host-kv-cache-memory", type=_size, default=0, help="bytes of pinned host memory that "
                     "keep prefix-cache blocks evicted from the GPU (--device cuda; 0: off)")
-    ap.add_argument("--data-parallel", type=int, default=None,
+    ap.add_argument("--data-parallel", "--data-parallel-size", "-dp", type=int, default=None,
                     help="model replicas over the MPI ranks, each tensor parallel over its share "
                          "(default: a rule logged at start-up)")
     ap.add_argument("--max-tokens-cap", type=int, default=None, help="clamp every request's max_tokens to this")
@@ -196,7 +197,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.model_path is not None:  # NOTE: vLLM's positional form comes first among the models
         args.model = [args.model_path, *(args.model or [])]
+    if args.api_key is None and os.environ.get("VLLM_API_KEY") is not None:  # NOTE: as vLLM reads it
+        args.api_key = [os.environ["VLLM_API_KEY"]]
     return args
+
+
+# vLLM's environment variables this server reads (VLLM_API_KEY); any other set is named in a warning
+_VLLM_ENV_TAKEN = ("VLLM_API_KEY",)
+
+
+def vllm_env_warning() -> str | None:
+    """A line naming the VLLM_* environment variables that are set and mean nothing here."""
+    unread = sorted(k for k in os.environ if k.startswith("VLLM_") and k not in _VLLM_ENV_TAKEN)
+    if not unread:
+        return None
+    return (f"numa-serve: warning: {', '.join(unread)} (vLLM's environment) {'is' if len(unread) == 1 else 'are'} "
+            "not read by this server; see `python -m numa_runtime.serve --help` for its flags.")
 
 
 def is_multi_model(args) -> bool:
@@ -306,7 +322,7 @@ def read_chat_template(value: str) -> str:
                 value = f.read()
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"--chat-template {path!r} cannot be read ({e}).") from None
-    elif not any(c in value for c in "{}%"):
+    elif not any(d in value for d in ("{{", "{%", "{#")):  # NOTE: a path with a brace in it is no template
         raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template.")
     try:
         _compile(value)
@@ -329,19 +345,34 @@ def check_args(args) -> str | None:
         return (f"--load-format must be auto, safetensors or gguf (the model's files say which), got "
                 f"{args.load_format!r}.")
     from numa_runtime.engine import check_load_format
-    for model in args.model or ([] if args.models_dir else [None]):
+    models = list(args.model or ([] if args.models_dir else [None]))
+    if args.models_dir is not None and args.load_format != "auto":
+        from .router import model_paths_in_dir
+        try:
+            models += model_paths_in_dir(args.models_dir)
+        except OSError:
+            pass  # NOTE: said where the folder is read
+    for model in models:
         try:
             check_load_format(args.load_format, model)
         except ValueError as e:
             return "--" + str(e).replace("load_format", "load-format", 1)
+    from numa_runtime.hub import is_repo_id
+    for flag, value in (("--revision", args.revision), ("--download-dir", args.download_dir)):
+        if value is not None and not any(is_repo_id(m) for m in args.model or []):
+            return (f"{flag} applies to a Hugging Face Hub id (org/name) given as the model, and no model given is "
+                    "one; drop the flag.")
     tp, ranks = args.tensor_parallel_size, (env.mpi_world() or (0, 1))[1]
     if tp is not None and tp >= 1 and is_multi_model(args) and tp != ranks:
         return (f"--tensor-parallel-size {tp}: with several models every model is split over all {ranks} rank(s) "
                 f"of the job; drop the flag or start the job with {tp} ranks.")
     if tp is not None and (tp < 1 or not is_multi_model(args)):
         from numa_runtime.config import replicas_for_tp
+        launched = env.data_parallel() if args.data_parallel is None else None  # NOTE: numa-launch --dp
+        given = f"--tensor-parallel-size {tp}" + (f" with NUMA_RUNTIME_DATA_PARALLEL={launched} (numa-launch --dp)"
+                                                   if launched is not None else "")
         try:
-            dp = replicas_for_tp(tp, args.data_parallel, ranks, f"--tensor-parallel-size {tp}",
+            dp = replicas_for_tp(tp, args.data_parallel if launched is None else launched, ranks, given,
                                  "start it as `mpirun -np {n} python -m numa_runtime.serve ...` (or `numa-launch "
                                  "--ranks {n} ...`), one rank per NUMA node")
         except ValueError as e:
@@ -403,8 +434,9 @@ def check_args(args) -> str | None:
                 f"--kv-cache-dir), got {args.kv_cache_disk_bytes}.")
     if args.kv_cache_memory is not None and args.kv_cache_memory <= 0:
         return f"--kv-cache-memory must be a positive number of bytes, got {args.kv_cache_memory}."
-    if args.api_key is not None and not args.api_key.strip():
-        return "--api-key is empty (an unset variable?); give a key, or leave the flag out to serve without one."
+    if args.api_key is not None and not all(k.strip() for k in args.api_key):
+        return ("--api-key (or VLLM_API_KEY) is empty (an unset variable?); give a key, or leave it out to serve "
+                "without one.")
     if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
         return "--served-model-name is empty; give a name, or leave the flag out to use the model's."
     if args.served_model_name is not None and multi:
@@ -423,7 +455,8 @@ def serve_config(args, name: str, given: str | None = None):
     from .app import Cors, ServeConfig
     names = (args.served_model_name or [])[1:] if args.served_model_name else [given] if given else []
     aliases = tuple(dict.fromkeys(n for n in names if n != name))
-    return ServeConfig(served_model_name=name, aliases=aliases, model_root=given, api_key=args.api_key,
+    return ServeConfig(served_model_name=name, aliases=aliases, model_root=given,
+                       api_key=tuple(args.api_key) if args.api_key else None,
                        max_queue=args.max_queue,
                        max_tokens_cap=args.max_tokens_cap, stall_timeout_s=args.stall_timeout,
                        embedding_pooling=args.embedding_pooling,
@@ -591,6 +624,8 @@ def _serve(args, world, sock, front) -> int:
         own = served_name(given) or os.path.basename(os.path.normpath(engine.model_config.model_dir))
         name = (args.served_model_name or [own])[0]
     config = serve_config(args, name, None if multi else given)
+    if vllm_env_warning():
+        print(vllm_env_warning(), file=sys.stderr, flush=True)
     if args.api_key is None and not _is_loopback(args.host):
         print(f"numa-serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
               "address can use the server; pass --api-key KEY or bind 127.0.0.1.", file=sys.stderr, flush=True)

@@ -58,7 +58,7 @@ def with_cors(asgi, cors: Cors | None):
 @dataclass(frozen=True)
 class ServeConfig:
     served_model_name: str
-    api_key: str | None = None
+    api_key: str | tuple | None = None  # one key or several (vLLM's --api-key K1 K2): any of them
     max_queue: int = 256              # waiting sequences beyond which new requests get 429
     max_tokens_cap: int | None = None  # larger max_tokens are clamped to this
     max_body_bytes: int = 4 << 20
@@ -115,7 +115,7 @@ def _client_errors(renames: dict[str, str] | None = None, api_names: dict[str, s
         names = {**_API_NAME, **(api_names or {})}
         param = named or (field and names.get(field, field))
         if param is None and code == "context_length_exceeded":  # NOTE: "The prompt (N tokens) plus max_tokens..."
-            limit = re.search(r"\bmax(?:_completion)?_tokens\b", message)
+            limit = re.search(r"\bmax(?:_completion|_output)?_tokens\b", message)
             param = limit.group(0) if limit else None
         raise ApiError(400, message, param=param, code=code) from None
 
@@ -449,6 +449,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
         gen = _Generation(aengine, rid, len(prompts))
         # NOTE: a schema a tool_choice made is the tools' (an unusable one names them)
         schema_param = _schema_param(tool_plan, body)
+        schema_param = (renames or {}).get(schema_param, schema_param)  # NOTE: /v1/responses: text.format
         # NOTE: "json_schema cannot be used: ..." names the field the schema came from (the tools'
         # parameters of a tool_choice that calls a function: json_schema is no field of theirs)
         fields = {f: schema_param for f in ("json_schema", "structured_outputs.regex", "structured_outputs.choice",
@@ -801,13 +802,24 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 # ------------------------------------------------------------------------------ middleware
+def bearer_tokens(api_key) -> list[bytes] | None:
+    """The Authorization header values that pass: one per key; None without a key."""
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    return [f"Bearer {k}".encode() for k in keys] or None
+
+
+def authorized(header: bytes, expected: list[bytes]) -> bool:
+    """Whether the header is one of the expected values (each compared in constant time)."""
+    return any([hmac.compare_digest(header, e) for e in expected])
+
+
 class _Guard:
     """Pure ASGI middleware (streams and disconnects pass through untouched): API key, body size
     limit, and the count of responses by status code."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics):
         self.app, self.api_key, self.max_body, self.metrics = app, api_key, max_body_bytes, metrics
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = bearer_tokens(api_key)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -824,7 +836,7 @@ class _Guard:
 
         headers = dict(scope.get("headers") or [])
         if self.expected is not None and scope["path"] not in OPEN_PATHS:
-            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+            if not authorized(headers.get(b"authorization", b""), self.expected):
                 return await _send_error(counting_send, 401, "A valid API key is required; send "
                                          "'Authorization: Bearer <key>'.", "authentication_error", "invalid_api_key")
         length = headers.get(b"content-length", b"")

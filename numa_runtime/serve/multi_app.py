@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
 import time
 from urllib.parse import parse_qs
@@ -14,7 +13,8 @@ from urllib.parse import parse_qs
 from fastapi.responses import JSONResponse
 
 from . import responses as R
-from .app import OPEN_PATHS, ApiError, ServeConfig, build_app, model_card, server_metrics, with_cors
+from .app import (OPEN_PATHS, ApiError, ServeConfig, authorized, bearer_tokens, build_app, model_card, server_metrics,
+                  with_cors)
 from .async_engine import AsyncEngine
 from .router import ModelLoadError, ModelRouter, ModelUnavailableError
 
@@ -172,7 +172,7 @@ class ModelDispatcher:
     def __init__(self, apps: dict, router: ModelRouter, api_key: str | None, max_body: int, metrics=None):
         self.apps, self.router, self.max_body, self.metrics = apps, router, max_body, metrics
         self.first = next(iter(apps.values()))
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = bearer_tokens(api_key)
         self.created = int(time.time())
 
     async def __call__(self, scope, receive, send):
@@ -224,7 +224,7 @@ class ModelDispatcher:
     def _authorized(self, scope) -> bool:
         if self.expected is None or scope.get("path") in OPEN_PATHS:
             return True
-        return hmac.compare_digest(dict(scope.get("headers") or []).get(b"authorization", b""), self.expected)
+        return authorized(dict(scope.get("headers") or []).get(b"authorization", b""), self.expected)
 
     def _names(self) -> str:
         return ", ".join(repr(n) for n in self.apps)

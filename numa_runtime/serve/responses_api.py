@@ -151,7 +151,7 @@ def chat_request(raw: Any, store: ResponseStore | None = None) -> dict:
     if raw.get("include"):
         raise _bad(f"include {raw['include']!r} is not supported; leave it out.")
     if raw.get("truncation") not in (None, "disabled"):
-        raise _bad("truncation must be 'disabled' (a prompt past the context is an error, not cut).")
+        raise _bad("truncation must be 'disabled' (a prompt too long for the model is refused, not cut).")
     if raw.get("reasoning") not in (None, {}):
         raise _bad("reasoning options (effort, summary) are not supported; the model's chat template decides "
                    "(chat_template_kwargs, e.g. enable_thinking).")
@@ -159,6 +159,13 @@ def chat_request(raw: Any, store: ResponseStore | None = None) -> dict:
         raise _bad("top_logprobs is not supported on /v1/responses; use /v1/chat/completions.")
     if raw.get("n") not in (None, 1):
         raise _bad("n must be 1 on /v1/responses (a response has one output).")
+    _check_metadata(raw.get("metadata"))
+    if raw.get("user") is not None and not isinstance(raw["user"], str):
+        raise _bad("user must be a string.")
+    # NOTE: the fields a response echoes or stores are text: a lone surrogate failed the answer (a 500,
+    # or a stream cut as if the engine had stopped) and, stored, every later read of it
+    for key in ("metadata", "user", "text", "instructions", "input"):
+        _check_strings(raw.get(key), key)
     body = {k: v for k, v in raw.items() if k not in _REFUSED and k not in _IGNORED and k != "n"}
     for key in _PASS_KEYS:
         if raw.get(key) is not None:
@@ -195,6 +202,32 @@ def chat_request(raw: Any, store: ResponseStore | None = None) -> dict:
     return body
 
 
+def _check_metadata(metadata) -> None:
+    """OpenAI's limits: at most 16 pairs, string keys up to 64 characters, string values up to 512."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict) or len(metadata) > 16:
+        raise _bad("metadata must be an object of at most 16 key-value pairs.")
+    for k, v in metadata.items():
+        if len(k) > 64 or not isinstance(v, str) or len(v) > 512:
+            raise _bad(f"metadata values must be strings of at most 512 characters under keys of at most 64 "
+                       f"(key {k[:64]!r}).")
+
+
+def _check_strings(value, field: str) -> None:
+    """Every string in value (keys too) is valid Unicode text (tokenizer.check_text)."""
+    from ..tokenizer import check_text
+    if isinstance(value, str):
+        check_text(field, value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_strings(k, field)
+            _check_strings(v, field)
+    elif isinstance(value, list):
+        for v in value:
+            _check_strings(v, field)
+
+
 def _list(value, name: str, alone: str = "") -> list:
     """`value` as a list; `alone`: what else the field may be, for the error ("a string or ")."""
     if not isinstance(value, list):
@@ -229,19 +262,25 @@ def _messages(items) -> list[dict]:
         if not isinstance(item, dict):
             raise _bad(f"{where} must be an object (a message or an item).")
         kind = item.get("type", "message")
+        if kind in ("message", "function_call_output") and item.get("role") != "assistant":
+            reasoning = None  # NOTE: a reasoning item goes with the assistant turn right after it, or with none
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise _bad(f"{where}.role must be user, system, developer or assistant, got {role!r}.")
-            msg = {"role": role, "content": _text(item.get("content", ""), where)}
+            if "content" not in item:
+                raise _bad(f"{where}.content is required: a string or a list of input_text parts.")
+            msg = {"role": role, "content": _text(item["content"], where)}
             if role == "assistant" and reasoning is not None:
                 msg["reasoning"], reasoning = reasoning, None
             out.append(msg)
         elif kind == "function_call":
-            if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", ""), str):
+            if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments"), str):
                 raise _bad(f"{where}: a function_call needs its name and arguments (a JSON string).")
-            call = {"id": item.get("call_id") or item.get("id"), "type": "function",
-                    "function": {"name": item["name"], "arguments": item.get("arguments", "")}}
+            if not isinstance(item.get("call_id"), str):
+                raise _bad(f"{where}.call_id is required: the id its function_call_output answers.")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant" and reasoning is None:
                 # NOTE: a turn's text and calls: one message (a reasoning item before the call starts its own)
@@ -257,8 +296,13 @@ def _messages(items) -> list[dict]:
             output = item.get("output")
             if not isinstance(output, (str, list)):
                 raise _bad(f"{where}: a function_call_output needs its output (a string).")
+            if not isinstance(item.get("call_id"), str):
+                raise _bad(f"{where}.call_id is required: the call_id of the function_call it answers.")
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": _text(output, where)})
         elif kind == "reasoning":
+            for key in ("content", "summary"):
+                if not isinstance(item.get(key) or [], list):
+                    raise _bad(f"{where}.{key} must be a list of text parts.")
             texts = [c.get("text", "") for c in item.get("content") or [] if isinstance(c, dict)]
             texts = texts or [c.get("text", "") for c in item.get("summary") or [] if isinstance(c, dict)]
             reasoning = "\n".join(t for t in texts if isinstance(t, str)) or None
@@ -294,11 +338,23 @@ def _text_format(text):
     if text.get("verbosity") not in (None, "medium"):
         raise _bad("text.verbosity is not supported; leave it out.")
     fmt = text.get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise _bad("text.format must be an object such as {'type': 'json_schema', 'name': ..., 'schema': {...}}.")
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":
         return {"type": "json_object"}
     if fmt.get("type") == "json_schema":
+        if "json_schema" in fmt and "schema" not in fmt:
+            raise _bad("text.format.schema is required: the Responses API takes the name, schema and strict in "
+                       "text.format itself, not under json_schema (Chat Completions' response_format).")
+        for key, kind, what in (("name", str, "a string"), ("schema", dict, "a JSON schema object")):
+            if not isinstance(fmt.get(key), kind):
+                raise _bad(f"text.format.{key} must be {what} (required with type json_schema).")
+        if fmt.get("strict") not in (None, True, False):
+            raise _bad("text.format.strict must be true or false.")
+        if not isinstance(fmt.get("description", ""), str):
+            raise _bad("text.format.description must be a string.")
         inner = {k: fmt[k] for k in ("name", "schema", "strict", "description") if fmt.get(k) is not None}
         return {"type": "json_schema", "json_schema": inner}
     raise _bad(f"text.format.type must be text, json_object or json_schema, got {fmt.get('type')!r}.")
@@ -454,6 +510,8 @@ class EventStream:
                 out += self._close_open()
                 item = self.calls.get(call.get("index", 0))
                 if item is None:
+                    # NOTE: items one at a time, as OpenAI streams them: the call before is done first
+                    out += self._close_calls()
                     item = self.calls[call.get("index", 0)] = _call_item(call, "in_progress")
                     item["arguments"] = ""
                     out += self._open(item)
@@ -466,15 +524,22 @@ class EventStream:
                 self.finish_reason = choice["finish_reason"]
         return out
 
-    def end(self) -> list[str]:
-        out = self._close_open()
+    def _close_calls(self) -> list[str]:
+        """The done events of the call items not closed yet."""
+        out = []
         for item in self.calls.values():
+            if item.get("status") != "in_progress":
+                continue
             i = self._index(item)
             out.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
                                    arguments=item["arguments"]))
             last = self.finish_reason == "length" and item is self.resp["output"][-1]
             item["status"] = "incomplete" if last else "completed"
             out.append(self._event("response.output_item.done", output_index=i, item=item))
+        return out
+
+    def end(self) -> list[str]:
+        out = self._close_open() + self._close_calls()
         resp = _finish(self.resp, self.finish_reason)
         kind = "response.incomplete" if resp["status"] == "incomplete" else "response.completed"
         return out + [self._event(kind, response=resp)]

@@ -75,20 +75,25 @@ class RouterConfig:
 def models_in_dir(path: str) -> list[ModelSpec]:
     """Every subdirectory of `path` holding a config.json, named by the subdirectory, and every
     .gguf file in it, named by its stem (a split GGUF by its first file)."""
+    return [model_spec(p) for p in model_paths_in_dir(path)]
+
+
+def model_paths_in_dir(path: str) -> list[str]:
+    """The paths models_in_dir serves (nothing read but the folder's listing)."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--models-dir {path!r} is not a directory.")
     from ..gguf_model import _SHARD
-    specs = []
+    paths = []
     for n in sorted(os.listdir(path)):
         p = os.path.join(path, n)
         shard = _SHARD.match(n)  # NOTE: a model split by gguf-split counts once, by its first file
         if os.path.isfile(os.path.join(p, "config.json")) or (
                 os.path.isfile(p) and n.lower().endswith(".gguf") and (shard is None or shard["no"] == "00001")):
-            specs.append(model_spec(p))
-    if not specs:
+            paths.append(p)
+    if not paths:
         raise FileNotFoundError(f"--models-dir {path!r} holds no model (a subdirectory with config.json, or a "
                                 f".gguf file).")
-    return specs
+    return paths
 
 
 def model_spec(path: str, name: str | None = None) -> ModelSpec:
