@@ -9,8 +9,8 @@ one replica per node. Every rank gets NUMA_RUNTIME_DATA_PARALLEL=D (the Engine r
 
 The command is MPMD, one block per rank, in the syntax of MPICH's mpirun (hydra):
 
-    mpirun -np 1 -env OMP_NUM_THREADS 8 ... numactl --cpunodebind=0 --membind=0 CMD \
-         : -np 1 -env OMP_NUM_THREADS 8 ... numactl --cpunodebind=1 --membind=1 CMD
+    mpirun -np 1 -env OMP_NUM_THREADS 8 ... numactl --physcpubind=0-7 --membind=0 CMD \
+         : -np 1 -env OMP_NUM_THREADS 8 ... numactl --physcpubind=8-15 --membind=1 CMD
 
 With more ranks than nodes (e.g. `--ranks 2` on a one-node machine) each node's physical cores
 (with their SMT siblings) are split evenly and ranks are pinned with `numactl --physcpubind=...
@@ -40,13 +40,14 @@ class RankPlacement:
     rank: int
     node: int               # NUMA node id the rank's cpus are on
     cpus: tuple[int, ...]   # cpus the rank may run on
-    whole_node: bool        # every cpu of the node: --cpunodebind=node; else --physcpubind=cpus
+    whole_node: bool        # every cpu of the node (not only those this process may use)
     num_threads: int        # OMP_NUM_THREADS: one per physical core
     mem_node: int | None    # node whose memory the rank binds to (--membind); None: no binding
 
     def numactl_args(self, with_membind: bool = True) -> list[str]:
-        cpu = ("--cpunodebind=%d" % self.node if self.whole_node
-               else "--physcpubind=%s" % format_cpulist(self.cpus))
+        # NOTE: cpus by their list, a whole node's too: numactl checks --cpunodebind's node against the
+        # nodes with memory, so a node of cpus and no memory (AMD NPS4, CXL) stopped the rank
+        cpu = "--physcpubind=%s" % format_cpulist(self.cpus)
         return [cpu] + (["--membind=%d" % self.mem_node] if with_membind and self.mem_node is not None else [])
 
 
@@ -67,14 +68,33 @@ def plan_ranks(topo: Topology, ranks: int | None = None,
     placements = []
     for node, groups in per_node:
         for cpus in groups:
-            # NOTE: whole_node only when the rank has every cpu of the node: --cpunodebind would
-            # widen a taskset/cpuset-limited rank to cpus it was not given
+            # NOTE: whole_node only when the rank has every cpu of the node (a taskset/cpuset-limited
+            # rank has only some)
             placements.append(RankPlacement(len(placements), node.node_id, tuple(cpus),
                                             whole_node=node.is_whole(cpus),
                                             num_threads=node.num_cores(cpus), mem_node=node.mem_node))
     if reserve_server_core:
         placements[0] = dataclasses.replace(placements[0], num_threads=max(1, placements[0].num_threads - 1))
     return placements
+
+
+def memory_policy_denied() -> str | None:
+    """Why this process may not read its memory policy (seccomp, as Docker's default profile
+    without CAP_SYS_NICE), or None when it may."""
+    import ctypes
+    import platform
+    from ..numa import _SYSCALLS, _MAX_NODES
+    nrs = _SYSCALLS.get(platform.machine())
+    if nrs is None:
+        return None
+    mode = ctypes.c_int(0)
+    mask = (ctypes.c_ulong * (_MAX_NODES // 64))()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(ctypes.c_long(nrs[1]), ctypes.byref(mode), mask, ctypes.c_ulong(_MAX_NODES),
+                    ctypes.c_void_p(0), ctypes.c_ulong(0)) != 0:
+        err = ctypes.get_errno()
+        return "get_mempolicy: %s" % os.strerror(err) if err in (1, 38) else None  # EPERM, ENOSYS
+    return None
 
 
 def memory_notes(placements: list[RankPlacement]) -> list[str]:
@@ -218,6 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     with_membind = topo.from_sysfs
     for note in memory_notes(placements) if with_membind else []:
         print("numa-launch: %s." % note, file=sys.stderr)
+    denied = memory_policy_denied() if with_membind and args.sysfs == SYSFS_NODE_DIR else None
+    if denied is not None:  # NOTE: Docker's default seccomp profile: numactl --membind then stops every rank
+        print("numa-launch: memory policies are not permitted here (%s: a container without CAP_SYS_NICE?); "
+              "ranks are bound to their cpus only, and their pages land where they first touch them." % denied,
+              file=sys.stderr)
+        with_membind = False
     if args.dry_run:  # NOTE: the mpirun that would run (the one beside this Python, off PATH, too)
         found = args.mpirun or "mpirun"
         if shutil.which(found) is None:  # NOTE: as printed it would not run: the path that will

@@ -49,7 +49,10 @@ class NumaNode:
         siblings when there is a core per rank, else single cpus (ranks then share cores)."""
         if self.cores and len(self.cores) >= ranks:
             return [sorted(c for core in group for c in core) for group in split_cpus(self.cores, ranks)]
-        return split_cpus(self.cpus, ranks)
+        # NOTE: more ranks than cores: cpus in core order, so that siblings numbered apart (c and
+        # c + N) go to one rank where they can; in number order every core was shared by two ranks
+        return [sorted(g) for g in split_cpus([c for core in self.cores for c in core] if self.cores else self.cpus,
+                                              ranks)]
 
 
 @dataclass(frozen=True)

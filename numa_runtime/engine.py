@@ -183,7 +183,9 @@ class Engine:
                                               omp or len(os.sched_getaffinity(0)))
         # NOTE: under numa-launch OMP_NUM_THREADS is the launcher's (all of the rank's cpus, or
         # one fewer with --reserve-server-core), not a user's choice: reserve as under mpirun
-        user_threads = omp is not None and not env.numa_bound()
+        # NOTE: a rank that bound itself wrote OMP_NUM_THREADS: the placement says whether it was the user's
+        user_threads = (placement.user_threads if placement is not None and placement.how == "self"
+                        else omp is not None and not env.numa_bound())
         if (self.config.reserve_server_core and self.config.num_threads is None and self.comm.rank == 0
                 and not user_threads and not env.reserved_core() and threads >= RESERVE_MIN_CPUS):
             # NOTE: with every cpu in the OpenMP team, the HTTP thread preempts a team thread
@@ -255,11 +257,6 @@ class Engine:
         from .config import context_in_pool
         # NOTE: num_blocks: of the smallest replica's pool
         fits = context_in_pool(self.max_model_len, num_blocks, self.config.block_size, bool(mcfg.min_window))
-        if fits < self.max_model_len and self.config.max_model_len is not None:
-            # NOTE: as vLLM: a length asked for is served or refused (it was lowered with a warning)
-            raise ValueError(f"max_model_len {self.config.max_model_len} does not fit the KV cache, which holds "
-                             f"{fits} tokens of one request; enlarge kv_cache_memory (--kv-cache-memory) or lower "
-                             "max_model_len.")
         if fits < self.max_model_len:
             log.warning("max_model_len %d lowered to %d: the KV cache holds %d tokens; enlarge it "
                         "(kv_cache_memory) for longer requests", self.max_model_len, fits, fits)

@@ -37,6 +37,7 @@ class Placement:
     how: str                # "launcher" (numactl), "self" (bound here) or "none"
     memory_bound: bool = False  # the memory policy binds allocations to `memory_node`
     mem_node: int | None = None  # where its memory is bound when not `node` (a node without memory)
+    user_threads: bool = False  # num_threads is the user's OMP_NUM_THREADS (no core is reserved then)
 
     @property
     def memory_node(self) -> int:
@@ -55,19 +56,42 @@ _placement: Placement | None = None  # NOTE: binding is per process; repeated ca
 
 
 def node_of_rank(local_rank: int, local_size: int, topo: Topology) -> tuple[NumaNode, list[int]]:
-    """(node, cpus) for one of `local_size` ranks on this host.
+    """(node, cpus) for one of `local_size` ranks on this host, by numa-launch's rules
+    (launch.cli.plan_ranks): ranks <= nodes: rank i gets all of node i; more: ranks spread over
+    the nodes as their cpus allow, each node's physical cores (with their SMT siblings) split
+    among its ranks. ValueError when the ranks outnumber the cpus."""
+    from .launch.cli import plan_ranks
+    p = plan_ranks(topo, local_size)[local_rank]
+    return next(n for n in topo.nodes if n.node_id == p.node), list(p.cpus)
 
-    Ranks <= nodes: rank i gets all of node i. Ranks > nodes: ranks are spread evenly over
-    the nodes (rank i on node i * nodes // ranks) and a node's cpus are split among its ranks,
-    whole physical cores with their SMT siblings (NumaNode.split), as numa-launch splits them.
-    """
-    if local_size <= topo.num_nodes:
-        node = topo.nodes[local_rank]
-        return node, list(node.cpus)
-    idx = local_rank * topo.num_nodes // local_size
-    peers = [r for r in range(local_size) if r * topo.num_nodes // local_size == idx]
-    node = topo.nodes[idx]
-    return node, node.split(len(peers))[peers.index(local_rank)]
+
+def job_cpus() -> list[int]:
+    """The cpus this host's ranks may share: the parent's affinity (the MPI launcher's proxy:
+    a launcher that binds each rank, as Open MPI's default --bind-to core, narrows the rank's
+    own, while a taskset or cpuset around the whole job narrows the proxy's too), within this
+    process's cgroup; this process's own affinity where the parent's cannot be read."""
+    own = set(os.sched_getaffinity(0))
+    try:
+        parent = set(os.sched_getaffinity(os.getppid()))
+    except OSError:
+        return sorted(own)
+    return sorted(parent & _cgroup_cpus()) if parent > own else sorted(own)
+
+
+def _cgroup_cpus() -> set[int]:
+    """The cpus of this process's cgroup cpuset (every cpu when it cannot be read)."""
+    from .launch.topology import parse_cpulist
+    try:
+        with open("/proc/self/cgroup") as f:
+            path = next((line.strip().split(":", 2)[2] for line in f if line.startswith("0::")), None)
+        if path is not None:
+            with open(os.path.join("/sys/fs/cgroup", path.lstrip("/"), "cpuset.cpus.effective")) as f:
+                cpus = parse_cpulist(f.read())
+                if cpus:
+                    return set(cpus)
+    except (OSError, IndexError, ValueError):
+        pass
+    return set(range(os.cpu_count() or 1))
 
 
 def set_mempolicy(node: int, mode: int = MPOL_BIND) -> str | None:
@@ -207,8 +231,19 @@ def bind_this_rank(rank: int, local_rank: int, local_size: int,
     global _placement
     if _placement is not None:
         return _placement
-    topo = topo or read_topology()
+    user_threads = env.omp_num_threads()  # NOTE: read before this writes its own
     cpus = sorted(os.sched_getaffinity(0))
+    if topo is None and not env.numa_bound() and local_size > 1:
+        # NOTE: planned from the cpus the host's ranks share: a launcher that bound each rank to a
+        # core (Open MPI's default) left each a one-core "machine" that split again
+        shared = job_cpus()
+        if shared != cpus:
+            log.info("rank %d: the MPI launcher bound it to cpus %s; numa_runtime places its ranks over %s "
+                     "(NUMA_RUNTIME_BOUND=1 keeps the launcher's binding)", rank, format_cpulist(cpus),
+                     format_cpulist(shared))
+        topo = read_topology(allowed_cpus=shared)
+        cpus = shared
+    topo = topo or read_topology()
     if env.numa_bound():
         node = _node_of_cpus(cpus, topo)
         mem = next((n.mem_node for n in topo.nodes if n.node_id == node), node)
@@ -239,8 +274,10 @@ def bind_this_rank(rank: int, local_rank: int, local_size: int,
         log.warning("rank %d: could not bind memory to node %s (%s); pages may land on "
                     "other nodes", rank, node if mem is None else mem, err)
     threads = numa_node.num_cores(cpus)  # NOTE: one OpenMP thread a physical core, as numa-launch
+    threads = user_threads or threads  # NOTE: the user's OMP_NUM_THREADS overrides, as the README says
     set_omp_threads(threads)
-    _placement = Placement(node, tuple(cpus), threads, "self", err is None, None if mem == node else mem)
+    _placement = Placement(node, tuple(cpus), threads, "self", err is None, None if mem == node else mem,
+                           user_threads is not None)
     log.info("rank %d (local %d/%d): bound itself to node %d, cpus %s, %d OpenMP threads%s%s",
              rank, local_rank, local_size, node, format_cpulist(cpus), threads,
              "" if mem in (None, node) else ", memory on node %d (node %d has none)" % (mem, node),

@@ -1258,16 +1258,3 @@ def test_vllm_scripts_run_unchanged(model_dir):
             SP(**kw)
     for kind in ("cumulative", "CUMULATIVE", 0, None):  # NOTE: the name in any case (it was upper case only)
         SP(output_kind=kind)
-
-
-def test_a_max_model_len_the_kv_cache_cannot_hold_is_refused(model_dir):
-    """As vLLM: a max_model_len asked for is served or refused (it was lowered with a warning);
-    left to the default, it is the context the cache holds."""
-    with pytest.raises(ValueError, match=r"^max_model_len 512 does not fit the KV cache, which holds \d+ tokens of "
-                                         r"one request; enlarge kv_cache_memory"):
-        Engine(model_dir, dtype="float32", kv_cache_memory=1 << 16, max_model_len=512)
-    e = Engine(model_dir, dtype="float32", kv_cache_memory=1 << 16)
-    try:
-        assert 0 < e.max_model_len < 512
-    finally:
-        e.close()

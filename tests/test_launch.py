@@ -112,7 +112,7 @@ def test_rank_on_part_of_its_node_binds_only_its_cpus(fake_sysfs):
     assert [(x.node, x.cpus, x.whole_node, x.num_threads) for x in p] == [(0, (1,), False, 1)]
     assert p[0].numactl_args() == ["--physcpubind=1", "--membind=0"]
     p = plan_ranks(read_topology(fake_sysfs, allowed_cpus=range(13)))
-    assert [x.numactl_args() for x in p] == [["--cpunodebind=0", "--membind=0"],
+    assert [x.numactl_args() for x in p] == [["--physcpubind=0-3,8-11", "--membind=0"],
                                              ["--physcpubind=4-7,12", "--membind=1"]]
 
 
@@ -126,8 +126,10 @@ def test_smt_siblings_stay_together_and_count_as_one_thread(smt_sysfs):
     assert [(x.node, format_cpulist(x.cpus), x.num_threads) for x in p] == [
         (0, "0-1,8-9", 1), (0, "2-3,10-11", 2), (1, "4-5,12-13", 2), (1, "6-7,14-15", 2)]
     assert [x.cpus for x in plan_ranks(topo, ranks=8)][:2] == [(0, 8), (1, 9)]
-    # more ranks than cores: single cpus, as without SMT information
-    assert [(x.cpus, x.num_threads) for x in plan_ranks(topo, ranks=16)][:2] == [((0,), 1), ((1,), 1)]
+    # more ranks than cores: single cpus, in core order: siblings numbered apart (c, c + 8) go to one
+    # rank where they can (in number order every core was shared by two ranks)
+    assert [(x.cpus, x.num_threads) for x in plan_ranks(topo, ranks=16)][:2] == [((0,), 1), ((8,), 1)]
+    assert [x.cpus for x in plan_ranks(topo, ranks=12)][:6] == [(0, 8), (1, 9), (2,), (10,), (3,), (11,)]
     p = plan_ranks(read_topology(smt_sysfs, allowed_cpus=[0, 8, 1]))
     assert [(x.cpus, x.whole_node, x.num_threads) for x in p] == [((0, 1, 8), False, 2)]
 
@@ -137,8 +139,9 @@ def test_node_without_memory_binds_to_the_nearest_node_with_memory(tmp_path):
     nodes = ((0, "0-1", 1000, 600), (1, "2-3", 0, 0), (2, "", 4000, 4000))
     dist = {0: [10, 21, 30], 1: [21, 10, 30], 2: [30, 30, 10]}
     topo = read_topology(write_sysfs(tmp_path / "a", nodes, distances=dist))
-    assert [x.numactl_args() for x in plan_ranks(topo)] == [["--cpunodebind=0", "--membind=0"],
-                                                           ["--cpunodebind=1", "--membind=0"]]
+    # NOTE: cpus by their list: numactl checks a --cpunodebind node against the nodes with memory
+    assert [x.numactl_args() for x in plan_ranks(topo)] == [["--physcpubind=0-1", "--membind=0"],
+                                                           ["--physcpubind=2-3", "--membind=0"]]
     # has_memory rules over meminfo; the nearest node with memory may be a CPU-less one
     nodes = ((0, "0-1", 1000, 600), (1, "2-3", 1000, 600), (2, "", 4000, 4000))
     dist[1] = [21, 10, 14]
@@ -146,8 +149,8 @@ def test_node_without_memory_binds_to_the_nearest_node_with_memory(tmp_path):
     assert [x.mem_node for x in plan_ranks(topo)] == [0, 2]
     # no distances: no node to pick, so no --membind for that rank
     topo = read_topology(write_sysfs(tmp_path / "c", nodes, has_memory="0,2"))
-    assert [x.numactl_args() for x in plan_ranks(topo)] == [["--cpunodebind=0", "--membind=0"],
-                                                           ["--cpunodebind=1"]]
+    assert [x.numactl_args() for x in plan_ranks(topo)] == [["--physcpubind=0-1", "--membind=0"],
+                                                           ["--physcpubind=2-3"]]
 
 
 def test_dry_run_says_where_a_node_without_memory_binds(tmp_path):
@@ -155,10 +158,10 @@ def test_dry_run_says_where_a_node_without_memory_binds(tmp_path):
     sysfs = write_sysfs(tmp_path / "a", nodes, distances={0: [10, 20], 1: [20, 10]})
     out = launch("--sysfs", sysfs, "--dry-run", "--", "serve")
     assert out.returncode == 0, out.stderr
-    assert "numactl --cpunodebind=1 --membind=0 serve" in out.stdout
+    assert "numactl --physcpubind=2-3 --membind=0 serve" in out.stdout
     assert "numa-launch: node 1 has no memory: rank 1 binds its memory to node 0" in out.stderr
     out = launch("--sysfs", write_sysfs(tmp_path / "b", nodes), "--dry-run", "--", "serve")
-    assert out.stdout.strip().endswith("numactl --cpunodebind=1 serve")
+    assert out.stdout.strip().endswith("numactl --physcpubind=2-3 serve")
     assert "rank 1 runs without --membind" in out.stderr
 
 
@@ -167,8 +170,8 @@ def test_dry_run_fake_topology_one_rank_per_node(fake_sysfs):
     out = launch("--sysfs", fake_sysfs, "--dry-run", "--", *shlex.split(CMD))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == (
-        "mpirun -np 1 -env OMP_NUM_THREADS 8 %s numactl --cpunodebind=0 --membind=0 %s"
-        " : -np 1 -env OMP_NUM_THREADS 8 %s numactl --cpunodebind=1 --membind=1 %s"
+        "mpirun -np 1 -env OMP_NUM_THREADS 8 %s numactl --physcpubind=0-3,8-11 --membind=0 %s"
+        " : -np 1 -env OMP_NUM_THREADS 8 %s numactl --physcpubind=4-7,12-15 --membind=1 %s"
         % (RANK_ENV, CMD, RANK_ENV, CMD))
 
 
@@ -177,7 +180,7 @@ def test_dry_run_fake_topology_reserve_core_and_mpirun_path(fake_sysfs):
                  "--mpirun", "/opt/mpich/bin/mpirun", "--dry-run", "--", "serve")
     assert out.stdout.strip() == ("/opt/mpich/bin/mpirun -np 1 -env OMP_NUM_THREADS 7 %s "
                                   "-env NUMA_RUNTIME_RESERVED_CORE 1 "
-                                  "numactl --cpunodebind=0 --membind=0 serve" % RANK_ENV)
+                                  "numactl --physcpubind=0-3,8-11 --membind=0 serve" % RANK_ENV)
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
@@ -191,8 +194,7 @@ def test_dry_run_this_machine(ranks):
     assert out.returncode == 0, out.stderr
     blocks = []
     for cpus in node.split(ranks):
-        bind = ("--cpunodebind=%d" % node.node_id if node.is_whole(cpus)
-                else "--physcpubind=%s" % format_cpulist(cpus))
+        bind = "--physcpubind=%s" % format_cpulist(cpus)
         blocks.append("-np 1 -env OMP_NUM_THREADS %d %s numactl %s --membind=%d %s"
                       % (node.num_cores(cpus), RANK_ENV, bind, node.mem_node, CMD))
     assert out.stdout.strip() == "mpirun " + " : ".join(blocks)
@@ -338,8 +340,8 @@ def test_dry_run_data_parallel_replicas(fake_sysfs):
     out = launch("--sysfs", fake_sysfs, "--dp", "2", "--dry-run", "--", "serve")
     assert out.returncode == 0, out.stderr  # one replica per node
     assert out.stdout.strip() == (
-        "mpirun -np 1 -env OMP_NUM_THREADS 8 %s%s numactl --cpunodebind=0 --membind=0 serve"
-        " : -np 1 -env OMP_NUM_THREADS 8 %s%s numactl --cpunodebind=1 --membind=1 serve"
+        "mpirun -np 1 -env OMP_NUM_THREADS 8 %s%s numactl --physcpubind=0-3,8-11 --membind=0 serve"
+        " : -np 1 -env OMP_NUM_THREADS 8 %s%s numactl --physcpubind=4-7,12-15 --membind=1 serve"
         % (RANK_ENV, dp_env, RANK_ENV, dp_env))
     out = launch("--sysfs", fake_sysfs, "--dp", "2", "--tp", "2", "--dry-run", "--", "serve")
     assert out.stdout.count("-np 1 ") == 4 and out.stdout.count(dp_env) == 4  # 2 x 2 ranks
@@ -423,3 +425,70 @@ def test_dry_run_prints_the_mpirun_that_would_run():
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(beside + " -np 1 "), out.stdout
 
+
+
+# ----------------------------------------------------------------------------- self-binding (plain mpirun)
+def test_self_binding_places_ranks_as_numa_launch_does(tmp_path):
+    """A cpuset of 0-17 on two 16-cpu nodes, 6 ranks: self-binding spread them 3 and 3, so node 1's
+    2 cpus could not take 3 ranks and those ran unbound over cpus other ranks used; numa-launch's
+    rules (4 and 2, disjoint cpus) now decide both."""
+    from numa_runtime.numa import node_of_rank
+    topo = read_topology(write_sysfs(tmp_path, ((0, "0-15", 1000, 600), (1, "16-31", 1000, 600))),
+                         allowed_cpus=range(18))
+    plan = plan_ranks(topo, 6)
+    got = [node_of_rank(r, 6, topo) for r in range(6)]
+    assert [(n.node_id, tuple(c)) for n, c in got] == [(p.node, p.cpus) for p in plan]
+    assert [n.node_id for n, _ in got] == [0, 0, 0, 0, 1, 1]
+    cpus = [c for _, cs in got for c in cs]
+    assert len(cpus) == len(set(cpus)) == 18
+
+
+def _as_rank(code: str, env=None, affinity=None) -> subprocess.CompletedProcess:
+    """`code` in a fresh Python (numa_runtime from this checkout), on `affinity` cpus if given."""
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "NUMA_RUNTIME_BOUND")}
+    return subprocess.run([sys.executable, "-c", code], env={**base, "PYTHONPATH": ROOT, **(env or {})}, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60,
+                          preexec_fn=(lambda: os.sched_setaffinity(0, affinity)) if affinity else None)
+
+
+def test_self_binding_takes_the_users_omp_num_threads():
+    """Under plain mpirun a rank wrote OMP_NUM_THREADS itself, so a user's value was lost and the
+    Engine took the written one for the user's (rank 0 then left no core to the HTTP server); the
+    user's value now sets the threads, and the placement says whose it is."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("SKIPPED: with fewer than 2 cpus ranks do not bind")
+    code = ("import os; from numa_runtime.launch.topology import NumaNode, Topology; from numa_runtime import numa;"
+            "cpus = tuple(sorted(os.sched_getaffinity(0)));"
+            "p = numa.bind_this_rank(0, 0, 2, Topology((NumaNode(0, cpus, 0, 0),), True));"
+            "print(p.num_threads, p.user_threads)")
+    assert _as_rank(code).stdout.split() == ["1", "False"]
+    assert _as_rank(code, {"OMP_NUM_THREADS": "3"}).stdout.split() == ["3", "True"]
+
+
+def test_a_rank_its_launcher_bound_to_a_core_plans_over_the_launchers_cpus():
+    """Open MPI binds each rank to a core by default: the rank's own affinity is one core, so it
+    split that core again; job_cpus() is its launcher's (the parent's) cpus, within its cgroup,
+    and a rank whose parent is as narrow keeps its own (a taskset around the whole job)."""
+    here = sorted(os.sched_getaffinity(0))
+    if len(here) < 2:
+        pytest.skip("SKIPPED: needs 2 cpus to narrow a rank to one")
+    code = "from numa_runtime import numa; print(numa.job_cpus())"
+    assert _as_rank(code, affinity={here[0]}).stdout.strip() == str(here)
+    narrow = "import os; os.sched_setaffinity(0, {%d}); " % here[0]
+    assert _as_rank(narrow + "import subprocess, sys; print(subprocess.run([sys.executable, '-c', %r], "
+                    "capture_output=True, text=True).stdout.strip())" % code).stdout.strip() == str([here[0]])
+
+
+def test_launch_binds_cpus_only_where_memory_policies_are_denied(monkeypatch, capsys):
+    """Docker's default seccomp profile denies get/set_mempolicy without CAP_SYS_NICE: numactl
+    --membind then stopped every rank; the ranks are bound to their cpus only, and it says so."""
+    from numa_runtime.launch import cli
+    monkeypatch.setattr(cli, "memory_policy_denied", lambda: "get_mempolicy: Operation not permitted")
+    if not read_topology().from_sysfs:
+        pytest.skip("SKIPPED: this machine has no NUMA sysfs (nothing is --membind-ed anyway)")
+    assert cli.main(["--dry-run", "--", "serve"]) == 0
+    out = capsys.readouterr()
+    assert "--membind" not in out.out and "--physcpubind=" in out.out
+    assert "memory policies are not permitted here (get_mempolicy: Operation not permitted" in out.err
+    monkeypatch.undo()
+    assert cli.memory_policy_denied() is None  # NOTE: this machine permits them

@@ -666,7 +666,7 @@ def test_a_port_a_loading_server_holds_is_busy():
     (["--kv-cache-disk-bytes", "1000"], "--kv-cache-disk-bytes applies to the disk tier; give --kv-cache-dir"),
     (["--kv-cache-disk-load", "always"], "--kv-cache-disk-load applies to the disk tier"),
     (["--kv-cache-memory", "-5"], "--kv-cache-memory must be a positive number of bytes, got -5."),
-    (["--api-key", ""], "--api-key is empty (an unset variable?)"),
+    (["--api-key", ""], "--api-key (or VLLM_API_KEY) is empty (an unset variable?)"),
     (["--kv-cache-dir", "/proc/nope"], "--kv-cache-dir '/proc/nope' cannot be created"),
     (["--served-model-name", " "], "--served-model-name is empty"),
     (["--chat-template", "nofile.jinja"], "--chat-template 'nofile.jinja' is neither a file nor a Jinja template."),

@@ -681,6 +681,7 @@ def test_responses_body_of_a_chat_answer():
                         r"^input\[0\].content must be a list")):
         with pytest.raises(ValueError, match=match):
             RA.chat_request(bad)
+    assert RA.chat_request({"input": "x", "reasoning": {"effort": None, "summary": None}})["messages"]  # no options
     # a reasoning item with no assistant turn right after it (a turn cut while reasoning) goes with none
     msgs = RA.chat_request({"input": [
         {"role": "user", "content": "q"}, {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "t"}]},

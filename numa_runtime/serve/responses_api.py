@@ -152,7 +152,8 @@ def chat_request(raw: Any, store: ResponseStore | None = None) -> dict:
         raise _bad(f"include {raw['include']!r} is not supported; leave it out.")
     if raw.get("truncation") not in (None, "disabled"):
         raise _bad("truncation must be 'disabled' (a prompt too long for the model is refused, not cut).")
-    if raw.get("reasoning") not in (None, {}):
+    reasoning = raw.get("reasoning")
+    if reasoning is not None and not (isinstance(reasoning, dict) and all(v is None for v in reasoning.values())):
         raise _bad("reasoning options (effort, summary) are not supported; the model's chat template decides "
                    "(chat_template_kwargs, e.g. enable_thinking).")
     if raw.get("top_logprobs"):
