@@ -66,10 +66,10 @@ def node_of_rank(local_rank: int, local_size: int, topo: Topology) -> tuple[Numa
 
 
 def job_cpus() -> list[int]:
-    """The cpus this host's ranks may share: the parent's affinity (the MPI launcher's proxy:
-    a launcher that binds each rank, as Open MPI's default --bind-to core, narrows the rank's
-    own, while a taskset or cpuset around the whole job narrows the proxy's too), within this
-    process's cgroup; this process's own affinity where the parent's cannot be read."""
+    """The cpus of this rank's parent (the MPI launcher's proxy, or a wrapper in the rank's
+    command) within this process's cgroup where they are more than its own, else its own: a
+    launcher that binds each rank (Open MPI's default --bind-to core) narrows the rank's own
+    affinity, a taskset around the whole job the proxy's too."""
     own = set(os.sched_getaffinity(0))
     try:
         parent = set(os.sched_getaffinity(os.getppid()))
@@ -234,15 +234,15 @@ def bind_this_rank(rank: int, local_rank: int, local_size: int,
     user_threads = env.omp_num_threads()  # NOTE: read before this writes its own
     cpus = sorted(os.sched_getaffinity(0))
     if topo is None and not env.numa_bound() and local_size > 1:
-        # NOTE: planned from the cpus the host's ranks share: a launcher that bound each rank to a
-        # core (Open MPI's default) left each a one-core "machine" that split again
+        # NOTE: said, not widened: a launcher that binds each rank (Open MPI's default --bind-to core)
+        # and a taskset in the rank's own command look alike from here, and widening the second
+        # moved ranks onto cpus their user had kept for something else
         shared = job_cpus()
         if shared != cpus:
-            log.info("rank %d: the MPI launcher bound it to cpus %s; numa_runtime places its ranks over %s "
-                     "(NUMA_RUNTIME_BOUND=1 keeps the launcher's binding)", rank, format_cpulist(cpus),
-                     format_cpulist(shared))
-        topo = read_topology(allowed_cpus=shared)
-        cpus = shared
+            log.warning("rank %d may use cpus %s, fewer than its launcher's %s (the MPI launcher bound it, or a "
+                        "taskset/numactl in its command); it places itself within them. To give each rank its "
+                        "NUMA node, start the job with numa-launch, or with Open MPI's mpirun --bind-to none",
+                        rank, format_cpulist(cpus), format_cpulist(shared))
     topo = topo or read_topology()
     if env.numa_bound():
         node = _node_of_cpus(cpus, topo)

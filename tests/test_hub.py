@@ -134,6 +134,11 @@ def test_vllm_serve_keys_names_and_replicas_as_vllm_takes_them(monkeypatch, caps
     assert parse_args(["m"]).api_key is None and vllm_env_warning() is None
     monkeypatch.setenv("VLLM_API_KEY", "k1")
     assert parse_args(["m"]).api_key == ["k1"] and parse_args(["m", "--api-key", "a", "b"]).api_key == ["a", "b"]
+    here = os.path.dirname(os.path.abspath(__file__))  # NOTE: `serve --api-key KEY MODEL`: the model is no key
+    for model in (here, "Org/Some-Model", "x.gguf"):
+        flags_first = parse_args(["--api-key", "a", model])
+        assert (flags_first.api_key, flags_first.model) == (["a"], [model])
+    assert parse_args(["m", "--api-key", "a", "Org/Some-Model"]).api_key == ["a", "Org/Some-Model"]
     assert vllm_env_warning() is None
     monkeypatch.setenv("VLLM_API_KEY", "")
     assert "--api-key (or VLLM_API_KEY) is empty" in check_args(parse_args(["m"]))
@@ -152,6 +157,9 @@ def test_vllm_serve_keys_names_and_replicas_as_vllm_takes_them(monkeypatch, caps
         "--tensor-parallel-size 2 with NUMA_RUNTIME_DATA_PARALLEL=2 (numa-launch --dp) needs 4 MPI rank(s), but this "
         "job has 2")
     assert check_args(parse_args(["--model", "m", "-tp", "1"])) is None
+    monkeypatch.setenv("NUMA_RUNTIME_DATA_PARALLEL", "two")  # NOTE: a traceback before, with -tp
+    assert check_args(parse_args(["--model", "m", "-tp", "1"])) == (
+        "NUMA_RUNTIME_DATA_PARALLEL must be a positive integer, got 'two'.")
 
 
 def test_vllm_serve_flags_that_would_not_apply_are_refused(monkeypatch, tmp_path):

@@ -465,18 +465,25 @@ def test_self_binding_takes_the_users_omp_num_threads():
     assert _as_rank(code, {"OMP_NUM_THREADS": "3"}).stdout.split() == ["3", "True"]
 
 
-def test_a_rank_its_launcher_bound_to_a_core_plans_over_the_launchers_cpus():
-    """Open MPI binds each rank to a core by default: the rank's own affinity is one core, so it
-    split that core again; job_cpus() is its launcher's (the parent's) cpus, within its cgroup,
-    and a rank whose parent is as narrow keeps its own (a taskset around the whole job)."""
+def test_a_rank_narrowed_below_its_launchers_cpus_says_so_and_stays_within_them():
+    """Open MPI binds each rank to a core by default, so a self-binding rank saw a one-core machine
+    and said nothing; a taskset in the rank's own command looks the same from here, so the rank
+    keeps its cpus (widening them moved ranks onto cpus their user had kept free) and says how to
+    give each rank its node. job_cpus() is the parent's cpus where they are more."""
     here = sorted(os.sched_getaffinity(0))
     if len(here) < 2:
         pytest.skip("SKIPPED: needs 2 cpus to narrow a rank to one")
-    code = "from numa_runtime import numa; print(numa.job_cpus())"
-    assert _as_rank(code, affinity={here[0]}).stdout.strip() == str(here)
+    code = ("import logging, os; logging.basicConfig(level=logging.INFO); from numa_runtime import numa;"
+            "print(numa.job_cpus()); p = numa.bind_this_rank(1, 0, 2); print(sorted(os.sched_getaffinity(0)))")
+    out = _as_rank(code, affinity={here[0]})
+    assert out.stdout.split("\n")[:2] == [str(here), str([here[0]])], out.stdout + out.stderr
+    assert ("rank 1 may use cpus %d, fewer than its launcher's %s (the MPI launcher bound it, or a taskset/numactl "
+            "in its command)" % (here[0], format_cpulist(here))) in out.stderr
+    assert "mpirun --bind-to none" in out.stderr
     narrow = "import os; os.sched_setaffinity(0, {%d}); " % here[0]
+    job = "from numa_runtime import numa; print(numa.job_cpus())"
     assert _as_rank(narrow + "import subprocess, sys; print(subprocess.run([sys.executable, '-c', %r], "
-                    "capture_output=True, text=True).stdout.strip())" % code).stdout.strip() == str([here[0]])
+                    "capture_output=True, text=True).stdout.strip())" % job).stdout.strip() == str([here[0]])
 
 
 def test_launch_binds_cpus_only_where_memory_policies_are_denied(monkeypatch, capsys):

@@ -195,11 +195,22 @@ def parse_args(argv=None) -> argparse.Namespace:
         vl.add_argument(flag, default=None, help=argparse.SUPPRESS, dest="refused_" + flag[2:].replace("-", "_"))
         _REFUSED_VLLM[flag] = why
     args = ap.parse_args(argv)
+    if args.model_path is None and not args.model and args.api_key and len(args.api_key) > 1 and _names_a_model(
+            args.api_key[-1]):
+        # NOTE: `serve --api-key KEY MODEL`: --api-key takes several keys (vLLM's), so it took the
+        # model too; with no model given, a last key that names one (a path here, a .gguf, a Hub id)
+        # is the model
+        *args.api_key, args.model_path = args.api_key
     if args.model_path is not None:  # NOTE: vLLM's positional form comes first among the models
         args.model = [args.model_path, *(args.model or [])]
     if args.api_key is None and os.environ.get("VLLM_API_KEY") is not None:  # NOTE: as vLLM reads it
         args.api_key = [os.environ["VLLM_API_KEY"]]
     return args
+
+
+def _names_a_model(value: str) -> bool:
+    from numa_runtime.hub import is_repo_id
+    return os.path.exists(os.path.expanduser(value)) or value.lower().endswith(".gguf") or is_repo_id(value)
 
 
 # vLLM's environment variables this server reads (VLLM_API_KEY); any other set is named in a warning
@@ -368,7 +379,10 @@ def check_args(args) -> str | None:
                 f"of the job; drop the flag or start the job with {tp} ranks.")
     if tp is not None and (tp < 1 or not is_multi_model(args)):
         from numa_runtime.config import replicas_for_tp
-        launched = env.data_parallel() if args.data_parallel is None else None  # NOTE: numa-launch --dp
+        try:
+            launched = env.data_parallel() if args.data_parallel is None else None  # NOTE: numa-launch --dp
+        except ValueError as e:
+            return str(e)
         given = f"--tensor-parallel-size {tp}" + (f" with NUMA_RUNTIME_DATA_PARALLEL={launched} (numa-launch --dp)"
                                                    if launched is not None else "")
         try:
