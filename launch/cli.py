@@ -79,22 +79,9 @@ def plan_ranks(topo: Topology, ranks: int | None = None,
 
 
 def memory_policy_denied() -> str | None:
-    """Why this process may not read its memory policy (seccomp, as Docker's default profile
-    without CAP_SYS_NICE), or None when it may."""
-    import ctypes
-    import platform
-    from ..numa import _SYSCALLS, _MAX_NODES
-    nrs = _SYSCALLS.get(platform.machine())
-    if nrs is None:
-        return None
-    mode = ctypes.c_int(0)
-    mask = (ctypes.c_ulong * (_MAX_NODES // 64))()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(ctypes.c_long(nrs[1]), ctypes.byref(mode), mask, ctypes.c_ulong(_MAX_NODES),
-                    ctypes.c_void_p(0), ctypes.c_ulong(0)) != 0:
-        err = ctypes.get_errno()
-        return "get_mempolicy: %s" % os.strerror(err) if err in (1, 38) else None  # EPERM, ENOSYS
-    return None
+    """Why this process may not set memory policies (numa.mempolicy_denied), or None."""
+    from ..numa import mempolicy_denied
+    return mempolicy_denied()
 
 
 def memory_notes(placements: list[RankPlacement]) -> list[str]:

@@ -723,12 +723,17 @@ class ParallelConfig:
 def replicas_for_tp(tp, data_parallel: int | None, ranks: int, given: str, start: str) -> int | None:
     """vLLM's tensor_parallel_size against an MPI job of `ranks`: the replicas the ranks beyond one
     replica's make (vLLM's tp x dp; 1 where one replica takes them all, so that no default rule
-    turns them into replicas; None where data_parallel is given), or ValueError in one sentence. `given` names the setting as its caller spells it
-    ("--tensor-parallel-size 2", "tensor_parallel_size=2"); `start` says how to start a job of N
-    ranks, with {n} for N."""
+    turns them into replicas; None where data_parallel is given, by the caller or by numa-launch
+    --dp's NUMA_RUNTIME_DATA_PARALLEL), or ValueError in one sentence. `given` names the setting
+    as its caller spells it ("--tensor-parallel-size 2", "tensor_parallel_size=2"); `start` says
+    how to start a job of N ranks, with {n} for N."""
+    from . import env
     name = given.split("=")[0].split(" ")[0]
     if not isinstance(tp, numbers.Integral) or isinstance(tp, bool) or tp < 1:
         raise ValueError(f"{name} must be a positive integer, got {tp!r}.")
+    if data_parallel is None and env.data_parallel() is not None:
+        data_parallel = env.data_parallel()
+        given += f" with NUMA_RUNTIME_DATA_PARALLEL={data_parallel} (numa-launch --dp)"
     if ranks % tp or (data_parallel is not None and data_parallel * tp != ranks):
         n = tp * (data_parallel or 1)
         raise ValueError(f"{given} needs {n} MPI rank(s), but this job has {ranks}: {start.format(n=n)}.")

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import env
 from .config import EngineConfig, ModelConfig, ParallelConfig
-from .distributed import IDLE_SLEEP_S, IDLE_SPIN_S, MPIComm, SingleProcessComm, abort_job, wait_idle
+from .distributed import MPIComm, SingleProcessComm, abort_job, wait_idle
 from .plan import SHUTDOWN, StepPlan
 
 log = logging.getLogger("numa_runtime")
@@ -82,22 +82,22 @@ class ReplicaLink:
         return [r for r in range(1, len(self._sent)) if self._sent[r] > self._acked[r]]
 
     def _poll(self, done) -> None:
-        """Poll done() until it holds: without pause for IDLE_SPIN_S, then sleeping between polls
-        (rank 0's other threads get the interpreter), ending the job when a replica with plans
-        queued acknowledges none within the collective timeout of rank 0 waiting (the time
-        before this wait, rank 0's own step, is not counted: a replica may need rank 0 inside
-        MPI to finish a message)."""
+        """Wait until done() holds as wait_idle waits (rank 0's other threads get the interpreter
+        while it sleeps), ending the job when a replica with plans queued acknowledges none within
+        the collective timeout of rank 0 waiting (the time before this wait, rank 0's own step, is
+        not counted: a replica may need rank 0 inside MPI to finish a message)."""
         start = time.monotonic()
-        pause = IDLE_SLEEP_S[0]
-        while not done():
+
+        def ready() -> bool:
+            if done():
+                return True
             now = time.monotonic()
             for r in self._behind():
                 self._drain(r)
                 if self._sent[r] > self._acked[r] and now - max(self._progress[r], start) > self.timeout:
                     self._stuck(r)
-            if now - start > IDLE_SPIN_S:
-                time.sleep(pause)
-                pause = min(2 * pause, IDLE_SLEEP_S[1])
+            return False
+        wait_idle(ready)
 
     def _drain(self, replica: int) -> None:
         leader = self.parallel.leader_of(replica)

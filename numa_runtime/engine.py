@@ -1343,12 +1343,9 @@ def _take_vllm_kwargs(model, kwargs: dict):
     tp = kwargs.pop("tensor_parallel_size", None)
     if tp is not None:
         from .config import replicas_for_tp
-        launched = env.data_parallel() if kwargs.get("data_parallel") is None else None  # NOTE: numa-launch --dp
-        given = f"tensor_parallel_size={tp}" + (f" with NUMA_RUNTIME_DATA_PARALLEL={launched} (numa-launch --dp)"
-                                                 if launched is not None else "")
-        dp = replicas_for_tp(tp, kwargs.get("data_parallel") if launched is None else launched,
-                             (env.mpi_world() or (0, 1))[1], given, "run the script as `mpirun -np {n} python "
-                             "SCRIPT`, one rank a NUMA node")
+        dp = replicas_for_tp(tp, kwargs.get("data_parallel"), (env.mpi_world() or (0, 1))[1],
+                             f"tensor_parallel_size={tp}", "run the script as `mpirun -np {n} python SCRIPT`, one "
+                             "rank a NUMA node")
         if dp is not None:
             kwargs["data_parallel"] = dp  # NOTE: vLLM's tp x dp
     revision, where = kwargs.pop("revision", None), kwargs.pop("download_dir", None)

@@ -111,21 +111,39 @@ def set_mempolicy(node: int, mode: int = MPOL_BIND) -> str | None:
     return None
 
 
-def get_mempolicy() -> tuple[str, tuple[int, ...]]:
-    """This thread's memory policy: (mode name, nodes of its node mask); ("unknown", ())
-    where the syscall is unavailable."""
+def _get_mempolicy_call():
+    """The get_mempolicy syscall for this thread: (errno, 0 on success; mode; node mask), or None
+    where its number is unknown."""
     nrs = _SYSCALLS.get(platform.machine())
     if nrs is None:
-        return "unknown", ()
+        return None
     mode = ctypes.c_int(0)
     mask = (ctypes.c_ulong * (_MAX_NODES // 64))()
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(ctypes.c_long(nrs[1]), ctypes.byref(mode), mask, ctypes.c_ulong(_MAX_NODES),
-                    ctypes.c_void_p(0), ctypes.c_ulong(0)) != 0:
+    rc = libc.syscall(ctypes.c_long(nrs[1]), ctypes.byref(mode), mask, ctypes.c_ulong(_MAX_NODES),
+                      ctypes.c_void_p(0), ctypes.c_ulong(0))
+    return (ctypes.get_errno() if rc != 0 else 0), mode.value, mask
+
+
+def get_mempolicy() -> tuple[str, tuple[int, ...]]:
+    """This thread's memory policy: (mode name, nodes of its node mask); ("unknown", ())
+    where the syscall is unavailable."""
+    call = _get_mempolicy_call()
+    if call is None or call[0]:
         return "unknown", ()
+    _, mode, mask = call
     nodes = tuple(i for i in range(_MAX_NODES) if mask[i // 64] >> (i % 64) & 1)
-    m = mode.value & ~_MPOL_MODE_FLAGS
+    m = mode & ~_MPOL_MODE_FLAGS
     return MPOL_NAMES.get(m, "mode %d" % m), nodes
+
+
+def mempolicy_denied() -> str | None:
+    """Why this process may not read its memory policy (seccomp, as Docker's default profile
+    without CAP_SYS_NICE: EPERM; a kernel without NUMA: ENOSYS), or None when it may."""
+    call = _get_mempolicy_call()
+    if call is None or call[0] not in (1, 38):  # EPERM, ENOSYS
+        return None
+    return "get_mempolicy: %s" % os.strerror(call[0])
 
 
 def page_nodes(addresses: list[int]) -> list[int]:

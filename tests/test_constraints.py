@@ -133,7 +133,8 @@ def test_a_constraint_that_allowed_token_ids_leave_no_token_ends_in_an_error(eng
     with text the choice refuses; every token now goes through the grammar."""
     ids = eng.tokenizer.encode("yes no", add_special_tokens=False)
     allowed = [t for t in range(3, 60) if t not in ids][:5]
-    o = eng.generate("Answer:", SamplingParams(temperature=temperature, seed=1, max_tokens=10, allowed_token_ids=allowed,
+    o = eng.generate("Answer:", SamplingParams(temperature=temperature, seed=1, max_tokens=10,
+                                               allowed_token_ids=allowed,
                                                structured_outputs={"choice": ["yes", "no"]}))[0].outputs[0]
     assert o.finish_reason == "error", (o.text, o.finish_reason)
     assert o.stop_reason.startswith("the choice could not be followed: ") and o.stop_reason.endswith(

@@ -285,6 +285,22 @@ def test_ranks_with_smaller_kv_pools_bound_the_pool_rank_0_schedules(tiny_model)
     assert rows[0]["tokens"] == [8] * 16
 
 
+def _stop_a_rank(np_: int, model: str, *args: str, what: str) -> tuple[str, str]:
+    """tests/mpi/stuck_worker.py under mpirun with a 3 s collective timeout: (stdout, stderr) of a
+    job that must end on its own, with a failing status (a hang fails the test, naming `what`)."""
+    p = subprocess.Popen(mpirun_args("stuck_worker.py", np_, model, *args),
+                         env=_env(NUMA_RUNTIME_COLLECTIVE_TIMEOUT="3"),
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"the job hung after {what} stopped:\n{out}\n{err[-2000:]}")
+    assert p.returncode != 0, out + err[-2000:]
+    return out, err
+
+
 @needs_mpirun
 @pytest.mark.parametrize("action,says", [
     # NOTE: the step's plan may reach MPI's buffers with the worker stopped (small plans do): then its first
@@ -294,17 +310,8 @@ def test_ranks_with_smaller_kv_pools_bound_the_pool_rank_0_schedules(tiny_model)
 def test_a_stopped_worker_stops_the_job_with_a_reason(tiny_model, action, says):
     """A hung worker (SIGSTOP: mpiexec sees no death) while rank 0 sends a step or closes the
     engine: rank 0 waited in MPI for ever; it stops the job after the collective timeout."""
-    p = subprocess.Popen(mpirun_args("stuck_worker.py", 2, tiny_model, action),
-                         env=_env(NUMA_RUNTIME_COLLECTIVE_TIMEOUT="3"),
-                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        pytest.fail(f"the job hung after a worker stopped:\n{out}\n{err[-2000:]}")
+    out, err = _stop_a_rank(2, tiny_model, action, what="a worker")
     assert "stopped rank 1" in out and "NOT STOPPED" not in out, out + err[-2000:]
-    assert p.returncode != 0
     assert any(f"{x} (NUMA_RUNTIME_COLLECTIVE_TIMEOUT); it is stuck or dead, stopping the job." in err
                for x in says), err[-3000:]
 
@@ -321,17 +328,8 @@ def test_a_stopped_data_parallel_replica_stops_the_job_with_a_reason(tiny_model,
     stopped replica of one rank (no collective of its own to time out) hung the job's steps for
     ever. Now each leader acknowledges its plans and rank 0 stops the job when a replica with
     plans queued completes none within the collective timeout."""
-    p = subprocess.Popen(mpirun_args("stuck_worker.py", np_, tiny_model, action, "2", str(stop)),
-                         env=_env(NUMA_RUNTIME_COLLECTIVE_TIMEOUT="3"),
-                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        pytest.fail(f"the job hung after a replica stopped:\n{out}\n{err[-2000:]}")
+    out, err = _stop_a_rank(np_, tiny_model, action, "2", str(stop), what="a replica")
     assert f"stopped rank {stop}" in out and "NOT STOPPED" not in out, out + err[-2000:]
-    assert p.returncode != 0
     assert f"rank 0: data parallel {says} (NUMA_RUNTIME_COLLECTIVE_TIMEOUT); it is stuck or dead, stopping the " \
            "job." in err, err[-3000:]
 

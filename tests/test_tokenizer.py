@@ -345,7 +345,8 @@ def test_byte_fallback_stream_sends_each_character_once(tmp_path):
     byte = {b: tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256)}
     word = tok.encode(" café", add_special_tokens=False)
     for ids, want in [
-            ([byte[b] for b in "日".encode()] + [byte[0xE6]] + word, "日\ufffd café"),   # an open lead byte mid-stream
+            # an open lead byte mid-stream
+            ([byte[b] for b in "日".encode()] + [byte[0xE6]] + word, "日\ufffd café"),
             ([byte[b] for b in "日本".encode()] + [byte[0xE8]], "日本\ufffd"),           # cut inside a character
             ([byte[b] for b in "日本".encode()] + [byte[0xE8], byte[0xAA]], "日本\ufffd")]:
         deltas, tail = _stream(tok, ids)

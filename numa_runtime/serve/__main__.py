@@ -380,13 +380,7 @@ def check_args(args) -> str | None:
     if tp is not None and (tp < 1 or not is_multi_model(args)):
         from numa_runtime.config import replicas_for_tp
         try:
-            launched = env.data_parallel() if args.data_parallel is None else None  # NOTE: numa-launch --dp
-        except ValueError as e:
-            return str(e)
-        given = f"--tensor-parallel-size {tp}" + (f" with NUMA_RUNTIME_DATA_PARALLEL={launched} (numa-launch --dp)"
-                                                   if launched is not None else "")
-        try:
-            dp = replicas_for_tp(tp, args.data_parallel if launched is None else launched, ranks, given,
+            dp = replicas_for_tp(tp, args.data_parallel, ranks, f"--tensor-parallel-size {tp}",
                                  "start it as `mpirun -np {n} python -m numa_runtime.serve ...` (or `numa-launch "
                                  "--ranks {n} ...`), one rank per NUMA node")
         except ValueError as e:
@@ -638,8 +632,9 @@ def _serve(args, world, sock, front) -> int:
         own = served_name(given) or os.path.basename(os.path.normpath(engine.model_config.model_dir))
         name = (args.served_model_name or [own])[0]
     config = serve_config(args, name, None if multi else given)
-    if vllm_env_warning():
-        print(vllm_env_warning(), file=sys.stderr, flush=True)
+    unread = vllm_env_warning()
+    if unread:
+        print(unread, file=sys.stderr, flush=True)
     if args.api_key is None and not _is_loopback(args.host):
         print(f"numa-serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
               "address can use the server; pass --api-key KEY or bind 127.0.0.1.", file=sys.stderr, flush=True)
