@@ -8,9 +8,9 @@
 
 Every configuration uses all cpus of this process's affinity, split evenly among its ranks
 exactly as `numa-launch --ranks N` does (launch/cli.py: one `mpirun -np 1 ... numactl` block
-per rank, --cpunodebind/--physcpubind + --membind). Fewer ranks than NUMA nodes: the ranks
-would leave nodes idle, so the one rank spans every cpu with memory interleaved
-(numactl --interleave=all), the "one process over all sockets" baseline. Per configuration
+per rank, --physcpubind + --membind). Fewer ranks than NUMA nodes: each rank takes a group of
+whole nodes, its memory interleaved over them (numactl --interleave), as numa-launch does; one
+rank spans every node, the "one process over all sockets" baseline. Per configuration
 (one mpirun each, bench/_scaling_child.py):
 
     decode tok/s        one sequence (16-token prompt), after its first token, best of repeats
@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import (ROOT, add_model_args, find_mpirun, resolve_model,  # noqa: E402
                           weights_bytes_per_token, write_report)
 from numa_runtime.launch.cli import RANK_ENV, build_command, plan_ranks  # noqa: E402
-from numa_runtime.launch.topology import format_cpulist, read_topology, split_cpus  # noqa: E402
+from numa_runtime.launch.topology import format_cpulist, read_topology  # noqa: E402
 
 CHILD = os.path.join(ROOT, "bench", "_scaling_child.py")
 
@@ -57,25 +57,13 @@ def launch_argv(ranks: int, cmd: list[str], mpirun: str, topo) -> tuple[list[str
     if numactl is None:  # the engine binds each rank itself (numa.bind_this_rank)
         env = [x for k, v in RANK_ENV if k != "NUMA_RUNTIME_BOUND" for x in ("-env", k, v)]
         return [mpirun, "-np", str(ranks)] + env + cmd, "self-bound (numactl not installed)"
-    if ranks < topo.num_nodes:
-        # NOTE: fewer ranks than nodes: each rank spans a group of whole nodes (1 rank: all of
-        # them), its memory interleaved over its nodes
-        argv, how = [mpirun], []
-        for r, group in enumerate(split_cpus(topo.nodes, ranks)):
-            cpus = sorted(c for n in group for c in n.cpus)
-            nodes = ",".join(str(n.node_id) for n in group)
-            threads = sum(n.num_cores(n.cpus) for n in group)  # one per physical core
-            argv += ([":"] if r else []) + ["-np", "1", "-env", "OMP_NUM_THREADS", str(threads)]
-            for key, value in RANK_ENV:
-                argv += ["-env", key, value]
-            # NOTE: numactl refuses a node without memory: such a node stands for its nearest with memory
-            mem_nodes = sorted({n.mem_node for n in group if n.mem_node is not None})
-            mem = [f"--interleave={','.join(map(str, mem_nodes))}"] if topo.from_sysfs and mem_nodes else []
-            argv += [numactl, "--physcpubind=" + format_cpulist(cpus)] + mem + cmd
-            how.append(f"rank {r}: nodes {nodes}")
-        return argv, "; ".join(how) + ", memory interleaved over each rank's nodes"
     placements = plan_ranks(topo, ranks)
-    how = "; ".join(f"rank {p.rank}: node {p.node} cpus {format_cpulist(p.cpus)}" for p in placements)
+    # NOTE: fewer ranks than nodes: each rank spans a group of whole nodes (1 rank: all of them), its
+    # memory interleaved over them, as numa-launch places them
+    how = "; ".join(f"rank {p.rank}: nodes {','.join(map(str, p.all_nodes))}" if len(p.all_nodes) > 1 else
+                    f"rank {p.rank}: node {p.node} cpus {format_cpulist(p.cpus)}" for p in placements)
+    if any(len(p.mem_nodes) > 1 for p in placements):
+        how += ", memory interleaved over each rank's nodes"
     return build_command(placements, cmd, mpirun, numactl, with_membind=topo.from_sysfs), how
 
 

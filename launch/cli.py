@@ -12,6 +12,9 @@ The command is MPMD, one block per rank, in the syntax of MPICH's mpirun (hydra)
     mpirun -np 1 -env OMP_NUM_THREADS 8 ... numactl --physcpubind=0-7 --membind=0 CMD \
          : -np 1 -env OMP_NUM_THREADS 8 ... numactl --physcpubind=8-15 --membind=1 CMD
 
+With fewer ranks than nodes (`--ranks 2` on two sockets of two nodes each, Intel SNC2 or AMD
+NPS2) each rank takes a group of whole nodes within one socket, its memory interleaved over them
+(`numactl --physcpubind=<the group's cpus> --interleave=0,1`): every core and memory channel works.
 With more ranks than nodes (e.g. `--ranks 2` on a one-node machine) each node's physical cores
 (with their SMT siblings) are split evenly and ranks are pinned with `numactl --physcpubind=...
 --membind=N`; so is a rank left with only part of its node (`taskset`, a container's cpuset).
@@ -28,7 +31,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 
-from .topology import SYSFS_NODE_DIR, Topology, format_cpulist, read_topology, split_cpus
+from .topology import SYSFS_NODE_DIR, Topology, format_cpulist, group_nodes, read_topology, split_cpus
 
 # Environment every rank gets. NUMA_RUNTIME_BOUND tells numa_runtime.numa not to re-bind;
 # funneled MPI threading measured ~3x faster on small allreduces than the default.
@@ -43,29 +46,53 @@ class RankPlacement:
     whole_node: bool        # every cpu of the node (not only those this process may use)
     num_threads: int        # OMP_NUM_THREADS: one per physical core
     mem_node: int | None    # node whose memory the rank binds to (--membind); None: no binding
+    nodes: tuple[int, ...] = ()      # fewer ranks than nodes: the rank's group of nodes (`node` is the first)
+    mem_nodes: tuple[int, ...] = ()  # more than one: its memory is interleaved over them (--interleave)
+
+    @property
+    def all_nodes(self) -> tuple[int, ...]:
+        return self.nodes or (self.node,)
 
     def numactl_args(self, with_membind: bool = True) -> list[str]:
         # NOTE: cpus by their list, a whole node's too: numactl checks --cpunodebind's node against the
         # nodes with memory, so a node of cpus and no memory (AMD NPS4, CXL) stopped the rank
         cpu = "--physcpubind=%s" % format_cpulist(self.cpus)
-        return [cpu] + (["--membind=%d" % self.mem_node] if with_membind and self.mem_node is not None else [])
+        if not with_membind:
+            return [cpu]
+        if len(self.mem_nodes) > 1:
+            return [cpu, "--interleave=%s" % ",".join(map(str, self.mem_nodes))]
+        return [cpu] + (["--membind=%d" % self.mem_node] if self.mem_node is not None else [])
 
 
 def plan_ranks(topo: Topology, ranks: int | None = None,
                reserve_server_core: bool = False) -> list[RankPlacement]:
-    """Where each rank runs. Default: one rank per node. Fewer ranks than nodes: the first
-    `ranks` nodes. More: ranks are spread evenly over nodes and each node's physical cores are
-    split evenly among its ranks (NumaNode.split). A rank gets one OpenMP thread per physical
-    core. `reserve_server_core` leaves one of rank 0's cores to the HTTP server (its OpenMP
-    pool gets one thread fewer, never fewer than one)."""
+    """Where each rank runs. Default: one rank per node. Fewer ranks than nodes: each rank a
+    group of whole nodes within one socket where it can (topology.group_nodes), its memory
+    interleaved over the group's nodes with memory. More: ranks are spread evenly over nodes and
+    each node's physical cores are split evenly among its ranks (NumaNode.split). A rank gets one
+    OpenMP thread per physical core. `reserve_server_core` leaves one of rank 0's cores to the
+    HTTP server (its OpenMP pool gets one thread fewer, never fewer than one)."""
     ranks = topo.num_nodes if ranks is None else ranks
     if ranks < 1:
         raise ValueError("--ranks must be at least 1, got %d" % ranks)
-    if ranks <= topo.num_nodes:
-        per_node = [(node, [list(node.cpus)]) for node in topo.nodes[:ranks]]
-    else:
-        per_node = [(node, node.split(n)) for node, n in zip(topo.nodes, _ranks_per_node(topo, ranks))]
     placements = []
+    if ranks <= topo.num_nodes:
+        # NOTE: the first `ranks` nodes left the others idle: `mpirun -np 2` on two sockets of two
+        # nodes each (SNC2, NPS2) ran both ranks on socket 0
+        for group in group_nodes(topo.nodes, ranks):
+            if len(group) == 1:
+                node = group[0]
+                placements.append(RankPlacement(len(placements), node.node_id, node.cpus, node.is_whole(node.cpus),
+                                                node.num_cores(node.cpus), node.mem_node))
+                continue
+            mems = tuple(sorted({n.mem_node for n in group if n.mem_node is not None}))
+            placements.append(RankPlacement(
+                len(placements), group[0].node_id, tuple(sorted(c for n in group for c in n.cpus)),
+                whole_node=all(n.is_whole(n.cpus) for n in group),
+                num_threads=sum(n.num_cores(n.cpus) for n in group),
+                mem_node=mems[0] if mems else None, nodes=tuple(n.node_id for n in group), mem_nodes=mems))
+    per_node = [] if placements else [(node, node.split(n)) for node, n in zip(topo.nodes,
+                                                                              _ranks_per_node(topo, ranks))]
     for node, groups in per_node:
         for cpus in groups:
             # NOTE: whole_node only when the rank has every cpu of the node (a taskset/cpuset-limited
@@ -88,7 +115,12 @@ def memory_notes(placements: list[RankPlacement]) -> list[str]:
     """One line per rank whose node has no memory, saying where its memory goes instead."""
     notes = []
     for p in placements:
-        if p.mem_node is None:
+        if len(p.all_nodes) > 1:
+            if p.mem_node is None:
+                notes.append("nodes %s have no memory and sysfs gives no distances to find the nearest node "
+                             "that has: rank %d runs without a memory policy"
+                             % (",".join(map(str, p.all_nodes)), p.rank))
+        elif p.mem_node is None:
             notes.append("node %d has no memory and sysfs gives no distances to find the nearest node "
                          "that has: rank %d runs without --membind" % (p.node, p.rank))
         elif p.mem_node != p.node:

@@ -22,6 +22,7 @@ class NumaNode:
     cores: tuple[tuple[int, ...], ...] = ()  # `cpus` by physical core (SMT siblings); () when unknown
     has_memory: bool = True
     nearest_memory: int | None = None  # without memory: the nearest node with memory (None: unknown)
+    package: int | None = None  # physical package (socket) of its cpus; None when sysfs does not say
 
     @property
     def num_cpus(self) -> int:
@@ -112,6 +113,29 @@ def split_cpus(cpus, ranks: int) -> list[list[int]]:
     return groups
 
 
+def group_nodes(nodes, ranks: int) -> list[list[NumaNode]]:
+    """`nodes` in `ranks` groups of whole nodes (ranks <= nodes), one group a rank. A group stays
+    within one package (socket) where there are at least as many ranks as packages: the ranks go
+    to the packages in proportion to their nodes, and each package's nodes are split evenly among
+    its ranks (2 ranks on 2 sockets of 2 nodes each, Intel SNC2: a socket each). Fewer ranks than
+    packages: each rank takes whole packages. Without package ids, the nodes in id order."""
+    nodes = list(nodes)
+    if not 1 <= ranks <= len(nodes):
+        raise ValueError("cannot group %d nodes into %d ranks" % (len(nodes), ranks))
+    packages: dict = {}
+    for n in nodes:
+        packages.setdefault(n.package, []).append(n)
+    pkgs = [nodes] if None in packages else list(packages.values())
+    if ranks <= len(pkgs):
+        return [[n for pkg in group for n in pkg] for group in split_cpus(pkgs, ranks)]
+    counts = [0] * len(pkgs)
+    for _ in range(ranks):  # NOTE: highest averages (D'Hondt) by node count, a rank a node at most
+        i = max((i for i in range(len(pkgs)) if counts[i] < len(pkgs[i])),
+                key=lambda i: (len(pkgs[i]) / (counts[i] + 1), -i))
+        counts[i] += 1
+    return [group for pkg, k in zip(pkgs, counts) if k for group in split_cpus(pkg, k)]
+
+
 def _read_meminfo(path: str) -> tuple[int, int]:
     """nodeN/meminfo lines look like "Node 0 MemTotal:  5597400 kB"."""
     total = free = 0
@@ -140,6 +164,18 @@ def _read_cores(node_dir: str, cpus) -> tuple[tuple[int, ...], ...]:
             return ()
         cores.add(tuple(c for c in siblings if c in cpus) or (cpu,))
     return tuple(sorted(cores))
+
+
+def _read_package(node_dir: str, cpus) -> int | None:
+    """The physical package (socket) of the node's first cpu (cpuN/topology/physical_package_id);
+    None when sysfs does not have it."""
+    for cpu in list(cpus)[:1]:
+        try:
+            with open(os.path.join(node_dir, "cpu%d" % cpu, "topology", "physical_package_id")) as f:
+                return int(f.read().strip())
+        except (OSError, ValueError):
+            return None
+    return None
 
 
 def _memory_nodes(sysfs_dir: str, node_ids: list[int]) -> set[int]:
@@ -214,7 +250,7 @@ def read_topology(sysfs_dir: str = SYSFS_NODE_DIR, allowed_cpus=None) -> Topolog
         total, free = _read_meminfo(os.path.join(node_dir, "meminfo"))
         nearest = None if i in with_memory else _nearest(sysfs_dir, i, node_ids, with_memory)
         nodes.append(NumaNode(i, tuple(cpus), total, free, tuple(all_cpus), _read_cores(node_dir, cpus),
-                              i in with_memory, nearest))
+                              i in with_memory, nearest, _read_package(node_dir, cpus)))
     if not nodes:
         return _fallback()
     return Topology(tuple(nodes), from_sysfs=True)

@@ -224,6 +224,7 @@ class Engine:
         import psutil
         from . import numa
         return {"rank": self.comm.rank, "node": getattr(placement, "node", None),
+                "nodes": list(getattr(placement, "nodes", ()) or ()),  # NOTE: a rank over a group of nodes
                 "cpus": len(getattr(placement, "cpus", ()) or os.sched_getaffinity(0)),
                 "threads": self.num_threads, "rss_bytes": psutil.Process().memory_info().rss,
                 "weight_bytes": self.runner.model.weight_bytes, "kv_cache_bytes": self.runner.kv_cache_bytes,
@@ -277,8 +278,9 @@ class Engine:
                      "win; generation_config='vllm' ignores the file)", self.default_sampling)
         for r in s["per_rank"] or []:
             m = r["memory"]
-            log.info("rank %d: node %s, %d cpus, weights %.0f MiB, RSS %.0f MiB; memory policy %s %s, "
-                     "sampled weight pages by node %s", r["rank"], r["node"], r["cpus"], r["weight_bytes"] / mib,
+            where = "nodes " + ",".join(map(str, r["nodes"])) if r.get("nodes") else "node %s" % r["node"]
+            log.info("rank %d: %s, %d cpus, weights %.0f MiB, RSS %.0f MiB; memory policy %s %s, "
+                     "sampled weight pages by node %s", r["rank"], where, r["cpus"], r["weight_bytes"] / mib,
                      r["rss_bytes"] / mib, m["policy"], m["policy_nodes"], m["page_nodes"])
 
     def get_default_sampling_params(self) -> SamplingParams:

@@ -13,13 +13,13 @@ import os
 import platform
 from dataclasses import dataclass
 
-from .launch.topology import NumaNode, Topology, format_cpulist, read_topology
+from .launch.topology import Topology, format_cpulist, read_topology
 
 from . import env
 
 log = logging.getLogger(__name__)
 
-MPOL_PREFERRED, MPOL_BIND = 1, 2
+MPOL_PREFERRED, MPOL_BIND, MPOL_INTERLEAVE = 1, 2, 3
 MPOL_NAMES = {0: "default", 1: "preferred", 2: "bind", 3: "interleave", 4: "local",
               5: "preferred_many", 6: "weighted_interleave"}
 _MPOL_MODE_FLAGS = (1 << 15) | (1 << 14) | (1 << 13)  # static/relative nodes, numa balancing
@@ -38,16 +38,26 @@ class Placement:
     memory_bound: bool = False  # the memory policy binds allocations to `memory_node`
     mem_node: int | None = None  # where its memory is bound when not `node` (a node without memory)
     user_threads: bool = False  # num_threads is the user's OMP_NUM_THREADS (no core is reserved then)
+    nodes: tuple[int, ...] = ()      # a rank over a group of nodes: all of them (`node` is the first)
+    mem_nodes: tuple[int, ...] = ()  # more than one: its memory is interleaved over them
 
     @property
     def memory_node(self) -> int:
         return self.node if self.mem_node is None else self.mem_node
 
+    @property
+    def memory_nodes(self) -> tuple[int, ...]:
+        """The nodes its memory is bound (one) or interleaved (several) over."""
+        return self.mem_nodes if len(self.mem_nodes) > 1 else (self.memory_node,)
+
     def describe(self) -> str:
         """One phrase for logs: 'node 0, cpus 0-7, memory on node 0 (bound by numactl)'."""
         from .launch.topology import format_cpulist
-        where = f"node {self.node}" if self.node >= 0 else "node unknown"
-        memory = f", memory on node {self.memory_node}" if self.memory_bound else ""
+        where = (f"nodes {','.join(map(str, self.nodes))}" if len(self.nodes) > 1 else
+                 f"node {self.node}" if self.node >= 0 else "node unknown")
+        memory = ("" if not self.memory_bound else
+                  f", memory interleaved over nodes {','.join(map(str, self.memory_nodes))}"
+                  if len(self.memory_nodes) > 1 else f", memory on node {self.memory_node}")
         how = {"launcher": "bound by the launcher", "self": "bound here", "none": "not bound"}.get(self.how, self.how)
         return f"{where}, cpus {format_cpulist(self.cpus)}{memory} ({how})"
 
@@ -55,14 +65,14 @@ class Placement:
 _placement: Placement | None = None  # NOTE: binding is per process; repeated calls return it
 
 
-def node_of_rank(local_rank: int, local_size: int, topo: Topology) -> tuple[NumaNode, list[int]]:
-    """(node, cpus) for one of `local_size` ranks on this host, by numa-launch's rules
-    (launch.cli.plan_ranks): ranks <= nodes: rank i gets all of node i; more: ranks spread over
-    the nodes as their cpus allow, each node's physical cores (with their SMT siblings) split
-    among its ranks. ValueError when the ranks outnumber the cpus."""
+def node_of_rank(local_rank: int, local_size: int, topo: Topology):
+    """The launch.cli.RankPlacement of one of `local_size` ranks on this host, by numa-launch's
+    rules (launch.cli.plan_ranks): ranks = nodes: rank i gets node i; fewer: each a group of whole
+    nodes within a socket; more: ranks spread over the nodes as their cpus allow, each node's
+    physical cores (with their SMT siblings) split among its ranks. ValueError when the ranks
+    outnumber the cpus."""
     from .launch.cli import plan_ranks
-    p = plan_ranks(topo, local_size)[local_rank]
-    return next(n for n in topo.nodes if n.node_id == p.node), list(p.cpus)
+    return plan_ranks(topo, local_size)[local_rank]
 
 
 def job_cpus() -> list[int]:
@@ -94,16 +104,19 @@ def _cgroup_cpus() -> set[int]:
     return set(range(os.cpu_count() or 1))
 
 
-def set_mempolicy(node: int, mode: int = MPOL_BIND) -> str | None:
-    """Bind (or prefer) this thread's future allocations to `node`. Returns None on success,
-    else why it failed (no libnuma: the raw syscall through ctypes)."""
+def set_mempolicy(node, mode: int = MPOL_BIND) -> str | None:
+    """Bind (or prefer, or interleave) this thread's future allocations to `node` (a node id, or
+    several). Returns None on success, else why it failed (no libnuma: the raw syscall through
+    ctypes)."""
     nrs = _SYSCALLS.get(platform.machine())
     if nrs is None:
         return "set_mempolicy syscall number unknown on %s" % platform.machine()
     nr = nrs[0]
-    nbits = 64 * (node // 64 + 1)
+    nodes = [node] if isinstance(node, int) else list(node)
+    nbits = 64 * (max(nodes) // 64 + 1)
     mask = (ctypes.c_ulong * (nbits // 64))()
-    mask[node // 64] = 1 << (node % 64)
+    for n in nodes:
+        mask[n // 64] |= 1 << (n % 64)
     libc = ctypes.CDLL(None, use_errno=True)
     # NOTE: the kernel reads maxnode - 1 bits (libnuma passes nbits + 1 too).
     if libc.syscall(ctypes.c_long(nr), ctypes.c_int(mode), mask, ctypes.c_ulong(nbits + 1)) != 0:
@@ -183,15 +196,19 @@ def memory_report(buffers: list[tuple[int, int]], per_buffer: int = 4) -> dict:
             "page_nodes": counts}
 
 
-def binding_problem(report: dict, node: int, check_policy: bool = True) -> str | None:
-    """Why `report` (memory_report) shows memory not bound to `node`; None when it is."""
-    if check_policy and (report["policy"] != "bind" or report["policy_nodes"] != [node]):
-        return "memory policy is %s %s, not bound to node %d" % (
-            report["policy"], report["policy_nodes"], node)
-    away = sum(c for n, c in report["page_nodes"].items() if n != node)
+def binding_problem(report: dict, node, check_policy: bool = True) -> str | None:
+    """Why `report` (memory_report) shows memory not bound to `node` (or interleaved over
+    several nodes); None when it is."""
+    nodes = sorted([node] if isinstance(node, int) else set(node))
+    where = "node %d" % nodes[0] if len(nodes) == 1 else "nodes %s" % ",".join(map(str, nodes))
+    want = "bind" if len(nodes) == 1 else "interleave"
+    if check_policy and (report["policy"] != want or report["policy_nodes"] != nodes):
+        return "memory policy is %s %s, not %s %s" % (
+            report["policy"], report["policy_nodes"], "bound to" if want == "bind" else "interleaved over", where)
+    away = sum(c for n, c in report["page_nodes"].items() if n not in nodes)
     if away:
-        return "%d of %d sampled weight pages are not on node %d (%s)" % (
-            away, report["sampled"], node, report["page_nodes"])
+        return "%d of %d sampled weight pages are not on %s (%s)" % (
+            away, report["sampled"], where, report["page_nodes"])
     return None
 
 
@@ -201,7 +218,7 @@ def check_binding(rank: int, placement: Placement | None, buffers: list[tuple[in
     reported at binding: then only the pages are checked.)"""
     report = memory_report(buffers)
     if placement is not None and placement.how != "none" and placement.node >= 0:
-        why = binding_problem(report, placement.memory_node, check_policy=placement.memory_bound)
+        why = binding_problem(report, placement.memory_nodes, check_policy=placement.memory_bound)
         if why is not None:
             log.warning("rank %d: %s; its weights may be read across nodes", rank, why)
     return report
@@ -263,41 +280,55 @@ def bind_this_rank(rank: int, local_rank: int, local_size: int,
                         rank, format_cpulist(cpus), format_cpulist(shared))
     topo = topo or read_topology()
     if env.numa_bound():
-        node = _node_of_cpus(cpus, topo)
-        mem = next((n.mem_node for n in topo.nodes if n.node_id == node), node)
+        # NOTE: numa-launch gives a rank one node, or a group of nodes with its memory interleaved
+        covering = [n for n in topo.nodes if set(n.cpus) & set(cpus)]
+        node = _node_of_cpus(cpus, topo) if len(covering) <= 1 else covering[0].node_id
+        mems = sorted({n.mem_node for n in covering if n.mem_node is not None})
+        mem = mems[0] if len(covering) > 1 and mems else next((n.mem_node for n in topo.nodes if n.node_id == node),
+                                                            node)
         mode, nodes = get_mempolicy()
-        bound = mode == "bind" and list(nodes) == [mem]
+        want = ("interleave", mems) if len(mems) > 1 else ("bind", [mem])
+        bound = (mode, list(nodes)) == want
         if not bound and topo.from_sysfs and mem is not None:
-            log.warning("rank %d: numa-launch bound it to node %d, but its memory policy is %s %s; "
-                        "pages may land on other nodes", rank, mem, mode, list(nodes))
+            log.warning("rank %d: numa-launch bound it to %s, but its memory policy is %s %s; pages may land "
+                        "on other nodes", rank, "nodes %s" % ",".join(map(str, mems)) if len(mems) > 1
+                        else "node %d" % mem, mode, list(nodes))
         _placement = Placement(node, tuple(cpus), env.omp_num_threads() or len(cpus), "launcher",
-                               bound, None if mem == node else mem)
+                               bound, None if mem == node else mem,
+                               nodes=tuple(n.node_id for n in covering) if len(covering) > 1 else (),
+                               mem_nodes=tuple(mems) if len(mems) > 1 else ())
         return _placement
     if local_size <= 1:
         return Placement(_node_of_cpus(cpus, topo), tuple(cpus),
                          env.omp_num_threads() or len(cpus), "none")
     try:
-        numa_node, cpus = node_of_rank(local_rank, local_size, topo)
+        p = node_of_rank(local_rank, local_size, topo)
     except ValueError as e:  # more ranks than cpus: oversubscribed, binding would only hurt
         log.warning("rank %d: not binding (%s)", rank, e)
         _placement = Placement(-1, tuple(cpus), max(1, len(cpus) // local_size), "none")  # NOTE: said once
         return _placement
-    node, mem = numa_node.node_id, numa_node.mem_node
+    node, mem, cpus = p.node, p.mem_node, list(p.cpus)
+    interleave = len(p.mem_nodes) > 1
+    where = ("nodes %s" % ",".join(map(str, p.mem_nodes)) if interleave else
+             "node %s" % (node if mem is None else mem))
     _set_affinity_all_threads(cpus)
     # NOTE: a node with cpus but no memory takes the nearest node's (a bind to itself fails)
     err = ("no NUMA information in sysfs" if not topo.from_sysfs else
            "node %d has no memory and no distance information" % node if mem is None else
-           set_mempolicy(mem, MPOL_BIND))
+           set_mempolicy(p.mem_nodes, MPOL_INTERLEAVE) if interleave else set_mempolicy(mem, MPOL_BIND))
     if err is not None:
-        log.warning("rank %d: could not bind memory to node %s (%s); pages may land on "
-                    "other nodes", rank, node if mem is None else mem, err)
-    threads = numa_node.num_cores(cpus)  # NOTE: one OpenMP thread a physical core, as numa-launch
+        log.warning("rank %d: could not bind memory to %s (%s); pages may land on "
+                    "other nodes", rank, where, err)
+    threads = p.num_threads  # NOTE: one OpenMP thread a physical core, as numa-launch
     threads = user_threads or threads  # NOTE: the user's OMP_NUM_THREADS overrides, as the README says
     set_omp_threads(threads)
     _placement = Placement(node, tuple(cpus), threads, "self", err is None, None if mem == node else mem,
-                           user_threads is not None)
-    log.info("rank %d (local %d/%d): bound itself to node %d, cpus %s, %d OpenMP threads%s%s",
-             rank, local_rank, local_size, node, format_cpulist(cpus), threads,
+                           user_threads is not None, nodes=p.nodes, mem_nodes=p.mem_nodes if interleave else ())
+    log.info("rank %d (local %d/%d): bound itself to %s, cpus %s, %d OpenMP threads%s%s",
+             rank, local_rank, local_size,
+             "nodes %s" % ",".join(map(str, p.all_nodes)) if len(p.all_nodes) > 1 else "node %d" % node,
+             format_cpulist(cpus), threads,
+             ", memory interleaved over %s" % where if interleave else
              "" if mem in (None, node) else ", memory on node %d (node %d has none)" % (mem, node),
              "" if err is None else ", memory unbound")
     return _placement

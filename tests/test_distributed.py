@@ -242,6 +242,59 @@ def test_a_rank_on_a_node_without_memory_binds_to_the_nearest_with_memory():
     assert "memory on node 0 (node 1 has none)" in out.stderr and "WARNING" not in out.stderr
 
 
+def _run_code(code: str, **env) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-c", code], env=_env(**env), cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+def test_a_rank_over_several_nodes_interleaves_its_memory_over_them():
+    """Fewer ranks than nodes: a rank takes a group of nodes (launch.cli.plan_ranks) and its memory
+    is interleaved over them. The syscall: an interleave policy set is read back as one. A rank
+    binding itself over nodes 62 and 63 (neither exists: the call fails with EINVAL) asks for
+    both and says so, and so does the check of its weight pages; a rank that numa-launch placed
+    over two nodes expects their interleave."""
+    out = _run_code("import numpy as np; from numa_runtime import numa;"
+                    "print(numa.set_mempolicy([0], numa.MPOL_INTERLEAVE), numa.get_mempolicy());"
+                    "w = np.ones(1 << 20, np.float32); r = numa.memory_report([(w.ctypes.data, w.nbytes)]);"
+                    "print(r['policy'], r['policy_nodes'], r['page_nodes']);"
+                    "print(numa.binding_problem(r, (0, 1)))")
+    lines = out.stdout.splitlines()
+    if not lines[0].startswith("None"):  # NOTE: EPERM in a container without CAP_SYS_NICE
+        pytest.skip("SKIPPED: memory policies are not permitted here (%s)" % lines[0])
+    assert lines[:2] == ["None ('interleave', (0,))", "interleave [0] {0: 4}"], out.stdout
+    assert lines[2] == "memory policy is interleave [0], not interleaved over nodes 0,1"
+    code = ("import logging, numpy as np; logging.basicConfig(level=logging.INFO);"
+            "from numa_runtime.launch.topology import NumaNode, Topology; from numa_runtime import numa;"
+            "moved = []; numa._set_affinity_all_threads = moved.append;"
+            "topo = Topology((NumaNode(62, (900, 901), 0, 0), NumaNode(63, (902,), 0, 0), NumaNode(64, (903,), 0, 0)),"
+            " True);"
+            "p = numa.bind_this_rank(0, 0, 2, topo);"
+            "print(moved, p.node, p.nodes, p.memory_nodes, p.memory_bound, p.num_threads);"
+            "w = np.ones(1 << 20, np.float32); numa.check_binding(0, p, [(w.ctypes.data, w.nbytes)])")
+    out = _run_code(code)
+    assert out.stdout.split("\n")[0] == "[[900, 901, 902]] 62 (62, 63) (62, 63) False 3", out.stdout
+    assert "rank 0: could not bind memory to nodes 62,63 (Invalid argument)" in out.stderr
+    assert ("bound itself to nodes 62,63, cpus 900-902, 3 OpenMP threads, memory interleaved over nodes 62,63"
+            in out.stderr)
+    assert "rank 0: 4 of 4 sampled weight pages are not on nodes 62,63" in out.stderr
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("SKIPPED: a rank over two nodes of this machine's cpus needs 2 cpus")
+    code = ("import os; from numa_runtime.launch.topology import NumaNode, Topology; from numa_runtime import numa;"
+            "%s cpus = sorted(os.sched_getaffinity(0));"
+            "p = numa.bind_this_rank(0, 0, 2, Topology((NumaNode(0, tuple(cpus[:1]), 0, 0),"
+            " NumaNode(1, tuple(cpus[1:]), 0, 0)), True)); print(p.describe())")
+    told = "numa.get_mempolicy = lambda: ('interleave', (0, 1));"
+    out = _run_code(code % told, NUMA_RUNTIME_BOUND="1")
+    assert "nodes 0,1, cpus " in out.stdout
+    assert "memory interleaved over nodes 0,1 (bound by the launcher)" in out.stdout
+    assert "WARNING" not in out.stderr
+    out = _run_code(code % "", NUMA_RUNTIME_BOUND="1")
+    assert "rank 0: numa-launch bound it to nodes 0,1, but its memory policy is " in out.stderr
+    assert "memory interleaved" not in out.stdout
+
+
 @needs_mpirun
 def test_idle_workers_sleep(tiny_model):
     # Before: an idle worker spun in MPI_Bcast at 100% of a core (cpu/wall ~1 per worker).

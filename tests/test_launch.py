@@ -23,13 +23,18 @@ def launch(*args: str, env=None, timeout: float = 120) -> subprocess.CompletedPr
                           timeout=timeout)
 
 
-def write_sysfs(root, nodes, smt: bool = False, distances=None, has_memory=None) -> str:
+def write_sysfs(root, nodes, smt: bool = False, distances=None, has_memory=None, packages=None) -> str:
     """A fake /sys/devices/system/node under `root`: `nodes` is (node, cpulist, MemTotal, MemFree)
     rows; `smt`: cpu c and c + 8 are hyperthread siblings (nodeN/cpuC/topology, as sysfs links
-    it); `distances`: one nodeN/distance row per node; `has_memory`: that file's text."""
+    it); `distances`: one nodeN/distance row per node; `has_memory`: that file's text;
+    `packages`: {node: the physical_package_id of its cpus}."""
     for node, cpus, total, free in nodes:
+        for c in parse_cpulist(cpus) if packages is not None else []:
+            (root / ("node%d" % node) / ("cpu%d" % c) / "topology").mkdir(parents=True)
+            (root / ("node%d" % node) / ("cpu%d" % c) / "topology" / "physical_package_id").write_text(
+                "%d\n" % packages[node])
         d = root / ("node%d" % node)
-        d.mkdir(parents=True)
+        d.mkdir(parents=True, exist_ok=True)
         (d / "cpulist").write_text(cpus + "\n")
         (d / "meminfo").write_text("Node %d MemTotal:  %d kB\nNode %d MemFree:   %d kB\n"
                                    "Node %d MemUsed:   1 kB\n" % (node, total, node, free, node))
@@ -165,6 +170,57 @@ def test_dry_run_says_where_a_node_without_memory_binds(tmp_path):
     assert "rank 1 runs without --membind" in out.stderr
 
 
+# ----------------------------------------------------------------------------- fewer ranks than nodes
+def _nodes(n: int, cpus: int = 4):
+    return tuple((i, "%d-%d" % (cpus * i, cpus * i + cpus - 1), 1000, 600) for i in range(n))
+
+
+def test_fewer_ranks_than_nodes_take_whole_nodes_within_a_socket(tmp_path):
+    """`mpirun -np 2` on two sockets of two nodes each (Intel SNC2, AMD NPS2) ran both ranks on
+    the first two nodes, socket 0, leaving socket 1 idle; each rank now takes a socket's nodes,
+    its memory interleaved over them."""
+    snc2 = read_topology(write_sysfs(tmp_path / "a", _nodes(4), packages={0: 0, 1: 0, 2: 1, 3: 1}))
+    assert [n.package for n in snc2.nodes] == [0, 0, 1, 1]
+    p = plan_ranks(snc2, 2)
+    assert [(x.node, x.nodes, x.cpus, x.num_threads, x.mem_nodes, x.whole_node) for x in p] == [
+        (0, (0, 1), tuple(range(8)), 8, (0, 1), True), (2, (2, 3), tuple(range(8, 16)), 8, (2, 3), True)]
+    assert [x.numactl_args() for x in p] == [["--physcpubind=0-7", "--interleave=0,1"],
+                                              ["--physcpubind=8-15", "--interleave=2,3"]]
+    assert p[0].numactl_args(with_membind=False) == ["--physcpubind=0-7"]
+    # a node id order that alternates sockets: groups follow the sockets, not the ids
+    alt = read_topology(write_sysfs(tmp_path / "b", _nodes(4), packages={0: 0, 1: 1, 2: 0, 3: 1}))
+    assert [x.nodes for x in plan_ranks(alt, 2)] == [(0, 2), (1, 3)]
+    # 3 ranks on 2 x 2 nodes: a node each on socket 0, socket 1's two nodes for the third
+    assert [x.all_nodes for x in plan_ranks(snc2, 3)] == [(0,), (1,), (2, 3)]
+    assert plan_ranks(snc2, 3)[0].numactl_args() == ["--physcpubind=0-3", "--membind=0"]
+    # one rank: every node; 4 ranks: a node each, as before
+    assert plan_ranks(snc2, 1)[0].numactl_args() == ["--physcpubind=0-15", "--interleave=0,1,2,3"]
+    assert [x.all_nodes for x in plan_ranks(snc2, 4)] == [(0,), (1,), (2,), (3,)]
+    # AMD NPS4 on two sockets (8 nodes), 2 and 4 ranks; Intel SNC3 (6 nodes), 4 ranks
+    nps4 = read_topology(write_sysfs(tmp_path / "c", _nodes(8), packages={i: i // 4 for i in range(8)}))
+    assert [x.nodes for x in plan_ranks(nps4, 2)] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert [x.nodes for x in plan_ranks(nps4, 4)] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    snc3 = read_topology(write_sysfs(tmp_path / "d", _nodes(6), packages={i: i // 3 for i in range(6)}))
+    assert [x.all_nodes for x in plan_ranks(snc3, 4)] == [(0, 1), (2,), (3, 4), (5,)]
+    # without package ids: the nodes in id order; a node without memory interleaves its nearest's
+    plain = read_topology(write_sysfs(tmp_path / "e", _nodes(4), has_memory="0,2-3",
+                                      distances=[[10, 11, 20, 20], [11, 10, 20, 20], [20, 20, 10, 11],
+                                                 [20, 20, 11, 10]]))
+    p = plan_ranks(plain, 2)
+    assert [(x.nodes, x.mem_nodes, x.mem_node) for x in p] == [((0, 1), (0,), 0), ((2, 3), (2, 3), 2)]
+    assert p[0].numactl_args() == ["--physcpubind=0-7", "--membind=0"]
+
+
+def test_dry_run_fewer_ranks_than_nodes(tmp_path):
+    """numa-launch --ranks 2 on 2 x SNC2: the full command, a socket a rank."""
+    sysfs = write_sysfs(tmp_path, _nodes(4), packages={0: 0, 1: 0, 2: 1, 3: 1})
+    out = launch("--sysfs", sysfs, "--ranks", "2", "--dry-run", "--", "serve")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == (
+        "mpirun -np 1 -env OMP_NUM_THREADS 8 %s numactl --physcpubind=0-7 --interleave=0,1 serve"
+        " : -np 1 -env OMP_NUM_THREADS 8 %s numactl --physcpubind=8-15 --interleave=2,3 serve" % (RANK_ENV, RANK_ENV))
+
+
 # ----------------------------------------------------------------------------- dry run
 def test_dry_run_fake_topology_one_rank_per_node(fake_sysfs):
     out = launch("--sysfs", fake_sysfs, "--dry-run", "--", *shlex.split(CMD))
@@ -178,9 +234,10 @@ def test_dry_run_fake_topology_one_rank_per_node(fake_sysfs):
 def test_dry_run_fake_topology_reserve_core_and_mpirun_path(fake_sysfs):
     out = launch("--sysfs", fake_sysfs, "--ranks", "1", "--reserve-server-core",
                  "--mpirun", "/opt/mpich/bin/mpirun", "--dry-run", "--", "serve")
-    assert out.stdout.strip() == ("/opt/mpich/bin/mpirun -np 1 -env OMP_NUM_THREADS 7 %s "
+    # NOTE: one rank on two nodes spans both (it took node 0 alone), its memory interleaved
+    assert out.stdout.strip() == ("/opt/mpich/bin/mpirun -np 1 -env OMP_NUM_THREADS 15 %s "
                                   "-env NUMA_RUNTIME_RESERVED_CORE 1 "
-                                  "numactl --physcpubind=0-3,8-11 --membind=0 serve" % RANK_ENV)
+                                  "numactl --physcpubind=0-15 --interleave=0,1 serve" % RANK_ENV)
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
@@ -437,9 +494,9 @@ def test_self_binding_places_ranks_as_numa_launch_does(tmp_path):
                          allowed_cpus=range(18))
     plan = plan_ranks(topo, 6)
     got = [node_of_rank(r, 6, topo) for r in range(6)]
-    assert [(n.node_id, tuple(c)) for n, c in got] == [(p.node, p.cpus) for p in plan]
-    assert [n.node_id for n, _ in got] == [0, 0, 0, 0, 1, 1]
-    cpus = [c for _, cs in got for c in cs]
+    assert got == plan
+    assert [p.node for p in got] == [0, 0, 0, 0, 1, 1]
+    cpus = [c for p in got for c in p.cpus]
     assert len(cpus) == len(set(cpus)) == 18
 
 
