@@ -342,6 +342,16 @@ def test_regex_digits_are_ascii_and_an_empty_regex_says_so(eng):
         text = eng.generate("Hello", SamplingParams(temperature=1.0, seed=seed, max_tokens=10,
                                                     structured_outputs={"regex": r"\d{3}"}))[0].text
         assert re.fullmatch("[0-9]{3}", text), text
+    # NOTE: \w too ([A-Za-z0-9_], as vLLM's backends and a JSON schema's ECMA-262 pattern read it): llguidance's
+    # let accented and CJK letters through
+    assert ascii_digits(r"\w+[\w-]\W") == r"[A-Za-z0-9_]+[A-Za-z0-9_-][^A-Za-z0-9_]"
+    schema = {"type": "object", "properties": {"k": {"type": "string", "pattern": r"^\w{6}$"}}, "required": ["k"]}
+    for seed in range(6):
+        for spec in ({"regex": r"\w{6}"}, {"json": schema}):
+            text = eng.generate("Hello", SamplingParams(temperature=1.0, seed=seed, max_tokens=40,
+                                                        structured_outputs=spec))[0].text
+            word = text if "regex" in spec else json.loads(text)["k"]
+            assert re.fullmatch("[A-Za-z0-9_]{6}", word), (spec, text)
     with pytest.raises(ValueError, match=r"^structured_outputs\.regex cannot be used: it matches no text\.$"):
         eng.generate("Hello", SamplingParams(structured_outputs={"regex": r"[^\s\S]"}))
     with pytest.raises(ValueError, match="allowed_token_ids names token"):

@@ -370,6 +370,13 @@ def test_responses_api_over_the_chat_path(model_dir):
             last = list(s)[-1]
         plain = c.responses.create(model="m", input="Hello", max_output_tokens=8, temperature=0)
         assert last.type == f"response.{plain.status}" and last.response.output_text == plain.output_text
+        # NOTE: tool_choice "auto" is the Responses API's default, and agent loops send it with no tools
+        # (it was a 400 "needs tools"); "required" without tools stays one
+        auto = c.responses.create(model="m", input="Hello", max_output_tokens=8, temperature=0, tool_choice="auto",
+                                  tools=[])
+        assert auto.output_text == plain.output_text and auto.tool_choice == "auto"
+        with pytest.raises(openai.BadRequestError, match="tool_choice 'required' needs tools"):
+            c.responses.create(model="m", input="Hello", max_output_tokens=8, tool_choice="required")
         # a function tool: a function_call item, then its output back as input items
         tool = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
                 "parameters": WEATHER["function"]["parameters"]}

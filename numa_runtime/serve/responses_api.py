@@ -195,6 +195,8 @@ def chat_request(raw: Any, store: ResponseStore | None = None) -> dict:
         body["tools"] = [_tool(t) for t in _list(raw["tools"], "tools")]
     if raw.get("tool_choice") is not None:
         body["tool_choice"] = _tool_choice(raw["tool_choice"])
+        if body["tool_choice"] == "auto" and not body.get("tools"):
+            del body["tool_choice"]  # NOTE: the Responses API's default, sent by agent loops with no tools
     fmt = _text_format(raw.get("text"))
     if fmt is not None:
         body["response_format"] = fmt
