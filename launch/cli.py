@@ -117,15 +117,15 @@ def memory_notes(placements: list[RankPlacement]) -> list[str]:
     for p in placements:
         if len(p.all_nodes) > 1:
             if p.mem_node is None:
-                notes.append("nodes %s have no memory and sysfs gives no distances to find the nearest node "
-                             "that has: rank %d runs without a memory policy"
+                notes.append("nodes %s have no memory this job may use and sysfs gives no distances to find "
+                             "the nearest node that has: rank %d runs without a memory policy"
                              % (",".join(map(str, p.all_nodes)), p.rank))
         elif p.mem_node is None:
-            notes.append("node %d has no memory and sysfs gives no distances to find the nearest node "
-                         "that has: rank %d runs without --membind" % (p.node, p.rank))
+            notes.append("node %d has no memory this job may use and sysfs gives no distances to find the "
+                         "nearest node that has: rank %d runs without --membind" % (p.node, p.rank))
         elif p.mem_node != p.node:
-            notes.append("node %d has no memory: rank %d binds its memory to node %d, the nearest node "
-                         "with memory" % (p.node, p.rank, p.mem_node))
+            notes.append("node %d has no memory this job may use: rank %d binds its memory to node %d, the "
+                         "nearest with memory" % (p.node, p.rank, p.mem_node))
     return notes
 
 

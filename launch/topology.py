@@ -217,7 +217,20 @@ def _fallback() -> Topology:
     return Topology((NumaNode(0, cpus, 0, 0),), from_sysfs=False)
 
 
-def read_topology(sysfs_dir: str = SYSFS_NODE_DIR, allowed_cpus=None) -> Topology:
+def allowed_memory_nodes() -> set[int] | None:
+    """The nodes this process may allocate from (/proc/self/status Mems_allowed_list: a cpuset's
+    cpuset.mems, a container's --cpuset-mems); None when it cannot be read."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Mems_allowed_list:"):
+                    return set(parse_cpulist(line.split(":", 1)[1]))
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def read_topology(sysfs_dir: str = SYSFS_NODE_DIR, allowed_cpus=None, allowed_mems=None) -> Topology:
     """Nodes with their cpus and memory, read from `sysfs_dir` (a fake dir in tests).
 
     `allowed_cpus`: keep only these cpus (default: this process's affinity when reading the
@@ -229,6 +242,8 @@ def read_topology(sysfs_dir: str = SYSFS_NODE_DIR, allowed_cpus=None) -> Topolog
     """
     if allowed_cpus is None and sysfs_dir == SYSFS_NODE_DIR:
         allowed_cpus = os.sched_getaffinity(0)
+    if allowed_mems is None and sysfs_dir == SYSFS_NODE_DIR:
+        allowed_mems = allowed_memory_nodes()
     allowed = None if allowed_cpus is None else set(allowed_cpus)
     try:
         names = os.listdir(sysfs_dir)
@@ -236,6 +251,10 @@ def read_topology(sysfs_dir: str = SYSFS_NODE_DIR, allowed_cpus=None) -> Topolog
         return _fallback()
     node_ids = sorted(int(m.group(1)) for m in map(re.compile(r"node(\d+)").fullmatch, names) if m)
     with_memory = _memory_nodes(sysfs_dir, node_ids)
+    if allowed_mems is not None and with_memory & set(allowed_mems):
+        # NOTE: a node whose memory this process may not use (a cpuset's mems) is as one without: a
+        # --membind to it stopped the rank (set_mempolicy: Invalid argument); its ranks take the nearest allowed
+        with_memory &= set(allowed_mems)
     nodes = []
     for i in node_ids:
         node_dir = os.path.join(sysfs_dir, "node%d" % i)

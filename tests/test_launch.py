@@ -158,13 +158,31 @@ def test_node_without_memory_binds_to_the_nearest_node_with_memory(tmp_path):
                                                            ["--physcpubind=2-3"]]
 
 
+def test_nodes_whose_memory_the_job_may_not_use_bind_to_the_nearest_allowed(tmp_path):
+    """A cpuset limits the memory nodes too (cpuset.mems, docker --cpuset-mems): numactl --membind to a
+    node outside them stops the rank (set_mempolicy: Invalid argument). Such a node is taken as one
+    without memory: its rank binds to the nearest node the job may use."""
+    from numa_runtime.launch.topology import allowed_memory_nodes
+    nodes = ((0, "0-1", 1000, 600), (1, "2-3", 1000, 600), (2, "4-5", 1000, 600))
+    dist = {0: [10, 20, 30], 1: [20, 10, 20], 2: [30, 20, 10]}
+    sysfs = write_sysfs(tmp_path, nodes, distances=dist)
+    assert [x.numactl_args()[1] for x in plan_ranks(read_topology(sysfs))] == ["--membind=0", "--membind=1",
+                                                                              "--membind=2"]
+    topo = read_topology(sysfs, allowed_mems={0, 2})
+    assert [x.numactl_args()[1] for x in plan_ranks(topo)] == ["--membind=0", "--membind=0", "--membind=2"]
+    assert [x.mem_nodes for x in plan_ranks(topo, 1)] == [(0, 2)]
+    with open("/proc/self/status") as f:
+        line = next(l for l in f if l.startswith("Mems_allowed_list:"))
+    assert allowed_memory_nodes() == set(parse_cpulist(line.split(":")[1]))
+
+
 def test_dry_run_says_where_a_node_without_memory_binds(tmp_path):
     nodes = ((0, "0-1", 1000, 600), (1, "2-3", 0, 0))
     sysfs = write_sysfs(tmp_path / "a", nodes, distances={0: [10, 20], 1: [20, 10]})
     out = launch("--sysfs", sysfs, "--dry-run", "--", "serve")
     assert out.returncode == 0, out.stderr
     assert "numactl --physcpubind=2-3 --membind=0 serve" in out.stdout
-    assert "numa-launch: node 1 has no memory: rank 1 binds its memory to node 0" in out.stderr
+    assert "numa-launch: node 1 has no memory this job may use: rank 1 binds its memory to node 0" in out.stderr
     out = launch("--sysfs", write_sysfs(tmp_path / "b", nodes), "--dry-run", "--", "serve")
     assert out.stdout.strip().endswith("numactl --physcpubind=2-3 serve")
     assert "rank 1 runs without --membind" in out.stderr
