@@ -88,19 +88,31 @@ def job_cpus() -> list[int]:
     return sorted(parent & _cgroup_cpus()) if parent > own else sorted(own)
 
 
-def _cgroup_cpus() -> set[int]:
-    """The cpus of this process's cgroup cpuset (every cpu when it cannot be read)."""
+def _cgroup_cpus(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> set[int]:
+    """The cpus of this process's cgroup cpuset, cgroup v2 (cpuset.cpus.effective) or v1 (the
+    cpuset controller's cpuset.effective_cpus, else cpuset.cpus); every cpu when it cannot be read."""
     from .launch.topology import parse_cpulist
     try:
-        with open("/proc/self/cgroup") as f:
-            path = next((line.strip().split(":", 2)[2] for line in f if line.startswith("0::")), None)
-        if path is not None:
-            with open(os.path.join("/sys/fs/cgroup", path.lstrip("/"), "cpuset.cpus.effective")) as f:
+        with open(proc_cgroup) as f:
+            lines = [line.strip().split(":", 2) for line in f if line.count(":") >= 2]
+    except OSError:
+        lines = []
+    candidates = []
+    for _, controllers, path in lines:
+        rel = path.lstrip("/")
+        if controllers == "":  # NOTE: v2's unified line "0::/path"
+            candidates.append(os.path.join(root, rel, "cpuset.cpus.effective"))
+        elif "cpuset" in controllers.split(","):  # NOTE: v1: "N:cpuset:/path" (docker on older hosts)
+            for name in ("cpuset.effective_cpus", "cpuset.cpus"):
+                candidates += [os.path.join(root, "cpuset", rel, name), os.path.join(root, controllers, rel, name)]
+    for file in candidates:
+        try:
+            with open(file) as f:
                 cpus = parse_cpulist(f.read())
-                if cpus:
-                    return set(cpus)
-    except (OSError, IndexError, ValueError):
-        pass
+        except (OSError, ValueError):
+            continue
+        if cpus:
+            return set(cpus)
     return set(range(os.cpu_count() or 1))
 
 

@@ -561,6 +561,27 @@ def test_a_rank_narrowed_below_its_launchers_cpus_says_so_and_stays_within_them(
                     "capture_output=True, text=True).stdout.strip())" % job).stdout.strip() == str([here[0]])
 
 
+def test_cgroup_cpus_of_v1_and_v2_hierarchies(tmp_path):
+    """job_cpus() caps a launcher's cpus by the cgroup's cpuset: only cgroup v2 was read, so on a
+    cgroup v1 host (older Docker, hybrid systemd) a rank could be told of cpus its container lacks."""
+    from numa_runtime.numa import _cgroup_cpus
+    root = tmp_path / "cg"
+    (root / "cpuset" / "docker" / "abc").mkdir(parents=True)
+    (root / "cpuset" / "docker" / "abc" / "cpuset.effective_cpus").write_text("2-3\n")
+    (root / "job").mkdir()
+    (root / "job" / "cpuset.cpus.effective").write_text("0,5\n")
+    v1 = tmp_path / "v1"
+    v1.write_text("4:memory:/docker/abc\n3:cpuset:/docker/abc\n0::/\n")
+    v2 = tmp_path / "v2"
+    v2.write_text("0::/job\n")
+    assert _cgroup_cpus(str(v1), str(root)) == {2, 3}
+    assert _cgroup_cpus(str(v2), str(root)) == {0, 5}
+    (root / "cpuset" / "docker" / "abc" / "cpuset.effective_cpus").unlink()
+    (root / "cpuset" / "docker" / "abc" / "cpuset.cpus").write_text("1\n")  # NOTE: kernels without effective_cpus
+    assert _cgroup_cpus(str(v1), str(root)) == {1}
+    assert _cgroup_cpus(str(tmp_path / "none"), str(root)) == set(range(os.cpu_count()))
+
+
 def test_launch_binds_cpus_only_where_memory_policies_are_denied(monkeypatch, capsys):
     """Docker's default seccomp profile denies get/set_mempolicy without CAP_SYS_NICE: numactl
     --membind then stopped every rank; the ranks are bound to their cpus only, and it says so."""
