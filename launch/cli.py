@@ -174,22 +174,43 @@ def replica_shape(ranks: int | None, tp: int | None, dp: int | None, num_nodes: 
 
 def build_command(placements: list[RankPlacement], cmd: list[str], mpirun: str = "mpirun",
                   numactl: str = "numactl", with_membind: bool = True,
-                  data_parallel: int | None = None, reserved_core: bool = False) -> list[str]:
+                  data_parallel: int | None = None, reserved_core: bool = False,
+                  flavour: str = "hydra") -> list[str]:
     """The full mpirun argv: one `-np 1 -env ... numactl ... cmd` block per rank.
     `reserved_core`: the placements already leave rank 0's server a cpu, which
-    NUMA_RUNTIME_RESERVED_CORE=1 tells the Engine (it would reserve one itself for a server)."""
+    NUMA_RUNTIME_RESERVED_CORE=1 tells the Engine (it would reserve one itself for a server).
+    `flavour` "openmpi" (mpirun_flavour): Open MPI's mpirun, which has no -env: each block's
+    variables go through `env NAME=VALUE`, and `--bind-to none` keeps its own binding (a core
+    per rank) from narrowing numactl's."""
     argv = [mpirun]
     env = list(RANK_ENV) + ([("NUMA_RUNTIME_DATA_PARALLEL", str(data_parallel))]
                             if data_parallel is not None else [])
     env += [("NUMA_RUNTIME_RESERVED_CORE", "1")] if reserved_core else []
+    if flavour == "openmpi":
+        argv += ["--bind-to", "none"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
     for p in placements:
         if p.rank > 0:
             argv.append(":")
-        argv += ["-np", "1", "-env", "OMP_NUM_THREADS", str(p.num_threads)]
-        for key, value in env:
-            argv += ["-env", key, value]
+        rank_env = [("OMP_NUM_THREADS", str(p.num_threads))] + env
+        if flavour == "openmpi":
+            argv += ["-np", "1", "env"] + ["%s=%s" % kv for kv in rank_env]
+        else:
+            argv += ["-np", "1"]
+            for key, value in rank_env:
+                argv += ["-env", key, value]
         argv += [numactl] + p.numactl_args(with_membind) + list(cmd)
     return argv
+
+
+def mpirun_flavour(mpirun: str) -> str:
+    """"openmpi" when `mpirun --version` says Open MPI, else "hydra" (MPICH's, Intel MPI's: -env)."""
+    import subprocess
+    try:
+        out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "hydra"
+    text = out.stdout + out.stderr
+    return "openmpi" if ("Open MPI" in text or "OpenRTE" in text or "Open RTE" in text) else "hydra"
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -230,15 +251,23 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, cmd
 
 
+def _mpirun_path(mpirun_opt: str | None) -> str | None:
+    """The mpirun a run starts: --mpirun's, else the mpich wheel's beside this Python (which need
+    not be on PATH), else PATH's; None when there is none. NOTE: the one beside Python comes first:
+    it starts the MPI library mpi4py loads here (another on PATH, a cluster's Open MPI, started each
+    rank as a world of its own)."""
+    beside = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    if mpirun_opt is None and os.access(beside, os.X_OK):
+        return beside
+    return shutil.which(mpirun_opt or "mpirun")
+
+
 def _find_tools(mpirun_opt: str | None) -> tuple[str, str]:
     numactl = shutil.which("numactl")
     if numactl is None:
         raise SystemExit("numa-launch: numactl is not installed: install it with "
                          "`apt-get install -y numactl`.")
-    # NOTE: the mpich wheel's mpirun sits beside this Python, which need not be on PATH
-    beside = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    mpirun = shutil.which(mpirun_opt or "mpirun") or (beside if mpirun_opt is None and os.access(beside, os.X_OK)
-                                                      else None)
+    mpirun = _mpirun_path(mpirun_opt)
     if mpirun is None:
         raise SystemExit("numa-launch: %s not found: install MPICH and mpi4py with "
                          "`pip install mpich mpi4py`." % (mpirun_opt or "mpirun"))
@@ -264,15 +293,15 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         with_membind = False
     if args.dry_run:  # NOTE: the mpirun that would run (the one beside this Python, off PATH, too)
-        found = args.mpirun or "mpirun"
-        if shutil.which(found) is None:  # NOTE: as printed it would not run: the path that will
-            try:
-                found = _find_tools(args.mpirun)[0]
-            except SystemExit:
-                pass
-        print(shlex.join(build_command(placements, cmd, found,
+        found = _mpirun_path(args.mpirun)
+        shown = found or args.mpirun or "mpirun"
+        on_path = shutil.which(args.mpirun or "mpirun")
+        if found is not None and on_path is not None and os.path.samefile(on_path, found):
+            shown = args.mpirun or "mpirun"  # NOTE: as given, where PATH finds the one that runs
+        print(shlex.join(build_command(placements, cmd, shown,
                                        with_membind=with_membind, data_parallel=dp,
-                                       reserved_core=args.reserve_server_core)))
+                                       reserved_core=args.reserve_server_core,
+                                       flavour=mpirun_flavour(found) if found else "hydra")))
         return 0
     mpirun, numactl = _find_tools(args.mpirun)
     # NOTE: `-- python ...` (or numa-serve) runs this environment's, as scripts in it expect, though
@@ -281,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["PATH"] = os.pathsep.join([here] + [p for p in os.environ.get("PATH", "").split(os.pathsep)
                                                    if p and p != here])
     full = build_command(placements, cmd, mpirun, numactl, with_membind, dp,
-                         args.reserve_server_core)
+                         args.reserve_server_core, mpirun_flavour(mpirun))
     sys.stdout.flush()
     sys.stderr.flush()
     # exec: mpirun's exit status and signal handling become ours, nothing to forward.

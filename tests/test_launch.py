@@ -329,6 +329,35 @@ def test_mpirun_beside_python_is_found_off_path(fake_sysfs):
         os.environ["PATH"] = old
 
 
+def _fake_open_mpi(tmp_path) -> str:
+    fake = tmp_path / "bin" / "mpirun"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'mpirun (Open MPI) 4.1.6'\n")
+    fake.chmod(0o755)
+    return str(fake)
+
+
+def test_open_mpis_mpirun_gets_its_own_syntax_and_the_environments_mpirun_comes_first(tmp_path, fake_sysfs):
+    """numa-launch wrote MPICH's `-env NAME VALUE`, which Open MPI's mpirun refuses, and it took the first
+    mpirun on PATH: a cluster's Open MPI before this environment's mpich wheel, whose MPI mpi4py loads
+    (Open MPI then started each rank as a world of its own). --mpirun naming Open MPI's gets `env NAME=VALUE`
+    per rank and --bind-to none (its default binds each rank to one core, under numactl's cpus)."""
+    fake = _fake_open_mpi(tmp_path)
+    out = launch("--sysfs", fake_sysfs, "--mpirun", fake, "--dry-run", "--", "serve")
+    assert out.returncode == 0, out.stderr
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    env = "MPI4PY_RC_THREAD_LEVEL=funneled NUMA_RUNTIME_BOUND=1"
+    assert out.stdout.split() == [fake, "--bind-to", "none", *root] + (
+        "-np 1 env OMP_NUM_THREADS=8 %s numactl --physcpubind=0-3,8-11 --membind=0 serve : "
+        "-np 1 env OMP_NUM_THREADS=8 %s numactl --physcpubind=4-7,12-15 --membind=1 serve" % (env, env)).split()
+    beside = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    if not os.access(beside, os.X_OK):
+        pytest.skip("SKIPPED: no mpich wheel's mpirun beside this python")
+    out = launch("--sysfs", fake_sysfs, "--dry-run", "--", "serve",
+                 env={"PATH": os.path.dirname(fake) + os.pathsep + os.environ["PATH"]})
+    assert out.stdout.startswith(beside + " -np 1 -env OMP_NUM_THREADS 8 "), out.stdout
+
+
 def test_ranks_follow_each_nodes_cpus():
     """More ranks than nodes: as even as the nodes' cpus allow (3 + 4 cpus take 7 ranks), and
     past every cpu one sentence with the real bound."""
