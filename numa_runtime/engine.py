@@ -130,6 +130,7 @@ class Engine:
             atexit.register(self._close_at_exit)
             return
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
+        _warn_uneven_threads(self.ranks)
         replica_blocks = data_parallel.replica_blocks(self.parallel, self.ranks)
         self.max_model_len = self._fit_max_len_to_cache(mcfg, min(replica_blocks))
         schedulers = [Scheduler(SchedulerConfig(max_num_seqs=self.config.max_num_seqs,
@@ -1541,6 +1542,22 @@ class Embeddings(np.ndarray):
             raise AttributeError("outputs is a row's (vLLM's EmbeddingRequestOutput.outputs): take a row, or "
                                  "iterate over them.")
         return _EmbeddingOutput([float(x) for x in self])
+
+
+def _warn_uneven_threads(ranks: list[dict]) -> None:
+    """A warning when the ranks of one replica compute on very different thread counts (a cpuset
+    covering most of one node and little of another): each tensor-parallel step waits for the slowest."""
+    replicas: dict = {}
+    for r in ranks or []:
+        replicas.setdefault(r.get("replica", 0), []).append(r)
+    for group in replicas.values():
+        slow = min(group, key=lambda r: r["threads"])
+        most = max(r["threads"] for r in group)
+        if len(group) > 1 and most >= 1.5 * slow["threads"]:
+            log.warning("ranks %s compute on %d to %d threads: each tensor-parallel step waits for the slowest "
+                        "(rank %d, on %d); give every rank as many cores (numa-launch, or a cpuset of "
+                        "whole nodes)", ",".join(str(r["rank"]) for r in group), slow["threads"], most,
+                        slow["rank"], slow["threads"])
 
 
 def check_input_length(i: int, n: int, max_model_len: int) -> None:

@@ -202,6 +202,22 @@ def test_ranks_report_memory_policy_and_weight_page_nodes(tiny_model):
     assert "WARNING" not in out.stderr
 
 
+@needs_mpirun
+def test_ranks_on_uneven_thread_counts_are_named(tiny_model):
+    """Ranks of one model on 1 and 3 threads (a cpuset covering little of one node): every step waits
+    for the slow one, and nothing said so; rank 0 now warns, naming the slow rank."""
+    script = [sys.executable, os.path.join(MPI_DIR, "engine_generate.py"), tiny_model, "float32", "1", "[[1, 2, 3]]"]
+    argv = ["mpirun", "-np", "1", "-env", "OMP_NUM_THREADS", "3", *script, ":",
+            "-np", "1", "-env", "OMP_NUM_THREADS", "1", *script]
+    out = subprocess.run(argv, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    assert [r["threads"] for r in _engine_result(out.stdout)["per_rank"]] == [3, 1]
+    assert ("ranks 0,1 compute on 1 to 3 threads: each tensor-parallel step waits for the slowest (rank 1, "
+            "on 1)") in out.stderr
+    even = run_mpi("engine_generate.py", 2, tiny_model, "float32", "1", "[[1, 2, 3]]", OMP_NUM_THREADS="1")
+    assert even.returncode == 0 and "tensor-parallel step waits" not in even.stderr, even.stderr
+
+
 def _bind_as_rank_1(node: str, printed: str) -> subprocess.CompletedProcess:
     """In a fresh process: rank 1 of 2 binds itself on a one-node topology whose node is `node`
     (Python over this process's `cpus`), then checks the pages of 4 MiB of weights; prints
