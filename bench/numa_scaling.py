@@ -76,7 +76,9 @@ def dram_read_gbps_all_cores(topo, quick: bool) -> tuple[float, list[float]]:
     per_node = []
     for node in topo.nodes:
         mem = [f"--membind={node.mem_node}"] if node.mem_node is not None else []
-        bind = [numactl, f"--cpunodebind={node.node_id}"] + mem if numactl and topo.from_sysfs else []
+        # NOTE: cpus by list: numactl refuses --cpunodebind of a node without memory, and a cpuset may
+        # hold only some of the node's cpus
+        bind = [numactl, "--physcpubind=" + format_cpulist(node.cpus)] + mem if numactl and topo.from_sysfs else []
         p = subprocess.run(bind + [sys.executable, "-c", code % node.num_cpus], capture_output=True,
                            text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS=str(node.num_cpus)))
         if p.returncode != 0:

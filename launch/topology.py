@@ -115,10 +115,11 @@ def split_cpus(cpus, ranks: int) -> list[list[int]]:
 
 def group_nodes(nodes, ranks: int) -> list[list[NumaNode]]:
     """`nodes` in `ranks` groups of whole nodes (ranks <= nodes), one group a rank. A group stays
-    within one package (socket) where there are at least as many ranks as packages: the ranks go
-    to the packages in proportion to their nodes, and each package's nodes are split evenly among
-    its ranks (2 ranks on 2 sockets of 2 nodes each, Intel SNC2: a socket each). Fewer ranks than
-    packages: each rank takes whole packages. Without package ids, the nodes in id order."""
+    within one package (socket) where there are at least as many ranks as packages: each package
+    gets a rank, the others go in proportion to the packages' cpus, and each package's nodes are
+    split evenly among its ranks (2 ranks on 2 sockets of 2 nodes each, Intel SNC2: a socket each).
+    Fewer ranks than packages: each rank takes whole packages. Without package ids, the nodes in id
+    order."""
     nodes = list(nodes)
     if not 1 <= ranks <= len(nodes):
         raise ValueError("cannot group %d nodes into %d ranks" % (len(nodes), ranks))
@@ -128,12 +129,16 @@ def group_nodes(nodes, ranks: int) -> list[list[NumaNode]]:
     pkgs = [nodes] if None in packages else list(packages.values())
     if ranks <= len(pkgs):
         return [[n for pkg in group for n in pkg] for group in split_cpus(pkgs, ranks)]
-    counts = [0] * len(pkgs)
-    for _ in range(ranks):  # NOTE: highest averages (D'Hondt) by node count, a rank a node at most
+    # NOTE: a rank for every package first (by share alone, a package of one node beside one of four
+    # got none, and its cpus sat idle), then the rest by highest averages (D'Hondt) over the packages'
+    # cpus, a rank a node at most
+    counts = [1] * len(pkgs)
+    cpus = [sum(len(n.cpus) for n in pkg) for pkg in pkgs]
+    for _ in range(ranks - len(pkgs)):
         i = max((i for i in range(len(pkgs)) if counts[i] < len(pkgs[i])),
-                key=lambda i: (len(pkgs[i]) / (counts[i] + 1), -i))
+                key=lambda i: (cpus[i] / (counts[i] + 1), -i))
         counts[i] += 1
-    return [group for pkg, k in zip(pkgs, counts) if k for group in split_cpus(pkg, k)]
+    return [group for pkg, k in zip(pkgs, counts) for group in split_cpus(pkg, k)]
 
 
 def _read_meminfo(path: str) -> tuple[int, int]:

@@ -67,8 +67,8 @@ _placement: Placement | None = None  # NOTE: binding is per process; repeated ca
 
 def node_of_rank(local_rank: int, local_size: int, topo: Topology):
     """The launch.cli.RankPlacement of one of `local_size` ranks on this host, by numa-launch's
-    rules (launch.cli.plan_ranks): ranks = nodes: rank i gets node i; fewer: each a group of whole
-    nodes within a socket; more: ranks spread over the nodes as their cpus allow, each node's
+    rules (launch.cli.plan_ranks): ranks = nodes: a node each, socket by socket; fewer: each a group
+    of whole nodes within a socket; more: ranks spread over the nodes as their cpus allow, each node's
     physical cores (with their SMT siblings) split among its ranks. ValueError when the ranks
     outnumber the cpus."""
     from .launch.cli import plan_ranks
