@@ -150,11 +150,16 @@ def _describe(files: list[str], out_dir: str) -> None:
             raise UnsupportedModelError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - the gguf package raises many kinds
             kind = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", str(e))
-            if kind:  # NOTE: a type the gguf package no longer knows: the file is fine, the type is refused
-                name = _RETIRED_TYPES.get(int(kind[1]), f"type {kind[1]}")
-                raise UnsupportedModelError(f"{f} holds tensors of GGML type {kind[1]} ({name}), which numa_runtime "
-                                            "does not read; quantize the model again to a current type (Q4_0, "
-                                            "Q4_K_M, Q8_0, ...).") from None
+            if kind and int(kind[1]) in _RETIRED_TYPES:  # NOTE: a type llama.cpp retired: the file is fine,
+                raise UnsupportedModelError(  # the type is refused
+                    f"{f} holds tensors of GGML type {kind[1]} ({_RETIRED_TYPES[int(kind[1])]}), a type llama.cpp "
+                    "no longer writes and numa_runtime does not read; quantize the model again to a current type "
+                    "(Q4_0, Q4_K_M, Q8_0, ...).") from None
+            if kind:  # NOTE: newer than the gguf package (llama.cpp's Q2_0 is 42): not one numa_runtime computes
+                raise UnsupportedModelError(
+                    f"{f} holds tensors of GGML type {kind[1]}, newer than the installed gguf package "
+                    f"({_gguf_version()}) knows and not one numa_runtime reads; quantize the model to one it "
+                    "reads (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K, IQ4_NL, IQ4_XS).") from None
             raise UnsupportedModelError(f"{f} is not a readable GGUF file; it may be truncated or corrupt "
                                         f"({e}).") from None
         endian = getattr(readers[-1], "endianess", None)
@@ -185,6 +190,14 @@ def _describe(files: list[str], out_dir: str) -> None:
         json.dump(index, f)
     for link, f in zip(links, files):
         os.symlink(f, os.path.join(out_dir, link))
+
+
+def _gguf_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return "gguf " + version("gguf")
+    except PackageNotFoundError:
+        return "gguf"
 
 
 # GGML types the gguf package reads no more (llama.cpp's former ARM repacks of Q4_0, removed late 2024)

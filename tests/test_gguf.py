@@ -626,9 +626,16 @@ def test_gguf_files_of_other_kinds_are_refused_by_what_they_are(hf_models, tmp_p
     struct.pack_into("<I", b, at, 31)  # Q4_0_4_4, llama.cpp's former ARM repack
     retired = str(tmp_path / "q4_0_4_4.gguf")
     open(retired, "wb").write(b)
-    with pytest.raises(UnsupportedModelError, match=r"holds tensors of GGML type 31 \(Q4_0_4_4\), which numa_runtime "
-                                                    r"does not read; quantize the model again"):
+    with pytest.raises(UnsupportedModelError, match=r"holds tensors of GGML type 31 \(Q4_0_4_4\), a type llama.cpp "
+                                                    r"no longer writes and numa_runtime does not read; quantize"):
         engine(retired)
+    # NOTE: a type newer than the gguf package (llama.cpp's Q2_0, 42) was called retired, its number said twice
+    struct.pack_into("<I", b, at, 42)
+    newer = str(tmp_path / "q2_0.gguf")
+    open(newer, "wb").write(b)
+    with pytest.raises(UnsupportedModelError, match=r"holds tensors of GGML type 42, newer than the installed gguf "
+                                                    r"package \(gguf [0-9.]+\) knows and not one numa_runtime reads"):
+        engine(newer)
     reader = gguf.GGUFReader(src)
     meta = {k: f.contents() for k, f in reader.fields.items()}
     names = {t.name for t in reader.tensors}

@@ -378,17 +378,30 @@ def test_a_model_that_fails_to_load_on_one_rank_fails_on_every_rank(models, tmp_
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_a_first_model_that_fails_to_load_stops_start_up_in_one_sentence(models, tmp_path, ranks):
-    """The first model loads at start-up: its failure ended rank 0 with a traceback (and under
-    mpirun left the workers in their loop); now every rank exits, rank 0 with one line."""
+def test_a_first_model_that_fails_to_load_leaves_the_next_to_start_and_none_stops_start_up(models, tmp_path, ranks):
+    """The first model loads at start-up: a broken one there (the first name of a --models-dir) stopped the
+    server and every model with it; the next one that loads now starts it, the broken one answering its
+    requests with a 500. With none that loads every rank exits, rank 0 with one line (no traceback, and
+    under mpirun no worker left in its loop)."""
     import subprocess
     import sys
     from test_server import ROOT
     root, _ = models
     bad = without_weights(os.path.join(root, "alpha"), tmp_path / "broken")
+    worse = without_weights(os.path.join(root, "beta"), tmp_path / "worse")
     launcher = ["mpirun", "-np", "2"] if ranks == 2 else []
-    cmd = [*launcher, sys.executable, "-m", "numa_runtime.serve", "--model", str(bad), "--model",
-           os.path.join(root, "alpha"), "--dtype", "float32", "--kv-cache-memory", str(1 << 20)]
+    srv = serve(root, [], budget_for(root, ["alpha"], 1.5), launcher,
+                extra=["--model", str(bad), "--model", os.path.join(root, "alpha")])
+    try:
+        client = srv.client()
+        kw = dict(prompt=PROMPT, max_tokens=4, temperature=0)
+        assert client.completions.create(model="alpha", **kw).choices[0].text
+        with pytest.raises(openai.InternalServerError, match="The model 'broken' failed to load: "):
+            client.completions.create(model="broken", **kw)
+    finally:
+        assert srv.stop() == 0, srv.output()
+    cmd = [*launcher, sys.executable, "-m", "numa_runtime.serve", "--model", str(bad), "--model", str(worse),
+           "--dtype", "float32", "--kv-cache-memory", str(1 << 20)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                        env={**os.environ, "OMP_NUM_THREADS": "1", "MPI4PY_RC_THREAD_LEVEL": "funneled"})
     err = p.stderr

@@ -124,6 +124,10 @@ def test_models(client, server, model_dir):
     for method in ("GET", "POST"):
         r = httpx.request(method, server.base + "/ping")
         assert r.status_code == 200 and r.json() == {"status": "ok"}
+    # NOTE: every operation of the OpenAPI document has its own id (/ping's two methods shared one)
+    ops = [op["operationId"] for path in httpx.get(server.base + "/openapi.json").json()["paths"].values()
+           for op in path.values()]
+    assert len(ops) == len(set(ops)) and len(ops) > 10
 
 
 def test_metrics_under_vllm_names_too(client, server):

@@ -290,14 +290,17 @@ def build_router(args):
         router.worker_main()
         return None
     from .router import ModelLoadError
-    try:
-        router.get(specs[0].name)  # NOTE: the first model at start-up: its errors surface now
-    except ModelLoadError as e:
-        router.close()  # NOTE: the workers leave their loop (and exit 0); rank 0 says why
-        err = ValueError(str(e))
-        err.agreed = True  # NOTE: no rank waits for rank 0 (env.load_failed)
-        raise err from None
-    return router
+    first = None
+    for spec in specs:  # NOTE: the first model that loads at start-up; one that fails answers its
+        try:            # requests with a 500 naming why (a broken first model of a --models-dir stopped them all)
+            router.get(spec.name)
+            return router
+        except ModelLoadError as e:
+            first = first or e
+    router.close()  # NOTE: none loads: the workers leave their loop (and exit 0); rank 0 says why
+    err = ValueError(str(first))
+    err.agreed = True  # NOTE: no rank waits for rank 0 (env.load_failed)
+    raise err from None
 
 
 def router_summary(router, url: str) -> str:

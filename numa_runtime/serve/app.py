@@ -186,9 +186,13 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             return JSONResponse({"status": "engine stalled", "busy_seconds": round(busy, 1)}, status_code=503)
         return {"status": "ok"}
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/ping")
     async def ping():
         """vLLM's /ping (SageMaker's health check): /health's answer."""
+        return await health()
+
+    @app.post("/ping")  # NOTE: its own operation: one for both methods gave /openapi.json one id twice
+    async def ping_post():
         return await health()
 
     @app.get("/metrics")
