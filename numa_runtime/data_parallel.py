@@ -188,7 +188,7 @@ def replica_blocks(parallel: ParallelConfig, ranks: list[dict]) -> list[int]:
         for j, n in enumerate(counts):
             if n > out[-1]:
                 log.info("rank %d holds %d KV blocks but uses %d, as many as the smallest pool of its "
-                         "replica's ranks (their memory limits differ)", first + j, n, out[-1])
+                         "replica's ranks (their KV heads or memory limits differ)", first + j, n, out[-1])
     return out
 
 
