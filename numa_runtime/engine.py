@@ -175,9 +175,9 @@ class Engine:
     # ------------------------------------------------------------------ set-up helpers
     def _bind_and_set_threads(self, ops):
         from . import numa
-        placement = None
-        if self.comm.world_size > 1:  # NOTE: init_distributed bound the rank; this reads it back
-            placement = numa.bind_this_rank(self.comm.rank, self.comm.local_rank, self.comm.local_size)
+        # NOTE: init_distributed bound a rank; this reads it back (a process alone on a host of several
+        # nodes interleaves its memory over them here)
+        placement = numa.bind_this_rank(self.comm.rank, self.comm.local_rank, self.comm.local_size)
         # NOTE: one rank reads OMP_NUM_THREADS too (numa-launch --ranks 1 sets it)
         omp = env.omp_num_threads()
         threads = self.config.num_threads or (placement.num_threads if placement else

@@ -268,6 +268,30 @@ def _node_of_cpus(cpus, topo: Topology) -> int:
     return -1
 
 
+def _alone(rank: int, cpus: list[int], topo: Topology) -> Placement:
+    """A process alone on its host (no mpirun, or one rank a host): its cpus as they are; where they
+    span several nodes with memory and no memory policy is set (a user's numactl stands), its memory
+    is interleaved over those nodes, as numa-launch --ranks 1 does: by first touch a model's pages
+    went where the loading thread ran, and every thread of the other sockets read them across."""
+    global _placement
+    covering = [n for n in topo.nodes if set(n.cpus) & set(cpus)]
+    mems = sorted({n.mem_node for n in covering if n.mem_node is not None})
+    threads = env.omp_num_threads() or len(cpus)
+    if len(mems) < 2 or not topo.from_sysfs or get_mempolicy()[0] != "default":
+        return Placement(_node_of_cpus(cpus, topo), tuple(cpus), threads, "none")
+    nodes = tuple(n.node_id for n in covering)
+    err = set_mempolicy(mems, MPOL_INTERLEAVE)
+    if err is not None:
+        log.warning("rank %d: could not interleave its memory over nodes %s (%s); pages land where they are "
+                    "first touched", rank, ",".join(map(str, mems)), err)
+        return Placement(nodes[0], tuple(cpus), threads, "none", nodes=nodes)
+    log.info("rank %d, alone on its host over nodes %s: memory interleaved over nodes %s",
+             rank, ",".join(map(str, nodes)), ",".join(map(str, mems)))
+    _placement = Placement(nodes[0], tuple(cpus), threads, "self", True, None if mems[0] == nodes[0] else mems[0],
+                           env.omp_num_threads() is not None, nodes=nodes, mem_nodes=tuple(mems))
+    return _placement
+
+
 def bind_this_rank(rank: int, local_rank: int, local_size: int,
                    topo: Topology | None = None) -> Placement:
     """Bind this rank to its node unless numa-launch did, or it is alone on the host.
@@ -311,8 +335,7 @@ def bind_this_rank(rank: int, local_rank: int, local_size: int,
                                mem_nodes=tuple(mems) if len(mems) > 1 else ())
         return _placement
     if local_size <= 1:
-        return Placement(_node_of_cpus(cpus, topo), tuple(cpus),
-                         env.omp_num_threads() or len(cpus), "none")
+        return _alone(rank, cpus, topo)
     try:
         p = node_of_rank(local_rank, local_size, topo)
     except ValueError as e:  # more ranks than cpus: oversubscribed, binding would only hurt

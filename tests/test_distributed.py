@@ -202,6 +202,31 @@ def test_ranks_report_memory_policy_and_weight_page_nodes(tiny_model):
     assert "WARNING" not in out.stderr
 
 
+def test_a_process_alone_on_several_nodes_interleaves_its_memory_unless_a_policy_is_set():
+    """No mpirun (or one rank a host) on a host of several nodes: the process ran unbound, every page of
+    the model on the node where the loading thread first touched it; its memory is now interleaved over
+    the nodes its cpus span, as numa-launch --ranks 1 does. A policy the user set (numactl) stands, and
+    one node changes nothing."""
+    from numa_runtime.numa import mempolicy_denied
+    if len(os.sched_getaffinity(0)) < 2 or mempolicy_denied():
+        pytest.skip("SKIPPED: two nodes of this machine's cpus need 2 cpus, and memory policies permitted")
+    code = ("import logging, os; logging.basicConfig(level=logging.INFO);"
+            "from numa_runtime.launch.topology import NumaNode, Topology; from numa_runtime import numa;"
+            "cpus = sorted(os.sched_getaffinity(0)); %s"
+            "two = Topology((NumaNode(0, tuple(cpus[:1]), 0, 0), NumaNode(63, tuple(cpus[1:]), 0, 0)), True);"
+            "one = Topology((NumaNode(0, tuple(cpus), 0, 0),), True);"
+            "p = numa.bind_this_rank(0, 0, 1, %s); m = numa.get_mempolicy();"
+            "print(p.how, p.nodes, p.mem_nodes, p.memory_bound, m[0], list(m[1]))")
+    out = _run_code(code % ("", "two"))
+    # NOTE: the kernel interleaves over the nodes that exist of those asked (63 does not)
+    assert out.stdout.split("\n")[0] == "self (0, 63) (0, 63) True interleave [0]", out.stdout + out.stderr
+    assert "rank 0, alone on its host over nodes 0,63: memory interleaved over nodes 0,63" in out.stderr
+    out = _run_code(code % ("numa.set_mempolicy(0, numa.MPOL_BIND);", "two"))
+    assert out.stdout.split("\n")[0] == "none () () False bind [0]", out.stdout
+    out = _run_code(code % ("", "one"))
+    assert out.stdout.split("\n")[0] == "none () () False default []", out.stdout
+
+
 @needs_mpirun
 def test_ranks_on_uneven_thread_counts_are_named(tiny_model):
     """Ranks of one model on 1 and 3 threads (a cpuset covering little of one node): every step waits
