@@ -180,14 +180,16 @@ def build_command(placements: list[RankPlacement], cmd: list[str], mpirun: str =
     `reserved_core`: the placements already leave rank 0's server a cpu, which
     NUMA_RUNTIME_RESERVED_CORE=1 tells the Engine (it would reserve one itself for a server).
     `flavour` "openmpi" (mpirun_flavour): Open MPI's mpirun, which has no -env: each block's
-    variables go through `env NAME=VALUE`, and `--bind-to none` keeps its own binding (a core
-    per rank) from narrowing numactl's."""
+    variables go through `env NAME=VALUE`, `--bind-to none` keeps its own binding (a core per
+    rank) from narrowing numactl's, and `--oversubscribe` lets ranks outnumber cores."""
     argv = [mpirun]
     env = list(RANK_ENV) + ([("NUMA_RUNTIME_DATA_PARALLEL", str(data_parallel))]
                             if data_parallel is not None else [])
     env += [("NUMA_RUNTIME_RESERVED_CORE", "1")] if reserved_core else []
     if flavour == "openmpi":
-        argv += ["--bind-to", "none"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+        # NOTE: --oversubscribe: Open MPI counts a slot a core, and refused more ranks than cores (SMT
+        # siblings as ranks), which numactl places anyway
+        argv += ["--bind-to", "none", "--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
     for p in placements:
         if p.rank > 0:
             argv.append(":")

@@ -150,9 +150,10 @@ def _describe(files: list[str], out_dir: str) -> None:
             raise UnsupportedModelError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - the gguf package raises many kinds
             kind = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", str(e))
-            if kind and int(kind[1]) in _RETIRED_TYPES:  # NOTE: a type llama.cpp retired: the file is fine,
-                raise UnsupportedModelError(  # the type is refused
-                    f"{f} holds tensors of GGML type {kind[1]} ({_RETIRED_TYPES[int(kind[1])]}), a type llama.cpp "
+            # NOTE: a type llama.cpp retired (the file is fine, the type is refused), or one newer than the package
+            if kind and (int(kind[1]) in _RETIRED_TYPES or int(kind[1]) < _known_types()):
+                raise UnsupportedModelError(
+                    f"{f} holds tensors of GGML type {kind[1]}{_retired_name(int(kind[1]))}, a type llama.cpp "
                     "no longer writes and numa_runtime does not read; quantize the model again to a current type "
                     "(Q4_0, Q4_K_M, Q8_0, ...).") from None
             if kind:  # NOTE: newer than the gguf package (llama.cpp's Q2_0 is 42): not one numa_runtime computes
@@ -200,8 +201,21 @@ def _gguf_version() -> str:
         return "gguf"
 
 
-# GGML types the gguf package reads no more (llama.cpp's former ARM repacks of Q4_0, removed late 2024)
-_RETIRED_TYPES = {31: "Q4_0_4_4", 32: "Q4_0_4_8", 33: "Q4_0_8_8"}
+# GGML types the gguf package reads no more: llama.cpp's early Q4_2/Q4_3 (removed 2023), its ARM
+# repacks of Q4_0 and IQ4_NL (removed late 2024)
+_RETIRED_TYPES = {4: "Q4_2", 5: "Q4_3", 31: "Q4_0_4_4", 32: "Q4_0_4_8", 33: "Q4_0_8_8", 36: "IQ4_NL_4_4",
+                  37: "IQ4_NL_4_8", 38: "IQ4_NL_8_8"}
+
+
+def _known_types() -> int:
+    """One past the highest GGML type number the installed gguf package knows: an unknown number
+    below it was retired, one above it is newer than the package."""
+    import gguf
+    return max(int(t) for t in gguf.GGMLQuantizationType) + 1
+
+
+def _retired_name(kind: int) -> str:
+    return f" ({_RETIRED_TYPES[kind]})" if kind in _RETIRED_TYPES else ""
 
 
 def _meta_int(meta: dict, key: str, default=None, path: str = "") -> int:

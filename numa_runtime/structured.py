@@ -169,10 +169,6 @@ def strict_schema(schema: dict) -> dict:
         for k in maps:
             if isinstance(out.get(k), dict):
                 out[k] = {name: walk(sub, f"#/{k}/{name}" not in composed) for name, sub in out[k].items()}
-        if isinstance(out.get("pattern"), str):  # NOTE: ECMA-262's \d and \w, as a regex constraint's
-            out["pattern"] = ascii_digits(out["pattern"])
-        if isinstance(out.get("patternProperties"), dict):
-            out["patternProperties"] = {ascii_digits(p): sub for p, sub in out["patternProperties"].items()}
         for k in lists:
             if isinstance(out.get(k), list):
                 out[k] = [walk(sub, closable=not (branches and k != "prefixItems")) for sub in out[k]]
@@ -231,9 +227,9 @@ _ASCII_CLASSES = {"d": "0-9", "w": "A-Za-z0-9_"}
 
 def ascii_digits(regex: str) -> str:
     r"""\d as [0-9], \w as [A-Za-z0-9_] and \D, \W as their complements (the ranges alone inside a
-    class), as vLLM's grammar backends read a regex and as a JSON schema's pattern is (ECMA-262
-    without the u flag): llguidance's classes are Unicode's, and \d let Devanagari and
-    Arabic-Indic digits through, \w accented and CJK letters."""
+    class, the complements as a nested class), as vLLM's grammar backends read a regex (and as
+    llguidance reads a JSON schema's pattern already, by ECMA-262): llguidance's regex classes are
+    Unicode's, and \d let Devanagari and Arabic-Indic digits through, \w accented and CJK letters."""
     out, i, in_class = [], 0, False
     while i < len(regex):
         c = regex[i]
@@ -241,11 +237,16 @@ def ascii_digits(regex: str) -> str:
             nxt = regex[i + 1]
             if nxt in _ASCII_CLASSES:
                 out.append(_ASCII_CLASSES[nxt] if in_class else "[%s]" % _ASCII_CLASSES[nxt])
-            elif nxt.lower() in _ASCII_CLASSES and nxt.isupper() and not in_class:
-                out.append("[^%s]" % _ASCII_CLASSES[nxt.lower()])
+            elif nxt.lower() in _ASCII_CLASSES and nxt.isupper():
+                out.append("[^%s]" % _ASCII_CLASSES[nxt.lower()])  # NOTE: a nested class inside a class
             else:
                 out.append(regex[i:i + 2])
+                i += 2
+                continue
             i += 2
+            if in_class and regex[i:i + 1] == "-":  # NOTE: [\w-.]: the hyphen after a class is literal
+                out.append("\\-")
+                i += 1
             continue
         if c == "[" and not in_class:
             in_class = True

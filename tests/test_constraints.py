@@ -344,14 +344,18 @@ def test_regex_digits_are_ascii_and_an_empty_regex_says_so(eng):
         assert re.fullmatch("[0-9]{3}", text), text
     # NOTE: \w too ([A-Za-z0-9_], as vLLM's backends and a JSON schema's ECMA-262 pattern read it): llguidance's
     # let accented and CJK letters through
-    assert ascii_digits(r"\w+[\w-]\W") == r"[A-Za-z0-9_]+[A-Za-z0-9_-][^A-Za-z0-9_]"
+    # (a hyphen after a class stays literal: [\w-.] of an e-mail pattern; \W in a class is a nested class)
+    assert ascii_digits(r"\w+[\w-.][^\W]\W") == r"[A-Za-z0-9_]+[A-Za-z0-9_\-.][^[^A-Za-z0-9_]][^A-Za-z0-9_]"
     schema = {"type": "object", "properties": {"k": {"type": "string", "pattern": r"^\w{6}$"}}, "required": ["k"]}
     for seed in range(6):
-        for spec in ({"regex": r"\w{6}"}, {"json": schema}):
+        for spec in ({"regex": r"\w{6}"}, {"regex": r"[^\W]{6}"}, {"json": schema}):
             text = eng.generate("Hello", SamplingParams(temperature=1.0, seed=seed, max_tokens=40,
                                                         structured_outputs=spec))[0].text
             word = text if "regex" in spec else json.loads(text)["k"]
             assert re.fullmatch("[A-Za-z0-9_]{6}", word), (spec, text)
+    email = {"type": "string", "pattern": r"^[\w-\.]+@([\w-]+\.)+[\w-]{2,4}$"}  # NOTE: refused by a rewrite once
+    for spec in ({"json": email}, {"regex": email["pattern"][1:-1]}):
+        assert eng.generate("Hello", SamplingParams(max_tokens=4, structured_outputs=spec))[0].finish_reason == "length"
     with pytest.raises(ValueError, match=r"^structured_outputs\.regex cannot be used: it matches no text\.$"):
         eng.generate("Hello", SamplingParams(structured_outputs={"regex": r"[^\s\S]"}))
     with pytest.raises(ValueError, match="allowed_token_ids names token"):

@@ -636,6 +636,10 @@ def test_gguf_files_of_other_kinds_are_refused_by_what_they_are(hf_models, tmp_p
     with pytest.raises(UnsupportedModelError, match=r"holds tensors of GGML type 42, newer than the installed gguf "
                                                     r"package \(gguf [0-9.]+\) knows and not one numa_runtime reads"):
         engine(newer)
+    struct.pack_into("<I", b, at, 36)  # NOTE: IQ4_NL_4_4, retired with the Q4_0 repacks: not "newer"
+    open(newer, "wb").write(b)
+    with pytest.raises(UnsupportedModelError, match=r"type 36 \(IQ4_NL_4_4\), a type llama.cpp no longer writes"):
+        engine(newer)
     reader = gguf.GGUFReader(src)
     meta = {k: f.contents() for k, f in reader.fields.items()}
     names = {t.name for t in reader.tensors}

@@ -354,7 +354,7 @@ def test_open_mpis_mpirun_gets_its_own_syntax_and_the_environments_mpirun_comes_
     assert out.returncode == 0, out.stderr
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
     env = "MPI4PY_RC_THREAD_LEVEL=funneled NUMA_RUNTIME_BOUND=1"
-    assert out.stdout.split() == [fake, "--bind-to", "none", *root] + (
+    assert out.stdout.split() == [fake, "--bind-to", "none", "--oversubscribe", *root] + (
         "-np 1 env OMP_NUM_THREADS=8 %s numactl --physcpubind=0-3,8-11 --membind=0 serve : "
         "-np 1 env OMP_NUM_THREADS=8 %s numactl --physcpubind=4-7,12-15 --membind=1 serve" % (env, env)).split()
     beside = os.path.join(os.path.dirname(sys.executable), "mpirun")
