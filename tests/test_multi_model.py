@@ -409,6 +409,40 @@ def test_a_first_model_that_fails_to_load_leaves_the_next_to_start_and_none_stop
     assert err.count("numa-serve: error: The model 'broken' failed to load: ") == 1, err
 
 
+def test_models_dir_entries_that_cannot_be_served_are_named_and_the_rest_serve(models, tmp_path):
+    """--models-dir with a .gguf that is no GGUF and a model of an architecture numa_runtime does not run:
+    either stopped every model of the folder at start-up; each is now named in one log line and the
+    others serve. A folder of none that serves stops start-up in one sentence."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from test_server import ROOT
+    root, _ = models
+    folder = tmp_path / "models"
+    folder.mkdir()
+    shutil.copytree(os.path.join(root, "alpha"), folder / "good")
+    (folder / "aaa.gguf").write_bytes(b"not a gguf file at all" * 10)
+    shutil.copytree(os.path.join(root, "beta"), folder / "other")
+    cfg = json.loads((folder / "other" / "config.json").read_text())
+    (folder / "other" / "config.json").write_text(json.dumps({**cfg, "architectures": ["FooForCausalLM"]}))
+    srv = serve(root, [], budget_for(root, ["alpha"], 1.5), extra=["--models-dir", str(folder)])
+    try:
+        client = srv.client()
+        assert [m.id for m in client.models.list().data] == ["good"]
+        assert client.completions.create(model="good", prompt=PROMPT, max_tokens=4).choices[0].text
+        out = srv.output()
+        assert "--models-dir: %s is not served: " % (folder / "aaa.gguf") in out, out
+        assert "--models-dir: %s is not served: " % (folder / "other") in out and "FooForCausalLM" in out
+    finally:
+        assert srv.stop() == 0, srv.output()
+    shutil.rmtree(folder / "good")
+    p = subprocess.run([sys.executable, "-m", "numa_runtime.serve", "--models-dir", str(folder), "--dtype", "float32"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "numa-serve: error: --models-dir '%s' holds no model numa_runtime serves: " % folder in p.stderr, p.stderr
+
+
 def test_the_operator_profile_of_each_model(models):
     """AS_PROFILE=ON with several models: /debug/profile said profiling was off; it answers the
     first model's report, or that of ?model=NAME (loading it as a request does)."""

@@ -278,11 +278,24 @@ def build_router(args):
     workers serve it until rank 0 exits, then get None."""
     import psutil
     from numa_runtime.hub import served_name
-    from .router import ModelRouter, RouterConfig, model_spec, models_in_dir, parse_bytes
-    specs = models_in_dir(args.models_dir) if args.models_dir else []
+    from numa_runtime.config import ModelConfig
+    from .router import ModelRouter, RouterConfig, model_paths_in_dir, model_spec, parse_bytes
+    world, local = env.mpi_world() or (0, 1), env.mpi_local() or (0, 1)
+    specs, skipped = [], None
+    for path in model_paths_in_dir(args.models_dir) if args.models_dir else []:
+        try:  # NOTE: one unreadable or unsupported entry of the folder stopped every model in it
+            spec = model_spec(path)
+            ModelConfig.from_dir(spec.model_dir)
+        except (ValueError, OSError) as e:
+            skipped = skipped or e
+            if world[0] == 0:
+                logging.getLogger("numa_runtime.serve").error("--models-dir: %s is not served: %s", path, e)
+            continue
+        specs.append(spec)
+    if args.models_dir and not specs and not args.model:
+        raise ValueError(f"--models-dir {args.models_dir!r} holds no model numa_runtime serves: {skipped}")
     _hub_paths(args)
     specs += [model_spec(d, name=served_name(i)) for d, i in zip(args.model or [], args.model_ids)]
-    world, local = env.mpi_world() or (0, 1), env.mpi_local() or (0, 1)
     budget = (parse_bytes(args.memory_budget) if args.memory_budget
               else int(env.memory_limit_bytes(psutil.virtual_memory().total) * 0.6 / local[1]))
     router = ModelRouter(RouterConfig(tuple(specs), budget, engine_kwargs(args)), world[1], world[0] == 0)
