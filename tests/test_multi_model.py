@@ -437,8 +437,9 @@ def test_models_dir_entries_that_cannot_be_served_are_named_and_the_rest_serve(m
     finally:
         assert srv.stop() == 0, srv.output()
     shutil.rmtree(folder / "good")
-    p = subprocess.run([sys.executable, "-m", "numa_runtime.serve", "--models-dir", str(folder), "--dtype", "float32"],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = subprocess.run([sys.executable, "-m", "numa_runtime.serve", "--models-dir", str(folder), "--dtype",
+                        "float32"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert "numa-serve: error: --models-dir '%s' holds no model numa_runtime serves: " % folder in p.stderr, p.stderr
 
