@@ -184,6 +184,8 @@ class ModelConfig:
                 cfg = json.load(f)
             except json.JSONDecodeError as e:
                 raise UnsupportedModelError(f"{path} is not valid JSON ({e}).") from None
+        if not isinstance(cfg, dict):  # NOTE: a list or a number failed later with an AttributeError
+            raise UnsupportedModelError(f"{path} is not a JSON object of model settings.")
         config = cls.from_dict(cfg, model_dir)
         pooling, normalize = sentence_transformers_pooling(model_dir)  # NOTE: a GGUF's directory has none
         if pooling:

@@ -1555,9 +1555,9 @@ def _warn_uneven_threads(ranks: list[dict]) -> None:
         most = max(r["threads"] for r in group)
         if len(group) > 1 and most >= 1.5 * slow["threads"]:
             log.warning("ranks %s compute on %d to %d threads: each tensor-parallel step waits for the slowest "
-                        "(rank %d, on %d); give every rank as many cores (a rank count that divides the NUMA "
-                        "nodes, or a cpuset of whole nodes)", ",".join(str(r["rank"]) for r in group),
-                        slow["threads"], most, slow["rank"], slow["threads"])
+                        "(rank %d, on %d); give every rank as many cores (a rank count that splits every "
+                        "socket's NUMA nodes evenly, or a cpuset of whole nodes)",
+                        ",".join(str(r["rank"]) for r in group), slow["threads"], most, slow["rank"], slow["threads"])
 
 
 def check_input_length(i: int, n: int, max_model_len: int) -> None:

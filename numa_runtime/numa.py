@@ -284,7 +284,8 @@ def _alone(rank: int, cpus: list[int], topo: Topology) -> Placement:
     if err is not None:
         log.warning("rank %d: could not interleave its memory over nodes %s (%s); pages land where they are "
                     "first touched", rank, ",".join(map(str, mems)), err)
-        return Placement(nodes[0], tuple(cpus), threads, "none", nodes=nodes)
+        _placement = Placement(nodes[0], tuple(cpus), threads, "none", nodes=nodes)  # NOTE: said once
+        return _placement
     log.info("rank %d, alone on its host over nodes %s: memory interleaved over nodes %s",
              rank, ",".join(map(str, nodes)), ",".join(map(str, mems)))
     _placement = Placement(nodes[0], tuple(cpus), threads, "self", True, None if mems[0] == nodes[0] else mems[0],
@@ -301,6 +302,11 @@ def bind_this_rank(rank: int, local_rank: int, local_size: int,
     """
     global _placement
     if _placement is not None:
+        if _placement.how == "self" and _placement.memory_bound and get_mempolicy()[0] == "default":
+            # NOTE: a memory policy is a thread's: an Engine built on a thread that was started before
+            # the binding (a server's engine thread is started after it) takes it again
+            mems = _placement.memory_nodes
+            set_mempolicy(list(mems), MPOL_INTERLEAVE if len(mems) > 1 else MPOL_BIND)
         return _placement
     user_threads = env.omp_num_threads()  # NOTE: read before this writes its own
     cpus = sorted(os.sched_getaffinity(0))

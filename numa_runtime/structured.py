@@ -244,7 +244,8 @@ def ascii_digits(regex: str) -> str:
                 i += 2
                 continue
             i += 2
-            if in_class and regex[i:i + 1] == "-":  # NOTE: [\w-.]: the hyphen after a class is literal
+            # NOTE: [\w-.]: a hyphen after a class is literal ("--", llguidance's class difference, stays)
+            if in_class and regex[i:i + 1] == "-" and regex[i + 1:i + 2] != "-":
                 out.append("\\-")
                 i += 1
             continue

@@ -346,6 +346,7 @@ def test_regex_digits_are_ascii_and_an_empty_regex_says_so(eng):
     # let accented and CJK letters through
     # (a hyphen after a class stays literal: [\w-.] of an e-mail pattern; \W in a class is a nested class)
     assert ascii_digits(r"\w+[\w-.][^\W]\W") == r"[A-Za-z0-9_]+[A-Za-z0-9_\-.][^[^A-Za-z0-9_]][^A-Za-z0-9_]"
+    assert ascii_digits(r"[\w--\d]") == r"[A-Za-z0-9_--0-9]"  # NOTE: "--", a class difference, stays one
     schema = {"type": "object", "properties": {"k": {"type": "string", "pattern": r"^\w{6}$"}}, "required": ["k"]}
     for seed in range(6):
         for spec in ({"regex": r"\w{6}"}, {"regex": r"[^\W]{6}"}, {"json": schema}):

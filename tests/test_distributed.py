@@ -221,6 +221,12 @@ def test_a_process_alone_on_several_nodes_interleaves_its_memory_unless_a_policy
     # NOTE: the kernel interleaves over the nodes that exist of those asked (63 does not)
     assert out.stdout.split("\n")[0] == "self (0, 63) (0, 63) True interleave [0]", out.stdout + out.stderr
     assert "rank 0, alone on its host over nodes 0,63: memory interleaved over nodes 0,63" in out.stderr
+    # NOTE: a policy is a thread's: an Engine built on a thread started before the binding takes it again
+    later = ("import threading; go = threading.Event(); seen = [];"
+             "th = threading.Thread(target=lambda: (go.wait(), seen.append(numa.get_mempolicy()),"
+             " numa.bind_this_rank(0, 0, 1, two), seen.append(numa.get_mempolicy()))); th.start();")
+    out = _run_code(code.replace("print(p.how", "go.set(); th.join(); print(seen); print(p.how") % (later, "two"))
+    assert out.stdout.split("\n")[0] == "[('default', ()), ('interleave', (0,))]", out.stdout
     out = _run_code(code % ("numa.set_mempolicy(0, numa.MPOL_BIND);", "two"))
     assert out.stdout.split("\n")[0] == "none () () False bind [0]", out.stdout
     out = _run_code(code % ("", "one"))

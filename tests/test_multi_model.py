@@ -426,6 +426,8 @@ def test_models_dir_entries_that_cannot_be_served_are_named_and_the_rest_serve(m
     shutil.copytree(os.path.join(root, "beta"), folder / "other")
     cfg = json.loads((folder / "other" / "config.json").read_text())
     (folder / "other" / "config.json").write_text(json.dumps({**cfg, "architectures": ["FooForCausalLM"]}))
+    shutil.copytree(os.path.join(root, "beta"), folder / "zlist")
+    (folder / "zlist" / "config.json").write_text("[1, 2]")  # NOTE: an AttributeError stopped the folder
     srv = serve(root, [], budget_for(root, ["alpha"], 1.5), extra=["--models-dir", str(folder)])
     try:
         client = srv.client()
@@ -434,14 +436,46 @@ def test_models_dir_entries_that_cannot_be_served_are_named_and_the_rest_serve(m
         out = srv.output()
         assert "--models-dir: %s is not served: " % (folder / "aaa.gguf") in out, out
         assert "--models-dir: %s is not served: " % (folder / "other") in out and "FooForCausalLM" in out
+        assert "--models-dir: %s is not served: " % (folder / "zlist") in out and "not a JSON object" in out
     finally:
         assert srv.stop() == 0, srv.output()
     shutil.rmtree(folder / "good")
+    shutil.rmtree(folder / "zlist")
     p = subprocess.run([sys.executable, "-m", "numa_runtime.serve", "--models-dir", str(folder), "--dtype",
                         "float32"], capture_output=True, text=True, timeout=300, cwd=ROOT,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert "numa-serve: error: --models-dir '%s' holds no model numa_runtime serves: " % folder in p.stderr, p.stderr
+
+
+def test_a_models_dir_entry_that_fails_on_one_rank_is_left_out_on_every_rank(models, tmp_path):
+    """Each rank listed --models-dir by itself: a GGUF that rank 1 could not convert (a cache it cannot
+    write, as on another host) was left out there alone, the ranks' lists differed, and rank 1 loaded
+    another model for the one rank 0 asked (wrong text, then an abort). The ranks now agree: it is left
+    out on every rank, named with the rank it failed on, and the rest serve."""
+    import shutil
+    from gguf_helpers import write_gguf
+    root, _ = models
+    folder = tmp_path / "models"
+    folder.mkdir()
+    write_gguf(os.path.join(root, "alpha"), str(folder / "a.gguf"), "Q8_0")
+    shutil.copytree(os.path.join(root, "beta"), folder / "z_good")
+    rank1_cache = 'if [ "$PMI_RANK" = 1 ]; then export NUMA_RUNTIME_CACHE=/proc/no-cache; fi; exec "$@"'
+    launcher = ["mpirun", "-np", "2", "sh", "-c", rank1_cache, "sh"]
+    srv = serve(root, [], budget_for(root, ["beta"], 1.5), launcher, extra=["--models-dir", str(folder)],
+                env={"NUMA_RUNTIME_CACHE": str(tmp_path / "cache")})
+    try:
+        client = srv.client()
+        assert [m.id for m in client.models.list().data] == ["z_good"]
+        ref = Engine(str(folder / "z_good"), **KW)
+        want = ref.generate(PROMPT, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].text
+        ref.close()
+        got = client.completions.create(model="z_good", prompt=PROMPT, max_tokens=6, temperature=0,
+                                        extra_body={"ignore_eos": True}).choices[0].text
+        assert got == want
+        assert "--models-dir: %s is not served: " % (folder / "a.gguf") in srv.output() and "(rank 1)" in srv.output()
+    finally:
+        assert srv.stop() == 0, srv.output()
 
 
 def test_the_operator_profile_of_each_model(models):

@@ -281,19 +281,28 @@ def build_router(args):
     from numa_runtime.config import ModelConfig
     from .router import ModelRouter, RouterConfig, model_paths_in_dir, model_spec, parse_bytes
     world, local = env.mpi_world() or (0, 1), env.mpi_local() or (0, 1)
-    specs, skipped = [], None
-    for path in model_paths_in_dir(args.models_dir) if args.models_dir else []:
+    paths = model_paths_in_dir(args.models_dir) if args.models_dir else []
+    found, failed = {}, {}
+    for path in paths:
         try:  # NOTE: one unreadable or unsupported entry of the folder stopped every model in it
-            spec = model_spec(path)
-            ModelConfig.from_dir(spec.model_dir)
+            found[path] = model_spec(path)
+            ModelConfig.from_dir(found[path].model_dir)
         except (ValueError, OSError) as e:
-            skipped = skipped or e
-            if world[0] == 0:
-                logging.getLogger("numa_runtime.serve").error("--models-dir: %s is not served: %s", path, e)
-            continue
-        specs.append(spec)
+            failed[path] = f"{e} (rank {world[0]})" if world[1] > 1 else str(e)
+    if args.models_dir and world[1] > 1:
+        # NOTE: the ranks serve one list (models are named by index between them): an entry that fails on
+        # any rank (a cache it cannot write there, another host's files) is left out on all
+        from numa_runtime.distributed import init_distributed
+        for theirs in init_distributed().all_gather_object(failed):
+            for path, why in theirs.items():
+                failed.setdefault(path, why)
+    if world[0] == 0:
+        for path, why in failed.items():
+            logging.getLogger("numa_runtime.serve").error("--models-dir: %s is not served: %s", path, why)
+    specs = [found[p] for p in paths if p not in failed]
     if args.models_dir and not specs and not args.model:
-        raise ValueError(f"--models-dir {args.models_dir!r} holds no model numa_runtime serves: {skipped}")
+        raise ValueError(f"--models-dir {args.models_dir!r} holds no model numa_runtime serves: "
+                         f"{next(iter(failed.values()))}")
     _hub_paths(args)
     specs += [model_spec(d, name=served_name(i)) for d, i in zip(args.model or [], args.model_ids)]
     budget = (parse_bytes(args.memory_budget) if args.memory_budget
