@@ -175,9 +175,10 @@ class Engine:
     # ------------------------------------------------------------------ set-up helpers
     def _bind_and_set_threads(self, ops):
         from . import numa
-        # NOTE: init_distributed bound a rank; this reads it back (a process alone on a host of several
-        # nodes interleaves its memory over them here)
-        placement = numa.bind_this_rank(self.comm.rank, self.comm.local_rank, self.comm.local_size)
+        # NOTE: init_distributed bound a rank; this reads it back. A single process on a host of several
+        # nodes interleaves its memory over them here (else no placement: its cpus and threads as they are)
+        placement = (numa.bind_this_rank(self.comm.rank, self.comm.local_rank, self.comm.local_size)
+                     if self.comm.world_size > 1 else numa.place_alone())
         # NOTE: one rank reads OMP_NUM_THREADS too (numa-launch --ranks 1 sets it)
         omp = env.omp_num_threads()
         threads = self.config.num_threads or (placement.num_threads if placement else

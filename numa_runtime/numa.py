@@ -293,6 +293,19 @@ def _alone(rank: int, cpus: list[int], topo: Topology) -> Placement:
     return _placement
 
 
+def place_alone(topo: Topology | None = None) -> Placement | None:
+    """A single process (world size 1): its memory interleaved over the nodes its cpus span
+    (_alone), or None where that does nothing (one node, a policy already set, numa-launch's
+    numactl): such a process keeps its cpus and threads as they are. A placement is kept for
+    the process only where a policy was set, so nothing else is carried from one Engine to the next."""
+    if env.numa_bound():
+        return None
+    if _placement is not None:
+        return bind_this_rank(0, 0, 1) if _placement.how == "self" else None  # NOTE: this thread's policy
+    p = _alone(0, sorted(os.sched_getaffinity(0)), topo or read_topology())
+    return p if p.how == "self" else None
+
+
 def bind_this_rank(rank: int, local_rank: int, local_size: int,
                    topo: Topology | None = None) -> Placement:
     """Bind this rank to its node unless numa-launch did, or it is alone on the host.
