@@ -389,6 +389,15 @@ def test_vllm_extras_not_implemented_are_refused_by_name(server, body, param):
     assert r.json()["error"]["message"] == f"{param} is not supported by this server; remove it from the request."
 
 
+def test_the_guidance_backend_by_name_is_the_one_that_runs(server):
+    """guided_decoding_backend "guidance" (or "auto") names the backend that runs here, llguidance, as the
+    Python API's StructuredOutputsParams(backend="guidance") does: it was refused over HTTP only."""
+    for backend in ("guidance", "auto"):
+        r = httpx.post(server.base + "/v1/completions", json={"prompt": "x", "max_tokens": 3, "guided_regex": "[0-9]+",
+                                                               "guided_decoding_backend": backend}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"].isdigit(), r.text
+
+
 def test_echo_logprobs_score_the_prompt_as_lm_eval_asks(client, server, model_dir):
     """lm-eval-harness's local-completions scores a continuation with echo, logprobs 1 and
     max_tokens 1 over token ids (echo was refused): the prompt's tokens' logprobs are

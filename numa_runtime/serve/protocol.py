@@ -246,7 +246,9 @@ _CONSTRAINTS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar"
 # vLLM request fields with no counterpart here, and the values that change nothing
 _VLLM_REFUSED = {"use_beam_search": (False,), "length_penalty": (1.0,), "prompt_logprobs": (),
                  "spaces_between_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
-                 "priority": (0,), "guided_whitespace_pattern": (), "guided_decoding_backend": (),
+                 "priority": (0,), "guided_whitespace_pattern": (),
+                 # NOTE: the one backend here is llguidance, vLLM's "guidance" (as StructuredOutputsParams.backend)
+                 "guided_decoding_backend": ("auto", "guidance", "llguidance"),
                  "logits_processors": ([],), "return_token_ids": (False,), "detokenize": (True,),
                  "cache_salt": (), "vllm_xargs": ()}
 
