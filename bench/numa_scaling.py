@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import (ROOT, add_model_args, find_mpirun, resolve_model,  # noqa: E402
                           weights_bytes_per_token, write_report)
 from numa_runtime.launch.cli import RANK_ENV, build_command, plan_ranks  # noqa: E402
-from numa_runtime.launch.topology import format_cpulist, read_topology  # noqa: E402
+from numa_runtime.launch.topology import format_cpulist, nodes_phrase, read_topology  # noqa: E402
 
 CHILD = os.path.join(ROOT, "bench", "_scaling_child.py")
 
@@ -60,7 +60,7 @@ def launch_argv(ranks: int, cmd: list[str], mpirun: str, topo) -> tuple[list[str
     placements = plan_ranks(topo, ranks)
     # NOTE: fewer ranks than nodes: each rank spans a group of whole nodes (1 rank: all of them), its
     # memory interleaved over them, as numa-launch places them
-    how = "; ".join(f"rank {p.rank}: nodes {','.join(map(str, p.all_nodes))}" if len(p.all_nodes) > 1 else
+    how = "; ".join(f"rank {p.rank}: {nodes_phrase(p.all_nodes)}" if len(p.all_nodes) > 1 else
                     f"rank {p.rank}: node {p.node} cpus {format_cpulist(p.cpus)}" for p in placements)
     if any(len(p.mem_nodes) > 1 for p in placements):
         how += ", memory interleaved over each rank's nodes"

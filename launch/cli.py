@@ -31,7 +31,8 @@ import shutil
 import sys
 from dataclasses import dataclass
 
-from .topology import SYSFS_NODE_DIR, Topology, format_cpulist, group_nodes, read_topology, split_cpus
+from .topology import (SYSFS_NODE_DIR, Topology, format_cpulist, group_nodes, nodes_phrase, read_topology,
+                       split_cpus)
 
 # Environment every rank gets. NUMA_RUNTIME_BOUND tells numa_runtime.numa not to re-bind;
 # funneled MPI threading measured ~3x faster on small allreduces than the default.
@@ -80,17 +81,13 @@ def plan_ranks(topo: Topology, ranks: int | None = None,
         # NOTE: the first `ranks` nodes left the others idle: `mpirun -np 2` on two sockets of two
         # nodes each (SNC2, NPS2) ran both ranks on socket 0
         for group in group_nodes(topo.nodes, ranks):
-            if len(group) == 1:
-                node = group[0]
-                placements.append(RankPlacement(len(placements), node.node_id, node.cpus, node.is_whole(node.cpus),
-                                                node.num_cores(node.cpus), node.mem_node))
-                continue
             mems = tuple(sorted({n.mem_node for n in group if n.mem_node is not None}))
+            several = len(group) > 1  # NOTE: nodes and mem_nodes tell a group; a node alone has neither
             placements.append(RankPlacement(
                 len(placements), group[0].node_id, tuple(sorted(c for n in group for c in n.cpus)),
                 whole_node=all(n.is_whole(n.cpus) for n in group),
-                num_threads=sum(n.num_cores(n.cpus) for n in group),
-                mem_node=mems[0] if mems else None, nodes=tuple(n.node_id for n in group), mem_nodes=mems))
+                num_threads=sum(n.num_cores(n.cpus) for n in group), mem_node=mems[0] if mems else None,
+                nodes=tuple(n.node_id for n in group) if several else (), mem_nodes=mems if several else ()))
     per_node = [] if placements else [(node, node.split(n)) for node, n in zip(topo.nodes,
                                                                               _ranks_per_node(topo, ranks))]
     for node, groups in per_node:
@@ -117,9 +114,9 @@ def memory_notes(placements: list[RankPlacement]) -> list[str]:
     for p in placements:
         if len(p.all_nodes) > 1:
             if p.mem_node is None:
-                notes.append("nodes %s have no memory this job may use and sysfs gives no distances to find "
+                notes.append("%s have no memory this job may use and sysfs gives no distances to find "
                              "the nearest node that has: rank %d runs without a memory policy"
-                             % (",".join(map(str, p.all_nodes)), p.rank))
+                             % (nodes_phrase(p.all_nodes), p.rank))
         elif p.mem_node is None:
             notes.append("node %d has no memory this job may use and sysfs gives no distances to find the "
                          "nearest node that has: rank %d runs without --membind" % (p.node, p.rank))

@@ -66,6 +66,12 @@ class Topology:
         return len(self.nodes)
 
 
+def nodes_phrase(nodes) -> str:
+    """(3,) -> "node 3"; (0, 1) -> "nodes 0,1": NUMA nodes as messages name them."""
+    nodes = list(nodes)
+    return "node %d" % nodes[0] if len(nodes) == 1 else "nodes %s" % ",".join(map(str, nodes))
+
+
 def parse_cpulist(text: str) -> list[int]:
     """"0-3,8-11" -> [0, 1, 2, 3, 8, 9, 10, 11]; "" -> []. Also accepts strides "0-7:2"."""
     cpus: list[int] = []

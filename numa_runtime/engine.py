@@ -278,9 +278,10 @@ class Engine:
         if self.default_sampling:
             log.info("default sampling from the model's generation_config.json: %s (a request's own values "
                      "win; generation_config='vllm' ignores the file)", self.default_sampling)
+        from .launch.topology import nodes_phrase
         for r in s["per_rank"] or []:
             m = r["memory"]
-            where = "nodes " + ",".join(map(str, r["nodes"])) if r.get("nodes") else "node %s" % r["node"]
+            where = nodes_phrase(r["nodes"]) if r.get("nodes") else "node %s" % r["node"]
             log.info("rank %d: %s, %d cpus, weights %.0f MiB, RSS %.0f MiB; memory policy %s %s, "
                      "sampled weight pages by node %s", r["rank"], where, r["cpus"], r["weight_bytes"] / mib,
                      r["rss_bytes"] / mib, m["policy"], m["policy_nodes"], m["page_nodes"])

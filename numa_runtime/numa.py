@@ -13,7 +13,7 @@ import os
 import platform
 from dataclasses import dataclass
 
-from .launch.topology import Topology, format_cpulist, read_topology
+from .launch.topology import Topology, format_cpulist, nodes_phrase, read_topology
 
 from . import env
 
@@ -53,11 +53,10 @@ class Placement:
     def describe(self) -> str:
         """One phrase for logs: 'node 0, cpus 0-7, memory on node 0 (bound by numactl)'."""
         from .launch.topology import format_cpulist
-        where = (f"nodes {','.join(map(str, self.nodes))}" if len(self.nodes) > 1 else
-                 f"node {self.node}" if self.node >= 0 else "node unknown")
+        where = nodes_phrase(self.nodes or (self.node,)) if self.node >= 0 else "node unknown"
+        mems = self.memory_nodes
         memory = ("" if not self.memory_bound else
-                  f", memory interleaved over nodes {','.join(map(str, self.memory_nodes))}"
-                  if len(self.memory_nodes) > 1 else f", memory on node {self.memory_node}")
+                  ", memory %s %s" % ("interleaved over" if len(mems) > 1 else "on", nodes_phrase(mems)))
         how = {"launcher": "bound by the launcher", "self": "bound here", "none": "not bound"}.get(self.how, self.how)
         return f"{where}, cpus {format_cpulist(self.cpus)}{memory} ({how})"
 
@@ -212,7 +211,7 @@ def binding_problem(report: dict, node, check_policy: bool = True) -> str | None
     """Why `report` (memory_report) shows memory not bound to `node` (or interleaved over
     several nodes); None when it is."""
     nodes = sorted([node] if isinstance(node, int) else set(node))
-    where = "node %d" % nodes[0] if len(nodes) == 1 else "nodes %s" % ",".join(map(str, nodes))
+    where = nodes_phrase(nodes)
     want = "bind" if len(nodes) == 1 else "interleave"
     if check_policy and (report["policy"] != want or report["policy_nodes"] != nodes):
         return "memory policy is %s %s, not %s %s" % (
@@ -268,26 +267,37 @@ def _node_of_cpus(cpus, topo: Topology) -> int:
     return -1
 
 
+def _span(cpus, topo: Topology) -> tuple[list, list[int]]:
+    """The nodes `cpus` touch, and the nodes with memory that stand for them (sorted)."""
+    covering = [n for n in topo.nodes if set(n.cpus) & set(cpus)]
+    return covering, sorted({n.mem_node for n in covering if n.mem_node is not None})
+
+
+def _set_policy(nodes) -> str | None:
+    """This thread's memory bound to one node, or interleaved over several (set_mempolicy)."""
+    nodes = list(nodes)
+    return set_mempolicy(nodes, MPOL_INTERLEAVE if len(nodes) > 1 else MPOL_BIND)
+
+
 def _alone(rank: int, cpus: list[int], topo: Topology) -> Placement:
     """A process alone on its host (no mpirun, or one rank a host): its cpus as they are; where they
     span several nodes with memory and no memory policy is set (a user's numactl stands), its memory
     is interleaved over those nodes, as numa-launch --ranks 1 does: by first touch a model's pages
     went where the loading thread ran, and every thread of the other sockets read them across."""
     global _placement
-    covering = [n for n in topo.nodes if set(n.cpus) & set(cpus)]
-    mems = sorted({n.mem_node for n in covering if n.mem_node is not None})
+    covering, mems = _span(cpus, topo)
     threads = env.omp_num_threads() or len(cpus)
     if len(mems) < 2 or not topo.from_sysfs or get_mempolicy()[0] != "default":
         return Placement(_node_of_cpus(cpus, topo), tuple(cpus), threads, "none")
     nodes = tuple(n.node_id for n in covering)
-    err = set_mempolicy(mems, MPOL_INTERLEAVE)
+    err = _set_policy(mems)
     if err is not None:
-        log.warning("rank %d: could not interleave its memory over nodes %s (%s); pages land where they are "
-                    "first touched", rank, ",".join(map(str, mems)), err)
+        log.warning("rank %d: could not interleave its memory over %s (%s); pages land where they are "
+                    "first touched", rank, nodes_phrase(mems), err)
         _placement = Placement(nodes[0], tuple(cpus), threads, "none", nodes=nodes)  # NOTE: said once
         return _placement
-    log.info("rank %d, alone on its host over nodes %s: memory interleaved over nodes %s",
-             rank, ",".join(map(str, nodes)), ",".join(map(str, mems)))
+    log.info("rank %d, alone on its host over %s: memory interleaved over %s", rank, nodes_phrase(nodes),
+             nodes_phrase(mems))
     _placement = Placement(nodes[0], tuple(cpus), threads, "self", True, None if mems[0] == nodes[0] else mems[0],
                            env.omp_num_threads() is not None, nodes=nodes, mem_nodes=tuple(mems))
     return _placement
@@ -318,8 +328,7 @@ def bind_this_rank(rank: int, local_rank: int, local_size: int,
         if _placement.how == "self" and _placement.memory_bound and get_mempolicy()[0] == "default":
             # NOTE: a memory policy is a thread's: an Engine built on a thread that was started before
             # the binding (a server's engine thread is started after it) takes it again
-            mems = _placement.memory_nodes
-            set_mempolicy(list(mems), MPOL_INTERLEAVE if len(mems) > 1 else MPOL_BIND)
+            _set_policy(_placement.memory_nodes)
         return _placement
     user_threads = env.omp_num_threads()  # NOTE: read before this writes its own
     cpus = sorted(os.sched_getaffinity(0))
@@ -336,9 +345,8 @@ def bind_this_rank(rank: int, local_rank: int, local_size: int,
     topo = topo or read_topology()
     if env.numa_bound():
         # NOTE: numa-launch gives a rank one node, or a group of nodes with its memory interleaved
-        covering = [n for n in topo.nodes if set(n.cpus) & set(cpus)]
+        covering, mems = _span(cpus, topo)
         node = _node_of_cpus(cpus, topo) if len(covering) <= 1 else covering[0].node_id
-        mems = sorted({n.mem_node for n in covering if n.mem_node is not None})
         mem = mems[0] if len(covering) > 1 and mems else next((n.mem_node for n in topo.nodes if n.node_id == node),
                                                             node)
         mode, nodes = get_mempolicy()
@@ -346,8 +354,7 @@ def bind_this_rank(rank: int, local_rank: int, local_size: int,
         bound = (mode, list(nodes)) == want
         if not bound and topo.from_sysfs and mem is not None:
             log.warning("rank %d: numa-launch bound it to %s, but its memory policy is %s %s; pages may land "
-                        "on other nodes", rank, "nodes %s" % ",".join(map(str, mems)) if len(mems) > 1
-                        else "node %d" % mem, mode, list(nodes))
+                        "on other nodes", rank, nodes_phrase(want[1]), mode, list(nodes))
         _placement = Placement(node, tuple(cpus), env.omp_num_threads() or len(cpus), "launcher",
                                bound, None if mem == node else mem,
                                nodes=tuple(n.node_id for n in covering) if len(covering) > 1 else (),
@@ -363,13 +370,12 @@ def bind_this_rank(rank: int, local_rank: int, local_size: int,
         return _placement
     node, mem, cpus = p.node, p.mem_node, list(p.cpus)
     interleave = len(p.mem_nodes) > 1
-    where = ("nodes %s" % ",".join(map(str, p.mem_nodes)) if interleave else
-             "node %s" % (node if mem is None else mem))
+    where = nodes_phrase(p.mem_nodes if interleave else [node if mem is None else mem])
     _set_affinity_all_threads(cpus)
     # NOTE: a node with cpus but no memory takes the nearest node's (a bind to itself fails)
     err = ("no NUMA information in sysfs" if not topo.from_sysfs else
            "node %d has no memory and no distance information" % node if mem is None else
-           set_mempolicy(p.mem_nodes, MPOL_INTERLEAVE) if interleave else set_mempolicy(mem, MPOL_BIND))
+           _set_policy(p.mem_nodes if interleave else [mem]))
     if err is not None:
         log.warning("rank %d: could not bind memory to %s (%s); pages may land on "
                     "other nodes", rank, where, err)
@@ -380,8 +386,7 @@ def bind_this_rank(rank: int, local_rank: int, local_size: int,
                            user_threads is not None, nodes=p.nodes, mem_nodes=p.mem_nodes if interleave else ())
     log.info("rank %d (local %d/%d): bound itself to %s, cpus %s, %d OpenMP threads%s%s",
              rank, local_rank, local_size,
-             "nodes %s" % ",".join(map(str, p.all_nodes)) if len(p.all_nodes) > 1 else "node %d" % node,
-             format_cpulist(cpus), threads,
+             nodes_phrase(p.all_nodes), format_cpulist(cpus), threads,
              ", memory interleaved over %s" % where if interleave else
              "" if mem in (None, node) else ", memory on node %d (node %d has none)" % (mem, node),
              "" if err is None else ", memory unbound")

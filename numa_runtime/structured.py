@@ -192,7 +192,7 @@ def _grammar(llg, kind: str, spec) -> str:
     if kind in _LAYOUT:  # NOTE: closed, as vLLM's default backend (xgrammar, strict) closes them
         return llg.LLMatcher.grammar_from_json_schema(strict_schema(spec), defaults=_LAYOUT[kind])
     if kind == "regex":
-        return llg.LLMatcher.grammar_from_regex(ascii_digits(spec))
+        return llg.LLMatcher.grammar_from_regex(ascii_classes(spec))
     if kind == "choice":
         # NOTE: one regex (one lexeme): as a Lark rule of N alternatives the parser's row held an
         # item each, and 2000 or more choices failed after the first token (llguidance's row limit)
@@ -225,7 +225,7 @@ def _literal_regex(text: str) -> str:
 _ASCII_CLASSES = {"d": "0-9", "w": "A-Za-z0-9_"}
 
 
-def ascii_digits(regex: str) -> str:
+def ascii_classes(regex: str) -> str:
     r"""\d as [0-9], \w as [A-Za-z0-9_] and \D, \W as their complements (the ranges alone inside a
     class, the complements as a nested class), as vLLM's grammar backends read a regex (and as
     llguidance reads a JSON schema's pattern already, by ECMA-262): llguidance's regex classes are

@@ -336,8 +336,8 @@ def test_grammars_as_vllm_and_llama_cpp_write_them(eng, grammar, pattern):
 def test_regex_digits_are_ascii_and_an_empty_regex_says_so(eng):
     """\\d is [0-9] (llguidance's is Unicode's: Devanagari digits came out); a regex that
     matches nothing says so (it spoke of a JSON $ref)."""
-    from numa_runtime.structured import ascii_digits
-    assert ascii_digits(r"\d{2}[\d.]\D\\d") == r"[0-9]{2}[0-9.][^0-9]\\d"
+    from numa_runtime.structured import ascii_classes
+    assert ascii_classes(r"\d{2}[\d.]\D\\d") == r"[0-9]{2}[0-9.][^0-9]\\d"
     for seed in range(6):
         text = eng.generate("Hello", SamplingParams(temperature=1.0, seed=seed, max_tokens=10,
                                                     structured_outputs={"regex": r"\d{3}"}))[0].text
@@ -345,8 +345,8 @@ def test_regex_digits_are_ascii_and_an_empty_regex_says_so(eng):
     # NOTE: \w too ([A-Za-z0-9_], as vLLM's backends and a JSON schema's ECMA-262 pattern read it): llguidance's
     # let accented and CJK letters through
     # (a hyphen after a class stays literal: [\w-.] of an e-mail pattern; \W in a class is a nested class)
-    assert ascii_digits(r"\w+[\w-.][^\W]\W") == r"[A-Za-z0-9_]+[A-Za-z0-9_\-.][^[^A-Za-z0-9_]][^A-Za-z0-9_]"
-    assert ascii_digits(r"[\w--\d]") == r"[A-Za-z0-9_--0-9]"  # NOTE: "--", a class difference, stays one
+    assert ascii_classes(r"\w+[\w-.][^\W]\W") == r"[A-Za-z0-9_]+[A-Za-z0-9_\-.][^[^A-Za-z0-9_]][^A-Za-z0-9_]"
+    assert ascii_classes(r"[\w--\d]") == r"[A-Za-z0-9_--0-9]"  # NOTE: "--", a class difference, stays one
     schema = {"type": "object", "properties": {"k": {"type": "string", "pattern": r"^\w{6}$"}}, "required": ["k"]}
     for seed in range(6):
         for spec in ({"regex": r"\w{6}"}, {"regex": r"[^\W]{6}"}, {"json": schema}):

@@ -249,6 +249,13 @@ def test_ranks_on_uneven_thread_counts_are_named(tiny_model):
     assert even.returncode == 0 and "tensor-parallel step waits" not in even.stderr, even.stderr
 
 
+def _run_code(code: str, **env) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-c", code], env=_env(**env), cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
 def _bind_as_rank_1(node: str, printed: str) -> subprocess.CompletedProcess:
     """In a fresh process: rank 1 of 2 binds itself on a one-node topology whose node is `node`
     (Python over this process's `cpus`), then checks the pages of 4 MiB of weights; prints
@@ -260,10 +267,7 @@ def _bind_as_rank_1(node: str, printed: str) -> subprocess.CompletedProcess:
             "w = np.ones(1 << 20, np.float32);"
             "r = numa.check_binding(1, p, [(w.ctypes.data, w.nbytes)]);"
             f"print({printed})")
-    out = subprocess.run([sys.executable, "-c", code], env=_env(), cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return out
+    return _run_code(code)
 
 
 def test_failed_set_mempolicy_warns():
@@ -287,13 +291,6 @@ def test_a_rank_on_a_node_without_memory_binds_to_the_nearest_with_memory():
                           "p.node, p.memory_node, p.memory_bound, r['policy'], r['policy_nodes']")
     assert out.stdout.split() == ["1", "0", "True", "bind", "[0]"], out.stdout
     assert "memory on node 0 (node 1 has none)" in out.stderr and "WARNING" not in out.stderr
-
-
-def _run_code(code: str, **env) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-c", code], env=_env(**env), cwd=ROOT, capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0, out.stderr
-    return out
 
 
 def test_a_rank_over_several_nodes_interleaves_its_memory_over_them():
