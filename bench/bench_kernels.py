@@ -172,21 +172,22 @@ def cases(quick: bool):
 
 
 def attention_paths(min_time: float) -> None:
-    """Paged attention, bf16 cache: each case on the direct path, the f32 tiled path (tile
-    level 1), where the CPU has AVX-512 BF16 the bf16 tiled path on vdpbf16ps (level 2), and
-    where it has AMX-BF16 that path's products on AMX tiles (the default there)."""
+    """Paged attention, bf16 cache: each case on the direct path, the f32 tiled path in AVX2
+    (tile level 0, what AVX2-only CPUs run) and, where the CPU has AVX-512, in AVX-512 (level 1),
+    where it has AVX-512 BF16 the bf16 tiled path on vdpbf16ps (level 2), and where it has
+    AMX-BF16 that path's products on AMX tiles (the default there)."""
     from numa_runtime._kernels import attention
-    bf16, amx = attention.TILE_LEVEL >= 2, attention.HAS_AMX
-    print("| case | direct us | tiled f32 us | tiled bf16 us | tiled bf16 on AMX us | default path |\n"
-          "| --- | ---: | ---: | ---: | ---: | --- |")
+    avx512, bf16, amx = attention.TILE_LEVEL >= 1, attention.TILE_LEVEL >= 2, attention.HAS_AMX
+    print("| case | direct us | tiled f32 AVX2 us | tiled f32 AVX-512 us | tiled bf16 us | tiled bf16 on AMX us "
+          "| default path |\n| --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for name, new, prefix in [("decode, ctx 512", [1], [511]), ("decode, ctx 8192", [1], [8191]),
                               ("decode, ctx 16000", [1], [15999]), ("decode 16 seqs, ctx 2048", [1] * 16, [2047] * 16),
                               ("prefill 512", [512], [0]), ("prefill chunk 2048 after 6144", [2048], [6144])]:
         b = paged_batch(new, prefix, "bf16")
         o = np.empty_like(b[0])
         times = []
-        paths = ((1, 1 << 30, False), (1, 1, False)) + (((2, 1, False),) if bf16 else ()) + (
-            ((2, 1, True),) if amx else ())
+        paths = [(1, 1 << 30, False), (0, 1, False)] + [(1, 1, False)] * avx512 + [(2, 1, False)] * bf16 + [
+            (2, 1, True)] * amx
         for level, tiled_min, on in paths:
             old = attention._force_paths(level=min(level, attention.TILE_LEVEL), tiled_min=tiled_min)
             old_amx = attention._set_amx(on)
@@ -196,8 +197,9 @@ def attention_paths(min_time: float) -> None:
         group = HQ // HK
         rows = 1 if new[0] == 1 else max(1, 32 // group)
         default = ("direct" if rows * group < attention.TILED_MIN_QUERIES else
-                   "tiled bf16 on AMX" if amx else "tiled bf16" if bf16 else "tiled f32")
-        cols = " | ".join(f"{t:.1f}" for t in times) + " | -" * (4 - len(times))
+                   "tiled bf16 on AMX" if amx else "tiled bf16" if bf16 else
+                   "tiled f32 AVX-512" if avx512 else "tiled f32 AVX2")
+        cols = " | ".join(f"{t:.1f}" for t in times) + " | -" * (5 - len(times))
         print(f"| {name} | {cols} | {default} |", flush=True)
 
 

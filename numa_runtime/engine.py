@@ -121,6 +121,7 @@ class Engine:
             self.runner = _make_runner(mcfg, self.config, profiler.timed_comm(tp_comm, self.recorder), self.ops,
                                        self.max_model_len, _Progress() if self.comm.is_driver else None,
                                        self.recorder, gpu_index=self.comm.local_rank)
+            self._check_asked_len_fits(mcfg)
         self.ranks = self.comm.gather_object(self._rank_info(placement))  # rank 0: one dict per rank
         disk_hashes = self.comm.gather_object(getattr(self.runner, "disk_hashes", []))  # rank 0: per rank
         self.placement = placement
@@ -254,13 +255,25 @@ class Engine:
             raise ValueError("host_kv_cache_memory serves one model replica; set data_parallel=1 or turn it off.")
         return tier
 
+    def _check_asked_len_fits(self, mcfg: ModelConfig) -> None:
+        """Every rank, as its KV pool is made: a max_model_len the user asked for that this rank's
+        pool (so its replica's) cannot hold one request of is an error, as in vLLM; the default
+        one is lowered to fit (_fit_max_len_to_cache)."""
+        from .config import context_in_pool
+        asked, blocks, bs = self.config.max_model_len, self.runner.num_blocks, self.config.block_size
+        if asked is not None and context_in_pool(asked, blocks, bs, bool(mcfg.min_window)) < asked:
+            where = f" on rank {self.comm.rank}" if self.comm.world_size > 1 else ""
+            raise ValueError(f"max_model_len={asked} is larger than the KV cache{where} holds ({blocks} blocks of "
+                             f"{bs} tokens: {blocks * bs} tokens); raise kv_cache_memory (--kv-cache-memory) or "
+                             "lower max_model_len.")
+
     def _fit_max_len_to_cache(self, mcfg: ModelConfig, num_blocks: int) -> int:
         """The context one request can really use: no more tokens than the KV cache holds (unless
         every layer slides a window, and old blocks are released)."""
         from .config import context_in_pool
         # NOTE: num_blocks: of the smallest replica's pool
         fits = context_in_pool(self.max_model_len, num_blocks, self.config.block_size, bool(mcfg.min_window))
-        if fits < self.max_model_len:
+        if fits < self.max_model_len:  # NOTE: the default length only (_check_asked_len_fits)
             log.warning("max_model_len %d lowered to %d: the KV cache holds %d tokens; enlarge it "
                         "(kv_cache_memory) for longer requests", self.max_model_len, fits, fits)
         return fits

@@ -88,7 +88,7 @@ def test_host_tier_restores_evicted_prefixes_without_changing_tokens(tmp_path):
     runs = {}
     for host in (0, 1 << 20):
         eng = cuda_engine(tmp_path, kv_cache_memory=4 * _block_bytes(tmp_path), host_kv_cache_memory=host,
-                          max_num_seqs=1)
+                          max_num_seqs=1, max_model_len=64)
         toks = []
         for turn in range(2):
             for c in convs:

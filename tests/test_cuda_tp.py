@@ -61,7 +61,7 @@ def test_two_ranks_share_the_host_tiers_copies(tmp_path):
     ref = build_model(str(tmp_path), arch="llama")
     prompts = [list(range(10 + 40 * i, 43 + 40 * i)) for i in range(3)]
     block = 2 * 2 * 16 * 1 * 16 * 4  # layers, K|V, tokens, kv heads per rank, head_dim, f32
-    two = run_mpi(2, str(tmp_path), prompts, extra=(str(4 * block), str(1 << 20)))
+    two = run_mpi(2, str(tmp_path), prompts, extra=(str(4 * block), str(1 << 20), "64"))
     assert two["restored"] > 0
     want = [hf_greedy(ref, p, MAX_TOKENS) for p in prompts]
     assert two["tokens"] == want + want

@@ -325,8 +325,9 @@ def model_dir(tmp_path_factory):
 
 
 def engine(model_dir, cache_dir, blocks=6, **kw):
-    # bytes per block: 2 layers x K,V x 16 tokens x 2 kv heads x 16 dims x 4 bytes = 8192
-    return Engine(model_dir, dtype="float32", kv_cache_memory=blocks * 8192, max_model_len=128,
+    # bytes per block: 2 layers x K,V x 16 tokens x 2 kv heads x 16 dims x 4 bytes = 8192; a
+    # context the pool holds (an asked max_model_len past it is refused)
+    return Engine(model_dir, dtype="float32", kv_cache_memory=blocks * 8192, max_model_len=min(128, 16 * blocks),
                   kv_cache_dir=cache_dir, kv_cache_disk_load="always", **kw)
 
 

@@ -501,3 +501,17 @@ def test_closed_communicators_are_freed():
     load again ("Too many communicators")."""
     p = run_mpi("comm_cycles.py", 2, "2100", timeout=300)
     assert p.returncode == 0 and "comm cycles ok" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+
+
+@needs_mpirun
+def test_an_asked_max_model_len_one_ranks_pool_cannot_hold_fails_on_every_rank(tiny_model):
+    """The check runs on every rank as its pool is made: rank 1's smaller pool (8 blocks of 16
+    tokens: 4 KiB a block, its one kv head of 2 layers x 16 x 16 x 2 x 4 bytes) fails the load on
+    both ranks, rank 0 naming rank 1, instead of rank 0 alone finding it after the workers left."""
+    out = run_mpi("asked_len.py", 2, tiny_model, str(8 * 4096), timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = sorted(l for l in out.stdout.splitlines() if l.startswith(("ERROR", "LOADED")))
+    why = ("max_model_len=256 is larger than the KV cache on rank 1 holds (8 blocks of 16 tokens: 128 tokens); "
+           "raise kv_cache_memory (--kv-cache-memory) or lower max_model_len.")
+    assert lines == [f"ERROR rank 0 RankLoadError: Rank 1 failed to load the model (ValueError: {why}).",
+                     f"ERROR rank 1 ValueError: {why}"], out.stdout[-3000:]

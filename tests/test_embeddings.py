@@ -264,7 +264,7 @@ def test_embed_takes_vllms_pooling_parameters_and_prompts(decoder, tmp_path):
 
 def test_embedding_leaves_the_cache_as_it_was(decoder):
     d, _ = decoder
-    eng = Engine(d, dtype="float32", kv_cache_memory=8 * 65536, max_model_len=256)  # 8 blocks (head_dim 128)
+    eng = Engine(d, dtype="float32", kv_cache_memory=8 * 65536, max_model_len=128)  # 8 blocks (head_dim 128)
     eng.generate([list(range(3, 40))], SamplingParams(temperature=0, max_tokens=2))
     bm = eng.block_manager
     before = (bm.num_free_blocks, dict(bm.hash_to_block), bm.query_tokens)

@@ -1258,3 +1258,20 @@ def test_vllm_scripts_run_unchanged(model_dir):
             SP(**kw)
     for kind in ("cumulative", "CUMULATIVE", 0, None):  # NOTE: the name in any case (it was upper case only)
         SP(output_kind=kind)
+
+
+def test_an_asked_max_model_len_the_pool_cannot_hold_is_refused(model_dir):
+    """An explicit max_model_len longer than the KV pool holds is an error, as in vLLM: it was
+    lowered to the pool with a warning, and the requests the user sized for it were refused later.
+    The default length is still lowered to fit. 8 KiB a block (see the test above): 4 blocks of 16."""
+    with pytest.raises(ValueError, match=r"^max_model_len=128 is larger than the KV cache holds \(4 blocks of 16 "
+                                         r"tokens: 64 tokens\); raise kv_cache_memory \(--kv-cache-memory\) or lower"):
+        Engine(model_dir, dtype="float32", kv_cache_memory=4 * 8192, max_model_len=128)
+    fits = Engine(model_dir, dtype="float32", kv_cache_memory=4 * 8192, max_model_len=64)
+    lowered = Engine(model_dir, dtype="float32", kv_cache_memory=4 * 8192)
+    try:
+        assert fits.max_model_len == 64 and lowered.max_model_len == 64
+        assert lowered.config.max_model_len is None
+    finally:
+        fits.close()
+        lowered.close()

@@ -114,8 +114,8 @@ def test_disk_tier_keeps_int8_blocks_and_their_scales(model_dir, tmp_path):
     expected = [plain.generate([p], params)[0].token_ids for p in prompts]
     plain.close()
 
-    def disk(kv):
-        return engine(model_dir, kv, kv_cache_memory=6 * 2 * L * BS * HK * (D + 4), max_model_len=128,
+    def disk(kv, max_len=96):  # NOTE: 6 int8 blocks, 3 bf16 ones: a context the pool holds
+        return engine(model_dir, kv, kv_cache_memory=6 * 2 * L * BS * HK * (D + 4), max_model_len=max_len,
                       kv_cache_dir=str(tmp_path), kv_cache_disk_load="always")
     first = disk("int8")
     assert [first.generate([p], params)[0].token_ids for p in prompts] == expected
@@ -126,7 +126,7 @@ def test_disk_tier_keeps_int8_blocks_and_their_scales(model_dir, tmp_path):
     assert [second.generate([p], params)[0].token_ids for p in prompts] == expected
     assert second.block_manager.tier_hit_blocks == sum((len(p) - 1) // 16 for p in prompts)
     second.close()
-    other = disk("bfloat16")  # another fingerprint: it finds none of the int8 files
+    other = disk("bfloat16", 48)  # another fingerprint: it finds none of the int8 files
     assert len(other.block_manager.tier) == 0 and other.runner.disk.dir != second.runner.disk.dir
     other.close()
 

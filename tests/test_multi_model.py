@@ -592,7 +592,7 @@ def test_a_load_that_fails_for_memory_is_not_retried_at_the_others_cost(models, 
 
 @pytest.mark.parametrize("kw", [dict(dtype="float32", kv_cache_memory=200_000),
                                 dict(dtype="float32", kv_cache_memory=150_000, kv_cache_dtype="int8",
-                                     max_model_len=512, block_size=8),
+                                     max_model_len=128, block_size=8),
                                 dict(dtype="bfloat16", kv_cache_memory=1 << 20, max_num_seqs=2)])
 def test_an_unloaded_models_context_is_the_one_it_loads_with(models, kw):
     """/v1/models (and /tokenize) showed an unloaded model's max_position_embeddings, more than its
@@ -604,6 +604,17 @@ def test_an_unloaded_models_context_is_the_one_it_loads_with(models, kw):
         before = r.context_len(name)
         assert before == r.get(name).max_model_len, (name, before)
     r.close()
+
+
+def test_an_asked_context_a_models_pool_cannot_hold_is_refused_at_start(models):
+    """--max-model-len past what a model's KV pool holds: that model could never load (the Engine
+    refuses it, as vLLM does), so the server refuses it at start-up, naming the model."""
+    root, _ = models
+    specs = tuple(ModelSpec(n, os.path.join(root, n)) for n in ("alpha", "beta", "gamma"))
+    kw = dict(dtype="float32", kv_cache_memory=150_000, kv_cache_dtype="int8", max_model_len=512, block_size=8)
+    with pytest.raises(ValueError, match=r"^max_model_len=512 is larger than the KV cache of model '(alpha|beta|gamma)' "
+                                         r"holds \(\d+ tokens\); raise --kv-cache-memory or lower --max-model-len\.$"):
+        ModelRouter(RouterConfig(specs, 1 << 40, kw))
 
 
 def test_a_model_waits_for_room_that_a_busy_model_holds(models):

@@ -247,8 +247,13 @@ def test_async_engine_sets_threads_on_its_own_thread(model_dir):
 
 # ------------------------------------------------------------------------------ small KV cache, warnings
 def test_context_follows_a_small_kv_cache_and_public_bind_warns(model_dir):
-    # 20 blocks of 16 tokens (8 KiB each in float32): 320 tokens, below --max-model-len 512
-    srv = ServerProcess(["--model", model_dir, "--dtype", "float32", "--max-model-len", "512", "--num-threads", "1",
+    # 20 blocks of 16 tokens (8 KiB each in float32): 320 tokens, below the model's 512 positions.
+    # An asked --max-model-len 512 is refused, as in vLLM; the default context follows the pool.
+    with pytest.raises(RuntimeError, match="(?s)server exited with 2:.*\nnuma-serve: error: max_model_len=512 is "
+                                           "larger than the KV cache holds \\(20 blocks of 16 tokens: 320 tokens\\)"):
+        ServerProcess(["--model", model_dir, "--dtype", "float32", "--max-model-len", "512", "--num-threads", "1",
+                       "--kv-cache-memory", str(20 * 8192)])
+    srv = ServerProcess(["--model", model_dir, "--dtype", "float32", "--num-threads", "1",
                          "--kv-cache-memory", str(20 * 8192), "--host", "0.0.0.0"])
     try:
         card = httpx.get(srv.base + "/v1/models").json()["data"][0]
