@@ -322,7 +322,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             if body.prompt_logprobs is not None:
                 scores = list(zip(prompts, await prompt_pairs(request, prompts, body.prompt_logprobs)))
         if echo_only:
-            out = R.echo_body(f"cmpl-{uuid.uuid4().hex}", config.served_model_name, echo, scores, body.n,
+            out = R.echo_body(body.response_id("cmpl"), config.served_model_name, echo, scores, body.n,
                               decode_token, engine.tokenizer.decoded_token)
             metrics.observe_request(config.served_model_name, "length", out["usage"]["prompt_tokens"], 0, arrival,
                                     None, time.monotonic(), len(prompts) * body.n,
@@ -449,8 +449,8 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
         """`echo`: completions' (per prompt (text, ids, pairs or None) to echo, or None; per prompt
         (ids, pairs) of prompt_logprobs, or None)."""
         check_queue()
-        rid = f"{kind}-{uuid.uuid4().hex}"
-        gen = _Generation(aengine, rid, len(prompts))
+        rid = body.response_id(kind)
+        gen = _Generation(aengine, f"{kind}-{uuid.uuid4().hex}", len(prompts))  # NOTE: unique, whatever request_id is
         # NOTE: a schema a tool_choice made is the tools' (an unusable one names them)
         schema_param = _schema_param(tool_plan, body)
         schema_param = (renames or {}).get(schema_param, schema_param)  # NOTE: /v1/responses: text.format

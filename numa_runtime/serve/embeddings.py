@@ -39,6 +39,19 @@ class EmbeddingRequest(_Body):  # NOTE: strict (true is not a token id); null is
                                                         "(yes, but for a sentence-transformers model without "
                                                         "Normalize).")
     priority: int = Field(0, description="Not supported; must be 0.")
+    use_activation: Optional[bool] = Field(None, description="vLLM's newer name for normalize.")
+    # refused unless a no-op (vLLM's; `inputs` names them)
+    embed_dtype: Optional[str] = Field(None, description="float32 only.")
+    endianness: Optional[str] = Field(None, description="native or little only (this host's order).")
+    truncation_side: Optional[str] = Field(None, description="left only: truncate_prompt_tokens keeps the last "
+                                                             "tokens.")
+    additional_data: Optional[Any] = Field(None, description="Not supported; must be absent.")
+
+    def normalized(self) -> Optional[bool]:
+        """normalize, or use_activation (the same switch under vLLM's newer name)."""
+        if self.use_activation is not None and self.normalize is not None and self.use_activation != self.normalize:
+            raise ValueError("normalize and use_activation are one switch; give one of them.")
+        return self.normalize if self.normalize is not None else self.use_activation
 
     def inputs(self) -> list[str | list[int]]:
         x = self.input
@@ -54,6 +67,13 @@ class EmbeddingRequest(_Body):  # NOTE: strict (true is not a token id); null is
             raise ValueError(f"input has {len(items)} items; send at most {MAX_INPUTS} per request.")
         if self.priority != 0:
             raise ValueError("priority is not supported by this server; remove it from the request.")
+        for name, ok in (("embed_dtype", ("float32",)), ("endianness", ("native", "little")),
+                         ("truncation_side", ("left",)), ("additional_data", ())):
+            value = getattr(self, name)
+            if value is not None and value not in ok:
+                raise ValueError(f"{name} must be {' or '.join(ok)} on this server, got {value!r}." if ok else
+                                 f"{name} is not supported by this server; remove it from the request.")
+        self.normalized()
         for i, item in enumerate(items):
             if isinstance(item, str):
                 check_text("input" if one else f"input[{i}]", item)
@@ -107,6 +127,6 @@ async def create_embeddings(aengine, body: EmbeddingRequest, model_name: str, po
     vectors = []
     for one in ids:
         vectors.append(await aengine.call(
-            lambda e, one=one: e.embed([one], pooling, normalize=body.normalize, dimensions=body.dimensions)))
+            lambda e, one=one: e.embed([one], pooling, normalize=body.normalized(), dimensions=body.dimensions)))
     vectors = np.concatenate(vectors)
     return embeddings_body(model_name, vectors, sum(map(len, ids)), body.encoding_format)

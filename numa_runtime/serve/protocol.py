@@ -2,8 +2,8 @@
 
 Types are checked here, strictly (a bool or a string is not a number); value ranges are checked
 once, by SamplingParams (its ValueError is the client's 400). OpenAI fields this server does not
-implement are refused by name when set (`refuse_unsupported`); other unknown fields are ignored,
-as the OpenAI API does. No field names a file.
+implement are refused by name when set (`refuse_unsupported`), and so are vLLM's; other unknown
+fields are ignored with a log line, as vLLM does (nested objects' too). No field names a file.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ MAX_CHOICES = 128  # n times the number of prompts, per request
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     _warn_ignored: ClassVar[bool] = False  # a request body: its unknown fields are logged (as vLLM)
+    _where: ClassVar[str] = ""  # a nested object's place in the body, for that log line
 
     @model_validator(mode="before")
     @classmethod
@@ -35,10 +36,17 @@ class _Body(BaseModel):
             ignored = [k for k in data if k not in fields] if cls._warn_ignored else []
             if ignored:
                 log.warning("the request's fields %s are not used by this server and were ignored",
-                            ", ".join(repr(k) for k in sorted(map(str, ignored))[:20]))
+                            ", ".join(repr(cls._where + k) for k in sorted(map(str, ignored))[:20]))
             data = {k: v for k, v in data.items()
                     if not (v is None and k in fields and not fields[k].is_required())}
         return data
+
+
+def only_keys(obj: dict, where: str, keys: tuple) -> None:
+    """ValueError naming the first key of obj that is not one of `keys`."""
+    bad = next((k for k in obj if k not in keys), None)
+    if bad is not None:
+        raise ValueError(f"{where} cannot hold {bad!r}: its fields are {', '.join(keys)}.")
 
 
 def _refuse(body: BaseModel, defaults: dict) -> None:
@@ -50,6 +58,8 @@ def _refuse(body: BaseModel, defaults: dict) -> None:
 
 
 class StreamOptions(_Body):
+    # NOTE: a misspelt include_usage dropped the usage without a word: unknown keys are refused
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = Field(False, description="With include_usage, every chunk carries the usage "
                                                             "so far (vLLM's extension).")
@@ -107,6 +117,27 @@ class _SamplingRequest(_Body):
     detokenize: Optional[bool] = None
     cache_salt: Optional[Any] = None
     vllm_xargs: Optional[Any] = None
+    structural_tag: Optional[Any] = None
+    truncation_side: Optional[Any] = Field(None, description="'left' only: truncate_prompt_tokens keeps the last "
+                                                             "tokens.")
+    logprob_token_ids: Optional[Any] = None
+    request_id: Optional[str] = Field(None, description="The response's id after its prefix (cmpl-, chatcmpl-), "
+                                                        "as vLLM names it; default: a random one.")
+    prompt_embeds: Optional[Any] = None
+    thinking_token_budget: Optional[Any] = None
+    repetition_detection: Optional[Any] = None
+    watermarking: Optional[Any] = None
+    stream_interval: Optional[Any] = None
+    return_prompt_text: Optional[Any] = None
+    session_id: Optional[Any] = None
+    mm_processor_kwargs: Optional[Any] = None
+    media_io_kwargs: Optional[Any] = None
+    kv_transfer_params: Optional[Any] = None
+
+    def response_id(self, kind: str) -> str:
+        """`kind`-<request_id>, or `kind`-<a random hex id>."""
+        import uuid
+        return f"{kind}-{uuid.uuid4().hex if self.request_id is None else self.request_id}"
 
     @property
     def include_usage(self) -> bool:
@@ -135,6 +166,10 @@ class _SamplingRequest(_Body):
         for s in [self.stop] if isinstance(self.stop, str) else self.stop or []:
             check_text("stop", s)
         _refuse(self, self._refused())
+        if self.request_id is not None:
+            check_text("request_id", self.request_id)
+            if not 1 <= len(self.request_id) <= 256:
+                raise ValueError("request_id must hold 1 to 256 characters.")
         if self.stream_options is not None and not self.stream:  # NOTE: as vLLM: never ignored
             raise ValueError("stream_options requires stream: true.")
         if self.guided_json is not None:
@@ -205,6 +240,10 @@ class _SamplingRequest(_Body):
             return None
         if "type" not in fmt:  # NOTE: as OpenAI and vLLM (a schema without it was dropped unread)
             raise ValueError("response_format needs a 'type': 'text', 'json_object' or 'json_schema'.")
+        # NOTE: a misspelt key (strcit) changed the output without a word
+        only_keys(fmt, "response_format", ("type", "json_schema", "schema"))
+        if isinstance(fmt.get("json_schema"), dict):
+            only_keys(fmt["json_schema"], "response_format.json_schema", ("name", "description", "schema", "strict"))
         kind = fmt.get("type")
         if kind in (None, "text"):  # NOTE: null: the default, "text"
             return None
@@ -250,7 +289,11 @@ _VLLM_REFUSED = {"use_beam_search": (False,), "length_penalty": (1.0,), "prompt_
                  # NOTE: the one backend here is llguidance, vLLM's "guidance" (as StructuredOutputsParams.backend)
                  "guided_decoding_backend": ("auto", "guidance", "llguidance"),
                  "logits_processors": ([],), "return_token_ids": (False,), "detokenize": (True,),
-                 "cache_salt": (), "vllm_xargs": ()}
+                 "cache_salt": (), "vllm_xargs": (), "structural_tag": (), "truncation_side": ("left",),
+                 "logprob_token_ids": ([],), "prompt_embeds": (), "thinking_token_budget": (),
+                 "repetition_detection": (), "watermarking": (), "stream_interval": (1,),
+                 "return_prompt_text": (False,), "session_id": (), "mm_processor_kwargs": ({},),
+                 "media_io_kwargs": ({},), "kv_transfer_params": ()}
 
 
 class CompletionRequest(_SamplingRequest):
@@ -299,16 +342,22 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ContentPart(_Body):
+    _warn_ignored: ClassVar[bool] = True
+    _where: ClassVar[str] = "messages[].content[]."
     type: str = Field(..., description="Only 'text' is supported.")
     text: Optional[str] = None
 
 
 class FunctionCall(_Body):
+    _warn_ignored: ClassVar[bool] = True
+    _where: ClassVar[str] = "messages[].tool_calls[].function."
     name: str
     arguments: Union[str, dict[str, Any], None] = Field(None, description="A JSON object, as a string or not.")
 
 
 class ToolCall(_Body):
+    _warn_ignored: ClassVar[bool] = True
+    _where: ClassVar[str] = "messages[].tool_calls[]."
     id: Optional[str] = None
     type: Literal["function"] = "function"
     function: FunctionCall
@@ -327,6 +376,8 @@ class ToolCall(_Body):
 
 
 class ChatMessage(_Body):
+    _warn_ignored: ClassVar[bool] = True
+    _where: ClassVar[str] = "messages[]."
     # NOTE: as vLLM, any role the template takes (Llama 3's "ipython", the legacy "function"): the
     # template refuses one it does not know
     role: str = Field(..., min_length=1)
@@ -376,6 +427,16 @@ class ChatCompletionRequest(_SamplingRequest):
     audio: Optional[Any] = None
     prediction: Optional[Any] = None
     web_search_options: Optional[Any] = None
+    modalities: Optional[list[Any]] = Field(None, description="['text'] only.")
+    service_tier: Optional[Any] = Field(None, description="auto or default only.")
+    verbosity: Optional[Any] = Field(None, description="medium only.")
+    store: Optional[bool] = Field(None, description="false only: this server stores no chat completions.")
+    metadata: Optional[dict[str, str]] = Field(None, description="Accepted (nothing is stored).")
+    prompt_cache_key: Optional[str] = Field(None, description="Accepted: the prefix cache needs no key.")
+    safety_identifier: Optional[str] = Field(None, description="Accepted and ignored, as user.")
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = Field(
+        None, description="Passed to the chat template as reasoning_effort (as vLLM does); chat_template_kwargs "
+                          "may set it too.")
     # extensions (vLLM names)
     chat_template_kwargs: Optional[dict[str, Any]] = Field(
         None, description="Extra variables for the chat template, e.g. {'enable_thinking': false}.")
@@ -404,7 +465,8 @@ class ChatCompletionRequest(_SamplingRequest):
     def refuse_unsupported(self) -> None:
         _refuse(self, {"functions": ([],), "function_call": ("none",),
                        "audio": (), "prediction": (), "web_search_options": (), "echo": (False,),
-                       "chat_template": (), "documents": ([],), "best_of": (self.n,)})
+                       "chat_template": (), "documents": ([],), "best_of": (self.n,), "modalities": (["text"],),
+                       "service_tier": ("auto", "default"), "verbosity": ("medium",), "store": (False,)})
         if self.continue_final_message and self.add_generation_prompt and \
                 "add_generation_prompt" in self.model_fields_set:
             raise ValueError("continue_final_message cannot be true together with add_generation_prompt=true.")
@@ -444,9 +506,13 @@ class TokenizeRequest(_Body):
     return_token_strs: bool = Field(False, description="Also each token's text.")
     chat_template: Optional[str] = Field(None, description="Not supported; must be absent (as on chat "
                                                            "completions: the server's template renders).")
+    documents: Optional[list[Any]] = Field(None, description="Not supported; must be absent (as on chat "
+                                                             "completions).")
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = Field(
+        None, description="As on chat completions: the chat template's reasoning_effort.")
 
     def checked(self) -> "TokenizeRequest":
-        _refuse(self, {"chat_template": ()})  # NOTE: it was ignored: token counts of a template never used
+        _refuse(self, {"chat_template": (), "documents": ([],)})  # NOTE: it was ignored: token counts of a template never used
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("Give either prompt or messages to tokenize.")
         if self.prompt is not None:
@@ -481,4 +547,6 @@ def _template_kwargs(body) -> dict:
                              + ("; the server renders with the model's template (or --chat-template)."
                                 if key == "chat_template" else "; it is not a template variable."))
     add = body.add_generation_prompt and not body.continue_final_message
-    return {"add_generation_prompt": add, "continue_final_message": body.continue_final_message, **extra}
+    # NOTE: as vLLM, reasoning_effort reaches the template (gpt-oss and others read it); chat_template_kwargs wins
+    effort = {} if body.reasoning_effort is None else {"reasoning_effort": body.reasoning_effort}
+    return {"add_generation_prompt": add, "continue_final_message": body.continue_final_message, **effort, **extra}

@@ -21,17 +21,21 @@ import uuid
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
+from .protocol import only_keys
 from .responses import sse
 
 # NOTE: fields of a Responses request, each mapped below or refused; others go to the chat request
 _REFUSED = {
     "conversation": "this server stores no conversations: send the whole conversation as input",
     "prompt": "reusable prompt templates are not supported: send the instructions and input",
-    "max_tool_calls": "max_tool_calls is not supported",
+    "max_tool_calls": "the model's calls are not capped",
     "service_tier": None,
 }
 # NOTE: chat's field names in its error messages -> the Responses request's
 RENAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+# NOTE: Chat Completions fields a Responses request might carry: each went on to chat (and won over,
+# or lost to, the Responses field beside it without a word); refused, naming the Responses field
+_CHAT_NAMES = {**RENAMES, "max_completion_tokens": "max_output_tokens", "reasoning_effort": "reasoning.effort"}
 _PASS_KEYS = ("temperature", "top_p", "stream", "parallel_tool_calls", "user", "model")
 _IGNORED = ("metadata", "safety_identifier", "prompt_cache_key", "truncation", "store", "background",
             "include", "reasoning", "top_logprobs", "text", "tools", "tool_choice", "instructions", "input",
@@ -153,11 +157,25 @@ def chat_request(raw: Any, store: ResponseStore | None = None) -> dict:
     if raw.get("truncation") not in (None, "disabled"):
         raise _bad("truncation must be 'disabled' (a prompt too long for the model is refused, not cut).")
     reasoning = raw.get("reasoning")
-    if reasoning is not None and not (isinstance(reasoning, dict) and all(v is None for v in reasoning.values())):
-        raise _bad("reasoning options (effort, summary) are not supported; the model's chat template decides "
-                   "(chat_template_kwargs, e.g. enable_thinking).")
+    if reasoning is not None and not isinstance(reasoning, dict):
+        raise _bad("reasoning must be an object such as {'effort': 'low'}.")
+    extra = [k for k, v in (reasoning or {}).items() if k != "effort" and v is not None]
+    if extra:
+        raise _bad(f"reasoning.{extra[0]} is not supported (reasoning.effort is: the chat template's "
+                   "reasoning_effort); leave it out.")
     if raw.get("top_logprobs"):
         raise _bad("top_logprobs is not supported on /v1/responses; use /v1/chat/completions.")
+    if raw.get("logprobs") not in (None, False):  # NOTE: chat computed them and the output item dropped them
+        raise _bad("logprobs is not supported on /v1/responses; use /v1/chat/completions.")
+    for key, name in _CHAT_NAMES.items():
+        if raw.get(key) is not None:
+            raise _bad(f"{key} is not supported on /v1/responses (a Chat Completions field); use {name}.")
+    options = raw.get("stream_options")
+    if options is not None:
+        if not raw.get("stream"):
+            raise _bad("stream_options requires stream: true.")
+        if not isinstance(options, dict) or any(k != "include_obfuscation" for k in options):
+            raise _bad("stream_options takes only include_obfuscation (this server adds no obfuscation).")
     if raw.get("n") not in (None, 1):
         raise _bad("n must be 1 on /v1/responses (a response has one output).")
     _check_metadata(raw.get("metadata"))
@@ -200,6 +218,8 @@ def chat_request(raw: Any, store: ResponseStore | None = None) -> dict:
     fmt = _text_format(raw.get("text"))
     if fmt is not None:
         body["response_format"] = fmt
+    if (reasoning or {}).get("effort") is not None:
+        body["reasoning_effort"] = reasoning["effort"]  # NOTE: as chat's reasoning_effort (its values checked there)
     if body.get("stream"):
         body["stream_options"] = {"include_usage": True}
     return body
@@ -340,9 +360,13 @@ def _text_format(text):
         raise _bad("text must be an object such as {'format': {'type': 'text'}}.")
     if text.get("verbosity") not in (None, "medium"):
         raise _bad("text.verbosity is not supported; leave it out.")
+    only_keys(text, "text", ("format", "verbosity"))
     fmt = text.get("format")
     if fmt is not None and not isinstance(fmt, dict):
         raise _bad("text.format must be an object such as {'type': 'json_schema', 'name': ..., 'schema': {...}}.")
+    if fmt is not None:
+        only_keys(fmt, "text.format", ("type", "name", "schema", "strict", "description")
+                   if fmt.get("type") == "json_schema" else ("type",))
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":
