@@ -202,7 +202,10 @@ def main(argv=None) -> int:
     ap.add_argument("--small", default="tiny", help="the other model, loaded at start-up (default tiny)")
     ap.add_argument("--quick", action="store_true", help="two tiny models (a smoke run)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--kv-bytes", type=int, default=64 * MIB, help="every model's KV pool (--kv-cache-memory)")
+    ap.add_argument("--kv-bytes", type=int, default=None,
+                    help="every model's KV pool (--kv-cache-memory); default: 64 MiB, or what two sequences of "
+                         "--max-model-len tokens of the larger model need where that is more (the server refuses "
+                         "a context its pool cannot hold)")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--warm-requests", type=int, default=5)
@@ -224,7 +227,12 @@ def main(argv=None) -> int:
     if names[0] == names[1]:
         ap.error(f"--big and --small must be different models (both are named {names[0]!r}).")
     from numa_runtime.config import ModelConfig
-    vocab = {n: ModelConfig.from_dir(d).vocab_size for n, d in zip(names, dirs)}
+    from numa_runtime.models.llama import kv_block_bytes
+    cfgs = [ModelConfig.from_dir(d) for d in dirs]
+    vocab = {n: c.vocab_size for n, c in zip(names, cfgs)}
+    if a.kv_bytes is None:
+        a.kv_bytes = max([64 * MIB] + [2 * -(-a.max_model_len // 16) * kv_block_bytes(c, c.num_kv_heads, 16, a.dtype)
+                                       for c in cfgs])
     both, one_at_a_time, estimate = budgets(dirs, names, a)
     print(f"models {names}, estimates (MiB) {[round(estimate[n] / MIB) for n in names]}", flush=True)
     report = {"quick": a.quick,

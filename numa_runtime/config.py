@@ -752,10 +752,13 @@ def kv_pool_blocks(budget_bytes: int, bytes_per_block: int, max_num_seqs: int, m
     return int(min(n, max_num_seqs * -(-max_model_len // block_size) + 1) if cap else n)
 
 
-def context_in_pool(max_model_len: int, num_blocks: int, block_size: int, every_layer_slides: bool) -> int:
+def context_in_pool(max_model_len: int, num_blocks: int, block_size: int, window: int = 0) -> int:
     """The context one request can really use: no more tokens than the pool holds, unless every
-    layer slides a window (old blocks are released)."""
-    return max_model_len if every_layer_slides else min(max_model_len, num_blocks * block_size)
+    layer slides a window of `window` keys and the pool holds that window and one block more
+    (older blocks are released, as the scheduler counts them)."""
+    if window and num_blocks >= -(-window // block_size) + 1:
+        return max_model_len
+    return min(max_model_len, num_blocks * block_size)
 
 
 def supported_len(model: ModelConfig) -> int:

@@ -261,18 +261,21 @@ class Engine:
         one is lowered to fit (_fit_max_len_to_cache)."""
         from .config import context_in_pool
         asked, blocks, bs = self.config.max_model_len, self.runner.num_blocks, self.config.block_size
-        if asked is not None and context_in_pool(asked, blocks, bs, bool(mcfg.min_window)) < asked:
+        if asked is not None and context_in_pool(asked, blocks, bs, mcfg.min_window) < asked:
             where = f" on rank {self.comm.rank}" if self.comm.world_size > 1 else ""
+            w = mcfg.min_window
+            enough = (f" (every layer slides a window of {w} tokens: {-(-w // bs) + 1} blocks hold any length)"
+                      if w else "")
             raise ValueError(f"max_model_len={asked} is larger than the KV cache{where} holds ({blocks} blocks of "
-                             f"{bs} tokens: {blocks * bs} tokens); raise kv_cache_memory (--kv-cache-memory) or "
-                             "lower max_model_len.")
+                             f"{bs} tokens: {blocks * bs} tokens){enough}; raise kv_cache_memory (--kv-cache-memory) "
+                             "or lower max_model_len.")
 
     def _fit_max_len_to_cache(self, mcfg: ModelConfig, num_blocks: int) -> int:
         """The context one request can really use: no more tokens than the KV cache holds (unless
         every layer slides a window, and old blocks are released)."""
         from .config import context_in_pool
         # NOTE: num_blocks: of the smallest replica's pool
-        fits = context_in_pool(self.max_model_len, num_blocks, self.config.block_size, bool(mcfg.min_window))
+        fits = context_in_pool(self.max_model_len, num_blocks, self.config.block_size, mcfg.min_window)
         if fits < self.max_model_len:  # NOTE: the default length only (_check_asked_len_fits)
             log.warning("max_model_len %d lowered to %d: the KV cache holds %d tokens; enlarge it "
                         "(kv_cache_memory) for longer requests", self.max_model_len, fits, fits)

@@ -515,3 +515,25 @@ def test_an_asked_max_model_len_one_ranks_pool_cannot_hold_fails_on_every_rank(t
            "raise kv_cache_memory (--kv-cache-memory) or lower max_model_len.")
     assert lines == [f"ERROR rank 0 RankLoadError: Rank 1 failed to load the model (ValueError: {why}).",
                      f"ERROR rank 1 ValueError: {why}"], out.stdout[-3000:]
+
+
+@needs_mpirun
+def test_a_multi_model_router_takes_the_smallest_ranks_budget(tiny_model):
+    """Ranks with other default budgets (their own memory limits) built routers that disagreed: an
+    asked max_model_len that rank 1's KV share could not hold stopped rank 1 alone, and rank 0 waited
+    for it for ever. The smallest budget binds every rank now, so both refuse alike, or both serve."""
+    from numa_runtime.config import ModelConfig
+    weights = ModelConfig.from_dir(tiny_model).num_params * 4 // 2  # NOTE: float32, over 2 ranks
+    small = 2 * weights  # NOTE: its KV share (a quarter) holds fewer than 512 tokens of 4 KiB blocks of 16
+    assert small // 4 // 4096 * 16 < 512
+    for asked, ok in ((512, False), (128, True)):
+        out = run_mpi("router_budget.py", 2, tiny_model, str(small), str(asked), timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        rows = sorted((json.loads(l[len("RESULT "):]) for l in out.stdout.splitlines() if l.startswith("RESULT ")),
+                      key=lambda r: r["rank"])
+        assert len(rows) == 2, out.stdout[-3000:]
+        if ok:
+            assert [(r["budget"], r["context"]) for r in rows] == [(small, asked)] * 2, rows
+        else:
+            assert rows[0]["error"] == rows[1]["error"], rows
+            assert rows[0]["error"].startswith("max_model_len=512 is larger than the KV cache of model 'alpha' holds")

@@ -979,10 +979,17 @@ def test_a_window_models_prompt_longer_than_the_pool_runs_in_chunks_it_holds(tmp
         assert eng.block_manager.num_blocks == 14 and eng.max_model_len == 512
         out = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
         assert out.token_ids == hf_greedy(ref, prompt, 5)
-    with Engine(d, dtype="float32", num_threads=2, max_model_len=512, kv_cache_memory=3 * 8192) as eng:
-        with pytest.raises(ValueError, match=r"^The model's sliding window of 50 tokens needs 5 KV blocks but the "
-                                             r"cache has only 3; enlarge the KV cache\.$"):
-            eng.generate([prompt[:10]], SamplingParams(max_tokens=None))
+    # NOTE: a pool without room for the window: an asked context is refused at load (requests sized
+    # for it were refused one by one: "The model's sliding window of 50 tokens needs 5 KV blocks"),
+    # and the default one is the pool's 48 tokens
+    with pytest.raises(ValueError, match=r"^max_model_len=512 is larger than the KV cache holds \(3 blocks of 16 "
+                                         r"tokens: 48 tokens\) \(every layer slides a window of 50 tokens: 5 blocks "
+                                         r"hold any length\); raise kv_cache_memory"):
+        Engine(d, dtype="float32", num_threads=2, max_model_len=512, kv_cache_memory=3 * 8192)
+    with Engine(d, dtype="float32", num_threads=2, kv_cache_memory=3 * 8192) as eng:
+        assert eng.max_model_len == 48
+        out = eng.generate([prompt[:10]], SamplingParams(max_tokens=None, ignore_eos=True))[0]
+        assert len(out.token_ids) == 38
 
 
 def test_a_window_models_prompt_logprobs_run_for_a_prompt_longer_than_the_pool(tmp_path):

@@ -659,7 +659,8 @@ def test_responses_body_of_a_chat_answer():
     assert msgs[2]["reasoning"] == "think" and [c["id"] for c in msgs[2]["tool_calls"]] == ["c1", "c2"]
     for bad, match in (({"input": [{"type": "item_reference", "id": "x"}]}, "items of type 'item_reference'"),
                        ({"input": "x", "n": 2}, "n must be 1"),
-                       ({"input": "x", "reasoning": {"effort": "low"}}, "reasoning options"),
+                       ({"input": "x", "reasoning": {"effort": "low", "summary": "auto"}}, "reasoning.summary is not"),
+                       ({"input": "x", "reasoning": "low"}, "reasoning must be an object"),
                        ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type must be"),
                        ({}, "input is required"),
                        ({"input": 5}, "input must be a string or a list, got int"),

@@ -3,7 +3,8 @@
 Types are checked here, strictly (a bool or a string is not a number); value ranges are checked
 once, by SamplingParams (its ValueError is the client's 400). OpenAI fields this server does not
 implement are refused by name when set (`refuse_unsupported`), and so are vLLM's; other unknown
-fields are ignored with a log line, as vLLM does (nested objects' too). No field names a file.
+fields are ignored with a log line, as vLLM does (a message's own extra keys silently, as vLLM's
+message dicts; clients send their own). No field names a file.
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ MAX_CHOICES = 128  # n times the number of prompts, per request
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     _warn_ignored: ClassVar[bool] = False  # a request body: its unknown fields are logged (as vLLM)
-    _where: ClassVar[str] = ""  # a nested object's place in the body, for that log line
 
     @model_validator(mode="before")
     @classmethod
@@ -36,7 +36,7 @@ class _Body(BaseModel):
             ignored = [k for k in data if k not in fields] if cls._warn_ignored else []
             if ignored:
                 log.warning("the request's fields %s are not used by this server and were ignored",
-                            ", ".join(repr(cls._where + k) for k in sorted(map(str, ignored))[:20]))
+                            ", ".join(repr(k) for k in sorted(map(str, ignored))[:20]))
             data = {k: v for k, v in data.items()
                     if not (v is None and k in fields and not fields[k].is_required())}
         return data
@@ -342,22 +342,16 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ContentPart(_Body):
-    _warn_ignored: ClassVar[bool] = True
-    _where: ClassVar[str] = "messages[].content[]."
     type: str = Field(..., description="Only 'text' is supported.")
     text: Optional[str] = None
 
 
 class FunctionCall(_Body):
-    _warn_ignored: ClassVar[bool] = True
-    _where: ClassVar[str] = "messages[].tool_calls[].function."
     name: str
     arguments: Union[str, dict[str, Any], None] = Field(None, description="A JSON object, as a string or not.")
 
 
 class ToolCall(_Body):
-    _warn_ignored: ClassVar[bool] = True
-    _where: ClassVar[str] = "messages[].tool_calls[]."
     id: Optional[str] = None
     type: Literal["function"] = "function"
     function: FunctionCall
@@ -376,8 +370,6 @@ class ToolCall(_Body):
 
 
 class ChatMessage(_Body):
-    _warn_ignored: ClassVar[bool] = True
-    _where: ClassVar[str] = "messages[]."
     # NOTE: as vLLM, any role the template takes (Llama 3's "ipython", the legacy "function"): the
     # template refuses one it does not know
     role: str = Field(..., min_length=1)

@@ -364,9 +364,9 @@ def _text_format(text):
     fmt = text.get("format")
     if fmt is not None and not isinstance(fmt, dict):
         raise _bad("text.format must be an object such as {'type': 'json_schema', 'name': ..., 'schema': {...}}.")
-    if fmt is not None:
+    if fmt is not None and not ("json_schema" in fmt and "schema" not in fmt):  # NOTE: that one has its own words
         only_keys(fmt, "text.format", ("type", "name", "schema", "strict", "description")
-                   if fmt.get("type") == "json_schema" else ("type",))
+                  if fmt.get("type") == "json_schema" else ("type",))
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":

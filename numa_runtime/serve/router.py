@@ -29,7 +29,7 @@ import os
 import sys
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..config import ModelConfig, context_in_pool, kv_pool_blocks, supported_len
 from ..plan import StepPlan
@@ -131,6 +131,15 @@ class ModelRouter:
         self.specs = {m.name: m for m in config.models}
         self.index = {m.name: i for i, m in enumerate(config.models)}
         self.model_configs = {m.name: ModelConfig.from_dir(os.path.expanduser(m.model_dir)) for m in config.models}
+        if comm_world > 1:  # NOTE: collective: every rank builds its router at start-up
+            from ..distributed import init_distributed
+            self._control_comm = init_distributed()
+            # NOTE: a rank sized its default budget from its own memory limit (another host, a
+            # cgroup): the smallest binds every rank, so that the checks below and each model's KV
+            # pool come out alike on all of them (one rank refusing alone left the others waiting)
+            budget = min(self._control_comm.all_gather_object(config.memory_budget))
+            if budget != config.memory_budget:
+                self.config = config = replace(config, memory_budget=budget)
         self.footprint = {n: self._estimate(n) for n in self.specs}  # bytes per rank
         self.engines: OrderedDict[str, object] = OrderedDict()  # loaded, least recently used first
         # NOTE: /metrics counts over the server's life: what unloaded engines had counted, per
@@ -154,10 +163,7 @@ class ModelRouter:
         self._engine_kwargs = {**config.engine_kwargs, "data_parallel": 1, "kv_cache_memory": self._kv_bytes()}
         self.load_seconds: dict[str, float] = {}
         self.unload_seconds: dict[str, float] = {}
-        self._check()  # NOTE: on every rank, before any collective (a rank that raised alone left others waiting)
-        if comm_world > 1:  # NOTE: collective: every rank builds its router at start-up
-            from ..distributed import init_distributed
-            self._control_comm = init_distributed()
+        self._check()  # NOTE: on every rank, from what every rank holds alike (files, arguments, the budget)
         if is_driver:
             self.tokenizers = {n: Tokenizer.from_dir(c.model_dir) for n, c in self.model_configs.items()}
             self._log()
@@ -190,7 +196,7 @@ class ModelRouter:
         block = kv_block_bytes(mcfg, heads, ecfg.block_size, ecfg.kv_dtype)
         # NOTE: each model's engine is given its KV bytes (kv_cache_memory): no cap, as there
         blocks = kv_pool_blocks(self._kv_bytes(), block, ecfg.max_num_seqs, asked, ecfg.block_size, cap=False)
-        return context_in_pool(asked, blocks, ecfg.block_size, bool(mcfg.min_window))
+        return context_in_pool(asked, blocks, ecfg.block_size, mcfg.min_window)
 
     @property
     def used_bytes(self) -> int:
