@@ -100,7 +100,7 @@ class Engine:
             model_dir = model_dir_of(str(model if model is not None else default_model_path()) if hub is None
                                      else hub())
             self.model_config = mcfg = ModelConfig.from_dir(os.path.expanduser(str(model_dir)))
-            self.max_model_len = self._resolve_max_len(mcfg, self.config.max_model_len)
+            self.max_model_len = resolve_max_len(mcfg, self.config.max_model_len)
             # NOTE: fail on a missing tokenizer before reading any weight; every rank has one, so
             # that a script's tokenizer calls run unchanged on worker ranks too
             self.tokenizer = Tokenizer.from_dir(mcfg.model_dir)
@@ -233,20 +233,6 @@ class Engine:
                 "weight_bytes": self.runner.model.weight_bytes, "kv_cache_bytes": self.runner.kv_cache_bytes,
                 "kv_blocks": self.runner.num_blocks, "replica": self.parallel.replica_of(self.comm.rank),
                 "memory": numa.check_binding(self.comm.rank, placement, self.runner.model.weight_buffers())}
-
-    @staticmethod
-    def _resolve_max_len(mcfg: ModelConfig, asked: int | None) -> int:
-        from .config import supported_len
-        limit = supported_len(mcfg)
-        if asked is None:
-            return min(limit, 32768)
-        if asked > limit:
-            why = {"dynamic": " (its 'dynamic' rope scaling runs within max_position_embeddings only)",
-                   "longrope": " (its longrope scaling runs with the short factors, within "
-                               "original_max_position_embeddings; numa_runtime does not run the long factors)"
-                   }.get(mcfg.rope.rope_type, "")
-            raise ValueError(f"max_model_len={asked} exceeds what the model supports ({limit} tokens){why}.")
-        return asked
 
     def _host_tier(self):
         """The CUDA runner's host KV tier (host_kv_cache_memory), else None."""
@@ -1576,6 +1562,22 @@ def _warn_uneven_threads(ranks: list[dict]) -> None:
                         "(rank %d, on %d); give every rank as many cores (a rank count that splits every "
                         "socket's NUMA nodes evenly, or a cpuset of whole nodes)",
                         ",".join(str(r["rank"]) for r in group), slow["threads"], most, slow["rank"], slow["threads"])
+
+
+def resolve_max_len(mcfg: ModelConfig, asked: int | None) -> int:
+    """The max_model_len asked, or the model's length up to 32768 tokens when none is (None);
+    ValueError past what the model supports."""
+    from .config import supported_len
+    limit = supported_len(mcfg)
+    if asked is None:
+        return min(limit, 32768)
+    if asked > limit:
+        why = {"dynamic": " (its 'dynamic' rope scaling runs within max_position_embeddings only)",
+               "longrope": " (its longrope scaling runs with the short factors, within "
+                           "original_max_position_embeddings; numa_runtime does not run the long factors)"
+               }.get(mcfg.rope.rope_type, "")
+        raise ValueError(f"max_model_len={asked} exceeds what the model supports ({limit} tokens){why}.")
+    return asked
 
 
 def check_input_length(i: int, n: int, max_model_len: int) -> None:

@@ -187,10 +187,10 @@ class ModelRouter:
         if name in self._context:
             return self._context[name]
         from ..config import EngineConfig
-        from ..engine import Engine
+        from ..engine import resolve_max_len
         from ..models.llama import ShardLayout, kv_block_bytes
         mcfg = self.model_configs[name]
-        asked = Engine._resolve_max_len(mcfg, self.config.engine_kwargs.get("max_model_len"))
+        asked = resolve_max_len(mcfg, self.config.engine_kwargs.get("max_model_len"))
         ecfg = EngineConfig(**{k: v for k, v in self._engine_kwargs.items() if k in EngineConfig.__dataclass_fields__})
         heads = max(ShardLayout.build(mcfg, r, self.world).num_kv_heads for r in range(self.world))
         block = kv_block_bytes(mcfg, heads, ecfg.block_size, ecfg.kv_dtype)
