@@ -586,6 +586,9 @@ class EngineConfig:
         if isinstance(self.kv_cache_fraction, bool) or not isinstance(self.kv_cache_fraction, numbers.Real):
             raise ValueError(f"kv_cache_fraction must be a number in (0, 0.95], got {self.kv_cache_fraction!r}.")
         object.__setattr__(self, "kv_cache_fraction", float(self.kv_cache_fraction))
+        if self.kv_cache_memory is not None and self.kv_cache_fraction != 0.2:  # NOTE: the memory wins: it sizes the pool
+            raise ValueError("kv_cache_memory gives the KV cache's size, so kv_cache_fraction would do nothing; give "
+                             "one of them.")
         kv = self.kv_cache_dtype
         if kv not in ("auto", "int8") and _DTYPES.get(str(kv)) not in ("bfloat16", "float32"):
             raise ValueError(f"kv_cache_dtype must be 'auto', 'bfloat16', 'float32' or 'int8', got {kv!r}.")

@@ -388,6 +388,8 @@ class Engine:
         # NOTE: as vLLM: logit_bias within the model's rows, allowed_token_ids within the tokenizer's
         # (a model may have more rows than tokens: Qwen2.5's 151936 for 151665)
         for field, ids, size in (("logit_bias", params.logit_bias, self.model_config.vocab_size),
+                                 # NOTE: an id no logit row has never ends a choice: it did nothing
+                                 ("stop_token_ids", params.stop_token_ids or (), self.model_config.vocab_size),
                                  ("allowed_token_ids", params.allowed_token_ids or (),
                                   min(self.model_config.vocab_size, self.tokenizer.vocab_size))):
             bad = [t for t in ids if not 0 <= t < size]
@@ -733,9 +735,10 @@ class Engine:
         else:
             raise TypeError(f"params must be a SamplingParams or a list of them, got {type(params).__name__}.")
         bar = None
-        if use_tqdm:
+        if use_tqdm:  # NOTE: as vLLM, a callable is the progress bar's class (tqdm or a subclass of it)
             from tqdm import tqdm
-            bar = tqdm(total=len(plist), desc="generating", unit="prompt", file=sys.stderr)
+            bar = (use_tqdm if callable(use_tqdm) else tqdm)(total=len(plist), desc="generating", unit="prompt",
+                                                            file=sys.stderr)
         outbox: deque[RequestOutput] = deque()
         rids: list[str] = []
         final: dict[str, RequestOutput] = {}
@@ -789,6 +792,9 @@ class Engine:
         if params is not None and params.n != 1:
             raise ValueError(f"stream() yields the text of one completion, not n={params.n}; use "
                              f"generate() or add_request() for several.")
+        if params is not None and (params.logprobs is not None or params.prompt_logprobs is not None):
+            raise ValueError("stream() yields text only, so it cannot return logprobs or prompt_logprobs; use "
+                             "generate(), or add_request() and step().")
         return self._stream(prompt, params)
 
     def _stream(self, prompt, params: SamplingParams | None) -> Iterator[str]:
@@ -825,12 +831,14 @@ class Engine:
     def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None, *,
              sampling_params=None, use_tqdm: bool = False, chat_template: str | None = None,
              chat_template_kwargs: dict | None = None, add_generation_prompt: bool | None = None,
-             continue_final_message: bool = False, lora_request=None, chat_template_content_format: str = "auto",
-             mm_processor_kwargs=None, **template_kwargs):
+             continue_final_message: bool = False, tools: list | None = None, documents: list | None = None,
+             lora_request=None, chat_template_content_format: str = "auto", mm_processor_kwargs=None,
+             **template_kwargs):
         """Render messages with the model's chat template (or `chat_template`, a Jinja source)
         and generate the reply, as vLLM's LLM.chat: `continue_final_message=True` goes on with
-        the last (assistant) message instead of opening a new turn; `chat_template_kwargs` and
-        other keyword arguments (`tools`, `enable_thinking`, ...) reach the template. One
+        the last (assistant) message instead of opening a new turn; `tools`, `documents`,
+        `chat_template_kwargs` and other keyword arguments (`enable_thinking`, ...: refused where the
+        template never reads them) reach the template; `chat_template` may name a file. One
         conversation (a list of message dicts) gives one RequestOutput; a list of conversations a
         list of them, run as one batch. vLLM's lora_request, chat_template_content_format and
         mm_processor_kwargs are taken at their defaults only; a keyword that is a SamplingParams
@@ -847,6 +855,16 @@ class Engine:
         _check_template_kwargs(template_kwargs)
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise TypeError("chat_template_kwargs must be a dict.")
+        for name in [*template_kwargs, *(chat_template_kwargs or {})]:
+            if name in _NOT_TEMPLATE_VARIABLES:  # NOTE: the renderer's own, or the conversation: never variables
+                raise TypeError(f"Engine.chat() cannot pass {name!r} to the chat template: it is "
+                                + ("the messages argument." if name == "messages" else "not a template variable."))
+        chat_template = self.tokenizer.resolve_template(chat_template)
+        if template_kwargs:  # NOTE: vLLM's LLM.chat takes no such keywords: one the template never reads did nothing
+            unread = self.tokenizer.unread_variables(list(template_kwargs), chat_template, tools)
+            if unread:
+                raise TypeError(f"Engine.chat() got {unread[0]}=, which the chat template never reads; pass "
+                                "template variables it uses (or chat_template_kwargs, as vLLM).")
         chosen = _one_of(params, sampling_params)
         # NOTE: a truncated prompt may be any length: the character bound before encoding is not checked
         truncating = any(isinstance(p, SamplingParams) and p.truncate_prompt_tokens is not None
@@ -854,7 +872,7 @@ class Engine:
         # NOTE: as vLLM, chat_template_kwargs win over the named arguments (and the other keywords)
         render_kwargs = {"add_generation_prompt": add_generation_prompt,
                          "continue_final_message": continue_final_message, "chat_template": chat_template,
-                         **template_kwargs, **(chat_template_kwargs or {})}
+                         "tools": tools, "documents": documents, **template_kwargs, **(chat_template_kwargs or {})}
         batch = isinstance(messages, (list, tuple)) and len(messages) > 0 and all(
             isinstance(c, (list, tuple)) for c in messages)
         conversations = list(messages) if batch else [messages]
@@ -895,6 +913,15 @@ class Engine:
             if unknown:
                 raise ValueError(f"pooling_params takes normalize, dimensions and truncate_prompt_tokens; "
                                  f"{unknown[0]!r} is not supported.")
+        if pooling_params is not None and not isinstance(pooling_params, dict):
+            # NOTE: vLLM's PoolingParams or the like: its fields read by name; use_activation is normalize
+            if not any(hasattr(pooling_params, k) for k in ("normalize", "dimensions", "truncate_prompt_tokens",
+                                                                "use_activation")):
+                raise TypeError(f"pooling_params must be a dict or a PoolingParams, got {type(pooling_params).__name__}.")
+            act = getattr(pooling_params, "use_activation", None)
+            if act is not None and getattr(pooling_params, "normalize", None) is None:
+                pooling_params = {"normalize": act, "dimensions": getattr(pooling_params, "dimensions", None),
+                                  "truncate_prompt_tokens": getattr(pooling_params, "truncate_prompt_tokens", None)}
         if pooling_params is not None:
             get = pooling_params.get if isinstance(pooling_params, dict) else (
                 lambda k, d=None: getattr(pooling_params, k, d))
@@ -926,7 +953,7 @@ class Engine:
         bar = None
         if use_tqdm:
             from tqdm import tqdm
-            bar = tqdm(total=len(all_ids), desc="Embedding", unit="input")
+            bar = (use_tqdm if callable(use_tqdm) else tqdm)(total=len(all_ids), desc="Embedding", unit="input")
         for i, ids in enumerate(all_ids):
             rows = {"mean": np.arange(len(ids)), "last": [len(ids) - 1], "cls": [0]}[pooling]
             h = self._final_hidden(ids, rows)  # [n or 1, hidden]
@@ -1321,7 +1348,9 @@ def _take_vllm_kwargs(model, kwargs: dict):
                              f"got {top!r}.")
         kwargs["_max_logprobs"] = top
     if "kv_cache_memory_bytes" in kwargs:  # NOTE: vLLM's newer name of the KV cache's size
-        kwargs.setdefault("kv_cache_memory", kwargs.pop("kv_cache_memory_bytes"))
+        if kwargs.get("kv_cache_memory") is not None:
+            raise ValueError("kv_cache_memory_bytes (vLLM's) and kv_cache_memory are one setting; give one of them.")
+        kwargs["kv_cache_memory"] = kwargs.pop("kv_cache_memory_bytes")
     for name in ("runner", "task", "convert"):  # NOTE: vLLM's "pooling"/"embed": embeddings pool the last token
         value = kwargs.pop(name, None)
         if value in ("pooling", "embed", "embedding"):
@@ -1331,7 +1360,7 @@ def _take_vllm_kwargs(model, kwargs: dict):
                              "(Engine.embed); classify, score and reward models are not.")
     token = kwargs.pop("hf_token", None)
     if isinstance(token, str):
-        os.environ.setdefault("HF_TOKEN", token)  # NOTE: what huggingface_hub reads for a Hub id
+        os.environ["HF_TOKEN"] = token  # NOTE: what huggingface_hub reads for a Hub id; the one passed wins
     if kwargs.pop("enforce_eager", False):
         kwargs["cuda_graphs"] = False
     if kwargs.pop("enable_chunked_prefill", True) is False:
@@ -1356,8 +1385,12 @@ def _take_vllm_kwargs(model, kwargs: dict):
         if dp is not None:
             kwargs["data_parallel"] = dp  # NOTE: vLLM's tp x dp
     revision, where = kwargs.pop("revision", None), kwargs.pop("download_dir", None)
-    if (revision is None and where is None) or model is None:
+    if revision is None and where is None:
         return None
+    from .hub import is_repo_id
+    if model is None or not is_repo_id(str(model)):  # NOTE: they did nothing there
+        raise ValueError("revision and download_dir choose a Hugging Face Hub model's files; "
+                         + ("the built-in default model" if model is None else f"{model!r}") + " is no Hub id.")
     from .hub import local_path
     return lambda: local_path(str(model), revision=revision, cache_dir=where)
 
@@ -1443,6 +1476,9 @@ class _Progress:
 # NOTE: chat()'s own parameters, for the near misses _check_template_kwargs refuses
 _CHAT_OWN = ("messages", "params", "sampling_params", "use_tqdm", "chat_template", "chat_template_kwargs",
              "add_generation_prompt", "continue_final_message", "tools", "documents")
+# NOTE: apply_chat_template's own arguments (Hugging Face's) and the conversation: never template variables
+_NOT_TEMPLATE_VARIABLES = ("messages", "tokenize", "return_dict", "return_tensors", "padding", "truncation",
+                           "max_length", "return_assistant_tokens_mask", "tokenization_kwargs")
 
 
 def _check_template_kwargs(kwargs: dict) -> None:
@@ -1455,7 +1491,7 @@ def _check_template_kwargs(kwargs: dict) -> None:
             raise TypeError(f"Engine.chat() got {name}=, a sampling setting: pass "
                             f"sampling_params=SamplingParams({name}=...).")
         near = difflib.get_close_matches(name, _CHAT_OWN, n=1, cutoff=0.75)
-        if near:
+        if near and near[0] != name:
             raise TypeError(f"Engine.chat() got an unexpected keyword argument {name!r}; did you mean {near[0]!r}?")
 
 

@@ -407,6 +407,35 @@ class Tokenizer:
         ids = self.encode(text, add_special_tokens=False)
         return _Encoding(input_ids=ids, attention_mask=[1] * len(ids)) if return_dict else ids
 
+    def resolve_template(self, chat_template: str | None) -> str | None:
+        """A chat_template argument as vLLM reads it: a name of the model's templates, Jinja
+        source, or a file holding it (read here); ValueError for a string that is none of them
+        (a path that does not exist rendered as the prompt itself)."""
+        if chat_template is None or not isinstance(chat_template, str) or chat_template in self._chat_templates:
+            return chat_template
+        if "{{" in chat_template or "{%" in chat_template:
+            return chat_template
+        path = os.path.expanduser(chat_template)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        names = ", ".join(sorted(self._chat_templates)) or "none"
+        raise ValueError(f"chat_template {chat_template[:80]!r} is no Jinja template, no file and none of the "
+                         f"model's template names ({names}).")
+
+    def unread_variables(self, names: list[str], chat_template: str | None, tools) -> list[str]:
+        """Those of `names` that the template chosen (as render_chat picks it) never reads, nor
+        replaces a special token of ([] where it cannot be parsed: its render says why)."""
+        from jinja2 import meta
+        named = chat_template is not None and chat_template in self._chat_templates
+        try:
+            source = self._chat_templates[chat_template] if named else (
+                chat_template if chat_template is not None else self._pick_template(tools))
+            read = meta.find_undeclared_variables(_jinja_env().parse(source))
+        except (jinja2.TemplateError, ChatTemplateError):
+            return []
+        return [n for n in names if n not in read and n not in self._special]
+
     def _pick_template(self, tools) -> str:
         if not self._chat_templates:
             raise ChatTemplateError(

@@ -216,6 +216,13 @@ def test_embed_takes_vllms_pooling_parameters_and_prompts(decoder, tmp_path):
     try:
         np.testing.assert_allclose(eng.embed(ids, normalize=False)[0], hf_embed(hf, ids, "mean", normalize=False),
                                    rtol=1e-4, atol=2e-5)
+        # NOTE: a PoolingParams-like object's use_activation is normalize (it was read for none but three
+        # names); an object of none of them is refused (a string passed unread)
+        from types import SimpleNamespace
+        np.testing.assert_allclose(eng.embed(ids, pooling_params=SimpleNamespace(use_activation=False))[0],
+                                   eng.embed(ids, normalize=False)[0])
+        with pytest.raises(TypeError, match=r"^pooling_params must be a dict or a PoolingParams, got str\.$"):
+            eng.embed(ids, pooling_params="garbage")
         np.testing.assert_allclose(eng.embed(ids, truncate_prompt_tokens=5)[0], hf_embed(hf, ids[-5:], "mean"),
                                    atol=2e-5)
         long = list(range(3, 3 + 80))  # more than the context (64)

@@ -782,6 +782,54 @@ def test_vllm_prompt_dicts_and_keyword_names(eng, capsys):
     assert not eng.has_unfinished_requests()
 
 
+def test_chat_arguments_are_honoured_or_refused(model_dir, tmp_path):
+    """From an audit of the Python API against "never accept and ignore": chat(tools=, documents=)
+    were refused ("did you mean 'tools'?"); a chat_template naming a file rendered its path as the
+    prompt; apply_chat_template's own arguments failed deep in the tokenizer; stream() took
+    logprobs it cannot return; kv_cache_fraction lost to kv_cache_memory without a word; a
+    stop_token_ids id outside the vocabulary, a pooling_params object's use_activation and a
+    revision for a local model did nothing; a use_tqdm callable was not used."""
+    eng = Engine(model_dir, dtype="float32", kv_cache_memory=1 << 22, max_model_len=128)
+    try:
+        m = [{"role": "user", "content": "Hi"}]
+        sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        tpl = ("{% for t in tools or [] %}T:{{ t['function']['name'] }};{% endfor %}"
+               "{% for d in documents or [] %}D:{{ d['text'] }};{% endfor %}{{ messages[0]['content'] }}")
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        assert eng.chat(m, sp, chat_template=tpl, tools=tools, documents=[{"text": "doc"}]).prompt == "T:f;D:doc;Hi"
+        path = tmp_path / "t.jinja"
+        path.write_text(tpl)
+        assert eng.chat(m, sp, chat_template=str(path), tools=tools).prompt == "T:f;Hi"
+        with pytest.raises(ValueError, match=r"^chat_template '/no/such.jinja' is no Jinja template, no file"):
+            eng.chat(m, sp, chat_template="/no/such.jinja")
+        for kw in ({"tokenize": True}, {"chat_template_kwargs": {"return_dict": True}},
+                   {"chat_template_kwargs": {"messages": m}}):
+            with pytest.raises(TypeError, match=r"^Engine.chat\(\) cannot pass '(tokenize|return_dict|messages)'"):
+                eng.chat(m, sp, **kw)
+        with pytest.raises(ValueError, match=r"^stream\(\) yields text only, so it cannot return logprobs"):
+            eng.stream("Hi", SamplingParams(max_tokens=2, logprobs=1))
+        with pytest.raises(ValueError, match=r"^stop_token_ids names token 100000, outside the vocabulary"):
+            eng.generate(["Hi"], SamplingParams(max_tokens=2, stop_token_ids=[100000]))
+        made = []
+
+        from tqdm import tqdm
+
+        class Bar(tqdm):
+            def __init__(self, *a, **k):
+                made.append(self)
+                super().__init__(*a, **k)
+        eng.generate(["Hi"], sp, use_tqdm=Bar)
+        assert len(made) == 1
+    finally:
+        eng.close()
+    with pytest.raises(ValueError, match=r"^kv_cache_memory gives the KV cache's size, so kv_cache_fraction would "):
+        Engine(model_dir, dtype="float32", kv_cache_memory=1 << 22, kv_cache_fraction=0.5)
+    with pytest.raises(ValueError, match=r"^kv_cache_memory_bytes \(vLLM's\) and kv_cache_memory are one setting"):
+        Engine(model_dir, dtype="float32", kv_cache_memory=1 << 22, kv_cache_memory_bytes=1 << 22)
+    with pytest.raises(ValueError, match=r"^revision and download_dir choose a Hugging Face Hub model's files; "):
+        Engine(model_dir, dtype="float32", revision="main")
+
+
 def test_chat_takes_vllm_arguments_and_lists_of_conversations(model_dir):
     """vLLM's LLM.chat arguments were caught by **template_kwargs and dropped: sampling_params=
     (default sampling ran instead) and chat_template= (the model's own template rendered). A
@@ -820,7 +868,11 @@ def test_chat_takes_vllm_arguments_and_lists_of_conversations(model_dir):
             eng.chat(m, sp, use_tdqm=True)
         with pytest.raises(TypeError, match=r"'sampling_param'; did you mean 'sampling_params'\?$"):
             eng.chat(m, sampling_param=sp)
-        assert eng.chat(m, sp, enable_thinking=False).token_ids == one.token_ids  # a template variable
+        # NOTE: a keyword the template never reads did nothing (vLLM's LLM.chat has no such keywords)
+        with pytest.raises(TypeError, match=r"^Engine.chat\(\) got enable_thinking=, which the chat template never "
+                                            r"reads"):
+            eng.chat(m, sp, enable_thinking=False)
+        assert eng.chat(m, sp, chat_template="{{ messages[0]['content'] }}{{ flag }}", flag="!").prompt == "Hi!"
         # truncate_prompt_tokens: a conversation longer than the context is cut, not refused by its length
         long = [{"role": "user", "content": "word " * 3000}]
         cut = eng.chat(long, SamplingParams(max_tokens=2, truncate_prompt_tokens=50, ignore_eos=True))
@@ -938,9 +990,11 @@ def test_numpy_integers_are_integers_to_the_engine(model_dir):
     """They passed the config's check, then failed in the scheduler after the weights loaded."""
     i = np.int64
     with Engine(model_dir, dtype="float32", max_model_len=i(64), block_size=i(16), max_num_batched_tokens=i(32),
-                kv_cache_memory=i(1 << 22), seed=i(3), kv_cache_fraction=np.float32(0.5)) as eng:
+                kv_cache_memory=i(1 << 22), seed=i(3)) as eng:
         assert eng.generate([[5, 6, 7]], GREEDY)[0].finish_reason == "length"
         assert type(eng.config.max_model_len) is int and type(eng.config.seed) is int
+    from numa_runtime.config import EngineConfig
+    assert type(EngineConfig(kv_cache_fraction=np.float32(0.5)).kv_cache_fraction) is float
 
 
 @pytest.mark.parametrize("scaling, limit", [

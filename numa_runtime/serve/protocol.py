@@ -426,7 +426,7 @@ class ChatCompletionRequest(_SamplingRequest):
     metadata: Optional[dict[str, str]] = Field(None, description="Accepted (nothing is stored).")
     prompt_cache_key: Optional[str] = Field(None, description="Accepted: the prefix cache needs no key.")
     safety_identifier: Optional[str] = Field(None, description="Accepted and ignored, as user.")
-    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = Field(
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = Field(
         None, description="Passed to the chat template as reasoning_effort (as vLLM does); chat_template_kwargs "
                           "may set it too.")
     # extensions (vLLM names)
@@ -500,7 +500,7 @@ class TokenizeRequest(_Body):
                                                            "completions: the server's template renders).")
     documents: Optional[list[Any]] = Field(None, description="Not supported; must be absent (as on chat "
                                                              "completions).")
-    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = Field(
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = Field(
         None, description="As on chat completions: the chat template's reasoning_effort.")
 
     def checked(self) -> "TokenizeRequest":
