@@ -70,8 +70,13 @@ def test_reasoning_effort_reaches_the_chat_template(server, client):
                                    reasoning={"effort": "low"})
     again = client.responses.create(model="tiny", input="Hello there", max_output_tokens=1, temperature=0)
     assert resp.usage.input_tokens == low.usage.prompt_tokens and again.usage.input_tokens == plain.usage.prompt_tokens
+    # NOTE: any short string, as the client's type grows ("xhigh", "max"): the template reads the value
+    xhigh = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=1, temperature=0,
+                                           extra_body={"reasoning_effort": "max"})
+    assert xhigh.usage.prompt_tokens > plain.usage.prompt_tokens
     _bad(lambda: client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=1,
-                                                extra_body={"reasoning_effort": "banana"}), "reasoning_effort")
+                                                extra_body={"reasoning_effort": "x" * 33}), "reasoning_effort")
+    _bad(lambda: client.responses.create(model="tiny", input="x", reasoning={"effort": 5}), "reasoning.effort")
     _bad(lambda: client.responses.create(model="tiny", input="x", reasoning={"effort": "low", "summary": "auto"}),
          "reasoning.summary is not supported")
 
@@ -89,10 +94,13 @@ def test_openai_chat_fields_with_nothing_to_do_are_accepted(client):
     prompt_cache_key, safety_identifier), as `user`."""
     plain = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=4, temperature=0)
     same = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=4, temperature=0,
-                                          service_tier="auto", store=False, metadata={"k": "v"},
+                                          service_tier="auto", store=False, metadata={"k": "v", "headers": {"a": 1}},
                                           extra_body={"modalities": ["text"], "verbosity": "medium",
                                                       "prompt_cache_key": "k", "safety_identifier": "s"})
     assert same.choices[0].message.content == plain.choices[0].message.content
+    streamed = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=4, temperature=0, stream=True,
+                                              stream_options={"include_usage": True, "include_obfuscation": False})
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == plain.choices[0].message.content
 
 
 @pytest.mark.parametrize("field, value", [("structural_tag", "{}"), ("truncation_side", "right"),
@@ -111,7 +119,8 @@ def test_request_id_names_the_response(client):
     b = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=2, extra_body={"request_id": "my-42"})
     stream = client.completions.create(model="tiny", prompt="Hello", max_tokens=2, stream=True,
                                        extra_body={"request_id": "my-42"})
-    assert a.id == "cmpl-my-42" and b.id == "chatcmpl-my-42"
+    r = client.responses.create(model="tiny", input="Hello", max_output_tokens=2, extra_body={"request_id": "my-42"})
+    assert a.id == "cmpl-my-42" and b.id == "chatcmpl-my-42" and r.id == "resp_my-42"
     assert {c.id for c in stream} == {"cmpl-my-42"}
     _bad(lambda: client.completions.create(model="tiny", prompt="Hello", max_tokens=1,
                                            extra_body={"request_id": ""}), "request_id must hold")
@@ -126,6 +135,9 @@ def test_misspelt_nested_keys_are_refused(server, client):
          "response_format.json_schema cannot hold 'strcit'")
     _bad(lambda: client.responses.create(model="tiny", input="x", text={"formta": {"type": "text"}}),
          "text cannot hold 'formta'")
+    # NOTE: a type not run here is named as such, not by a key of its own
+    _bad(lambda: client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=1, response_format={
+        "type": "structural_tag", "structures": []}), "response_format of type 'structural_tag' is not supported")
 
 
 @pytest.mark.parametrize("field, value, name", [("max_tokens", 1, "max_output_tokens"),
@@ -169,4 +181,5 @@ def test_embedding_fields(server):
     np.testing.assert_array_equal(vec, np.array(plain["data"][0]["embedding"], np.float32))
     assert abs(np.linalg.norm(vec) - 1) > 1e-3  # NOTE: not normalized: use_activation=false took effect
     r = httpx.post(url, json={"input": "hi", "use_activation": False, "normalize": True})
-    assert r.status_code == 400 and "one switch" in r.json()["error"]["message"], r.text
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("use_activation and normalize are one"), \
+        r.text

@@ -50,7 +50,9 @@ class EmbeddingRequest(_Body):  # NOTE: strict (true is not a token id); null is
     def normalized(self) -> Optional[bool]:
         """normalize, or use_activation (the same switch under vLLM's newer name)."""
         if self.use_activation is not None and self.normalize is not None and self.use_activation != self.normalize:
-            raise ValueError("normalize and use_activation are one switch; give one of them.")
+            e = ValueError("use_activation and normalize are one switch; give one of them.")
+            e.param = "use_activation"  # NOTE: the field the message opens with (kept lower-case, named as param)
+            raise e
         return self.normalize if self.normalize is not None else self.use_activation
 
     def inputs(self) -> list[str | list[int]]:

@@ -61,6 +61,7 @@ class StreamOptions(_Body):
     # NOTE: a misspelt include_usage dropped the usage without a word: unknown keys are refused
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+    include_obfuscation: bool = Field(False, description="OpenAI's; this server adds no obfuscation.")
     continuous_usage_stats: bool = Field(False, description="With include_usage, every chunk carries the usage "
                                                             "so far (vLLM's extension).")
 
@@ -240,10 +241,12 @@ class _SamplingRequest(_Body):
             return None
         if "type" not in fmt:  # NOTE: as OpenAI and vLLM (a schema without it was dropped unread)
             raise ValueError("response_format needs a 'type': 'text', 'json_object' or 'json_schema'.")
-        # NOTE: a misspelt key (strcit) changed the output without a word
-        only_keys(fmt, "response_format", ("type", "json_schema", "schema"))
-        if isinstance(fmt.get("json_schema"), dict):
-            only_keys(fmt["json_schema"], "response_format.json_schema", ("name", "description", "schema", "strict"))
+        # NOTE: a misspelt key (strcit) changed the output without a word; another type has its own words
+        if fmt.get("type") in (None, "text", "json_object", "json_schema"):
+            only_keys(fmt, "response_format", ("type", "json_schema", "schema"))
+            if isinstance(fmt.get("json_schema"), dict):
+                only_keys(fmt["json_schema"], "response_format.json_schema", ("name", "description", "schema",
+                                                                              "strict"))
         kind = fmt.get("type")
         if kind in (None, "text"):  # NOTE: null: the default, "text"
             return None
@@ -423,12 +426,12 @@ class ChatCompletionRequest(_SamplingRequest):
     service_tier: Optional[Any] = Field(None, description="auto or default only.")
     verbosity: Optional[Any] = Field(None, description="medium only.")
     store: Optional[bool] = Field(None, description="false only: this server stores no chat completions.")
-    metadata: Optional[dict[str, str]] = Field(None, description="Accepted (nothing is stored).")
+    metadata: Optional[dict[str, Any]] = Field(None, description="Accepted (nothing is stored).")
     prompt_cache_key: Optional[str] = Field(None, description="Accepted: the prefix cache needs no key.")
     safety_identifier: Optional[str] = Field(None, description="Accepted and ignored, as user.")
-    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = Field(
-        None, description="Passed to the chat template as reasoning_effort (as vLLM does); chat_template_kwargs "
-                          "may set it too.")
+    reasoning_effort: Optional[str] = Field(
+        None, max_length=32, description="Passed to the chat template as reasoning_effort (as vLLM does; the "
+                                         "template reads its value); chat_template_kwargs may set it too.")
     # extensions (vLLM names)
     chat_template_kwargs: Optional[dict[str, Any]] = Field(
         None, description="Extra variables for the chat template, e.g. {'enable_thinking': false}.")
@@ -500,8 +503,8 @@ class TokenizeRequest(_Body):
                                                            "completions: the server's template renders).")
     documents: Optional[list[Any]] = Field(None, description="Not supported; must be absent (as on chat "
                                                              "completions).")
-    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = Field(
-        None, description="As on chat completions: the chat template's reasoning_effort.")
+    reasoning_effort: Optional[str] = Field(
+        None, max_length=32, description="As on chat completions: the chat template's reasoning_effort.")
 
     def checked(self) -> "TokenizeRequest":
         _refuse(self, {"chat_template": (), "documents": ([],)})  # NOTE: it was ignored: token counts of a template never used

@@ -32,10 +32,11 @@ _REFUSED = {
     "service_tier": None,
 }
 # NOTE: chat's field names in its error messages -> the Responses request's
-RENAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+RENAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input",
+           "reasoning_effort": "reasoning.effort"}
 # NOTE: Chat Completions fields a Responses request might carry: each went on to chat (and won over,
 # or lost to, the Responses field beside it without a word); refused, naming the Responses field
-_CHAT_NAMES = {**RENAMES, "max_completion_tokens": "max_output_tokens", "reasoning_effort": "reasoning.effort"}
+_CHAT_NAMES = {**RENAMES, "max_completion_tokens": "max_output_tokens"}
 _PASS_KEYS = ("temperature", "top_p", "stream", "parallel_tool_calls", "user", "model")
 _IGNORED = ("metadata", "safety_identifier", "prompt_cache_key", "truncation", "store", "background",
             "include", "reasoning", "top_logprobs", "text", "tools", "tool_choice", "instructions", "input",
@@ -165,6 +166,9 @@ def chat_request(raw: Any, store: ResponseStore | None = None) -> dict:
                    "reasoning_effort); leave it out.")
     if raw.get("top_logprobs"):
         raise _bad("top_logprobs is not supported on /v1/responses; use /v1/chat/completions.")
+    rid = raw.get("request_id")  # NOTE: vLLM's: the Response's id after resp_ (it also reaches chat's check)
+    if rid is not None and not (isinstance(rid, str) and 1 <= len(rid) <= 256):
+        raise _bad("request_id must be a string of 1 to 256 characters.")
     if raw.get("logprobs") not in (None, False):  # NOTE: chat computed them and the output item dropped them
         raise _bad("logprobs is not supported on /v1/responses; use /v1/chat/completions.")
     for key, name in _CHAT_NAMES.items():
@@ -364,7 +368,8 @@ def _text_format(text):
     fmt = text.get("format")
     if fmt is not None and not isinstance(fmt, dict):
         raise _bad("text.format must be an object such as {'type': 'json_schema', 'name': ..., 'schema': {...}}.")
-    if fmt is not None and not ("json_schema" in fmt and "schema" not in fmt):  # NOTE: that one has its own words
+    if fmt is not None and fmt.get("type") in ("text", "json_object", "json_schema") and not (
+            "json_schema" in fmt and "schema" not in fmt):  # NOTE: another type, or that one, has its own words
         only_keys(fmt, "text.format", ("type", "name", "schema", "strict", "description")
                   if fmt.get("type") == "json_schema" else ("type",))
     if fmt is None or fmt.get("type") == "text":
@@ -390,6 +395,11 @@ def _text_format(text):
 # ------------------------------------------------------------------------------ answers
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _resp_id(raw: dict) -> str:
+    """resp_<request_id> (vLLM's request field, checked by chat_request), or a new id."""
+    return f"resp_{raw['request_id']}" if raw.get("request_id") is not None else _new_id("resp")
 
 
 def _skeleton(raw: dict, model: str, rid: str, created: int) -> dict:
@@ -444,7 +454,7 @@ def _call_item(call: dict, status: str = "completed") -> dict:
 
 def response_body(raw: dict, chat: dict) -> dict:
     """The Response object of a (non-streamed) chat answer."""
-    resp = _skeleton(raw, chat.get("model"), _new_id("resp"), int(chat.get("created") or time.time()))
+    resp = _skeleton(raw, chat.get("model"), _resp_id(raw), int(chat.get("created") or time.time()))
     choice = chat["choices"][0]
     msg = choice.get("message") or {}
     reasoning = msg.get("reasoning_content") or msg.get("reasoning")
@@ -463,7 +473,7 @@ class EventStream:
     """Responses events of a chat completion event stream (chunks as the chat path sends them)."""
 
     def __init__(self, raw: dict, model: str):
-        self.resp = _skeleton(raw, model, _new_id("resp"), int(time.time()))
+        self.resp = _skeleton(raw, model, _resp_id(raw), int(time.time()))
         self.seq = 0
         self.open: dict | None = None   # the reasoning or message item being written
         self.calls: dict[int, dict] = {}  # tool call index -> its function_call item
