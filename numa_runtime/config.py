@@ -533,7 +533,7 @@ class EngineConfig:
     # bytes per rank, the whole pool (what sequences do not hold, the prefix cache keeps); None:
     # kv_cache_fraction of memory, no more than max_num_seqs sequences at max_model_len need
     kv_cache_memory: int | None = None
-    kv_cache_fraction: float = 0.2
+    kv_cache_fraction: float | None = None  # None: 0.2 (kv_cache_memory, when given, is the size instead)
     kv_cache_dtype: str = "auto"        # "auto" (the dtype's: bf16 or f32), "bfloat16", "float32" or "int8"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -583,12 +583,15 @@ class EngineConfig:
         for name in ("reserve_server_core", "enable_prefix_caching", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")
-        if isinstance(self.kv_cache_fraction, bool) or not isinstance(self.kv_cache_fraction, numbers.Real):
-            raise ValueError(f"kv_cache_fraction must be a number in (0, 0.95], got {self.kv_cache_fraction!r}.")
-        object.__setattr__(self, "kv_cache_fraction", float(self.kv_cache_fraction))
-        if self.kv_cache_memory is not None and self.kv_cache_fraction != 0.2:  # NOTE: the memory wins: it sizes the pool
+        if self.kv_cache_fraction is not None and self.kv_cache_memory is not None:  # NOTE: the memory sizes the pool
             raise ValueError("kv_cache_memory gives the KV cache's size, so kv_cache_fraction would do nothing; give "
                              "one of them.")
+        # NOTE: None stays None beside kv_cache_memory (a config replaced with both set would be refused)
+        fraction = self.kv_cache_fraction if self.kv_cache_fraction is not None else (
+            0.2 if self.kv_cache_memory is None else None)
+        if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, numbers.Real)):
+            raise ValueError(f"kv_cache_fraction must be a number in (0, 0.95], got {fraction!r}.")
+        object.__setattr__(self, "kv_cache_fraction", None if fraction is None else float(fraction))
         kv = self.kv_cache_dtype
         if kv not in ("auto", "int8") and _DTYPES.get(str(kv)) not in ("bfloat16", "float32"):
             raise ValueError(f"kv_cache_dtype must be 'auto', 'bfloat16', 'float32' or 'int8', got {kv!r}.")
@@ -643,7 +646,7 @@ class EngineConfig:
         if self.kv_cache_dir is not None and self.device != "cpu":
             raise ValueError("The KV disk tier (kv_cache_dir) runs with the CPU backend; on a GPU use the host "
                              "KV tier (host_kv_cache_memory) instead.")
-        if not 0.0 < self.kv_cache_fraction <= 0.95:
+        if self.kv_cache_fraction is not None and not 0.0 < self.kv_cache_fraction <= 0.95:
             raise ValueError(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction!r}.")
 
     @property

@@ -859,12 +859,6 @@ class Engine:
             if name in _NOT_TEMPLATE_VARIABLES:  # NOTE: the renderer's own, or the conversation: never variables
                 raise TypeError(f"Engine.chat() cannot pass {name!r} to the chat template: it is "
                                 + ("the messages argument." if name == "messages" else "not a template variable."))
-        chat_template = self.tokenizer.resolve_template(chat_template)
-        if template_kwargs:  # NOTE: vLLM's LLM.chat takes no such keywords: one the template never reads did nothing
-            unread = self.tokenizer.unread_variables(list(template_kwargs), chat_template, tools)
-            if unread:
-                raise TypeError(f"Engine.chat() got {unread[0]}=, which the chat template never reads; pass "
-                                "template variables it uses (or chat_template_kwargs, as vLLM).")
         chosen = _one_of(params, sampling_params)
         # NOTE: a truncated prompt may be any length: the character bound before encoding is not checked
         truncating = any(isinstance(p, SamplingParams) and p.truncate_prompt_tokens is not None
@@ -873,6 +867,14 @@ class Engine:
         render_kwargs = {"add_generation_prompt": add_generation_prompt,
                          "continue_final_message": continue_final_message, "chat_template": chat_template,
                          "tools": tools, "documents": documents, **template_kwargs, **(chat_template_kwargs or {})}
+        # NOTE: the template that renders (chat_template_kwargs may name it, or bring the tools that pick it)
+        render_kwargs["chat_template"] = self.tokenizer.resolve_template(render_kwargs["chat_template"])
+        if template_kwargs:  # NOTE: vLLM's LLM.chat takes no such keywords: one the template never reads did nothing
+            unread = self.tokenizer.unread_variables(list(template_kwargs), render_kwargs["chat_template"],
+                                                     render_kwargs["tools"])
+            if unread:
+                raise TypeError(f"Engine.chat() got {unread[0]}=, which the chat template never reads; pass "
+                                "template variables it uses (or chat_template_kwargs, as vLLM).")
         batch = isinstance(messages, (list, tuple)) and len(messages) > 0 and all(
             isinstance(c, (list, tuple)) for c in messages)
         conversations = list(messages) if batch else [messages]
@@ -908,6 +910,11 @@ class Engine:
         model made with vLLM's runner="pooling" (task/convert "embed") pools the last token by
         default, as vLLM does."""
         self._driver_only("embed")
+        if isinstance(pooling_params, dict) and "use_activation" in pooling_params:  # NOTE: normalize's newer name
+            pooling_params = dict(pooling_params)
+            act = pooling_params.pop("use_activation")
+            if pooling_params.get("normalize") is None:
+                pooling_params["normalize"] = act
         if isinstance(pooling_params, dict):
             unknown = sorted(set(pooling_params) - {"normalize", "dimensions", "truncate_prompt_tokens"})
             if unknown:

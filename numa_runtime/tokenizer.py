@@ -411,9 +411,11 @@ class Tokenizer:
         """A chat_template argument as vLLM reads it: a name of the model's templates, Jinja
         source, or a file holding it (read here); ValueError for a string that is none of them
         (a path that does not exist rendered as the prompt itself)."""
+        if isinstance(chat_template, os.PathLike):
+            chat_template = os.fspath(chat_template)
         if chat_template is None or not isinstance(chat_template, str) or chat_template in self._chat_templates:
             return chat_template
-        if "{{" in chat_template or "{%" in chat_template:
+        if any(t in chat_template for t in ("{{", "{%", "{#", "\n")):  # NOTE: Jinja source (a path has none)
             return chat_template
         path = os.path.expanduser(chat_template)
         if os.path.isfile(path):

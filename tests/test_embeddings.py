@@ -221,6 +221,8 @@ def test_embed_takes_vllms_pooling_parameters_and_prompts(decoder, tmp_path):
         from types import SimpleNamespace
         np.testing.assert_allclose(eng.embed(ids, pooling_params=SimpleNamespace(use_activation=False))[0],
                                    eng.embed(ids, normalize=False)[0])
+        np.testing.assert_allclose(eng.embed(ids, pooling_params={"use_activation": False})[0],
+                                   eng.embed(ids, normalize=False)[0])
         with pytest.raises(TypeError, match=r"^pooling_params must be a dict or a PoolingParams, got str\.$"):
             eng.embed(ids, pooling_params="garbage")
         np.testing.assert_allclose(eng.embed(ids, truncate_prompt_tokens=5)[0], hf_embed(hf, ids[-5:], "mean"),

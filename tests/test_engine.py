@@ -800,6 +800,12 @@ def test_chat_arguments_are_honoured_or_refused(model_dir, tmp_path):
         path = tmp_path / "t.jinja"
         path.write_text(tpl)
         assert eng.chat(m, sp, chat_template=str(path), tools=tools).prompt == "T:f;Hi"
+        assert eng.chat(m, sp, chat_template=path, tools=tools).prompt == "T:f;Hi"  # NOTE: a PathLike too
+        # NOTE: chat_template_kwargs' chat_template is read and checked as the named one (a path was the prompt)
+        assert eng.chat(m, sp, chat_template_kwargs={"chat_template": str(path)}).prompt == "Hi"
+        path.write_text("Z{{ z }}:{{ messages[0]['content'] }}")
+        assert eng.chat(m, sp, chat_template_kwargs={"chat_template": str(path)}, z="1").prompt == "Z1:Hi"
+        assert eng.chat(m, sp, chat_template="{# text only #}Hello").prompt == "Hello"
         with pytest.raises(ValueError, match=r"^chat_template '/no/such.jinja' is no Jinja template, no file"):
             eng.chat(m, sp, chat_template="/no/such.jinja")
         for kw in ({"tokenize": True}, {"chat_template_kwargs": {"return_dict": True}},
@@ -822,8 +828,9 @@ def test_chat_arguments_are_honoured_or_refused(model_dir, tmp_path):
         assert len(made) == 1
     finally:
         eng.close()
-    with pytest.raises(ValueError, match=r"^kv_cache_memory gives the KV cache's size, so kv_cache_fraction would "):
-        Engine(model_dir, dtype="float32", kv_cache_memory=1 << 22, kv_cache_fraction=0.5)
+    for fraction in (0.5, 0.2):  # NOTE: the default's value too (0.2 passed without a word)
+        with pytest.raises(ValueError, match=r"^kv_cache_memory gives the KV cache's size, so kv_cache_fraction "):
+            Engine(model_dir, dtype="float32", kv_cache_memory=1 << 22, kv_cache_fraction=fraction)
     with pytest.raises(ValueError, match=r"^kv_cache_memory_bytes \(vLLM's\) and kv_cache_memory are one setting"):
         Engine(model_dir, dtype="float32", kv_cache_memory=1 << 22, kv_cache_memory_bytes=1 << 22)
     with pytest.raises(ValueError, match=r"^revision and download_dir choose a Hugging Face Hub model's files; "):
