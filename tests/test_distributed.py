@@ -504,13 +504,13 @@ def test_closed_communicators_are_freed():
 
 
 @needs_mpirun
-def test_an_asked_max_model_len_one_ranks_pool_cannot_hold_fails_on_every_rank(tiny_model):
+def test_an_asked_max_model_len_one_ranks_pool_cannot_hold_fails_on_every_rank(tiny_model, tmp_path):
     """The check runs on every rank as its pool is made: rank 1's smaller pool (8 blocks of 16
     tokens: 4 KiB a block, its one kv head of 2 layers x 16 x 16 x 2 x 4 bytes) fails the load on
     both ranks, rank 0 naming rank 1, instead of rank 0 alone finding it after the workers left."""
-    out = run_mpi("asked_len.py", 2, tiny_model, str(8 * 4096), timeout=120)
+    out = run_mpi("asked_len.py", 2, tiny_model, str(8 * 4096), str(tmp_path), timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = sorted(l for l in out.stdout.splitlines() if l.startswith(("ERROR", "LOADED")))
+    lines = sorted((tmp_path / f"rank{r}.txt").read_text() for r in range(2))
     why = ("max_model_len=256 is larger than the KV cache on rank 1 holds (8 blocks of 16 tokens: 128 tokens); "
            "raise kv_cache_memory (--kv-cache-memory) or lower max_model_len.")
     assert lines == [f"ERROR rank 0 RankLoadError: Rank 1 failed to load the model (ValueError: {why}).",
@@ -518,7 +518,7 @@ def test_an_asked_max_model_len_one_ranks_pool_cannot_hold_fails_on_every_rank(t
 
 
 @needs_mpirun
-def test_a_multi_model_router_takes_the_smallest_ranks_budget(tiny_model):
+def test_a_multi_model_router_takes_the_smallest_ranks_budget(tiny_model, tmp_path):
     """Ranks with other default budgets (their own memory limits) built routers that disagreed: an
     asked max_model_len that rank 1's KV share could not hold stopped rank 1 alone, and rank 0 waited
     for it for ever. The smallest budget binds every rank now, so both refuse alike, or both serve."""
@@ -527,11 +527,11 @@ def test_a_multi_model_router_takes_the_smallest_ranks_budget(tiny_model):
     small = 2 * weights  # NOTE: its KV share (a quarter) holds fewer than 512 tokens of 4 KiB blocks of 16
     assert small // 4 // 4096 * 16 < 512
     for asked, ok in ((512, False), (128, True)):
-        out = run_mpi("router_budget.py", 2, tiny_model, str(small), str(asked), timeout=120)
+        for r in range(2):
+            (tmp_path / f"rank{r}.json").unlink(missing_ok=True)
+        out = run_mpi("router_budget.py", 2, tiny_model, str(small), str(asked), str(tmp_path), timeout=120)
         assert out.returncode == 0, out.stderr[-3000:]
-        rows = sorted((json.loads(l[len("RESULT "):]) for l in out.stdout.splitlines() if l.startswith("RESULT ")),
-                      key=lambda r: r["rank"])
-        assert len(rows) == 2, out.stdout[-3000:]
+        rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
         if ok:
             assert [(r["budget"], r["context"]) for r in rows] == [(small, asked)] * 2, rows
         else:

@@ -1,9 +1,10 @@
 """Run under `mpirun -np 2`: each rank builds the multi-model router with its own default memory
 budget (as ranks on hosts or cgroups of other sizes compute it), rank 1's the smaller. The
 smallest must bind both ranks: the same budget, the same context for an unloaded model, and the
-same verdict on an asked max_model_len. Prints one RESULT line per rank.
+same verdict on an asked max_model_len. Each rank writes its result to OUT_DIR/rank<r>.json (two ranks'
+lines on one stdout can interleave).
 
-usage: mpirun -np 2 python tests/mpi/router_budget.py MODEL_DIR RANK_1_BUDGET MAX_MODEL_LEN"""
+usage: mpirun -np 2 python tests/mpi/router_budget.py MODEL_DIR RANK_1_BUDGET MAX_MODEL_LEN OUT_DIR"""
 import json
 import os
 import sys
@@ -19,4 +20,5 @@ try:
     out.update(budget=r.config.memory_budget, context=r.context_len("alpha"))
 except ValueError as e:
     out["error"] = str(e)
-print("RESULT " + json.dumps(out), flush=True)
+with open(os.path.join(sys.argv[4], f"rank{rank}.json"), "w") as f:
+    json.dump(out, f)
