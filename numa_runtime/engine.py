@@ -35,7 +35,7 @@ from .outputs import RequestMetrics, RequestOutput, TextState
 from .recorder import FORWARD, RESHAPE
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams, _is_int
-from .tokenizer import IncrementalDetokenizer, check_text
+from .tokenizer import HF_RENDER_ARGS, IncrementalDetokenizer, check_text
 
 from . import env
 from .logger import init_logger
@@ -1484,8 +1484,7 @@ class _Progress:
 _CHAT_OWN = ("messages", "params", "sampling_params", "use_tqdm", "chat_template", "chat_template_kwargs",
              "add_generation_prompt", "continue_final_message", "tools", "documents")
 # NOTE: apply_chat_template's own arguments (Hugging Face's) and the conversation: never template variables
-_NOT_TEMPLATE_VARIABLES = ("messages", "tokenize", "return_dict", "return_tensors", "padding", "truncation",
-                           "max_length", "return_assistant_tokens_mask", "tokenization_kwargs")
+_NOT_TEMPLATE_VARIABLES = ("messages", *HF_RENDER_ARGS, "tokenization_kwargs")
 
 
 def _check_template_kwargs(kwargs: dict) -> None:

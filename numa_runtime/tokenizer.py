@@ -369,13 +369,11 @@ class Tokenizer:
         if continue_final_message:  # NOTE: as transformers: a tag after the final text marks where to cut
             messages = _tag_final_text(messages)
         return_dict = kwargs.pop("return_dict", False)  # NOTE: HF's keywords are not template variables
-        for name in ("return_tensors", "padding", "truncation", "max_length", "return_assistant_tokens_mask"):
+        for name in HF_RENDER_ARGS[2:]:  # NOTE: beyond tokenize and return_dict, taken here
             if kwargs.pop(name, None) not in (None, False):
                 raise ValueError(f"apply_chat_template's {name} (Hugging Face's) is not supported: it gives the text, "
                                  "or with tokenize=True the ids as a list.")
-        named = chat_template is not None and chat_template in self._chat_templates
-        source = self._chat_templates[chat_template] if named else (
-            chat_template if chat_template is not None else self._pick_template(tools))
+        source, named = self._template_source(chat_template, tools)
         if named:
             chat_template = None  # NOTE: the model's own: errors name it so
         context = {k: v for k, v in self._special.items() if v is not None}
@@ -429,14 +427,17 @@ class Tokenizer:
         """Those of `names` that the template chosen (as render_chat picks it) never reads, nor
         replaces a special token of ([] where it cannot be parsed: its render says why)."""
         from jinja2 import meta
-        named = chat_template is not None and chat_template in self._chat_templates
         try:
-            source = self._chat_templates[chat_template] if named else (
-                chat_template if chat_template is not None else self._pick_template(tools))
-            read = meta.find_undeclared_variables(_jinja_env().parse(source))
+            read = meta.find_undeclared_variables(_jinja_env().parse(self._template_source(chat_template, tools)[0]))
         except (jinja2.TemplateError, ChatTemplateError):
             return []
         return [n for n in names if n not in read and n not in self._special]
+
+    def _template_source(self, chat_template: str | None, tools) -> tuple[str, bool]:
+        """(the Jinja source render_chat renders with, whether chat_template named one of the model's)."""
+        named = chat_template is not None and chat_template in self._chat_templates
+        return (self._chat_templates[chat_template] if named else
+                chat_template if chat_template is not None else self._pick_template(tools)), named
 
     def _pick_template(self, tools) -> str:
         if not self._chat_templates:
@@ -712,6 +713,11 @@ def open_tail(tokenizer, ids: list[int], skip_special_tokens: bool = True) -> in
         except UnicodeDecodeError:
             pass
     return t
+
+
+# NOTE: Hugging Face apply_chat_template's own arguments: never template variables
+HF_RENDER_ARGS = ("tokenize", "return_dict", "return_tensors", "padding", "truncation", "max_length",
+                  "return_assistant_tokens_mask")
 
 
 def _compile(source: str) -> jinja2.Template:

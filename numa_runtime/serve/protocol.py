@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..sampling_params import SamplingParams, StructuredOutputsParams, as_structured_outputs, json_schema_of
 from ..structured import strict_schema
-from ..tokenizer import check_text
+from ..tokenizer import HF_RENDER_ARGS, check_text
 
 log = logging.getLogger("numa_runtime.serve")
 MAX_CHOICES = 128  # n times the number of prompts, per request
@@ -535,8 +535,7 @@ def _template_kwargs(body) -> dict:
     # NOTE: the renderer's own arguments are not template variables: a template given in a request
     # runs as code on the server (vLLM's CVE-2025-61620 refuses it so), and tools/documents have
     # their own fields
-    for key in ("chat_template", "tools", "documents", "tokenize", "return_dict", "return_tensors", "padding",
-                "truncation", "max_length", "return_assistant_tokens_mask"):
+    for key in ("chat_template", "tools", "documents", *HF_RENDER_ARGS):
         if key in extra:
             raise ValueError(f"chat_template_kwargs cannot set {key!r}"
                              + ("; the server renders with the model's template (or --chat-template)."

@@ -213,10 +213,10 @@ class ModelRouter:
             if asked is not None and asked > supported_len(mcfg):
                 raise ValueError(f"max_model_len={asked} exceeds what model {n!r} supports "
                                  f"({supported_len(mcfg)} tokens); lower --max-model-len.")
-            if asked is not None and self.context_len(n) < asked:  # NOTE: as Engine's check at load
+            held = None if asked is None else self.context_len(n)
+            if held is not None and held < asked:  # NOTE: as Engine's check at load
                 raise ValueError(f"max_model_len={asked} is larger than the KV cache of model {n!r} holds "
-                                 f"({self.context_len(n)} tokens); raise --kv-cache-memory or lower "
-                                 "--max-model-len.")
+                                 f"({held} tokens); raise --kv-cache-memory or lower --max-model-len.")
             if self.footprint[n] > budget:
                 raise ValueError(f"Model {n!r} needs about {self.footprint[n] / mib:.0f} MiB per rank, more than "
                                  f"the memory budget ({budget / mib:.0f} MiB); raise --memory-budget or lower "
