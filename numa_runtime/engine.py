@@ -356,10 +356,15 @@ class Engine:
                 raise
 
     def _add(self, prompt, params: SamplingParams | None, request_id: str | None, outbox: deque,
-             cap_max_tokens: bool = True) -> str:
-        """Queue a request whose outputs are appended to `outbox` (its owner reads them there)."""
+             cap_max_tokens: bool = True, added: list | None = None) -> str:
+        """Queue a request whose outputs are appended to `outbox` (its owner reads them there). Its id
+        goes to `added` too, inside the change: a Ctrl-C held during the add raises when the add is
+        whole, before the caller has the returned id to abort."""
         with self._atomic():
-            return self._add_locked(prompt, params, request_id, outbox, cap_max_tokens)
+            rid = self._add_locked(prompt, params, request_id, outbox, cap_max_tokens)
+            if added is not None:
+                added.append(rid)
+            return rid
 
     def _add_locked(self, prompt, params: SamplingParams | None, request_id: str | None, outbox: deque,
                     cap_max_tokens: bool = True, defer: str = "no") -> str:
@@ -553,18 +558,21 @@ class Engine:
         with self._use:
             outermost = self._held is None and threading.current_thread() is threading.main_thread()
             old = None
+            held: list = []
             if outermost:
-                self._held = []
+                self._held = held
                 try:
-                    old = signal.signal(signal.SIGINT, lambda signum, frame: self._held.append(frame))
+                    # NOTE: the handler appends to its own list, never through self._held: a SIGINT
+                    # between the reset of self._held and the handler's restore below found None
+                    old = signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
                 except ValueError:  # NOTE: not the main interpreter's main thread after all
                     outermost, self._held = False, None
             try:
                 yield
             finally:
                 if outermost:
-                    held, self._held = self._held, None
                     signal.signal(signal.SIGINT, old)
+                    self._held = None
                     if held and callable(old):
                         old(signal.SIGINT, held[0])
                     elif held and old == signal.SIG_DFL:
@@ -744,7 +752,7 @@ class Engine:
         final: dict[str, RequestOutput] = {}
         try:
             for p, sp in zip(plist, params):
-                rids.append(self._add_when_room(p, sp, outbox))
+                self._add_when_room(p, sp, outbox, rids)
             while len(final) < len(rids):
                 self._wait(outbox)
                 for o in _take_all(outbox):
@@ -761,12 +769,12 @@ class Engine:
                 bar.close()
         return [final[r] for r in rids]
 
-    def _add_when_room(self, prompt, params, outbox: deque) -> str:
+    def _add_when_room(self, prompt, params, outbox: deque, added: list) -> str:
         """_add, stepping the engine while running requests hold the KV blocks a prompt_logprobs
         prefill needs (vLLM queues such a request; a blocking call never asks its caller to retry)."""
         while True:
             try:
-                return self._add(prompt, params, None, outbox)
+                return self._add(prompt, params, None, outbox, added=added)
             except KVCacheBusyError:
                 with self._atomic():
                     if not self.scheduler.has_unfinished():
@@ -799,9 +807,10 @@ class Engine:
 
     def _stream(self, prompt, params: SamplingParams | None) -> Iterator[str]:
         outbox: deque[RequestOutput] = deque()
-        rid = self._add(prompt, params, None, outbox)
+        added: list[str] = []
         done = False
         try:
+            self._add(prompt, params, None, outbox, added=added)
             while not done:
                 self._wait(outbox)
                 while outbox and not done:
@@ -810,8 +819,8 @@ class Engine:
                     if o.outputs[0].delta:
                         yield o.outputs[0].delta
         finally:
-            if not done:
-                self.abort_request(rid)
+            if not done and added:
+                self.abort_request(added[0])
 
     def _wait(self, outbox: deque) -> None:
         """Step until `outbox` (of unfinished requests) holds an output (another thread's steps

@@ -410,3 +410,33 @@ def test_ctrl_c_in_generate_leaves_other_requests_whole(model_dir, alone):
         assert eng.generate(PROMPTS[2], greedy(24))[0].text == alone(2, 24)
     finally:
         eng.close()
+
+
+def test_ctrl_c_while_the_held_handler_is_being_restored(model_dir, alone, monkeypatch):
+    """A SIGINT lands after a step ended and before the engine put the caller's SIGINT handler
+    back (the clean-clone CI of 2026-12-05 hit it under mpirun): the held handler ran with its list
+    already gone and raised AttributeError; now the caller gets its KeyboardInterrupt and the
+    engine goes on."""
+    import signal
+    eng = Engine(model_dir, dtype="float32", kv_cache_memory=40 * 8192, max_model_len=256, max_num_seqs=3)
+    real, fired = signal.signal, []
+
+    def restore_after_a_sigint(signum, handler):
+        if signum == signal.SIGINT and handler is signal.default_int_handler and not fired:
+            fired.append(1)
+            signal.raise_signal(signal.SIGINT)  # NOTE: runs the engine's holding handler at once
+        return real(signum, handler)
+    try:
+        monkeypatch.setattr(signal, "signal", restore_after_a_sigint)
+        with pytest.raises(KeyboardInterrupt):
+            eng.generate(PROMPTS[1], greedy(8))
+        assert fired and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert not eng.has_unfinished_requests()
+        fired.clear()
+        with pytest.raises(KeyboardInterrupt):  # NOTE: a stream adds its request at the first read
+            next(eng.stream(PROMPTS[1], greedy(8)))
+        monkeypatch.setattr(signal, "signal", real)
+        assert fired and not eng.has_unfinished_requests()
+        assert eng.generate(PROMPTS[2], greedy(24))[0].text == alone(2, 24)
+    finally:
+        eng.close()
