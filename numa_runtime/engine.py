@@ -1375,8 +1375,8 @@ def _take_vllm_kwargs(model, kwargs: dict):
             raise ValueError(f"{name}={value!r} (vLLM's) is not supported: this engine generates text and embeds "
                              "(Engine.embed); classify, score and reward models are not.")
     token = kwargs.pop("hf_token", None)
-    if isinstance(token, str):
-        os.environ["HF_TOKEN"] = token  # NOTE: what huggingface_hub reads for a Hub id; the one passed wins
+    if token is not None and not isinstance(token, (str, bool)):
+        raise TypeError(f"hf_token must be a Hugging Face token (a string) or a bool, got {type(token).__name__}.")
     if kwargs.pop("enforce_eager", False):
         kwargs["cuda_graphs"] = False
     if kwargs.pop("enable_chunked_prefill", True) is False:
@@ -1401,14 +1401,16 @@ def _take_vllm_kwargs(model, kwargs: dict):
         if dp is not None:
             kwargs["data_parallel"] = dp  # NOTE: vLLM's tp x dp
     revision, where = kwargs.pop("revision", None), kwargs.pop("download_dir", None)
+    from .hub import is_repo_id, local_path
+    hub_id = model is not None and is_repo_id(str(model))
     if revision is None and where is None:
-        return None
-    from .hub import is_repo_id
-    if model is None or not is_repo_id(str(model)):  # NOTE: they did nothing there
+        # NOTE: a token goes to this engine's fetch only (it was set as HF_TOKEN for the whole process);
+        # a local model needs none
+        return (lambda: local_path(str(model), token=token)) if token is not None and hub_id else None
+    if not hub_id:  # NOTE: they did nothing there
         raise ValueError("revision and download_dir choose a Hugging Face Hub model's files; "
                          + ("the built-in default model" if model is None else f"{model!r}") + " is no Hub id.")
-    from .hub import local_path
-    return lambda: local_path(str(model), revision=revision, cache_dir=where)
+    return lambda: local_path(str(model), revision=revision, cache_dir=where, token=token)
 
 
 @contextlib.contextmanager

@@ -31,10 +31,11 @@ def served_name(name) -> str | None:
     return name if is_repo_id(name) and not name.lower().endswith(".gguf") else None
 
 
-def local_path(name: str, revision: str | None = None, cache_dir: str | None = None) -> str:
+def local_path(name: str, revision: str | None = None, cache_dir: str | None = None,
+               token: str | bool | None = None) -> str:
     """`name` itself, or for a Hub id the local directory (or .gguf file) it names, fetched on
-    first use (at `revision`, into `cache_dir`: default HF_HUB_CACHE). FileNotFoundError in one
-    sentence when it cannot be had."""
+    first use (at `revision`, into `cache_dir`: default HF_HUB_CACHE; with `token`, else HF_TOKEN
+    or the saved login). FileNotFoundError in one sentence when it cannot be had."""
     if not is_repo_id(name):
         return name
     m = _REPO.fullmatch(name)
@@ -53,11 +54,12 @@ def local_path(name: str, revision: str | None = None, cache_dir: str | None = N
             # (only the named one came: the load then missed the others)
             from .gguf_model import shard_names
             names = shard_names(file)
-            paths = {n: hf_hub_download(repo, n, revision=revision, cache_dir=cache, local_files_only=offline)
+            paths = {n: hf_hub_download(repo, n, revision=revision, cache_dir=cache, local_files_only=offline,
+                                        token=token)
                      for n in names}
             return paths.get(file) or paths[names[0]]
         path = snapshot_download(repo, allow_patterns=_PATTERNS, revision=revision, cache_dir=cache,
-                                 local_files_only=offline)
+                                 local_files_only=offline, token=token)
     except Exception as e:  # noqa: BLE001 - network, authentication, a missing repository or file: one sentence
         if offline:  # NOTE: huggingface_hub's own advice (local_files_only=False) is no option of ours
             at = "" if revision is None else f" at revision {revision!r}"

@@ -232,3 +232,35 @@ def test_engine_takes_vllms_llm_keywords(hub_home, monkeypatch):
             "print(len(e.generate('Hello', SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids))")
     r = _run(code, os.path.join(home, "elsewhere"))
     assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "3", r.stderr[-2000:]
+
+
+def test_hf_token_goes_to_the_fetch_of_that_engine_only(hub_home, monkeypatch):
+    """vLLM's LLM(hf_token=...) and `serve --hf-token` authenticate the model's download: the token
+    reaches huggingface_hub's fetch, and a later Engine without it fetches without it (the token was
+    set as HF_TOKEN for the whole process)."""
+    import huggingface_hub
+
+    from numa_runtime import Engine
+    _, src = hub_home
+    for env in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "HF_TOKEN"):
+        monkeypatch.delenv(env, raising=False)
+    seen = []
+
+    def snapshot_download(repo, **kw):
+        seen.append((repo, kw.get("token")))
+        return src
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    for token in ("hf_secret", None):
+        e = Engine("test-org/tiny", dtype="float32", kv_cache_memory=1 << 22,
+                   **({} if token is None else {"hf_token": token}))
+        e.close()
+        assert "HF_TOKEN" not in os.environ
+    assert seen == [("test-org/tiny", "hf_secret"), ("test-org/tiny", None)]
+    from numa_runtime.serve.__main__ import _hub_paths, check_args, parse_args
+    for flags, token in ((["--hf-token", "hf_other"], "hf_other"), (["--hf-token"], True), ([], None)):
+        args = parse_args(["--model", "test-org/tiny", *flags])
+        assert check_args(args) is None
+        _hub_paths(args)
+        assert args.model == [src] and seen[-1] == ("test-org/tiny", token)
+    with pytest.raises(TypeError, match="^hf_token must be a Hugging Face token"):
+        Engine(src, dtype="float32", kv_cache_memory=1 << 22, hf_token=123)

@@ -176,6 +176,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="on (long prompts are always prefilled in chunks of --max-num-batched-tokens)")
     vl.add_argument("--download-dir", default=None, help="where a Hugging Face Hub id's files go (HF_HUB_CACHE)")
     vl.add_argument("--revision", default=None, help="the branch, tag or commit of a Hugging Face Hub id")
+    vl.add_argument("--hf-token", nargs="?", const=True, default=None, metavar="TOKEN",
+                    help="the token that fetches a gated Hugging Face Hub id (alone: the saved login's); "
+                    "default: HF_TOKEN or the saved login")
     vl.add_argument("--load-format", default="auto", help="auto, safetensors or gguf (as the model's files say)")
     # NOTE: as vLLM's CORS flags and defaults (any origin, method and header; no credentials), so a
     # browser page can call the server; Access-Control-* headers on every answer, preflights answered
@@ -263,8 +266,8 @@ def _hub_paths(args) -> None:
     from numa_runtime.hub import is_repo_id, local_path
     args.model_ids = list(args.model or [])
     if args.model:
-        args.model = [local_path(m, revision=args.revision, cache_dir=args.download_dir) if is_repo_id(m) else m
-                      for m in args.model]
+        args.model = [local_path(m, revision=args.revision, cache_dir=args.download_dir, token=args.hf_token)
+                      if is_repo_id(m) else m for m in args.model]
 
 
 def build_engine(args):
