@@ -83,7 +83,8 @@ class Engine:
         # NOTE: one thread at a time changes the engine's state (a step, an add, an abort): callers
         # on several threads are served in turn (they hung, two threads stepping one scheduler)
         self._use = threading.RLock()
-        self._held: list | None = None  # SIGINTs held while _atomic runs on the main thread
+        self._stepping = False  # NOTE: a step runs (_step): an abort that comes in it waits for its end
+        self._deferred_aborts: list[str] = []
         self._broken: str | None = None  # why the ranks are out of step (_execute), for good
         self._keeps_workers = False  # a server of several models: its worker ranks outlive each engine
         self._serial = next(_serials)
@@ -518,6 +519,11 @@ class Engine:
         if not self.comm.is_driver:  # NOTE: a worker rank holds no requests
             return
         with self._atomic():
+            if self._stepping:
+                # NOTE: this thread, inside a step (a stream() generator that the garbage collector
+                # finalized there): the step's update still reads the request's state
+                self._deferred_aborts.extend(ids)
+                return
             if self._pending:  # NOTE: not queued yet: nothing ran, no output
                 self._pending = deque(p for p in self._pending if p.request_id not in ids)
             for rid in ids:
@@ -547,6 +553,9 @@ class Engine:
             self._admit_pending()
             if self.scheduler.has_unfinished():
                 self._step()
+        # NOTE: taken once the step is whole and a held Ctrl-C has raised: taken inside, the outputs
+        # (a finished request's last one) were lost with the return value
+        with self._use:
             return _take_all(self._step_outbox)
 
     @contextlib.contextmanager
@@ -556,31 +565,30 @@ class Engine:
         as it would have been (KeyboardInterrupt). A step cut half-way left other consumers'
         requests with lost tokens, or waiting for ever."""
         with self._use:
-            outermost = self._held is None and threading.current_thread() is threading.main_thread()
-            old = None
+            # NOTE: only Python's own handler is held (it raises KeyboardInterrupt). Another one
+            # (numa-serve's sets flags and times the signals) runs when the signal comes; nested
+            # calls find the holding handler and leave it. A SIGINT pending at the swap runs the
+            # handler it finds inside signal.signal: before the swap, or into `held` at the restore.
             held: list = []
-            if outermost:
-                self._held = held
+            old = None
+            if (threading.current_thread() is threading.main_thread()
+                    and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
                 try:
-                    # NOTE: the handler appends to its own list, never through self._held: a SIGINT
-                    # between the reset of self._held and the handler's restore below found None
                     old = signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
                 except ValueError:  # NOTE: not the main interpreter's main thread after all
-                    outermost, self._held = False, None
+                    old = None
             try:
                 yield
             finally:
-                if outermost:
+                if old is not None:
                     signal.signal(signal.SIGINT, old)
-                    self._held = None
-                    if held and callable(old):
+                    if held:
                         old(signal.SIGINT, held[0])
-                    elif held and old == signal.SIG_DFL:
-                        signal.raise_signal(signal.SIGINT)
 
     def _step(self) -> None:
         rec = self.recorder  # times the three under AS_PROFILE=ON; otherwise does nothing
         rec.begin_step()
+        self._stepping = True
         try:
             with rec.span(RESHAPE, "schedule"):
                 out = self.scheduler.schedule()
@@ -590,6 +598,11 @@ class Engine:
             # cached ahead of it: no later request may take them as prefix hits
             self.scheduler.drop_uncomputed()
             raise
+        finally:
+            self._stepping = False
+            if self._deferred_aborts:
+                ids, self._deferred_aborts = self._deferred_aborts, []
+                self.abort_request(ids)
 
     def _run_step(self, out) -> None:
         """Execute the scheduled step (or a burst of decode steps from it) and update."""
@@ -761,8 +774,7 @@ class Engine:
                         if bar is not None:
                             bar.update(1)
         except BaseException:
-            for r in rids:
-                self.abort_request(r)
+            self.abort_request(rids)  # NOTE: at once: a second Ctrl-C between aborts left the rest running
             raise
         finally:
             if bar is not None:
@@ -1117,23 +1129,26 @@ class Engine:
     # AS_PROFILE=ON: every rank's op timings (profiler.py); RuntimeError when profiling is off.
     def get_op_profiling_info(self, model_name: str | None = None) -> str:
         """The report: `*** reshape ***`, `*** alloc ***`, `*** forward ***` tables of every rank."""
-        return self._reports().report(model_name)
+        return self._reports(lambda p: p.report(model_name))
 
     def get_op_profiling_stats(self) -> list[dict]:
         """The report's rows as dicts: rank, section, opname, count, min/max/ave/total_ms, percentage."""
-        return self._reports().stats()
+        return self._reports(lambda p: p.stats())
 
     def reset_op_profiling(self) -> None:
         """Start a new profiling window on every rank."""
-        self._reports().reset()
+        self._reports(lambda p: p.reset())
 
     def export_chrome_trace(self, path: str, steps: int | None = None) -> str:
         """Write the last `steps` kept steps of every rank as a Chrome trace; returns path."""
-        return self._reports().chrome_trace(path, steps)
+        return self._reports(lambda p: p.chrome_trace(path, steps))
 
-    def _reports(self):
+    def _reports(self, call):
+        """`call(profile)`: a plan to every rank and their gather, whole as a step is (a Ctrl-C
+        between the two left the workers in the gather, paired with rank 0's next step)."""
         self._driver_only("get_op_profiling")
-        return self._profile
+        with self._atomic():
+            return call(self._profile)
 
     # ------------------------------------------------------------------ ranks
     @property
@@ -1219,12 +1234,20 @@ class Engine:
 
     def close(self) -> None:
         """Rank 0: stop the worker ranks (if any). A worker rank: serve_workers(). Idempotent."""
-        global _served
         if getattr(self, "_closed", True):
             return
         if not self.comm.is_driver:
             self.serve_workers()
             return
+        # NOTE: as a step, by one thread at a time and whole: a close beside another thread's step
+        # returned while it ran (its KV never reached the disk tier), and a Ctrl-C in the flush or
+        # between the workers' shutdown plan and their gather left them waiting
+        with self._atomic():
+            if not self._closed:
+                self._close()
+
+    def _close(self) -> None:
+        global _served
         self._closed = True
         atexit.unregister(self.close)  # NOTE: else atexit keeps an unloaded model's weights alive
         if self._broken:  # NOTE: no shutdown plan can reach workers out of step

@@ -440,3 +440,199 @@ def test_ctrl_c_while_the_held_handler_is_being_restored(model_dir, alone, monke
         assert eng.generate(PROMPTS[2], greedy(24))[0].text == alone(2, 24)
     finally:
         eng.close()
+
+
+def test_ctrl_c_in_step_keeps_the_outputs_for_the_next_step(model_dir):
+    """vLLM's loop `while has_unfinished_requests(): step()` that catches a KeyboardInterrupt: the
+    step's outputs (a finished request's last one) come with the next step() (they were taken out
+    before the held Ctrl-C raised, and lost with the return value)."""
+    import signal
+    eng = Engine(model_dir, dtype="float32", kv_cache_memory=40 * 8192, max_model_len=256)
+    try:
+        eng.add_request(PROMPTS[0], greedy(1), request_id="r1")
+        step = eng._step
+
+        def step_then_ctrl_c():
+            step()
+            signal.raise_signal(signal.SIGINT)
+        eng._step = step_then_ctrl_c
+        with pytest.raises(KeyboardInterrupt):
+            eng.step()
+        eng._step = step
+        assert eng.has_unfinished_requests()
+        outs = eng.step()
+        assert [(o.request_id, o.finished, len(o.outputs[0].token_ids)) for o in outs] == [("r1", True, 1)]
+    finally:
+        eng.close()
+
+
+def test_ctrl_c_pending_as_a_change_begins_leaves_later_ones_held(model_dir, alone, monkeypatch):
+    """A SIGINT pending when the engine swaps in its holding handler raises from signal.signal; the
+    engine kept a mark that it was holding, never held again, and a later Ctrl-C cut an update
+    half-way (a request lost its first token's text). A second Ctrl-C while generate() aborts its
+    requests leaves none of them running (they were aborted one by one)."""
+    import signal
+    eng = Engine(model_dir, dtype="float32", kv_cache_memory=40 * 8192, max_model_len=256, max_num_seqs=8)
+    real = signal.signal
+
+    def pending_at_install(signum, handler):
+        if signum == signal.SIGINT and handler is not signal.default_int_handler:
+            signal.raise_signal(signal.SIGINT)  # NOTE: the default handler still in place raises here
+        return real(signum, handler)
+    try:
+        monkeypatch.setattr(signal, "signal", pending_at_install)
+        with pytest.raises(KeyboardInterrupt):
+            eng.generate(PROMPTS[1], greedy(8))
+        monkeypatch.setattr(signal, "signal", real)
+        assert not eng.has_unfinished_requests()
+        update, calls = eng.scheduler.update, []
+
+        def update_then_ctrl_c(*args):
+            update(*args)
+            calls.append(1)
+            if len(calls) == 2:
+                signal.raise_signal(signal.SIGINT)  # NOTE: mid-update: held until the step is whole
+        eng.scheduler.update = update_then_ctrl_c
+        eng.add_request(PROMPTS[0], greedy(8), request_id="b")
+        text, interrupts = None, 0
+        while eng.has_unfinished_requests():
+            try:
+                text = next((o.outputs[0].text for o in eng.step() if o.finished), text)
+            except KeyboardInterrupt:
+                interrupts += 1
+        assert interrupts == 1 and text == alone(0, 8)
+        eng.scheduler.update = update
+        abort, first = eng.scheduler.abort_request, []
+
+        def abort_with_a_second_ctrl_c(rid):
+            if not first:
+                first.append(1)
+                signal.raise_signal(signal.SIGINT)
+            return abort(rid)
+        calls.clear()
+        eng.scheduler.update = update_then_ctrl_c
+        eng.scheduler.abort_request = abort_with_a_second_ctrl_c
+        with pytest.raises(KeyboardInterrupt):
+            eng.generate(PROMPTS[:6], greedy(40))
+        assert first and not eng.has_unfinished_requests() and not eng.scheduler.has_unfinished()
+    finally:
+        eng.close()
+
+
+def test_a_stream_finalized_inside_a_step_is_aborted_after_it(model_dir, alone):
+    """A stream() generator left in a reference cycle is finalized by the garbage collector, which
+    may run inside another consumer's step on the same thread: its abort came in the middle of the
+    step (KeyError in the step's update); it now waits for the step's end."""
+    eng = Engine(model_dir, dtype="float32", kv_cache_memory=40 * 8192, max_model_len=256)
+    gc.disable()
+    try:
+        def abandon_a_stream():
+            g = eng.stream(PROMPTS[0], greedy(20))
+            next(g)
+            try:
+                raise ValueError("the consumer gave up")
+            except ValueError as e:
+                err = e  # NOTE: frame -> err -> traceback -> frame: a cycle that holds g
+            assert err
+        abandon_a_stream()
+        assert eng.get_num_unfinished_requests() == 1
+        execute, collected = eng.runner.execute, []
+
+        def execute_then_collect(plan):
+            out = execute(plan)
+            if not collected:
+                collected.append(gc.collect())  # NOTE: as an allocation in the step would
+            return out
+        eng.runner.execute = execute_then_collect
+        assert eng.generate(PROMPTS[1], greedy(20))[0].text == alone(1, 20)
+        assert collected and not eng.has_unfinished_requests()
+    finally:
+        gc.enable()
+        eng.close()
+
+
+def test_close_waits_for_another_threads_step(model_dir):
+    """close() beside another thread's step returned while it ran (the step's KV never reached the
+    disk tier, and that generate() returned after close()); it now runs between steps, and the
+    other thread's request ends with the engine's one-sentence error or its whole output."""
+    import threading
+    eng = Engine(model_dir, dtype="float32", kv_cache_memory=40 * 8192, max_model_len=256)
+    inside, go, order = threading.Event(), threading.Event(), []
+    execute = eng.runner.execute
+
+    def held_execute(plan):
+        if threading.current_thread().name == "gen" and not go.is_set():
+            inside.set()
+            go.wait(60)
+        out = execute(plan)
+        order.append("step")
+        return out
+    eng.runner.execute = held_execute
+    res = {}
+
+    def gen():
+        try:
+            res["out"] = eng.generate(PROMPTS[0], greedy(4))[0].text
+        except RuntimeError as e:
+            res["err"] = str(e)
+    t = threading.Thread(target=gen, name="gen")
+    t.start()
+    assert inside.wait(60)
+    closer = threading.Thread(target=lambda: (eng.close(), order.append("closed")))
+    closer.start()
+    closer.join(timeout=1.0)  # NOTE: close() must be waiting for the step, however long this waits
+    alive = closer.is_alive()
+    go.set()
+    closer.join(timeout=60)
+    t.join(timeout=60)
+    assert alive and order.index("closed") > order.index("step"), order
+    assert res.get("err", "").startswith("The engine was closed while this request ran") or res.get("out"), res
+
+
+def test_async_engine_add_as_the_loop_ends_is_answered():
+    """An add() that passed the loop's liveness check as the loop ended (stop, a broken step) was
+    put in the inbox after the loop's last drain of it: nobody answered it and the client waited
+    for ever. It now gets EngineDeadError."""
+    import asyncio
+    import queue
+    import threading
+    from types import SimpleNamespace
+    from numa_runtime.serve.async_engine import AsyncEngine, EngineDeadError
+
+    class FakeEngine:  # an idle engine
+        num_threads = 1
+        ops = SimpleNamespace(set_num_threads=lambda n: None)
+
+        def has_unfinished_requests(self):
+            return False
+
+        def abort_request(self, rid):
+            pass
+    aengine = AsyncEngine(FakeEngine())
+    drained = threading.Event()
+
+    class Inbox(queue.SimpleQueue):
+        def put(self, item, *args, **kw):
+            if item[0] == "add":  # NOTE: add() passed its check; the loop ends before the put
+                super().put(("stop",))
+                assert drained.wait(60)
+            super().put(item, *args, **kw)
+    aengine._inbox = Inbox()
+    fail_all = aengine._fail_all
+
+    def fail_all_then_mark(err):
+        fail_all(err)
+        drained.set()
+    aengine._fail_all = fail_all_then_mark
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        t = threading.Thread(target=aengine.run_forever, daemon=True)
+        t.start()
+        task = asyncio.ensure_future(aengine.add("r1", [1, 2, 3], None, asyncio.Queue()))
+        await loop.run_in_executor(None, t.join, 60)
+        assert not aengine.is_alive
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(task, 60)
+        assert aengine.num_waiting == 0
+    asyncio.run(main())

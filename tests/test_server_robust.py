@@ -916,3 +916,24 @@ def test_served_model_name_aliases(model_dir):
     finally:
         code = srv.stop()
     assert code == 0, srv.output()
+
+
+def test_a_stop_signal_just_after_the_load_stops_the_server_cleanly(model_dir):
+    """systemctl stop as the model finished loading: the signal is kept and served as a graceful
+    stop once the server's handlers are in. Its replay told the HTTP front "stopping" before
+    "ready", and the front started a server on the socket it had just closed (the front died and
+    numa-serve exited 1)."""
+    code = ("import os, signal, sys\n"
+            "import numa_runtime.serve.__main__ as M\n"
+            "warn = M.vllm_env_warning\n"
+            "def kill_then_warn(*a, **k):\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    return warn(*a, **k)\n"
+            "M.vllm_env_warning = kill_then_warn\n"
+            f"sys.exit(M.main(['--model', {model_dir!r}, *{TINY!r}, '--port', '0', '--host', '127.0.0.1']))\n")
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for name in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"):
+        env.pop(name, None)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "front process exited" not in r.stderr, r.stderr[-3000:]
+    assert "serving at http://127.0.0.1:" in r.stdout, r.stdout[-2000:]

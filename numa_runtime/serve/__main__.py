@@ -714,8 +714,8 @@ def _serve(args, world, sock, front) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    if early:  # NOTE: a graceful stop at once (nothing runs yet)
-        on_signal(early[0], None)
+    for signum in early:  # NOTE: a graceful stop at once (nothing runs yet); a second one exits now
+        on_signal(signum, None)
     closed = threading.Event()  # NOTE: set once engine.close() returned
     if world is not None and world[1] > 1:
         _watch_signals(aengine, begin_shutdown, args.shutdown_grace, closed, args.stall_timeout)

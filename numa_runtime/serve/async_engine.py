@@ -104,7 +104,7 @@ class AsyncEngine:
             raise EngineDeadError("The engine loop has stopped; restart the server.")
         self._adds_sent += 1  # NOTE: before the engine thread can take it
         try:
-            self._inbox.put(("add", request_id, prompt, params, (loop, sink), done))
+            self._put(("add", request_id, prompt, params, (loop, sink), done))
             await done
         except BaseException:
             # NOTE: a request the engine refused was never added: no abort (a queued abort would
@@ -127,8 +127,14 @@ class AsyncEngine:
 
     def _put(self, cmd: tuple) -> None:
         if not self.is_alive:
+            if cmd[0] == "add":
+                self._took_add()
             raise EngineDeadError("The engine loop has stopped; restart the server.")
         self._inbox.put(cmd)
+        if not self.is_alive:
+            # NOTE: the loop ended between the check and the put: its last drain of the inbox may
+            # have run before the put, and nobody would read the command (an add waited for ever)
+            self._fail_inbox(EngineDeadError("The engine loop has stopped; restart the server."))
 
     # ------------------------------------------------------------------ engine thread
     def start(self) -> None:
@@ -295,7 +301,11 @@ class AsyncEngine:
                 pass
             _deliver(loop, q, error)
         self._sinks.clear()
-        while True:  # requests still in the inbox never reached the engine
+        self._fail_inbox(error)
+
+    def _fail_inbox(self, error: BaseException) -> None:
+        """Answer the commands still in the inbox (they never reached the engine) with `error`."""
+        while True:
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:

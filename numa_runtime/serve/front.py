@@ -518,7 +518,9 @@ class Front:
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(control), sys.stdin)
         while line := await control.readline():
             word = line.strip()
-            if word == b"ready" and self.server is None:
+            # NOTE: "ready" after "stopping" (a stop signal just after the load, replayed before the
+            # server started) would start a server on the socket "stopping" closed
+            if word == b"ready" and self.server is None and not self.stopping:
                 self.server = await asyncio.start_server(self.accept, sock=self.sock, backlog=2048)
             elif word == b"stopping":
                 self.stopping = True
