@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from models import build_model
+from procs import next_line
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -49,17 +50,20 @@ def test_a_load_that_fails_on_one_rank_is_one_sentence_on_every_rank(gguf, tmp_p
     assert "Traceback" not in p.stderr and "BAD TERMINATION" not in p.stdout + p.stderr
 
 
-def rank0_pid(marker: str) -> int:
-    for pid in os.listdir("/proc"):
+def rank0_pid(marker: str, job: int) -> int:
+    """Rank 0 of the mpirun job `job` (a process of another job with the same command line, left
+    by an earlier run or running beside this one, was taken for it)."""
+    import psutil
+    for proc in psutil.Process(job).children(recursive=True):
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
+            with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
                 cmd = f.read()
-            with open(f"/proc/{pid}/environ", "rb") as f:
+            with open(f"/proc/{proc.pid}/environ", "rb") as f:
                 environ = f.read().split(b"\0")
         except (OSError, ValueError):
             continue
         if marker.encode() in cmd and b"PMI_RANK=0" in environ:
-            return int(pid)
+            return proc.pid
     raise AssertionError("rank 0 is not running")
 
 
@@ -72,8 +76,8 @@ def test_a_stop_to_rank_0_ends_the_job_as_ctrl_c(sig):
     p = subprocess.Popen(["mpirun", "-np", "2", *cli(marker, "--raw", "--max-tokens", "2000")],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
     try:
-        assert p.stdout.readline().startswith(">>> Count")  # NOTE: loaded on every rank; the answer streams
-        os.kill(rank0_pid(marker), sig)
+        assert next_line(p).startswith(">>> Count")  # NOTE: loaded on every rank; the answer streams
+        os.kill(rank0_pid(marker, p.pid), sig)
         out, err = p.communicate(timeout=120)
     finally:
         if p.poll() is None:
@@ -129,7 +133,7 @@ def test_a_reader_that_goes_away_and_a_model_without_a_chat_template(gguf):
     p = subprocess.Popen(cli("Count from 1 to 1000:", "--raw", "--max-tokens", "2000"), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, env=ENV, cwd=ROOT)
     try:
-        assert p.stdout.readline().startswith(b">>> Count")
+        assert next_line(p).startswith(b">>> Count")
         p.stdout.close()  # NOTE: the reader is gone; the next delta meets a broken pipe
         err = p.stderr.read().decode()
         assert p.wait(timeout=120) == 0, err[-3000:]

@@ -10,6 +10,8 @@ import struct
 import numpy as np
 import pytest
 
+from procs import next_line
+
 from numa_runtime import default_model
 from numa_runtime.default_model import MODEL_NAME, default_model_dir
 
@@ -215,7 +217,7 @@ def test_chat_cli_takes_vllms_dtype_names_and_ends_quietly_on_ctrl_c():
                           "--max-tokens", "2000", "--dtype", "auto"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     try:
-        assert p.stdout.readline().startswith(">>> Count")  # NOTE: the model loaded; the answer streams
+        assert next_line(p).startswith(">>> Count")  # NOTE: the model loaded; the answer streams
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=120)
     finally:

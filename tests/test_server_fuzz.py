@@ -29,7 +29,7 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 
 
 @schema.parametrize()
-@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_no_server_errors(case, fuzz_server):
     response = case.call(timeout=30)
     assert response.status_code < 500, f"{case.method} {case.path} {case.body!r} -> {response.text}"

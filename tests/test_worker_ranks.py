@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from models import build_model
+from procs import next_line
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -143,7 +144,7 @@ def test_ctrl_c_ends_a_generating_job_at_once(model_dir):
     cmd = ["mpirun", "-np", "2", sys.executable, os.path.join(HERE, "mpi", "worker_ranks.py"), model_dir, "ctrl-c"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:
-        assert p.stdout.readline().startswith("MARK generating rank 0")
+        assert next_line(p).startswith("MARK generating rank 0")
         time.sleep(1)  # NOTE: well into the generation loop, where nearly all time is in steps
         start = time.monotonic()
         p.send_signal(signal.SIGINT)
