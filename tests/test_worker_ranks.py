@@ -25,9 +25,9 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def run(model_dir, mode):
+def run(model_dir, mode, **extra_env):
     env = dict(os.environ, MPI4PY_RC_THREAD_LEVEL="funneled", OMP_NUM_THREADS="1",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra_env)
     cmd = ["mpirun", "-np", "2", sys.executable, os.path.join(HERE, "mpi", "worker_ranks.py"), model_dir, mode]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -156,3 +156,13 @@ def test_ctrl_c_ends_a_generating_job_at_once(model_dir):
         if p.poll() is None:
             p.kill()
             p.communicate()
+
+
+def test_a_ctrl_c_in_a_profiling_report_or_in_close_keeps_the_ranks_in_step(model_dir):
+    """A profiling report and close() each send the workers a plan and then gather from them. A
+    Ctrl-C on rank 0 between the two left the workers in the gather: the next step's plan paired
+    with it, or after close() the workers waited for the collective timeout and the job aborted.
+    Both now run whole, and the Ctrl-C raises after them."""
+    marks, p = run(model_dir, "ctrl-c-in-report-and-close", AS_PROFILE="ON", NUMA_RUNTIME_COLLECTIVE_TIMEOUT="60")
+    assert marks == ["MARK close-interrupted rank 0", "MARK closed rank 0", "MARK report-interrupted rank 0",
+                     "MARK same-tokens rank 0 True", "MARK served rank 1"], p.stdout[-2000:] + p.stderr[-3000:]

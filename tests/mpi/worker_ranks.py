@@ -6,6 +6,7 @@ plain:    a script written for one process: Engine(), generate(), print, close()
 explicit: `with Engine() as eng:` drives on rank 0 only; every rank goes on after the block.
 *-twice:  the same, then a second Engine (the plain script's workers have exited by then).
 ctrl-c:   rank 0 generates until interrupted.
+ctrl-c-in-report-and-close: (AS_PROFILE=ON) a Ctrl-C on rank 0 inside a profiling report and inside close().
 driver-only-twice: only rank 0 drives and closes; a worker's script ends (its engine closes at
           exit) and rank 0 then makes a second Engine.
 Each rank writes "MARK <where> rank <r>" lines, one write each (ranks must not interleave).
@@ -29,6 +30,31 @@ if mode == "ctrl-c":  # rank 0 generates until the test sends SIGINT to mpirun
         mark("generating", 0)
         while True:
             eng.generate([[1, 5, 9]] * 4, SamplingParams(max_tokens=100, ignore_eos=True))
+    sys.exit(0)
+
+if mode == "ctrl-c-in-report-and-close":  # AS_PROFILE=ON: a Ctrl-C on rank 0 between a plan and its gather
+    import signal
+    eng = Engine(model, dtype="float32", kv_cache_memory=1 << 24, max_model_len=128)
+    if not eng.is_driver:
+        eng.serve_workers()
+        mark("served", eng.comm.rank)
+        sys.exit(0)
+    first = eng.generate([[1, 5, 9]], params)[0].token_ids
+    rec, answer = eng._profile.recorder, eng._profile.recorder.answer
+    rec.answer = lambda action: signal.raise_signal(signal.SIGINT) or answer(action)  # NOTE: the plan went out
+    try:
+        eng.get_op_profiling_info()
+    except KeyboardInterrupt:
+        mark("report-interrupted", 0)
+    rec.answer = answer
+    mark("same-tokens", 0, f" {eng.generate([[1, 5, 9]], params)[0].token_ids == first}")
+    shutdown = eng.runner.shutdown_workers
+    eng.runner.shutdown_workers = lambda: shutdown() or signal.raise_signal(signal.SIGINT)  # NOTE: before the gather
+    try:
+        eng.close()
+    except KeyboardInterrupt:
+        mark("close-interrupted", 0)
+    mark("closed", 0)
     sys.exit(0)
 
 if mode == "vllm-habits":  # lines before the first driving call run on every rank, as in one process
