@@ -84,7 +84,8 @@ class Engine:
         # on several threads are served in turn (they hung, two threads stepping one scheduler)
         self._use = threading.RLock()
         self._stepping = False  # NOTE: a step runs (_step): an abort that comes in it waits for its end
-        self._deferred_aborts: list[str] = []
+        self._deferred_aborts: deque[str] = deque()  # NOTE: applied as the outermost change ends (_atomic)
+        self._depth = 0  # NOTE: _atomic's nesting on the thread that holds _use
         self._broken: str | None = None  # why the ranks are out of step (_execute), for good
         self._keeps_workers = False  # a server of several models: its worker ranks outlive each engine
         self._serial = next(_serials)
@@ -565,25 +566,38 @@ class Engine:
         as it would have been (KeyboardInterrupt). A step cut half-way left other consumers'
         requests with lost tokens, or waiting for ever."""
         with self._use:
-            # NOTE: only Python's own handler is held (it raises KeyboardInterrupt). Another one
-            # (numa-serve's sets flags and times the signals) runs when the signal comes; nested
-            # calls find the holding handler and leave it. A SIGINT pending at the swap runs the
-            # handler it finds inside signal.signal: before the swap, or into `held` at the restore.
-            held: list = []
+            # NOTE: any Python handler is held (asyncio.run's raises KeyboardInterrupt at a second
+            # Ctrl-C), and SIG_DFL; one marked `numa_runtime_unheld` (numa-serve's sets flags and dates
+            # the signals) runs when the signal comes. Nested calls find the holder and leave it. A
+            # SIGINT pending at a swap runs the handler it finds inside signal.signal: the caller's
+            # before the swap, or the holder at the restore.
+            held = _HeldSignals()
             old = None
-            if (threading.current_thread() is threading.main_thread()
-                    and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            current = signal.getsignal(signal.SIGINT)
+            if (threading.current_thread() is threading.main_thread() and not isinstance(current, _HeldSignals)
+                    and (callable(current) or current == signal.SIG_DFL)
+                    and not getattr(current, "numa_runtime_unheld", False)):
                 try:
-                    old = signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+                    old = signal.signal(signal.SIGINT, held)
                 except ValueError:  # NOTE: not the main interpreter's main thread after all
                     old = None
+            self._depth += 1
             try:
                 yield
             finally:
+                self._depth -= 1
+                if self._depth == 0 and self._deferred_aborts and not self._stepping:
+                    ids = []
+                    while self._deferred_aborts:  # NOTE: popped one by one: another thread may append
+                        ids.append(self._deferred_aborts.popleft())
+                    self.abort_request(ids)
                 if old is not None:
                     signal.signal(signal.SIGINT, old)
-                    if held:
-                        old(signal.SIGINT, held[0])
+                    if held.frames and callable(old):
+                        for frame in held.frames:  # NOTE: each, in order (asyncio's: cancel, then raise)
+                            old(signal.SIGINT, frame)
+                    elif held.frames and old == signal.SIG_DFL:
+                        signal.raise_signal(signal.SIGINT)
 
     def _step(self) -> None:
         rec = self.recorder  # times the three under AS_PROFILE=ON; otherwise does nothing
@@ -599,10 +613,7 @@ class Engine:
             self.scheduler.drop_uncomputed()
             raise
         finally:
-            self._stepping = False
-            if self._deferred_aborts:
-                ids, self._deferred_aborts = self._deferred_aborts, []
-                self.abort_request(ids)
+            self._stepping = False  # NOTE: aborts that came in it are applied as its _atomic ends
 
     def _run_step(self, out) -> None:
         """Execute the scheduled step (or a burst of decode steps from it) and update."""
@@ -832,7 +843,19 @@ class Engine:
                         yield o.outputs[0].delta
         finally:
             if not done and added:
-                self.abort_request(added[0])
+                self._abort_soon(added[0])
+
+    def _abort_soon(self, rid: str) -> None:
+        """abort_request, or where another thread holds the engine, queued for that thread to apply
+        as its change ends: a stream the garbage collector finalizes may run on a thread the lock's
+        holder waits for (the grammar compiler's), and waiting for the lock there hung both."""
+        self._deferred_aborts.append(rid)
+        if self._use.acquire(blocking=False):
+            try:
+                with self._atomic():
+                    pass  # NOTE: its end applies the queued aborts (at once, unless this thread is mid-change)
+            finally:
+                self._use.release()
 
     def _wait(self, outbox: deque) -> None:
         """Step until `outbox` (of unfinished requests) holds an output (another thread's steps
@@ -1346,6 +1369,16 @@ def check_load_format(fmt, model) -> None:
         what = "the built-in model" if model is None else str(model)
         raise ValueError(f"load_format {fmt!r} does not match {what}, which is "
                          f"{'a GGUF file' if gguf else 'not a .gguf file'}; leave it 'auto'.")
+
+
+class _HeldSignals:
+    """Engine._atomic's SIGINT handler while a change runs: the frames of the signals it held."""
+
+    def __init__(self):
+        self.frames: list = []
+
+    def __call__(self, signum, frame) -> None:
+        self.frames.append(frame)
 
 
 def _close_if_alive(ref) -> None:

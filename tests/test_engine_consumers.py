@@ -636,3 +636,83 @@ def test_async_engine_add_as_the_loop_ends_is_answered():
             await asyncio.wait_for(task, 60)
         assert aengine.num_waiting == 0
     asyncio.run(main())
+
+
+def test_two_ctrl_c_inside_asyncio_run_are_held_to_the_steps_end(model_dir, alone):
+    """Inside asyncio.run (Python 3.11 installs its own SIGINT handler: the first Ctrl-C cancels
+    the main task, the second raises KeyboardInterrupt) two Ctrl-Cs in the middle of a step's
+    update are held until the step is whole, then replayed in order: vLLM's step loop that catches
+    KeyboardInterrupt gets the request's text whole (held for Python's own handler only, the second
+    cut the update and lost a token's text)."""
+    import asyncio
+    import signal
+    result = {}
+
+    async def main():
+        eng = Engine(model_dir, dtype="float32", kv_cache_memory=40 * 8192, max_model_len=256)
+        result["handler"] = signal.getsignal(signal.SIGINT)
+        update, calls = eng.scheduler.update, []
+
+        def update_then_two_ctrl_c(*args):
+            update(*args)
+            calls.append(1)
+            if len(calls) == 2:
+                signal.raise_signal(signal.SIGINT)
+                signal.raise_signal(signal.SIGINT)
+        eng.scheduler.update = update_then_two_ctrl_c
+        eng.add_request(PROMPTS[0], greedy(8), request_id="b")
+        text, interrupts = None, 0
+        try:
+            while eng.has_unfinished_requests():
+                try:
+                    text = next((o.outputs[0].text for o in eng.step() if o.finished), text)
+                except KeyboardInterrupt:
+                    interrupts += 1
+        finally:
+            eng.close()
+        result.update(text=text, interrupts=interrupts)
+    with pytest.raises((asyncio.CancelledError, KeyboardInterrupt)):  # NOTE: the first Ctrl-C cancelled main
+        asyncio.run(main())
+    assert result["handler"] is not signal.default_int_handler  # NOTE: asyncio's own (Python >= 3.11)
+    assert result["interrupts"] == 1 and result["text"] == alone(0, 8), result
+
+
+def test_a_stream_finalized_on_a_thread_the_engine_waits_for_does_not_hang(model_dir):
+    """The garbage collector may finalize an abandoned stream() on the grammar compiler's thread
+    while the engine's holder waits for that thread (adding a json_schema request): the stream's
+    abort waited for the engine's lock, and both hung. It is queued and applied when the add ends."""
+    import threading
+    from numa_runtime import structured
+    eng = Engine(model_dir, dtype="float32", kv_cache_memory=40 * 8192, max_model_len=256)
+    gc.disable()
+    first, threads, t = structured.Grammars._first_mask, [], None
+    try:
+        def abandon_a_stream():
+            g = eng.stream(PROMPTS[0], greedy(20))
+            next(g)
+            try:
+                raise ValueError("the consumer gave up")
+            except ValueError as e:
+                err = e  # NOTE: a cycle that holds g
+            assert err
+        abandon_a_stream()
+        assert eng.get_num_unfinished_requests() == 1
+
+        def first_mask_after_gc(self, m):
+            threads.append(threading.current_thread().name)
+            gc.collect()  # NOTE: as an allocation on that thread would
+            return first(self, m)
+        structured.Grammars._first_mask = first_mask_after_gc
+        done = {}
+        t = threading.Thread(target=lambda: done.update(out=eng.generate(
+            PROMPTS[1], SamplingParams(max_tokens=4, temperature=0, json_schema={"type": "object"}))), daemon=True)
+        t.start()
+        t.join(timeout=120)
+        assert not t.is_alive(), "the add of a json_schema request hung"
+        assert threads and threads[0] != t.name and len(done["out"][0].outputs[0].token_ids) >= 1
+        assert not eng.has_unfinished_requests()
+    finally:
+        structured.Grammars._first_mask = first
+        gc.enable()
+        if t is None or not t.is_alive():  # NOTE: a hung add holds the engine: close() would wait for ever
+            eng.close()

@@ -712,6 +712,9 @@ def _serve(args, world, sock, front) -> int:
             server.force_exit = True
         begin_shutdown()
 
+    # NOTE: it only sets flags, so an engine step need not hold it, and it dates each signal as it comes
+    # (held to a step's end, mpiexec's copy of one Ctrl-C came over 1 s after the first: an exit at once)
+    on_signal.numa_runtime_unheld = True
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     for signum in early:  # NOTE: a graceful stop at once (nothing runs yet); a second one exits now
