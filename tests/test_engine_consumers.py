@@ -519,6 +519,18 @@ def test_ctrl_c_pending_as_a_change_begins_leaves_later_ones_held(model_dir, alo
         eng.close()
 
 
+def _abandon_a_stream_in_a_cycle(eng) -> None:
+    """A stream() read once and dropped while a reference cycle holds it (frame -> exception ->
+    traceback -> frame): only the garbage collector finalizes it (disabled by the caller)."""
+    g = eng.stream(PROMPTS[0], greedy(20))
+    next(g)
+    try:
+        raise ValueError("the consumer gave up")
+    except ValueError as e:
+        err = e
+    assert err
+
+
 def test_a_stream_finalized_inside_a_step_is_aborted_after_it(model_dir, alone):
     """A stream() generator left in a reference cycle is finalized by the garbage collector, which
     may run inside another consumer's step on the same thread: its abort came in the middle of the
@@ -526,15 +538,7 @@ def test_a_stream_finalized_inside_a_step_is_aborted_after_it(model_dir, alone):
     eng = Engine(model_dir, dtype="float32", kv_cache_memory=40 * 8192, max_model_len=256)
     gc.disable()
     try:
-        def abandon_a_stream():
-            g = eng.stream(PROMPTS[0], greedy(20))
-            next(g)
-            try:
-                raise ValueError("the consumer gave up")
-            except ValueError as e:
-                err = e  # NOTE: frame -> err -> traceback -> frame: a cycle that holds g
-            assert err
-        abandon_a_stream()
+        _abandon_a_stream_in_a_cycle(eng)
         assert eng.get_num_unfinished_requests() == 1
         execute, collected = eng.runner.execute, []
 
@@ -687,15 +691,7 @@ def test_a_stream_finalized_on_a_thread_the_engine_waits_for_does_not_hang(model
     gc.disable()
     first, threads, t = structured.Grammars._first_mask, [], None
     try:
-        def abandon_a_stream():
-            g = eng.stream(PROMPTS[0], greedy(20))
-            next(g)
-            try:
-                raise ValueError("the consumer gave up")
-            except ValueError as e:
-                err = e  # NOTE: a cycle that holds g
-            assert err
-        abandon_a_stream()
+        _abandon_a_stream_in_a_cycle(eng)
         assert eng.get_num_unfinished_requests() == 1
 
         def first_mask_after_gc(self, m):

@@ -100,9 +100,7 @@ class AsyncEngine:
         """
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        if not self.is_alive:
-            raise EngineDeadError("The engine loop has stopped; restart the server.")
-        self._adds_sent += 1  # NOTE: before the engine thread can take it
+        self._adds_sent += 1  # NOTE: before the engine thread can take it; _put takes it back if the loop is gone
         try:
             self._put(("add", request_id, prompt, params, (loop, sink), done))
             await done
