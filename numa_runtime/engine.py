@@ -31,7 +31,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from .config import EngineConfig, ModelConfig, UnsupportedModelError, generation_defaults
-from .outputs import RequestMetrics, RequestOutput, TextState
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput, TextState
 from .recorder import FORWARD, RESHAPE
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams, _is_int
@@ -344,32 +344,44 @@ class Engine:
         """Queue the waiting prompt_logprobs requests whose prefill now finds KV room, in order.
         One that cannot wait (nothing runs to free blocks) or fails is dropped and its error
         raised."""
-        while self._pending:
-            bm = self._scratch_pool()
-            if bm.num_blocks_for(self._pending[0].num_tokens) > bm.num_free_blocks and self.scheduler.has_unfinished():
-                return  # NOTE: no room yet: not checked and tokenized again every step
-            entry = self._pending.popleft()
-            try:
-                self._add(entry.prompt, entry.params, entry.request_id, self._step_outbox, entry.cap_max_tokens)
-            except KVCacheBusyError:
-                if self.scheduler.has_unfinished():
-                    self._pending.appendleft(entry)
-                    return
-                raise
+        bm = self._scratch_pool()
+        try:
+            while self._pending:
+                if bm.num_blocks_for(self._pending[0].num_tokens) > bm.num_free_blocks and self.scheduler.has_unfinished():
+                    return  # NOTE: no room yet: not checked and tokenized again every step
+                entry = self._pending.popleft()
+                try:
+                    self._add(entry.prompt, entry.params, entry.request_id, self._step_outbox, entry.cap_max_tokens,
+                              arrival_time=entry.arrival_time)
+                except KVCacheBusyError:
+                    if self.scheduler.has_unfinished():
+                        self._pending.appendleft(entry)
+                        return
+                    raise
+        finally:
+            self._reserve_for_pending()
+
+    def _reserve_for_pending(self) -> None:
+        """Keep the blocks of the first waiting prompt_logprobs request free of new admissions
+        (requests added after it took every block that a finishing one freed, first come first
+        served no more); none once nothing waits."""
+        bm = self._scratch_pool()
+        bm.reserve("prompt_logprobs", bm.num_blocks_for(self._pending[0].num_tokens) if self._pending else 0)
 
     def _add(self, prompt, params: SamplingParams | None, request_id: str | None, outbox: deque,
-             cap_max_tokens: bool = True, added: list | None = None) -> str:
+             cap_max_tokens: bool = True, added: list | None = None, arrival_time: float | None = None) -> str:
         """Queue a request whose outputs are appended to `outbox` (its owner reads them there). Its id
         goes to `added` too, inside the change: a Ctrl-C held during the add raises when the add is
-        whole, before the caller has the returned id to abort."""
+        whole, before the caller has the returned id to abort. `arrival_time`: when it was first
+        added (one that waited in _pending queues ahead of those added after it)."""
         with self._atomic():
-            rid = self._add_locked(prompt, params, request_id, outbox, cap_max_tokens)
+            rid = self._add_locked(prompt, params, request_id, outbox, cap_max_tokens, arrival_time=arrival_time)
             if added is not None:
                 added.append(rid)
             return rid
 
     def _add_locked(self, prompt, params: SamplingParams | None, request_id: str | None, outbox: deque,
-                    cap_max_tokens: bool = True, defer: str = "no") -> str:
+                    cap_max_tokens: bool = True, defer: str = "no", arrival_time: float | None = None) -> str:
         """`defer` (add_request's prompt_logprobs requests, once checked whole): "always" waits in
         _pending behind those there; "if_busy" waits there when running requests hold the blocks
         its prompt's prefill needs; "no" raises KVCacheBusyError then."""
@@ -413,6 +425,7 @@ class Engine:
             params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
         bad_words = self._bad_words_ids(params.bad_words)
         group = _Group(rid, text, ids, params, outbox)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
 
         def undo():  # NOTE: all or none of the n sequences are queued
             for req in group.children:
@@ -421,7 +434,7 @@ class Engine:
         try:
             for i in range(params.n):
                 sp = params if params.n == 1 else _child_params(params, i)
-                req = Request(rid if params.n == 1 else f"{rid}#{i}", ids, sp)
+                req = Request(rid if params.n == 1 else f"{rid}#{i}", ids, sp, arrival_time=arrival)
                 req.bad_words_ids, req.constraint = bad_words, constraint
                 self.scheduler.add_request(req)  # raises ValueError if it can never fit
                 group.children.append(req)
@@ -437,7 +450,7 @@ class Engine:
             undo()
             if defer == "no" or (defer == "if_busy" and not self.scheduler.has_unfinished()):
                 raise
-            self._pending.append(_Pending(prompt, original, rid, cap_max_tokens, len(ids)))
+            self._pending.append(_Pending(prompt, original, rid, cap_max_tokens, text, ids, arrival))
             return rid
         except BaseException:
             undo()
@@ -525,8 +538,11 @@ class Engine:
                 # finalized there): the step's update still reads the request's state
                 self._deferred_aborts.extend(ids)
                 return
-            if self._pending:  # NOTE: not queued yet: nothing ran, no output
+            dropped = [p for p in self._pending if p.request_id in ids]
+            if dropped:  # NOTE: not queued yet: nothing ran, so the last output holds no tokens
                 self._pending = deque(p for p in self._pending if p.request_id not in ids)
+                self._reserve_for_pending()
+                self._step_outbox.extend(_aborted_before_it_ran(p) for p in dropped)
             for rid in ids:
                 group = self._groups.pop(rid, None)
                 if group is None:
@@ -1621,7 +1637,21 @@ class _Pending(typing.NamedTuple):
     params: SamplingParams
     request_id: str
     cap_max_tokens: bool
-    num_tokens: int
+    prompt_text: str | None
+    prompt_ids: list[int]
+    arrival_time: float
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+
+def _aborted_before_it_ran(p: _Pending) -> RequestOutput:
+    """The last output of a waiting prompt_logprobs request that was aborted: each of its n
+    sequences empty, finish_reason "abort" (as every aborted request's owner gets one)."""
+    outs = [CompletionOutput(i, "", [], finish_reason="abort") for i in range(p.params.n)]
+    return RequestOutput(p.request_id, p.prompt_text, p.prompt_ids, outs, True,
+                         metrics=RequestMetrics(arrival_time=p.arrival_time))
 
 
 class _OneOutput(list):

@@ -87,7 +87,12 @@ class Scheduler:
         self._check_fits(req)
         self.requests[req.request_id] = req
         req.status = RequestStatus.WAITING
-        self.waiting.append(req)
+        # NOTE: by arrival: a request that waited outside the scheduler (a prompt_logprobs request
+        # waiting for KV room) goes ahead of those added after it, first come first served
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].arrival_time > req.arrival_time:
+            i -= 1
+        self.waiting.insert(i, req)
 
     def _check_fits(self, req: Request) -> None:
         cfg, bm = self.config, self.block_manager

@@ -514,11 +514,51 @@ def test_prompt_logprobs_wait_for_room_in_add_request(model_dir):
             for o in e.step():
                 if o.finished:
                     final[o.request_id] = o
-        assert set(final) == {first, rid, rid2} and gone not in final
+        # NOTE: aborted while it waited, before it ran: its owner still gets a last output
+        assert set(final) == {first, rid, rid2, gone}
+        assert [(c.finish_reason, c.token_ids, c.text) for c in final[gone].outputs] == [("abort", [], "")]
+        assert final[gone].prompt_token_ids == p and final[gone].finished
         alone = e.generate([p, p[:60]], sp)
         assert final[rid].prompt_logprobs == alone[0].prompt_logprobs and len(final[rid].prompt_logprobs) == len(p)
         assert final[rid2].prompt_logprobs == alone[1].prompt_logprobs
         assert final[rid].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    finally:
+        e.close()
+
+
+def test_a_waiting_prompt_logprobs_request_is_not_overtaken_by_later_ones(model_dir):
+    """A prompt_logprobs request waiting for KV room keeps the blocks it needs from requests
+    added after it, which queue behind it once it is in (first come first served): under a
+    steady flow of new requests, twenty of them finished first before. Aborting an n=2 one while
+    it waits gives two empty "abort" sequences."""
+    e = Engine(model_dir, dtype="float32", kv_cache_memory=12 * 8192, max_model_len=128, block_size=16)
+    try:
+        bm = e.scheduler.block_manager
+        for i in range(2):
+            e.add_request(list(range(3 + i, 3 + i + 40)), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        e.step()
+        free = bm.num_free_blocks
+        p = list(range(7, 7 + 16 * (free + 1)))[:120]
+        assert free < bm.num_blocks_for(len(p)) <= bm.num_blocks
+        waiting = e.add_request(p, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+        gone = e.add_request(p[:20], SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1, n=2))
+        e.abort_request(gone)
+        finished, i = [], 0
+        while waiting not in finished:
+            assert i < 200, "the waiting request never ran"
+            e.add_request([9 + i % 50] * 8, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                          request_id=f"late{i}")
+            outs = e.step()
+            finished += [o.request_id for o in outs if o.finished]
+            if gone in [o.request_id for o in outs]:
+                out = next(o for o in outs if o.request_id == gone)
+                assert [(c.index, c.finish_reason, c.token_ids) for c in out.outputs] == [(0, "abort", []), (1, "abort", [])]
+            i += 1
+        assert gone in finished
+        assert not [r for r in finished[:finished.index(waiting)] if r.startswith("late")]
+        while e.has_unfinished_requests():
+            e.step()
+        assert bm.reserved_blocks == 0 and bm.num_free_blocks == bm.num_blocks
     finally:
         e.close()
 

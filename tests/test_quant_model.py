@@ -314,6 +314,22 @@ def test_the_smaller_group_a_split_error_names_divides_the_hidden_size_too(tmp_p
     assert result(run_mpi(2, d, "int8-g32-sym"))["world"] == 2
 
 
+def test_a_split_no_smaller_group_fixes_names_where_the_groups_come_from(tmp_path):
+    """3 ranks of 4 heads of 16 (o_proj takes 32/16/16 input features a rank, so no group of 32
+    or 64 fits) and an MLP of 256 in int8's groups of 128: the error says the groups are those of
+    the quantization asked for and names the int8 format that splits at any column, which loads."""
+    d = str(tmp_path / "m")
+    build_model(d, arch="llama", **{**SHAPE, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16,
+                                    "intermediate_size": 256})
+    p = run_mpi(3, d, "int8")
+    assert p.returncode != 0
+    assert ("Cannot split 256 MLP columns over 3 ranks in groups of 128; use at most 2 ranks per model replica "
+            "(fewer ranks, or model replicas: data_parallel, --data-parallel or numa-launch --dp); the groups are "
+            "those of quantization='int8': quantization='int8-channel' (one scale per output channel) splits at "
+            "any column.") in p.stdout + p.stderr, p.stderr[-2000:]
+    assert result(run_mpi(3, d, "int8-channel"))["world"] == 3
+
+
 def test_split_that_cuts_a_group_is_a_clear_error(model_dir):
     # o_proj has 128 input features: 64 per rank, not a multiple of 128
     p = run_mpi(2, model_dir, "int8-g128")

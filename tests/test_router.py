@@ -45,7 +45,7 @@ def test_new_requests_avoid_a_replica_whose_blocks_an_embedding_reserved():
     a = req("a", range(0, 13))
     rt.add_request(a)
     run_to_end(rt, [a])                       # replica 0 caches a's prefix
-    rt.replicas[0].block_manager.reserved_blocks = 16  # all of them: no room for a new prompt
+    rt.replicas[0].block_manager.reserve("embedding", 16)  # all of them: no room for a new prompt
     for i in range(3):
         rt.add_request(req(f"b{i}", range(0, 13)))
     assert [rt.where[f"b{i}"] for i in range(3)] == [1, 1, 1]

@@ -439,10 +439,41 @@ def test_reserved_blocks_hold_back_admissions_but_not_running_requests():
     s = make(num_blocks=8, budget=16)
     s.add_request(req("a", range(8), max_tokens=4))   # 2 blocks, then 3
     s.schedule()
-    s.block_manager.reserved_blocks = 5               # 6 free: room for "b" (2) but not beside 5
+    s.block_manager.reserve("embedding", 5)          # 6 free: room for "b" (2) but not beside 5
     s.add_request(req("b", range(100, 108)))
     out = s.schedule()
     assert [r.request_id for r in out.scheduled] == ["a"] and s.num_waiting == 1
-    s.block_manager.reserved_blocks = 0
+    s.block_manager.reserve("embedding", 0)
     out = s.schedule()
     assert sorted(r.request_id for r in out.scheduled) == ["a", "b"]
+
+
+def test_reservations_of_two_owners_add_up_and_each_releases_its_own():
+    """A waiting embedding and a waiting prompt_logprobs request each keep their blocks free:
+    new admissions leave the sum free, and releasing one keeps the other's."""
+    s = make(num_blocks=8, budget=16)
+    bm = s.block_manager
+    bm.reserve("embedding", 3)
+    bm.reserve("prompt_logprobs", 4)
+    assert bm.reserved_blocks == 7
+    s.add_request(req("b", range(100, 108)))          # 2 blocks: 8 free, 7 of them reserved
+    assert s.schedule().scheduled == [] and s.num_waiting == 1
+    bm.reserve("embedding", 0)
+    assert bm.reserved_blocks == 4
+    assert [r.request_id for r in s.schedule().scheduled] == ["b"]
+
+
+def test_a_request_that_arrived_earlier_queues_ahead_of_later_ones():
+    """add_request orders the waiting queue by arrival: a request that waited outside the
+    scheduler (a prompt_logprobs request waiting for KV room) goes ahead of those added after it,
+    behind those added before it; equal arrivals (a request's n sequences) keep their order."""
+    s = make(num_blocks=8, budget=16)
+    early, later = req("early", range(8)), req("later", range(20, 28))
+    late = [req(f"late{i}", range(40 + 8 * i, 48 + 8 * i)) for i in range(2)]
+    early.arrival_time, later.arrival_time = 10.0, 12.0
+    late[0].arrival_time = late[1].arrival_time = 11.0
+    s.add_request(early)
+    s.add_request(later)
+    for r in late:
+        s.add_request(r)
+    assert [r.request_id for r in s.waiting] == ["early", "late0", "late1", "later"]

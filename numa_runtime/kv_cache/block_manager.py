@@ -91,10 +91,10 @@ class BlockManager:
         # -> the request computing it; and per such request its _num_hashed before them
         self._uncomputed: dict[int, str] = {}
         self._hashed_before: dict[str, int] = {}
-        # blocks the scheduler leaves free when it admits a request: a scratch forward (an
-        # embedding, prompt_logprobs) waiting for room would otherwise see every block that a
-        # finished request frees taken by the next admission, for as long as requests arrive
-        self.reserved_blocks = 0
+        # blocks the scheduler leaves free when it admits a request, per owner (reserve()): a scratch
+        # forward (an embedding, prompt_logprobs) waiting for room would otherwise see every block
+        # that a finished request frees taken by the next admission, for as long as requests arrive
+        self._reservations: dict[str, int] = {}
         self._num_released: dict[str, int] = {}  # request_id -> its leading blocks released
         # prefix-cache counters, counted once per admission of a request (not per retry)
         self.query_tokens = self.hit_tokens = 0
@@ -103,6 +103,19 @@ class BlockManager:
         self.tier_hit_blocks = 0  # blocks of hits that came back from the tier
 
     # ---- sizes ---------------------------------------------------------------------------
+    def reserve(self, owner: str, num_blocks: int) -> None:
+        """Keep `num_blocks` free of new admissions for `owner`'s waiting work (0: release). The
+        owners' reservations add up: each waits for its own blocks."""
+        if num_blocks > 0:
+            self._reservations[owner] = num_blocks
+        else:
+            self._reservations.pop(owner, None)
+
+    @property
+    def reserved_blocks(self) -> int:
+        """Blocks that new admissions leave free (the sum of every owner's reservation)."""
+        return sum(self._reservations.values())
+
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation may take: free ones plus evictable cached ones."""

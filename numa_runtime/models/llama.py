@@ -114,10 +114,17 @@ class LlamaModel:
                 heads = split_heads(cfg.num_heads, cfg.num_kv_heads, world)
                 q = linear.smaller_group(ks, world, [cfg.hidden_size] + [(h.stop - h.start) * cfg.head_dim
                                                                          for h, _ in heads])
-                if q is None:
+                if q is not None:
+                    raise UnsupportedModelError(f"{str(e).rstrip('.')}, or a smaller quantization group: "
+                                                f"quantization={q!r} (--quantization {q}).") from None
+                own = linear.quant
+                if own is None or own.group_size < 0 or getattr(ckpt, "split_align", 1) != 1:
                     raise
-                raise UnsupportedModelError(f"{str(e).rstrip('.')}, or a smaller quantization group: "
-                                            f"quantization={q!r} (--quantization {q}).") from None
+                # NOTE: the groups are the ones asked for at load: say so, and what splits at any column
+                alt = (": quantization='int8-channel' (one scale per output channel) splits at any column"
+                       if own.bits == 8 else "")
+                raise UnsupportedModelError(f"{str(e).rstrip('.')}; the groups are those of quantization="
+                                            f"{quantization!r}{alt}.") from None
             if comm.rank == 0 and comm.world_size > 1 and (env.mpi_world() or (0, 1))[0] == 0:
                 # NOTE: the first replica's leader: every replica splits alike (a log line a replica)
                 for other in shard_layouts(cfg, comm.world_size, align, moe_align):

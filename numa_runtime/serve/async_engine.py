@@ -241,10 +241,10 @@ class AsyncEngine:
         """Keep `num_blocks` of `block_manager` free of new admissions for the oldest waiting call
         (None: release the reservation), so that a steady flow of new requests cannot starve it."""
         if self._reserved is not None:
-            self._reserved.reserved_blocks = 0
+            self._reserved.reserve("waiting calls", 0)
         self._reserved = block_manager
         if block_manager is not None:
-            block_manager.reserved_blocks = num_blocks
+            block_manager.reserve("waiting calls", num_blocks)
 
     def _add(self, request_id, prompt, params, sink, fut) -> None:
         if self._cancel_at is not None:
