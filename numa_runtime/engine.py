@@ -458,7 +458,7 @@ class Engine:
         self._groups[rid] = group
         for req in group.children:
             detok = IncrementalDetokenizer(self.tokenizer, ids, req.sampling_params.skip_special_tokens)
-            self._texts[req.request_id] = TextState(req, detok, group, self.eos_ids)
+            self._texts[req.request_id] = TextState(req, detok, group, self.eos_ids, self.tokenizer.eos_token_id)
         return rid
 
     def _bad_words_ids(self, words: list[str] | None) -> list[list[int]]:

@@ -178,7 +178,7 @@ class TextState:
     hold-back plus the newest piece), so no step touches the whole text.
     """
 
-    def __init__(self, req: Request, detokenizer, group, eos_ids: set[int]):
+    def __init__(self, req: Request, detokenizer, group, eos_ids: set[int], primary_eos: int | None = None):
         self.req = req
         self.group = group  # the user request (n sequences) this one belongs to
         self.detok = detokenizer
@@ -186,6 +186,7 @@ class TextState:
         self.stop = sp.stop
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_ids))
+        self.primary_eos = primary_eos
         self.sent: list[str] = []   # deltas handed out
         self.unsent = ""            # text not handed out yet (stop string already cut)
         self.num_sent_tokens = 0    # tokens handed out in outputs
@@ -198,7 +199,10 @@ class TextState:
         # may be the min_tokens-th: the sampler bans them before)
         strings = req.num_output_tokens > sp.min_tokens
         if token_id in self.stop_ids and checks:
-            req.stop_reason = token_id if token_id in sp.stop_token_ids else None
+            # NOTE: as vLLM: the tokenizer's EOS stops with no reason; another EOS id (a generation
+            # config's list, which vLLM turns into stop_token_ids) and a stop token id name themselves
+            req.stop_reason = token_id if token_id in sp.stop_token_ids or (
+                self.primary_eos is not None and token_id != self.primary_eos) else None
             prev_len = len(self.unsent)
             self.unsent += self.detok.add(token_id) if sp.include_stop_str_in_output else ""
             self.unsent += self.detok.flush()

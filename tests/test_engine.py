@@ -257,6 +257,29 @@ def test_generation_config_sampling_values_are_the_defaults(model_dir, tmp_path)
     assert SamplingParams(temperature=1e-6).temperature == 0.0 and SamplingParams(temperature=1e-4).temperature
 
 
+def test_a_generation_config_eos_beside_the_tokenizers_names_itself_as_stop_reason(model_dir, tmp_path):
+    """generation_config.json's EOS list [2, 7] beside the tokenizer's EOS 2: both stop, the
+    tokenizer's with stop_reason None, 7 with stop_reason 7 (vLLM turns a generation config's other
+    EOS ids into stop_token_ids); ignore_eos stops at neither."""
+    import json
+    import shutil
+    d = str(tmp_path / "m")
+    shutil.copytree(model_dir, d)
+    with open(os.path.join(d, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [2, 7]}, f)
+    eng = Engine(d, dtype="float32", kv_cache_memory=1 << 20, max_model_len=128)
+    try:
+        assert eng.tokenizer.eos_token_id == 2
+        for tok, reason in ((2, None), (7, 7)):
+            out = eng.generate([5, 6], SamplingParams(temperature=0, max_tokens=4, logit_bias={tok: 100.0}))[0].outputs[0]
+            assert (out.token_ids, out.finish_reason, out.stop_reason) == ([tok], "stop", reason)
+        out = eng.generate([5, 6], SamplingParams(temperature=0, max_tokens=3, logit_bias={7: 100.0},
+                                                  ignore_eos=True))[0].outputs[0]
+        assert (out.token_ids, out.finish_reason, out.stop_reason) == ([7, 7, 7], "length", None)
+    finally:
+        eng.close()
+
+
 def test_oversize_text_prompt_is_refused_by_its_length(eng):
     huge = "a" * (256 * eng.tokenizer.max_token_chars + 1)
     with pytest.raises(ValueError, match="characters, more than a context of 256 tokens"):
