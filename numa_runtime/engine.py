@@ -347,7 +347,7 @@ class Engine:
         bm = self._scratch_pool()
         try:
             while self._pending:
-                if bm.num_blocks_for(self._pending[0].num_tokens) > bm.num_free_blocks and self.scheduler.has_unfinished():
+                if self._pending_blocks() > bm.num_free_blocks and self.scheduler.has_unfinished():
                     return  # NOTE: no room yet: not checked and tokenized again every step
                 entry = self._pending.popleft()
                 try:
@@ -365,8 +365,12 @@ class Engine:
         """Keep the blocks of the first waiting prompt_logprobs request free of new admissions
         (requests added after it took every block that a finishing one freed, first come first
         served no more); none once nothing waits."""
-        bm = self._scratch_pool()
-        bm.reserve("prompt_logprobs", bm.num_blocks_for(self._pending[0].num_tokens) if self._pending else 0)
+        self._scratch_pool().reserve("prompt_logprobs", self._pending_blocks() if self._pending else 0)
+
+    def _pending_blocks(self) -> int:
+        """The scratch KV blocks the prompt logprobs of the first waiting request take (its prompt
+        but the last token; a sliding-window model's ring of blocks, which fits the pool)."""
+        return self._scratch_plan(self._pending[0].num_tokens - 1, self._prompt_logprobs_step())[2]
 
     def _add(self, prompt, params: SamplingParams | None, request_id: str | None, outbox: deque,
              cap_max_tokens: bool = True, added: list | None = None, arrival_time: float | None = None) -> str:
@@ -1070,18 +1074,39 @@ class Engine:
         if not _is_int(num_logprobs) or not 0 <= num_logprobs <= 20:
             raise ValueError(f"num_logprobs must be an integer in [0, 20], got {num_logprobs!r}.")
         _, ids = self._tokenize(prompt)
-        n, vocab = len(ids), self.model_config.vocab_size
+        n = len(ids)
         if n > self.max_model_len:
             raise ValueError(f"The prompt has {n} tokens, but the context holds {self.max_model_len}.")
         if n < 2:
             return []
-        step = max(1, min(PROMPT_LOGITS_BYTES // (4 * vocab), self.config.max_num_batched_tokens))
+        step = self._prompt_logprobs_step()
         out = []
         # NOTE: position p predicts token p + 1; closing() returns the scratch blocks inside the lock
         with self._atomic(), contextlib.closing(self._prefill_chunks(ids[:-1], step)) as chunks:
             for a, logits in chunks:
                 self._pairs_of(logits, ids[a + 1:a + 1 + len(logits)], num_logprobs, out)
         return out
+
+    def _prompt_logprobs_step(self) -> int:
+        """Rows of one chunk of prompt_logprob_pairs' prefill: max_num_batched_tokens, and at most
+        PROMPT_LOGITS_BYTES of f32 logits."""
+        return max(1, min(PROMPT_LOGITS_BYTES // (4 * self.model_config.vocab_size),
+                          self.config.max_num_batched_tokens))
+
+    def _scratch_plan(self, n: int, step: int, rows=None) -> tuple[int, int, int]:
+        """(rows a chunk, the prompt's blocks, the blocks taken) of a scratch prefill of n tokens
+        in chunks of `step` (_prefill_chunks)."""
+        bm = self._scratch_pool()
+        total, bs, win = bm.num_blocks_for(n), bm.block_size, self.model_config.min_window
+        ring = total
+        if win and rows is None:
+            # NOTE: every layer slides (as the scheduler runs such a prompt): chunks that fit the pool
+            # beside the window before them, in a ring of blocks that holds the window and a chunk
+            # (+1: the window need not start on a block boundary); it took the whole prompt's blocks,
+            # and a prompt the engine generates from failed its prompt logprobs
+            step = min(step, max(1, (bm.num_blocks - 1) * bs - (win - 1)))
+            ring = min(total, bm.num_blocks_for(win - 1 + step) + 1)
+        return step, total, ring
 
     def _vllm_prompt_logprobs(self, ids: list[int], pairs: list[tuple]) -> list:
         """vLLM's RequestOutput.prompt_logprobs: None, then per prompt token {token id: Logprob}
@@ -1097,16 +1122,8 @@ class Engine:
         from .plan import EXECUTE, StepPlan
         kind = EXECUTE if kind is None else kind
         n = len(ids)
-        bm = self._scratch_pool()
-        total, bs, win = bm.num_blocks_for(n), bm.block_size, self.model_config.min_window
-        ring = total
-        if win and rows is None:
-            # NOTE: every layer slides (as the scheduler runs such a prompt): chunks that fit the pool
-            # beside the window before them, in a ring of blocks that holds the window and a chunk
-            # (+1: the window need not start on a block boundary); it took the whole prompt's blocks,
-            # and a prompt the engine generates from failed its prompt logprobs
-            step = min(step, max(1, (bm.num_blocks - 1) * bs - (win - 1)))
-            ring = min(total, bm.num_blocks_for(win - 1 + step) + 1)
+        step, total, ring = self._scratch_plan(n, step, rows)
+        bs = self._scratch_pool().block_size
         bm = self._scratch_room(n, ring)
         blocks = bm.take_blocks(ring)
         try:

@@ -1136,6 +1136,23 @@ def test_a_window_models_prompt_logprobs_run_for_a_prompt_longer_than_the_pool(t
         assert np.abs(eng.prompt_logprobs(prompt) - want).max() < 1e-4
         out = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0))[0]
         assert len(out.prompt_logprobs) == 400 and eng.block_manager.num_free_blocks == 14
+        # NOTE: waiting for KV room behind a running request, with requests added after it: it keeps
+        # its ring's blocks free (a reservation of the prompt's 25 blocks in a pool of 14 let in
+        # neither the later requests nor, as they never ended, it)
+        bm = eng.block_manager
+        first = eng.add_request([5] * 40, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+        eng.step()
+        waiting = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0))
+        later = [eng.add_request([6 + i] * 10, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+                 for i in range(3)]
+        done = {o.request_id: o for o in eng.step() if o.finished}
+        assert 0 < bm.reserved_blocks <= bm.num_blocks and waiting not in done
+        for _ in range(300):
+            if not eng.has_unfinished_requests():
+                break
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+        assert set(done) == {first, waiting, *later} and len(done[waiting].prompt_logprobs) == 400
+        assert bm.reserved_blocks == 0 and bm.num_free_blocks == 14
 
 
 def test_truncating_a_text_prompt_keeps_its_bos(tmp_path):
