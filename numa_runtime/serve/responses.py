@@ -309,6 +309,7 @@ def _reason(reason: str | None) -> str | None:
 
 
 def _stop(c) -> str | int | None:
-    """vLLM's stop_reason: the stop string or stop token id that ended the choice (None for EOS,
-    a length limit, or a choice still running)."""
+    """vLLM's stop_reason: the stop string or stop token id that ended the choice (an EOS id other
+    than the tokenizer's counts as one); None for the tokenizer's EOS, a length limit, or a choice
+    still running."""
     return getattr(c, "stop_reason", None) if c.finish_reason == "stop" else None
