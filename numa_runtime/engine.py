@@ -161,6 +161,7 @@ class Engine:
         # add_request's prompt_logprobs requests waiting for KV room for their prefill (step()
         # adds them in order once running requests free the blocks, as vLLM queues them)
         self._pending: deque[_Pending] = deque()
+        self._admit_error: BaseException | None = None  # admitting one, from generate()/stream(): step() raises it
         # decode bursts (_burst_len): the runner's row bound and the last decode step's seconds
         burst_rows = getattr(self.runner, "burst_rows", None)
         self._burst_rows = burst_rows() if burst_rows is not None else 0
@@ -361,6 +362,24 @@ class Engine:
         finally:
             self._reserve_for_pending()
 
+    def _step_for_all(self) -> None:
+        """One step from a loop other than step()'s (generate(), stream() and their adds), for every
+        consumer: the waiting prompt_logprobs requests are admitted too (their reservation held
+        back the loop's own requests, which then waited for ever); an error admitting one goes to
+        their owner, raised by its next step(). Under _atomic."""
+        try:
+            self._admit_pending()
+        except Exception as e:  # noqa: BLE001 - add_request's owner gets it from step(), as it would have
+            self._admit_error = e
+        if self.scheduler.has_unfinished():
+            self._step()
+
+    def has_work(self) -> bool:
+        """Whether a step would run the model: a request runs or waits in the scheduler, or a
+        prompt_logprobs request waits for KV room (its admission runs its prefill). The
+        multi-model router keeps such an engine loaded and active."""
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
     def _reserve_for_pending(self) -> None:
         """Keep the blocks of the first waiting prompt_logprobs request free of new admissions
         (requests added after it took every block that a finishing one freed, first come first
@@ -462,7 +481,7 @@ class Engine:
         self._groups[rid] = group
         for req in group.children:
             detok = IncrementalDetokenizer(self.tokenizer, ids, req.sampling_params.skip_special_tokens)
-            self._texts[req.request_id] = TextState(req, detok, group, self.eos_ids, self.tokenizer.eos_token_id)
+            self._texts[req.request_id] = TextState(req, detok, group, self.eos_ids, self.tokenizer.named_eos_token_id)
         return rid
 
     def _bad_words_ids(self, words: list[str] | None) -> list[list[int]]:
@@ -571,6 +590,9 @@ class Engine:
         and stream() requests go to those calls, never here)."""
         self._driver_only("step")
         with self._atomic():
+            if self._admit_error is not None:
+                error, self._admit_error = self._admit_error, None
+                raise error
             self._admit_pending()
             if self.scheduler.has_unfinished():
                 self._step()
@@ -822,7 +844,7 @@ class Engine:
                 with self._atomic():
                     if not self.scheduler.has_unfinished():
                         raise
-                    self._step()
+                    self._step_for_all()
 
     def _id_taken(self, rid: str, n: int) -> bool:
         """Whether an automatic id (or one of its n children's) is a request's already."""
@@ -890,7 +912,7 @@ class Engine:
                 if not self.scheduler.has_unfinished():  # NOTE: an unfinished request is always scheduled
                     raise RuntimeError("The engine has no request left to run but an output is missing; "
                                        "this is a bug in numa_runtime, please report it.")
-                self._step()
+                self._step_for_all()
 
     def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None, *,
              sampling_params=None, use_tqdm: bool = False, chat_template: str | None = None,

@@ -178,7 +178,7 @@ class TextState:
     hold-back plus the newest piece), so no step touches the whole text.
     """
 
-    def __init__(self, req: Request, detokenizer, group, eos_ids: set[int], primary_eos: int | None = None):
+    def __init__(self, req: Request, detokenizer, group, eos_ids: set[int], primary_eos: int | None):
         self.req = req
         self.group = group  # the user request (n sequences) this one belongs to
         self.detok = detokenizer
@@ -199,10 +199,10 @@ class TextState:
         # may be the min_tokens-th: the sampler bans them before)
         strings = req.num_output_tokens > sp.min_tokens
         if token_id in self.stop_ids and checks:
-            # NOTE: as vLLM: the tokenizer's EOS stops with no reason; another EOS id (a generation
-            # config's list, which vLLM turns into stop_token_ids) and a stop token id name themselves
-            req.stop_reason = token_id if token_id in sp.stop_token_ids or (
-                self.primary_eos is not None and token_id != self.primary_eos) else None
+            # NOTE: as vLLM: the EOS the tokenizer config names stops with no reason; another EOS id (a
+            # generation config's list, which vLLM turns into stop_token_ids) and a stop token id name
+            # themselves (every EOS where the tokenizer config names none)
+            req.stop_reason = token_id if token_id in sp.stop_token_ids or token_id != self.primary_eos else None
             prev_len = len(self.unsent)
             self.unsent += self.detok.add(token_id) if sp.include_stop_str_in_output else ""
             self.unsent += self.detok.flush()

@@ -521,8 +521,14 @@ class Tokenizer:
     @property
     def eos_token_id(self) -> int | None:
         """The tokenizer config's EOS (HF's); generation stops at every id of eos_token_ids."""
-        found = self._token_id(self._special["eos_token"])
+        found = self.named_eos_token_id
         return found if found is not None else min(self.eos_token_ids, default=None)
+
+    @property
+    def named_eos_token_id(self) -> int | None:
+        """The id of the EOS the tokenizer config names; None where it names none (vLLM's
+        tokenizer.eos_token_id then, where eos_token_id falls back to an id of eos_token_ids)."""
+        return self._token_id(self._special["eos_token"])
 
     @property
     def all_special_tokens(self) -> list[str]:

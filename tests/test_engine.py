@@ -278,6 +278,17 @@ def test_a_generation_config_eos_beside_the_tokenizers_names_itself_as_stop_reas
         assert (out.token_ids, out.finish_reason, out.stop_reason) == ([7, 7, 7], "length", None)
     finally:
         eng.close()
+    # NOTE: a tokenizer config that names no EOS: both ids name themselves (vLLM's tokenizer has none)
+    with open(os.path.join(d, "tokenizer_config.json")) as f:
+        tc = json.load(f)
+    tc.pop("eos_token")
+    with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+        json.dump(tc, f)
+    with Engine(d, dtype="float32", kv_cache_memory=1 << 20, max_model_len=128) as eng:
+        assert eng.tokenizer.named_eos_token_id is None
+        for tok in (2, 7):
+            out = eng.generate([5, 6], SamplingParams(temperature=0, max_tokens=4, logit_bias={tok: 100.0}))[0].outputs[0]
+            assert (out.token_ids, out.finish_reason, out.stop_reason) == ([tok], "stop", tok)
 
 
 def test_oversize_text_prompt_is_refused_by_its_length(eng):
@@ -582,6 +593,40 @@ def test_a_waiting_prompt_logprobs_request_is_not_overtaken_by_later_ones(model_
         while e.has_unfinished_requests():
             e.step()
         assert bm.reserved_blocks == 0 and bm.num_free_blocks == bm.num_blocks
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("consumer", ["generate", "stream"])
+def test_generate_and_stream_admit_a_waiting_prompt_logprobs_request(model_dir, consumer):
+    """A prompt_logprobs request of add_request waits for KV room and reserves its blocks; a
+    generate() or a stream() that steps the engine meanwhile admits it too, so it does not spin
+    for ever behind the reservation, and the owner's next step() hands over its output."""
+    import threading
+    e = Engine(model_dir, dtype="float32", kv_cache_memory=12 * 8192, max_model_len=128, block_size=16)
+    try:
+        bm = e.scheduler.block_manager
+        for i in range(2):
+            e.add_request(list(range(3 + i, 3 + i + 40)), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        e.step()
+        waiting = e.add_request(list(range(7, 127)), SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+        e.step()
+        assert bm.reserved_blocks > 0
+        sp, got = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), {}
+
+        def run():
+            got["text"] = (e.generate([list(range(10, 110))], sp)[0].outputs[0].text if consumer == "generate"
+                           else "".join(e.stream(list(range(10, 110)), sp)))
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(120)
+        assert not t.is_alive(), f"{consumer}() spun behind the waiting request's reservation"
+        finished = {}
+        while e.has_unfinished_requests():
+            finished.update((o.request_id, o) for o in e.step() if o.finished)
+        assert len(finished[waiting].prompt_logprobs) == 120 and bm.reserved_blocks == 0
+        alone = e.generate([list(range(10, 110))], sp)[0].outputs[0]
+        assert len(alone.token_ids) == 4 and got["text"] == alone.text
     finally:
         e.close()
 

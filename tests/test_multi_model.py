@@ -94,6 +94,41 @@ def test_a_busy_model_is_never_unloaded(models):
     r.close()
 
 
+def test_a_model_whose_prompt_logprobs_request_waits_for_room_is_not_unloaded(models):
+    """alpha's prompt_logprobs request waits for KV room (Engine's pending queue) while its running
+    requests finish; in the step between their end and its admission, a request for beta found
+    alpha's scheduler empty, unloaded alpha, and the waiting request never got an output. Now
+    alpha counts as busy until it ran, and its output comes."""
+    root, expected = models
+    kw = dict(KW, kv_cache_memory=12 * 8192, block_size=16)
+    specs = tuple(ModelSpec(n, os.path.join(root, n)) for n in ("alpha", "beta"))
+    probe = ModelRouter(RouterConfig(specs, 1 << 40, kw))
+    r = ModelRouter(RouterConfig(specs, int(max(probe.footprint.values()) * 1.5), kw))  # one at a time
+    try:
+        for i in range(2):
+            r.route[f"run{i}"] = "alpha"
+            r.add_request(list(range(3 + i, 43 + i)), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                          request_id=f"run{i}")
+        got = r.step()
+        r.route["p"] = "alpha"
+        r.add_request(list(range(7, 127)), SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
+                      request_id="p")
+        alpha = r.engines["alpha"]
+        while alpha.scheduler.has_unfinished():
+            got += r.step()
+        assert alpha.has_work() and not any(o.request_id == "p" for o in got)
+        r.route["b"] = "beta"
+        with pytest.raises(ModelUnavailableError, match="beside the busy models"):
+            r.add_request(PROMPT, GREEDY, request_id="b")
+        while r.has_unfinished_requests():
+            got += r.step()
+        p = [o for o in got if o.request_id == "p" and o.finished]
+        assert len(p) == 1 and len(p[0].prompt_logprobs) == 120
+        assert run(r, "beta", "b2") == expected["beta"] and list(r.engines) == ["beta"]
+    finally:
+        r.close()
+
+
 UNLOAD_SCRIPT = """
 import sys, psutil
 from numa_runtime import SamplingParams

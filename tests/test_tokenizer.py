@@ -466,7 +466,7 @@ def _text_state(tokenizer, prompt_ids, out_ids, read_text=True, every=None, **pa
     req = Request("r", list(prompt_ids), sp)
     req.status = RequestStatus.RUNNING
     ts = TextState(req, IncrementalDetokenizer(tokenizer, prompt_ids, sp.skip_special_tokens), Group(),
-                   set(tokenizer.eos_token_ids), tokenizer.eos_token_id)
+                   set(tokenizer.eos_token_ids), tokenizer.named_eos_token_id)
     deltas, out = [], None
     for t in out_ids:
         req.append_output_token(t)

@@ -263,7 +263,8 @@ class ModelRouter:
         for victim in list(self.engines):
             if self.used_bytes + need <= self.config.memory_budget:
                 break
-            if not self.engines[victim].scheduler.has_unfinished():  # NOTE: an abort's last output may wait
+            # NOTE: an abort's last output may wait; a prompt_logprobs request waiting for KV room may not
+            if not self.engines[victim].has_work():
                 self._unload(victim)
         if self.used_bytes + need > self.config.memory_budget:
             raise ModelUnavailableError(
@@ -445,7 +446,7 @@ class ModelRouter:
         outs = []
         for name, eng in list(self.engines.items()):
             if eng.has_unfinished_requests():
-                if eng.scheduler.has_unfinished():  # NOTE: else step() only hands over what an abort left
+                if eng.has_work():  # NOTE: else step() only hands over what an abort left
                     self._activate(name)
                 for o in eng.step():
                     if o.finished:
