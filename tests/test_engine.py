@@ -631,6 +631,32 @@ def test_generate_and_stream_admit_a_waiting_prompt_logprobs_request(model_dir, 
         e.close()
 
 
+def test_an_error_admitting_a_waiting_request_inside_generate_goes_to_its_owners_step(model_dir, monkeypatch):
+    """The waiting prompt_logprobs request is add_request's: its prefill failing while generate()
+    admits it does not fail generate(); the owner's next step() raises it, and nothing is left."""
+    e = Engine(model_dir, dtype="float32", kv_cache_memory=12 * 8192, max_model_len=128, block_size=16)
+    try:
+        for i in range(2):
+            e.add_request(list(range(3 + i, 3 + i + 40)), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        e.step()
+        e.add_request(list(range(7, 127)), SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+        e.step()
+
+        def fail(*a, **k):
+            raise RuntimeError("the prompt's prefill failed")
+        monkeypatch.setattr(e, "prompt_logprob_pairs", fail)
+        out = e.generate([list(range(10, 110))], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+        assert len(out.outputs[0].token_ids) == 4
+        with pytest.raises(RuntimeError, match="the prompt's prefill failed"):
+            while e.has_unfinished_requests():
+                e.step()
+        while e.has_unfinished_requests():
+            e.step()
+        assert e.scheduler.block_manager.reserved_blocks == 0
+    finally:
+        e.close()
+
+
 def test_sharded_checkpoint_loads(tmp_path, model_dir):
     """A model saved in several shards with an index gives the same tokens."""
     import torch
