@@ -62,10 +62,13 @@ def check_context(num_prompt: int, max_tokens: int | None, max_model_len: int) -
     """ValueError (one sentence) for a prompt that leaves no room for an output token, or that
     max_tokens takes past the context (the one prompt-length check; the server runs it before
     work such a request would waste)."""
-    if num_prompt >= max_model_len:
-        raise ValueError(f"The prompt has {num_prompt} tokens but the context holds max_model_len="
-                         f"{max_model_len}, which leaves no room for an output token; shorten the "
-                         "prompt or raise max_model_len.")
+    if num_prompt > max_model_len:
+        raise ValueError(f"The prompt has {num_prompt} tokens, more than the context holds (max_model_len="
+                         f"{max_model_len}); shorten the prompt or raise max_model_len.")
+    if num_prompt == max_model_len:
+        raise ValueError(f"The prompt has {num_prompt} tokens, as many as the context holds (max_model_len="
+                         f"{max_model_len}), which leaves no room for an output token; shorten the prompt or "
+                         "raise max_model_len.")
     if max_tokens is not None and num_prompt + max_tokens > max_model_len:
         raise ValueError(f"The prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds "
                          f"max_model_len ({max_model_len}); lower max_tokens or shorten the prompt.")

@@ -186,6 +186,21 @@ def test_vllm_serve_flags_that_would_not_apply_are_refused(monkeypatch, tmp_path
         EngineConfig(device="cuda", host_kv_cache_memory=1 << 20, enable_prefix_caching=False)
 
 
+def test_max_model_len_takes_vllms_units(monkeypatch, capsys):
+    """--max-model-len as vLLM reads it: k/m/g decimal, K/M/G binary; a fraction of a binary
+    unit, or of a token, is refused with the value named."""
+    from numa_runtime.serve.__main__ import parse_args
+    for env in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(env, raising=False)
+    for text, tokens in (("4096", 4096), ("32k", 32000), ("32K", 32768), ("25.6k", 25600), ("1M", 1 << 20)):
+        assert parse_args(["m", "--max-model-len", text]).max_model_len == tokens
+    for text, why in (("1.5K", "a binary unit (K) takes a whole number"), ("2.0005k", "is not a whole number"),
+                      ("lots", "is no integer")):
+        with pytest.raises(SystemExit):
+            parse_args(["m", "--max-model-len", text])
+        assert why in capsys.readouterr().err
+
+
 def test_the_server_takes_a_hub_id_at_a_revision_into_a_download_dir(hub_home):
     """--download-dir is the Hub cache and --revision the branch, as vLLM's (HF_HOME unset)."""
     home, _ = hub_home

@@ -850,6 +850,47 @@ def test_bad_input_through_the_client(client):
         client.completions.create(model="tiny", prompt="x", max_tokens=0)
 
 
+def test_context_limits_as_vllm(client):
+    """As vLLM: an explicit `"max_tokens": null` on /v1/completions runs to the context's end (it
+    was 16, OpenAI's default for an omitted one, which stays); a prompt longer than the context
+    says so (it said the context left no room for an output token)."""
+    prompt = list(range(3, 3 + 250))
+    r = client.completions.create(model="tiny", prompt=prompt, temperature=0,
+                                  extra_body={"ignore_eos": True, "max_tokens": None})  # NOTE: sent as null
+    assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
+    r = client.completions.create(model="tiny", prompt=[5, 6, 7], temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 16
+    with pytest.raises(openai.BadRequestError, match=r"The prompt has 300 tokens, more than the context holds "
+                                                     r"\(max_model_len=256\)") as e:
+        client.completions.create(model="tiny", prompt=list(range(3, 303)), extra_body={"max_tokens": None})
+    assert e.value.body["code"] == "context_length_exceeded"
+
+
+def test_a_chat_is_judged_by_its_rendered_prompt(model_dir, tmp_path):
+    """A template that renders the last message only: a chat with a long earlier turn is answered,
+    as vLLM judges the rendered prompt (its messages' characters were refused before the template
+    ran), and a long last turn is refused. --max-model-len takes vLLM's units (0.256k = 256)."""
+    template = tmp_path / "last.jinja"
+    template.write_text("{{ messages[-1]['content'] }}")
+    srv = ServerProcess(["--model", model_dir, "--dtype", "float32", "--max-model-len", "0.256k", "--num-threads", "1",
+                         "--chat-template", str(template)])
+    try:
+        client = srv.client()
+        assert client.models.list().data[0].model_extra["max_model_len"] == 256
+        long_turn = "words and more words " * 1200  # about 25,000 characters: more than 256 tokens can hold
+        r = client.chat.completions.create(
+            model=client.models.list().data[0].id, max_tokens=3, temperature=0, extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": long_turn}, {"role": "assistant", "content": "ok"},
+                      {"role": "user", "content": "hello"}])
+        assert r.usage.prompt_tokens < 10 and r.usage.completion_tokens == 3
+        with pytest.raises(openai.BadRequestError, match="context") as e:
+            client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=3,
+                                           messages=[{"role": "user", "content": long_turn}])
+        assert e.value.body["code"] == "context_length_exceeded"
+    finally:
+        assert srv.stop() == 0, srv.output()
+
+
 def test_openapi_and_profile(server):
     schema = httpx.get(server.base + "/openapi.json").json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(schema["paths"])

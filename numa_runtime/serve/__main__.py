@@ -79,7 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="names clients send as `model` (default: the model directory's name); answers carry "
                          "the first (given twice, the last flag counts, as in vLLM)")
     ap.add_argument("--dtype", default="bfloat16", type=dtype_arg, help=DTYPE_HELP)
-    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--max-model-len", type=human_int, default=None,
+                    help="the context in tokens; as vLLM, 32k = 32000 and 32K = 32768 (m/M likewise)")
     ap.add_argument("--quantization", default=None,
                     help="quantize dense weights while loading: int8 (groups of 128), int4 (groups of "
                          "32 with a min), or e.g. int4-g128-sym, int8-channel; gguf, awq or gptq (as "
@@ -347,6 +348,30 @@ def summary_text(engine, url: str) -> str:
             f"{kv_mib:.1f} MiB per rank; "
             f"max_model_len {s.get('max_model_len')}\n"
             f"  serving at {url}")
+
+
+def human_int(text: str) -> int:
+    """vLLM's human_readable_int: an integer, or a number with a unit: k/m/g decimal (25.6k = 25600),
+    K/M/G binary (32K = 32768, whole numbers only)."""
+    import re
+    from decimal import Decimal, InvalidOperation
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG])", text.strip())
+    if m is None:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is no integer (as vLLM: 32k = 32000, 32K = 32768)") from None
+    number, unit = m.groups()
+    if unit.isupper() and "." in number:
+        raise argparse.ArgumentTypeError(f"{text!r}: a binary unit ({unit}) takes a whole number (as vLLM)")
+    scale = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[unit]
+    try:
+        value = Decimal(number) * scale
+    except InvalidOperation:
+        raise argparse.ArgumentTypeError(f"{text!r} is no number") from None
+    if value != value.to_integral_value():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
+    return int(value)
 
 
 def read_chat_template(value: str) -> str:

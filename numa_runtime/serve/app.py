@@ -290,7 +290,9 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             for p in texts:
                 if isinstance(p, str) and keep is None:
                     engine.tokenizer.check_length(p, engine.max_model_len)
-            max_tokens = 16 if body.max_tokens is None else 1 if echo_only else body.max_tokens
+            # NOTE: as vLLM: an omitted max_tokens is OpenAI's 16, an explicit null runs to the context's end
+            max_tokens = ((None if body.max_tokens_to_the_end else 16) if body.max_tokens is None
+                          else 1 if echo_only else body.max_tokens)
             params = body.sampling_params(cap(max_tokens), body.logprobs, body.json_schema(), engine.default_sampling)
             if echo_only and params.constraint is not None:  # NOTE: it was accepted unchecked and unused
                 field = body.constraint_field() or "response_format"
@@ -363,10 +365,9 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             params = body.sampling_params(cap(max_tokens), body.num_logprobs(), schema, engine.default_sampling)
             if tool_plan.mode == "auto" and tool_plan.parser == "hermes":
                 params.skip_special_tokens = False  # NOTE: as vLLM: <tool_call> is a special token of some models
+            # NOTE: the rendered prompt's length is checked (tokenize_chat), not the messages': a template
+            # may leave text out (older turns, earlier reasoning), as vLLM judges the rendered prompt
             keep = prompt_truncation(body.truncate_prompt_tokens, engine.max_model_len)
-            if keep is None and body.content_chars() > engine.max_model_len * engine.tokenizer.max_token_chars:
-                raise ValueError(f"The messages hold {body.content_chars()} characters, more than a context of "
-                                 f"{engine.max_model_len} tokens can hold; shorten them.")
             if params.constraint is not None:  # NOTE: built once, off the loop and the engine thread
                 await asyncio.to_thread(engine.grammars.prepare)
             messages = [m.as_template_dict() for m in body.messages]

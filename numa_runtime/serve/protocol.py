@@ -12,7 +12,7 @@ import json
 import logging
 from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from ..sampling_params import SamplingParams, StructuredOutputsParams, as_structured_outputs, json_schema_of
 from ..structured import strict_schema
@@ -310,6 +310,21 @@ class CompletionRequest(_SamplingRequest):
     best_of: Optional[int] = Field(None, description="Not supported beyond best_of = n.")
     add_special_tokens: bool = Field(True, description="Add the tokenizer's special tokens (BOS) to text "
                                                        "prompts (vLLM's name).")
+    # NOTE: `"max_tokens": null` sent (null is otherwise read as the field's default, 16 here):
+    # vLLM runs such a completion to the context's end
+    _max_tokens_null: bool = PrivateAttr(False)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_max_tokens_null(cls, data, handler):
+        body = handler(data)
+        body._max_tokens_null = isinstance(data, dict) and "max_tokens" in data and data["max_tokens"] is None
+        return body
+
+    @property
+    def max_tokens_to_the_end(self) -> bool:
+        """max_tokens was sent as null (vLLM: up to the context's end; omitted, OpenAI's 16)."""
+        return self._max_tokens_null
 
     def _refused(self) -> dict:
         return {k: v for k, v in _VLLM_REFUSED.items() if k != "prompt_logprobs"}
@@ -470,18 +485,6 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true.")
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    def content_chars(self) -> int:
-        """Characters of text in the messages (a bound taken before the template renders them)."""
-        total = 0
-        for m in self.messages:
-            parts = m.content if isinstance(m.content, list) else [m]
-            total += sum(len(getattr(p, "text", None) or getattr(p, "content", None) or "") for p in parts)
-            total += len(m.reasoning or m.reasoning_content or "")
-            for call in m.tool_calls or []:
-                args = call.function.arguments
-                total += len(args) if isinstance(args, str) else 0
-        return total
 
     def template_kwargs(self) -> dict:
         return _template_kwargs(self)
