@@ -501,6 +501,10 @@ class Engine:
                   ) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a prompt; `keep`: only its last `keep` tokens (then any
         length of text is tokenized)."""
+        # NOTE: vLLM's TokensPrompt may carry its text too ("prompt"): the output's prompt, as vLLM's
+        given = prompt.get("prompt") if isinstance(prompt, dict) and "prompt_token_ids" in prompt else None
+        if given is not None and not isinstance(given, str):
+            raise TypeError(f"A prompt dict's 'prompt' must be its text, got {type(given).__name__}.")
         prompt = _prompt_of(prompt)
         if isinstance(prompt, str):
             check_text("The prompt", prompt)
@@ -508,7 +512,7 @@ class Engine:
                    else self.tokenizer.encode_within(prompt, self.max_model_len, add_special_tokens=add_special_tokens))
             text = prompt
         elif _is_token_ids(prompt):
-            ids, text = [int(t) for t in prompt], None
+            ids, text = [int(t) for t in prompt], given
             if keep is not None:
                 ids = ids[-keep:]
         else:
@@ -971,6 +975,11 @@ class Engine:
                                 "list of such lists.")
             if not conv:
                 raise ValueError("A conversation needs at least one message.")
+            # NOTE: as vLLM's parser, which reads each message's role (a message without one was
+            # rendered as the template made of it)
+            bad = next((i for i, m in enumerate(conv) if not isinstance(m.get("role"), str)), None)
+            if bad is not None:
+                raise ValueError(f"Message {bad} has no 'role' (a string such as 'user' or 'assistant').")
             prompt = self.tokenizer.render_chat(conv, **render_kwargs)
             prompts.append(prompt)
             ids.append(self.tokenizer.encode(prompt, add_special_tokens=False) if truncating else
@@ -979,6 +988,35 @@ class Engine:
         for out, prompt in zip(outs, prompts):
             out.prompt = prompt  # NOTE: as vLLM's LLM.chat: the rendered template
         return outs if batch else _OneOutput(outs)
+
+    @property
+    def llm_engine(self) -> "Engine":
+        """vLLM's LLM.llm_engine, whose add_request / step / has_unfinished_requests / abort_request
+        loop scripts drive: this engine, which has them."""
+        return self
+
+    def _not_built(self, what: str, instead: str):
+        raise NotImplementedError(f"Engine.{what} (vLLM's) is not built here; {instead}.")
+
+    def encode(self, *args, **kwargs):
+        """vLLM's generic pooling call: refused in one sentence (embed() gives embeddings)."""
+        self._not_built("encode", "use Engine.embed for embeddings")
+
+    def score(self, *args, **kwargs):
+        """vLLM's cross-encoder scores: refused in one sentence."""
+        self._not_built("score", "compare Engine.embed vectors for similarity")
+
+    def classify(self, *args, **kwargs):
+        """vLLM's sequence classification: refused in one sentence."""
+        self._not_built("classify", "no classification heads are loaded")
+
+    def reward(self, *args, **kwargs):
+        """vLLM's reward models: refused in one sentence."""
+        self._not_built("reward", "no reward heads are loaded")
+
+    def beam_search(self, *args, **kwargs):
+        """vLLM's beam search: refused in one sentence."""
+        self._not_built("beam_search", "use n > 1 with sampling, or greedy decoding")
 
     # ------------------------------------------------------------------ embeddings
     def embed(self, inputs, pooling: str | None = None, *, normalize: bool | None = None, dimensions: int | None = None,

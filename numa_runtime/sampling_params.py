@@ -160,6 +160,8 @@ class SamplingParams:
             value = value.upper() if name == "output_kind" and isinstance(value, str) else value  # "cumulative"
             if value not in ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported ({why}).")
+        if self.seed == -1 and not isinstance(self.seed, bool):  # NOTE: vLLM's "no seed"
+            self.seed = None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None and not isinstance(self.stop, (list, tuple)):
@@ -299,6 +301,11 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def clone(self) -> "SamplingParams":
+        """vLLM's: a deep copy (a change to it changes no request made with this one)."""
+        import copy
+        return copy.deepcopy(self)
 
     @property
     def has_penalties(self) -> bool:

@@ -360,6 +360,15 @@ class Tokenizer:
         that cannot be rendered."""
         if chat_template is not None and not isinstance(chat_template, str):
             raise TypeError("chat_template must be the template's Jinja source (a string).")
+        for name, items in (("tools", tools), ("documents", documents)):
+            # NOTE: as HF's apply_chat_template (vLLM's), which refuses a tool that is no dict; a
+            # Python function (HF makes its schema) is not converted here
+            if items is None or (isinstance(items, (list, tuple)) and all(isinstance(t, dict) for t in items)):
+                continue
+            got = type(items).__name__ if not isinstance(items, (list, tuple)) else (
+                "a list holding a " + next(type(t).__name__ for t in items if not isinstance(t, dict)))
+            raise TypeError(f"{name} must be a list of dicts (a tool: its JSON schema, {{'type': 'function', "
+                            f"'function': {{...}}}}), got {got}.")
         if continue_final_message:
             if add_generation_prompt:
                 raise ValueError("continue_final_message cannot be true together with add_generation_prompt=true.")

@@ -112,7 +112,7 @@ def test_penalties_change_the_output(eng):
 
 @pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(max_tokens=0),
                                 dict(n=0), dict(min_p=2), dict(presence_penalty=3), dict(top_k=-5),
-                                dict(stop=[""]), dict(seed="x"), dict(logprobs=50), dict(seed=-1),
+                                dict(stop=[""]), dict(seed="x"), dict(logprobs=50), dict(seed=-2),
                                 dict(seed=1 << 64), dict(n=True), dict(max_tokens=True), dict(logprobs=True),
                                 dict(top_k=False), dict(min_tokens=True), dict(seed=True), dict(stop=5),
                                 dict(stop=[5]), dict(stop_token_ids=3), dict(stop_token_ids=[True]),
@@ -289,6 +289,39 @@ def test_a_generation_config_eos_beside_the_tokenizers_names_itself_as_stop_reas
         for tok in (2, 7):
             out = eng.generate([5, 6], SamplingParams(temperature=0, max_tokens=4, logit_bias={tok: 100.0}))[0].outputs[0]
             assert (out.token_ids, out.finish_reason, out.stop_reason) == ([tok], "stop", tok)
+
+
+def test_what_vllm_scripts_do_with_an_llm(eng):
+    """Habits of scripts written for vLLM's LLM: a TokensPrompt's text comes back as the output's
+    prompt (it was dropped); a message without a role and tools that are not a list of dicts are
+    refused (they were rendered as given, or not at all); llm.llm_engine is the engine with its
+    step loop; encode/score/classify/reward/beam_search say in one sentence they are not built
+    (a bare AttributeError); SamplingParams takes seed=-1 (vLLM's "no seed") and clone()."""
+    ids = eng.tokenizer.encode("Hello world", add_special_tokens=False)
+    out = eng.generate({"prompt": "Hello world", "prompt_token_ids": ids}, GREEDY)[0]
+    assert out.prompt == "Hello world" and list(out.prompt_token_ids) == ids
+    with pytest.raises(TypeError, match="'prompt' must be its text, got int"):
+        eng.generate({"prompt": 5, "prompt_token_ids": ids}, GREEDY)
+    with pytest.raises(ValueError, match=r"^Message 1 has no 'role' \(a string such as 'user' or 'assistant'\)\.$"):
+        eng.chat([{"role": "system", "content": "be brief"}, {"content": "x"}], GREEDY)
+    for tools, got in (({"name": "f"}, "dict"), (["f"], "a list holding a str")):
+        with pytest.raises(TypeError, match=rf"^tools must be a list of dicts .*got {got}\.$"):
+            eng.chat([{"role": "user", "content": "x"}], GREEDY, tools=tools)
+    with pytest.raises(TypeError, match="documents must be a list of dicts"):
+        eng.get_tokenizer().apply_chat_template([{"role": "user", "content": "x"}], documents="a text")
+    assert eng.llm_engine is eng
+    rid = eng.llm_engine.add_request("Hi", GREEDY)
+    finished = []
+    while eng.llm_engine.has_unfinished_requests():
+        finished += [o.request_id for o in eng.llm_engine.step() if o.finished]
+    assert finished == [rid]
+    for name in ("encode", "score", "classify", "reward", "beam_search"):
+        with pytest.raises(NotImplementedError, match=rf"^Engine\.{name} \(vLLM's\) is not built here; "):
+            getattr(eng, name)("Hi")
+    p = SamplingParams(seed=-1, stop=["x"])
+    q = p.clone()
+    q.stop.append("y")
+    assert p.seed is None and p.stop == ["x"] and q.stop == ["x", "y"] and q.seed is None
 
 
 def test_oversize_text_prompt_is_refused_by_its_length(eng):
