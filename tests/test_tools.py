@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from models import build_model
-from numa_runtime.serve.tools import ToolStream, parse, plan
+from numa_runtime.serve.tools import ToolError, ToolStream, parse, plan
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -49,6 +49,9 @@ def test_the_plan_of_tools_and_tool_choice():
     req = plan([nested, WEATHER], "required", None)
     assert req.schema["$defs"] == {"Loc": nested["function"]["parameters"]["$defs"]["Loc"]}
     assert "$defs" not in req.schema["items"]["anyOf"][0]["properties"]["parameters"]
+    # two functions of one name: refused (the later schema replaced the earlier one, unseen)
+    with pytest.raises(ToolError, match=r"^tools\[1\] is a second function named 'get_weather'; give each tool"):
+        plan([WEATHER, WEATHER], "required", None)
 
 
 def test_parsers_read_the_models_call_formats():
@@ -117,6 +120,18 @@ def test_model_text_that_json_cannot_round_trip_is_text_or_valid_arguments():
         assert parse(hermes, text) == (text, [])
     bad_name = '<tool_call>{"name": "get_\\udc00weather", "arguments": {}}</tool_call>'
     assert parse(hermes, bad_name) == (bad_name, [])
+    # NOTE: tool_choice "required" constrains the list itself: a number beyond a float's range is
+    # JSON there and keeps its digits (one such number turned every call of the list into content),
+    # whole and cut short; a lone surrogate escape stays escaped
+    for text, whole in (('[{"name": "get_weather", "parameters": {"x": 123456789e347873, "y": 2.50}}]', True),
+                        ('[{"name": "get_weather", "parameters": {"x": 123456789e347873, "y": 2.50}}, {"na', False)):
+        content, calls = parse(req, text, finished_whole=whole)
+        assert content is None and len(calls) == 1 and calls[0]["function"]["name"] == "get_weather"
+        args = calls[0]["function"]["arguments"]
+        assert args == '{"x": 1.23456789E+347881, "y": 2.50}'
+        assert json.loads(args, parse_float=str) == {"x": "1.23456789E+347881", "y": "2.50"}
+    _, calls = parse(req, '[{"name": "get_weather", "parameters": {"x": "\\ud83d", "y": "café"}}]')
+    assert calls[0]["function"]["arguments"] == '{"x": "\\ud83d", "y": "café"}'
 
 
 @pytest.mark.parametrize("parser,text", [
@@ -202,6 +217,15 @@ def test_named_and_required_tool_choice_return_calls(model_dir):
         deltas = [d.choices[0].delta for d in chunks if d.choices and d.choices[0].delta.tool_calls]
         assert deltas[0].tool_calls[0].function.arguments == cut.message.tool_calls[0].function.arguments
         assert [d.choices[0].finish_reason for d in chunks if d.choices][-1] == "length"
+        # arguments cut by a stop string keep the string as stop_reason (vLLM's field), body and stream
+        # (it was dropped: a client could not tell the call was cut)
+        cut = c.chat.completions.create(tools=[WEATHER], tool_choice=named, stop=["unit"], **KW).choices[0]
+        assert (cut.finish_reason, cut.model_extra["stop_reason"]) == ("stop", "unit")
+        assert call.function.arguments.startswith(cut.message.tool_calls[0].function.arguments) and \
+            "unit" not in cut.message.tool_calls[0].function.arguments
+        last = [d.choices[0] for d in c.chat.completions.create(tools=[WEATHER], tool_choice=named, stop=["unit"],
+                                                               stream=True, **KW) if d.choices][-1]
+        assert (last.finish_reason, last.model_extra["stop_reason"]) == ("stop", "unit")
         from test_server import metric
         status = 'numa_runtime_requests_total{status="%s"}'
         before = {k: metric(srv.base, status % k) for k in ("tool_calls", "stop")}

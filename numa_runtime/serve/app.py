@@ -735,8 +735,7 @@ def _tool_chunks(streams: dict, tool_plan, p, rid, model, created, decode, inclu
         # last call was cut said "tool_calls", as if whole); as vLLM
         reason = ("length" if p.finish_reason == "length" else "stop" if tool_plan.mode == "named"
                   else "tool_calls")
-        p = dataclasses.replace(p, text="", token_ids=[], logprobs=None, finish_reason=reason,
-                                stop_reason=None if calls else p.stop_reason)
+        p = dataclasses.replace(p, text="", token_ids=[], logprobs=None, finish_reason=reason)
     else:
         p = dataclasses.replace(p, text="", token_ids=[], logprobs=None)
     out.append(R.chat_chunk(rid, model, created, p, p.index, decode, include_usage))

@@ -231,8 +231,8 @@ def chat_body(rid: str, model: str, tracker: ChoiceTracker, decode: TokenBytes, 
             content, calls = parse(tool_plan, text, ended_whole(c.finish_reason, getattr(c, "stop_reason", None)))
             if calls:
                 message = {"role": "assistant", "content": content, **thought, "tool_calls": calls}
-                reason, stop = ("length" if reason == "length" else "stop" if tool_plan.mode == "named"
-                                else "tool_calls"), None
+                # NOTE: stop_reason stays, as vLLM's: a call cut by a stop string says so
+                reason = "length" if reason == "length" else "stop" if tool_plan.mode == "named" else "tool_calls"
         choices.append({"index": i, "message": message, "finish_reason": reason, "stop_reason": stop,
                         "logprobs": chat_logprobs(c.token_ids, c.logprob_pairs, decode)})
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,

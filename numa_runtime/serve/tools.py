@@ -18,6 +18,7 @@
 """
 from __future__ import annotations
 
+import decimal
 import json
 import math
 import re
@@ -68,6 +69,8 @@ def plan(tools, tool_choice, parser: str | None) -> ToolPlan:
         name = fn.get("name")
         if not isinstance(name, str) or not name:
             raise ToolError(f"tools[{i}].function.name must be a non-empty string.", "tools")
+        if name in functions:  # NOTE: the later schema replaced the earlier one unseen
+            raise ToolError(f"tools[{i}] is a second function named {name!r}; give each tool its own name.", "tools")
         params = fn.get("parameters")
         if params is None:  # NOTE: absent or null (OpenAI and vLLM allow both): no arguments
             params = {"type": "object", "properties": {}}
@@ -161,8 +164,8 @@ def parse(p: ToolPlan, text: str, finished_whole: bool = True) -> tuple[str | No
         return None, [_call(p.name, text, raw=True)]
     if p.mode == "required":
         try:
-            items = _loads(text)
-            calls = [_call(c["name"], c["parameters"]) for c in items]
+            items = _loads_exact(text)
+            calls = [_call(c["name"], _dumps_exact(c["parameters"]), raw=True) for c in items]
         except _NOT_A_CALL:
             calls = [] if finished_whole else _whole_calls(text)
             return (None, calls) if calls else (text, [])
@@ -215,9 +218,32 @@ def _loads(text: str):
     return json.loads(text, parse_constant=_not_json, parse_float=_finite)
 
 
+def _loads_exact(text: str):
+    """JSON whose non-integer numbers keep their digits (Decimal): the list of calls that
+    tool_choice "required" constrains may hold a number beyond a float's range, which is JSON
+    still (it was read as no call, and the whole list came back as content)."""
+    return json.loads(text, parse_constant=_not_json, parse_float=decimal.Decimal)
+
+
+def _dumps_exact(value, ensure_ascii: bool = False) -> str:
+    """json.dumps's text of what _loads_exact read, each Decimal as its digits (valid JSON)."""
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, dict):
+        text = "{" + ", ".join(f"{json.dumps(k, ensure_ascii=ensure_ascii)}: {_dumps_exact(v, ensure_ascii)}"
+                               for k, v in value.items()) + "}"
+    elif isinstance(value, list):
+        text = "[" + ", ".join(_dumps_exact(v, ensure_ascii) for v in value) + "]"
+    else:
+        text = json.dumps(value, ensure_ascii=ensure_ascii, allow_nan=False)
+    if not ensure_ascii and SURROGATE.search(text):  # NOTE: as _call: half a pair stays escaped
+        return _dumps_exact(value, ensure_ascii=True)
+    return text
+
+
 def _whole_calls(text: str) -> list[dict]:
     """The calls a JSON list of {"name", "parameters"} objects cut short holds whole."""
-    dec, calls = json.JSONDecoder(parse_constant=_not_json, parse_float=_finite), []
+    dec, calls = json.JSONDecoder(parse_constant=_not_json, parse_float=decimal.Decimal), []
     s = text.lstrip()
     if not s.startswith("["):
         return []
@@ -227,7 +253,7 @@ def _whole_calls(text: str) -> list[dict]:
             while i < len(s) and s[i].isspace():
                 i += 1
             obj, i = dec.raw_decode(s, i)
-            calls.append(_call(obj["name"], obj["parameters"]))
+            calls.append(_call(obj["name"], _dumps_exact(obj["parameters"]), raw=True))
             while i < len(s) and s[i].isspace():
                 i += 1
             if i >= len(s) or s[i] != ",":
