@@ -271,7 +271,8 @@ def test_a_generation_config_eos_beside_the_tokenizers_names_itself_as_stop_reas
     try:
         assert eng.tokenizer.eos_token_id == 2
         for tok, reason in ((2, None), (7, 7)):
-            out = eng.generate([5, 6], SamplingParams(temperature=0, max_tokens=4, logit_bias={tok: 100.0}))[0].outputs[0]
+            forced = SamplingParams(temperature=0, max_tokens=4, logit_bias={tok: 100.0})
+            out = eng.generate([5, 6], forced)[0].outputs[0]
             assert (out.token_ids, out.finish_reason, out.stop_reason) == ([tok], "stop", reason)
         out = eng.generate([5, 6], SamplingParams(temperature=0, max_tokens=3, logit_bias={7: 100.0},
                                                   ignore_eos=True))[0].outputs[0]
@@ -287,7 +288,8 @@ def test_a_generation_config_eos_beside_the_tokenizers_names_itself_as_stop_reas
     with Engine(d, dtype="float32", kv_cache_memory=1 << 20, max_model_len=128) as eng:
         assert eng.tokenizer.named_eos_token_id is None
         for tok in (2, 7):
-            out = eng.generate([5, 6], SamplingParams(temperature=0, max_tokens=4, logit_bias={tok: 100.0}))[0].outputs[0]
+            forced = SamplingParams(temperature=0, max_tokens=4, logit_bias={tok: 100.0})
+            out = eng.generate([5, 6], forced)[0].outputs[0]
             assert (out.token_ids, out.finish_reason, out.stop_reason) == ([tok], "stop", tok)
 
 
@@ -593,17 +595,24 @@ def test_prompt_logprobs_wait_for_room_in_add_request(model_dir):
         e.close()
 
 
+def _busy_engine(model_dir) -> Engine:
+    """An engine of 12 KV blocks of 16 tokens, two running requests (40 prompt tokens, 12 to
+    generate each) holding some after one step: a long prompt's prompt_logprobs must wait."""
+    e = Engine(model_dir, dtype="float32", kv_cache_memory=12 * 8192, max_model_len=128, block_size=16)
+    for i in range(2):
+        e.add_request(list(range(3 + i, 3 + i + 40)), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    e.step()
+    return e
+
+
 def test_a_waiting_prompt_logprobs_request_is_not_overtaken_by_later_ones(model_dir):
     """A prompt_logprobs request waiting for KV room keeps the blocks it needs from requests
     added after it, which queue behind it once it is in (first come first served): under a
     steady flow of new requests, twenty of them finished first before. Aborting an n=2 one while
     it waits gives two empty "abort" sequences."""
-    e = Engine(model_dir, dtype="float32", kv_cache_memory=12 * 8192, max_model_len=128, block_size=16)
+    e = _busy_engine(model_dir)
     try:
         bm = e.scheduler.block_manager
-        for i in range(2):
-            e.add_request(list(range(3 + i, 3 + i + 40)), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-        e.step()
         free = bm.num_free_blocks
         p = list(range(7, 7 + 16 * (free + 1)))[:120]
         assert free < bm.num_blocks_for(len(p)) <= bm.num_blocks
@@ -619,7 +628,8 @@ def test_a_waiting_prompt_logprobs_request_is_not_overtaken_by_later_ones(model_
             finished += [o.request_id for o in outs if o.finished]
             if gone in [o.request_id for o in outs]:
                 out = next(o for o in outs if o.request_id == gone)
-                assert [(c.index, c.finish_reason, c.token_ids) for c in out.outputs] == [(0, "abort", []), (1, "abort", [])]
+                assert [(c.index, c.finish_reason, c.token_ids) for c in out.outputs] == [(0, "abort", []),
+                                                                                         (1, "abort", [])]
             i += 1
         assert gone in finished
         assert not [r for r in finished[:finished.index(waiting)] if r.startswith("late")]
@@ -636,12 +646,9 @@ def test_generate_and_stream_admit_a_waiting_prompt_logprobs_request(model_dir, 
     generate() or a stream() that steps the engine meanwhile admits it too, so it does not spin
     for ever behind the reservation, and the owner's next step() hands over its output."""
     import threading
-    e = Engine(model_dir, dtype="float32", kv_cache_memory=12 * 8192, max_model_len=128, block_size=16)
+    e = _busy_engine(model_dir)
     try:
         bm = e.scheduler.block_manager
-        for i in range(2):
-            e.add_request(list(range(3 + i, 3 + i + 40)), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-        e.step()
         waiting = e.add_request(list(range(7, 127)), SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
         e.step()
         assert bm.reserved_blocks > 0
@@ -667,11 +674,8 @@ def test_generate_and_stream_admit_a_waiting_prompt_logprobs_request(model_dir, 
 def test_an_error_admitting_a_waiting_request_inside_generate_goes_to_its_owners_step(model_dir, monkeypatch):
     """The waiting prompt_logprobs request is add_request's: its prefill failing while generate()
     admits it does not fail generate(); the owner's next step() raises it, and nothing is left."""
-    e = Engine(model_dir, dtype="float32", kv_cache_memory=12 * 8192, max_model_len=128, block_size=16)
+    e = _busy_engine(model_dir)
     try:
-        for i in range(2):
-            e.add_request(list(range(3 + i, 3 + i + 40)), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-        e.step()
         e.add_request(list(range(7, 127)), SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
         e.step()
 

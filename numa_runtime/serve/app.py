@@ -731,11 +731,8 @@ def _tool_chunks(streams: dict, tool_plan, p, rid, model, created, decode, inclu
                                                                include_usage)]
     if calls:
         out.append(R.tool_calls_chunk(rid, model, created, p.index, calls, include_usage))
-        # NOTE: calls cut by max_tokens say so ("length"), whatever the mode (a required list whose
-        # last call was cut said "tool_calls", as if whole); as vLLM
-        reason = ("length" if p.finish_reason == "length" else "stop" if tool_plan.mode == "named"
-                  else "tool_calls")
-        p = dataclasses.replace(p, text="", token_ids=[], logprobs=None, finish_reason=reason)
+        p = dataclasses.replace(p, text="", token_ids=[], logprobs=None,
+                                finish_reason=R.calls_finish_reason(p.finish_reason, tool_plan.mode))
     else:
         p = dataclasses.replace(p, text="", token_ids=[], logprobs=None)
     out.append(R.chat_chunk(rid, model, created, p, p.index, decode, include_usage))

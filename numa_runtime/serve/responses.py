@@ -232,7 +232,7 @@ def chat_body(rid: str, model: str, tracker: ChoiceTracker, decode: TokenBytes, 
             if calls:
                 message = {"role": "assistant", "content": content, **thought, "tool_calls": calls}
                 # NOTE: stop_reason stays, as vLLM's: a call cut by a stop string says so
-                reason = "length" if reason == "length" else "stop" if tool_plan.mode == "named" else "tool_calls"
+                reason = calls_finish_reason(reason, tool_plan.mode)
         choices.append({"index": i, "message": message, "finish_reason": reason, "stop_reason": stop,
                         "logprobs": chat_logprobs(c.token_ids, c.logprob_pairs, decode)})
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
@@ -248,6 +248,13 @@ def chat_usage(tracker: "ChoiceTracker", reasoning_parser: str | None, decode: T
         n = sum(reasoning_tokens(reasoning_parser, c.token_ids, decode) for _, c in tracker.choices())
         usage["completion_tokens_details"] = {"reasoning_tokens": n}
     return usage
+
+
+def calls_finish_reason(finish_reason, mode: str) -> str:
+    """The finish_reason of a choice that holds tool calls, as vLLM's: "length" where max_tokens cut
+    it, whatever the mode (a required list whose last call was cut said "tool_calls", as if whole);
+    "stop" for a named function's call; "tool_calls" otherwise."""
+    return "length" if finish_reason == "length" else "stop" if mode == "named" else "tool_calls"
 
 
 def ended_whole(finish_reason, stop_reason) -> bool:
