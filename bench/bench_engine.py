@@ -36,6 +36,10 @@ results at every distance): each round, for each distance, B requests (--prefetc
 distance as the median over --overhead-rounds rounds (default 5). Alternating rounds in one
 process keeps a shared host's drift out of the comparison.
     python bench/bench_engine.py --prefetch 0 4096 --shape qwen0.5b --quantization int4
+`--wait-prefetch 0 32768 ...` runs the same rounds alternating instead how many bytes of the next
+GEMV's weights each thread of the fused decode region prefetches while it waits at a barrier
+(qgemm._set_wait_prefetch; decode_layers.h):
+    python bench/bench_engine.py --wait-prefetch 0 32768 --shape qwen0.5b --quantization int4
 Writes OUT.json and OUT.md.
 """
 from __future__ import annotations
@@ -213,21 +217,38 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _prefetch_setter(a):
+    """The knob prefetch_ab alternates: the kernels' prefetch distance (--prefetch) or the bytes
+    the decode region's barrier waits prefetch (--wait-prefetch). Returns set(d) -> old values."""
+    from numa_runtime._kernels import gemm, qgemm
+    if a.wait_prefetch:
+        return lambda d: (qgemm._set_wait_prefetch(d),)
+    return lambda d: (qgemm._set_prefetch(d), gemm._set_prefetch(d))
+
+
+def _prefetch_restore(a, old) -> None:
+    from numa_runtime._kernels import gemm, qgemm
+    if a.wait_prefetch:
+        qgemm._set_wait_prefetch(old[0])
+    else:
+        qgemm._set_prefetch(old[0])
+        gemm._set_prefetch(old[1])
+
+
 def prefetch_ab(eng, a) -> dict:
-    """Median decode step (ms) per prefetch distance and batch, rounds alternating the distances."""
+    """Median decode step (ms) per prefetch setting and batch, rounds alternating the settings."""
     import statistics
 
     from numa_runtime import SamplingParams
-    from numa_runtime._kernels import gemm, qgemm
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     res = {b: {d: [] for d in a.prefetch} for b in a.prefetch_batch}
-    old = qgemm._set_prefetch(0), gemm._set_prefetch(0)
+    set_ = _prefetch_setter(a)
+    old = set_(a.prefetch[0])
     try:
         for _ in range(a.overhead_rounds):
             for b in a.prefetch_batch:
                 for d in a.prefetch:
-                    qgemm._set_prefetch(d)
-                    gemm._set_prefetch(d)
+                    set_(d)
                     for i in range(b):
                         eng.add_request(list(range(10 + i, 42 + i)), params)
                     eng.step()  # the prefill
@@ -238,8 +259,7 @@ def prefetch_ab(eng, a) -> dict:
                         steps.append(time.perf_counter() - t)
                     res[b][d].append(1e3 * statistics.median(steps))
     finally:
-        qgemm._set_prefetch(old[0])
-        gemm._set_prefetch(old[1])
+        _prefetch_restore(a, old)
     return {str(b): {str(d): {"rounds_ms": v, "median_ms": statistics.median(v)} for d, v in r.items()}
             for b, r in res.items()}
 
@@ -247,7 +267,8 @@ def prefetch_ab(eng, a) -> dict:
 def prefetch_markdown(r: dict, a) -> str:
     lines = [f"model {r['summary'].get('model', '')}, quantization {a.quantization}, threads {r['threads']}; "
              f"median decode step ms over {a.overhead_rounds} alternating rounds", "",
-             "| batch | " + " | ".join(f"prefetch {d} B" for d in a.prefetch) + " |",
+             "| batch | " + " | ".join(f"{'wait prefetch' if a.wait_prefetch else 'prefetch'} {d} B"
+                                        for d in a.prefetch) + " |",
              "|" + " --- |" * (len(a.prefetch) + 1)]
     for b, row in r["prefetch"].items():
         base = row[str(a.prefetch[0])]["median_ms"]
@@ -278,9 +299,14 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, help="quantize at load (int8, int4, ...)")
     ap.add_argument("--prefetch", type=int, nargs="+", default=None,
                     help="only the prefetch A/B: these distances in bytes, e.g. 0 4096")
+    ap.add_argument("--wait-prefetch", type=int, nargs="+", default=None,
+                    help="only the A/B of the bytes the decode region's barrier waits prefetch of the next "
+                         "GEMV's weights (qgemm._set_wait_prefetch), e.g. 0 32768")
     ap.add_argument("--prefetch-batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--out", default="/tmp/bench_engine", help="writes OUT.json and OUT.md")
     a = ap.parse_args()
+    if a.wait_prefetch:
+        a.prefetch = a.wait_prefetch
     if a.prefetch:
         a.concurrency, a.overhead_rounds = [], a.overhead_rounds or 5
         a.overhead_batch = max(a.prefetch_batch)

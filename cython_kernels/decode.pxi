@@ -74,6 +74,7 @@ cdef extern from "decode_layers.h" nogil:
         float* logits
         int64_t* amax
     int nd_run(const nd_model* m, const nd_step* st, int64_t s0, int64_t s1)
+    long nd_pf_wait
     enum: QG_MAX_SLICES
     long qg_blocks_per_group(const qg_format* f)
 
@@ -91,6 +92,16 @@ def _force_barrier(str kind):
     global _barrier
     old = [k for k, v in _BARRIERS.items() if v == _barrier][0]
     _barrier = _BARRIERS[kind]
+    return old
+
+
+def _set_wait_prefetch(long nbytes):
+    """Tests and benchmarks: the bytes of its share of the next GEMV's weights that a thread of
+    FusedDecoder's region prefetches while it waits at a barrier (0: off; decode_layers.h
+    nd_pf_wait). Same results either way. Returns the old value."""
+    global nd_pf_wait
+    old = nd_pf_wait
+    nd_pf_wait = nbytes
     return old
 
 

@@ -167,13 +167,49 @@ typedef struct {
     int cur;            /* rbuf[cur] holds the residual */
     nd_pending pend;    /* partial sums left by nd_gemv's fold: qkv's (added by nd_rope_cache),
                          * o_proj's or down_proj's (added by the next nd_norm_quant or nd_head_phase) */
+    /* the weights of the GEMV after the current one (set by the caller, NULL: none or not known),
+     * and the bytes of this thread's share of them that its barrier waits prefetch (nd_pf_arm) */
+    const uint8_t* nw;
+    const qg_format* nf;
+    const char *pf, *pf_end;
 } nd_thread;
+
+/* Bytes of its share of the next GEMV's weights that a thread prefetches into L2 while it waits
+ * at the barriers before that GEMV (0: off; qgemm._set_wait_prefetch). NOTE: a decode step's
+ * phases between GEMVs (norms, rotary, attention of short contexts, barriers) read little from
+ * DRAM, and a GEMV's first lines come at DRAM latency; on 16 threads a thread's share of an int4
+ * q/k/v or o_proj of Qwen2.5-0.5B is 28-36 KB, a few microseconds of streaming. */
+static long nd_pf_wait = 32768;
+
+/* Aim the barrier waits' prefetches at this thread's share of the next GEMV's weights (t->nw,
+ * t->nf) as qg_q8_share divides them among the threads (a byte range of whole column blocks, or
+ * of a block's k slices: approximate there, a prefetch is only a hint); steps of more rows than
+ * QG_MR_Q8 run on row or AMX tiles and do not. */
+static inline void nd_pf_arm(nd_thread* t, int64_t M) {
+    const uint8_t* w = t->nw;
+    const qg_format* f = t->nf;
+    t->nw = NULL;
+    t->pf = t->pf_end = NULL;
+    if (!w || !nd_pf_wait || M > QG_MR_Q8) return;
+    const long ns = qg_q8_slices(f, M, t->nt), nblocks = (f->n + QG_NB - 1) / QG_NB, bb = qg_block_bytes(f);
+    long t0, t1;
+    nr_share(nblocks * ns, t->tid, t->nt, &t0, &t1);
+    if (t0 >= t1) return;
+    const char *p = (const char*)w + t0 * bb / ns, *e = (const char*)w + t1 * bb / ns;
+    t->pf = (const char*)((uintptr_t)p & ~(uintptr_t)63);
+    t->pf_end = e - t->pf > nd_pf_wait ? t->pf + nd_pf_wait : e;
+}
 
 /* Wait until cell c holds `sense`: spin, then sleep on a futex. NOTE: with more threads than
  * cpus (or a busy host) the thread it waits for may need this cpu to arrive; spinning or
  * sched_yield alone made a 5-thread step on 2 cpus 10x slower than libgomp's barrier. */
-static inline void nd_wait(nd_cell* c, int sense, long spins) {
+static inline void nd_wait(nd_cell* c, int sense, long spins, nd_thread* t) {
     for (long spin = 0; __atomic_load_n(&c->v, __ATOMIC_ACQUIRE) != sense; spin++) {
+        if (t->pf < t->pf_end) {  /* a line of the next GEMV's weights instead of a pause */
+            _mm_prefetch(t->pf, _MM_HINT_T1);
+            t->pf += 64;
+            continue;
+        }
         if (spin < spins) {
             _mm_pause();
             continue;
@@ -201,7 +237,7 @@ static inline void nd_barrier(nd_thread* t) {
     nd_cell* c = t->bar->cells;
     for (int r = 0; r < R; r++) {
         nd_signal(&c[(((t->tid + (1 << r)) % t->nt) * 2 + t->parity) * rm + r], t->sense);
-        nd_wait(&c[(t->tid * 2 + t->parity) * rm + r], t->sense, t->bar->spins);
+        nd_wait(&c[(t->tid * 2 + t->parity) * rm + r], t->sense, t->bar->spins, t);
     }
     if (t->parity) t->sense = !t->sense;
     t->parity ^= 1;
@@ -296,6 +332,13 @@ static void nd_norm_quant(const nd_model* m, const nd_step* st, const float* x, 
     else if (add) t->cur ^= 1;
 }
 
+/* The GEMV after the current one is L's: the barrier waits before it prefetch this thread's
+ * share of L's first part, the one it reads first. */
+static inline void nd_next(nd_thread* t, const nd_linear* L) {
+    t->nw = L->w[0];
+    t->nf = &L->f[0];
+}
+
 /* GEMV parts the decode region ran on AMX-INT8 tiles (qgemm._fused_amx_gemvs: tests) */
 static long nd_amx_gemvs = 0;
 
@@ -337,6 +380,7 @@ static void nd_gemv(const nd_step* st, const nd_linear* L, const nd_xqbuf* b, fl
          * Qwen2.5-0.5B and Llama-3.2-1B int4), so that path was removed */
         qg_q8_share(L->w[p], f, &q, M, M, bias, out + col, N, part, ns, qg_q8_kernel(st->qg_level),
                     0, t->tid, t->nt);
+        if (p == L->nparts - 1) nd_pf_arm(t, M);
         nd_barrier(t);
         if (ns > 1 && fold && L->nparts == 1 && !L->bias_after) {
             const nd_pending pd = {part, ns, Np, bias};
@@ -441,6 +485,7 @@ static void nd_attention_half(const nd_model* m, const nd_step* st, const nd_lay
                               const nr_attn_plan_t* plan, int fold, nd_thread* t) {
     const nd_xqbuf shared = nd_shared_xq(st), *in = t->red ? &t->own : &shared;
     nd_norm_quant(m, st, first ? NULL : st->delta, ly->in_norm, &ly->qkv, t);
+    nd_next(t, &ly->o);
     nd_gemv(st, &ly->qkv, in, st->qkv, st->part, 1, t);
     nd_rope_cache(m, st, ly, t);
     const float* attn = nd_attention(m, st, ly, plan, t);
@@ -451,12 +496,17 @@ static void nd_attention_half(const nd_model* m, const nd_step* st, const nd_lay
         for (int64_t r = t->tid; r < st->M; r += t->nt) nd_quant_row(&shared, st->M, &ly->o, attn + r * A, r);
         nd_barrier(t);
     }
+    nd_next(t, &ly->gu);
     nd_gemv(st, &ly->o, in, st->o, st->part2, fold, t);
 }
 
-static void nd_mlp_half(const nd_model* m, const nd_step* st, const nd_layer* ly, int fold, nd_thread* t) {
+/* `next`: the layer whose attention half this region runs next (NULL: none; then the head's
+ * weights when `head`), for the barrier waits' prefetches. */
+static void nd_mlp_half(const nd_model* m, const nd_step* st, const nd_layer* ly, int fold, const nd_layer* next,
+                        const nd_head* head, nd_thread* t) {
     const nd_xqbuf shared = nd_shared_xq(st);
     nd_norm_quant(m, st, st->o, ly->post_norm, &ly->gu, t);
+    nd_next(t, &ly->down);
     nd_gemv(st, &ly->gu, t->red ? &t->own : &shared, st->gu, st->part, 0, t);
     /* silu(gate) * up and its int8 rounding, one (row, group of down_proj) at a time (down_proj
      * is one weight, so one part: the caller checks) */
@@ -474,6 +524,11 @@ static void nd_mlp_half(const nd_model* m, const nd_step* st, const nd_layer* ly
                           st->xs + r * ng, NULL);
     }
     nd_barrier(t);
+    if (next) nd_next(t, &next->qkv);
+    else if (head) {
+        t->nw = head->w;
+        t->nf = &head->f;
+    }
     nd_gemv(st, &ly->down, &shared, st->delta, st->part2, fold, t);
 }
 
@@ -669,7 +724,8 @@ static int nd_run(const nd_model* m, const nd_step* st, int64_t s0, int64_t s1) 
                 const nd_layer* ly = &m->layers[s / 2];
                 const int fold = s + 1 < s1 || hd != NULL;
                 if (s % 2 == 0) nd_attention_half(m, st, ly, s == 0, use[s / 2 - l0], fold, &t);
-                else nd_mlp_half(m, st, ly, fold, &t);
+                else nd_mlp_half(m, st, ly, fold, s + 1 < s1 ? &m->layers[(s + 1) / 2] : NULL,
+                                 s + 1 == s1 ? hd : NULL, &t);
             }
             if (hd) nd_head_phase(m, st, &hb, &t);
             if (t.tid == 0) {

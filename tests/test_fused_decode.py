@@ -156,6 +156,27 @@ def test_fused_decode_equals_op_by_op_at_other_thread_counts(models, monkeypatch
         o.close()
 
 
+@pytest.mark.parametrize("nbytes,threads,redundant", [(0, 2, "auto"), (64, 5, "auto"), (1 << 20, 3, "off")])
+def test_barrier_wait_prefetch_leaves_results_alone(models, monkeypatch, nbytes, threads, redundant):
+    """The barrier waits prefetch the next GEMV's weights (decode_layers.h nd_pf_arm): off, one
+    line, and more than any thread's share; on our barrier (whose waits prefetch) at 2, 3 and 5
+    threads (5 may outnumber the cpus: its waits then sleep), steps of one row redundant or not.
+    Only a hint: the same logits and tokens as op by op."""
+    old = qgemm._set_wait_prefetch(nbytes)
+    old_bar = qgemm._force_barrier("own")
+    old_red = qgemm._force_redundant(redundant)
+    f, o = both(models["qwen2"], monkeypatch, num_threads=threads)
+    try:
+        np.testing.assert_array_equal(decode_logits(f, PROMPT), decode_logits(o, PROMPT))
+        assert_same_batch(f, o, 3, 5)
+    finally:
+        assert qgemm._set_wait_prefetch(old) == nbytes
+        qgemm._force_barrier(old_bar)
+        qgemm._force_redundant(old_red)
+        f.close()
+        o.close()
+
+
 @pytest.mark.parametrize("redundant", ["auto", "off"])
 def test_fused_decode_merges_split_attention_like_op_by_op(tmp_path, monkeypatch, redundant):
     """Past 256 keys a decode row's attention is cut into key ranges (NR_SPLIT_MIN 128 keys,
