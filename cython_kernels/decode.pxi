@@ -97,8 +97,8 @@ def _force_barrier(str kind):
 
 def _set_wait_prefetch(long nbytes):
     """Tests and benchmarks: the bytes of its share of the next GEMV's weights that a thread of
-    FusedDecoder's region prefetches while it waits at a barrier (0: off; decode_layers.h
-    nd_pf_wait). Same results either way. Returns the old value."""
+    FusedDecoder's region prefetches while it waits at a barrier (0: off; default 131072,
+    decode_layers.h nd_pf_wait). Same results either way. Returns the old value."""
     global nd_pf_wait
     old = nd_pf_wait
     nd_pf_wait = nbytes

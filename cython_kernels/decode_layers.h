@@ -178,8 +178,11 @@ typedef struct {
  * at the barriers before that GEMV (0: off; qgemm._set_wait_prefetch). NOTE: a decode step's
  * phases between GEMVs (norms, rotary, attention of short contexts, barriers) read little from
  * DRAM, and a GEMV's first lines come at DRAM latency; on 16 threads a thread's share of an int4
- * q/k/v or o_proj of Qwen2.5-0.5B is 28-36 KB, a few microseconds of streaming. */
-static long nd_pf_wait = 32768;
+ * q/k/v or o_proj of Qwen2.5-0.5B is 28-36 KB, a few microseconds of streaming. On SPR-16 at 16
+ * threads (`bench/bench_engine.py --wait-prefetch`, bench/RESULTS.md) 128 KiB took batch-1 decode
+ * steps to 0.98x (int4, Q4_0 GGUF, Llama-3.2-1B int4) and 0.97x (int8) those without; 16-32 KiB
+ * gained less; on the 2-core Zen 5 (shares 8x larger) it was within noise (0.99x). */
+static long nd_pf_wait = 131072;
 
 /* Aim the barrier waits' prefetches at this thread's share of the next GEMV's weights (t->nw,
  * t->nf) as qg_q8_share divides them among the threads (a byte range of whole column blocks, or
