@@ -430,6 +430,8 @@ def test_responses_api_over_the_chat_path(model_dir):
         for kw, match in (({"conversation": "conv_1"}, "conversation is not supported"),
                           ({"background": True}, "Background responses"),
                           ({"tools": [{"type": "web_search"}]}, "Only function tools are supported"),
+                          ({"tools": [tool, WEATHER]}, r"[Tt]ools\[1\] has the Chat Completions shape"),
+                          ({"tools": [{"type": "function", "name": ""}]}, r"[Tt]ools\[0\]\.name must be a non-empty"),
                           ({"max_output_tokens": 0}, "max_output_tokens must be an integer of at least 1"),
                           ({"max_output_tokens": "5"}, "'max_output_tokens'"),
                           ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objectt"}}}},

@@ -214,7 +214,7 @@ def chat_request(raw: Any, store: ResponseStore | None = None) -> dict:
     if raw.get("max_output_tokens") is not None:
         body["max_tokens"] = raw["max_output_tokens"]
     if raw.get("tools") is not None:
-        body["tools"] = [_tool(t) for t in _list(raw["tools"], "tools")]
+        body["tools"] = [_tool(t, i) for i, t in enumerate(_list(raw["tools"], "tools"))]
     if raw.get("tool_choice") is not None:
         body["tool_choice"] = _tool_choice(raw["tool_choice"])
         if body["tool_choice"] == "auto" and not body.get("tools"):
@@ -341,10 +341,15 @@ def _messages(items) -> list[dict]:
     return out
 
 
-def _tool(tool) -> dict:
+def _tool(tool, i: int) -> dict:
     if not isinstance(tool, dict) or tool.get("type") != "function":
         kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
         raise _bad(f"Only function tools are supported, got {kind!r}.")
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        if isinstance(tool.get("function"), dict):  # NOTE: the Chat Completions shape, a common slip
+            raise _bad(f"tools[{i}] has the Chat Completions shape; the Responses API takes "
+                       "{'type': 'function', 'name': ..., 'parameters': {...}}.")
+        raise _bad(f"tools[{i}].name must be a non-empty string.")
     fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
     return {"type": "function", "function": fn}
 
@@ -404,7 +409,7 @@ def _resp_id(raw: dict) -> str:
 
 def _skeleton(raw: dict, model: str, rid: str, created: int) -> dict:
     """The Response object's fields that echo the request."""
-    tools = [{"type": "function", **_tool(t)["function"]} for t in raw.get("tools") or []]
+    tools = [{"type": "function", **_tool(t, i)["function"]} for i, t in enumerate(raw.get("tools") or [])]
     fmt = (raw.get("text") or {}).get("format") or {"type": "text"}
     return {"id": rid, "object": "response", "created_at": created, "status": "in_progress", "model": model,
             "output": [], "error": None, "incomplete_details": None, "instructions": raw.get("instructions"),
