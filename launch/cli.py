@@ -228,7 +228,8 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                              "forces it for any command and any cpu count)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the command instead of running it")
-    parser.add_argument("--mpirun", default=None, help="mpirun executable (default: from PATH)")
+    parser.add_argument("--mpirun", default=None, help="mpirun executable (default: the one beside this Python, the one mpi4py's MPI "
+                             "library came with, else PATH's)")
     parser.add_argument("--sysfs", default=SYSFS_NODE_DIR, help=argparse.SUPPRESS)
     if "--" in argv:
         i = argv.index("--")

@@ -82,6 +82,20 @@ LONGROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")  # 
 CONFIG_TENSORS = (ROPE_FREQS, *LONGROPE_FACTORS)
 
 
+def gguf_name(name: str, arch: str = "") -> str:
+    """The GGUF name of the Hugging Face tensor `name` (hf_name's inverse; `name` itself where
+    the GGUF has none), for error messages."""
+    for g, h in TOP_NAMES.items():
+        if h == name:
+            return g
+    parts = name.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"]:
+        for g, h in BLOCK_NAMES.items():
+            if h == parts[3] or (g == "ffn_up.weight" and FUSED_UP.get(arch) == parts[3]):
+                return f"blk.{parts[2]}.{g}"
+    return name
+
+
 def hf_name(gguf_name: str, arch: str = "") -> str | None:
     if gguf_name in TOP_NAMES:
         return TOP_NAMES[gguf_name]
@@ -203,10 +217,13 @@ class GGUFCheckpoint:
     def split_align(self) -> int:
         """What a rank's MLP columns come in multiples of: 256 where a down_proj is stored in
         super-blocks (K-quants, IQ4_XS: a split on their boundaries keeps the file's scales
-        exact), 32 where any tensor is kept in 32-element blocks, else 1."""
-        if any(n.endswith("down_proj.weight") and t.type in NEAR_LOSSLESS for n, t in self._tensors.items()):
+        exact), 32 where one is kept in 32-element blocks, else 1. Only down_proj's blocks run
+        along those columns (gate/up split by their rows): a file quantized but for a dense
+        down_proj, as llama-quantize leaves an MLP width that is no multiple of 32, splits anywhere."""
+        down = [t.type for n, t in self._tensors.items() if n.endswith("down_proj.weight")]
+        if any(k in NEAR_LOSSLESS for k in down):
             return 256
-        return 32 if any(t.type not in DENSE for t in self._tensors.values()) else 1
+        return 32 if any(k not in DENSE for k in down) else 1
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
@@ -216,9 +233,12 @@ class GGUFCheckpoint:
 
     def stored_name(self, name: str) -> str:
         """The file's name of the tensor read as `name` (blk.N.ffn_*_exps.weight[j] for an
-        expert), for error messages."""
+        expert), or the name it would have (a missing one), for error messages."""
         t = self._tensors.get(name)
-        return name if t is None else t.name
+        return gguf_name(name, self.arch) if t is None else t.name
+
+    # what the model's sizes come from, for error messages (a Hugging Face checkpoint: config.json)
+    config_source = "the GGUF metadata"
 
     def _t(self, name):
         if name not in self._tensors:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -21,10 +22,12 @@ from . import env
 from .config import UnsupportedModelError
 from .gguf_checkpoint import LONGROPE_FACTORS, ROPE_FREQS
 
+log = logging.getLogger("numa_runtime")
+
 GGUF_LINK = "model.gguf"
 INDEX = "gguf_tensors.json"
 # NOTE: part of the cache key: a change to what _describe writes makes files describe again
-DESCRIBE_VERSION = 8  # NOTE: 8: mixture of experts; 7: named chat templates, Phi-3 control tokens rstrip; 6: phi3
+DESCRIBE_VERSION = 9  # NOTE: 9: llama.cpp's "default" BPE split, block_count and special ids checked; 8: mixture of experts; 7: named chat templates, Phi-3 control tokens rstrip; 6: phi3
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
          "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
          "qwen3moe": "Qwen3MoeForCausalLM"}
@@ -277,9 +280,22 @@ def hf_config(meta: dict, tensor_names: set, path: str = "", rope_freqs=None, lo
         if rope_freqs is not None and len(rope_freqs) != rot_dim // 2:
             raise UnsupportedModelError(f"{path}: {ROPE_FREQS} holds {len(rope_freqs)} factors where the "
                                         f"rope has {rot_dim // 2} frequencies.")
+        v_dim = int(meta.get(a + "attention.value_length", head_dim))
+        if v_dim != head_dim:
+            raise UnsupportedModelError(f"{path}: value heads of {v_dim} dimensions beside key heads of {head_dim} "
+                                        f"({a}attention.value_length) are not supported.")
         n_layers = int(meta[a + "block_count"])
+        _check_blocks(tensor_names, n_layers, a, path)
         tokens = meta["tokenizer.ggml.tokens"]
         eos = int(meta["tokenizer.ggml.eos_token_id"])
+        if not 0 <= eos < len(tokens):
+            raise UnsupportedModelError(f"{path}: tokenizer.ggml.eos_token_id is {eos}, not one of the file's "
+                                        f"{len(tokens)} tokens.")
+        bos = int(meta.get("tokenizer.ggml.bos_token_id", eos))
+        if not 0 <= bos < len(tokens):  # NOTE: as llama.cpp: a bad special token is taken as unset
+            log.warning("%s: tokenizer.ggml.bos_token_id is %d, not one of the file's %d tokens; it is ignored.",
+                        path, bos, len(tokens))
+            bos = eos
         return {
             "architectures": [ARCHS[arch] if not moe or arch.startswith("qwen") else "MixtralForCausalLM"],
             "model_type": arch, "hidden_size": hidden, **moe,
@@ -302,11 +318,25 @@ def hf_config(meta: dict, tensor_names: set, path: str = "", rope_freqs=None, lo
             **({"qkv_bias": "blk.0.attn_q.bias" in tensor_names} if arch == "qwen2moe" else {}),
             "vocab_size": int(meta.get(a + "vocab_size", len(tokens))),
             "tie_word_embeddings": "output.weight" not in tensor_names,
-            "bos_token_id": int(meta.get("tokenizer.ggml.bos_token_id", eos)), "eos_token_id": eos,
+            "bos_token_id": bos, "eos_token_id": eos,
             "torch_dtype": "bfloat16",
         }
     except KeyError as e:
         raise UnsupportedModelError(f"{path}: the GGUF metadata lacks {e.args[0]!r}.") from None
+
+
+def _check_blocks(tensor_names: set, n_layers: int, a: str, path: str) -> None:
+    """Every layer of block_count has tensors (blk.N.*), and none beyond it (llama.cpp refuses
+    such a file; its extra layers would go unused without a word)."""
+    blocks = {int(n.split(".")[1]) for n in tensor_names if n.startswith("blk.") and n.split(".")[1].isdigit()}
+    extra = sorted(b for b in blocks if b >= n_layers)
+    if extra:
+        raise UnsupportedModelError(f"{path}: {a}block_count is {n_layers}, but the file holds tensors of "
+                                    f"layer {extra[0]} (blk.{extra[0]}.*); the file is inconsistent.")
+    missing = [b for b in range(n_layers) if b not in blocks]
+    if missing:
+        raise UnsupportedModelError(f"{path}: {a}block_count is {n_layers}, but the file holds no tensors of "
+                                    f"layer {missing[0]} (blk.{missing[0]}.*).")
 
 
 def _moe_keys(meta: dict, a: str, arch: str, tensor_names: set, path: str, shapes: dict | None = None) -> dict:

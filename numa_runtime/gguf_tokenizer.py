@@ -25,9 +25,12 @@ The stop tokens are EOS plus the file's end-of-turn / end-of-message tokens (`eo
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 from .config import UnsupportedModelError
+
+log = logging.getLogger("numa_runtime")
 
 # GGUF token types (llama.cpp's llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -43,10 +46,17 @@ _TEKKEN_RE = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\
               r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
               r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
+_GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+# NOTE: llama.cpp's split of a BPE vocabulary with no pre-tokenizer named (older converters) or
+# "default": runs of punctuation apart, GPT-2's regex, numbers apart, then digits in threes
+_DEFAULT_RES = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]")
+
 # tokenizer.ggml.pre -> (split, NFC normalizer, ignore_merges, llama.cpp's default for add_bos)
-# split: "gpt2" (GPT-2's regex), "digits" (each digit alone, then GPT-2's), or a regex
+# split: "gpt2" (GPT-2's regex), "digits" (each digit alone, then GPT-2's), a regex, or a tuple
+# of regexes each splitting the pieces of the one before (llama.cpp's regex sequences)
 BPE_PRE = {
-    **{name: ("gpt2", False, False, False) for name in ("default", "gpt2", "gpt-2", "phi-2", "mpt", "olmo",
+    "default": (_DEFAULT_RES, False, False, False),
+    **{name: ("gpt2", False, False, False) for name in ("gpt2", "gpt-2", "phi-2", "mpt", "olmo",
                                                          "roberta-bpe")},
     **{name: ("digits", False, False, False) for name in ("smollm", "starcoder", "refact", "codeshell",
                                                            "command-r")},
@@ -131,9 +141,11 @@ END_OF_TURN_TEXTS = frozenset((
 def stop_token_ids(meta: dict) -> list[int]:
     """EOS, the end-of-turn and end-of-message tokens the file names, then the tokens whose text
     ends a turn (END_OF_TURN_TEXTS), each once."""
-    ids = []
+    ids, tokens = [], meta.get("tokenizer.ggml.tokens")
+    n = len(tokens) if tokens is not None else float("inf")
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        if key in meta and int(meta[key]) >= 0 and int(meta[key]) not in ids:
+        # NOTE: as llama.cpp: an id outside the vocabulary is taken as unset
+        if key in meta and 0 <= int(meta[key]) < n and int(meta[key]) not in ids:
             ids.append(int(meta[key]))
     for i, text in enumerate(meta.get("tokenizer.ggml.tokens") or ()):
         if text in END_OF_TURN_TEXTS and i not in ids:
@@ -145,6 +157,9 @@ def _bpe(meta: dict, where: str):
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     pre = meta.get("tokenizer.ggml.pre", "default")
+    if "tokenizer.ggml.pre" not in meta:
+        log.warning("%sthe GGUF names no pre-tokenizer (tokenizer.ggml.pre); its text is split as llama.cpp "
+                    "splits it then ('default'), which may not be the model's own split.", where)
     if pre not in BPE_PRE:
         raise UnsupportedModelError(f"{where}GGUF pre-tokenizer {pre!r} is not supported (known: "
                                     f"{', '.join(sorted(BPE_PRE))}).")
@@ -169,7 +184,8 @@ def _bpe(meta: dict, where: str):
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     else:
         tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+            *(pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False)
+              for r in (split if isinstance(split, tuple) else (split,))),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     if nfc:
         tok.normalizer = normalizers.NFC()

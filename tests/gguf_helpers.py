@@ -108,11 +108,12 @@ def add_metadata(w, keys: dict, prefix: str = "") -> None:
 def write_gguf(hf_dir: str, path: str, qtype: str, arch: str = "llama", seed: int = 0,
                norm_type: str = "F32", types: dict | None = None, extra=None, split_max_tensors: int = 0,
                chat_template: str | None = "{% for m in messages %}{{ m['content'] }}{% endfor %}",
-               expert_sizes: bool = True) -> None:
+               expert_sizes: bool = True, meta: dict | None = None) -> None:
     """The model in hf_dir (f32 safetensors + tokenizer.json) as a GGUF: 2-D weights in qtype,
     or in types[projection] for the projections it names (e.g. {"v_proj": "Q8_0"}: a mix).
     extra(writer): adds more metadata or tensors (rope scaling, experts, ...); chat_template: the
-    default template's source, or None for none."""
+    default template's source, or None for none; meta: {key: value} in place of the value this
+    writes for a key (None: the key left out), e.g. a wrong block_count."""
     import gguf
     from safetensors.numpy import load_file
     with open(os.path.join(hf_dir, "config.json")) as f:
@@ -120,6 +121,14 @@ def write_gguf(hf_dir: str, path: str, qtype: str, arch: str = "llama", seed: in
     rng = np.random.default_rng(seed)
     # NOTE: split_max_tensors > 0 writes llama.cpp's split files (STEM-00001-of-0000N.gguf ...)
     w = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
+    if meta:
+        add = w.add_key_value
+
+        def replaced(key, val, vtype, *args, **kw):
+            if key in meta and meta[key] is None:
+                return
+            add(key, meta.get(key, val), vtype, *args, **kw)
+        w.add_key_value = replaced
     a = arch + "."
     hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     for key, val in [("block_count", cfg["num_hidden_layers"]), ("context_length", cfg["max_position_embeddings"]),
@@ -146,7 +155,7 @@ def write_gguf(hf_dir: str, path: str, qtype: str, arch: str = "llama", seed: in
     special = {t["id"] for t in tj["added_tokens"]}
     merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
     w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_string("tokenizer.ggml.pre", "default")
+    w.add_string("tokenizer.ggml.pre", "gpt-2")  # NOTE: the test tokenizer's split, GPT-2's regex (models.py)
     w.add_array("tokenizer.ggml.tokens", tokens)
     w.add_array("tokenizer.ggml.merges", merges)
     w.add_array("tokenizer.ggml.token_type", [3 if i in special else 1 for i in range(len(tokens))])

@@ -1,6 +1,7 @@
 """GGUF files as models: every supported tensor type, written with the gguf package's writer
 from a random model, must give the logits and greedy tokens of the same model dequantized by
 the gguf package (its block math, not ours) and run from f32 safetensors. Plus clear errors."""
+import json
 import os
 
 import numpy as np
@@ -12,6 +13,7 @@ from quant_helpers import prefill_logits
 
 from numa_runtime import Engine, SamplingParams
 from numa_runtime.config import UnsupportedModelError
+from numa_runtime.gguf_model import gguf_model_dir
 from numa_runtime.weights import CheckpointError
 
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
@@ -190,6 +192,44 @@ def test_unknown_architecture_is_a_clear_error(hf_models, tmp_path):
         engine(path)
 
 
+@pytest.mark.parametrize("meta,match", [
+    ({"llama.block_count": 1}, r"block_count is 1, but the file holds tensors of layer 1 \(blk\.1\.\*\)"),
+    ({"llama.block_count": 3}, r"block_count is 3, but the file holds no tensors of layer 2 \(blk\.2\.\*\)"),
+    ({"llama.attention.value_length": 32}, r"value heads of 32 dimensions beside key heads of 64 \(llama\.attention\.value_length\)"),
+    ({"tokenizer.ggml.eos_token_id": 9999}, r"eos_token_id is 9999, not one of the file's 384 tokens"),
+    ({"llama.feed_forward_length": 128}, r"blk\.0\.ffn_\w+\.weight has shape .* but the GGUF metadata implies"),
+    ({"tokenizer.ggml.eos_token_id": None}, r"lacks 'tokenizer\.ggml\.eos_token_id'")])
+def test_gguf_metadata_that_disagrees_with_the_file_is_refused_in_its_words(hf_models, tmp_path, meta, match):
+    """A block_count under the layers stored ran a shorter model without a word (llama.cpp
+    refuses the file); a value_length was ignored; an EOS outside the vocabulary left no EOS
+    stop; a size the tensors do not have named config.json and Hugging Face tensor names."""
+    path = str(tmp_path / "m.gguf")
+    extra = (lambda w: w.add_uint32("llama.attention.value_length", 32)) if "llama.attention.value_length" in meta \
+        else None
+    write_gguf(hf_models["llama"], path, "F32", meta=meta, extra=extra)
+    with pytest.raises(UnsupportedModelError, match=match):
+        engine(path)
+
+
+def test_a_bos_outside_the_vocabulary_is_ignored_with_a_warning(hf_models, tmp_path, caplog):
+    """As llama.cpp: a special token id outside the vocabulary is taken as unset (the file has
+    add_bos_token false, so nothing needs it); an end-of-turn id outside it is no stop token."""
+    path = str(tmp_path / "m.gguf")
+    write_gguf(hf_models["llama"], path, "F32", meta={"tokenizer.ggml.bos_token_id": 9999},
+               extra=lambda w: (w.add_bool("tokenizer.ggml.add_bos_token", False),
+                                w.add_uint32("tokenizer.ggml.eot_token_id", 7777)))
+    e = engine(path)
+    try:
+        assert "bos_token_id is 9999, not one of the file's 384 tokens; it is ignored" in caplog.text
+        with open(os.path.join(gguf_model_dir(path), "generation_config.json")) as f:
+            stops = json.load(f)["eos_token_id"]
+        assert 7777 not in stops and stops[0] == e.tokenizer.eos_token_id
+        out = e.generate([[1, 17, 42]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+        assert len(out.outputs[0].token_ids) == 4
+    finally:
+        e.close()
+
+
 def test_truncated_file_is_a_clear_error(hf_models, tmp_path):
     """A file cut anywhere in its tensor data says it is truncated and names the tensor that
     ends past it (the middle of the first tensor gave numpy's 'cannot reshape array')."""
@@ -261,6 +301,32 @@ def test_two_ranks_equal_one_on_k_quants(hf_models, tmp_path, qtype, dtype):
         one.close()
     out = result(run_mpi(2, path, "none"))
     assert out["world"] == 2 and out["tokens"] == [expected]
+
+
+def test_a_dense_down_proj_splits_the_mlp_anywhere_beside_quantized_tensors(tmp_path):
+    """llama-quantize leaves ffn_down dense where the MLP width is no multiple of 32 (70 here):
+    only down_proj's blocks run along the MLP columns that the ranks split, so the Q8_0 gate/up
+    rows split anywhere; the file was held to groups of 32 and refused 4 ranks. 4 ranks give 1
+    rank's tokens."""
+    from test_quant_model import result, run_mpi
+    from numa_runtime.gguf_model import open_checkpoint
+    from numa_runtime.quant.loader import LinearFactory
+    hf = str(tmp_path / "hf")
+    build_model(hf, arch="llama", hidden_size=128, intermediate_size=70, num_attention_heads=4,
+                num_key_value_heads=4, vocab_size=384, tie_word_embeddings=True)
+    path = str(tmp_path / "m.Q8_0.gguf")
+    write_gguf(hf, path, "Q8_0", types={"down_proj": "F16"})
+    one = engine(path)
+    try:
+        ckpt = open_checkpoint(one.runner.model.cfg)
+        assert ckpt.split_align == 1 and ckpt.quantized("model.layers.0.mlp.up_proj.weight", None, None) is not None
+        assert LinearFactory(None, ckpt, "float32").split_align(70, 4) == 1
+        expected = list(one.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+                        .token_ids)
+    finally:
+        one.close()
+    out = result(run_mpi(4, path, "none"))
+    assert out["world"] == 4 and out["tokens"] == [expected]
 
 
 def test_k_quant_mlp_splits_on_super_blocks(tmp_path):

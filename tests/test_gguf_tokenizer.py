@@ -167,6 +167,46 @@ def test_pre_tokenizer_names_pick_different_splits(tmp_path):
     assert llama.encode("1234567", add_special_tokens=False) == ref.encode("1234567").ids != digits
 
 
+def llama_cpp_default_pieces(text: str) -> list[str]:
+    """llama.cpp's split of a BPE text when the file names no pre-tokenizer or "default"
+    (llama-vocab.cpp): each regex in turn splits every piece so far into its matches and the text
+    between them; written here with the `regex` module."""
+    import regex
+    pieces = [text]
+    for rx in (r"[\p{P}\$\+<=>\^~\|]+", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+               r"\p{N}+", r"[0-9][0-9][0-9]"):
+        out = []
+        for p in pieces:
+            at = 0
+            for m in regex.finditer(rx, p):
+                out += [x for x in (p[at:m.start()], m.group()) if x]
+                at = m.end()
+            out += [p[at:]] if p[at:] else []
+        pieces = out
+    return pieces
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_a_default_or_missing_pre_tokenizer_splits_as_llama_cpp(tmp_path, named, caplog):
+    """Older converters name no pre-tokenizer; llama.cpp then splits punctuation runs apart and
+    digits in threes (GPT-2's regex kept "1234567890" whole, other ids than llama.cpp's)."""
+    from tokenizers import Tokenizer as HF, pre_tokenizers
+    ref = bpe_reference(LLAMA3, False, True)
+    meta = bpe_meta(ref, "default")
+    if not named:
+        del meta["tokenizer.ggml.pre"]
+    d = tmp_path / "tok"
+    d.mkdir()
+    write_tokenizer(meta, str(d), "llama.", source="old.gguf")
+    assert ("names no pre-tokenizer" in caplog.text) == (not named)
+    hf = HF.from_file(str(d / "tokenizer.json"))
+    byte = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    assert llama_cpp_default_pieces("1234567890") == ["123", "456", "789", "0"]
+    for text in TEXTS + ["Hello, world!! 1234567890 $5+3=8 <a|b> ^~", "x=='y'; f(a,b)->c"]:
+        want = [q for p in llama_cpp_default_pieces(text) for q, _ in byte.pre_tokenize_str(p)]
+        assert [p for p, _ in hf.pre_tokenizer.pre_tokenize_str(text)] == want, text
+
+
 def test_bos_eos_follow_the_metadata(tmp_path):
     ref = bpe_reference(LLAMA3, False, True)
     meta = {**bpe_meta(ref, "llama-bpe"), "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_eos_token": True}

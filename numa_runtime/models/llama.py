@@ -523,8 +523,10 @@ def _check_tensors(cfg: ModelConfig, ckpt: Checkpoint) -> None:
                   "self_attn.o_proj.weight", *mlp, "input_layernorm.weight", "post_attention_layernorm.weight"):
             need.append(f"model.layers.{i}.{n}")
     missing = [n for n in need if n not in ckpt]
+    stored = getattr(ckpt, "stored_name", lambda n: n)  # NOTE: a GGUF's own names in its errors
+    source = getattr(ckpt, "config_source", "config.json")
     if missing:
-        raise UnsupportedModelError(f"the checkpoint lacks {missing[0]} ({len(missing)} expected "
+        raise UnsupportedModelError(f"the checkpoint lacks {stored(missing[0])} ({len(missing)} expected "
                                     f"tensors missing).")
     # NOTE: every tensor's shape, as transformers checks them: a slice past a tensor's end would
     # be cut short without a word (a wrong num_key_value_heads, intermediate_size or vocab_size)
@@ -544,7 +546,7 @@ def _check_tensors(cfg: ModelConfig, ckpt: Checkpoint) -> None:
     for name, shape in want.items():
         if name in ckpt and tuple(ckpt.raw(name).shape) != shape:
             raise UnsupportedModelError(
-                f"{name} has shape {tuple(ckpt.raw(name).shape)}, but config.json implies {shape} "
+                f"{stored(name)} has shape {tuple(ckpt.raw(name).shape)}, but {source} implies {shape} "
                 f"(hidden_size {h}, intermediate_size {i}, {cfg.num_heads} attention and {cfg.num_kv_heads} "
                 f"key/value heads of {cfg.head_dim}, vocab_size {cfg.vocab_size}): the config does not describe "
                 "these weights.")
