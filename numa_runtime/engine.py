@@ -737,12 +737,17 @@ class Engine:
         self.scheduler.update(out, ids)
         changed = {}
         for req, lp in zip(out.sampling, logprobs):
-            if lp is not None:
+            # NOTE: the filters left no token to sample (min_tokens banning all of allowed_token_ids):
+            # the row's token is none the model chose, so it is no part of the output
+            failed = self.sampler.exhausted.pop(req.request_id, None)
+            if failed is not None:
+                req.output_token_ids.pop()
+            elif lp is not None:
                 req.logprobs.append(lp)
             text = self._texts[req.request_id]
-            token = req.output_token_ids[-1]
+            token = req.output_token_ids[-1] if req.output_token_ids else None
             # NOTE: a grammar fails computing a mask (then EOS was all it allowed) or consuming a token
-            failed = self.grammars.error(req.request_id)
+            failed = failed or self.grammars.error(req.request_id)
             status = None
             if failed is None:
                 status = text.add_token(token, self.max_model_len)

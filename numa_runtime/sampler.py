@@ -35,6 +35,13 @@ def rank_of(row: np.ndarray, token: int) -> int:
     return int(np.count_nonzero(row >= row[token]))
 
 
+def _exhausted_sentence(sp, min_tokens_ban: bool) -> str:
+    """The error of a request whose filters leave no token it may sample next."""
+    what = [w for w, on in (("allowed_token_ids", sp.allowed_token_ids is not None), ("bad_words", bool(sp.bad_words)),
+                            ("min_tokens (which bans EOS and stop_token_ids until then)", min_tokens_ban)) if on]
+    return f"The request's {' and '.join(what)} leave no token it may sample next, so it ends here."
+
+
 class Sampler:
     """Turns logits rows into one token per request. A request with a seed draws from its
     own generator, so its tokens do not depend on what else is in the batch. Order per row:
@@ -47,9 +54,13 @@ class Sampler:
         self.vocab_size = vocab_size
         self.rng = np.random.default_rng(seed)
         self._rngs: dict[str, np.random.Generator] = {}
+        # requests whose filters left no token to sample this step: {request id: the sentence}
+        # (their row's token is no answer; the engine ends them with that error)
+        self.exhausted: dict[str, str] = {}
 
     def forget(self, request_id: str) -> None:
         self._rngs.pop(request_id, None)
+        self.exhausted.pop(request_id, None)
 
     def __call__(self, logits: np.ndarray, reqs: list[Request], eos_ids: set[int], argmax=None):
         """(token ids [N], per request None or (logprob of its token, {top token: logprob})).
@@ -94,6 +105,10 @@ class Sampler:
                 if banned:
                     logits[i, banned] = -np.inf
                     changed = True
+            # NOTE: a constrained request's grammar says so itself (its mask came first)
+            if changed and r.constraint is None and (sp.allowed_token_ids is not None or r.bad_words_ids
+                                                     or sp.min_tokens) and not logits[i].max() > -np.inf:
+                self.exhausted[r.request_id] = _exhausted_sentence(sp, r.num_output_tokens < sp.min_tokens)
         ids = np.empty(n, np.int64)
         greedy = [r.sampling_params.is_greedy for r in reqs]
         # NOTE: argmax takes the lowest index on ties, as the sampling kernel does; an

@@ -127,6 +127,32 @@ def test_allowed_token_ids_picks_the_best_allowed_token(eng):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_filters_that_leave_no_token_end_the_request_in_an_error(eng, temperature):
+    """allowed_token_ids that min_tokens or bad_words ban whole: greedy took token 0 of a row of
+    -inf and sampling the last id, tokens the request excludes, without a word. The request
+    ends in an error naming the fields, its tokens up to there and no more; a batch neighbour
+    runs on."""
+    eos = eng.tokenizer.eos_token_id
+    word = eng.tokenizer.encode("e", add_special_tokens=False)
+    cases = [(dict(allowed_token_ids=[eos], min_tokens=3), 0, "allowed_token_ids and min_tokens (which bans EOS"),
+             (dict(allowed_token_ids=[17], stop_token_ids=[17], min_tokens=2), 0, "allowed_token_ids and min_tokens"),
+             (dict(allowed_token_ids=word, bad_words=["e"]), 0,
+              "allowed_token_ids and bad_words leave no token")]
+    assert len(word) == 1, word  # NOTE: bad_words bans a one-token word at every position
+    for kw, n, words in cases:
+        sp = SamplingParams(temperature=temperature, seed=2, max_tokens=8, ignore_eos=True, **kw)
+        fine = SamplingParams(temperature=temperature, seed=2, max_tokens=4, ignore_eos=True)
+        bad, ok = eng.generate(["Hello world", "Hello world"], [sp, fine])
+        o = bad.outputs[0]
+        assert o.finish_reason == "error" and words in o.stop_reason, (kw, o.token_ids, o.stop_reason)
+        assert o.stop_reason.endswith("leave no token it may sample next, so it ends here.")
+        assert len(o.token_ids) == n
+        assert set(o.token_ids) <= set(kw["allowed_token_ids"]) - {eos, *kw.get("stop_token_ids", [])}
+        assert ok.outputs[0].finish_reason == "length" and len(ok.outputs[0].token_ids) == 4
+    assert not eng.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_constraint_that_allowed_token_ids_leave_no_token_ends_in_an_error(eng, temperature):
     """A choice whose tokens allowed_token_ids all exclude: greedy took token 0 of a row of -inf
     (an end-of-sequence token for some tokenizers), which ended the request as a normal stop

@@ -689,7 +689,8 @@ def test_max_completion_tokens_errors_name_it(client):
 def test_logprobs_of_streams_and_partial_characters(client, model_dir):
     """text_offset runs on over a stream's chunks as in one body. A token that holds part of a
     character (the byte 0xC3 of the byte-level alphabet, forced by logit_bias) shows as
-    "bytes:\\xc3" with its byte; legacy top_logprobs keep one key per token."""
+    "bytes:\\xc3" with its byte, and its U+FFFD counts at its own offset; legacy top_logprobs
+    keep one key per token."""
     from numa_runtime.tokenizer import Tokenizer
     kw = dict(model="tiny", prompt="Hello world", max_tokens=12, logprobs=2, **FLOAT)
     full = client.completions.create(**kw).choices[0]
@@ -711,6 +712,8 @@ def test_logprobs_of_streams_and_partial_characters(client, model_dir):
     lp = legacy.choices[0].logprobs
     # NOTE: the sampled token (forced: its raw logprob need not be among the 5 best) is always one
     assert lp.tokens == ["bytes:\\xc3"] * 3
+    # NOTE: each lone lead byte is a U+FFFD of its own token's (the next token's start counted it)
+    assert legacy.choices[0].text == "\ufffd" * 3 and lp.text_offset == [0, 1, 2], lp.text_offset
     assert all(len(t) in (5, 6) and "bytes:\\xc3" in t for t in lp.top_logprobs), lp.top_logprobs
 
 

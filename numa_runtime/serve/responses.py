@@ -141,7 +141,8 @@ def finite(logprob: float) -> float:
 
 class TextOffset:
     """Characters of text so far, counted from token bytes (a character split over tokens
-    counts once, where it completes)."""
+    counts once, where it completes; an unfinished one, where the next token shows it never
+    will: with the token that began it)."""
 
     def __init__(self):
         self.chars = 0
@@ -149,7 +150,11 @@ class TextOffset:
 
     def add(self, raw: bytes) -> int:
         """The offset where a token of these bytes starts; moves past it."""
+        pending = self._utf8.getstate()[0]
         start = self.chars
+        if pending and raw and not 0x80 <= raw[0] < 0xC0:
+            # NOTE: no continuation byte: the bytes the last token left become U+FFFD, its text
+            start += len(pending.decode("utf-8", "replace"))
         self.chars += len(self._utf8.decode(raw))
         return start
 
