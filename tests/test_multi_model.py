@@ -248,7 +248,8 @@ def test_server_serves_each_model_by_name(models, ranks):
         from prometheus_client.parser import text_string_to_metric_families
         fams = {f.name: f for f in text_string_to_metric_families(httpx.get(srv.base + "/metrics").text)}
         for fam in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                    "vllm:num_preemptions", "numa_runtime_prefix_cache_hit_rate"):
+                    "vllm:num_preemptions", "numa_runtime_prefix_cache_hit_rate", "vllm:prefix_cache_queries",
+                    "vllm:prefix_cache_hits"):
             assert sorted(smp.labels.get("model_name") for smp in fams[fam].samples) == names, fams[fam].samples
         # the openai client's models.retrieve (it was a 404 "no such endpoint")
         assert client.models.retrieve("beta").model_dump()["id"] == "beta"
@@ -548,10 +549,13 @@ def test_per_model_engine_stats_outlive_an_unload(models):
     stats = {row[0]: row for row in r.model_stats()}
     hit = stats["alpha"][4]
     assert hit > 0 and r.hit_rate == pytest.approx(hit)
+    queries, hits = stats["alpha"][6:8]
+    assert queries == 2 * len(PROMPT * 8) and hits / queries == pytest.approx(hit)
     ask("beta", "b1")  # NOTE: alpha unloaded for it
     assert list(r.engines) == ["beta"]
     stats = {row[0]: row for row in r.model_stats()}
     assert stats["alpha"][1:5] == (0, 0, 0.0, hit) and stats["beta"][4] == 0.0
+    assert stats["alpha"][6:8] == (queries, hits) and stats["beta"][7] == 0 < stats["beta"][6]
     assert 0 < r.hit_rate < hit  # NOTE: beta's lookups found nothing cached
     r.close()
 

@@ -158,6 +158,17 @@ def test_metrics_under_vllm_names_too(client, server):
     for phase in ("queue", "prefill", "decode", "inference"):
         assert 0 <= metric(server.base, f"vllm:request_{phase}_time_seconds_sum") < 600, phase
     assert metric(server.base, "vllm:request_prefill_time_seconds_sum") > 0
+    # NOTE: vLLM's prefix-cache counters, in tokens (only a hit-rate gauge since the start was served)
+    q0, h0 = metric(server.base, "vllm:prefix_cache_queries_total"), metric(server.base, "vllm:prefix_cache_hits_total")
+    long = " ".join(f"w{i}" for i in range(60))
+    first = client.completions.create(model="tiny", prompt=long, max_tokens=1)
+    q1, h1 = metric(server.base, "vllm:prefix_cache_queries_total"), metric(server.base, "vllm:prefix_cache_hits_total")
+    again = client.completions.create(model="tiny", prompt=long, max_tokens=1)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert q1 == q0 + first.usage.prompt_tokens and h1 == h0 + first.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and metric(server.base, "vllm:prefix_cache_hits_total") == h1 + cached
+    assert metric(server.base, "vllm:prefix_cache_queries_total") == q1 + again.usage.prompt_tokens
+    assert metric(server.base, "numa_runtime_prefix_cache_hits_total") == h1 + cached
     for ours, theirs in (("numa_runtime_generation_tokens_total", "vllm:generation_tokens_total"),
                          ("numa_runtime_prompt_tokens_total", "vllm:prompt_tokens_total"),
                          ("numa_runtime_e2e_request_latency_seconds_count", "vllm:e2e_request_latency_seconds_count"),

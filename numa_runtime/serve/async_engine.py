@@ -32,7 +32,10 @@ class EngineStats:
     prefix_cache_hit_rate: float = 0.0
     num_threads: int = 0          # compute threads of the thread that steps the engine
     num_preemptions: int = 0      # since the start (KV blocks given back for a newer request's room)
-    # several models (a ModelRouter): per model (name, running, waiting, KV usage, hit rate, preemptions)
+    prefix_cache_queries: int = 0  # since the start: prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0     # since the start: those served from it
+    # several models (a ModelRouter): per model (name, running, waiting, KV usage, hit rate, preemptions,
+    # prefix-cache queries, hits)
     per_model: tuple = ()
 
 
@@ -323,6 +326,8 @@ class AsyncEngine:
             kv_cache_usage=float(getattr(bm, "usage", 0.0) or 0.0),
             prefix_cache_hit_rate=float(getattr(bm, "hit_rate", 0.0) or 0.0),
             num_threads=self._num_threads, num_preemptions=int(getattr(sched, "num_preemptions", 0) or 0),
+            prefix_cache_queries=int(getattr(bm, "query_tokens", 0) or 0),
+            prefix_cache_hits=int(getattr(bm, "hit_tokens", 0) or 0),
             per_model=tuple(self.engine.model_stats()) if hasattr(self.engine, "model_stats") else ())
 
 

@@ -29,6 +29,9 @@ class _EngineGauges:
          "prefix_cache_hit_rate", 4),
         ("num_preemptions", True, "Requests preempted (their KV blocks freed for others; recomputed "
          "later): many mean the KV cache is too small", "num_preemptions", 5),
+        # NOTE: as vLLM's counters, in tokens: a dashboard's windowed hit rate is their rates' ratio
+        ("prefix_cache_queries", True, "Prompt tokens looked up in the prefix cache", "prefix_cache_queries", 6),
+        ("prefix_cache_hits", True, "Prompt tokens served from the prefix cache", "prefix_cache_hits", 7),
     )
 
     def __init__(self, prefix: str, stats_source):
@@ -58,6 +61,8 @@ VLLM_NAMES = {
     "numa_runtime_prompt_tokens": ["vllm:prompt_tokens"],
     "numa_runtime_generation_tokens": ["vllm:generation_tokens"],
     "numa_runtime_num_preemptions": ["vllm:num_preemptions"],
+    "numa_runtime_prefix_cache_queries": ["vllm:prefix_cache_queries"],
+    "numa_runtime_prefix_cache_hits": ["vllm:prefix_cache_hits"],
     "numa_runtime_time_to_first_token_seconds": ["vllm:time_to_first_token_seconds"],
     "numa_runtime_time_per_output_token_seconds": ["vllm:time_per_output_token_seconds",
                                                    "vllm:inter_token_latency_seconds"],

@@ -423,14 +423,16 @@ class ModelRouter:
 
     def model_stats(self) -> list[tuple]:
         """Per model, for /metrics' engine gauges under vLLM's model_name label: (name, running,
-        waiting, KV usage, prefix-cache hit rate over its life, preemptions over its life); an
-        unloaded model runs nothing and holds no KV."""
+        waiting, KV usage, prefix-cache hit rate over its life, preemptions over its life, prompt
+        tokens looked up in its prefix cache and those served from it over its life); an unloaded
+        model runs nothing and holds no KV."""
         out = []
         for name in self._past:
             e = self.engines.get(name)
             pre, hits, queries = self._lifetime(name)
             out.append((name, e.scheduler.num_running if e else 0, e.scheduler.num_waiting if e else 0,
-                        float(e.block_manager.usage) if e else 0.0, hits / queries if queries else 0.0, pre))
+                        float(e.block_manager.usage) if e else 0.0, hits / queries if queries else 0.0, pre,
+                        queries, hits))
         return out
 
     @property
