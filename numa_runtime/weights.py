@@ -104,6 +104,7 @@ class Checkpoint:
     """All tensors of a model directory (single file or sharded with an index), mmapped."""
 
     def __init__(self, model_dir: str):
+        self.path = model_dir  # NOTE: for messages, as a GGUF checkpoint's file
         index = os.path.join(model_dir, "model.safetensors.index.json")
         self._files: dict[str, _SafetensorsFile] = {}
         self._where: dict[str, str] = {}

@@ -138,6 +138,26 @@ def _edit_tensors(d, edit):
     save_file(t, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
 
 
+def test_scales_that_float16_rounds_are_said_to_be_rounded_once(src, tmp_path, caplog):
+    """Our packed weights hold f16 scales: f32 scales off the f16 grid ran rounded without a
+    word. One warning names the file, a tensor and the size of the rounding; f16 scales (the
+    first load) and f32 ones f16 holds exactly give none."""
+    qdir, ref_dir = str(tmp_path / "q"), str(tmp_path / "ref")
+    write_checkpoints(src, qdir, ref_dir, "awq", "gemm", scales="float32")
+    engine(qdir).close()
+    assert "rounded to it" not in caplog.text
+
+    def nudge(t):
+        for k in [k for k in t if k.endswith(".scales")]:
+            t[k] = (t[k].astype(np.float32) * np.float32(1 + 2.0 ** -14)).astype(np.float32)
+    _edit_tensors(qdir, nudge)
+    caplog.clear()
+    engine(qdir).close()
+    said = [r.getMessage() for r in caplog.records if "rounded to it" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(qdir) and "scales do not fit float16 (stored as float32)" in said[0]
+    assert "by up to 6.1e-05 of a scale" in said[0] or "by up to 6.0e-05 of a scale" in said[0], said[0]
+
+
 def test_act_order_is_refused(src, tmp_path):
     """desc_act with a g_idx that permutes the groups is refused; with g_idx = k // group_size
     (static groups) the file runs as any other."""

@@ -179,11 +179,27 @@ def test_lm_head_whose_k_no_group_divides_gets_one_scale_a_row(tmp_path):
         engine(src, lm_head_quantization="int8-g64")
 
 
-@pytest.mark.parametrize("head", ["int4", "fp8", 8, "int8-g48"])
+@pytest.mark.parametrize("head", ["int4", "fp8", 8])
 def test_bad_lm_head_quantization_is_a_clear_error(model_dir, head):
     with pytest.raises(ValueError, match=r"^lm_head_quantization must be None, 'auto' or an int8 format "
                                          r"such as 'int8' or 'int8-channel', not .*\.$"):
         engine(model_dir, lm_head_quantization=head)
+
+
+def test_quantization_names_say_what_is_wrong_with_them(model_dir):
+    """An int8 head format with a bad group was told it was no int8 format; int4's group message
+    offered -1 (int8's) and left out its 16; 'None' as a string was an unknown quantization."""
+    with pytest.raises(ValueError, match=r"^lm_head_quantization 'int8-g48': int8 groups must be 32, 64 or 128 "
+                                         r"\(or 'channel': one per output row\), not 48\.$"):
+        engine(model_dir, lm_head_quantization="int8-g48")
+    with pytest.raises(ValueError, match=r"^int4 groups must be 32, 64 or 128 \(or 16\), not 48\.$"):
+        engine(model_dir, quantization="int4-g48")
+    e = engine(model_dir, quantization="None", lm_head_quantization="NONE")
+    try:
+        assert e.config.quantization == "None" and not any(
+            type(m).__name__ == "QLinear" for m in vars(e.runner.model.layers[0]).values())
+    finally:
+        e.close()
 
 
 def test_a_head_group_that_does_not_divide_the_hidden_size_names_the_head(tmp_path):
@@ -233,7 +249,8 @@ def test_bad_quantization_name_is_a_clear_error(model_dir):
                        ("int8-g32-channel", "groups"), ("int4-sym-zero", "kinds ('sym' and 'zero')")):
         with pytest.raises(ValueError, match=re.escape(f"Quantization {name!r} gives two {what}")):
             engine(model_dir, quantization=name)
-    with pytest.raises(ValueError, match="lm_head_quantization must be .*, not 'int8-g32-g64'"):
+    with pytest.raises(ValueError, match=r"^lm_head_quantization 'int8-g32-g64': Quantization 'int8-g32-g64' gives "
+                                         r"two groups"):
         engine(model_dir, lm_head_quantization="int8-g32-g64")
     # GGUF IQ4's levels are read from files, not made at load
     with pytest.raises(ValueError, match="not offered for quantizing at load"):

@@ -121,8 +121,9 @@ class QuantFormat:
         if self.bits in (2, 3, 4, 6) and self.group_size == 16:
             pass  # the 16-element sub-blocks of GGUF's Q6_K, Q3_K and Q2_K
         elif self.group_size not in GROUP_SIZES + (-1,):
-            raise QuantError(f"Group size must be one of {GROUP_SIZES} (or -1: per output row, "
-                             f"int8), not {self.group_size}.")
+            extra = " (or 16)" if self.bits == 4 else " (or 'channel': one per output row)" if self.bits == 8 else ""
+            sizes = ", ".join(map(str, GROUP_SIZES[:-1])) + f" or {GROUP_SIZES[-1]}"
+            raise QuantError(f"int{self.bits} groups must be {sizes}{extra}, not {self.group_size}.")
         if self.ks and (self.ks != 256 or self.bits == 8 or self.kind == "zero"
                         or self.group_size < 0 or self.ks % self.group_size):
             raise QuantError(f"Super-block scales (ks={self.ks}) are for int2-6 'sym', 'min' or "

@@ -14,12 +14,15 @@ s (q - z) = q s - s z exactly in f32, so the mapping is lossless.
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import numpy as np
 
 from .formats import QuantError, QuantFormat, QuantizedWeight, dequantize
 from ..gguf_checkpoint import _QuantView
+
+log = logging.getLogger("numa_runtime")
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -109,6 +112,7 @@ class HFQuantCheckpoint:
     def __init__(self, ckpt, qcfg: dict):
         check_quantization_config(qcfg)
         self.ckpt, self.method = ckpt, qcfg["quant_method"]
+        self._rounded = False  # whether a tensor's scales were rounded to float16 (said once)
         self.group = int(qcfg.get("group_size", qcfg.get("q_group_size")))
         self.zero_offset = 1 if self.method == "gptq" and qcfg.get("checkpoint_format", "gptq") == "gptq" else 0
         # NOTE: act-order GPTQ is refused per layer, from its g_idx (a desc_act file whose g_idx is
@@ -184,7 +188,16 @@ class HFQuantCheckpoint:
         z = z.astype(np.float16) + np.float16(self.zero_offset)
         # NOTE: through load(): bf16 scales are stored as their bits (f16 and f32 ones convert as numbers)
         s = self.ckpt.load(base + "scales", "float32", rows=slice(c0 // g, c1 // g), cols=slice(r0, r1))
-        s = s.astype(np.float16)
+        s16 = s.astype(np.float16)
+        err = np.abs(s16.astype(np.float32) - s) / np.maximum(np.abs(s), np.float32(1e-30))
+        if err.size and float(err.max()) > 0 and not self._rounded:
+            # NOTE: our packed weights hold f16 scales (AutoAWQ and AutoGPTQ write f16; bf16 ones fit
+            # unless tiny): say once that the weights run are not quite the file's
+            self._rounded = True
+            log.warning("%s: %sscales do not fit float16 (stored as %s): rounded to it, by up to %.1e of a scale "
+                        "(relative), here and perhaps in other tensors.", getattr(self.ckpt, "path", "the checkpoint"),
+                        base, self.ckpt.raw(base + "scales").dtype, float(err.max()))
+        s = s16
         return QuantizedWeight(self.fmt, np.ascontiguousarray(q.T), np.ascontiguousarray(s.T),
                                np.ascontiguousarray(z.T), c1 - c0)
 

@@ -231,7 +231,7 @@ CHECKPOINT_METHODS = {"gguf": "gguf", "awq": "awq", "awq_marlin": "awq", "gptq":
 def parse_quantization(name: str | None) -> QuantFormat | None:
     """EngineConfig.quantization -> format (None: weights as stored, also for a checkpoint
     method name such as 'gguf' or 'awq', which check_checkpoint_method compares with the file)."""
-    if name in (None, "", "none") or str(name).lower() in CHECKPOINT_METHODS:
+    if name in (None, "") or str(name).lower() in ("none", *CHECKPOINT_METHODS):
         return None
     return QuantFormat.parse(name)
 
@@ -281,7 +281,7 @@ def head_quantization(name: str | None, quantization: str | None, ckpt=None) -> 
     >= 6 bits), else as stored: a file that brings its own quantization (GGUF Q8_0/Q4_x/Q5_x,
     K-quants, IQ4, AWQ, GPTQ) keeps its lm_head. An explicit int8 format quantizes any dense
     lm_head."""
-    if name in (None, "", "none"):
+    if name in (None, "") or str(name).lower() == "none":
         return None
     if name == "auto":
         if parse_quantization(quantization) is not None and not stores_quantized(ckpt):
@@ -289,7 +289,9 @@ def head_quantization(name: str | None, quantization: str | None, ckpt=None) -> 
         return None
     try:
         fmt = QuantFormat.parse(name) if isinstance(name, str) else None
-    except QuantError:
+    except QuantError as e:
+        if isinstance(name, str) and name.lower().startswith("int8"):  # NOTE: its own fault (a group), not the kind
+            raise QuantError(f"lm_head_quantization {name!r}: {e}") from None
         fmt = None
     if fmt is None or fmt.bits != 8:
         raise QuantError(f"lm_head_quantization must be {HEAD_FORMATS_HINT}, not {name!r}.")
