@@ -351,12 +351,10 @@ def main() -> None:
         print(f"  numa+AS_PROFILE: {results['numa+AS_PROFILE']}", flush=True)
     report = {"model": a.model, "threads": a.threads, "quick": a.quick, "machine": lim,
               "costs": costs, "limits": limits, "results": results}
-    with open(a.out + ".json", "w") as f:
-        json.dump(report, f, indent=2)
+    from bench.common import write_report  # NOTE: it makes --out's folder (a missing one lost the run)
     md = markdown(report)
-    with open(a.out + ".md", "w") as f:
-        f.write(md)
-    print("\n" + md + f"\nwrote {a.out}.json, {a.out}.md")
+    paths = write_report(a.out, report, md)
+    print("\n" + md + "\nwrote " + ", ".join(paths))
 
 
 def markdown(r: dict) -> str:

@@ -295,7 +295,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="tiny model, concurrency 1 4 16, few tokens")
     ap.add_argument("--overhead", action="store_true",
-                    help="only the batch-1 decode step split (default shape tiny24, 512 tokens)")
+                    help="only the batch-1 decode step split (default shape tiny24, --overhead-tokens 128)")
     ap.add_argument("--quantization", default=None, help="quantize at load (int8, int4, ...)")
     ap.add_argument("--prefetch", type=int, nargs="+", default=None,
                     help="only the prefetch A/B: these distances in bytes, e.g. 0 4096")
@@ -313,7 +313,8 @@ def main() -> None:
     if a.quick:
         a.concurrency = [c for c in a.concurrency if c <= 16] or [1]
         a.prompt_min, a.prompt_max, a.output_len = 8, 32, 16
-        a.overhead_batch = min(a.overhead_batch, 8)
+        if not a.prefetch:  # NOTE: the prefetch rounds' batches are as --prefetch-batch names them
+            a.overhead_batch = min(a.overhead_batch, 8)
     if a.overhead:  # NOTE: short contexts, so that attention's kernel time stays small
         a.concurrency, a.overhead_batch, a.prompt_min, a.prompt_max = [], 1, 16, 32
         a.overhead_tokens, a.overhead_rounds = a.overhead_tokens or 128, a.overhead_rounds or 8

@@ -41,7 +41,13 @@ MIB = 1 << 20
 
 def model_dir(spec: str) -> str:
     """A built-in random shape's directory (built once), or a model directory as given."""
-    return SHAPES[spec]() if spec in SHAPES else os.path.abspath(os.path.expanduser(spec))
+    if spec in SHAPES:
+        return SHAPES[spec]()
+    path = os.path.abspath(os.path.expanduser(spec))
+    if not os.path.exists(path):  # NOTE: a traceback from ModelConfig before, whose advice did not fit
+        raise SystemExit(f"bench_multimodel.py: {spec}: no such model directory or file (or a shape: "
+                         f"{', '.join(sorted(SHAPES))}).")
+    return path
 
 
 def start(models: list[str], a, budget: int | None = None) -> Server:

@@ -426,7 +426,7 @@ def main(argv=None):
     g.add_argument("--max-num-seqs", type=int, default=16)
     g.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens")
     g.add_argument("--repeat", type=int, default=1, help="run the policies in turn this many times")
-    g.add_argument("--out", default="/tmp/bench_prefix_cache", help="writes OUT.json and OUT.md")
+    ap.add_argument("--out", default="/tmp/bench_prefix_cache", help="writes OUT.json and OUT.md")
     args = ap.parse_args(argv)
     if args.engine:
         return engine_main(args)
@@ -436,10 +436,12 @@ def main(argv=None):
     wcfg = WorkloadConfig(clients=args.clients, turns=args.turns, one_offs=args.one_offs,
                           one_off_every=args.one_off_every, think_steps=tuple(args.think), seed=args.seed)
     ideal = simulate("reuse", 1 << 16, wcfg)
-    print(f"workload: {args.clients} clients x {args.turns} turns + {args.one_offs} one-offs "
-          f"(one every {args.one_off_every} steps), think {args.think[0]}-{args.think[1]} steps; "
-          f"block 16; infinite cache hit rate {ideal['hit_rate']:.1%} "
-          f"(conversation turns {ideal['conv_hit']:.1%})")
+    head = (f"workload: {args.clients} clients x {args.turns} turns + {args.one_offs} one-offs "
+            f"(one every {args.one_off_every} steps), think {args.think[0]}-{args.think[1]} steps; "
+            f"block 16; infinite cache hit rate {ideal['hit_rate']:.1%} "
+            f"(conversation turns {ideal['conv_hit']:.1%})")
+    print(head)
+    lines, results = [], []
     print(f"{'blocks':>6} {'policy':>6} {'disk':>4} {'hit':>6} {'conv hit':>8} {'conv rst':>8} {'1-off hit':>9} "
           f"{'saved tok':>9} {'computed':>9} {'steps':>6} {'evict':>6} {'preempt':>7} {'ttft conv':>9}")
     for nb, pol, disk in ((n, p, d) for n in args.blocks for p in args.policies
@@ -454,6 +456,19 @@ def main(argv=None):
         print(f"{nb:>6} {pol:>6} {'on' if disk else 'off':>4} {r['hit_rate']:>6.1%} {r['conv_hit']:>8.1%} {after} "
               f"{r['one_off_hit']:>9.1%} {r['saved']:>9} {r['computed']:>9} {r['steps']:>6} {r['evictions']:>6} "
               f"{r['preemptions']:>7} {r['ttft_conv']:>9.1f}")
+        results.append(dict(r, blocks=nb, policy=pol, disk_tier=disk))
+        lines.append(f"| {nb} | {pol} | {'on' if disk else 'off'} | {r['hit_rate']:.1%} | {r['conv_hit']:.1%} | "
+                     f"{after.strip()} | {r['one_off_hit']:.1%} | {r['saved']} | {r['computed']} | {r['steps']} | "
+                     f"{r['evictions']} | {r['preemptions']} | {r['ttft_conv']:.1f} |")
+    # NOTE: the simulated runs write their report too (--out was taken and nothing written)
+    md = "\n".join([head, "", "| blocks | policy | disk | hit | conv hit | conv hit after restart | one-off hit | "
+                     "saved tok | computed | steps | evictions | preemptions | TTFT conv (steps) |",
+                     "|" + " --- |" * 13, *lines]) + "\n"
+    report = {"simulated": True, "workload": {"clients": args.clients, "turns": args.turns, "one_offs": args.one_offs,
+                                              "one_off_every": args.one_off_every, "think": list(args.think),
+                                              "seed": args.seed},
+              "infinite_cache": ideal, "rows": results}
+    print("wrote " + ", ".join(write_report(args.out, report, md)))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,11 @@ SHAPES = dict(SHAPES, **{"Llama-3.2-1B": [("qkv", 2048, 3072), ("o_proj", 2048, 
                                           ("down", 8192, 2048), ("lm_head", 2048, 128256)]})
 
 
+def is_gguf_type(name: str) -> bool:
+    from numa_runtime.gguf_checkpoint import LOSSLESS, NEAR_LOSSLESS
+    return name.upper() in LOSSLESS or name.upper() in NEAR_LOSSLESS
+
+
 def parse_format(name: str) -> QuantFormat:
     """A quantize-at-load name (int4-g32-sym, int8-channel, ...) or a GGUF block type as the
     engine runs it (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; Q2_K-Q6_K, IQ4_XS with their
@@ -63,8 +68,10 @@ def build(fmt_name: str, k: int, n: int, copies_for: int, bf16: bool = False):
         nbytes = n * k * 2
         make = lambda: gemm.Linear((w.view(np.uint32) >> 16).astype(np.uint16))  # noqa: E731
     else:
-        # NOTE: a group that does not divide K falls back to 64/32 (as quantization="int8" does)
-        fmt = replace(QuantFormat.parse(fmt_name), fit_group=True).for_k(k)
+        # NOTE: a group that does not divide K falls back to 64/32 (as quantization="int8" does); a
+        # GGUF type keeps its blocks (parse_format; --formats Q4_0 failed here)
+        fmt = parse_format(fmt_name)
+        fmt = (fmt if is_gguf_type(fmt_name) else replace(fmt, fit_group=True)).for_k(k)
         qw = quantize(w, fmt)
         lin = qlinear(cpu, qw, bf16=bf16)
         nbytes = lin.nbytes
@@ -157,7 +164,8 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="one model, two formats, short timing")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--level", type=int, default=None, help="cap the qgemm ISA level")
-    ap.add_argument("--model", default="Qwen2.5-0.5B", choices=sorted(SHAPES))
+    ap.add_argument("--model", default=None, choices=sorted(SHAPES),
+                    help="shapes to measure (default Qwen2.5-0.5B; SmolLM2-135M with --quick)")
     ap.add_argument("--bf16-prefill", action="store_true",
                     help="quantized linears as a bf16 engine builds them: large M on bf16 panels")
     ap.add_argument("--formats", nargs="+", default=None,
@@ -181,27 +189,30 @@ def main(argv=None) -> None:
               "int8 on VNNI row tiles, AMX off, us (GMAC/s) | int8 without row tiles us (GMAC/s) | "
               "bf16 on AMX-BF16 tiles us (GMAC/s) | bf16 panels us (GMAC/s) |\n"
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-        decode_batch(args.model, tuple(args.rows), tuple(args.formats or DECODE_BATCH_FORMATS))
+        decode_batch(args.model or "Qwen2.5-0.5B", tuple(args.rows), tuple(args.formats or DECODE_BATCH_FORMATS))
         return
     formats = args.formats or (["int8-g128", "int4-g32-min"] if args.quick else FORMATS + ["bf16"])
+    # NOTE: --quick measures SmolLM2-135M's shapes unless a model is named (the report named the default)
+    model = args.model or ("SmolLM2-135M" if args.quick else "Qwen2.5-0.5B")
     ms = args.m
     dram = dram_read_gbps(args.threads, gib=0.25 if args.quick else 1.0)
     rows = []
     for mib in args.panel_mib or [None]:
         qgemm._PANEL_BYTES, qgemm._PANELS = None if mib is None else int(mib * 2 ** 20), {}
-        for r in bench("SmolLM2-135M" if args.quick else args.model, formats, ms,
+        for r in bench(model, formats, ms,
                        0.05 if args.quick else 0.5, args.bf16_prefill):
             rows.append(dict(r, panel_mib=qgemm._panel_bytes() / 2 ** 20))
     for r in rows:
         r["dram_fraction"] = r["gbps"] / dram if r["M"] == 1 else None
     report = {"config": {"threads": ops.get_num_threads(), "qgemm_level": qgemm.cpu_level(),
                          "bf16_prefill": args.bf16_prefill,
-                         "model": args.model, "dram_read_gbps": dram}, "rows": rows}
+                         "model": model, "dram_read_gbps": dram}, "rows": rows}
     if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out + ".json", "w") as f:
             json.dump(report, f, indent=1)
         with open(args.out + ".md", "w") as f:
-            f.write(f"DRAM read probe {dram:.1f} GB/s, {report['config']['threads']} threads, "
+            f.write(f"{model}: DRAM read probe {dram:.1f} GB/s, {report['config']['threads']} threads, "
                     f"qgemm level {qgemm.cpu_level()}\n\n| layer | K x N | format | M | panel MiB | us | GB/s | "
                     f"of DRAM | GFLOP/s |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
             for r in rows:

@@ -265,6 +265,7 @@ def main() -> None:
               "settings": {k: getattr(a, k) for k in ("decode_tokens", "repeats", "conc_prompt",
                                                       "conc_tokens", "max_model_len", "kv_cache_memory")},
               "configs": configs}
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)  # NOTE: the plot is written first
     report["plot"] = plot(report, a.out + ".png")
     md = markdown(report)
     paths = write_report(a.out, report, md)

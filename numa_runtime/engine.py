@@ -1083,23 +1083,54 @@ class Engine:
             check_input_length(i, len(ids), self.max_model_len)
             all_ids.append(ids)
         # NOTE: the inputs run one after another in scratch blocks: check room for the longest
-        # first, so that a call waiting for room (AsyncEngine retries it) computes nothing
-        self._scratch_room(max(map(len, all_ids)))
+        # first, so that a call waiting for room (AsyncEngine retries it) computes nothing; a
+        # window model's input longer than the pool runs in chunks over the window's ring of blocks
+        # (as its prompt logprobs do: the engine generates from such a prompt, so it embeds it too)
+        step, bm = self.config.max_num_batched_tokens, self._scratch_pool()
+        need = max((self._scratch_plan(n, step)[2] if self._embeds_in_chunks(n) else bm.num_blocks_for(n), n)
+                   for n in set(map(len, all_ids)))
+        self._scratch_room(need[1], need[0])
         out = np.empty((len(items), size), np.float32)  # [N, size]
         bar = None
         if use_tqdm:
             from tqdm import tqdm
             bar = (use_tqdm if callable(use_tqdm) else tqdm)(total=len(all_ids), desc="Embedding", unit="input")
         for i, ids in enumerate(all_ids):
-            rows = {"mean": np.arange(len(ids)), "last": [len(ids) - 1], "cls": [0]}[pooling]
-            h = self._final_hidden(ids, rows)  # [n or 1, hidden]
-            v = (h.mean(axis=0) if pooling == "mean" else h[0])[:size]
+            if self._embeds_in_chunks(len(ids)):
+                v = self._pooled_in_chunks(ids, pooling, step)[:size]
+            else:
+                rows = {"mean": np.arange(len(ids)), "last": [len(ids) - 1], "cls": [0]}[pooling]
+                h = self._final_hidden(ids, rows)  # [n or 1, hidden]
+                v = (h.mean(axis=0) if pooling == "mean" else h[0])[:size]
             out[i] = v / max(float(np.linalg.norm(v)), 1e-12) if normalize else v
             if bar is not None:
                 bar.update(1)
         if bar is not None:
             bar.close()
         return out.view(Embeddings)
+
+    def _embeds_in_chunks(self, n: int) -> bool:
+        """Whether an input of n tokens is embedded in chunks over a window's ring of blocks: a
+        sliding-window model's input that the pool cannot hold whole."""
+        bm = self._scratch_pool()
+        return bool(self.model_config.min_window) and bm.num_blocks_for(n) > bm.num_blocks
+
+    def _pooled_in_chunks(self, ids: list[int], pooling: str, step: int):
+        """The pooled final hidden state of `ids` (mean, last or cls) from a prefill in chunks of
+        at most `step` tokens (_prefill_chunks: the ring of a window model)."""
+        from .plan import EMBED
+        total = first = last = None
+        with self._atomic(), contextlib.closing(self._prefill_chunks(ids, step, EMBED)) as chunks:
+            for a, h in chunks:
+                h = np.asarray(h, np.float32)
+                if pooling == "mean":
+                    part = h.sum(axis=0, dtype=np.float64)
+                    total = part if total is None else total + part
+                if a == 0:
+                    first = h[0].copy()
+                last = h[-1].copy()
+        return {"mean": None if total is None else (total / len(ids)).astype(np.float32),
+                "cls": first, "last": last}[pooling]
 
     def _final_hidden(self, ids: list[int], rows):
         """Normed final hidden states [len(rows), hidden] at positions `rows` of `ids`."""

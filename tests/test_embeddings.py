@@ -326,6 +326,29 @@ def test_openai_client_embeddings(decoder):
         srv.stop()
 
 
+def test_vllms_pooling_runner_flags_pool_the_last_token(decoder):
+    """`vllm serve M --runner pooling` (or --convert/--task embed) pools a decoder's last token: the
+    flags were unknown ("unrecognized arguments"), and dropping them gave mean pooling unseen.
+    Generation stays served; a runner this server has not is refused in one sentence."""
+    from test_server import ServerProcess
+    d, hf = decoder
+    srv = ServerProcess(["--model", d, "--dtype", "float32", "--served-model-name", "emb", "--runner", "pooling",
+                         "--kv-cache-memory", str(1 << 22), "--max-model-len", "256"])
+    try:
+        client = srv.client()
+        res = client.embeddings.create(model="emb", input=INPUTS[:2], encoding_format="float")
+        for e, ids in zip(res.data, INPUTS):
+            np.testing.assert_allclose(e.embedding, hf_embed(hf, ids, "last"), atol=2e-5)
+        assert client.completions.create(model="emb", prompt="Hello", max_tokens=2).usage.completion_tokens == 2
+    finally:
+        srv.stop()
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-m", "numa_runtime.serve", "--model", d, "--task", "classify"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--task classify (vLLM's) is not supported" in p.stderr, p.stderr[-2000:]
+
+
 def test_openai_client_embeds_with_a_sentence_transformers_checkpoint(decoder, tmp_path):
     """A Qwen3-Embedding-like checkpoint served: last-token pooling over the tokens with the </s>
     its tokenizer appends (add_special_tokens: false leaves it off), and a completion refused."""

@@ -1395,24 +1395,33 @@ def test_a_preempted_request_is_not_a_prefix_cache_hit(model_dir):
         eng.close()
 
 
-def test_scoring_input_the_cache_can_never_hold_is_one_sentence(tmp_path):
-    """A sliding-window model's context outgrows its KV pool; embed over more tokens than the whole
-    pool: a ValueError that says so (it said "no room now; retry when requests finish", which
-    could never succeed). prompt_logprobs runs such a prompt in chunks over the window's ring (as
-    prompt_logprob_pairs and generate's prompt_logprobs do), the same values as the pairs."""
+def test_scoring_input_longer_than_a_window_models_pool_runs_over_its_ring(tmp_path):
+    """A sliding-window model's context outgrows its KV pool. prompt_logprobs and embed run such
+    an input in chunks over the window's ring (as prompt_logprob_pairs and generate's
+    prompt_logprobs do): embed refused it ("n tokens need N KV blocks"), though the engine
+    generates from it. Its embeddings equal one pass's on an engine whose pool holds the input
+    (float32, within chunking's rounding), for mean, last and cls pooling, and the ring's blocks
+    go back to the pool. (A model without a window starts only with a pool that holds its
+    context.)"""
     d = str(tmp_path / "m")
     build_model(d, arch="mistral", sliding_window=32, max_position_embeddings=2048)
-    eng = Engine(d, dtype="float32", kv_cache_memory=40 * 8192, max_model_len=2048, block_size=16)
+    eng = Engine(d, dtype="float32", kv_cache_memory=40 * 8192, max_model_len=2048, block_size=16,
+                 max_num_batched_tokens=64)
+    big = Engine(d, dtype="float32", kv_cache_memory=400 * 8192, max_model_len=2048, block_size=16)
     try:
         n = eng.block_manager.num_blocks * 16 + 1
-        assert n < eng.max_model_len
+        assert n < eng.max_model_len and n <= big.block_manager.num_blocks * 16
         ids = [5 + i % 300 for i in range(n)]
-        with pytest.raises(ValueError, match=rf"^{n} tokens need \d+ KV blocks, but the cache has "):
-            eng.embed(ids)
         lp = eng.prompt_logprobs(ids)
         assert lp.shape == (n - 1,) and np.array_equal(lp, [x for x, _, _ in eng.prompt_logprob_pairs(ids, 0)])
+        short = ids[:40]
+        for pooling in ("mean", "last", "cls"):
+            got, want = eng.embed([ids, short], pooling), big.embed([ids, short], pooling)
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
     finally:
         eng.close()
+        big.close()
 
 
 def test_a_stream_read_after_close_is_refused(model_dir):

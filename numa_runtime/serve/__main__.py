@@ -181,6 +181,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="the token that fetches a gated Hugging Face Hub id (alone: the saved login's); "
                     "default: HF_TOKEN or the saved login")
     vl.add_argument("--load-format", default="auto", help="auto, safetensors or gguf (as the model's files say)")
+    # NOTE: as Engine(runner=...): `vllm serve M --runner pooling` users dropped the flag and got mean pooling
+    for flag, ok in (("--runner", "auto, generate or pooling"), ("--convert", "auto, none or embed"),
+                     ("--task", "auto, generate or embed")):
+        vl.add_argument(flag, default=None, metavar=ok.replace(", ", "|").replace(" or ", "|"),
+                        help=f"{ok}: pooling/embed make /v1/embeddings pool the last token by default, as vLLM's "
+                             "pooling runner does (generation stays served); --embedding-pooling chooses outright")
     # NOTE: as vLLM's CORS flags and defaults (any origin, method and header; no credentials), so a
     # browser page can call the server; Access-Control-* headers on every answer, preflights answered
     # before the API key is asked for
@@ -402,6 +408,11 @@ def check_args(args) -> str | None:
             return f"{flag} (vLLM's) {why}."
     if args.pipeline_parallel_size != 1:
         return "--pipeline-parallel-size must be 1: ranks split each layer (tensor parallel), not the layers."
+    for flag in ("runner", "convert", "task"):
+        value = getattr(args, flag)
+        if value not in (None, "auto", "generate", "none", "pooling", "embed", "embedding"):
+            return (f"--{flag} {value} (vLLM's) is not supported: this server generates text and embeds "
+                    "(/v1/embeddings); classify, score and reward models are not.")
     if not args.enable_chunked_prefill:
         return ("--no-enable-chunked-prefill is not supported: long prompts are always prefilled in chunks of "
                 "--max-num-batched-tokens.")
@@ -520,7 +531,8 @@ def serve_config(args, name: str, given: str | None = None):
                        api_key=tuple(args.api_key) if args.api_key else None,
                        max_queue=args.max_queue,
                        max_tokens_cap=args.max_tokens_cap, stall_timeout_s=args.stall_timeout,
-                       embedding_pooling=args.embedding_pooling,
+                       embedding_pooling=args.embedding_pooling or ("last" if {args.runner, args.convert, args.task}
+                                                                     & {"pooling", "embed", "embedding"} else None),
                        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                        reasoning_parser=args.reasoning_parser,
                        cors=Cors(tuple(args.allowed_origins), tuple(args.allowed_methods),
