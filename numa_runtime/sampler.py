@@ -107,7 +107,7 @@ class Sampler:
                     changed = True
             # NOTE: a constrained request's grammar says so itself (its mask came first)
             if changed and r.constraint is None and (sp.allowed_token_ids is not None or r.bad_words_ids
-                                                     or sp.min_tokens) and not logits[i].max() > -np.inf:
+                                                     or sp.min_tokens) and np.isneginf(logits[i]).all():
                 self.exhausted[r.request_id] = _exhausted_sentence(sp, r.num_output_tokens < sp.min_tokens)
         ids = np.empty(n, np.int64)
         greedy = [r.sampling_params.is_greedy for r in reqs]
