@@ -172,6 +172,7 @@ def _describe(files: list[str], out_dir: str) -> None:
                                         "convert the model again without --bigendian.")
     meta = {name: field.contents() for name, field in readers[0].fields.items()}
     _check_split(files, readers, meta)
+    _default_eos(meta, path)
     tensors = [(i, t) for i, r in enumerate(readers) for t in r.tensors]
     rope = {t.name: gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32).ravel()
             for _, t in tensors if t.name in (ROPE_FREQS, *LONGROPE_FACTORS)}
@@ -194,6 +195,25 @@ def _describe(files: list[str], out_dir: str) -> None:
         json.dump(index, f)
     for link, f in zip(links, files):
         os.symlink(f, os.path.join(out_dir, link))
+
+
+# NOTE: an EOS by its text, in this order, for a file that names none (llama.cpp then takes its
+# per-vocabulary default id; these are the texts those defaults stand for)
+_EOS_TEXTS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<|im_end|>", "<|eot_id|>", "<eos>")
+
+
+def _default_eos(meta: dict, path: str) -> None:
+    """A file without tokenizer.ggml.eos_token_id (older converters): the first token whose text
+    is an end of text (_EOS_TEXTS), with a warning; none: hf_config refuses the file."""
+    if "tokenizer.ggml.eos_token_id" in meta:
+        return
+    tokens = list(meta.get("tokenizer.ggml.tokens") or ())
+    for text in _EOS_TEXTS:
+        if text in tokens:
+            meta["tokenizer.ggml.eos_token_id"] = tokens.index(text)
+            log.warning("%s names no EOS (tokenizer.ggml.eos_token_id); generation ends at %r (token %d), the "
+                        "end-of-text token of its vocabulary.", path, text, tokens.index(text))
+            return
 
 
 def _gguf_version() -> str:

@@ -197,8 +197,7 @@ def test_unknown_architecture_is_a_clear_error(hf_models, tmp_path):
     ({"llama.block_count": 3}, r"block_count is 3, but the file holds no tensors of layer 2 \(blk\.2\.\*\)"),
     ({"llama.attention.value_length": 32}, r"value heads of 32 dimensions beside key heads of 64 \(llama\.attention\.value_length\)"),
     ({"tokenizer.ggml.eos_token_id": 9999}, r"eos_token_id is 9999, not one of the file's 384 tokens"),
-    ({"llama.feed_forward_length": 128}, r"blk\.0\.ffn_\w+\.weight has shape .* but the GGUF metadata implies"),
-    ({"tokenizer.ggml.eos_token_id": None}, r"lacks 'tokenizer\.ggml\.eos_token_id'")])
+    ({"llama.feed_forward_length": 128}, r"blk\.0\.ffn_\w+\.weight has shape .* but the GGUF metadata implies")])
 def test_gguf_metadata_that_disagrees_with_the_file_is_refused_in_its_words(hf_models, tmp_path, meta, match):
     """A block_count under the layers stored ran a shorter model without a word (llama.cpp
     refuses the file); a value_length was ignored; an EOS outside the vocabulary left no EOS
@@ -209,6 +208,29 @@ def test_gguf_metadata_that_disagrees_with_the_file_is_refused_in_its_words(hf_m
     write_gguf(hf_models["llama"], path, "F32", meta=meta, extra=extra)
     with pytest.raises(UnsupportedModelError, match=match):
         engine(path)
+
+
+def test_a_gguf_without_an_eos_id_ends_at_its_end_of_text_token(hf_models, tmp_path, caplog):
+    """Older converters wrote no tokenizer.ggml.eos_token_id (llama.cpp then takes a default id):
+    the file was refused. Its end-of-text token by its text now serves, with a warning; a file
+    with no such token is still refused in one sentence."""
+    import gguf
+    path = str(tmp_path / "m.gguf")
+    write_gguf(hf_models["llama"], path, "F32", meta={"tokenizer.ggml.eos_token_id": None})
+    e = engine(path)
+    try:
+        assert "names no EOS (tokenizer.ggml.eos_token_id); generation ends at '</s>' (token 2)" in caplog.text
+        assert e.tokenizer.eos_token_id == 2
+        out = e.generate([[1, 17, 42]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+        assert len(out.outputs[0].token_ids) == 4
+    finally:
+        e.close()
+    tokens = ["<end>" if t == "</s>" else t for t in gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"].contents()]
+    bare = str(tmp_path / "bare.gguf")
+    write_gguf(hf_models["llama"], bare, "F32", meta={"tokenizer.ggml.eos_token_id": None,
+                                                      "tokenizer.ggml.tokens": tokens})
+    with pytest.raises(UnsupportedModelError, match=r"lacks 'tokenizer\.ggml\.eos_token_id'"):
+        engine(bare)
 
 
 def test_a_bos_outside_the_vocabulary_is_ignored_with_a_warning(hf_models, tmp_path, caplog):
