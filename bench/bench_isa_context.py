@@ -56,7 +56,13 @@ def child(args) -> dict:
     from bench.limits import dram_read_gbps
     rng = np.random.default_rng(0)
     vocab = eng.model_config.vocab_size
-    out = {"level": gemm.cpu_level(), "contexts": {}, "pairs": [],
+    # NOTE: each module clamps a forced level to what this CPU has: say so, not measure it silently
+    levels = {"gemm": gemm.cpu_level(), "qgemm": qgemm.cpu_level(), "attention": attention._force_paths()[0]}
+    short = {k: v for k, v in levels.items() if v != args.level}
+    if short:
+        print(f"bench_isa_context.py: level {args.level} asked, but this CPU runs "
+              + ", ".join(f"{k} at level {v}" for k, v in short.items()) + ".", file=sys.stderr, flush=True)
+    out = {"level": gemm.cpu_level(), "levels": levels, "contexts": {}, "pairs": [],
            "bytes_per_token": sum(getattr(x, "nbytes", 0) for x in eng.runner.model._linears())}
     for ctx in args.contexts:
         # warm-up request of the same length (oneDNN primitives, page faults), then the timed one

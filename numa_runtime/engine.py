@@ -280,6 +280,9 @@ class Engine:
                  s["kv_cache_dtype"], s["kv_blocks"], s["block_size"], s["kv_cache_bytes"] / mib,
                  s["max_concurrent_tokens"],
                  f" over {s['data_parallel']} replicas" if s["data_parallel"] > 1 else "")
+        summary = getattr(self.ops, "kernel_summary", None)
+        if summary is not None:
+            log.info("%s", summary())
         if self.default_sampling:
             log.info("default sampling from the model's generation_config.json: %s (a request's own values "
                      "win; generation_config='vllm' ignores the file)", self.default_sampling)

@@ -440,3 +440,22 @@ def test_read_words_sums_every_word(threads, n):
         ops.set_num_threads(old)
     with pytest.raises(TypeError, match="uint64"):
         ops.read_words(a.astype(np.int64))
+
+
+def test_a_cpu_below_x86_64_v3_is_refused_in_one_sentence(monkeypatch):
+    """The kernels are built for x86-64-v3: on an older CPU their import stopped the process with
+    SIGILL (module init holds AVX instructions). The package refuses first, naming what is missing."""
+    import importlib
+    import io
+
+    import numa_runtime._kernels as k
+    assert k._missing_x86_64_v3() == []  # NOTE: this machine runs the kernels
+    monkeypatch.setattr(k, "open", lambda *a, **kw: io.StringIO("processor\t: 0\nflags\t\t: fpu sse sse2 avx\n"),
+                        raising=False)
+    assert k._missing_x86_64_v3() == ["avx2", "fma", "f16c"]
+    with pytest.raises(ImportError, match=r"^numa_runtime's kernels need an x86-64 CPU with AVX2, FMA and F16C "
+                                          r"\(x86-64-v3: .*\); this CPU lacks avx2, fma, f16c\.$"):
+        importlib.reload(k)
+    monkeypatch.undo()
+    importlib.reload(k)
+    assert k._missing_x86_64_v3() == []

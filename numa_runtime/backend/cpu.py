@@ -30,7 +30,7 @@ except ImportError:  # the shm-collective kernels are optional for one process
 __all__ = ["Linear", "QLinear", "embedding", "rms_norm", "add_rms_norm", "silu_and_mul", "add_", "rotary",
            "reshape_and_cache", "paged_attention", "sample", "log_softmax", "reduce_sum",
            "f32_to_bf16", "bf16_to_f32", "set_num_threads", "get_num_threads", "set_decode_step",
-           "fused_decoder", "moe_experts", "prefill_int8_wins"]
+           "fused_decoder", "moe_experts", "prefill_int8_wins", "prefill_path", "kernel_summary"]
 
 
 def set_decode_step(mode: int) -> int:
@@ -39,6 +39,27 @@ def set_decode_step(mode: int) -> int:
     they keep exact activations; 0 for a mixed step and after the step (qgemm.set_decode_step)."""
     from numa_runtime._kernels import qgemm
     return qgemm.set_decode_step(int(mode))
+
+
+def prefill_path() -> str:
+    """What quantized linears' prefill rows run on here (prefill_activations="bf16"), for the
+    start-up log: AMX-BF16 tiles, oneDNN's bf16 panels (AVX-512 BF16), or the exact f32 kernels."""
+    from numa_runtime._kernels import qgemm
+    if qgemm.has_amx_bf16() and qgemm._panel_usable():
+        return "bf16 weights on AMX-BF16 tiles"
+    if qgemm._panel_usable():
+        return "bf16 weights on oneDNN panels"
+    return "the f32 kernels (this CPU has no AVX-512 BF16 for bf16 panels)"
+
+
+def kernel_summary() -> str:
+    """The kernel paths this CPU runs, for the start-up log."""
+    from numa_runtime._kernels import attention, gemm, qgemm
+    names = {2: "AVX-512 BF16", 1: "AVX-512", 0: "AVX2"}
+    qnames = {2: "AVX-512 VNNI", 1: "AVX-512", 0: "AVX2"}
+    amx = [n for n, on in (("AMX-INT8", qgemm.has_amx()), ("AMX-BF16", qgemm.has_amx_bf16())) if on]
+    return (f"kernels: bf16/f32 GEMV {names[gemm.cpu_level()]}, int8/int4 {qnames[qgemm.cpu_level()]}, "
+            f"attention {names[attention._force_paths()[0]]}; " + (" and ".join(amx) if amx else "no AMX"))
 
 
 def prefill_int8_wins() -> bool:

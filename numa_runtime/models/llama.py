@@ -186,8 +186,9 @@ class LlamaModel:
             wins = getattr(self.ops, "prefill_int8_wins", None)
             hint = "" if on or wins is None or not wins() else \
                 " (prefill_activations='int8' / --prefill-activations int8 runs faster on this CPU)"
+            path = getattr(self.ops, "prefill_path", None)
             log.info("prefill activations: %s%s", "int8 blocks (qkv_proj at 15+ bits)" if on else
-                     "bf16 weights (AMX-BF16 tiles or oneDNN panels) / f32 (int8 blocks only in decode steps)", hint)
+                     f"{path() if path else 'bf16 weights'} (int8 blocks only in decode steps)", hint)
         return on
 
     def _linears(self) -> list:
