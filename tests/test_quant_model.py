@@ -531,3 +531,26 @@ def test_a_replica_that_cannot_split_names_the_job_it_belongs_to(tmp_path):
     assert p.returncode != 0
     assert (f"{d} on 2 ranks (a replica of the job's 4 ranks, which run 2 replicas): Cannot split 128 MLP columns "
             "over 2 ranks in groups of 128; use at most 1 rank per model replica") in p.stdout + p.stderr
+
+
+def test_the_start_up_log_names_the_kernel_paths_taken(model_dir, caplog):
+    """The log said quantized prefill ran on bf16 panels where the CPU has no AVX-512 BF16 and the
+    exact f32 kernels run; it named no kernel level at all. Forcing level 1 (Skylake-SP's)
+    makes the f32 path the one named."""
+    import logging
+
+    from numa_runtime._kernels import gemm, qgemm
+    caplog.set_level(logging.INFO, logger="numa_runtime")
+    e = Engine(model_dir, dtype="bfloat16", quantization="int4", kv_cache_memory=1 << 23, max_model_len=128)
+    e.close()
+    want = ("bf16 weights on AMX-BF16 tiles" if qgemm.has_amx_bf16() else "bf16 weights on oneDNN panels") \
+        if qgemm._panel_usable() else "the f32 kernels"
+    assert f"prefill activations: {want}" in caplog.text and "kernels: bf16/f32 GEMV " in caplog.text
+    old = gemm._force_cpu_level(1)
+    caplog.clear()
+    try:
+        Engine(model_dir, dtype="bfloat16", quantization="int4", kv_cache_memory=1 << 23, max_model_len=128).close()
+    finally:
+        gemm._force_cpu_level(old)
+    assert "prefill activations: the f32 kernels (this CPU has no AVX-512 BF16" in caplog.text
+    assert "kernels: bf16/f32 GEMV AVX-512," in caplog.text or gemm.cpu_level() == 0
