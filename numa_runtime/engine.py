@@ -92,6 +92,14 @@ class Engine:
         world = env.mpi_world()
         if _workers_exited and world is not None and world[1] > 1:
             raise RuntimeError(_WORKERS_EXITED)
+        other = _served() if _served is not None else None
+        if other is not None and not other._closed and world is not None and world[0] == 0 and world[1] > 1:
+            # NOTE: the worker ranks run that engine's loop: this one's start-up collectives waited for
+            # them for ever, unseen, and one Ctrl-C did not end it (a dropped engine stays open too:
+            # atexit closes it at the end of the script)
+            raise RuntimeError(f"Engine(): the worker ranks run the steps of another Engine "
+                               f"({other.model_config.model_dir}) until it is closed; call its close() first, "
+                               "even after `del` (under mpirun one Engine runs at a time).")
         self.comm = distributed.init_distributed()
         ops = backend.get_backend(self.config.backend)
         placement = self._bind_and_set_threads(ops)

@@ -85,6 +85,16 @@ def test_driving_a_second_live_engine_is_refused_not_hung(model_dir):
     assert len(marks) == 4
 
 
+def test_a_new_engine_while_the_workers_serve_another_is_refused_not_hung(model_dir):
+    """Engine() on rank 0 while the workers ran the first engine's loop (vLLM's `del llm` habit
+    leaves it open too): its start-up collectives waited for them for ever, with no message, and
+    one Ctrl-C did not end it. Rank 0 is told at once; the first engine runs on."""
+    marks, p = run(model_dir, "new-while-served")
+    assert len(marks) == 2 and marks[0].startswith(
+        "MARK refused rank 0 Engine(): the worker ranks run the steps of another Engine"), marks
+    assert "call its close() first, even after `del`" in marks[0] and marks[1] == "MARK same rank 0 True", marks
+
+
 def test_closing_an_engine_never_driven_leaves_the_served_one_running(model_dir):
     """b.close() while the workers ran a's steps sent them a shutdown: they left a's loop and a's
     next generate failed. b's shutdown waits until a closes (the workers serve b after a)."""

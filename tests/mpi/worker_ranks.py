@@ -7,6 +7,7 @@ explicit: `with Engine() as eng:` drives on rank 0 only; every rank goes on afte
 *-twice:  the same, then a second Engine (the plain script's workers have exited by then).
 ctrl-c:   rank 0 generates until interrupted.
 ctrl-c-in-report-and-close: (AS_PROFILE=ON) a Ctrl-C on rank 0 inside a profiling report and inside close().
+new-while-served: a second Engine() while the workers run the first one's steps.
 driver-only-twice: only rank 0 drives and closes; a worker's script ends (its engine closes at
           exit) and rank 0 then makes a second Engine.
 Each rank writes "MARK <where> rank <r>" lines, one write each (ranks must not interleave).
@@ -81,6 +82,18 @@ if mode == "two-live":  # two engines alive at once; the workers run the first o
             mark(what, 0, f" {e}")
         a.close()
     b.close()
+    sys.exit(0)
+
+if mode == "new-while-served":  # a second Engine made while the workers run the first one's steps
+    a = Engine(model, dtype="float32", kv_cache_memory=1 << 23, max_model_len=128)
+    a.generate([[1, 5, 9]], params)  # a worker serves a here, then exits
+    try:
+        Engine(model, dtype="float32", kv_cache_memory=1 << 23, max_model_len=128)
+        mark("made", 0)
+    except RuntimeError as e:
+        mark("refused", 0, f" {e}")
+    mark("same", 0, f" {a.generate([[1, 5, 9]], params)[0].token_ids == a.generate([[1, 5, 9]], params)[0].token_ids}")
+    a.close()
     sys.exit(0)
 
 if mode == "close-the-other":  # two engines; the one never driven is closed while the workers run the other
