@@ -1337,6 +1337,7 @@ class Engine:
         held = (signal.signal(signal.SIGINT, signal.SIG_IGN)
                 if threading.current_thread() is threading.main_thread() else None)
         try:
+            self.ops.set_num_threads(self.num_threads)  # NOTE: this engine's, whatever engine set it last here
             data_parallel.worker_loop(self.runner, self._link)
         finally:
             if held is not None:
@@ -1353,6 +1354,12 @@ class Engine:
         have its plan leaves them at another point of the step than rank 0 (their next
         collectives would pair with the wrong ones: wrong output, or a hang): the engine is
         then broken for good (every later call says so; close() ends the MPI job)."""
+        # NOTE: OpenMP's team size is the calling thread's, and shared by every engine on that
+        # thread: another engine made since, or a step driven from another thread, ran this one's
+        # steps on another count (its summary still said its own)
+        get = getattr(self.ops, "get_num_threads", None)
+        if get is not None and get() != self.num_threads:
+            self.ops.set_num_threads(self.num_threads)
         try:
             result = run(*args)
             self.last_progress = time.monotonic()  # NOTE: a forward ended (the server's stall clock)

@@ -1540,3 +1540,31 @@ def test_an_asked_max_model_len_the_pool_cannot_hold_is_refused(model_dir):
     finally:
         fits.close()
         lowered.close()
+
+
+def test_each_engine_steps_on_its_own_thread_count(model_dir):
+    """OpenMP's team size belongs to the calling thread: an engine made later on the same thread,
+    or a step driven from another thread, ran an engine's steps on another count than the one
+    its summary gave. Each step now runs on its engine's own."""
+    import threading
+
+    from numa_runtime._kernels import ops
+    a = Engine(model_dir, dtype="float32", num_threads=2, kv_cache_memory=1 << 22, max_model_len=64)
+    b = Engine(model_dir, dtype="float32", num_threads=1, kv_cache_memory=1 << 22, max_model_len=64)
+    seen = []
+    for e in (a, b):
+        run = e.runner.execute
+        e.runner.execute = lambda plan, _run=run: (seen.append(ops.get_num_threads()), _run(plan))[1]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    try:
+        a.generate([[1, 5, 9]], params)
+        b.generate([[1, 5, 9]], params)
+        assert set(seen[:2]) == {2} and set(seen[2:]) == {1}, seen
+        seen.clear()
+        t = threading.Thread(target=a.generate, args=([[1, 5, 9]], params))
+        t.start()
+        t.join()
+        assert seen and set(seen) == {2}, seen
+    finally:
+        a.close()
+        b.close()
