@@ -84,28 +84,7 @@ def gguf_model_dir(path: str, name: str | None = None) -> str:
                 os.rename(tmp, target)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
-    _prune_stale(files[0], key)
     return target
-
-
-def _prune_stale(path: str, key: str) -> None:
-    """Remove the descriptions of earlier versions of the file at `path` (their size or mtime
-    differ, so their keys do): a GGUF replaced in place left one folder per version for ever.
-    A description another process is writing (its lock held) is left alone."""
-    root = os.path.join(env.cache_dir(), "gguf")
-    for other in os.listdir(root):
-        folder = os.path.join(root, other)
-        if other == key or not os.path.isdir(folder):
-            continue
-        try:
-            links = [os.path.join(folder, d, GGUF_LINK) for d in os.listdir(folder) if not d.startswith(".")]
-            if not any(os.path.islink(link) and os.readlink(link) == path for link in links):
-                continue
-            with open(os.path.join(folder, ".lock"), "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                shutil.rmtree(folder, ignore_errors=True)
-        except OSError:  # NOTE: being written, or gone meanwhile: another call's to prune
-            continue
 
 
 # llama.cpp's names for the files of a split model (gguf-split, llama_split_path)

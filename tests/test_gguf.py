@@ -777,18 +777,3 @@ def test_a_split_gguf_on_the_hub_comes_with_its_other_files(hf_models, tmp_path,
                                                                           ignore_eos=True))[0].token_ids
     got = engine(path).generate("Hello", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0].token_ids
     assert got == want
-
-
-def test_a_replaced_gguf_leaves_no_stale_description_behind(hf_models, tmp_path):
-    """The description cache is keyed by the file's size and mtime: a GGUF replaced in place (a
-    re-quantized file moved over the old one) left one folder per version for ever. Describing
-    the new version removes the old one's; another file's stays."""
-    path, other = str(tmp_path / "m.gguf"), str(tmp_path / "other.gguf")
-    write_gguf(hf_models["llama"], path, "F32")
-    write_gguf(hf_models["llama"], other, "F32")
-    first, kept = os.path.dirname(gguf_model_dir(path)), os.path.dirname(gguf_model_dir(other))
-    write_gguf(hf_models["llama"], str(tmp_path / "new.gguf"), "Q8_0")
-    os.replace(str(tmp_path / "new.gguf"), path)
-    second = os.path.dirname(gguf_model_dir(path))
-    assert second != first and os.path.isdir(second) and not os.path.exists(first)
-    assert os.path.isdir(kept) and os.path.isfile(os.path.join(gguf_model_dir(other), "config.json"))
