@@ -203,17 +203,25 @@ _EOS_TEXTS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<|im_end|>", "<|eot_i
 
 
 def _default_eos(meta: dict, path: str) -> None:
-    """A file without tokenizer.ggml.eos_token_id (older converters): the first token whose text
-    is an end of text (_EOS_TEXTS), with a warning; none: hf_config refuses the file."""
-    if "tokenizer.ggml.eos_token_id" in meta:
-        return
+    """A file without tokenizer.ggml.eos_token_id (older converters), or with one outside its
+    vocabulary (llama.cpp takes it as unset): the first token whose text is an end of text
+    (_EOS_TEXTS; control tokens first), with a warning; none: hf_config refuses the file."""
+    key = "tokenizer.ggml.eos_token_id"
     tokens = list(meta.get("tokenizer.ggml.tokens") or ())
-    for text in _EOS_TEXTS:
-        if text in tokens:
-            meta["tokenizer.ggml.eos_token_id"] = tokens.index(text)
-            log.warning("%s names no EOS (tokenizer.ggml.eos_token_id); generation ends at %r (token %d), the "
-                        "end-of-text token of its vocabulary.", path, text, tokens.index(text))
+    if key in meta:
+        if 0 <= int(meta[key]) < len(tokens):
             return
+        log.warning("%s: %s is %d, not one of the file's %d tokens; it is taken as unset.", path, key,
+                    int(meta[key]), len(tokens))
+        del meta[key]
+    types = list(meta.get("tokenizer.ggml.token_type") or ())
+    found = [(types[i] != 3 if len(types) == len(tokens) else False, rank, i)
+             for rank, text in enumerate(_EOS_TEXTS) if text in tokens for i in [tokens.index(text)]]
+    if found:
+        i = min(found)[2]
+        meta[key] = i
+        log.warning("%s names no EOS (%s); generation ends at %r (token %d), the end-of-text token of its "
+                    "vocabulary.", path, key, tokens[i], i)
 
 
 def _gguf_version() -> str:

@@ -183,6 +183,14 @@ class PooledBlocks:
         return sum(m.query_tokens for m in self.managers)
 
     @property
+    def lookups_total(self) -> int:
+        return sum(m.lookups_total for m in self.managers)
+
+    @property
+    def hits_total(self) -> int:
+        return sum(m.hits_total for m in self.managers)
+
+    @property
     def hit_rate(self) -> float:
         q = self.query_tokens
         return self.hit_tokens / q if q else 0.0

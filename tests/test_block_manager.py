@@ -84,6 +84,20 @@ def test_prefix_hit_shares_blocks_and_counts():
     assert (bm.miss_tokens, bm.miss_blocks) == (13, 2)
 
 
+def test_the_totals_metrics_export_never_go_down():
+    """uncount() takes a lookup back when its step never ran (the request is admitted anew), so the
+    hit rate's numbers can fall; /metrics exported them as counters, which Prometheus then reads as
+    a reset. lookups_total and hits_total keep every lookup."""
+    bm = BlockManager(8, BS)
+    run(bm, req("a", range(10)))
+    b = req("b", list(range(8)) + [50, 51, 52])
+    admit(bm, b)
+    totals = (bm.lookups_total, bm.hits_total)
+    assert totals == (21, 8) and (bm.query_tokens, bm.hit_tokens) == totals
+    bm.uncount(b)
+    assert (bm.query_tokens, bm.hit_tokens) == (10, 0) and (bm.lookups_total, bm.hits_total) == totals
+
+
 def test_never_the_whole_prompt():
     bm = BlockManager(8, BS)
     run(bm, req("a", range(8)))

@@ -346,7 +346,23 @@ def test_vllms_pooling_runner_flags_pool_the_last_token(decoder):
     import sys
     p = subprocess.run([sys.executable, "-m", "numa_runtime.serve", "--model", d, "--task", "classify"],
                        capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and "--task classify (vLLM's) is not supported" in p.stderr, p.stderr[-2000:]
+    assert p.returncode == 2 and "--task classify (vLLM's) is not supported here" in p.stderr, p.stderr[-2000:]
+
+
+def test_the_pooling_runner_flag_keeps_what_a_checkpoint_declares(decoder, tmp_path):
+    """--runner pooling is a default, as vLLM's: a sentence-transformers checkpoint that declares
+    mean pooling keeps it (the flag made the server pass "last" outright, over the checkpoint)."""
+    from numa_runtime.serve.__main__ import engine_kwargs, parse_args
+    d, hf = decoder
+    st = sentence_transformers_dir(d, str(tmp_path / "st"), "pooling_mode_mean_tokens")
+    args = parse_args(["--model", st, "--runner", "pooling"])
+    kw = engine_kwargs(args)
+    assert kw["runner"] == "pooling" and args.embedding_pooling is None
+    e = Engine(st, dtype="float32", kv_cache_memory=1 << 22, max_model_len=256, runner=kw["runner"])
+    try:
+        np.testing.assert_allclose(e.embed([INPUTS[0]])[0], hf_embed(hf, INPUTS[0], "mean"), atol=2e-5)
+    finally:
+        e.close()
 
 
 def test_openai_client_embeds_with_a_sentence_transformers_checkpoint(decoder, tmp_path):

@@ -196,7 +196,6 @@ def test_unknown_architecture_is_a_clear_error(hf_models, tmp_path):
     ({"llama.block_count": 1}, r"block_count is 1, but the file holds tensors of layer 1 \(blk\.1\.\*\)"),
     ({"llama.block_count": 3}, r"block_count is 3, but the file holds no tensors of layer 2 \(blk\.2\.\*\)"),
     ({"llama.attention.value_length": 32}, r"value heads of 32 dimensions beside key heads of 64 \(llama\.attention\.value_length\)"),
-    ({"tokenizer.ggml.eos_token_id": 9999}, r"eos_token_id is 9999, not one of the file's 384 tokens"),
     ({"llama.feed_forward_length": 128}, r"blk\.0\.ffn_\w+\.weight has shape .* but the GGUF metadata implies")])
 def test_gguf_metadata_that_disagrees_with_the_file_is_refused_in_its_words(hf_models, tmp_path, meta, match):
     """A block_count under the layers stored ran a shorter model without a word (llama.cpp
@@ -211,11 +210,15 @@ def test_gguf_metadata_that_disagrees_with_the_file_is_refused_in_its_words(hf_m
 
 
 def test_a_gguf_without_an_eos_id_ends_at_its_end_of_text_token(hf_models, tmp_path, caplog):
-    """Older converters wrote no tokenizer.ggml.eos_token_id (llama.cpp then takes a default id):
-    the file was refused. Its end-of-text token by its text now serves, with a warning; a file
-    with no such token is still refused in one sentence."""
+    """Older converters wrote no tokenizer.ggml.eos_token_id (llama.cpp then takes a default id),
+    and an id outside the vocabulary is as good as none (llama.cpp: "bad special token"): the file
+    was refused. Its end-of-text token by its text now serves, with a warning; a file with no such
+    token is still refused in one sentence."""
     import gguf
     path = str(tmp_path / "m.gguf")
+    write_gguf(hf_models["llama"], str(tmp_path / "far.gguf"), "F32", meta={"tokenizer.ggml.eos_token_id": 9999})
+    engine(str(tmp_path / "far.gguf")).close()
+    assert "eos_token_id is 9999, not one of the file's 384 tokens; it is taken as unset" in caplog.text
     write_gguf(hf_models["llama"], path, "F32", meta={"tokenizer.ggml.eos_token_id": None})
     e = engine(path)
     try:

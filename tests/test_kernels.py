@@ -452,9 +452,10 @@ def test_a_cpu_below_x86_64_v3_is_refused_in_one_sentence(monkeypatch):
     assert k._missing_x86_64_v3() == []  # NOTE: this machine runs the kernels
     monkeypatch.setattr(k, "open", lambda *a, **kw: io.StringIO("processor\t: 0\nflags\t\t: fpu sse sse2 avx\n"),
                         raising=False)
-    assert k._missing_x86_64_v3() == ["avx2", "fma", "f16c"]
-    with pytest.raises(ImportError, match=r"^numa_runtime's kernels need an x86-64 CPU with AVX2, FMA and F16C "
-                                          r"\(x86-64-v3: .*\); this CPU lacks avx2, fma, f16c\.$"):
+    assert k._missing_x86_64_v3() == ["avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"]
+    with pytest.raises(ImportError, match=r"^numa_runtime's kernels need an x86-64-v3 CPU \(AVX2, FMA, F16C, "
+                                          r"BMI1/2, LZCNT, MOVBE: .*\); this CPU lacks avx2, fma, f16c, bmi1, "
+                                          r"bmi2, abm, movbe\.$"):
         importlib.reload(k)
     monkeypatch.undo()
     importlib.reload(k)

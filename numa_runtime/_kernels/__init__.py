@@ -13,7 +13,8 @@ def _missing_x86_64_v3() -> list:
             for line in f:
                 if line.startswith("flags"):
                     have = set(line.split(":", 1)[1].split())
-                    return [x for x in ("avx", "avx2", "fma", "f16c") if x not in have]
+                    # NOTE: -march=x86-64-v3 uses BMI1/2, LZCNT ("abm") and MOVBE too (shlx, andn, lzcnt, ...)
+                    return [x for x in ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe") if x not in have]
     except OSError:
         pass
     return []
@@ -21,5 +22,5 @@ def _missing_x86_64_v3() -> list:
 
 _missing = _missing_x86_64_v3()
 if _missing:
-    raise ImportError(f"numa_runtime's kernels need an x86-64 CPU with AVX2, FMA and F16C (x86-64-v3: Intel "
-                      f"Haswell, AMD Zen or newer); this CPU lacks {', '.join(_missing)}.")
+    raise ImportError(f"numa_runtime's kernels need an x86-64-v3 CPU (AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE: "
+                      f"Intel Haswell, AMD Zen or newer); this CPU lacks {', '.join(_missing)}.")

@@ -98,6 +98,7 @@ class BlockManager:
         self._num_released: dict[str, int] = {}  # request_id -> its leading blocks released
         # prefix-cache counters, counted once per admission of a request (not per retry)
         self.query_tokens = self.hit_tokens = 0
+        self.lookups_total = self.hits_total = 0  # the same, never taken back (Prometheus counters)
         self.query_blocks = self.hit_blocks = 0
         self.num_evictions = 0
         self.tier_hit_blocks = 0  # blocks of hits that came back from the tier
@@ -310,6 +311,9 @@ class BlockManager:
     def _count_lookup(self, req: Request, num_cached: int, num_hit_blocks: int, sign: int) -> None:
         self.query_tokens += sign * req.num_tokens
         self.hit_tokens += sign * num_cached
+        if sign > 0:  # NOTE: /metrics' counters only grow (uncount takes back the rates' lookups, not these)
+            self.lookups_total += req.num_tokens
+            self.hits_total += num_cached
         self.query_blocks += sign * ((req.num_tokens - 1) // self.block_size if self.enable_prefix_caching else 0)
         self.hit_blocks += sign * num_hit_blocks
 

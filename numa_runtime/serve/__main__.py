@@ -185,8 +185,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for flag, ok in (("--runner", "auto, generate or pooling"), ("--convert", "auto, none or embed"),
                      ("--task", "auto, generate or embed")):
         vl.add_argument(flag, default=None, metavar=ok.replace(", ", "|").replace(" or ", "|"),
-                        help=f"{ok}: pooling/embed make /v1/embeddings pool the last token by default, as vLLM's "
-                             "pooling runner does (generation stays served); --embedding-pooling chooses outright")
+                        help=f"{ok}: pooling/embed make /v1/embeddings pool the last token where the checkpoint "
+                             "declares no pooling, as vLLM's pooling runner does (generation stays served); "
+                             "--embedding-pooling chooses outright")
     # NOTE: as vLLM's CORS flags and defaults (any origin, method and header; no credentials), so a
     # browser page can call the server; Access-Control-* headers on every answer, preflights answered
     # before the API key is asked for
@@ -264,6 +265,9 @@ def engine_kwargs(args) -> dict:
         kwargs["data_parallel"] = args.data_parallel
     if args.enforce_eager:
         kwargs["cuda_graphs"] = False
+    if {args.runner, args.convert, args.task} & {"pooling", "embed", "embedding"}:
+        # NOTE: as Engine(runner="pooling"): the last token by default, after what a checkpoint declares
+        kwargs["runner"] = "pooling"
     return kwargs
 
 
@@ -408,11 +412,12 @@ def check_args(args) -> str | None:
             return f"{flag} (vLLM's) {why}."
     if args.pipeline_parallel_size != 1:
         return "--pipeline-parallel-size must be 1: ranks split each layer (tensor parallel), not the layers."
-    for flag in ("runner", "convert", "task"):
+    for flag, ok in (("runner", ("auto", "generate", "pooling")), ("convert", ("auto", "none", "embed")),
+                     ("task", ("auto", "generate", "embed", "embedding"))):
         value = getattr(args, flag)
-        if value not in (None, "auto", "generate", "none", "pooling", "embed", "embedding"):
-            return (f"--{flag} {value} (vLLM's) is not supported: this server generates text and embeds "
-                    "(/v1/embeddings); classify, score and reward models are not.")
+        if value is not None and value not in ok:
+            return (f"--{flag} {value} (vLLM's) is not supported here: it takes {', '.join(ok)} (this server "
+                    "generates text and embeds; classify, score, reward and draft models are not run).")
     if not args.enable_chunked_prefill:
         return ("--no-enable-chunked-prefill is not supported: long prompts are always prefilled in chunks of "
                 "--max-num-batched-tokens.")
@@ -531,8 +536,7 @@ def serve_config(args, name: str, given: str | None = None):
                        api_key=tuple(args.api_key) if args.api_key else None,
                        max_queue=args.max_queue,
                        max_tokens_cap=args.max_tokens_cap, stall_timeout_s=args.stall_timeout,
-                       embedding_pooling=args.embedding_pooling or ("last" if {args.runner, args.convert, args.task}
-                                                                     & {"pooling", "embed", "embedding"} else None),
+                       embedding_pooling=args.embedding_pooling,
                        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                        reasoning_parser=args.reasoning_parser,
                        cors=Cors(tuple(args.allowed_origins), tuple(args.allowed_methods),

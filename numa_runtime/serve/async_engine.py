@@ -326,8 +326,8 @@ class AsyncEngine:
             kv_cache_usage=float(getattr(bm, "usage", 0.0) or 0.0),
             prefix_cache_hit_rate=float(getattr(bm, "hit_rate", 0.0) or 0.0),
             num_threads=self._num_threads, num_preemptions=int(getattr(sched, "num_preemptions", 0) or 0),
-            prefix_cache_queries=int(getattr(bm, "query_tokens", 0) or 0),
-            prefix_cache_hits=int(getattr(bm, "hit_tokens", 0) or 0),
+            prefix_cache_queries=int(getattr(bm, "lookups_total", 0) or 0),
+            prefix_cache_hits=int(getattr(bm, "hits_total", 0) or 0),
             per_model=tuple(self.engine.model_stats()) if hasattr(self.engine, "model_stats") else ())
 
 
