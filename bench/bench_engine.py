@@ -217,22 +217,11 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _prefetch_setter(a):
-    """The knob prefetch_ab alternates: the kernels' prefetch distance (--prefetch) or the bytes
-    the decode region's barrier waits prefetch (--wait-prefetch). Returns set(d) -> old values."""
+def _prefetch_knobs(a) -> list:
+    """The setters prefetch_ab turns together (each returns its old value): the kernels' prefetch
+    distance (--prefetch) or the bytes the decode region's barrier waits prefetch (--wait-prefetch)."""
     from numa_runtime._kernels import gemm, qgemm
-    if a.wait_prefetch:
-        return lambda d: (qgemm._set_wait_prefetch(d),)
-    return lambda d: (qgemm._set_prefetch(d), gemm._set_prefetch(d))
-
-
-def _prefetch_restore(a, old) -> None:
-    from numa_runtime._kernels import gemm, qgemm
-    if a.wait_prefetch:
-        qgemm._set_wait_prefetch(old[0])
-    else:
-        qgemm._set_prefetch(old[0])
-        gemm._set_prefetch(old[1])
+    return [qgemm._set_wait_prefetch] if a.wait_prefetch else [qgemm._set_prefetch, gemm._set_prefetch]
 
 
 def prefetch_ab(eng, a) -> dict:
@@ -242,13 +231,14 @@ def prefetch_ab(eng, a) -> dict:
     from numa_runtime import SamplingParams
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     res = {b: {d: [] for d in a.prefetch} for b in a.prefetch_batch}
-    set_ = _prefetch_setter(a)
-    old = set_(a.prefetch[0])
+    knobs = _prefetch_knobs(a)
+    old = [knob(a.prefetch[0]) for knob in knobs]
     try:
         for _ in range(a.overhead_rounds):
             for b in a.prefetch_batch:
                 for d in a.prefetch:
-                    set_(d)
+                    for knob in knobs:
+                        knob(d)
                     for i in range(b):
                         eng.add_request(list(range(10 + i, 42 + i)), params)
                     eng.step()  # the prefill
@@ -259,7 +249,8 @@ def prefetch_ab(eng, a) -> dict:
                         steps.append(time.perf_counter() - t)
                     res[b][d].append(1e3 * statistics.median(steps))
     finally:
-        _prefetch_restore(a, old)
+        for knob, value in zip(knobs, old):
+            knob(value)
     return {str(b): {str(d): {"rounds_ms": v, "median_ms": statistics.median(v)} for d, v in r.items()}
             for b, r in res.items()}
 

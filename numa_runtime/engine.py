@@ -57,6 +57,18 @@ RESERVE_MIN_CPUS = 8
 BURST_SECONDS = 0.025
 
 
+def _live_served():
+    """Rank 0: the Engine whose steps the worker ranks run, if it is still open; else None."""
+    other = _served() if _served is not None else None
+    return other if other is not None and not other._closed else None
+
+
+def _served_elsewhere(call: str, other) -> str:
+    """The sentence that refuses `call` while the worker ranks run `other`'s steps."""
+    return (f"{call}(): the worker ranks run the steps of another Engine ({other.model_config.model_dir}) until it "
+            "is closed; call its close() first, even after `del` (under mpirun one Engine runs at a time).")
+
+
 class Engine:
     """A model loaded on every rank, scheduled and sampled on rank 0."""
 
@@ -92,14 +104,12 @@ class Engine:
         world = env.mpi_world()
         if _workers_exited and world is not None and world[1] > 1:
             raise RuntimeError(_WORKERS_EXITED)
-        other = _served() if _served is not None else None
-        if other is not None and not other._closed and world is not None and world[0] == 0 and world[1] > 1:
+        other = _live_served()
+        if other is not None and world is not None and world[0] == 0 and world[1] > 1:
             # NOTE: the worker ranks run that engine's loop: this one's start-up collectives waited for
             # them for ever, unseen, and one Ctrl-C did not end it (a dropped engine stays open too:
             # atexit closes it at the end of the script)
-            raise RuntimeError(f"Engine(): the worker ranks run the steps of another Engine "
-                               f"({other.model_config.model_dir}) until it is closed; call its close() first, "
-                               "even after `del` (under mpirun one Engine runs at a time).")
+            raise RuntimeError(_served_elsewhere("Engine", other))
         self.comm = distributed.init_distributed()
         ops = backend.get_backend(self.config.backend)
         placement = self._bind_and_set_threads(ops)
@@ -1391,9 +1401,7 @@ class Engine:
                     raise RuntimeError(f"{call}(): {_WORKERS_EXITED}")
                 other = self._other_served()
                 if other is not None:
-                    raise RuntimeError(f"{call}(): the worker ranks run the steps of another Engine "
-                                       f"({other.model_config.model_dir}) until it is closed; close it first "
-                                       "(under mpirun one Engine runs at a time).")
+                    raise RuntimeError(_served_elsewhere(call, other))
                 _served = weakref.ref(self)
             return
         log.info("rank %d is a worker rank: at its first driving call (%s) it serves rank 0's steps until "
@@ -1451,8 +1459,8 @@ class Engine:
 
     def _other_served(self):
         """Rank 0: the live Engine other than this one whose steps the worker ranks run, or None."""
-        other = _served() if _served is not None else None
-        return other if other is not None and other is not self and not other._closed else None
+        other = _live_served()
+        return other if other is not self else None
 
     def _shutdown(self, flush: bool) -> None:
         """Rank 0: end the workers' loop of this engine (and learn whether they exit)."""

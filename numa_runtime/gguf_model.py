@@ -172,7 +172,7 @@ def _describe(files: list[str], out_dir: str) -> None:
                                         "convert the model again without --bigendian.")
     meta = {name: field.contents() for name, field in readers[0].fields.items()}
     _check_split(files, readers, meta)
-    _default_eos(meta, path)
+    _special_ids(meta, path)
     tensors = [(i, t) for i, r in enumerate(readers) for t in r.tensors]
     rope = {t.name: gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32).ravel()
             for _, t in tensors if t.name in (ROPE_FREQS, *LONGROPE_FACTORS)}
@@ -202,18 +202,20 @@ def _describe(files: list[str], out_dir: str) -> None:
 _EOS_TEXTS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<|im_end|>", "<|eot_id|>", "<eos>")
 
 
-def _default_eos(meta: dict, path: str) -> None:
-    """A file without tokenizer.ggml.eos_token_id (older converters), or with one outside its
-    vocabulary (llama.cpp takes it as unset): the first token whose text is an end of text
-    (_EOS_TEXTS; control tokens first), with a warning; none: hf_config refuses the file."""
+def _special_ids(meta: dict, path: str) -> None:
+    """The file's EOS and BOS ids as llama.cpp takes them, in `meta` itself: one outside the
+    vocabulary is unset, with a warning (a BOS then is the EOS, as one the file does not name).
+    A file without an EOS (older converters) ends at the first token whose text is an end of
+    text (_EOS_TEXTS; control tokens first), with a warning; none: hf_config refuses the file."""
     key = "tokenizer.ggml.eos_token_id"
     tokens = list(meta.get("tokenizer.ggml.tokens") or ())
+    for name, unset in ((key, "taken as unset"), ("tokenizer.ggml.bos_token_id", "ignored")):
+        if name in meta and not 0 <= int(meta[name]) < len(tokens):
+            log.warning("%s: %s is %d, not one of the file's %d tokens; it is %s.", path, name, int(meta[name]),
+                        len(tokens), unset)
+            del meta[name]
     if key in meta:
-        if 0 <= int(meta[key]) < len(tokens):
-            return
-        log.warning("%s: %s is %d, not one of the file's %d tokens; it is taken as unset.", path, key,
-                    int(meta[key]), len(tokens))
-        del meta[key]
+        return
     types = list(meta.get("tokenizer.ggml.token_type") or ())
     found = [(types[i] != 3 if len(types) == len(tokens) else False, rank, i)
              for rank, text in enumerate(_EOS_TEXTS) if text in tokens for i in [tokens.index(text)]]
@@ -315,15 +317,8 @@ def hf_config(meta: dict, tensor_names: set, path: str = "", rope_freqs=None, lo
         n_layers = int(meta[a + "block_count"])
         _check_blocks(tensor_names, n_layers, a, path)
         tokens = meta["tokenizer.ggml.tokens"]
-        eos = int(meta["tokenizer.ggml.eos_token_id"])
-        if not 0 <= eos < len(tokens):
-            raise UnsupportedModelError(f"{path}: tokenizer.ggml.eos_token_id is {eos}, not one of the file's "
-                                        f"{len(tokens)} tokens.")
+        eos = int(meta["tokenizer.ggml.eos_token_id"])  # NOTE: in the vocabulary: _special_ids
         bos = int(meta.get("tokenizer.ggml.bos_token_id", eos))
-        if not 0 <= bos < len(tokens):  # NOTE: as llama.cpp: a bad special token is taken as unset
-            log.warning("%s: tokenizer.ggml.bos_token_id is %d, not one of the file's %d tokens; it is ignored.",
-                        path, bos, len(tokens))
-            bos = eos
         return {
             "architectures": [ARCHS[arch] if not moe or arch.startswith("qwen") else "MixtralForCausalLM"],
             "model_type": arch, "hidden_size": hidden, **moe,

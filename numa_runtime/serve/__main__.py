@@ -40,6 +40,10 @@ def _size(text: str) -> int:
 
 
 _REFUSED_VLLM: dict[str, str] = {}  # vLLM flag -> why it cannot mean the same here (check_args)
+# vLLM's runner flags: the values taken (parse_args' help, check_args), and those that pool (engine_kwargs)
+_RUNNER_FLAGS = {"runner": ("auto", "generate", "pooling"), "convert": ("auto", "none", "embed"),
+                 "task": ("auto", "generate", "embed", "embedding")}
+_POOLING = {"pooling", "embed", "embedding"}
 
 
 def _json_list(flag: str):
@@ -182,12 +186,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "default: HF_TOKEN or the saved login")
     vl.add_argument("--load-format", default="auto", help="auto, safetensors or gguf (as the model's files say)")
     # NOTE: as Engine(runner=...): `vllm serve M --runner pooling` users dropped the flag and got mean pooling
-    for flag, ok in (("--runner", "auto, generate or pooling"), ("--convert", "auto, none or embed"),
-                     ("--task", "auto, generate or embed")):
-        vl.add_argument(flag, default=None, metavar=ok.replace(", ", "|").replace(" or ", "|"),
-                        help=f"{ok}: pooling/embed make /v1/embeddings pool the last token where the checkpoint "
-                             "declares no pooling, as vLLM's pooling runner does (generation stays served); "
-                             "--embedding-pooling chooses outright")
+    for flag, ok in _RUNNER_FLAGS.items():
+        vl.add_argument("--" + flag, default=None, metavar="|".join(ok),
+                        help=f"{', '.join(ok)}: pooling/embed make /v1/embeddings pool the last token where the "
+                             "checkpoint declares no pooling, as vLLM's pooling runner does (generation stays "
+                             "served); --embedding-pooling chooses outright")
     # NOTE: as vLLM's CORS flags and defaults (any origin, method and header; no credentials), so a
     # browser page can call the server; Access-Control-* headers on every answer, preflights answered
     # before the API key is asked for
@@ -265,7 +268,7 @@ def engine_kwargs(args) -> dict:
         kwargs["data_parallel"] = args.data_parallel
     if args.enforce_eager:
         kwargs["cuda_graphs"] = False
-    if {args.runner, args.convert, args.task} & {"pooling", "embed", "embedding"}:
+    if {getattr(args, flag) for flag in _RUNNER_FLAGS} & _POOLING:
         # NOTE: as Engine(runner="pooling"): the last token by default, after what a checkpoint declares
         kwargs["runner"] = "pooling"
     return kwargs
@@ -412,8 +415,7 @@ def check_args(args) -> str | None:
             return f"{flag} (vLLM's) {why}."
     if args.pipeline_parallel_size != 1:
         return "--pipeline-parallel-size must be 1: ranks split each layer (tensor parallel), not the layers."
-    for flag, ok in (("runner", ("auto", "generate", "pooling")), ("convert", ("auto", "none", "embed")),
-                     ("task", ("auto", "generate", "embed", "embedding"))):
+    for flag, ok in _RUNNER_FLAGS.items():
         value = getattr(args, flag)
         if value is not None and value not in ok:
             return (f"--{flag} {value} (vLLM's) is not supported here: it takes {', '.join(ok)} (this server "
