@@ -1357,6 +1357,9 @@ class Engine:
             # parallel: rank 0 may wait longer than that for another replica's queued plans before it comes)
             self.comm.gather_object(_exiting, timed=self._link is None)
             self.close_comms()  # NOTE: collective, as rank 0's _shutdown: the shared-memory window goes
+            disk = getattr(self.runner, "disk", None)
+            if disk is not None:  # NOTE: its folder lock: a later Engine of this script may open it
+                disk.close()
         atexit.unregister(self._close_at_exit)  # NOTE: it kept every closed engine's weights alive
 
     def _execute(self, run, *args):

@@ -136,7 +136,10 @@ class ModelRunner:
             self.comm.broadcast_plan(StepPlan.shutdown())
 
     def release(self) -> None:
-        """After the workers stopped (Engine.close): nothing to give back (the CUDA runner's GPU memory)."""
+        """After the workers stopped (Engine.close): the disk tier's folder lock (the CUDA runner:
+        its GPU memory)."""
+        if self.disk is not None:
+            self.disk.close()
 
     def worker_loop(self) -> None:
         """Execute plans from rank 0 until a shutdown plan arrives."""

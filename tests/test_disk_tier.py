@@ -266,7 +266,7 @@ def test_store_round_trip_and_corruption_is_dropped(tmp_path):
     open(st.path(5) + ".tmp", "wb").close()  # a write that never finished
     assert st.read(1) is None and not os.path.exists(st.path(1)) and st.num_bad == 1
     assert sorted(st.scan()) == [1 << 100]
-    assert os.listdir(st.dir) == [os.path.basename(st.path(1 << 100))]
+    assert sorted(os.listdir(st.dir)) == [".lock.r0", os.path.basename(st.path(1 << 100))]
 
 
 def test_a_read_only_directory_is_refused_or_outlived(tmp_path, monkeypatch):
@@ -394,9 +394,14 @@ def test_a_full_disk_leaves_no_entry_behind(model_dir, tmp_path, monkeypatch):
         bm = eng.block_manager
         assert bm.num_evictions > 0 and bm.tier.num_saved > 0  # NOTE: it tried
         assert len(bm.tier) == 0 and bm.tier_hit_blocks == 0 and eng.scheduler.num_preemptions == 0
-        assert not os.listdir(eng.runner.disk.dir)
+        assert _blocks(eng.runner.disk.dir) == []
     finally:
         eng.close()
+
+
+def _blocks(folder):
+    """The block files of a store's folder (not its ranks' lock files)."""
+    return sorted(n for n in os.listdir(folder) if not n.startswith(".lock."))
 
 
 def test_corrupt_and_truncated_files_are_dropped(model_dir, tmp_path):
@@ -404,14 +409,14 @@ def test_corrupt_and_truncated_files_are_dropped(model_dir, tmp_path):
     expected = tokens(first)
     first.close()
     store_dir = first.runner.disk.dir
-    files = sorted(os.listdir(store_dir))
+    files = _blocks(store_dir)
     _flip_byte(os.path.join(store_dir, files[0]))
     with open(os.path.join(store_dir, files[1]), "r+b") as f:
         f.truncate(100)
     second = engine(model_dir, str(tmp_path))
     assert len(second.block_manager.tier) == len(files) - 2 and second.runner.disk.num_bad == 2
     # and one that goes bad while the server runs: found at load time, the step is redone
-    third_victim = os.path.join(store_dir, sorted(os.listdir(store_dir))[0])
+    third_victim = os.path.join(store_dir, _blocks(store_dir)[0])
     _flip_byte(third_victim)
     assert tokens(second) == expected
     assert second.runner.disk.num_bad == 3 and second.block_manager.tier.num_dropped == 1
@@ -440,6 +445,31 @@ def test_bad_disk_tier_settings_are_clear():
             Engine("unused", **kw)
     with pytest.raises(ValueError, match="needs enable_prefix_caching=True"):  # it was accepted and unused
         Engine("unused", kv_cache_dir="/tmp/x", enable_prefix_caching=False)
+
+
+def test_one_engine_at_a_time_owns_a_folder(model_dir, tmp_path):
+    """Two engines of one model on one folder each kept their own index and cap (the folder held
+    twice its cap) and deleted each other's temporary files in flight: the second is refused in
+    one sentence while the first is open, and takes the folder once it is closed; another model's
+    engine (its own subfolder) and another rank's store are not in the way."""
+    first = engine(model_dir, str(tmp_path))
+    with pytest.raises(ValueError, match=r"^The KV cache directory .* is in use by another engine or server of "
+                       r"this model \(rank 0's files\); give each its own --kv-cache-dir\.$"):
+        engine(model_dir, str(tmp_path))
+    st = first.runner.disk
+    DiskStore(str(tmp_path), os.path.basename(st.dir), rank=1, block_bytes=64).close()
+    other = Engine(model_dir, dtype="bfloat16", kv_cache_memory=1 << 22, max_model_len=64,
+                   kv_cache_dir=str(tmp_path))  # NOTE: another dtype: another fingerprint
+    assert other.runner.disk.dir != st.dir
+    other.close()
+    expected = tokens(first)
+    first.close()
+    second = engine(model_dir, str(tmp_path))
+    assert tokens(second) == expected
+    second.close()
+    st2 = DiskStore(str(tmp_path), "fp", rank=0, block_bytes=64)
+    del st2  # NOTE: a dropped store gives its lock back (a model router's worker drops its engine)
+    DiskStore(str(tmp_path), "fp", rank=0, block_bytes=64).close()
 
 
 def test_a_disk_cap_below_one_block_file_is_refused(model_dir, tmp_path):

@@ -26,6 +26,7 @@ models do not, so `load_policy="always"` skips the rule.
 from __future__ import annotations
 
 import errno
+import fcntl
 import glob
 import hashlib
 import json
@@ -165,7 +166,34 @@ class DiskStore:
             if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
                 raise ValueError(f"Cannot write to the KV cache directory {self.dir!r} ({e}); "
                                  "pass a writable --kv-cache-dir.") from None
+        self._lock = self._take_lock(root)
         self.num_bad = 0
+
+    def _take_lock(self, root: str) -> int | None:
+        """This rank's files belong to one engine at a time: an flock on `.lock.r<rank>`, held
+        until close() (or the process ends). NOTE: two engines on one folder each kept their own
+        index and cap (the folder held twice its cap) and deleted each other's files in flight."""
+        path = os.path.join(self.dir, f".lock.r{self.rank}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # NOTE: a full disk: the probe above let it through
+            log.warning("KV disk tier: cannot open %s (%s); the folder is not locked", path, e)
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise ValueError(f"The KV cache directory {root!r} is in use by another engine or server of "
+                             f"this model (rank {self.rank}'s files); give each its own --kv-cache-dir.") from None
+        return fd
+
+    def close(self) -> None:
+        """Give up this rank's files (the lock); the store is not used after. Idempotent."""
+        fd, self._lock = getattr(self, "_lock", None), None
+        if fd is not None:
+            os.close(fd)
+
+    __del__ = close  # NOTE: a worker of the model router drops its engine without closing it
 
     @property
     def file_bytes(self) -> int:
