@@ -1100,7 +1100,12 @@ class Engine:
             raise ValueError("Give at least one input to embed.")
         all_ids = []
         for i, item in enumerate(items):
-            _, ids = self._tokenize(item, keep, add_special_tokens)
+            try:
+                _, ids = self._tokenize(item, keep, add_special_tokens)
+            except (ValueError, TypeError) as e:  # NOTE: name the input, as the length check does
+                if len(items) == 1:
+                    raise
+                raise type(e)(f"Input {i}: {str(e)[:1].lower()}{str(e)[1:]}") from None
             check_input_length(i, len(ids), self.max_model_len)
             all_ids.append(ids)
         # NOTE: the inputs run one after another in scratch blocks: check room for the longest

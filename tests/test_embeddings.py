@@ -245,6 +245,8 @@ def test_embed_takes_vllms_pooling_parameters_and_prompts(decoder, tmp_path):
             both.outputs
         for bad, err, match in ((None, TypeError, "inputs must be a string"), (5, TypeError, "got int"),
                                 ([], ValueError, "at least one input"),
+                                (["Hello", []], ValueError, r"^Input 1: the prompt is empty\.$"),
+                                ([ids, [10 ** 6]], ValueError, r"^Input 1: token id 1000000 is outside the vocabulary"),
                                 ("a\ud800b", ValueError, "lone surrogate"),
                                 ({"text": "x"}, TypeError, "'text' is not supported")):
             with pytest.raises(err, match=match):
