@@ -799,9 +799,7 @@ class Engine:
         first = group.children[0]
         ro = RequestOutput(group.request_id, group.prompt, group.prompt_ids, outs, finished,
                            num_cached_tokens=first.num_cached_tokens, prompt_logprobs=group.prompt_logprobs,
-                           metrics=RequestMetrics(arrival_time=first.arrival_time,
-                                                  first_scheduled_time=first.first_scheduled_time,
-                                                  first_token_time=first.first_token_time))
+                           metrics=request_metrics(group.children))
         if finished:
             self._groups.pop(group.request_id, None)
             for req in group.children:
@@ -1733,6 +1731,20 @@ def _check_template_kwargs(kwargs: dict) -> None:
 
 # NOTE: LLM.chat arguments of vLLM with no meaning here (else they would reach the template unread)
 _VLLM_CHAT_UNSUPPORTED = {"prompt_adapter_request", "priority"}
+
+
+def request_metrics(children: list[Request]) -> RequestMetrics:
+    """RequestOutput.metrics of a request's sequences (n > 1: its first child's start, its latest
+    token, and its end once every child has ended), as vLLM V0's RequestMetrics."""
+    first = children[0]
+    last = [r.last_token_time for r in children if r.last_token_time is not None]
+    ends = [r.finished_time for r in children]
+    return RequestMetrics(
+        arrival_time=first.arrival_time, last_token_time=max(last) if last else None,
+        first_scheduled_time=first.first_scheduled_time, first_token_time=first.first_token_time,
+        time_in_queue=(None if first.first_scheduled_time is None
+                       else first.first_scheduled_time - first.arrival_time),
+        finished_time=None if None in ends else max(ends))
 
 
 def first_bad_id(ids: list[int], vocab_size: int) -> int | None:

@@ -129,7 +129,9 @@ class CompletionOutput:
 
 class RequestMetrics(dict):
     """RequestOutput.metrics: the request's times on time.monotonic's clock (arrival_time,
-    first_scheduled_time, first_token_time), read as vLLM's RequestMetrics attributes or as a dict."""
+    last_token_time, first_scheduled_time, first_token_time, finished_time, each None until it
+    happens) and time_in_queue (seconds from arrival to first scheduled), read as vLLM's
+    RequestMetrics attributes or as a dict."""
 
     def __getattr__(self, name: str):
         try:

@@ -45,6 +45,8 @@ class Request:
         self.prefix_counted = False  # its prefix-cache lookup is in the block manager's counters
         self.first_scheduled_time: float | None = None  # when its first chunk was scheduled (time.monotonic)
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None  # when its latest output token came
+        self.finished_time: float | None = None  # when it stopped (finished, aborted or failed)
         self.stop_reason: str | int | None = None
         self.logprobs: list = []  # per output token: (logprob, {token_id: logprob})
         self.bad_words_ids: list[list[int]] = []  # SamplingParams.bad_words as token sequences
@@ -75,8 +77,10 @@ class Request:
         return FINISH_REASON.get(self.status)
 
     def append_output_token(self, token_id: int) -> None:
+        now = time.monotonic()
         if self.first_token_time is None:
-            self.first_token_time = time.monotonic()
+            self.first_token_time = now
+        self.last_token_time = now
         self.output_token_ids.append(int(token_id))
 
     def __repr__(self) -> str:

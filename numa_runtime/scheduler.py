@@ -134,6 +134,7 @@ class Scheduler:
         assert status.is_finished, status
         if self.requests.pop(req.request_id, None) is None:
             return
+        req.finished_time = time.monotonic()
         if req in self.running:
             self.running.remove(req)
         else:

@@ -1106,7 +1106,19 @@ def test_engine_api_edges_as_vllm(model_dir):
         done = eng.generate("Hi", sp, lora_request=None, priority=None)[0]
         # vLLM's CompletionOutput.finished() and RequestMetrics attributes (the dict reads as before)
         assert done.outputs[0].finished() and done.metrics.first_token_time == done.metrics["first_token_time"]
-        assert done.metrics.arrival_time <= done.metrics.first_scheduled_time <= done.metrics.first_token_time
+        m = done.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+        assert m.time_in_queue == m.first_scheduled_time - m.arrival_time and m.time_in_queue >= 0
+        # n > 1: the latest token of any sequence, and the end once the last one ended
+        rid = eng.add_request("Hi", SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=3, min_tokens=3))
+        outs = []
+        while eng.has_unfinished_requests():
+            outs += [o for o in eng.step() if o.request_id == rid]
+        assert outs[-1].finished and not outs[0].finished and outs[0].metrics.finished_time is None
+        m2 = outs[-1].metrics
+        assert m2.first_token_time <= m2.last_token_time <= m2.finished_time
+        assert sorted(m2) == ["arrival_time", "finished_time", "first_scheduled_time", "first_token_time",
+                              "last_token_time", "time_in_queue"]
     finally:
         del eng
     gc.collect()
