@@ -97,6 +97,11 @@ def json_schema_of(value) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
+# SamplingParams.from_optional: None stands for these fields' defaults (as vLLM's)
+_OPTIONAL_DEFAULTS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                      "frequency_penalty")
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling settings, validated once at construction.
@@ -199,6 +204,26 @@ class SamplingParams:
             if getattr(self, name) is not None:
                 setattr(self, name, int(getattr(self, name)))
         self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()}
+
+    @classmethod
+    def from_optional(cls, **kwargs) -> "SamplingParams":
+        """vLLM's SamplingParams.from_optional: the constructor's keywords, where None means the
+        default for n, temperature, top_p, top_k, min_p and the penalties (a request's unset
+        fields), and logit_bias's values are clipped to [-100, 100] (its keys read as ints)."""
+        known = {f.name for f in fields(cls)}
+        bad = sorted(set(kwargs) - known)
+        if bad:
+            raise TypeError(f"SamplingParams.from_optional() got an unexpected keyword {bad[0]!r}.")
+        for name in _OPTIONAL_DEFAULTS:
+            if name in kwargs and kwargs[name] is None:
+                del kwargs[name]
+        bias = kwargs.get("logit_bias")
+        if isinstance(bias, Mapping):
+            kwargs["logit_bias"] = {  # NOTE: what is no id or no number is left to the constructor's check
+                (int(t) if isinstance(t, str) and t.strip().lstrip("-").isdigit() else t):
+                (min(100.0, max(-100.0, float(v))) if isinstance(v, numbers.Real) and not isinstance(v, bool) else v)
+                for t, v in bias.items()}
+        return cls(**kwargs)
 
     def _structured(self):
         """Check the output constraint now (one sentence for a bad one); `constraint` reads it

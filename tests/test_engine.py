@@ -137,6 +137,25 @@ def test_numpy_numbers_are_numbers():
     assert sp.logit_bias == {3: 2.5} and all(type(k) is int and type(v) is float for k, v in sp.logit_bias.items())
 
 
+def test_from_optional_as_vllm():
+    """vLLM's SamplingParams.from_optional (the OpenAI server's request.to_sampling_params path):
+    None is the default for n, temperature, top_p, top_k, min_p and the penalties; logit_bias keys
+    read as ints and its values clipped to [-100, 100]; other None values mean what they mean."""
+    sp = SamplingParams.from_optional(n=None, temperature=None, top_p=None, top_k=None, min_p=None,
+                                      presence_penalty=None, frequency_penalty=None, repetition_penalty=None,
+                                      max_tokens=None, seed=None, logit_bias={"5": 150, 7: -300.5, "9": 2})
+    assert sp == SamplingParams(max_tokens=None, logit_bias={5: 100.0, 7: -100.0, 9: 2.0})
+    assert sp.max_tokens is None and sp.temperature == 1.0 and sp.n == 1
+    assert SamplingParams.from_optional(temperature=0.5, max_tokens=4) == SamplingParams(temperature=0.5, max_tokens=4)
+    assert SamplingParams.from_optional() == SamplingParams()
+    with pytest.raises(TypeError, match=r"^SamplingParams.from_optional\(\) got an unexpected keyword 'temprature'\.$"):
+        SamplingParams.from_optional(temprature=0.5)
+    with pytest.raises(ValueError, match=r"^logit_bias keys must be non-negative integer token ids, got 'x'"):
+        SamplingParams.from_optional(logit_bias={"x": 1.0})
+    with pytest.raises(ValueError, match=r"^top_p must be"):
+        SamplingParams.from_optional(top_p=0)
+
+
 def test_prompt_forms_and_stream_of_one_completion(eng):
     """Token ids as a list, a tuple or a numpy array are the same prompt; stream() of n > 1
     completions is refused, not cut to the first."""
