@@ -52,6 +52,12 @@ class UnsupportedModelError(ValueError):
     """The model directory holds something this runtime cannot run."""
 
 
+# vLLM's --runner / --convert / --task (Engine(runner=, convert=, task=)): the values taken, per flag;
+# POOLING_VALUES make embeddings pool the last token where the checkpoint declares no pooling
+RUNNER_VALUES = {"runner": ("auto", "generate", "pooling"), "convert": ("auto", "none", "embed"),
+                 "task": ("auto", "generate", "embed", "embedding")}
+POOLING_VALUES = frozenset({"pooling", "embed", "embedding"})
+
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0

@@ -30,7 +30,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from .config import EngineConfig, ModelConfig, UnsupportedModelError, generation_defaults
+from .config import POOLING_VALUES, RUNNER_VALUES, EngineConfig, ModelConfig, UnsupportedModelError, generation_defaults
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput, TextState
 from .recorder import FORWARD, RESHAPE
 from .request import Request, RequestStatus
@@ -1584,13 +1584,13 @@ def _take_vllm_kwargs(model, kwargs: dict):
         if kwargs.get("kv_cache_memory") is not None:
             raise ValueError("kv_cache_memory_bytes (vLLM's) and kv_cache_memory are one setting; give one of them.")
         kwargs["kv_cache_memory"] = kwargs.pop("kv_cache_memory_bytes")
-    for name in ("runner", "task", "convert"):  # NOTE: vLLM's "pooling"/"embed": embeddings pool the last token
+    for name, ok in RUNNER_VALUES.items():  # NOTE: vLLM's "pooling"/"embed": embeddings pool the last token
         value = kwargs.pop(name, None)
-        if value in ("pooling", "embed", "embedding"):
+        if value is not None and value not in ok:
+            raise ValueError(f"{name}={value!r} (vLLM's) is not supported here: it takes {', '.join(map(repr, ok))} "
+                             "(this engine generates text and embeds; classify, score and reward models are not run).")
+        if value in POOLING_VALUES:
             kwargs["_pooling"] = "last"
-        elif value not in (None, "auto", "generate", "none"):
-            raise ValueError(f"{name}={value!r} (vLLM's) is not supported: this engine generates text and embeds "
-                             "(Engine.embed); classify, score and reward models are not.")
     token = kwargs.pop("hf_token", None)
     if token is not None and not isinstance(token, (str, bool)):
         raise TypeError(f"hf_token must be a Hugging Face token (a string) or a bool, got {type(token).__name__}.")

@@ -1542,6 +1542,10 @@ def test_vllm_scripts_run_unchanged(model_dir):
         e.close()
     for kw, err, match in (({"max_logprobs": 50}, ValueError, "max_logprobs .* at most 20"),
                            ({"runner": "classify"}, ValueError, "runner='classify' .* is not supported"),
+                           # NOTE: each flag its own values, as serve's (runner="embed" was taken)
+                           ({"runner": "embed"}, ValueError, r"^runner='embed' \(vLLM's\) is not supported here: it "
+                            r"takes 'auto', 'generate', 'pooling' \("),
+                           ({"convert": "pooling"}, ValueError, "convert='pooling' .* takes 'auto', 'none', 'embed'"),
                            ({"enable_lora": True}, ValueError, "enable_lora .* may only be False"),
                            ({"no_such_setting": 1}, TypeError, "'no_such_setting' is not an Engine setting")):
         with pytest.raises(err, match=match):

@@ -17,6 +17,7 @@ import sys
 import threading
 
 from numa_runtime import env
+from numa_runtime.config import POOLING_VALUES, RUNNER_VALUES
 from numa_runtime.env import RankZeroParser
 from numa_runtime.__main__ import DTYPE_HELP, dtype_arg
 from numa_runtime.serve.tools import PARSERS
@@ -41,9 +42,7 @@ def _size(text: str) -> int:
 
 _REFUSED_VLLM: dict[str, str] = {}  # vLLM flag -> why it cannot mean the same here (check_args)
 # vLLM's runner flags: the values taken (parse_args' help, check_args), and those that pool (engine_kwargs)
-_RUNNER_FLAGS = {"runner": ("auto", "generate", "pooling"), "convert": ("auto", "none", "embed"),
-                 "task": ("auto", "generate", "embed", "embedding")}
-_POOLING = {"pooling", "embed", "embedding"}
+_RUNNER_FLAGS, _POOLING = RUNNER_VALUES, POOLING_VALUES
 
 
 def _json_list(flag: str):
