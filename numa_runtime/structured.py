@@ -60,6 +60,9 @@ class Grammars:
         llg = _llguidance()
         field = _FIELD[kind]
         if kind in _LAYOUT:
+            if _text_depth(spec, MAX_TEXT_DEPTH) > MAX_TEXT_DEPTH:
+                raise ValueError(f"json_schema cannot be used: its JSON nests more than {MAX_TEXT_DEPTH} objects and "
+                                 "lists deep; move the deep parts into $defs and $ref them.")
             depth = nesting_depth(spec, MAX_DEPTH)
             if depth > MAX_DEPTH:
                 raise ValueError(f"json_schema cannot be used: it nests more than {MAX_DEPTH} levels deep "
@@ -284,6 +287,10 @@ def _gbnf_for_converter(gbnf: str) -> str:
 
 
 MAX_DEPTH = 1000  # levels of a schema, its $refs followed (real schemas nest a few dozen)
+# NOTE: llguidance reads a schema's JSON text with serde_json's recursion limit (128, some of it its
+# own wrapping): a schema nested 125 objects and lists deep in its text failed with "recursion limit
+# exceeded at line 1 column N" of a text the user never wrote; $refs do not count (MAX_DEPTH)
+MAX_TEXT_DEPTH = 124
 _STACK_BYTES = 256 << 20  # virtual: only the pages a deep schema touches are ever committed
 
 
@@ -337,6 +344,20 @@ def _on_big_stack(fn):
     if "err" in box:
         raise box["err"]
     return box["out"]
+
+
+def _text_depth(value, cap: int) -> int:
+    """How deep objects and lists nest in a JSON value as written ($refs not followed; a scalar
+    0). Iterative, and stops once past `cap`."""
+    deepest, stack = 0, [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        node, d = stack.pop()
+        deepest = max(deepest, d)
+        if deepest > cap:
+            break
+        stack.extend((c, d + 1) for c in (node.values() if isinstance(node, dict) else node)
+                     if isinstance(c, (dict, list)))
+    return deepest
 
 
 def nesting_depth(schema, cap: int) -> int:

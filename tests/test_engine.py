@@ -216,6 +216,20 @@ def test_json_schemas_that_cannot_work_are_refused_or_end_in_error(eng):
                        for i in range(100)}, "$ref": "#/$defs/d0"}
     out = eng.generate("Hello", SamplingParams(temperature=0, max_tokens=8, json_schema=short))[0]
     assert out.finish_reason == "length" or out.text.lstrip("-").isdigit(), out.text
+    # nested as written (no $refs): llguidance reads the text to a depth of 124 (125 failed with "recursion limit
+    # exceeded at line 1 column N" of a text the user never wrote)
+    from numa_runtime.structured import MAX_TEXT_DEPTH
+
+    def nested(levels):  # arrays `levels` deep: an object each, and the integer's: depth levels + 1
+        s = {"type": "integer"}
+        for _ in range(levels):
+            s = {"type": "array", "items": s, "maxItems": 1}
+        return s
+    out = eng.generate("Hello", SamplingParams(temperature=0, max_tokens=4, json_schema=nested(MAX_TEXT_DEPTH - 1)))[0]
+    assert out.finish_reason in ("length", "stop") and out.text.startswith("["), out.text
+    with pytest.raises(ValueError, match=rf"^json_schema cannot be used: its JSON nests more than {MAX_TEXT_DEPTH} "
+                       r"objects and lists deep; move the deep parts into \$defs and \$ref them\.$"):
+        eng.generate("Hello", SamplingParams(json_schema=nested(MAX_TEXT_DEPTH)))
     for endless in ({"$ref": "#"}, {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}):
         with pytest.raises(ValueError, match="json_schema cannot be used"):
             eng.generate("Hello", SamplingParams(json_schema=endless))

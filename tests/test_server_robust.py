@@ -73,6 +73,13 @@ REFUSED = {
                             "response_format"),
     "response_format no schema": ("/v1/chat/completions", {"messages": CHAT, "response_format": {
         "type": "json_schema"}}, "response_format"),
+    # NOTE: a schema beside a type that reads none was ignored (unconstrained output, 200)
+    "response_format text with schema": ("/v1/chat/completions", {"messages": CHAT, "response_format": {
+        "type": "text", "schema": {"type": "integer"}}}, "response_format"),
+    "response_format text with json_schema": ("/v1/completions", {"prompt": "x", "response_format": {
+        "type": "text", "json_schema": {"name": "x", "schema": {"type": "integer"}}}}, "response_format"),
+    "response_format json_object with json_schema": ("/v1/chat/completions", {"messages": CHAT, "response_format": {
+        "type": "json_object", "json_schema": {"name": "x", "schema": {"type": "integer"}}}}, "response_format"),
     "response_format bad schema": ("/v1/chat/completions", {"messages": CHAT, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}}, "response_format"),
     "logit_bias key": ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),

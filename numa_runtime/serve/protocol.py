@@ -248,6 +248,11 @@ class _SamplingRequest(_Body):
                 only_keys(fmt["json_schema"], "response_format.json_schema", ("name", "description", "schema",
                                                                               "strict"))
         kind = fmt.get("type")
+        # NOTE: a schema beside a type that reads none was ignored without a word (OpenAI refuses it)
+        for key in ("json_schema", "schema") if kind in (None, "text") else ("json_schema",) if kind == "json_object" else ():
+            if fmt.get(key) is not None:
+                raise ValueError(f"response_format of type {kind or 'text'!r} takes no {key!r}; use type 'json_schema' "
+                                 "to constrain the output to a schema.")
         if kind in (None, "text"):  # NOTE: null: the default, "text"
             return None
         top = fmt.get("schema")  # NOTE: llama.cpp's server reads a schema beside the type
