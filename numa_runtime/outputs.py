@@ -222,17 +222,23 @@ class TextState:
         return None
 
     def _cut_at_stop(self, prev_len: int) -> bool:
-        """Cut the text at the first stop string (in the list's order, as vLLM) that ends in what
-        came after unsent[:prev_len]; True if one did. A stop whole in older text (shown before
-        min_tokens) does not count."""
+        """Cut the text at the earliest stop string that ends in what came after unsent[:prev_len]
+        (the first to end of those that start there); True if one did. A stop whole in older text
+        (shown before min_tokens) does not count. NOTE: the earliest, as OpenAI and llama.cpp: vLLM
+        takes the first in the list's order, and when a token completed two, ["oke", " to"] on
+        " toke" cut inside " to" (and with include_stop_str_in_output the text held " to")."""
         sp = self.req.sampling_params
+        best = None
         for s in self.stop:
             j = self.unsent.find(s, max(0, prev_len - len(s) + 1))
-            if j >= 0:
-                self.unsent = self.unsent[:j + (len(s) if sp.include_stop_str_in_output else 0)]
-                self.req.stop_reason = s
-                return True
-        return False
+            if j >= 0 and (best is None or (j, j + len(s)) < (best[0], best[0] + len(best[1]))):
+                best = (j, s)
+        if best is None:
+            return False
+        j, s = best
+        self.unsent = self.unsent[:j + (len(s) if sp.include_stop_str_in_output else 0)]
+        self.req.stop_reason = s
+        return True
 
     def finish(self, status: RequestStatus, cut_at_stop: bool = True) -> RequestStatus:
         """The engine ends the sequence for its own reason: release the held-back text (cut at a

@@ -137,6 +137,30 @@ def test_numpy_numbers_are_numbers():
     assert sp.logit_bias == {3: 2.5} and all(type(k) is int and type(v) is float for k, v in sp.logit_bias.items())
 
 
+def test_stop_strings_cut_at_the_earliest_match(eng):
+    """Two stop strings that one token completes: the text is cut at the one that starts first,
+    whatever the list's order (vLLM took the list's first, cut inside the earlier one, and with
+    include_stop_str_in_output returned text that held a stop string); streamed alike."""
+    ids = eng.generate("Hello", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0].token_ids
+    pieces = [eng.tokenizer.decode(ids[:i + 1]) for i in range(len(ids))]
+    for k in range(1, len(ids)):
+        prev, cur = pieces[k - 1], pieces[k]
+        n = len(prev)
+        if len(cur) - n < 3 or n < 1 or not cur.startswith(prev):
+            continue
+        early, late = cur[n - 1:n + 1], cur[-2:]  # early spans the token's start, late ends it
+        if cur.find(early) == n - 1 and cur.find(late) == len(cur) - 2:
+            break
+    else:
+        pytest.skip("no token of three new characters with unique stop strings in this output")
+    for include in (False, True):
+        sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[late, early],
+                            include_stop_str_in_output=include)
+        out = eng.generate("Hello", sp)[0].outputs[0]
+        assert (out.text, out.stop_reason) == (cur[:n + 1] if include else cur[:n - 1], early), (cur, early, late)
+        assert "".join(eng.stream("Hello", sp)) == out.text
+
+
 def test_from_optional_as_vllm():
     """vLLM's SamplingParams.from_optional (the OpenAI server's request.to_sampling_params path):
     None is the default for n, temperature, top_p, top_k, min_p and the penalties; logit_bias keys
