@@ -932,8 +932,9 @@ def _jinja_env() -> ImmutableSandboxedEnvironment:
 
 def _load_chat_templates(model_dir: str, config: dict) -> dict:
     """name -> template source, from the first found of: chat_template.jinja (with
-    additional_chat_templates/*.jinja), chat_template.json, tokenizer_config.json's chat_template
-    (a string, or a list of {"name", "template"})."""
+    additional_chat_templates/*.jinja), tokenizer_config.json's chat_template (a string, or a list
+    of {"name", "template"}), chat_template.json. NOTE: as transformers' tokenizer and vLLM for a
+    text model: chat_template.json is a processor's file, read only where the tokenizer has none."""
     templates = {}
     jinja_path = os.path.join(model_dir, "chat_template.jinja")
     if os.path.isfile(jinja_path):
@@ -946,9 +947,9 @@ def _load_chat_templates(model_dir: str, config: dict) -> dict:
                     with open(os.path.join(extra_dir, name), encoding="utf-8") as f:
                         templates[name[:-len(".jinja")]] = f.read()
         return templates
-    source = _read_json(os.path.join(model_dir, "chat_template.json")).get("chat_template")
+    source = config.get("chat_template")
     if source is None:
-        source = config.get("chat_template")
+        source = _read_json(os.path.join(model_dir, "chat_template.json")).get("chat_template")
     if isinstance(source, str):
         templates["default"] = source
     elif isinstance(source, list):

@@ -243,13 +243,17 @@ def _template_dir(tmp_path, how):
     elif how == "named":
         config["chat_template"] = [{"name": "default", "template": TEMPLATE},
                                    {"name": "tool_use", "template": TOOL_TEMPLATE}]
+    elif how == "beside_processor_json":
+        config["chat_template"] = TEMPLATE
     d = _train_byte_level(tmp_path, config)
     if how == "jinja_file":
         (d / "chat_template.jinja").write_text(TEMPLATE)
+    elif how == "beside_processor_json":  # NOTE: a processor's file: the tokenizer's template wins (it did not)
+        (d / "chat_template.json").write_text(json.dumps({"chat_template": "PROCESSOR {{ messages }}"}))
     return d
 
 
-@pytest.mark.parametrize("how", ["string", "named", "jinja_file"])
+@pytest.mark.parametrize("how", ["string", "named", "jinja_file", "beside_processor_json"])
 @pytest.mark.parametrize("tools", [None, TOOLS])
 def test_chat_template_sources_and_helpers_match_hf(tmp_path, how, tools):
     d = _template_dir(tmp_path, how)
