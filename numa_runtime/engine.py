@@ -454,7 +454,7 @@ class Engine:
                                  # NOTE: an id no logit row has never ends a choice: it did nothing
                                  ("stop_token_ids", params.stop_token_ids or (), self.model_config.vocab_size),
                                  ("allowed_token_ids", params.allowed_token_ids or (),
-                                  min(self.model_config.vocab_size, self.tokenizer.vocab_size))):
+                                  min(self.model_config.vocab_size, len(self.tokenizer)))):
             bad = [t for t in ids if not 0 <= t < size]
             if bad:
                 raise ValueError(f"{field} names token {bad[0]}, outside the vocabulary (size {size}).")

@@ -152,8 +152,9 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        """Number of token ids, added tokens included (HF `len(tokenizer)`)."""
-        return self._backend.get_vocab_size(with_added_tokens=True)
+        """The base vocabulary's size, added tokens left out, as HF's `vocab_size` (`len(tokenizer)`
+        counts them)."""
+        return self._backend.get_vocab_size(with_added_tokens=False)
 
     def use_chat_template(self, source: str) -> None:
         """Render chats with `source` (a Jinja template) instead of the model's (--chat-template)."""
@@ -515,7 +516,8 @@ class Tokenizer:
         return out
 
     def __len__(self) -> int:
-        return self.vocab_size
+        """Number of token ids, added tokens included (HF's `len(tokenizer)`)."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
 
     # NOTE: HF's <key> and <key>_id of each special token the tokenizer config names (eos_token_id
     # below; bos_token_id and pad_token_id are set in __init__)
@@ -555,6 +557,10 @@ class Tokenizer:
 
     def get_vocab(self) -> dict[str, int]:
         return self._backend.get_vocab(with_added_tokens=True)
+
+    def get_added_vocab(self) -> dict[str, int]:
+        """HF's: the added tokens' text -> id."""
+        return {t.content: i for i, t in self._backend.get_added_tokens_decoder().items()}
 
     def convert_tokens_to_ids(self, tokens):
         """A token's id (None if it has none), or a list of them."""

@@ -386,7 +386,7 @@ def test_regex_digits_are_ascii_and_an_empty_regex_says_so(eng):
     with pytest.raises(ValueError, match=r"^structured_outputs\.regex cannot be used: it matches no text\.$"):
         eng.generate("Hello", SamplingParams(structured_outputs={"regex": r"[^\s\S]"}))
     with pytest.raises(ValueError, match="allowed_token_ids names token"):
-        eng.generate("Hello", SamplingParams(allowed_token_ids=[eng.tokenizer.vocab_size]))
+        eng.generate("Hello", SamplingParams(allowed_token_ids=[len(eng.tokenizer)]))
 
 
 

@@ -351,7 +351,7 @@ def test_vllm_extras_are_applied(client, model_dir):
     kw = dict(model="tiny", prompt="The quick brown fox", max_tokens=12, logprobs=0, **FLOAT)
     base = client.completions.create(extra_body={"ignore_eos": True}, **kw).choices[0]
     by_text: dict[str, list[int]] = {}
-    for i in range(tok.vocab_size):
+    for i in range(len(tok)):
         by_text.setdefault(tok.decode([i], skip_special_tokens=False), []).append(i)
     ids = [by_text[t][0] if len(by_text.get(t, ())) == 1 else None for t in base.logprobs.tokens]
     # NOTE: a token whose text names it, at its first occurrence

@@ -194,6 +194,19 @@ def _train_byte_level(model_dir, config, generation_config=None, bos_in_post_pro
     return model_dir
 
 
+def test_added_tokens_count_as_hfs(tmp_path):
+    """vocab_size is the base vocabulary (it counted the added tokens: 400 where transformers
+    says 397), len() every id, get_added_vocab() the added ones (it was missing), as transformers'."""
+    d = _train_byte_level(tmp_path, {})
+    tok = Backend.from_file(str(d / "tokenizer.json"))
+    tok.add_special_tokens(["<tool>"])
+    tok.add_tokens(["zzqx"])
+    tok.save(str(d / "tokenizer.json"))
+    ours, theirs = Tokenizer.from_dir(str(d)), transformers.AutoTokenizer.from_pretrained(str(d))
+    assert (ours.vocab_size, len(ours)) == (theirs.vocab_size, len(theirs)) and len(ours) > ours.vocab_size
+    assert ours.get_added_vocab() == theirs.get_added_vocab() and "zzqx" in ours.get_added_vocab()
+
+
 @pytest.mark.parametrize("config,bos_in_post_processor", [
     ({}, True), ({}, False), ({"add_bos_token": True}, False), ({"add_bos_token": False}, True),
     ({"add_bos_token": True, "add_eos_token": True}, True)])
@@ -592,6 +605,7 @@ def test_the_hf_names_vllm_scripts_read(smol, smol_hf):
     assert smol("Hello world").input_ids == smol_hf("Hello world").input_ids
     assert smol(["a b", "c"])["input_ids"] == smol_hf(["a b", "c"])["input_ids"]
     assert len(smol) == len(smol_hf) and smol.get_vocab() == smol_hf.get_vocab()
+    assert smol.vocab_size == smol_hf.vocab_size and smol.get_added_vocab() == smol_hf.get_added_vocab()
     toks = smol_hf.convert_ids_to_tokens(smol_hf.encode("Hello world"))
     assert smol.convert_ids_to_tokens(smol.encode("Hello world")) == toks
     assert smol.convert_tokens_to_ids(toks) == smol_hf.convert_tokens_to_ids(toks)

@@ -240,7 +240,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
     async def detokenize(body: DetokenizeRequest):
         check_model(body.model)
         with _client_errors():
-            vocab = engine.tokenizer.vocab_size
+            vocab = len(engine.tokenizer)
             bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
             if bad is not None:
                 raise ApiError(400, f"tokens holds {bad}, which is not a token id (0 to {vocab - 1}).", param="tokens",
