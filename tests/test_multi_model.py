@@ -253,6 +253,14 @@ def test_server_serves_each_model_by_name(models, ranks):
             assert sorted(smp.labels.get("model_name") for smp in fams[fam].samples) == names, fams[fam].samples
         # the openai client's models.retrieve (it was a 404 "no such endpoint")
         assert client.models.retrieve("beta").model_dump()["id"] == "beta"
+        # a --model string as typed names its model too, as with one model (it was a 404); the card's root is it
+        path = os.path.join(root, "beta")
+        got = client.completions.create(model=path, prompt=PROMPT, max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert got.model == "beta" and got.choices[0].text == client.completions.create(
+            model="beta", prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+        assert client.models.retrieve(path).model_dump()["root"] == path
+        assert [m.root for m in client.models.list().data] == [os.path.join(root, n) for n in names]
         with pytest.raises(openai.NotFoundError, match="'delta' does not exist"):
             client.models.retrieve("delta")
         # a body that is not a JSON object is answered for what it is (it was told to name the model)
@@ -475,8 +483,28 @@ def test_models_dir_entries_that_cannot_be_served_are_named_and_the_rest_serve(m
         assert "--models-dir: %s is not served: " % (folder / "zlist") in out and "not a JSON object" in out
     finally:
         assert srv.stop() == 0, srv.output()
+    # a tokenizer.json that does not parse is named and left out too (it stopped every model, naming none)
+    shutil.copytree(os.path.join(root, "beta"), folder / "badtok")
+    (folder / "badtok" / "tokenizer.json").write_text('{1: "x"}')
+    srv = serve(root, [], budget_for(root, ["alpha"], 1.5), extra=["--models-dir", str(folder)])
+    try:
+        assert [m.id for m in srv.client().models.list().data] == ["good"]
+        out = srv.output()
+        assert "--models-dir: %s is not served: Model 'badtok': cannot read its tokenizer in " % (folder / "badtok") \
+            in out, out
+    finally:
+        assert srv.stop() == 0, srv.output()
     shutil.rmtree(folder / "good")
     shutil.rmtree(folder / "zlist")
+    shutil.rmtree(folder / "badtok")
+    # an empty folder beside --model serves the --model (it refused to start), as a folder of unservable files does
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    srv = serve(root, ["alpha"], budget_for(root, ["alpha"], 1.5), extra=["--models-dir", str(empty)])
+    try:
+        assert [m.id for m in srv.client().models.list().data] == ["alpha"]
+    finally:
+        assert srv.stop() == 0, srv.output()
     p = subprocess.run([sys.executable, "-m", "numa_runtime.serve", "--models-dir", str(folder), "--dtype",
                         "float32"], capture_output=True, text=True, timeout=300, cwd=ROOT,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})

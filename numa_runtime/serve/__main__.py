@@ -9,6 +9,7 @@ holds the public socket, so that requests in flight get an answer even when mpir
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -295,14 +296,17 @@ def build_router(args):
     import psutil
     from numa_runtime.hub import served_name
     from numa_runtime.config import ModelConfig
-    from .router import ModelRouter, RouterConfig, model_paths_in_dir, model_spec, parse_bytes
+    from numa_runtime.tokenizer import Tokenizer
+    from .router import ModelRouter, RouterConfig, _tokenizer, model_paths_in_dir, model_spec, parse_bytes
     world, local = env.mpi_world() or (0, 1), env.mpi_local() or (0, 1)
     paths = model_paths_in_dir(args.models_dir) if args.models_dir else []
-    found, failed = {}, {}
+    found, failed, tokenizers = {}, {}, {}
     for path in paths:
         try:  # NOTE: one unreadable or unsupported entry of the folder stopped every model in it
             found[path] = model_spec(path)
             ModelConfig.from_dir(found[path].model_dir)
+            if world[0] == 0:  # NOTE: rank 0 reads the tokenizers (a broken tokenizer.json stopped them all)
+                tokenizers[found[path].name] = _tokenizer(found[path].name, found[path].model_dir, Tokenizer)
         except (ValueError, OSError) as e:
             failed[path] = f"{e} (rank {world[0]})" if world[1] > 1 else str(e)
     if args.models_dir and world[1] > 1:
@@ -317,13 +321,17 @@ def build_router(args):
             logging.getLogger("numa_runtime.serve").error("--models-dir: %s is not served: %s", path, why)
     specs = [found[p] for p in paths if p not in failed]
     if args.models_dir and not specs and not args.model:
-        raise ValueError(f"--models-dir {args.models_dir!r} holds no model numa_runtime serves: "
-                         f"{next(iter(failed.values()))}")
+        raise ValueError(f"--models-dir {args.models_dir!r} holds no model numa_runtime serves" +
+                         (f": {next(iter(failed.values()))}" if failed else
+                          " (a subdirectory with config.json, or a .gguf file)."))
     _hub_paths(args)
-    specs += [model_spec(d, name=served_name(i)) for d, i in zip(args.model or [], args.model_ids)]
+    for d, i in zip(args.model or [], args.model_ids):
+        spec = model_spec(d, name=served_name(i))
+        specs.append(dataclasses.replace(spec, given=i) if i != spec.name else spec)
     budget = (parse_bytes(args.memory_budget) if args.memory_budget
               else int(env.memory_limit_bytes(psutil.virtual_memory().total) * 0.6 / local[1]))
-    router = ModelRouter(RouterConfig(tuple(specs), budget, engine_kwargs(args)), world[1], world[0] == 0)
+    router = ModelRouter(RouterConfig(tuple(specs), budget, engine_kwargs(args)), world[1], world[0] == 0,
+                         tokenizers)
     if world[0] != 0:
         router.worker_main()
         return None

@@ -154,8 +154,11 @@ def build_multi_app(aengine: AsyncEngine, router: ModelRouter, base: ServeConfig
     from .responses_api import ResponseStore
     apps, metrics = {}, server_metrics(aengine)  # NOTE: one registry: /metrics counts every model
     stored = ResponseStore()  # NOTE: one store: GET /v1/responses/{id} goes to the first app
-    for name in router.specs:
-        cfg = dataclasses.replace(base, served_model_name=name, cors=None)  # NOTE: once, around the dispatcher
+    for name, spec in router.specs.items():
+        # NOTE: a --model's string as typed is one of its names, as with one model (it was a 404)
+        given = spec.given if spec.given and spec.given not in router.specs else None
+        cfg = dataclasses.replace(base, served_model_name=name, aliases=(given,) if given else (), model_root=given,
+                                  cors=None)  # NOTE: CORS once, around the dispatcher
         apps[name] = build_app(ModelView(aengine, router, name, load_timeout), cfg, metrics, stored)
     return with_cors(ModelDispatcher(apps, router, base.api_key, base.max_body_bytes, metrics), base.cors)
 
@@ -171,6 +174,11 @@ class ModelDispatcher:
 
     def __init__(self, apps: dict, router: ModelRouter, api_key: str | None, max_body: int, metrics=None):
         self.apps, self.router, self.max_body, self.metrics = apps, router, max_body, metrics
+        # every name a request may give -> the model's name (its own, and its --model string as typed)
+        self.names = {n: n for n in apps}
+        for n, spec in router.specs.items():
+            if n in apps and spec.given and spec.given not in self.names:
+                self.names[spec.given] = n
         self.first = next(iter(apps.values()))
         self.expected = bearer_tokens(api_key)
         self.created = int(time.time())
@@ -183,7 +191,7 @@ class ModelDispatcher:
             return await JSONResponse(self._models())(scope, receive, send)
         if scope["path"].startswith("/v1/models/") and scope["method"] == "GET":  # models.retrieve
             name = scope["path"][len("/v1/models/"):]
-            card = next((c for c in self._models()["data"] if c["id"] == name), None)
+            card = self._card(self.names[name], name) if name in self.names else None
             if card is None:
                 return await self._error(scope, receive, send, 404, f"The model {name!r} does not exist; this "
                                          f"server serves {self._names()}.", "model_not_found")
@@ -191,10 +199,10 @@ class ModelDispatcher:
             return await JSONResponse(card)(scope, receive, send)
         if scope["path"] == "/debug/profile" and scope["method"] == "GET":  # NOTE: ?model=NAME, else the first
             name = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("model", [None])[-1]
-            if name is not None and name not in self.apps:
+            if name is not None and name not in self.names:
                 return await self._error(scope, receive, send, 404, f"The model {name!r} does not exist; this "
                                          f"server serves {self._names()}.", "model_not_found")
-            return await (self.first if name is None else self.apps[name])(scope, receive, send)
+            return await (self.first if name is None else self.apps[self.names[name]])(scope, receive, send)
         if scope["method"] != "POST" or scope["path"] not in _MODEL_ROUTES:
             # NOTE: GETs, /ping (a POST without a body), unknown paths: the first app answers
             return await self.first(scope, receive, send)
@@ -215,7 +223,7 @@ class ModelDispatcher:
         if name is None and len(self.apps) > 1:
             return await self._error(scope, receive, send, 400, "Name the model in the request's 'model' "
                                      f"field; this server serves {self._names()}.", "model_required")
-        app = self.first if name is None else self.apps.get(name)
+        app = self.first if name is None else self.apps.get(self.names.get(name))
         if app is None:
             return await self._error(scope, receive, send, 404, f"The model {name!r} does not exist; this "
                                      f"server serves {self._names()}.", "model_not_found")
@@ -230,10 +238,13 @@ class ModelDispatcher:
         return ", ".join(repr(n) for n in self.apps)
 
     def _models(self) -> dict:
-        r = self.router  # NOTE: the last load's and unload's seconds (None before the first)
-        data = [{**model_card(n, self.created, n, _ModelInfo(r, n).max_model_len), "loaded": n in r.engines,
-                 "load_seconds": r.load_seconds.get(n), "unload_seconds": r.unload_seconds.get(n)} for n in self.apps]
+        data = [self._card(n) for n in self.apps]  # NOTE: one entry a model; its --model string is taken, not listed
         return {"object": "list", "data": data}
+
+    def _card(self, n: str, as_name: str | None = None) -> dict:
+        r = self.router  # NOTE: the last load's and unload's seconds (None before the first)
+        return {**model_card(as_name or n, self.created, r.specs[n].given or n, _ModelInfo(r, n).max_model_len),
+                "loaded": n in r.engines, "load_seconds": r.load_seconds.get(n), "unload_seconds": r.unload_seconds.get(n)}
 
     def _count(self, status: int) -> None:
         """A response the dispatcher gives itself (the apps' guards count theirs)."""

@@ -52,6 +52,7 @@ class ModelLoadError(RuntimeError):
 class ModelSpec:
     name: str
     model_dir: str
+    given: str | None = None  # the --model string as typed, where it is not the name: also served under it
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,11 @@ class RouterConfig:
 def models_in_dir(path: str) -> list[ModelSpec]:
     """Every subdirectory of `path` holding a config.json, named by the subdirectory, and every
     .gguf file in it, named by its stem (a split GGUF by its first file)."""
-    return [model_spec(p) for p in model_paths_in_dir(path)]
+    paths = model_paths_in_dir(path)
+    if not paths:
+        raise FileNotFoundError(f"--models-dir {path!r} holds no model (a subdirectory with config.json, or a "
+                                f".gguf file).")
+    return [model_spec(p) for p in paths]
 
 
 def model_paths_in_dir(path: str) -> list[str]:
@@ -90,9 +95,6 @@ def model_paths_in_dir(path: str) -> list[str]:
         if os.path.isfile(os.path.join(p, "config.json")) or (
                 os.path.isfile(p) and n.lower().endswith(".gguf") and (shard is None or shard["no"] == "00001")):
             paths.append(p)
-    if not paths:
-        raise FileNotFoundError(f"--models-dir {path!r} holds no model (a subdirectory with config.json, or a "
-                                f".gguf file).")
     return paths
 
 
@@ -105,6 +107,19 @@ def model_spec(path: str, name: str | None = None) -> ModelSpec:
     name = name or served_name(path)
     path = model_dir_of(path)
     return ModelSpec(name or os.path.basename(os.path.normpath(path)), path)
+
+
+def _tokenizer(name: str, model_dir: str, Tokenizer):
+    """The model's tokenizer; ValueError naming the model where its files cannot be read (the
+    tokenizers library's own error named neither)."""
+    try:
+        return Tokenizer.from_dir(model_dir)
+    except (ValueError, OSError) as e:
+        if name in str(e) or model_dir in str(e):
+            raise
+        raise ValueError(f"Model {name!r}: cannot read its tokenizer in {model_dir} ({e}).") from None
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exception for a bad file
+        raise ValueError(f"Model {name!r}: cannot read its tokenizer in {model_dir} ({e}).") from None
 
 
 def parse_bytes(text: str) -> int:
@@ -120,7 +135,9 @@ def parse_bytes(text: str) -> int:
 class ModelRouter:
     """The engine thread's view of every model (see the module docstring)."""
 
-    def __init__(self, config: RouterConfig, comm_world: int = 1, is_driver: bool = True):
+    def __init__(self, config: RouterConfig, comm_world: int = 1, is_driver: bool = True,
+                 tokenizers: dict | None = None):
+        """`tokenizers`: name -> tokenizer already read (rank 0), for the models it holds."""
         from ..tokenizer import Tokenizer
         if comm_world > 1 and config.engine_kwargs.get("device") == "cuda":
             # NOTE: each model would open its own NCCL group, and switching models closed it
@@ -165,7 +182,9 @@ class ModelRouter:
         self.unload_seconds: dict[str, float] = {}
         self._check()  # NOTE: on every rank, from what every rank holds alike (files, arguments, the budget)
         if is_driver:
-            self.tokenizers = {n: Tokenizer.from_dir(c.model_dir) for n, c in self.model_configs.items()}
+            given = tokenizers or {}
+            self.tokenizers = {n: given[n] if n in given else _tokenizer(n, c.model_dir, Tokenizer)
+                               for n, c in self.model_configs.items()}
             self._log()
 
     # ------------------------------------------------------------------ memory
