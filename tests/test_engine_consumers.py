@@ -354,6 +354,20 @@ def test_async_engine_counts_each_waiting_request_once():
     finally:
         aengine.stop()
     assert seen and max(seen) == 6 and all(n <= 6 for n in seen), seen
+    # free batch seats take waiting requests at the next step: only those beyond them queue (a burst that
+    # fit max_num_seqs got 429s under --max-queue, counted as waiting until the step ran)
+    seen.clear()
+    four = FakeEngine()
+    four.scheduler.config = SimpleNamespace(max_num_seqs=4)
+    four.scheduler.num_running = 1
+    aengine = Observed(four)
+    aengine.loop = None
+    aengine.start()
+    try:
+        assert asyncio.run(main()) == 3  # 6 waiting, 3 seats free
+    finally:
+        aengine.stop()
+    assert seen and max(seen) == 3, seen
 
 
 def test_threads_sharing_an_engine_are_served_in_turn(model_dir, alone):

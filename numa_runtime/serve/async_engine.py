@@ -47,6 +47,7 @@ class AsyncEngine:
     def __init__(self, engine):
         self.engine = engine
         self.stats = EngineStats()
+        self._seats = _seats(engine)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # NOTE: put() is reentrant (signal-safe)
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._waiting_calls: list[tuple] = []  # "call"s waiting for KV room (retried after each step)
@@ -91,9 +92,12 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests not yet running: still in the inbox or waiting in the scheduler."""
+        """Requests not yet running (still in the inbox or waiting in the scheduler) beyond the
+        batch seats free for them (the queue --max-queue bounds). NOTE: requests that arrived
+        since the last step waited until it ran: a burst that fit the free seats got 429s."""
         with self._count_lock:
-            return self._adds_sent - self._adds_taken + self.stats.num_waiting
+            waiting = self._adds_sent - self._adds_taken + self.stats.num_waiting
+            return max(0, waiting - max(0, self._seats - self.stats.num_running))
 
     async def add(self, request_id: str, prompt: str | list[int], params, sink: asyncio.Queue) -> None:
         """Queue a request; its RequestOutputs (or an exception) will arrive in `sink`.
@@ -329,6 +333,14 @@ class AsyncEngine:
             prefix_cache_queries=int(getattr(bm, "lookups_total", 0) or 0),
             prefix_cache_hits=int(getattr(bm, "hits_total", 0) or 0),
             per_model=tuple(self.engine.model_stats()) if hasattr(self.engine, "model_stats") else ())
+
+
+def _seats(engine) -> int:
+    """Sequences the engine runs at once (every replica's max_num_seqs); 0 where it has no
+    scheduler of its own (a ModelRouter: its models come and go)."""
+    sched = getattr(engine, "scheduler", None)
+    subs = getattr(sched, "replicas", None) or ([sched] if sched is not None else [])
+    return sum(int(getattr(getattr(s, "config", None), "max_num_seqs", 0) or 0) for s in subs)
 
 
 def _num(obj, count_attr: str, list_attr: str) -> int:
