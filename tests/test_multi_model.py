@@ -218,6 +218,11 @@ def test_server_serves_each_model_by_name(models, ranks):
     try:
         client = srv.client()
         assert [m.id for m in client.models.list().data] == names
+        # a series a model from the first scrape (they were one unlabelled series until the first request)
+        from prometheus_client.parser import text_string_to_metric_families
+        first = {f.name: f for f in text_string_to_metric_families(httpx.get(srv.base + "/metrics").text)}
+        for fam in ("vllm:num_requests_running", "vllm:prefix_cache_queries"):
+            assert sorted(smp.labels.get("model_name") for smp in first[fam].samples) == names, first[fam].samples
         for name in names:
             text = client.completions.create(model=name, prompt=PROMPT, max_tokens=8, temperature=0,
                                              extra_body={"ignore_eos": True}).choices[0].text

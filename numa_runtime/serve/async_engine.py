@@ -46,7 +46,9 @@ class EngineDeadError(RuntimeError):
 class AsyncEngine:
     def __init__(self, engine):
         self.engine = engine
-        self.stats = EngineStats()
+        # NOTE: several models: a row each from the start (their gauges and counters were one unlabelled
+        # series until the first request, then changed series)
+        self.stats = EngineStats(per_model=tuple(engine.model_stats()) if hasattr(engine, "model_stats") else ())
         self._seats = _seats(engine)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # NOTE: put() is reentrant (signal-safe)
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
