@@ -142,9 +142,17 @@ def test_metrics_under_vllm_names_too(client, server):
     assert metric(server.base, 'vllm:request_generation_tokens_bucket{le="5.0"}') >= 1
     # NOTE: one sample a sequence, as vLLM's (2 prompts x n=2: one sample of 20 tokens before)
     seqs = metric(server.base, "vllm:request_generation_tokens_count")
+    # NOTE: so do the request counter and the latency histograms (they counted the API request once,
+    # with choice 0's finish reason for all)
+    e2e, ttft = metric(server.base, "vllm:e2e_request_latency_seconds_count"), metric(
+        server.base, "vllm:time_to_first_token_seconds_count")
+    done = metric(server.base, 'vllm:request_success_total{finished_reason="length"}')
     client.completions.create(model="tiny", prompt=["Hello", "The quick brown fox"], n=2, max_tokens=5,
                               extra_body={"ignore_eos": True})
     assert metric(server.base, "vllm:request_generation_tokens_count") == seqs + 4
+    assert metric(server.base, 'vllm:request_success_total{finished_reason="length"}') == done + 4
+    assert metric(server.base, "vllm:e2e_request_latency_seconds_count") == e2e + 4
+    assert metric(server.base, "vllm:time_to_first_token_seconds_count") == ttft + 4
     assert metric(server.base, "vllm:request_generation_tokens_sum") == metric(
         server.base, "numa_runtime_generation_tokens_total")
     # NOTE: vLLM's phases of each engine request (2 prompts: 2 more samples each)
@@ -154,6 +162,8 @@ def test_metrics_under_vllm_names_too(client, server):
     count = metric(server.base, "vllm:request_decode_time_seconds_count")
     client.completions.create(model="tiny", prompt=["Hello", "Hi"], max_tokens=3, extra_body={"ignore_eos": True})
     assert metric(server.base, "vllm:request_decode_time_seconds_count") == count + 2
+    client.completions.create(model="tiny", prompt="Hi", n=3, max_tokens=3, extra_body={"ignore_eos": True})
+    assert metric(server.base, "vllm:request_decode_time_seconds_count") == count + 5  # NOTE: each of n too
     # NOTE: one clock for arrival, scheduling and tokens (time.time beside time.monotonic gave ~1.7e9 s)
     for phase in ("queue", "prefill", "decode", "inference"):
         assert 0 <= metric(server.base, f"vllm:request_{phase}_time_seconds_sum") < 600, phase
@@ -520,7 +530,7 @@ def test_echo_checks_its_prompt_and_streams_usage_only_when_asked(client, server
                                             stream=True, stream_options={"include_usage": True}))
     assert [ch.usage is not None for ch in chunks] == [False, False, True] and not chunks[-1].choices
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.total_tokens) == (4, 4)
-    assert metric(server.base, "numa_runtime_requests_total") == before + 2
+    assert metric(server.base, "numa_runtime_requests_total") == before + 4  # NOTE: a sequence each, n=2 twice
     assert metric(server.base, "numa_runtime_prompt_tokens_total") == prompt_before + 8
     assert httpx.get(server.base + "/health").json() == {"status": "ok"}
 
@@ -752,11 +762,11 @@ def test_disconnect_mid_stream_aborts(server, client):
     assert got[0].startswith("data: ")
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        if (metric(server.base, 'numa_runtime_requests_total{status="abort"}') == aborted + 1
+        if (metric(server.base, 'numa_runtime_requests_total{status="abort"}') == aborted + 32
                 and metric(server.base, "numa_runtime_num_requests_running") == 0):
             break
         time.sleep(0.1)
-    assert metric(server.base, 'numa_runtime_requests_total{status="abort"}') == aborted + 1
+    assert metric(server.base, 'numa_runtime_requests_total{status="abort"}') == aborted + 32  # a sequence each
     assert metric(server.base, "numa_runtime_num_requests_running") == 0
     assert metric(server.base, "numa_runtime_kv_cache_usage_ratio") == 0
     after = client.completions.create(model="tiny", prompt="Still there?", max_tokens=2, extra_body={"ignore_eos": True})
@@ -780,7 +790,7 @@ def test_disconnect_non_streaming_aborts(server):
     while time.monotonic() < deadline and metric(server.base, "numa_runtime_num_requests_running") > 0:
         time.sleep(0.1)
     assert metric(server.base, "numa_runtime_num_requests_running") == 0
-    assert metric(server.base, 'numa_runtime_requests_total{status="abort"}') == aborted + 1
+    assert metric(server.base, 'numa_runtime_requests_total{status="abort"}') == aborted + 64  # a sequence each
 
 
 # ------------------------------------------------------------------------------ bad input

@@ -326,8 +326,8 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
         if echo_only:
             out = R.echo_body(body.response_id("cmpl"), config.served_model_name, echo, scores, body.n,
                               decode_token, engine.tokenizer.decoded_token)
-            metrics.observe_request(config.served_model_name, "length", out["usage"]["prompt_tokens"], 0, arrival,
-                                    None, time.monotonic(), len(prompts) * body.n,
+            metrics.observe_request(config.served_model_name, ["length"] * (len(prompts) * body.n),
+                                    out["usage"]["prompt_tokens"], 0, arrival, None, time.monotonic(),
                                     [(len(p), 0) for p in prompts for _ in range(body.n)])
             if not body.stream:
                 return JSONResponse(out)
@@ -472,7 +472,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             return StreamingResponse(_stream(gen, tracker, report, rid, name, kind, body.include_usage, decode_token,
                                              tool_plan, schema_param, body.continuous_usage, thinking, echo[0]),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        status = "abort"
+        status, reasons = "abort", None
         try:
             done = await _until_disconnect(request, _collect(gen, tracker, report, schema_param))
             if not done:
@@ -480,9 +480,10 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             status = tracker.choices()[0][1].finish_reason or "stop"
             if kind == "chatcmpl":
                 out = R.chat_body(rid, name, tracker, decode_token, tool_plan, *thinking)
-                status = out["choices"][0]["finish_reason"] or status  # NOTE: "tool_calls", as the client sees it
             else:
                 out = R.completion_body(rid, name, tracker, decode_token, *echo, engine.tokenizer.decoded_token)
+            # NOTE: each choice's reason as the client sees it ("tool_calls" too)
+            reasons = {c["index"]: c["finish_reason"] for c in out["choices"]}
         except RuntimeError as e:  # NOTE: EngineDeadError too
             status = "error"
             raise _engine_failure(e) from None
@@ -491,7 +492,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             raise
         finally:
             gen.abort()
-            report.finish(status)
+            report.finish(status, reasons)
         return JSONResponse(out)
 
     return app
@@ -543,14 +544,17 @@ class _Report:
         if self.first_token is None and any(p.token_ids for p in pieces):
             self.first_token = time.monotonic()
 
-    def finish(self, status: str) -> None:
+    def finish(self, status: str, reasons: dict | None = None) -> None:
+        """`reasons`: choice index -> its finish reason, where the request ended well (else every
+        sequence takes `status`)."""
         u = self.tracker.usage()
         end = time.monotonic()
-        self.metrics.observe_request(self.model, status, u["prompt_tokens"], u["completion_tokens"], self.arrival,
-                                     self.first_token, end, self.num_seqs,
-                                     sequences=self.tracker.sequence_lengths())
-        for out in self.tracker.latest.values():  # NOTE: vLLM's phases of each engine request
-            self.metrics.observe_phases(self.model, out.metrics, end)
+        statuses = [(reasons or {}).get(i) or status for i in range(self.num_seqs)]
+        self.metrics.observe_request(self.model, statuses, u["prompt_tokens"], u["completion_tokens"], self.arrival,
+                                     self.first_token, end, sequences=self.tracker.sequence_lengths())
+        for out in self.tracker.latest.values():  # NOTE: vLLM's phases of each engine request (each of n too)
+            for _ in out.outputs:
+                self.metrics.observe_phases(self.model, out.metrics, end)
 
 
 async def _collect(gen: _Generation, tracker: R.ChoiceTracker, report: _Report, param: str) -> None:
@@ -632,7 +636,7 @@ async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode,
     `continuous_usage`: every chunk carries the usage so far (then the chat's opening role chunks
     wait for the first output, as vLLM sends them, when the prompt's tokens are counted)."""
     created, chat = int(time.time()), kind == "chatcmpl"
-    status, offsets = "abort", {}
+    status, offsets, reasons = "abort", {}, None
     calls = {} if tool_plan is not None and tool_plan.parses else None  # choice index -> ToolStream
     api_reason = {}  # choice index -> its finish_reason as sent, where tools rewrote it
     parser, include_reasoning = thinking
@@ -693,6 +697,7 @@ async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode,
                          else R.completion_chunk(rid, model, created, p, decode, include_usage, offsets))
                 yield event(chunk)
         status = api_reason.get(0) or tracker.choices()[0][1].finish_reason or "stop"
+        reasons = {i: api_reason.get(i) or c.finish_reason for i, c in tracker.choices()}
         if include_usage:
             obj = "chat.completion.chunk" if chat else "text_completion"
             yield R.sse(R.usage_chunk(rid, obj, model, created, R.chat_usage(tracker, parser, decode) if chat
@@ -709,7 +714,7 @@ async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode,
         yield R.sse("[DONE]")
     finally:
         gen.abort()
-        report.finish(status)
+        report.finish(status, reasons)
 
 
 def _tool_chunks(streams: dict, tool_plan, p, rid, model, created, decode, include_usage) -> list[dict]:

@@ -166,24 +166,25 @@ class ServerMetrics:
                 g.set_function(lambda name=name: float(liveness_source(name)))
         r.register(_VllmNames(r, model_name))
 
-    def observe_request(self, model: str, status: str, prompt_tokens: int, completion_tokens: int,
-                        arrival: float, first_token: float | None, end: float, num_seqs: int,
-                        sequences: list) -> None:
-        """One API request to `model` finished (num_seqs sequences, all decoded side by side);
-        `sequences`: (prompt, generated) tokens of each, for the per-sequence histograms."""
-        self.requests.labels(model, status).inc()
+    def observe_request(self, model: str, statuses: list[str], prompt_tokens: int, completion_tokens: int,
+                        arrival: float, first_token: float | None, end: float, sequences: list) -> None:
+        """One API request to `model` finished: `statuses`, each of its sequences' (every prompt's n,
+        decoded side by side); `sequences`: (prompt, generated) tokens of each that has an output.
+        NOTE: per sequence, as vLLM counts its engine requests (one a prompt, each of n too): the
+        request counter took choice 0's reason once, beside histograms counted per sequence."""
+        for status in statuses:
+            self.requests.labels(model, status).inc()
+            if status in ("stop", "length", "tool_calls"):
+                self.e2e.labels(model).observe(end - arrival)
         self.prompt_tokens.labels(model).inc(prompt_tokens)
         self.generation_tokens.labels(model).inc(completion_tokens)
         for prompt, generated in sequences:
             self.request_prompt_tokens.labels(model).observe(prompt)
             self.request_generation_tokens.labels(model).observe(generated)
-        if status in ("stop", "length", "tool_calls"):
-            self.e2e.labels(model).observe(end - arrival)
-        if first_token is not None:
-            self.ttft.labels(model).observe(first_token - arrival)
-            per_seq = completion_tokens / max(1, num_seqs)
-            if per_seq > 1:
-                self.tpot.labels(model).observe((end - first_token) / (per_seq - 1))
+            if first_token is not None:
+                self.ttft.labels(model).observe(first_token - arrival)
+                if generated > 1:
+                    self.tpot.labels(model).observe((end - first_token) / (generated - 1))
 
     def observe_phases(self, model: str, times: dict, end: float) -> None:
         """One engine request's queue, prefill, decode and inference time (RequestOutput.metrics:
