@@ -15,6 +15,9 @@ CASES = [
     ("deepseek_r1", "Still thinking when cut", "Still thinking when cut", None),
     ("deepseek_r1", "  <think>x</think>", "x", None),
     ("deepseek_r1", "<thi", "<thi", None),
+    # NOTE: a <think> written after other text is dropped (it stayed in reasoning_content, tag and all)
+    ("deepseek_r1", "pre <think>A</think>B", "pre A", "B"),
+    ("deepseek_r1", "pre <think>cut", "pre cut", None),
     ("qwen3", "<think>\nHmm.\n</think>\n\nHello!", "\nHmm.\n", "\n\nHello!"),
     ("qwen3", "Hello! No thinking here.", None, "Hello! No thinking here."),  # enable_thinking: false
     ("qwen3", "<think>cut off", "cut off", None),

@@ -3,7 +3,9 @@ goes to `reasoning_content` (and `reasoning`, vLLM's newer name), the rest to `c
 
 - `deepseek_r1` (DeepSeek-R1 and its distills, QwQ, Qwen3 thinking-2507): the chat template
   opens `<think>` in the prompt, so the reply is reasoning up to `</think>` whether or not it
-  writes `<think>` itself; a reply without `</think>` (cut by max_tokens) is all reasoning.
+  writes `<think>` itself (a `<think>` it writes is dropped, after other text too: vLLM drops
+  that text as well in a body, not in a stream); a reply without `</think>` (cut by max_tokens) is
+  all reasoning.
 - `qwen3` (Qwen3 hybrid models): the reply reasons only when it opens with `<think>` (with
   `enable_thinking: false` the template writes an empty think block and the reply has none).
 
@@ -29,6 +31,7 @@ class ReasoningStream:
             raise ValueError(f"reasoning parser must be one of {', '.join(PARSERS)}, got {parser!r}.")
         self.parser, self.buf, self.state = parser, "", "start"   # start | reasoning | content
         self.opened = False  # a reasoning part began (the reply wrote <think>, or deepseek_r1's implied one)
+        self.saw_start = False  # the reply wrote <think> (a later one in deepseek_r1's reasoning is dropped)
 
     def feed(self, delta: str) -> tuple[str, str]:
         self.buf += delta
@@ -36,7 +39,7 @@ class ReasoningStream:
         if self.state == "start":
             head = self.buf.lstrip()
             if head.startswith(_START):
-                self.buf, self.state = head[len(_START):], "reasoning"
+                self.buf, self.state, self.saw_start = head[len(_START):], "reasoning", True
             elif not head or _START.startswith(head):
                 return "", ""  # NOTE: it may still open <think>
             else:
@@ -44,8 +47,13 @@ class ReasoningStream:
             self.opened = self.state == "reasoning"
         if self.state == "reasoning":
             i = self.buf.find(_END)
+            if not self.saw_start:  # NOTE: deepseek_r1 after other text: the tag was kept in reasoning_content
+                j = self.buf.find(_START)
+                if j >= 0 and (i < 0 or j < i):
+                    self.buf, self.saw_start = self.buf[:j] + self.buf[j + len(_START):], True
+                    i = self.buf.find(_END)
             if i < 0:
-                keep = _partial_suffix(self.buf, _END)
+                keep = max(_partial_suffix(self.buf, _END), 0 if self.saw_start else _partial_suffix(self.buf, _START))
                 reasoning, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
                 return reasoning, ""
             reasoning, self.buf, self.state = self.buf[:i], self.buf[i + len(_END):], "content"
