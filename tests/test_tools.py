@@ -716,8 +716,14 @@ def test_responses_body_of_a_chat_answer():
         with pytest.raises(ValueError, match=match):
             RA.chat_request(bad)
     assert RA.chat_request({"input": "x", "reasoning": {"effort": None, "summary": None}})["messages"]  # no options
-    # a reasoning item with no assistant turn right after it (a turn cut while reasoning) goes with none
+    # a reasoning item with no assistant turn right after it (a turn cut while reasoning) is an assistant turn
+    # of its own (it was dropped: a chain went on with two user turns in a row, which alternating templates refuse)
+    think = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "t"}]}
     msgs = RA.chat_request({"input": [
-        {"role": "user", "content": "q"}, {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "t"}]},
+        {"role": "user", "content": "q"}, think,
         {"role": "user", "content": "never mind"}, {"role": "assistant", "content": "Hi!"}]})["messages"]
-    assert [m["role"] for m in msgs] == ["user", "user", "assistant"] and "reasoning" not in msgs[2]
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant"] and "reasoning" not in msgs[3]
+    assert msgs[1] == {"role": "assistant", "content": "", "reasoning": "t"}
+    for tail in ([think], [think, {"type": "function_call_output", "call_id": "c", "output": "1"}]):
+        msgs = RA.chat_request({"input": [{"role": "user", "content": "q"}, *tail]})["messages"]
+        assert msgs[1] == {"role": "assistant", "content": "", "reasoning": "t"}, msgs

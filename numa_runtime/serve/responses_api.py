@@ -289,8 +289,12 @@ def _messages(items) -> list[dict]:
         if not isinstance(item, dict):
             raise _bad(f"{where} must be an object (a message or an item).")
         kind = item.get("type", "message")
-        if kind in ("message", "function_call_output") and item.get("role") != "assistant":
-            reasoning = None  # NOTE: a reasoning item goes with the assistant turn right after it, or with none
+        if kind in ("message", "function_call_output", "reasoning") and item.get("role") != "assistant" \
+                and reasoning is not None:
+            # NOTE: a reasoning item with no assistant turn after it is a turn of its own (a reply cut while it
+            # reasoned): it was dropped, and a chain went on with two user turns in a row
+            out.append({"role": "assistant", "content": "", "reasoning": reasoning})
+            reasoning = None
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
@@ -336,6 +340,8 @@ def _messages(items) -> list[dict]:
         else:
             raise _bad(f"{where}: items of type {kind!r} are not supported (message, function_call, "
                        "function_call_output and reasoning are).")
+    if reasoning is not None:
+        out.append({"role": "assistant", "content": "", "reasoning": reasoning})
     if not out:
         raise _bad("input holds no message.")
     return out
