@@ -672,6 +672,10 @@ def test_responses_body_of_a_chat_answer():
     assert r["status"] == "completed" and r["metadata"] == {"k": "v"} and r["usage"]["total_tokens"] == 7
     chat["choices"][0]["finish_reason"] = "length"
     assert RA.response_body({"input": "x"}, chat)["incomplete_details"] == {"reason": "max_output_tokens"}
+    # the reasoning effort and the sampling values as used echo back (null each, as if ignored)
+    r = RA.response_body({"input": "x", "reasoning": {"effort": "high"}, "top_p": 0.5}, chat, {"temperature": 0.7})
+    assert (r["reasoning"], r["temperature"], r["top_p"]) == ({"effort": "high", "summary": None}, 0.7, 0.5)
+    assert (r := RA.response_body({"input": "x"}, chat))["reasoning"] is None and r["temperature"] == r["top_p"] == 1.0
     # input items: a reasoning item goes with the assistant turn after it; function calls group
     body = RA.chat_request({"input": [
         {"role": "user", "content": "q"}, {"type": "reasoning", "summary": [], "content": [

@@ -394,11 +394,12 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
         answer = await chat_answer(chat, request, RA.RENAMES)
         keep = functools.partial(stored.keep, raw) if RA.stores(raw) else None
         if isinstance(answer, StreamingResponse):
-            return StreamingResponse(RA.events(raw, config.served_model_name, answer.body_iterator, keep),
+            return StreamingResponse(RA.events(raw, config.served_model_name, answer.body_iterator, keep,
+                                               engine.default_sampling),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         if not isinstance(answer, JSONResponse) or answer.status_code != 200:
             return answer  # NOTE: the client went away (499): nothing to convert
-        resp = RA.response_body(raw, json.loads(answer.body))
+        resp = RA.response_body(raw, json.loads(answer.body), engine.default_sampling)
         if keep is not None:
             keep(resp)
         return JSONResponse(resp)

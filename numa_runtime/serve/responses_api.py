@@ -413,17 +413,21 @@ def _resp_id(raw: dict) -> str:
     return f"resp_{raw['request_id']}" if raw.get("request_id") is not None else _new_id("resp")
 
 
-def _skeleton(raw: dict, model: str, rid: str, created: int) -> dict:
-    """The Response object's fields that echo the request."""
+def _skeleton(raw: dict, model: str, rid: str, created: int, defaults: dict | None = None) -> dict:
+    """The Response object's fields that echo the request: sampling values as used (`defaults`:
+    the model's generation defaults for those the request leaves unset; else OpenAI's 1.0), the
+    reasoning effort as given."""
     tools = [{"type": "function", **_tool(t, i)["function"]} for i, t in enumerate(raw.get("tools") or [])]
     fmt = (raw.get("text") or {}).get("format") or {"type": "text"}
+    used = {k: raw.get(k) if raw.get(k) is not None else (defaults or {}).get(k, 1.0) for k in ("temperature", "top_p")}
+    effort = (raw.get("reasoning") or {}).get("effort") if isinstance(raw.get("reasoning"), dict) else None
     return {"id": rid, "object": "response", "created_at": created, "status": "in_progress", "model": model,
             "output": [], "error": None, "incomplete_details": None, "instructions": raw.get("instructions"),
             "max_output_tokens": raw.get("max_output_tokens"), "metadata": raw.get("metadata") or {},
             "parallel_tool_calls": raw.get("parallel_tool_calls", True),
             "previous_response_id": raw.get("previous_response_id"),
-            "reasoning": None, "store": stores(raw), "background": False, "temperature": raw.get("temperature"),
-            "top_p": raw.get("top_p"), "text": {"format": fmt}, "tool_choice": raw.get("tool_choice", "auto"),
+            "reasoning": {"effort": effort, "summary": None} if effort is not None else None, "store": stores(raw),
+            "background": False, "temperature": used["temperature"], "top_p": used["top_p"], "text": {"format": fmt}, "tool_choice": raw.get("tool_choice", "auto"),
             "tools": tools, "truncation": "disabled", "user": raw.get("user"), "usage": None}
 
 
@@ -463,9 +467,9 @@ def _call_item(call: dict, status: str = "completed") -> dict:
             "arguments": fn.get("arguments") or "", "status": status}
 
 
-def response_body(raw: dict, chat: dict) -> dict:
-    """The Response object of a (non-streamed) chat answer."""
-    resp = _skeleton(raw, chat.get("model"), _resp_id(raw), int(chat.get("created") or time.time()))
+def response_body(raw: dict, chat: dict, defaults: dict | None = None) -> dict:
+    """The Response object of a (non-streamed) chat answer (`defaults`: _skeleton's)."""
+    resp = _skeleton(raw, chat.get("model"), _resp_id(raw), int(chat.get("created") or time.time()), defaults)
     choice = chat["choices"][0]
     msg = choice.get("message") or {}
     reasoning = msg.get("reasoning_content") or msg.get("reasoning")
@@ -483,8 +487,8 @@ def response_body(raw: dict, chat: dict) -> dict:
 class EventStream:
     """Responses events of a chat completion event stream (chunks as the chat path sends them)."""
 
-    def __init__(self, raw: dict, model: str):
-        self.resp = _skeleton(raw, model, _resp_id(raw), int(time.time()))
+    def __init__(self, raw: dict, model: str, defaults: dict | None = None):
+        self.resp = _skeleton(raw, model, _resp_id(raw), int(time.time()), defaults)
         self.seq = 0
         self.open: dict | None = None   # the reasoning or message item being written
         self.calls: dict[int, dict] = {}  # tool call index -> its function_call item
@@ -599,10 +603,10 @@ class EventStream:
                 self._event("response.failed", response=self.resp)]
 
 
-async def events(raw: dict, model: str, chat_stream, done=None):
+async def events(raw: dict, model: str, chat_stream, done=None, defaults: dict | None = None):
     """Responses events (SSE text) of the chat event stream `chat_stream` (an async iterator);
     `done(response)` is called with the final Response object of a stream that ends."""
-    conv = EventStream(raw, model)
+    conv = EventStream(raw, model, defaults)
     for e in conv.start():
         yield e
     failed = False
