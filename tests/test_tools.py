@@ -554,6 +554,9 @@ def test_stored_responses_continue_a_conversation(model_dir):
         items = c.responses.input_items.list(r2.id)
         assert [i.content[0].text for i in items.data] == ["And again?"] and not items.has_more
         assert items.data[0].type == "message" and items.data[0].status == "completed"
+        assert not c.responses.input_items.list(r2.id, after=items.data[0].id).data
+        with pytest.raises(openai.BadRequestError, match="after names no input item of response"):
+            c.responses.input_items.list(r2.id, after="item_nope")  # NOTE: it gave the first page again
         assert r1.usage.input_tokens_details.cache_write_tokens == (
             r1.usage.input_tokens - r1.usage.input_tokens_details.cached_tokens)
         assert c.responses.delete(r1.id) is None

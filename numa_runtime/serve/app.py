@@ -425,7 +425,10 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             items = stored.get(response_id).items
         items = [{**item, "id": item.get("id") or f"item_{response_id}_{i}"} for i, item in enumerate(items)]
         items = items[::-1] if order == "desc" else items
-        start = next((i + 1 for i, item in enumerate(items) if item["id"] == after), 0) if after else 0
+        start = next((i + 1 for i, item in enumerate(items) if item["id"] == after), None) if after else 0
+        if start is None:  # NOTE: a cursor of no item here gave the first page again (a pager looped)
+            raise ApiError(400, f"after names no input item of response {response_id!r}: {after!r}.", param="after",
+                           code="invalid_value")
         page = items[start:start + limit]
         return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                 "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}
