@@ -368,6 +368,16 @@ def test_async_engine_counts_each_waiting_request_once():
     finally:
         aengine.stop()
     assert seen and max(seen) == 3, seen
+    # ... but requests a step left waiting (no KV room) are a backlog that free seats do not take: they and all
+    # that came since queue (the seats hid them: the limit never refused while memory held every request back)
+    from numa_runtime.serve.async_engine import EngineStats
+    a = AsyncEngine(four)
+    a.stats = EngineStats(num_running=1, num_waiting=6)
+    assert a.num_waiting == 3  # none held: 6 fresh, 3 seats free
+    a._held = 5
+    assert a.num_waiting == 6  # 5 held + 1 fresh
+    a.stats = EngineStats(num_running=1, num_waiting=2)  # NOTE: held ones aborted since: at most what waits
+    assert a.num_waiting == 2
 
 
 def test_threads_sharing_an_engine_are_served_in_turn(model_dir, alone):

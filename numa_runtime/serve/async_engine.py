@@ -50,6 +50,7 @@ class AsyncEngine:
         # series until the first request, then changed series)
         self.stats = EngineStats(per_model=tuple(engine.model_stats()) if hasattr(engine, "model_stats") else ())
         self._seats = _seats(engine)
+        self._held = 0  # sequences the last step left waiting (num_waiting)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # NOTE: put() is reentrant (signal-safe)
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._waiting_calls: list[tuple] = []  # "call"s waiting for KV room (retried after each step)
@@ -98,8 +99,13 @@ class AsyncEngine:
         batch seats free for them (the queue --max-queue bounds). NOTE: requests that arrived
         since the last step waited until it ran: a burst that fit the free seats got 429s."""
         with self._count_lock:
-            waiting = self._adds_sent - self._adds_taken + self.stats.num_waiting
-            return max(0, waiting - max(0, self._seats - self.stats.num_running))
+            # held: what the last step left waiting (the scheduler could not admit it: memory, or seats);
+            # fresh: arrived since (the inbox, and what the scheduler took after that step)
+            held = min(self._held, self.stats.num_waiting)
+            fresh = self._adds_sent - self._adds_taken + self.stats.num_waiting - held
+            if held:  # NOTE: a backlog: the fresh ones queue behind it, free seats or not
+                return held + fresh
+            return max(0, fresh - max(0, self._seats - self.stats.num_running))
 
     async def add(self, request_id: str, prompt: str | list[int], params, sink: asyncio.Queue) -> None:
         """Queue a request; its RequestOutputs (or an exception) will arrive in `sink`.
@@ -173,14 +179,18 @@ class AsyncEngine:
                     break
                 if self._cancel_at is not None and time.monotonic() >= self._cancel_at and self._sinks:
                     self._fail_all(EngineDeadError("The server is shutting down; the request was cut short."))
-                if self.engine.has_unfinished_requests():
+                stepped = self.engine.has_unfinished_requests()
+                if stepped:
                     self._busy_since = time.monotonic()
                     self._step()
                     self._last_step = time.monotonic()
                     self._busy_since = None
                 if self._waiting_calls:
                     self._retry_calls()
-                self._update_stats()
+                with self._count_lock:
+                    self._update_stats()
+                    if stepped:
+                        self._held = self.stats.num_waiting
         finally:
             self._busy_since = None
             self._stopped.set()
