@@ -74,6 +74,17 @@ class Engine:
 
     def __init__(self, model: str | None = None, dtype: str = "bfloat16", max_model_len: int | None = None,
                  num_threads: int | None = None, **kwargs):
+        try:
+            self._init(model, dtype, max_model_len, num_threads, **kwargs)
+        except BaseException:
+            # NOTE: a start-up that fails after the runner opened the KV disk tier gives its folder lock back
+            # now (a traceback kept by a REPL kept the runner, and a corrected retry was "in use")
+            disk = getattr(getattr(self, "runner", None), "disk", None)
+            if disk is not None:
+                disk.close()
+            raise
+
+    def _init(self, model, dtype, max_model_len, num_threads, **kwargs):
         from . import backend, data_parallel, distributed, profiler
         from .default_model import default_model_path
         from .gguf_model import model_dir_of

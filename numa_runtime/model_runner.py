@@ -59,6 +59,7 @@ class ModelRunner:
         store = DiskStore(self.engine_cfg.kv_cache_dir, fp, self.comm.rank, self.bytes_per_block)
         cap = self.engine_cfg.kv_cache_disk_bytes
         if 0 < cap < store.file_bytes:  # NOTE: on every rank, inside the load's agreement
+            store.close()
             raise ValueError(f"kv_cache_disk_bytes ({cap}) is below one block file ({store.file_bytes} "
                              "bytes); raise it, or drop kv_cache_dir.")
         return store

@@ -472,6 +472,33 @@ def test_one_engine_at_a_time_owns_a_folder(model_dir, tmp_path):
     DiskStore(str(tmp_path), "fp", rank=0, block_bytes=64).close()
 
 
+def test_the_folder_is_free_after_a_failed_start_and_beside_a_forked_child(model_dir, tmp_path):
+    """A start-up that fails after the store took the lock gives it back at once (a REPL keeping
+    the traceback kept the runner: the corrected retry was "in use"); close() unlocks before a
+    process forked meanwhile (a multiprocessing pool) ends (the lock is the shared open file's)."""
+    import multiprocessing
+    import sys
+    try:
+        engine(model_dir, str(tmp_path), kv_cache_disk_bytes=100)
+    except ValueError:
+        sys.last_value = sys.exc_info()[1]  # NOTE: as the REPL, IPython and Jupyter keep it
+    else:
+        raise AssertionError("a cap below one block file was taken")
+    try:
+        engine(model_dir, str(tmp_path)).close()
+    finally:
+        del sys.last_value
+    first = engine(model_dir, str(tmp_path))
+    pool = multiprocessing.get_context("fork").Pool(1)
+    try:
+        assert pool.apply(abs, (-1,)) == 1  # NOTE: the child lives on beside the closed engine
+        first.close()
+        engine(model_dir, str(tmp_path)).close()
+    finally:
+        pool.terminate()
+        pool.join()
+
+
 def test_a_disk_cap_below_one_block_file_is_refused(model_dir, tmp_path):
     with pytest.raises(ValueError, match=r"kv_cache_disk_bytes \(100\) is below one block file"):
         engine(model_dir, str(tmp_path), kv_cache_disk_bytes=100)

@@ -191,7 +191,12 @@ class DiskStore:
         """Give up this rank's files (the lock); the store is not used after. Idempotent."""
         fd, self._lock = getattr(self, "_lock", None), None
         if fd is not None:
-            os.close(fd)
+            # NOTE: unlocked first: an flock belongs to the open file, which a forked child (a multiprocessing
+            # pool) shares; closing our descriptor alone left the folder locked until every child ended
+            try:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
 
     __del__ = close  # NOTE: a worker of the model router drops its engine without closing it
 
