@@ -88,6 +88,9 @@ class CompletionOutput:
         self.new_logprobs = new_logprobs if new_logprobs is not None or logprobs is None else list(logprobs)
         self._token_text = token_text    # a token id's text (Logprob.decoded_token)
         self._logprobs = None
+        # this sequence's own (first token, latest token, end) on time.monotonic's clock, None until each
+        # happens (the server's per-sequence metrics; RequestOutput.metrics gives the request's)
+        self.times: tuple = (None, None, None)
 
     @property
     def text(self) -> str:
@@ -270,7 +273,9 @@ class TextState:
         view = (lambda items: list(items[:n])) if req.is_finished else (lambda items: Prefix(items, n))
         # NOTE: `text` is what was sent: while running, the characters held back for a stop string
         # are not in it (vLLM's running text); they were shown, then cut when the stop completed
-        return CompletionOutput(index, lambda: "".join(sent[:k]), view(req.output_token_ids),
-                                req.finish_reason, req.stop_reason, None if lps is None else view(lps),
-                                delta, req.output_token_ids[start:n], None if lps is None else lps[start:n],
-                                self.detok.tokenizer.decoded_token if lps is not None else None)
+        out = CompletionOutput(index, lambda: "".join(sent[:k]), view(req.output_token_ids),
+                               req.finish_reason, req.stop_reason, None if lps is None else view(lps),
+                               delta, req.output_token_ids[start:n], None if lps is None else lps[start:n],
+                               self.detok.tokenizer.decoded_token if lps is not None else None)
+        out.times = (req.first_token_time, req.last_token_time, req.finished_time)
+        return out

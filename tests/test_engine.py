@@ -1174,6 +1174,10 @@ def test_engine_api_edges_as_vllm(model_dir):
         assert outs[-1].finished and not outs[0].finished and outs[0].metrics.finished_time is None
         m2 = outs[-1].metrics
         assert m2.first_token_time <= m2.last_token_time <= m2.finished_time
+        # each sequence's own times (the server's per-sequence latency metrics)
+        own = [c.times for c in outs[-1].outputs]
+        assert all(m2.first_token_time <= f <= last <= end <= m2.finished_time for f, last, end in own), own
+        assert max(t[2] for t in own) == m2.finished_time and outs[0].outputs[0].times[2] is None
         assert sorted(m2) == ["arrival_time", "finished_time", "first_scheduled_time", "first_token_time",
                               "last_token_time", "time_in_queue"]
     finally:

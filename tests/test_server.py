@@ -535,6 +535,23 @@ def test_echo_checks_its_prompt_and_streams_usage_only_when_asked(client, server
     assert httpx.get(server.base + "/health").json() == {"status": "ok"}
 
 
+def test_latency_histograms_take_each_sequences_own_times():
+    """n=2, one sequence of 2 tokens ending at 0.2 s, one of 200 ending at 10 s: each gets its own
+    end-to-end time and time per token (each got the request's: 10 s and 9.9 s a token for 2 tokens)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from numa_runtime.serve.async_engine import EngineStats
+    from numa_runtime.serve.metrics import ServerMetrics
+    m = ServerMetrics(lambda: EngineStats())
+    m.observe_request("tiny", ["stop", "length", "abort"], 20, 202, 100.0,
+                      [(10, 2, 100.1, 100.2, 100.2), (10, 200, 100.1, 109.9, 110.0)])
+    samples = {(s.name, s.labels.get("status")): s.value for f in text_string_to_metric_families(m.render().decode())
+               for s in f.samples}
+    assert samples[("numa_runtime_e2e_request_latency_seconds_sum", None)] == pytest.approx(0.2 + 10.0)
+    assert samples[("numa_runtime_time_per_output_token_seconds_sum", None)] == pytest.approx(0.1 + 9.8 / 199)
+    assert samples[("numa_runtime_time_to_first_token_seconds_count", None)] == 2
+    assert [samples[("numa_runtime_requests_total", k)] for k in ("stop", "length", "abort")] == [1, 1, 1]
+
+
 def test_usage_says_what_the_prefix_cache_served(client):
     """OpenAI's usage.prompt_tokens_details.cached_tokens (and /v1/responses' input_tokens_details):
     the prompt tokens the prefix cache held (always 0: nothing wrote it)."""

@@ -326,9 +326,10 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
         if echo_only:
             out = R.echo_body(body.response_id("cmpl"), config.served_model_name, echo, scores, body.n,
                               decode_token, engine.tokenizer.decoded_token)
+            end = time.monotonic()
             metrics.observe_request(config.served_model_name, ["length"] * (len(prompts) * body.n),
-                                    out["usage"]["prompt_tokens"], 0, arrival, None, time.monotonic(),
-                                    [(len(p), 0) for p in prompts for _ in range(body.n)])
+                                    out["usage"]["prompt_tokens"], 0, arrival,
+                                    [(len(p), 0, None, None, end) for p in prompts for _ in range(body.n)])
             if not body.stream:
                 return JSONResponse(out)
             usage = out.pop("usage")  # NOTE: in its own last event, and only with include_usage
@@ -553,12 +554,22 @@ class _Report:
         sequence takes `status`)."""
         u = self.tracker.usage()
         end = time.monotonic()
-        statuses = [(reasons or {}).get(i) or status for i in range(self.num_seqs)]
-        self.metrics.observe_request(self.model, statuses, u["prompt_tokens"], u["completion_tokens"], self.arrival,
-                                     self.first_token, end, sequences=self.tracker.sequence_lengths())
-        for out in self.tracker.latest.values():  # NOTE: vLLM's phases of each engine request (each of n too)
-            for _ in out.outputs:
-                self.metrics.observe_phases(self.model, out.metrics, end)
+        own = dict(self.tracker.choices())  # choice index -> its CompletionOutput (those with an output)
+        # NOTE: a choice that ended before an abort or error keeps its own reason
+        statuses = [(reasons or {}).get(i) or (own[i].finish_reason if i in own else None) or status
+                    for i in range(self.num_seqs)]
+        seqs = []
+        for i, c in sorted(own.items()):
+            first, last, done = getattr(c, "times", (None, None, None))
+            seqs.append((len(self.tracker.latest[i // self.tracker.n].prompt_token_ids), len(c.token_ids),
+                         first if first is not None else self.first_token, last, done or end))
+        self.metrics.observe_request(self.model, [statuses[i] for i in sorted(own)] +
+                                     [statuses[i] for i in range(self.num_seqs) if i not in own],
+                                     u["prompt_tokens"], u["completion_tokens"], self.arrival, seqs)
+        for i, c in sorted(own.items()):  # NOTE: vLLM's phases of each engine request (each of n too)
+            first, _, done = getattr(c, "times", (None, None, None))
+            self.metrics.observe_phases(self.model, self.tracker.latest[i // self.tracker.n].metrics, done or end,
+                                        first)
 
 
 async def _collect(gen: _Generation, tracker: R.ChoiceTracker, report: _Report, param: str) -> None:

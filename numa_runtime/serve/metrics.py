@@ -167,29 +167,32 @@ class ServerMetrics:
         r.register(_VllmNames(r, model_name))
 
     def observe_request(self, model: str, statuses: list[str], prompt_tokens: int, completion_tokens: int,
-                        arrival: float, first_token: float | None, end: float, sequences: list) -> None:
-        """One API request to `model` finished: `statuses`, each of its sequences' (every prompt's n,
-        decoded side by side); `sequences`: (prompt, generated) tokens of each that has an output.
-        NOTE: per sequence, as vLLM counts its engine requests (one a prompt, each of n too): the
-        request counter took choice 0's reason once, beside histograms counted per sequence."""
+                        arrival: float, sequences: list) -> None:
+        """One API request to `model` finished: `statuses`, each of its sequences' (every prompt's n);
+        `sequences`: (prompt tokens, generated tokens, first token, latest token, end) of each that has an
+        output, its own times (None where it has none), on `arrival`'s clock (time.monotonic).
+        NOTE: per sequence and on its own times, as vLLM counts its engine requests (one a prompt, each of n
+        too): the request counter took choice 0's reason once, and every sequence the request's end."""
         for status in statuses:
             self.requests.labels(model, status).inc()
-            if status in ("stop", "length", "tool_calls"):
-                self.e2e.labels(model).observe(end - arrival)
         self.prompt_tokens.labels(model).inc(prompt_tokens)
         self.generation_tokens.labels(model).inc(completion_tokens)
-        for prompt, generated in sequences:
+        for (prompt, generated, first, last, end), status in zip(sequences, statuses):
             self.request_prompt_tokens.labels(model).observe(prompt)
             self.request_generation_tokens.labels(model).observe(generated)
-            if first_token is not None:
-                self.ttft.labels(model).observe(first_token - arrival)
-                if generated > 1:
-                    self.tpot.labels(model).observe((end - first_token) / (generated - 1))
+            if status in ("stop", "length", "tool_calls") and end is not None:
+                self.e2e.labels(model).observe(max(0.0, end - arrival))
+            if first is not None:
+                self.ttft.labels(model).observe(max(0.0, first - arrival))
+                if generated > 1 and last is not None:
+                    self.tpot.labels(model).observe(max(0.0, last - first) / (generated - 1))
 
-    def observe_phases(self, model: str, times: dict, end: float) -> None:
-        """One engine request's queue, prefill, decode and inference time (RequestOutput.metrics:
-        arrival, first scheduled and first token, on time.monotonic's clock)."""
-        arrival, scheduled, first = (times.get(k) for k in ("arrival_time", "first_scheduled_time", "first_token_time"))
+    def observe_phases(self, model: str, times: dict, end: float, first: float | None = None) -> None:
+        """One sequence's queue, prefill, decode and inference time (RequestOutput.metrics: arrival,
+        first scheduled and first token, on time.monotonic's clock; `first`: the sequence's own first
+        token, where it has one)."""
+        arrival, scheduled = times.get("arrival_time"), times.get("first_scheduled_time")
+        first = first if first is not None else times.get("first_token_time")
         if arrival is None or scheduled is None:
             return
         self.phases["queue"].labels(model).observe(max(0.0, scheduled - arrival))
