@@ -220,7 +220,7 @@ class SamplingParams:
         bias = kwargs.get("logit_bias")
         if isinstance(bias, Mapping):
             kwargs["logit_bias"] = {  # NOTE: what is no id or no number is left to the constructor's check
-                (int(t) if isinstance(t, str) and t.strip().lstrip("-").isdigit() else t):
+                (int(t) if isinstance(t, str) and t.strip().lstrip("-").isascii() and t.strip().lstrip("-").isdigit() else t):
                 (min(100.0, max(-100.0, float(v))) if isinstance(v, numbers.Real) and not isinstance(v, bool) else v)
                 for t, v in bias.items()}
         return cls(**kwargs)
