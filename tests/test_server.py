@@ -330,6 +330,8 @@ def test_seed_reproducible(client):
     a, b, c = sample(1234), sample(1234), sample(99)
     assert a == b
     assert a != c
+    # -1 is vLLM's "no seed" (it was one fixed seed: every such request gave the same text)
+    assert len({sample(-1) for _ in range(4)}) > 1
 
 
 def test_penalties_and_extensions(client):

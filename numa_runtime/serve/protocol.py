@@ -163,7 +163,8 @@ class _SamplingRequest(_Body):
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
         }.items() if v is not None}
         # NOTE: any integer is a valid OpenAI seed; the sampler's generator wants a non-negative one.
-        seed = None if self.seed is None else self.seed % (1 << 64)
+        # -1 is vLLM's "no seed" (it was the fixed seed 2**64 - 1: three such requests gave one text)
+        seed = None if self.seed is None or self.seed == -1 else self.seed % (1 << 64)
         for s in [self.stop] if isinstance(self.stop, str) else self.stop or []:
             check_text("stop", s)
         _refuse(self, self._refused())
