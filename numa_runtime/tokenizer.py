@@ -5,6 +5,7 @@ transformers: the `tokenizers` library does the encoding and decoding, jinja2 (s
 the chat template with the helpers HF templates expect.
 """
 import functools
+import contextvars
 import json
 import logging
 import os
@@ -389,9 +390,13 @@ class Tokenizer:
         context = {k: v for k, v in self._special.items() if v is not None}
         context.update(kwargs)
         msgs = _template_messages(messages, *_content_format(source), developer="developer" in source)
+        budget = _RANGE_BUDGET.set([MAX_TEMPLATE_RANGE_STEPS])
         try:
             text = _compile(source).render(messages=msgs, tools=tools,
                                            documents=documents, add_generation_prompt=add, **context)
+        except _RangeBudgetError as e:
+            owner = "the given chat template" if chat_template is not None else self._template_owner
+            raise ChatTemplateError(f"{owner} {e}") from None
         except jinja2.TemplateError as e:
             owner = "the given chat template" if chat_template is not None else self._template_owner
             raise ChatTemplateError(f"{owner} rejected the conversation: {e}") \
@@ -400,6 +405,8 @@ class Tokenizer:
             owner = "the given chat template" if chat_template is not None else self._template_owner
             raise ChatTemplateError(f"{owner} failed on this conversation "
                                     f"({type(e).__name__}: {e}).") from e
+        finally:
+            _RANGE_BUDGET.reset(budget)
         if continue_final_message:  # NOTE: as transformers: cut at the tag (its text searched for failed where
             # it was empty, or where the template writes it again after the message: "m" in <|im_end|>)
             i = text.rfind(_CONTINUE_TAG.strip())
@@ -919,6 +926,29 @@ class _GenerationTag(jinja2.ext.Extension):
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
+# NOTE: range() steps one render may take over all its calls: the sandbox caps each range (100000), not
+# their nesting, and a template looping on a chat_template_kwargs value kept a thread busy for ever (six
+# such requests held every tokenizing thread, and the server answered nothing more)
+MAX_TEMPLATE_RANGE_STEPS = 2_000_000
+_RANGE_BUDGET: contextvars.ContextVar = contextvars.ContextVar("numa_runtime_range_budget", default=None)
+
+
+class _RangeBudgetError(jinja2.exceptions.SecurityError):
+    pass
+
+
+def _bounded_range(*args):
+    """The sandbox's range, counted against the render's budget."""
+    r = jinja2.sandbox.safe_range(*args)
+    budget = _RANGE_BUDGET.get()
+    if budget is not None:
+        budget[0] -= len(r)
+        if budget[0] < 0:
+            raise _RangeBudgetError(f"looped over more than {MAX_TEMPLATE_RANGE_STEPS:,} range() steps for this "
+                                    "conversation (chat_template_kwargs too large for it?).")
+    return r
+
+
 _ENV = None
 
 
@@ -932,6 +962,7 @@ def _jinja_env() -> ImmutableSandboxedEnvironment:
         env.globals["strftime_now"] = _strftime_now
         env.globals["dict"] = _Dict()
         env.globals["namespace"] = _Namespace
+        env.globals["range"] = _bounded_range
         _ENV = env
     return _ENV
 

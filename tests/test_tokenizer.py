@@ -291,6 +291,16 @@ def test_chat_template_errors_are_clear(tmp_path):
     tok._chat_templates = {"default": "{{ messages.__class__.__mro__ }}"}
     with pytest.raises(ChatTemplateError):  # the sandbox refuses
         tok.render_chat([{"role": "user", "content": "a"}])
+    # a loop a request variable sizes is bounded over the whole render (each range is, by the sandbox; nested,
+    # 10**10 steps held a thread for ever), and the next render has its own budget
+    from numa_runtime.tokenizer import MAX_TEMPLATE_RANGE_STEPS
+    tok._chat_templates = {"default": "{% for i in range(depth) %}{% for j in range(depth) %}{% endfor %}{% endfor %}"
+                                      "{{ messages[0]['content'] }}"}
+    msgs = [{"role": "user", "content": "a"}]
+    with pytest.raises(ChatTemplateError, match=rf"looped over more than {MAX_TEMPLATE_RANGE_STEPS:,} range\(\) steps"):
+        tok.apply_chat_template(msgs, tokenize=False, depth=100000)
+    assert tok.apply_chat_template(msgs, tokenize=False, depth=1000) == "a"  # 10**6 steps, twice in a row
+    assert tok.apply_chat_template(msgs, tokenize=False, depth=1000) == "a"
 
 
 @pytest.mark.parametrize("source", [
