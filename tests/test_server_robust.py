@@ -949,3 +949,25 @@ def test_a_stop_signal_just_after_the_load_stops_the_server_cleanly(model_dir):
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "front process exited" not in r.stderr, r.stderr[-3000:]
     assert "serving at http://127.0.0.1:" in r.stdout, r.stdout[-2000:]
+
+
+def test_a_server_whose_tokenizing_thread_never_returns_still_exits(model_dir, tmp_path):
+    """A chat template that loops for ever over a request's list (range() is bounded; a list is not)
+    holds its tokenizing thread. The server stops on a signal anyway: the exit waited for that thread
+    for ever, and further signals reached no handler (only SIGKILL ended it)."""
+    template = tmp_path / "loop.jinja"
+    template.write_text("{% for a in xs %}{% for b in xs %}{% for c in xs %}{% endfor %}{% endfor %}{% endfor %}"
+                        "{{ messages[0]['content'] }}")
+    srv = ServerProcess(["--model", model_dir, *TINY, "--served-model-name", "tiny", "--shutdown-grace", "1",
+                         "--chat-template", str(template)])
+    try:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                "chat_template_kwargs": {"xs": list(range(5000))}}
+        with pytest.raises(httpx.ReadTimeout):  # NOTE: 1.25e11 steps: it never answers
+            httpx.post(srv.base + "/v1/chat/completions", json=body, timeout=2)
+        assert httpx.get(srv.base + "/health", timeout=10).status_code == 200
+    finally:
+        started = time.monotonic()
+        rc = srv.stop(signal.SIGTERM)
+    assert rc == 0 and time.monotonic() - started < 25, srv.output()
+    assert "thread(s) still running" in srv.output()

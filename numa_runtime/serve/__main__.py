@@ -656,10 +656,31 @@ def main(argv=None) -> int:
         # NOTE: before the model loads (and before MPI starts): the front runs outside mpirun's reach
         front = HttpFront(sock, access_log=args.log_level == "debug", request_timeout=args.request_timeout)
     try:
-        return _serve(args, world, sock, front)
+        rc = _serve(args, world, sock, front)
     finally:
         if front is not None:
             front.close()
+    if lead:
+        _exit_watchdog(rc)
+    return rc
+
+
+_EXIT_WAIT_S = 10.0
+
+
+def _exit_watchdog(rc: int) -> None:
+    """Rank 0 returns `rc`: if the interpreter's exit is still waiting for threads _EXIT_WAIT_S later (a
+    call on a tokenizing thread that does not end), exit without them. It waited for ever, and by then
+    no signal reached a handler that could end it."""
+    import time
+
+    def watch():
+        time.sleep(_EXIT_WAIT_S)
+        busy = [t.name for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
+        print(f"numa-serve: warning: {len(busy)} thread(s) still running {_EXIT_WAIT_S:.0f} s after the server "
+              "stopped; exiting without them.", file=sys.stderr, flush=True)
+        os._exit(rc)
+    threading.Thread(target=watch, name="numa-exit", daemon=True).start()
 
 
 def _serve(args, world, sock, front) -> int:

@@ -25,7 +25,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from ..tokenizer import open_tail
 from . import responses as R
-from .async_engine import AsyncEngine, EngineDeadError
+from .async_engine import AsyncEngine, EngineDeadError, off_loop
 from ..engine import prompt_truncation
 from .embeddings import EmbeddingRequest, create_embeddings
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -227,12 +227,12 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
                 plan(body.tools, "none", None)  # NOTE: the tools chat takes, checked as chat checks them
                 kwargs = body.template_kwargs() | ({"tools": body.tools} if body.tools else {})
                 # NOTE: off the event loop, as chat renders: a slow template holds no other request
-                text = await asyncio.to_thread(tok.render_chat, [m.as_template_dict() for m in body.messages],
+                text = await off_loop(tok.render_chat, [m.as_template_dict() for m in body.messages],
                                                **kwargs)
                 add = bool(body.add_special_tokens)
             else:
                 text, add = body.prompt, body.add_special_tokens is not False
-            ids = await asyncio.to_thread(tok.encode, text, add_special_tokens=add)
+            ids = await off_loop(tok.encode, text, add_special_tokens=add)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                 "token_strs": [tok.token_str(t) for t in ids] if body.return_token_strs else None}
 
@@ -299,9 +299,9 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
                 raise ValueError(f"{field} constrains generated text, and echo with max_tokens 0 generates none; "
                                  "drop one.")
             if params.constraint is not None and not echo_only:  # NOTE: guided_json; built once, off the loop
-                await asyncio.to_thread(engine.grammars.prepare)
+                await off_loop(engine.grammars.prepare)
             # NOTE: as vLLM's truncate_prompt_tokens: the last `keep` tokens
-            prompts = await asyncio.to_thread(tokenize_prompts, texts, body.add_special_tokens, keep)
+            prompts = await off_loop(tokenize_prompts, texts, body.add_special_tokens, keep)
             echo = scores = None
             if body.echo or body.prompt_logprobs is not None:
                 check_queue()  # NOTE: before the prompt's forward
@@ -370,10 +370,10 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             # may leave text out (older turns, earlier reasoning), as vLLM judges the rendered prompt
             keep = prompt_truncation(body.truncate_prompt_tokens, engine.max_model_len)
             if params.constraint is not None:  # NOTE: built once, off the loop and the engine thread
-                await asyncio.to_thread(engine.grammars.prepare)
+                await off_loop(engine.grammars.prepare)
             messages = [m.as_template_dict() for m in body.messages]
             kwargs = body.template_kwargs() | ({"tools": tool_plan.tools} if tool_plan.tools else {})
-            ids = await asyncio.to_thread(tokenize_chat, messages, kwargs, body.add_special_tokens, keep)
+            ids = await off_loop(tokenize_chat, messages, kwargs, body.add_special_tokens, keep)
         return await _serve(request, body, "chatcmpl", [ids], params, arrival, renames, tool_plan)
 
     @app.post("/v1/responses")
@@ -486,9 +486,9 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             # NOTE: built off the event loop: n=128 x 480 tokens of 20 logprobs took 12 s of it, and every other
             # client waited that long
             if kind == "chatcmpl":
-                out = await asyncio.to_thread(R.chat_body, rid, name, tracker, decode_token, tool_plan, *thinking)
+                out = await off_loop(R.chat_body, rid, name, tracker, decode_token, tool_plan, *thinking)
             else:
-                out = await asyncio.to_thread(R.completion_body, rid, name, tracker, decode_token, *echo,
+                out = await off_loop(R.completion_body, rid, name, tracker, decode_token, *echo,
                                               engine.tokenizer.decoded_token)
             # NOTE: each choice's reason as the client sees it ("tool_calls" too)
             reasons = {c["index"]: c["finish_reason"] for c in out["choices"]}
@@ -501,7 +501,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
         finally:
             gen.abort()
             report.finish(status, reasons)
-        return await asyncio.to_thread(JSONResponse, out)  # NOTE: its json.dumps too (80 MB there)
+        return await off_loop(JSONResponse, out)  # NOTE: its json.dumps too (80 MB there)
 
     return app
 

@@ -10,7 +10,10 @@ second one.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import logging
+import os
 import queue
 import threading
 import time
@@ -37,6 +40,18 @@ class EngineStats:
     # several models (a ModelRouter): per model (name, running, waiting, KV usage, hit rate, preemptions,
     # prefix-cache queries, hits)
     per_model: tuple = ()
+
+
+# NOTE: the server's worker threads (tokenizing, chat templates, large bodies), not the event loop's
+# default executor: asyncio.run's end waits for that one's threads, and one that never returned (a chat
+# template looping for ever) held the HTTP thread, and so the whole server, for ever
+_WORKERS = concurrent.futures.ThreadPoolExecutor(max_workers=min(32, (os.cpu_count() or 1) + 4),
+                                                 thread_name_prefix="numa-work")
+
+
+async def off_loop(fn, *args, **kwargs):
+    """fn(*args, **kwargs) on the server's worker threads (asyncio.to_thread's role)."""
+    return await asyncio.get_running_loop().run_in_executor(_WORKERS, functools.partial(fn, *args, **kwargs))
 
 
 class EngineDeadError(RuntimeError):

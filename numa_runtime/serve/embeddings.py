@@ -7,7 +7,6 @@ cls), or the model's default (Engine.embed). vLLM's `truncate_prompt_tokens`,
 """
 from __future__ import annotations
 
-import asyncio
 import base64
 from typing import Any, ClassVar, Literal, Optional
 
@@ -16,6 +15,7 @@ from pydantic import Field
 
 from ..engine import check_input_length, embedding_size, first_bad_id, prompt_truncation
 from ..tokenizer import check_text
+from .async_engine import off_loop
 from .protocol import _Body
 
 MAX_INPUTS = 2048
@@ -114,7 +114,7 @@ async def create_embeddings(aengine, body: EmbeddingRequest, model_name: str, po
     def tokenize() -> list[list[int]]:  # NOTE: a text's special tokens survive truncation, as in vLLM
         return [tok.prompt_ids(x, keep, body.add_special_tokens) for x in items]
 
-    ids = await asyncio.to_thread(tokenize)
+    ids = await off_loop(tokenize)
     if any(not i for i in ids):
         raise ValueError("An input has no tokens (an empty text without special tokens); give it some text.")
     vocab = engine.model_config.vocab_size
