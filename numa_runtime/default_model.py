@@ -94,11 +94,14 @@ def default_model_dir() -> str:
     with open(os.path.join(env.cache_dir(), f".{MODEL_NAME}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not _is_complete(target):
+            from .gguf_model import sweep_temporaries, write_manifest
+            sweep_temporaries(env.cache_dir(), f".{MODEL_NAME}.tmp-")  # NOTE: a killed conversion's (227 MB)
             tmp = tempfile.mkdtemp(prefix=f".{MODEL_NAME}.tmp-", dir=env.cache_dir())
             try:
                 convert_gguf_to_hf(gguf_path, tmp)
                 with open(os.path.join(tmp, _STAMP), "w") as f:
                     json.dump({"version": CONVERSION_VERSION}, f)
+                write_manifest(tmp)
                 os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
                 if os.path.isdir(target):  # incomplete, or made by another version of the converter
                     shutil.rmtree(target)
@@ -109,13 +112,16 @@ def default_model_dir() -> str:
 
 
 def _is_complete(path: str) -> bool:
-    """A finished conversion by this version of the converter."""
+    """A finished conversion by this version of the converter, every file as written (a truncated
+    one was trusted, and its load said to download it again)."""
+    from .gguf_model import folder_complete
     try:
         with open(os.path.join(path, _STAMP)) as f:
             version = json.load(f).get("version")
     except (OSError, ValueError, AttributeError):
         return False
-    return version == CONVERSION_VERSION and all(os.path.isfile(os.path.join(path, f)) for f in _REQUIRED)
+    return version == CONVERSION_VERSION and all(os.path.isfile(os.path.join(path, f)) for f in _REQUIRED) \
+        and folder_complete(path)
 
 
 def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> None:

@@ -59,13 +59,16 @@ def gguf_model_dir(path: str, name: str | None = None) -> str:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file {path!r} does not exist.")
     files = gguf_shards(path)
-    stamp = ":".join(f"{f}:{st.st_size}:{st.st_mtime_ns}" for f, st in ((f, os.stat(f)) for f in files))
+    # NOTE: the inode and ctime too: a file replaced in place at its size with its mtime kept (cp -p, rsync -a,
+    # tar x) ran on the old file's description, which users can set but not these
+    stamp = ":".join(f"{f}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_ctime_ns}"
+                     for f, st in ((f, os.stat(f)) for f in files))
     key = hashlib.sha1(f"{stamp}:{DESCRIBE_VERSION}".encode()).hexdigest()[:16]
     shard = _SHARD.match(os.path.basename(path))
     stem = name or (shard["stem"] if shard else os.path.splitext(os.path.basename(path))[0])
     parent = os.path.join(env.cache_dir(), "gguf", key)
     target = os.path.join(parent, stem)
-    if os.path.isfile(os.path.join(target, "config.json")):
+    if folder_complete(target):
         return target
     try:
         os.makedirs(parent, exist_ok=True)
@@ -76,15 +79,65 @@ def gguf_model_dir(path: str, name: str | None = None) -> str:
                       "NUMA_RUNTIME_CACHE at a writable directory.") from None
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.isfile(os.path.join(target, "config.json")):
+        if not folder_complete(target):
+            sweep_temporaries(parent, ".tmp-")
             tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
             try:
                 _describe(files, tmp)
+                write_manifest(tmp)
                 os.chmod(tmp, 0o755)
+                if os.path.lexists(target):  # NOTE: damaged (a file truncated or deleted): described again
+                    log.warning("the cached description %s of %s was damaged; describing the file again", target,
+                                path)
+                    shutil.rmtree(target, ignore_errors=True)
                 os.rename(tmp, target)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+_MANIFEST = ".complete.json"
+
+
+def write_manifest(folder: str) -> None:
+    """Last of a cache folder's writes: every file in it with its size (a link: its target)."""
+    files = {}
+    for root, _, names in os.walk(folder):
+        for n in names:
+            p = os.path.join(root, n)
+            rel = os.path.relpath(p, folder)
+            if rel != _MANIFEST:
+                files[rel] = os.readlink(p) if os.path.islink(p) else os.path.getsize(p)
+    with open(os.path.join(folder, _MANIFEST), "w") as f:
+        json.dump(files, f)
+
+
+def folder_complete(folder: str) -> bool:
+    """Whether a cache folder holds every file write_manifest listed, each as written. NOTE: one that
+    lost or cut a file (by hand, a full disk, a kill) was trusted for ever (it only needed config.json),
+    and every later run failed on it."""
+    try:
+        with open(os.path.join(folder, _MANIFEST)) as f:
+            files = json.load(f)
+        for rel, want in files.items():
+            p = os.path.join(folder, rel)
+            if (os.readlink(p) if isinstance(want, str) else os.path.getsize(p)) != want:
+                return False
+    except (OSError, ValueError, AttributeError):
+        return False
+    return True
+
+
+def sweep_temporaries(folder: str, prefix: str) -> None:
+    """Remove the temporary folders `prefix`* of writers that died (SIGKILL: their cleanup never ran). The
+    caller holds the lock every writer holds while its temporary folder exists."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for n in names:
+        if n.startswith(prefix):
+            shutil.rmtree(os.path.join(folder, n), ignore_errors=True)
 
 
 # llama.cpp's names for the files of a split model (gguf-split, llama_split_path)

@@ -98,6 +98,22 @@ def test_a_conversion_by_another_converter_version_is_made_again(model_dir, tmp_
         assert json.load(f) == {"version": default_model.CONVERSION_VERSION}
 
 
+def test_a_cut_conversion_or_a_killed_ones_leftovers_are_made_again_or_removed(model_dir, tmp_path, monkeypatch):
+    """A converted file cut short (by hand, a full disk) was trusted, and its load said to download it
+    again; a conversion killed in its work left its temporary folder (227 MB) for ever."""
+    import shutil
+    monkeypatch.setenv("NUMA_RUNTIME_CACHE", str(tmp_path))
+    copy = tmp_path / MODEL_NAME
+    shutil.copytree(model_dir, copy)
+    assert default_model_dir() == str(copy)  # NOTE: complete as copied (its manifest holds)
+    size = os.path.getsize(copy / "model.safetensors")
+    with open(copy / "model.safetensors", "r+b") as f:
+        f.truncate(size // 2)
+    (tmp_path / f".{MODEL_NAME}.tmp-dead").mkdir()
+    assert default_model_dir() == str(copy) and os.path.getsize(copy / "model.safetensors") == size
+    assert sorted(os.listdir(tmp_path)) == [f".{MODEL_NAME}.lock", MODEL_NAME]
+
+
 def test_interrupted_conversion_leaves_no_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("NUMA_RUNTIME_CACHE", str(tmp_path))
 

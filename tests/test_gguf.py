@@ -185,6 +185,38 @@ def test_named_chat_templates_of_a_gguf_are_kept(hf_models, tmp_path, with_defau
     assert tok.render_chat(msgs) == ("hi" if with_default else "TOOLS:null" + "hi")
 
 
+def test_a_damaged_or_replaced_description_is_made_again(hf_models, tmp_path):
+    """The cached description of a GGUF: one with a file cut or deleted (by hand, a full disk) was
+    trusted for ever and every run failed on it; a file replaced in place at its size with its
+    mtime kept (cp -p) ran on the old description; a killed writer's temporary folder stayed."""
+    import shutil
+    from numa_runtime.gguf_model import folder_complete, gguf_model_dir
+    from numa_runtime.tokenizer import Tokenizer
+    path = str(tmp_path / "m.gguf")
+    write_gguf(hf_models["llama"], path, "F32")
+    first = gguf_model_dir(path)
+    ids = Tokenizer.from_dir(first).encode("Hello world")
+    for damage in ("tokenizer.json", "gguf_tensors.json", "model.gguf", "config.json"):
+        target = os.path.join(first, damage)
+        if damage == "tokenizer.json":
+            with open(target, "r+b") as f:
+                f.truncate(100)
+        else:
+            os.remove(target)
+        assert not folder_complete(first)
+        os.makedirs(os.path.join(os.path.dirname(first), ".tmp-dead"))  # NOTE: a writer killed in its work
+        assert gguf_model_dir(path) == first and folder_complete(first), damage
+        assert Tokenizer.from_dir(first).encode("Hello world") == ids
+        assert sorted(os.listdir(os.path.dirname(first))) == [".lock", os.path.basename(first)]
+    other = str(tmp_path / "other.gguf")
+    write_gguf(hf_models["llama"], other, "F32", extra=lambda w: w.add_string("tokenizer.chat_template", "OTHER"))
+    stat = os.stat(path)
+    shutil.copyfile(other, path)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # NOTE: cp -p keeps the mtime
+    again = gguf_model_dir(path)
+    assert again != first and Tokenizer.from_dir(again).render_chat([{"role": "user", "content": "x"}]) == "OTHER"
+
+
 def test_unknown_architecture_is_a_clear_error(hf_models, tmp_path):
     path = str(tmp_path / "m.gguf")
     write_gguf(hf_models["llama"], path, "F32", arch="gpt2")
