@@ -64,7 +64,7 @@ def local_path(name: str, revision: str | None = None, cache_dir: str | None = N
         if offline:  # NOTE: huggingface_hub's own advice (local_files_only=False) is no option of ours
             at = "" if revision is None else f" at revision {revision!r}"
             raise FileNotFoundError(f"{name!r} is no local path, and it is not in the Hugging Face Hub cache "
-                                    f"({cache or 'HF_HOME/hub'}){at} while HF_HUB_OFFLINE=1: fetch it first, or unset "
+                                    f"({cache or _hub_cache()}){at} while HF_HUB_OFFLINE=1: fetch it first, or unset "
                                     "HF_HUB_OFFLINE.") from None
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise FileNotFoundError(f"{name!r} is no local path, and fetching it from the Hugging Face Hub failed "
@@ -74,3 +74,12 @@ def local_path(name: str, revision: str | None = None, cache_dir: str | None = N
         raise FileNotFoundError(f"{repo} on the Hugging Face Hub holds no safetensors weights; for a repository "
                                 f"of GGUF files name one of them ({repo}/FILE.gguf).")
     return path
+
+
+def _hub_cache() -> str:
+    """The Hub cache folder huggingface_hub reads (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/...)."""
+    try:
+        from huggingface_hub import constants
+        return str(constants.HF_HUB_CACHE)
+    except (ImportError, AttributeError):
+        return "HF_HOME/hub"

@@ -55,6 +55,7 @@ def test_a_hub_id_that_cannot_be_had_is_one_sentence(hub_home):
     assert last.startswith("FileNotFoundError: 'test-org/missing' is no local path, and it is not in the Hugging "
                            "Face Hub cache"), r.stderr
     assert last.endswith("while HF_HUB_OFFLINE=1: fetch it first, or unset HF_HUB_OFFLINE.")
+    assert f"Face Hub cache ({os.path.join(home, 'hub')})" in last  # NOTE: the folder it read (it said HF_HOME/hub)
     # NOTE: online (no network here, or a repository that does not exist where there is one)
     env = {**os.environ, "HF_HOME": home, "HF_HUB_ETAG_TIMEOUT": "5", "HF_HUB_DOWNLOAD_TIMEOUT": "5"}
     env.pop("HF_HUB_OFFLINE", None)
