@@ -59,9 +59,10 @@ def gguf_model_dir(path: str, name: str | None = None) -> str:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file {path!r} does not exist.")
     files = gguf_shards(path)
-    # NOTE: the inode and ctime too: a file replaced in place at its size with its mtime kept (cp -p, rsync -a,
-    # tar x) ran on the old file's description, which users can set but not these
-    stamp = ":".join(f"{f}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_ctime_ns}"
+    # NOTE: and a digest of each file's first and last bytes (its metadata, its last tensor): a file replaced
+    # in place at its size with its mtime kept (cp -p, rsync -a, tar x) ran on the old file's description.
+    # Not the inode or ctime: a cache made in a container image's build is read on other hosts.
+    stamp = ":".join(f"{f}:{st.st_size}:{st.st_mtime_ns}:{_ends_digest(f, st.st_size)}"
                      for f, st in ((f, os.stat(f)) for f in files))
     key = hashlib.sha1(f"{stamp}:{DESCRIBE_VERSION}".encode()).hexdigest()[:16]
     shard = _SHARD.match(os.path.basename(path))
@@ -97,6 +98,23 @@ def gguf_model_dir(path: str, name: str | None = None) -> str:
 
 
 _MANIFEST = ".complete.json"
+_ENDS = 4 << 20  # bytes read at each end of a GGUF for its description's key
+
+
+def _ends_digest(path: str, size: int) -> str:
+    """A digest of the file's first and last _ENDS bytes (all of a smaller one)."""
+    h = hashlib.sha1()
+    try:
+        with open(path, "rb") as f:
+            h.update(f.read(_ENDS))
+            if size > 2 * _ENDS:
+                f.seek(size - _ENDS)
+                h.update(f.read(_ENDS))
+            elif size > _ENDS:
+                h.update(f.read())
+    except OSError as e:
+        raise OSError(f"cannot read the GGUF file {path!r} ({e.strerror or e}).") from None
+    return h.hexdigest()[:16]
 
 
 def write_manifest(folder: str) -> None:
