@@ -94,14 +94,15 @@ def default_model_dir() -> str:
     with open(os.path.join(env.cache_dir(), f".{MODEL_NAME}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not _is_complete(target):
-            from .gguf_model import sweep_temporaries, write_manifest
+            from .gguf_model import cache_full_said, sweep_temporaries, write_manifest
             sweep_temporaries(env.cache_dir(), f".{MODEL_NAME}.tmp-")  # NOTE: a killed conversion's (227 MB)
             tmp = tempfile.mkdtemp(prefix=f".{MODEL_NAME}.tmp-", dir=env.cache_dir())
             try:
-                convert_gguf_to_hf(gguf_path, tmp)
-                with open(os.path.join(tmp, _STAMP), "w") as f:
-                    json.dump({"version": CONVERSION_VERSION}, f)
-                write_manifest(tmp)
+                with cache_full_said("the converted model's weights and tokenizer"):
+                    convert_gguf_to_hf(gguf_path, tmp)
+                    with open(os.path.join(tmp, _STAMP), "w") as f:
+                        json.dump({"version": CONVERSION_VERSION}, f)
+                    write_manifest(tmp)
                 os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
                 if os.path.isdir(target):  # incomplete, or made by another version of the converter
                     shutil.rmtree(target)

@@ -7,6 +7,8 @@ from the GGUF itself by gguf_checkpoint.GGUFCheckpoint, per rank, quantized bloc
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -84,8 +86,9 @@ def gguf_model_dir(path: str, name: str | None = None) -> str:
             sweep_temporaries(parent, ".tmp-")
             tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
             try:
-                _describe(files, tmp)
-                write_manifest(tmp)
+                with cache_full_said("the GGUF file's tokenizer and config"):
+                    _describe(files, tmp)
+                    write_manifest(tmp)
                 os.chmod(tmp, 0o755)
                 if os.path.lexists(target):  # NOTE: damaged (a file truncated or deleted): described again
                     log.warning("the cached description %s of %s was damaged; describing the file again", target,
@@ -95,6 +98,21 @@ def gguf_model_dir(path: str, name: str | None = None) -> str:
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+@contextlib.contextmanager
+def cache_full_said(what: str):
+    """A full disk under the cache, said as such (the OS's words, or the tokenizers library's, named
+    no cache)."""
+    try:
+        yield
+    except Exception as e:
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
+            full = OSError(f"{what} are written to the cache directory {env.cache_dir()} (NUMA_RUNTIME_CACHE), "
+                           "which is full; free space there, or point NUMA_RUNTIME_CACHE at another directory.")
+            full.errno = errno.ENOSPC
+            raise full from None
+        raise
 
 
 _MANIFEST = ".complete.json"

@@ -217,6 +217,22 @@ def test_a_damaged_or_replaced_description_is_made_again(hf_models, tmp_path):
     assert again != first and Tokenizer.from_dir(again).render_chat([{"role": "user", "content": "x"}]) == "OTHER"
 
 
+def test_a_full_cache_is_said_to_be_full(hf_models, tmp_path, monkeypatch):
+    """A full disk under the cache, in the OS's or the tokenizers library's words, named no cache."""
+    from numa_runtime import gguf_model
+    path = str(tmp_path / "m.gguf")
+    write_gguf(hf_models["llama"], path, "F32")
+    monkeypatch.setenv("NUMA_RUNTIME_CACHE", str(tmp_path / "cache"))
+    for error in (OSError(28, "No space left on device"), Exception("No space left on device (os error 28)")):
+        def full(files, out, error=error):
+            raise error
+        monkeypatch.setattr(gguf_model, "_describe", full)
+        with pytest.raises(OSError, match=r"^the GGUF file's tokenizer and config are written to the cache directory "
+                           r".*cache \(NUMA_RUNTIME_CACHE\), which is full; free space there"):
+            gguf_model.gguf_model_dir(path)
+        assert [n for n in os.listdir(next((tmp_path / "cache" / "gguf").iterdir())) if n != ".lock"] == []
+
+
 def test_unknown_architecture_is_a_clear_error(hf_models, tmp_path):
     path = str(tmp_path / "m.gguf")
     write_gguf(hf_models["llama"], path, "F32", arch="gpt2")
