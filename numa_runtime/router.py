@@ -140,6 +140,10 @@ class ReplicaRouter:
         return sum(s.num_waiting for s in self.replicas)
 
     @property
+    def memory_bound(self) -> bool:
+        return any(s.memory_bound for s in self.replicas)
+
+    @property
     def num_preemptions(self) -> int:
         return sum(s.num_preemptions for s in self.replicas)
 

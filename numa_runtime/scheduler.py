@@ -82,6 +82,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []        # oldest admission first
         self.num_steps = 0
+        self.memory_bound = False  # the last schedule() left requests waiting for KV room
         self.num_preemptions = 0
 
     # ---- requests in and out ---------------------------------------------------------------
@@ -158,6 +159,9 @@ class Scheduler:
         if self.block_manager.num_uncomputed:  # NOTE: the last step was never updated: it did not run
             self.drop_uncomputed()
         budget = self.config.max_num_batched_tokens
+        # NOTE: whether this step left requests waiting for KV room (a preemption, or an admission that did not
+        # fit), not for its token budget or seats: the server's queue limit counts those as a backlog
+        self.memory_bound = False
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
 
@@ -173,6 +177,7 @@ class Scheduler:
                 victim = self.running.pop()  # NOTE: index >= i, so never one already scheduled
                 self._preempt(victim)
                 preempted.append(victim)
+                self.memory_bound = True
                 if victim is req:
                     break
             else:
@@ -192,6 +197,7 @@ class Scheduler:
             n = self._chunk(req.num_tokens - num_cached, budget, num_cached)
             if not self.block_manager.can_allocate(req, n, blocks, reserve):
                 if self.running or scheduled or not blocks or reserve:
+                    self.memory_bound = True
                     break
                 # NOTE: nothing runs that could free blocks, so the prefix-cache hits are what
                 # does not fit (a sliding-window model's prefix longer than the pool): recompute
@@ -199,6 +205,7 @@ class Scheduler:
                 blocks, num_cached = [], 0
                 n = self._chunk(req.num_tokens, budget, 0)
                 if not self.block_manager.can_allocate(req, n, blocks):
+                    self.memory_bound = True
                     break
             self.block_manager.allocate(req, n, blocks)
             # NOTE: the full blocks this step computes are cached now, so that a request admitted

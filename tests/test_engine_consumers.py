@@ -380,6 +380,22 @@ def test_async_engine_counts_each_waiting_request_once():
     assert a.num_waiting == 2
 
 
+@pytest.mark.parametrize("bound", ["memory", "budget"])
+def test_a_step_says_whether_kv_room_held_its_waiting_requests(model_dir, bound):
+    """The queue limit counts what a step left waiting for KV room as a backlog; requests a step's
+    token budget left waiting are admitted by the next steps, and free seats take them (they counted
+    as a backlog: a burst of long prompts got 429s with 15 of 16 seats and the pool free)."""
+    kw = dict(kv_cache_memory=6 * 8192) if bound == "memory" else dict(kv_cache_memory=1 << 24, max_num_batched_tokens=64)
+    eng = Engine(model_dir, dtype="float32", max_model_len=96, max_num_seqs=16, **kw)
+    try:
+        for i in range(8):
+            eng.add_request(list(range(5 + i, 45 + i)), SamplingParams(max_tokens=4, temperature=0))
+        eng.step()
+        assert eng.scheduler.num_waiting > 0 and eng.scheduler.memory_bound == (bound == "memory")
+    finally:
+        eng.close()
+
+
 def test_threads_sharing_an_engine_are_served_in_turn(model_dir, alone):
     """generate() from several threads at once: each gets its own text (they hung, two threads
     stepping one scheduler)."""

@@ -114,7 +114,7 @@ class AsyncEngine:
         batch seats free for them (the queue --max-queue bounds). NOTE: requests that arrived
         since the last step waited until it ran: a burst that fit the free seats got 429s."""
         with self._count_lock:
-            # held: what the last step left waiting (the scheduler could not admit it: memory, or seats);
+            # held: what the last step left waiting for KV room (the scheduler could not admit it);
             # fresh: arrived since (the inbox, and what the scheduler took after that step)
             held = min(self._held, self.stats.num_waiting)
             fresh = self._adds_sent - self._adds_taken + self.stats.num_waiting - held
@@ -204,8 +204,9 @@ class AsyncEngine:
                     self._retry_calls()
                 with self._count_lock:
                     self._update_stats()
-                    if stepped:
-                        self._held = self.stats.num_waiting
+                    if stepped:  # NOTE: a backlog only where KV room held them (not a step's token budget)
+                        bound = getattr(getattr(self.engine, "scheduler", None), "memory_bound", False)
+                        self._held = self.stats.num_waiting if bound else 0
         finally:
             self._busy_since = None
             self._stopped.set()
