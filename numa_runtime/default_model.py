@@ -115,14 +115,23 @@ def default_model_dir() -> str:
 def _is_complete(path: str) -> bool:
     """A finished conversion by this version of the converter, every file as written (a truncated
     one was trusted, and its load said to download it again)."""
-    from .gguf_model import folder_complete
+    from .gguf_model import _MANIFEST, folder_complete, write_manifest
     try:
         with open(os.path.join(path, _STAMP)) as f:
             version = json.load(f).get("version")
     except (OSError, ValueError, AttributeError):
         return False
-    return version == CONVERSION_VERSION and all(os.path.isfile(os.path.join(path, f)) for f in _REQUIRED) \
-        and folder_complete(path)
+    if version != CONVERSION_VERSION or not all(os.path.isfile(os.path.join(path, f)) for f in _REQUIRED):
+        return False
+    if not os.path.exists(os.path.join(path, _MANIFEST)):
+        # NOTE: a conversion made before folders listed their files: trusted as it was, and listed now where the
+        # cache can be written (a read-only one that held it was refused, and a writable one converted again)
+        try:
+            write_manifest(path)
+        except OSError:
+            pass
+        return True
+    return folder_complete(path)
 
 
 def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> None:

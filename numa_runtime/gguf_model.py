@@ -93,7 +93,10 @@ def gguf_model_dir(path: str, name: str | None = None) -> str:
                 if os.path.lexists(target):  # NOTE: damaged (a file truncated or deleted): described again
                     log.warning("the cached description %s of %s was damaged; describing the file again", target,
                                 path)
-                    shutil.rmtree(target, ignore_errors=True)
+                    if os.path.islink(target):  # NOTE: a folder moved away and linked back: the link goes
+                        os.unlink(target)
+                    else:
+                        shutil.rmtree(target, ignore_errors=True)
                 os.rename(tmp, target)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)

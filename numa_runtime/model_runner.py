@@ -38,7 +38,11 @@ class ModelRunner:
             raise ValueError(f"Cannot allocate a KV cache of {mib:.0f} MiB on rank {self.comm.rank} (not enough "
                              f"memory); lower kv_cache_memory (--kv-cache-memory).") from None
         self.disk = self._open_disk_store(model_cfg)
-        self.disk_hashes = self.disk.scan() if self.disk is not None else []  # valid on this rank
+        try:
+            self.disk_hashes = self.disk.scan() if self.disk is not None else []  # valid on this rank
+        except BaseException:  # NOTE: a Ctrl-C while a large tier is read: the Engine never got this runner
+            self.disk.close()
+            raise
         self.failed_loads: set[int] = set()  # rank 0: hashes of the last step's failed loads
         # [S'] int64 or None: the argmax of each row of the logits the last execute returned,
         # when the model's decode region computed it (the sampler's greedy rows take it)

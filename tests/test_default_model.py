@@ -112,6 +112,12 @@ def test_a_cut_conversion_or_a_killed_ones_leftovers_are_made_again_or_removed(m
     (tmp_path / f".{MODEL_NAME}.tmp-dead").mkdir()
     assert default_model_dir() == str(copy) and os.path.getsize(copy / "model.safetensors") == size
     assert sorted(os.listdir(tmp_path)) == [f".{MODEL_NAME}.lock", MODEL_NAME]
+    # a conversion made before folders listed their files is trusted as it was (and listed now): it was
+    # converted again, and refused in a read-only cache
+    (copy / ".complete.json").unlink()
+    mtime = os.path.getmtime(copy / "model.safetensors")
+    assert default_model_dir() == str(copy) and os.path.getmtime(copy / "model.safetensors") == mtime
+    assert (copy / ".complete.json").exists()
 
 
 def test_interrupted_conversion_leaves_no_cache(tmp_path, monkeypatch):

@@ -497,6 +497,31 @@ def test_the_folder_is_free_after_a_failed_start_and_beside_a_forked_child(model
     finally:
         pool.terminate()
         pool.join()
+    # ... and a forked child that closes its copy of an open engine's store leaves the parent's lock alone
+    # (it unlocked the shared open file: two engines then shared the folder)
+    first = engine(model_dir, str(tmp_path))
+    pid = os.fork()
+    if pid == 0:
+        try:
+            first.runner.disk.close()
+        finally:
+            os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    with pytest.raises(ValueError, match="is in use by another engine"):
+        engine(model_dir, str(tmp_path))
+    first.close()
+    # ... and a start-up cut while the store reads its files (Ctrl-C in a large tier's scan) gives it back
+    from numa_runtime.kv_cache import disk_tier
+
+    def cut(self):
+        raise OSError("the scan was cut short")
+    real, disk_tier.DiskStore.scan = disk_tier.DiskStore.scan, cut
+    try:
+        with pytest.raises(OSError, match="cut short"):
+            engine(model_dir, str(tmp_path))
+    finally:
+        disk_tier.DiskStore.scan = real
+    engine(model_dir, str(tmp_path)).close()
 
 
 def test_a_disk_cap_below_one_block_file_is_refused(model_dir, tmp_path):

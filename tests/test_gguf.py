@@ -208,6 +208,11 @@ def test_a_damaged_or_replaced_description_is_made_again(hf_models, tmp_path):
         assert gguf_model_dir(path) == first and folder_complete(first), damage
         assert Tokenizer.from_dir(first).encode("Hello world") == ids
         assert sorted(os.listdir(os.path.dirname(first))) == [".lock", os.path.basename(first)]
+    moved = str(tmp_path / "moved")  # NOTE: a folder moved away and linked back, then damaged: the link goes
+    shutil.move(first, moved)
+    os.symlink(moved, first)
+    os.remove(os.path.join(moved, "tokenizer.json"))
+    assert gguf_model_dir(path) == first and folder_complete(first) and not os.path.islink(first)
     other = str(tmp_path / "other.gguf")
     write_gguf(hf_models["llama"], other, "F32", extra=lambda w: w.add_string("tokenizer.chat_template", "OTHER"))
     stat = os.stat(path)

@@ -181,6 +181,7 @@ class DiskStore:
             return None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._lock_pid = os.getpid()
         except OSError:
             os.close(fd)
             raise ValueError(f"The KV cache directory {root!r} is in use by another engine or server of "
@@ -191,10 +192,12 @@ class DiskStore:
         """Give up this rank's files (the lock); the store is not used after. Idempotent."""
         fd, self._lock = getattr(self, "_lock", None), None
         if fd is not None:
-            # NOTE: unlocked first: an flock belongs to the open file, which a forked child (a multiprocessing
-            # pool) shares; closing our descriptor alone left the folder locked until every child ended
+            # NOTE: unlocked first, by the process that locked: an flock belongs to the open file, which a forked
+            # child (a multiprocessing pool) shares; closing our descriptor alone left the folder locked until
+            # every child ended, and a child that unlocks (its copy's close or __del__) freed the parent's lock
             try:
-                fcntl.flock(fd, fcntl.LOCK_UN)
+                if getattr(self, "_lock_pid", None) == os.getpid():
+                    fcntl.flock(fd, fcntl.LOCK_UN)
             finally:
                 os.close(fd)
 
