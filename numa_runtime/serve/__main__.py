@@ -42,8 +42,7 @@ def _size(text: str) -> int:
 
 
 _REFUSED_VLLM: dict[str, str] = {}  # vLLM flag -> why it cannot mean the same here (check_args)
-# vLLM's runner flags: the values taken (parse_args' help, check_args), and those that pool (engine_kwargs)
-_RUNNER_FLAGS, _POOLING = RUNNER_VALUES, POOLING_VALUES
+# NOTE: vLLM's runner flags: config.RUNNER_VALUES (parse_args' help, check_args), POOLING_VALUES (engine_kwargs)
 
 
 def _json_list(flag: str):
@@ -186,7 +185,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "default: HF_TOKEN or the saved login")
     vl.add_argument("--load-format", default="auto", help="auto, safetensors or gguf (as the model's files say)")
     # NOTE: as Engine(runner=...): `vllm serve M --runner pooling` users dropped the flag and got mean pooling
-    for flag, ok in _RUNNER_FLAGS.items():
+    for flag, ok in RUNNER_VALUES.items():
         vl.add_argument("--" + flag, default=None, metavar="|".join(ok),
                         help=f"{', '.join(ok)}: pooling/embed make /v1/embeddings pool the last token where the "
                              "checkpoint declares no pooling, as vLLM's pooling runner does (generation stays "
@@ -268,7 +267,7 @@ def engine_kwargs(args) -> dict:
         kwargs["data_parallel"] = args.data_parallel
     if args.enforce_eager:
         kwargs["cuda_graphs"] = False
-    if {getattr(args, flag) for flag in _RUNNER_FLAGS} & _POOLING:
+    if {getattr(args, flag) for flag in RUNNER_VALUES} & POOLING_VALUES:
         # NOTE: as Engine(runner="pooling"): the last token by default, after what a checkpoint declares
         kwargs["runner"] = "pooling"
     return kwargs
@@ -296,8 +295,7 @@ def build_router(args):
     import psutil
     from numa_runtime.hub import served_name
     from numa_runtime.config import ModelConfig
-    from numa_runtime.tokenizer import Tokenizer
-    from .router import ModelRouter, RouterConfig, _tokenizer, model_paths_in_dir, model_spec, parse_bytes
+    from .router import ModelRouter, RouterConfig, model_paths_in_dir, model_spec, model_tokenizer, parse_bytes
     world, local = env.mpi_world() or (0, 1), env.mpi_local() or (0, 1)
     paths = model_paths_in_dir(args.models_dir) if args.models_dir else []
     found, failed, tokenizers = {}, {}, {}
@@ -306,7 +304,7 @@ def build_router(args):
             found[path] = model_spec(path)
             ModelConfig.from_dir(found[path].model_dir)
             if world[0] == 0:  # NOTE: rank 0 reads the tokenizers (a broken tokenizer.json stopped them all)
-                tokenizers[found[path].name] = _tokenizer(found[path].name, found[path].model_dir, Tokenizer)
+                tokenizers[found[path].name] = model_tokenizer(found[path].name, found[path].model_dir)
         except (ValueError, OSError) as e:
             failed[path] = f"{e} (rank {world[0]})" if world[1] > 1 else str(e)
     if args.models_dir and world[1] > 1:
@@ -422,7 +420,7 @@ def check_args(args) -> str | None:
             return f"{flag} (vLLM's) {why}."
     if args.pipeline_parallel_size != 1:
         return "--pipeline-parallel-size must be 1: ranks split each layer (tensor parallel), not the layers."
-    for flag, ok in _RUNNER_FLAGS.items():
+    for flag, ok in RUNNER_VALUES.items():
         value = getattr(args, flag)
         if value is not None and value not in ok:
             return (f"--{flag} {value} (vLLM's) is not supported here: it takes {', '.join(ok)} (this server "

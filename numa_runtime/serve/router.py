@@ -109,16 +109,15 @@ def model_spec(path: str, name: str | None = None) -> ModelSpec:
     return ModelSpec(name or os.path.basename(os.path.normpath(path)), path)
 
 
-def _tokenizer(name: str, model_dir: str, Tokenizer):
+def model_tokenizer(name: str, model_dir: str):
     """The model's tokenizer; ValueError naming the model where its files cannot be read (the
     tokenizers library's own error named neither)."""
+    from ..tokenizer import Tokenizer
     try:
         return Tokenizer.from_dir(model_dir)
-    except (ValueError, OSError) as e:
-        if name in str(e) or model_dir in str(e):
-            raise
-        raise ValueError(f"Model {name!r}: cannot read its tokenizer in {model_dir} ({e}).") from None
     except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exception for a bad file
+        if isinstance(e, (ValueError, OSError)) and (name in str(e) or model_dir in str(e)):
+            raise
         raise ValueError(f"Model {name!r}: cannot read its tokenizer in {model_dir} ({e}).") from None
 
 
@@ -138,7 +137,6 @@ class ModelRouter:
     def __init__(self, config: RouterConfig, comm_world: int = 1, is_driver: bool = True,
                  tokenizers: dict | None = None):
         """`tokenizers`: name -> tokenizer already read (rank 0), for the models it holds."""
-        from ..tokenizer import Tokenizer
         if comm_world > 1 and config.engine_kwargs.get("device") == "cuda":
             # NOTE: each model would open its own NCCL group, and switching models closed it
             raise ValueError("Several models on the CUDA backend run on one rank (one GPU); start one "
@@ -183,7 +181,7 @@ class ModelRouter:
         self._check()  # NOTE: on every rank, from what every rank holds alike (files, arguments, the budget)
         if is_driver:
             given = tokenizers or {}
-            self.tokenizers = {n: given[n] if n in given else _tokenizer(n, c.model_dir, Tokenizer)
+            self.tokenizers = {n: given[n] if n in given else model_tokenizer(n, c.model_dir)
                                for n, c in self.model_configs.items()}
             self._log()
 
