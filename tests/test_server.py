@@ -544,8 +544,8 @@ def test_latency_histograms_take_each_sequences_own_times():
     from numa_runtime.serve.async_engine import EngineStats
     from numa_runtime.serve.metrics import ServerMetrics
     m = ServerMetrics(lambda: EngineStats())
-    m.observe_request("tiny", ["stop", "length", "abort"], 20, 202, 100.0,
-                      [(10, 2, 100.1, 100.2, 100.2), (10, 200, 100.1, 109.9, 110.0)])
+    m.observe_request("tiny", [("stop", 10, 2, 100.1, 100.2, 100.2), ("length", 10, 200, 100.1, 109.9, 110.0),
+                               ("abort", None, 0, None, None, None)], 20, 202, 100.0)
     samples = {(s.name, s.labels.get("status")): s.value for f in text_string_to_metric_families(m.render().decode())
                for s in f.samples}
     assert samples[("numa_runtime_e2e_request_latency_seconds_sum", None)] == pytest.approx(0.2 + 10.0)

@@ -327,9 +327,9 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             out = R.echo_body(body.response_id("cmpl"), config.served_model_name, echo, scores, body.n,
                               decode_token, engine.tokenizer.decoded_token)
             end = time.monotonic()
-            metrics.observe_request(config.served_model_name, ["length"] * (len(prompts) * body.n),
-                                    out["usage"]["prompt_tokens"], 0, arrival,
-                                    [(len(p), 0, None, None, end) for p in prompts for _ in range(body.n)])
+            metrics.observe_request(config.served_model_name,
+                                    [("length", len(p), 0, None, None, end) for p in prompts for _ in range(body.n)],
+                                    out["usage"]["prompt_tokens"], 0, arrival)
             if not body.stream:
                 return JSONResponse(out)
             usage = out.pop("usage")  # NOTE: in its own last event, and only with include_usage
@@ -558,21 +558,21 @@ class _Report:
         u = self.tracker.usage()
         end = time.monotonic()
         own = dict(self.tracker.choices())  # choice index -> its CompletionOutput (those with an output)
-        # NOTE: a choice that ended before an abort or error keeps its own reason
-        statuses = [(reasons or {}).get(i) or (own[i].finish_reason if i in own else None) or status
-                    for i in range(self.num_seqs)]
         seqs = []
-        for i, c in sorted(own.items()):
-            first, last, done = getattr(c, "times", (None, None, None))
-            seqs.append((len(self.tracker.latest[i // self.tracker.n].prompt_token_ids), len(c.token_ids),
+        for i in range(self.num_seqs):
+            c = own.get(i)
+            # NOTE: a choice that ended before an abort or error keeps its own reason
+            seq_status = (reasons or {}).get(i) or (c.finish_reason if c is not None else None) or status
+            if c is None:
+                seqs.append((seq_status, None, 0, None, None, None))
+                continue
+            first, last, done = c.times
+            group = self.tracker.latest[i // self.tracker.n]
+            seqs.append((seq_status, len(group.prompt_token_ids), len(c.token_ids),
                          first if first is not None else self.first_token, last, done or end))
-        self.metrics.observe_request(self.model, [statuses[i] for i in sorted(own)] +
-                                     [statuses[i] for i in range(self.num_seqs) if i not in own],
-                                     u["prompt_tokens"], u["completion_tokens"], self.arrival, seqs)
-        for i, c in sorted(own.items()):  # NOTE: vLLM's phases of each engine request (each of n too)
-            first, _, done = getattr(c, "times", (None, None, None))
-            self.metrics.observe_phases(self.model, self.tracker.latest[i // self.tracker.n].metrics, done or end,
-                                        first)
+            # NOTE: vLLM's phases of each engine request (each of n too)
+            self.metrics.observe_phases(self.model, group.metrics, done or end, first)
+        self.metrics.observe_request(self.model, seqs, u["prompt_tokens"], u["completion_tokens"], self.arrival)
 
 
 async def _collect(gen: _Generation, tracker: R.ChoiceTracker, report: _Report, param: str) -> None:

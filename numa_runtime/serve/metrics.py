@@ -166,18 +166,19 @@ class ServerMetrics:
                 g.set_function(lambda name=name: float(liveness_source(name)))
         r.register(_VllmNames(r, model_name))
 
-    def observe_request(self, model: str, statuses: list[str], prompt_tokens: int, completion_tokens: int,
-                        arrival: float, sequences: list) -> None:
-        """One API request to `model` finished: `statuses`, each of its sequences' (every prompt's n);
-        `sequences`: (prompt tokens, generated tokens, first token, latest token, end) of each that has an
-        output, its own times (None where it has none), on `arrival`'s clock (time.monotonic).
+    def observe_request(self, model: str, sequences: list, prompt_tokens: int, completion_tokens: int,
+                        arrival: float) -> None:
+        """One API request to `model` finished: `sequences`, each of its sequences (every prompt's n) as
+        (status, prompt tokens, generated tokens, first token, latest token, end), on `arrival`'s clock
+        (time.monotonic); prompt tokens None for one that has no output, a time None where it has none.
         NOTE: per sequence and on its own times, as vLLM counts its engine requests (one a prompt, each of n
         too): the request counter took choice 0's reason once, and every sequence the request's end."""
-        for status in statuses:
-            self.requests.labels(model, status).inc()
         self.prompt_tokens.labels(model).inc(prompt_tokens)
         self.generation_tokens.labels(model).inc(completion_tokens)
-        for (prompt, generated, first, last, end), status in zip(sequences, statuses):
+        for status, prompt, generated, first, last, end in sequences:
+            self.requests.labels(model, status).inc()
+            if prompt is None:
+                continue
             self.request_prompt_tokens.labels(model).observe(prompt)
             self.request_generation_tokens.labels(model).observe(generated)
             if status in ("stop", "length", "tool_calls") and end is not None:

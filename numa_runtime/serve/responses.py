@@ -84,11 +84,6 @@ class ChoiceTracker:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
-    def sequence_lengths(self) -> list[tuple[int, int]]:
-        """(prompt tokens, generated tokens) of every sequence that has an output (vLLM's
-        per-request histograms count each sequence, each of n too)."""
-        return [(len(o.prompt_token_ids), len(c.token_ids)) for o in self.latest.values() for c in o.outputs]
-
     def usage_of(self, index: int, opening: bool = False) -> dict:
         """The usage so far of choice `index` alone (vLLM's continuous usage stats: its prompt's
         tokens and its own completion tokens; none yet in the `opening` role chunk)."""
