@@ -79,10 +79,15 @@ class Engine:
         except BaseException:
             # NOTE: a start-up that fails after the runner opened the KV disk tier gives its folder lock back
             # now (a traceback kept by a REPL kept the runner, and a corrected retry was "in use")
-            disk = getattr(getattr(self, "runner", None), "disk", None)
-            if disk is not None:
-                disk.close()
+            self._close_disk()
             raise
+
+    def _close_disk(self) -> None:
+        """Give back the KV disk tier's folder lock of this rank, where it has one (the runner may be
+        half-built, another backend's, or gone)."""
+        disk = getattr(getattr(self, "runner", None), "disk", None)
+        if disk is not None:
+            disk.close()
 
     def _init(self, model, dtype, max_model_len, num_threads, **kwargs):
         from . import backend, data_parallel, distributed, profiler
@@ -1371,9 +1376,7 @@ class Engine:
             # parallel: rank 0 may wait longer than that for another replica's queued plans before it comes)
             self.comm.gather_object(_exiting, timed=self._link is None)
             self.close_comms()  # NOTE: collective, as rank 0's _shutdown: the shared-memory window goes
-            disk = getattr(self.runner, "disk", None)
-            if disk is not None:  # NOTE: its folder lock: a later Engine of this script may open it
-                disk.close()
+            self._close_disk()  # NOTE: its folder lock: a later Engine of this script may open it
         atexit.unregister(self._close_at_exit)  # NOTE: it kept every closed engine's weights alive
 
     def _execute(self, run, *args):

@@ -505,9 +505,7 @@ class ModelRouter:
                 eng = engines.pop(name)
                 atexit.unregister(eng._close_at_exit)  # NOTE: it would wait for plans that never come
                 eng.close_comms()  # NOTE: collective (frees the shared-memory windows): every rank does it here
-                disk = getattr(eng.runner, "disk", None)
-                if disk is not None:  # NOTE: its KV folder's lock, for the model's next load
-                    disk.close()
+                eng._close_disk()  # NOTE: its KV folder's lock, for the model's next load
                 del eng
                 release_memory()
             elif plan.kind == EXIT:
