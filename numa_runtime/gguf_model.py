@@ -145,10 +145,14 @@ def write_manifest(folder: str) -> None:
         for n in names:
             p = os.path.join(root, n)
             rel = os.path.relpath(p, folder)
-            if rel != _MANIFEST:
+            if not rel.startswith(_MANIFEST):  # NOTE: nor another process's list being written
                 files[rel] = os.readlink(p) if os.path.islink(p) else os.path.getsize(p)
-    with open(os.path.join(folder, _MANIFEST), "w") as f:
+    # NOTE: whole or not at all: default_model lists a folder made before manifests outside its lock, while
+    # another process may read it (a half-written list read as damaged, and the folder was made again)
+    tmp = os.path.join(folder, f"{_MANIFEST}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
         json.dump(files, f)
+    os.replace(tmp, os.path.join(folder, _MANIFEST))
 
 
 def folder_complete(folder: str) -> bool:
