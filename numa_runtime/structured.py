@@ -60,7 +60,7 @@ class Grammars:
         llg = _llguidance()
         field = _FIELD[kind]
         if kind in _LAYOUT:
-            if _text_depth(spec, MAX_TEXT_DEPTH) > MAX_TEXT_DEPTH:
+            if nesting_depth(spec, MAX_TEXT_DEPTH, refs=False) > MAX_TEXT_DEPTH:
                 raise ValueError(f"json_schema cannot be used: its JSON nests more than {MAX_TEXT_DEPTH} objects and "
                                  "lists deep; move the deep parts into $defs and $ref them.")
             depth = nesting_depth(spec, MAX_DEPTH)
@@ -346,24 +346,10 @@ def _on_big_stack(fn):
     return box["out"]
 
 
-def _text_depth(value, cap: int) -> int:
-    """How deep objects and lists nest in a JSON value as written ($refs not followed; a scalar
-    0). Iterative, and stops once past `cap`."""
-    deepest, stack = 0, [(value, 1)] if isinstance(value, (dict, list)) else []
-    while stack:
-        node, d = stack.pop()
-        deepest = max(deepest, d)
-        if deepest > cap:
-            break
-        stack.extend((c, d + 1) for c in (node.values() if isinstance(node, dict) else node)
-                     if isinstance(c, (dict, list)))
-    return deepest
-
-
-def nesting_depth(schema, cap: int) -> int:
+def nesting_depth(schema, cap: int, refs: bool = True) -> int:
     """The deepest nesting of a schema's objects and lists, following its local $refs ("#",
-    "#/$defs/x", any JSON pointer into it); a $ref back into its own chain (a recursive schema)
-    adds nothing. Iterative, and stops once past `cap`."""
+    "#/$defs/x", any JSON pointer into it) unless not `refs` (then: as written); a $ref back into
+    its own chain (a recursive schema) adds nothing. Iterative, and stops once past `cap`."""
     def target(ref):
         if not isinstance(ref, str) or not ref.startswith("#"):
             return None
@@ -380,7 +366,7 @@ def nesting_depth(schema, cap: int) -> int:
 
     def children(node):
         items = list(node.values()) if isinstance(node, dict) else list(node)
-        if isinstance(node, dict) and "$ref" in node:
+        if refs and isinstance(node, dict) and "$ref" in node:
             items.append(target(node["$ref"]))
         return iter([c for c in items if isinstance(c, (dict, list))])
 
