@@ -29,8 +29,9 @@ class StepPlan:
     # from or deletes in a cache tier before the step runs (kv_cache/disk_tier.py)
     tier_ops: np.ndarray | None = None
     # rows that compute prompt tokens (or recompute a preempted sequence's), as opposed to decode
-    # rows (one generated token of a running sequence); -1: not said (plans built by hand), and
-    # then a step of one row per sequence counts as decode rows
+    # rows (one generated token of a running sequence); the decode rows come first (the
+    # scheduler lays them out so), the prompt rows are the last num_prompt_rows; -1: not said
+    # (plans built by hand), and then a step of one row per sequence counts as decode rows
     num_prompt_rows: int = -1
 
     @property

@@ -25,6 +25,12 @@ from .plan import StepPlan
 from .request import Request, RequestStatus
 
 
+def _prompt_rows(req: Request, n: int) -> bool:
+    """Whether the n rows a step takes of req are prompt rows (a prefill, or the recompute of a
+    preempted sequence), not a decode row (one generated token of a running sequence)."""
+    return n > 1 or req.num_computed_tokens < req.num_prompt_tokens
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256               # running requests at most
@@ -252,7 +258,11 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _make_output(self, scheduled: list[tuple[Request, int]], preempted: list[Request]) -> SchedulerOutput:
-        """Lay the step out as StepPlan arrays (docs/structures.md)."""
+        """Lay the step out as StepPlan arrays (docs/structures.md): the decode rows first, then
+        the prompt rows (StepPlan.num_prompt_rows), each kind in the order scheduled."""
+        # NOTE: a mixed step runs its decode rows as a decode step would and its prompt rows as a
+        # prompt step would (models/llama.py _rows_apart), each kind one run of rows
+        scheduled = [x for x in scheduled if not _prompt_rows(*x)] + [x for x in scheduled if _prompt_rows(*x)]
         bs = self.block_manager.block_size
         num_seqs = len(scheduled)
         num_tokens = sum(n for _, n in scheduled)
@@ -267,11 +277,10 @@ class Scheduler:
         t = prompt_rows = 0
         for s, (req, n) in enumerate(scheduled):
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
-            # NOTE: a decode row is one generated token; a prefill (or recompute) row is not. A
-            # step of prompt rows only keeps their activations exact however few they are, so a
-            # prompt's KV and logits do not switch path when the prefix cache held most of it
+            # NOTE: prompt rows keep their activations exact however few they are, so a prompt's
+            # KV and logits do not switch path when the prefix cache held most of it
             # (LlamaModel.forward, qgemm's _decode_rows)
-            prompt_rows += n if n > 1 or start < req.num_prompt_tokens else 0
+            prompt_rows += n if _prompt_rows(req, n) else 0
             row = block_tables[s, :len(req.block_ids)]
             row[:] = req.block_ids
             if n == 1:  # NOTE: a decode row, without the numpy temporaries of a chunk

@@ -448,6 +448,53 @@ def test_a_prompt_gives_the_same_logits_whatever_the_prefix_cache_held(model_dir
         e.close()
 
 
+@pytest.mark.parametrize("prompt_len", [20, 3])
+def test_each_row_of_a_mixed_step_takes_the_path_of_its_kind(model_dir, prompt_len):
+    """A bf16 engine with int4 weights: a step that holds a decode row of one request and the
+    prompt rows of another runs each kind as a step of that kind alone would (int8 activations
+    for the decode row, bf16 for the prompt rows), so the running request's logprobs are those it
+    gets alone, and the new prompt's first token those it gets alone; with 21 rows in the step
+    the decode row once took bf16 panels, with 4 the prompt rows once took int8 blocks."""
+    e = Engine(model_dir, dtype="bfloat16", quantization="int4", kv_cache_memory=1 << 23, max_model_len=128)
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
+    first = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
+    other = [(13 * i) % 300 + 5 for i in range(prompt_len)]
+
+    def same(a, b):
+        assert a.token_ids == b.token_ids
+        for (_, x, _), (_, y, _) in zip(a.logprob_pairs, b.logprob_pairs):  # (chosen, top 5, rank)
+            assert x.keys() == y.keys() and max(abs(x[t] - y[t]) for t in x) < 1e-4, (x, y)
+
+    try:
+        alone = e.generate([PROMPT], sp)[0].outputs[0]
+        alone_other = e.generate([other], first)[0].outputs[0]
+        assert e.reset_prefix_cache()
+        ops, modes = e.runner.model.ops, []
+        real = ops.set_decode_step
+
+        class Spy:
+            def __getattr__(self, name):
+                return getattr(ops, name)
+
+            def set_decode_step(self, mode):
+                modes.append(int(mode))
+                return real(mode)
+
+        e.runner.model.ops = Spy()
+        done = {}
+        a = e.add_request(PROMPT, sp)
+        for _ in range(2):  # its prompt, then a decode step
+            e.step()
+        b = e.add_request(other, first)
+        while e.has_unfinished_requests():
+            done.update((o.request_id, o) for o in e.step() if o.finished)
+        same(done[a].outputs[0], alone)
+        same(done[b].outputs[0], alone_other)
+        assert [0, 1, 2, 0] == modes[4:8]  # the mixed step: its kinds apart, decode rows first
+    finally:
+        e.close()
+
+
 def test_prefill_activations(model_dir):
     """prefill_activations: "int8" rounds the prefill rows of quantized linears to int8 blocks
     (qkv_proj at 15+ bits: prefill_act8 2), "bf16" (the default) keeps them exact. The two

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from functools import partial
 
 import numpy as np
 
@@ -176,6 +177,7 @@ class LlamaModel:
         bf16 prefill, 0.06 with int8 on one rank) left Paris with int8 prefill on two ranks."""
         lins = [p for lin in self._linears() for p in _parts(lin) if getattr(p, "act8", False)]
         qkv = {id(p) for l in self.layers for p in _parts(l.qkv_proj)}
+        self._act8 = bool(lins)  # decode rows take int8 activations: a mixed step runs its kinds apart
         on = mode == "int8"
         if on and not lins:
             raise ValueError(f"prefill_activations='int8' needs quantized weights (quantization=... or a "
@@ -290,9 +292,9 @@ class LlamaModel:
         for an EMBED plan the final normed hidden states [S', hidden] of those rows."""
         # NOTE: a step of decode rows only lets a decode batch take int8 activations (qgemm);
         # a step of prompt rows only keeps bf16 activations however few its rows (2: a prompt's
-        # cached-prefix tail computes as in a whole prefill); a mixed step keeps the rule of its
-        # row count (0), since bf16 panels for a few rows would slow every decode row riding in
-        # it; the flag is this thread's, and is cleared after the step
+        # cached-prefix tail computes as in a whole prefill); a mixed step runs each linear twice
+        # (_rows_apart), its decode rows as the first and its prompt rows as the second; the flag
+        # is this thread's, and is cleared after the step
         only_prompt = 0 < plan.num_prompt_rows == plan.num_tokens
         self.ops.set_decode_step(1 if plan.decode_only else 2 if only_prompt else 0)
         self.greedy_ids = None
@@ -315,6 +317,8 @@ class LlamaModel:
         if self.fused is not None and plan.decode_only and plan.num_tokens <= self.fused.MAX_ROWS:
             return self._fused_forward(plan, b, bt, qs, cl)
         h, v, attn, o, gu, act, delta = b.h, b.v, b.attn, b.o, b.gu, b.act, b.delta
+        d = self._decode_rows_of(plan)
+        apart = self._rows_apart
         qk_norm = self.cfg.qk_norm
         q, k = (b.qn, b.kn) if qk_norm else (b.q, b.k)  # the views of b.qkv, or their normed copies
         first = True
@@ -324,25 +328,49 @@ class LlamaModel:
                 first = False
             else:
                 add_rms_norm(delta, residual, layer.input_norm, eps, h)
-            layer.qkv_proj.forward(h, b.qkv)                 # q, k, v: views of b.qkv
+            apart(d, layer.qkv_proj.forward, h, b.qkv)       # q, k, v: views of b.qkv
             if qk_norm:
                 self._qk_norm(layer, b)
             rotary(q, k, pos, cos_sin)
             reshape_and_cache(k, v, kc, vc, slots)
             paged_attention(q, kc, vc, bt, qs, cl, scale, attn, window)
-            layer.o_proj.forward(b.attn_rows, o)             # [T, H] partial sum
+            apart(d, layer.o_proj.forward, b.attn_rows, o)   # [T, H] partial sum
             if tp:
                 comm.all_reduce_(o)
             add_rms_norm(o, residual, layer.post_norm, eps, h)
             if layer.moe is not None:
-                layer.moe.forward(ops, h, delta)             # [T, H] partial sum
+                apart(d, partial(layer.moe.forward, ops), h, delta)  # [T, H] partial sum
                 if tp:
                     comm.all_reduce_(delta)
                 continue
-            swiglu(ops, layer.gate_up_proj, layer.down_proj, h, delta, gu, act)  # [T, H] partial sum
+            apart(d, partial(swiglu, ops, layer.gate_up_proj, layer.down_proj), h, delta, gu, act)  # [T, H] partial sum
             if tp:
                 comm.all_reduce_(delta)
-        return self._head(plan, residual, delta)
+        return self._head(plan, residual, delta, d)
+
+    def _decode_rows_of(self, plan) -> int:
+        """The decode rows of a mixed step (the plan's first rows), when its linears take int8
+        activations for decode rows (act8); else 0: one call takes every row."""
+        if not self._act8 or not 0 < plan.num_prompt_rows < plan.num_tokens:
+            return 0
+        return plan.num_tokens - plan.num_prompt_rows
+
+    def _rows_apart(self, d: int, fn, *arrays) -> None:
+        """fn(*arrays) over the step's rows; with d (a mixed step), in two calls: rows [:d] (decode
+        rows) as a step of decode rows runs them, then rows [d:] as a step of prompt rows does, so
+        that a row's values take the path of its kind, whatever rows share its step. NOTE: the
+        slices of C-contiguous rows are C-contiguous; each function writes its out arrays."""
+        if not d:
+            fn(*arrays)
+            return
+        step = self.ops.set_decode_step
+        try:
+            step(1)
+            fn(*(a[:d] for a in arrays))
+            step(2)
+            fn(*(a[d:] for a in arrays))
+        finally:
+            step(0)
 
     def _fused_forward(self, plan, b: "_StepBuffers", bt, qs, cl) -> np.ndarray:
         """A decode step in one OpenMP region (one rank), or one region per half layer with the
@@ -370,7 +398,7 @@ class LlamaModel:
         else:
             for s in range(stages):
                 self.comm.all_reduce_(self.fused.run(*args, s, s + 1))
-        return self._head(plan, b.residual, b.delta)
+        return self._head(plan, b.residual, b.delta, 0)
 
     def burst_rows(self) -> int:
         """The most rows of a decode burst (decode_burst): a step's region must end with the
@@ -421,9 +449,9 @@ class LlamaModel:
         self.ops.rms_norm(qr, layer.q_norm, self.cfg.rms_norm_eps, qr)
         self.ops.rms_norm(kr, layer.k_norm, self.cfg.rms_norm_eps, kr)
 
-    def _head(self, plan, residual: np.ndarray, delta: np.ndarray) -> np.ndarray:
+    def _head(self, plan, residual: np.ndarray, delta: np.ndarray, d: int) -> np.ndarray:
         """The final norm of the rows plan.logits_indices, then lm_head (or, for EMBED, the
-        normed rows themselves)."""
+        normed rows themselves); d: the step's decode rows (_rows_apart), 0 for one call."""
         cfg, idx = self.cfg, plan.logits_indices
         if idx.shape[0] == 0:
             return np.zeros((0, cfg.vocab_size), np.float32)
@@ -431,7 +459,12 @@ class LlamaModel:
         self.ops.add_rms_norm(hn, residual[idx], self.norm, cfg.rms_norm_eps, hn)
         if plan.kind == EMBED:
             return hn
-        logits = self.lm_head.forward(hn)                   # [S', vocab_chunk]
+        dh = int(np.count_nonzero(idx < d))                # NOTE: the decode rows' logits rows
+        if 0 < dh < idx.shape[0]:
+            logits = np.empty((idx.shape[0], self.lm_head.out_features), np.float32)
+            self._rows_apart(dh, self.lm_head.forward, hn, logits)
+        else:
+            logits = self.lm_head.forward(hn)               # [S', vocab_chunk]
         if self.lay.world > 1:
             logits = self.comm.all_gather(logits)
         return logits[:, :cfg.vocab_size] if logits.shape[1] != cfg.vocab_size else logits
