@@ -101,7 +101,7 @@ def bench(model: str, formats: list[str], ms: list[int], min_time: float, bf16: 
     return rows
 
 
-PATHS = ("f32", "int8", "int8_no_amx", "int8_no_tiles", "bf16_tiles", "panels")
+PATHS = ("f32", "int8", "int8_no_amx", "int8_generic", "int8_no_tiles", "bf16_tiles", "panels")
 DECODE_BATCH_FORMATS = ("int4-g32-sym", "int8-channel")
 
 
@@ -110,7 +110,8 @@ def decode_batch(model: str, rows=(16, 32, 64), formats=DECODE_BATCH_FORMATS,
     """One linear per shape of `model` (gate_up, down) at several row counts: us on the f32
     tile path, on int8 activations as the engine runs them (AMX-INT8 matrix tiles where present,
     qgemm_amx.h, else VNNI row tiles, qgemm_q8tile.h), on the VNNI row tiles with AMX off ("-"
-    without AMX), on the decode kernel alone (tiles off; "-" where it is the same kernel: 8 rows
+    without AMX), on the VNNI row tiles' generic kernel (AMX off; "-" where the lean one does not
+    take the format, or 8 rows or fewer, or no VNNI), on the decode kernel alone (tiles off; "-" where it is the same kernel: 8 rows
     or fewer, or no VNNI), on the AMX-BF16 tiles (qgemm_amxbf16.h; "-" without AMX-BF16) and on
     the bf16 panels (oneDNN, AMX where present); the int8 and bf16 rows in GMAC/s too. Rows beyond a decode batch (64) take int8 as prefill_activations="int8" would."""
     out = []
@@ -121,6 +122,7 @@ def decode_batch(model: str, rows=(16, 32, 64), formats=DECODE_BATCH_FORMATS,
         for name in formats:
             fmt = parse_format(name)
             lin = qlinear(cpu, quantize(w, fmt.for_k(k)), bf16=True)
+            lean = lin.bits in (4, 8) and lin.kind != "nl" and not lin.ks and lin.group % 32 == 0
             for m in rows:
                 x = np.random.default_rng(1).standard_normal((m, k), dtype=np.float32)
                 r = {"layer": layer, "K": k, "N": n, "format": name, "M": m}
@@ -130,7 +132,8 @@ def decode_batch(model: str, rows=(16, 32, 64), formats=DECODE_BATCH_FORMATS,
                     if (path in ("panels", "bf16_tiles") and m < qgemm.PANEL_M_MIN) or \
                             (path == "bf16_tiles" and not qgemm.has_amx_bf16()) or \
                             (path == "int8_no_amx" and (m <= qgemm.ACT8_M_MAX or not qgemm.has_amx())) or \
-                            (path == "int8_no_tiles" and (m <= qgemm.ACT8_M_MAX or not tiled)):
+                            (path == "int8_no_tiles" and (m <= qgemm.ACT8_M_MAX or not tiled)) or \
+                            (path == "int8_generic" and (m <= qgemm.ACT8_M_MAX or not tiled or not lean)):
                         r[path] = None
                         continue
                     lin.act8, lin.prefill_bf16 = path.startswith("int8"), path in ("panels", "bf16_tiles")
@@ -138,7 +141,8 @@ def decode_batch(model: str, rows=(16, 32, 64), formats=DECODE_BATCH_FORMATS,
                     old = qgemm.set_decode_step(path.startswith("int8"))
                     old_m = qgemm._set_act8_m_max(m if path.startswith("int8") else qgemm.ACT8_M_MAX)
                     old_t = qgemm._set_q8_tiles(path != "int8_no_tiles")
-                    old_a = qgemm._set_amx(path != "int8_no_amx")
+                    old_a = qgemm._set_amx(path not in ("int8_no_amx", "int8_generic"))
+                    old_l = qgemm._set_q8t_lean(path != "int8_generic")
                     try:
                         t = timeit(lambda: lin.forward(x), 0.3 / rounds) * 1e6
                         r[path] = t if r.get(path) is None else min(r[path], t)
@@ -148,11 +152,13 @@ def decode_batch(model: str, rows=(16, 32, 64), formats=DECODE_BATCH_FORMATS,
                         qgemm._set_q8_tiles(old_t)
                         qgemm._set_amx(old_a)
                         qgemm._set_amx_bf16(old_b)
+                        qgemm._set_q8t_lean(old_l)
                 out.append(r)
                 cell = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
                 gmac = lambda v: "-" if v is None else f"{m * k * n / v / 1e3:.0f}"  # noqa: E731
                 print(f"| {layer} | {k} x {n} | {name} | {m} | {cell(r['f32'])} | {cell(r['int8'])} "
                       f"({gmac(r['int8'])}) | {cell(r['int8_no_amx'])} ({gmac(r['int8_no_amx'])}) | "
+                      f"{cell(r['int8_generic'])} ({gmac(r['int8_generic'])}) | "
                       f"{cell(r['int8_no_tiles'])} ({gmac(r['int8_no_tiles'])}) | "
                       f"{cell(r['bf16_tiles'])} ({gmac(r['bf16_tiles'])}) | "
                       f"{cell(r['panels'])} ({gmac(r['panels'])}) |", flush=True)
@@ -186,9 +192,9 @@ def main(argv=None) -> None:
         qgemm._force_cpu_level(args.level)
     if args.decode_batch:
         print("| layer | K x N | format | rows | f32 us | int8 activations us (GMAC/s) | "
-              "int8 on VNNI row tiles, AMX off, us (GMAC/s) | int8 without row tiles us (GMAC/s) | "
-              "bf16 on AMX-BF16 tiles us (GMAC/s) | bf16 panels us (GMAC/s) |\n"
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+              "int8 on VNNI row tiles, AMX off, us (GMAC/s) | the row tiles' generic kernel us (GMAC/s) | "
+              "int8 without row tiles us (GMAC/s) | bf16 on AMX-BF16 tiles us (GMAC/s) | bf16 panels us (GMAC/s) |\n"
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         decode_batch(args.model or "Qwen2.5-0.5B", tuple(args.rows), tuple(args.formats or DECODE_BATCH_FORMATS))
         return
     formats = args.formats or (["int8-g128", "int4-g32-min"] if args.quick else FORMATS + ["bf16"])

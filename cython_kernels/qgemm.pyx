@@ -70,6 +70,7 @@ cdef extern from "qgemm_kernels.h" nogil:
     enum: QG_MR_Q8
     enum: QG_MR_AMX
     int qg_q8_tiles
+    int qg_q8t_lean_on
     long qg_pf_bytes
     int qg_amx
     int qg_amx_init()
@@ -159,6 +160,16 @@ def _set_prefetch(long nbytes):
     global qg_pf_bytes
     old = qg_pf_bytes
     qg_pf_bytes = nbytes
+    return old
+
+
+def _set_q8t_lean(bint on):
+    """Tests and benchmarks: False runs the row tiles of every format on the generic kernel
+    (qg_q8t_vnni_mr) instead of the lean one of int4/int8 with f16 group scales (same results).
+    Returns the old value."""
+    global qg_q8t_lean_on
+    old = qg_q8t_lean_on != 0
+    qg_q8t_lean_on = 1 if on else 0
     return old
 
 

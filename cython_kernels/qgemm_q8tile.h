@@ -153,10 +153,14 @@ QG_INLINE QG_T512VNNI void qg_q8t_vnni_mr(const uint8_t* blk, const qg_format* f
 
 QG_Q8_INST_ALL(qg_q8t_vnni_mr, QG_T512VNNI, qg_xt)
 
+/* 0: the row tiles of every format take qg_q8t_vnni_mr (tests and benchmarks: qgemm._set_q8t_lean) */
+static int qg_q8t_lean_on = 1;
+
 /* Whether qg_q8t_lean_mr takes f: int4 codes (not NL) or int8, f16 group scales (no ks), and
  * groups of whole activation blocks. */
 static inline int qg_q8t_lean(const qg_format* f) {
-    return ((f->bits == 4 && f->kind != QG_NL) || f->bits == 8) && !f->ks && f->group % QG_QB == 0;
+    return qg_q8t_lean_on && ((f->bits == 4 && f->kind != QG_NL) || f->bits == 8) && !f->ks &&
+           f->group % QG_QB == 0;
 }
 
 /* qg_q8t_vnni_mr for the formats qg_q8t_lean takes (Q4_0, Q4_1, Q8_0, int4 and int8 at load):

@@ -426,8 +426,9 @@ def test_panel_size_grows_with_the_thread_count(monkeypatch):
 @pytest.mark.skipif(qgemm.cpu_level() < 2, reason="the row-tile kernel needs AVX-512 VNNI (level 2)")
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 def test_row_tiles_equal_the_decode_kernel_bitwise(fmt):
-    """More than ACT8_M_MAX int8 rows run in row tiles (qgemm_q8tile.h) on VNNI, or in AMX-INT8
-    matrix tiles (qgemm_amx.h) where present and the format's blocks are whole: the same exact
+    """More than ACT8_M_MAX int8 rows run in row tiles (qgemm_q8tile.h) on VNNI (a lean kernel for
+    int4 and int8 with f16 group scales, the generic one for the rest), or in AMX-INT8 matrix
+    tiles (qgemm_amx.h) where present and the format's blocks are whole: the same exact
     integer block sums and the same f32 operations per output as the decode kernel, so each row
     is bitwise what that kernel gives it, tails of tiles and the residual rows included, at 1
     and 2 threads; and all equal the numpy reference on the dequantized int8 activations."""
@@ -448,9 +449,11 @@ def test_row_tiles_equal_the_decode_kernel_bitwise(fmt):
                     got = []
                     for threads in (1, 2):
                         ops.set_num_threads(threads)
-                        for tiles, amx in ((True, True), (True, False), (False, False)):
+                        for tiles, amx, lean in ((True, True, True), (True, False, True), (True, False, False),
+                                                 (False, False, True)):
                             qgemm._set_q8_tiles(tiles)
                             qgemm._set_amx(amx)
+                            qgemm._set_q8t_lean(lean)
                             got.append(lin.forward(x))
                     for g in got[1:]:
                         assert np.array_equal(got[0], g), (k, n, m, resid)
@@ -459,6 +462,7 @@ def test_row_tiles_equal_the_decode_kernel_bitwise(fmt):
     finally:
         qgemm._set_q8_tiles(True)
         qgemm._set_amx(True)
+        qgemm._set_q8t_lean(True)
         ops.set_num_threads(old_t)
         qgemm._set_act8_m_max(old_m)
 
