@@ -40,6 +40,12 @@ process keeps a shared host's drift out of the comparison.
 GEMV's weights each thread of the fused decode region prefetches while it waits at a barrier
 (qgemm._set_wait_prefetch; decode_layers.h):
     python bench/bench_engine.py --wait-prefetch 0 32768 --shape qwen0.5b --quantization int4
+Mixed steps: `--mixed` skips the rest: B requests (--overhead-batch, default 15 here) decode
+while every fourth step a new request arrives whose prompt (the same --prompt-max random ids each
+time) the prefix cache holds but for its last rows, so that its step mixes B decode rows with a
+few prompt rows (each kind runs its own path: models/llama.py _rows_apart); reported: the median
+decode step and the median step that holds the prompt rows, over --overhead-rounds x 8 arrivals.
+    python bench/bench_engine.py --mixed --model model-q4_0.gguf --threads 2
 Writes OUT.json and OUT.md.
 """
 from __future__ import annotations
@@ -56,6 +62,7 @@ from bench.common import add_model_args, percentiles, random_prompts, resolve_mo
 def make_engine(a):
     from numa_runtime import Engine
     return Engine(a.model, dtype=a.dtype, num_threads=a.threads, quantization=a.quantization,
+                  prefill_activations=a.prefill_activations,
                   # NOTE: prefetch_ab's rounds: 32-token prompts, 48 tokens out
                   max_model_len=max(a.prompt_max + max(a.output_len, a.overhead_tokens),
                                     32 + 48 if a.prefetch else 0) + 16,
@@ -217,6 +224,38 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def mixed_steps(eng, a, rng) -> dict:
+    """Median step of B decode rows, and of B decode rows beside a new prompt's uncached rows."""
+    from numa_runtime import SamplingParams
+    import numpy as np
+    prompt = random_prompts(rng, 1, a.prompt_max, a.prompt_max, eng.model_config.vocab_size)[0]
+    eng.generate([prompt], SamplingParams(max_tokens=1, temperature=0))  # its blocks into the prefix cache
+    run = SamplingParams(max_tokens=10 ** 6, temperature=0, ignore_eos=True)
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    decode, mixed = [], []
+    for _ in range(a.overhead_rounds):
+        ids = [eng.add_request(random_prompts(rng, 1, 16, 32, eng.model_config.vocab_size)[0], run)
+               for _ in range(a.overhead_batch)]
+        for _ in range(4):  # their prompts, then decode steps
+            eng.step()
+        for _ in range(8):
+            for _ in range(3):
+                t = time.perf_counter()
+                eng.step()
+                decode.append(time.perf_counter() - t)
+            eng.add_request(prompt, one)
+            t = time.perf_counter()
+            eng.step()
+            mixed.append(time.perf_counter() - t)
+        eng.abort_request(ids)
+        while eng.has_unfinished_requests():
+            eng.step()
+    uncached = a.prompt_max % eng.config.block_size or eng.config.block_size
+    return {"batch": a.overhead_batch, "prompt_tokens": a.prompt_max, "uncached_rows": uncached,
+            "decode_step_ms": float(np.median(decode)) * 1e3, "mixed_step_ms": float(np.median(mixed)) * 1e3,
+            "samples": len(mixed)}
+
+
 def _prefetch_knobs(a) -> list:
     """The setters prefetch_ab turns together (each returns its old value): the kernels' prefetch
     distance (--prefetch) or the bytes the decode region's barrier waits prefetch (--wait-prefetch)."""
@@ -294,8 +333,16 @@ def main() -> None:
                     help="only the A/B of the bytes the decode region's barrier waits prefetch of the next "
                          "GEMV's weights (qgemm._set_wait_prefetch), e.g. 0 32768")
     ap.add_argument("--prefetch-batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--mixed", action="store_true",
+                    help="only the mixed-step split: decode steps of --overhead-batch rows (default 15) beside "
+                         "steps that add a new prompt's few uncached rows")
+    ap.add_argument("--prefill-activations", default="bf16", choices=["bf16", "int8"])
     ap.add_argument("--out", default="/tmp/bench_engine", help="writes OUT.json and OUT.md")
     a = ap.parse_args()
+    if a.mixed:
+        a.concurrency, a.overhead_rounds = [], a.overhead_rounds or 3
+        a.overhead_batch = 15 if a.overhead_batch == 32 else a.overhead_batch
+        a.prompt_max = 86 if a.prompt_max == 256 else a.prompt_max
     if a.wait_prefetch:
         a.prefetch = a.wait_prefetch
     if a.prefetch:
@@ -317,6 +364,18 @@ def main() -> None:
     eng = make_engine(a)
     rng = np.random.default_rng(a.seed)
     closed_loop(eng, a, rng, 1, 1)  # warm-up: kernel primitives for prefill and decode shapes
+    if a.mixed:
+        r = mixed_steps(eng, a, rng)
+        report = {"summary": eng.summary(), "threads": eng.num_threads,
+                  "prefill_activations": a.prefill_activations, "mixed": r}
+        eng.close()
+        md = (f"| decode rows | new prompt (uncached rows) | prefill activations | decode step ms | "
+              f"step with the prompt rows ms |\n| --- | --- | --- | --- | --- |\n"
+              f"| {r['batch']} | {r['prompt_tokens']} ({r['uncached_rows']}) | {a.prefill_activations} | "
+              f"{r['decode_step_ms']:.1f} | {r['mixed_step_ms']:.1f} |\n")
+        paths = write_report(a.out, report, md)
+        print("\n" + md + "\nwrote " + ", ".join(paths))
+        return
     if a.prefetch:
         report = {"summary": eng.summary(), "threads": eng.num_threads, "prefetch": prefetch_ab(eng, a)}
         eng.close()

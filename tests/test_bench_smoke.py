@@ -22,6 +22,14 @@ def _positive(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
+def test_bench_engine_mixed_quick(tmp_path):
+    out = str(tmp_path / "mixed")
+    _run("bench_engine.py", "--quick", "--mixed", "--overhead-rounds", "1", "--out", out)
+    r = json.load(open(out + ".json"))["mixed"]
+    assert r["batch"] == 8 and r["samples"] == 8 and 0 < r["uncached_rows"] <= r["prompt_tokens"]
+    assert _positive(r["decode_step_ms"]) and _positive(r["mixed_step_ms"])
+
+
 def test_bench_engine_quick(tmp_path):
     out = str(tmp_path / "engine")
     _run("bench_engine.py", "--quick", "--out", out)
