@@ -46,6 +46,7 @@ cdef extern from "attention_kernels.h":
         int64_t window
         int level
         int64_t tiled_min
+        int64_t prompt_s0
         float *out
         int64_t o_st, o_sh
     int64_t nr_reshape_and_cache(const float *k, int64_t k_st, int64_t k_sh,
@@ -195,7 +196,7 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, double scale,
-                    out, int64_t window=0):
+                    out, int64_t window=0, first_prompt_seq=None):
     """Causal attention for a batch of sequences through their block tables.
 
     q: [T, Hq, D] f32, new tokens of all sequences back to back; query_start: [S+1] int32;
@@ -207,7 +208,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens
     no new tokens are not written). window > 0: the query at position P sees only keys
     P - window + 1 .. P (sliding window); 0: every earlier key. Online softmax in f32; long
     key ranges of few items are split over threads (flash-decoding). A bf16 cache at tile
-    level 2 rounds Q * scale and the probabilities to bf16 (module docstring). Returns out.
+    level 2 rounds Q * scale and the probabilities to bf16 (module docstring).
+    first_prompt_seq: sequences from this one on hold prompt rows, which take the tiled path
+    (the bf16 path of a bf16 cache) however few rows they have, so that a prompt row's
+    precision does not depend on how its prompt was chunked or cached (None: no such sequence;
+    every item's path follows its query vectors). Returns out.
     """
     cdef nr_attn_args a
     q_st, q_sh = _check_thd(q, "q")
@@ -247,6 +252,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens
     a.window = window
     a.level = _level
     a.tiled_min = _tiled_min
+    if first_prompt_seq is not None and not 0 <= first_prompt_seq <= S:
+        raise ValueError("paged_attention: first_prompt_seq %r is not a sequence index 0..%d" % (first_prompt_seq, S))
+    a.prompt_s0 = S if first_prompt_seq is None else first_prompt_seq
     a.out = <float *>cnp.PyArray_DATA(out)
     a.o_st = o_st
     a.o_sh = o_sh

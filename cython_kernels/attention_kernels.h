@@ -79,6 +79,8 @@ typedef struct {
     int64_t window;  /* sliding window in keys, 0 = none */
     int level;       /* tile_kernels.h level: 2 AVX-512 BF16, 1 AVX-512, 0 AVX2 */
     int64_t tiled_min;  /* items of >= this many query vectors use the tiled path */
+    int64_t prompt_s0;  /* sequences s >= prompt_s0 hold prompt rows: the tiled path however few
+                         * their item's query vectors (S: none) */
     float *out; int64_t o_st, o_sh;
 } nr_attn_args;
 
@@ -471,8 +473,11 @@ static void nr_attn_run_item(const nr_attn_args *a, const nr_attn_plan_t *p, int
     int64_t n_new = a->qstart[x->s + 1] - a->qstart[x->s];
     int64_t i1 = x->i0 + p->rows < n_new ? x->i0 + p->rows : n_new;
     /* NOTE: the tiled path pays a key-tile transposition that only several query vectors
-     * (prefill rows x group heads) amortize; decode takes the direct one. */
-    int tiled = (i1 - x->i0) * p->group >= a->tiled_min;
+     * (prefill rows x group heads) amortize; decode takes the direct one. Prompt rows take the
+     * tiled path however few they are in their item (a bf16 cache's bf16 path at level 2), so
+     * that a prompt row's precision does not follow how the prompt was cut into chunks, nor how
+     * much of it the prefix cache held. */
+    int tiled = x->s >= a->prompt_s0 || (i1 - x->i0) * p->group >= a->tiled_min;
     (!tiled ? nr_attn_item : a->kv_type == NR_KV_BF16 && a->level >= 2 ? nr_attn_item_bf16
                                                          : nr_attn_item_tiled)(
         a, x->s, x->h, x->i0, i1, x->ja, x->jb, ws, x->slot >= 0 ? p->parts + x->slot * p->psz : NULL);

@@ -457,6 +457,7 @@ static void nd_attn_args(const nd_model* m, const nd_step* st, const nd_layer* l
     a->window = ly->window;
     a->level = st->attn_level;
     a->tiled_min = st->tiled_min;
+    a->prompt_s0 = st->M;  /* decode rows only */
     a->out = st->attn;
     a->o_st = Hq * D;
     a->o_sh = D;

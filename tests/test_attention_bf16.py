@@ -86,6 +86,33 @@ def test_bf16_path_matches_reference(case, window, bf16_path):
             attention._set_amx(True)
 
 
+@pytest.mark.parametrize("hq, hk", [(4, 4), (4, 2), (6, 2)])
+def test_prompt_rows_take_the_bf16_path_however_few(hq, hk):
+    """first_prompt_seq: the rows of the sequences from it on are prompt rows, which take the
+    bf16 path of a bf16 cache even alone in their item (fewer query vectors than the tiled
+    threshold: one row with 1-3 query heads a kv head), so a prompt's last row gives the
+    values it gives inside the whole prompt; without it (a decode row), the f32 dot products."""
+    d, bs = 64, 16
+    whole = build_batch(hq, hk, d, bs, [1, 9], [30, 40], "bf16", fused=False)
+    q, kc, vc, bt, qs, cl = whole
+    # the last row of sequence 1 on its own: its 8 earlier rows are in the cache already
+    alone = (np.ascontiguousarray(q[[0, 9]]), kc, vc, bt, np.array([0, 1, 2], np.int32), cl)
+
+    def attn(batch, first):
+        out = np.full(batch[0].shape, 7.0, np.float32)
+        return cpu.paged_attention(*batch, d ** -0.5, out, first_prompt_seq=first)
+
+    ref_whole = attn(whole, 1)
+    got = attn(alone, 1)
+    assert np.allclose(got[1], ref_whole[9], rtol=0, atol=1e-6)  # the bf16 path, alone or not
+    direct = attn(alone, None)  # a decode row: the f32 dot products, not the bf16 roundings
+    assert not np.allclose(direct[1], ref_whole[9], rtol=0, atol=1e-6)
+    assert np.array_equal(direct[0], got[0])  # sequence 0 is a decode row either way
+    for bad in (-1, 3):
+        with pytest.raises(ValueError, match="first_prompt_seq"):
+            attn(alone, bad)
+
+
 @pytest.mark.usefixtures("bf16_path")
 @pytest.mark.parametrize("threads", [1, 7, 16])
 @pytest.mark.parametrize("window", [0, 300])

@@ -495,6 +495,39 @@ def test_each_row_of_a_mixed_step_takes_the_path_of_its_kind(model_dir, prompt_l
         e.close()
 
 
+@pytest.mark.parametrize("quant", [None, "int4"])
+@pytest.mark.parametrize("how", ["chunked", "cached"])
+def test_a_prompt_row_left_alone_in_its_item_keeps_the_prompts_attention_path(model_dir, quant, how):
+    """A bf16 engine (bf16 KV cache): a prompt's last row computed on its own, as the one-token
+    remainder of a prompt cut into chunks by the step's token budget or of a prompt the prefix
+    cache held but for it, takes the attention path of the rows of a whole
+    prompt (with 2 query heads a kv head, a lone row once took the f32 dot products where 2 or
+    more took the bf16 tiles), so the next token's logprobs are those of the prompt run whole."""
+    # NOTE: query rows run in items of 8 here (2 query heads a kv head): whole, the 17th row sits
+    # in a 3-row item (21 rows: 8 + 8 + 5) where alone (chunks of 5: 5 + 5 + 5 + 5 + 1; blocks of
+    # 4 cached: 20 + 1) it has a 1-row one
+    prompt = [(7 * i) % 300 + 3 for i in range(21)]
+    sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, logprobs=5)
+
+    def run(budget, twice=False):
+        e = Engine(model_dir, dtype="bfloat16", quantization=quant, kv_cache_memory=1 << 23, max_model_len=128,
+                   max_num_batched_tokens=budget, block_size=4)
+        try:
+            outs = [e.generate([prompt], sp)[0].outputs[0] for _ in range(2 if twice else 1)]
+            assert not twice or e.block_manager.hit_rate > 0
+            return outs
+        finally:
+            e.close()
+
+    if how == "chunked":
+        (whole,), (cut,) = run(64), run(5)
+    else:
+        whole, cut = run(128, twice=True)
+    assert whole.token_ids == cut.token_ids
+    for (_, a, _), (_, b, _) in zip(whole.logprob_pairs, cut.logprob_pairs):
+        assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-4, (a, b)
+
+
 def test_prefill_activations(model_dir):
     """prefill_activations: "int8" rounds the prefill rows of quantized linears to int8 blocks
     (qkv_proj at 15+ bits: prefill_act8 2), "bf16" (the default) keeps them exact. The two

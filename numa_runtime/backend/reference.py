@@ -190,8 +190,11 @@ def reshape_and_cache(k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache
 
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                     block_tables: np.ndarray, query_start: np.ndarray, context_lens: np.ndarray,
-                    scale: float, out: np.ndarray, window: int = 0) -> np.ndarray:
+                    scale: float, out: np.ndarray, window: int = 0,
+                    first_prompt_seq: int | None = None) -> np.ndarray:
     """Causal attention for a batch of sequences through their block tables.
+    (first_prompt_seq: which sequences hold prompt rows, for backends whose precision follows
+    the path; here every row is exact f32 and it changes nothing.)
 
     q: [T, Hq, D] f32, the new tokens of all sequences packed back to back;
     query_start: [S+1] int32, sequence s owns q rows query_start[s]:query_start[s+1];

@@ -319,6 +319,8 @@ class LlamaModel:
         h, v, attn, o, gu, act, delta = b.h, b.v, b.attn, b.o, b.gu, b.act, b.delta
         d = self._decode_rows_of(plan)
         apart = self._rows_apart
+        # NOTE: the sequences from this one on hold prompt rows (the decode rows come first)
+        s0 = plan.num_seqs if plan.num_prompt_rows < 0 else plan.num_tokens - plan.num_prompt_rows
         qk_norm = self.cfg.qk_norm
         q, k = (b.qn, b.kn) if qk_norm else (b.q, b.k)  # the views of b.qkv, or their normed copies
         first = True
@@ -333,7 +335,7 @@ class LlamaModel:
                 self._qk_norm(layer, b)
             rotary(q, k, pos, cos_sin)
             reshape_and_cache(k, v, kc, vc, slots)
-            paged_attention(q, kc, vc, bt, qs, cl, scale, attn, window)
+            paged_attention(q, kc, vc, bt, qs, cl, scale, attn, window, s0)
             apart(d, layer.o_proj.forward, b.attn_rows, o)   # [T, H] partial sum
             if tp:
                 comm.all_reduce_(o)
