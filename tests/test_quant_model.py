@@ -448,14 +448,18 @@ def test_a_prompt_gives_the_same_logits_whatever_the_prefix_cache_held(model_dir
         e.close()
 
 
+@pytest.mark.parametrize("prefill", ["bf16", "int8"])
 @pytest.mark.parametrize("prompt_len", [20, 3])
-def test_each_row_of_a_mixed_step_takes_the_path_of_its_kind(model_dir, prompt_len):
+def test_each_row_of_a_mixed_step_takes_the_path_of_its_kind(model_dir, prompt_len, prefill):
     """A bf16 engine with int4 weights: a step that holds a decode row of one request and the
     prompt rows of another runs each kind as a step of that kind alone would (int8 activations
     for the decode row, bf16 for the prompt rows), so the running request's logprobs are those it
     gets alone, and the new prompt's first token those it gets alone; with 21 rows in the step
-    the decode row once took bf16 panels, with 4 the prompt rows once took int8 blocks."""
-    e = Engine(model_dir, dtype="bfloat16", quantization="int4", kv_cache_memory=1 << 23, max_model_len=128)
+    the decode row once took bf16 panels, with 4 the prompt rows once took int8 blocks. With
+    prefill_activations="int8" the linears whose prompt rows take int8 blocks too run both kinds
+    in one call, qkv_proj (bf16 precision for prompt rows) in two."""
+    e = Engine(model_dir, dtype="bfloat16", quantization="int4", kv_cache_memory=1 << 23, max_model_len=128,
+               prefill_activations=prefill)
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
     first = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
     other = [(13 * i) % 300 + 5 for i in range(prompt_len)]

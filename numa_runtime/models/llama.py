@@ -184,6 +184,10 @@ class LlamaModel:
                              f"quantized checkpoint); {self.cfg.model_dir} has none.")
         for p in lins:
             p.prefill_act8 = (2 if id(p) in qkv else 1) if on else 0
+        # NOTE: linears whose prompt rows take the int8 blocks of decode rows (prefill_act8 1):
+        # a mixed step runs both kinds in one call there (_rows_apart), with the same values
+        self._one_path = {id(lin) for lin in self._linears()
+                          if all(getattr(p, "act8", False) and p.prefill_act8 == 1 for p in _parts(lin))}
         if lins and self.lay.rank == 0:
             wins = getattr(self.ops, "prefill_int8_wins", None)
             hint = "" if on or wins is None or not wins() else \
@@ -330,13 +334,13 @@ class LlamaModel:
                 first = False
             else:
                 add_rms_norm(delta, residual, layer.input_norm, eps, h)
-            apart(d, layer.qkv_proj.forward, h, b.qkv)       # q, k, v: views of b.qkv
+            apart(d, layer.qkv_proj.forward, h, b.qkv, lins=(layer.qkv_proj,))  # q, k, v: views of b.qkv
             if qk_norm:
                 self._qk_norm(layer, b)
             rotary(q, k, pos, cos_sin)
             reshape_and_cache(k, v, kc, vc, slots)
             paged_attention(q, kc, vc, bt, qs, cl, scale, attn, window, s0)
-            apart(d, layer.o_proj.forward, b.attn_rows, o)   # [T, H] partial sum
+            apart(d, layer.o_proj.forward, b.attn_rows, o, lins=(layer.o_proj,))  # [T, H] partial sum
             if tp:
                 comm.all_reduce_(o)
             add_rms_norm(o, residual, layer.post_norm, eps, h)
@@ -345,7 +349,8 @@ class LlamaModel:
                 if tp:
                     comm.all_reduce_(delta)
                 continue
-            apart(d, partial(swiglu, ops, layer.gate_up_proj, layer.down_proj), h, delta, gu, act)  # [T, H] partial sum
+            apart(d, partial(swiglu, ops, layer.gate_up_proj, layer.down_proj), h, delta, gu, act,
+                  lins=(layer.gate_up_proj, layer.down_proj))  # [T, H] partial sum
             if tp:
                 comm.all_reduce_(delta)
         return self._head(plan, residual, delta, d)
@@ -357,12 +362,13 @@ class LlamaModel:
             return 0
         return plan.num_tokens - plan.num_prompt_rows
 
-    def _rows_apart(self, d: int, fn, *arrays) -> None:
+    def _rows_apart(self, d: int, fn, *arrays, lins=()) -> None:
         """fn(*arrays) over the step's rows; with d (a mixed step), in two calls: rows [:d] (decode
         rows) as a step of decode rows runs them, then rows [d:] as a step of prompt rows does, so
-        that a row's values take the path of its kind, whatever rows share its step. NOTE: the
+        that a row's values take the path of its kind, whatever rows share its step; in one call
+        where both kinds take the same path in every linear of `lins` (those fn runs). NOTE: the
         slices of C-contiguous rows are C-contiguous; each function writes its out arrays."""
-        if not d:
+        if not d or (lins and all(id(lin) in self._one_path for lin in lins)):
             fn(*arrays)
             return
         step = self.ops.set_decode_step
@@ -464,7 +470,7 @@ class LlamaModel:
         dh = int(np.count_nonzero(idx < d))                # NOTE: the decode rows' logits rows
         if 0 < dh < idx.shape[0]:
             logits = np.empty((idx.shape[0], self.lm_head.out_features), np.float32)
-            self._rows_apart(dh, self.lm_head.forward, hn, logits)
+            self._rows_apart(dh, self.lm_head.forward, hn, logits, lins=(self.lm_head,))
         else:
             logits = self.lm_head.forward(hn)               # [S', vocab_chunk]
         if self.lay.world > 1:
