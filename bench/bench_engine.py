@@ -66,7 +66,7 @@ def make_engine(a):
                   # NOTE: prefetch_ab's rounds: 32-token prompts, 48 tokens out
                   max_model_len=max(a.prompt_max + max(a.output_len, a.overhead_tokens),
                                     32 + 48 if a.prefetch else 0) + 16,
-                  max_num_seqs=max([*a.concurrency, a.overhead_batch]),
+                  max_num_seqs=max([*a.concurrency, a.overhead_batch + (1 if a.mixed else 0)]),
                   max_num_batched_tokens=a.max_batched_tokens,
                   # NOTE: the overhead split and the prefetch rounds time single decode steps (a
                   # burst of several, EngineConfig.num_scheduler_steps, would count as one)
@@ -243,10 +243,12 @@ def mixed_steps(eng, a, rng) -> dict:
                 t = time.perf_counter()
                 eng.step()
                 decode.append(time.perf_counter() - t)
-            eng.add_request(prompt, one)
+            rid = eng.add_request(prompt, one)
             t = time.perf_counter()
-            eng.step()
+            outs = eng.step()
             mixed.append(time.perf_counter() - t)
+            if not any(o.request_id == rid and o.finished for o in outs):
+                raise RuntimeError("the new prompt did not run in the step timed for it")
         eng.abort_request(ids)
         while eng.has_unfinished_requests():
             eng.step()
