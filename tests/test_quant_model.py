@@ -499,6 +499,35 @@ def test_each_row_of_a_mixed_step_takes_the_path_of_its_kind(model_dir, prompt_l
         e.close()
 
 
+def test_decode_rows_beside_a_prompt_chunk_that_does_not_sample_keep_their_path(model_dir):
+    """A bf16 engine with int4 weights: 10 requests decode while a 40-token prompt runs in chunks
+    (a budget of 16 tokens: 10 decode rows and 6 prompt rows a step), so in most of those steps
+    only the decode rows have logits rows; those still take the lm_head's int8 rows of a decode
+    step (once the 10 rows took the bf16 panels of a prompt step), and each request's logprobs
+    are those it gets alone."""
+    e = Engine(model_dir, dtype="bfloat16", quantization="int4", kv_cache_memory=1 << 23, max_model_len=128,
+               max_num_batched_tokens=16)
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)
+    prompts = [[(11 * i + j) % 300 + 3 for i in range(3)] for j in range(10)]
+    try:
+        alone = [e.generate([p], sp)[0].outputs[0] for p in prompts]
+        assert e.reset_prefix_cache()
+        ids = [e.add_request(p, sp) for p in prompts]
+        e.step()  # the 10 prompts (30 rows in two steps of 16)
+        e.step()
+        e.add_request([(13 * i) % 300 + 5 for i in range(40)], SamplingParams(max_tokens=1))
+        done = {}
+        while e.has_unfinished_requests():
+            done.update((o.request_id, o) for o in e.step() if o.finished)
+        for rid, want in zip(ids, alone):
+            got = done[rid].outputs[0]
+            assert got.token_ids == want.token_ids
+            for (_, x, _), (_, y, _) in zip(got.logprob_pairs, want.logprob_pairs):
+                assert x.keys() == y.keys() and max(abs(x[t] - y[t]) for t in x) < 1e-4, (x, y)
+    finally:
+        e.close()
+
+
 @pytest.mark.parametrize("quant", [None, "int4"])
 @pytest.mark.parametrize("how", ["chunked", "cached"])
 def test_a_prompt_row_left_alone_in_its_item_keeps_the_prompts_attention_path(model_dir, quant, how):

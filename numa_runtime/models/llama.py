@@ -362,21 +362,25 @@ class LlamaModel:
             return 0
         return plan.num_tokens - plan.num_prompt_rows
 
-    def _rows_apart(self, d: int, fn, *arrays, lins=()) -> None:
-        """fn(*arrays) over the step's rows; with d (a mixed step), in two calls: rows [:d] (decode
-        rows) as a step of decode rows runs them, then rows [d:] as a step of prompt rows does, so
-        that a row's values take the path of its kind, whatever rows share its step; in one call
-        where both kinds take the same path in every linear of `lins` (those fn runs). NOTE: the
-        slices of C-contiguous rows are C-contiguous; each function writes its out arrays."""
-        if not d or (lins and all(id(lin) in self._one_path for lin in lins)):
+    def _rows_apart(self, d: int, fn, *arrays, lins=(), mixed: bool | None = None) -> None:
+        """fn(*arrays) over rows of a step; in a mixed step (`mixed`, by default d > 0), in two
+        calls: rows [:d] (decode rows) as a step of decode rows runs them, then rows [d:] (prompt
+        rows) as a step of prompt rows does, so that a row's values take the path of its kind,
+        whatever rows share its step (either part may be empty: the logits rows of a mixed step
+        whose prompt does not end in it are decode rows only); in one call where both kinds take
+        the same path in every linear of `lins` (those fn runs). NOTE: the slices of C-contiguous
+        rows are C-contiguous; each function writes its out arrays."""
+        if not (d > 0 if mixed is None else mixed) or (lins and all(id(lin) in self._one_path for lin in lins)):
             fn(*arrays)
             return
-        step = self.ops.set_decode_step
+        n, step = arrays[0].shape[0], self.ops.set_decode_step
         try:
-            step(1)
-            fn(*(a[:d] for a in arrays))
-            step(2)
-            fn(*(a[d:] for a in arrays))
+            if d > 0:
+                step(1)
+                fn(*(a[:d] for a in arrays))
+            if d < n:
+                step(2)
+                fn(*(a[d:] for a in arrays))
         finally:
             step(0)
 
@@ -467,10 +471,10 @@ class LlamaModel:
         self.ops.add_rms_norm(hn, residual[idx], self.norm, cfg.rms_norm_eps, hn)
         if plan.kind == EMBED:
             return hn
-        dh = int(np.count_nonzero(idx < d))                # NOTE: the decode rows' logits rows
-        if 0 < dh < idx.shape[0]:
+        if d:  # NOTE: a mixed step: its decode rows' logits rows first, then its prompts'
             logits = np.empty((idx.shape[0], self.lm_head.out_features), np.float32)
-            self._rows_apart(dh, self.lm_head.forward, hn, logits, lins=(self.lm_head,))
+            self._rows_apart(int(np.count_nonzero(idx < d)), self.lm_head.forward, hn, logits,
+                             lins=(self.lm_head,), mixed=True)
         else:
             logits = self.lm_head.forward(hn)               # [S', vocab_chunk]
         if self.lay.world > 1:
