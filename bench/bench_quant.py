@@ -122,7 +122,7 @@ def decode_batch(model: str, rows=(16, 32, 64), formats=DECODE_BATCH_FORMATS,
         for name in formats:
             fmt = parse_format(name)
             lin = qlinear(cpu, quantize(w, fmt.for_k(k)), bf16=True)
-            lean = lin.bits in (4, 8) and lin.kind != "nl" and not lin.ks and lin.group % 32 == 0
+            lean = lin.lean_tiles
             for m in rows:
                 x = np.random.default_rng(1).standard_normal((m, k), dtype=np.float32)
                 r = {"layer": layer, "K": k, "N": n, "format": name, "M": m}

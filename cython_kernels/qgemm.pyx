@@ -71,6 +71,7 @@ cdef extern from "qgemm_kernels.h" nogil:
     enum: QG_MR_AMX
     int qg_q8_tiles
     int qg_q8t_lean_on
+    int qg_q8t_lean_takes(const qg_format* f)
     long qg_pf_bytes
     int qg_amx
     int qg_amx_init()
@@ -323,6 +324,11 @@ cdef class QLinear:
     @property
     def dtype(self):
         return "int%d" % self.bits
+
+    @property
+    def lean_tiles(self):
+        """Whether row tiles of this format run the lean kernel (qgemm_q8tile.h; _set_q8t_lean)."""
+        return qg_q8t_lean_takes(&self.fmt) != 0
 
     @property
     def ks(self):

@@ -156,12 +156,12 @@ QG_Q8_INST_ALL(qg_q8t_vnni_mr, QG_T512VNNI, qg_xt)
 /* 0: the row tiles of every format take qg_q8t_vnni_mr (tests and benchmarks: qgemm._set_q8t_lean) */
 static int qg_q8t_lean_on = 1;
 
-/* Whether qg_q8t_lean_mr takes f: int4 codes (not NL) or int8, f16 group scales (no ks), and
- * groups of whole activation blocks. */
-static inline int qg_q8t_lean(const qg_format* f) {
-    return qg_q8t_lean_on && ((f->bits == 4 && f->kind != QG_NL) || f->bits == 8) && !f->ks &&
-           f->group % QG_QB == 0;
+/* Whether qg_q8t_lean_mr can take f: int4 codes (not NL) or int8, f16 group scales (no ks), and
+ * groups of whole activation blocks; qg_q8t_lean: and it is on. */
+static inline int qg_q8t_lean_takes(const qg_format* f) {
+    return ((f->bits == 4 && f->kind != QG_NL) || f->bits == 8) && !f->ks && f->group % QG_QB == 0;
 }
+static inline int qg_q8t_lean(const qg_format* f) { return qg_q8t_lean_on && qg_q8t_lean_takes(f); }
 
 /* qg_q8t_vnni_mr for the formats qg_q8t_lean takes (Q4_0, Q4_1, Q8_0, int4 and int8 at load):
  * the same integer block sums and float operations in the same order (bitwise equal results),
@@ -221,36 +221,25 @@ QG_INLINE QG_T512VNNI void qg_q8t_lean_mr(const uint8_t* blk, const qg_format* f
     for (int r = 0; r < mr; r++) _mm512_store_ps(acc + r * QG_NB, a[r]);
 }
 
-/* the lean kernel of each (bits, has_c) and row count */
-#define QG_LEAN_INST(b, c, m)                                                                     \
-    static QG_T512VNNI __attribute__((noinline)) void qg_q8t_lean_b##b##_c##c##_m##m(              \
-        const uint8_t* blk, const qg_format* f, const qg_xt* q, long g0, long g1, float* acc) {   \
-        qg_q8t_lean_mr(blk, f, q, g0, g1, acc, b, m, c);                                          \
-    }
-#define QG_LEAN_INST_M(b, c)                                                                      \
-    QG_LEAN_INST(b, c, 1) QG_LEAN_INST(b, c, 2) QG_LEAN_INST(b, c, 3) QG_LEAN_INST(b, c, 4)         \
-    QG_LEAN_INST(b, c, 5) QG_LEAN_INST(b, c, 6) QG_LEAN_INST(b, c, 7) QG_LEAN_INST(b, c, 8)
-#define QG_LEAN_CASES(fn)                                       \
-    switch (m) {                                                \
-        case 1: fn##_m1(blk, f, q, g0, g1, acc); break;         \
-        case 2: fn##_m2(blk, f, q, g0, g1, acc); break;         \
-        case 3: fn##_m3(blk, f, q, g0, g1, acc); break;         \
-        case 4: fn##_m4(blk, f, q, g0, g1, acc); break;         \
-        case 5: fn##_m5(blk, f, q, g0, g1, acc); break;         \
-        case 6: fn##_m6(blk, f, q, g0, g1, acc); break;         \
-        case 7: fn##_m7(blk, f, q, g0, g1, acc); break;         \
-        default: fn##_m8(blk, f, q, g0, g1, acc); break;        \
-    }
-QG_LEAN_INST_M(4, 0)
-QG_LEAN_INST_M(4, 1)
-QG_LEAN_INST_M(8, 0)
+/* the lean kernel of each has_c, then (QG_Q8_INST_M) of each bit width and row count */
+QG_INLINE QG_T512VNNI void qg_q8t_lean_c0_mr(const uint8_t* blk, const qg_format* f, const qg_xt* t,
+                                             long g0, long g1, float* acc, const int bits, const int mr) {
+    qg_q8t_lean_mr(blk, f, t, g0, g1, acc, bits, mr, 0);
+}
+QG_INLINE QG_T512VNNI void qg_q8t_lean_c1_mr(const uint8_t* blk, const qg_format* f, const qg_xt* t,
+                                             long g0, long g1, float* acc, const int bits, const int mr) {
+    qg_q8t_lean_mr(blk, f, t, g0, g1, acc, bits, mr, 1);
+}
+QG_Q8_INST_M(qg_q8t_lean_c0_mr, QG_T512VNNI, qg_xt, 4)
+QG_Q8_INST_M(qg_q8t_lean_c1_mr, QG_T512VNNI, qg_xt, 4)
+QG_Q8_INST_M(qg_q8t_lean_c0_mr, QG_T512VNNI, qg_xt, 8)
 
 static QG_T512VNNI void qg_q8t_vnni(const uint8_t* blk, const qg_format* f, const qg_xt* q,
                                     long g0, long g1, int m, float* acc) {
     if (qg_q8t_lean(f)) {
-        if (f->bits == 8) { QG_LEAN_CASES(qg_q8t_lean_b8_c0) }
-        else if (qg_has_c(f)) { QG_LEAN_CASES(qg_q8t_lean_b4_c1) }
-        else { QG_LEAN_CASES(qg_q8t_lean_b4_c0) }
+        if (f->bits == 8) { QG_Q8_CASES(qg_q8t_lean_c0_mr, 8) }
+        else if (qg_has_c(f)) { QG_Q8_CASES(qg_q8t_lean_c1_mr, 4) }
+        else { QG_Q8_CASES(qg_q8t_lean_c0_mr, 4) }
         return;
     }
     switch (f->bits) {
