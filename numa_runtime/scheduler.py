@@ -262,7 +262,14 @@ class Scheduler:
         the prompt rows (StepPlan.num_prompt_rows), each kind in the order scheduled."""
         # NOTE: a mixed step runs its decode rows as a decode step would and its prompt rows as a
         # prompt step would (models/llama.py _rows_apart), each kind one run of rows
-        scheduled = [x for x in scheduled if not _prompt_rows(*x)] + [x for x in scheduled if _prompt_rows(*x)]
+        decode, prompt = [], []
+        for x in scheduled:
+            (prompt if _prompt_rows(*x) else decode).append(x)
+        scheduled = decode + prompt
+        # NOTE: prompt rows keep their activations exact however few they are, so a prompt's KV
+        # and logits do not switch path when the prefix cache held most of it (LlamaModel.forward,
+        # qgemm's _decode_rows)
+        prompt_rows = sum(n for _, n in prompt)
         bs = self.block_manager.block_size
         num_seqs = len(scheduled)
         num_tokens = sum(n for _, n in scheduled)
@@ -274,13 +281,9 @@ class Scheduler:
         context_lens = np.empty(num_seqs, np.int32)          # [S]
         block_tables = np.zeros((num_seqs, max_blocks), np.int32)  # [S, max_blocks]
         logits_indices, sampling = [], []
-        t = prompt_rows = 0
+        t = 0
         for s, (req, n) in enumerate(scheduled):
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
-            # NOTE: prompt rows keep their activations exact however few they are, so a prompt's
-            # KV and logits do not switch path when the prefix cache held most of it
-            # (LlamaModel.forward, qgemm's _decode_rows)
-            prompt_rows += n if _prompt_rows(req, n) else 0
             row = block_tables[s, :len(req.block_ids)]
             row[:] = req.block_ids
             if n == 1:  # NOTE: a decode row, without the numpy temporaries of a chunk

@@ -29,6 +29,31 @@ def engine(model_dir, **kw):
     return Engine(model_dir, dtype="float32", kv_cache_memory=1 << 23, max_model_len=128, **kw)
 
 
+def assert_same_logprobs(a, b):
+    """Two CompletionOutputs of greedy tokens with logprobs: the same tokens, and each step's top
+    logprobs (chosen, {token: logprob}, rank) the same tokens within 1e-4."""
+    assert a.token_ids == b.token_ids
+    for (_, x, _), (_, y, _) in zip(a.logprob_pairs, b.logprob_pairs):
+        assert x.keys() == y.keys() and max(abs(x[t] - y[t]) for t in x) < 1e-4, (x, y)
+
+
+def spy_decode_steps(e) -> list[int]:
+    """The modes the engine's model passes to ops.set_decode_step from now on, in order."""
+    ops, seen = e.runner.model.ops, []
+    real = ops.set_decode_step
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+        def set_decode_step(self, mode):
+            seen.append(int(mode))
+            return real(mode)
+
+    e.runner.model.ops = Spy()
+    return seen
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("qmodel"))
@@ -388,18 +413,7 @@ def test_decode_steps_flag_their_rows_for_int8_activations(model_dir):
     e = Engine(model_dir, dtype="bfloat16", quantization="int4", kv_cache_memory=1 << 23,
                max_model_len=128)
     try:
-        ops, seen = e.runner.model.ops, []
-        real = ops.set_decode_step
-
-        class Spy:
-            def __getattr__(self, name):
-                return getattr(ops, name)
-
-            def set_decode_step(self, mode):
-                seen.append(int(mode))
-                return real(mode)
-
-        e.runner.model.ops = Spy()
+        seen = spy_decode_steps(e)
         outs = e.generate([[3 + i, 5, 7 + i] for i in range(12)],
                           SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         assert all(len(o.token_ids) == 4 for o in outs)
@@ -426,16 +440,11 @@ def test_a_prompt_gives_the_same_logits_whatever_the_prefix_cache_held(model_dir
     e = Engine(model_dir, dtype="bfloat16", quantization="int4", kv_cache_memory=1 << 23, max_model_len=128)
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
 
-    def same(first, second):
-        assert first.token_ids == second.token_ids
-        for (_, a, _), (_, b, _) in zip(first.logprob_pairs, second.logprob_pairs):  # (chosen, top 5, rank)
-            assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-4, (a, b)
-
     try:
         prompt = [(7 * i) % 200 + 3 for i in range(82)]  # 5 blocks of 16 cached, 2 tokens left
         first, second = (e.generate([prompt], sp)[0].outputs[0] for _ in range(2))
         assert e.block_manager.hit_rate > 0
-        same(first, second)
+        assert_same_logprobs(first, second)
         if kind == "moe":
             # the first token: the prompt's logits (decode steps of 1 and 3 rows may sum otherwise)
             sp = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
@@ -443,7 +452,7 @@ def test_a_prompt_gives_the_same_logits_whatever_the_prefix_cache_held(model_dir
             alone = e.generate([others[1]], sp)[0].outputs[0]
             assert e.reset_prefix_cache()
             batch = e.generate(others, sp)
-            same(batch[1].outputs[0], alone)
+            assert_same_logprobs(batch[1].outputs[0], alone)
     finally:
         e.close()
 
@@ -464,27 +473,11 @@ def test_each_row_of_a_mixed_step_takes_the_path_of_its_kind(model_dir, prompt_l
     first = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
     other = [(13 * i) % 300 + 5 for i in range(prompt_len)]
 
-    def same(a, b):
-        assert a.token_ids == b.token_ids
-        for (_, x, _), (_, y, _) in zip(a.logprob_pairs, b.logprob_pairs):  # (chosen, top 5, rank)
-            assert x.keys() == y.keys() and max(abs(x[t] - y[t]) for t in x) < 1e-4, (x, y)
-
     try:
         alone = e.generate([PROMPT], sp)[0].outputs[0]
         alone_other = e.generate([other], first)[0].outputs[0]
         assert e.reset_prefix_cache()
-        ops, modes = e.runner.model.ops, []
-        real = ops.set_decode_step
-
-        class Spy:
-            def __getattr__(self, name):
-                return getattr(ops, name)
-
-            def set_decode_step(self, mode):
-                modes.append(int(mode))
-                return real(mode)
-
-        e.runner.model.ops = Spy()
+        modes = spy_decode_steps(e)
         done = {}
         a = e.add_request(PROMPT, sp)
         for _ in range(2):  # its prompt, then a decode step
@@ -492,8 +485,8 @@ def test_each_row_of_a_mixed_step_takes_the_path_of_its_kind(model_dir, prompt_l
         b = e.add_request(other, first)
         while e.has_unfinished_requests():
             done.update((o.request_id, o) for o in e.step() if o.finished)
-        same(done[a].outputs[0], alone)
-        same(done[b].outputs[0], alone_other)
+        assert_same_logprobs(done[a].outputs[0], alone)
+        assert_same_logprobs(done[b].outputs[0], alone_other)
         assert [0, 1, 2, 0] == modes[4:8]  # the mixed step: its kinds apart, decode rows first
     finally:
         e.close()
@@ -520,10 +513,7 @@ def test_decode_rows_beside_a_prompt_chunk_that_does_not_sample_keep_their_path(
         while e.has_unfinished_requests():
             done.update((o.request_id, o) for o in e.step() if o.finished)
         for rid, want in zip(ids, alone):
-            got = done[rid].outputs[0]
-            assert got.token_ids == want.token_ids
-            for (_, x, _), (_, y, _) in zip(got.logprob_pairs, want.logprob_pairs):
-                assert x.keys() == y.keys() and max(abs(x[t] - y[t]) for t in x) < 1e-4, (x, y)
+            assert_same_logprobs(done[rid].outputs[0], want)
     finally:
         e.close()
 
@@ -556,9 +546,7 @@ def test_a_prompt_row_left_alone_in_its_item_keeps_the_prompts_attention_path(mo
         (whole,), (cut,) = run(64), run(5)
     else:
         whole, cut = run(128, twice=True)
-    assert whole.token_ids == cut.token_ids
-    for (_, a, _), (_, b, _) in zip(whole.logprob_pairs, cut.logprob_pairs):
-        assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-4, (a, b)
+    assert_same_logprobs(whole, cut)
 
 
 def test_prefill_activations(model_dir):

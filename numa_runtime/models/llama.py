@@ -321,10 +321,12 @@ class LlamaModel:
         if self.fused is not None and plan.decode_only and plan.num_tokens <= self.fused.MAX_ROWS:
             return self._fused_forward(plan, b, bt, qs, cl)
         h, v, attn, o, gu, act, delta = b.h, b.v, b.attn, b.o, b.gu, b.act, b.delta
-        d = self._decode_rows_of(plan)
-        apart = self._rows_apart
-        # NOTE: the sequences from this one on hold prompt rows (the decode rows come first)
+        # NOTE: the sequences from s0 on hold prompt rows (the decode rows, one a sequence, come
+        # first); in a mixed step whose linears take int8 activations for decode rows (act8), its
+        # linears run those d rows apart (_rows_apart); d = 0: one call takes every row
         s0 = plan.num_seqs if plan.num_prompt_rows < 0 else plan.num_tokens - plan.num_prompt_rows
+        d = s0 if self._act8 and 0 < plan.num_prompt_rows < plan.num_tokens else 0
+        apart = self._rows_apart
         qk_norm = self.cfg.qk_norm
         q, k = (b.qn, b.kn) if qk_norm else (b.q, b.k)  # the views of b.qkv, or their normed copies
         first = True
@@ -354,13 +356,6 @@ class LlamaModel:
             if tp:
                 comm.all_reduce_(delta)
         return self._head(plan, residual, delta, d)
-
-    def _decode_rows_of(self, plan) -> int:
-        """The decode rows of a mixed step (the plan's first rows), when its linears take int8
-        activations for decode rows (act8); else 0: one call takes every row."""
-        if not self._act8 or not 0 < plan.num_prompt_rows < plan.num_tokens:
-            return 0
-        return plan.num_tokens - plan.num_prompt_rows
 
     def _rows_apart(self, d: int, fn, *arrays, lins=(), mixed: bool | None = None) -> None:
         """fn(*arrays) over rows of a step; in a mixed step (`mixed`, by default d > 0), in two
