@@ -40,6 +40,10 @@ process keeps a shared host's drift out of the comparison.
 GEMV's weights each thread of the fused decode region prefetches while it waits at a barrier
 (qgemm._set_wait_prefetch; decode_layers.h):
     python bench/bench_engine.py --wait-prefetch 0 32768 --shape qwen0.5b --quantization int4
+`--rope-in-items` runs them alternating whether each attention item of that region rotates its
+own queries and writes its newest key (decode_layers.h nd_item_rope; one barrier a layer fewer)
+or a phase before the items does (qgemm._set_rope_in_items; same results either way):
+    python bench/bench_engine.py --rope-in-items --shape qwen0.5b --quantization int4
 Mixed steps: `--mixed` skips the rest: B requests (--overhead-batch, default 15 here) decode
 while every fourth step a new request arrives whose prompt (the same --prompt-max random ids each
 time) the prefix cache holds but for its last rows, so that its step mixes B decode rows with a
@@ -260,8 +264,11 @@ def mixed_steps(eng, a, rng) -> dict:
 
 def _prefetch_knobs(a) -> list:
     """The setters prefetch_ab turns together (each returns its old value): the kernels' prefetch
-    distance (--prefetch) or the bytes the decode region's barrier waits prefetch (--wait-prefetch)."""
+    distance (--prefetch), the bytes the decode region's barrier waits prefetch (--wait-prefetch),
+    or whether its attention items rotate their own rows (--rope-in-items: 0 off, 1 on)."""
     from numa_runtime._kernels import gemm, qgemm
+    if a.rope_in_items:
+        return [qgemm._set_rope_in_items]
     return [qgemm._set_wait_prefetch] if a.wait_prefetch else [qgemm._set_prefetch, gemm._set_prefetch]
 
 
@@ -296,11 +303,16 @@ def prefetch_ab(eng, a) -> dict:
             for b, r in res.items()}
 
 
+def _ab_label(a, d: int) -> str:
+    if a.rope_in_items:
+        return f"rope in items {'on' if d else 'off'}"
+    return f"{'wait prefetch' if a.wait_prefetch else 'prefetch'} {d} B"
+
+
 def prefetch_markdown(r: dict, a) -> str:
     lines = [f"model {r['summary'].get('model', '')}, quantization {a.quantization}, threads {r['threads']}; "
              f"median decode step ms over {a.overhead_rounds} alternating rounds", "",
-             "| batch | " + " | ".join(f"{'wait prefetch' if a.wait_prefetch else 'prefetch'} {d} B"
-                                        for d in a.prefetch) + " |",
+             "| batch | " + " | ".join(_ab_label(a, d) for d in a.prefetch) + " |",
              "|" + " --- |" * (len(a.prefetch) + 1)]
     for b, row in r["prefetch"].items():
         base = row[str(a.prefetch[0])]["median_ms"]
@@ -334,6 +346,9 @@ def main() -> None:
     ap.add_argument("--wait-prefetch", type=int, nargs="+", default=None,
                     help="only the A/B of the bytes the decode region's barrier waits prefetch of the next "
                          "GEMV's weights (qgemm._set_wait_prefetch), e.g. 0 32768")
+    ap.add_argument("--rope-in-items", action="store_true",
+                    help="only the A/B (off, on) of the decode region's attention items rotating their own "
+                         "rows instead of a phase and a barrier before them (qgemm._set_rope_in_items)")
     ap.add_argument("--prefetch-batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--mixed", action="store_true",
                     help="only the mixed-step split: decode steps of --overhead-batch rows (default 15) beside "
@@ -347,6 +362,8 @@ def main() -> None:
         a.prompt_max = 86 if a.prompt_max == 256 else a.prompt_max
     if a.wait_prefetch:
         a.prefetch = a.wait_prefetch
+    if a.rope_in_items:
+        a.prefetch = [0, 1]
     if a.prefetch:
         a.concurrency, a.overhead_rounds = [], a.overhead_rounds or 5
         a.overhead_batch = max(a.prefetch_batch)

@@ -75,6 +75,7 @@ cdef extern from "decode_layers.h" nogil:
         int64_t* amax
     int nd_run(const nd_model* m, const nd_step* st, int64_t s0, int64_t s1)
     long nd_pf_wait
+    int nd_rope_items
     enum: QG_MAX_SLICES
     long qg_blocks_per_group(const qg_format* f)
 
@@ -102,6 +103,17 @@ def _set_wait_prefetch(long nbytes):
     global nd_pf_wait
     old = nd_pf_wait
     nd_pf_wait = nbytes
+    return old
+
+
+def _set_rope_in_items(bint on):
+    """Tests and benchmarks: whether each attention item of FusedDecoder's region rotates its own
+    queries and writes its newest key and value into the cache (one barrier a layer fewer,
+    decode_layers.h nd_item_rope) instead of a phase of its own before the items (default on).
+    Same results either way. Returns the old setting."""
+    global nd_rope_items
+    old = nd_rope_items != 0
+    nd_rope_items = 1 if on else 0
     return old
 
 

@@ -8,7 +8,8 @@
  * between phases:
  *
  *   attention half: residual += delta (l > 0); h = rms_norm(residual); h -> int8 | qkv GEMV |
- *                   q/k norms, rotary, K/V into the cache | attention | attn -> int8 | o_proj
+ *                   q/k norms, rotary, K/V into the cache (each attention item its own:
+ *                   nd_item_rope) | attention | attn -> int8 | o_proj
  *   MLP half:       residual += o; h = rms_norm(residual); h -> int8 | gate_up GEMV |
  *                   silu(gate) * up -> int8 (per group) | down_proj GEMV (into delta)
  *
@@ -163,9 +164,12 @@ typedef struct {
     nd_xqbuf own;       /* this thread's int8 activations */
     float *res, *xrow, *hrow;    /* [H] each */
     float* arow;        /* [M, Hq D]: attention rows merged by this thread */
+    float* qrow;        /* [(Hq + 2 Hk) D]: one qkv row, the heads of this thread's attention
+                         * item (nd_item_rope) */
     float* rbuf[2];     /* the residual: the caller's and a scratch one */
     int cur;            /* rbuf[cur] holds the residual */
-    nd_pending pend;    /* partial sums left by nd_gemv's fold: qkv's (added by nd_rope_cache),
+    nd_pending pend;    /* partial sums left by nd_gemv's fold: qkv's (added by nd_rope_cache
+                         * or nd_item_rope),
                          * o_proj's or down_proj's (added by the next nd_norm_quant or nd_head_phase) */
     /* the weights of the GEMV after the current one (set by the caller, NULL: none or not known),
      * and the bytes of this thread's share of them that its barrier waits prefetch (nd_pf_arm) */
@@ -434,6 +438,47 @@ static void nd_rope_cache(const nd_model* m, const nd_step* st, const nd_layer* 
     nd_barrier(t);
 }
 
+/* Whether each attention item does its own share of nd_rope_cache (nd_item_rope) instead of a
+ * phase and a barrier before the items (qgemm._set_rope_in_items). NOTE: one barrier a layer
+ * fewer; the query heads of a kv head are rotated once for each item of it (a few hundred
+ * floats), and the item whose keys end at the newest one writes that key and value into the
+ * cache, which no other item of the step reads. */
+static int nd_rope_items = 1;
+
+/* Columns [c0, c1) of row r of the qkv GEMV's output into buf[c0, c1) (buf: one qkv row): added
+ * up from the pending k-slice partial sums as nd_rope_cache adds them, or copied. */
+static inline void nd_qkv_cols(const nd_step* st, const nd_pending* pd, int64_t W, int64_t r,
+                               int64_t c0, int64_t c1, float* buf) {
+    if (pd) qg_q8_sum_parts(pd->part, pd->ns, st->M, pd->n, pd->bias, buf, 0, r * W + c0, r * W + c1);
+    else memcpy(buf + c0, st->qkv + r * W + c0, sizeof(float) * (size_t)(c1 - c0));
+}
+
+/* What nd_rope_cache computes for attention item x (one decode row, kv head x->h), in this
+ * thread's qkv row t->qrow: the q norm and rotary of the kv head's query heads, and, when x's
+ * keys end at the newest (x->jb == ctx: one item per row and kv head), the k norm and rotary of
+ * its key and the key and value into the cache. The same functions on the same floats. */
+static void nd_item_rope(const nd_model* m, const nd_step* st, const nd_layer* ly, const nr_attn_args* a,
+                         const nr_item* x, nd_thread* t) {
+    const int64_t D = m->D, Hq = m->Hq, Hk = m->Hk, W = (Hq + 2 * Hk) * D, g = Hq / Hk, h = x->h;
+    const int64_t r = a->qstart[x->s] + x->i0;
+    const nd_pending* pd = t->pend.part ? &t->pend : NULL;
+    const float* cs = m->cos_sin + st->pos[r] * m->rot;
+    float* q = t->qrow;
+    nd_qkv_cols(st, pd, W, r, h * g * D, (h + 1) * g * D, q);
+    for (int64_t qh = h * g; qh < (h + 1) * g; qh++) {
+        float* y = q + qh * D;
+        if (ly->q_norm) nr_rms_row(y, ly->q_norm, m->eps, D, y);
+        nr_rotary_token(y, 1, D, cs, m->rot);
+    }
+    if (x->jb != a->ctx[x->s] || st->slots[r] < 0) return;
+    float *k = q + (Hq + h) * D, *v = q + (Hq + Hk + h) * D;
+    nd_qkv_cols(st, pd, W, r, (Hq + h) * D, (Hq + h + 1) * D, q);
+    nd_qkv_cols(st, pd, W, r, (Hq + Hk + h) * D, (Hq + Hk + h + 1) * D, q);
+    if (ly->k_norm) nr_rms_row(k, ly->k_norm, m->eps, D, k);
+    nr_rotary_token(k, 1, D, cs, m->rot);
+    nr_cache_write(k, v, ly->kc, ly->vc, m->kv_type, (st->slots[r] * Hk + h) * nr_kv_row(m->kv_type, D), D);
+}
+
 /* The attention arguments of layer ly over the step's qkv (as paged_attention receives them). */
 static void nd_attn_args(const nd_model* m, const nd_step* st, const nd_layer* ly, nr_attn_args* a) {
     const int64_t D = m->D, Hq = m->Hq, Hk = m->Hk;
@@ -465,12 +510,22 @@ static void nd_attn_args(const nd_model* m, const nd_step* st, const nd_layer* l
 
 /* The items of plan p (made before the region), then the merges of split items. Returns the
  * attention rows [M, Hq D]: the step's, or, redundant with split items, this thread's own copy
- * with every merge made in it (no barrier after the merges). */
+ * with every merge made in it (no barrier after the merges). `rope`: each item first does its
+ * share of nd_rope_cache (nd_item_rope) and reads its queries from this thread's qkv row. */
 static const float* nd_attention(const nd_model* m, const nd_step* st, const nd_layer* ly,
-                                 const nr_attn_plan_t* p, nd_thread* t) {
+                                 const nr_attn_plan_t* p, int rope, nd_thread* t) {
     nr_attn_args a;
     nd_attn_args(m, st, ly, &a);
-    for (int64_t i; (i = nd_take(t, p->n_items)) >= 0;) nr_attn_run_item(&a, p, i, t->ws);
+    nr_attn_args aq = a;
+    if (rope) {  /* every row's queries at the same place: an item has one row (decode) */
+        aq.q = t->qrow;
+        aq.q_st = 0;
+    }
+    for (int64_t i; (i = nd_take(t, p->n_items)) >= 0;) {
+        if (rope) nd_item_rope(m, st, ly, &a, &p->items[i], t);
+        nr_attn_run_item(&aq, p, i, t->ws);
+    }
+    t->pend.part = NULL;
     nd_barrier(t);
     if (!p->n_slots) return st->attn;
     if (t->red) {
@@ -491,8 +546,8 @@ static void nd_attention_half(const nd_model* m, const nd_step* st, const nd_lay
     nd_norm_quant(m, st, first ? NULL : st->delta, ly->in_norm, &ly->qkv, t);
     nd_next(t, &ly->o);
     nd_gemv(st, &ly->qkv, in, st->qkv, st->part, 1, t);
-    nd_rope_cache(m, st, ly, t);
-    const float* attn = nd_attention(m, st, ly, plan, t);
+    if (!nd_rope_items) nd_rope_cache(m, st, ly, t);
+    const float* attn = nd_attention(m, st, ly, plan, nd_rope_items, t);
     const int64_t A = m->Hq * m->D;
     if (t->red) {
         for (int64_t r = 0; r < st->M; r++) nd_quant_row(&t->own, st->M, &ly->o, attn + r * A, r);
@@ -680,7 +735,8 @@ static int nd_run(const nd_model* m, const nd_step* st, int64_t s0, int64_t s1) 
         hb.cidx = (int64_t*)(hbuf + h_sx + h_xs + h_xi + h_xq + h_part);
         hb.cval = (float*)(hb.cidx + ntmax * S);
     }
-    const size_t o_ar = nd_up64(sizeof(float) * (size_t)(3 * H));
+    const size_t o_qr = nd_up64(sizeof(float) * (size_t)(3 * H));
+    const size_t o_ar = o_qr + nd_up64(sizeof(float) * (size_t)((m->Hq + 2 * m->Hk) * m->D));
     const size_t o_sx = o_ar + nd_up64(sizeof(float) * (size_t)(Mr * m->Hq * m->D));
     const size_t o_xs = o_sx + nd_up64(sizeof(float) * (size_t)(Mr * nbq));
     const size_t o_xi = o_xs + nd_up64(sizeof(float) * (size_t)(Mr * ngq));
@@ -716,6 +772,7 @@ static int nd_run(const nd_model* m, const nd_step* st, int64_t s0, int64_t s1) 
             t.res = (float*)mine;
             t.xrow = t.res + H;
             t.hrow = t.xrow + H;
+            t.qrow = (float*)(mine + o_qr);
             t.arow = (float*)(mine + o_ar);
             t.own.sx = (float*)(mine + o_sx);
             t.own.xs = (float*)(mine + o_xs);

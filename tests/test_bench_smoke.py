@@ -30,6 +30,17 @@ def test_bench_engine_mixed_quick(tmp_path):
     assert _positive(r["decode_step_ms"]) and _positive(r["mixed_step_ms"])
 
 
+def test_bench_engine_rope_in_items_quick(tmp_path):
+    """The A/B of the decode region's rope in attention items: both settings timed per batch."""
+    out = str(tmp_path / "rope")
+    _run("bench_engine.py", "--quick", "--quantization", "int4", "--rope-in-items", "--prefetch-batch", "1",
+         "--overhead-rounds", "1", "--out", out)
+    r = json.load(open(out + ".json"))["prefetch"]
+    assert list(r) == ["1"] and list(r["1"]) == ["0", "1"]
+    assert all(_positive(v["median_ms"]) for v in r["1"].values())
+    assert "rope in items off" in open(out + ".md").read()
+
+
 def test_bench_engine_quick(tmp_path):
     out = str(tmp_path / "engine")
     _run("bench_engine.py", "--quick", "--out", out)

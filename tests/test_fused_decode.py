@@ -177,6 +177,39 @@ def test_barrier_wait_prefetch_leaves_results_alone(models, monkeypatch, nbytes,
         o.close()
 
 
+@pytest.mark.parametrize("arch,threads,redundant,kv", [
+    ("qwen3", 7, "auto", "auto"), ("qwen2", 2, "off", "int8"), ("mistral", 5, "on", "float32"),
+    ("llama", 3, "auto", "bfloat16")])
+def test_attention_items_that_rotate_their_own_rows_equal_a_rope_phase(models, monkeypatch, arch, threads,
+                                                                       redundant, kv):
+    """Each attention item of the region rotates its kv head's queries itself and the item that
+    ends at the newest key writes it into the cache (decode_layers.h nd_item_rope, the default),
+    instead of a phase of its own and a barrier: the same logits and batch tokens as with that
+    phase, and as op by op, for each KV cache type. qwen3: q/k norms, qkv's k slices at 7
+    threads (the items add them up); qwen2: q/k/v bias; mistral: a sliding window. (Items cut
+    into key ranges, of which only the last writes the cache:
+    test_fused_decode_merges_split_attention_like_op_by_op.)"""
+    old_red = qgemm._force_redundant(redundant)
+    ids = PROMPT
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = batch_prompts(threads + 1)
+    got = []
+    try:
+        for fused, rope in [(True, True), (True, False), (False, True)]:
+            assert qgemm._set_rope_in_items(rope) is True
+            e = engine(models[arch], fused, monkeypatch, num_threads=threads, kv_cache_dtype=kv)  # fresh KV blocks
+            try:
+                got.append((decode_logits(e, ids), [x.token_ids for x in e.generate(prompts, params)]))
+            finally:
+                e.close()
+                qgemm._set_rope_in_items(True)
+    finally:
+        qgemm._force_redundant(old_red)
+    for logits, tokens in got[1:]:
+        np.testing.assert_array_equal(logits, got[0][0])
+        assert tokens == got[0][1]
+
+
 @pytest.mark.parametrize("redundant", ["auto", "off"])
 def test_fused_decode_merges_split_attention_like_op_by_op(tmp_path, monkeypatch, redundant):
     """Past 256 keys a decode row's attention is cut into key ranges (NR_SPLIT_MIN 128 keys,
