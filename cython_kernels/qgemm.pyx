@@ -331,6 +331,11 @@ cdef class QLinear:
         return qg_q8t_lean_takes(&self.fmt) != 0
 
     @property
+    def packed_k(self):
+        """in_features rounded up to the packing unit (zero-padded k; FusedDecoder takes none)."""
+        return self.fmt.kp
+
+    @property
     def ks(self):
         """k per super-block of int8 sub-scales (256), or 0 for f16 group scales."""
         return self.fmt.ks

@@ -442,17 +442,17 @@ def test_greedy_rows_whose_logits_change_do_not_take_the_region_argmax(models, m
         o.close()
 
 
-def run_mpi(n, model_dir, fused: bool, prompts):
+def run_mpi(n, model_dir, fused: bool, prompts, quantization="int4-g32-min"):
     env = dict(os.environ, MPI4PY_RC_THREAD_LEVEL="funneled", OMP_NUM_THREADS="1",
-               NUMA_RUNTIME_FUSED_DECODE="1" if fused else "0",
+               NUMA_RUNTIME_FUSED_DECODE="1" if fused else "0", NUMA_RUNTIME_LOG_LEVEL="INFO",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = ["mpirun", "-np", str(n), sys.executable, os.path.join(HERE, "mpi", "fused_decode.py"),
-           model_dir, "int4-g32-min", json.dumps(prompts)]
+           model_dir, quantization, json.dumps(prompts)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
     assert len(line) == 1, p.stdout[-3000:]
-    return json.loads(line[0][7:])
+    return dict(json.loads(line[0][7:]), log=p.stderr)
 
 
 def test_two_ranks_fused_equal_op_by_op(models):
@@ -462,3 +462,38 @@ def test_two_ranks_fused_equal_op_by_op(models):
     f, o = run_mpi(2, models["qwen2"], True, prompts), run_mpi(2, models["qwen2"], False, prompts)
     assert f["world"] == 2 and f["fused"] and not o["fused"]
     assert f["tokens"] == o["tokens"]
+
+
+def test_per_channel_int8_splits_the_mlp_on_its_packing_unit(tmp_path):
+    """'int8-channel' on 2 ranks of 5 query heads over 1 kv head: the MLP's 352 columns are
+    split by attention load, which cut them 139 + 213 before, so that both ranks' down_proj
+    slices were zero-padded to the int8 packing unit (4) and both ranks decoded op by op while
+    rank 0 logged the region. The split now keeps to multiples of 4: every rank runs the region
+    (no rank logs op by op), with the tokens of the op-by-op steps, and a rank that does run op
+    by op says which linear keeps it there."""
+    build_model(str(tmp_path), arch="qwen3", hidden_size=160, num_attention_heads=5, num_key_value_heads=1,
+                head_dim=112, intermediate_size=352, vocab_size=397, max_position_embeddings=256)
+    prompts = [PROMPT, PROMPT[3:]]
+    f = run_mpi(2, str(tmp_path), True, prompts, "int8-channel")
+    o = run_mpi(2, str(tmp_path), False, prompts, "int8-channel")
+    assert f["world"] == 2 and f["fused"] and "op by op" not in f["log"], f["log"][-3000:]
+    assert "one OpenMP region per half layer" in f["log"]
+    assert f["tokens"] == o["tokens"]
+
+
+def test_a_model_the_region_cannot_take_says_which_linear(tmp_path, monkeypatch, caplog):
+    """An MLP of 202 columns in 'int8-channel' packs down_proj's input to 204 (units of 4),
+    which the region does not take: the engine decodes op by op and its log names the linear."""
+    build_model(str(tmp_path), arch="llama", hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
+                head_dim=64, intermediate_size=202, vocab_size=397, max_position_embeddings=256)
+    caplog.set_level("INFO", logger="numa_runtime")
+    monkeypatch.setenv("NUMA_RUNTIME_FUSED_DECODE", "1")
+    e = Engine(str(tmp_path), dtype="bfloat16", quantization="int8-channel", kv_cache_memory=1 << 22,
+               max_model_len=64)
+    try:
+        assert e.runner.model.fused is None
+        assert ("decode steps: op by op (layer 0 mlp.down_proj has 202 input features on this rank, padded to "
+                "204 for its packing)") in caplog.text
+        assert "OpenMP region" not in caplog.text
+    finally:
+        e.close()

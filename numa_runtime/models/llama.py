@@ -84,6 +84,26 @@ def _parts(lin) -> list:
     return list(getattr(lin, "parts", [lin]))
 
 
+def _not_fused(layers) -> str:
+    """Why FusedDecoder does not take these layers' linears (qgemm.fused_decode_usable), in words."""
+    names = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    for i, spec in enumerate(layers):
+        for name, lin in zip(names, spec[:4]):
+            parts = list(getattr(lin, "parts", [lin]))
+            where = f"layer {i} {name}"
+            if name.endswith("down_proj") and len(parts) > 1:
+                return f"{where} is {len(parts)} parts"
+            for q in parts:
+                if not hasattr(q, "act8"):
+                    return f"{where} is dense"
+                if not q.act8:
+                    return f"{where} takes float activations (f32-exact or profiled)"
+                if q.packed_k != q.in_features:
+                    return (f"{where} has {q.in_features} input features on this rank, padded to "
+                            f"{q.packed_k} for its packing")
+    return "its linears do not fit the region"
+
+
 class LlamaModel:
     """Weights of one rank's shard and its forward pass over a StepPlan."""
 
@@ -246,11 +266,15 @@ class LlamaModel:
         # argmax, for greedy rows); tensor parallel ranks all-gather their vocabulary slices after it
         head = fused is not None and lay.world == 1 and self.lm_head is not None and not cfg.num_experts and \
             fused.set_head(self.norm, self.lm_head, cfg.vocab_size)
-        if lay.rank == 0:
+        if fused is None:
+            # NOTE: ranks decide apart (their slices differ): each that runs op by op says why
+            if lay.rank == 0 or lay.world > 1:
+                log.info("decode steps%s: op by op (%s)", "" if lay.world == 1 else f" on rank {lay.rank}",
+                         _not_fused(layers))
+        elif lay.rank == 0:
             unit = "step" if lay.world == 1 and not cfg.num_experts else "half layer"
-            log.info("decode steps: %s", "one OpenMP region per %s%s (FusedDecoder)" % (
-                unit, ", lm_head included" if head else "")
-                if fused is not None else "op by op (dense, f32-exact or profiled linears)")
+            log.info("decode steps: one OpenMP region per %s%s (FusedDecoder)", unit,
+                     ", lm_head included" if head else "")
         return fused
 
     def embed_tokens(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

@@ -66,9 +66,12 @@ class LinearFactory:
         group we quantize it in (1 for dense weights), the same group on every rank count.
         `even` (an MoE's experts, split with no other load to balance them): super-blocks only
         where they share out within 10% (Qwen3-30B-A3B's 768 columns are 3 super-blocks: 2 + 1
-        on 2 ranks would make one rank stream twice the other's expert bytes every token)."""
+        on 2 ranks would make one rank stream twice the other's expert bytes every token).
+        One group a row ('int8-channel'): the k of a packed unit (4) where k allows it, so that
+        no rank's slice is padded (a padded slice decodes op by op: qgemm.fused_decode_usable)."""
         q = self.quant
-        own = 1 if q is None or q.group_size < 0 else q.for_split(k).group_size
+        own = 1 if q is None else q.for_split(k).group_size if q.group_size > 0 else (
+            q.pack_k if k % q.pack_k == 0 else 1)
         if k % own:  # NOTE: no rank count can help; say so before the split names one
             raise QuantError(f"model.layers.*.{what}.weight: its {k} input features are not a multiple of "
                              f"{_group_words(q.for_split(k))}; choose a quantization whose group divides them, "
