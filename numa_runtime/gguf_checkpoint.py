@@ -282,7 +282,8 @@ class GGUFCheckpoint:
         c0, c1 = (0, k) if cols is None else (cols.start, cols.stop)
         if c0 % 32 or (c1 % 32 and c1 != k):
             raise QuantError(f"{name} ({kind}) would be split at input column {c0 if c0 % 32 else c1}, "
-                             f"inside a 32-element block; use a rank count whose split falls on block boundaries.")
+                             "inside a 32-element block; use a rank count whose split falls on block boundaries, "
+                             "or model replicas (data_parallel, --data-parallel or numa-launch --dp).")
         idx = self._row_index(name, rows, n)
         if kind in NEAR_LOSSLESS:
             _, bsize, per = NEAR_LOSSLESS[kind]

@@ -340,6 +340,23 @@ def test_two_ranks_equal_reference(hf_models, tmp_path):
     assert out["world"] == 2 and out["tokens"] == [expected]
 
 
+def test_a_head_split_inside_a_block_names_the_column_and_replicas(tmp_path):
+    """2 heads of 80 over 2 ranks cut o_proj's Q4_0 input at column 80, inside a 32-element
+    block: one sentence that names the tensor, the column and the way out (model replicas,
+    as the MLP's refusal says), not a rank count, which cannot help here."""
+    from test_quant_model import run_mpi
+    hf_dir = str(tmp_path / "hf")
+    build_model(hf_dir, arch="llama", hidden_size=160, num_attention_heads=2, num_key_value_heads=1, head_dim=80,
+                intermediate_size=352, vocab_size=384, max_position_embeddings=256)
+    path = str(tmp_path / "m.Q4_0.gguf")
+    write_gguf(hf_dir, path, "Q4_0")
+    p = run_mpi(2, path, "none")
+    assert p.returncode != 0
+    assert ("model.layers.0.self_attn.o_proj.weight (Q4_0) would be split at input column 80, inside a 32-element "
+            "block; use a rank count whose split falls on block boundaries, or model replicas (data_parallel, "
+            "--data-parallel or numa-launch --dp).") in p.stdout + p.stderr, (p.stdout + p.stderr)[-3000:]
+
+
 def test_llama_attention_biases_equal_transformers(tmp_path):
     """A Llama with attention_bias (q/k/v/o biases) as llama.cpp's converter writes it: the q/k
     biases permuted like their weights, o's as attn_output.bias. F32 on 1 and 2 ranks gives the

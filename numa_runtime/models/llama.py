@@ -269,8 +269,9 @@ class LlamaModel:
         if fused is None:
             # NOTE: ranks decide apart (their slices differ): each that runs op by op says why
             if lay.rank == 0 or lay.world > 1:
-                log.info("decode steps%s: op by op (%s)", "" if lay.world == 1 else f" on rank {lay.rank}",
-                         _not_fused(layers))
+                ranks = getattr(self.comm, "world_ranks", None)  # NOTE: the MPI rank, not the replica's
+                log.info("decode steps%s: op by op (%s)", "" if lay.world == 1 else
+                         f" on rank {ranks[lay.rank] if ranks else lay.rank}", _not_fused(layers))
         elif lay.rank == 0:
             unit = "step" if lay.world == 1 and not cfg.num_experts else "half layer"
             log.info("decode steps: one OpenMP region per %s%s (FusedDecoder)", unit,

@@ -168,7 +168,8 @@ class HFQuantCheckpoint:
                              f"(a partial last group); such checkpoints are not supported.")
         if c0 % g or c1 % g:
             raise QuantError(f"{base}weight would be split at input column {c0 if c0 % g else c1}, inside a "
-                             f"group of {g}; use a rank count whose split falls on group boundaries.")
+                             f"group of {g}; use a rank count whose split falls on group boundaries, or model replicas "
+                             "(data_parallel, --data-parallel or numa-launch --dp).")
         self._check_shapes(base, n, k)
         if self.method == "gptq":
             gidx = self.ckpt.raw(base + "g_idx") if base + "g_idx" in self.ckpt else None
