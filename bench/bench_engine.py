@@ -44,6 +44,9 @@ GEMV's weights each thread of the fused decode region prefetches while it waits 
 own queries and writes its newest key (decode_layers.h nd_item_rope; one barrier a layer fewer)
 or a phase before the items does (qgemm._set_rope_in_items; same results either way):
     python bench/bench_engine.py --rope-in-items --shape qwen0.5b --quantization int4
+`--lean-decode` alternates the decode rows' int8 kernel of int4/int8 with f16 group scales: the
+generic one or the lean one (qgemm._set_q8_lean; qgemm_q8.h qg_q8_lean_mr; same results):
+    python bench/bench_engine.py --lean-decode --model model-q4_0.gguf
 Mixed steps: `--mixed` skips the rest: B requests (--overhead-batch, default 15 here) decode
 while every fourth step a new request arrives whose prompt (the same --prompt-max random ids each
 time) the prefix cache holds but for its last rows, so that its step mixes B decode rows with a
@@ -265,10 +268,13 @@ def mixed_steps(eng, a, rng) -> dict:
 def _prefetch_knobs(a) -> list:
     """The setters prefetch_ab turns together (each returns its old value): the kernels' prefetch
     distance (--prefetch), the bytes the decode region's barrier waits prefetch (--wait-prefetch),
-    or whether its attention items rotate their own rows (--rope-in-items: 0 off, 1 on)."""
+    whether its attention items rotate their own rows (--rope-in-items: 0 off, 1 on), or whether
+    decode rows of int4/int8 with f16 group scales take the lean kernel (--lean-decode)."""
     from numa_runtime._kernels import gemm, qgemm
     if a.rope_in_items:
         return [qgemm._set_rope_in_items]
+    if a.lean_decode:
+        return [qgemm._set_q8_lean]
     return [qgemm._set_wait_prefetch] if a.wait_prefetch else [qgemm._set_prefetch, gemm._set_prefetch]
 
 
@@ -306,6 +312,8 @@ def prefetch_ab(eng, a) -> dict:
 def _ab_label(a, d: int) -> str:
     if a.rope_in_items:
         return f"rope in items {'on' if d else 'off'}"
+    if a.lean_decode:
+        return "lean decode kernel" if d else "generic decode kernel"
     return f"{'wait prefetch' if a.wait_prefetch else 'prefetch'} {d} B"
 
 
@@ -349,6 +357,9 @@ def main() -> None:
     ap.add_argument("--rope-in-items", action="store_true",
                     help="only the A/B (off, on) of the decode region's attention items rotating their own "
                          "rows instead of a phase and a barrier before them (qgemm._set_rope_in_items)")
+    ap.add_argument("--lean-decode", action="store_true",
+                    help="only the A/B (generic, lean) of the decode rows' int8 kernel of int4/int8 with f16 group "
+                         "scales (qgemm._set_q8_lean)")
     ap.add_argument("--prefetch-batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--mixed", action="store_true",
                     help="only the mixed-step split: decode steps of --overhead-batch rows (default 15) beside "
@@ -362,7 +373,7 @@ def main() -> None:
         a.prompt_max = 86 if a.prompt_max == 256 else a.prompt_max
     if a.wait_prefetch:
         a.prefetch = a.wait_prefetch
-    if a.rope_in_items:
+    if a.rope_in_items or a.lean_decode:
         a.prefetch = [0, 1]
     if a.prefetch:
         a.concurrency, a.overhead_rounds = [], a.overhead_rounds or 5

@@ -71,6 +71,7 @@ cdef extern from "qgemm_kernels.h" nogil:
     enum: QG_MR_AMX
     int qg_q8_tiles
     int qg_q8t_lean_on
+    int qg_q8_lean_on
     int qg_q8t_lean_takes(const qg_format* f)
     long qg_pf_bytes
     int qg_amx
@@ -171,6 +172,16 @@ def _set_q8t_lean(bint on):
     global qg_q8t_lean_on
     old = qg_q8t_lean_on != 0
     qg_q8t_lean_on = 1 if on else 0
+    return old
+
+
+def _set_q8_lean(bint on):
+    """Tests and benchmarks: False runs decode rows (up to QG_MR_Q8 a pass) of every format on the
+    generic VNNI kernel (qg_q8_vnni_mr) instead of the lean one of int4/int8 with f16 group scales
+    (qg_q8_lean_mr; same results). Returns the old value."""
+    global qg_q8_lean_on
+    old = qg_q8_lean_on != 0
+    qg_q8_lean_on = 1 if on else 0
     return old
 
 
@@ -327,7 +338,8 @@ cdef class QLinear:
 
     @property
     def lean_tiles(self):
-        """Whether row tiles of this format run the lean kernel (qgemm_q8tile.h; _set_q8t_lean)."""
+        """Whether decode rows and row tiles of this format run the lean kernels (qgemm_q8.h
+        qg_q8_lean_mr, qgemm_q8tile.h qg_q8t_lean_mr; _set_q8_lean, _set_q8t_lean)."""
         return qg_q8t_lean_takes(&self.fmt) != 0
 
     @property

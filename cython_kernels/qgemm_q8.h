@@ -317,6 +317,13 @@ static inline int32_t qg_ld32(const int8_t* p) {
     for (int r = 0; r < mr; r++) _mm512_store_ps(acc + r * QG_NB, a[r]);
 
 #define QG_T512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+/* acc += dot(u, broadcast *p) by 4-byte lanes (vpdpbusd with an embedded broadcast). NOTE: in asm
+ * because GCC 12 neither embeds the broadcast nor accumulates in place (it adds register moves). */
+QG_INLINE QG_T512VNNI __m512i qg_dpbusd_bcast(__m512i acc, __m512i u, const int32_t* p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*p));
+    return acc;
+}
 #define QG_DOT_VNNI(acc, u, s) _mm512_dpbusd_epi32(acc, u, s)
 #define QG_DOT_BW(acc, u, s) \
     _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)))
@@ -364,8 +371,102 @@ QG_INLINE QG_T512 void qg_q8_bw_mr(const uint8_t* blk, const qg_format* f, const
 QG_Q8_INST_ALL(qg_q8_vnni_mr, QG_T512VNNI, qg_xq)
 QG_Q8_INST_ALL(qg_q8_bw_mr, QG_T512, qg_xq)
 
+/* Whether the lean VNNI kernels (qg_q8_lean_mr; row tiles: qg_q8t_lean_mr) can take f: int4 codes
+ * (not NL) or int8, f16 group scales (no ks), and groups of whole activation blocks. */
+static inline int qg_q8t_lean_takes(const qg_format* f) {
+    return ((f->bits == 4 && f->kind != QG_NL) || f->bits == 8) && !f->ks && f->group % QG_QB == 0;
+}
+
+/* 0: decode rows of every format take qg_q8_vnni_mr (tests and benchmarks: qgemm._set_q8_lean) */
+static int qg_q8_lean_on = 1;
+
+/* qg_q8_vnni_mr for the formats qg_q8t_lean_takes (Q4_0, Q4_1, Q8_0, int4 and int8 at load): the
+ * same integer block sums (the offset's product as the sums' start, modulo 2^32 as before) and
+ * float operations in the same order, so bitwise equal results, with every pointer advanced in
+ * place, the activations read by embedded broadcasts, and no format test inside the group loop.
+ * int8 rows alternate between two accumulators (two dpbusd chains, as int4's nibbles have).
+ * NOTE: the generic kernel at one row spent most of its time on scalar loop bookkeeping that GCC
+ * kept on the stack (perf on the 2-core Zen 5): about 17 us for a 2048 x 256 Q4_0 GEMV on one
+ * core, the same for Q8_0 with twice the bytes. */
+QG_INLINE QG_T512VNNI void qg_q8_lean_mr(const uint8_t* blk, const qg_format* f, const qg_xq* q,
+                                         long g0, long g1, float* acc, const int bits, const int mr,
+                                         const int has_c) {
+    const long G = f->group, nbg = G / QG_QB, mb = has_c ? 64 : 32, gb = qg_group_bytes(f);
+    const long kp = q->kp, nb = q->nb;
+    const int32_t off = has_c ? 0 : qg_q8_off_vnni(f);
+    const long pf = qg_pf_bytes;
+    const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F), flip = _mm512_set1_epi32((int)0x80808080);
+    const uint8_t* meta = qg_groups(blk, f) + g0 * gb;
+    const int8_t* xr = q->xq + g0 * G;          /* row r: xr + r kp */
+    const float* sx = q->sx + g0 * nbg;         /* row r: sx + r nb */
+    const int32_t* xi = q->xi + g0 * nbg;
+    __m512 a[QG_MR_Q8];
+    for (int r = 0; r < mr; r++) a[r] = _mm512_setzero_ps();
+    for (long g = g0; g < g1; g++, meta += gb) {
+        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)meta));
+        const uint8_t* row = meta + mb;
+        for (long b = 0; b < nbg; b++, sx++, xi++) {
+            __m512i ia[QG_MR_Q8], ib[QG_MR_Q8];
+            for (int r = 0; r < mr; r++) {
+                ia[r] = off ? _mm512_set1_epi32((int32_t)((uint32_t)0 - (uint32_t)off * (uint32_t)xi[r * nb]))
+                            : _mm512_setzero_si512();
+                ib[r] = _mm512_setzero_si512();
+            }
+            if (bits == 4) {
+                #pragma GCC unroll 4
+                for (int st = 0; st < QG_QB / 8; st++, row += 64, xr += 8) {
+                    _mm_prefetch((const char*)row + pf, _MM_HINT_T0);
+                    const __m512i v = _mm512_loadu_si512((const void*)row);
+                    const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), m4);
+                    for (int r = 0; r < mr; r++) {
+                        ia[r] = qg_dpbusd_bcast(ia[r], lo, (const int32_t*)(xr + r * kp));
+                        ib[r] = qg_dpbusd_bcast(ib[r], hi, (const int32_t*)(xr + r * kp + 4));
+                    }
+                }
+            } else {
+                #pragma GCC unroll 8
+                for (int st = 0; st < QG_QB / 4; st++, row += 64, xr += 4) {
+                    _mm_prefetch((const char*)row + pf, _MM_HINT_T0);
+                    const __m512i u = _mm512_xor_si512(_mm512_loadu_si512((const void*)row), flip);
+                    for (int r = 0; r < mr; r++) {
+                        if (st & 1) ib[r] = qg_dpbusd_bcast(ib[r], u, (const int32_t*)(xr + r * kp));
+                        else ia[r] = qg_dpbusd_bcast(ia[r], u, (const int32_t*)(xr + r * kp));
+                    }
+                }
+            }
+            for (int r = 0; r < mr; r++)
+                a[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia[r], ib[r])),
+                                       _mm512_mul_ps(s, _mm512_set1_ps(sx[r * nb])), a[r]);
+        }
+        if (has_c) {
+            const __m512 c = qg_c512(blk, f, meta, g, s);
+            for (int r = 0; r < mr; r++) a[r] = _mm512_fmadd_ps(c, _mm512_set1_ps(q->xs[r * q->ng + g]), a[r]);
+        }
+    }
+    for (int r = 0; r < mr; r++) _mm512_store_ps(acc + r * QG_NB, a[r]);
+}
+
+/* the lean kernel of each has_c, then (QG_Q8_INST_M) of each bit width and row count */
+QG_INLINE QG_T512VNNI void qg_q8_lean_c0_mr(const uint8_t* blk, const qg_format* f, const qg_xq* q,
+                                            long g0, long g1, float* acc, const int bits, const int mr) {
+    qg_q8_lean_mr(blk, f, q, g0, g1, acc, bits, mr, 0);
+}
+QG_INLINE QG_T512VNNI void qg_q8_lean_c1_mr(const uint8_t* blk, const qg_format* f, const qg_xq* q,
+                                            long g0, long g1, float* acc, const int bits, const int mr) {
+    qg_q8_lean_mr(blk, f, q, g0, g1, acc, bits, mr, 1);
+}
+QG_Q8_INST_M(qg_q8_lean_c0_mr, QG_T512VNNI, qg_xq, 4)
+QG_Q8_INST_M(qg_q8_lean_c1_mr, QG_T512VNNI, qg_xq, 4)
+QG_Q8_INST_M(qg_q8_lean_c0_mr, QG_T512VNNI, qg_xq, 8)
+
 static QG_T512VNNI void qg_q8_vnni(const uint8_t* blk, const qg_format* f, const qg_xq* q,
                                    long g0, long g1, int m, float* acc) {
+    if (qg_q8_lean_on && qg_q8t_lean_takes(f)) {
+        if (f->bits == 8) { QG_Q8_CASES(qg_q8_lean_c0_mr, 8) }
+        else if (qg_has_c(f)) { QG_Q8_CASES(qg_q8_lean_c1_mr, 4) }
+        else { QG_Q8_CASES(qg_q8_lean_c0_mr, 4) }
+        return;
+    }
     switch (f->bits) {
         case 2: { QG_Q8_CASES(qg_q8_vnni_mr, 2) } break;
         case 3: { QG_Q8_CASES(qg_q8_vnni_mr, 3) } break;

@@ -34,13 +34,6 @@ typedef struct {
     const float* xst;   /* [ng][QG_MR_T] the group sums xs (qg_xq) */
 } qg_xt;
 
-/* acc += dot(u, broadcast *p) by 4-byte lanes (vpdpbusd with an embedded broadcast). NOTE: in asm
- * because GCC 12 neither embeds the broadcast nor accumulates in place (it adds register moves). */
-QG_INLINE QG_T512VNNI __m512i qg_dpbusd_bcast(__m512i acc, __m512i u, const int32_t* p) {
-    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*p));
-    return acc;
-}
-
 static inline long qg_tile_bytes(const qg_format* f) { return f->kp * QG_MR_T; }
 
 /* Slot r of the row-interleaved scalar tables of a tile of R rows (qgemm_amx.h's tiles too):
@@ -156,11 +149,7 @@ QG_Q8_INST_ALL(qg_q8t_vnni_mr, QG_T512VNNI, qg_xt)
 /* 0: the row tiles of every format take qg_q8t_vnni_mr (tests and benchmarks: qgemm._set_q8t_lean) */
 static int qg_q8t_lean_on = 1;
 
-/* Whether qg_q8t_lean_mr can take f: int4 codes (not NL) or int8, f16 group scales (no ks), and
- * groups of whole activation blocks; qg_q8t_lean: and it is on. */
-static inline int qg_q8t_lean_takes(const qg_format* f) {
-    return ((f->bits == 4 && f->kind != QG_NL) || f->bits == 8) && !f->ks && f->group % QG_QB == 0;
-}
+/* qg_q8t_lean: qg_q8t_lean_mr takes f (qgemm_q8.h) and it is on */
 static inline int qg_q8t_lean(const qg_format* f) { return qg_q8t_lean_on && qg_q8t_lean_takes(f); }
 
 /* qg_q8t_vnni_mr for the formats qg_q8t_lean takes (Q4_0, Q4_1, Q8_0, int4 and int8 at load):

@@ -41,6 +41,17 @@ def test_bench_engine_rope_in_items_quick(tmp_path):
     assert "rope in items off" in open(out + ".md").read()
 
 
+def test_bench_engine_lean_decode_quick(tmp_path):
+    """The A/B of the decode rows' generic and lean int8 kernels: both timed per batch."""
+    out = str(tmp_path / "lean")
+    _run("bench_engine.py", "--quick", "--quantization", "int4", "--lean-decode", "--prefetch-batch", "1", "2",
+         "--overhead-rounds", "1", "--out", out)
+    r = json.load(open(out + ".json"))["prefetch"]
+    assert list(r) == ["1", "2"] and all(list(b) == ["0", "1"] for b in r.values())
+    assert all(_positive(v["median_ms"]) for b in r.values() for v in b.values())
+    assert "| generic decode kernel | lean decode kernel |" in open(out + ".md").read()
+
+
 def test_bench_engine_quick(tmp_path):
     out = str(tmp_path / "engine")
     _run("bench_engine.py", "--quick", "--out", out)

@@ -429,7 +429,8 @@ def test_row_tiles_equal_the_decode_kernel_bitwise(fmt):
     """More than ACT8_M_MAX int8 rows run in row tiles (qgemm_q8tile.h) on VNNI (a lean kernel for
     int4 and int8 with f16 group scales, the generic one for the rest), or in AMX-INT8 matrix
     tiles (qgemm_amx.h) where present and the format's blocks are whole: the same exact
-    integer block sums and the same f32 operations per output as the decode kernel, so each row
+    integer block sums and the same f32 operations per output as the decode kernels (lean and
+    generic), so each row
     is bitwise what that kernel gives it, tails of tiles and the residual rows included, at 1
     and 2 threads; and all equal the numpy reference on the dequantized int8 activations."""
     from numa_runtime._kernels import ops
@@ -450,10 +451,11 @@ def test_row_tiles_equal_the_decode_kernel_bitwise(fmt):
                     for threads in (1, 2):
                         ops.set_num_threads(threads)
                         for tiles, amx, lean in ((True, True, True), (True, False, True), (True, False, False),
-                                                 (False, False, True)):
+                                                 (False, False, True), (False, False, False)):
                             qgemm._set_q8_tiles(tiles)
                             qgemm._set_amx(amx)
                             qgemm._set_q8t_lean(lean)
+                            qgemm._set_q8_lean(lean)
                             got.append(lin.forward(x))
                     for g in got[1:]:
                         assert np.array_equal(got[0], g), (k, n, m, resid)
@@ -463,8 +465,45 @@ def test_row_tiles_equal_the_decode_kernel_bitwise(fmt):
         qgemm._set_q8_tiles(True)
         qgemm._set_amx(True)
         qgemm._set_q8t_lean(True)
+        qgemm._set_q8_lean(True)
         ops.set_num_threads(old_t)
         qgemm._set_act8_m_max(old_m)
+
+
+@pytest.mark.skipif(qgemm.cpu_level() < 2, reason="the lean decode kernel needs AVX-512 VNNI (level 2)")
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_the_lean_decode_kernel_equals_the_generic_one_bitwise(fmt):
+    """Decode rows (up to 8 int8 rows a pass over a weight block) of int4 and int8 with f16 group
+    scales run a lean VNNI kernel (qgemm_q8.h qg_q8_lean_mr; QLinear.lean_tiles says which
+    formats): the generic kernel's integer block sums (its offset's product as their start) and
+    float operations in the same order, so bitwise its outputs, at 1-8 rows, residual rows
+    included, at 1 and at 2 threads (k slices); other formats keep the generic kernel. Both
+    equal the numpy reference on the dequantized int8 activations."""
+    from numa_runtime._kernels import ops
+    from numa_runtime.quant.reference import quantize_activations
+    old_t = ops.get_num_threads()
+    try:
+        rng = np.random.default_rng(22)
+        for k, n in shapes(fmt):
+            lin, ref, qw = make(fmt, k, n, with_bias=n % 2 == 1)
+            lin.act8 = True
+            for resid in (False, True):
+                lin.act8_residual = resid
+                for m in (1, 2, 3, 4, 8):
+                    x = rng.standard_normal((m, k), dtype=np.float32)
+                    x[0, : min(k, 3)] *= 50.0
+                    xq = quantize_activations(x, qw.group, resid)
+                    for threads in (1, 2):  # NOTE: k slices (and so the sums' order) follow the threads
+                        ops.set_num_threads(threads)
+                        got = []
+                        for lean in (True, False):
+                            qgemm._set_q8_lean(lean)
+                            got.append(lin.forward(x))
+                        assert np.array_equal(got[0], got[1]), (k, n, m, resid, threads)
+                        check(got[0], ref.forward(xq).astype(np.float64), xq, ref.weight)
+    finally:
+        qgemm._set_q8_lean(True)
+        ops.set_num_threads(old_t)
 
 
 @pytest.mark.parametrize("level", LEVELS)
