@@ -696,7 +696,7 @@ class IncrementalDetokenizer:
         return self._emit(new_text) if len(new_text) > len(self._prefix_text) else ""
 
     def _emit(self, new_text: str) -> str:
-        if new_text.startswith(self._prefix_text):
+        if new_text.startswith(self._prefix_text) and not self._rewrote_bytes(new_text):
             delta = new_text[len(self._prefix_text):]
         else:
             # NOTE: the window's decode rewrote text already emitted: a byte-fallback run that ends
@@ -710,6 +710,15 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip) if ids else ""
+
+    def _rewrote_bytes(self, new_text: str) -> bool:
+        """Whether the window's decode turned bytes emitted already into U+FFFD: a byte-fallback
+        run that is not UTF-8 decodes to U+FFFD for every byte of it, the left context's bytes
+        included, and where a decoder strips the window's leading space (SentencePiece's Strip)
+        the left context's text is "" though its byte was sent as " "."""
+        if "\ufffd" not in new_text:
+            return False
+        return new_text.count("\ufffd") > self._prefix_text.count("\ufffd") + self._unread_text().count("\ufffd")
 
     def _unread_text(self) -> str:
         """The text of the tokens not emitted yet from their own bytes (U+FFFD for bytes that

@@ -375,7 +375,12 @@ def test_byte_fallback_stream_sends_each_character_once(tmp_path):
             # an open lead byte mid-stream
             ([byte[b] for b in "日".encode()] + [byte[0xE6]] + word, "日\ufffd café"),
             ([byte[b] for b in "日本".encode()] + [byte[0xE8]], "日本\ufffd"),           # cut inside a character
-            ([byte[b] for b in "日本".encode()] + [byte[0xE8], byte[0xAA]], "日本\ufffd")]:
+            ([byte[b] for b in "日本".encode()] + [byte[0xE8], byte[0xAA]], "日本\ufffd"),
+            # a space byte, then bytes that make no character: the space's window decodes to ""
+            # (the decoder strips its leading space), then with them to U+FFFD for each byte, the
+            # space included; sent twice before
+            ([byte[b] for b in "本".encode()] + [byte[0x20], byte[0xB8], byte[0x18]] + word,
+             "本 \ufffd\x18 café")]:
         deltas, tail = _stream(tok, ids)
         assert "".join(deltas) + tail == want, (deltas, tail)
         assert b"".join(tok.token_bytes(i) for i in ids).decode("utf-8", "replace") == want
