@@ -110,8 +110,8 @@ def decode_batch(model: str, rows=(16, 32, 64), formats=DECODE_BATCH_FORMATS,
     """One linear per shape of `model` (gate_up, down) at several row counts: us on the f32
     tile path, on int8 activations as the engine runs them (AMX-INT8 matrix tiles where present,
     qgemm_amx.h, else VNNI row tiles, qgemm_q8tile.h), on the VNNI row tiles with AMX off ("-"
-    without AMX), on the VNNI row tiles' generic kernel (AMX off; "-" where the lean one does not
-    take the format, or 8 rows or fewer, or no VNNI), on the decode kernel alone (tiles off; "-" where it is the same kernel: 8 rows
+    without AMX), on the generic VNNI kernel of the row tiles or, at 8 rows or fewer, of the decode
+    rows (AMX off; "-" where the lean ones do not take the format, or no VNNI), on the decode kernel alone (tiles off; "-" where it is the same kernel: 8 rows
     or fewer, or no VNNI), on the AMX-BF16 tiles (qgemm_amxbf16.h; "-" without AMX-BF16) and on
     the bf16 panels (oneDNN, AMX where present); the int8 and bf16 rows in GMAC/s too. Rows beyond a decode batch (64) take int8 as prefill_activations="int8" would."""
     out = []
@@ -133,7 +133,7 @@ def decode_batch(model: str, rows=(16, 32, 64), formats=DECODE_BATCH_FORMATS,
                             (path == "bf16_tiles" and not qgemm.has_amx_bf16()) or \
                             (path == "int8_no_amx" and (m <= qgemm.ACT8_M_MAX or not qgemm.has_amx())) or \
                             (path == "int8_no_tiles" and (m <= qgemm.ACT8_M_MAX or not tiled)) or \
-                            (path == "int8_generic" and (m <= qgemm.ACT8_M_MAX or not tiled or not lean)):
+                            (path == "int8_generic" and (not tiled or not lean)):
                         r[path] = None
                         continue
                     lin.act8, lin.prefill_bf16 = path.startswith("int8"), path in ("panels", "bf16_tiles")
@@ -143,6 +143,7 @@ def decode_batch(model: str, rows=(16, 32, 64), formats=DECODE_BATCH_FORMATS,
                     old_t = qgemm._set_q8_tiles(path != "int8_no_tiles")
                     old_a = qgemm._set_amx(path not in ("int8_no_amx", "int8_generic"))
                     old_l = qgemm._set_q8t_lean(path != "int8_generic")
+                    old_dl = qgemm._set_q8_lean(path != "int8_generic")
                     try:
                         t = timeit(lambda: lin.forward(x), 0.3 / rounds) * 1e6
                         r[path] = t if r.get(path) is None else min(r[path], t)
@@ -153,6 +154,7 @@ def decode_batch(model: str, rows=(16, 32, 64), formats=DECODE_BATCH_FORMATS,
                         qgemm._set_amx(old_a)
                         qgemm._set_amx_bf16(old_b)
                         qgemm._set_q8t_lean(old_l)
+                        qgemm._set_q8_lean(old_dl)
                 out.append(r)
                 cell = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
                 gmac = lambda v: "-" if v is None else f"{m * k * n / v / 1e3:.0f}"  # noqa: E731
@@ -192,7 +194,7 @@ def main(argv=None) -> None:
         qgemm._force_cpu_level(args.level)
     if args.decode_batch:
         print("| layer | K x N | format | rows | f32 us | int8 activations us (GMAC/s) | "
-              "int8 on VNNI row tiles, AMX off, us (GMAC/s) | the row tiles' generic kernel us (GMAC/s) | "
+              "int8 on VNNI row tiles, AMX off, us (GMAC/s) | the generic VNNI kernel us (GMAC/s) | "
               "int8 without row tiles us (GMAC/s) | bf16 on AMX-BF16 tiles us (GMAC/s) | bf16 panels us (GMAC/s) |\n"
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         decode_batch(args.model or "Qwen2.5-0.5B", tuple(args.rows), tuple(args.formats or DECODE_BATCH_FORMATS))

@@ -384,7 +384,8 @@ static int qg_q8_lean_on = 1;
  * same integer block sums (the offset's product as the sums' start, modulo 2^32 as before) and
  * float operations in the same order, so bitwise equal results, with every pointer advanced in
  * place, the activations read by embedded broadcasts, and no format test inside the group loop.
- * int8 rows alternate between two accumulators (two dpbusd chains, as int4's nibbles have).
+ * int8 rows alternate between two accumulators at 1-2 rows (two dpbusd chains, as int4's
+ * nibbles have; more rows are more chains already).
  * NOTE: the generic kernel at one row spent most of its time on scalar loop bookkeeping that GCC
  * kept on the stack (perf on the 2-core Zen 5): about 17 us for a 2048 x 256 Q4_0 GEMV on one
  * core, the same for Q8_0 with twice the bytes. */
@@ -429,7 +430,7 @@ QG_INLINE QG_T512VNNI void qg_q8_lean_mr(const uint8_t* blk, const qg_format* f,
                     _mm_prefetch((const char*)row + pf, _MM_HINT_T0);
                     const __m512i u = _mm512_xor_si512(_mm512_loadu_si512((const void*)row), flip);
                     for (int r = 0; r < mr; r++) {
-                        if (st & 1) ib[r] = qg_dpbusd_bcast(ib[r], u, (const int32_t*)(xr + r * kp));
+                        if ((st & 1) && mr <= 2) ib[r] = qg_dpbusd_bcast(ib[r], u, (const int32_t*)(xr + r * kp));
                         else ia[r] = qg_dpbusd_bcast(ia[r], u, (const int32_t*)(xr + r * kp));
                     }
                 }

@@ -224,9 +224,9 @@ def test_perplexity_bad_arguments(tmp_path):
 
 
 def test_quant_decode_batch_quick():
-    """bench_quant.py --decode-batch over the small model's shapes, 9 rows: every path runs
+    """bench_quant.py --decode-batch over the small model's shapes, 1 and 9 rows: every path runs
     (row tiles on and off included where the CPU has VNNI)."""
-    _run("bench_quant.py", "--decode-batch", "--model", "SmolLM2-135M", "--rows", "9", "--threads", "1", timeout=600)
+    _run("bench_quant.py", "--decode-batch", "--model", "SmolLM2-135M", "--rows", "1", "9", "--threads", "1", timeout=600)
 
 
 import pytest  # noqa: E402
