@@ -89,7 +89,7 @@ def _not_fused(layers) -> str:
     names = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
     for i, spec in enumerate(layers):
         for name, lin in zip(names, spec[:4]):
-            parts = list(getattr(lin, "parts", [lin]))
+            parts = _parts(lin)
             where = f"layer {i} {name}"
             if name.endswith("down_proj") and len(parts) > 1:
                 return f"{where} is {len(parts)} parts"
