@@ -507,6 +507,18 @@ def test_echo_of_a_token_prompt_cut_inside_a_character_sends_it_once(client, ser
         assert echo == tok.decode(cut[:len(cut) - tail]) + plain, (echo, plain)
     alone = client.completions.create(model="tiny", prompt=cut, max_tokens=0, echo=True).choices[0].text
     assert alone == tok.decode(cut) and alone.endswith("\ufffd")
+    # text_offset indexes the text: the output's offsets are the echo's, less its prompt text
+    # (without echo they left out the open tail's text, which the output's text begins with)
+    head = len(tok.decode(cut[:len(cut) - tail]))
+    for stream in (False, True):
+        kw = dict(model="tiny", prompt=cut, max_tokens=4, temperature=0, logprobs=1, stream=stream)
+        got = []
+        for echo in (False, True):
+            r = client.completions.create(echo=echo, **kw)
+            chunks = [c.choices[0] for c in r if c.choices] if stream else [r.choices[0]]
+            got.append([o for c in chunks if c.logprobs for o in c.logprobs.text_offset])
+        plain, echoed = got
+        assert len(plain) == 4 and plain == [o - head for o in echoed[len(cut):]], (plain, echoed, head)
 
 
 def test_echo_checks_its_prompt_and_streams_usage_only_when_asked(client, server):

@@ -339,7 +339,11 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
                 events.append(R.sse({**out, "choices": [], "usage": usage}))
             return StreamingResponse(iter(events + [R.sse("[DONE]")]), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await _serve(request, body, "cmpl", prompts, params, arrival, echo=(echo, scores))
+        # NOTE: a token prompt that ends inside a character: its output's text begins with that
+        # character's bytes, which its text_offsets count
+        tails = None if body.echo or body.logprobs is None else [
+            b"".join(decode_token(t) for t in p[len(p) - open_tail(engine.tokenizer, p):]) for p in prompts]
+        return await _serve(request, body, "cmpl", prompts, params, arrival, echo=(echo, scores), tails=tails)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -451,9 +455,10 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
                                       answer["usage"]["prompt_tokens"] if answer else 0, arrival, time.monotonic())
 
     async def _serve(request: Request, body, kind: str, prompts: list, params, arrival: float, renames=None,
-                     tool_plan=None, echo=(None, None)):
+                     tool_plan=None, echo=(None, None), tails=None):
         """`echo`: completions' (per prompt (text, ids, pairs or None) to echo, or None; per prompt
-        (ids, pairs) of prompt_logprobs, or None)."""
+        (ids, pairs) of prompt_logprobs, or None); `tails`: completions' per prompt the bytes of
+        its last tokens that leave a character open (text_offset counts them), or None."""
         check_queue()
         rid = body.response_id(kind)
         gen = _Generation(aengine, f"{kind}-{uuid.uuid4().hex}", len(prompts))  # NOTE: unique, whatever request_id is
@@ -475,7 +480,8 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
                     getattr(body, "include_reasoning", True))
         if body.stream:
             return StreamingResponse(_stream(gen, tracker, report, rid, name, kind, body.include_usage, decode_token,
-                                             tool_plan, schema_param, body.continuous_usage, thinking, echo[0]),
+                                             tool_plan, schema_param, body.continuous_usage, thinking, echo[0],
+                                             tails),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         status, reasons = "abort", None
         try:
@@ -489,7 +495,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
                 out = await off_loop(R.chat_body, rid, name, tracker, decode_token, tool_plan, *thinking)
             else:
                 out = await off_loop(R.completion_body, rid, name, tracker, decode_token, *echo,
-                                              engine.tokenizer.decoded_token)
+                                     engine.tokenizer.decoded_token, tails)
             # NOTE: each choice's reason as the client sees it ("tool_calls" too)
             reasons = {c["index"]: c["finish_reason"] for c in out["choices"]}
         except RuntimeError as e:  # NOTE: EngineDeadError too
@@ -649,7 +655,7 @@ async def _until_disconnect(request: Request, work) -> bool:
 
 async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode, tool_plan=None,
                   schema_param: str = "response_format", continuous_usage: bool = False, thinking=(None, True),
-                  echo=None):
+                  echo=None, tails=None):
     """SSE events of one request. Cancelled (client gone) -> finally aborts the request.
     `continuous_usage`: every chunk carries the usage so far (then the chat's opening role chunks
     wait for the first output, as vLLM sends them, when the prompt's tokens are counted)."""
@@ -712,7 +718,8 @@ async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode,
                         yield event(chunk)
                     continue
                 chunk = (R.chat_chunk(rid, model, created, p, p.index, decode, include_usage) if chat
-                         else R.completion_chunk(rid, model, created, p, decode, include_usage, offsets))
+                         else R.completion_chunk(rid, model, created, p, decode, include_usage, offsets,
+                                                 tails[p.index // tracker.n] if tails and echo is None else b""))
                 yield event(chunk)
         status = api_reason.get(0) or tracker.choices()[0][1].finish_reason or "stop"
         reasons = {i: api_reason.get(i) or c.finish_reason for i, c in tracker.choices()}

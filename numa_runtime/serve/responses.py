@@ -139,9 +139,14 @@ class TextOffset:
     counts once, where it completes; an unfinished one, where the next token shows it never
     will: with the token that began it)."""
 
-    def __init__(self):
+    def __init__(self, tail: bytes = b""):
+        """`tail`: the bytes of a prompt's last tokens that leave a character open (tokenizer.
+        open_tail): the completion's text begins with them, carried by the token that completes
+        the character."""
         self.chars = 0
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        if tail:
+            self.chars = len(self._utf8.decode(tail))
 
     def add(self, raw: bytes) -> int:
         """The offset where a token of these bytes starts; moves past it."""
@@ -169,19 +174,21 @@ def chat_logprobs(token_ids: list[int], logprobs: list | None, decode: TokenByte
 
 # ---------------------------------------------------------------------------- bodies
 def completion_body(rid: str, model: str, tracker: ChoiceTracker, decode: TokenBytes, echo=None, scores=None,
-                    token_name: Callable[[int], str] | None = None) -> dict:
+                    token_name: Callable[[int], str] | None = None, tails: list[bytes] | None = None) -> dict:
     """`echo`: per prompt (its text, ids, logprob pairs or None): the text and logprobs begin with
     the prompt's (the first token's logprob null, as OpenAI's); `scores`: per prompt (ids, pairs)
-    of vLLM's prompt_logprobs (per prompt token a {token id: Logprob} dict, the first null)."""
+    of vLLM's prompt_logprobs (per prompt token a {token id: Logprob} dict, the first null);
+    `tails`: per prompt the bytes it leaves open (TextOffset), without echo."""
     choices = []
     for i, c in tracker.choices():
         text, ids, pairs = c.text, list(c.token_ids), c.logprob_pairs
+        offset = TextOffset(tails[i // tracker.n]) if tails and echo is None else None
         if echo is not None:
             ptext, pids, ppairs = echo[i // tracker.n]
             text, ids = ptext + text, list(pids) + ids
             pairs = None if pairs is None or ppairs is None else [None, *ppairs, *pairs]
         choice = {"index": i, "text": text, "finish_reason": _reason(c.finish_reason), "stop_reason": _stop(c),
-                  "logprobs": completion_logprobs(ids, pairs, decode)}
+                  "logprobs": completion_logprobs(ids, pairs, decode, offset)}
         if scores is not None:
             choice["prompt_logprobs"] = prompt_logprobs_body(*scores[i // tracker.n], token_name)
         choices.append(choice)
@@ -270,9 +277,10 @@ def tool_calls_chunk(rid: str, model: str, created: int, index: int, calls: list
 
 
 def completion_chunk(rid: str, model: str, created: int, piece: Piece, decode: TokenBytes,
-                     include_usage: bool, offsets: dict[int, TextOffset]) -> dict:
-    """`offsets`: the text offset of each choice of the stream so far (updated)."""
-    offset = offsets.setdefault(piece.index, TextOffset())
+                     include_usage: bool, offsets: dict[int, TextOffset], tail: bytes = b"") -> dict:
+    """`offsets`: the text offset of each choice of the stream so far (updated); `tail`: the bytes
+    the choice's prompt leaves open (TextOffset)."""
+    offset = offsets.get(piece.index) or offsets.setdefault(piece.index, TextOffset(tail))
     choice = {"index": piece.index, "text": piece.text, "finish_reason": piece.finish_reason,
               "stop_reason": piece.stop_reason,
               "logprobs": completion_logprobs(piece.token_ids, piece.logprobs, decode, offset)}
