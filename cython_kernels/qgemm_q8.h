@@ -447,25 +447,32 @@ QG_INLINE QG_T512VNNI void qg_q8_lean_mr(const uint8_t* blk, const qg_format* f,
     for (int r = 0; r < mr; r++) _mm512_store_ps(acc + r * QG_NB, a[r]);
 }
 
-/* the lean kernel of each has_c, then (QG_Q8_INST_M) of each bit width and row count */
-QG_INLINE QG_T512VNNI void qg_q8_lean_c0_mr(const uint8_t* blk, const qg_format* f, const qg_xq* q,
-                                            long g0, long g1, float* acc, const int bits, const int mr) {
-    qg_q8_lean_mr(blk, f, q, g0, g1, acc, bits, mr, 0);
-}
-QG_INLINE QG_T512VNNI void qg_q8_lean_c1_mr(const uint8_t* blk, const qg_format* f, const qg_xq* q,
-                                            long g0, long g1, float* acc, const int bits, const int mr) {
-    qg_q8_lean_mr(blk, f, q, g0, g1, acc, bits, mr, 1);
-}
-QG_Q8_INST_M(qg_q8_lean_c0_mr, QG_T512VNNI, qg_xq, 4)
-QG_Q8_INST_M(qg_q8_lean_c1_mr, QG_T512VNNI, qg_xq, 4)
-QG_Q8_INST_M(qg_q8_lean_c0_mr, QG_T512VNNI, qg_xq, 8)
+/* A lean kernel NAME##_mr(..., has_c) of rows QT (qg_xq, qg_xt): its wrapper of each has_c, then
+ * (QG_Q8_INST_M) their instances of each bit width it takes (int4, int8) and row count. */
+#define QG_Q8_LEAN_INST(NAME, QT)                                                                 \
+    QG_INLINE QG_T512VNNI void NAME##_c0_mr(const uint8_t* blk, const qg_format* f, const QT* q,  \
+                                            long g0, long g1, float* acc, const int bits, const int mr) { \
+        NAME##_mr(blk, f, q, g0, g1, acc, bits, mr, 0);                                            \
+    }                                                                                             \
+    QG_INLINE QG_T512VNNI void NAME##_c1_mr(const uint8_t* blk, const qg_format* f, const QT* q,  \
+                                            long g0, long g1, float* acc, const int bits, const int mr) { \
+        NAME##_mr(blk, f, q, g0, g1, acc, bits, mr, 1);                                            \
+    }                                                                                             \
+    QG_Q8_INST_M(NAME##_c0_mr, QG_T512VNNI, QT, 4)                                                \
+    QG_Q8_INST_M(NAME##_c1_mr, QG_T512VNNI, QT, 4)                                                \
+    QG_Q8_INST_M(NAME##_c0_mr, QG_T512VNNI, QT, 8)
+/* The call of the instance of QG_Q8_LEAN_INST(NAME, ...) that takes f and m rows. */
+#define QG_Q8_LEAN_CASES(NAME)                                                                    \
+    if (f->bits == 8) { QG_Q8_CASES(NAME##_c0_mr, 8) }                                            \
+    else if (qg_has_c(f)) { QG_Q8_CASES(NAME##_c1_mr, 4) }                                        \
+    else { QG_Q8_CASES(NAME##_c0_mr, 4) }
+
+QG_Q8_LEAN_INST(qg_q8_lean, qg_xq)
 
 static QG_T512VNNI void qg_q8_vnni(const uint8_t* blk, const qg_format* f, const qg_xq* q,
                                    long g0, long g1, int m, float* acc) {
     if (qg_q8_lean_on && qg_q8t_lean_takes(f)) {
-        if (f->bits == 8) { QG_Q8_CASES(qg_q8_lean_c0_mr, 8) }
-        else if (qg_has_c(f)) { QG_Q8_CASES(qg_q8_lean_c1_mr, 4) }
-        else { QG_Q8_CASES(qg_q8_lean_c0_mr, 4) }
+        QG_Q8_LEAN_CASES(qg_q8_lean)
         return;
     }
     switch (f->bits) {

@@ -210,25 +210,12 @@ QG_INLINE QG_T512VNNI void qg_q8t_lean_mr(const uint8_t* blk, const qg_format* f
     for (int r = 0; r < mr; r++) _mm512_store_ps(acc + r * QG_NB, a[r]);
 }
 
-/* the lean kernel of each has_c, then (QG_Q8_INST_M) of each bit width and row count */
-QG_INLINE QG_T512VNNI void qg_q8t_lean_c0_mr(const uint8_t* blk, const qg_format* f, const qg_xt* t,
-                                             long g0, long g1, float* acc, const int bits, const int mr) {
-    qg_q8t_lean_mr(blk, f, t, g0, g1, acc, bits, mr, 0);
-}
-QG_INLINE QG_T512VNNI void qg_q8t_lean_c1_mr(const uint8_t* blk, const qg_format* f, const qg_xt* t,
-                                             long g0, long g1, float* acc, const int bits, const int mr) {
-    qg_q8t_lean_mr(blk, f, t, g0, g1, acc, bits, mr, 1);
-}
-QG_Q8_INST_M(qg_q8t_lean_c0_mr, QG_T512VNNI, qg_xt, 4)
-QG_Q8_INST_M(qg_q8t_lean_c1_mr, QG_T512VNNI, qg_xt, 4)
-QG_Q8_INST_M(qg_q8t_lean_c0_mr, QG_T512VNNI, qg_xt, 8)
+QG_Q8_LEAN_INST(qg_q8t_lean, qg_xt)
 
 static QG_T512VNNI void qg_q8t_vnni(const uint8_t* blk, const qg_format* f, const qg_xt* q,
                                     long g0, long g1, int m, float* acc) {
     if (qg_q8t_lean(f)) {
-        if (f->bits == 8) { QG_Q8_CASES(qg_q8t_lean_c0_mr, 8) }
-        else if (qg_has_c(f)) { QG_Q8_CASES(qg_q8t_lean_c1_mr, 4) }
-        else { QG_Q8_CASES(qg_q8t_lean_c0_mr, 4) }
+        QG_Q8_LEAN_CASES(qg_q8t_lean)
         return;
     }
     switch (f->bits) {

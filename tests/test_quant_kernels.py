@@ -423,6 +423,23 @@ def test_panel_size_grows_with_the_thread_count(monkeypatch):
         ops.set_num_threads(old)
 
 
+def act8_cases(fmt, seed: int, rows, big_row: int):
+    """(linear with int8 activations, its numpy reference, x, x as the kernels round it, (k, n,
+    rows, resid)) over the format's shapes, without and with residual rows, at each row count;
+    row `big_row` of x has a few large values."""
+    from numa_runtime.quant.reference import quantize_activations
+    rng = np.random.default_rng(seed)
+    for k, n in shapes(fmt):
+        lin, ref, qw = make(fmt, k, n, with_bias=n % 2 == 1)
+        lin.act8 = True
+        for resid in (False, True):
+            lin.act8_residual = resid
+            for m in rows:
+                x = rng.standard_normal((m, k), dtype=np.float32)
+                x[big_row, : min(k, 3)] *= 50.0
+                yield lin, ref, x, quantize_activations(x, qw.group, resid), (k, n, m, resid)
+
+
 @pytest.mark.skipif(qgemm.cpu_level() < 2, reason="the row-tile kernel needs AVX-512 VNNI (level 2)")
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 def test_row_tiles_equal_the_decode_kernel_bitwise(fmt):
@@ -434,33 +451,23 @@ def test_row_tiles_equal_the_decode_kernel_bitwise(fmt):
     is bitwise what that kernel gives it, tails of tiles and the residual rows included, at 1
     and 2 threads; and all equal the numpy reference on the dequantized int8 activations."""
     from numa_runtime._kernels import ops
-    from numa_runtime.quant.reference import quantize_activations
     old_m = qgemm._set_act8_m_max(1 << 30)
     old_t = ops.get_num_threads()
     try:
-        rng = np.random.default_rng(21)
-        for k, n in shapes(fmt):
-            lin, ref, qw = make(fmt, k, n, with_bias=n % 2 == 1)
-            lin.act8 = True
-            for resid in (False, True):
-                lin.act8_residual = resid
-                for m in (9, 12, 13, 16, 24, 33, 37):
-                    x = rng.standard_normal((m, k), dtype=np.float32)
-                    x[1, : min(k, 3)] *= 50.0
-                    got = []
-                    for threads in (1, 2):
-                        ops.set_num_threads(threads)
-                        for tiles, amx, lean in ((True, True, True), (True, False, True), (True, False, False),
-                                                 (False, False, True), (False, False, False)):
-                            qgemm._set_q8_tiles(tiles)
-                            qgemm._set_amx(amx)
-                            qgemm._set_q8t_lean(lean)
-                            qgemm._set_q8_lean(lean)
-                            got.append(lin.forward(x))
-                    for g in got[1:]:
-                        assert np.array_equal(got[0], g), (k, n, m, resid)
-                    xq = quantize_activations(x, qw.group, resid)
-                    check(got[0], ref.forward(xq).astype(np.float64), xq, ref.weight)
+        for lin, ref, x, xq, case in act8_cases(fmt, 21, (9, 12, 13, 16, 24, 33, 37), big_row=1):
+            got = []
+            for threads in (1, 2):
+                ops.set_num_threads(threads)
+                for tiles, amx, lean in ((True, True, True), (True, False, True), (True, False, False),
+                                         (False, False, True), (False, False, False)):
+                    qgemm._set_q8_tiles(tiles)
+                    qgemm._set_amx(amx)
+                    qgemm._set_q8t_lean(lean)
+                    qgemm._set_q8_lean(lean)
+                    got.append(lin.forward(x))
+            for g in got[1:]:
+                assert np.array_equal(got[0], g), case
+            check(got[0], ref.forward(xq).astype(np.float64), xq, ref.weight)
     finally:
         qgemm._set_q8_tiles(True)
         qgemm._set_amx(True)
@@ -480,27 +487,17 @@ def test_the_lean_decode_kernel_equals_the_generic_one_bitwise(fmt):
     included, at 1 and at 2 threads (k slices); other formats keep the generic kernel. Both
     equal the numpy reference on the dequantized int8 activations."""
     from numa_runtime._kernels import ops
-    from numa_runtime.quant.reference import quantize_activations
     old_t = ops.get_num_threads()
     try:
-        rng = np.random.default_rng(22)
-        for k, n in shapes(fmt):
-            lin, ref, qw = make(fmt, k, n, with_bias=n % 2 == 1)
-            lin.act8 = True
-            for resid in (False, True):
-                lin.act8_residual = resid
-                for m in (1, 2, 3, 4, 8):
-                    x = rng.standard_normal((m, k), dtype=np.float32)
-                    x[0, : min(k, 3)] *= 50.0
-                    xq = quantize_activations(x, qw.group, resid)
-                    for threads in (1, 2):  # NOTE: k slices (and so the sums' order) follow the threads
-                        ops.set_num_threads(threads)
-                        got = []
-                        for lean in (True, False):
-                            qgemm._set_q8_lean(lean)
-                            got.append(lin.forward(x))
-                        assert np.array_equal(got[0], got[1]), (k, n, m, resid, threads)
-                        check(got[0], ref.forward(xq).astype(np.float64), xq, ref.weight)
+        for lin, ref, x, xq, case in act8_cases(fmt, 22, (1, 2, 3, 4, 8), big_row=0):
+            for threads in (1, 2):  # NOTE: k slices (and so the sums' order) follow the threads
+                ops.set_num_threads(threads)
+                got = []
+                for lean in (True, False):
+                    qgemm._set_q8_lean(lean)
+                    got.append(lin.forward(x))
+                assert np.array_equal(got[0], got[1]), (*case, threads)
+                check(got[0], ref.forward(xq).astype(np.float64), xq, ref.weight)
     finally:
         qgemm._set_q8_lean(True)
         ops.set_num_threads(old_t)
