@@ -70,8 +70,12 @@ class LinearFactory:
         One group a row ('int8-channel'): the k of a packed unit (4) where k allows it, so that
         no rank's slice is padded (a padded slice decodes op by op: qgemm.fused_decode_usable)."""
         q = self.quant
-        own = 1 if q is None else q.for_split(k).group_size if q.group_size > 0 else (
-            q.pack_k if k % q.pack_k == 0 else 1)
+        if q is None:
+            own = 1
+        elif q.group_size < 0:
+            own = q.pack_k if k % q.pack_k == 0 else 1
+        else:
+            own = q.for_split(k).group_size
         if k % own:  # NOTE: no rank count can help; say so before the split names one
             raise QuantError(f"model.layers.*.{what}.weight: its {k} input features are not a multiple of "
                              f"{_group_words(q.for_split(k))}; choose a quantization whose group divides them, "

@@ -280,7 +280,9 @@ def completion_chunk(rid: str, model: str, created: int, piece: Piece, decode: T
                      include_usage: bool, offsets: dict[int, TextOffset], tail: bytes = b"") -> dict:
     """`offsets`: the text offset of each choice of the stream so far (updated); `tail`: the bytes
     the choice's prompt leaves open (TextOffset)."""
-    offset = offsets.get(piece.index) or offsets.setdefault(piece.index, TextOffset(tail))
+    if piece.index not in offsets:
+        offsets[piece.index] = TextOffset(tail)
+    offset = offsets[piece.index]
     choice = {"index": piece.index, "text": piece.text, "finish_reason": piece.finish_reason,
               "stop_reason": piece.stop_reason,
               "logprobs": completion_logprobs(piece.token_ids, piece.logprobs, decode, offset)}
