@@ -386,9 +386,9 @@ static int qg_q8_lean_on = 1;
  * place, the activations read by embedded broadcasts, and no format test inside the group loop.
  * int8 rows alternate between two accumulators at 1-2 rows (two dpbusd chains, as int4's
  * nibbles have; more rows are more chains already).
- * NOTE: the generic kernel at one row spent most of its time on scalar loop bookkeeping that GCC
- * kept on the stack (perf on the 2-core Zen 5): about 17 us for a 2048 x 256 Q4_0 GEMV on one
- * core, the same for Q8_0 with twice the bytes. */
+ * NOTE: perf on the 2-core Zen 5 put most samples of the generic kernel at one row on scalar loop
+ * bookkeeping that GCC kept on the stack; the two side by side: bench/RESULTS.md
+ * (`bench_quant.py --decode-batch`, `bench_engine.py --lean-decode`). */
 QG_INLINE QG_T512VNNI void qg_q8_lean_mr(const uint8_t* blk, const qg_format* f, const qg_xq* q,
                                          long g0, long g1, float* acc, const int bits, const int mr,
                                          const int has_c) {
