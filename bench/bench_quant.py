@@ -183,7 +183,9 @@ def main(argv=None) -> None:
                     help="row counts of --rows: f32 path / int8 activations (row tiles, and without) / bf16 panels (us)")
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64],
                     help="with --decode-batch: rows per call (default 16 32 64; 512: a prefill)")
-    ap.add_argument("--m", type=int, nargs="+", default=[1, 512], help="rows per call (default 1 512)")
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 512],
+                    help="rows per call (default 1 512) of linears as a float32 engine builds them (f32 "
+                         "activations); a bf16 engine's paths: --bf16-prefill, --decode-batch")
     ap.add_argument("--panel-mib", type=float, nargs="+", default=None,
                     help="with --bf16-prefill: each size of the bf16 panel in turn (default: qgemm's rule per thread count)")
     ap.add_argument("--out", default=None)
