@@ -686,11 +686,13 @@ class ParallelConfig:
     world_size: int
     data_parallel: int
     reason: str = ""
+    asked_as: str = ""  # how the count was asked for, for errors: "--data-parallel 2", "data_parallel=2", ...
 
     def __post_init__(self):
         if self.data_parallel > self.world_size or self.world_size % self.data_parallel:
             raise ValueError(
-                f"data_parallel={self.data_parallel} does not divide the {self.world_size} MPI rank(s); "
+                f"{self.asked_as or f'data_parallel={self.data_parallel}'} does not divide the {self.world_size} "
+                f"MPI rank(s); "
                 f"start a multiple of {self.data_parallel} ranks (mpirun -np N) or choose a divisor of "
                 f"{self.world_size}.")
 
@@ -706,7 +708,7 @@ class ParallelConfig:
 
     @classmethod
     def resolve(cls, world_size: int, data_parallel: int | None, num_heads: int,
-                max_num_seqs: int) -> "ParallelConfig":
+                max_num_seqs: int, asked_as: str = "") -> "ParallelConfig":
         """The asked replica count, else the default rule (the one place it lives):
         1. more ranks than attention heads: the fewest replicas whose groups have no more ranks
            than heads (tensor parallel cannot use more);
@@ -714,7 +716,7 @@ class ParallelConfig:
         3. otherwise one model over all ranks (tensor parallel): each sequence decodes fastest.
         """
         if data_parallel is not None:
-            return cls(world_size, data_parallel, "asked for")
+            return cls(world_size, data_parallel, "asked for", asked_as)
         if world_size <= 1:
             return cls(world_size, 1, "one rank")
         if world_size > num_heads:
@@ -734,20 +736,37 @@ class ParallelConfig:
         return cls(world_size, 1, "tensor parallel over all ranks: " + why)
 
 
-def replicas_for_tp(tp, data_parallel: int | None, ranks: int, given: str, start: str) -> int | None:
+def asked_replicas(data_parallel: int | None, spelled: str = "data_parallel={}") -> tuple[int | None, str]:
+    """The replica count asked for, and how, for errors: the caller's `data_parallel` (its setting
+    `spelled` with {} for the count: "--data-parallel {}", "data_parallel={}"), else numa-launch's
+    NUMA_RUNTIME_DATA_PARALLEL, else (None, ""). Both set and different: ValueError in one
+    sentence (the caller's value silently won over the launcher's)."""
+    from . import env
+    launched = env.data_parallel()
+    if data_parallel is None:
+        return (None, "") if launched is None else (launched, f"NUMA_RUNTIME_DATA_PARALLEL={launched} (numa-launch --dp)")
+    name = spelled.format(data_parallel)
+    if launched is not None and launched != data_parallel:
+        raise ValueError(f"{name} and NUMA_RUNTIME_DATA_PARALLEL={launched} (set by numa-launch --dp or --tp) "
+                         f"disagree; drop {spelled.split('{')[0].rstrip(' =')} or launch with numa-launch --dp "
+                         f"{data_parallel}.")
+    return data_parallel, name
+
+
+def replicas_for_tp(tp, data_parallel: int | None, ranks: int, given: str, start: str,
+                    dp_spelled: str = "data_parallel={}") -> int | None:
     """vLLM's tensor_parallel_size against an MPI job of `ranks`: the replicas the ranks beyond one
     replica's make (vLLM's tp x dp; 1 where one replica takes them all, so that no default rule
     turns them into replicas; None where data_parallel is given, by the caller or by numa-launch
     --dp's NUMA_RUNTIME_DATA_PARALLEL), or ValueError in one sentence. `given` names the setting
-    as its caller spells it ("--tensor-parallel-size 2", "tensor_parallel_size=2"); `start` says
-    how to start a job of N ranks, with {n} for N."""
-    from . import env
+    as its caller spells it ("--tensor-parallel-size 2", "tensor_parallel_size=2"), `dp_spelled`
+    its data_parallel (asked_replicas); `start` says how to start a job of N ranks, with {n} for N."""
     name = given.split("=")[0].split(" ")[0]
     if not isinstance(tp, numbers.Integral) or isinstance(tp, bool) or tp < 1:
         raise ValueError(f"{name} must be a positive integer, got {tp!r}.")
-    if data_parallel is None and env.data_parallel() is not None:
-        data_parallel = env.data_parallel()
-        given += f" with NUMA_RUNTIME_DATA_PARALLEL={data_parallel} (numa-launch --dp)"
+    data_parallel, asked_as = asked_replicas(data_parallel, dp_spelled)
+    if data_parallel is not None:
+        given += f" with {asked_as}"
     if ranks % tp or (data_parallel is not None and data_parallel * tp != ranks):
         n = tp * (data_parallel or 1)
         raise ValueError(f"{given} needs {n} MPI rank(s), but this job has {ranks}: {start.format(n=n)}.")

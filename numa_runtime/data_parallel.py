@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from . import env
-from .config import EngineConfig, ModelConfig, ParallelConfig
+from .config import EngineConfig, ModelConfig, ParallelConfig, asked_replicas
 from .distributed import MPIComm, SingleProcessComm, abort_job, wait_idle
 from .plan import SHUTDOWN, StepPlan
 
@@ -135,9 +135,9 @@ class ReplicaLink:
 def setup(world, engine_cfg: EngineConfig, model_cfg: ModelConfig):
     """Every rank: (ParallelConfig, the communicator of this rank's replica group, the
     ReplicaLink or None without replicas). Rank 0 logs the choice and its reason."""
-    asked = engine_cfg.data_parallel if engine_cfg.data_parallel is not None else env.data_parallel()
+    asked, asked_as = asked_replicas(engine_cfg.data_parallel)
     parallel = ParallelConfig.resolve(world.world_size, asked, model_cfg.num_heads,
-                                      engine_cfg.max_num_seqs)
+                                      engine_cfg.max_num_seqs, asked_as)
     if world.rank == 0 and world.world_size > 1:
         log.info("parallel: %d replica(s) x %d tensor-parallel rank(s) (%s)", parallel.data_parallel,
                  parallel.tensor_parallel, parallel.reason)
@@ -146,8 +146,8 @@ def setup(world, engine_cfg: EngineConfig, model_cfg: ModelConfig):
     if env.profile_enabled():
         why = ("" if parallel.reason == "asked for" else
                f" (the ranks run {parallel.data_parallel} replicas because {parallel.reason}: run it on fewer ranks)")
-        raise ValueError(f"AS_PROFILE=ON profiles one tensor-parallel model; run it without data parallel "
-                         f"replicas{why}.")
+        raise ValueError(f"Operator profiling (AS_PROFILE=ON or AS_PROFILE_TRACE) profiles one tensor-parallel "
+                         f"model; run it without data parallel replicas{why}.")
     from mpi4py import MPI
     replica = parallel.replica_of(world.rank)
     group = world.comm.Split(color=replica, key=world.rank)

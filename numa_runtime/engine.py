@@ -722,10 +722,14 @@ class Engine:
         with rec.span(FORWARD, "update"):
             self._update(out, logits)
         if rec.trace_due():  # AS_PROFILE_TRACE: once, when its number of steps is kept
-            try:
-                self.export_chrome_trace(rec.trace_path)
-            except OSError as e:  # NOTE: the step's tokens are whole: never fail requests for a trace
-                log.warning("numa_runtime: AS_PROFILE_TRACE %r could not be written (%s)", rec.trace_path, e)
+            self._write_trace()
+
+    def _write_trace(self) -> None:
+        rec = self.recorder
+        try:
+            self.export_chrome_trace(rec.trace_path)
+        except OSError as e:  # NOTE: the step's tokens are whole: never fail requests for a trace
+            log.warning("numa_runtime: AS_PROFILE_TRACE %r could not be written (%s)", rec.trace_path, e)
 
     def _burst_len(self, out) -> int:
         """How many greedy decode steps this step's plan runs in one go (1: just itself).
@@ -1275,6 +1279,7 @@ class Engine:
                                 kind=kind,
                                 tier_ops=bm.tier.take_ops() if bm.tier is not None and a == 0 else None,
                                 num_prompt_rows=b - a)
+                self.recorder.begin_step()  # NOTE: a step on every rank, as the workers count it (TimedComm)
                 yield a, self._execute(run, plan)
         finally:
             bm.return_blocks(blocks)
@@ -1446,13 +1451,16 @@ class Engine:
 
     def _close(self) -> None:
         global _served
+        if (self.is_driver and not self._broken and not self._workers_elsewhere()
+                and self.recorder.trace_at_close()):  # AS_PROFILE_TRACE: fewer steps ran than it keeps
+            self._write_trace()
         self._closed = True
         atexit.unregister(self.close)  # NOTE: else atexit keeps an unloaded model's weights alive
         if self._broken:  # NOTE: no shutdown plan can reach workers out of step
             log.error("numa_runtime: %s; ending the MPI job", self._broken)
             self.comm.abort(f"the engine stopped: {self._broken}.", 1)
             return
-        if self.comm.world_size > 1 and not self._keeps_workers and self._other_served() is not None:
+        if self._workers_elsewhere():
             # NOTE: the workers run another engine's steps: this engine's shutdown plan would end their
             # loop of it (its next step then failed). The workers serve this one after that one (at
             # their exit, or when their script closes it): its shutdown goes then. Its disk tier is
@@ -1465,6 +1473,10 @@ class Engine:
             for e in sorted(_deferred, key=lambda e: -e._serial):  # NOTE: as a worker's atexit: newest first
                 e._shutdown(flush=False)
             _deferred.clear()
+
+    def _workers_elsewhere(self) -> bool:
+        """The worker ranks run another engine's steps now (this one's plans cannot reach them)."""
+        return self.comm.world_size > 1 and not self._keeps_workers and self._other_served() is not None
 
     def close_comms(self) -> None:
         """Collective on every rank, once the workers left this engine's loop: frees its host

@@ -137,21 +137,45 @@ def omp_num_threads() -> int | None:
 __all__ += ["profile_enabled", "profile_trace_path", "profile_trace_steps"]
 
 
+def _profile_switch() -> bool | None:
+    """AS_PROFILE as on (True), off (False) or unset (None); any other value is an error."""
+    raw = os.environ.get("AS_PROFILE", "").strip().lower()
+    if raw == "":
+        return None
+    if raw in ("on", "1", "true", "yes"):
+        return True
+    if raw in ("off", "0", "false", "no"):
+        return False
+    raise ValueError(f"AS_PROFILE={os.environ['AS_PROFILE']!r} is neither on nor off; set it to ON (also 1, true, "
+                     "yes) or OFF (also 0, false, no), or unset it.")
+
+
 def profile_enabled() -> bool:
-    """AS_PROFILE=ON (also 1/true/yes, any case): time every operator on every rank."""
-    return os.environ.get("AS_PROFILE", "").strip().lower() in ("on", "1", "true", "yes")
+    """Operator profiling on: AS_PROFILE=ON (also 1/true/yes, any case), or AS_PROFILE_TRACE set
+    while AS_PROFILE is unset. AS_PROFILE=OFF with AS_PROFILE_TRACE set is an error (the two
+    contradict each other), as is any other value of AS_PROFILE."""
+    switch = _profile_switch()
+    if switch is False and profile_trace_path() is not None:
+        raise ValueError("AS_PROFILE=OFF and AS_PROFILE_TRACE (a trace needs profiling on) contradict each other; "
+                         "unset one of them.")
+    return bool(switch) or (switch is None and profile_trace_path() is not None)
 
 
 def profile_trace_path() -> str | None:
-    """AS_PROFILE_TRACE=path: with AS_PROFILE=ON, write a Chrome trace (chrome://tracing,
-    Perfetto) of the first profile_trace_steps() engine steps to path."""
+    """AS_PROFILE_TRACE=path: write a Chrome trace (chrome://tracing, Perfetto) of the first
+    profile_trace_steps() engine steps to path (or of the steps run, when the engine closes
+    before that many); it turns profiling on by itself."""
     return os.environ.get("AS_PROFILE_TRACE") or None
 
 
 def profile_trace_steps() -> int:
     """AS_PROFILE_TRACE_STEPS: how many recent steps each rank keeps for a trace (default 32)."""
-    value = os.environ.get("AS_PROFILE_TRACE_STEPS", "").strip()
-    return int(value) if value.isdigit() and int(value) > 0 else 32
+    raw = os.environ.get("AS_PROFILE_TRACE_STEPS", "").strip()
+    if raw == "":
+        return 32
+    if not raw.isdigit() or int(raw) <= 0:
+        raise ValueError(f"AS_PROFILE_TRACE_STEPS={raw!r} is not a positive whole number of steps.")
+    return int(raw)
 
 
 __all__ += ["log_level"]

@@ -30,7 +30,7 @@ import time
 from collections import deque
 
 from . import env
-from .plan import EXECUTE, PROFILE_GATHER, PROFILE_RESET, PROFILE_TRACE, StepPlan
+from .plan import EMBED, EXECUTE, PROFILE_GATHER, PROFILE_RESET, PROFILE_TRACE, StepPlan
 from .recorder import FORWARD, NULL_RECORDER, RESHAPE, SECTIONS
 
 COLUMNS = ("rank", "opname", "count", "min_ms", "max_ms", "ave_ms", "total_ms", "percentage")
@@ -50,6 +50,7 @@ class Profiler:
     def __init__(self, rank: int, trace_steps: int = 32, trace_path: str | None = None):
         self.rank = rank
         self.trace_path = trace_path  # AS_PROFILE_TRACE: written once trace_steps were kept
+        self.trace_label = ""  # the model's name in the trace's process names (a server of several models)
         self._trace_written = False
         self._stack: list[int] = []   # child nanoseconds of each open timed call
         self._steps: deque[list] = deque(maxlen=trace_steps)
@@ -77,6 +78,14 @@ class Profiler:
     def trace_due(self) -> bool:
         """True once, when AS_PROFILE_TRACE is set and its number of steps has been kept."""
         if self.trace_path is None or self._trace_written or self.num_steps < self._steps.maxlen:
+            return False
+        self._trace_written = True
+        return True
+
+    def trace_at_close(self) -> bool:
+        """True once, when AS_PROFILE_TRACE is set and the engine closes before trace_due fired
+        with at least one step kept: the trace then holds the steps that ran."""
+        if self.trace_path is None or self._trace_written or not self._steps:
             return False
         self._trace_written = True
         return True
@@ -145,8 +154,19 @@ class _Span:
 
 
 def profiling_enabled() -> bool:
-    """AS_PROFILE=ON, or AS_PROFILE_TRACE set."""
-    return env.profile_enabled() or env.profile_trace_path() is not None
+    """AS_PROFILE=ON, or AS_PROFILE_TRACE set (env.profile_enabled)."""
+    return env.profile_enabled()
+
+
+def label_trace(recorder, model: str) -> None:
+    """One of several models served: its AS_PROFILE_TRACE file is the path with the model's name
+    before the extension (trace.json -> trace.NAME.json), and its ranks are named after it."""
+    if recorder.trace_path is None:
+        return
+    root, ext = os.path.splitext(recorder.trace_path)
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in model)
+    recorder.trace_path = f"{root}.{safe}{ext}"
+    recorder.trace_label = f" ({model})"
 
 
 def make_recorder(rank: int):
@@ -227,9 +247,9 @@ class TimedComm:
         t0 = time.perf_counter_ns()
         plan = self._comm.broadcast_plan(plan)
         dt = time.perf_counter_ns() - t0
-        if plan.kind == EXECUTE:  # profiler and shutdown messages are not steps
+        if plan.kind in (EXECUTE, EMBED):  # profiler and shutdown messages are not steps
             if not self._comm.is_driver:
-                prof.begin_step()  # rank 0 begins its steps in Engine.step
+                prof.begin_step()  # rank 0 begins its steps in Engine._step and _prefill_chunks
             prof._record((RESHAPE, "broadcast_plan"), t0, dt, dt)
         return plan
 
@@ -302,7 +322,7 @@ class ProfileReports:
         calls = [(rank, *c) for rank, rank_steps in enumerate(per_rank) for step in rank_steps for c in step]
         origin = min((c[3] for c in calls), default=0)
         events = [{"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
-                   "args": {"name": f"rank {rank}"}} for rank in range(len(per_rank))]
+                   "args": {"name": f"rank {rank}{self.recorder.trace_label}"}} for rank in range(len(per_rank))]
         events += [{"name": name, "cat": section, "ph": "X", "pid": rank, "tid": 0,
                     "ts": (t0 - origin) / 1e3, "dur": dt / 1e3} for rank, section, name, t0, dt in calls]
         with open(path, "w") as f:

@@ -38,6 +38,9 @@ class NullRecorder:
     def trace_due(self) -> bool:
         return False
 
+    def trace_at_close(self) -> bool:
+        return False
+
     def answer(self, action: int):
         """The data this rank sends for a PROFILE plan (None: it sends nothing)."""
         return None if action == PROFILE_RESET else []

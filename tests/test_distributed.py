@@ -463,6 +463,18 @@ def test_engines_of_data_parallel_replicas_free_their_groups(tiny_model):
 
 
 @needs_mpirun
+@pytest.mark.parametrize("profile", [{"AS_PROFILE": "ON"}, {"AS_PROFILE_TRACE": "trace.json"}])
+def test_data_parallel_replicas_refuse_operator_profiling(tiny_model, tmp_path, profile):
+    """AS_PROFILE_TRACE alone turns profiling on too: it got past the refusal, and the report
+    and trace held replica 0 alone."""
+    profile = {k: str(tmp_path / v) if k == "AS_PROFILE_TRACE" else v for k, v in profile.items()}
+    out = run_mpi("engine_generate.py", 2, tiny_model, "float32", "1", "[[1, 2, 3]]", "2", timeout=180, **profile)
+    assert out.returncode != 0 and "RESULT" not in out.stdout
+    assert ("Operator profiling (AS_PROFILE=ON or AS_PROFILE_TRACE) profiles one tensor-parallel model; run it "
+            "without data parallel replicas." in out.stdout + out.stderr), out.stderr[-3000:]
+
+
+@needs_mpirun
 def test_serve_with_data_parallel_replicas(tiny_model):
     """One server and one API over two replicas: concurrent greedy completions equal one
     process's, and the job stops cleanly."""

@@ -116,8 +116,9 @@ def test_vllm_serve_flags_are_taken_or_refused_in_one_sentence(monkeypatch):
     monkeypatch.setenv("PMI_SIZE", "4")
     four = parse_args(["--model", "m", "-tp", "2"])
     assert check_args(four) is None and engine_kwargs(four)["data_parallel"] == 2  # NOTE: vLLM's tp x dp
+    # NOTE: it names both settings (it blamed -tp alone)
     assert check_args(parse_args(["--model", "m", "-tp", "2", "--data-parallel", "1"])).startswith(
-        "--tensor-parallel-size 2 needs 2 MPI rank(s), but this job has 4")
+        "--tensor-parallel-size 2 with --data-parallel 1 needs 2 MPI rank(s), but this job has 4")
 
 
 def test_vllm_serve_keys_names_and_replicas_as_vllm_takes_them(monkeypatch, capsys):

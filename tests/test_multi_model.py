@@ -1,5 +1,6 @@
 """Several models in one server: the ModelRouter's loading, LRU unloading and routing, and the
 server (one process and under mpirun -np 2) through the official openai client."""
+import json
 import os
 import time
 
@@ -547,23 +548,32 @@ def test_a_models_dir_entry_that_fails_on_one_rank_is_left_out_on_every_rank(mod
         assert srv.stop() == 0, srv.output()
 
 
-def test_the_operator_profile_of_each_model(models):
+def test_the_operator_profile_of_each_model(models, tmp_path):
     """AS_PROFILE=ON with several models: /debug/profile said profiling was off; it answers the
-    first model's report, or that of ?model=NAME (loading it as a request does)."""
+    first model's report, or that of ?model=NAME (loading it as a request does). Each model
+    writes its AS_PROFILE_TRACE to a file of its own (they overwrote one file)."""
     import httpx
     root, _ = models
     names = ["alpha", "beta"]
-    srv = serve(root, names, budget_for(root, names, 2.5), extra=["--num-threads", "1"], env={"AS_PROFILE": "ON"})
+    trace = tmp_path / "trace.json"
+    srv = serve(root, names, budget_for(root, names, 2.5), extra=["--num-threads", "1"],
+                env={"AS_PROFILE": "ON", "AS_PROFILE_TRACE": str(trace), "AS_PROFILE_TRACE_STEPS": "2"})
     try:
         srv.client().completions.create(model="alpha", prompt=PROMPT, max_tokens=2)
         first = httpx.get(srv.base + "/debug/profile", timeout=60)
         beta = httpx.get(srv.base + "/debug/profile?model=beta", timeout=120)
         missing = httpx.get(srv.base + "/debug/profile?model=nope", timeout=60)
+        srv.client().completions.create(model="beta", prompt=PROMPT, max_tokens=3)
     finally:
         assert srv.stop() == 0, srv.output()
     assert first.status_code == 200 and "model alpha" in first.text, first.text[:500]
     assert beta.status_code == 200 and "model beta" in beta.text, beta.text[:500]
     assert missing.status_code == 404 and "'nope' does not exist" in missing.text
+    assert not trace.exists()
+    for name in names:
+        events = json.loads((tmp_path / f"trace.{name}.json").read_text())["traceEvents"]
+        assert [e["args"]["name"] for e in events if e["ph"] == "M"] == [f"rank 0 ({name})"]
+        assert sum(e["name"] == "schedule" for e in events) == 2
 
 
 def test_per_model_engine_stats_outlive_an_unload(models):

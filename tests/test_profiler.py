@@ -124,6 +124,81 @@ def test_chrome_trace(model_dir, monkeypatch, tmp_path):
     eng.close()
 
 
+def test_scratch_forwards_are_steps_of_their_own(model_dir, monkeypatch, tmp_path):
+    """Embeddings and prompt logprobs run forwards outside Engine.step: each is a step of its
+    own (as the workers count them), so the kept steps stay bounded."""
+    monkeypatch.setenv("AS_PROFILE", "ON")
+    monkeypatch.setenv("AS_PROFILE_TRACE", str(tmp_path / "t.json"))
+    monkeypatch.setenv("AS_PROFILE_TRACE_STEPS", "3")
+    eng = make_engine(model_dir)
+    try:
+        generate(eng, 1)
+        for _ in range(5):
+            eng.embed([list(range(3, 20))])
+        eng.prompt_logprobs(list(range(3, 20)))
+        rec = eng.recorder
+        assert rec.num_steps == 1 + 5 + 1
+        assert len(rec.trace()) == 3 and max(len(step) for step in rec.trace()) < 40
+        events = json.load(open(eng.export_chrome_trace(str(tmp_path / "last.json"), steps=1)))["traceEvents"]
+        assert [e["name"] for e in events].count("Linear") == 4 * LAYERS + 1  # the prompt logprobs' forward
+        assert counts(eng.get_op_profiling_stats())["embedding"] == 1 + 5 + 1
+    finally:
+        eng.close()
+
+
+def test_a_quantized_embedding_table_is_timed(model_dir, monkeypatch, tmp_path):
+    """A GGUF's Q8_0 token table is looked up row by row from the file (StoredRows): the lookup
+    counts as `embedding`, once a step (it had no row)."""
+    from gguf_helpers import write_gguf
+    path = str(tmp_path / "m.gguf")
+    write_gguf(model_dir, path, "Q8_0")
+    monkeypatch.setenv("AS_PROFILE", "ON")
+    eng = Engine(path, dtype="float32", backend=BACKEND, kv_cache_memory=1 << 24, max_model_len=256)
+    try:
+        from numa_runtime.models.llama import StoredRows
+        assert isinstance(eng.runner.model.embed, StoredRows)
+        generate(eng, 3)
+        assert counts(eng.get_op_profiling_stats())["embedding"] == 3
+    finally:
+        eng.close()
+
+
+def test_a_trace_of_fewer_steps_is_written_at_close(model_dir, monkeypatch, tmp_path):
+    path = str(tmp_path / "short.json")
+    monkeypatch.setenv("AS_PROFILE_TRACE", path)  # alone: profiling on
+    monkeypatch.delenv("AS_PROFILE", raising=False)
+    monkeypatch.setenv("AS_PROFILE_TRACE_STEPS", "32")
+    with pytest.raises(KeyError):
+        with make_engine(model_dir) as eng:
+            generate(eng, 4)
+            assert not os.path.exists(path)
+            raise KeyError("the script fails")
+    names = [e["name"] for e in json.load(open(path))["traceEvents"]]
+    assert names.count("schedule") == 4 and names.count("Linear") == 4 * (4 * LAYERS + 1)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"AS_PROFILE": "enabled"}, "AS_PROFILE='enabled' is neither on nor off"),
+    ({"AS_PROFILE": "off", "AS_PROFILE_TRACE": "/tmp/x.json"}, "contradict each other"),
+    ({"AS_PROFILE": "ON", "AS_PROFILE_TRACE_STEPS": "-3"}, "AS_PROFILE_TRACE_STEPS='-3' is not a positive"),
+])
+def test_profiling_settings_it_cannot_read_are_errors(model_dir, monkeypatch, env, message):
+    for name in ("AS_PROFILE", "AS_PROFILE_TRACE", "AS_PROFILE_TRACE_STEPS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        make_engine(model_dir)
+
+
+def test_profiling_switch_values(monkeypatch):
+    from numa_runtime import env
+    monkeypatch.delenv("AS_PROFILE_TRACE", raising=False)
+    for value, on in (("On", True), ("1", True), ("yes", True), ("OFF", False), ("0", False), ("", False)):
+        monkeypatch.setenv("AS_PROFILE", value)
+        assert env.profile_enabled() is on, value
+
+
 def test_off_is_zero_cost(model_dir, monkeypatch):
     monkeypatch.delenv("AS_PROFILE", raising=False)
     monkeypatch.delenv("AS_PROFILE_TRACE", raising=False)
@@ -189,3 +264,9 @@ def test_every_rank_under_mpirun(model_dir, tmp_path):
     events = json.load(open(trace))["traceEvents"]
     assert {e["pid"] for e in events} == {0, 1}
     assert sum(1 for e in events if e["name"] == "all_gather" and e["pid"] == 1) == 2
+    # the last step of every rank is the embedding's forward (rank 0 counted the scratch forwards
+    # into its last engine step, rank 1 as steps of their own)
+    last = json.load(open(trace + ".last"))["traceEvents"]
+    for rank in (0, 1):
+        names = [e["name"] for e in last if e["pid"] == rank]
+        assert names.count("Linear") == 4 * LAYERS and names.count("broadcast_plan") == 1, (rank, names)

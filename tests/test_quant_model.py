@@ -630,7 +630,8 @@ def test_a_replica_that_cannot_split_names_the_job_it_belongs_to(tmp_path):
                                     "intermediate_size": 128})
     p = run_mpi(4, d, "int8")
     assert p.returncode != 0
-    assert (f"{d} on 2 ranks (a replica of the job's 4 ranks, which run 2 replicas): Cannot split 128 MLP columns "
+    assert (f"{d} on 2 ranks (a replica of the job's 4 ranks, which run 2 replicas; data_parallel=4 runs one a "
+            "rank): Cannot split 128 MLP columns "
             "over 2 ranks in groups of 128; use at most 1 rank per model replica") in p.stdout + p.stderr
 
 

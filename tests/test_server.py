@@ -952,6 +952,9 @@ def test_openapi_and_profile(server):
     assert "CompletionRequest" in schema["components"]["schemas"]
     r = httpx.get(server.base + "/debug/profile")  # AS_PROFILE is off here
     assert r.status_code == 404 and "AS_PROFILE" in r.json()["error"]["message"]
+    # a model it does not serve: the 404 a request naming it gets (it answered the served model's)
+    r = httpx.get(server.base + "/debug/profile?model=nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 # ------------------------------------------------------------------------------ api key, queue limit

@@ -676,6 +676,16 @@ def test_a_port_a_loading_server_holds_is_busy():
     (["--data-parallel", "2", "--model", "a", "--model", "b"], "applies to one model"),
     (["ENV", "NUMA_RUNTIME_DATA_PARALLEL=2", "--model", "a", "--model", "b"], "NUMA_RUNTIME_DATA_PARALLEL) applies "
      "to one model"),  # NOTE: numa-launch --dp sets it; several models ignored it
+    # several models took 0 and -1 (one model refused them)
+    (["--data-parallel", "0", "--model", "a", "--model", "b"], "--data-parallel must be a positive integer, got 0."),
+    # the flag silently won over the launcher's replica count
+    (["ENV", "NUMA_RUNTIME_DATA_PARALLEL=1", "--data-parallel", "2"], "--data-parallel 2 and "
+     "NUMA_RUNTIME_DATA_PARALLEL=1 (set by numa-launch --dp or --tp) disagree; drop --data-parallel or launch with "
+     "numa-launch --dp 2."),
+    # each names the setting that asked (both said data_parallel=2)
+    (["--data-parallel", "2"], "--data-parallel 2 does not divide the 1 MPI rank(s)"),
+    (["ENV", "NUMA_RUNTIME_DATA_PARALLEL=2"], "NUMA_RUNTIME_DATA_PARALLEL=2 (numa-launch --dp) does not divide the "
+     "1 MPI rank(s)"),
     (["--shutdown-grace", "nan"], "--shutdown-grace must be >= 0, got nan."),  # it skipped the grace
     (["--request-timeout", "0"], "--request-timeout must be a positive number of seconds, got 0.0."),
     (["--kv-cache-memory", "16X"], "argument --kv-cache-memory: Cannot read '16X' as a size"),

@@ -22,6 +22,8 @@ from ..quant.formats import QuantError
 from ..quant.loader import (LinearFactory, check_checkpoint_method, head_quantization, parse_quantization,
                             stores_quantized)
 from ..plan import EMBED
+from ..profiler import TimedOps
+from ..recorder import FORWARD
 from ..sharding import ShardLayout, shard_layouts, split_heads
 from ..weights import Checkpoint, load_rows
 from .moe import MoEBlock, check_moe_tensors, swiglu
@@ -284,6 +286,8 @@ class LlamaModel:
         x = np.empty((ids.shape[0], self.cfg.hidden_size), np.float32) if out is None else out
         lookup = self.embed.lookup if isinstance(self.embed, StoredRows) else (
             lambda rows, into: ops.embedding(rows, self.embed, into))
+        if isinstance(self.embed, StoredRows) and isinstance(ops, TimedOps):  # AS_PROFILE: timed as ops.embedding
+            lookup = ops.profiler.timed(FORWARD, "embedding", lookup)
         if lay.world == 1:
             if isinstance(self.embed, StoredRows) and ((ids < 0) | (ids >= self.embed.shape[0])).any():
                 raise IndexError(f"token id {int(ids[(ids < 0) | (ids >= self.embed.shape[0])][0])} is outside "
@@ -576,7 +580,8 @@ def _named_errors(source: str, world: int):
         where = "" if world == 1 else f" on {world} ranks"
         job = (env.mpi_world() or (0, 1))[1]
         if job > world:  # NOTE: a replica's group: say so, the job has more ranks than the message counts
-            where += f" (a replica of the job's {job} ranks, which run {job // world} replicas)"
+            where += (f" (a replica of the job's {job} ranks, which run {job // world} replicas; data_parallel={job} "
+                      "runs one a rank)")
         raise type(e)(f"{source}{where}: {e}") from None
 
 

@@ -458,7 +458,7 @@ def check_args(args) -> str | None:
         try:
             dp = replicas_for_tp(tp, args.data_parallel, ranks, f"--tensor-parallel-size {tp}",
                                  "start it as `mpirun -np {n} python -m numa_runtime.serve ...` (or `numa-launch "
-                                 "--ranks {n} ...`), one rank per NUMA node")
+                                 "--ranks {n} ...`), one rank per NUMA node", "--data-parallel {}")
         except ValueError as e:
             return str(e)
         if dp is not None:
@@ -493,11 +493,16 @@ def check_args(args) -> str | None:
                 return f"--memory-budget must be a positive size, got {args.memory_budget!r}."
         except ValueError as e:
             return f"--memory-budget: {e}"
+    if args.data_parallel is not None and args.data_parallel < 1:  # NOTE: several models took 0 and -1
+        return f"--data-parallel must be a positive integer, got {args.data_parallel}."
+    from numa_runtime.config import ParallelConfig, asked_replicas
     try:
-        env_dp = env.data_parallel()
+        dp, dp_as = asked_replicas(args.data_parallel, "--data-parallel {}")
+        if dp is not None and not multi:
+            ParallelConfig(ranks, dp, asked_as=dp_as)
     except ValueError as e:
         return str(e)
-    if max(args.data_parallel or 1, env_dp or 1) > 1 and multi:  # NOTE: numa-launch --tp sets 1
+    if (dp or 1) > 1 and multi:  # NOTE: numa-launch --tp sets 1
         return ("--data-parallel (numa-launch --dp, NUMA_RUNTIME_DATA_PARALLEL) applies to one model; with several "
                 "models each spans all ranks as one tensor-parallel model.")
     for flag, value in (("--kv-cache-disk-bytes", args.kv_cache_disk_bytes),

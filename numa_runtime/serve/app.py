@@ -249,7 +249,8 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     @app.get("/debug/profile", response_class=PlainTextResponse)
-    async def profile():
+    async def profile(model: str | None = None):
+        check_model(model)  # NOTE: as a server of several models (multi_app): a wrong name is a 404
         if not getattr(getattr(engine, "recorder", None), "enabled", False):
             raise ApiError(404, "Operator profiling is off; start the server with AS_PROFILE=ON.",
                            code="profiling_off")

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 
 from ..config import ModelConfig, context_in_pool, kv_pool_blocks, supported_len
 from ..plan import StepPlan
+from ..profiler import label_trace
 
 log = logging.getLogger("numa_runtime.serve")
 
@@ -327,6 +328,7 @@ class ModelRouter:
         try:
             eng = Engine(self.specs[name].model_dir, **self._engine_kwargs)
             eng._keeps_workers = True  # NOTE: the workers go back to worker_main when it closes
+            label_trace(eng.recorder, name)  # NOTE: else every model's AS_PROFILE_TRACE overwrote one file
         except Exception as e:  # noqa: BLE001 - every rank failed alike; the other models go on
             self._fail(name, e)
         self._failed.pop(name, None)
@@ -497,6 +499,7 @@ class ModelRouter:
                 try:
                     engines[name] = Engine(self.specs[name].model_dir, **self._engine_kwargs)
                     engines[name]._keeps_workers = True
+                    label_trace(engines[name].recorder, name)
                 except Exception:  # noqa: BLE001 - rank 0 failed alike and reports it; serve on
                     pass
             elif plan.kind == ENTER:
