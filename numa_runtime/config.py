@@ -307,7 +307,8 @@ def _moe_fields(cfg: dict, arch: str) -> dict:
         return {}
     top_k = _count(cfg, "num_experts_per_tok", 4 if qwen2 else 8 if qwen else 2, 1)
     if top_k > experts:
-        raise UnsupportedModelError(f"num_experts_per_tok ({top_k}) must be between 1 and num_experts ({experts}).")
+        raise UnsupportedModelError(f"config.json's num_experts_per_tok ({top_k}) must be between 1 and its {key} "
+                                    f"({experts}).")
     if qwen:
         step = _count(cfg, "decoder_sparse_step", 1, 1)
         only_mlp = {int(i) for i in cfg.get("mlp_only_layers") or ()}

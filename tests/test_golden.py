@@ -194,7 +194,8 @@ def test_moe_config_rules_as_transformers(tmp_path):
         with pytest.raises(UnsupportedModelError, match=rf"^config.json's {key} is {shown}; it must be an integer of "
                                                         rf"at least {least}.$"):
             ModelConfig.from_dict({**c, key: value})
-    with pytest.raises(UnsupportedModelError, match=r"num_experts_per_tok \(7\) must be between 1 and num_experts"):
+    with pytest.raises(UnsupportedModelError, match=r"^config.json's num_experts_per_tok \(7\) must be between 1 and "
+                                                    r"its num_experts \(6\).$"):
         ModelConfig.from_dict({**c, "num_experts_per_tok": 7})
     assert ModelConfig.from_dict({**c, "num_experts_per_tok": 2.0}).num_experts_per_tok == 2
 
@@ -210,6 +211,9 @@ def test_moe_config_defaults_and_errors_name_what_the_files_hold(tmp_path):
                 num_hidden_layers=2, num_attention_heads=16, num_local_experts=4, num_experts_per_tok=2)
     c = ModelConfig.from_dict(base)
     assert (c.num_kv_heads, c.rms_norm_eps, c.rope.theta) == (8, 1e-5, 1e6)
+    with pytest.raises(UnsupportedModelError, match=r"^config.json's num_experts_per_tok \(9\) must be between 1 and "
+                                                    r"its num_local_experts \(4\).$"):  # it named num_experts
+        ModelConfig.from_dict({**base, "num_experts_per_tok": 9})
     c = ModelConfig.from_dict({**base, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4})
     assert (c.num_kv_heads, c.rms_norm_eps, c.rope.theta) == (4, 1e-6, 10000.0)
     build_model(str(tmp_path), **CASES["mixtral"])
@@ -221,3 +225,28 @@ def test_moe_config_defaults_and_errors_name_what_the_files_hold(tmp_path):
                                                     r"\(96, 64\), but config.json implies \(80, 64\) \(hidden_size 64, "
                                                     r"intermediate_size 80, num_local_experts 6\)"):
         Engine(str(tmp_path), dtype="float32", kv_cache_memory=1 << 22, max_model_len=64)
+
+
+def test_moe_configs_that_leave_stored_tensors_out_are_refused(tmp_path):
+    """A shared expert size of 0 over a stored shared expert loaded without it; a middle layer that
+    the config makes dense over stored experts failed late as a bare CheckpointError (the first and
+    last layers were checked)."""
+    import json
+
+    from numa_runtime.config import UnsupportedModelError
+
+    def refused(case, change, message):
+        d = str(tmp_path / case)
+        build_model(d, **CASES[case])
+        with open(os.path.join(d, "config.json")) as f:
+            cfg = json.load(f)
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump({**cfg, **change}, f)
+        with pytest.raises(UnsupportedModelError, match=message):
+            Engine(d, dtype="float32", kv_cache_memory=1 << 22, max_model_len=64)
+    refused("qwen2-moe-shared", {"shared_expert_intermediate_size": 0},
+            r"the checkpoint holds a shared expert \(model.layers.1.mlp.shared_expert.gate_proj.weight\), but "
+            r"config.json's shared_expert_intermediate_size is 0: it does not describe these weights.")
+    refused("qwen3-moe", {"mlp_only_layers": [0, 1]},
+            r": the checkpoint lacks model.layers.1.mlp.gate_proj.weight \(3 expected tensors missing\); its layer 1 "
+            r"holds a router and experts, where config.json makes the layer dense")

@@ -588,7 +588,7 @@ def _named_errors(source: str, world: int):
 def _check_tensors(cfg: ModelConfig, ckpt: Checkpoint) -> None:
     """Fail before reading weights if the checkpoint lacks what the config promises."""
     need = ["model.embed_tokens.weight", "model.norm.weight"]
-    for i in (0, cfg.num_layers - 1):
+    for i in range(cfg.num_layers):  # NOTE: a middle layer's gap failed later, as a bare CheckpointError
         mlp = () if cfg.is_moe_layer(i) else ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
         for n in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                   "self_attn.o_proj.weight", *mlp, "input_layernorm.weight", "post_attention_layernorm.weight"):
@@ -597,8 +597,15 @@ def _check_tensors(cfg: ModelConfig, ckpt: Checkpoint) -> None:
     stored = getattr(ckpt, "stored_name", lambda n: n)  # NOTE: a GGUF's own names in its errors
     source = getattr(ckpt, "config_source", "config.json")
     if missing:
-        raise UnsupportedModelError(f"the checkpoint lacks {stored(missing[0])} ({len(missing)} expected "
-                                    f"tensors missing).")
+        first = missing[0]
+        layer = first.split(".")[2] if first.startswith("model.layers.") else None
+        sparse = (layer is not None and first.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight",
+                                                         "mlp.down_proj.weight"))
+                  and f"model.layers.{layer}.mlp.gate.weight" in ckpt)
+        why = (f"; its layer {layer} holds a router and experts, where {source} makes the layer dense "
+               "(num_experts, decoder_sparse_step, mlp_only_layers)") if sparse else ""
+        raise UnsupportedModelError(f"the checkpoint lacks {stored(first)} ({len(missing)} expected "
+                                    f"tensors missing){why}.")
     # NOTE: every tensor's shape, as transformers checks them: a slice past a tensor's end would
     # be cut short without a word (a wrong num_key_value_heads, intermediate_size or vocab_size)
     h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size

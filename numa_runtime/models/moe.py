@@ -146,6 +146,10 @@ def check_moe_tensors(cfg: ModelConfig, ckpt) -> None:
                          s + "down_proj.weight": (h, si), p + "mlp.shared_expert_gate.weight": (1, h)})
         mixtral = cfg.architecture == "MixtralForCausalLM"
         source, key = _size_keys(ckpt, mixtral)
+        stray = p + "mlp.shared_expert.gate_proj.weight"
+        if not si and stray in ckpt:  # NOTE: a size of 0 left a stored shared expert out without a word
+            raise UnsupportedModelError(f"the checkpoint holds a shared expert ({_stored_name(ckpt, stray)}), but "
+                                        f"{source}'s {key['shared']} is 0: it does not describe these weights.")
         for name, shape in want.items():
             if name not in ckpt:
                 shared = " and a shared expert" if si else ""
