@@ -745,7 +745,9 @@ def asked_replicas(data_parallel: int | None, spelled: str = "data_parallel={}")
     from . import env
     launched = env.data_parallel()
     if data_parallel is None:
-        return (None, "") if launched is None else (launched, f"NUMA_RUNTIME_DATA_PARALLEL={launched} (numa-launch --dp)")
+        if launched is None:
+            return None, ""
+        return launched, f"NUMA_RUNTIME_DATA_PARALLEL={launched} (set by numa-launch --dp or --tp)"
     name = spelled.format(data_parallel)
     if launched is not None and launched != data_parallel:
         raise ValueError(f"{name} and NUMA_RUNTIME_DATA_PARALLEL={launched} (set by numa-launch --dp or --tp) "

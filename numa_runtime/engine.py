@@ -697,6 +697,7 @@ class Engine:
             raise
         finally:
             self._stepping = False  # NOTE: aborts that came in it are applied as its _atomic ends
+        self._trace_if_due()
 
     def _run_step(self, out) -> None:
         """Execute the scheduled step (or a burst of decode steps from it) and update."""
@@ -721,7 +722,11 @@ class Engine:
             self._decode_step_s = time.perf_counter() - t0
         with rec.span(FORWARD, "update"):
             self._update(out, logits)
-        if rec.trace_due():  # AS_PROFILE_TRACE: once, when its number of steps is kept
+
+    def _trace_if_due(self) -> None:
+        """AS_PROFILE_TRACE: written once, right after the forward that makes its number of steps
+        (each forward is a step: an engine step's, or an embedding's or prompt logprobs' own)."""
+        if self.recorder.trace_due():
             self._write_trace()
 
     def _write_trace(self) -> None:
@@ -1280,7 +1285,9 @@ class Engine:
                                 tier_ops=bm.tier.take_ops() if bm.tier is not None and a == 0 else None,
                                 num_prompt_rows=b - a)
                 self.recorder.begin_step()  # NOTE: a step on every rank, as the workers count it (TimedComm)
-                yield a, self._execute(run, plan)
+                result = self._execute(run, plan)
+                self._trace_if_due()
+                yield a, result
         finally:
             bm.return_blocks(blocks)
 

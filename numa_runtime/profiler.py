@@ -158,15 +158,17 @@ def profiling_enabled() -> bool:
     return env.profile_enabled()
 
 
-def label_trace(recorder, model: str) -> None:
+def label_trace(recorder, model: str, load: int = 1) -> None:
     """One of several models served: its AS_PROFILE_TRACE file is the path with the model's name
-    before the extension (trace.json -> trace.NAME.json), and its ranks are named after it."""
+    before the extension (trace.json -> trace.NAME.json; its `load`-th load from the second on:
+    trace.NAME.LOAD.json), and its ranks are named after it."""
     if recorder.trace_path is None:
         return
     root, ext = os.path.splitext(recorder.trace_path)
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in model)
-    recorder.trace_path = f"{root}.{safe}{ext}"
-    recorder.trace_label = f" ({model})"
+    again = f".{load}" if load > 1 else ""
+    recorder.trace_path = f"{root}.{safe}{again}{ext}"
+    recorder.trace_label = f" ({model}{f', load {load}' if load > 1 else ''})"
 
 
 def make_recorder(rank: int):

@@ -157,8 +157,8 @@ def test_vllm_serve_keys_names_and_replicas_as_vllm_takes_them(monkeypatch, caps
     assert check_args(one) is None and engine_kwargs(one)["data_parallel"] == 1
     monkeypatch.setenv("NUMA_RUNTIME_DATA_PARALLEL", "2")
     assert check_args(parse_args(["--model", "m", "-tp", "2"])).startswith(
-        "--tensor-parallel-size 2 with NUMA_RUNTIME_DATA_PARALLEL=2 (numa-launch --dp) needs 4 MPI rank(s), but this "
-        "job has 2")
+        "--tensor-parallel-size 2 with NUMA_RUNTIME_DATA_PARALLEL=2 (set by numa-launch --dp or --tp) needs 4 MPI "
+        "rank(s), but this job has 2")
     assert check_args(parse_args(["--model", "m", "-tp", "1"])) is None
     monkeypatch.setenv("NUMA_RUNTIME_DATA_PARALLEL", "two")  # NOTE: a traceback before, with -tp
     assert check_args(parse_args(["--model", "m", "-tp", "1"])) == (

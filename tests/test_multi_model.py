@@ -603,6 +603,25 @@ def test_per_model_engine_stats_outlive_an_unload(models):
     r.close()
 
 
+def test_a_reloaded_model_writes_a_trace_of_its_own(models, tmp_path, monkeypatch):
+    """AS_PROFILE_TRACE: a model loaded again wrote over the trace of its first load."""
+    root, _ = models
+    monkeypatch.setenv("AS_PROFILE_TRACE", str(tmp_path / "trace.json"))
+    monkeypatch.setenv("AS_PROFILE_TRACE_STEPS", "2")
+    r = router(root, ["alpha", "beta"], 1.2)  # one model at a time
+    try:
+        for rid, name in (("a1", "alpha"), ("b1", "beta"), ("a2", "alpha")):  # NOTE: alpha unloaded, then back
+            run(r, name, rid)
+        assert list(r.engines) == ["alpha"]
+    finally:
+        r.close()
+    for file, label in (("trace.alpha.json", "alpha"), ("trace.beta.json", "beta"),
+                        ("trace.alpha.2.json", "alpha, load 2")):
+        events = json.loads((tmp_path / file).read_text())["traceEvents"]
+        assert [e["args"]["name"] for e in events if e["ph"] == "M"] == [f"rank 0 ({label})"], file
+        assert sum(e["name"] == "schedule" for e in events) == 2, file
+
+
 def test_a_model_that_fails_to_load_never_unloads_the_others(models, tmp_path):
     """Each request for a broken model unloaded the idle models to make room, then failed: every
     such request cost the others a reload. Weights that cannot be opened fail before anything is

@@ -146,6 +146,29 @@ def test_scratch_forwards_are_steps_of_their_own(model_dir, monkeypatch, tmp_pat
         eng.close()
 
 
+def test_the_trace_holds_the_first_steps_whatever_runs_them(model_dir, monkeypatch, tmp_path):
+    """Embeddings' forwards are steps: the trace is written after the third of 3, and holds those
+    (it waited for an engine step, by then holding the last 3 steps)."""
+    path = tmp_path / "t.json"
+    monkeypatch.setenv("AS_PROFILE_TRACE", str(path))
+    monkeypatch.setenv("AS_PROFILE_TRACE_STEPS", "3")
+    eng = make_engine(model_dir)
+    try:
+        for _ in range(2):
+            eng.embed([list(range(3, 20))])
+        assert not path.exists()
+        eng.embed([list(range(3, 20))])
+        first = path.read_text()
+        names = [e["name"] for e in json.loads(first)["traceEvents"]]
+        assert names.count("embedding") == 3 and "sample" not in names
+        generate(eng, 2)
+        eng.embed([list(range(3, 20))])
+        assert path.read_text() == first  # written once
+    finally:
+        eng.close()
+    assert path.read_text() == first
+
+
 def test_a_quantized_embedding_table_is_timed(model_dir, monkeypatch, tmp_path):
     """A GGUF's Q8_0 token table is looked up row by row from the file (StoredRows): the lookup
     counts as `embedding`, once a step (it had no row)."""

@@ -177,15 +177,16 @@ def test_asked_replicas_against_the_launchers(monkeypatch):
     monkeypatch.delenv("NUMA_RUNTIME_DATA_PARALLEL", raising=False)
     assert asked_replicas(None) == (None, "") and asked_replicas(2) == (2, "data_parallel=2")
     monkeypatch.setenv("NUMA_RUNTIME_DATA_PARALLEL", "1")
-    assert asked_replicas(None) == (1, "NUMA_RUNTIME_DATA_PARALLEL=1 (numa-launch --dp)")
+    assert asked_replicas(None) == (1, "NUMA_RUNTIME_DATA_PARALLEL=1 (set by numa-launch --dp or --tp)")
     assert asked_replicas(1, "--data-parallel {}") == (1, "--data-parallel 1")
     with pytest.raises(ValueError, match=r"^data_parallel=2 and NUMA_RUNTIME_DATA_PARALLEL=1 \(set by numa-launch "
                                          r"--dp or --tp\) disagree; drop data_parallel or launch with numa-launch "
                                          r"--dp 2\.$"):
         asked_replicas(2)
-    with pytest.raises(ValueError, match=r"^NUMA_RUNTIME_DATA_PARALLEL=2 \(numa-launch --dp\) does not divide the 1 "):
+    with pytest.raises(ValueError, match=r"^NUMA_RUNTIME_DATA_PARALLEL=2 \(set by numa-launch --dp or --tp\) does not "
+                                         r"divide the 1 "):
         ParallelConfig.resolve(1, 2, num_heads=9, max_num_seqs=64,
-                               asked_as="NUMA_RUNTIME_DATA_PARALLEL=2 (numa-launch --dp)")
+                               asked_as="NUMA_RUNTIME_DATA_PARALLEL=2 (set by numa-launch --dp or --tp)")
 
 
 def test_the_router_knows_every_replicas_request_ids():

@@ -684,8 +684,8 @@ def test_a_port_a_loading_server_holds_is_busy():
      "numa-launch --dp 2."),
     # each names the setting that asked (both said data_parallel=2)
     (["--data-parallel", "2"], "--data-parallel 2 does not divide the 1 MPI rank(s)"),
-    (["ENV", "NUMA_RUNTIME_DATA_PARALLEL=2"], "NUMA_RUNTIME_DATA_PARALLEL=2 (numa-launch --dp) does not divide the "
-     "1 MPI rank(s)"),
+    (["ENV", "NUMA_RUNTIME_DATA_PARALLEL=2"], "NUMA_RUNTIME_DATA_PARALLEL=2 (set by numa-launch --dp or --tp) does "
+     "not divide the 1 MPI rank(s)"),
     (["--shutdown-grace", "nan"], "--shutdown-grace must be >= 0, got nan."),  # it skipped the grace
     (["--request-timeout", "0"], "--request-timeout must be a positive number of seconds, got 0.0."),
     (["--kv-cache-memory", "16X"], "argument --kv-cache-memory: Cannot read '16X' as a size"),

@@ -168,6 +168,7 @@ class ModelRouter:
         # (else each retry unloaded the idle models again for a load that failed again: every
         # such request cost the others a reload)
         self._failed: dict[str, tuple] = {}
+        self._loads: dict[str, int] = {}  # times each model was loaded (its AS_PROFILE_TRACE file's name)
         self.route: dict[str, str] = {}   # request id -> model name (set by the HTTP side)
         self.since: dict[str, float] = {}  # request id -> when it first asked (time.monotonic(), HTTP side)
         # HTTP side: a token of each request that waits for room busy models hold -> (its model, since)
@@ -328,7 +329,8 @@ class ModelRouter:
         try:
             eng = Engine(self.specs[name].model_dir, **self._engine_kwargs)
             eng._keeps_workers = True  # NOTE: the workers go back to worker_main when it closes
-            label_trace(eng.recorder, name)  # NOTE: else every model's AS_PROFILE_TRACE overwrote one file
+            self._loads[name] = self._loads.get(name, 0) + 1
+            label_trace(eng.recorder, name, self._loads[name])  # NOTE: every model's trace went to one file
         except Exception as e:  # noqa: BLE001 - every rank failed alike; the other models go on
             self._fail(name, e)
         self._failed.pop(name, None)
@@ -499,7 +501,7 @@ class ModelRouter:
                 try:
                     engines[name] = Engine(self.specs[name].model_dir, **self._engine_kwargs)
                     engines[name]._keeps_workers = True
-                    label_trace(engines[name].recorder, name)
+                    label_trace(engines[name].recorder, name)  # NOTE: rank 0 writes the trace
                 except Exception:  # noqa: BLE001 - rank 0 failed alike and reports it; serve on
                     pass
             elif plan.kind == ENTER:
