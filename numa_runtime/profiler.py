@@ -25,6 +25,7 @@ Call the report functions between steps, from the thread that steps the engine.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections import deque
@@ -179,9 +180,14 @@ def make_recorder(rank: int):
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             raise ValueError(f"AS_PROFILE_TRACE={path!r} names a file in a folder that does not exist or is not "
                              "writable; point it at a writable folder.")
+    steps = env.profile_trace_steps()  # NOTE: a bad value is an error whether profiling is on or not
     if not profiling_enabled():
+        if os.environ.get("AS_PROFILE_TRACE_STEPS", "").strip() and rank == 0:
+            logging.getLogger("numa_runtime").warning(
+                "AS_PROFILE_TRACE_STEPS applies to operator profiling, which is off; set AS_PROFILE=ON or "
+                "AS_PROFILE_TRACE too, or unset it.")
         return NULL_RECORDER
-    return Profiler(rank, env.profile_trace_steps(), path)
+    return Profiler(rank, steps, path)
 
 
 # ----------------------------------------------------------------------------- timed ops / comm

@@ -214,6 +214,17 @@ def test_profiling_settings_it_cannot_read_are_errors(model_dir, monkeypatch, en
         make_engine(model_dir)
 
 
+def test_trace_steps_without_profiling_are_named(model_dir, monkeypatch, caplog):
+    for name in ("AS_PROFILE", "AS_PROFILE_TRACE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AS_PROFILE_TRACE_STEPS", "x")
+    with pytest.raises(ValueError, match="AS_PROFILE_TRACE_STEPS='x' is not a positive"):
+        make_engine(model_dir)
+    monkeypatch.setenv("AS_PROFILE_TRACE_STEPS", "8")
+    make_engine(model_dir).close()
+    assert "AS_PROFILE_TRACE_STEPS applies to operator profiling, which is off" in caplog.text
+
+
 def test_profiling_switch_values(monkeypatch):
     from numa_runtime import env
     monkeypatch.delenv("AS_PROFILE_TRACE", raising=False)
