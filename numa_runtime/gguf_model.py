@@ -310,6 +310,8 @@ def _special_ids(meta: dict, path: str) -> None:
             log.warning("%s: %s is %d, not one of the file's %d tokens; it is %s.", path, name, int(meta[name]),
                         len(tokens), unset)
             del meta[name]
+    from .gguf_tokenizer import spm_defaults
+    spm_defaults(meta, f"{path}: ")
     if key in meta:
         return
     types = list(meta.get("tokenizer.ggml.token_type") or ())

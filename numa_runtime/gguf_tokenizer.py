@@ -69,6 +69,23 @@ BPE_PRE = {
 }
 
 
+def spm_defaults(meta: dict, where: str = "") -> None:
+    """A SentencePiece ('llama') vocabulary's BOS and unknown token where the file names none, in
+    `meta` itself, as llama.cpp takes them: BOS token 1, unknown the UNKNOWN-type token (else 0).
+    Without an unknown token, text outside the vocabulary was dropped without a word."""
+    if meta.get("tokenizer.ggml.model") != "llama":
+        return
+    tokens = list(meta.get("tokenizer.ggml.tokens") or ())
+    types = list(meta.get("tokenizer.ggml.token_type") or ())
+    unk = next((i for i, k in enumerate(types) if k == UNKNOWN), 0) if len(types) == len(tokens) else 0
+    for name, default, role in (("tokenizer.ggml.bos_token_id", 1, "BOS"),
+                                ("tokenizer.ggml.unknown_token_id", unk, "unknown")):
+        if name not in meta and default < len(tokens):
+            meta[name] = default
+            log.warning("%sthe GGUF names no %s token (%s); it is token %d (%r), as llama.cpp takes a "
+                        "SentencePiece vocabulary's.", where, role, name, default, tokens[default])
+
+
 def write_tokenizer(meta: dict, out_dir: str, prefix: str, source: str = "") -> None:
     """tokenizer.json and tokenizer_config.json in out_dir for the GGUF metadata `meta`
     (`prefix`: the architecture's key prefix, e.g. "qwen2."; `source`: the file, for errors)."""
@@ -77,7 +94,12 @@ def write_tokenizer(meta: dict, out_dir: str, prefix: str, source: str = "") -> 
     if kind == "gpt2":
         tok, add_bos_default = _bpe(meta, where)
     elif kind == "llama":
+        meta = dict(meta)
+        spm_defaults(meta, where)
         tok, add_bos_default = _spm(meta, where)
+    elif kind is None:
+        raise UnsupportedModelError(f"{where}the GGUF holds no tokenizer (no tokenizer.ggml.model); convert the "
+                                    "model again with its tokenizer.")
     else:
         raise UnsupportedModelError(f"{where}GGUF tokenizer model {kind!r} is not supported; numa_runtime "
                                     "reads byte-level BPE ('gpt2') and SentencePiece ('llama').")
@@ -156,8 +178,8 @@ def stop_token_ids(meta: dict) -> list[int]:
 def _bpe(meta: dict, where: str):
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if "tokenizer.ggml.pre" not in meta:
+    pre = meta.get("tokenizer.ggml.pre") or "default"  # NOTE: "" as llama.cpp: as if not named
+    if not meta.get("tokenizer.ggml.pre"):
         log.warning("%sthe GGUF names no pre-tokenizer (tokenizer.ggml.pre); its text is split as llama.cpp "
                     "splits it then ('default'), which may not be the model's own split.", where)
     if pre not in BPE_PRE:
@@ -174,8 +196,13 @@ def _bpe(meta: dict, where: str):
         if not sep:
             raise UnsupportedModelError(f"{where}GGUF merge {m!r} is not two tokens.")
         merges.append((a, b))
-    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False,
-                               byte_fallback=False, ignore_merges=ignore_merges))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    kept = [(a, b) for a, b in merges if a in vocab and b in vocab and a + b in vocab]
+    if len(kept) < len(merges):  # NOTE: llama.cpp loads such files; those merges never make a token of it
+        bad = next(f"{a} {b}" for a, b in merges if not (a in vocab and b in vocab and a + b in vocab))
+        log.warning("%s%d GGUF merges name a token outside the vocabulary (the first: %r); they are left out.",
+                    where, len(merges) - len(kept), bad)
+    tok = Tokenizer(models.BPE(vocab, kept, fuse_unk=False, byte_fallback=False, ignore_merges=ignore_merges))
     if split == "gpt2":
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     elif split == "digits":

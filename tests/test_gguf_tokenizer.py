@@ -235,7 +235,35 @@ def test_the_unknown_token_is_special(sp_model, tmp_path):
     assert tok.decode(a + [unk] + a, skip_special_tokens=True) == tok.decode(a + a, skip_special_tokens=True)
 
 
+def test_a_sentencepiece_vocabulary_without_bos_or_unknown_ids_takes_llama_cpp_defaults(tmp_path, caplog):
+    """No unknown id: text outside the vocabulary (no byte tokens) was dropped without a word; no
+    BOS id: refused as if the file had asked for one. As llama.cpp: BOS 1, unknown the UNKNOWN-type
+    token."""
+    tokens = ["<unk>", "<s>", "</s>", "\u2581", "a", "b", "\u2581a", "\u2581b"]
+    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.scores": [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0, -2.0],
+            "tokenizer.ggml.token_type": [2, 3, 3, 1, 1, 1, 1, 1], "tokenizer.ggml.eos_token_id": 2}
+    tok = ours(meta, tmp_path)
+    assert tok.encode("a \u00e9\u00e9 b") == [1, 6, 3, 0, 7]
+    assert tok.encode("a \u00e9\u00e9 b", add_special_tokens=False) == [6, 3, 0, 7]
+    assert "names no unknown token (tokenizer.ggml.unknown_token_id); it is token 0 ('<unk>')" in caplog.text
+    assert "names no BOS token (tokenizer.ggml.bos_token_id); it is token 1 ('<s>')" in caplog.text
+
+
+def test_byte_level_metadata_llama_cpp_takes(tmp_path, caplog):
+    """An empty pre-tokenizer name is llama.cpp's default split (it was refused); merges naming a
+    token outside the vocabulary are left out with a warning (a raw tokenizers exception)."""
+    ref = bpe_reference(LLAMA3, False, True)
+    meta = bpe_meta(ref, "")
+    meta["tokenizer.ggml.merges"] = list(meta["tokenizer.ggml.merges"]) + ["zz\u0120 qq"]
+    tok = ours(meta, tmp_path)
+    assert tok.decode(tok.encode("Hello world", add_special_tokens=False)) == "Hello world"
+    assert "names no pre-tokenizer" in caplog.text
+    assert "1 GGUF merges name a token outside the vocabulary (the first: 'zz\u0120 qq'); they are left out" in caplog.text
+
+
 @pytest.mark.parametrize("meta,words", [
+    ({}, "the GGUF holds no tokenizer \\(no tokenizer.ggml.model\\)"),
     ({"tokenizer.ggml.model": "bert"}, "'bert' is not supported"),
     ({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "no-such-pre", "tokenizer.ggml.tokens": ["a"]},
      "'no-such-pre' is not supported"),
