@@ -1,6 +1,7 @@
 """Tool calling on /v1/chat/completions (serve/tools.py): the plan a request's tools and
 tool_choice make, the parsers of the models' call formats, the stream's hold-back, and the
 server through the official openai client."""
+import functools
 import json
 import os
 import random
@@ -658,6 +659,84 @@ def test_responses_events_of_reasoning_text_and_calls_rebuild_in_the_openai_clie
                                                                      "code": "shutting_down"}}])
     assert [e["type"] for e in failed[-2:]] == ["error", "response.failed"]
     assert failed[-1]["response"]["error"]["message"] == "The server is shutting down."
+
+
+def test_a_streamed_response_is_stored_from_its_announcement():
+    """A streamed response is stored as response.created announces it (in_progress, its output
+    growing): it can be read, continuing it is refused until it ends, and a DELETE in between
+    holds (it was stored at the end only: a 404 until then, and stored after the DELETE). A stream
+    the client leaves is stored cancelled; a failed one, failed."""
+    import asyncio
+
+    from numa_runtime.serve import responses_api as RA
+    chunk = lambda delta, finish=None: {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # noqa: E731
+
+    def run(raw, chunks, until=None, delete=False):
+        """Store `raw`'s streamed response; read `until` events, then (delete it and) end or leave."""
+        st = RA.ResponseStore()
+
+        async def chat_stream():
+            for c in chunks:
+                yield "data: " + json.dumps(c) + "\n\n"
+
+        async def go():
+            gen = RA.events(raw, "m", chat_stream(), functools.partial(st.keep, raw), None,
+                            functools.partial(st.begin, raw))
+            seen = []
+            async for e in gen:
+                seen.append(json.loads(e.split("data: ", 1)[1]))
+                if len(seen) == until:
+                    rid = seen[0]["response"]["id"]
+                    mid = st.get(rid).resp
+                    assert mid["status"] == "in_progress" and mid["output"][0]["content"][0]["text"] == "It "
+                    with pytest.raises(ValueError, match=f"previous_response_id '{rid}' is still in progress"):
+                        RA.chat_request({"model": "m", "previous_response_id": rid, "input": "x"}, st)
+                    if delete:
+                        st.delete(rid)
+                    else:
+                        await gen.aclose()  # NOTE: the client went away
+                        break
+            return seen
+        return st, asyncio.run(go())
+    text = [chunk({"content": "It "}), chunk({"content": "is "}), chunk({"content": "sunny."}), chunk({}, "stop")]
+    st, seen = run({"input": "x"}, text, until=4, delete=True)
+    assert seen[-1]["type"] == "response.completed"
+    with pytest.raises(RA.NotStored):
+        st.get(seen[0]["response"]["id"])
+    st, seen = run({"input": "x"}, text, until=4)
+    left = st.get(seen[0]["response"]["id"]).resp
+    assert left["status"] == "cancelled" and left["output"][0]["status"] == "incomplete"
+    st, seen = run({"input": "x"}, [chunk({"content": "It "}), {"error": {"message": "gone", "code": "x"}}])
+    assert st.get(seen[0]["response"]["id"]).resp["status"] == "failed"
+    st, seen = run({"input": "x"}, text)
+    assert st.get(seen[0]["response"]["id"]).resp["status"] == "completed"
+
+
+def test_responses_errors_name_their_field_and_reads_take_no_options(model_dir):
+    """A Responses field's error kept the field's spelling and named it as param (Input[0].content,
+    param null); store must be a boolean (0 was stored as true); a request_id already naming a
+    stored response is refused (it replaced it); GET takes no stream (the client's empty stream)."""
+    srv = _server(model_dir)
+    try:
+        c = srv.client()
+        kw = dict(model="m", max_output_tokens=2, temperature=0)
+        for kwargs, message, param in (
+                (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
+                 "input[0].content: only text parts", "input[0].content"),
+                (dict(input="x", tools=[{"type": "function", "function": {"name": "f"}}]),
+                 "tools[0] has the Chat Completions shape", "tools[0]"),
+                (dict(input="x", store=0), "store must be true or false.", "store")):
+            with pytest.raises(openai.BadRequestError) as e:
+                c.responses.create(**kw, **kwargs)
+            assert e.value.body["message"].startswith(message) and e.value.body["param"] == param, e.value.body
+        first = c.responses.create(input="Hi", extra_body={"request_id": "twice"}, **kw)
+        with pytest.raises(openai.BadRequestError, match="request_id 'twice' is the id of a stored response"):
+            c.responses.create(input="Hi again", extra_body={"request_id": "twice"}, **kw)
+        assert c.responses.retrieve("resp_twice").output_text == first.output_text
+        with pytest.raises(openai.BadRequestError, match="stream is not supported when reading a stored response"):
+            list(c.responses.retrieve("resp_twice", stream=True))
+    finally:
+        assert srv.stop() == 0, srv.output()
 
 
 def test_responses_body_of_a_chat_answer():

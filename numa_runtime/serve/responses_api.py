@@ -15,6 +15,7 @@ chat request, which checks them.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import uuid
@@ -75,6 +76,7 @@ class ResponseStore:
     def __init__(self, limit: int = MAX_STORED):
         self.limit = limit
         self._items: OrderedDict[str, Stored] = OrderedDict()
+        self._pending: set[str] = set()  # streamed responses stored in progress (begin), not yet kept
         self._lock = threading.Lock()
 
     def put(self, resp: dict, input_items: list, parent: Stored | None) -> None:
@@ -85,9 +87,27 @@ class ResponseStore:
             while len(self._items) > self.limit:
                 self._items.popitem(last=False)
 
-    def keep(self, raw: dict, resp: dict) -> None:
-        """Store the Response object `resp` of the Responses request `raw`."""
+    def begin(self, raw: dict, resp: dict) -> None:
+        """Store the streamed Response object `resp` of `raw` as announced (in_progress): it can be
+        read, and deleted, from its response.created on (it was stored at its end only, so a
+        DELETE in between failed and the response was stored after it)."""
+        with self._lock:
+            self._pending.add(resp["id"])
         self.put(resp, input_items(raw), raw.get(_PARENT))
+
+    def keep(self, raw: dict, resp: dict) -> None:
+        """Store the Response object `resp` of the Responses request `raw` (a streamed one
+        deleted while in progress stays deleted)."""
+        with self._lock:
+            if resp["id"] in self._pending:
+                self._pending.discard(resp["id"])
+                if resp["id"] not in self._items:
+                    return
+        self.put(resp, input_items(raw), raw.get(_PARENT))
+
+    def holds(self, rid: str) -> bool:
+        with self._lock:
+            return rid in self._items
 
     def get(self, rid: str, use: bool = False) -> Stored:
         """The stored response `rid` (NotStored if none); `use`: it continues now (newest again)."""
@@ -130,8 +150,18 @@ def stores(raw: dict) -> bool:
     return raw.get("store") is not False
 
 
+_FIELD = re.compile(r"^([a-z_]+(?:\[\d+\])*(?:\.[a-z_]+(?:\[\d+\])*)*)(?![\w\[.])")
+
+
 def _bad(message: str) -> ValueError:
-    return ValueError(message)
+    """The client's error; one that starts with the request's field (`input[0].content: ...`,
+    `tools[1] has ...`) names it as the error's param and keeps its spelling (it was capitalized,
+    and param null)."""
+    e = ValueError(message)
+    field = _FIELD.match(message)
+    if field is not None:
+        e.param = field.group(1)
+    return e
 
 
 def chat_request(raw: Any, store: ResponseStore | None = None) -> dict:
@@ -143,7 +173,7 @@ def chat_request(raw: Any, store: ResponseStore | None = None) -> dict:
     previous = raw.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):
         raise _bad("previous_response_id must be a string (the id of a stored response).")
-    if raw.get("store") not in (None, True, False):
+    if raw.get("store") is not None and not isinstance(raw.get("store"), bool):  # NOTE: 0 == False passed
         raise _bad("store must be true or false.")
     for key, why in _REFUSED.items():
         value = raw.get(key)
@@ -206,6 +236,8 @@ def chat_request(raw: Any, store: ResponseStore | None = None) -> dict:
             parent = store.get(previous, use=True)
         except NotStored as e:
             raise NotStored(f"previous_response_id: {e}") from None
+        if parent.resp.get("status") == "in_progress":
+            raise _bad(f"previous_response_id {previous!r} is still in progress; continue it once it has ended.")
         raw[_PARENT] = parent
         messages += _messages(parent.history() + input_items(raw))
     else:
@@ -223,7 +255,7 @@ def chat_request(raw: Any, store: ResponseStore | None = None) -> dict:
     if fmt is not None:
         body["response_format"] = fmt
     if (reasoning or {}).get("effort") is not None:
-        body["reasoning_effort"] = reasoning["effort"]  # NOTE: as chat's reasoning_effort (its values checked there)
+        body["reasoning_effort"] = reasoning["effort"]  # NOTE: as chat's reasoning_effort: the template reads it
     if body.get("stream"):
         body["stream_options"] = {"include_usage": True}
     return body
@@ -408,7 +440,7 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _resp_id(raw: dict) -> str:
+def resp_id(raw: dict) -> str:
     """resp_<request_id> (vLLM's request field, checked by chat_request), or a new id."""
     return f"resp_{raw['request_id']}" if raw.get("request_id") is not None else _new_id("resp")
 
@@ -469,7 +501,7 @@ def _call_item(call: dict, status: str = "completed") -> dict:
 
 def response_body(raw: dict, chat: dict, defaults: dict | None = None) -> dict:
     """The Response object of a (non-streamed) chat answer (`defaults`: _skeleton's)."""
-    resp = _skeleton(raw, chat.get("model"), _resp_id(raw), int(chat.get("created") or time.time()), defaults)
+    resp = _skeleton(raw, chat.get("model"), resp_id(raw), int(chat.get("created") or time.time()), defaults)
     choice = chat["choices"][0]
     msg = choice.get("message") or {}
     reasoning = msg.get("reasoning_content") or msg.get("reasoning")
@@ -488,7 +520,7 @@ class EventStream:
     """Responses events of a chat completion event stream (chunks as the chat path sends them)."""
 
     def __init__(self, raw: dict, model: str, defaults: dict | None = None):
-        self.resp = _skeleton(raw, model, _resp_id(raw), int(time.time()), defaults)
+        self.resp = _skeleton(raw, model, resp_id(raw), int(time.time()), defaults)
         self.seq = 0
         self.open: dict | None = None   # the reasoning or message item being written
         self.calls: dict[int, dict] = {}  # tool call index -> its function_call item
@@ -603,36 +635,49 @@ class EventStream:
                 self._event("response.failed", response=self.resp)]
 
 
-async def events(raw: dict, model: str, chat_stream, done=None, defaults: dict | None = None):
-    """Responses events (SSE text) of the chat event stream `chat_stream` (an async iterator);
-    `done(response)` is called with the final Response object of a stream that ends."""
+async def events(raw: dict, model: str, chat_stream, done=None, defaults: dict | None = None, begin=None):
+    """Responses events (SSE text) of the chat event stream `chat_stream` (an async iterator).
+    `begin(response)` is called with the Response object as response.created announces it (it
+    is the live object: its output grows as the stream goes), `done(response)` with the final
+    one: completed, incomplete, failed, or cancelled (the client went away first)."""
     conv = EventStream(raw, model, defaults)
-    for e in conv.start():
-        yield e
-    failed = False
+    if begin is not None:
+        begin(conv.resp)
+    ended = False
     try:
-        async for piece in chat_stream:
-            text = piece.decode() if isinstance(piece, bytes) else piece
-            for line in text.splitlines():
-                if not line.startswith("data: "):
-                    continue
-                payload = line[6:]
-                if payload == "[DONE]":
-                    continue
-                data = json.loads(payload)
-                if "error" in data:
-                    failed = True
-                    for e in conv.error(data["error"]):
-                        yield e
-                    return
-                for e in conv.chunk(data):
-                    yield e
-    finally:
-        close = getattr(chat_stream, "aclose", None)
-        if close is not None:
-            await close()
-    if not failed:
-        for e in conv.end():
+        for e in conv.start():
             yield e
+        failed = False
+        try:
+            async for piece in chat_stream:
+                text = piece.decode() if isinstance(piece, bytes) else piece
+                for line in text.splitlines():
+                    if not line.startswith("data: "):
+                        continue
+                    payload = line[6:]
+                    if payload == "[DONE]":
+                        continue
+                    data = json.loads(payload)
+                    if "error" in data:
+                        failed = True
+                        for e in conv.error(data["error"]):
+                            yield e
+                        ended = True
+                        return
+                    for e in conv.chunk(data):
+                        yield e
+        finally:
+            close = getattr(chat_stream, "aclose", None)
+            if close is not None:
+                await close()
+        if not failed:
+            for e in conv.end():
+                yield e
+        ended = True
+    finally:
+        if not ended and conv.resp["status"] == "in_progress":  # NOTE: the client went away
+            conv.resp["status"] = "cancelled"
+            if conv.open is not None:
+                conv.open["status"] = "incomplete"
         if done is not None:
             done(conv.resp)
