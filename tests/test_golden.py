@@ -247,6 +247,12 @@ def test_moe_configs_that_leave_stored_tensors_out_are_refused(tmp_path):
     refused("qwen2-moe-shared", {"shared_expert_intermediate_size": 0},
             r"the checkpoint holds a shared expert \(model.layers.1.mlp.shared_expert.gate_proj.weight\), but "
             r"config.json's shared_expert_intermediate_size is 0: it does not describe these weights.")
+    # transformers' own size-0 shared expert: tensors of 0 rows, which is what the config says
+    zero = str(tmp_path / "zero")
+    ref = build_model(zero, **{**CASES["qwen2-moe-shared"], "shared_expert_intermediate_size": 0})
+    with Engine(zero, dtype="float32", kv_cache_memory=1 << 22, max_model_len=64) as eng:
+        out = eng.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(ref, PROMPTS[0], 6)
     refused("qwen3-moe", {"mlp_only_layers": [0, 1]},
             r": the checkpoint lacks model.layers.1.mlp.gate_proj.weight \(3 expected tensors missing\); its layer 1 "
             r"holds a router and experts, where config.json makes the layer dense")

@@ -671,21 +671,26 @@ def test_a_streamed_response_is_stored_from_its_announcement():
     from numa_runtime.serve import responses_api as RA
     chunk = lambda delta, finish=None: {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # noqa: E731
 
-    def run(raw, chunks, until=None, delete=False):
-        """Store `raw`'s streamed response; read `until` events, then (delete it and) end or leave."""
-        st = RA.ResponseStore()
+    def run(raw, chunks, until=None, delete=False, st=None, meanwhile=None):
+        """Store `raw`'s streamed response; read `until` events, then (delete it and) end or leave;
+        `meanwhile(store, id)` runs there too. A chunk that is an exception is raised."""
+        st = st or RA.ResponseStore()
 
         async def chat_stream():
             for c in chunks:
+                if isinstance(c, Exception):
+                    raise c
                 yield "data: " + json.dumps(c) + "\n\n"
 
         async def go():
             gen = RA.events(raw, "m", chat_stream(), functools.partial(st.keep, raw), None,
                             functools.partial(st.begin, raw))
             seen = []
-            async for e in gen:
-                seen.append(json.loads(e.split("data: ", 1)[1]))
-                if len(seen) == until:
+            try:
+                async for e in gen:
+                    seen.append(json.loads(e.split("data: ", 1)[1]))
+                    if len(seen) != until:
+                        continue
                     rid = seen[0]["response"]["id"]
                     mid = st.get(rid).resp
                     assert mid["status"] == "in_progress" and mid["output"][0]["content"][0]["text"] == "It "
@@ -693,9 +698,13 @@ def test_a_streamed_response_is_stored_from_its_announcement():
                         RA.chat_request({"model": "m", "previous_response_id": rid, "input": "x"}, st)
                     if delete:
                         st.delete(rid)
-                    else:
+                    if meanwhile is not None:
+                        meanwhile(st, rid)
+                    if not delete and meanwhile is None:
                         await gen.aclose()  # NOTE: the client went away
                         break
+            except KeyError:
+                pass  # NOTE: the chat stream's own failure, raised on
             return seen
         return st, asyncio.run(go())
     text = [chunk({"content": "It "}), chunk({"content": "is "}), chunk({"content": "sunny."}), chunk({}, "stop")]
@@ -710,6 +719,24 @@ def test_a_streamed_response_is_stored_from_its_announcement():
     assert st.get(seen[0]["response"]["id"]).resp["status"] == "failed"
     st, seen = run({"input": "x"}, text)
     assert st.get(seen[0]["response"]["id"]).resp["status"] == "completed"
+    # a chat stream that raises: failed, not cancelled (the client did not leave)
+    st, seen = run({"input": "x"}, [chunk({"content": "It "}), KeyError("boom")])
+    assert st.get(seen[0]["response"]["id"]).resp["status"] == "failed"
+    # a new response under a deleted stream's id is stored, and the stream's end does not bring it back
+    fresh = {"id": "resp_x", "output": [], "status": "completed"}
+    st, seen = run({"input": "x", "request_id": "x"}, text, until=4, delete=True,
+                   meanwhile=lambda store, rid: store.keep({"input": "new"}, fresh))
+    assert st.get("resp_x").resp is fresh
+    # pushed out of the store while in progress: stored at its end all the same, as the newest
+    small = RA.ResponseStore(limit=2)
+    st, seen = run({"input": "x"}, text, until=4, st=small, meanwhile=lambda store, rid: [
+        store.keep({"input": "y"}, {"id": f"r{i}", "output": []}) for i in range(2)])
+    assert small.get(seen[0]["response"]["id"]).resp["status"] == "completed"
+    # an id reserved by a request under way is refused to a second one until it ends
+    assert small.reserve("resp_q") and not small.reserve("resp_q") and not small.reserve("r1")
+    small.keep({"input": "q"}, {"id": "resp_q", "output": []})
+    assert not small.reserve("resp_q")  # NOTE: now stored
+    small.release("resp_z")
 
 
 def test_responses_errors_name_their_field_and_reads_take_no_options(model_dir):
@@ -733,8 +760,10 @@ def test_responses_errors_name_their_field_and_reads_take_no_options(model_dir):
         with pytest.raises(openai.BadRequestError, match="request_id 'twice' is the id of a stored response"):
             c.responses.create(input="Hi again", extra_body={"request_id": "twice"}, **kw)
         assert c.responses.retrieve("resp_twice").output_text == first.output_text
-        with pytest.raises(openai.BadRequestError, match="stream is not supported when reading a stored response"):
+        with pytest.raises(openai.BadRequestError, match="stream=true is not supported when reading a stored "
+                                                         "response"):
             list(c.responses.retrieve("resp_twice", stream=True))
+        assert c.responses.retrieve("resp_twice", stream=False).id == "resp_twice"  # NOTE: the default, asked
     finally:
         assert srv.stop() == 0, srv.output()
 

@@ -391,35 +391,46 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             raise ApiError(400, "The request body is not valid JSON.", code="invalid_value") from None
         with _client_errors(), _not_stored("previous_response_id"):
             body = RA.chat_request(raw, stored)
-            if RA.stores(raw) and raw.get("request_id") is not None and stored.holds(RA.resp_id(raw)):
-                raise ApiError(400, f"request_id {raw['request_id']!r} is the id of a stored response "
-                                    f"({RA.resp_id(raw)}); use another, or delete that one first.",
-                               param="request_id", code="invalid_value")  # NOTE: it replaced that one
+        named = RA.resp_id(raw) if RA.stores(raw) and raw.get("request_id") is not None else None
+        if named is not None and not stored.reserve(named):  # NOTE: it replaced that one
+            raise ApiError(400, f"request_id {raw['request_id']!r} is the id of a stored response or of one under "
+                                f"way ({named}); use another, or delete that one first.", param="request_id",
+                           code="invalid_value")
+        streamed = False
         try:
-            chat = ChatCompletionRequest.model_validate(body)
-        except ValidationError as e:  # NOTE: named as the Responses request names its fields
-            raise RequestValidationError([{**err, "loc": tuple(RA.RENAMES.get(x, x) if isinstance(x, str) else x
-                                                               for x in err.get("loc", ()))}
-                                          for err in e.errors()]) from None
-        answer = await chat_answer(chat, request, RA.RENAMES)
-        keep = functools.partial(stored.keep, raw) if RA.stores(raw) else None
-        if isinstance(answer, StreamingResponse):
-            begin = functools.partial(stored.begin, raw) if RA.stores(raw) else None
-            return StreamingResponse(RA.events(raw, config.served_model_name, answer.body_iterator, keep,
-                                               engine.default_sampling, begin),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        if not isinstance(answer, JSONResponse) or answer.status_code != 200:
-            return answer  # NOTE: the client went away (499): nothing to convert
-        resp = RA.response_body(raw, json.loads(answer.body), engine.default_sampling)
-        if keep is not None:
-            keep(resp)
-        return JSONResponse(resp)
+            try:
+                chat = ChatCompletionRequest.model_validate(body)
+            except ValidationError as e:  # NOTE: named as the Responses request names its fields
+                raise RequestValidationError([{**err, "loc": tuple(RA.RENAMES.get(x, x) if isinstance(x, str) else x
+                                                                   for x in err.get("loc", ()))}
+                                              for err in e.errors()]) from None
+            answer = await chat_answer(chat, request, RA.RENAMES)
+            keep = functools.partial(stored.keep, raw) if RA.stores(raw) else None
+            if isinstance(answer, StreamingResponse):
+                begin = functools.partial(stored.begin, raw) if RA.stores(raw) else None
+                streamed = True  # NOTE: its end (keep) frees the id
+                return StreamingResponse(RA.events(raw, config.served_model_name, answer.body_iterator, keep,
+                                                   engine.default_sampling, begin),
+                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            if not isinstance(answer, JSONResponse) or answer.status_code != 200:
+                return answer  # NOTE: the client went away (499): nothing to convert
+            resp = RA.response_body(raw, json.loads(answer.body), engine.default_sampling)
+            if keep is not None:
+                keep(resp)
+            return JSONResponse(resp)
+        finally:
+            if named is not None and not streamed:
+                stored.release(named)
 
     @app.get("/v1/responses/{response_id}")
     async def responses_get(response_id: str, request: Request):
-        for key in request.query_params:  # NOTE: OpenAI's stream, starting_after, include[]: FastAPI dropped them
-            raise ApiError(400, f"{key} is not supported when reading a stored response (it is sent whole, not "
-                                "streamed again); leave it out.", param=key, code="invalid_value")
+        for key, value in request.query_params.items():  # NOTE: OpenAI's stream, starting_after, include[]
+            if key == "stream" and value.lower() in ("false", "0", ""):
+                continue
+            why = ("a stored response is sent whole, not streamed again" if key in ("stream", "starting_after") else
+                   "it adds nothing to a stored response here" if key.startswith("include") else "no such option")
+            raise ApiError(400, f"{key}={value} is not supported when reading a stored response ({why}); leave it "
+                                "out.", param=key.rstrip("[]"), code="invalid_value")
         with _not_stored():
             return JSONResponse(stored.get(response_id).resp)
 

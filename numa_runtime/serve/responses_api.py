@@ -76,7 +76,11 @@ class ResponseStore:
     def __init__(self, limit: int = MAX_STORED):
         self.limit = limit
         self._items: OrderedDict[str, Stored] = OrderedDict()
-        self._pending: set[str] = set()  # streamed responses stored in progress (begin), not yet kept
+        # streamed responses stored in progress (begin), by their Response object's identity: a
+        # DELETE of one marks it, so that its end does not store it again (an id alone confused
+        # a new request reusing a deleted stream's request_id with it)
+        self._pending: dict[int, bool] = {}  # id(resp) -> deleted while in progress
+        self._reserved: set[str] = set()  # ids of requests under way that asked for them (request_id)
         self._lock = threading.Lock()
 
     def put(self, resp: dict, input_items: list, parent: Stored | None) -> None:
@@ -92,22 +96,32 @@ class ResponseStore:
         read, and deleted, from its response.created on (it was stored at its end only, so a
         DELETE in between failed and the response was stored after it)."""
         with self._lock:
-            self._pending.add(resp["id"])
+            self._pending[id(resp)] = False
         self.put(resp, input_items(raw), raw.get(_PARENT))
 
     def keep(self, raw: dict, resp: dict) -> None:
-        """Store the Response object `resp` of the Responses request `raw` (a streamed one
-        deleted while in progress stays deleted)."""
+        """Store the Response object `resp` of the Responses request `raw` as the newest (a
+        streamed one deleted while in progress stays deleted; one pushed out meanwhile comes
+        back), and free its id's reservation."""
         with self._lock:
-            if resp["id"] in self._pending:
-                self._pending.discard(resp["id"])
-                if resp["id"] not in self._items:
-                    return
+            self._reserved.discard(resp["id"])
+            if self._pending.pop(id(resp), False):
+                return
         self.put(resp, input_items(raw), raw.get(_PARENT))
 
-    def holds(self, rid: str) -> bool:
+    def reserve(self, rid: str) -> bool:
+        """Take the id `rid` for a request under way (its request_id); False if a stored response
+        or another request under way has it (two at once both passed a check and one replaced
+        the other)."""
         with self._lock:
-            return rid in self._items
+            if rid in self._items or rid in self._reserved:
+                return False
+            self._reserved.add(rid)
+            return True
+
+    def release(self, rid: str) -> None:
+        with self._lock:
+            self._reserved.discard(rid)
 
     def get(self, rid: str, use: bool = False) -> Stored:
         """The stored response `rid` (NotStored if none); `use`: it continues now (newest again)."""
@@ -123,7 +137,9 @@ class ResponseStore:
     def delete(self, rid: str) -> None:
         self.get(rid)
         with self._lock:
-            self._items.pop(rid, None)
+            gone = self._items.pop(rid, None)
+            if gone is not None and id(gone.resp) in self._pending:
+                self._pending[id(gone.resp)] = True  # NOTE: its end must not store it again
 
 
 def input_items(raw: dict) -> list:
@@ -674,10 +690,14 @@ async def events(raw: dict, model: str, chat_stream, done=None, defaults: dict |
             for e in conv.end():
                 yield e
         ended = True
+    except Exception as e:  # NOTE: not the client leaving (GeneratorExit, CancelledError): a failure
+        if conv.resp["status"] == "in_progress":
+            conv.resp["status"], conv.resp["error"] = "failed", {"code": "server_error", "message": str(e)}
+        raise
     finally:
         if not ended and conv.resp["status"] == "in_progress":  # NOTE: the client went away
             conv.resp["status"] = "cancelled"
-            if conv.open is not None:
-                conv.open["status"] = "incomplete"
+        if conv.resp["status"] in ("cancelled", "failed") and conv.open is not None:
+            conv.open["status"] = "incomplete"
         if done is not None:
             done(conv.resp)
