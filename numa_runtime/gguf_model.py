@@ -39,7 +39,9 @@ _NEOX_ARCHS = ("qwen2", "qwen3", "phi3", "qwen2moe", "qwen3moe")
 
 
 def is_gguf_dir(model_dir: str) -> bool:
-    return os.path.exists(os.path.join(model_dir, GGUF_LINK))
+    """One of our GGUF cache folders (its link and tensor index), not a model folder that happens
+    to hold a file named model.gguf (that crashed on the missing index)."""
+    return os.path.exists(os.path.join(model_dir, GGUF_LINK)) and os.path.exists(os.path.join(model_dir, INDEX))
 
 
 def model_dir_of(path: str) -> str:
@@ -203,6 +205,9 @@ def gguf_shards(path: str) -> list[str]:
     if len(files) == 1:
         return files
     m, n = _SHARD.match(os.path.basename(path)), len(files)
+    if not 1 <= int(m["no"]) <= n:  # NOTE: part 4 of 3 ran parts 1-3, other files than the one named
+        raise FileNotFoundError(f"{path} names part {int(m['no'])} of a GGUF model split into {n} files, which has "
+                                f"no such part; name its first file, {os.path.basename(files[0])}.")
     missing = [os.path.basename(f) for f in files if not os.path.isfile(f)]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

@@ -109,8 +109,14 @@ class Checkpoint:
         self._files: dict[str, _SafetensorsFile] = {}
         self._where: dict[str, str] = {}
         if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f).get("weight_map", {})
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f).get("weight_map", {})
+            except (ValueError, AttributeError) as e:
+                raise CheckpointError(f"{index} is not a safetensors index (a JSON object with a weight_map): "
+                                      f"{e}.") from None
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise CheckpointError(f"{index} maps no tensor to a file (its weight_map is empty or missing).")
             for name, fname in weight_map.items():
                 self._where[name] = os.path.join(model_dir, os.path.basename(fname))
         else:
@@ -124,6 +130,11 @@ class Checkpoint:
             for fname in files:
                 st = self._open(os.path.join(model_dir, fname))
                 for name in st.header:
+                    if name in self._where and name != "__metadata__":  # NOTE: the last file silently won
+                        raise CheckpointError(
+                            f"{model_dir!r} holds tensor {name!r} in both {os.path.basename(self._where[name])} and "
+                            f"{fname}, and no model.safetensors.index.json says which is the model's; remove the "
+                            "other file.")
                     self._where[name] = st.path
         self._stored = {n: n for n in self._where}  # the name we use -> the name in the file
         # a name we use -> its part of the stored tensor: rows (split_rows), or an expert and its

@@ -838,6 +838,40 @@ def test_truncated_or_misindexed_checkpoint_is_one_sentence(tmp_path, model_dir)
         Engine(str(d), dtype="float32", kv_cache_memory=1 << 20)
 
 
+def test_model_folders_that_hold_other_files_are_named(tmp_path, model_dir):
+    """Two safetensors files without an index: the last one's tensors silently won; a bad index: a
+    bare JSONDecodeError; a model folder holding a file named model.gguf: a FileNotFoundError of
+    our own cache's index file; part 4 of a GGUF split in 3: parts 1-3 ran."""
+    import shutil
+    from gguf_helpers import write_gguf
+    from numa_runtime.weights import CheckpointError
+    two = tmp_path / "two"
+    shutil.copytree(model_dir, two)
+    shutil.copy(two / "model.safetensors", two / "model_old.safetensors")
+    with pytest.raises(CheckpointError, match=r"holds tensor '.*' in both model.safetensors and "
+                                              r"model_old.safetensors, and no model.safetensors.index.json says"):
+        Engine(str(two), dtype="float32", kv_cache_memory=1 << 20)
+    bad = tmp_path / "bad"
+    shutil.copytree(model_dir, bad)
+    (bad / "model.safetensors.index.json").write_text("{\n'weight_map': 1}")
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json is not a safetensors index"):
+        Engine(str(bad), dtype="float32", kv_cache_memory=1 << 20)
+    with_gguf = tmp_path / "with_gguf"
+    shutil.copytree(model_dir, with_gguf)
+    write_gguf(model_dir, str(with_gguf / "model.gguf"), "F32")
+    with Engine(str(with_gguf), dtype="float32", kv_cache_memory=1 << 20, max_model_len=64) as eng:
+        assert eng.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2))[0].token_ids
+    split = tmp_path / "split"
+    split.mkdir()
+    write_gguf(model_dir, str(split / "s.gguf"), "F32", split_max_tensors=6)
+    parts = sorted(p.name for p in split.iterdir())
+    count = len(parts)
+    shutil.copy(split / parts[0], split / f"s-{count + 1:05d}-of-{count:05d}.gguf")
+    with pytest.raises(FileNotFoundError, match=f"names part {count + 1} of a GGUF model split into {count} files, "
+                                                f"which has no such part; name its first file, {parts[0]}"):
+        Engine(str(split / f"s-{count + 1:05d}-of-{count:05d}.gguf"), dtype="float32", kv_cache_memory=1 << 20)
+
+
 def test_a_missing_lm_head_is_tied_with_a_warning(tmp_path, model_dir, caplog):
     """config.json says the head is its own, the file has none: the embedding serves, and the log
     says so (as transformers warns); it was silent."""

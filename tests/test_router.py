@@ -197,3 +197,13 @@ def test_the_router_knows_every_replicas_request_ids():
     rt.add_request(req("x", range(50, 56)))
     assert "0#0" in rt.requests and "x" in rt.requests and "y" not in rt.requests
     assert {rt.where["0#0"], rt.where["x"]} == {0, 1}
+
+
+def test_models_dir_expands_a_home_path(tmp_path, monkeypatch):
+    """`--models-dir=~/models` reaches serve unexpanded (bash leaves ~ after =): it was 'not a
+    directory', where --model's expands."""
+    from numa_runtime.serve.router import model_paths_in_dir
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "a.gguf").write_bytes(b"")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert model_paths_in_dir("~/models") == [str(tmp_path / "models" / "a.gguf")]

@@ -86,6 +86,7 @@ def models_in_dir(path: str) -> list[ModelSpec]:
 
 def model_paths_in_dir(path: str) -> list[str]:
     """The paths models_in_dir serves (nothing read but the folder's listing)."""
+    path = os.path.expanduser(path)  # NOTE: as --model's (`--models-dir=~/models` reaches us unexpanded)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--models-dir {path!r} is not a directory.")
     from ..gguf_model import _SHARD
