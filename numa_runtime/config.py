@@ -179,12 +179,17 @@ class ModelConfig:
         if os.path.isfile(model_dir):
             raise FileNotFoundError(f"{model_dir!r} is a file, not a model directory; pass a Hugging Face "
                                     "model directory (config.json + *.safetensors) or a .gguf file.")
+        if os.path.isfile(model_dir.rstrip("/" + os.sep)):  # NOTE: a file named with a trailing slash
+            raise FileNotFoundError(f"{model_dir!r} names a file as a directory; drop the trailing slash.")
         if not os.path.isdir(model_dir):
             raise FileNotFoundError(f"Model directory {model_dir!r} does not exist; pass a Hugging Face "
                                     "model directory (config.json + *.safetensors) or omit it for the default model.")
         path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"{model_dir!r} has no config.json; it is not a Hugging Face model directory.")
+            ggufs = sorted(f for f in os.listdir(model_dir) if f.lower().endswith(".gguf"))
+            hint = f" To run a GGUF file in it, name the file ({os.path.join(model_dir, ggufs[0])})." if ggufs else ""
+            raise FileNotFoundError(f"{model_dir!r} has no config.json; it is not a Hugging Face model directory."
+                                    f"{hint}")
         with open(path) as f:
             try:
                 cfg = json.load(f)

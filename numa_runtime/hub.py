@@ -70,9 +70,12 @@ def local_path(name: str, revision: str | None = None, cache_dir: str | None = N
         raise FileNotFoundError(f"{name!r} is no local path, and fetching it from the Hugging Face Hub failed "
                                 f"({type(e).__name__}: {reason.rstrip('.')}); pass a local model directory or "
                                 f".gguf file{'' if offline else ', or set HF_TOKEN for a gated model'}.") from None
-    if not any(f.endswith(".safetensors") for _, _, files in os.walk(path) for f in files):
-        raise FileNotFoundError(f"{repo} on the Hugging Face Hub holds no safetensors weights; for a repository "
-                                f"of GGUF files name one of them ({repo}/FILE.gguf).")
+    found = [f for _, _, files in os.walk(path) for f in files]
+    if not any(f.endswith(".safetensors") for f in found):
+        pickled = " (pickled .bin checkpoints are never loaded: convert them to safetensors)" if any(
+            f.endswith((".bin", ".pt", ".pth")) for f in found) else ""
+        raise FileNotFoundError(f"{repo} on the Hugging Face Hub holds no safetensors weights{pickled}; for a "
+                                f"repository of GGUF files name one of them ({repo}/FILE.gguf).")
     return path
 
 

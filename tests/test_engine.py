@@ -861,6 +861,14 @@ def test_model_folders_that_hold_other_files_are_named(tmp_path, model_dir):
     write_gguf(model_dir, str(with_gguf / "model.gguf"), "F32")
     with Engine(str(with_gguf), dtype="float32", kv_cache_memory=1 << 20, max_model_len=64) as eng:
         assert eng.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2))[0].token_ids
+    only = tmp_path / "only_gguf"
+    only.mkdir()
+    shutil.copy(with_gguf / "model.gguf", only / "m.gguf")
+    with pytest.raises(FileNotFoundError, match="has no config.json; it is not a Hugging Face model directory. To "
+                                                "run a GGUF file in it, name the file"):
+        Engine(str(only), dtype="float32")
+    with pytest.raises(FileNotFoundError, match="names a file as a directory; drop the trailing slash"):
+        Engine(str(with_gguf / "model.safetensors") + "/", dtype="float32")
     split = tmp_path / "split"
     split.mkdir()
     write_gguf(model_dir, str(split / "s.gguf"), "F32", split_max_tensors=6)

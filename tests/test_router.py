@@ -207,3 +207,21 @@ def test_models_dir_expands_a_home_path(tmp_path, monkeypatch):
     (tmp_path / "models" / "a.gguf").write_bytes(b"")
     monkeypatch.setenv("HOME", str(tmp_path))
     assert model_paths_in_dir("~/models") == [str(tmp_path / "models" / "a.gguf")]
+
+
+def test_models_dir_names_what_it_leaves_out(tmp_path, caplog):
+    """A broken .gguf link and the parts of a split model without its first file were left out
+    without a word; hidden entries (.cache) were served as models."""
+    from numa_runtime.serve.router import model_paths_in_dir
+    d = tmp_path / "models"
+    d.mkdir()
+    (d / "a.gguf").write_bytes(b"")
+    (d / "broken.gguf").symlink_to(tmp_path / "nowhere.gguf")
+    (d / "s-00002-of-00002.gguf").write_bytes(b"")
+    (d / ".cache").mkdir()
+    (d / ".cache" / "config.json").write_text("{}")
+    assert model_paths_in_dir(str(d)) == [str(d / "a.gguf")]
+    assert f"{d / 'broken.gguf'} is not a readable file (a broken link?); it is not served" in caplog.text
+    assert (f"{d / 's-00002-of-00002.gguf'} is part 2 of a split GGUF model whose first file is missing; it is "
+            "not served") in caplog.text
+    assert ".cache" not in caplog.text

@@ -68,7 +68,9 @@ class RouterConfig:
         names = [m.name for m in self.models]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
-            raise ValueError(f"Two models are named {sorted(dup)[0]!r}: a model is named by the last part of "
+            name = sorted(dup)[0]
+            where = " and ".join(m.model_dir for m in self.models if m.name == name)
+            raise ValueError(f"Two models are named {name!r} ({where}): a model is named by the last part of "
                              f"its directory or file, so give them distinct names (a symlink will do).")
         if not isinstance(self.memory_budget, int) or self.memory_budget <= 0:
             raise ValueError(f"memory_budget must be a positive number of bytes, got {self.memory_budget!r}.")
@@ -90,13 +92,20 @@ def model_paths_in_dir(path: str) -> list[str]:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--models-dir {path!r} is not a directory.")
     from ..gguf_model import _SHARD
-    paths = []
-    for n in sorted(os.listdir(path)):
+    paths, names = [], sorted(os.listdir(path))
+    for n in names:
         p = os.path.join(path, n)
         shard = _SHARD.match(n)  # NOTE: a model split by gguf-split counts once, by its first file
+        if n.startswith("."):  # NOTE: hidden entries (.cache, .git) are no models
+            continue
         if os.path.isfile(os.path.join(p, "config.json")) or (
                 os.path.isfile(p) and n.lower().endswith(".gguf") and (shard is None or shard["no"] == "00001")):
             paths.append(p)
+        elif n.lower().endswith(".gguf") and not os.path.isfile(p):  # NOTE: it was left out without a word
+            log.warning("--models-dir: %s is not a readable file (a broken link?); it is not served.", p)
+        elif shard is not None and f"{shard['stem']}-00001-of-{shard['count']}.gguf" not in names:
+            log.warning("--models-dir: %s is part %d of a split GGUF model whose first file is missing; it is "
+                        "not served.", p, int(shard["no"]))
     return paths
 
 
