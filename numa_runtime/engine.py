@@ -1459,7 +1459,7 @@ class Engine:
     def _close(self) -> None:
         global _served
         if (self.is_driver and not self._broken and not self._workers_elsewhere()
-                and self.recorder.trace_at_close()):  # AS_PROFILE_TRACE: fewer steps ran than it keeps
+                and self.recorder.trace_due(closing=True)):  # AS_PROFILE_TRACE: fewer steps ran than it keeps
             self._write_trace()
         self._closed = True
         atexit.unregister(self.close)  # NOTE: else atexit keeps an unloaded model's weights alive

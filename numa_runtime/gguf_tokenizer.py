@@ -197,11 +197,12 @@ def _bpe(meta: dict, where: str):
             raise UnsupportedModelError(f"{where}GGUF merge {m!r} is not two tokens.")
         merges.append((a, b))
     vocab = {t: i for i, t in enumerate(tokens)}
-    kept = [(a, b) for a, b in merges if a in vocab and b in vocab and a + b in vocab]
-    if len(kept) < len(merges):  # NOTE: llama.cpp loads such files; those merges never make a token of it
-        bad = next(f"{a} {b}" for a, b in merges if not (a in vocab and b in vocab and a + b in vocab))
+    kept, dropped = [], []
+    for a, b in merges:
+        (kept if a in vocab and b in vocab and a + b in vocab else dropped).append((a, b))
+    if dropped:  # NOTE: llama.cpp loads such files; those merges never make a token of it
         log.warning("%s%d GGUF merges name a token outside the vocabulary (the first: %r); they are left out.",
-                    where, len(merges) - len(kept), bad)
+                    where, len(dropped), " ".join(dropped[0]))
     tok = Tokenizer(models.BPE(vocab, kept, fuse_unk=False, byte_fallback=False, ignore_merges=ignore_merges))
     if split == "gpt2":
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

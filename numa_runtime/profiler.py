@@ -76,17 +76,11 @@ class Profiler:
     def span(self, section: str, name: str) -> "_Span":
         return _Span(self, (section, name))
 
-    def trace_due(self) -> bool:
-        """True once, when AS_PROFILE_TRACE is set and its number of steps has been kept."""
-        if self.trace_path is None or self._trace_written or self.num_steps < self._steps.maxlen:
-            return False
-        self._trace_written = True
-        return True
-
-    def trace_at_close(self) -> bool:
-        """True once, when AS_PROFILE_TRACE is set and the engine closes before trace_due fired
-        with at least one step kept: the trace then holds the steps that ran."""
-        if self.trace_path is None or self._trace_written or not self._steps:
+    def trace_due(self, closing: bool = False) -> bool:
+        """True once, when AS_PROFILE_TRACE is set and its number of steps has been kept, or
+        (`closing`: the engine closes sooner) at least one: the trace then holds the steps that ran."""
+        ready = bool(self._steps) if closing else self.num_steps >= self._steps.maxlen
+        if self.trace_path is None or self._trace_written or not ready:
             return False
         self._trace_written = True
         return True

@@ -35,10 +35,7 @@ class NullRecorder:
     def span(self, section: str, name: str):
         return _NO_SPAN
 
-    def trace_due(self) -> bool:
-        return False
-
-    def trace_at_close(self) -> bool:
+    def trace_due(self, closing: bool = False) -> bool:
         return False
 
     def answer(self, action: int):

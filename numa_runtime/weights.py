@@ -130,7 +130,7 @@ class Checkpoint:
             for fname in files:
                 st = self._open(os.path.join(model_dir, fname))
                 for name in st.header:
-                    if name in self._where and name != "__metadata__":  # NOTE: the last file silently won
+                    if name in self._where:  # NOTE: the last file silently won
                         raise CheckpointError(
                             f"{model_dir!r} holds tensor {name!r} in both {os.path.basename(self._where[name])} and "
                             f"{fname}, and no model.safetensors.index.json says which is the model's; remove the "

@@ -663,7 +663,6 @@ async def events(raw: dict, model: str, chat_stream, done=None, defaults: dict |
     try:
         for e in conv.start():
             yield e
-        failed = False
         try:
             async for piece in chat_stream:
                 text = piece.decode() if isinstance(piece, bytes) else piece
@@ -675,7 +674,6 @@ async def events(raw: dict, model: str, chat_stream, done=None, defaults: dict |
                         continue
                     data = json.loads(payload)
                     if "error" in data:
-                        failed = True
                         for e in conv.error(data["error"]):
                             yield e
                         ended = True
@@ -686,9 +684,8 @@ async def events(raw: dict, model: str, chat_stream, done=None, defaults: dict |
             close = getattr(chat_stream, "aclose", None)
             if close is not None:
                 await close()
-        if not failed:
-            for e in conv.end():
-                yield e
+        for e in conv.end():
+            yield e
         ended = True
     except Exception as e:  # NOTE: not the client leaving (GeneratorExit, CancelledError): a failure
         if conv.resp["status"] == "in_progress":
