@@ -4,9 +4,10 @@ tokenizer_config.json, built with the `tokenizers` library.
 Two GGUF tokenizer models:
   - "gpt2": byte-level BPE with the file's merges. `tokenizer.ggml.pre` names the split before
     BPE (llama.cpp's names): GPT-2's regex, GPT-2's after each digit alone (SmolLM, StarCoder),
-    or the regexes of Llama 3, Qwen2/2.5/3 (with their NFC normalizer), Qwen3.5 and Tekken,
-    as the models' own tokenizer.json write them. Llama 3 and Tekken emit a word that is itself
-    in the vocabulary as that token (BPE `ignore_merges`).
+    or the regexes of Llama 3, Qwen2/2.5/3 (with their NFC normalizer), Qwen3.5, Tekken, GPT-4o
+    and Seed-Coder, as the models' own tokenizer.json write them, or the regex sequences of
+    DeepSeek LLM/Coder/V3 and Viking. Llama 3 and Tekken emit a word that is itself in the
+    vocabulary as that token (BPE `ignore_merges`).
   - "llama": SentencePiece BPE (Llama 2, Mistral 7B, TinyLlama). The file has pieces and scores,
     no merges: SentencePiece merges the adjacent pair whose joined piece scores highest, which is
     BPE with every split of every normal piece as a merge ranked by that piece's score (as
@@ -47,6 +48,38 @@ _TEKKEN_RE = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\
               r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 _GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+# GPT-4o's (o200k: Phi-4-mini, Kanana 2), Seed-Coder's, and the regex sequences of DeepSeek LLM,
+# DeepSeek Coder, DeepSeek-V3 and Viking (each splits the pieces of the one before)
+_GPT4O_RE = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+             r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+             r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SEED_CODER_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+"
+                  r"|\s+(?!\S)|\s+")
+_CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
+_DEEPSEEK_LLM_RES = (  # NOTE: its letters as DeepSeek LLM's tokenizer.json lists them
+    r"[\r\n]",
+    "\\s?[A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af\u0370-\u0373"
+    "\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481"
+    "\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf"
+    "\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d"
+    "\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4"
+    "\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107"
+    "\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f"
+    "\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d"
+    "\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17"
+    "\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb"
+    "\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943]+",
+    "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+    r"\s+$",
+    _CJK,
+    r"\p{N}+")
+_DEEPSEEK_CODER_RES = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}")
+_DEEPSEEK3_RES = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_VIKING_RES = (" ?[^(\\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+", r"\p{N}")
 # NOTE: llama.cpp's split of a BPE vocabulary with no pre-tokenizer named (older converters) or
 # "default": runs of punctuation apart, GPT-2's regex, numbers apart, then digits in threes
 _DEFAULT_RES = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]")
@@ -56,13 +89,20 @@ _DEFAULT_RES = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]"
 # of regexes each splitting the pieces of the one before (llama.cpp's regex sequences)
 BPE_PRE = {
     "default": (_DEFAULT_RES, False, False, False),
-    **{name: ("gpt2", False, False, False) for name in ("gpt2", "gpt-2", "phi-2", "mpt", "olmo",
-                                                         "roberta-bpe")},
+    **{name: ("gpt2", False, False, False) for name in ("gpt2", "gpt-2", "phi-2", "mpt", "olmo", "roberta-bpe",
+                                                         "trillion", "jais", "gigachat", "a.x-4.0", "mellum",
+                                                         "granite-docling")},
     **{name: ("digits", False, False, False) for name in ("smollm", "starcoder", "refact", "codeshell",
-                                                           "command-r")},
+                                                           "command-r", "exaone", "minerva-7b", "mellum2")},
     **{name: (_LLAMA3_RE, False, True, True) for name in ("llama3", "llama-v3", "llama-bpe", "falcon3",
-                                                          "pixtral")},
-    "smaug-bpe": (_LLAMA3_RE, False, False, False),
+                                                          "pixtral", "falcon-h1", "midm-2.0", "lfm2")},
+    **{name: (_LLAMA3_RE, False, False, False) for name in ("smaug-bpe", "dbrx")},  # NOTE: dbrx: cl100k
+    **{name: (_GPT4O_RE, False, False, False) for name in ("gpt-4o", "llama4", "kanana2", "talkie")},
+    "seed-coder": (_SEED_CODER_RE, False, False, False),
+    "deepseek-llm": (_DEEPSEEK_LLM_RES, False, False, False),
+    "deepseek-coder": (_DEEPSEEK_CODER_RES, False, False, False),
+    "deepseek-v3": (_DEEPSEEK3_RES, False, False, False),
+    "viking": (_VIKING_RES, False, False, False),
     **{name: (_QWEN2_RE, True, False, False) for name in ("qwen2", "deepseek-r1-qwen", "megrez")},
     "qwen35": (_QWEN35_RE, False, False, False),
     "tekken": (_TEKKEN_RE, False, True, True),

@@ -1,7 +1,7 @@
 """Real models' GGUF tokenizers against the token ids their own Hugging Face tokenizers give.
 
 llama.cpp keeps vocabulary-only GGUF files of real models (Llama 3, Llama 2, Qwen2, Qwen3.5,
-Phi-3, GPT-2, StarCoder, ...) beside test texts (.inp) and the ids transformers' tokenizer of
+DeepSeek LLM and Coder, Phi-3, GPT-2, StarCoder, ...) beside test texts (.inp) and the ids transformers' tokenizer of
 each model gives for them (.out). They ship in the source distribution of llama-cpp-python on
 PyPI (vendor/llama.cpp/models), which this test downloads once per run (set
 NUMA_RUNTIME_LLAMA_VOCAB to a folder holding the files to use a local copy).
@@ -16,7 +16,8 @@ from numa_runtime.tokenizer import Tokenizer
 
 PREFIX = "vendor/llama.cpp/models/ggml-vocab-"
 # tokenizer.ggml.model / pre of each: llama = SentencePiece
-VOCABS = ["llama-bpe", "llama-spm", "qwen2", "qwen35", "phi-3", "gpt-2", "starcoder", "refact", "command-r"]
+VOCABS = ["llama-bpe", "llama-spm", "qwen2", "qwen35", "phi-3", "gpt-2", "starcoder", "refact", "command-r",
+          "deepseek-llm", "deepseek-coder", "mpt"]
 SEP = "\n__ggml_vocab_test__\n"
 
 

@@ -37,6 +37,16 @@ LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[
 TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?"
           r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*"
           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# the same splits as llama.cpp rewrites them (llama-vocab.cpp): contractions without (?i:), and
+# GPT-4o's letter classes as lookaheads; each must split as the tokenizer.json regex we write
+LLAMA3_CPP = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_CONTRACTION = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+GPT4O_CPP = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+" + _CONTRACTION + "?"
+             r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*" + _CONTRACTION + "?"
+             r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+SEED_CODER_CPP = (_CONTRACTION + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+"
+                  r"|\s+(?!\S)|\s+")
 SPECIALS = ["<|begin|>", "<|end|>", "<|im_start|>", "<|im_end|>"]
 
 
@@ -145,12 +155,14 @@ def bpe_meta(ref, pre: str) -> dict:
 
 
 @pytest.mark.parametrize("pre,split,nfc,ignore_merges", [
-    ("qwen2", QWEN2, True, False), ("llama-bpe", LLAMA3, False, True), ("tekken", TEKKEN, False, True)])
+    ("qwen2", QWEN2, True, False), ("llama-bpe", LLAMA3, False, True), ("tekken", TEKKEN, False, True),
+    ("dbrx", LLAMA3_CPP, False, False), ("gpt-4o", GPT4O_CPP, False, False),
+    ("seed-coder", SEED_CODER_CPP, False, False)])
 def test_byte_level_pre_tokenizers_equal_reference(tmp_path, pre, split, nfc, ignore_merges):
     ref = bpe_reference(split, nfc, ignore_merges)
     tok = ours(bpe_meta(ref, pre), tmp_path)
     chat = "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
-    for text in TEXTS + [chat, "e\u0301 and \u00e9"]:
+    for text in TEXTS + [chat, "e\u0301 and \u00e9", "HTTPServer's JSONParser WE'RE don't\n/path/ x/y"]:
         want = ref.encode(text).ids
         assert tok.encode(text, add_special_tokens=False) == want, text
         assert tok.decode(want, skip_special_tokens=False) == ref.decode(want, skip_special_tokens=False)
@@ -167,14 +179,18 @@ def test_pre_tokenizer_names_pick_different_splits(tmp_path):
     assert llama.encode("1234567", add_special_tokens=False) == ref.encode("1234567").ids != digits
 
 
-def llama_cpp_default_pieces(text: str) -> list[str]:
-    """llama.cpp's split of a BPE text when the file names no pre-tokenizer or "default"
-    (llama-vocab.cpp): each regex in turn splits every piece so far into its matches and the text
-    between them; written here with the `regex` module."""
+DEFAULT_CPP = (r"[\p{P}\$\+<=>\^~\|]+", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+               r"\p{N}+", r"[0-9][0-9][0-9]")
+
+
+def llama_cpp_default_pieces(text: str, regexes=DEFAULT_CPP) -> list[str]:
+    """llama.cpp's split of a BPE text by a sequence of regexes (llama-vocab.cpp; by default the
+    one it takes when the file names no pre-tokenizer or "default"): each regex in turn splits
+    every piece so far into its matches and the text between them; written here with the `regex`
+    module."""
     import regex
     pieces = [text]
-    for rx in (r"[\p{P}\$\+<=>\^~\|]+", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
-               r"\p{N}+", r"[0-9][0-9][0-9]"):
+    for rx in regexes:
         out = []
         for p in pieces:
             at = 0
@@ -205,6 +221,54 @@ def test_a_default_or_missing_pre_tokenizer_splits_as_llama_cpp(tmp_path, named,
     for text in TEXTS + ["Hello, world!! 1234567890 $5+3=8 <a|b> ^~", "x=='y'; f(a,b)->c"]:
         want = [q for p in llama_cpp_default_pieces(text) for q, _ in byte.pre_tokenize_str(p)]
         assert [p for p, _ in hf.pre_tokenizer.pre_tokenize_str(text)] == want, text
+
+
+_CJK_CPP = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
+# llama.cpp's regex sequences of DeepSeek LLM (its letter class cut to the ranges the texts use,
+# which the test checks), DeepSeek Coder, DeepSeek-V3 and Viking
+SEQUENCES = {
+    "deepseek-coder": (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK_CPP, r"\p{N}"),
+    "deepseek-llm": (r"[\r\n]", "\\s?[A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u0386\u0388-\u038a\u038c"
+                     "\u038e-\u03a1\u03a3-\u03f5\u0531-\u0556\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f]+",
+                     "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+", r"\s+$", _CJK_CPP,
+                     r"\p{N}+"),
+    "deepseek-v3": (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+                    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+                    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+    "viking": (" ?[^(\\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+", r"\p{N}"),
+}
+SEQUENCE_TEXTS = TEXTS + [
+    "Hello, world!! 1234567890 $5+3=8 <a|b> ^~", "x=='y'; f(a,b)->c", "def f(x):\n    return x**2  # sq\n",
+    "\u03b1\u03b2\u03b3 \u0394\u03ad\u03bb\u03c4\u03b1 \u0531\u0562 \uff21\uff22\uff43 \U00010400\U00010428 caf\u00e9 \u00b5s",
+    "\u4f60\u597d\uff0c\u4e16\u754c\u3002 \u3053\u3093\u306b\u3061\u306f \u30ab\u30bf\u30ab\u30ca \ud55c\uad6d\uc5b4 \u2018q\u2019 \u201cw\u201d",
+    "trailing spaces   ", "Hyv\u00e4\u00e4 p\u00e4iv\u00e4\u00e4! Mit\u00e4 kuuluu? \u0928\u092e\u0938\u094d\u0924\u0947\u0964 \u2026ok",
+    "a.b,c!d?e (paren) [brack] {brace} 3.14 1,000"]
+
+
+@pytest.mark.parametrize("pre", sorted(SEQUENCES))
+def test_regex_sequence_pre_tokenizers_split_as_llama_cpp(tmp_path, pre):
+    """DeepSeek LLM/Coder/V3 and Viking split by a sequence of regexes, each over the pieces of the
+    one before, as llama.cpp does (and their tokenizer.json, as a Sequence of isolated Splits)."""
+    from tokenizers import Tokenizer as HF, pre_tokenizers
+    meta = bpe_meta(bpe_reference(LLAMA3, False, False), pre)
+    d = tmp_path / "tok"
+    d.mkdir()
+    write_tokenizer(meta, str(d), "llama.")
+    hf = HF.from_file(str(d / "tokenizer.json"))
+    byte = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if pre == "deepseek-llm":
+        # the cut letter class covers every letter of the texts but kana, Devanagari and lowercase
+        # Armenian, which DeepSeek LLM's class leaves out too (and CJK, split after it)
+        import regex
+        cut = regex.compile(SEQUENCES[pre][1][3:-1])
+        assert all(cut.fullmatch(c) for t in SEQUENCE_TEXTS for c in t
+                   if regex.match(r"\p{L}", c) and not regex.match(_CJK_CPP, c)
+                   and not any(a <= c <= b for a, b in ("\u3040\u30ff", "\u0900\u097f", "\u0561\u0587")))
+    for text in SEQUENCE_TEXTS:
+        want = [q for p in llama_cpp_default_pieces(text, SEQUENCES[pre]) for q, _ in byte.pre_tokenize_str(p)]
+        assert [p for p, _ in hf.pre_tokenizer.pre_tokenize_str(text)] == want, text
+    assert ours(meta, tmp_path).decode(ours(meta, tmp_path).encode(SEQUENCE_TEXTS[-4], add_special_tokens=False)) \
+        == SEQUENCE_TEXTS[-4]
 
 
 def test_bos_eos_follow_the_metadata(tmp_path):
