@@ -461,15 +461,25 @@ def _longrope(cfg: dict, merged: dict, rot_dim: int) -> tuple[tuple, float]:
     inverse frequencies) and the attention factor, as transformers computes them. Past
     original_max_position_embeddings transformers switches every new token to the long factors
     (supported_len keeps max_model_len below that)."""
-    short = merged.get("short_factor")
-    if not isinstance(short, list) or len(short) != rot_dim // 2 or not all(
-            isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f < math.inf for f in short):
-        raise UnsupportedModelError(f"longrope scaling needs short_factor: {rot_dim // 2} positive numbers (one "
-                                    "per rotary frequency).")
+    # NOTE: the long factors are checked though never run (as transformers refuses a config
+    # without them or of the wrong length): a broken config is said, not served
+    for key in ("short_factor", "long_factor"):
+        f = merged.get(key)
+        if not isinstance(f, list) or len(f) != rot_dim // 2 or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < math.inf for x in f):
+            got = (f"{len(f)} entries" if isinstance(f, list) and len(f) != rot_dim // 2 else
+                   "a list with a value that is not a positive number" if isinstance(f, list) else
+                   "nothing" if f is None else repr(f)[:40])
+            raise UnsupportedModelError(f"longrope scaling needs {key}: {rot_dim // 2} positive numbers (one "
+                                        f"per rotary frequency), got {got}.")
+    short = merged["short_factor"]
     original = merged.get("original_max_position_embeddings")
-    if not isinstance(original, int) or original < 2:
+    if original is None:
         raise UnsupportedModelError("longrope scaling needs original_max_position_embeddings (the pretrained "
                                     "context).")
+    if not isinstance(original, int) or isinstance(original, bool) or original < 2:
+        raise UnsupportedModelError(f"original_max_position_embeddings must be an integer of at least 2 (the "
+                                    f"pretrained context), got {original!r}.")
     factor = merged.get("factor")
     factor = float(factor) if factor is not None else int(cfg.get("max_position_embeddings", original)) / original
     attention = merged.get("attention_factor")

@@ -29,7 +29,7 @@ log = logging.getLogger("numa_runtime")
 GGUF_LINK = "model.gguf"
 INDEX = "gguf_tensors.json"
 # NOTE: part of the cache key: a change to what _describe writes makes files describe again
-DESCRIBE_VERSION = 9  # NOTE: 9: llama.cpp's "default" BPE split, block_count and special ids checked; 8: mixture of experts; 7: named chat templates, Phi-3 control tokens rstrip; 6: phi3
+DESCRIBE_VERSION = 10  # NOTE: 10: a phi3 file's rope scaling keys and lone factor tensors; 9: llama.cpp's "default" BPE split, block_count and special ids checked; 8: mixture of experts; 7: named chat templates, Phi-3 control tokens rstrip; 6: phi3
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
          "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
          "qwen3moe": "Qwen3MoeForCausalLM"}
@@ -398,11 +398,17 @@ def hf_config(meta: dict, tensor_names: set, path: str = "", rope_freqs=None, lo
                                     f"numa_runtime runs {', '.join(sorted(ARCHS))}.")
     a = arch + "."
     moe = _moe_keys(meta, a, arch, tensor_names, path, shapes)
-    rope_tensors = sorted(n for n in tensor_names if "rope" in n and n != ROPE_FREQS and not (
-        arch == "phi3" and n in LONGROPE_FACTORS))
+    # NOTE: as llama.cpp's graphs: phi3 reads the longrope factors and not rope_freqs.weight, the
+    # others the reverse (llama.cpp refuses a file with a tensor its graph does not take)
+    rope_tensors = sorted(n for n in tensor_names if "rope" in n and not (
+        n in LONGROPE_FACTORS if arch == "phi3" else n == ROPE_FREQS))
     if rope_tensors:
         raise UnsupportedModelError(f"{path} holds rope tensors numa_runtime does not apply "
                                     f"({', '.join(rope_tensors[:4])}).")
+    lone = [n for n in LONGROPE_FACTORS if n in tensor_names]
+    if arch == "phi3" and len(lone) == 1:
+        other = next(n for n in LONGROPE_FACTORS if n not in tensor_names)
+        raise UnsupportedModelError(f"{path} holds {lone[0]} without {other}; a longrope GGUF holds both.")
     try:
         hidden, n_head = int(meta[a + "embedding_length"]), int(meta[a + "attention.head_count"])
         head_dim = int(meta.get(a + "attention.key_length", hidden // n_head))
@@ -590,10 +596,21 @@ def _pooling_keys(meta: dict, a: str, path: str) -> dict:
 def _longrope_keys(meta: dict, a: str, path: str, rot_dim: int, factors) -> dict:
     """A Phi-3 GGUF's rope: none, or LongRoPE as llama.cpp's converter writes it (the short and
     long factor tensors, the original context, the attention factor it computed)."""
+    kind = meta.get(a + "rope.scaling.type")
     if factors is None:
         if a + "rope.scaling.attn_factor" in meta:
             raise UnsupportedModelError(f"{path}: a phi3 GGUF with a rope attention factor needs both "
                                         f"{' and '.join(LONGROPE_FACTORS)}.")
+        if kind == "longrope":
+            raise UnsupportedModelError(f"{path}: a phi3 GGUF with longrope scaling needs both "
+                                        f"{' and '.join(LONGROPE_FACTORS)}.")
+    # NOTE: llama.cpp reads any architecture's scaling keys; transformers' Phi-3 runs longrope only
+    # (it reads "yarn" as longrope), so any other scaling of a phi3 file is refused, not ignored
+    factor = _f32(meta.get(a + "rope.scaling.factor", meta.get(a + "rope.scale_linear", 0.0)) or 1.0)
+    if kind not in (None, "none", "longrope") or factor != 1.0:
+        raise UnsupportedModelError(f"{path}: rope scaling {kind or 'linear'} ({a}rope.scaling.*) in a phi3 "
+                                    "GGUF is not supported; Phi-3 models scale their rope by longrope only.")
+    if factors is None:
         return {}
     short, long = ([float(f) for f in x] for x in factors)
     if len(short) != rot_dim // 2 or len(long) != rot_dim // 2:

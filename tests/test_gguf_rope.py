@@ -151,6 +151,47 @@ def test_unsupported_gguf_metadata_is_one_sentence(llama_dir, tmp_path, case):
     assert msg.startswith(path) and msg.endswith(".") and ". " not in msg.replace(path, "")
 
 
+PHI3_ERRORS = {
+    # NOTE: llama.cpp's phi3 graph takes no rope_freqs (it refuses the file), and runs a lone
+    # short factor tensor that the converter never writes alone
+    "rope-freqs": (dict(keys={}, tensors={"rope_freqs.weight": np.ones(8, np.float32)}),
+                   r"holds rope tensors numa_runtime does not apply \(rope_freqs.weight\)"),
+    "lone-short": (dict(keys={}, tensors={"rope_factors_short.weight": np.full(8, 4.0, np.float32)}),
+                   "holds rope_factors_short.weight without rope_factors_long.weight; a longrope GGUF holds both"),
+    "lone-long": (dict(keys={}, tensors={"rope_factors_long.weight": np.full(8, 4.0, np.float32)}),
+                  "holds rope_factors_long.weight without rope_factors_short.weight"),
+    "bogus-type": (dict(keys={"rope.scaling.type": "bogus"}),
+                   r"rope scaling bogus \(phi3.rope.scaling.\*\) in a phi3 GGUF is not supported; Phi-3 models"),
+    "linear": (dict(keys={"rope.scaling.type": "linear", "rope.scaling.factor": 4.0}),
+               "rope scaling linear .* is not supported; Phi-3 models scale their rope by longrope only"),
+    "factor-alone": (dict(keys={"rope.scaling.factor": 4.0}), "rope scaling linear .* is not supported"),
+    "yarn": (dict(keys={"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0}),
+             "rope scaling yarn .* is not supported"),
+    "longrope-without-factors": (dict(keys={"rope.scaling.type": "longrope"}),
+                                 "a phi3 GGUF with longrope scaling needs both rope_factors_short.weight and"),
+    "factors-and-linear": (dict(keys={"rope.scaling.type": "linear", "rope.scaling.factor": 4.0},
+                                tensors={"rope_factors_short.weight": np.ones(8, np.float32),
+                                         "rope_factors_long.weight": np.ones(8, np.float32)}),
+                           r"rope scaling linear \(phi3.rope.scaling.\*\) in a phi3 GGUF is not supported"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PHI3_ERRORS))
+def test_phi3_rope_metadata_it_cannot_run_is_one_sentence(tmp_path_factory, tmp_path, case):
+    """A phi3 GGUF's rope scaling keys and rope tensors other than longrope's were ignored without
+    a word (the file ran as if it had none); each is refused (transformers' Phi-3 scales by
+    longrope only; llama.cpp refuses rope_freqs in a phi3 file)."""
+    spec, match = PHI3_ERRORS[case]
+    hf_dir = str(tmp_path / "hf")
+    build_model(hf_dir, arch="phi3")
+    path = str(tmp_path / f"{case}.gguf")
+    write_gguf(hf_dir, path, "F32", arch="phi3", extra=metadata(spec["keys"], spec.get("tensors"), "phi3"))
+    with pytest.raises(UnsupportedModelError, match=match) as e:
+        Engine(path, dtype="float32", kv_cache_memory=1 << 23, max_model_len=128)
+    msg = str(e.value)
+    assert msg.startswith(path) and msg.endswith(".") and ". " not in msg.replace(path, "")
+
+
 def test_unused_tensors_are_named_in_a_warning(llama_dir, tmp_path, caplog):
     path = str(tmp_path / "m.gguf")
     extra = {"blk.0.attn_post_norm.weight": np.ones(64, np.float32),
@@ -301,3 +342,28 @@ def test_configs_rope_cannot_run_are_refused(tmp_path):
         ModelConfig.from_dict(base)  # head_dim 7
     with pytest.raises(UnsupportedModelError, match="rope scaling 'linear' needs its 'factor'"):
         ModelConfig.from_dict({**base, "hidden_size": 32, "rope_scaling": {"rope_type": None, "type": "linear"}})
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(long_factor=[1.0] * 5), r"needs long_factor: 8 positive numbers \(one per rotary frequency\), got 5 entries"),
+    (dict(long_factor=None), "needs long_factor: 8 positive numbers .*, got nothing"),
+    (dict(long_factor=[1.0] * 7 + [-2.0]), "needs long_factor: .*, got a list with a value that is not a positive"),
+    (dict(short_factor=[1.0] * 9), r"needs short_factor: 8 positive numbers .*, got 9 entries"),
+    (dict(original_max_position_embeddings=32.0), r"original_max_position_embeddings must be an integer of at "
+                                                  r"least 2 \(the pretrained context\), got 32\.0"),
+    (dict(original_max_position_embeddings="32"), "must be an integer of at least 2 .*, got '32'"),
+    (dict(original_max_position_embeddings=1), "must be an integer of at least 2 .*, got 1"),
+    (dict(original_max_position_embeddings=None), r"longrope scaling needs original_max_position_embeddings"),
+])
+def test_longrope_configs_transformers_refuses_are_refused(change, match):
+    """The long factors are never run (the context ends where they start) but a config of the
+    wrong length or without them is refused, as transformers refuses it; an unusable original
+    context is named with its value (it was said to be missing)."""
+    from numa_runtime.config import ModelConfig
+    scaling = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+               "original_max_position_embeddings": 64}
+    base = dict(vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=1, num_attention_heads=4,
+                max_position_embeddings=256, architectures=["Phi3ForCausalLM"])
+    assert ModelConfig.from_dict({**base, "rope_scaling": scaling}).rope.rope_type == "longrope"
+    with pytest.raises(UnsupportedModelError, match=match):
+        ModelConfig.from_dict({**base, "rope_scaling": {**scaling, **change}})
