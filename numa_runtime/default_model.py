@@ -33,8 +33,9 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
              "generation_config.json")
 # NOTE: a conversion from another version of the converter is made again (a cache from before
-# 4ee9d46 kept EOS as the only stop token, where the converter now lists <|endoftext|> too)
-CONVERSION_VERSION = 2
+# 4ee9d46 kept EOS as the only stop token, where the converter now lists <|endoftext|> too), and
+# one of another GGUF than the installed wheel's (3: the stamp names its source)
+CONVERSION_VERSION = 3
 _STAMP = "numa_runtime_conversion.json"
 
 # GGUF tensor name suffix in a block -> HF name suffix in `model.layers.N.`
@@ -83,17 +84,38 @@ def default_model_path() -> str:
     return gguf_model_dir(find_default_gguf(), name=MODEL_NAME)
 
 
+def _source(gguf_path: str) -> str:
+    """The GGUF a conversion was made from: its size, mtime and a digest of its ends (as the GGUF
+    cache keys its descriptions), so that another wheel's file is converted again."""
+    from .gguf_model import _ends_digest
+    st = os.stat(gguf_path)
+    return f"{st.st_size}:{st.st_mtime_ns}:{_ends_digest(gguf_path, st.st_size)}"
+
+
 def default_model_dir() -> str:
-    """The HF directory of the default model, converting it on first use (cached after)."""
+    """The HF directory of the default model, converting it on first use (cached after; again when
+    the installed wheel's GGUF is another file than the one converted)."""
     target = os.path.join(env.cache_dir(), MODEL_NAME)
-    if _is_complete(target):
+    try:
+        gguf_path = find_default_gguf()
+    except FileNotFoundError:
+        if _is_complete(target, None):  # NOTE: the wheel gone, its conversion kept: used as it is
+            return target
+        raise
+    source = _source(gguf_path)
+    if _is_complete(target, source):
         return target
-    gguf_path = find_default_gguf()
-    os.makedirs(env.cache_dir(), exist_ok=True)
+    try:
+        os.makedirs(env.cache_dir(), exist_ok=True)
+        lock = open(os.path.join(env.cache_dir(), f".{MODEL_NAME}.lock"), "w")
+    except OSError as e:
+        raise OSError(f"the default model's bf16 weights and tokenizer are written to the cache directory "
+                      f"{env.cache_dir()} (NUMA_RUNTIME_CACHE), which cannot be written ({e.strerror or e}); point "
+                      "NUMA_RUNTIME_CACHE at a writable directory.") from None
     # NOTE: a lock so two processes starting together convert once; the second one waits.
-    with open(os.path.join(env.cache_dir(), f".{MODEL_NAME}.lock"), "w") as lock:
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not _is_complete(target):
+        if not _is_complete(target, source):
             from .gguf_model import cache_full_said, sweep_temporaries, write_manifest
             sweep_temporaries(env.cache_dir(), f".{MODEL_NAME}.tmp-")  # NOTE: a killed conversion's (227 MB)
             tmp = tempfile.mkdtemp(prefix=f".{MODEL_NAME}.tmp-", dir=env.cache_dir())
@@ -101,7 +123,7 @@ def default_model_dir() -> str:
                 with cache_full_said("the converted model's weights and tokenizer"):
                     convert_gguf_to_hf(gguf_path, tmp)
                     with open(os.path.join(tmp, _STAMP), "w") as f:
-                        json.dump({"version": CONVERSION_VERSION}, f)
+                        json.dump({"version": CONVERSION_VERSION, "source": source}, f)
                     write_manifest(tmp)
                 os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
                 if os.path.isdir(target):  # incomplete, or made by another version of the converter
@@ -112,16 +134,19 @@ def default_model_dir() -> str:
     return target
 
 
-def _is_complete(path: str) -> bool:
-    """A finished conversion by this version of the converter, every file as written (a truncated
-    one was trusted, and its load said to download it again)."""
+def _is_complete(path: str, source: str | None) -> bool:
+    """A finished conversion by this version of the converter, of the GGUF `source` names (None:
+    any), every file as written (a truncated one was trusted, and its load said to download it
+    again; another wheel's model was run in place of the installed one's)."""
     from .gguf_model import _MANIFEST, folder_complete, write_manifest
     try:
         with open(os.path.join(path, _STAMP)) as f:
-            version = json.load(f).get("version")
+            stamp = json.load(f)
+        version, made_from = stamp.get("version"), stamp.get("source")
     except (OSError, ValueError, AttributeError):
         return False
-    if version != CONVERSION_VERSION or not all(os.path.isfile(os.path.join(path, f)) for f in _REQUIRED):
+    if version != CONVERSION_VERSION or (source is not None and made_from != source) or not all(
+            os.path.isfile(os.path.join(path, f)) for f in _REQUIRED):
         return False
     if not os.path.exists(os.path.join(path, _MANIFEST)):
         # NOTE: a conversion made before folders listed their files: trusted as it was, and listed now where the

@@ -41,7 +41,8 @@ _NEOX_ARCHS = ("qwen2", "qwen3", "phi3", "qwen2moe", "qwen3moe")
 def is_gguf_dir(model_dir: str) -> bool:
     """One of our GGUF cache folders (its link and tensor index), not a model folder that happens
     to hold a file named model.gguf (that crashed on the missing index)."""
-    return os.path.exists(os.path.join(model_dir, GGUF_LINK)) and os.path.exists(os.path.join(model_dir, INDEX))
+    # NOTE: lexists: a link whose GGUF was deleted is still ours (open_checkpoint says the file is gone)
+    return os.path.lexists(os.path.join(model_dir, GGUF_LINK)) and os.path.exists(os.path.join(model_dir, INDEX))
 
 
 def model_dir_of(path: str) -> str:
@@ -122,6 +123,7 @@ def cache_full_said(what: str):
 
 _MANIFEST = ".complete.json"
 _ENDS = 4 << 20  # bytes read at each end of a GGUF for its description's key
+_DIGESTED = 64 << 20  # cache files up to this size are listed with a digest of their content
 
 
 def _ends_digest(path: str, size: int) -> str:
@@ -140,15 +142,26 @@ def _ends_digest(path: str, size: int) -> str:
     return h.hexdigest()[:16]
 
 
+def _content(path: str) -> list | int:
+    """A cache file as write_manifest lists it: [size, digest] up to _DIGESTED bytes (config,
+    tokenizer, index: an edit or a flipped bit that kept the size ran as the file said), the size
+    alone for larger ones (weights)."""
+    size = os.path.getsize(path)
+    if size > _DIGESTED:
+        return size
+    with open(path, "rb") as f:
+        return [size, hashlib.sha1(f.read()).hexdigest()[:16]]
+
+
 def write_manifest(folder: str) -> None:
-    """Last of a cache folder's writes: every file in it with its size (a link: its target)."""
+    """Last of a cache folder's writes: every file in it as _content lists it (a link: its target)."""
     files = {}
     for root, _, names in os.walk(folder):
         for n in names:
             p = os.path.join(root, n)
             rel = os.path.relpath(p, folder)
             if not rel.startswith(_MANIFEST):  # NOTE: nor another process's list being written
-                files[rel] = os.readlink(p) if os.path.islink(p) else os.path.getsize(p)
+                files[rel] = os.readlink(p) if os.path.islink(p) else _content(p)
     # NOTE: whole or not at all: default_model lists a folder made before manifests outside its lock, while
     # another process may read it (a half-written list read as damaged, and the folder was made again)
     tmp = os.path.join(folder, f"{_MANIFEST}.{os.getpid()}.tmp")
@@ -166,7 +179,9 @@ def folder_complete(folder: str) -> bool:
             files = json.load(f)
         for rel, want in files.items():
             p = os.path.join(folder, rel)
-            if (os.readlink(p) if isinstance(want, str) else os.path.getsize(p)) != want:
+            got = (os.readlink(p) if isinstance(want, str) else _content(p) if isinstance(want, list) else
+                   os.path.getsize(p))  # NOTE: a size alone: a large file, or a list written before digests
+            if got != want:
                 return False
     except (OSError, ValueError, AttributeError):
         return False
@@ -650,6 +665,10 @@ def open_checkpoint(cfg):
         with open(os.path.join(cfg.model_dir, INDEX)) as f:
             index = json.load(f)
         files = [os.path.realpath(os.path.join(cfg.model_dir, f)) for f in index.get("files", [GGUF_LINK])]
+        gone = next((f for f in files if not os.path.isfile(f)), None)
+        if gone is not None:  # NOTE: it said "No *.safetensors in" the folder
+            raise FileNotFoundError(f"{cfg.model_dir} describes the GGUF file {gone}, which no longer exists; "
+                                    "pass the GGUF file itself.")
         return GGUFCheckpoint(files[0], index, cfg.num_heads, cfg.num_kv_heads, files=files)
     from .quant.hf_quant import read_quantization_config
     with open(os.path.join(cfg.model_dir, "config.json")) as f:

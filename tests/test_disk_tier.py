@@ -269,6 +269,37 @@ def test_store_round_trip_and_corruption_is_dropped(tmp_path):
     assert sorted(os.listdir(st.dir)) == [".lock.r0", os.path.basename(st.path(1 << 100))]
 
 
+def test_scan_orders_files_as_written_when_their_mtimes_tie(tmp_path, monkeypatch):
+    """Files written within one clock tick share an mtime (ext4 before Linux 6.13): the order was
+    then the hashes', so a smaller cap after a restart kept chain tails whose heads it dropped.
+    Each file's header carries its write number; a restart continues after the highest."""
+    import numa_runtime.kv_cache.disk_tier as dt
+    st = DiskStore(str(tmp_path), "fp", rank=0, block_bytes=64)
+    order = [9, 3, 1 << 90, 7, 1, 5]
+    for h in order:
+        st.save(h, np.full(64, h % 251, np.uint8))
+    real_stat = os.stat
+
+    class Tied:
+        def __init__(self, r):
+            self._r = r
+
+        def __getattr__(self, name):
+            return 1_000_000_000 if name == "st_mtime_ns" else getattr(self._r, name)
+    monkeypatch.setattr(dt.os, "stat", lambda p, *a, **k: Tied(real_stat(p, *a, **k)))
+    assert st.scan() == order
+    st.close()
+    again = DiskStore(str(tmp_path), "fp", rank=0, block_bytes=64)
+    assert again.scan() == order
+    again.save(2, np.zeros(64, np.uint8))
+    assert again.scan() == order + [2]
+    # a file of before the write numbers (0 there) is older than any numbered one, then by mtime
+    with open(again.path(7), "r+b") as f:
+        f.seek(dt._HEADER.size - 4)
+        f.write(bytes(4))
+    assert again.scan() == [7, 9, 3, 1 << 90, 1, 5, 2]
+
+
 def test_a_read_only_directory_is_refused_or_outlived(tmp_path, monkeypatch):
     """A directory an earlier run left that can no longer be written (a read-only remount) is
     refused in one sentence at start; one that turns read-only under a running server loses

@@ -187,7 +187,7 @@ def test_named_chat_templates_of_a_gguf_are_kept(hf_models, tmp_path, with_defau
 
 def test_a_damaged_or_replaced_description_is_made_again(hf_models, tmp_path):
     """The cached description of a GGUF: one with a file cut or deleted (by hand, a full disk) was
-    trusted for ever and every run failed on it; a file replaced in place at its size with its
+    trusted for ever and every run failed on it, one edited at its size ran as edited; a file replaced in place at its size with its
     mtime kept (cp -p) ran on the old description; a killed writer's temporary folder stayed."""
     import shutil
     from numa_runtime.gguf_model import folder_complete, gguf_model_dir
@@ -196,11 +196,19 @@ def test_a_damaged_or_replaced_description_is_made_again(hf_models, tmp_path):
     write_gguf(hf_models["llama"], path, "F32")
     first = gguf_model_dir(path)
     ids = Tokenizer.from_dir(first).encode("Hello world")
-    for damage in ("tokenizer.json", "gguf_tensors.json", "model.gguf", "config.json"):
-        target = os.path.join(first, damage)
+    with open(os.path.join(first, "config.json")) as f:
+        theta = json.load(f)["rope_theta"]
+    for damage in ("tokenizer.json", "gguf_tensors.json", "model.gguf", "config.json", "edited"):
+        target = os.path.join(first, "config.json" if damage == "edited" else damage)
         if damage == "tokenizer.json":
             with open(target, "r+b") as f:
                 f.truncate(100)
+        elif damage == "edited":  # NOTE: its size kept: it was trusted, and ran another rope than the file's
+            with open(target) as f:
+                text = f.read()
+            with open(target, "w") as f:
+                f.write(text.replace(f'"rope_theta": {theta}', f'"rope_theta": {str(theta).replace("1", "9", 1)}'))
+            assert os.path.getsize(target) == len(text.encode()) and json.load(open(target))["rope_theta"] != theta
         else:
             os.remove(target)
         assert not folder_complete(first)
@@ -208,6 +216,13 @@ def test_a_damaged_or_replaced_description_is_made_again(hf_models, tmp_path):
         assert gguf_model_dir(path) == first and folder_complete(first), damage
         assert Tokenizer.from_dir(first).encode("Hello world") == ids
         assert sorted(os.listdir(os.path.dirname(first))) == [".lock", os.path.basename(first)]
+    gone = str(tmp_path / "gone.gguf")  # NOTE: its folder given after the file was deleted: it said "No *.safetensors"
+    shutil.copyfile(path, gone)
+    gone_dir = gguf_model_dir(gone)
+    os.remove(gone)
+    with pytest.raises(FileNotFoundError, match=rf"^{gone_dir} describes the GGUF file {gone}, which no longer "
+                                                r"exists; pass the GGUF file itself\.$"):
+        Engine(gone_dir, dtype="float32", kv_cache_memory=1 << 22)
     moved = str(tmp_path / "moved")  # NOTE: a folder moved away and linked back, then damaged: the link goes
     shutil.move(first, moved)
     os.symlink(moved, first)

@@ -204,6 +204,10 @@ def test_a_trace_of_fewer_steps_is_written_at_close(model_dir, monkeypatch, tmp_
     ({"AS_PROFILE": "enabled"}, "AS_PROFILE='enabled' is neither on nor off"),
     ({"AS_PROFILE": "off", "AS_PROFILE_TRACE": "/tmp/x.json"}, "contradict each other"),
     ({"AS_PROFILE": "ON", "AS_PROFILE_TRACE_STEPS": "-3"}, "AS_PROFILE_TRACE_STEPS='-3' is not a positive"),
+    # NOTE: a folder was found out at close, after the whole run was profiled
+    ({"AS_PROFILE_TRACE": "/tmp"}, r"AS_PROFILE_TRACE='/tmp' is a directory; name the trace file to write, e\.g\. "
+                                   r"'/tmp/trace\.json'\."),
+    ({"AS_PROFILE_TRACE": "/nonexistent/t.json"}, "names a file in a folder that does not exist or is not writable"),
 ])
 def test_profiling_settings_it_cannot_read_are_errors(model_dir, monkeypatch, env, message):
     for name in ("AS_PROFILE", "AS_PROFILE_TRACE", "AS_PROFILE_TRACE_STEPS"):

@@ -12,7 +12,7 @@ fingerprint hashes the model's config.json, the weights' identity (safetensors h
 and sampled bytes of safetensors and GGUF files), the KV dtype, weight quantization, block size
 and rank count, so another model, dtype or TP
 layout never reads these files. A file is a header (magic, version, hash, payload length,
-CRC32 of the payload) and the payload: every layer's K then V rows of the block. Writes go to a
+CRC32 of the payload, the rank's write sequence number) and the payload: every layer's K then V rows of the block. Writes go to a
 temporary file renamed into place; at start-up every rank verifies its files (bad, truncated
 or stray temporary files are deleted) and rank 0 keeps the hashes valid on every rank. A load
 verifies again; a file that fails is dropped, and the step is redone without it.
@@ -45,7 +45,8 @@ from .tier import OP_DELETE, OP_LOAD, OP_SAVE, join_hash, ops_array
 log = logging.getLogger("numa_runtime")
 
 _MAGIC, _VERSION = b"NRKV", 1
-_HEADER = struct.Struct("<4sI16sQI4x")  # magic, version, hash (16 bytes), payload length, crc32
+# magic, version, hash (16 bytes), payload length, crc32, write sequence (0 in files of before it)
+_HEADER = struct.Struct("<4sI16sQII")
 DISK_FLOPS_PER_BYTE = 1000  # the rule's ratio: 1 TFLOP/s of compute per 1 GB/s of disk
 LOAD_POLICIES = ("auto", "always")
 
@@ -168,6 +169,7 @@ class DiskStore:
                                  "pass a writable --kv-cache-dir.") from None
         self._lock = self._take_lock(root)
         self.num_bad = 0
+        self._seq = 1  # NOTE: the next file's; scan() continues after the highest on disk
 
     def _take_lock(self, root: str) -> int | None:
         """This rank's files belong to one engine at a time: an flock on `.lock.r<rank>`, held
@@ -225,14 +227,19 @@ class DiskStore:
                 h = int(stem, 16)
             except ValueError:
                 continue
-            if self.read(h) is not None:
-                found.append((os.stat(path).st_mtime_ns, h))
-        return [h for _, h in sorted(found)]
+            got = self._read(h)
+            if got is not None:
+                found.append((got[1], os.stat(path).st_mtime_ns, h))
+        # NOTE: by write sequence, then mtime (files of before it): mtimes alone tie for files written
+        # within one clock tick (ext4 before Linux 6.13), and the cap then kept chain tails by hash order
+        self._seq = max((q for q, _, _ in found), default=0) + 1
+        return [h for _, _, h in sorted(found)]
 
     def save(self, block_hash: int, payload: np.ndarray) -> bool:
         """payload: [block_bytes] uint8. False when the file could not be written."""
         head = _HEADER.pack(_MAGIC, _VERSION, block_hash.to_bytes(16, "little"), payload.nbytes,
-                            zlib.crc32(payload))
+                            zlib.crc32(payload), self._seq % (1 << 32))
+        self._seq += 1
         path = self.path(block_hash)
         tmp = path + ".tmp"
         try:
@@ -249,6 +256,11 @@ class DiskStore:
     def read(self, block_hash: int) -> np.ndarray | None:
         """The payload [block_bytes] uint8, or None (the file is missing, or it was corrupt or
         truncated and is now deleted)."""
+        got = self._read(block_hash)
+        return None if got is None else got[0]
+
+    def _read(self, block_hash: int) -> tuple[np.ndarray, int] | None:
+        """read's payload and the file's write sequence number."""
         path = self.path(block_hash)
         try:
             with open(path, "rb") as f:
@@ -257,11 +269,11 @@ class DiskStore:
             log.warning("KV disk tier: cannot read %s (%s)", path, e)
             return None
         if len(data) == self.file_bytes:
-            magic, version, h, n, crc = _HEADER.unpack_from(data)
+            magic, version, h, n, crc, seq = _HEADER.unpack_from(data)
             payload = np.frombuffer(data, np.uint8, offset=_HEADER.size)
             if (magic, version, h, n) == (_MAGIC, _VERSION, block_hash.to_bytes(16, "little"),
                                           self.block_bytes) and zlib.crc32(payload) == crc:
-                return payload
+                return payload, seq
         log.warning("KV disk tier: dropped %s (truncated or failed its checksum)", path)
         self.num_bad += 1
         _remove(path)
