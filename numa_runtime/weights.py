@@ -6,6 +6,8 @@ Nothing is unpickled and no code from the model directory is run.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import os
 import struct
@@ -245,3 +247,15 @@ class Checkpoint:
             return bf16_to_f32(t)
         return np.array(t, dtype=np.float32, order="C")
 
+
+def trim_heap() -> None:
+    """Give the heap pages glibc keeps after frees back to the OS (malloc_trim); nothing where the
+    C library is not glibc. NOTE: a load's freed f32 slices stayed resident (140 MB of RSS beside
+    42 MB of int4 weights after quantizing a 287 MB model at load; 71 MB after a trim), as did an
+    unloaded model's pages (~380 MiB for a 0.5B model)."""
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)

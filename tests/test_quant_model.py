@@ -622,6 +622,25 @@ def test_int8_o_proj_of_heads_narrower_than_a_group_takes_row_scales(tmp_path):
     assert result(run_mpi(2, src, "int8"))["tokens"] == [expected]
 
 
+@pytest.mark.parametrize("shape,quantization", [
+    (dict(hidden_size=160, num_attention_heads=2, num_key_value_heads=1, intermediate_size=320), "int8"),
+    (dict(hidden_size=160, num_attention_heads=2, num_key_value_heads=1, intermediate_size=320), "int8-channel"),
+    (dict(intermediate_size=200), "int8-channel")], ids=["o-head80-int8", "o-head80-channel", "mlp200-channel"])
+def test_int8_decode_activations_are_the_same_blocks_on_every_rank_count(tmp_path, shape, quantization):
+    """A bf16 engine rounds decode activations to int8 blocks of 32 from the first column of a
+    rank's slice. Slices that did not start on that grid (o_proj of 80-column heads with one
+    scale a row; 200 MLP columns split 88/112) rounded other blocks than one rank, and 2 ranks
+    gave other logprobs (0.06-0.24 apart, other tokens). Such an o_proj now keeps exact
+    activations on every rank count, and a one-scale-a-row MLP splits on the blocks."""
+    src = str(tmp_path / "m")
+    build_model(src, arch="qwen2", **{**SHAPE, **shape})
+    one, two = (result(run_mpi(n, src, quantization, prefill="bf16")) for n in (1, 2))
+    assert one["o_act8"] == two["o_act8"] == ("intermediate_size" in shape and len(shape) == 1)
+    assert two["mlp_columns"][1] % 32 == 0  # rank 0 ends (rank 1 starts) on a block
+    assert one["tokens"] == two["tokens"]
+    assert np.abs(np.array(one["logprobs"]) - np.array(two["logprobs"])).max() < 2e-3
+
+
 def test_a_replica_that_cannot_split_names_the_job_it_belongs_to(tmp_path):
     """4 ranks of a 2-head model run as 2 replicas of 2 (chosen, not asked for): the error counts
     the replica's ranks and says they are a replica of the job's 4."""
@@ -656,3 +675,26 @@ def test_the_start_up_log_names_the_kernel_paths_taken(model_dir, caplog):
         gemm._force_cpu_level(old)
     assert "prefill activations: the f32 kernels (this CPU has no AVX-512 BF16" in caplog.text
     assert "kernels: bf16/f32 GEMV AVX-512," in caplog.text or gemm.cpu_level() == 0
+
+
+def test_a_load_gives_its_freed_slices_back_to_the_os(tmp_path):
+    """Quantizing at load frees every f32 slice it read; glibc kept those pages (a 123 MB f32
+    model left 20 MB that a malloc_trim right after the load gave back, 70 MB of a 287 MB one).
+    The load trims the heap itself: a trim after it finds next to nothing."""
+    src = str(tmp_path / "m")
+    build_model(src, arch="llama", hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
+                num_attention_heads=8, num_key_value_heads=4, vocab_size=512)
+    code = ("import ctypes, sys, psutil\n"
+            "from numa_runtime import Engine\n"
+            "p = psutil.Process()\n"
+            "anon = lambda: p.memory_info().rss - p.memory_info().shared\n"
+            "e = Engine(sys.argv[1], dtype='float32', quantization='int4', kv_cache_memory=1 << 22, max_model_len=64)\n"
+            "a = anon()\n"
+            "ctypes.CDLL('libc.so.6').malloc_trim(0)\n"
+            "print('FREED', (a - anon()) / 2**20)\n"
+            "e.close()\n")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-c", code, src], capture_output=True, text=True, timeout=300, env=env)
+    freed = [float(l.split()[1]) for l in p.stdout.splitlines() if l.startswith("FREED ")]
+    assert p.returncode == 0 and len(freed) == 1, p.stdout[-2000:] + p.stderr[-2000:]
+    assert freed[0] < 5, f"{freed[0]:.1f} MiB of freed load buffers were still held"

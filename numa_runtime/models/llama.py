@@ -25,6 +25,7 @@ from ..plan import EMBED
 from ..profiler import TimedOps
 from ..recorder import FORWARD
 from ..sharding import ShardLayout, shard_layouts, split_heads
+from ..weights import trim_heap
 from ..weights import Checkpoint, load_rows
 from .moe import MoEBlock, check_moe_tensors, swiglu
 
@@ -187,6 +188,7 @@ class LlamaModel:
         # [S'] int64: each logits row's argmax, when the step's region computed it; else None
         self.greedy_ids = None
         self.prefill_int8 = self._set_prefill_activations(prefill_activations)
+        trim_heap()  # NOTE: the load's freed slices (f32 copies quantized at load, split tensors)
 
     def _set_prefill_activations(self, mode: str) -> bool:
         """Prefill rows of the int8-activation linears (those a bf16 engine quantized: act8) take

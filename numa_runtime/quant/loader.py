@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from .formats import QuantError, QuantFormat, QuantizedWeight, concat_rows, quantize
+from .reference import ACT8_BLOCK
 from .packing import pack
 from ..weights import load_rows
 
@@ -67,16 +68,20 @@ class LinearFactory:
         `even` (an MoE's experts, split with no other load to balance them): super-blocks only
         where they share out within 10% (Qwen3-30B-A3B's 768 columns are 3 super-blocks: 2 + 1
         on 2 ranks would make one rank stream twice the other's expert bytes every token).
-        One group a row ('int8-channel'): the k of a packed unit (4) where k allows it, so that
-        no rank's slice is padded (a padded slice decodes op by op: qgemm.fused_decode_usable)."""
+        One group a row ('int8-channel'): the int8 activation blocks of decode (ACT8_BLOCK, 32)
+        where k holds one a rank, so that each rank rounds the activation blocks one rank rounds
+        (its blocks start at its slice's first column: an 88/112 split of 200 columns gave other
+        logits on 2 ranks than on 1 in a bf16 engine); else the k of a packed unit (4) where k
+        allows it, so that no rank's slice is padded (a padded slice decodes op by op:
+        qgemm.fused_decode_usable)."""
         q = self.quant
         if q is None:
             own = 1
         elif q.group_size < 0:
-            own = q.pack_k if k % q.pack_k == 0 else 1
+            own = ACT8_BLOCK if k // ACT8_BLOCK >= world else q.pack_k if k % q.pack_k == 0 else 1
         else:
             own = q.for_split(k).group_size
-        if k % own:  # NOTE: no rank count can help; say so before the split names one
+        if q is not None and q.group_size > 0 and k % own:  # NOTE: no rank count can help; say so first
             raise QuantError(f"model.layers.*.{what}.weight: its {k} input features are not a multiple of "
                              f"{_group_words(q.for_split(k))}; choose a quantization whose group divides them, "
                              "or 'int8-channel'.")
@@ -110,8 +115,13 @@ class LinearFactory:
         if all(isinstance(w, np.ndarray) for w in weights):
             return self.ops.Linear(weights[0] if len(weights) == 1 else np.concatenate(weights), bias)
         if all(isinstance(w, QuantizedWeight) for w in weights):
+            # NOTE: o_proj's rank slices start at whole heads; with one scale a row and heads that are not
+            # whole activation blocks (head_dim 80), the slices' blocks differ from one rank's, so its decode
+            # keeps exact activations on every rank count (int8 blocks gave other logits on 2 ranks than on 1)
+            unit = parts[0][3] if len(parts[0]) > 3 else None
+            act8 = False if unit and unit % ACT8_BLOCK and any(w.fmt.group_size < 0 for w in weights) else None
             try:
-                return qlinear(self.ops, concat_rows(weights), bias, self.bf16)
+                return qlinear(self.ops, concat_rows(weights), bias, self.bf16, act8)
             except QuantError:
                 pass  # NOTE: mixed formats (e.g. a GGUF with Q6_K v and Q4_K q/k): one linear each
         return ConcatLinear([self._single(w) for w in weights], bias)

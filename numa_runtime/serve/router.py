@@ -21,8 +21,6 @@ model i's runner brings them back (`_activate`).
 from __future__ import annotations
 
 import atexit
-import ctypes
-import ctypes.util
 import gc
 import logging
 import os
@@ -34,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from ..config import ModelConfig, context_in_pool, kv_pool_blocks, supported_len
 from ..plan import StepPlan
 from ..profiler import label_trace
+from ..weights import trim_heap
 
 log = logging.getLogger("numa_runtime.serve")
 
@@ -555,10 +554,4 @@ def release_memory() -> None:
     torch = sys.modules.get("torch")  # NOTE: the CUDA backend's freed tensors stay in torch's cache
     if torch is not None and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        return
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    trim(0)
+    trim_heap()

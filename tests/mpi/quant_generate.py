@@ -16,10 +16,13 @@ kw = {"dtype": "float32"} if prefill is None else {"dtype": "bfloat16", "prefill
 eng = Engine(model, kv_cache_memory=1 << 23, max_model_len=128,
              quantization=None if quantization == "none" else quantization,
              lm_head_quantization=None if head == "none" else head, **kw)
-outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0))
 model = eng.runner.model
 down = model.layers[0].down_proj
 print("RESULT " + json.dumps({"world": eng.comm.world_size, "tokens": [list(o.token_ids) for o in outs],
+                              "logprobs": [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.token_ids)]
+                                           for o in outs],
+                              "o_act8": bool(model.layers[0].o_proj.act8),
                               "mlp_columns": [model.lay.inter.start, model.lay.inter.stop],
                               "down_ks": getattr(down, "ks", None)}), flush=True)
 eng.close()
