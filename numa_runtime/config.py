@@ -54,6 +54,9 @@ class UnsupportedModelError(ValueError):
 
 # vLLM's --runner / --convert / --task (Engine(runner=, convert=, task=)): the values taken, per flag;
 # POOLING_VALUES make embeddings pool the last token where the checkpoint declares no pooling
+# NOTE: vLLM's logprobs_mode (Engine, --logprobs-mode): log-probabilities here are always the model's
+# own distribution (before temperature, penalties, logit_bias, top-k/top-p), its default
+LOGPROBS_MODES = ("raw_logprobs",)
 RUNNER_VALUES = {"runner": ("auto", "generate", "pooling"), "convert": ("auto", "none", "embed"),
                  "task": ("auto", "generate", "embed", "embedding")}
 POOLING_VALUES = frozenset({"pooling", "embed", "embedding"})

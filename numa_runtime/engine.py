@@ -30,7 +30,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from .config import POOLING_VALUES, RUNNER_VALUES, EngineConfig, ModelConfig, UnsupportedModelError, generation_defaults
+from .config import LOGPROBS_MODES, POOLING_VALUES, RUNNER_VALUES, EngineConfig, ModelConfig, UnsupportedModelError, generation_defaults
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput, TextState
 from .recorder import FORWARD, RESHAPE
 from .request import Request, RequestStatus
@@ -1604,14 +1604,17 @@ def _take_vllm_kwargs(model, kwargs: dict):
         kwargs.pop(name, None)  # NOTE: no model code runs here, no stats are logged, MPI sums, nothing compiles
     for name, ok in (("tokenizer_mode", ("auto", "hf")), ("model_impl", ("auto",)),
                      ("distributed_executor_backend", (None, "mp", "uni")), ("enable_lora", (False,)),
-                     ("override_generation_config", (None, {}))):
+                     ("override_generation_config", (None, {})), ("logprobs_mode", LOGPROBS_MODES)):
         if name in kwargs and kwargs.pop(name) not in ok:
-            raise ValueError(f"{name} (vLLM's) may only be {' or '.join(repr(v) for v in ok)} here.")
+            why = (" (log-probabilities are the model's own distribution, before temperature, penalties, "
+                   "logit_bias, top-k and top-p, as vLLM's default)" if name == "logprobs_mode" else "")
+            raise ValueError(f"{name} (vLLM's) may only be {' or '.join(repr(v) for v in ok)} here{why}.")
     if "max_logprobs" in kwargs:
         top = kwargs.pop("max_logprobs")
         if not _is_int(top) or not 0 <= top <= 20:
-            raise ValueError(f"max_logprobs (vLLM's) may be at most 20 here (the logprobs a request may ask for), "
-                             f"got {top!r}.")
+            unlimited = " (-1, vLLM's no limit, is not offered: at most 20)" if top == -1 else ""
+            raise ValueError(f"max_logprobs (vLLM's) must be 0 to 20 here (the logprobs a request may ask for)"
+                             f"{unlimited}, got {top!r}.")
         kwargs["_max_logprobs"] = top
     if "kv_cache_memory_bytes" in kwargs:  # NOTE: vLLM's newer name of the KV cache's size
         if kwargs.get("kv_cache_memory") is not None:

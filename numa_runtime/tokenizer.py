@@ -305,6 +305,11 @@ class Tokenizer:
         return set(self._backend.get_added_tokens_decoder())
 
     @functools.cached_property
+    def skipped_ids(self) -> frozenset[int]:
+        """The tokens decode(skip_special_tokens=True) leaves out of a text: the special added ones."""
+        return frozenset(i for i, t in self._backend.get_added_tokens_decoder().items() if t.special)
+
+    @functools.cached_property
     def _pieces(self) -> str:
         """How the vocabulary writes text: "byte_level" (GPT-2's byte alphabet), "metaspace"
         (SentencePiece's U+2581 for a space), or "" (decode each token)."""

@@ -1604,7 +1604,7 @@ def test_vllm_scripts_run_unchanged(model_dir):
     from numa_runtime import SamplingParams as SP
     e = Engine(model_dir, dtype="float32", kv_cache_memory_bytes=1 << 22, max_model_len=128, tokenizer_mode="auto",
                max_logprobs=20, distributed_executor_backend="mp", disable_custom_all_reduce=True, enable_lora=False,
-               model_impl="auto", runner="pooling", hf_token=None)
+               model_impl="auto", runner="pooling", hf_token=None, logprobs_mode="raw_logprobs")
     try:
         assert e.config.kv_cache_memory == 1 << 22
         last = e.embed(["Hello world"], pooling="last")
@@ -1625,7 +1625,13 @@ def test_vllm_scripts_run_unchanged(model_dir):
             e.generate({"prompt_token_ids": [1, 2.0]}, sp)
     finally:
         e.close()
-    for kw, err, match in (({"max_logprobs": 50}, ValueError, "max_logprobs .* at most 20"),
+    for kw, err, match in (({"max_logprobs": 50}, ValueError, r"max_logprobs \(vLLM's\) must be 0 to 20 .*got 50\."),
+                           ({"max_logprobs": -1}, ValueError, r"must be 0 to 20 .* \(-1, vLLM's no limit, is not "
+                                                              r"offered: at most 20\), got -1\."),
+                           # NOTE: vLLM's default mode, the one this engine runs, was refused as unknown
+                           ({"logprobs_mode": "processed_logprobs"}, ValueError, r"^logprobs_mode \(vLLM's\) may only "
+                            r"be 'raw_logprobs' here \(log-probabilities are the model's own distribution, before "
+                            r"temperature"),
                            ({"runner": "classify"}, ValueError, "runner='classify' .* is not supported"),
                            # NOTE: each flag its own values, as serve's (runner="embed" was taken)
                            ({"runner": "embed"}, ValueError, r"^runner='embed' \(vLLM's\) is not supported here: it "

@@ -769,6 +769,23 @@ def test_logprobs_of_streams_and_partial_characters(client, model_dir):
     assert all(len(t) in (5, 6) and "bytes:\\xc3" in t for t in lp.top_logprobs), lp.top_logprobs
 
 
+def test_text_offsets_skip_the_special_tokens_the_text_leaves_out(client):
+    """A special token that skip_special_tokens (the default) leaves out of the text takes none of
+    its characters: every <pad> here was counted as 5, and the offsets ran past the text."""
+    kw = dict(model="tiny", prompt="Hello", max_tokens=4, logprobs=0, logit_bias={"0": 100}, **FLOAT)
+    body = client.completions.create(**kw).choices[0]
+    assert body.text == "" and body.logprobs.tokens == ["<pad>"] * 4 and body.logprobs.text_offset == [0] * 4
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == [0] * 4
+    kept = client.completions.create(**kw, extra_body={"skip_special_tokens": False}).choices[0]
+    assert kept.text == "<pad>" * 4 and kept.logprobs.text_offset == [0, 5, 10, 15]
+    # an echoed prompt's special tokens are in its text: counted there, not after it
+    echo = client.completions.create(**{**kw, "prompt": "<pad>Hi", "max_tokens": 2}, echo=True).choices[0]
+    assert echo.text == "<pad>Hi" and echo.logprobs.tokens[0] == "<pad>"
+    n = len(echo.logprobs.tokens)
+    assert echo.logprobs.text_offset[0] == 0 and echo.logprobs.text_offset[n - 2:] == [7, 7]
+
+
 def test_legacy_top_logprobs_always_hold_the_sampled_token(client):
     """OpenAI's legacy completions and vLLM: top_logprobs holds the `logprobs` most likely tokens
     and the sampled one (logprobs + 1 entries when it is not among them; logprobs=0: only it)."""

@@ -663,6 +663,10 @@ def test_a_port_a_loading_server_holds_is_busy():
 
 @pytest.mark.parametrize("flags,message", [
     (["--port", "70000"], "--port must be in 0..65535 (0: any free port), got 70000."),
+    (["--logprobs-mode", "processed_logprobs"], "--logprobs-mode processed_logprobs (vLLM's) is not supported: "
+                                                "log-probabilities here are the model's own distribution"),
+    (["--max-logprobs", "-1"], "--max-logprobs must be 0 to 20 (the log-probabilities a request may ask for), got -1 "
+                               "(no limit, vLLM's -1, is not offered)."),
     (["--max-queue", "0"], "max_queue must be >= 1 (requests are refused once that many wait), got 0."),
     (["--load-timeout", "-1", "--model", "a", "--model", "b"],
      "--load-timeout must be a positive number of seconds, got -1.0."),
@@ -981,3 +985,12 @@ def test_a_server_whose_tokenizing_thread_never_returns_still_exits(model_dir, t
         rc = srv.stop(signal.SIGTERM)
     assert rc == 0 and time.monotonic() - started < 25, srv.output()
     assert "thread(s) still running" in srv.output()
+
+
+def test_vllm_logprobs_flags_reach_the_engine():
+    """--max-logprobs lowers what a request may ask for (there was no such flag), and
+    --logprobs-mode raw_logprobs, vLLM's default and what runs here, is taken."""
+    from numa_runtime.serve.__main__ import check_args, engine_kwargs, parse_args
+    args = parse_args(["--max-logprobs", "3", "--logprobs-mode", "raw_logprobs"])
+    assert check_args(args) is None and engine_kwargs(args)["max_logprobs"] == 3
+    assert "max_logprobs" not in engine_kwargs(parse_args([]))

@@ -18,7 +18,7 @@ import sys
 import threading
 
 from numa_runtime import env
-from numa_runtime.config import POOLING_VALUES, RUNNER_VALUES
+from numa_runtime.config import LOGPROBS_MODES, POOLING_VALUES, RUNNER_VALUES
 from numa_runtime.env import RankZeroParser
 from numa_runtime.__main__ import DTYPE_HELP, dtype_arg
 from numa_runtime.serve.tools import PARSERS
@@ -184,6 +184,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="the token that fetches a gated Hugging Face Hub id (alone: the saved login's); "
                     "default: HF_TOKEN or the saved login")
     vl.add_argument("--load-format", default="auto", help="auto, safetensors or gguf (as the model's files say)")
+    vl.add_argument("--max-logprobs", type=int, default=None,
+                    help="the most log-probabilities a request may ask for, 0 to 20 (default 20)")
+    vl.add_argument("--logprobs-mode", default=LOGPROBS_MODES[0], metavar="|".join(LOGPROBS_MODES),
+                    help="raw_logprobs only: log-probabilities are the model's own distribution, before "
+                         "temperature, penalties, logit_bias, top-k and top-p (vLLM's default)")
     # NOTE: as Engine(runner=...): `vllm serve M --runner pooling` users dropped the flag and got mean pooling
     for flag, ok in RUNNER_VALUES.items():
         vl.add_argument("--" + flag, default=None, metavar="|".join(ok),
@@ -265,6 +270,8 @@ def engine_kwargs(args) -> dict:
                 kwargs[key] = getattr(args, key)
     if args.data_parallel is not None:
         kwargs["data_parallel"] = args.data_parallel
+    if args.max_logprobs is not None:
+        kwargs["max_logprobs"] = args.max_logprobs
     if args.enforce_eager:
         kwargs["cuda_graphs"] = False
     if {getattr(args, flag) for flag in RUNNER_VALUES} & POOLING_VALUES:
@@ -420,6 +427,14 @@ def check_args(args) -> str | None:
             return f"{flag} (vLLM's) {why}."
     if args.pipeline_parallel_size != 1:
         return "--pipeline-parallel-size must be 1: ranks split each layer (tensor parallel), not the layers."
+    if args.logprobs_mode not in LOGPROBS_MODES:
+        return (f"--logprobs-mode {args.logprobs_mode} (vLLM's) is not supported: log-probabilities here are the "
+                "model's own distribution, before temperature, penalties, logit_bias, top-k and top-p "
+                "(raw_logprobs).")
+    if args.max_logprobs is not None and not 0 <= args.max_logprobs <= 20:
+        unlimited = " (no limit, vLLM's -1, is not offered)" if args.max_logprobs == -1 else ""
+        return (f"--max-logprobs must be 0 to 20 (the log-probabilities a request may ask for), got "
+                f"{args.max_logprobs}{unlimited}.")
     for flag, ok in RUNNER_VALUES.items():
         value = getattr(args, flag)
         if value is not None and value not in ok:

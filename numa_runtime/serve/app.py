@@ -495,13 +495,15 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
         tracker = R.ChoiceTracker(params.n)
         report = _Report(metrics, tracker, arrival, len(prompts) * params.n, config.served_model_name)
         name = config.served_model_name
+        # NOTE: the special tokens a completion's text leaves out take no characters of its text_offset
+        skipped = engine.tokenizer.skipped_ids if params.skip_special_tokens else frozenset()
         # NOTE: a schema-constrained output has no room to reason: it is all content
         thinking = (config.reasoning_parser if kind == "chatcmpl" and params.constraint is None else None,
                     getattr(body, "include_reasoning", True))
         if body.stream:
             return StreamingResponse(_stream(gen, tracker, report, rid, name, kind, body.include_usage, decode_token,
                                              tool_plan, schema_param, body.continuous_usage, thinking, echo[0],
-                                             tails),
+                                             tails, skipped),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         status, reasons = "abort", None
         try:
@@ -515,7 +517,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
                 out = await off_loop(R.chat_body, rid, name, tracker, decode_token, tool_plan, *thinking)
             else:
                 out = await off_loop(R.completion_body, rid, name, tracker, decode_token, *echo,
-                                     engine.tokenizer.decoded_token, tails)
+                                     engine.tokenizer.decoded_token, tails, skipped)
             # NOTE: each choice's reason as the client sees it ("tool_calls" too)
             reasons = {c["index"]: c["finish_reason"] for c in out["choices"]}
         except RuntimeError as e:  # NOTE: EngineDeadError too
@@ -675,7 +677,7 @@ async def _until_disconnect(request: Request, work) -> bool:
 
 async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode, tool_plan=None,
                   schema_param: str = "response_format", continuous_usage: bool = False, thinking=(None, True),
-                  echo=None, tails=None):
+                  echo=None, tails=None, skipped=frozenset()):
     """SSE events of one request. Cancelled (client gone) -> finally aborts the request.
     `continuous_usage`: every chunk carries the usage so far (then the chat's opening role chunks
     wait for the first output, as vLLM sends them, when the prompt's tokens are counted)."""
@@ -739,7 +741,8 @@ async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode,
                     continue
                 chunk = (R.chat_chunk(rid, model, created, p, p.index, decode, include_usage) if chat
                          else R.completion_chunk(rid, model, created, p, decode, include_usage, offsets,
-                                                 tails[p.index // tracker.n] if tails and echo is None else b""))
+                                                 tails[p.index // tracker.n] if tails and echo is None else b"",
+                                                 skipped))
                 yield event(chunk)
         status = api_reason.get(0) or tracker.choices()[0][1].finish_reason or "stop"
         reasons = {i: api_reason.get(i) or c.finish_reason for i, c in tracker.choices()}

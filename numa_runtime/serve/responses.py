@@ -101,18 +101,21 @@ class ChoiceTracker:
 
 # ---------------------------------------------------------------------------- logprobs
 def completion_logprobs(token_ids: list[int], logprobs: list | None, decode: TokenBytes,
-                        offset: "TextOffset | None" = None) -> dict | None:
+                        offset: "TextOffset | None" = None, skipped: frozenset = frozenset(),
+                        start: int = 0) -> dict | None:
     """The legacy completions format: tokens, token_logprobs, top_logprobs, text_offset (the
     character of the completion's text where each token starts; `offset` carries it over the
-    chunks of a stream)."""
+    chunks of a stream). `skipped`: the ids the text leaves out (special tokens, under
+    skip_special_tokens), from the `start`-th token on (an echoed prompt's are in its text):
+    they take no characters (their text was counted, and later offsets ran past the text)."""
     if logprobs is None:
         return None
     offset = offset if offset is not None else TextOffset()
     tokens, offsets = [], []
-    for tid in token_ids[:len(logprobs)]:
+    for i, tid in enumerate(token_ids[:len(logprobs)]):
         raw = decode(tid)
         tokens.append(token_text(raw))
-        offsets.append(offset.add(raw))
+        offsets.append(offset.add(b"" if i >= start and tid in skipped else raw))
     # NOTE: as OpenAI's legacy format and vLLM: the sampled token is always among the top
     # logprobs (logprobs + 1 entries when it is not one of the most likely)
     tops = []
@@ -174,21 +177,24 @@ def chat_logprobs(token_ids: list[int], logprobs: list | None, decode: TokenByte
 
 # ---------------------------------------------------------------------------- bodies
 def completion_body(rid: str, model: str, tracker: ChoiceTracker, decode: TokenBytes, echo=None, scores=None,
-                    token_name: Callable[[int], str] | None = None, tails: list[bytes] | None = None) -> dict:
+                    token_name: Callable[[int], str] | None = None, tails: list[bytes] | None = None,
+                    skipped: frozenset = frozenset()) -> dict:
     """`echo`: per prompt (its text, ids, logprob pairs or None): the text and logprobs begin with
     the prompt's (the first token's logprob null, as OpenAI's); `scores`: per prompt (ids, pairs)
     of vLLM's prompt_logprobs (per prompt token a {token id: Logprob} dict, the first null);
-    `tails`: per prompt the bytes it leaves open (TextOffset), without echo."""
+    `tails`: per prompt the bytes it leaves open (TextOffset), without echo; `skipped`:
+    completion_logprobs'."""
     choices = []
     for i, c in tracker.choices():
         text, ids, pairs = c.text, list(c.token_ids), c.logprob_pairs
         offset = TextOffset(tails[i // tracker.n]) if tails and echo is None else None
+        start = 0
         if echo is not None:
             ptext, pids, ppairs = echo[i // tracker.n]
-            text, ids = ptext + text, list(pids) + ids
+            text, ids, start = ptext + text, list(pids) + ids, len(pids)
             pairs = None if pairs is None or ppairs is None else [None, *ppairs, *pairs]
         choice = {"index": i, "text": text, "finish_reason": _reason(c.finish_reason), "stop_reason": _stop(c),
-                  "logprobs": completion_logprobs(ids, pairs, decode, offset)}
+                  "logprobs": completion_logprobs(ids, pairs, decode, offset, skipped, start)}
         if scores is not None:
             choice["prompt_logprobs"] = prompt_logprobs_body(*scores[i // tracker.n], token_name)
         choices.append(choice)
@@ -277,15 +283,17 @@ def tool_calls_chunk(rid: str, model: str, created: int, index: int, calls: list
 
 
 def completion_chunk(rid: str, model: str, created: int, piece: Piece, decode: TokenBytes,
-                     include_usage: bool, offsets: dict[int, TextOffset], tail: bytes = b"") -> dict:
+                     include_usage: bool, offsets: dict[int, TextOffset], tail: bytes = b"",
+                     skipped: frozenset = frozenset()) -> dict:
     """`offsets`: the text offset of each choice of the stream so far (updated); `tail`: the bytes
-    the choice's prompt leaves open (TextOffset)."""
+    the choice's prompt leaves open (TextOffset); `skipped`: completion_logprobs' (none for an
+    echoed prompt's piece)."""
     if piece.index not in offsets:
         offsets[piece.index] = TextOffset(tail)
     offset = offsets[piece.index]
     choice = {"index": piece.index, "text": piece.text, "finish_reason": piece.finish_reason,
               "stop_reason": piece.stop_reason,
-              "logprobs": completion_logprobs(piece.token_ids, piece.logprobs, decode, offset)}
+              "logprobs": completion_logprobs(piece.token_ids, piece.logprobs, decode, offset, skipped)}
     return _chunk(rid, "text_completion", model, created, [choice], include_usage)
 
 
