@@ -459,14 +459,15 @@ def _sliding_window(cfg: dict, family: str, arch: str = "") -> tuple[int | None,
     return window, tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
 
 
-def _longrope(cfg: dict, merged: dict, rot_dim: int) -> tuple[tuple, float]:
+def _longrope(cfg: dict, merged: dict, rot_dim: int, kind: str = "phi3") -> tuple[tuple, float]:
     """LongRoPE (Phi-3/3.5/4) within its original context: the short factors (divisors of the
     inverse frequencies) and the attention factor, as transformers computes them. Past
     original_max_position_embeddings transformers switches every new token to the long factors
     (supported_len keeps max_model_len below that)."""
-    # NOTE: the long factors are checked though never run (as transformers refuses a config
-    # without them or of the wrong length): a broken config is said, not served
-    for key in ("short_factor", "long_factor"):
+    # NOTE: a Phi-3's long factors are checked though never run (as transformers' Phi3Config refuses
+    # a config without them or of the wrong length): a broken config is said, not served; other
+    # families' transformers configs only warn
+    for key in ("short_factor", "long_factor") if kind == "phi3" else ("short_factor",):
         f = merged.get(key)
         if not isinstance(f, list) or len(f) != rot_dim // 2 or not all(
                 isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < math.inf for x in f):
@@ -524,7 +525,7 @@ def _rope_config(cfg: dict, head_dim: int, kind: str = "llama") -> RopeConfig:
                                     "even: rope rotates pairs of values.")
     factors = tuple(float(f) for f in cfg.get("rope_freq_factors") or ())
     if rope_type == "longrope":
-        factors, merged["attention_factor"] = _longrope(cfg, merged, int(head_dim * partial))
+        factors, merged["attention_factor"] = _longrope(cfg, merged, int(head_dim * partial), kind)
     if factors and (len(factors) != int(head_dim * partial) // 2 or not all(0 < f < math.inf for f in factors)):
         raise UnsupportedModelError(f"rope_freq_factors must hold {int(head_dim * partial) // 2} positive "
                                     f"numbers (one per rotary frequency), got {len(factors)}.")

@@ -85,11 +85,12 @@ def default_model_path() -> str:
 
 
 def _source(gguf_path: str) -> str:
-    """The GGUF a conversion was made from: its size, mtime and a digest of its ends (as the GGUF
-    cache keys its descriptions), so that another wheel's file is converted again."""
+    """The GGUF a conversion was made from: its size and a digest of its ends, so that another
+    wheel's file is converted again. NOTE: not its mtime: every install writes the same file
+    anew, and two environments sharing one cache converted it in turn on every start."""
     from .gguf_model import _ends_digest
-    st = os.stat(gguf_path)
-    return f"{st.st_size}:{st.st_mtime_ns}:{_ends_digest(gguf_path, st.st_size)}"
+    size = os.path.getsize(gguf_path)
+    return f"{size}:{_ends_digest(gguf_path, size)}"
 
 
 def default_model_dir() -> str:

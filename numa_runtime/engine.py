@@ -457,10 +457,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams.")
         for field in ("logprobs", "prompt_logprobs"):
-            asked = getattr(params, field)
-            if asked is not None and asked > self._max_logprobs:
-                raise ValueError(f"{field} asks for {asked} log-probabilities, more than this engine's max_logprobs "
-                                 f"({self._max_logprobs}).")
+            self.check_logprobs(field, getattr(params, field))
         rid = self._free_id(params.n) if request_id is None else str(request_id)  # NOTE: a caller's id may hold it
         if rid in self._groups or self._is_pending(rid):
             raise ValueError(f"Request id {rid!r} is already in use.")
@@ -1209,6 +1206,12 @@ class Engine:
         self.ops.log_softmax(np.ascontiguousarray(logits, dtype=np.float32), lp)
         return lp[np.arange(n - 1), ids[1:]]
 
+    def check_logprobs(self, field: str, asked) -> None:
+        """`asked` log-probabilities of a request's `field` within max_logprobs (vLLM's), or one sentence."""
+        if asked is not None and asked > self._max_logprobs:
+            raise ValueError(f"{field} asks for {asked} log-probabilities, more than this engine's max_logprobs "
+                             f"({self._max_logprobs}).")
+
     def prompt_logprob_pairs(self, prompt, num_logprobs: int = 0) -> list[tuple]:
         """Per token 1 .. n-1 of `prompt` (its ids as given: no special tokens added to ids):
         (its logprob, {the `num_logprobs` most likely tokens: logprob}, its rank), as generated
@@ -1218,6 +1221,7 @@ class Engine:
         self._driver_only("prompt_logprob_pairs")
         if not _is_int(num_logprobs) or not 0 <= num_logprobs <= 20:
             raise ValueError(f"num_logprobs must be an integer in [0, 20], got {num_logprobs!r}.")
+        self.check_logprobs("num_logprobs", num_logprobs)  # NOTE: echo and prompt_logprobs ran past it
         _, ids = self._tokenize(prompt)
         n = len(ids)
         if n > self.max_model_len:

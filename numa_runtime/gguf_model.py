@@ -623,8 +623,12 @@ def _longrope_keys(meta: dict, a: str, path: str, rot_dim: int, factors) -> dict
     # (it reads "yarn" as longrope), so any other scaling of a phi3 file is refused, not ignored
     factor = _f32(meta.get(a + "rope.scaling.factor", meta.get(a + "rope.scale_linear", 0.0)) or 1.0)
     if kind not in (None, "none", "longrope") or factor != 1.0:
-        raise UnsupportedModelError(f"{path}: rope scaling {kind or 'linear'} ({a}rope.scaling.*) in a phi3 "
-                                    "GGUF is not supported; Phi-3 models scale their rope by longrope only.")
+        longrope = factors is not None or kind == "longrope"
+        what = (f"rope scaling {kind}" if kind not in (None, "none", "longrope") else
+                f"a rope scaling factor of {factor:g} beside longrope" if longrope else
+                "rope scaling linear")  # NOTE: a factor without a type is linear, as llama.cpp reads it
+        raise UnsupportedModelError(f"{path}: {what} ({a}rope.scaling.*) in a phi3 GGUF is not supported; Phi-3 "
+                                    "models scale their rope by longrope only.")
     if factors is None:
         return {}
     short, long = ([float(f) for f in x] for x in factors)

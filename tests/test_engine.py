@@ -1187,6 +1187,12 @@ def test_engine_api_edges_as_vllm(model_dir):
                                                  r"max_logprobs \(2\)\.$"):
                 eng.generate("Hi", SamplingParams(max_tokens=1, **{field: 3}))
         assert len(eng.generate("Hi", SamplingParams(max_tokens=1, logprobs=2))[0].outputs[0].logprobs[0]) >= 2
+        # NOTE: the prompt's own logprobs (echo, prompt_logprobs on the server) ran past the cap
+        ids = eng.tokenizer.encode("Hello world")
+        with pytest.raises(ValueError, match=r"^num_logprobs asks for 3 log-probabilities, more than this engine's "
+                                             r"max_logprobs \(2\)\.$"):
+            eng.prompt_logprob_pairs(ids, 3)
+        assert len(eng.prompt_logprob_pairs(ids, 2)) == len(ids) - 1
         free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         out = eng.generate("Hello", free)[0].outputs[0]
         pieces = [eng.tokenizer.decode(out.token_ids[:i + 1]) for i in range(len(out.token_ids))]

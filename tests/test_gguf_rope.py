@@ -165,6 +165,10 @@ PHI3_ERRORS = {
     "linear": (dict(keys={"rope.scaling.type": "linear", "rope.scaling.factor": 4.0}),
                "rope scaling linear .* is not supported; Phi-3 models scale their rope by longrope only"),
     "factor-alone": (dict(keys={"rope.scaling.factor": 4.0}), "rope scaling linear .* is not supported"),
+    "longrope-and-factor": (dict(keys={"rope.scaling.type": "longrope", "rope.scaling.factor": 64.0},
+                                 tensors={"rope_factors_short.weight": np.ones(8, np.float32),
+                                          "rope_factors_long.weight": np.ones(8, np.float32)}),
+                            r"a rope scaling factor of 64 beside longrope \(phi3.rope.scaling.\*\) in a phi3 GGUF"),
     "yarn": (dict(keys={"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0}),
              "rope scaling yarn .* is not supported"),
     "longrope-without-factors": (dict(keys={"rope.scaling.type": "longrope"}),
@@ -356,9 +360,10 @@ def test_configs_rope_cannot_run_are_refused(tmp_path):
     (dict(original_max_position_embeddings=None), r"longrope scaling needs original_max_position_embeddings"),
 ])
 def test_longrope_configs_transformers_refuses_are_refused(change, match):
-    """The long factors are never run (the context ends where they start) but a config of the
-    wrong length or without them is refused, as transformers refuses it; an unusable original
-    context is named with its value (it was said to be missing)."""
+    """The long factors are never run (the context ends where they start) but a Phi-3 config of
+    the wrong length or without them is refused, as transformers' Phi3Config refuses it (other
+    families' configs only warn there, and load here); an unusable original context is named with
+    its value (it was said to be missing)."""
     from numa_runtime.config import ModelConfig
     scaling = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
                "original_max_position_embeddings": 64}
@@ -367,3 +372,9 @@ def test_longrope_configs_transformers_refuses_are_refused(change, match):
     assert ModelConfig.from_dict({**base, "rope_scaling": scaling}).rope.rope_type == "longrope"
     with pytest.raises(UnsupportedModelError, match=match):
         ModelConfig.from_dict({**base, "rope_scaling": {**scaling, **change}})
+    llama = {**base, "architectures": ["LlamaForCausalLM"], "rope_scaling": {**scaling, **change}}
+    if "long_factor" in change:  # NOTE: as transformers' LlamaConfig, which only warns: never run here
+        assert ModelConfig.from_dict(llama).rope.rope_type == "longrope"
+    else:
+        with pytest.raises(UnsupportedModelError, match=match):
+            ModelConfig.from_dict(llama)

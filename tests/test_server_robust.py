@@ -994,3 +994,34 @@ def test_vllm_logprobs_flags_reach_the_engine():
     args = parse_args(["--max-logprobs", "3", "--logprobs-mode", "raw_logprobs"])
     assert check_args(args) is None and engine_kwargs(args)["max_logprobs"] == 3
     assert "max_logprobs" not in engine_kwargs(parse_args([]))
+
+
+def test_max_logprobs_bounds_every_path_that_scores_a_prompt(model_dir):
+    """--max-logprobs 2: logprobs=5 with echo and max_tokens 0, and prompt_logprobs=5, computed
+    the prompt's log-probabilities past the cap (200, six entries each); they are 400s now."""
+    p = subprocess.Popen([sys.executable, "-m", "numa_runtime.serve", "--model", model_dir, *TINY, "--port", "0",
+                          "--served-model-name", "tiny", "--max-logprobs", "2"],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = next((m.group(1) for line in p.stdout
+                    for m in [re.search(r"serving at (http://127\.0\.0\.1:\d+/v1)", line)] if m), None)
+        assert url is not None
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
+        deadline = time.monotonic() + 60
+        while True:  # NOTE: the address prints as the HTTP thread starts; wait until it answers
+            try:
+                ok = client.completions.create(model="tiny", prompt="Hello world", max_tokens=0, echo=True, logprobs=2)
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        assert all(len(t) <= 3 for t in ok.choices[0].logprobs.top_logprobs[1:])
+        for extra in ({"echo": True, "max_tokens": 0, "logprobs": 5}, {"echo": True, "max_tokens": 2, "logprobs": 5},
+                      {"max_tokens": 2, "extra_body": {"prompt_logprobs": 5}}):
+            with pytest.raises(openai.BadRequestError, match=r"asks for 5 log-probabilities, more than this "
+                                                             r"engine's max_logprobs \(2\)"):
+                client.completions.create(model="tiny", prompt="Hello world", **extra)
+    finally:
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=60) == 0

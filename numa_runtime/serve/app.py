@@ -306,6 +306,8 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
             echo = scores = None
             if body.echo or body.prompt_logprobs is not None:
                 check_queue()  # NOTE: before the prompt's forward
+                for field in ("logprobs", "prompt_logprobs"):  # NOTE: --max-logprobs; echo's forward ran past it
+                    engine.check_logprobs(field, getattr(body, field))
                 # NOTE: a request the engine would refuse is refused before its forward or its echo
                 for p in prompts:
                     engine.check_prompt_ids(p)
