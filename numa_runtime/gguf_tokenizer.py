@@ -145,10 +145,11 @@ def write_tokenizer(meta: dict, out_dir: str, prefix: str, source: str = "") -> 
                                     "reads byte-level BPE ('gpt2') and SentencePiece ('llama').")
     tokens = list(meta["tokenizer.ggml.tokens"])
     types = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
-    # NOTE: as llama.cpp (and Phi-3's tokenizer_config): Phi-3's control tokens and </s> take the
-    # whitespace after them (its template writes "<|user|>\n"), but <unk>, <s> and <|endoftext|>
-    rstrip = ({t for t, k in zip(tokens, types) if k == CONTROL} - {"<unk>", "<s>", "<|endoftext|>"}
-              if prefix == "phi3." and kind == "llama" else set())
+    # NOTE: as llama.cpp (and Phi-3's tokenizer_config): Phi-3's special tokens (control, user-defined
+    # and unknown types: </s> is user-defined in its GGUF) take the whitespace after them (its
+    # template writes "<|user|>\n"), but <unk>, <s> and <|endoftext|>
+    rstrip = (({t for t, k in zip(tokens, types) if k in (CONTROL, USER_DEFINED, UNKNOWN)} | {"</s>"} & set(tokens))
+              - {"<unk>", "<s>", "<|endoftext|>"} if prefix == "phi3." and kind == "llama" else set())
     _add_special(tok, tokens, types, rstrip)
 
     def token(key):
@@ -306,7 +307,8 @@ def _add_special(tok, tokens: list, types: list, rstrip: set = frozenset()) -> N
     # NOTE: UNKNOWN (<unk>) is special too, as llama.cpp and transformers take it
     control = [AddedToken(t, normalized=False, special=True, rstrip=t in rstrip) for t, k in zip(tokens, types)
                if k in (CONTROL, UNKNOWN)]
-    user = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
+    user = [AddedToken(t, normalized=False, special=False, rstrip=t in rstrip) for t, k in zip(tokens, types)
+            if k == USER_DEFINED]
     if control:
         tok.add_special_tokens(control)
     if user:

@@ -815,7 +815,8 @@ def template_call(call):
 
 def _text_parts(content) -> list[str]:
     """The texts of a message's content: a string, or a list of {"type": "text", "text": ...}
-    parts (or of strings); ValueError for any other part."""
+    parts (or of strings, or of OpenAI's {"type": "refusal", "refusal": ...}); ValueError for any
+    other part."""
     if content is None:
         return []
     if isinstance(content, str):
@@ -826,12 +827,14 @@ def _text_parts(content) -> list[str]:
             texts.append(part)
         elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
             texts.append(part["text"])
+        elif isinstance(part, dict) and part.get("type") == "refusal" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])  # NOTE: an OpenAI assistant's refusal, replayed: its text, as vLLM
         elif isinstance(part, dict) and part.get("type") == "text":
             raise ValueError(f"A text content part needs its 'text' as a string, got {part.get('text')!r}.")
         else:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ValueError(f"Only text content parts ({{'type': 'text', 'text': ...}}) are supported, "
-                             f"got type {kind!r}.")
+            raise ValueError(f"Only text content parts ({{'type': 'text', 'text': ...}}, or an assistant's "
+                             f"'refusal') are supported, got type {kind!r}.")
     return texts
 
 

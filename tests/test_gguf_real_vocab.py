@@ -58,3 +58,6 @@ def test_phi3_control_tokens_take_the_newline_after_them(vocab_dir, tmp_path):
     tok = Tokenizer.from_dir(str(tmp_path))
     ids = tok.encode("<s><|user|>\nHello<|end|>\n<|assistant|>\n", add_special_tokens=False)
     assert ids == [1, 32010, 15043, 32007, 32001], ids
+    # NOTE: </s> too, a user-defined token in the GGUF (it took "▁", "<0x0A>" after it)
+    assert tok.encode("</s>\nHi", add_special_tokens=False) == [2, 6324]
+    assert tok.encode("<|end|>\nHi", add_special_tokens=False) == [32007, 6324]

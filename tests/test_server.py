@@ -98,7 +98,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir):
     srv = ServerProcess(["--model", model_dir, "--dtype", "float32", "--max-model-len", "256",
-                         "--served-model-name", "tiny", "--num-threads", "1"])
+                         "--served-model-name", "tiny", "--num-threads", "1", "--max-request-bytes", str(4 << 20)])
     yield srv
     code = srv.stop(signal.SIGINT)
     assert code == 0, f"the server did not shut down cleanly on SIGINT (exit {code}):\n{srv.output()}"
@@ -1243,3 +1243,20 @@ def test_tokenize_detokenize_and_version(server, model_dir):
     err = httpx.post(server.base + "/detokenize", json={"tokens": [1, -1]}, timeout=30).json()["error"]
     assert err["message"].startswith("tokens holds -1,") and err["param"] == "tokens", err
     assert httpx.get(server.base + "/version", timeout=30).json()["version"]
+
+
+def test_a_request_line_with_an_absolute_url_is_routed_by_its_path(server):
+    """RFC 9112: a server must accept `POST http://host/v1/completions HTTP/1.1` (proxies and some
+    clients send it); it was a 404 "no such endpoint", through the HTTP front and without it."""
+    import socket
+    body = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 2}).encode()
+    for target in (f"http://127.0.0.1:{server.port}/v1/completions", "HTTP://x/v1/completions"):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
+            s.sendall(f"POST {target} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+            answer = b""
+            while chunk := s.recv(65536):
+                answer += chunk
+        head, _, payload = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), answer[:500]
+        assert json.loads(payload)["usage"]["completion_tokens"] == 2

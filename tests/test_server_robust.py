@@ -808,6 +808,21 @@ def test_a_killed_rank_ends_what_is_in_flight_with_one_sentence(model_dir, ranks
         srv.stop()
 
 
+def test_a_fault_in_the_engine_process_is_in_the_log(model_dir):
+    """A process killed by a fault (here SIGSEGV, as native code's crash) left the log with the
+    front's line only, though the clients' 503 points there: it now holds the fault and every
+    thread's Python stack."""
+    srv = ServerProcess(["--model", model_dir, *TINY, "--served-model-name", "tiny"])
+    try:
+        os.kill(srv.proc.pid, signal.SIGSEGV)
+        srv.proc.wait(timeout=60)
+        out = srv.output()
+        assert srv.proc.returncode == -signal.SIGSEGV
+        assert "Fatal Python error: Segmentation fault" in out and "most recent call first" in out, out
+    finally:
+        srv.stop()
+
+
 def test_a_dead_front_shuts_the_server_down_in_one_sentence(model_dir):
     """Nothing reaches the server once the front process has gone: it says so and exits."""
     srv = ServerProcess(["--model", model_dir, *TINY])
@@ -985,6 +1000,15 @@ def test_a_server_whose_tokenizing_thread_never_returns_still_exits(model_dir, t
         rc = srv.stop(signal.SIGTERM)
     assert rc == 0 and time.monotonic() - started < 25, srv.output()
     assert "thread(s) still running" in srv.output()
+
+
+def test_the_request_body_limit_is_a_flag():
+    """A body of up to 64 MiB is taken by default (4 MiB, fixed and not in the README, refused large
+    embedding batches); --max-request-bytes sets it."""
+    from numa_runtime.serve.__main__ import check_args, parse_args, serve_config
+    assert serve_config(parse_args([]), "m").max_body_bytes == 64 << 20
+    assert serve_config(parse_args(["--max-request-bytes", "5000"]), "m").max_body_bytes == 5000
+    assert check_args(parse_args(["--max-request-bytes", "10"])).startswith("--max-request-bytes must be at least")
 
 
 def test_vllm_logprobs_flags_reach_the_engine():

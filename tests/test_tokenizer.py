@@ -453,6 +453,10 @@ def test_content_parts_reach_a_template_as_it_reads_them(tmp_path, source, want)
     assert tok.render_chat(messages, add_generation_prompt=False) == want
     with pytest.raises(ValueError, match="Only text content parts"):
         tok.render_chat([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}])
+    # an OpenAI assistant's refusal part, replayed, is its text (as vLLM; it was refused)
+    refused = [messages[0], {"role": "assistant", "content": [{"type": "refusal", "refusal": "Hi"}]}]
+    assert tok.render_chat(refused, add_generation_prompt=False) == tok.render_chat(
+        [messages[0], {"role": "assistant", "content": [{"type": "text", "text": "Hi"}]}], add_generation_prompt=False)
     with pytest.raises(ValueError, match=r"^A text content part needs its 'text' as a string, got None\.$"):
         tok.render_chat([{"role": "user", "content": [{"type": "text"}]}])  # "got type 'text'" before
 

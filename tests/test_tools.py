@@ -43,6 +43,17 @@ def test_the_plan_of_tools_and_tool_choice():
         assert e.value.param == ("tools" if msg.startswith(("tools", "lone")) else "tool_choice")
     # "parameters": null is a function without arguments (OpenAI and vLLM take it)
     assert plan([{"type": "function", "function": {"name": "now", "parameters": None}}], "required", None).schema
+    # ... and {} (MCP servers declare no arguments so), and a schema naming no type is an object's: a
+    # constrained call wrote any JSON value there ('12345678903', null), and LangChain failed on it
+    ping = {"type": "function", "function": {"name": "ping", "parameters": {}}}
+    assert plan([ping], {"type": "function", "function": {"name": "ping"}}, None).schema == {
+        "type": "object", "properties": {}}
+    untyped = {"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {"type": "integer"}}}}}
+    assert plan([untyped], {"type": "function", "function": {"name": "f"}}, None).schema == {
+        "type": "object", "properties": {"a": {"type": "integer"}}}
+    either = {"type": "function", "function": {"name": "g", "parameters": {"anyOf": [{"type": "object"}]}}}
+    assert plan([either], {"type": "function", "function": {"name": "g"}}, None).schema == {
+        "anyOf": [{"type": "object"}]}
     # a tool's $defs (pydantic's nested models) move to the root of the "required" schema
     nested = {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"],
@@ -227,6 +238,10 @@ def test_named_and_required_tool_choice_return_calls(model_dir):
         last = [d.choices[0] for d in c.chat.completions.create(tools=[WEATHER], tool_choice=named, stop=["unit"],
                                                                stream=True, **KW) if d.choices][-1]
         assert (last.finish_reason, last.model_extra["stop_reason"]) == ("stop", "unit")
+        ping = {"type": "function", "function": {"name": "ping", "parameters": {}}}
+        for choice in ("required", {"type": "function", "function": {"name": "ping"}}):
+            got = c.chat.completions.create(tools=[ping], tool_choice=choice, **KW).choices[0].message.tool_calls
+            assert [json.loads(t.function.arguments) for t in got] == [{}] * len(got) and got, got
         from test_server import metric
         status = 'numa_runtime_requests_total{status="%s"}'
         before = {k: metric(srv.base, status % k) for k in ("tool_calls", "stop")}

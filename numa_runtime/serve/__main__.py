@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import logging
 import os
@@ -108,6 +109,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="greedy decode steps of up to 4 sequences, with no request waiting, run up to "
                          "this many steps per scheduling round (about 25 ms of decode at most; 1: off)")
     ap.add_argument("--max-queue", type=int, default=256, help="waiting sequences beyond which requests get 429")
+    ap.add_argument("--max-request-bytes", type=int, default=64 << 20,
+                    help="the largest request body taken (default 64 MiB); a larger one gets 413")
     ap.add_argument("--kv-cache-memory", type=_size, default=None, help="KV cache bytes per rank (16G, 512M, ...)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32", "int8"],
                     help="KV cache element type: auto (as --dtype), or int8 (a scale per token and kv head: "
@@ -427,6 +430,8 @@ def check_args(args) -> str | None:
             return f"{flag} (vLLM's) {why}."
     if args.pipeline_parallel_size != 1:
         return "--pipeline-parallel-size must be 1: ranks split each layer (tensor parallel), not the layers."
+    if args.max_request_bytes < 1024:
+        return f"--max-request-bytes must be at least 1024 (the largest request body taken), got {args.max_request_bytes}."
     if args.logprobs_mode not in LOGPROBS_MODES:
         return (f"--logprobs-mode {args.logprobs_mode} (vLLM's) is not supported: log-probabilities here are the "
                 "model's own distribution, before temperature, penalties, logit_bias, top-k and top-p "
@@ -561,7 +566,7 @@ def serve_config(args, name: str, given: str | None = None):
     aliases = tuple(dict.fromkeys(n for n in names if n != name))
     return ServeConfig(served_model_name=name, aliases=aliases, model_root=given,
                        api_key=tuple(args.api_key) if args.api_key else None,
-                       max_queue=args.max_queue,
+                       max_queue=args.max_queue, max_body_bytes=args.max_request_bytes,
                        max_tokens_cap=args.max_tokens_cap, stall_timeout_s=args.stall_timeout,
                        embedding_pooling=args.embedding_pooling,
                        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
@@ -654,6 +659,9 @@ def main(argv=None) -> int:
             print(f"numa-serve: error: {bad}", file=sys.stderr)
         return 2  # NOTE: every rank reads the same flags: all stop here
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # NOTE: a process killed by a fault (SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT) says so in the log,
+    # with every thread's Python stack: the clients' 503 points there, and it held nothing
+    faulthandler.enable(all_threads=True)
     # NOTE: the runtime's logger follows --log-level (its own default would be INFO); set for
     # every logger made later too (env.log_level)
     os.environ["NUMA_RUNTIME_LOG_LEVEL"] = args.log_level.upper()

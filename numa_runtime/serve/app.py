@@ -51,8 +51,27 @@ class Cors:
 
 def with_cors(asgi, cors: Cors | None):
     """`asgi` behind CORS: Access-Control-* headers on its answers, and preflights (OPTIONS)
-    answered before its API key check; `asgi` itself when cors is None."""
-    return asgi if cors is None else CORSMiddleware(asgi, **cors.middleware_kwargs())
+    answered before its API key check; `asgi` itself when cors is None. Either way, requests whose
+    target is an absolute URL are routed by its path (_OriginForm)."""
+    return _OriginForm(asgi if cors is None else CORSMiddleware(asgi, **cors.middleware_kwargs()))
+
+
+class _OriginForm:
+    """A request line's absolute URL (`POST http://host:8000/v1/completions HTTP/1.1`, which
+    RFC 9112 says a server must accept) routed by its path, as uvicorn's httptools parser routes
+    it: it was a 404, "no such endpoint"."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if path[:8].lower().startswith(("http://", "https://")):  # NOTE: the scheme's case is free
+            rest = path.split("://", 1)[1]
+            raw = (scope.get("raw_path") or path.encode()).split(b"://", 1)[-1]
+            scope = {**scope, "path": "/" + rest.split("/", 1)[1] if "/" in rest else "/",
+                     "raw_path": b"/" + raw.split(b"/", 1)[1] if b"/" in raw else b"/"}
+        return await self.app(scope, receive, send)
 
 
 @dataclass(frozen=True)
@@ -61,7 +80,7 @@ class ServeConfig:
     api_key: str | tuple | None = None  # one key or several (vLLM's --api-key K1 K2): any of them
     max_queue: int = 256              # waiting sequences beyond which new requests get 429
     max_tokens_cap: int | None = None  # larger max_tokens are clamped to this
-    max_body_bytes: int = 4 << 20
+    max_body_bytes: int = 64 << 20    # a request body beyond gets 413 (--max-request-bytes)
     stall_timeout_s: float = 60.0      # /health is 503 once one engine step or command runs this long
     embedding_pooling: str | None = None  # "mean", "last" or "cls"; None: the model's default
     tool_call_parser: str | None = None   # tool_choice "auto": the models' call format (tools.py); None: refused
@@ -155,6 +174,7 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
     app.add_middleware(_Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes, metrics=metrics)
     if config.cors is not None:  # NOTE: added last, so outermost: a preflight never meets the API key
         app.add_middleware(CORSMiddleware, **config.cors.middleware_kwargs())
+    app.add_middleware(_OriginForm)
     _install_error_handlers(app)
     created = int(time.time())
     _ = engine.tokenizer.max_token_chars  # NOTE: computed once here, not by the first request

@@ -52,6 +52,9 @@ class ToolPlan:
         return self.mode in ("auto", "required", "named")
 
 
+# JSON schema keywords that say what a value is without "type"
+_COMBINED = frozenset(("anyOf", "oneOf", "allOf", "$ref", "enum", "const", "not", "if"))
+
 def plan(tools, tool_choice, parser: str | None) -> ToolPlan:
     """The plan of one request; ValueError (one sentence) for tools or a tool_choice it cannot run.
     `parser`: the server's --tool-call-parser when --enable-auto-tool-choice is on, else None."""
@@ -72,10 +75,14 @@ def plan(tools, tool_choice, parser: str | None) -> ToolPlan:
         if name in functions:  # NOTE: the later schema replaced the earlier one unseen
             raise ToolError(f"tools[{i}] is a second function named {name!r}; give each tool its own name.", "tools")
         params = fn.get("parameters")
-        if params is None:  # NOTE: absent or null (OpenAI and vLLM allow both): no arguments
+        if params is None or params == {}:  # NOTE: absent, null or {} (as vLLM reads them): no arguments
             params = {"type": "object", "properties": {}}
         if not isinstance(params, dict):
             raise ToolError(f"tools[{i}].function.parameters must be a JSON schema object.", "tools")
+        if "type" not in params and not _COMBINED.intersection(params):
+            # NOTE: arguments are an object: a schema that names no type let a constrained call write any JSON
+            # value ({} gave arguments '12345678903', and LangChain failed on them)
+            params = {"type": "object", **params}
         if fn.get("strict") is True:  # NOTE: as response_format's strict: no undeclared property
             from .protocol import strict_schema
             params = strict_schema(params)
