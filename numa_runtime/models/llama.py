@@ -100,8 +100,7 @@ def _not_fused(layers) -> str:
                 if not hasattr(q, "act8"):
                     return f"{where} is dense"
                 if not q.act8:
-                    return (f"{where} takes float activations (f32-exact, profiled, or one scale a row over heads "
-                            "that are not whole int8 activation blocks)")
+                    return f"{where} takes float activations (f32-exact or profiled)"
                 if q.packed_k != q.in_features:
                     return (f"{where} has {q.in_features} input features on this rank, padded to "
                             f"{q.packed_k} for its packing")

@@ -115,13 +115,8 @@ class LinearFactory:
         if all(isinstance(w, np.ndarray) for w in weights):
             return self.ops.Linear(weights[0] if len(weights) == 1 else np.concatenate(weights), bias)
         if all(isinstance(w, QuantizedWeight) for w in weights):
-            # NOTE: o_proj's rank slices start at whole heads; with one scale a row and heads that are not
-            # whole activation blocks (head_dim 80), the slices' blocks differ from one rank's, so its decode
-            # keeps exact activations on every rank count (int8 blocks gave other logits on 2 ranks than on 1)
-            unit = parts[0][3] if len(parts[0]) > 3 else None
-            act8 = False if unit and unit % ACT8_BLOCK and any(w.fmt.group_size < 0 for w in weights) else None
             try:
-                return qlinear(self.ops, concat_rows(weights), bias, self.bf16, act8)
+                return qlinear(self.ops, concat_rows(weights), bias, self.bf16)
             except QuantError:
                 pass  # NOTE: mixed formats (e.g. a GGUF with Q6_K v and Q4_K q/k): one linear each
         return ConcatLinear([self._single(w) for w in weights], bias)

@@ -22,7 +22,7 @@ down = model.layers[0].down_proj
 print("RESULT " + json.dumps({"world": eng.comm.world_size, "tokens": [list(o.token_ids) for o in outs],
                               "logprobs": [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.token_ids)]
                                            for o in outs],
-                              "o_act8": bool(model.layers[0].o_proj.act8),
+                              "o_act8": getattr(model.layers[0].o_proj, "act8", None),
                               "mlp_columns": [model.lay.inter.start, model.lay.inter.stop],
                               "down_ks": getattr(down, "ks", None)}), flush=True)
 eng.close()
