@@ -831,6 +831,8 @@ def _text_parts(content) -> list[str]:
             texts.append(part["refusal"])  # NOTE: an OpenAI assistant's refusal, replayed: its text, as vLLM
         elif isinstance(part, dict) and part.get("type") == "text":
             raise ValueError(f"A text content part needs its 'text' as a string, got {part.get('text')!r}.")
+        elif isinstance(part, dict) and part.get("type") == "refusal":
+            raise ValueError(f"A refusal content part needs its 'refusal' as a string, got {part.get('refusal')!r}.")
         else:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise ValueError(f"Only text content parts ({{'type': 'text', 'text': ...}}, or an assistant's "

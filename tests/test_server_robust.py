@@ -1008,6 +1008,7 @@ def test_the_request_body_limit_is_a_flag():
     from numa_runtime.serve.__main__ import check_args, parse_args, serve_config
     assert serve_config(parse_args([]), "m").max_body_bytes == 64 << 20
     assert serve_config(parse_args(["--max-request-bytes", "5000"]), "m").max_body_bytes == 5000
+    assert serve_config(parse_args(["--max-request-bytes", "1G"]), "m").max_body_bytes == 1 << 30
     assert check_args(parse_args(["--max-request-bytes", "10"])).startswith("--max-request-bytes must be at least")
 
 

@@ -51,9 +51,14 @@ def test_the_plan_of_tools_and_tool_choice():
     untyped = {"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {"type": "integer"}}}}}
     assert plan([untyped], {"type": "function", "function": {"name": "f"}}, None).schema == {
         "type": "object", "properties": {"a": {"type": "integer"}}}
-    either = {"type": "function", "function": {"name": "g", "parameters": {"anyOf": [{"type": "object"}]}}}
-    assert plan([either], {"type": "function", "function": {"name": "g"}}, None).schema == {
-        "anyOf": [{"type": "object"}]}
+    # ... combinators beside properties too ("at least one of"), and one that declares nothing takes no arguments
+    one_of = {"properties": {"a": {"type": "string"}, "b": {"type": "string"}},
+              "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}
+    either = {"type": "function", "function": {"name": "g", "parameters": one_of}}
+    assert plan([either], {"type": "function", "function": {"name": "g"}}, None).schema == {"type": "object", **one_of}
+    titled = {"type": "function", "function": {"name": "h", "parameters": {"title": "NoArgs"}}}
+    assert plan([titled], {"type": "function", "function": {"name": "h"}}, None).schema == {
+        "type": "object", "properties": {}, "title": "NoArgs"}
     # a tool's $defs (pydantic's nested models) move to the root of the "required" schema
     nested = {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"],
@@ -394,6 +399,17 @@ def test_responses_api_over_the_chat_path(model_dir):
             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello"}]}],
             max_output_tokens=12, temperature=0)
         assert r2.output_text == r.output_text
+        # an OpenAI output's refusal part, replayed as input, is its text, here and on chat (both were 400s)
+        said = [{"role": "user", "content": "Hello"}]
+        as_text = said + [{"role": "assistant", "content": [{"type": "output_text", "text": "No."}]}]
+        refused = said + [{"type": "message", "role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]}]
+        kw = dict(model="m", max_output_tokens=4, temperature=0)
+        assert c.responses.create(input=refused, **kw).output_text == c.responses.create(input=as_text, **kw).output_text
+        chat_kw = dict(model="m", max_tokens=4, temperature=0)
+        assert c.chat.completions.create(messages=said + [{"role": "assistant", "content": [
+            {"type": "refusal", "refusal": "No."}]}], **chat_kw).usage.prompt_tokens == c.chat.completions.create(
+            messages=said + [{"role": "assistant", "content": [{"type": "text", "text": "No."}]}],
+            **chat_kw).usage.prompt_tokens
         # streamed: the events in order, the deltas joining to the text, the final response whole
         events = list(c.responses.create(model="m", instructions="Be brief.", input="Hello", max_output_tokens=12,
                                          temperature=0, stream=True))

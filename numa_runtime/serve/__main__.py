@@ -109,8 +109,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="greedy decode steps of up to 4 sequences, with no request waiting, run up to "
                          "this many steps per scheduling round (about 25 ms of decode at most; 1: off)")
     ap.add_argument("--max-queue", type=int, default=256, help="waiting sequences beyond which requests get 429")
-    ap.add_argument("--max-request-bytes", type=int, default=64 << 20,
-                    help="the largest request body taken (default 64 MiB); a larger one gets 413")
+    ap.add_argument("--max-request-bytes", type=_size, default=64 << 20,
+                    help="the largest request body taken, e.g. 64M (the default) or 1G; a larger one gets 413")
     ap.add_argument("--kv-cache-memory", type=_size, default=None, help="KV cache bytes per rank (16G, 512M, ...)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32", "int8"],
                     help="KV cache element type: auto (as --dtype), or int8 (a scale per token and kv head: "

@@ -366,8 +366,9 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ContentPart(_Body):
-    type: str = Field(..., description="Only 'text' is supported.")
+    type: str = Field(..., description="Only 'text' is supported (and an assistant's 'refusal', as its text).")
     text: Optional[str] = None
+    refusal: Optional[str] = None
 
 
 class FunctionCall(_Body):
@@ -411,7 +412,9 @@ class ChatMessage(_Body):
         both names."""
         content = self.content
         if isinstance(content, list):
-            content = [{"type": part.type, "text": part.text} for part in content]
+            # NOTE: an OpenAI assistant's refusal part, replayed, reaches the template as its text (vLLM)
+            content = [{"type": "text", "text": part.refusal} if part.type == "refusal" and part.refusal is not None
+                       else {"type": part.type, "text": part.text} for part in content]
         msg = {"role": self.role, "content": content if content is not None else ""}
         reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
         if self.role == "assistant" and self.tool_calls:

@@ -319,8 +319,10 @@ def _text(content, where: str):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
             parts.append({"type": "text", "text": part["text"]})
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):
+            parts.append({"type": "text", "text": part["refusal"]})  # NOTE: a replayed output's refusal
         else:
-            raise _bad(f"{where}.content: only text parts (input_text, output_text) are supported, got "
+            raise _bad(f"{where}.content: only text parts (input_text, output_text, refusal) are supported, got "
                        f"{kind or type(part).__name__!r}.")
     return parts
 

@@ -79,10 +79,13 @@ def plan(tools, tool_choice, parser: str | None) -> ToolPlan:
             params = {"type": "object", "properties": {}}
         if not isinstance(params, dict):
             raise ToolError(f"tools[{i}].function.parameters must be a JSON schema object.", "tools")
-        if "type" not in params and not _COMBINED.intersection(params):
+        if "type" not in params:
             # NOTE: arguments are an object: a schema that names no type let a constrained call write any JSON
-            # value ({} gave arguments '12345678903', and LangChain failed on them)
-            params = {"type": "object", **params}
+            # value ({} gave arguments '12345678903', and LangChain failed on them), combinators beside
+            # properties too ("at least one of": anyOf of required lists); one that declares nothing at all
+            # ({"title": ...}) takes no arguments, as {} does
+            declares = "properties" in params or _COMBINED.intersection(params)
+            params = {"type": "object", **({} if declares else {"properties": {}}), **params}
         if fn.get("strict") is True:  # NOTE: as response_format's strict: no undeclared property
             from .protocol import strict_schema
             params = strict_schema(params)
