@@ -647,6 +647,27 @@ def test_vllm_serve_command_lines_parse():
     assert p.returncode == 2 and "'float16' is not a compute dtype here" in p.stderr and "Traceback" not in p.stderr
 
 
+def test_vllm_deployment_spellings_parse_as_vllm_reads_them(tmp_path):
+    """Command lines copied from vLLM deployments: `--served-model-name NAME MODEL` and `--hf-token
+    MODEL` swallowed the model (the built-in one was served under its name, without a word);
+    underscore flag names (`--max_num_seqs=256`), `1T`, `auto` / -1 and `2k` batched tokens were
+    refused; a model given both ways became two models of one name."""
+    from numa_runtime.serve.__main__ import parse_args
+    model = str(tmp_path)
+    args = parse_args(["--served-model-name", "foo", "bar", model])
+    assert args.model == [model] and args.served_model_name == ["foo", "bar"]
+    assert parse_args(["--served-model-name", "org/name"]).model is None  # NOTE: a Hub-like served name stays one
+    args = parse_args(["--hf-token", model])
+    assert args.model == [model] and args.hf_token is True
+    assert parse_args(["--hf-token", "hf_abc", model]).hf_token == "hf_abc"
+    args = parse_args(["--max_num_seqs=7", "--max_model_len", "1T", "--max_num_batched_tokens", "2k", model])
+    assert (args.max_num_seqs, args.max_model_len, args.max_num_batched_tokens) == (7, 1 << 40, 2000)
+    assert parse_args(["--max-model-len", "auto"]).max_model_len is None
+    assert parse_args(["--max-model-len", "-1"]).max_model_len is None
+    assert parse_args([model, "--model", model]).model == [model]
+    assert parse_args(["--", "--x_y"]).model == ["--x_y"]  # NOTE: after --, names are left as they are
+
+
 def test_a_port_a_loading_server_holds_is_busy():
     """The socket a server binds before its model loads listens at once: a second server on that
     port fails at once (two SO_REUSEADDR sockets that only bound shared it: the second loaded

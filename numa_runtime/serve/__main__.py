@@ -83,8 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="names clients send as `model` (default: the model directory's name); answers carry "
                          "the first (given twice, the last flag counts, as in vLLM)")
     ap.add_argument("--dtype", default="bfloat16", type=dtype_arg, help=DTYPE_HELP)
-    ap.add_argument("--max-model-len", type=human_int, default=None,
-                    help="the context in tokens; as vLLM, 32k = 32000 and 32K = 32768 (m/M likewise)")
+    ap.add_argument("--max-model-len", type=_model_len, default=None,
+                    help="the context in tokens; as vLLM, 32k = 32000 and 32K = 32768 (m/M, g/G, t/T likewise); "
+                         "auto or -1: the default (the model's, up to 32768, and what the KV cache holds)")
     ap.add_argument("--quantization", default=None,
                     help="quantize dense weights while loading: int8 (groups of 128), int4 (groups of "
                          "32 with a min), or e.g. int4-g128-sym, int8-channel; gguf, awq or gptq (as "
@@ -97,7 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "default) or int8 blocks (integer dot products, as llama.cpp: faster with "
                          "AVX-512 VNNI, AMX-INT8 included; slightly less exact)")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded side by side at most")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+    ap.add_argument("--max-num-batched-tokens", type=human_int, default=None,
                     help="tokens one step computes at most (longer prompts are prefilled in chunks; "
                          "default 2048)")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -215,18 +216,46 @@ def parse_args(argv=None) -> argparse.Namespace:
                       ("--uvicorn-log-level", "is --log-level here")):
         vl.add_argument(flag, default=None, help=argparse.SUPPRESS, dest="refused_" + flag[2:].replace("-", "_"))
         _REFUSED_VLLM[flag] = why
-    args = ap.parse_args(argv)
+    args = ap.parse_args(_dashed(sys.argv[1:] if argv is None else argv))
     if args.model_path is None and not args.model and args.api_key and len(args.api_key) > 1 and _names_a_model(
             args.api_key[-1]):
         # NOTE: `serve --api-key KEY MODEL`: --api-key takes several keys (vLLM's), so it took the
         # model too; with no model given, a last key that names one (a path here, a .gguf, a Hub id)
         # is the model
         *args.api_key, args.model_path = args.api_key
+    names = args.served_model_name
+    if args.model_path is None and not args.model and names and len(names) > 1 and _is_local_model(names[-1]):
+        # NOTE: `serve --served-model-name NAME MODEL` the same way (the built-in model was served under the
+        # path's name); only a local path or .gguf: a served name may well look like a Hub id
+        *args.served_model_name, args.model_path = names
+    if args.model_path is None and not args.model and isinstance(args.hf_token, str) and _names_a_model(
+            args.hf_token) and not args.hf_token.startswith("hf_"):
+        # NOTE: `serve --hf-token MODEL`: the flag alone means the saved login, and took the model
+        args.hf_token, args.model_path = True, args.hf_token
     if args.model_path is not None:  # NOTE: vLLM's positional form comes first among the models
-        args.model = [args.model_path, *(args.model or [])]
+        # NOTE: as vLLM, the same model also given as --model is that one model (it was two of one name)
+        args.model = [args.model_path, *(m for m in args.model or [] if m != args.model_path)]
     if args.api_key is None and os.environ.get("VLLM_API_KEY") is not None:  # NOTE: as vLLM reads it
         args.api_key = [os.environ["VLLM_API_KEY"]]
     return args
+
+
+def _dashed(argv: list[str]) -> list[str]:
+    """Flag names with '_' read as '-' (vLLM's FlexibleArgumentParser: `--max_num_seqs=256`, as
+    deployment files write them); values as they are."""
+    out, flags = [], True
+    for a in argv:
+        if a == "--":
+            flags = False
+        if flags and a.startswith("--") and "_" in a.split("=", 1)[0]:
+            name, eq, value = a.partition("=")
+            a = name.replace("_", "-") + eq + value
+        out.append(a)
+    return out
+
+
+def _is_local_model(value: str) -> bool:
+    return os.path.exists(os.path.expanduser(value)) or value.lower().endswith(".gguf")
 
 
 def _names_a_model(value: str) -> bool:
@@ -383,7 +412,7 @@ def human_int(text: str) -> int:
     K/M/G binary (32K = 32768, whole numbers only)."""
     import re
     from decimal import Decimal, InvalidOperation
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG])", text.strip())
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", text.strip())
     if m is None:
         try:
             return int(text)
@@ -392,7 +421,8 @@ def human_int(text: str) -> int:
     number, unit = m.groups()
     if unit.isupper() and "." in number:
         raise argparse.ArgumentTypeError(f"{text!r}: a binary unit ({unit}) takes a whole number (as vLLM)")
-    scale = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[unit]
+    scale = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12,
+             "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit]
     try:
         value = Decimal(number) * scale
     except InvalidOperation:
@@ -400,6 +430,14 @@ def human_int(text: str) -> int:
     if value != value.to_integral_value():
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
     return int(value)
+
+
+def _model_len(text: str):
+    """--max-model-len: human_int, or vLLM's "auto" / -1 (fit what memory holds): None, this
+    server's default, which does the same within the model's length."""
+    if text.strip().lower() == "auto" or text.strip() == "-1":
+        return None
+    return human_int(text)
 
 
 def read_chat_template(value: str) -> str:
