@@ -654,6 +654,7 @@ def test_vllm_deployment_spellings_parse_as_vllm_reads_them(tmp_path):
     refused; a model given both ways became two models of one name."""
     from numa_runtime.serve.__main__ import parse_args
     model = str(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
     args = parse_args(["--served-model-name", "foo", "bar", model])
     assert args.model == [model] and args.served_model_name == ["foo", "bar"]
     assert parse_args(["--served-model-name", "org/name"]).model is None  # NOTE: a Hub-like served name stays one
@@ -665,6 +666,11 @@ def test_vllm_deployment_spellings_parse_as_vllm_reads_them(tmp_path):
     assert parse_args(["--max-model-len", "auto"]).max_model_len is None
     assert parse_args(["--max-model-len", "-1"]).max_model_len is None
     assert parse_args([model, "--model", model]).model == [model]
+    assert parse_args(["--model", model, "--model", model + "/."]).model == [model]  # NOTE: one path, two spellings
+    # only a model folder (config.json) or a .gguf file is taken for the model: a name that is a folder stays one
+    os.makedirs(tmp_path / "named")
+    args = parse_args(["--served-model-name", "a", str(tmp_path / "named")])
+    assert args.model is None and args.served_model_name == ["a", str(tmp_path / "named")]
     assert parse_args(["--", "--x_y"]).model == ["--x_y"]  # NOTE: after --, names are left as they are
 
 

@@ -59,6 +59,16 @@ def test_the_plan_of_tools_and_tool_choice():
     titled = {"type": "function", "function": {"name": "h", "parameters": {"title": "NoArgs"}}}
     assert plan([titled], {"type": "function", "function": {"name": "h"}}, None).schema == {
         "type": "object", "properties": {}, "title": "NoArgs"}
+    # ... but one that says anything of its members stays open, as its "type": "object" form (closed, a
+    # required member made it unsatisfiable, and "required" silently never called it)
+    needs_a = {"type": "function", "function": {"name": "n", "parameters": {"required": ["a"]}}}
+    assert plan([needs_a], {"type": "function", "function": {"name": "n"}}, None).schema == {
+        "type": "object", "required": ["a"]}
+    # parameters that are no object, directly or through a $ref, are refused as OpenAI refuses them
+    for params in ({"type": "string"}, {"$ref": "#/$defs/S", "$defs": {"S": {"type": "string"}}}):
+        with pytest.raises(ToolError, match=r"^tools\[0\].function.parameters must describe a JSON object \(a "
+                                            r"function's arguments are one\), but it is of type 'string'\.$"):
+            plan([{"type": "function", "function": {"name": "s", "parameters": params}}], "required", None)
     # a tool's $defs (pydantic's nested models) move to the root of the "required" schema
     nested = {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"],
@@ -326,8 +336,14 @@ def test_named_and_required_tool_choice_return_calls(model_dir):
             c.chat.completions.create(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "x"}},
                                       **KW)
         # NOTE: an unusable tool schema names tools, the field it came from (the sentence said json_schema)
-        bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}
+        bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+            "a": {"type": "objekt"}}}}}
         with pytest.raises(openai.BadRequestError, match="tools cannot be used: Invalid type") as e:
+            c.chat.completions.create(tools=[bad], tool_choice={"type": "function", "function": {"name": "f"}}, **KW)
+        assert e.value.param == "tools"
+        # NOTE: parameters that are no object are said so before the grammar (OpenAI refuses them too)
+        bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}
+        with pytest.raises(openai.BadRequestError, match="must describe a JSON object .* of type 'objekt'") as e:
             c.chat.completions.create(tools=[bad], tool_choice={"type": "function", "function": {"name": "f"}}, **KW)
         assert e.value.param == "tools"
     finally:
@@ -781,6 +797,9 @@ def test_responses_errors_name_their_field_and_reads_take_no_options(model_dir):
         for kwargs, message, param in (
                 (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
                  "input[0].content: only text parts", "input[0].content"),
+                # NOTE: a known part with a bad value said its type was not supported
+                (dict(input=[{"role": "assistant", "content": [{"type": "refusal", "refusal": None}]}]),
+                 "input[0].content: a refusal part needs its 'refusal' as a string, got None.", "input[0].content"),
                 (dict(input="x", tools=[{"type": "function", "function": {"name": "f"}}]),
                  "tools[0] has the Chat Completions shape", "tools[0]"),
                 (dict(input="x", store=0), "store must be true or false.", "store")):

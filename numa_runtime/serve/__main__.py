@@ -233,8 +233,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         # NOTE: `serve --hf-token MODEL`: the flag alone means the saved login, and took the model
         args.hf_token, args.model_path = True, args.hf_token
     if args.model_path is not None:  # NOTE: vLLM's positional form comes first among the models
-        # NOTE: as vLLM, the same model also given as --model is that one model (it was two of one name)
-        args.model = [args.model_path, *(m for m in args.model or [] if m != args.model_path)]
+        args.model = [args.model_path, *(args.model or [])]
+    if args.model:  # NOTE: one model given twice, in any spelling of its path, is that one model (it was two
+        # of one name, refused with advice about symlinks)
+        seen, kept = set(), []
+        for m in args.model:
+            key = os.path.realpath(os.path.expanduser(m)) if os.path.exists(os.path.expanduser(m)) else m
+            if key not in seen:
+                seen.add(key)
+                kept.append(m)
+        args.model = kept
     if args.api_key is None and os.environ.get("VLLM_API_KEY") is not None:  # NOTE: as vLLM reads it
         args.api_key = [os.environ["VLLM_API_KEY"]]
     return args
@@ -255,7 +263,11 @@ def _dashed(argv: list[str]) -> list[str]:
 
 
 def _is_local_model(value: str) -> bool:
-    return os.path.exists(os.path.expanduser(value)) or value.lower().endswith(".gguf")
+    """A model folder (its config.json) or a .gguf file here: what a last --served-model-name may be
+    taken for (any existing path was: a name that happened to be a folder became the model)."""
+    path = os.path.expanduser(value)
+    return (os.path.isfile(os.path.join(path, "config.json")) or
+            (os.path.isfile(path) and path.lower().endswith(".gguf")))
 
 
 def _names_a_model(value: str) -> bool:

@@ -321,6 +321,9 @@ def _text(content, where: str):
             parts.append({"type": "text", "text": part["text"]})
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             parts.append({"type": "text", "text": part["refusal"]})  # NOTE: a replayed output's refusal
+        elif kind in ("input_text", "output_text", "text", "refusal"):
+            field = "refusal" if kind == "refusal" else "text"
+            raise _bad(f"{where}.content: a {kind} part needs its {field!r} as a string, got {part.get(field)!r}.")
         else:
             raise _bad(f"{where}.content: only text parts (input_text, output_text, refusal) are supported, got "
                        f"{kind or type(part).__name__!r}.")

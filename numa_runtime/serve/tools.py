@@ -52,8 +52,20 @@ class ToolPlan:
         return self.mode in ("auto", "required", "named")
 
 
-# JSON schema keywords that say what a value is without "type"
-_COMBINED = frozenset(("anyOf", "oneOf", "allOf", "$ref", "enum", "const", "not", "if"))
+# JSON schema keywords that say nothing of a value (a schema of them alone declares no arguments)
+_ANNOTATIONS = frozenset(("title", "description", "$schema", "$id", "$comment", "examples", "default", "$defs",
+                          "definitions"))
+
+
+def _schema_type(schema: dict):
+    """The `type` a tool's parameters schema gives its value, following a top-level local $ref
+    (#/$defs/X, #/definitions/X); None where it names none."""
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")) and "type" not in schema:
+        where, _, name = ref[2:].partition("/")
+        target = (schema.get(where) or {}).get(name)
+        return _schema_type(target) if isinstance(target, dict) and target is not schema else None
+    return schema.get("type")
 
 def plan(tools, tool_choice, parser: str | None) -> ToolPlan:
     """The plan of one request; ValueError (one sentence) for tools or a tool_choice it cannot run.
@@ -79,13 +91,17 @@ def plan(tools, tool_choice, parser: str | None) -> ToolPlan:
             params = {"type": "object", "properties": {}}
         if not isinstance(params, dict):
             raise ToolError(f"tools[{i}].function.parameters must be a JSON schema object.", "tools")
+        kind = _schema_type(params)
+        if kind is not None and kind != "object" and not (isinstance(kind, list) and "object" in kind):
+            raise ToolError(f"tools[{i}].function.parameters must describe a JSON object (a function's arguments "
+                            f"are one), but it is of type {kind!r}.", "tools")
         if "type" not in params:
             # NOTE: arguments are an object: a schema that names no type let a constrained call write any JSON
             # value ({} gave arguments '12345678903', and LangChain failed on them), combinators beside
-            # properties too ("at least one of": anyOf of required lists); one that declares nothing at all
-            # ({"title": ...}) takes no arguments, as {} does
-            declares = "properties" in params or _COMBINED.intersection(params)
-            params = {"type": "object", **({} if declares else {"properties": {}}), **params}
+            # properties too ("at least one of": anyOf of required lists); one of annotations alone
+            # ({"title": ...}) takes no arguments, as {} does (one that says anything of the members,
+            # {"required": ["a"]}, stays open as its "type": "object" form)
+            params = {"type": "object", **({"properties": {}} if set(params) <= _ANNOTATIONS else {}), **params}
         if fn.get("strict") is True:  # NOTE: as response_format's strict: no undeclared property
             from .protocol import strict_schema
             params = strict_schema(params)
