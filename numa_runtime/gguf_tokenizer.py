@@ -258,8 +258,32 @@ def _bpe(meta: dict, where: str):
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     if nfc:
         tok.normalizer = normalizers.NFC()
-    tok.decoder = decoders.ByteLevel()
+    literal = byte_char_tokens(tokens, list(meta.get("tokenizer.ggml.token_type") or []))
+    if literal:
+        # NOTE: DeepSeek's user-defined tokens õ ö ü ... (the byte alphabet's characters of bytes that
+        # UTF-8 never holds) stand for those characters, as text matched before BPE: llama.cpp copies
+        # their text; the ByteLevel decoder read each as one invalid byte ("Köln" decoded to "K\ufffdln")
+        from .tokenizer import _BYTE_LEVEL
+        spell = {b: c for c, b in _BYTE_LEVEL.items()}
+        tok.decoder = decoders.Sequence(
+            [decoders.Replace(c, "".join(spell[b] for b in c.encode())) for c in literal] + [decoders.ByteLevel()])
+    else:
+        tok.decoder = decoders.ByteLevel()
     return tok, add_bos
+
+
+def byte_char_tokens(tokens: list, types: list) -> list[str]:
+    """A byte-level vocabulary's user-defined tokens of one byte-alphabet character that no normal
+    token holds (DeepSeek's 13: bytes C0, C1 and F5-FF, which UTF-8 never holds): text tokens of
+    that character, not bytes."""
+    from .tokenizer import _BYTE_LEVEL
+    if len(types) != len(tokens):
+        return []
+    chars = [t for t, k in zip(tokens, types) if k == USER_DEFINED and len(t) == 1 and t in _BYTE_LEVEL]
+    if not chars:
+        return []
+    normal = {c for t, k in zip(tokens, types) if k == NORMAL for c in t}
+    return [c for c in chars if c not in normal]
 
 
 def _spm(meta: dict, where: str):

@@ -7,6 +7,7 @@ request when the schema is complete.
 """
 from __future__ import annotations
 
+import json
 import re
 import threading
 
@@ -45,8 +46,8 @@ class Grammars:
             if self._ll_tokenizer is None:
                 llg = _llguidance()
                 try:
-                    self._ll_tokenizer = llg.LLTokenizer(self._tokenizer.to_json(), n_vocab=self._vocab,
-                                                         eos_token=self._eos)
+                    self._ll_tokenizer = llg.LLTokenizer(_llguidance_json(self._tokenizer.to_json()),
+                                                         n_vocab=self._vocab, eos_token=self._eos)
                 except ValueError as e:  # NOTE: the model's files disagree: the server's fault, not the request's
                     raise RuntimeError(f"Structured output cannot run on this model: its tokenizer does not fit "
                                        f"its {self._vocab}-token vocabulary ({e}).") from None
@@ -129,6 +130,21 @@ _FIELD = {"json": "json_schema", "json_compact": "json_schema", "regex": "struct
 
 _WHAT = {"json": "JSON schema", "json_compact": "JSON schema", "regex": "regex", "choice": "choice",
          "grammar": "grammar"}
+
+
+def _llguidance_json(text: str) -> str:
+    """The tokenizer.json llguidance reads: without the added tokens whose decoder Replace-s their
+    one character (a GGUF's user-defined byte-alphabet tokens, gguf_tokenizer.byte_char_tokens).
+    llguidance takes such a token for its one byte (0xF6 for ö), so forced text holding ö tokenized
+    to it and then failed the grammar ("Köln" ended in an error); without them ö is written by
+    the byte tokens of its UTF-8."""
+    tj = json.loads(text)
+    dec = tj.get("decoder") or {}
+    replaced = {d.get("pattern", {}).get("String") for d in dec.get("decoders") or () if d.get("type") == "Replace"}
+    if not replaced or dec.get("type") != "Sequence":
+        return text
+    tj["added_tokens"] = [t for t in tj.get("added_tokens") or () if t.get("special") or t.get("content") not in replaced]
+    return json.dumps(tj)
 
 
 def strict_schema(schema: dict) -> dict:

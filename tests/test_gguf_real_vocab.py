@@ -61,3 +61,32 @@ def test_phi3_control_tokens_take_the_newline_after_them(vocab_dir, tmp_path):
     # NOTE: </s> too, a user-defined token in the GGUF (it took "▁", "<0x0A>" after it)
     assert tok.encode("</s>\nHi", add_special_tokens=False) == [2, 6324]
     assert tok.encode("<|end|>\nHi", add_special_tokens=False) == [32007, 6324]
+
+
+@pytest.mark.parametrize("name", ["deepseek-coder", "deepseek-llm"])
+def test_deepseek_byte_alphabet_tokens_are_their_characters(vocab_dir, tmp_path, name):
+    """DeepSeek's user-defined tokens õ ö ü ú ... (byte-alphabet characters of bytes UTF-8 never
+    holds) are text matched before BPE: "Köln" takes one of them, as llama.cpp and the model's own
+    tokenizer encode it. They decoded as one invalid byte each ("K\\ufffdln"; llama.cpp copies their
+    text), and a constraint that forced "ö" failed: llguidance read the token as that byte."""
+    import gguf
+    import llguidance as llg
+    from numa_runtime.structured import _grammar, _limits, _llguidance_json
+    path = os.path.join(vocab_dir, f"ggml-vocab-{name}.gguf")
+    meta = {n: f.contents() for n, f in gguf.GGUFReader(path).fields.items()}
+    write_tokenizer(meta, str(tmp_path), "llama.", source=path)
+    tok = Tokenizer.from_dir(str(tmp_path))
+    text = "Köln, Zürich, Málaga, smörgåsbord, Øre, dÿ"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any(meta["tokenizer.ggml.token_type"][i] == 4 for i in ids)  # NOTE: the user-defined ones are used
+    assert tok.decode(ids) == text and b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    lt = llg.LLTokenizer(_llguidance_json(tok._backend.to_str()), n_vocab=len(meta["tokenizer.ggml.tokens"]),
+                         eos_token=[int(meta["tokenizer.ggml.eos_token_id"])])
+    m = llg.LLMatcher(lt, _grammar(llg, "regex", "Köln|Zürich"), log_level=0, limits=_limits(llg))
+    forced = m.compute_ff_tokens()  # NOTE: "K" starts only one of them: the rest is forced
+    assert not m.is_error(), m.get_error()
+    want = tok.encode("K", add_special_tokens=False)
+    assert m.consume_tokens(want) and not m.is_error(), m.get_error()
+    forced = m.compute_ff_tokens()
+    assert not m.is_error() and m.consume_tokens(forced) and not m.is_error(), m.get_error()
+    assert tok.decode(want + forced) == "Köln" and m.is_accepting()
