@@ -323,7 +323,14 @@ def _first_line(error: str, kind: str = "json") -> str:
         why = next((line for line in lines[1:] if line.startswith("error:")), lines[-1] if len(lines) > 1 else "")
         first = f"{first} {why.removeprefix('error:').strip()}" if why else first.rstrip(":")
     first = first.split(". Enable 'coerce_one_of'")[0]  # NOTE: an option of llguidance's, not ours
+    if kind == "regex":  # NOTE: the position and the quoted pattern were those of llguidance's own wrapping of it
+        first = _WRAPPED_REGEX.sub("", first)
     return (_PLAIN if kind in _LAYOUT else _PLAIN_TEXT).get(first.rstrip("."), first.rstrip("."))
+
+
+# llguidance's prefix to an error of a regex it wrapped into a grammar: `at 1(8): invalid regex "(a)\\1" (in
+# regex): regex parse error: ` (a column of the wrapping, the pattern with its backslashes doubled)
+_WRAPPED_REGEX = re.compile(r'^at \d+\(\d+\): invalid regex ".*" \(in regex\): (?:regex parse error: )?', re.S)
 
 
 _COMPILER: dict = {}  # the one thread with a large stack that builds matchers, and its queue

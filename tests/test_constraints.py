@@ -99,9 +99,12 @@ def test_bad_constraints_are_refused(kwargs, message):
 
 
 def test_unusable_regex_or_grammar_is_refused_naming_its_field(eng):
-    with pytest.raises(ValueError, match=r"^structured_outputs\.regex cannot be used: .*") as e:
+    # NOTE: in one sentence, without the column and doubled backslashes of llguidance's own wrapping
+    with pytest.raises(ValueError, match=r"^structured_outputs\.regex cannot be used: unclosed group\.$"):
         eng.generate("Hello", SamplingParams(structured_outputs={"regex": "(ab"}))
-    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"^structured_outputs\.regex cannot be used: backreferences are not "
+                                         r"supported\.$"):
+        eng.generate("Hello", SamplingParams(structured_outputs={"regex": "(a)\\1"}))
     with pytest.raises(ValueError, match=r"^structured_outputs\.grammar cannot be used: "):
         eng.generate("Hello", SamplingParams(structured_outputs={"grammar": "start: undefined_rule"}))
     with pytest.raises(ValueError, match="allowed_token_ids names token 100000"):
