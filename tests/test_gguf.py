@@ -237,6 +237,41 @@ def test_a_damaged_or_replaced_description_is_made_again(hf_models, tmp_path):
     assert again != first and Tokenizer.from_dir(again).render_chat([{"role": "user", "content": "x"}]) == "OTHER"
 
 
+def test_descriptions_of_files_gone_or_replaced_are_removed(hf_models, tmp_path, monkeypatch):
+    """Every GGUF path, and every change of a file, made a cached description (3.5 MB with a
+    Llama 3 tokenizer) that stayed for ever: the test suite alone left thousands. A new
+    description removes those of files that are gone and the earlier ones of its own file;
+    those of files still there, and one being written, stay."""
+    import fcntl
+    import shutil
+    from numa_runtime.gguf_model import gguf_model_dir
+    monkeypatch.setenv("NUMA_RUNTIME_CACHE", str(tmp_path / "cache"))
+    paths = {n: str(tmp_path / f"{n}.gguf") for n in ("kept", "gone", "changed", "busy")}
+    write_gguf(hf_models["llama"], paths["kept"], "F32")
+    for n in ("gone", "changed", "busy"):
+        shutil.copyfile(paths["kept"], paths[n])
+    dirs = {n: gguf_model_dir(p) for n, p in paths.items()}
+    assert all(os.path.isdir(d) for d in dirs.values())
+    os.remove(paths["gone"])
+    os.remove(paths["busy"])
+    busy = open(os.path.join(os.path.dirname(dirs["busy"]), ".lock"), "w")
+    fcntl.flock(busy, fcntl.LOCK_EX)  # NOTE: as a writer holds it
+    write_gguf(hf_models["llama"], paths["changed"], "F32",
+               extra=lambda w: w.add_string("tokenizer.chat_template", "OTHER"))
+    again = gguf_model_dir(paths["changed"])
+    assert again != dirs["changed"] and os.path.isdir(again)
+    assert not os.path.exists(os.path.dirname(dirs["gone"])) and not os.path.exists(os.path.dirname(dirs["changed"]))
+    assert os.path.isdir(dirs["kept"]) and os.path.isdir(dirs["busy"])
+    busy.close()
+    assert gguf_model_dir(paths["kept"]) == dirs["kept"]  # NOTE: found complete: nothing is described or swept
+    assert os.path.isdir(dirs["busy"])
+    shutil.copyfile(paths["kept"], paths["gone"])
+    back = gguf_model_dir(paths["gone"])
+    assert not os.path.exists(dirs["busy"])
+    assert sorted(os.listdir(tmp_path / "cache" / "gguf")) == sorted(
+        os.path.basename(os.path.dirname(d)) for d in (dirs["kept"], again, back))
+
+
 def test_a_full_cache_is_said_to_be_full(hf_models, tmp_path, monkeypatch):
     """A full disk under the cache, in the OS's or the tokenizers library's words, named no cache."""
     from numa_runtime import gguf_model

@@ -81,12 +81,16 @@ def test_reasoning_effort_reaches_the_chat_template(server, client):
          "reasoning.summary is not supported")
 
 
-@pytest.mark.parametrize("field, value", [("modalities", ["text", "audio"]), ("service_tier", "flex"),
-                                          ("verbosity", "low"), ("store", True)])
-def test_openai_chat_fields_that_would_change_the_answer_are_refused(client, field, value):
-    _bad(lambda: client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=1,
-                                                extra_body={field: value}),
-         f"{field} is not supported by this server")
+@pytest.mark.parametrize("field, value, says", [
+    ("modalities", ["text", "audio"], "modalities is not supported by this server; remove it from the request."),
+    ("service_tier", "flex", 'service_tier "flex" is not supported by this server; it takes "auto" or "default" '
+                             "(or leave it out)."),
+    ("verbosity", "low", 'verbosity "low" is not supported by this server; it takes "medium" (or leave it out).'),
+    ("store", True, "store true is not supported by this server; it takes false (or leave it out).")])
+def test_openai_chat_fields_that_would_change_the_answer_are_refused(client, field, value, says):
+    """A field refused only for some values names the value and those it takes."""
+    assert _bad(lambda: client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=1,
+                                                       extra_body={field: value}), field) == says
 
 
 def test_openai_chat_fields_with_nothing_to_do_are_accepted(client):
@@ -110,7 +114,25 @@ def test_openai_chat_fields_with_nothing_to_do_are_accepted(client):
 def test_vllm_fields_this_server_does_not_run_are_refused(client, field, value):
     _bad(lambda: client.completions.create(model="tiny", prompt="Hello", max_tokens=1,
                                            extra_body={field: value}),
-         f"{field} is not supported by this server")
+         {"truncation_side": 'truncation_side "right" is not supported by this server; it takes "left" (or leave it out).',
+          "stream_interval": "stream_interval 4 is not supported by this server; it takes 1 (or leave it out)."}.get(
+             field, f"{field} is not supported by this server; remove it from the request."))
+
+
+@pytest.mark.parametrize("field, value, instead", [
+    ("functions", [{"name": "f", "parameters": {}}], "send the request to /v1/chat/completions."),
+    ("tools", [{"type": "function", "function": {"name": "f"}}], "send the request to /v1/chat/completions."),
+    ("max_completion_tokens", 40, "give max_tokens."), ("top_logprobs", 2, "give logprobs (a number of tokens)."),
+    ("messages", [{"role": "user", "content": "hi"}], "send the chat to /v1/chat/completions, or its text as prompt.")])
+def test_chat_completions_fields_sent_to_completions_are_refused(client, field, value, instead):
+    """They were ignored with a log line (vLLM's way): functions with no call, 16 tokens for
+    max_completion_tokens 40."""
+    message = _bad(lambda: client.completions.create(model="tiny", prompt="Hello", max_tokens=2,
+                                                     extra_body={field: value}), field)
+    assert message == f"{field} is a Chat Completions field, not taken by /v1/completions; {instead}"
+    same = client.completions.create(model="tiny", prompt="Hello", max_tokens=2, temperature=0,
+                                     extra_body={field: None})  # NOTE: null is the field left out
+    assert same.usage.completion_tokens == 2
 
 
 def test_request_id_names_the_response(client):

@@ -409,7 +409,14 @@ def test_vllm_extras_are_applied(client, model_dir):
 def test_vllm_extras_not_implemented_are_refused_by_name(server, body, param):
     r = httpx.post(server.base + "/v1/completions", json={"prompt": "x", "max_tokens": 2, **body}, timeout=60)
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["message"] == f"{param} is not supported by this server; remove it from the request."
+    taken = {"use_beam_search": "false", "spaces_between_special_tokens": "true", "detokenize": "true",
+             "guided_decoding_backend": '"auto" or "guidance" or "llguidance"'}
+    if param in taken:  # NOTE: refused for this value only: the sentence names it and those taken
+        said = f"{param} {json.dumps(body[param])} is not supported by this server; it takes {taken[param]} " \
+               "(or leave it out)."
+    else:
+        said = f"{param} is not supported by this server; remove it from the request."
+    assert r.json()["error"]["message"] == said
 
 
 def test_the_guidance_backend_by_name_is_the_one_that_runs(server):
@@ -627,7 +634,7 @@ def test_response_format_on_completions_constrains_them(client):
         assert isinstance(json.loads(r.choices[0].text)["a"], int), r.choices[0].text
     else:
         assert r.choices[0].text.lstrip().startswith("{"), r.choices[0].text
-    with pytest.raises(openai.BadRequestError, match="best_of is not supported"):
+    with pytest.raises(openai.BadRequestError, match=r"best_of 3 is not supported by this server; it takes 1 \(or leave it out\)\."):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
                                        extra_body={"best_of": 3})
 

@@ -85,6 +85,14 @@ REFUSED = {
     "logit_bias key": ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
     "logit_bias value": ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 200}}, "logit_bias"),
     "logit_bias outside vocab": ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, None),
+    # NOTE: numbers that are no token id were said not to be decimal strings
+    "logit_bias negative": ("/v1/completions", {"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias"),
+    "logit_bias 19 digits": ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {str(2**63 - 1): 1}},
+                             "logit_bias"),
+    "logit_bias 5000 digits": ("/v1/completions", {"prompt": "x", "logit_bias": {"9" * 5000: 1}}, "logit_bias"),
+    "completions functions": ("/v1/completions", {"prompt": "x", "functions": [{"name": "f"}]}, "functions"),
+    "completions max_completion_tokens": ("/v1/completions", {"prompt": "x", "max_completion_tokens": 5},
+                                          "max_completion_tokens"),
     "surrogate prompt": ("/v1/completions", {"prompt": "ab\ud800cd"}, "prompt"),
     "surrogate message": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udc00"}]}, "messages"),
     "surrogate stop": ("/v1/completions", {"prompt": "x", "stop": ["\ud83d"]}, "stop"),
@@ -111,6 +119,9 @@ def test_refused_with_one_sentence_naming_the_field(server, case):
     if param is not None:
         assert err["param"] == param, err
     assert "tokenizer" not in err["message"].lower() and "TextEncodeInput" not in err["message"]
+    if case.startswith("logit_bias") and case not in ("logit_bias key", "logit_bias value"):
+        assert ("non-negative integer token ids" if case == "logit_bias negative" else "outside the vocabulary") \
+            in err["message"], err
 
 
 @pytest.mark.parametrize("body", [
@@ -197,6 +208,26 @@ def test_a_reader_that_pauses_loses_nothing(server):
                if c["choices"][0]["finish_reason"]}
     assert reasons == {i: "length" for i in range(8)}
     assert metric(server.base, 'numa_runtime_requests_total{status="abort"}') == aborted
+
+
+def test_clients_that_hang_up_mid_burst_leave_no_log_flood(server):
+    """A multi-step burst (--num-scheduler-steps, 8 by default) wrote its chunks without letting the
+    event loop see the hang-up: asyncio logged "socket.send() raised exception." for each write
+    past the fifth (29-97 lines for 10 cut streams)."""
+    aborted = metric(server.base, 'numa_runtime_requests_total{status="abort"}')
+    for i in range(10):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 200,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.base + "/v1/chat/completions", json=body, timeout=60) as r:
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("data: ")
+                if seen >= 3:
+                    break
+    wait_for(lambda: metric(server.base, 'numa_runtime_requests_total{status="abort"}') >= aborted + 10,
+             what="the ten streams aborted")
+    wait_for(lambda: metric(server.base, "numa_runtime_num_requests_running") == 0, what="nothing running")
+    assert "socket.send() raised exception" not in server.output()
 
 
 # ------------------------------------------------------------------------------ many clients

@@ -97,7 +97,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="prefill rows of quantized linears in a bf16 engine: bf16 (bf16 panels; the "
                          "default) or int8 blocks (integer dot products, as llama.cpp: faster with "
                          "AVX-512 VNNI, AMX-INT8 included; slightly less exact)")
-    ap.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded side by side at most")
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded side by side at most (default 64; vLLM's is 256)")
     ap.add_argument("--max-num-batched-tokens", type=human_int, default=None,
                     help="tokens one step computes at most (longer prompts are prefilled in chunks; "
                          "default 2048)")
@@ -108,8 +108,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="the seed of the random draws of requests that give no seed (default 0)")
     ap.add_argument("--num-scheduler-steps", type=int, default=8,
                     help="greedy decode steps of up to 4 sequences, with no request waiting, run up to "
-                         "this many steps per scheduling round (about 25 ms of decode at most; 1: off)")
-    ap.add_argument("--max-queue", type=int, default=256, help="waiting sequences beyond which requests get 429")
+                         "this many steps per scheduling round (about 25 ms of decode at most; 1: off; default 8)")
+    ap.add_argument("--max-queue", type=int, default=256, help="waiting sequences beyond which requests get 429 (default 256)")
     ap.add_argument("--max-request-bytes", type=_size, default=64 << 20,
                     help="the largest request body taken, e.g. 64M (the default) or 1G; a larger one gets 413")
     ap.add_argument("--kv-cache-memory", type=_size, default=None, help="KV cache bytes per rank (16G, 512M, ...)")
@@ -152,10 +152,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "(default: a rule logged at start-up)")
     ap.add_argument("--max-tokens-cap", type=int, default=None, help="clamp every request's max_tokens to this")
     ap.add_argument("--stall-timeout", type=float, default=60.0,
-                    help="seconds one engine step may run before /health reports 503 (a stuck rank)")
+                    help="seconds one engine step may run before /health reports 503 (a stuck rank; default 60)")
     ap.add_argument("--shutdown-grace", type=float, default=2.0,
                     help="on SIGINT/SIGTERM, seconds in-flight requests may still run before they are cut "
-                         "(a stream then ends with an error event and [DONE])")
+                         "(a stream then ends with an error event and [DONE]; default 2)")
     ap.add_argument("--request-timeout", type=float, default=60.0,
                     help="seconds a client may pause while sending a request (its headers or body) before the "
                          "HTTP front answers 408 and closes the connection, as nginx's client timeouts")

@@ -523,9 +523,9 @@ def build_app(aengine: AsyncEngine, config: ServeConfig, metrics: ServerMetrics 
         thinking = (config.reasoning_parser if kind == "chatcmpl" and params.constraint is None else None,
                     getattr(body, "include_reasoning", True))
         if body.stream:
-            return StreamingResponse(_stream(gen, tracker, report, rid, name, kind, body.include_usage, decode_token,
-                                             tool_plan, schema_param, body.continuous_usage, thinking, echo[0],
-                                             tails, skipped),
+            return StreamingResponse(_paced(_stream(gen, tracker, report, rid, name, kind, body.include_usage,
+                                                    decode_token, tool_plan, schema_param, body.continuous_usage,
+                                                    thinking, echo[0], tails, skipped)),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         status, reasons = "abort", None
         try:
@@ -695,6 +695,16 @@ async def _until_disconnect(request: Request, work) -> bool:
         task.result()
         return True
     return False
+
+
+async def _paced(events):
+    """The events, with the event loop let run after each: a burst of several steps' chunks was
+    written without a pause, so a client's hang-up (its connection_lost callback) was seen only
+    after the whole burst, and asyncio logged "socket.send() raised exception." for every write past
+    the fifth (97 lines for 10 streams cut under --num-scheduler-steps 8)."""
+    async for event in events:
+        yield event
+        await asyncio.sleep(0)
 
 
 async def _stream(gen, tracker, report, rid, model, kind, include_usage, decode, tool_plan=None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
@@ -25,6 +26,7 @@ MAX_CHOICES = 128  # n times the number of prompts, per request
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     _warn_ignored: ClassVar[bool] = False  # a request body: its unknown fields are logged (as vLLM)
+    _refused_extra: ClassVar[frozenset] = frozenset()  # unknown fields it refuses instead (not logged)
 
     @model_validator(mode="before")
     @classmethod
@@ -33,7 +35,7 @@ class _Body(BaseModel):
         `logprobs`, `echo`... "or null"; the openai client sends None as null)."""
         if isinstance(data, dict):
             fields = cls.model_fields
-            ignored = [k for k in data if k not in fields] if cls._warn_ignored else []
+            ignored = [k for k in data if k not in fields and k not in cls._refused_extra] if cls._warn_ignored else []
             if ignored:
                 log.warning("the request's fields %s are not used by this server and were ignored",
                             ", ".join(repr(k) for k in sorted(map(str, ignored))[:20]))
@@ -54,6 +56,15 @@ def _refuse(body: BaseModel, defaults: dict) -> None:
     for name, ok in defaults.items():
         value = getattr(body, name)
         if value is not None and value not in ok:
+            # NOTE: a field refused only for some values names the value and the ones taken ("service_tier
+            # is not supported ...; remove it" read as if the field itself were, though "auto" is taken)
+            scalars = [v for v in ok if isinstance(v, (str, int, float))]
+            if scalars and len(scalars) == len(ok) and isinstance(value, (str, int, float)):
+                taken = " or ".join(json.dumps(v) for v in scalars)
+                e = ValueError(f"{name} {json.dumps(value)} is not supported by this server; it takes {taken} "
+                               "(or leave it out).")
+                e.param = name  # NOTE: the sentence opens with the field's spelling, kept lower-case
+                raise e
             raise ValueError(f"{name} is not supported by this server; remove it from the request.")
 
 
@@ -281,10 +292,15 @@ class _SamplingRequest(_Body):
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
             return None
-        # NOTE: a token id has at most 10 digits (int() of thousands would be refused by CPython)
-        bad = next((k for k in self.logit_bias if not k.isascii() or not k.isdigit() or len(k) > 10), None)
+        bad = next((k for k in self.logit_bias if not re.fullmatch(r"-?[0-9]+", k)), None)
         if bad is not None:
             raise ValueError(f"logit_bias keys must be token ids written as decimal strings, got {bad!r}.")
+        # NOTE: a number, but no token id: said as the engine says ids past the vocabulary ("-1" and
+        # 19 digits were said not to be decimal strings); int() of thousands of digits CPython refuses
+        long = next((k for k in self.logit_bias if len(k.lstrip("-")) > 20), None)
+        if long is not None:
+            raise ValueError(f"logit_bias names a token id of {len(long.lstrip('-'))} digits, outside the "
+                             "vocabulary.")
         return {int(k): v for k, v in self.logit_bias.items()}
 
 
@@ -305,7 +321,18 @@ _VLLM_REFUSED = {"use_beam_search": (False,), "length_penalty": (1.0,), "prompt_
                  "media_io_kwargs": ({},), "kv_transfer_params": ()}
 
 
+# Chat Completions fields that /v1/completions refuses, and what to do instead
+_CHAT_ONLY = {"messages": "send the chat to /v1/chat/completions, or its text as prompt.",
+              "max_completion_tokens": "give max_tokens.", "top_logprobs": "give logprobs (a number of tokens).",
+              **{k: "send the request to /v1/chat/completions." for k in (
+                  "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "chat_template",
+                  "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "documents",
+                  "reasoning_effort", "include_reasoning", "audio", "modalities", "prediction",
+                  "web_search_options")}}
+
+
 class CompletionRequest(_SamplingRequest):
+    _refused_extra: ClassVar[frozenset] = frozenset(_CHAT_ONLY)
     prompt: Union[str, list[str], list[int], list[list[int]]] = Field(
         ..., description="A string, a list of strings, a list of token ids, or a list of token id lists.")
     logprobs: Optional[int] = Field(None, ge=0, le=20,  # NOTE: OpenAI's 5; vLLM's max_logprobs 20
@@ -320,11 +347,17 @@ class CompletionRequest(_SamplingRequest):
     # vLLM runs such a completion to the context's end
     _max_tokens_null: bool = PrivateAttr(False)
 
+    # NOTE: Chat Completions fields sent here were ignored with a log line, as vLLM's (tools without a
+    # call, max_completion_tokens giving 16 tokens): each is refused naming it, as /v1/responses does
+    _chat_only: Optional[str] = PrivateAttr(None)
+
     @model_validator(mode="wrap")
     @classmethod
     def _note_max_tokens_null(cls, data, handler):
         body = handler(data)
         body._max_tokens_null = isinstance(data, dict) and "max_tokens" in data and data["max_tokens"] is None
+        if isinstance(data, dict):
+            body._chat_only = next((k for k in _CHAT_ONLY if data.get(k) is not None), None)
         return body
 
     @property
@@ -336,6 +369,12 @@ class CompletionRequest(_SamplingRequest):
         return {k: v for k, v in _VLLM_REFUSED.items() if k != "prompt_logprobs"}
 
     def refuse_unsupported(self) -> None:
+        if self._chat_only is not None:
+            key = self._chat_only
+            e = ValueError(f"{key} is a Chat Completions field, not taken by /v1/completions; "
+                           + _CHAT_ONLY[key])
+            e.param = key
+            raise e
         _refuse(self, {"suffix": ("",), "best_of": (self.n,)})
         if self.prompt_logprobs is not None:
             if isinstance(self.prompt_logprobs, bool) or not 0 <= self.prompt_logprobs <= 20:
