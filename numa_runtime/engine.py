@@ -844,8 +844,7 @@ class Engine:
         vLLM's lora_request, priority and prompt_adapter_request are taken at None only."""
         for name, value in (("lora_request", lora_request), ("priority", priority),
                             ("prompt_adapter_request", prompt_adapter_request)):
-            zero = name == "priority" and not any(value if isinstance(value, list) else [value])  # NOTE: all 0
-            if value is not None and not zero:
+            if not _no_op(name, value):
                 raise TypeError(f"Engine.generate() does not support {name} (LoRA adapters and priority scheduling "
                                 "are not built here).")
         self._driver_only("generate")
@@ -964,12 +963,12 @@ class Engine:
                                        "this is a bug in numa_runtime, please report it.")
                 self._step_for_all()
 
-    def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None, *,
-             sampling_params=None, use_tqdm: bool = False, chat_template: str | None = None,
-             chat_template_kwargs: dict | None = None, add_generation_prompt: bool | None = None,
-             continue_final_message: bool = False, tools: list | None = None, documents: list | None = None,
-             lora_request=None, chat_template_content_format: str = "auto", mm_processor_kwargs=None,
-             **template_kwargs):
+    def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False, lora_request=None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool | None = None,
+             continue_final_message: bool = False, tools: list | None = None, *,
+             sampling_params=None, chat_template_kwargs: dict | None = None, documents: list | None = None,
+             mm_processor_kwargs=None, **template_kwargs):
         """Render messages with the model's chat template (or `chat_template`, a Jinja source)
         and generate the reply, as vLLM's LLM.chat: `continue_final_message=True` goes on with
         the last (assistant) message instead of opening a new turn; `tools`, `documents`,
@@ -983,11 +982,14 @@ class Engine:
         for name, value, default in (("lora_request", lora_request, None), ("mm_processor_kwargs", mm_processor_kwargs,
                                                                              None),
                                      ("chat_template_content_format", chat_template_content_format, "auto")):
-            if value != default:
+            if value != default and not (name == "lora_request" and _no_op(name, value)):
                 raise TypeError(f"Engine.chat() does not support {name} (only {default!r}, vLLM's default).")
-        refused = sorted(set(template_kwargs) & _VLLM_CHAT_UNSUPPORTED)
+        # NOTE: vLLM's LLM.chat keywords, at their no-op values as generate() takes them (priority=0 was refused)
+        refused = sorted(k for k in set(template_kwargs) & _VLLM_CHAT_UNSUPPORTED if not _no_op(k, template_kwargs[k]))
         if refused:
             raise TypeError(f"Engine.chat() does not support {refused[0]}.")
+        for k in _VLLM_CHAT_UNSUPPORTED:
+            template_kwargs.pop(k, None)
         _check_template_kwargs(template_kwargs)
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise TypeError("chat_template_kwargs must be a dict.")
@@ -1063,6 +1065,24 @@ class Engine:
     def beam_search(self, *args, **kwargs):
         """vLLM's beam search: refused in one sentence."""
         self._not_built("beam_search", "use n > 1 with sampling, or greedy decoding")
+
+    def start_profile(self, *args, **kwargs):
+        """vLLM's torch profiler: refused in one sentence naming this runtime's profiler."""
+        self._not_built("start_profile", "set AS_PROFILE=ON (operator times, Engine.get_op_profiling_info) or "
+                        "AS_PROFILE_TRACE=FILE (a Chrome trace) before the engine starts")
+
+    def stop_profile(self, *args, **kwargs):
+        """The end of vLLM's torch profiler run: refused as start_profile."""
+        self.start_profile()
+
+    def get_metrics(self, *args, **kwargs):
+        """vLLM's in-process Prometheus metrics: refused in one sentence."""
+        self._not_built("get_metrics", "the server's /metrics gives vLLM's metric names; in Python, each "
+                        "RequestOutput.metrics holds its request's times")
+
+    def get_world_size(self, include_dp: bool = True) -> int:
+        """vLLM's LLM.get_world_size: the ranks of the job, or (include_dp=False) of one replica."""
+        return self.comm.world_size if include_dp else self.parallel.tensor_parallel
 
     # ------------------------------------------------------------------ embeddings
     def embed(self, inputs, pooling: str | None = None, *, normalize: bool | None = None, dimensions: int | None = None,
@@ -1771,6 +1791,14 @@ def _check_template_kwargs(kwargs: dict) -> None:
 
 # NOTE: LLM.chat arguments of vLLM with no meaning here (else they would reach the template unread)
 _VLLM_CHAT_UNSUPPORTED = {"prompt_adapter_request", "priority"}
+
+
+def _no_op(name: str, value) -> bool:
+    """vLLM's lora_request / priority / prompt_adapter_request at a value that asks for nothing: None,
+    priority 0, or a sequence (one a prompt) of those."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    return all(v is None or (name == "priority" and isinstance(v, int) and not isinstance(v, bool) and v == 0)
+               for v in values)
 
 
 def request_metrics(children: list[Request]) -> RequestMetrics:

@@ -41,6 +41,10 @@ class Prefix(Sequence):
     def __repr__(self) -> str:
         return repr(list(self))
 
+    def copy(self) -> list:
+        """The items as a new list (list.copy's name: what a script keeps or serializes)."""
+        return list(self)
+
     def __add__(self, other):  # NOTE: as a list: prefix + [ids] is a new list
         return list(self) + list(other)
 

@@ -384,6 +384,48 @@ def test_what_vllm_scripts_do_with_an_llm(eng):
     assert p.seed is None and p.stop == ["x"] and q.stop == ["x", "y"] and q.seed is None
 
 
+def test_a_vllm_script_ports_by_its_import_line(eng):
+    """`from vllm import LLM, SamplingParams, TokensPrompt` failed here (Engine only); vLLM's
+    positional chat(messages, params, use_tqdm, lora_request), its no-op priority / lora_request in
+    any sequence (priority=(0, 0) and chat's priority=0 were refused, [0, 0] taken), and
+    get_world_size; start_profile / stop_profile / get_metrics say what to use instead (a bare
+    AttributeError)."""
+    import numa_runtime
+    from numa_runtime import LLM, TextPrompt, TokensPrompt
+    from numa_runtime.inputs import TokensPrompt as InputsTokensPrompt
+    assert LLM is numa_runtime.Engine and InputsTokensPrompt is TokensPrompt and isinstance(eng, LLM)
+    ids = eng.tokenizer.encode("Hello world", add_special_tokens=False)
+    by_text, by_ids = eng.generate([TextPrompt(prompt="Hello world"), TokensPrompt(prompt_token_ids=ids)], GREEDY)
+    plain = eng.generate(["Hello world", ids], GREEDY)
+    assert [o.outputs[0].token_ids for o in (by_text, by_ids)] == [o.outputs[0].token_ids for o in plain]
+    m = [{"role": "user", "content": "Hi"}]
+    alone = eng.chat(m, GREEDY)
+    for call in (lambda: eng.chat(m, GREEDY, False), lambda: eng.chat(m, GREEDY, False, None),
+                 lambda: eng.chat(m, GREEDY, priority=0), lambda: eng.chat(m, GREEDY, lora_request=[None])):
+        assert call().outputs[0].token_ids == alone.outputs[0].token_ids
+    for kw in ({"priority": (0, 0)}, {"priority": [0, 0]}, {"lora_request": [None, None]}):
+        assert [o.outputs[0].token_ids for o in eng.generate(["Hi", "Ho"], GREEDY, **kw)] == \
+            [o.outputs[0].token_ids for o in eng.generate(["Hi", "Ho"], GREEDY)]
+    for kw in ({"priority": (0, 1)}, {"priority": [True]}, {"lora_request": [None, object()]}):
+        with pytest.raises(TypeError, match=rf"^Engine\.generate\(\) does not support {next(iter(kw))} "):
+            eng.generate(["Hi", "Ho"], GREEDY, **kw)
+    with pytest.raises(TypeError, match=r"^Engine\.chat\(\) does not support priority\.$"):
+        eng.chat(m, GREEDY, priority=2)
+    assert eng.get_world_size() == eng.get_world_size(include_dp=False) == 1
+    import json
+    rid = eng.add_request("Hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    kept = []
+    while eng.has_unfinished_requests():
+        kept += [json.dumps(o.outputs[0].token_ids.copy()) for o in eng.step() if o.request_id == rid]
+    assert [len(json.loads(k)) for k in kept][-1] == 4 and json.loads(kept[-1])[:len(json.loads(kept[0]))] == \
+        json.loads(kept[0])
+    for name, says in (("start_profile", "set AS_PROFILE=ON"), ("stop_profile", "set AS_PROFILE=ON"),
+                       ("get_metrics", "the server's /metrics")):
+        with pytest.raises(NotImplementedError, match=rf"^Engine\.(start_profile|{name}) \(vLLM's\) is not built "
+                                                      rf"here; {says}"):
+            getattr(eng, name)()
+
+
 def test_oversize_text_prompt_is_refused_by_its_length(eng):
     huge = "a" * (256 * eng.tokenizer.max_token_chars + 1)
     with pytest.raises(ValueError, match="characters, more than a context of 256 tokens"):
