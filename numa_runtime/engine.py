@@ -1073,7 +1073,8 @@ class Engine:
 
     def stop_profile(self, *args, **kwargs):
         """The end of vLLM's torch profiler run: refused as start_profile."""
-        self.start_profile()
+        self._not_built("stop_profile", "set AS_PROFILE=ON (operator times, Engine.get_op_profiling_info) or "
+                        "AS_PROFILE_TRACE=FILE (a Chrome trace) before the engine starts")
 
     def get_metrics(self, *args, **kwargs):
         """vLLM's in-process Prometheus metrics: refused in one sentence."""
@@ -1770,7 +1771,8 @@ class _Progress:
 
 # NOTE: chat()'s own parameters, for the near misses _check_template_kwargs refuses
 _CHAT_OWN = ("messages", "params", "sampling_params", "use_tqdm", "chat_template", "chat_template_kwargs",
-             "add_generation_prompt", "continue_final_message", "tools", "documents")
+             "add_generation_prompt", "continue_final_message", "tools", "documents", "lora_request",
+             "chat_template_content_format", "mm_processor_kwargs")
 # NOTE: apply_chat_template's own arguments (Hugging Face's) and the conversation: never template variables
 _NOT_TEMPLATE_VARIABLES = ("messages", *HF_RENDER_ARGS, "tokenization_kwargs")
 
@@ -1797,8 +1799,7 @@ def _no_op(name: str, value) -> bool:
     """vLLM's lora_request / priority / prompt_adapter_request at a value that asks for nothing: None,
     priority 0, or a sequence (one a prompt) of those."""
     values = list(value) if isinstance(value, (list, tuple)) else [value]
-    return all(v is None or (name == "priority" and isinstance(v, int) and not isinstance(v, bool) and v == 0)
-               for v in values)
+    return all(v is None or (name == "priority" and isinstance(v, int) and v == 0) for v in values)
 
 
 def request_metrics(children: list[Request]) -> RequestMetrics:

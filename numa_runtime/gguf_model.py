@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import tempfile
 
 import numpy as np
@@ -103,26 +104,37 @@ def gguf_model_dir(path: str, name: str | None = None) -> str:
                 os.rename(tmp, target)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
-            sweep_stale_descriptions(os.path.dirname(parent), key, files[0])
+            with contextlib.suppress(OSError), open(os.path.join(parent, _HOST), "w") as f:
+                f.write(socket.gethostname())
+            sweep_stale_descriptions(os.path.dirname(parent), key)
     return target
 
 
-def sweep_stale_descriptions(root: str, keep: str, first: str) -> None:
-    """Remove the cached descriptions under `root` (NUMA_RUNTIME_CACHE/gguf) of GGUF files that no longer
-    exist, and the earlier ones of the file `first` (replaced, or touched): each new file, path or
-    version made a folder (3.5 MB with a Llama 3 tokenizer) and none was ever removed (6022 folders,
-    594 MB, from temporary files). A folder being written (its lock held) is left alone."""
+_HOST = ".host"  # a description's folder: the host that made it (its GGUF's path is that host's)
+
+
+def sweep_stale_descriptions(root: str, keep: str) -> None:
+    """Remove the cached descriptions under `root` (NUMA_RUNTIME_CACHE/gguf) made on this host of GGUF
+    files that no longer exist: each file and path made a folder (3.5 MB with a Llama 3 tokenizer)
+    and none was ever removed (6022 folders, 594 MB, from temporary files). Only this host's: a cache
+    shared between hosts or containers holds descriptions of paths that exist elsewhere. Not the
+    earlier descriptions of a file replaced in place: a server of several models loads from the one
+    it chose at start. A folder being written (its lock held) is left alone."""
     try:
         keys = os.listdir(root)
     except OSError:
         return
+    host = socket.gethostname()
     for key in keys:
         folder = os.path.join(root, key)
         if key == keep:
             continue
         try:
+            with open(os.path.join(folder, _HOST)) as f:
+                if f.read() != host:
+                    continue
             subs = [n for n in os.listdir(folder) if not n.startswith(".")]
-        except OSError:
+        except (OSError, UnicodeDecodeError):
             continue
         targets = []
         for n in subs:
@@ -130,8 +142,8 @@ def sweep_stale_descriptions(root: str, keep: str, first: str) -> None:
                 targets.append(os.readlink(os.path.join(folder, n, GGUF_LINK)))
             except OSError:
                 targets.append(None)
-        if not targets or None in targets or any(os.path.exists(t) and t != first for t in targets):
-            continue  # NOTE: not ours to judge, or it describes a file that is still there (another path)
+        if not targets or None in targets or any(os.path.exists(t) for t in targets):
+            continue  # NOTE: not ours to judge, or it describes a file that is still there
         try:
             lock = open(os.path.join(folder, ".lock"), "a")
         except OSError:

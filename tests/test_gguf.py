@@ -215,7 +215,7 @@ def test_a_damaged_or_replaced_description_is_made_again(hf_models, tmp_path):
         os.makedirs(os.path.join(os.path.dirname(first), ".tmp-dead"))  # NOTE: a writer killed in its work
         assert gguf_model_dir(path) == first and folder_complete(first), damage
         assert Tokenizer.from_dir(first).encode("Hello world") == ids
-        assert sorted(os.listdir(os.path.dirname(first))) == [".lock", os.path.basename(first)]
+        assert sorted(os.listdir(os.path.dirname(first))) == [".host", ".lock", os.path.basename(first)]
     gone = str(tmp_path / "gone.gguf")  # NOTE: its folder given after the file was deleted: it said "No *.safetensors"
     shutil.copyfile(path, gone)
     gone_dir = gguf_model_dir(gone)
@@ -237,31 +237,35 @@ def test_a_damaged_or_replaced_description_is_made_again(hf_models, tmp_path):
     assert again != first and Tokenizer.from_dir(again).render_chat([{"role": "user", "content": "x"}]) == "OTHER"
 
 
-def test_descriptions_of_files_gone_or_replaced_are_removed(hf_models, tmp_path, monkeypatch):
-    """Every GGUF path, and every change of a file, made a cached description (3.5 MB with a
-    Llama 3 tokenizer) that stayed for ever: the test suite alone left thousands. A new
-    description removes those of files that are gone and the earlier ones of its own file;
-    those of files still there, and one being written, stay."""
+def test_descriptions_of_files_gone_are_removed(hf_models, tmp_path, monkeypatch):
+    """Every GGUF path made a cached description (3.5 MB with a Llama 3 tokenizer) that stayed for
+    ever: the test suite alone left thousands. A new description removes this host's of files that
+    are gone; those of files still there (an earlier one of a file replaced in place too: a server
+    of several models loads from the one it chose at start), of another host's paths (a shared
+    cache), and one being written, stay."""
     import fcntl
     import shutil
     from numa_runtime.gguf_model import gguf_model_dir
     monkeypatch.setenv("NUMA_RUNTIME_CACHE", str(tmp_path / "cache"))
-    paths = {n: str(tmp_path / f"{n}.gguf") for n in ("kept", "gone", "changed", "busy")}
+    paths = {n: str(tmp_path / f"{n}.gguf") for n in ("kept", "gone", "changed", "busy", "elsewhere")}
     write_gguf(hf_models["llama"], paths["kept"], "F32")
-    for n in ("gone", "changed", "busy"):
+    for n in ("gone", "changed", "busy", "elsewhere"):
         shutil.copyfile(paths["kept"], paths[n])
     dirs = {n: gguf_model_dir(p) for n, p in paths.items()}
     assert all(os.path.isdir(d) for d in dirs.values())
-    os.remove(paths["gone"])
-    os.remove(paths["busy"])
+    for n in ("gone", "busy", "elsewhere"):
+        os.remove(paths[n])
+    with open(os.path.join(os.path.dirname(dirs["elsewhere"]), ".host"), "w") as f:
+        f.write("another-host")  # NOTE: as if made on another host sharing the cache, where the path exists
     busy = open(os.path.join(os.path.dirname(dirs["busy"]), ".lock"), "w")
     fcntl.flock(busy, fcntl.LOCK_EX)  # NOTE: as a writer holds it
     write_gguf(hf_models["llama"], paths["changed"], "F32",
                extra=lambda w: w.add_string("tokenizer.chat_template", "OTHER"))
     again = gguf_model_dir(paths["changed"])
     assert again != dirs["changed"] and os.path.isdir(again)
-    assert not os.path.exists(os.path.dirname(dirs["gone"])) and not os.path.exists(os.path.dirname(dirs["changed"]))
-    assert os.path.isdir(dirs["kept"]) and os.path.isdir(dirs["busy"])
+    assert not os.path.exists(os.path.dirname(dirs["gone"]))
+    for n in ("kept", "changed", "busy", "elsewhere"):
+        assert os.path.isdir(dirs[n]), n
     busy.close()
     assert gguf_model_dir(paths["kept"]) == dirs["kept"]  # NOTE: found complete: nothing is described or swept
     assert os.path.isdir(dirs["busy"])
@@ -269,7 +273,7 @@ def test_descriptions_of_files_gone_or_replaced_are_removed(hf_models, tmp_path,
     back = gguf_model_dir(paths["gone"])
     assert not os.path.exists(dirs["busy"])
     assert sorted(os.listdir(tmp_path / "cache" / "gguf")) == sorted(
-        os.path.basename(os.path.dirname(d)) for d in (dirs["kept"], again, back))
+        os.path.basename(os.path.dirname(d)) for d in (dirs["kept"], dirs["changed"], again, back, dirs["elsewhere"]))
 
 
 def test_a_full_cache_is_said_to_be_full(hf_models, tmp_path, monkeypatch):

@@ -82,7 +82,8 @@ def test_reasoning_effort_reaches_the_chat_template(server, client):
 
 
 @pytest.mark.parametrize("field, value, says", [
-    ("modalities", ["text", "audio"], "modalities is not supported by this server; remove it from the request."),
+    ("modalities", ["text", "audio"], 'modalities ["text", "audio"] is not supported by this server; it takes '
+                                      '["text"] (or leave it out).'),
     ("service_tier", "flex", 'service_tier "flex" is not supported by this server; it takes "auto" or "default" '
                              "(or leave it out)."),
     ("verbosity", "low", 'verbosity "low" is not supported by this server; it takes "medium" (or leave it out).'),
@@ -133,6 +134,23 @@ def test_chat_completions_fields_sent_to_completions_are_refused(client, field, 
     same = client.completions.create(model="tiny", prompt="Hello", max_tokens=2, temperature=0,
                                      extra_body={field: None})  # NOTE: null is the field left out
     assert same.usage.completion_tokens == 2
+
+
+def test_chat_fields_that_ask_for_nothing_are_taken_on_completions(client, server):
+    """Values that change nothing on /v1/completions are taken, as vLLM takes them; a whole chat
+    body sent there is refused naming `messages` (it was "The field 'prompt' is required.")."""
+    plain = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, temperature=0)
+    same = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, temperature=0, extra_body={
+        "tools": [], "parallel_tool_calls": False, "include_reasoning": True, "add_generation_prompt": True,
+        "modalities": ["text"], "tool_choice": "none", "chat_template_kwargs": {}})
+    assert same.choices[0].text == plain.choices[0].text
+    r = httpx.post(server.base + "/v1/completions", json={"model": "tiny", "max_completion_tokens": 5,
+                                                          "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        "messages is a Chat Completions field, not taken by /v1/completions; send the chat to /v1/chat/completions, "
+        "or its text as prompt."), r.text
+    r = httpx.post(server.base + "/v1/completions", json={"model": "tiny"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "The field 'prompt' is required.", r.text
 
 
 def test_request_id_names_the_response(client):

@@ -58,10 +58,11 @@ def _refuse(body: BaseModel, defaults: dict) -> None:
         if value is not None and value not in ok:
             # NOTE: a field refused only for some values names the value and the ones taken ("service_tier
             # is not supported ...; remove it" read as if the field itself were, though "auto" is taken)
-            scalars = [v for v in ok if isinstance(v, (str, int, float))]
-            if scalars and len(scalars) == len(ok) and isinstance(value, (str, int, float)):
-                taken = " or ".join(json.dumps(v) for v in scalars)
-                e = ValueError(f"{name} {json.dumps(value)} is not supported by this server; it takes {taken} "
+            if any(v not in ([], {}) for v in ok):  # NOTE: where the only value taken is empty: remove it
+                shown = json.dumps(value, default=str)
+                shown = shown if len(shown) <= 60 else shown[:57] + "..."
+                taken = " or ".join(json.dumps(v) for v in ok)
+                e = ValueError(f"{name} {shown} is not supported by this server; it takes {taken} "
                                "(or leave it out).")
                 e.param = name  # NOTE: the sentence opens with the field's spelling, kept lower-case
                 raise e
@@ -321,7 +322,12 @@ _VLLM_REFUSED = {"use_beam_search": (False,), "length_penalty": (1.0,), "prompt_
                  "media_io_kwargs": ({},), "kv_transfer_params": ()}
 
 
-# Chat Completions fields that /v1/completions refuses, and what to do instead
+# Chat Completions fields that /v1/completions refuses, and what to do instead; _CHAT_NO_OP: their values
+# that ask for nothing there (taken, as vLLM takes them)
+_CHAT_NO_OP = {"tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",),
+               "parallel_tool_calls": (True, False), "include_reasoning": (True, False),
+               "add_generation_prompt": (True, False), "continue_final_message": (False,), "documents": ([],),
+               "chat_template_kwargs": ({},), "modalities": (["text"],)}
 _CHAT_ONLY = {"messages": "send the chat to /v1/chat/completions, or its text as prompt.",
               "max_completion_tokens": "give max_tokens.", "top_logprobs": "give logprobs (a number of tokens).",
               **{k: "send the request to /v1/chat/completions." for k in (
@@ -329,6 +335,12 @@ _CHAT_ONLY = {"messages": "send the chat to /v1/chat/completions, or its text as
                   "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "documents",
                   "reasoning_effort", "include_reasoning", "audio", "modalities", "prediction",
                   "web_search_options")}}
+
+
+def _chat_only(data: dict) -> str | None:
+    """The first Chat Completions field of a completions body set to something that asks for it."""
+    return next((k for k in _CHAT_ONLY if data.get(k) is not None and
+                 not any(type(data[k]) is type(v) and data[k] == v for v in _CHAT_NO_OP.get(k, ()))), None)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -354,10 +366,12 @@ class CompletionRequest(_SamplingRequest):
     @model_validator(mode="wrap")
     @classmethod
     def _note_max_tokens_null(cls, data, handler):
+        if isinstance(data, dict) and "prompt" not in data and _chat_only(data) is not None:
+            data = {**data, "prompt": ""}  # NOTE: a chat body sent here: refused naming its field, not "prompt"
         body = handler(data)
         body._max_tokens_null = isinstance(data, dict) and "max_tokens" in data and data["max_tokens"] is None
         if isinstance(data, dict):
-            body._chat_only = next((k for k in _CHAT_ONLY if data.get(k) is not None), None)
+            body._chat_only = _chat_only(data)
         return body
 
     @property
