@@ -86,8 +86,9 @@ def split_heads(num_heads: int, num_kv_heads: int, world: int) -> list[tuple[sli
     """(query heads, kv heads) of every rank; see the module docstring."""
     if not 1 <= world <= num_heads:
         raise UnsupportedModelError(
-            f"Cannot split {num_heads} attention heads over {world} ranks; use 1 to {num_heads} "
-            f"ranks per model replica (data parallel replicas can use the remaining ranks).")
+            f"Cannot split {num_heads} attention heads over {world} ranks; use "
+            + ("1 rank" if num_heads == 1 else f"1 to {num_heads} ranks")
+            + " per model replica (data parallel replicas can use the remaining ranks).")
     group = num_heads // num_kv_heads
     if world <= num_kv_heads:
         kvs = [split_range(num_kv_heads, world, r) for r in range(world)]

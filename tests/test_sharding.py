@@ -65,6 +65,9 @@ def test_every_rank_count_gives_a_valid_layout(shape):
 def test_too_many_ranks_is_a_clear_error():
     with pytest.raises(UnsupportedModelError, match="Cannot split 9 attention heads over 10 ranks; use 1 to 9"):
         shard_layouts(_cfg(*SHAPES[0]), 10)
+    with pytest.raises(UnsupportedModelError, match=r"^Cannot split 1 attention heads over 2 ranks; use 1 rank per "
+                                                    r"model replica \("):
+        split_heads(1, 1, 2)
 
 
 def test_mlp_split_respects_the_alignment():
