@@ -142,7 +142,7 @@ def test_chat_fields_that_ask_for_nothing_are_taken_on_completions(client, serve
     plain = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, temperature=0)
     same = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, temperature=0, extra_body={
         "tools": [], "parallel_tool_calls": False, "include_reasoning": True, "add_generation_prompt": True,
-        "modalities": ["text"], "tool_choice": "none", "chat_template_kwargs": {}})
+        "modalities": ["text"], "tool_choice": "none", "chat_template_kwargs": {}, "max_completion_tokens": 3})
     assert same.choices[0].text == plain.choices[0].text
     r = httpx.post(server.base + "/v1/completions", json={"model": "tiny", "max_completion_tokens": 5,
                                                           "messages": [{"role": "user", "content": "hi"}]})

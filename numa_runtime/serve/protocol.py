@@ -339,8 +339,9 @@ _CHAT_ONLY = {"messages": "send the chat to /v1/chat/completions, or its text as
 
 def _chat_only(data: dict) -> str | None:
     """The first Chat Completions field of a completions body set to something that asks for it."""
+    no_op = {**_CHAT_NO_OP, "max_completion_tokens": (data.get("max_tokens"),)}  # NOTE: both given, equal
     return next((k for k in _CHAT_ONLY if data.get(k) is not None and
-                 not any(type(data[k]) is type(v) and data[k] == v for v in _CHAT_NO_OP.get(k, ()))), None)
+                 not any(type(data[k]) is type(v) and data[k] == v for v in no_op.get(k, ()))), None)
 
 
 class CompletionRequest(_SamplingRequest):
