@@ -170,6 +170,9 @@ class Engine:
         _warn_uneven_threads(self.ranks)
         replica_blocks = data_parallel.replica_blocks(self.parallel, self.ranks)
         self.max_model_len = self._fit_max_len_to_cache(mcfg, min(replica_blocks))
+        # NOTE: where vLLM scripts read it (llm.llm_engine.model_config.max_model_len, to cut prompts): an
+        # attribute beside the dataclass's fields, so the config's equality and hash stay its file's
+        object.__setattr__(mcfg, "max_model_len", self.max_model_len)
         schedulers = [Scheduler(SchedulerConfig(max_num_seqs=self.config.max_num_seqs,
                                                 max_num_batched_tokens=self.config.max_num_batched_tokens,
                                                 max_model_len=self.max_model_len, sliding_window=mcfg.min_window),

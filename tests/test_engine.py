@@ -412,6 +412,7 @@ def test_a_vllm_script_ports_by_its_import_line(eng):
     with pytest.raises(TypeError, match=r"^Engine\.chat\(\) does not support priority\.$"):
         eng.chat(m, GREEDY, priority=2)
     assert eng.get_world_size() == eng.get_world_size(include_dp=False) == 1
+    assert eng.llm_engine.model_config.max_model_len == eng.max_model_len
     import json
     rid = eng.add_request("Hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     kept = []
