@@ -985,7 +985,7 @@ class Engine:
         for name, value, default in (("lora_request", lora_request, None), ("mm_processor_kwargs", mm_processor_kwargs,
                                                                              None),
                                      ("chat_template_content_format", chat_template_content_format, "auto")):
-            if value != default and not (name == "lora_request" and _no_op(name, value)):
+            if not (_no_op(name, value) if name == "lora_request" else value == default):
                 raise TypeError(f"Engine.chat() does not support {name} (only {default!r}, vLLM's default).")
         # NOTE: vLLM's LLM.chat keywords, at their no-op values as generate() takes them (priority=0 was refused)
         refused = sorted(k for k in set(template_kwargs) & _VLLM_CHAT_UNSUPPORTED if not _no_op(k, template_kwargs[k]))
@@ -1071,13 +1071,11 @@ class Engine:
 
     def start_profile(self, *args, **kwargs):
         """vLLM's torch profiler: refused in one sentence naming this runtime's profiler."""
-        self._not_built("start_profile", "set AS_PROFILE=ON (operator times, Engine.get_op_profiling_info) or "
-                        "AS_PROFILE_TRACE=FILE (a Chrome trace) before the engine starts")
+        self._not_built("start_profile", _PROFILE_INSTEAD)
 
     def stop_profile(self, *args, **kwargs):
         """The end of vLLM's torch profiler run: refused as start_profile."""
-        self._not_built("stop_profile", "set AS_PROFILE=ON (operator times, Engine.get_op_profiling_info) or "
-                        "AS_PROFILE_TRACE=FILE (a Chrome trace) before the engine starts")
+        self._not_built("stop_profile", _PROFILE_INSTEAD)
 
     def get_metrics(self, *args, **kwargs):
         """vLLM's in-process Prometheus metrics: refused in one sentence."""
@@ -1796,6 +1794,9 @@ def _check_template_kwargs(kwargs: dict) -> None:
 
 # NOTE: LLM.chat arguments of vLLM with no meaning here (else they would reach the template unread)
 _VLLM_CHAT_UNSUPPORTED = {"prompt_adapter_request", "priority"}
+# what start_profile / stop_profile (vLLM's torch profiler) say to use instead
+_PROFILE_INSTEAD = ("set AS_PROFILE=ON (operator times, Engine.get_op_profiling_info) or AS_PROFILE_TRACE=FILE "
+                    "(a Chrome trace) before the engine starts")
 
 
 def _no_op(name: str, value) -> bool:

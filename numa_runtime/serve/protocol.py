@@ -367,12 +367,12 @@ class CompletionRequest(_SamplingRequest):
     @model_validator(mode="wrap")
     @classmethod
     def _note_max_tokens_null(cls, data, handler):
-        if isinstance(data, dict) and "prompt" not in data and _chat_only(data) is not None:
+        chat_only = _chat_only(data) if isinstance(data, dict) else None
+        if chat_only is not None and "prompt" not in data:
             data = {**data, "prompt": ""}  # NOTE: a chat body sent here: refused naming its field, not "prompt"
         body = handler(data)
         body._max_tokens_null = isinstance(data, dict) and "max_tokens" in data and data["max_tokens"] is None
-        if isinstance(data, dict):
-            body._chat_only = _chat_only(data)
+        body._chat_only = chat_only
         return body
 
     @property
