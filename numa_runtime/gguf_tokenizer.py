@@ -35,6 +35,8 @@ log = logging.getLogger("numa_runtime")
 
 # GGUF token types (llama.cpp's llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+# tokenizer_config.json's key for token_aliases() (read by tokenizer.Tokenizer)
+TOKEN_ALIASES = "numa_runtime_token_aliases"
 
 # Pre-tokenizer regexes as the models' tokenizer.json files write them
 _LLAMA3_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -179,6 +181,9 @@ def write_tokenizer(meta: dict, out_dir: str, prefix: str, source: str = "") -> 
         "model_max_length": int(meta.get(prefix + "context_length", 2048)),
         "tokenizer_class": "PreTrainedTokenizerFast",  # NOTE: tokenizer.json as it is, BOS included
     }
+    aliases = token_aliases(tokens)
+    if aliases:
+        cfg[TOKEN_ALIASES] = {str(i): j for i, j in aliases.items()}
     # NOTE: gguf-py writes named templates (tool_use, rag) as tokenizer.chat_template.<name>, listed
     # in tokenizer.chat_templates: tokenizer_config's list form, which picks tool_use for tools
     named = [n for n in meta.get("tokenizer.chat_templates") or () if f"tokenizer.chat_template.{n}" in meta]
@@ -190,6 +195,14 @@ def write_tokenizer(meta: dict, out_dir: str, prefix: str, source: str = "") -> 
         cfg["chat_template"] = meta["tokenizer.chat_template"]
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
+
+
+def token_aliases(tokens: list[str]) -> dict[int, int]:
+    """{id: the id its text encodes to} for each token whose string the vocabulary holds again at a
+    later id. A text map keeps one id a string (the last, as llama.cpp's encoder); the others still
+    decode to that string (llama.cpp keeps each id's text), through this map."""
+    last = {t: i for i, t in enumerate(tokens)}
+    return {i: last[t] for i, t in enumerate(tokens) if last[t] != i}
 
 
 # Tokens that end a turn by their text, whatever the file names (llama.cpp's vocabulary loader

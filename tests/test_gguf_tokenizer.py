@@ -403,3 +403,39 @@ def test_first_token_keeps_its_space_after_a_prompt_ending_in_byte_pieces(sp_mod
         skip = dict(skip_special_tokens=True)
         want = tok.decode(prompt + [the] * 3, **skip)[len(tok.decode(prompt, **skip)):]
         assert got == want and want.startswith(" "), (text, got, want)
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "byte_level"])
+def test_a_string_the_vocabulary_holds_twice_decodes_at_both_ids(sp_model, tmp_path, kind):
+    """Some GGUF vocabularies hold a string at two ids. Text encodes to the later one (llama.cpp's
+    text map keeps the last); the earlier id still decodes to its string (it decoded to "")."""
+    if kind == "sentencepiece":
+        meta = sp_meta(sp_model)
+        text = "This program is free software"
+        ref_ids, ref_text = sp_model.encode(text), sp_model.decode
+    else:
+        ref = bpe_reference(QWEN2, True, False)
+        meta = bpe_meta(ref, "qwen2")
+        text = "This program is free software"
+        ref_ids, ref_text = ref.encode(text).ids, ref.decode
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    k = max(ref_ids, key=lambda i: len(tokens[i]))  # a word piece of the text
+    again = len(tokens)
+    meta = {**meta, "tokenizer.ggml.tokens": tokens + [tokens[k]],
+            "tokenizer.ggml.token_type": list(meta["tokenizer.ggml.token_type"]) + [1]}
+    if "tokenizer.ggml.scores" in meta:
+        meta["tokenizer.ggml.scores"] = list(meta["tokenizer.ggml.scores"]) + [meta["tokenizer.ggml.scores"][k]]
+    tok = ours(meta, tmp_path)
+    assert tok.encode(text, add_special_tokens=False) == [again if i == k else i for i in ref_ids]
+    assert tok.decode(ref_ids, skip_special_tokens=True) == ref_text(ref_ids)
+    assert tok.decode([k]) == tok.decode([again]) != ""
+    assert tok.decoded_token(k) == tok.decoded_token(again)
+    assert tok.convert_ids_to_tokens([k, again]) == [tokens[k], tokens[k]]
+    assert tok.token_str(k) == tokens[k]
+    assert tok.token_bytes(k) == tok.token_bytes(again) != b""
+    # the map is what gives the earlier id its text: without it (descriptions of earlier versions) none
+    path = tmp_path / "tok" / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    assert cfg.pop("numa_runtime_token_aliases") == {str(k): again}
+    path.write_text(json.dumps(cfg))
+    assert Tokenizer.from_dir(str(tmp_path / "tok")).decode([k]) == ""
