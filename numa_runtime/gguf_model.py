@@ -30,7 +30,7 @@ log = logging.getLogger("numa_runtime")
 GGUF_LINK = "model.gguf"
 INDEX = "gguf_tensors.json"
 # NOTE: part of the cache key: a change to what _describe writes makes files describe again
-DESCRIBE_VERSION = 13  # NOTE: 13: a string the vocabulary holds twice decodes at both ids; 12: DeepSeek's user-defined byte-alphabet tokens decode as their text; 11: Phi-3 user-defined tokens (</s>) take the whitespace after them; 10: a phi3 file's rope scaling keys and lone factor tensors; 9: llama.cpp's "default" BPE split, block_count and special ids checked; 8: mixture of experts; 7: named chat templates, Phi-3 control tokens rstrip; 6: phi3
+DESCRIBE_VERSION = 13  # NOTE: 13: the vocabulary as llama.cpp takes it (empty tokens named, end-of-turn texts control, a string twice refused), byte-level added tokens decode as their text; 12: DeepSeek's user-defined byte-alphabet tokens decode as their text; 11: Phi-3 user-defined tokens (</s>) take the whitespace after them; 10: a phi3 file's rope scaling keys and lone factor tensors; 9: llama.cpp's "default" BPE split, block_count and special ids checked; 8: mixture of experts; 7: named chat templates, Phi-3 control tokens rstrip; 6: phi3
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
          "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
          "qwen3moe": "Qwen3MoeForCausalLM"}
@@ -336,7 +336,15 @@ def _describe(files: list[str], out_dir: str) -> None:
         if endian is not None and getattr(endian, "name", "LITTLE") != "LITTLE":
             raise UnsupportedModelError(f"{f} is a big-endian GGUF file, whose tensors numa_runtime does not read; "
                                         "convert the model again without --bigendian.")
-    meta = {name: field.contents() for name, field in readers[0].fields.items()}
+    meta = {}
+    for name, field in readers[0].fields.items():
+        try:
+            meta[name] = field.contents()
+        except UnicodeDecodeError:
+            raise UnsupportedModelError(f"{path}: the GGUF metadata {name} holds text that is not valid UTF-8, "
+                                        "which numa_runtime's tokenizer cannot hold; convert the model again.") from None
+    from .gguf_tokenizer import normalize_vocab
+    normalize_vocab(meta, f"{path}: ")
     _check_split(files, readers, meta)
     _special_ids(meta, path)
     tensors = [(i, t) for i, r in enumerate(readers) for t in r.tensors]

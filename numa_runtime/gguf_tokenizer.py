@@ -35,8 +35,6 @@ log = logging.getLogger("numa_runtime")
 
 # GGUF token types (llama.cpp's llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-# tokenizer_config.json's key for token_aliases() (read by tokenizer.Tokenizer)
-TOKEN_ALIASES = "numa_runtime_token_aliases"
 
 # Pre-tokenizer regexes as the models' tokenizer.json files write them
 _LLAMA3_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -111,6 +109,35 @@ BPE_PRE = {
 }
 
 
+def normalize_vocab(meta: dict, where: str = "") -> None:
+    """The vocabulary as llama.cpp's loader takes it, in `meta` itself: an empty token is named
+    "[EMPTY_<id>]"; a token whose text ends a turn (END_OF_TURN_TEXTS: "<|im_end|>", ...) is a
+    control token whatever type the file gives it (a normal one was matched in text as pieces);
+    a string at two ids is refused (llama.cpp refuses it too: one id would have no text)."""
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not tokens:
+        return
+    empty = [f"[EMPTY_{i}]" for i, t in enumerate(tokens) if t == ""]
+    if empty:
+        tokens = [t if t != "" else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        log.warning("%sthe GGUF vocabulary holds %d empty token(s); they are named %s as llama.cpp names them.",
+                    where, len(empty), ", ".join(empty[:3]) + (", ..." if len(empty) > 3 else ""))
+    seen: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        if seen.setdefault(t, i) != i:  # NOTE: one id of the two would have no text (a text map keeps one)
+            raise UnsupportedModelError(f"{where}the GGUF vocabulary holds the token {t!r} twice (ids {seen[t]} "
+                                        f"and {i}), which llama.cpp refuses too; convert the model again.")
+    meta["tokenizer.ggml.tokens"] = list(tokens)
+    types = list(meta.get("tokenizer.ggml.token_type") or ())
+    if len(types) == len(tokens):
+        promoted = [i for i, (t, k) in enumerate(zip(tokens, types)) if t in END_OF_TURN_TEXTS and k != CONTROL]
+        for i in promoted:
+            log.warning("%sGGUF token %d %r ends a turn but is not a control token; it is taken as one, as "
+                        "llama.cpp takes it.", where, i, tokens[i])
+            types[i] = CONTROL
+        meta["tokenizer.ggml.token_type"] = types
+
+
 def spm_defaults(meta: dict, where: str = "") -> None:
     """A SentencePiece ('llama') vocabulary's BOS and unknown token where the file names none, in
     `meta` itself, as llama.cpp takes them: BOS token 1, unknown the UNKNOWN-type token (else 0).
@@ -133,6 +160,8 @@ def write_tokenizer(meta: dict, out_dir: str, prefix: str, source: str = "") -> 
     (`prefix`: the architecture's key prefix, e.g. "qwen2."; `source`: the file, for errors)."""
     kind = meta.get("tokenizer.ggml.model")
     where = f"{source}: " if source else ""
+    meta = dict(meta)
+    normalize_vocab(meta, where)
     if kind == "gpt2":
         tok, add_bos_default = _bpe(meta, where)
     elif kind == "llama":
@@ -181,9 +210,6 @@ def write_tokenizer(meta: dict, out_dir: str, prefix: str, source: str = "") -> 
         "model_max_length": int(meta.get(prefix + "context_length", 2048)),
         "tokenizer_class": "PreTrainedTokenizerFast",  # NOTE: tokenizer.json as it is, BOS included
     }
-    aliases = token_aliases(tokens)
-    if aliases:
-        cfg[TOKEN_ALIASES] = {str(i): j for i, j in aliases.items()}
     # NOTE: gguf-py writes named templates (tool_use, rag) as tokenizer.chat_template.<name>, listed
     # in tokenizer.chat_templates: tokenizer_config's list form, which picks tool_use for tools
     named = [n for n in meta.get("tokenizer.chat_templates") or () if f"tokenizer.chat_template.{n}" in meta]
@@ -195,14 +221,6 @@ def write_tokenizer(meta: dict, out_dir: str, prefix: str, source: str = "") -> 
         cfg["chat_template"] = meta["tokenizer.chat_template"]
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
-
-
-def token_aliases(tokens: list[str]) -> dict[int, int]:
-    """{id: the id its text encodes to} for each token whose string the vocabulary holds again at a
-    later id. A text map keeps one id a string (the last, as llama.cpp's encoder); the others still
-    decode to that string (llama.cpp keeps each id's text), through this map."""
-    last = {t: i for i, t in enumerate(tokens)}
-    return {i: last[t] for i, t in enumerate(tokens) if last[t] != i}
 
 
 # Tokens that end a turn by their text, whatever the file names (llama.cpp's vocabulary loader
@@ -286,17 +304,21 @@ def _bpe(meta: dict, where: str):
 
 
 def byte_char_tokens(tokens: list, types: list) -> list[str]:
-    """A byte-level vocabulary's user-defined tokens of one byte-alphabet character that no normal
-    token holds (DeepSeek's 13: bytes C0, C1 and F5-FF, which UTF-8 never holds): text tokens of
-    that character, not bytes."""
+    """A byte-level vocabulary's user-defined and control tokens written in characters of the
+    byte alphabet that stand for other bytes than their own UTF-8 ("café", "×2"; DeepSeek's 13
+    one-character tokens of bytes C0, C1 and F5-FF, which UTF-8 never holds): text tokens, as
+    llama.cpp copies their text, where the ByteLevel decoder read each character as one byte
+    ("café" decoded to "caf\ufffd"). One that a normal token holds is left as it is (the decoder's
+    rewrite would reach that token too)."""
     from .tokenizer import _BYTE_LEVEL
     if len(types) != len(tokens):
         return []
-    chars = [t for t, k in zip(tokens, types) if k == USER_DEFINED and len(t) == 1 and t in _BYTE_LEVEL]
+    chars = [t for t, k in zip(tokens, types) if k in (USER_DEFINED, CONTROL) and t and all(c in _BYTE_LEVEL for c in t)
+             and bytes(_BYTE_LEVEL[c] for c in t) != t.encode()]
     if not chars:
         return []
-    normal = {c for t, k in zip(tokens, types) if k == NORMAL for c in t}
-    return [c for c in chars if c not in normal]
+    normal = [t for t, k in zip(tokens, types) if k == NORMAL]
+    return [c for c in chars if not any(c in t for t in normal)]
 
 
 def _spm(meta: dict, where: str):

@@ -18,8 +18,6 @@ import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _BackendTokenizer
 
-from .gguf_tokenizer import TOKEN_ALIASES
-
 log = logging.getLogger("numa_runtime")
 
 __all__ = ["Tokenizer", "IncrementalDetokenizer", "ChatTemplateError"]
@@ -125,9 +123,6 @@ class Tokenizer:
         self._add_bos = bool(config.get("add_bos_token", True))  # LlamaTokenizerFast defaults
         self._add_eos = bool(config.get("add_eos_token", False))
         self._chat_templates = chat_templates  # name -> jinja source; "default" if unnamed
-        # NOTE: a GGUF vocabulary's ids whose string a later id holds too decode as that id
-        aliases = config.get(TOKEN_ALIASES)
-        self._aliases = {int(i): int(j) for i, j in aliases.items()} if isinstance(aliases, dict) else {}
         self.lowercase = False  # texts lowercased before encoding (an embedding model's do_lower_case)
         self._template_owner = "the model's chat template"  # what renders chats (errors name it)
 
@@ -262,8 +257,6 @@ class Tokenizer:
         """The text of token ids (a list, an array, or one id as HF takes it). HF's
         clean_up_tokenization_spaces is taken when false (this never cleans up)."""
         if not kwargs and isinstance(token_ids, list) and (not token_ids or isinstance(token_ids[0], int)):
-            if self._aliases:
-                token_ids = [self._aliases.get(t, t) for t in token_ids]
             return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)  # NOTE: the runtime's
         if kwargs.get("clean_up_tokenization_spaces"):
             raise ValueError("decode's clean_up_tokenization_spaces=True is not supported (the text is decoded as "
@@ -279,7 +272,8 @@ class Tokenizer:
             return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in token_ids]
         if np.ndim(token_ids) == 0:
             token_ids = [int(token_ids)]
-        return self.decode([int(t) for t in token_ids], skip_special_tokens=skip_special_tokens)
+        return self._backend.decode([int(t) for t in token_ids] if not isinstance(token_ids, list) else token_ids,
+                                    skip_special_tokens=skip_special_tokens)
 
     def decoded_token(self, token_id: int) -> str:
         """One token decoded on its own, special tokens kept (vLLM's Logprob.decoded_token)."""
@@ -287,19 +281,18 @@ class Tokenizer:
 
     def token_str(self, token_id: int) -> str:
         """The vocabulary's string of a token (HF convert_ids_to_tokens: "Ġcaf", "▁the", "<0x0A>")."""
-        return self._id_to_token(int(token_id)) or ""
-
-    def _id_to_token(self, token_id: int) -> str | None:
-        return self._backend.id_to_token(self._aliases.get(token_id, token_id))
+        return self._backend.id_to_token(int(token_id)) or ""
 
     def token_bytes(self, token_id: int) -> bytes:
         """The UTF-8 bytes token `token_id` stands for in a text, also where it holds only part
         of a character (a byte-level BPE piece, or a SentencePiece <0xNN> byte: decode() shows
         those as U+FFFD); a SentencePiece word piece with its leading space; an added or special
         token: its text. The bytes of a text's tokens join to the text."""
-        token_id = self._aliases.get(token_id, token_id)
+        added = self._added_text.get(token_id)
+        if added is not None:  # NOTE: its text as it is (a lone decode strips a SentencePiece text's first space)
+            return added.encode("utf-8")
         piece = self._backend.id_to_token(token_id)
-        if piece is None or token_id in self._added_ids:
+        if piece is None:
             return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
         if self._pieces == "byte_level" and all(c in _BYTE_LEVEL for c in piece):
             return bytes(_BYTE_LEVEL[c] for c in piece)
@@ -311,8 +304,10 @@ class Tokenizer:
         return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     @functools.cached_property
-    def _added_ids(self) -> set[int]:
-        return set(self._backend.get_added_tokens_decoder())
+    def _added_text(self) -> dict[int, str]:
+        """The added tokens' text: what decode() gives each in a text (byte-level GGUF vocabularies
+        included: byte_char_tokens)."""
+        return {i: t.content for i, t in self._backend.get_added_tokens_decoder().items()}
 
     @functools.cached_property
     def skipped_ids(self) -> frozenset[int]:
@@ -595,8 +590,8 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids):
         """A token id's token (as the vocabulary spells it), or a list of them."""
         if isinstance(ids, (list, tuple)):
-            return [self._id_to_token(int(i)) for i in ids]
-        return self._id_to_token(int(ids))
+            return [self._backend.id_to_token(int(i)) for i in ids]
+        return self._backend.id_to_token(int(ids))
 
     def batch_decode(self, sequences, skip_special_tokens: bool = False) -> list[str]:
         return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in sequences]
