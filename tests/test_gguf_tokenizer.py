@@ -433,7 +433,7 @@ def test_a_string_the_vocabulary_holds_twice_is_refused(sp_model, qwen2_bpe, tmp
     path = str(tmp_path / "twice.gguf")
     write_tiny_gguf(path, twice, n + 1)
     from numa_runtime import Engine
-    with pytest.raises(UnsupportedModelError, match=rf"twice.gguf: the GGUF vocabulary holds the token .* twice"):
+    with pytest.raises(UnsupportedModelError, match=r"twice.gguf: the GGUF vocabulary holds the token .* twice"):
         Engine(path, dtype="float32")
 
 
