@@ -30,7 +30,7 @@ log = logging.getLogger("numa_runtime")
 GGUF_LINK = "model.gguf"
 INDEX = "gguf_tensors.json"
 # NOTE: part of the cache key: a change to what _describe writes makes files describe again
-DESCRIBE_VERSION = 13  # NOTE: 13: the vocabulary as llama.cpp takes it (empty tokens named, end-of-turn texts control, a string twice refused), byte-level added tokens decode as their text; 12: DeepSeek's user-defined byte-alphabet tokens decode as their text; 11: Phi-3 user-defined tokens (</s>) take the whitespace after them; 10: a phi3 file's rope scaling keys and lone factor tensors; 9: llama.cpp's "default" BPE split, block_count and special ids checked; 8: mixture of experts; 7: named chat templates, Phi-3 control tokens rstrip; 6: phi3
+DESCRIBE_VERSION = 14  # NOTE: 14 (13 held aliases of a string at two ids for a while): the vocabulary as llama.cpp takes it (empty tokens named, end-of-turn texts control, a string twice refused), byte-level added tokens decode as their text; 12: DeepSeek's user-defined byte-alphabet tokens decode as their text; 11: Phi-3 user-defined tokens (</s>) take the whitespace after them; 10: a phi3 file's rope scaling keys and lone factor tensors; 9: llama.cpp's "default" BPE split, block_count and special ids checked; 8: mixture of experts; 7: named chat templates, Phi-3 control tokens rstrip; 6: phi3
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
          "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
          "qwen3moe": "Qwen3MoeForCausalLM"}

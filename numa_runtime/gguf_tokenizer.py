@@ -111,7 +111,7 @@ BPE_PRE = {
 
 def normalize_vocab(meta: dict, where: str = "") -> None:
     """The vocabulary as llama.cpp's loader takes it, in `meta` itself: an empty token is named
-    "[EMPTY_<id>]"; a token whose text ends a turn (END_OF_TURN_TEXTS: "<|im_end|>", ...) is a
+    "[EMPTY_<id>]"; a token whose text ends a turn (CONTROL_TEXTS: "<|im_end|>", ...) is a
     control token whatever type the file gives it (a normal one was matched in text as pieces);
     a string at two ids is refused (llama.cpp refuses it too: one id would have no text)."""
     tokens = meta.get("tokenizer.ggml.tokens")
@@ -130,7 +130,7 @@ def normalize_vocab(meta: dict, where: str = "") -> None:
     meta["tokenizer.ggml.tokens"] = list(tokens)
     types = list(meta.get("tokenizer.ggml.token_type") or ())
     if len(types) == len(tokens):
-        promoted = [i for i, (t, k) in enumerate(zip(tokens, types)) if t in END_OF_TURN_TEXTS and k != CONTROL]
+        promoted = [i for i, (t, k) in enumerate(zip(tokens, types)) if t in CONTROL_TEXTS and k != CONTROL]
         for i in promoted:
             log.warning("%sGGUF token %d %r ends a turn but is not a control token; it is taken as one, as "
                         "llama.cpp takes it.", where, i, tokens[i])
@@ -230,6 +230,9 @@ END_OF_TURN_TEXTS = frozenset((
     "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
     "<|end_of_text|>", "<EOT>", "_<EOT>", "<|END_OF_TURN_TOKEN|>", "<\uff5cend\u2581of\u2581sentence\uff5c>",
     "<|return|>", "<|call|>", "<|end_of_turn|>"))
+# NOTE: those whose token llama.cpp's loader makes a control token whatever the file's type (its
+# end-of-generation texts; Command-R's and OpenChat's end of turn it leaves as typed)
+CONTROL_TEXTS = END_OF_TURN_TEXTS - {"<|END_OF_TURN_TOKEN|>", "<|end_of_turn|>"}
 
 
 def stop_token_ids(meta: dict) -> list[int]:
@@ -317,8 +320,9 @@ def byte_char_tokens(tokens: list, types: list) -> list[str]:
              and bytes(_BYTE_LEVEL[c] for c in t) != t.encode()]
     if not chars:
         return []
-    normal = [t for t, k in zip(tokens, types) if k == NORMAL]
-    return [c for c in chars if not any(c in t for t in normal)]
+    # NOTE: one search of all normal tokens at once (NUL, byte 0, is "\u0100" in the byte alphabet)
+    normal = "\x00".join(t for t, k in zip(tokens, types) if k == NORMAL)
+    return [c for c in chars if c not in normal]
 
 
 def _spm(meta: dict, where: str):

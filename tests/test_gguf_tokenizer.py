@@ -453,11 +453,13 @@ def test_end_of_turn_tokens_the_file_types_normal_are_control_tokens(sp_model, q
     of a text that skips special tokens."""
     meta = sp_meta(sp_model) if kind == "sentencepiece" else qwen2_bpe
     n = len(meta["tokenizer.ggml.tokens"])
-    tok = ours(with_tokens(meta, ["<|eot_id|>"], [1]), tmp_path)
+    tok = ours(with_tokens(meta, ["<|eot_id|>", "<|end_of_turn|>"], [1, 1]), tmp_path)
     ids = tok.encode("hi<|eot_id|>after", add_special_tokens=False)
     assert n in ids and ids == tok.encode("hi", add_special_tokens=False) + [n] + ids[ids.index(n) + 1:]
     assert tok.decode(ids, skip_special_tokens=True) == tok.decode([i for i in ids if i != n], skip_special_tokens=True)
     assert "is not a control token; it is taken as one" in caplog.text
+    # NOTE: OpenChat's end of turn (a stop token here) llama.cpp leaves as the file types it: text pieces
+    assert tok.encode("<|end_of_turn|>", add_special_tokens=False) != [n + 1]
 
 
 def test_byte_level_added_tokens_decode_as_their_text(qwen2_bpe, tmp_path):
