@@ -108,7 +108,10 @@ class Tokenizer:
         self._backend = backend
         self._special = {k: _token_content(config.get(k)) for k in _SPECIAL_KEYS}
         extra = config.get("additional_special_tokens") or config.get("extra_special_tokens") or []
+        if isinstance(extra, dict):  # NOTE: transformers 5's named form ({"image_token": "<img>"})
+            extra = list(extra.values())
         self._additional = [t for t in (_token_content(x) for x in (extra if isinstance(extra, list) else [])) if t]
+        _mark_named_special(backend, [*self._special.values(), *self._additional])
         # NOTE: HF's: where padding goes and which end truncation cuts (the config's, settable)
         self.padding_side, self.truncation_side = (config.get(k) if config.get(k) in ("left", "right") else "right"
                                                    for k in ("padding_side", "truncation_side"))
@@ -147,7 +150,12 @@ class Tokenizer:
                 "tokenizer: save one with transformers' `tokenizer.save_pretrained(dir)`.")
         config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
         generation_config = _read_json(os.path.join(model_dir, "generation_config.json"))
-        tok = cls(_BackendTokenizer.from_file(path), config, generation_config, _load_chat_templates(model_dir, config))
+        try:
+            backend = _BackendTokenizer.from_file(path)
+        except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception
+            from .config import UnsupportedModelError
+            raise UnsupportedModelError(f"{path} is not a tokenizer.json the tokenizers library reads ({e}).") from None
+        tok = cls(backend, config, generation_config, _load_chat_templates(model_dir, config))
         tok.name_or_path = model_dir
         return tok
 
@@ -289,10 +297,10 @@ class Tokenizer:
         those as U+FFFD); a SentencePiece word piece with its leading space; an added or special
         token: its text. The bytes of a text's tokens join to the text."""
         added = self._added_text.get(token_id)
-        if added is not None:  # NOTE: its text as it is (a lone decode strips a SentencePiece text's first space)
-            return added.encode("utf-8")
+        if added is not None and self._pieces == "metaspace":  # NOTE: a lone decode strips its first space
+            return added.replace("\u2581", " ").encode("utf-8")
         piece = self._backend.id_to_token(token_id)
-        if piece is None:
+        if piece is None or added is not None:
             return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
         if self._pieces == "byte_level" and all(c in _BYTE_LEVEL for c in piece):
             return bytes(_BYTE_LEVEL[c] for c in piece)
@@ -305,8 +313,7 @@ class Tokenizer:
 
     @functools.cached_property
     def _added_text(self) -> dict[int, str]:
-        """The added tokens' text: what decode() gives each in a text (byte-level GGUF vocabularies
-        included: byte_char_tokens)."""
+        """The added tokens' text as the vocabulary holds it."""
         return {i: t.content for i, t in self._backend.get_added_tokens_decoder().items()}
 
     @functools.cached_property
@@ -737,7 +744,9 @@ class IncrementalDetokenizer:
         token_bytes = getattr(self._tokenizer, "token_bytes", None)
         if token_bytes is None:
             return self._decode(ids)
-        skip = set(self._tokenizer.all_special_ids) if self._skip else set()
+        # NOTE: the tokens decode() leaves out (the backend's special ones), where the tokenizer says
+        skipped = getattr(self._tokenizer, "skipped_ids", None)
+        skip = set(self._tokenizer.all_special_ids if skipped is None else skipped) if self._skip else set()
         return b"".join(token_bytes(t) for t in ids if t not in skip).decode("utf-8", "replace")
 
 
@@ -1027,4 +1036,28 @@ def _read_json(path: str) -> dict:
     if not os.path.isfile(path):
         return {}
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:
+            from .config import UnsupportedModelError
+            raise UnsupportedModelError(f"{path} is not valid JSON ({e}).") from None
+
+
+def _mark_named_special(backend: _BackendTokenizer, names: list) -> None:
+    """The tokens the tokenizer config names (bos, eos, unk, pad, its additional ones) are special
+    tokens of the backend, as transformers makes them when it loads the folder: matched in text as
+    one token and left out where special tokens are skipped (a pad token that tokenizer.json holds
+    as a normal token stayed in texts). Their ids do not change; a name the vocabulary lacks is
+    left out."""
+    from tokenizers import AddedToken
+    added = {t.content: t for t in backend.get_added_tokens_decoder().values()}
+    mark = []
+    for name in dict.fromkeys(n for n in names if n):
+        cur = added.get(name)
+        if cur is not None and not cur.special:
+            mark.append(AddedToken(name, single_word=cur.single_word, lstrip=cur.lstrip, rstrip=cur.rstrip,
+                                   normalized=cur.normalized, special=True))
+        elif cur is None and backend.token_to_id(name) is not None:
+            mark.append(AddedToken(name, normalized=False, special=True))
+    if mark:
+        backend.add_special_tokens(mark)

@@ -783,3 +783,55 @@ def test_decode_keeps_special_tokens_unless_skipped_as_hf(smol, smol_hf, smol_di
     assert sorted(ours.all_special_ids) == sorted(hf.all_special_ids)
     assert ours.special_tokens_map == hf.special_tokens_map
     assert ours.model_max_length == hf.model_max_length
+
+
+def test_tokens_the_config_names_are_special_as_in_transformers(tmp_path):
+    """A pad token that tokenizer.json holds as a normal added token, a base-vocabulary token
+    named as an additional special token, and transformers 5's named extra_special_tokens: each is
+    special, as transformers makes them on load (matched as one token, left out of a text that
+    skips special tokens); they stayed in texts, or were not named at all."""
+    d = _train_byte_level(tmp_path, {})
+    tok = Backend.from_file(str(d / "tokenizer.json"))
+    tok.add_tokens(["<tool_call>"])  # NOTE: not special in tokenizer.json
+    base = next(t for t, i in sorted(tok.get_vocab(with_added_tokens=False).items(), key=lambda kv: kv[1])
+                if len(t) > 3 and t.isalpha())
+    tok.save(str(d / "tokenizer.json"))
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg.update(pad_token="<tool_call>", extra_special_tokens={"image_token": base})
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    ours, theirs = Tokenizer.from_dir(str(d)), transformers.AutoTokenizer.from_pretrained(str(d))
+    text = f"the <tool_call> lazy{base} dog"
+    ids = ours.encode(text)
+    assert ids == theirs.encode(text) and ours.convert_tokens_to_ids(base) in ids
+    assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True)
+    assert "<tool_call>" not in ours.decode(ids, skip_special_tokens=True)
+    assert sorted(ours.all_special_ids) == sorted(theirs.all_special_ids)
+    deltas, tail = _stream(ours, ids)
+    assert "".join(deltas) + tail == ours.decode(ids, skip_special_tokens=True)
+
+
+def test_a_stream_leaves_out_the_special_tokens_decode_leaves_out(tmp_path):
+    """A special token of tokenizer.json that the config does not name, right after bytes that make
+    no character (the stream's byte path): it was kept in the streamed text ("the\ufffd<|im_start|> the")."""
+    d = _train_metaspace(tmp_path)
+    tok = Backend.from_file(str(d / "tokenizer.json"))
+    tok.add_special_tokens(["<|im_start|>"])
+    tok.save(str(d / "tokenizer.json"))
+    ours = Tokenizer.from_dir(str(d))
+    ids = (ours.encode("the", add_special_tokens=False) + [ours.convert_tokens_to_ids(t) for t in ("<0xE6>", "<0x80>")]
+           + [ours.convert_tokens_to_ids("<|im_start|>")] + ours.encode(" the", add_special_tokens=False))
+    deltas, tail = _stream(ours, ids)
+    # NOTE: the stream's bytes make one U+FFFD of the cut character, decode() one a byte (by design)
+    assert ours.decode(ids, skip_special_tokens=True) == "the\ufffd\ufffd the"
+    assert "".join(deltas) + tail == "the\ufffd the"
+
+
+@pytest.mark.parametrize("name,content,words", [
+    ("tokenizer.json", '{"model": {"type": "Foo"}}', "is not a tokenizer.json the tokenizers library reads"),
+    ("tokenizer_config.json", "{'bos_token': 1}", "tokenizer_config.json is not valid JSON")])
+def test_a_tokenizer_file_that_cannot_be_read_is_named(tmp_path, name, content, words):
+    d = _train_byte_level(tmp_path, {})
+    (d / name).write_text(content)
+    from numa_runtime.config import UnsupportedModelError
+    with pytest.raises(UnsupportedModelError, match=words):
+        Tokenizer.from_dir(str(d))
