@@ -111,6 +111,7 @@ class Tokenizer:
         if isinstance(extra, dict):  # NOTE: transformers 5's named form ({"image_token": "<img>"})
             extra = list(extra.values())
         self._additional = [t for t in (_token_content(x) for x in (extra if isinstance(extra, list) else [])) if t]
+        _apply_added_tokens_decoder(backend, config.get("added_tokens_decoder"))
         _mark_named_special(backend, [*self._special.values(), *self._additional])
         # NOTE: HF's: where padding goes and which end truncation cuts (the config's, settable)
         self.padding_side, self.truncation_side = (config.get(k) if config.get(k) in ("left", "right") else "right"
@@ -1041,6 +1042,31 @@ def _read_json(path: str) -> dict:
         except (ValueError, UnicodeDecodeError) as e:
             from .config import UnsupportedModelError
             raise UnsupportedModelError(f"{path} is not valid JSON ({e}).") from None
+
+
+def _apply_added_tokens_decoder(backend: _BackendTokenizer, decoder) -> None:
+    """tokenizer_config's added_tokens_decoder as transformers applies it over tokenizer.json: an
+    added token's special, lstrip, rstrip and single_word flags are the config's (they were
+    tokenizer.json's alone), and a token the config adds at the next id that tokenizer.json lacks
+    is added. An entry whose id tokenizer.json holds with another text is left to tokenizer.json."""
+    if not isinstance(decoder, dict):
+        return
+    from tokenizers import AddedToken
+    have = backend.get_added_tokens_decoder()
+    entries = sorted((int(k), v) for k, v in decoder.items()
+                     if str(k).isdigit() and isinstance(v, dict) and isinstance(v.get("content"), str) and v["content"])
+    for i, v in entries:
+        cur = have.get(i)
+        flags = {f: bool(v.get(f, getattr(cur, f, False))) for f in ("single_word", "lstrip", "rstrip", "special")}
+        if cur is not None:
+            if cur.content != v["content"] or all(getattr(cur, f) == flags[f] for f in flags):
+                continue
+            token = AddedToken(v["content"], normalized=cur.normalized, **flags)
+        elif backend.get_vocab_size(with_added_tokens=True) == i and backend.token_to_id(v["content"]) is None:
+            token = AddedToken(v["content"], normalized=bool(v.get("normalized", not flags["special"])), **flags)
+        else:
+            continue
+        (backend.add_special_tokens if flags["special"] else backend.add_tokens)([token])
 
 
 def _mark_named_special(backend: _BackendTokenizer, names: list) -> None:

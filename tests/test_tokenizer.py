@@ -835,3 +835,28 @@ def test_a_tokenizer_file_that_cannot_be_read_is_named(tmp_path, name, content, 
     from numa_runtime.config import UnsupportedModelError
     with pytest.raises(UnsupportedModelError, match=words):
         Tokenizer.from_dir(str(d))
+
+
+def test_added_tokens_decoder_of_the_config_applies_as_in_transformers(tmp_path):
+    """tokenizer_config's added_tokens_decoder over tokenizer.json, as transformers reads it: a
+    token's special / lstrip / rstrip flags are the config's (a pad-like token stayed in texts and
+    kept its spaces), and a token it adds at the next id is added (it was 10 pieces of its text)."""
+    d = _train_byte_level(tmp_path, {})
+    tok = Backend.from_file(str(d / "tokenizer.json"))
+    tok.add_tokens(["<|x|>"])
+    tok.save(str(d / "tokenizer.json"))
+    x, new = tok.token_to_id("<|x|>"), tok.get_vocab_size(with_added_tokens=True)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["added_tokens_decoder"] = {
+        str(x): {"content": "<|x|>", "special": True, "lstrip": True, "rstrip": True, "single_word": False,
+                 "normalized": False},
+        str(new): {"content": "<|new|>", "special": True, "lstrip": False, "rstrip": False, "single_word": False,
+                   "normalized": False}}
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    ours, theirs = Tokenizer.from_dir(str(d)), transformers.AutoTokenizer.from_pretrained(str(d))
+    for text in ("the <|x|> lazy", "a<|new|> dog <|x|>", "<|new|><|x|>"):
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text), text
+        for skip in (False, True):
+            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+    assert ours.encode("<|new|>", add_special_tokens=False) == [new] and len(ours) == len(theirs) == new + 1
