@@ -294,13 +294,13 @@ def _bpe(meta: dict, where: str):
         tok.normalizer = normalizers.NFC()
     literal = byte_char_tokens(tokens, list(meta.get("tokenizer.ggml.token_type") or []))
     if literal:
-        # NOTE: DeepSeek's user-defined tokens õ ö ü ... (the byte alphabet's characters of bytes that
-        # UTF-8 never holds) stand for those characters, as text matched before BPE: llama.cpp copies
-        # their text; the ByteLevel decoder read each as one invalid byte ("Köln" decoded to "K\ufffdln")
+        # NOTE: each such added token (byte_char_tokens: "café", DeepSeek's õ ö ü ...) is spelled in the byte
+        # alphabet as its own UTF-8 before the ByteLevel decoder, so it decodes to its text as llama.cpp
+        # copies it (the decoder read each of its characters as one byte: "Köln" decoded to "K\ufffdln")
         from .tokenizer import _BYTE_LEVEL
         spell = {b: c for c, b in _BYTE_LEVEL.items()}
         tok.decoder = decoders.Sequence(
-            [decoders.Replace(c, "".join(spell[b] for b in c.encode())) for c in literal] + [decoders.ByteLevel()])
+            [decoders.Replace(t, "".join(spell[b] for b in t.encode())) for t in literal] + [decoders.ByteLevel()])
     else:
         tok.decoder = decoders.ByteLevel()
     return tok, add_bos
@@ -316,13 +316,13 @@ def byte_char_tokens(tokens: list, types: list) -> list[str]:
     from .tokenizer import _BYTE_LEVEL
     if len(types) != len(tokens):
         return []
-    chars = [t for t, k in zip(tokens, types) if k in (USER_DEFINED, CONTROL) and t and all(c in _BYTE_LEVEL for c in t)
+    added = [t for t, k in zip(tokens, types) if k in (USER_DEFINED, CONTROL) and t and all(c in _BYTE_LEVEL for c in t)
              and bytes(_BYTE_LEVEL[c] for c in t) != t.encode()]
-    if not chars:
+    if not added:
         return []
     # NOTE: one search of all normal tokens at once (NUL, byte 0, is "\u0100" in the byte alphabet)
     normal = "\x00".join(t for t, k in zip(tokens, types) if k == NORMAL)
-    return [c for c in chars if c not in normal]
+    return [t for t in added if t not in normal]
 
 
 def _spm(meta: dict, where: str):
